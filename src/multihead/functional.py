@@ -1,0 +1,505 @@
+"""The attention kernel: `scaled_dot_product_attention` and its backend registry.
+
+softmax(Q K^T * scale + mask) V, for q `(B, H, T, D)` and k, v `(B, Hkv, S, D|Dv)` with
+H a multiple of Hkv (GQA; Hkv == 1 is MQA). Every backend is a plain function with one
+signature (see `Backend`), so the explicit path and the fused path sit side by side and
+the tests can hold one against the other:
+
+- "math":    matmul, softmax, matmul, written out. Materialises `(B, H, T, S)`; softmax in
+             float32 for half inputs; returns weights; supports dropout and double
+             backward. The readable one.
+- "sdpa":    torch's fused `F.scaled_dot_product_attention`. Weights, when asked, come
+             from a separate memory-bounded pass over the requested heads only.
+- "chunked": the explicit path run over blocks of queries, so memory stays bounded by a
+             block of scores; returns weights for the requested heads in the same pass.
+
+Conventions the backends share (and the tests check): a bool mask means True = may
+attend, a float mask is added to the scores; `causal=True` with S != T is aligned
+bottom-right; a query row with no key to attend yields zeros (output, weights and
+gradients), never NaN. GQA never copies K/V per query head: each group's query heads
+are folded into the query length, so every K/V head is read once.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from multihead.masks import MaskMod
+
+__all__ = [
+    "Backend",
+    "attention_weights",
+    "available_backends",
+    "register_backend",
+    "resolve_backend",
+    "scaled_dot_product_attention",
+]
+
+# Scores kept in memory at once by the block-wise paths (elements of the accumulation
+# dtype). 2**24 float32 = 64 MiB.
+_BLOCK_ELEMENTS = 1 << 24
+
+
+@dataclass(frozen=True)
+class Backend:
+    """A registered kernel.
+
+    `fn(q, k, v, mask, *, causal, scale, dropout_p, weight_heads) -> (out, weights)`
+    receives validated inputs: `mask` is None or a 4-D tensor broadcastable to
+    `(B, H, T, S)` (bool or q's float dtype), `weight_heads` is None or a tuple of head
+    indices, and `weights` is None or `(B, len(weight_heads), T, S)`.
+    """
+
+    name: str
+    fn: Callable[..., tuple[Tensor, Tensor | None]]
+    weights: bool  # can return attention weights
+    dropout: bool  # can apply dropout
+    weights_with_dropout: bool  # weights and dropout in the same call
+    doc: str = ""
+
+
+_BACKENDS: dict[str, Backend] = {}
+
+
+def register_backend(
+    name: str,
+    fn: Callable[..., tuple[Tensor, Tensor | None]],
+    *,
+    weights: bool,
+    dropout: bool,
+    weights_with_dropout: bool = False,
+    doc: str = "",
+) -> None:
+    """Add a kernel to the registry (the signature is documented on `Backend`)."""
+    if not isinstance(name, str) or not name or name == "auto":
+        raise ValueError(f"backend name must be a non-empty string other than 'auto'; received {name!r}")
+    _BACKENDS[name] = Backend(name, fn, weights, dropout, weights_with_dropout, doc)
+
+
+def available_backends() -> dict[str, Backend]:
+    """The registered backends by name."""
+    return dict(_BACKENDS)
+
+
+def resolve_backend(*, want_weights: bool, dropout_p: float) -> str:
+    """Resolve "auto" to a backend name, at call time.
+
+    The fused kernel serves everything it can; asking for weights does not make the
+    output fall back to a slow path (weights come from a separate pass over the heads
+    asked for). Only weights *and* dropout together need the explicit "math" path,
+    because the weights must describe the dropped-out probabilities' source.
+    """
+    if want_weights and dropout_p > 0:
+        return "math"
+    return "sdpa"
+
+
+def scaled_dot_product_attention(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    mask: Tensor | MaskMod | None = None,
+    *,
+    causal: bool = False,
+    scale: float | None = None,
+    dropout_p: float = 0.0,
+    return_weights: bool | Sequence[int] = False,
+    backend: str = "auto",
+) -> Tensor | tuple[Tensor, Tensor]:
+    """Multi-head scaled dot-product attention with GQA/MQA, masks and weights.
+
+    Args:
+        q: queries `(B, H, T, D)`.
+        k: keys `(B, Hkv, S, D)`, H a multiple of Hkv.
+        v: values `(B, Hkv, S, Dv)`.
+        mask: bool (True = may attend) or float (added to the scores) tensor
+            broadcastable to `(B, H, T, S)`; 1-D is read as `(S,)`, 2-D as `(T, S)`;
+            3-D is refused as ambiguous. A `multihead.masks` predicate is materialised
+            for these shapes.
+        causal: query i may attend key j <= i + S - T (bottom-right aligned, as decoding
+            with a cache needs). Combined with `mask` by logical and.
+        scale: multiplies the scores; default 1 / sqrt(D).
+        dropout_p: dropout on the attention probabilities, applied whenever > 0 (the
+            modules pass 0 in eval mode).
+        return_weights: False; True for the weights of every head; or a sequence of
+            query-head indices, whose weights alone are computed.
+        backend: "auto" or a name from `available_backends()`.
+
+    Returns:
+        out `(B, H, T, Dv)`, or `(out, weights)` with weights `(B, h, T, S)` for the h
+        heads asked (the softmax probabilities before dropout). Rows with no key to
+        attend are zero in both.
+    """
+    mask = _check_inputs(q, k, v, mask, scale, dropout_p)
+    weight_heads = _weight_heads(return_weights, q.shape[1])
+    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
+    causal = bool(causal)
+
+    name = backend
+    if backend == "auto":
+        name = resolve_backend(want_weights=weight_heads is not None, dropout_p=dropout_p)
+    impl = _get_backend(name, want_weights=weight_heads is not None, dropout_p=dropout_p)
+    out, weights = impl.fn(
+        q, k, v, mask, causal=causal, scale=scale, dropout_p=dropout_p, weight_heads=weight_heads
+    )
+    if weight_heads is None:
+        return out
+    return out, weights
+
+
+def attention_weights(
+    q: Tensor,
+    k: Tensor,
+    mask: Tensor | MaskMod | None = None,
+    *,
+    causal: bool = False,
+    scale: float | None = None,
+    heads: Sequence[int] | None = None,
+) -> Tensor:
+    """softmax(Q K^T * scale + mask) for the query heads in `heads` (default all).
+
+    Computed head by head over blocks of queries, so the memory used beyond the
+    result `(B, len(heads), T, S)` stays bounded whatever T and S are.
+    """
+    H = q.shape[1] if q.dim() == 4 else 0
+    v = k[..., :1] if k.dim() == 4 else k  # only shapes matter for the checks
+    mask = _check_inputs(q, k, v, mask, scale, 0.0)
+    heads = _weight_heads(True if heads is None else heads, H)
+    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
+    return _weights_pass(q, k, mask, bool(causal), scale, heads)
+
+
+# --------------------------------------------------------------------------- checks
+
+
+def _shape(t: Tensor) -> str:
+    return "(" + ", ".join(str(s) for s in t.shape) + ")"
+
+
+def _check_inputs(q, k, v, mask, scale, dropout_p) -> Tensor | None:
+    """Validate user input; return the mask as None or a 4-D tensor."""
+    for name, t, layout in (("q", q, "(B, H, T, D)"), ("k", k, "(B, Hkv, S, D)"),
+                            ("v", v, "(B, Hkv, S, Dv)")):
+        if not isinstance(t, Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor {layout}; received {type(t).__name__}")
+        if t.dim() != 4:
+            raise ValueError(f"{name} must be 4-D {layout}; received shape {_shape(t)}")
+        if not t.is_floating_point():
+            raise TypeError(f"{name} must be a floating-point tensor; received dtype {t.dtype}")
+    B, H, T, D = q.shape
+    if k.shape[0] != B or v.shape[0] != B:
+        raise ValueError(
+            f"batch sizes differ: q {_shape(q)}, k {_shape(k)}, v {_shape(v)}; dim 0 must match"
+        )
+    if k.shape[1] != v.shape[1]:
+        raise ValueError(f"k and v must have the same number of heads Hkv; received k {_shape(k)}, v {_shape(v)}")
+    if k.shape[2] != v.shape[2]:
+        raise ValueError(f"k and v must have the same key length S; received k {_shape(k)}, v {_shape(v)}")
+    if k.shape[3] != D:
+        raise ValueError(f"q and k must have the same head dim D; received q {_shape(q)}, k {_shape(k)}")
+    Hkv = k.shape[1]
+    if Hkv == 0 or H % Hkv != 0:
+        valid = [d for d in range(1, H + 1) if H % d == 0]
+        raise ValueError(
+            f"query heads H ({H}) must be a multiple of key/value heads Hkv ({Hkv}); "
+            f"valid Hkv for H={H}: {', '.join(map(str, valid))}"
+        )
+    if not (q.dtype == k.dtype == v.dtype):
+        raise TypeError(f"q, k, v must share a dtype; received {q.dtype}, {k.dtype}, {v.dtype}")
+    if not (q.device == k.device == v.device):
+        raise ValueError(f"q, k, v must be on one device; received {q.device}, {k.device}, {v.device}")
+    if scale is not None:
+        if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not math.isfinite(scale) or scale <= 0:
+            raise ValueError(f"scale must be a positive finite number or None; received {scale!r}")
+    if isinstance(dropout_p, bool) or not isinstance(dropout_p, (int, float)) or not 0.0 <= dropout_p < 1.0:
+        raise ValueError(f"dropout_p must be a float in [0, 1); received {dropout_p!r}")
+    return _normalize_mask(mask, q, k)
+
+
+def _normalize_mask(mask, q: Tensor, k: Tensor) -> Tensor | None:
+    B, H, T, _ = q.shape
+    S = k.shape[2]
+    if mask is None:
+        return None
+    if isinstance(mask, MaskMod):
+        return mask.to_dense(B, H, T, S, device=q.device)
+    if not isinstance(mask, Tensor):
+        raise TypeError(
+            f"mask must be a bool or float tensor, a multihead.masks predicate, or None; "
+            f"received {type(mask).__name__}"
+        )
+    if mask.dtype != torch.bool and not mask.is_floating_point():
+        raise TypeError(
+            f"mask must be bool (True = may attend) or floating point (added to the scores); "
+            f"received dtype {mask.dtype}. For a 0/1 integer mask use mask.bool()"
+        )
+    if mask.device != q.device:
+        raise ValueError(f"mask is on {mask.device} but q is on {q.device}; move it to {q.device}")
+    if mask.dim() == 3:
+        raise ValueError(
+            f"a 3-D mask {_shape(mask)} is ambiguous: (B, T, S) or (H, T, S)? Pass it 4-D: "
+            f"mask[:, None] for (B, 1, T, S) or mask[None] for (1, H, T, S)"
+        )
+    if mask.dim() == 2 and B == T and B > 1 and tuple(mask.shape) == (T, S):
+        raise ValueError(
+            f"a 2-D mask {_shape(mask)} is ambiguous when B == T ({B}): a (T, S) attention mask "
+            f"or a (B, S) key-padding mask? Pass mask[None, None] for (T, S), or "
+            f"multihead.masks.padding(keep=mask) for a (B, S) keep-mask"
+        )
+    if mask.dim() > 4 or mask.dim() == 0:
+        raise ValueError(f"mask must have 1, 2 or 4 dims broadcastable to (B, H, T, S) = "
+                         f"({B}, {H}, {T}, {S}); received shape {_shape(mask)}")
+    mask4 = mask.reshape((1,) * (4 - mask.dim()) + tuple(mask.shape))
+    try:
+        shape = torch.broadcast_shapes(mask4.shape, (B, H, T, S))
+    except RuntimeError:
+        shape = None
+    if shape != (B, H, T, S):
+        hint = ""
+        if mask.dim() == 2 and mask.shape[0] == B:
+            hint = "; if this is a (B, S) key-padding mask, use multihead.masks.padding(keep=mask)"
+        raise ValueError(
+            f"mask of shape {_shape(mask)} is not broadcastable to (B, H, T, S) = "
+            f"({B}, {H}, {T}, {S}){hint}"
+        )
+    if mask4.is_floating_point() and mask4.dtype != q.dtype:
+        mask4 = mask4.to(q.dtype)
+    return mask4
+
+
+def _weight_heads(return_weights, H: int) -> tuple[int, ...] | None:
+    if return_weights is False or return_weights is None:
+        return None
+    if return_weights is True:
+        return tuple(range(H))
+    if isinstance(return_weights, (str, bytes)) or not isinstance(return_weights, Sequence):
+        if isinstance(return_weights, Tensor) and return_weights.dim() <= 1:
+            return_weights = return_weights.reshape(-1).tolist()
+        else:
+            raise TypeError(
+                f"return_weights must be a bool or a sequence of head indices; "
+                f"received {type(return_weights).__name__}"
+            )
+    heads = []
+    for h in return_weights:
+        if isinstance(h, bool) or not isinstance(h, int):
+            raise TypeError(f"weight head indices must be ints; received {h!r}")
+        if not -H <= h < H:
+            raise ValueError(f"weight head index {h} out of range; valid: 0..{H - 1} (H = {H})")
+        heads.append(h % H)
+    if not heads:
+        raise ValueError("return_weights is an empty sequence; pass False for no weights")
+    return tuple(heads)
+
+
+def _get_backend(name: str, *, want_weights: bool, dropout_p: float) -> Backend:
+    if name not in _BACKENDS:
+        raise ValueError(
+            f"unknown attention backend {name!r}; valid: 'auto', "
+            + ", ".join(repr(n) for n in _BACKENDS)
+        )
+    impl = _BACKENDS[name]
+    needs = []
+    if want_weights and not impl.weights:
+        needs.append(("return attention weights", lambda b: b.weights))
+    if dropout_p > 0 and not impl.dropout:
+        needs.append(("apply dropout", lambda b: b.dropout))
+    if want_weights and dropout_p > 0 and not impl.weights_with_dropout:
+        needs.append(("return weights together with dropout", lambda b: b.weights_with_dropout))
+    if needs:
+        what, test = needs[-1]
+        able = [n for n, b in _BACKENDS.items() if test(b)]
+        raise ValueError(
+            f"backend {name!r} cannot {what}; backends that can: "
+            + ", ".join(repr(n) for n in able)
+        )
+    return impl
+
+
+# ------------------------------------------------------------------ shared pieces
+
+
+def _acc_dtype(dtype: torch.dtype) -> torch.dtype:
+    """Scores and softmax are accumulated in float32 at least (float64 stays float64)."""
+    return torch.promote_types(dtype, torch.float32)
+
+
+def _rows_mask(mask: Tensor | None, causal: bool, t0: int, t1: int, T: int, S: int,
+               device) -> tuple[Tensor | None, Tensor | None]:
+    """The (allowed, bias) pair for query rows t0..t1: bool (.., t, S) and float (.., t, S)."""
+    allowed = bias = None
+    if mask is not None:
+        rows = mask[..., t0:t1, :] if mask.shape[-2] == T else mask
+        if rows.dtype == torch.bool:
+            allowed = rows
+        else:
+            bias = rows
+    if causal:
+        q_pos = torch.arange(t0, t1, device=device)[:, None] + (S - T)  # absolute positions
+        tri = torch.arange(S, device=device)[None, :] <= q_pos  # (t, S)
+        allowed = tri if allowed is None else allowed & tri
+    return allowed, bias
+
+
+def _softmax(scores: Tensor, allowed: Tensor | None, bias: Tensor | None) -> Tensor:
+    """Masked softmax over the last dim; a row with nothing to attend is all zeros.
+
+    Without the guard such a row is softmax(-inf, ..., -inf) = NaN, and its NaN flows
+    into every gradient through the shared K and V.
+    """
+    if bias is not None:
+        scores = scores + bias.to(scores.dtype)
+    if allowed is not None:
+        scores = scores.masked_fill(~allowed, float("-inf"))
+    if allowed is None and bias is None:
+        return torch.softmax(scores, dim=-1)
+    empty = torch.isneginf(scores).all(dim=-1, keepdim=True)
+    probs = torch.softmax(scores.masked_fill(empty, 0.0), dim=-1)
+    return probs.masked_fill(empty, 0.0)
+
+
+def _block_rows(B: int, H: int, S: int) -> int:
+    return max(1, _BLOCK_ELEMENTS // max(1, B * H * S))
+
+
+# ---------------------------------------------------------------- explicit paths
+
+
+def _explicit(q, k, v, mask, *, causal, scale, dropout_p, weight_heads, block_rows):
+    """matmul-softmax-matmul over blocks of `block_rows` queries (all at once for math).
+
+    GQA: the G query heads that share a K/V head are folded into the query length,
+    `(B, H, t, D) -> (B, Hkv, G*t, D)`, so K/V are used as they are, never repeated.
+    """
+    B, H, T, _ = q.shape
+    Hkv, S, Dv = k.shape[1], k.shape[2], v.shape[-1]
+    G = H // Hkv
+    acc = _acc_dtype(q.dtype)
+    kt = k.to(acc).transpose(-2, -1)  # (B, Hkv, D, S)
+    va = v.to(acc)
+    outs, weights = [], []
+    for t0 in range(0, T, block_rows):
+        t1 = min(T, t0 + block_rows)
+        t = t1 - t0
+        qb = q[:, :, t0:t1].to(acc).reshape(B, Hkv, G * t, -1)  # (B, Hkv, G*t, D)
+        scores = (qb @ kt).view(B, H, t, S) * scale  # (B, H, t, S)
+        allowed, bias = _rows_mask(mask, causal, t0, t1, T, S, q.device)
+        probs = _softmax(scores, allowed, bias)  # (B, H, t, S)
+        if weight_heads is not None:
+            w = probs if len(weight_heads) == H and weight_heads == tuple(range(H)) \
+                else probs[:, list(weight_heads)]
+            weights.append(w.to(q.dtype))
+        if dropout_p > 0:
+            probs = F.dropout(probs, p=dropout_p, training=True)
+        out = probs.view(B, Hkv, G * t, S) @ va  # (B, Hkv, G*t, Dv)
+        outs.append(out.view(B, H, t, Dv).to(q.dtype))
+    out = outs[0] if len(outs) == 1 else torch.cat(outs, dim=2)
+    if weight_heads is None:
+        return out, None
+    return out, weights[0] if len(weights) == 1 else torch.cat(weights, dim=2)
+
+
+def _math(q, k, v, mask, *, causal, scale, dropout_p, weight_heads):
+    return _explicit(q, k, v, mask, causal=causal, scale=scale, dropout_p=dropout_p,
+                     weight_heads=weight_heads, block_rows=max(1, q.shape[2]))
+
+
+def _chunked(q, k, v, mask, *, causal, scale, dropout_p, weight_heads):
+    B, H, _, _ = q.shape
+    return _explicit(q, k, v, mask, causal=causal, scale=scale, dropout_p=dropout_p,
+                     weight_heads=weight_heads, block_rows=_block_rows(B, H, k.shape[2]))
+
+
+def _weights_pass(q, k, mask, causal, scale, heads):
+    """Weights of the query heads in `heads` only, one head at a time, blocks of queries."""
+    B, H, T, _ = q.shape
+    Hkv, S = k.shape[1], k.shape[2]
+    G = H // Hkv
+    acc = _acc_dtype(q.dtype)
+    rows = _block_rows(B, 1, S)
+    result = q.new_empty(B, len(heads), T, S)
+    with torch.no_grad():
+        for i, h in enumerate(heads):
+            kt = k[:, h // G].to(acc).transpose(-2, -1)  # (B, D, S)
+            mh = None
+            if mask is not None:
+                mh = mask[:, h if mask.shape[1] == H else 0]  # (B|1, T|1, S|1)
+                mh = mh[:, None]
+            for t0 in range(0, T, rows):
+                t1 = min(T, t0 + rows)
+                scores = (q[:, h, t0:t1].to(acc) @ kt)[:, None] * scale  # (B, 1, t, S)
+                allowed, bias = _rows_mask(mh, causal, t0, t1, T, S, q.device)
+                result[:, i, t0:t1] = _softmax(scores, allowed, bias)[:, 0].to(q.dtype)
+    return result
+
+
+# -------------------------------------------------------------------- fused path
+
+
+def _sdpa(q, k, v, mask, *, causal, scale, dropout_p, weight_heads):
+    """torch's fused kernel, with bottom-right causal and GQA without copying K/V."""
+    if weight_heads is not None and dropout_p > 0:  # guarded by the registry too
+        raise ValueError("backend 'sdpa' cannot return weights together with dropout; use 'math'")
+    B, H, T, _ = q.shape
+    Hkv, S, Dv = k.shape[1], k.shape[2], v.shape[-1]
+    G = H // Hkv
+    is_causal = False
+    attn_mask = mask
+    if causal:
+        if T == S and mask is None:
+            is_causal = True  # top-left == bottom-right when T == S
+        elif T == 1 and S >= 1:
+            pass  # the one query sits at the last position and sees every key
+        else:
+            allowed, _ = _rows_mask(None, True, 0, T, T, S, q.device)
+            allowed = allowed[None, None]  # (1, 1, T, S)
+            if mask is None:
+                attn_mask = allowed
+            elif mask.dtype == torch.bool:
+                attn_mask = mask & allowed
+            else:
+                attn_mask = mask.masked_fill(~allowed, float("-inf"))
+    if attn_mask is not None and attn_mask.dtype != torch.bool:
+        attn_mask = attn_mask.to(q.dtype)
+
+    def call(qq, mm):
+        return F.scaled_dot_product_attention(
+            qq, k, v, attn_mask=mm, dropout_p=dropout_p, is_causal=is_causal, scale=scale
+        )
+
+    if G == 1:
+        out = call(q, attn_mask)
+    elif not is_causal and (attn_mask is None or attn_mask.shape[1] == attn_mask.shape[2] == 1):
+        # Fold each group's query heads into the query length: (B, Hkv, G*T, D). A mask
+        # that varies by neither head nor query broadcasts over the folded length.
+        out = call(q.reshape(B, Hkv, G * T, -1), attn_mask).view(B, H, T, Dv)
+    else:
+        # The mask or causality depends on the query row: one fused call per position in
+        # the group, each reading K/V once, still without a copy of them.
+        out = q.new_empty(B, H, T, Dv)
+        q5 = q.unflatten(1, (Hkv, G))  # (B, Hkv, G, T, D)
+        out5 = out.unflatten(1, (Hkv, G))  # (B, Hkv, G, T, Dv)
+        m5 = None
+        if attn_mask is not None and attn_mask.shape[1] == H:
+            m5 = attn_mask.unflatten(1, (Hkv, G))
+        for g in range(G):
+            mg = attn_mask if m5 is None else m5[:, :, g]
+            out5[:, :, g] = call(q5[:, :, g], mg)
+    weights = None
+    if weight_heads is not None:
+        weights = _weights_pass(q, k, mask, causal, scale, weight_heads)
+    return out, weights
+
+
+register_backend("math", _math, weights=True, dropout=True, weights_with_dropout=True,
+                 doc="explicit matmul-softmax-matmul; materialises (B, H, T, S)")
+register_backend("sdpa", _sdpa, weights=True, dropout=True,
+                 doc="torch's fused kernel; weights from a memory-bounded pass over the heads asked")
+register_backend("chunked", _chunked, weights=True, dropout=False,
+                 doc="explicit path over blocks of queries; memory bounded by one block of scores")

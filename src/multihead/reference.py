@@ -1,0 +1,120 @@
+"""The NumPy float64 reference: multi-head attention as the textbook writes it.
+
+    Attention(Q, K, V) = softmax(Q K^T / sqrt(d_k) + M) V              (Vaswani et al., 2017)
+    MultiHead(X) = Concat(head_1, ..., head_H) W_O,  head_i = Attention(X W_Q^i, X W_K^i, X W_V^i)
+
+No torch, no loops over heads: a reshape and a transpose split the heads, one batched
+matmul does them all. It is the oracle of the tests, so it favours plainness over
+speed. Weights are in the textbook orientation, `X @ W` with W of shape (in, out);
+a torch `nn.Linear` holds the transpose (`W = linear.weight.T`).
+
+Arrays: X `(B, T, C)` (or `(T, C)`), heads `(B, H, T, D)`. Masks: bool, True = may
+attend; or float, added to the scores; broadcastable to `(B, H, T, S)`.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+__all__ = [
+    "attention",
+    "combine_heads",
+    "cross_attention",
+    "gqa_forward",
+    "mha_forward",
+    "softmax",
+    "split_heads",
+]
+
+
+def softmax(x: np.ndarray, axis: int = -1) -> np.ndarray:
+    """exp(x - max) / sum(exp(x - max)); a row that is all -inf gives zeros, not NaN."""
+    x = np.asarray(x, dtype=np.float64)
+    m = np.max(x, axis=axis, keepdims=True)
+    m = np.where(np.isneginf(m), 0.0, m)
+    e = np.exp(x - m)
+    s = np.sum(e, axis=axis, keepdims=True)
+    return np.divide(e, s, out=np.zeros_like(e), where=s > 0)
+
+
+def split_heads(x: np.ndarray, n_heads: int) -> np.ndarray:
+    """(..., T, H * D) -> (..., H, T, D)."""
+    *lead, T, width = x.shape
+    if width % n_heads:
+        raise ValueError(f"width {width} is not divisible by n_heads {n_heads}")
+    x = x.reshape(*lead, T, n_heads, width // n_heads)  # (..., T, H, D)
+    return np.swapaxes(x, -2, -3)  # (..., H, T, D)
+
+
+def combine_heads(x: np.ndarray) -> np.ndarray:
+    """(..., H, T, D) -> (..., T, H * D)."""
+    x = np.swapaxes(x, -2, -3)  # (..., T, H, D)
+    return x.reshape(*x.shape[:-2], -1)
+
+
+def causal_mask(T: int, S: int) -> np.ndarray:
+    """(T, S) bool, bottom-right aligned: query i sees keys j <= i + S - T."""
+    return np.arange(S)[None, :] <= np.arange(T)[:, None] + (S - T)
+
+
+def attention(q, k, v, mask=None, causal=False, scale=None, return_weights=False):
+    """softmax(q k^T * scale + mask) v for q `(..., H, T, D)`, k/v `(..., Hkv, S, D|Dv)`.
+
+    With Hkv < H (GQA/MQA), query head h uses key/value head h // (H // Hkv).
+    """
+    q, k, v = (np.asarray(a, dtype=np.float64) for a in (q, k, v))
+    H, Hkv = q.shape[-3], k.shape[-3]
+    if H % Hkv:
+        raise ValueError(f"H ({H}) must be a multiple of Hkv ({Hkv})")
+    k = np.repeat(k, H // Hkv, axis=-3)  # (..., H, S, D): the textbook copies, the kernel does not
+    v = np.repeat(v, H // Hkv, axis=-3)
+    scale = 1.0 / np.sqrt(q.shape[-1]) if scale is None else scale
+    scores = q @ np.swapaxes(k, -1, -2) * scale  # (..., H, T, S)
+    T, S = scores.shape[-2:]
+    if mask is not None:
+        mask = np.asarray(mask)
+        if mask.dtype == bool:
+            scores = np.where(mask, scores, -np.inf)
+        else:
+            scores = scores + mask
+    if causal:
+        scores = np.where(causal_mask(T, S), scores, -np.inf)
+    weights = softmax(scores, axis=-1)
+    out = weights @ v  # (..., H, T, Dv)
+    return (out, weights) if return_weights else out
+
+
+def gqa_forward(X, W_q, W_k, W_v, W_o, n_heads, n_kv_heads, mask=None, causal=False,
+                b_q=None, b_k=None, b_v=None, b_o=None, context=None, head_dim=None,
+                return_weights=False):
+    """Grouped-query attention layer: X `(B, T, C)` -> `(B, T, C)`.
+
+    W_q (C, H*D), W_k and W_v (C_ctx, Hkv*D), W_o (H*D, C); biases optional. Keys and
+    values come from `context` `(B, S, C_ctx)` when given (cross-attention).
+    """
+    X = np.asarray(X, dtype=np.float64)
+    Y = X if context is None else np.asarray(context, dtype=np.float64)
+
+    def proj(A, W, b):
+        out = A @ np.asarray(W, dtype=np.float64)
+        return out if b is None else out + b
+
+    Q = split_heads(proj(X, W_q, b_q), n_heads)  # (B, H, T, D)
+    K = split_heads(proj(Y, W_k, b_k), n_kv_heads)  # (B, Hkv, S, D)
+    V = split_heads(proj(Y, W_v, b_v), n_kv_heads)  # (B, Hkv, S, D)
+    if head_dim is not None and Q.shape[-1] != head_dim:
+        raise ValueError(f"head_dim {head_dim} does not match W_q's {Q.shape[-1]} per head")
+    out, weights = attention(Q, K, V, mask=mask, causal=causal, return_weights=True)
+    out = proj(combine_heads(out), W_o, b_o)  # (B, T, C)
+    return (out, weights) if return_weights else out
+
+
+def mha_forward(X, W_q, W_k, W_v, W_o, n_heads, mask=None, causal=False, **kw):
+    """Multi-head attention layer (every head has its own K and V): see `gqa_forward`."""
+    return gqa_forward(X, W_q, W_k, W_v, W_o, n_heads, n_heads, mask=mask, causal=causal, **kw)
+
+
+def cross_attention(X, context, W_q, W_k, W_v, W_o, n_heads, n_kv_heads=None, mask=None, **kw):
+    """Queries from X `(B, T, C)`, keys and values from context `(B, S, C_ctx)`."""
+    n_kv_heads = n_heads if n_kv_heads is None else n_kv_heads
+    return gqa_forward(X, W_q, W_k, W_v, W_o, n_heads, n_kv_heads, mask=mask, context=context, **kw)
