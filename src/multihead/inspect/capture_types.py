@@ -1,0 +1,63 @@
+"""The data that flows through `multihead.inspect`: what was captured from a model.
+
+`capture()` produces an `AttentionCapture`; `head_roles()` scores it; `render_html()`
+and the PNG writers draw it. Kept in its own small module so the views can be built and
+tested on synthetic captures without loading a model.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+
+@dataclass
+class AttentionCapture:
+    """Per-head attention weights of one text through one model.
+
+    Attributes:
+        tokens: the T token strings as the tokenizer split them (special tokens included).
+        token_ids: the T token ids.
+        layers: the captured layer indices (into the model's layers).
+        heads: the captured head indices (the same for every captured layer).
+        weights: float32 `(len(layers), len(heads), T, T)`: weights[i, j, t, s] is how much
+            token t attends to token s in layer layers[i], head heads[j]. Rows sum to 1.
+        n_layers, n_heads: the model's full geometry (for labels and range checks).
+        model: a short name or path of the model.
+        meta: anything else worth showing (truncation notes, model type, ...).
+    """
+
+    tokens: list[str]
+    token_ids: list[int]
+    layers: list[int]
+    heads: list[int]
+    weights: torch.Tensor
+    n_layers: int
+    n_heads: int
+    model: str = ""
+    meta: dict = field(default_factory=dict)
+
+    def __post_init__(self):
+        L, H, T, S = self.weights.shape
+        assert (L, H) == (len(self.layers), len(self.heads)), "weights do not match layers/heads"
+        assert T == S == len(self.tokens), "weights do not match the tokens"
+
+    def head(self, layer: int, head: int) -> torch.Tensor:
+        """The `(T, T)` weights of one captured (layer, head), by model indices."""
+        if layer not in self.layers:
+            raise ValueError(f"layer {layer} was not captured; captured: {self.layers}")
+        if head not in self.heads:
+            raise ValueError(f"head {head} was not captured; captured: {self.heads}")
+        return self.weights[self.layers.index(layer), self.heads.index(head)]
+
+
+@dataclass(frozen=True)
+class HeadRole:
+    """The role scores of one head: each in [0, 1] unless said otherwise."""
+
+    layer: int
+    head: int
+    scores: dict  # role name -> score
+    role: str  # the strongest role (by the documented ranking)
+    score: float  # its score
