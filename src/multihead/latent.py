@@ -1,0 +1,371 @@
+"""`LatentAttention`: multi-head latent attention, MLA (DeepSeek-AI, 2024, "DeepSeek-V2:
+A Strong, Economical, and Efficient Mixture-of-Experts Language Model", section 2.1).
+
+Keys and values of every head are decompressed from one small latent per token,
+c_kv = RMSNorm(W_DKV x) of width R, so a cache stores R + rope_dim values per token
+instead of 2 * H * D. RoPE cannot pass through the compression (a position-dependent
+rotation does not commute with the up-projection), so a few extra features carry it:
+a decoupled RoPE key k_pe of width rope_dim, shared by every head and cached beside
+c_kv, and a RoPE part q_pe of each head's query.
+
+    q_h   = [q_nope_h ; RoPE(q_pe_h)]                          (D + rope_dim)
+    k_h,j = [W_UK_h c_j ; RoPE(k_pe_j)]                        (D + rope_dim)
+    v_h,j = W_UV_h c_j                                         (Dv)
+    out   = W_O concat_h softmax_j(q_h . k_h,j / sqrt(D + rope_dim)) v_h,j
+
+Two paths compute it, with equal outputs:
+
+- naive: decompress K and V of every cached token, then ordinary MHA. What a reader
+  expects, and what a long prefill should do.
+- absorbed: q_nope_h . (W_UK_h c_j) = (W_UK_h^T q_nope_h) . c_j, so the key
+  up-projection is folded into the query and every head attends over the latent
+  [c_kv ; k_pe] itself: one key/value "head" shared by all H query heads (MQA with
+  head dim R + rope_dim). Values are c_kv; W_UV_h is applied to the result. Decoding
+  then reads the small latent cache once per step instead of decompressing it.
+
+The layout and the weight names follow DeepSeek-V2 (and transformers'
+DeepseekV2Attention): RoPE rotates interleaved pairs (2f, 2f + 1) of q_pe and k_pe.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+import torch
+from torch import Tensor, nn
+
+from multihead.cache import LatentCache
+from multihead.functional import _BACKENDS, scaled_dot_product_attention
+from multihead.masks import MaskMod
+from multihead.rope import RotaryEmbedding
+
+__all__ = ["LatentAttention"]
+
+# RMSNorm epsilon of DeepSeek-V2's q_a_layernorm / kv_a_layernorm.
+_NORM_EPS = 1e-6
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def _check_int(name: str, value, minimum: int = 1) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise ValueError(f"{name} must be an int >= {minimum}; received {value!r}")
+
+
+class LatentAttention(nn.Module):
+    """Multi-head latent attention (MLA) with a latent KV cache and weight absorption.
+
+    Args:
+        d_model: model width C.
+        n_heads: query heads H (each has its own decompressed key and value).
+        kv_rank: R, width of the compressed KV latent c_kv (DeepSeek-V2: 512).
+        q_rank: None for a direct query projection `q_proj`; else the rank of a low-rank
+            query `q_b_proj(q_a_norm(q_a_proj(x)))` (DeepSeek-V2: 1536).
+        head_dim: D, the non-rotary part of each query/key head (default d_model // n_heads).
+        rope_dim: width of the decoupled RoPE part of the queries and of the one shared
+            RoPE key (even; 0 for none; DeepSeek-V2: 64).
+        v_head_dim: Dv, value head dim (default head_dim).
+        causal: bottom-right causal masking (decoder self-attention).
+        rope_base: RoPE wavelength base theta.
+        backend: kernel name for `multihead.scaled_dot_product_attention`.
+        latent_norm: RMSNorm on the KV latent (DeepSeek-V2 has it). False replaces it by
+            the identity: the latent is then a linear function of x, which is what an
+            exact conversion of an MHA layer needs (`multihead.convert.to_mla`).
+        bias: biases on the query input projection (q_proj, or q_a_proj), on kv_a_proj and
+            on o_proj, as transformers' `attention_bias=True`; DeepSeek-V2 has none.
+
+    Submodules (no biases by default): `q_proj` Linear(C, H*(D+rope_dim)) or `q_a_proj`
+    Linear(C, q_rank), `q_a_norm` RMSNorm(q_rank), `q_b_proj` Linear(q_rank, H*(D+rope_dim));
+    `kv_a_proj` Linear(C, R+rope_dim); `kv_a_norm` RMSNorm(R); `kv_b_proj`
+    Linear(R, H*(D+Dv)), rows ordered per head as [W_UK_h ; W_UV_h]; `o_proj` Linear(H*Dv, C).
+    """
+
+    def __init__(
+        self,
+        d_model: int,
+        n_heads: int,
+        kv_rank: int,
+        *,
+        q_rank: int | None = None,
+        head_dim: int | None = None,
+        rope_dim: int = 0,
+        v_head_dim: int | None = None,
+        causal: bool = False,
+        rope_base: float = 10000.0,
+        backend: str = "auto",
+        latent_norm: bool = True,
+        bias: bool = False,
+    ):
+        super().__init__()
+        _check_int("d_model", d_model)
+        _check_int("n_heads", n_heads)
+        _check_int("kv_rank", kv_rank)
+        if q_rank is not None:
+            _check_int("q_rank", q_rank)
+        if head_dim is None:
+            if d_model % n_heads:
+                raise ValueError(
+                    f"d_model ({d_model}) is not divisible by n_heads ({n_heads}); pass head_dim "
+                    f"explicitly, or use n_heads in {', '.join(map(str, _divisors(d_model)))}"
+                )
+            head_dim = d_model // n_heads
+        _check_int("head_dim", head_dim)
+        v_head_dim = head_dim if v_head_dim is None else v_head_dim
+        _check_int("v_head_dim", v_head_dim)
+        _check_int("rope_dim", rope_dim, minimum=0)
+        if rope_dim % 2:
+            raise ValueError(f"rope_dim must be even (RoPE rotates pairs of features); received {rope_dim}; "
+                             f"valid: 0 or an even int such as {rope_dim - 1} or {rope_dim + 1}")
+        if isinstance(rope_base, bool) or not isinstance(rope_base, (int, float)) or not rope_base > 1:
+            raise ValueError(f"rope_base must be a number > 1; received {rope_base!r}")
+        if backend != "auto" and backend not in _BACKENDS:
+            raise ValueError(f"unknown attention backend {backend!r}; valid: 'auto', "
+                             + ", ".join(repr(n) for n in _BACKENDS))
+
+        self.d_model = d_model
+        self.n_heads = n_heads
+        self.kv_rank = kv_rank
+        self.q_rank = q_rank
+        self.head_dim = head_dim
+        self.rope_dim = rope_dim
+        self.v_head_dim = v_head_dim
+        self.causal = bool(causal)
+        self.backend = backend
+        self.latent_norm = bool(latent_norm)
+        qk_dim = head_dim + rope_dim
+        if q_rank is None:
+            self.q_proj = nn.Linear(d_model, n_heads * qk_dim, bias=bias)
+        else:
+            self.q_a_proj = nn.Linear(d_model, q_rank, bias=bias)
+            self.q_a_norm = nn.RMSNorm(q_rank, eps=_NORM_EPS)
+            self.q_b_proj = nn.Linear(q_rank, n_heads * qk_dim, bias=False)
+        self.kv_a_proj = nn.Linear(d_model, kv_rank + rope_dim, bias=bias)
+        self.kv_a_norm = nn.RMSNorm(kv_rank, eps=_NORM_EPS) if latent_norm else nn.Identity()
+        self.kv_b_proj = nn.Linear(kv_rank, n_heads * (head_dim + v_head_dim), bias=False)
+        self.o_proj = nn.Linear(n_heads * v_head_dim, d_model, bias=bias)
+        self.rope = RotaryEmbedding(rope_dim, rope_base, interleaved=True) if rope_dim else None
+
+    @property
+    def scale(self) -> float:
+        """Softmax scale 1 / sqrt(D + rope_dim): the full query/key width of the naive path."""
+        return 1.0 / math.sqrt(self.head_dim + self.rope_dim)
+
+    def extra_repr(self) -> str:
+        return (f"d_model={self.d_model}, n_heads={self.n_heads}, kv_rank={self.kv_rank}, "
+                f"q_rank={self.q_rank}, head_dim={self.head_dim}, rope_dim={self.rope_dim}, "
+                f"v_head_dim={self.v_head_dim}, causal={self.causal}, backend={self.backend!r}")
+
+    def new_cache(self, batch_size: int, max_len: int, *, dtype: torch.dtype | None = None,
+                  device: torch.device | str | None = None) -> LatentCache:
+        """A static latent cache `(B, max_len, R + rope_dim)`: R + rope_dim values per token."""
+        w = self.kv_a_proj.weight
+        return LatentCache(batch_size, max_len, self.kv_rank, self.rope_dim,
+                           dtype=w.dtype if dtype is None else dtype,
+                           device=w.device if device is None else device)
+
+    # ------------------------------------------------------------------ forward
+
+    def forward(
+        self,
+        x: Tensor,
+        *,
+        mask: Tensor | MaskMod | None = None,
+        cache: LatentCache | None = None,
+        return_weights: bool | Sequence[int] = False,
+        absorb: bool | None = None,
+    ) -> Tensor | tuple[Tensor, Tensor]:
+        """Self-attention over x `(B, T, d_model)`.
+
+        Args:
+            mask: bool (True = may attend) / float tensor broadcastable to `(B, H, T, S)`,
+                or a `multihead.masks` predicate; combined with the module's causality.
+            cache: a `LatentCache` from `new_cache`: this call's latents are appended and
+                every cached token is attended (RoPE positions continue from its length).
+            return_weights: True, or a list of head indices, to also get the attention
+                weights `(B, h, T, S)` of those heads.
+            absorb: True for the absorbed path, False for the naive one, None to pick the
+                one with fewer multiply-adds for this T and S (`absorb_is_cheaper`):
+                absorbed when decoding over a cache, naive for a long prefill.
+
+        Returns:
+            `(B, T, d_model)`, or `(out, weights)`.
+        """
+        self._check_input(x)
+        if cache is not None:
+            self._check_cache(cache)
+        if absorb is not None and not isinstance(absorb, bool):
+            raise TypeError(f"absorb must be True, False or None; received {absorb!r}")
+        B, T, _ = x.shape
+        offset = cache.length if cache is not None else 0
+        q_nope, q_pe = self.queries(x, offset)  # (B, H, T, D), (B, H, T, rope_dim)
+        latent = self.latents(x, offset)  # (B, T, R + rope_dim)
+        if cache is not None:
+            latent = cache.update(latent)  # (B, S, R + rope_dim)
+        S = latent.shape[1]
+        if absorb is None:
+            absorb = self.absorb_is_cheaper(T, S)
+        attend = self.attend_absorbed if absorb else self.attend_naive
+        out, weights = attend(q_nope, q_pe, latent, mask, return_weights=return_weights)
+        out = self.o_proj(out.transpose(1, 2).reshape(B, T, -1))  # (B, T, C)
+        return out if weights is None else (out, weights)
+
+    def queries(self, x: Tensor, offset: int = 0) -> tuple[Tensor, Tensor]:
+        """Per-head queries of x `(B, T, C)` whose first token sits at `offset`.
+
+        Returns q_nope `(B, H, T, D)` and the rotated q_pe `(B, H, T, rope_dim)`.
+        """
+        B, T, _ = x.shape
+        if self.q_rank is None:
+            q = self.q_proj(x)
+        else:
+            q = self.q_b_proj(self.q_a_norm(self.q_a_proj(x)))
+        q = q.view(B, T, -1, self.head_dim + self.rope_dim).transpose(1, 2)  # (B, H, T, D + rope_dim)
+        q_nope, q_pe = q.split([self.head_dim, self.rope_dim], dim=-1)
+        if self.rope is not None:
+            q_pe = self.rope(q_pe, offset)
+        return q_nope, q_pe
+
+    def latents(self, x: Tensor, offset: int = 0) -> Tensor:
+        """What the cache stores for x `(B, T, C)`: [c_kv ; RoPE(k_pe)] `(B, T, R + rope_dim)`."""
+        c_kv, k_pe = self.kv_a_proj(x).split([self.kv_rank, self.rope_dim], dim=-1)  # (B, T, R), (B, T, rope_dim)
+        c_kv = self.kv_a_norm(c_kv)
+        if self.rope is not None:
+            k_pe = self.rope(k_pe[:, None], offset)[:, 0]  # one shared RoPE key "head"
+        return torch.cat([c_kv, k_pe], dim=-1)
+
+    def attend_naive(self, q_nope: Tensor, q_pe: Tensor, latent: Tensor,
+                     mask: Tensor | MaskMod | None = None, *,
+                     return_weights: bool | Sequence[int] = False) -> tuple[Tensor, Tensor | None]:
+        """Decompress K and V of every token in `latent` `(B, S, R + rope_dim)`, then MHA.
+
+        Returns the heads' outputs `(B, H, T, Dv)` (before o_proj) and the weights or None.
+        """
+        B, S, _ = latent.shape
+        D, Dv = self.head_dim, self.v_head_dim
+        c_kv, k_pe = latent.split([self.kv_rank, self.rope_dim], dim=-1)  # (B, S, R), (B, S, rope_dim)
+        kv = self.kv_b_proj(c_kv).view(B, S, -1, D + Dv).transpose(1, 2)  # (B, H, S, D + Dv)
+        k_nope, v = kv.split([D, Dv], dim=-1)  # (B, H, S, D), (B, H, S, Dv)
+        H = k_nope.shape[1]
+        k = torch.cat([k_nope, k_pe[:, None].expand(B, H, S, self.rope_dim)], dim=-1)  # (B, H, S, D + rope_dim)
+        q = torch.cat([q_nope, q_pe], dim=-1)  # (B, H, T, D + rope_dim)
+        return self._kernel(q, k, v, mask, return_weights)
+
+    def attend_absorbed(self, q_nope: Tensor, q_pe: Tensor, latent: Tensor,
+                        mask: Tensor | MaskMod | None = None, *,
+                        return_weights: bool | Sequence[int] = False) -> tuple[Tensor, Tensor | None]:
+        """Attend over the latent itself, with W_UK folded into the query and W_UV after.
+
+        q_h . k_h,j = (W_UK_h^T q_nope_h) . c_j + q_pe_h . k_pe_j, so the absorbed query
+        `(B, H, T, R + rope_dim)` meets the latent `(B, 1, S, R + rope_dim)` as one shared
+        key head, and the value head is c_kv `(B, 1, S, R)`. The kernel folds the H query
+        heads into the query length, `(B, 1, H*T, R + rope_dim)` (MQA), so the latent is
+        read once per step for all heads. Same outputs as `attend_naive`.
+        """
+        D, Dv, R = self.head_dim, self.v_head_dim, self.kv_rank
+        w = self.kv_b_proj.weight.view(-1, D + Dv, R)  # (H, D + Dv, R)
+        w_uk, w_uv = w[:, :D], w[:, D:]  # (H, D, R), (H, Dv, R)
+        q_lat = q_nope @ w_uk  # (B, H, T, R): W_UK_h^T q_nope_h
+        q_abs = torch.cat([q_lat, q_pe], dim=-1)  # (B, H, T, R + rope_dim)
+        kv = latent[:, None]  # (B, 1, S, R + rope_dim)
+        out_lat, weights = self._kernel(q_abs, kv, kv[..., :R], mask, return_weights)  # (B, H, T, R)
+        out = out_lat @ w_uv.transpose(1, 2)  # (B, H, T, Dv): W_UV_h (sum_j p_j c_j)
+        return out, weights
+
+    def absorb_is_cheaper(self, T: int, S: int) -> bool:
+        """Whether the absorbed path needs fewer multiply-adds for T queries over S keys.
+
+        naive:    S * R * H * (D + Dv)  (decompress)  +  H * T * S * (D + rope_dim + Dv)
+        absorbed: H * T * R * (D + Dv)  (fold W_UK, apply W_UV)  +  H * T * S * (2R + rope_dim)
+        One new token over a long cache: absorbed, by about a factor S; a prefill of T = S
+        tokens: naive once T > R (D + Dv) / (2R - D - Dv) (~170 at DeepSeek-V2's sizes).
+        """
+        H, R, D, Dv, Dr = self.n_heads, self.kv_rank, self.head_dim, self.v_head_dim, self.rope_dim
+        naive = S * R * H * (D + Dv) + H * T * S * (D + Dr + Dv)
+        absorbed = H * T * R * (D + Dv) + H * T * S * (2 * R + Dr)
+        return absorbed < naive
+
+    def _kernel(self, q, k, v, mask, return_weights) -> tuple[Tensor, Tensor | None]:
+        result = scaled_dot_product_attention(
+            q, k, v, mask, causal=self.causal, scale=self.scale,
+            return_weights=return_weights, backend=self.backend,
+        )
+        return result if isinstance(result, tuple) else (result, None)
+
+    def _check_input(self, x) -> None:
+        C = self.d_model
+        if not isinstance(x, Tensor):
+            raise TypeError(f"x must be a tensor (B, T, {C}); received {type(x).__name__}")
+        if x.dim() != 3:
+            raise ValueError(f"x must be 3-D (B, T, {C}), batch first; received shape {tuple(x.shape)}")
+        if x.shape[-1] != C:
+            raise ValueError(f"x has width {x.shape[-1]}; this module expects d_model = {C}")
+        if x.shape[1] == 0:
+            raise ValueError("x has no tokens (length 0)")
+
+    def _check_cache(self, cache) -> None:
+        if not isinstance(cache, LatentCache):
+            raise TypeError(f"cache must be a LatentCache from new_cache(); received {type(cache).__name__}")
+        if (cache.kv_rank, cache.rope_dim) != (self.kv_rank, self.rope_dim):
+            raise ValueError(
+                f"cache holds kv_rank={cache.kv_rank}, rope_dim={cache.rope_dim}; this module needs "
+                f"kv_rank={self.kv_rank}, rope_dim={self.rope_dim}. Make it with new_cache()"
+            )
+
+    # ------------------------------------------------------- Hugging Face weights
+
+    @classmethod
+    def from_hf(cls, hf_attn: nn.Module, *, backend: str = "auto") -> LatentAttention:
+        """A causal `LatentAttention` with the weights of transformers' `DeepseekV2Attention`.
+
+        Reads the sizes from `hf_attn.config` (hidden_size, num_attention_heads,
+        kv_lora_rank, q_lora_rank, qk_nope_head_dim, qk_rope_head_dim, v_head_dim,
+        rope_theta) and copies q_proj or q_a_proj / q_a_layernorm / q_b_proj,
+        kv_a_proj_with_mqa, kv_a_layernorm, kv_b_proj and o_proj. RoPE scaling
+        (rope_type other than "default", e.g. DeepSeek-V2's yarn) changes the frequencies
+        and the softmax scale and is refused.
+        """
+        needed = ("config", "kv_a_proj_with_mqa", "kv_a_layernorm", "kv_b_proj", "o_proj")
+        missing = [n for n in needed if not hasattr(hf_attn, n)]
+        if missing:
+            raise TypeError(f"from_hf takes a transformers DeepseekV2Attention; received "
+                            f"{type(hf_attn).__name__} without {', '.join(missing)}")
+        cfg = hf_attn.config
+        rope = dict(getattr(cfg, "rope_parameters", None) or {})
+        if not rope:  # older transformers: rope_theta / rope_scaling attributes
+            rope = dict(getattr(cfg, "rope_scaling", None) or {})
+            rope.setdefault("rope_theta", getattr(cfg, "rope_theta", 10000.0))
+        rope_type = rope.get("rope_type", rope.get("type", "default"))
+        if rope_type != "default":
+            raise ValueError(f"rope_type {rope_type!r} (RoPE scaling) is not supported; valid: 'default'")
+        bias = bool(getattr(cfg, "attention_bias", False))
+        attn = cls(
+            cfg.hidden_size, cfg.num_attention_heads, cfg.kv_lora_rank,
+            q_rank=cfg.q_lora_rank, head_dim=cfg.qk_nope_head_dim, rope_dim=cfg.qk_rope_head_dim,
+            v_head_dim=cfg.v_head_dim, causal=True, rope_base=float(rope["rope_theta"]),
+            backend=backend, bias=bias,
+        )
+        w = hf_attn.kv_b_proj.weight
+        attn = attn.to(device=w.device, dtype=w.dtype)
+        pairs = [(attn.kv_a_proj, hf_attn.kv_a_proj_with_mqa), (attn.kv_b_proj, hf_attn.kv_b_proj),
+                 (attn.o_proj, hf_attn.o_proj)]
+        norms = [(attn.kv_a_norm, hf_attn.kv_a_layernorm)]
+        if attn.q_rank is None:
+            pairs.append((attn.q_proj, hf_attn.q_proj))
+        else:
+            pairs += [(attn.q_a_proj, hf_attn.q_a_proj), (attn.q_b_proj, hf_attn.q_b_proj)]
+            norms.append((attn.q_a_norm, hf_attn.q_a_layernorm))
+        with torch.no_grad():
+            for mine, theirs in pairs:
+                mine.weight.copy_(theirs.weight)
+                if mine.bias is not None:
+                    if theirs.bias is None:
+                        mine.bias.zero_()
+                    else:
+                        mine.bias.copy_(theirs.bias)
+            for mine, theirs in norms:
+                mine.weight.copy_(theirs.weight)
+                mine.eps = float(getattr(theirs, "variance_epsilon", _NORM_EPS))
+        return attn
