@@ -1,0 +1,243 @@
+"""A self-contained HTML page of an AttentionCapture: a head view (lines from each token
+to the tokens it attends to, as in bertviz's head_view) and a model view (every captured
+layer x head as a small heatmap; click one to focus it).
+
+The page needs no network: script, styles and data are inlined and a Content-Security-
+Policy (`default-src 'none'`, the script allowed by its hash) forbids every fetch. Token
+text only ever reaches the page through JSON and `textContent`.
+
+To stay usable at 512 tokens x 72 heads the weights are stored compactly (the format is
+in `_encode`): each query row keeps its top-k weights, quantised to 8 bits against the
+row's largest weight. The page states what was dropped, with the kept mass measured on
+the float weights.
+"""
+
+from __future__ import annotations
+
+import base64
+import hashlib
+import html as html_lib
+import json
+import math
+import re
+from importlib import resources
+from pathlib import Path
+
+import torch
+
+from multihead.inspect.capture_types import AttentionCapture, HeadRole
+
+# Without top_k, rows keep every weight while L*H*T*T stays under this many entries, and
+# otherwise the largest power of two k with L*H*T*k under it (at least _MIN_AUTO_K): about
+# 3 bytes an entry after base64, so the weights of any default page stay under ~6.3 MB.
+_AUTO_ENTRIES = 1 << 21
+_MIN_AUTO_K = 8
+_ASSETS = ("head_view.html", "head_view.css", "head_view.js")
+
+
+def render_html(
+    capture: AttentionCapture,
+    roles: list[HeadRole] | None = None,
+    path: str | Path | None = None,
+    *,
+    max_tokens: int = 512,
+    top_k: int | None = None,
+    title: str | None = None,
+) -> str:
+    """The head view + model view page of `capture`; also written to `path` when given.
+
+    Args:
+        capture: the per-head weights `(L, H, T, T)` and tokens to draw.
+        roles: head-role scores; shown as badges on the heads they name (roles of heads
+            that were not captured are ignored).
+        path: where to write the page (UTF-8).
+        max_tokens: show at most the first `max_tokens` tokens (queries and keys); the
+            page says how many were cut.
+        top_k: keep the top_k weights of each query row. None picks a k that bounds the
+            page (every weight while L*H*T*T <= 2**21, else the largest power of two k
+            with L*H*T*k <= 2**21, at least 8).
+        title: the page title; defaults to the model name and the text.
+
+    Returns:
+        The page as a string.
+    """
+    if not isinstance(capture, AttentionCapture):
+        raise TypeError(f"capture must be an AttentionCapture, got {type(capture).__name__}")
+    if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 1:
+        raise ValueError(f"max_tokens must be an int >= 1, got {max_tokens!r}")
+    if top_k is not None and (isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < 1):
+        raise ValueError(f"top_k must be None or an int >= 1, got {top_k!r}")
+
+    T_all = len(capture.tokens)
+    T = min(T_all, max_tokens)
+    weights = capture.weights.detach().to("cpu", torch.float32)[..., :T, :T]  # (L, H, T, T)
+    L, H = weights.shape[:2]
+    k = _choose_k(L * H * T, T, top_k)
+    payload, dropped = _encode(weights, k)
+
+    tokens = [str(t) for t in capture.tokens[:T]]
+    if title is None:
+        text = str(capture.meta.get("text") or " ".join(tokens[:12]) + (" ..." if T > 12 else ""))
+        title = f"{capture.model or 'attention'}: {text}"
+    dropped["truncated_tokens"] = T_all - T
+    captured = {(layer, head) for layer in capture.layers for head in capture.heads}
+    data = {
+        "version": 1,
+        "title": title,
+        "model": capture.model,
+        "tokens": tokens,
+        "token_ids": [int(i) for i in capture.token_ids[:T]],
+        "layers": [int(x) for x in capture.layers],
+        "heads": [int(x) for x in capture.heads],
+        "n_layers": int(capture.n_layers),
+        "n_heads": int(capture.n_heads),
+        "T": T,
+        "T_captured": T_all,
+        **payload,
+        "roles": [_role_json(r) for r in roles or () if (r.layer, r.head) in captured],
+        "dropped": dropped,
+        "note": _notes(dropped, tokens, capture.layers, capture.heads, T, T_all),
+        "meta": {str(key): str(value) for key, value in capture.meta.items()},
+    }
+    page = _page(title, data)
+    if path is not None:
+        Path(path).write_text(page, encoding="utf-8")
+    return page
+
+
+def _choose_k(n_rows: int, T: int, top_k: int | None) -> int:
+    if T == 0:
+        return 0
+    if top_k is not None:
+        return min(top_k, T)
+    if n_rows * T <= _AUTO_ENTRIES:
+        return T
+    k = 1 << int(math.log2(max(1, _AUTO_ENTRIES // n_rows)))
+    return min(T, max(_MIN_AUTO_K, k))
+
+
+def _encode(weights: torch.Tensor, k: int) -> tuple[dict, dict]:
+    """Pack `(L, H, T, T)` weights into base64 arrays, row r = (l * H + h) * T + t:
+
+    - `scale`: float32 little-endian, one per row: the row's largest weight.
+    - `q`: uint8, k per row: round(weight / scale * 255); decode as q / 255 * scale, off by
+      at most 0.5 / 255 * scale (a row of zeros has scale 0).
+    - `idx`: the key index of each q entry, uint8 when T <= 256 else uint16 little-endian
+      (`idx_bytes`); absent (`dense`: true) when k == T and q lists the keys in order.
+      When k < T the entries of a row are its top k, largest first; the others are 0.
+    """
+    L, H, T, _ = weights.shape
+    dense = k == T
+    if dense:
+        values = weights  # (L, H, T, T)
+        scale = weights.amax(dim=-1) if T else weights.sum(dim=-1)  # (L, H, T)
+        largest_dropped = 0.0
+    else:
+        top, index = torch.topk(weights, min(k + 1, T), dim=-1, sorted=True)  # (L, H, T, k+1)
+        values, index = top[..., :k], index[..., :k]  # (L, H, T, k)
+        scale = values[..., 0]  # (L, H, T)
+        largest_dropped = float(top[..., k].max()) if k < T and top.numel() else 0.0
+    safe = torch.where(scale > 0, scale, torch.ones_like(scale))
+    q = torch.round(values / safe[..., None] * 255).clamp_(0, 255).to(torch.uint8)  # (L, H, T, k)
+
+    total = weights.double().sum(dim=-1)  # (L, H, T)
+    kept = values.double().sum(dim=-1)
+    mass = torch.where(total > 0, kept / total.clamp_min(1e-300), torch.ones_like(total))  # (L, H, T)
+    payload = {
+        "k": k,
+        "dense": dense,
+        "idx_bytes": 0 if dense else (1 if T <= 256 else 2),
+        "idx": None if dense else (_b64(index.to(torch.uint8)) if T <= 256 else _b64_u16(index)),
+        "q": _b64(q),
+        "scale": _b64(scale.to(torch.float32)),
+    }
+    dropped = {"top_k": k, "of": T, "largest_dropped_weight": largest_dropped}
+    if mass.numel():
+        flat = int(torch.argmin(mass))
+        li, hi, ti = (int(v) for v in torch.unravel_index(torch.tensor(flat), mass.shape))
+        dropped.update(mean_mass=float(mass.mean()), min_mass=float(mass.min()), min_at=[li, hi, ti])
+    else:
+        dropped.update(mean_mass=1.0, min_mass=1.0, min_at=None)
+    return payload, dropped
+
+
+def _b64(t: torch.Tensor) -> str:
+    return base64.b64encode(t.contiguous().numpy().tobytes()).decode("ascii")
+
+
+def _b64_u16(index: torch.Tensor) -> str:
+    if index.numel() and int(index.max()) > 0xFFFF:
+        raise ValueError(f"at most 65536 tokens can be drawn, got {int(index.max()) + 1}; lower max_tokens")
+    return base64.b64encode(index.contiguous().numpy().astype("<u2").tobytes()).decode("ascii")
+
+
+def _role_json(role: HeadRole) -> dict:
+    return {
+        "layer": int(role.layer),
+        "head": int(role.head),
+        "role": str(role.role),
+        "score": float(role.score),
+        "scores": {str(name): float(value) for name, value in role.scores.items()},
+    }
+
+
+def _floor_pct(x: float) -> str:
+    return f"{math.floor(x * 1000) / 10:.1f}%"  # rounded down, so "covers >= x%" stays true
+
+
+def _notes(dropped: dict, tokens: list[str], layers: list[int], heads: list[int], T: int, T_all: int) -> list[str]:
+    notes = []
+    if T < T_all:
+        notes.append(
+            f"Showing the first {T} of {T_all} tokens: the rows and columns of the last {T_all - T} are dropped "
+            f"(raise max_tokens to see them)."
+        )
+    k = dropped["top_k"]
+    if k < T:
+        note = (
+            f"Kept the top {k} of {T} weights of each row (dropped {T - k} per row, drawn as 0), covering "
+            f">= {_floor_pct(dropped['min_mass'])} of each row's mass (mean {_floor_pct(dropped['mean_mass'])})"
+        )
+        if dropped["min_at"] is not None:
+            li, hi, ti = dropped["min_at"]
+            note += f"; min row mass kept at layer {layers[li]} head {heads[hi]} token {ti} {tokens[ti]!r}"
+        note += f"; the largest dropped weight is {dropped['largest_dropped_weight']:.4f}."
+        notes.append(note)
+    else:
+        notes.append(f"All {T} weights of each row are kept.")
+    notes.append("Weights are stored in 8 bits per entry, scaled to their row's largest weight (error <= 0.5/255 of it).")
+    return notes
+
+
+def _json_for_script(data: dict) -> str:
+    # `<` as \u003c means no `</script>` or `<!--` can end or confuse the data block; the
+    # other replacements keep the text valid in any HTML or JS context.
+    text = json.dumps(data, ensure_ascii=False, separators=(",", ":"), allow_nan=False)
+    for ch, esc in (("<", "\\u003c"), (">", "\\u003e"), ("&", "\\u0026"), ("\u2028", "\\u2028"), ("\u2029", "\\u2029")):
+        text = text.replace(ch, esc)
+    return text
+
+
+def _asset(name: str) -> str:
+    return resources.files("multihead.inspect").joinpath(name).read_text(encoding="utf-8")
+
+
+def _page(title: str, data: dict) -> str:
+    template, css, js = (_asset(name) for name in _ASSETS)
+    assert "</script" not in js.lower() and "</style" not in css.lower(), "asset would end its own tag"
+    digest = base64.b64encode(hashlib.sha256(js.encode("utf-8")).digest()).decode("ascii")
+    csp = (
+        "default-src 'none'; "
+        f"script-src 'sha256-{digest}'; "
+        "style-src 'unsafe-inline'; img-src data:; "
+        "base-uri 'none'; form-action 'none'"
+    )
+    fills = {
+        "TITLE": html_lib.escape(title),
+        "CSP": html_lib.escape(csp),
+        "CSS": css,
+        "DATA": _json_for_script(data),
+        "JS": js,
+    }
+    # One pass, so a placeholder spelled inside the data or title is never filled.
+    return re.sub(r"__MH_([A-Z]+)__", lambda m: fills[m.group(1)], template)
