@@ -171,7 +171,7 @@ class Attention(nn.Module):
             raise TypeError(f"cache must be a KVCache from new_cache(); received {type(cache).__name__}")
 
         q = self.q_proj(x).view(B, T, -1, D).transpose(1, 2)  # (B, H, T, D)
-        offset = 0
+        causal = self.causal
         if cross and cache is not None and cache.length > 0:
             k, v = cache.k[:, :, : cache.length], cache.v[:, :, : cache.length]  # reuse the context
         else:
@@ -179,16 +179,20 @@ class Attention(nn.Module):
             S = src.shape[1]
             k = self.k_proj(src).view(B, S, -1, D).transpose(1, 2)  # (B, Hkv, S, D)
             v = self.v_proj(src).view(B, S, -1, D).transpose(1, 2)  # (B, Hkv, S, D)
-            if self.rope is not None:
-                offset = cache.length if cache is not None else 0
-                q = self.rope(q, offset)
-                k = self.rope(k, offset)
-            if cache is not None:
-                k, v = cache.update(k, v)  # (B, Hkv, S_cached, D)
+            if cache is not None and not cross and torch.compiler.is_compiling():
+                q, k, v, mask = self._static_cache_step(q, k, v, mask, cache)
+                causal = False  # folded into the positional mask
+            else:
+                if self.rope is not None:
+                    offset = cache.length if cache is not None else 0
+                    q = self.rope(q, offset)
+                    k = self.rope(k, offset)
+                if cache is not None:
+                    k, v = cache.update(k, v)  # (B, Hkv, S_cached, D)
 
         result = scaled_dot_product_attention(
             q, k, v, mask,
-            causal=self.causal,
+            causal=causal,
             dropout_p=self.dropout if self.training else 0.0,
             return_weights=return_weights,
             backend=self.backend,
@@ -196,6 +200,26 @@ class Attention(nn.Module):
         out, weights = result if isinstance(result, tuple) else (result, None)
         out = self.o_proj(out.transpose(1, 2).reshape(B, T, -1))  # (B, T, C)
         return out if weights is None else (out, weights)
+
+    def _static_cache_step(self, q, k, v, mask, cache: KVCache):
+        """The compiled decode step: positions are tensors, keys span the whole buffer and
+        a positional mask hides the unwritten tail (and the future, when causal)."""
+        T = q.shape[2]
+        pos = cache.position.clone()  # first new token's position, read before the update
+        if self.rope is not None:
+            q, k = self.rope(q, pos), self.rope(k, pos)
+        k, v = cache.update_static(k, v)  # (B, Hkv, S_max, D)
+        kv_idx = torch.arange(cache.max_len, device=q.device)[None, :]
+        q_pos = pos + torch.arange(T, device=q.device)[:, None]
+        allowed = (kv_idx <= q_pos) if self.causal else (kv_idx < pos + T)  # (T, S_max)
+        allowed = allowed[None, None]
+        if mask is not None:
+            if isinstance(mask, MaskMod):
+                raise ValueError("under torch.compile a cached step takes a tensor mask over all "
+                                 f"max_len ({cache.max_len}) key slots, not a predicate")
+            allowed = allowed & mask if mask.dtype == torch.bool else \
+                mask.masked_fill(~allowed, float("-inf"))
+        return q, k, v, allowed
 
     @staticmethod
     def _check_input(name: str, t, width: int) -> None:

@@ -5,9 +5,11 @@ not H, which is the whole point of GQA and MQA. `update` writes the new tokens a
 current length and returns views of everything cached so far. `LatentCache` holds
 MLA's compressed latent `(B, S_max, R + rope_dim)` instead.
 
-The length is kept both as a Python int (for cheap eager slicing) and is what
-`torch.compile` specialises on; a one-token decode step compiled with
-`dynamic=True` runs without recompiling as the length grows (tested).
+Under `torch.compile`, a Python int length would be specialised and recompiled at every
+step, so the length lives in a 0-d tensor. Eager `update` reads it and returns views of
+the cached tokens (exact shapes, no wasted work); compiled code uses `update_static`,
+which writes at the tensor position and returns the whole buffers, to be masked by
+position (the gpt-fast design): one graph serves every decode step (tested).
 """
 
 from __future__ import annotations
@@ -28,13 +30,18 @@ class _StaticCache:
 
     _seq_dim: int
 
-    def __init__(self, max_len: int):
-        self.length = 0
+    def __init__(self, max_len: int, device=None):
         self.max_len = max_len
+        self.position = torch.zeros((), dtype=torch.long, device=device)  # tokens cached so far
+
+    @property
+    def length(self) -> int:
+        """Tokens cached so far."""
+        return int(self.position)
 
     def reset(self) -> None:
         """Forget every cached token (the buffers are kept and reused)."""
-        self.length = 0
+        self.position.zero_()
 
     def _reserve(self, name: str, new: Tensor, buf: Tensor, batch_dim: int = 0) -> tuple[int, int]:
         if not isinstance(new, Tensor):
@@ -58,10 +65,11 @@ class _StaticCache:
                             f"Cast it, or make the cache with dtype={new.dtype}")
         if new.device != buf.device:
             raise ValueError(f"cache lives on {buf.device}; received {name} on {new.device}")
-        start, end = self.length, self.length + got[self._seq_dim]
+        start = self.length
+        end = start + got[self._seq_dim]
         if end > self.max_len:
             raise ValueError(
-                f"cache overflow: {self.length} tokens cached + {got[self._seq_dim]} new = {end} "
+                f"cache overflow: {start} tokens cached + {got[self._seq_dim]} new = {end} "
                 f"> max_len {self.max_len}. Make the cache with a larger max_len, or reset() it"
             )
         return start, end
@@ -90,7 +98,7 @@ class KVCache(_StaticCache):
         dtype = torch.get_default_dtype() if dtype is None else dtype
         if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
             raise TypeError(f"cache dtype must be a floating torch.dtype; received {dtype!r}")
-        super().__init__(max_len)
+        super().__init__(max_len, device)
         self.k = torch.zeros(batch_size, n_kv_heads, max_len, head_dim, dtype=dtype, device=device)
         self.v = torch.zeros(batch_size, n_kv_heads, max_len, v_head_dim, dtype=dtype, device=device)
 
@@ -120,8 +128,21 @@ class KVCache(_StaticCache):
                              f"{k.shape[2]} and {v.shape[2]}")
         self.k[:, :, start:end] = k
         self.v[:, :, start:end] = v
-        self.length = end
+        self.position.fill_(end)
         return self.k[:, :, :end], self.v[:, :, :end]
+
+    def update_static(self, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
+        """Write k, v at the tensor position; return the whole buffers `(B, Hkv, S_max, .)`.
+
+        For compiled decoding: no Python int is read, so shapes stay static. Keys at
+        positions >= `position` are stale and must be masked by the caller. Overflow is
+        not checked here (that would need the length on the host).
+        """
+        idx = self.position + torch.arange(k.shape[2], device=self.position.device)
+        self.k.index_copy_(2, idx, k)
+        self.v.index_copy_(2, idx, v)
+        self.position.add_(k.shape[2])
+        return self.k, self.v
 
     def __repr__(self) -> str:
         B, Hkv, S, D = self.k.shape
@@ -145,7 +166,7 @@ class LatentCache(_StaticCache):
         if isinstance(rope_dim, bool) or not isinstance(rope_dim, int) or rope_dim < 0:
             raise ValueError(f"rope_dim must be an int >= 0; received {rope_dim!r}")
         dtype = torch.get_default_dtype() if dtype is None else dtype
-        super().__init__(max_len)
+        super().__init__(max_len, device)
         self.kv_rank = kv_rank
         self.rope_dim = rope_dim
         self.buf = torch.zeros(batch_size, max_len, kv_rank + rope_dim, dtype=dtype, device=device)
@@ -167,8 +188,16 @@ class LatentCache(_StaticCache):
         """Append latent `(B, T, R + rope_dim)`; return all cached `(B, S, R + rope_dim)`."""
         start, end = self._reserve("latent", latent, self.buf)
         self.buf[:, start:end] = latent
-        self.length = end
+        self.position.fill_(end)
         return self.buf[:, :end]
+
+    def update_static(self, latent: Tensor) -> Tensor:
+        """Write at the tensor position; return the whole buffer `(B, S_max, R + rope_dim)`
+        (see `KVCache.update_static`)."""
+        idx = self.position + torch.arange(latent.shape[1], device=self.position.device)
+        self.buf.index_copy_(1, idx, latent)
+        self.position.add_(latent.shape[1])
+        return self.buf
 
     def __repr__(self) -> str:
         B, S, W = self.buf.shape

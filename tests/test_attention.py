@@ -1,0 +1,209 @@
+"""multihead.Attention against nn.MultiheadAttention, the NumPy reference, and itself."""
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+
+import multihead as mh
+from conftest import assert_close
+from multihead import masks
+from multihead import reference as R
+
+
+def ref_forward(attn: mh.Attention, x, context=None, mask=None, causal=None):
+    """The NumPy reference with the module's weights (nn.Linear holds W^T)."""
+    w = lambda lin: lin.weight.detach().double().numpy().T  # noqa: E731
+    b = lambda lin: None if lin.bias is None else lin.bias.detach().double().numpy()  # noqa: E731
+    return R.gqa_forward(
+        x.double().numpy(), w(attn.q_proj), w(attn.k_proj), w(attn.v_proj), w(attn.o_proj),
+        attn.n_heads, attn.n_kv_heads, mask=mask, causal=attn.causal if causal is None else causal,
+        b_q=b(attn.q_proj), b_k=b(attn.k_proj), b_v=b(attn.v_proj), b_o=b(attn.o_proj),
+        context=None if context is None else context.double().numpy(),
+    )
+
+
+@pytest.mark.parametrize("n_heads,n_kv_heads,head_dim", [(4, 4, None), (8, 2, None), (8, 1, None), (6, 3, 5)])
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("bias", [True, False])
+def test_equals_numpy_reference(n_heads, n_kv_heads, head_dim, causal, bias):
+    attn = mh.Attention(24, n_heads, n_kv_heads, head_dim=head_dim, causal=causal, bias=bias).double()
+    x = torch.randn(3, 7, 24, dtype=torch.float64)
+    assert_close(attn(x), ref_forward(attn, x))
+
+
+def test_cross_attention_equals_reference():
+    attn = mh.Attention(16, 4, 2, context_dim=10).double()
+    x, ctx = torch.randn(2, 5, 16, dtype=torch.float64), torch.randn(2, 9, 10, dtype=torch.float64)
+    keep = torch.tensor([[True] * 9, [True] * 4 + [False] * 5])
+    out = attn(x, ctx, mask=masks.padding(keep=keep))
+    assert_close(out, ref_forward(attn, x, ctx, mask=keep.numpy()[:, None, None, :]))
+
+
+def _mha_pair(E=32, H=4, kdim=None, bias=True, batch_first=True):
+    mha = nn.MultiheadAttention(E, H, bias=bias, kdim=kdim, vdim=kdim, batch_first=batch_first).double().eval()
+    return mha, mh.Attention.from_torch(mha).eval()
+
+
+@pytest.mark.parametrize("bias", [True, False])
+def test_equals_nn_multihead_attention_self(bias):
+    mha, attn = _mha_pair(bias=bias)
+    x = torch.randn(3, 6, 32, dtype=torch.float64)
+    ref, ref_w = mha(x, x, x, average_attn_weights=False)
+    out, w = attn(x, return_weights=True)
+    assert_close(out, ref)
+    assert_close(w, ref_w)
+
+
+def test_equals_nn_multihead_attention_cross_kdim_and_seq_first():
+    mha, attn = _mha_pair(kdim=12, batch_first=False)
+    x, ctx = torch.randn(2, 5, 32, dtype=torch.float64), torch.randn(2, 8, 12, dtype=torch.float64)
+    ref, _ = mha(x.transpose(0, 1), ctx.transpose(0, 1), ctx.transpose(0, 1))
+    assert_close(attn(x, ctx), ref.transpose(0, 1))
+
+
+def test_equals_nn_multihead_attention_key_padding_and_causal():
+    mha, _ = _mha_pair()
+    attn = mh.Attention.from_torch(mha, causal=True).eval()
+    x = torch.randn(2, 6, 32, dtype=torch.float64)
+    kpm = torch.tensor([[False] * 6, [False] * 4 + [True] * 2])  # torch: True = padding
+    causal_tm = nn.Transformer.generate_square_subsequent_mask(6, dtype=torch.float64)
+    ref, _ = mha(x, x, x, key_padding_mask=kpm, attn_mask=causal_tm, need_weights=False)
+    out = attn(x, mask=masks.from_key_padding_mask(kpm))
+    assert_close(out, ref)
+
+
+def test_fully_padded_sequence_is_zero_where_torch_gives_nan():
+    mha, attn = _mha_pair()
+    x = torch.randn(2, 4, 32, dtype=torch.float64)
+    kpm = torch.tensor([[False] * 4, [True] * 4])  # the second sequence is all padding
+    ref, _ = mha(x, x, x, key_padding_mask=kpm)
+    assert torch.isnan(ref[1]).all()  # torch's documented NaN (need_weights=True path)
+    out = attn(x, mask=masks.from_key_padding_mask(kpm))
+    assert torch.isfinite(out).all()
+    assert_close(out[1], attn.o_proj.bias.expand(4, 32))  # attention output 0 -> only the out bias
+    assert_close(out[0], ref[0])
+
+
+def test_to_torch_round_trip_is_exact():
+    attn = mh.Attention(32, 4, context_dim=20)
+    back = mh.Attention.from_torch(attn.to_torch(batch_first=False))
+    for name, p in attn.state_dict().items():
+        assert torch.equal(p, back.state_dict()[name]), name
+
+
+def test_gqa_equals_mha_with_repeated_kv_weights():
+    gqa = mh.Attention(32, 8, 2).double()
+    mha = mh.Attention(32, 8).double()
+    G, D = 4, 4
+    with torch.no_grad():
+        mha.q_proj.load_state_dict(gqa.q_proj.state_dict())
+        mha.o_proj.load_state_dict(gqa.o_proj.state_dict())
+        for src, dst in ((gqa.k_proj, mha.k_proj), (gqa.v_proj, mha.v_proj)):
+            # kv head j serves query heads j*G .. j*G+G-1: repeat each head's rows G times
+            dst.weight.copy_(src.weight.view(2, 1, D, 32).expand(2, G, D, 32).reshape(32, 32))
+            dst.bias.copy_(src.bias.view(2, 1, D).expand(2, G, D).reshape(32))
+    x = torch.randn(2, 5, 32, dtype=torch.float64)
+    assert_close(gqa(x, mask=masks.causal()), mha(x, mask=masks.causal()))
+
+
+@pytest.mark.parametrize("n_kv_heads", [4, 2, 1])
+@pytest.mark.parametrize("rope", [None, "half", "interleaved", "partial"])
+def test_incremental_decoding_equals_full_forward(n_kv_heads, rope):
+    rotary = {None: None, "half": True, "interleaved": mh.RotaryEmbedding(8, interleaved=True),
+              "partial": mh.RotaryEmbedding(4, base=500000.0)}[rope]
+    attn = mh.Attention(32, 4, n_kv_heads, causal=True, rope=rotary).double().eval()
+    x = torch.randn(2, 10, 32, dtype=torch.float64)
+    full = attn(x)
+    cache = attn.new_cache(2, 16)
+    steps = [attn(x[:, :3], cache=cache)]  # a prefill chunk, then one token at a time
+    steps += [attn(x[:, t : t + 1], cache=cache) for t in range(3, 10)]
+    assert cache.length == 10
+    assert_close(torch.cat(steps, dim=1), full)
+
+
+def test_cross_attention_cache_reuses_the_context():
+    attn = mh.Attention(16, 4, 2, context_dim=12).double()
+    x, ctx = torch.randn(2, 4, 16, dtype=torch.float64), torch.randn(2, 7, 12, dtype=torch.float64)
+    full = attn(x, ctx)
+    cache = attn.new_cache(2, 7)
+    outs = [attn(x[:, t : t + 1], ctx, cache=cache) for t in range(4)]
+    assert cache.length == 7  # filled once
+    assert_close(torch.cat(outs, 1), full)
+
+
+def test_weights_subset_from_module_and_dropout_in_training():
+    attn = mh.Attention(32, 8, 4, dropout=0.5)
+    x = torch.randn(2, 6, 32)
+    attn.eval()
+    out, w = attn(x, return_weights=[2])
+    out_all, w_all = attn(x, return_weights=True)
+    assert_close(w, w_all[:, [2]])
+    assert_close(out, out_all)
+    attn.train()
+    torch.manual_seed(0)
+    a = attn(x)
+    torch.manual_seed(1)
+    b = attn(x)
+    assert (a - b).abs().max() > 1e-3  # dropout is live in training
+    out_tr, w_tr = attn(x, return_weights=[0])  # falls to "math" (weights + dropout)
+    assert torch.allclose(w_tr.sum(-1), torch.ones(2, 1, 6), atol=1e-5)
+
+
+def test_head_sharding_infers_local_heads():
+    """Split q/k/v column-wise and o row-wise into two shards, as tensor parallelism does:
+    each shard runs the unchanged forward on its local heads, the outputs sum to the whole."""
+    attn = mh.Attention(32, 8, 4, bias=False).double()
+    x = torch.randn(2, 5, 32, dtype=torch.float64)
+    full = attn(x, mask=masks.causal())
+    total = 0
+    for shard in range(2):
+        part = copy.deepcopy(attn)
+        rows_q = slice(shard * 16, (shard + 1) * 16)  # 4 of 8 query heads, D = 4
+        rows_kv = slice(shard * 8, (shard + 1) * 8)  # 2 of 4 kv heads
+        part.q_proj = nn.Linear(32, 16, bias=False).double()
+        part.k_proj = nn.Linear(32, 8, bias=False).double()
+        part.v_proj = nn.Linear(32, 8, bias=False).double()
+        part.o_proj = nn.Linear(16, 32, bias=False).double()
+        with torch.no_grad():
+            part.q_proj.weight.copy_(attn.q_proj.weight[rows_q])
+            part.k_proj.weight.copy_(attn.k_proj.weight[rows_kv])
+            part.v_proj.weight.copy_(attn.v_proj.weight[rows_kv])
+            part.o_proj.weight.copy_(attn.o_proj.weight[:, rows_q])
+        total = total + part(x, mask=masks.causal())
+    assert_close(total, full)
+
+
+def test_bfloat16_module_close_to_float64():
+    attn = mh.Attention(64, 8, 2, causal=True)
+    x = torch.randn(2, 16, 64)
+    ref = ref_forward(attn, x)
+    out = copy.deepcopy(attn).to(torch.bfloat16)(x.bfloat16())
+    assert_close(out.float(), ref, torch.bfloat16, atol=5e-2)
+
+
+def test_decode_step_under_torch_compile():
+    attn = mh.Attention(32, 4, 2, causal=True, rope=True).eval()
+    x = torch.randn(1, 12, 32)
+    ref_cache = attn.new_cache(1, 16)
+    ref = [attn(x[:, t : t + 1], cache=ref_cache) for t in range(12)]
+    cache = attn.new_cache(1, 16)
+
+    @torch.compile(dynamic=True)
+    def step(tok):
+        return attn(tok, cache=cache)
+
+    torch._dynamo.reset()
+    from torch._dynamo.utils import counters
+
+    counters.clear()
+    outs, graphs = [], []
+    with torch.no_grad():
+        for t in range(12):
+            outs.append(step(x[:, t : t + 1]))
+            graphs.append(counters["stats"]["unique_graphs"])
+    assert_close(torch.cat(outs, 1), torch.cat(ref, 1), atol=1e-5)
+    # the cache position is a tensor, so one graph serves every step
+    assert graphs[-1] == 1, f"graphs compiled after each step: {graphs}"
+    assert cache.length == 12
