@@ -1,0 +1,192 @@
+"""Account for and recommend an attention geometry.
+
+  multihead plan --params 7B --context 32k --device h100-80gb --batch 16
+  multihead plan --config path/to/config.json --context 8k --device a100-80gb
+  multihead plan --compare llama.json mistral.json gemma2.json --json
+
+With --params, recommend a variant (MHA, GQA, MQA, MLA), head geometry, init scales and
+the check to run, with a ranked table of alternatives. With --config or --compare, the
+exact accounting of Hugging Face config.json files: parameters, KV cache (window- and
+MLA-aware), attention FLOPs and, with a device, what fits and the decode estimate.
+Sizes are written as people write them: 125M, 1.3B, 70B; 32k, 128K; 80GB, 80GiB.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+SIZE_FLAGS = ("d_model", "layers", "n_heads", "n_kv_heads", "head_dim", "kv_rank", "variant")
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.formatter_class = argparse.RawDescriptionHelpFormatter
+    mode = parser.add_argument_group("what to plan (one of)")
+    mode.add_argument("--params", metavar="SIZE",
+                      help="recommend a geometry for this many parameters (125M, 1.3B, 7B, 70B)")
+    mode.add_argument("--config", metavar="FILE",
+                      help="account for a Hugging Face config.json")
+    mode.add_argument("--compare", metavar="FILE", nargs="+",
+                      help="account for several config.json files side by side")
+    mode.add_argument("--list-devices", action="store_true", help="list the device presets")
+
+    use = parser.add_argument_group("how it is used")
+    use.add_argument("--context", metavar="TOKENS",
+                     help="context length (32k, 128K, 4096); default 8k when recommending, "
+                          "the model's max positions for a config")
+    use.add_argument("--batch", metavar="N", default="1", help="sequences decoded at once "
+                     "(default 1)")
+    use.add_argument("--device", metavar="NAME",
+                     help="accelerator preset (default h100-80gb when recommending); "
+                          "see --list-devices")
+    use.add_argument("--devices", metavar="N", default="1",
+                     help="number of such devices (tensor parallel; default 1)")
+    use.add_argument("--memory", metavar="SIZE", help="device memory, e.g. 48GiB (overrides "
+                     "the preset's)")
+    use.add_argument("--bandwidth", metavar="BW", help="device bandwidth, e.g. 960GB/s "
+                     "(overrides the preset's)")
+    use.add_argument("--priority", default="inference", metavar="{inference,training}",
+                     help="what the geometry is optimised for (default inference)")
+    use.add_argument("--dtype", default="bf16",
+                     help="KV cache dtype: fp32, bf16, fp16, fp8, int8, int4 (default bf16)")
+    use.add_argument("--weights-dtype", default=None,
+                     help="weights dtype (default: the same as --dtype)")
+
+    shape = parser.add_argument_group("fix part of the geometry (when recommending)")
+    shape.add_argument("--d-model", metavar="N", help="model width")
+    shape.add_argument("--layers", metavar="N", help="number of layers (default: fill --params)")
+    shape.add_argument("--n-heads", metavar="N", help="query heads")
+    shape.add_argument("--n-kv-heads", metavar="N", help="key/value heads")
+    shape.add_argument("--head-dim", metavar="N", help="head dim")
+    shape.add_argument("--variant", metavar="{mha,gqa,mqa,mla}", help="attention variant")
+    shape.add_argument("--kv-rank", metavar="N", help="MLA latent rank")
+    shape.add_argument("--vocab", metavar="N", default="32000", help="vocabulary (default 32000)")
+
+    parser.add_argument("--json", action="store_true", help="machine-readable output "
+                        "(schema in docs/plan.md)")
+
+
+def _usage(msg: str):
+    from multihead.cli import UsageError
+
+    return UsageError(msg)
+
+
+def _int(flag: str, text: str | None) -> int | None:
+    if text is None:
+        return None
+    try:
+        value = int(str(text).replace("_", "").replace(",", ""))
+    except ValueError:
+        raise _usage(f"{flag} must be a whole number; received {text!r}") from None
+    if value <= 0:
+        raise _usage(f"{flag} must be positive; received {value}")
+    return value
+
+
+def _device(args, required: bool):
+    """The preset named by --device, adjusted by --memory/--bandwidth, or a custom one."""
+    from dataclasses import replace
+
+    from multihead.plan import devices, units
+
+    memory = units.parse_bytes(args.memory) if args.memory else None
+    bandwidth = units.parse_bandwidth(args.bandwidth) if args.bandwidth else None
+    if args.device is None:
+        if memory and bandwidth:
+            return devices.custom_device(memory, bandwidth)
+        if memory or bandwidth:
+            raise _usage("a custom device needs both --memory and --bandwidth (e.g. --memory "
+                         f"48GiB --bandwidth 960GB/s); received --memory {args.memory} "
+                         f"--bandwidth {args.bandwidth}, or name a --device")
+        return devices.DEVICES["h100-80gb"] if required else None
+    dev = devices.get_device(args.device)
+    if memory or bandwidth:
+        dev = replace(dev, memory=memory or dev.memory, bandwidth=bandwidth or dev.bandwidth,
+                      name=f"{dev.name}*")
+    return dev
+
+
+def main(args) -> int:
+    try:
+        return _main(args)
+    except (ValueError, TypeError) as err:
+        # plan raises ValueError/TypeError for bad input, naming what was received and
+        # what is valid; at the command line that is a one-line usage error.
+        raise _usage(str(err)) from None
+
+
+def _main(args) -> int:
+    from multihead.plan import devices, report, units
+    from multihead.plan.recommend import Request, recommend
+
+    if args.list_devices:
+        return _list_devices(devices, args.json)
+    modes = [m for m in ("params", "config", "compare") if getattr(args, m)]
+    if len(modes) != 1:
+        given = ", ".join(f"--{m}" for m in modes) or "none"
+        raise _usage(f"give exactly one of --params SIZE (e.g. 7B), --config FILE or --compare "
+                     f"FILE FILE...; received {given}")
+    if args.priority not in ("inference", "training"):
+        raise _usage(f"--priority must be inference or training; received {args.priority!r}")
+    dtype = units.dtype_name(args.dtype)
+    weights_dtype = units.dtype_name(args.weights_dtype) if args.weights_dtype else dtype
+    batch = _int("--batch", args.batch)
+    n_devices = _int("--devices", args.devices)
+    context = units.parse_tokens(args.context) if args.context else None
+
+    if args.params:
+        variant = args.variant.lower() if args.variant else None
+        req = Request(
+            params=units.parse_count(args.params),
+            context=context or 8192,
+            batch=batch,
+            device=_device(args, required=True),
+            n_devices=n_devices,
+            priority=args.priority,
+            dtype=dtype,
+            weights_dtype=weights_dtype,
+            d_model=_int("--d-model", args.d_model),
+            n_layers=_int("--layers", args.layers),
+            n_heads=_int("--n-heads", args.n_heads),
+            n_kv_heads=_int("--n-kv-heads", args.n_kv_heads),
+            head_dim=_int("--head-dim", args.head_dim),
+            variant=variant,
+            kv_rank=_int("--kv-rank", args.kv_rank),
+            vocab_size=_int("--vocab", args.vocab),
+        )
+        rec = recommend(req)
+        out = (json.dumps(report.recommendation_dict(rec), indent=2) if args.json
+               else report.recommendation_text(rec))
+        print(out)
+        return 0
+
+    fixed = [f"--{f.replace('_', '-')}" for f in SIZE_FLAGS if getattr(args, f) is not None]
+    if fixed:
+        raise _usage(f"{', '.join(fixed)} apply when recommending (--params), not to a config; "
+                     "edit the config instead")
+    from multihead.plan.configs import read_config
+
+    paths = [args.config] if args.config else args.compare
+    device = _device(args, required=False)
+    accounts = [report.account(read_config(p), context, batch, dtype, device, weights_dtype,
+                               n_devices) for p in paths]
+    if args.json:
+        print(json.dumps(report.account_json(accounts), indent=2))
+    else:
+        print(report.account_text(accounts))
+    return 0
+
+
+def _list_devices(devices, as_json: bool) -> int:
+    from multihead.plan.units import fmt_bytes, table
+
+    if as_json:
+        print(json.dumps({"schema": "multihead.plan.devices/1", "devices": [
+            {"name": d.name, "memory_bytes": d.memory, "bandwidth_bytes_per_s": d.bandwidth,
+             "note": d.note} for d in devices.DEVICES.values()]}, indent=2))
+        return 0
+    rows = [[d.name, fmt_bytes(d.memory), f"{d.bandwidth / 1e9:,.0f} GB/s", d.note]
+            for d in devices.DEVICES.values()]
+    print(table(["device", "memory", "bandwidth", "what"], rows, right={1, 2}))
+    return 0

@@ -1,0 +1,335 @@
+"""Read a Hugging Face `config.json` into a `ModelGeometry`, traps included.
+
+The traps each family sets for a naive calculator:
+- gpt2: K/V/Q fused in one Conv1D (c_attn, 3C wide) with biases; FFN width n_inner or 4C.
+- bert: an encoder (no KV cache); token-type table, embedding LayerNorm and pooler.
+- llama / mistral: `head_dim` may differ from hidden_size / heads (Mistral-Nemo);
+  Mistral-7B-v0.1's 4096-token sliding window on every layer.
+- qwen2: q/k/v biases and no o bias; `sliding_window` is set but off unless
+  `use_sliding_window`, and then only from layer `max_window_layers` on.
+- gemma / gemma2: head_dim 256 whatever hidden_size says (Gemma-2-9B: 16 x 256 = 4096 vs
+  d_model 3584); Gemma-2 alternates local (sliding window) and global layers and has four
+  norms per block; embeddings tied.
+- falcon: `multi_query` means one KV head whatever `num_kv_heads` says, unless
+  `new_decoder_architecture`; one LayerNorm per parallel block; `bias` on every Linear.
+- phi3: fused qkv_proj and gate_up_proj (same counts as separate ones).
+- deepseek_v2 / deepseek_v3: MLA, so `num_key_value_heads` says nothing about the cache
+  (the latent does: kv_lora_rank + qk_rope_head_dim per token per layer); MoE with
+  shared experts and leading dense layers; V3's router score-correction bias.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Callable, Mapping
+
+from multihead.plan.geometry import (
+    AttentionGeometry,
+    FeedForward,
+    LatentGeometry,
+    MixtureOfExperts,
+    ModelGeometry,
+)
+
+
+class _Fields:
+    """Typed access to a config dict; a missing or bad field names itself and the family."""
+
+    def __init__(self, data: Mapping, family: str, source: str):
+        self.data, self.family, self.source = data, family, source
+
+    def _fail(self, msg: str):
+        raise ValueError(f"{self.source}: {msg}")
+
+    def int(self, *names: str, default=..., allow_none: bool = False, minimum: int = 1):
+        for name in names:
+            if name in self.data:
+                value = self.data[name]
+                if value is None and allow_none:
+                    return None
+                if isinstance(value, bool) or not isinstance(value, int):
+                    self._fail(f"field '{name}' of a {self.family} config must be an integer; "
+                               f"received {value!r}")
+                if value < minimum:
+                    self._fail(f"field '{name}' of a {self.family} config must be >= {minimum}; "
+                               f"received {value}")
+                return value
+        if default is ...:
+            alt = f" (or {', '.join(repr(n) for n in names[1:])})" if len(names) > 1 else ""
+            self._fail(f"a {self.family} config needs the field '{names[0]}'{alt}; it is missing")
+        return default
+
+    def bool(self, name: str, default: bool) -> bool:
+        value = self.data.get(name, default)
+        if value is None:
+            return default
+        if not isinstance(value, bool):
+            self._fail(f"field '{name}' of a {self.family} config must be true or false; "
+                       f"received {value!r}")
+        return value
+
+    def head_dim(self, d_model: int, n_heads: int) -> int | None:
+        """`head_dim` when the config sets it (None = d_model // n_heads)."""
+        hd = self.int("head_dim", default=None, allow_none=True)
+        if hd is None and d_model % n_heads:
+            self._fail(f"hidden_size ({d_model}) is not divisible by num_attention_heads "
+                       f"({n_heads}) and there is no 'head_dim'")
+        return hd
+
+    def window_layers(self, n_layers: int) -> int | None:
+        """Layers marked sliding in a `layer_types` list (newer configs), else None."""
+        types = self.data.get("layer_types")
+        if isinstance(types, list) and types:
+            return sum(t == "sliding_attention" for t in types)
+        return None
+
+
+def _context(f: _Fields) -> int | None:
+    return f.int("max_position_embeddings", "n_positions", default=None, allow_none=True)
+
+
+def _gpt2(f: _Fields) -> ModelGeometry:
+    c = f.int("n_embd", "hidden_size")
+    h = f.int("n_head", "num_attention_heads")
+    n_pos = f.int("n_positions", "max_position_embeddings")
+    d_ff = f.int("n_inner", default=None, allow_none=True) or 4 * c
+    return ModelGeometry(
+        attention=AttentionGeometry(c, h, head_dim=f.head_dim(c, h), bias=True),
+        n_layers=f.int("n_layer", "num_hidden_layers"),
+        vocab_size=f.int("vocab_size"),
+        ffn=FeedForward(d_ff, gated=False, bias=True),
+        tied_embeddings=f.bool("tie_word_embeddings", True),
+        norm="layernorm",
+        max_positions=n_pos,
+        context_length=n_pos,
+    )
+
+
+def _bert(f: _Fields) -> ModelGeometry:
+    c = f.int("hidden_size")
+    h = f.int("num_attention_heads")
+    n_pos = f.int("max_position_embeddings")
+    return ModelGeometry(
+        attention=AttentionGeometry(c, h, head_dim=f.head_dim(c, h), bias=True),
+        n_layers=f.int("num_hidden_layers"),
+        vocab_size=f.int("vocab_size"),
+        ffn=FeedForward(f.int("intermediate_size"), gated=False, bias=True),
+        lm_head=False,  # BertModel: the encoder with its pooler, no MLM head
+        norm="layernorm",
+        final_norm=False,  # post-norm: the norms sit inside the blocks
+        max_positions=n_pos,
+        token_types=f.int("type_vocab_size", default=2),
+        embedding_norm=True,
+        pooler=True,
+        causal=False,
+        context_length=n_pos,
+        notes=("counted as BertModel with its pooler, without an MLM head",),
+    )
+
+
+def _llama_like(f: _Fields, *, qkv_bias: bool | None = None, o_bias: bool | None = None,
+                tied: bool = False, norms_per_layer: int = 2, window: int | None = None,
+                window_layers: int | None = None, notes: tuple[str, ...] = ()) -> ModelGeometry:
+    c = f.int("hidden_size")
+    h = f.int("num_attention_heads")
+    hkv = f.int("num_key_value_heads", default=h, allow_none=True) or h
+    if h % hkv:
+        f._fail(f"num_attention_heads ({h}) is not divisible by num_key_value_heads ({hkv})")
+    bias = f.bool("attention_bias", False) if qkv_bias is None else qkv_bias
+    return ModelGeometry(
+        attention=AttentionGeometry(c, h, hkv, head_dim=f.head_dim(c, h), bias=bias,
+                                    o_bias=o_bias),
+        n_layers=f.int("num_hidden_layers"),
+        vocab_size=f.int("vocab_size"),
+        ffn=FeedForward(f.int("intermediate_size"), gated=True, bias=f.bool("mlp_bias", False)),
+        tied_embeddings=f.bool("tie_word_embeddings", tied),
+        norms_per_layer=norms_per_layer,
+        window=window,
+        window_layers=window_layers,
+        context_length=_context(f),
+        notes=notes,
+    )
+
+
+def _llama(f: _Fields) -> ModelGeometry:
+    return _llama_like(f)
+
+
+def _mistral(f: _Fields) -> ModelGeometry:
+    return _llama_like(f, window=f.int("sliding_window", default=None, allow_none=True))
+
+
+def _qwen2(f: _Fields) -> ModelGeometry:
+    window = window_layers = None
+    if f.bool("use_sliding_window", False):
+        window = f.int("sliding_window", default=None, allow_none=True)
+        n_layers = f.int("num_hidden_layers")
+        start = f.int("max_window_layers", default=0, minimum=0)
+        window_layers = f.window_layers(n_layers)
+        if window_layers is None:
+            window_layers = max(0, n_layers - start)
+    return _llama_like(f, qkv_bias=True, o_bias=False, window=window, window_layers=window_layers)
+
+
+def _phi3(f: _Fields) -> ModelGeometry:
+    return _llama_like(f, window=f.int("sliding_window", default=None, allow_none=True),
+                       notes=("qkv_proj and gate_up_proj are fused; counted as separate "
+                              "projections, which have the same parameters",))
+
+
+def _gemma(f: _Fields) -> ModelGeometry:
+    f.int("head_dim")  # Gemma's head_dim is never hidden_size / heads: require it
+    return _llama_like(f, tied=True)
+
+
+def _gemma2(f: _Fields) -> ModelGeometry:
+    f.int("head_dim")
+    n_layers = f.int("num_hidden_layers")
+    window = f.int("sliding_window", "sliding_window_size", default=4096, allow_none=True)
+    # Layers 0, 2, 4, ... are local (sliding window), the others global.
+    window_layers = f.window_layers(n_layers)
+    if window_layers is None:
+        window_layers = (n_layers + 1) // 2
+    return _llama_like(f, tied=True, norms_per_layer=4, window=window,
+                       window_layers=window_layers)
+
+
+def _falcon(f: _Fields) -> ModelGeometry:
+    c = f.int("hidden_size")
+    h = f.int("num_attention_heads", "n_head")
+    new_arch = f.bool("new_decoder_architecture", False)
+    if new_arch:
+        hkv = f.int("num_kv_heads", "n_head_kv", default=h, allow_none=True) or h
+        norms = f.int("num_ln_in_parallel_attn", default=2, allow_none=True) or 2
+    elif f.bool("multi_query", True):
+        hkv = 1  # HF Falcon: multi_query wins over num_kv_heads in the old architecture
+        norms = 1 if f.bool("parallel_attn", True) else 2
+    else:
+        hkv = f.int("num_kv_heads", default=h, allow_none=True) or h
+        norms = 1 if f.bool("parallel_attn", True) else 2
+    if h % hkv:
+        f._fail(f"num_attention_heads ({h}) is not divisible by num_kv_heads ({hkv})")
+    bias = f.bool("bias", False)
+    d_ff = f.int("ffn_hidden_size", default=None, allow_none=True) or 4 * c
+    return ModelGeometry(
+        attention=AttentionGeometry(c, h, hkv, head_dim=f.head_dim(c, h), bias=bias),
+        n_layers=f.int("num_hidden_layers", "n_layer"),
+        vocab_size=f.int("vocab_size"),
+        ffn=FeedForward(d_ff, gated=False, bias=bias),
+        tied_embeddings=f.bool("tie_word_embeddings", True),
+        norm="layernorm",
+        norms_per_layer=norms,
+        context_length=f.int("max_position_embeddings", default=None, allow_none=True),
+        notes=("query_key_value is fused: (H + 2*Hkv)*D outputs",),
+    )
+
+
+def _deepseek(f: _Fields) -> ModelGeometry:
+    c = f.int("hidden_size")
+    h = f.int("num_attention_heads")
+    n_layers = f.int("num_hidden_layers")
+    attention = LatentGeometry(
+        c, h,
+        kv_rank=f.int("kv_lora_rank"),
+        q_rank=f.int("q_lora_rank", default=None, allow_none=True),
+        head_dim=f.int("qk_nope_head_dim"),
+        rope_dim=f.int("qk_rope_head_dim", minimum=0),
+        v_head_dim=f.int("v_head_dim"),
+    )  # fmt: skip
+    moe = None
+    n_experts = f.int("n_routed_experts", default=None, allow_none=True)
+    if n_experts:
+        moe = MixtureOfExperts(
+            n_experts=n_experts,
+            top_k=f.int("num_experts_per_tok"),
+            d_expert=f.int("moe_intermediate_size"),
+            n_shared=f.int("n_shared_experts", default=0, allow_none=True, minimum=0) or 0,
+            first_dense=f.int("first_k_dense_replace", default=0, minimum=0),
+            layer_freq=f.int("moe_layer_freq", default=1),
+            router_bias=f.data.get("topk_method") == "noaux_tc",
+        )
+    notes = ["num_key_value_heads is ignored: MLA caches the latent "
+             "(kv_lora_rank + qk_rope_head_dim per token per layer)"]
+    mtp = f.int("num_nextn_predict_layers", default=0, allow_none=True, minimum=0)
+    if mtp:
+        notes.append(f"the {mtp} multi-token-prediction layer(s) (num_nextn_predict_layers) are "
+                     "not counted: transformers does not load them")
+    return ModelGeometry(
+        attention=attention,
+        n_layers=n_layers,
+        vocab_size=f.int("vocab_size"),
+        ffn=FeedForward(f.int("intermediate_size")),
+        moe=moe,
+        tied_embeddings=f.bool("tie_word_embeddings", False),
+        context_length=_context(f),
+        notes=tuple(notes),
+    )
+
+
+READERS: dict[str, Callable[[_Fields], ModelGeometry]] = {
+    "bert": _bert,
+    "deepseek_v2": _deepseek,
+    "deepseek_v3": _deepseek,
+    "falcon": _falcon,
+    "gemma": _gemma,
+    "gemma2": _gemma2,
+    "gpt2": _gpt2,
+    "llama": _llama,
+    "mistral": _mistral,
+    "phi3": _phi3,
+    "qwen2": _qwen2,
+}
+_ALIASES = {"RefinedWebModel": "falcon", "RefinedWeb": "falcon"}
+SUPPORTED = ", ".join(READERS)
+
+
+def read_config(source, name: str | None = None) -> ModelGeometry:
+    """A `ModelGeometry` from a config.json path or an already-parsed dict.
+
+    Raises ValueError naming the file and what is wrong: not JSON, not a model config,
+    an unknown `model_type` (listing the supported families), a missing or bad field.
+    """
+    if isinstance(source, Mapping):
+        data, label = source, name or "config"
+    elif isinstance(source, (str, os.PathLike)):
+        label = os.fspath(source)
+        try:
+            with open(source, encoding="utf-8") as fh:
+                text = fh.read()
+        except OSError as err:
+            raise ValueError(f"cannot read {label}: {err.strerror or err}") from None
+        try:
+            data = json.loads(text)
+        except json.JSONDecodeError as err:
+            raise ValueError(f"{label} is not JSON ({err.msg} at line {err.lineno}); "
+                             "expected a Hugging Face config.json") from None
+    else:
+        raise TypeError(f"read_config takes a path or a dict; received {type(source).__name__}")
+    if not isinstance(data, Mapping):
+        raise ValueError(f"{label} is not a model config: expected a JSON object, received "
+                         f"a {type(data).__name__}")
+    model_type = data.get("model_type")
+    if model_type is None:
+        keys = ", ".join(list(data)[:6]) or "none"
+        raise ValueError(f"{label} is not a model config: it has no 'model_type' (keys: {keys}); "
+                         f"supported families: {SUPPORTED}")
+    family = _ALIASES.get(model_type, model_type)
+    if family not in READERS:
+        raise ValueError(f"{label}: unknown model_type {model_type!r}; supported: {SUPPORTED}")
+    model = READERS[family](_Fields(data, family, label))
+    model_name = name or data.get("_name_or_path") or _stem(label) or family
+    return _renamed(model, str(model_name), family)
+
+
+def _stem(label: str) -> str:
+    base = os.path.basename(label)
+    if base == "config.json":  # a model directory: use its name
+        base = os.path.basename(os.path.dirname(os.path.abspath(label)))
+    return base.removesuffix(".json")
+
+
+def _renamed(model: ModelGeometry, name: str, family: str) -> ModelGeometry:
+    from dataclasses import replace
+
+    return replace(model, name=name, family=family)

@@ -1,0 +1,547 @@
+"""The shape of a model's attention, and exact accounting for it: parameters, KV cache, FLOPs.
+
+Two small frozen descriptions mirror the library's two attention modules argument for
+argument, so that `attention_params(AttentionGeometry(...))` is the parameter count of
+`multihead.Attention(...)` with the same arguments, and `kv_cache_bytes` is the
+`nbytes` of its cache (tests/test_plan_modules.py checks both):
+
+- `AttentionGeometry`: MHA, GQA, MQA (self or cross attention), like `multihead.Attention`.
+- `LatentGeometry`: multi-head latent attention (MLA, DeepSeek-V2, arXiv:2405.04434),
+  like `multihead.LatentAttention`; its cache holds the latent (R + rope dims per token
+  per layer), not K and V.
+
+`ModelGeometry` adds what a whole model needs (layers, embeddings, FFN or MoE, norms,
+sliding windows) for model totals and window-aware caches. Everything is integer
+arithmetic; nothing here imports torch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from multihead.plan.units import bytes_for
+
+
+def _check_int(name: str, value, *, allow_none: bool = False, minimum: int = 1) -> None:
+    if value is None and allow_none:
+        return
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{name} must be an int; received {value!r}")
+    if value < minimum:
+        raise ValueError(f"{name} must be >= {minimum}; received {value}")
+
+
+def divisors(n: int) -> list[int]:
+    """The valid KV head counts for `n` query heads: every divisor of n, ascending."""
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+# --- one attention block -----------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class AttentionGeometry:
+    """MHA / GQA / MQA attention of one layer, with the arguments of `multihead.Attention`.
+
+    Projections (B, T, C) -> (B, T, H*D) for q, (B, S, Cc) -> (B, S, Hkv*D) for k and v,
+    (B, T, H*D) -> (B, T, C) for o, where Cc = context_dim or d_model (cross attention).
+    `bias` puts a bias on q, k, v and o, like the module; `o_bias` overrides it for o
+    alone (Qwen2 has q/k/v biases and no o bias).
+    """
+
+    d_model: int
+    n_heads: int
+    n_kv_heads: int | None = None
+    head_dim: int | None = None
+    context_dim: int | None = None
+    bias: bool = True
+    o_bias: bool | None = None
+
+    def __post_init__(self):
+        _check_int("d_model", self.d_model)
+        _check_int("n_heads", self.n_heads)
+        _check_int("n_kv_heads", self.n_kv_heads, allow_none=True)
+        _check_int("head_dim", self.head_dim, allow_none=True)
+        _check_int("context_dim", self.context_dim, allow_none=True)
+        if self.n_heads % self.n_kv:
+            raise ValueError(
+                f"n_heads ({self.n_heads}) must be divisible by n_kv_heads ({self.n_kv}); "
+                f"valid: {', '.join(map(str, divisors(self.n_heads)))}")
+        if self.head_dim is None and self.d_model < self.n_heads:
+            raise ValueError(f"d_model ({self.d_model}) // n_heads ({self.n_heads}) is 0; "
+                             "give head_dim or use fewer heads")
+
+    @property
+    def kind(self) -> str:
+        """'MHA' (Hkv = H), 'MQA' (Hkv = 1 < H) or 'GQA' (anything between)."""
+        if self.n_kv == self.n_heads:
+            return "MHA"
+        return "MQA" if self.n_kv == 1 else "GQA"
+
+    @property
+    def label(self) -> str:
+        return f"GQA-{self.n_kv}" if self.kind == "GQA" else self.kind
+
+    @property
+    def n_kv(self) -> int:
+        """Hkv: key/value heads."""
+        return self.n_heads if self.n_kv_heads is None else self.n_kv_heads
+
+    @property
+    def d_head(self) -> int:
+        """D: query/key head dim (head_dim, else d_model // n_heads)."""
+        return self.head_dim if self.head_dim is not None else self.d_model // self.n_heads
+
+    @property
+    def d_value(self) -> int:
+        """Dv: value head dim (= D for this module)."""
+        return self.d_head
+
+    @property
+    def has_o_bias(self) -> bool:
+        return self.bias if self.o_bias is None else self.o_bias
+
+    @property
+    def kv_elements_per_token(self) -> int:
+        """Cached values per token in one layer: K and V, Hkv heads of D each."""
+        return 2 * self.n_kv * self.d_head
+
+    @property
+    def weights(self) -> int:
+        """Projection weights (no biases): what each token multiplies through."""
+        h, hkv, d, c = self.n_heads, self.n_kv, self.d_head, self.d_model
+        cc = self.context_dim or c
+        return c * h * d + 2 * cc * hkv * d + h * d * c
+
+    @property
+    def params(self) -> int:
+        h, hkv, d, c = self.n_heads, self.n_kv, self.d_head, self.d_model
+        biases = (h * d + 2 * hkv * d) * self.bias + c * self.has_o_bias
+        return self.weights + biases
+
+    def score_flops(self, keys: int, *, decompressed: bool = False) -> int:
+        """FLOPs of q.k and p.v for one query over `keys` keys (2 per multiply-add)."""
+        return 2 * self.n_heads * keys * (self.d_head + self.d_value)
+
+
+@dataclass(frozen=True)
+class LatentGeometry:
+    """Multi-head latent attention of one layer, with the arguments of `LatentAttention`.
+
+    DeepSeek-V2 layout, no biases. Keys are compressed into a rank-R latent c (B, S, R)
+    plus one shared RoPE key (B, S, rope_dim); per head, K = [W_uk c ; k_rope] and
+    V = W_uv c. `head_dim` is the no-RoPE part of the query/key head (qk_nope_head_dim),
+    so a query/key head is head_dim + rope_dim wide and a value head is v_head_dim.
+    q_rank None means queries are projected directly (DeepSeek-V2-Lite).
+    """
+
+    d_model: int
+    n_heads: int
+    kv_rank: int
+    q_rank: int | None = None
+    head_dim: int | None = None
+    rope_dim: int = 0
+    v_head_dim: int | None = None
+
+    def __post_init__(self):
+        _check_int("d_model", self.d_model)
+        _check_int("n_heads", self.n_heads)
+        _check_int("kv_rank", self.kv_rank)
+        _check_int("q_rank", self.q_rank, allow_none=True)
+        _check_int("head_dim", self.head_dim, allow_none=True)
+        _check_int("rope_dim", self.rope_dim, minimum=0)
+        _check_int("v_head_dim", self.v_head_dim, allow_none=True)
+        if self.head_dim is None and self.d_model < self.n_heads:
+            raise ValueError(f"d_model ({self.d_model}) // n_heads ({self.n_heads}) is 0; "
+                             "give head_dim or use fewer heads")
+
+    kind = "MLA"
+
+    @property
+    def label(self) -> str:
+        return f"MLA-{self.kv_rank}"
+
+    @property
+    def n_kv(self) -> int:
+        """Every query head has its own decompressed K/V head."""
+        return self.n_heads
+
+    @property
+    def d_head(self) -> int:
+        """The no-RoPE query/key head dim (head_dim, else d_model // n_heads)."""
+        return self.head_dim if self.head_dim is not None else self.d_model // self.n_heads
+
+    @property
+    def d_qk(self) -> int:
+        """Full query/key head dim: no-RoPE part + RoPE part."""
+        return self.d_head + self.rope_dim
+
+    @property
+    def d_value(self) -> int:
+        return self.v_head_dim if self.v_head_dim is not None else self.d_head
+
+    @property
+    def kv_elements_per_token(self) -> int:
+        """The latent cache: R + rope_dim values per token per layer, shared by all heads."""
+        return self.kv_rank + self.rope_dim
+
+    @property
+    def decompressed_kv_elements_per_token(self) -> int:
+        """What a cache of decompressed K and V would hold: H*(D + rope) + H*Dv."""
+        return self.n_heads * (self.d_qk + self.d_value)
+
+    @property
+    def weights(self) -> int:
+        h, c, r = self.n_heads, self.d_model, self.kv_rank
+        q_out = h * self.d_qk
+        q = c * q_out if self.q_rank is None else c * self.q_rank + self.q_rank * q_out
+        kv_a = c * (r + self.rope_dim)
+        kv_b = r * h * (self.d_head + self.d_value)
+        o = h * self.d_value * c
+        return q + kv_a + kv_b + o
+
+    @property
+    def params(self) -> int:
+        # The RMSNorms on the q latent (q_rank) and on the kv latent (R) carry weights.
+        return self.weights + (self.q_rank or 0) + self.kv_rank
+
+    def score_flops(self, keys: int, *, decompressed: bool = False) -> int:
+        """FLOPs of the scores and the weighted sum for one query over `keys` keys.
+
+        Decompressed (naive) path: per head q.k over D + rope dims and p.v over Dv.
+        Absorbed path (decoding from the latent cache): W_uk is folded into the query and
+        W_uv into the output, so per head the scores run over R + rope dims and the
+        weighted sum over R: more FLOPs, far fewer bytes.
+        """
+        if decompressed:
+            return 2 * self.n_heads * keys * (self.d_qk + self.d_value)
+        return 2 * self.n_heads * keys * (2 * self.kv_rank + self.rope_dim)
+
+
+Geometry = AttentionGeometry | LatentGeometry
+
+
+def attention_params(geometry: Geometry) -> int:
+    """Parameters of one attention block: the module's `sum(p.numel())`."""
+    return geometry.params
+
+
+def kv_cache_bytes(
+    geometry: Geometry, tokens: int, batch: int = 1, dtype="bf16", *, decompressed: bool = False
+) -> int:
+    """Bytes of one layer's cache for `batch` sequences of `tokens` tokens.
+
+    Equals `module.new_cache(batch, tokens, dtype=...).nbytes`: 2*B*Hkv*T*D*itemsize for
+    MHA/GQA/MQA, B*T*(R + rope)*itemsize for MLA's latent cache. `decompressed=True`
+    gives what an MLA implementation that caches K and V would need instead.
+    """
+    _check_int("tokens", tokens, minimum=0)
+    _check_int("batch", batch)
+    per_token = geometry.kv_elements_per_token
+    if decompressed:
+        if not isinstance(geometry, LatentGeometry):
+            raise ValueError(f"decompressed=True applies to MLA only; received a "
+                             f"{geometry.kind} geometry")
+        per_token = geometry.decompressed_kv_elements_per_token
+    return bytes_for(batch * tokens * per_token, dtype)
+
+
+# --- a whole model -----------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class FeedForward:
+    """The MLP of a layer: gated (SwiGLU/GeGLU: gate, up, down) or not (up, down)."""
+
+    d_ff: int
+    gated: bool = True
+    bias: bool = False
+
+    def __post_init__(self):
+        _check_int("d_ff", self.d_ff)
+
+    def params(self, d_model: int) -> int:
+        mats = 3 if self.gated else 2
+        biases = (self.d_ff * (mats - 1) + d_model) if self.bias else 0
+        return mats * d_model * self.d_ff + biases
+
+
+@dataclass(frozen=True)
+class MixtureOfExperts:
+    """DeepSeek-style MoE: routed experts (top_k of n_experts per token) + shared experts.
+
+    MoE replaces the FFN in every `layer_freq`-th layer from `first_dense` on (the first
+    layers stay dense with the model's `ffn`). Shared experts always run; DeepSeek fuses
+    them into one MLP of n_shared * d_expert, which has the same parameter count.
+    `router_bias` is DeepSeek-V3's per-expert score correction (a learned vector).
+    """
+
+    n_experts: int
+    top_k: int
+    d_expert: int
+    n_shared: int = 0
+    first_dense: int = 0
+    layer_freq: int = 1
+    router_bias: bool = False
+
+    def __post_init__(self):
+        _check_int("n_experts", self.n_experts)
+        _check_int("top_k", self.top_k)
+        _check_int("d_expert", self.d_expert)
+        _check_int("n_shared", self.n_shared, minimum=0)
+        _check_int("first_dense", self.first_dense, minimum=0)
+        _check_int("layer_freq", self.layer_freq)
+        if self.top_k > self.n_experts:
+            raise ValueError(f"top_k ({self.top_k}) must be <= n_experts ({self.n_experts})")
+
+    def is_moe_layer(self, i: int) -> bool:
+        return i >= self.first_dense and i % self.layer_freq == 0
+
+    def expert_params(self, d_model: int) -> int:
+        return FeedForward(self.d_expert).params(d_model)
+
+    def router_params(self, d_model: int) -> int:
+        return self.n_experts * d_model + self.n_experts * self.router_bias
+
+    def params(self, d_model: int) -> int:
+        experts = (self.n_experts + self.n_shared) * self.expert_params(d_model)
+        return experts + self.router_params(d_model)
+
+    def active_params(self, d_model: int, tokens: int = 1) -> float:
+        """Expert weights one step touches for `tokens` tokens, uniform routing assumed:
+        each expert is picked by a token with p = top_k / n_experts, so the expected number
+        of distinct routed experts is n_experts * (1 - (1 - p)**tokens)."""
+        p = self.top_k / self.n_experts
+        routed = self.n_experts * (1 - (1 - p) ** tokens)
+        return ((routed + self.n_shared) * self.expert_params(d_model)
+                + self.router_params(d_model))
+
+
+NORMS = {"rmsnorm": 1, "layernorm": 2}  # parameters per channel: weight (+ bias)
+
+
+@dataclass(frozen=True)
+class ModelGeometry:
+    """A transformer's shape, enough to count its parameters and size its cache exactly.
+
+    `norms_per_layer` counts the norms inside a block (2 pre-norm, 4 for Gemma-2's
+    sandwich, 1 for Falcon-7B's parallel block). `max_positions`/`token_types` are learned
+    tables (GPT-2, BERT); rotary and ALiBi have no parameters. `window` is a sliding
+    window on `window_layers` layers (None = all layers when a window is set); the
+    others attend globally. `causal=False` is an encoder: no KV cache, no decoding.
+    """
+
+    attention: Geometry
+    n_layers: int
+    vocab_size: int
+    ffn: FeedForward
+    moe: MixtureOfExperts | None = None
+    tied_embeddings: bool = True
+    lm_head: bool = True
+    norm: str = "rmsnorm"
+    norms_per_layer: int = 2
+    final_norm: bool = True
+    max_positions: int = 0
+    token_types: int = 0
+    embedding_norm: bool = False
+    pooler: bool = False
+    causal: bool = True
+    window: int | None = None
+    window_layers: int | None = None
+    context_length: int | None = None
+    name: str = "model"
+    family: str = "custom"
+    notes: tuple[str, ...] = ()
+
+    def __post_init__(self):
+        _check_int("n_layers", self.n_layers)
+        _check_int("vocab_size", self.vocab_size)
+        _check_int("norms_per_layer", self.norms_per_layer, minimum=0)
+        _check_int("max_positions", self.max_positions, minimum=0)
+        _check_int("token_types", self.token_types, minimum=0)
+        _check_int("window", self.window, allow_none=True)
+        _check_int("window_layers", self.window_layers, allow_none=True, minimum=0)
+        _check_int("context_length", self.context_length, allow_none=True)
+        if self.norm not in NORMS:
+            raise ValueError(f"norm must be one of {', '.join(NORMS)}; received {self.norm!r}")
+        if self.window_layers is not None and self.window_layers > self.n_layers:
+            raise ValueError(f"window_layers ({self.window_layers}) must be <= n_layers "
+                             f"({self.n_layers})")
+
+    @property
+    def d_model(self) -> int:
+        return self.attention.d_model
+
+    @property
+    def n_window_layers(self) -> int:
+        if self.window is None:
+            return 0
+        return self.n_layers if self.window_layers is None else self.window_layers
+
+    @property
+    def n_global_layers(self) -> int:
+        return self.n_layers - self.n_window_layers
+
+    @property
+    def n_moe_layers(self) -> int:
+        if self.moe is None:
+            return 0
+        return sum(self.moe.is_moe_layer(i) for i in range(self.n_layers))
+
+
+@dataclass(frozen=True)
+class ParamCounts:
+    """A model's parameters by part; `total` is their sum (what `model.parameters()` gives)."""
+
+    embedding: int
+    attention_per_layer: int
+    attention: int
+    ffn: int
+    norms: int
+    head: int
+    pooler: int
+    total: int
+    active: int  # per token: MoE counts top_k + shared experts only
+
+    def as_dict(self) -> dict:
+        return dict(self.__dict__)
+
+
+def param_counts(model: ModelGeometry) -> ParamCounts:
+    c, L = model.d_model, model.n_layers
+    embedding = (model.vocab_size + model.max_positions + model.token_types) * c
+    embedding += NORMS[model.norm] * c * model.embedding_norm
+    attn_layer = model.attention.params
+    dense_layers = L - model.n_moe_layers
+    ffn = dense_layers * model.ffn.params(c)
+    active_ffn = ffn
+    if model.moe is not None:
+        ffn += model.n_moe_layers * model.moe.params(c)
+        active_ffn += model.n_moe_layers * round(model.moe.active_params(c, tokens=1))
+    norms = NORMS[model.norm] * c * (L * model.norms_per_layer + model.final_norm)
+    head = model.vocab_size * c if model.lm_head and not model.tied_embeddings else 0
+    pooler = (c * c + c) if model.pooler else 0
+    total = embedding + L * attn_layer + ffn + norms + head + pooler
+    active = total - ffn + active_ffn
+    return ParamCounts(embedding, attn_layer, L * attn_layer, ffn, norms, head, pooler, total,
+                       active)
+
+
+def model_params(model: ModelGeometry) -> int:
+    return param_counts(model).total
+
+
+def _cached_tokens(model: ModelGeometry, context: int) -> int:
+    """Token-layers the cache holds at `context`: windowed layers keep only the window."""
+    w = model.window or 0
+    return model.n_global_layers * context + model.n_window_layers * min(context, w)
+
+
+def kv_bytes_per_token(model: ModelGeometry, dtype="bf16", *, decompressed: bool = False) -> int:
+    """Cache bytes one more token adds, all layers (before any sliding window is full)."""
+    if not model.causal:
+        return 0
+    return model.n_layers * kv_cache_bytes(model.attention, 1, 1, dtype,
+                                           decompressed=decompressed)
+
+
+def model_kv_cache_bytes(model: ModelGeometry, context: int, batch: int = 1, dtype="bf16", *,
+                         decompressed: bool = False) -> int:
+    """Whole-model cache for `batch` sequences at `context` tokens, window-aware.
+
+    A layer with a sliding window W needs only min(context, W) tokens (a rolling
+    buffer); global layers need all of them. Encoders (causal=False) cache nothing.
+    """
+    _check_int("context", context)
+    _check_int("batch", batch)
+    if not model.causal:
+        return 0
+    return kv_cache_bytes(model.attention, _cached_tokens(model, context), batch, dtype,
+                          decompressed=decompressed)
+
+
+@dataclass(frozen=True)
+class AttentionFlops:
+    """Attention FLOPs (2 per multiply-add) at a context length, summed over layers.
+
+    prefill_total: the whole prompt of `context` tokens (causal, window-aware).
+    decode_per_token: one new token with `context` tokens in the cache (itself included);
+    None for encoders. For MLA decode uses the absorbed path that the latent cache
+    implies; decode_decompressed_per_token is the naive path, for comparison.
+    """
+
+    context: int
+    projections_per_token: int
+    prefill_total: int
+    decode_per_token: int | None
+    decode_decompressed_per_token: int | None = None
+
+    @property
+    def prefill_per_token(self) -> float:
+        return self.prefill_total / self.context
+
+    def as_dict(self) -> dict:
+        return {
+            "context": self.context,
+            "projections_per_token": self.projections_per_token,
+            "prefill_total": self.prefill_total,
+            "prefill_per_token": self.prefill_per_token,
+            "decode_per_token": self.decode_per_token,
+            "decode_decompressed_per_token": self.decode_decompressed_per_token,
+        }
+
+
+def _sum_keys(context: int, window: int | None, causal: bool) -> int:
+    """Keys summed over the `context` queries of a prompt: sum_i min(i, W) when causal."""
+    if not causal:
+        return context * context
+    if window is None or context <= window:
+        return context * (context + 1) // 2
+    return window * (window + 1) // 2 + (context - window) * window
+
+
+def attention_flops(model: ModelGeometry, context: int) -> AttentionFlops:
+    _check_int("context", context)
+    a = model.attention
+    proj = 2 * a.weights
+    layers = [(model.n_global_layers, None), (model.n_window_layers, model.window)]
+    is_mla = isinstance(a, LatentGeometry)
+    prefill = model.n_layers * proj * context
+    decode = decode_naive = 0
+    for n, w in layers:
+        if n == 0:
+            continue
+        # The prompt is processed decompressed (it is compute-bound); decoding reads the cache.
+        prefill += n * a.score_flops(_sum_keys(context, w, model.causal), decompressed=True)
+        keys = context if w is None else min(context, w)
+        decode += n * (proj + a.score_flops(keys))
+        decode_naive += n * (proj + a.score_flops(keys, decompressed=True))
+    return AttentionFlops(
+        context=context,
+        projections_per_token=model.n_layers * proj,
+        prefill_total=prefill,
+        decode_per_token=decode if model.causal else None,
+        decode_decompressed_per_token=decode_naive if (model.causal and is_mla) else None,
+    )
+
+
+def describe(model: ModelGeometry) -> str:
+    """One line: 'GQA-8, 32 heads of 128, 8 KV heads, d_model 4096, 32 layers'."""
+    a = model.attention
+    if isinstance(a, LatentGeometry):
+        head = (f"{a.n_heads} heads of {a.d_head}+{a.rope_dim} (v {a.d_value}), "
+                f"kv_rank {a.kv_rank}" + (f", q_rank {a.q_rank}" if a.q_rank else ""))
+    else:
+        head = f"{a.n_heads} heads of {a.d_head}, {a.n_kv} KV head{'s' * (a.n_kv > 1)}"
+    text = f"{a.label}, {head}, d_model {a.d_model}, {model.n_layers} layers"
+    if model.window is not None:
+        text += f", window {model.window} on {model.n_window_layers}/{model.n_layers} layers"
+    return text
+
+
+__all__ = [
+    "AttentionGeometry", "LatentGeometry", "Geometry", "FeedForward", "MixtureOfExperts",
+    "ModelGeometry", "ParamCounts", "AttentionFlops", "attention_params", "kv_cache_bytes",
+    "param_counts", "model_params", "kv_bytes_per_token", "model_kv_cache_bytes",
+    "attention_flops", "describe", "divisors",
+]

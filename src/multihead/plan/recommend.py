@@ -1,0 +1,488 @@
+"""Recommend an attention geometry for a parameter budget, a context, a batch and a device.
+
+The recommender is a short list of deterministic rules, each stated where it is applied:
+
+1. Width from size (`SIZE_LADDER`): the d_model of production models of that size
+   (125M: 768; ~1B: 2048; 7B: 4096; 70B: 8192), head_dim 64 up to d_model 1024 and 128
+   above, n_heads = d_model / head_dim; layers fill the parameter budget.
+2. Starting variant (`start_variant`): MHA below 1B parameters when it has at most 16
+   heads (GPT-2, BERT, Pythia: the cache is small and every head keeps its own K/V);
+   otherwise GQA with 8 KV heads, the default of production models since 2024 (Llama 3,
+   Mistral, Gemma 2: about MHA's quality at H/8 of its cache).
+3. Inference (`priority="inference"`): if the start's KV cache at context x batch does
+   not fit beside the weights, step down the ladder of smaller caches (fewer KV heads,
+   MLA at rank 4*head_dim, MQA) to the first that fits. MLA is never picked below 1B
+   parameters unless asked for (its latent saves little there and costs complexity).
+4. Training (`priority="training"`): no cache is held while training, so the start
+   stands; the cache it would need to serve is still priced and flagged.
+5. Anything the user fixes (--variant, --n-kv-heads, --kv-rank, --n-heads, --head-dim)
+   is kept, with a warning where it breaks a rule.
+The ranked table puts the pick first, then the other candidates that fit (largest cache,
+i.e. most expressive, first), then those that do not (smallest cache first).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field, replace
+
+from multihead.plan.devices import DEVICES, RESERVE, Device, Fit, fit, max_batch, max_context
+from multihead.plan.geometry import (
+    AttentionGeometry,
+    FeedForward,
+    LatentGeometry,
+    ModelGeometry,
+    ParamCounts,
+    describe,
+    divisors,
+    kv_bytes_per_token,
+    model_kv_cache_bytes,
+    param_counts,
+)
+from multihead.plan.units import dtype_name, fmt_bytes, fmt_count, fmt_tokens
+
+PRIORITIES = ("inference", "training")
+VARIANTS = ("mha", "gqa", "mqa", "mla")
+
+# (parameters, d_model) of production models; the recommender takes the nearest in log size.
+SIZE_LADDER = [
+    (10e6, 256), (30e6, 384), (50e6, 512), (125e6, 768), (350e6, 1024), (760e6, 1536),
+    (1e9, 2048), (3e9, 3072), (7e9, 4096), (13e9, 5120), (30e9, 6656), (70e9, 8192),
+    (175e9, 12288), (405e9, 16384),
+]  # fmt: skip
+HEAD_DIMS = (128, 96, 80, 64, 48, 32)  # tried in order when the default does not divide d_model
+MLA_MIN_PARAMS = 1e9
+MHA_MAX_HEADS = 16  # beyond this, and beyond LONG_CONTEXT, MHA draws a warning
+LONG_CONTEXT = 32 * 1024
+TIE_BELOW = 4e9  # Llama 3.2 1B/3B, Qwen2.5 <= 3B tie their embeddings; 7B+ models do not
+MIN_HEAD_DIM = 32
+
+
+@dataclass(frozen=True)
+class Request:
+    """What the user asks for; None means 'let the recommender choose'."""
+
+    params: int
+    context: int = 8192
+    batch: int = 1
+    device: Device = DEVICES["h100-80gb"]
+    n_devices: int = 1
+    priority: str = "inference"
+    dtype: str = "bf16"
+    weights_dtype: str = "bf16"
+    d_model: int | None = None
+    n_layers: int | None = None
+    n_heads: int | None = None
+    n_kv_heads: int | None = None
+    head_dim: int | None = None
+    variant: str | None = None
+    kv_rank: int | None = None
+    vocab_size: int = 32000
+
+    def __post_init__(self):
+        for name in ("params", "context", "batch", "n_devices", "vocab_size"):
+            _positive(name, getattr(self, name))
+        for name in ("d_model", "n_layers", "n_heads", "n_kv_heads", "head_dim", "kv_rank"):
+            if getattr(self, name) is not None:
+                _positive(name, getattr(self, name))
+        if self.priority not in PRIORITIES:
+            raise ValueError(f"priority must be one of {', '.join(PRIORITIES)}; "
+                             f"received {self.priority!r}")
+        if self.variant is not None and self.variant not in VARIANTS:
+            raise ValueError(f"variant must be one of {', '.join(VARIANTS)}; "
+                             f"received {self.variant!r}")
+        object.__setattr__(self, "dtype", dtype_name(self.dtype))
+        object.__setattr__(self, "weights_dtype", dtype_name(self.weights_dtype))
+
+
+def _positive(name, value):
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{name} must be an int; received {value!r}")
+    if value <= 0:
+        raise ValueError(f"{name} must be positive; received {value}")
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """One geometry with its accounting at the request's context, batch and device."""
+
+    model: ModelGeometry
+    params: ParamCounts
+    kv_bytes_per_token: int
+    fit: Fit
+    max_batch: int
+    max_context: int
+
+    @property
+    def label(self) -> str:
+        return self.model.attention.label
+
+    @property
+    def kv_bytes(self) -> int:
+        return self.fit.kv_bytes
+
+
+@dataclass(frozen=True)
+class Recommendation:
+    request: Request
+    pick: Candidate
+    reason: str
+    alternatives: tuple[Candidate, ...]  # ranked, the pick first
+    init: dict
+    bias: dict
+    check: dict
+    warnings: tuple[str, ...]
+    notes: tuple[str, ...] = field(default=())
+
+
+# --- rule 1: width, heads and layers -----------------------------------------------
+
+
+def width_for(params: int) -> int:
+    """d_model of the production size nearest to `params` (in log scale)."""
+    return min(SIZE_LADDER, key=lambda row: abs(math.log(row[0] / params)))[1]
+
+
+def default_head_dim(d_model: int) -> int:
+    """64 for d_model <= 1024 (GPT-2, BERT, Pythia), 128 above (Llama, Mistral, Qwen)."""
+    return 64 if d_model <= 1024 else 128
+
+
+def _heads(req: Request, warnings: list[str]) -> tuple[int, int, int]:
+    """(d_model, n_heads, head_dim) with d_model = n_heads * head_dim."""
+    c, h, d = req.d_model, req.n_heads, req.head_dim
+    if c is None and h is not None and d is not None:
+        c = h * d
+    if c is None:
+        c = width_for(req.params)
+    if h is not None and d is not None:
+        if h * d != c:
+            raise ValueError(f"when recommending, d_model must equal n_heads * head_dim; "
+                             f"received d_model {c}, n_heads {h}, head_dim {d} (= {h * d})")
+    elif h is not None:
+        if c % h:
+            raise ValueError(f"d_model ({c}) must be divisible by n_heads ({h}); valid "
+                             f"n_heads: {', '.join(map(str, divisors(c)[:12]))}, ...")
+        d = c // h
+    elif d is not None:
+        if c % d:
+            valid = ", ".join(str(x) for x in HEAD_DIMS if c % x == 0) or "a divisor of d_model"
+            raise ValueError(f"d_model ({c}) must be divisible by head_dim ({d}); "
+                             f"valid head_dim: {valid}")
+        h = c // d
+    else:
+        tried = (default_head_dim(c), *HEAD_DIMS)
+        d = next((x for x in tried if c % x == 0), None)
+        if d is None:
+            raise ValueError(f"d_model ({c}) is not a multiple of any usual head_dim "
+                             f"({', '.join(map(str, HEAD_DIMS))}); pass --head-dim or --n-heads")
+        h = c // d
+    if d < MIN_HEAD_DIM:
+        wider = f" (e.g. {c // 64} heads of 64)" if c % 64 == 0 else ""
+        warnings.append(f"head_dim {d} is below {MIN_HEAD_DIM}: each head's q.k has too few "
+                        f"dimensions to separate tokens and positions; use fewer, wider "
+                        f"heads{wider}")
+    return c, h, d
+
+
+def ffn_width(d_model: int) -> int:
+    """SwiGLU width with Llama 3's ratio: 3.5 * d_model, rounded up to a multiple of 256
+    (4096 -> 14336, 8192 -> 28672), so layer counts come out near production models'."""
+    return 256 * math.ceil(7 * d_model / 2 / 256)
+
+
+def _model(attention, n_layers: int, req: Request, tied: bool) -> ModelGeometry:
+    return ModelGeometry(
+        attention=attention,
+        n_layers=n_layers,
+        vocab_size=req.vocab_size,
+        ffn=FeedForward(ffn_width(attention.d_model)),
+        tied_embeddings=tied,
+        name=f"plan-{fmt_count(req.params)}",
+        family="plan",
+    )
+
+
+def layers_for(attention, req: Request, tied: bool) -> int:
+    """Layers that bring the model closest to the parameter budget (at least 1)."""
+    one = param_counts(_model(attention, 1, req, tied))
+    two = param_counts(_model(attention, 2, req, tied))
+    per_layer = two.total - one.total
+    fixed = one.total - per_layer
+    return max(1, round((req.params - fixed) / per_layer))
+
+
+# --- rule 2: the starting variant --------------------------------------------------
+
+
+def _gqa8(h: int) -> int:
+    """8 KV heads, or the largest divisor of H below 8 when 8 does not divide H."""
+    return max(k for k in divisors(h) if k <= 8)
+
+
+def start_variant(params: int, n_heads: int) -> tuple[int, str]:
+    """(n_kv_heads, why) of the production default for this size."""
+    if params < MLA_MIN_PARAMS and n_heads <= MHA_MAX_HEADS:
+        return n_heads, "below 1B parameters with at most 16 heads MHA is the norm"
+    k = _gqa8(n_heads)
+    if k == n_heads:
+        return n_heads, f"with {n_heads} heads, 8 KV heads is MHA"
+    return k, f"GQA with {k} KV heads is the production default above 1B parameters"
+
+
+# --- candidates --------------------------------------------------------------------
+
+
+def _mla(c: int, h: int, d: int, rank: int) -> LatentGeometry:
+    """DeepSeek-V2's proportions: no-RoPE head D, RoPE D/2, value D, q_rank 3R on wide models."""
+    return LatentGeometry(c, h, kv_rank=rank, q_rank=3 * rank if c >= 4096 else None,
+                          head_dim=d, rope_dim=max(d // 2, 0) or 0, v_head_dim=d)
+
+
+def _candidate(attention, n_layers: int, req: Request, tied: bool) -> Candidate:
+    model = _model(attention, n_layers, req, tied)
+    f = fit(model, req.device, req.context, req.batch, req.dtype, req.weights_dtype,
+            req.n_devices)
+    return Candidate(model, param_counts(model), kv_bytes_per_token(model, req.dtype), f,
+                     max_batch(model, f), max_context(model, f))
+
+
+def _kv_elements(c: Candidate) -> int:
+    return c.model.attention.kv_elements_per_token
+
+
+# --- the recommender ---------------------------------------------------------------
+
+
+def recommend(req: Request) -> Recommendation:
+    """Apply the rules in the module docstring; deterministic for a given request."""
+    warnings: list[str] = []
+    notes: list[str] = []
+    c, h, d = _heads(req, warnings)
+    tied = req.params < TIE_BELOW
+    mla_allowed = req.params >= MLA_MIN_PARAMS or req.variant == "mla" or req.kv_rank is not None
+    if (req.variant == "mla" or req.kv_rank is not None) and req.params < MLA_MIN_PARAMS:
+        warnings.append(
+            f"MLA below 1B parameters ({fmt_count(req.params)}), as asked: the latent saves "
+            f"little cache at this size and costs a more complex decode path; GQA is simpler")
+
+    # The user's KV heads, made valid (GQA groups must divide the heads).
+    user_kv = req.n_kv_heads
+    if user_kv is not None and (user_kv > h or h % user_kv):
+        valid = divisors(h)
+        fixed = max(k for k in valid if k <= user_kv)
+        warnings.append(
+            f"n_kv_heads {user_kv} does not divide n_heads {h} (every KV head must serve the "
+            f"same number of query heads); valid: {', '.join(map(str, valid))}; using {fixed}")
+        user_kv = fixed
+
+    start_kv, start_why = start_variant(req.params, h)
+    start_attn = AttentionGeometry(c, h, start_kv, head_dim=d, bias=False)
+    n_layers = req.n_layers or layers_for(start_attn, req, tied)
+    if n_layers < 2:
+        warnings.append(f"{fmt_count(req.params)} parameters leave room for {n_layers} layer "
+                        f"at d_model {c} after the embeddings; pass a smaller --d-model")
+
+    # Candidate set: MHA, several GQA groupings, MQA, MLA at ranks 2D, 4D, 8D.
+    kv_counts = {h, 1, start_kv} | {k for k in (h // 2, 16, 8, 4, 2) if 1 < k < h and h % k == 0}
+    if user_kv is not None:
+        kv_counts.add(user_kv)
+    attns = [AttentionGeometry(c, h, k, head_dim=d, bias=False)
+             for k in sorted(kv_counts, reverse=True)]
+    mla_default = req.kv_rank or 4 * d
+    if mla_allowed:
+        ranks = sorted({2 * d, 4 * d, 8 * d, mla_default}, reverse=True)
+        attns += [_mla(c, h, d, r) for r in ranks]
+    cands = {a.label: _candidate(a, n_layers, req, tied) for a in attns}
+
+    # The pick.
+    forced = _forced_label(req, h, user_kv, start_kv, mla_default)
+    if forced is not None:
+        pick = cands[forced]
+        reason = (f"{pick.label} as asked: its KV cache at {_at(req)} is "
+                  f"{fmt_bytes(pick.kv_bytes)}, {_fit_words(pick)}.")
+    elif req.priority == "training":
+        pick = cands[start_attn.label]
+        reason = (f"{pick.label}: training holds no KV cache, so the geometry follows practice "
+                  f"({start_why}); served at {_at(req)} its cache would be "
+                  f"{fmt_bytes(pick.kv_bytes)}, {_fit_words(pick)}.")
+    else:
+        start = cands[start_attn.label]
+        ladder = [x for x in cands.values()
+                  if _kv_elements(x) <= _kv_elements(start)
+                  and (x.model.attention.kind != "MLA" or x.label == f"MLA-{mla_default}")]
+        ladder.sort(key=lambda x: (-_kv_elements(x), x.label))
+        pick = next((x for x in ladder if x.fit.fits), None)
+        if pick is start:
+            reason = (f"{pick.label}: {start_why}, and its KV cache at {_at(req)} is "
+                      f"{fmt_bytes(pick.kv_bytes)}, {_fit_words(pick)}"
+                      + (f" (MHA would need {fmt_bytes(cands['MHA'].kv_bytes)})."
+                         if pick.label != "MHA" else "."))
+        elif pick is not None:
+            bigger = ladder[ladder.index(pick) - 1]
+            free = fmt_bytes(max(bigger.fit.free_bytes, 0))
+            reason = (f"{pick.label}: {bigger.label} would need {fmt_bytes(bigger.kv_bytes)} of "
+                      f"KV cache at {_at(req)}, more than the {free} left beside the weights on "
+                      f"{_device_words(req)}; {pick.label} needs {fmt_bytes(pick.kv_bytes)}.")
+        else:
+            pick = min(ladder, key=lambda x: (x.kv_bytes, x.label))
+            reason = (f"{pick.label}: the smallest KV cache on the ladder "
+                      f"({fmt_bytes(pick.kv_bytes)} at {_at(req)}) and still more than the "
+                      f"{fmt_bytes(max(pick.fit.free_bytes, 0))} left on {_device_words(req)}.")
+
+    # Warnings that depend on the pick.
+    if not pick.fit.weights_fit:
+        need = math.ceil(pick.fit.weights_bytes / ((1 - RESERVE) * req.device.memory))
+        warnings.append(
+            f"the weights ({fmt_bytes(pick.fit.weights_bytes)} in {req.weights_dtype}) do not "
+            f"fit in {fmt_bytes(pick.fit.usable_bytes)} usable on {_device_words(req)}; they "
+            f"need at least {need} x {req.device.name} (--devices {need} or more, leaving room "
+            f"for the cache), or --weights-dtype fp8/int4")
+    elif not pick.fit.fits:
+        warnings.append(
+            f"the KV cache ({fmt_bytes(pick.kv_bytes)} at {_at(req)}) does not fit in the "
+            f"{fmt_bytes(pick.fit.free_bytes)} left beside the weights: at most "
+            f"{pick.max_batch} sequences of {fmt_tokens(req.context)} fit, or "
+            f"{fmt_tokens(pick.max_context)} tokens at batch {req.batch}")
+    warnings += mha_warnings(pick.model, req.context, req.batch, req.dtype)
+    if req.priority == "training":
+        state = 16 * pick.params.total
+        per_device = (1 - RESERVE) * req.device.memory
+        notes.append(f"training state at 16 bytes/parameter (bf16 weights and grads, fp32 master "
+                     f"and Adam moments): {fmt_bytes(state)}, at least "
+                     f"{math.ceil(state / per_device)} x {req.device.name} with ZeRO-3/FSDP, "
+                     "plus activations")
+
+    ranked = _rank(pick, cands.values())
+    return Recommendation(
+        request=req,
+        pick=pick,
+        reason=reason,
+        alternatives=tuple(ranked),
+        init=init_scales(pick.model),
+        bias={"use": False, "reason": "production decoders (Llama, Mistral, Gemma, DeepSeek) "
+              "train without attention biases; they add parameters and no quality"},
+        check=induction_check(pick.model),
+        warnings=tuple(warnings),
+        notes=tuple(notes),
+    )
+
+
+def _forced_label(req: Request, h: int, user_kv, start_kv: int, mla_default: int) -> str | None:
+    if req.variant == "mla" or (req.variant is None and req.kv_rank is not None):
+        return f"MLA-{mla_default}"
+    if req.variant == "mha":
+        return "MHA"
+    if req.variant == "mqa":
+        return "MQA" if h > 1 else "MHA"
+    if req.variant == "gqa":
+        k = user_kv if user_kv is not None else start_kv
+        if k in (1, h):  # GQA asked with a count that makes it MHA/MQA: take the nearest GQA
+            k = next((x for x in sorted(divisors(h), reverse=True) if 1 < x < h), k)
+        return AttentionGeometry(h, h, k).label
+    if user_kv is not None:
+        return AttentionGeometry(h, h, user_kv).label
+    return None
+
+
+def _rank(pick: Candidate, cands) -> list[Candidate]:
+    others = [x for x in cands if x is not pick]
+    fitting = sorted((x for x in others if x.fit.fits), key=lambda x: (-_kv_elements(x), x.label))
+    rest = sorted((x for x in others if not x.fit.fits), key=lambda x: (x.kv_bytes, x.label))
+    return [pick, *fitting, *rest]
+
+
+def _at(req: Request) -> str:
+    return f"{fmt_tokens(req.context)} x {req.batch}"
+
+
+def _device_words(req: Request) -> str:
+    return (f"{req.n_devices} x {req.device.name}" if req.n_devices > 1 else req.device.name)
+
+
+def _fit_words(c: Candidate) -> str:
+    f = c.fit
+    if not f.weights_fit:
+        return "but the weights alone do not fit"
+    if f.fits:
+        return (f"which fits in the {fmt_bytes(f.free_bytes)} left beside "
+                f"{fmt_bytes(f.weights_bytes)} of weights")
+    return f"more than the {fmt_bytes(f.free_bytes)} left beside the weights"
+
+
+# --- warnings shared with the accounting of real configs ---------------------------
+
+
+def mha_warnings(model: ModelGeometry, context: int, batch: int, dtype) -> list[str]:
+    """MHA with more than 16 heads beyond 32K context: price the cache, offer GQA and MLA."""
+    a = model.attention
+    if not (model.causal and a.kind == "MHA" and a.n_heads > MHA_MAX_HEADS
+            and context > LONG_CONTEXT):
+        return []
+    d = a.d_head
+    k = _gqa8(a.n_heads)
+    gqa = replace(model, attention=replace(a, n_kv_heads=k))
+    mla = replace(model, attention=_mla(a.d_model, a.n_heads, d, 4 * d))
+    one = model_kv_cache_bytes(model, context, 1, dtype)
+    return [
+        f"MHA with {a.n_heads} heads at {fmt_tokens(context)} context: the KV cache is "
+        f"{fmt_bytes(one)} per sequence ({fmt_bytes(one * batch)} at batch {batch}); "
+        f"GQA-{k} would need {fmt_bytes(model_kv_cache_bytes(gqa, context, batch, dtype))} and "
+        f"MLA-{4 * d} {fmt_bytes(model_kv_cache_bytes(mla, context, batch, dtype))} at batch "
+        f"{batch}"
+    ]
+
+
+def head_dim_warnings(model: ModelGeometry) -> list[str]:
+    d = model.attention.d_head
+    if d < MIN_HEAD_DIM:
+        return [f"head_dim {d} is below {MIN_HEAD_DIM}: each head's q.k has too few "
+                "dimensions to separate tokens and positions; use fewer, wider heads"]
+    return []
+
+
+# --- init scales and the check ------------------------------------------------------
+
+
+def init_scales(model: ModelGeometry) -> dict:
+    """Normal init std for each projection, with the rule that gives it.
+
+    Inputs (q, k, v and MLA's down-projections): 1/sqrt(fan_in), which keeps q.k/sqrt(D)
+    at unit variance at init. Output o: 1/sqrt(fan_in) / sqrt(2 * n_layers), the GPT-2
+    residual scaling, so that the residual stream does not grow with depth.
+    """
+    a, L = model.attention, model.n_layers
+
+    def rule(fan_in: int, name: str, depth: bool = False) -> dict:
+        std = 1 / math.sqrt(fan_in) / (math.sqrt(2 * L) if depth else 1)
+        text = f"1/sqrt({name})" + (" / sqrt(2 * n_layers)" if depth else "")
+        return {"std": std, "rule": text}
+
+    if isinstance(a, LatentGeometry):
+        scales = {"q": rule(a.d_model, "d_model")} if a.q_rank is None else {
+            "q_a": rule(a.d_model, "d_model"), "q_b": rule(a.q_rank, "q_rank")}
+        scales |= {"kv_a": rule(a.d_model, "d_model"), "kv_b": rule(a.kv_rank, "kv_rank"),
+                   "o": rule(a.n_heads * a.d_value, "n_heads * v_head_dim", depth=True)}
+        return scales
+    return {"q": rule(a.d_model, "d_model"), "k": rule(a.d_model, "d_model"),
+            "v": rule(a.d_model, "d_model"),
+            "o": rule(a.n_heads * a.d_value, "n_heads * head_dim", depth=True)}
+
+
+def induction_check(model: ModelGeometry) -> dict:
+    """The check to run: 2 layers of this geometry should learn induction (A B ... A -> B)."""
+    a = model.attention
+    args = f"--layers 2 --d-model {a.d_model} --n-heads {a.n_heads}"
+    if isinstance(a, LatentGeometry):
+        args += f" --head-dim {a.d_head} --kv-rank {a.kv_rank} --rope-dim {a.rope_dim}"
+    else:
+        args += f" --n-kv-heads {a.n_kv} --head-dim {a.d_head}"
+    return {
+        "command": f"multihead lab induction {args}",
+        "expect": "a 2-layer model of this geometry solves A B ... A -> B at >= 95% accuracy",
+        "threshold": 0.95,
+    }
+
+
+def summary(c: Candidate) -> str:
+    return describe(c.model)

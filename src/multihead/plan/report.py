@@ -1,0 +1,289 @@
+"""What `multihead plan` prints: the accounting of a model and the recommendation, as
+aligned text tables for people and as dicts with a stable schema for `--json`.
+
+Schemas (all sizes in bytes, counts exact integers, times in seconds):
+- accounting: {"schema": "multihead.plan.account/1", "models": [ACCOUNT, ...]}
+- recommendation: {"schema": "multihead.plan.recommend/1", ...} (see `recommendation_dict`)
+docs/plan.md documents every field.
+"""
+
+from __future__ import annotations
+
+from multihead.plan.devices import Device, fit, max_batch, max_context
+from multihead.plan.geometry import (
+    LatentGeometry,
+    ModelGeometry,
+    attention_flops,
+    describe,
+    kv_bytes_per_token,
+    model_kv_cache_bytes,
+    param_counts,
+)
+from multihead.plan.recommend import Candidate, Recommendation, head_dim_warnings, mha_warnings
+from multihead.plan.units import fmt_bytes, fmt_count, fmt_flops, fmt_tokens, table
+
+ACCOUNT_SCHEMA = "multihead.plan.account/1"
+RECOMMEND_SCHEMA = "multihead.plan.recommend/1"
+
+
+def default_context(model: ModelGeometry) -> int:
+    return model.context_length or 4096
+
+
+def geometry_dict(model: ModelGeometry) -> dict:
+    a = model.attention
+    out = {
+        "variant": a.kind,
+        "label": a.label,
+        "d_model": a.d_model,
+        "n_layers": model.n_layers,
+        "n_heads": a.n_heads,
+        "n_kv_heads": a.n_kv if a.kind != "MLA" else None,
+        "head_dim": a.d_head,
+        "v_head_dim": a.d_value,
+        "mla": None,
+        "window": None,
+        "vocab_size": model.vocab_size,
+        "tied_embeddings": model.tied_embeddings,
+        "causal": model.causal,
+    }
+    if isinstance(a, LatentGeometry):
+        out["mla"] = {"kv_rank": a.kv_rank, "q_rank": a.q_rank, "rope_dim": a.rope_dim,
+                      "nope_head_dim": a.d_head, "v_head_dim": a.d_value}
+    if model.window is not None:
+        out["window"] = {"size": model.window, "layers": model.n_window_layers}
+    return out
+
+
+def account(model: ModelGeometry, context: int | None = None, batch: int = 1, dtype="bf16",
+            device: Device | None = None, weights_dtype="bf16", n_devices: int = 1) -> dict:
+    """The full accounting of one model as a JSON-ready dict (one entry of "models")."""
+    context = context or default_context(model)
+    counts = param_counts(model)
+    is_mla = isinstance(model.attention, LatentGeometry)
+    kv = None
+    if model.causal:
+        kv = {
+            "dtype": str(dtype),
+            "context": context,
+            "batch": batch,
+            "bytes_per_token": kv_bytes_per_token(model, dtype),
+            "bytes": model_kv_cache_bytes(model, context, batch, dtype),
+            "decompressed_bytes_per_token": (kv_bytes_per_token(model, dtype, decompressed=True)
+                                             if is_mla else None),
+            "decompressed_bytes": (model_kv_cache_bytes(model, context, batch, dtype,
+                                                        decompressed=True) if is_mla else None),
+        }
+    dev = None
+    if device is not None:
+        f = fit(model, device, context, batch, dtype, weights_dtype, n_devices)
+        dev = {
+            "name": device.name,
+            "memory_bytes": device.memory,
+            "bandwidth_bytes_per_s": device.bandwidth,
+            "n_devices": n_devices,
+            "weights_dtype": str(weights_dtype),
+            "weights_bytes": f.weights_bytes,
+            "usable_bytes": f.usable_bytes,
+            "free_bytes": f.free_bytes,
+            "fits": f.fits,
+            "max_batch_at_context": max_batch(model, f),
+            "max_context_at_batch": max_context(model, f),
+            "decode_s_per_step": f.decode_s if model.causal else None,
+            "tokens_per_s": f.tokens_per_s if model.causal else None,
+        }
+    warnings = head_dim_warnings(model) + mha_warnings(model, context, batch, dtype)
+    return {
+        "name": model.name,
+        "family": model.family,
+        "summary": describe(model),
+        "geometry": geometry_dict(model),
+        "params": counts.as_dict(),
+        "kv_cache": kv,
+        "flops": attention_flops(model, context).as_dict(),
+        "device": dev,
+        "warnings": warnings,
+        "notes": list(model.notes),
+    }
+
+
+def account_json(accounts: list[dict]) -> dict:
+    return {"schema": ACCOUNT_SCHEMA, "models": accounts}
+
+
+def _row_values(acc: dict) -> list[tuple[str, str]]:
+    g, p, kv, fl, dev = acc["geometry"], acc["params"], acc["kv_cache"], acc["flops"], acc["device"]
+    heads = f"{g['n_heads']} x {g['head_dim']}"
+    if g["mla"]:
+        m = g["mla"]
+        heads = f"{g['n_heads']} x ({m['nope_head_dim']}+{m['rope_dim']}), v {m['v_head_dim']}"
+    rows = [
+        ("family", acc["family"]),
+        ("attention", g["label"]),
+        ("d_model", str(g["d_model"])),
+        ("layers", str(g["n_layers"])),
+        ("heads", heads),
+        ("KV heads", "latent" if g["mla"] else str(g["n_kv_heads"])),
+    ]
+    if g["mla"]:
+        rows.append(("kv_rank / q_rank", f"{g['mla']['kv_rank']} / {g['mla']['q_rank']}"))
+    if g["window"]:
+        rows.append(("sliding window", f"{g['window']['size']} on {g['window']['layers']}"
+                                       f"/{g['n_layers']} layers"))
+    rows += [
+        ("params", f"{p['total']:,} ({fmt_count(p['total'])})"),
+        ("attention / layer", f"{p['attention_per_layer']:,}"),
+    ]
+    if p["active"] != p["total"]:
+        rows.append(("active / token", f"{p['active']:,} ({fmt_count(p['active'])})"))
+    if kv is None:
+        rows.append(("KV cache", "none (encoder)"))
+    else:
+        at = f"{fmt_tokens(kv['context'])} x {kv['batch']}"
+        rows += [
+            (f"KV / token ({kv['dtype']})", f"{kv['bytes_per_token']:,} B "
+                                            f"({fmt_bytes(kv['bytes_per_token'])})"),
+            (f"KV @ {at}", fmt_bytes(kv["bytes"])),
+        ]
+        if kv["decompressed_bytes_per_token"] is not None:
+            rows += [
+                ("decompressed KV / token", f"{kv['decompressed_bytes_per_token']:,} B"),
+                (f"decompressed @ {at}", fmt_bytes(kv["decompressed_bytes"])),
+            ]
+    rows.append((f"prefill FLOPs/token @ {fmt_tokens(fl['context'])}",
+                 fmt_flops(fl["prefill_per_token"])))
+    if fl["decode_per_token"] is not None:
+        rows.append((f"decode FLOPs/token @ {fmt_tokens(fl['context'])}",
+                     fmt_flops(fl["decode_per_token"])))
+    if dev is not None:
+        where = dev["name"] if dev["n_devices"] == 1 else f"{dev['n_devices']} x {dev['name']}"
+        rows += [
+            ("device", where),
+            (f"weights ({dev['weights_dtype']})", fmt_bytes(dev["weights_bytes"])),
+            ("free for KV", fmt_bytes(max(dev["free_bytes"], 0))),
+            ("fits", "yes" if dev["fits"] else "NO"),
+            ("max batch @ context", str(dev["max_batch_at_context"])),
+            ("max context @ batch", fmt_tokens(dev["max_context_at_batch"])),
+        ]
+        if dev["decode_s_per_step"] is not None:
+            rows += [
+                ("decode ms/step (mem-bound)", f"{dev['decode_s_per_step'] * 1e3:.2f}"),
+                ("tokens/s", f"{dev['tokens_per_s']:,.0f}"),
+            ]
+    return rows
+
+
+def account_text(accounts: list[dict]) -> str:
+    """One column per model: a single config, or `--compare` side by side."""
+    per = [_row_values(a) for a in accounts]
+    keys: list[str] = []
+    for rows in per:
+        for k, _ in rows:
+            if k not in keys:
+                keys.append(k)
+    lookup = [dict(rows) for rows in per]
+    headers = ["", *[a["name"] for a in accounts]]
+    body = [[k, *[lk.get(k, "-") for lk in lookup]] for k in keys]
+    out = [table(headers, body, right=set(range(1, len(headers))))]
+    for a in accounts:
+        prefix = f"{a['name']}: " if len(accounts) > 1 else ""
+        out += [f"warning: {prefix}{w}" for w in a["warnings"]]
+        out += [f"note: {prefix}{n}" for n in a["notes"]]
+    return "\n".join(out)
+
+
+# --- the recommendation ------------------------------------------------------------
+
+
+def candidate_dict(c: Candidate, rank: int) -> dict:
+    f = c.fit
+    return {
+        "rank": rank,
+        "label": c.label,
+        "summary": describe(c.model),
+        "geometry": geometry_dict(c.model),
+        "params": c.params.total,
+        "attention_params_per_layer": c.params.attention_per_layer,
+        "kv_bytes_per_token": c.kv_bytes_per_token,
+        "kv_bytes": c.kv_bytes,
+        "fits": f.fits,
+        "max_batch_at_context": c.max_batch,
+        "max_context_at_batch": c.max_context,
+        "decode_s_per_step": f.decode_s,
+        "tokens_per_s": f.tokens_per_s,
+    }
+
+
+def recommendation_dict(rec: Recommendation) -> dict:
+    r = rec.request
+    f = rec.pick.fit
+    return {
+        "schema": RECOMMEND_SCHEMA,
+        "request": {
+            "params": r.params, "context": r.context, "batch": r.batch,
+            "priority": r.priority, "dtype": r.dtype, "weights_dtype": r.weights_dtype,
+            "d_model": r.d_model, "n_layers": r.n_layers, "n_heads": r.n_heads,
+            "n_kv_heads": r.n_kv_heads, "head_dim": r.head_dim, "variant": r.variant,
+            "kv_rank": r.kv_rank, "vocab_size": r.vocab_size,
+        },
+        "device": {"name": r.device.name, "memory_bytes": r.device.memory,
+                   "bandwidth_bytes_per_s": r.device.bandwidth, "n_devices": r.n_devices,
+                   "usable_bytes": f.usable_bytes},
+        "pick": candidate_dict(rec.pick, 1),
+        "reason": rec.reason,
+        "weights_bytes": f.weights_bytes,
+        "init": rec.init,
+        "bias": rec.bias,
+        "check": rec.check,
+        "alternatives": [candidate_dict(c, i + 1) for i, c in enumerate(rec.alternatives)],
+        "warnings": list(rec.warnings),
+        "notes": list(rec.notes),
+    }  # fmt: skip
+
+
+def recommendation_text(rec: Recommendation) -> str:
+    r, p, f = rec.request, rec.pick, rec.pick.fit
+    where = r.device.name if r.n_devices == 1 else f"{r.n_devices} x {r.device.name}"
+    lines = [
+        f"multihead plan: {fmt_count(r.params)} parameters, {fmt_tokens(r.context)} context x "
+        f"batch {r.batch}, {where} ({fmt_bytes(r.device.memory)}, "
+        f"{r.device.bandwidth / 1e12:.2f} TB/s), {r.dtype} cache, {r.priority}",
+        "",
+        f"pick      {describe(p.model)}",
+        f"          {p.params.total:,} parameters ({fmt_count(p.params.total)}), "
+        f"{p.params.attention_per_layer:,} in attention per layer",
+        f"why       {rec.reason}",
+        f"KV cache  {p.kv_bytes_per_token:,} B/token; {fmt_bytes(p.kv_bytes)} at "
+        f"{fmt_tokens(r.context)} x {r.batch} ({'fits' if f.fits else 'DOES NOT FIT'}: "
+        f"{fmt_bytes(max(f.free_bytes, 0))} free beside {fmt_bytes(f.weights_bytes)} of weights)",
+        f"decode    {f.decode_s * 1e3:.2f} ms/step memory-bound, {f.tokens_per_s:,.0f} tokens/s "
+        f"at batch {r.batch}",
+        "init      " + "; ".join(f"{k} N(0, {v['std']:.4g}) = {v['rule']}"
+                                for k, v in rec.init.items()),
+        f"biases    {'yes' if rec.bias['use'] else 'none'}: {rec.bias['reason']}",
+        f"check     {rec.check['command']}",
+        f"          ({rec.check['expect']})",
+        "",
+        "alternatives, ranked:",
+    ]
+    headers = ["#", "variant", "H", "Hkv", "D", "params", "attn/layer", "KV/token",
+               f"KV@{fmt_tokens(r.context)}x{r.batch}", "fits", "ms/step", "tok/s"]
+    rows = []
+    for i, c in enumerate(rec.alternatives, 1):
+        a = c.model.attention
+        rows.append([
+            str(i), c.label, str(a.n_heads), "latent" if a.kind == "MLA" else str(a.n_kv),
+            str(a.d_head) if a.kind != "MLA" else f"{a.d_head}+{a.rope_dim}",
+            fmt_count(c.params.total), f"{c.params.attention_per_layer:,}",
+            fmt_bytes(c.kv_bytes_per_token), fmt_bytes(c.kv_bytes),
+            "yes" if c.fit.fits else "no", f"{c.fit.decode_s * 1e3:.2f}",
+            f"{c.fit.tokens_per_s:,.0f}",
+        ])
+    lines.append(table(headers, rows, right={0, 2, 3, 5, 6, 7, 8, 10, 11}))
+    if rec.warnings:
+        lines.append("")
+        lines += [f"warning: {w}" for w in rec.warnings]
+    if rec.notes:
+        lines.append("")
+        lines += [f"note: {n}" for n in rec.notes]
+    return "\n".join(lines)
