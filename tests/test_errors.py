@@ -1,0 +1,116 @@
+"""Bad input: every case raises ValueError/TypeError naming what was received and what is valid."""
+
+import pytest
+import torch
+from torch import nn
+
+import multihead as mh
+from multihead import masks
+
+q = torch.randn(2, 8, 5, 4)
+k = torch.randn(2, 2, 7, 4)
+v = torch.randn(2, 2, 7, 3)
+sdpa = mh.scaled_dot_product_attention
+
+
+def _attn(**kw):
+    return mh.Attention(16, 4, **kw)
+
+
+def _full_cache():
+    cache = mh.Attention(16, 4, causal=True).new_cache(1, 2)
+    cache.update(torch.zeros(1, 4, 2, 4), torch.zeros(1, 4, 2, 4))
+    return cache
+
+
+CASES = [
+    # (id, callable, exception, substrings the message must contain)
+    ("q rank 3", lambda: sdpa(q[0], k, v), ValueError, ["q must be 4-D", "(8, 5, 4)"]),
+    ("k rank 5", lambda: sdpa(q, k[None], v), ValueError, ["k must be 4-D", "(1, 2, 2, 7, 4)"]),
+    ("q not a tensor", lambda: sdpa(q.numpy(), k, v), TypeError, ["q must be a torch.Tensor", "ndarray"]),
+    ("integer q", lambda: sdpa(q.long(), k.long(), v.long()), TypeError, ["floating-point", "torch.int64"]),
+    ("H not multiple of Hkv", lambda: sdpa(q[:, :6], k[:, :1].expand(2, 4, 7, 4), v[:, :1].expand(2, 4, 7, 3)),
+     ValueError, ["H (6)", "Hkv (4)", "valid Hkv for H=6: 1, 2, 3, 6"]),
+    ("batch mismatch", lambda: sdpa(q, k[:1], v[:1]), ValueError, ["batch sizes differ", "(2, 8, 5, 4)"]),
+    ("head dim mismatch", lambda: sdpa(q, torch.randn(2, 2, 7, 5), v), ValueError, ["same head dim", "(2, 2, 7, 5)"]),
+    ("k/v length mismatch", lambda: sdpa(q, k, v[:, :, :6]), ValueError, ["same key length", "(2, 2, 6, 3)"]),
+    ("dtype mismatch", lambda: sdpa(q, k.double(), v), TypeError, ["share a dtype", "torch.float64"]),
+    ("mask not broadcastable", lambda: sdpa(q, k, v, torch.ones(2, 8, 5, 6, dtype=torch.bool)), ValueError,
+     ["(2, 8, 5, 6)", "not broadcastable", "(2, 8, 5, 7)"]),
+    ("integer mask", lambda: sdpa(q, k, v, torch.ones(5, 7, dtype=torch.long)), TypeError,
+     ["torch.int64", "bool", "mask.bool()"]),
+    ("3-D mask ambiguous", lambda: sdpa(q, k, v, torch.ones(2, 5, 7, dtype=torch.bool)), ValueError,
+     ["3-D mask (2, 5, 7)", "ambiguous", "mask[:, None]"]),
+    ("2-D mask ambiguous when B == T", lambda: sdpa(q[:, :, :2], k, v, torch.ones(2, 7, dtype=torch.bool)),
+     ValueError, ["ambiguous", "B == T", "masks.padding"]),
+    ("key padding given as 2-D mask", lambda: sdpa(q, k, v, torch.ones(2, 7, dtype=torch.bool)), ValueError,
+     ["(2, 7)", "not broadcastable", "masks.padding"]),
+    ("mask is a list", lambda: sdpa(q, k, v, [[True]]), TypeError, ["mask must be", "list"]),
+    ("dropout 1.0", lambda: sdpa(q, k, v, dropout_p=1.0), ValueError, ["dropout_p", "[0, 1)", "1.0"]),
+    ("dropout negative", lambda: sdpa(q, k, v, dropout_p=-0.1), ValueError, ["[0, 1)", "-0.1"]),
+    ("scale zero", lambda: sdpa(q, k, v, scale=0.0), ValueError, ["scale", "positive", "0.0"]),
+    ("weight head out of range", lambda: sdpa(q, k, v, return_weights=[8]), ValueError,
+     ["weight head index 8", "valid: 0..7"]),
+    ("weight head not int", lambda: sdpa(q, k, v, return_weights=[1.5]), TypeError, ["ints", "1.5"]),
+    ("unknown backend", lambda: sdpa(q, k, v, backend="flash3"), ValueError,
+     ["'flash3'", "'math'", "'sdpa'", "'chunked'"]),
+    ("backend cannot dropout", lambda: sdpa(q, k, v, dropout_p=0.1, backend="chunked"), ValueError,
+     ["'chunked' cannot apply dropout", "'math'"]),
+    ("backend cannot weights+dropout", lambda: sdpa(q, k, v, dropout_p=0.1, backend="sdpa", return_weights=True),
+     ValueError, ["'sdpa' cannot return weights together with dropout", "'math'"]),
+    ("n_heads not divisible by n_kv_heads", lambda: mh.Attention(48, 12, 5), ValueError,
+     ["n_heads (12)", "n_kv_heads (5)", "valid: 1, 2, 3, 4, 6, 12"]),
+    ("d_model not divisible by n_heads", lambda: mh.Attention(50, 12), ValueError,
+     ["d_model (50)", "n_heads (12)", "head_dim"]),
+    ("n_heads zero", lambda: mh.Attention(16, 0), ValueError, ["n_heads must be an int >= 1", "0"]),
+    ("module dropout 1", lambda: _attn(dropout=1.0), ValueError, ["dropout", "[0, 1)", "1.0"]),
+    ("module unknown backend", lambda: _attn(backend="xformers"), ValueError, ["'xformers'", "'sdpa'"]),
+    ("rope wrong type", lambda: _attn(rope="yes"), TypeError, ["rope must be", "str"]),
+    ("rope dim over head dim", lambda: _attn(rope=mh.RotaryEmbedding(8)), ValueError, ["rotary dim (8)", "head_dim (4)"]),
+    ("x width mismatch", lambda: _attn()(torch.randn(2, 3, 12)), ValueError, ["width 12", "expects 16"]),
+    ("x rank 2", lambda: _attn()(torch.randn(3, 16)), ValueError, ["3-D (B, T, 16)", "(3, 16)"]),
+    ("context width mismatch", lambda: _attn(context_dim=10)(torch.randn(2, 3, 16), torch.randn(2, 4, 12)),
+     ValueError, ["context has width 12", "expects 10"]),
+    ("context batch mismatch", lambda: _attn()(torch.randn(2, 3, 16), torch.randn(3, 4, 16)), ValueError,
+     ["context batch size (3)", "x's (2)"]),
+    ("cache overflow", lambda: _full_cache().update(torch.zeros(1, 4, 1, 4), torch.zeros(1, 4, 1, 4)), ValueError,
+     ["cache overflow", "2 tokens cached + 1 new = 3", "max_len 2"]),
+    ("cache batch mismatch", lambda: _attn(causal=True)(torch.randn(3, 1, 16), cache=_attn().new_cache(2, 8)),
+     ValueError, ["batch size 2", "batch size 3"]),
+    ("cache dtype mismatch", lambda: _attn()(torch.randn(2, 1, 16), cache=_attn().new_cache(2, 8, dtype=torch.float64)),
+     TypeError, ["torch.float64", "torch.float32"]),
+    ("cache wrong heads", lambda: mh.KVCache(2, 2, 8, 4).update(torch.zeros(2, 4, 1, 4), torch.zeros(2, 4, 1, 4)),
+     ValueError, ["(2, 4, 1, 4)", "does not fit"]),
+    ("cache not a KVCache", lambda: _attn()(torch.randn(2, 1, 16), cache={}), TypeError, ["KVCache", "dict"]),
+    ("cache max_len zero", lambda: mh.KVCache(1, 1, 0, 4), ValueError, ["max_len must be a positive int", "0"]),
+    ("cache integer dtype", lambda: mh.KVCache(1, 1, 4, 4, dtype=torch.int8), TypeError, ["floating", "torch.int8"]),
+    ("sliding window zero", lambda: masks.sliding_window(0), ValueError, ["window", "positive", "0"]),
+    ("padding both args", lambda: masks.padding(torch.tensor([1]), keep=torch.ones(1, 2, dtype=torch.bool)),
+     ValueError, ["exactly one", "lengths=set", "keep=set"]),
+    ("padding float lengths", lambda: masks.padding(torch.tensor([1.5])), ValueError,
+     ["1-D integer tensor", "torch.float32"]),
+    ("rope odd dim", lambda: mh.RotaryEmbedding(7), ValueError, ["even", "7"]),
+    ("from_torch add_zero_attn", lambda: mh.Attention.from_torch(nn.MultiheadAttention(16, 4, add_zero_attn=True)),
+     ValueError, ["add_zero_attn", "no equivalent"]),
+    ("from_torch bias_kv", lambda: mh.Attention.from_torch(nn.MultiheadAttention(16, 4, add_bias_kv=True)),
+     ValueError, ["add_bias_kv", "no equivalent"]),
+    ("from_torch kdim != vdim", lambda: mh.Attention.from_torch(nn.MultiheadAttention(16, 4, kdim=8, vdim=6)),
+     ValueError, ["kdim (8) != vdim (6)", "valid: kdim == vdim"]),
+    ("to_torch GQA", lambda: mh.Attention(16, 4, 2).to_torch(), ValueError, ["n_kv_heads (2) != n_heads (4)"]),
+    ("rope with cross-attention", lambda: _attn(rope=True)(torch.randn(1, 2, 16), torch.randn(1, 3, 16)),
+     ValueError, ["rotary", "cross-attention"]),
+]
+
+
+@pytest.mark.parametrize("case", CASES, ids=[c[0] for c in CASES])
+def test_bad_input_raises_clear_error(case):
+    _, fn, exc, needles = case
+    with pytest.raises(exc) as info:
+        fn()
+    message = str(info.value)
+    for needle in needles:
+        assert needle in message, f"message {message!r} lacks {needle!r}"
+
+
+def test_the_table_is_big_enough():
+    assert len(CASES) >= 25
