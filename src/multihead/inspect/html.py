@@ -205,7 +205,7 @@ def _notes(dropped: dict, tokens: list[str], layers: list[int], heads: list[int]
         notes.append(note)
     else:
         notes.append(f"All {T} weights of each row are kept.")
-    notes.append("Weights are stored in 8 bits per entry, scaled to their row's largest weight (error <= 0.5/255 of it).")
+    notes.append("Weights are stored in 8 bits, scaled to their row's largest weight (error <= 0.5/255 of it).")
     return notes
 
 
