@@ -113,9 +113,7 @@ def _max_pool(w, size: int):
 def _cmap():
     import matplotlib
 
-    cmap = matplotlib.colormaps[_CMAP].copy()
-    cmap.set_bad("white")  # the gaps between tiles
-    return cmap
+    return matplotlib.colormaps[_CMAP].with_extremes(bad="white")  # bad: the gaps between tiles
 
 
 def _mpl():
