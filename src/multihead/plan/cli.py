@@ -39,8 +39,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     use.add_argument("--device", metavar="NAME",
                      help="accelerator preset (default h100-80gb when recommending); "
                           "see --list-devices")
-    use.add_argument("--devices", metavar="N", default="1",
-                     help="number of such devices (tensor parallel; default 1)")
+    use.add_argument("--devices", metavar="N",
+                     help="number of such devices (tensor parallel); default 1 for a config, "
+                          "and when recommending the fewest that hold the weights in half "
+                          "their memory")
     use.add_argument("--memory", metavar="SIZE", help="device memory, e.g. 48GiB (overrides "
                      "the preset's)")
     use.add_argument("--bandwidth", metavar="BW", help="device bandwidth, e.g. 960GB/s "
@@ -170,7 +172,7 @@ def _main(args) -> int:
     paths = [args.config] if args.config else args.compare
     device = _device(args, required=False)
     accounts = [report.account(read_config(p), context, batch, dtype, device, weights_dtype,
-                               n_devices) for p in paths]
+                               n_devices or 1) for p in paths]
     if args.json:
         print(json.dumps(report.account_json(accounts), indent=2))
     else:

@@ -132,7 +132,9 @@ class LatentGeometry:
     plus one shared RoPE key (B, S, rope_dim); per head, K = [W_uk c ; k_rope] and
     V = W_uv c. `head_dim` is the no-RoPE part of the query/key head (qk_nope_head_dim),
     so a query/key head is head_dim + rope_dim wide and a value head is v_head_dim.
-    q_rank None means queries are projected directly (DeepSeek-V2-Lite).
+    q_rank None means queries are projected directly (DeepSeek-V2-Lite). `latent_norm`
+    is the RMSNorm on the kv latent (R weights); `bias` puts biases on the projections
+    that read the model width (q or q_a, kv_a) and on o, as the module does.
     """
 
     d_model: int
@@ -142,6 +144,8 @@ class LatentGeometry:
     head_dim: int | None = None
     rope_dim: int = 0
     v_head_dim: int | None = None
+    latent_norm: bool = True
+    bias: bool = False
 
     def __post_init__(self):
         _check_int("d_model", self.d_model)
@@ -151,6 +155,9 @@ class LatentGeometry:
         _check_int("head_dim", self.head_dim, allow_none=True)
         _check_int("rope_dim", self.rope_dim, minimum=0)
         _check_int("v_head_dim", self.v_head_dim, allow_none=True)
+        if self.rope_dim % 2:
+            raise ValueError(f"rope_dim must be even (RoPE rotates pairs of features); "
+                             f"received {self.rope_dim}")
         if self.head_dim is None and self.d_model < self.n_heads:
             raise ValueError(f"d_model ({self.d_model}) // n_heads ({self.n_heads}) is 0; "
                              "give head_dim or use fewer heads")
@@ -203,7 +210,10 @@ class LatentGeometry:
     @property
     def params(self) -> int:
         # The RMSNorms on the q latent (q_rank) and on the kv latent (R) carry weights.
-        return self.weights + (self.q_rank or 0) + self.kv_rank
+        norms = (self.q_rank or 0) + self.kv_rank * self.latent_norm
+        q_out = self.q_rank if self.q_rank is not None else self.n_heads * self.d_qk
+        biases = (q_out + self.kv_rank + self.rope_dim + self.d_model) * self.bias
+        return self.weights + norms + biases
 
     def score_flops(self, keys: int, *, decompressed: bool = False) -> int:
         """FLOPs of the scores and the weighted sum for one query over `keys` keys.

@@ -39,7 +39,7 @@ from multihead.plan.geometry import (
     model_kv_cache_bytes,
     param_counts,
 )
-from multihead.plan.units import dtype_name, fmt_bytes, fmt_count, fmt_tokens
+from multihead.plan.units import bytes_for, dtype_name, fmt_bytes, fmt_count, fmt_tokens
 
 PRIORITIES = ("inference", "training")
 VARIANTS = ("mha", "gqa", "mqa", "mla")
@@ -66,7 +66,7 @@ class Request:
     context: int = 8192
     batch: int = 1
     device: Device = DEVICES["h100-80gb"]
-    n_devices: int = 1
+    n_devices: int | None = None
     priority: str = "inference"
     dtype: str = "bf16"
     weights_dtype: str = "bf16"
@@ -80,9 +80,10 @@ class Request:
     vocab_size: int = 32000
 
     def __post_init__(self):
-        for name in ("params", "context", "batch", "n_devices", "vocab_size"):
+        for name in ("params", "context", "batch", "vocab_size"):
             _positive(name, getattr(self, name))
-        for name in ("d_model", "n_layers", "n_heads", "n_kv_heads", "head_dim", "kv_rank"):
+        for name in ("n_devices", "d_model", "n_layers", "n_heads", "n_kv_heads", "head_dim",
+                     "kv_rank"):
             if getattr(self, name) is not None:
                 _positive(name, getattr(self, name))
         if self.priority not in PRIORITIES:
@@ -212,6 +213,15 @@ def layers_for(attention, req: Request, tied: bool) -> int:
     return max(1, round((req.params - fixed) / per_layer))
 
 
+def devices_for(weights_bytes: int, device: Device) -> int:
+    """The fewest devices, a power of two, whose usable memory is at least twice the weights
+    (half for the weights, half for the KV cache): 7B in bf16 on one H100, 70B on four."""
+    n = 1
+    while weights_bytes > 0.5 * (1 - RESERVE) * device.memory * n:
+        n *= 2
+    return n
+
+
 # --- rule 2: the starting variant --------------------------------------------------
 
 
@@ -236,7 +246,7 @@ def start_variant(params: int, n_heads: int) -> tuple[int, str]:
 def _mla(c: int, h: int, d: int, rank: int) -> LatentGeometry:
     """DeepSeek-V2's proportions: no-RoPE head D, RoPE D/2, value D, q_rank 3R on wide models."""
     return LatentGeometry(c, h, kv_rank=rank, q_rank=3 * rank if c >= 4096 else None,
-                          head_dim=d, rope_dim=max(d // 2, 0) or 0, v_head_dim=d)
+                          head_dim=d, rope_dim=d // 4 * 2, v_head_dim=d)
 
 
 def _candidate(attention, n_layers: int, req: Request, tied: bool) -> Candidate:
@@ -279,6 +289,15 @@ def recommend(req: Request) -> Recommendation:
     start_kv, start_why = start_variant(req.params, h)
     start_attn = AttentionGeometry(c, h, start_kv, head_dim=d, bias=False)
     n_layers = req.n_layers or layers_for(start_attn, req, tied)
+    if req.n_devices is None:
+        weights = bytes_for(param_counts(_model(start_attn, n_layers, req, tied)).total,
+                            req.weights_dtype)
+        req = replace(req, n_devices=devices_for(weights, req.device))
+        if req.n_devices > 1:
+            notes.append(f"{req.n_devices} x {req.device.name}: the fewest (a power of two, as "
+                         f"tensor parallelism wants) that hold the {fmt_bytes(weights)} of "
+                         "weights in half their usable memory, leaving the other half for the "
+                         "cache; pass --devices to choose")
     if n_layers < 2:
         warnings.append(f"{fmt_count(req.params)} parameters leave room for {n_layers} layer "
                         f"at d_model {c} after the embeddings; pass a smaller --d-model")
@@ -343,7 +362,7 @@ def recommend(req: Request) -> Recommendation:
             f"the KV cache ({fmt_bytes(pick.kv_bytes)} at {_at(req)}) does not fit in the "
             f"{fmt_bytes(pick.fit.free_bytes)} left beside the weights: at most "
             f"{pick.max_batch} sequences of {fmt_tokens(req.context)} fit, or "
-            f"{fmt_tokens(pick.max_context)} tokens at batch {req.batch}")
+            f"{pick.max_context:,} tokens at batch {req.batch}")
     warnings += mha_warnings(pick.model, req.context, req.batch, req.dtype)
     if req.priority == "training":
         state = 16 * pick.params.total

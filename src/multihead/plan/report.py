@@ -93,6 +93,9 @@ def account(model: ModelGeometry, context: int | None = None, batch: int = 1, dt
             "tokens_per_s": f.tokens_per_s if model.causal else None,
         }
     warnings = head_dim_warnings(model) + mha_warnings(model, context, batch, dtype)
+    if model.context_length and context > model.context_length:
+        warnings.append(f"context {fmt_tokens(context)} is beyond the {model.context_length:,} "
+                        f"positions {model.name} was built for")
     return {
         "name": model.name,
         "family": model.family,
@@ -104,6 +107,9 @@ def account(model: ModelGeometry, context: int | None = None, batch: int = 1, dt
         "device": dev,
         "warnings": warnings,
         "notes": list(model.notes),
+        "context": context,
+        "batch": batch,
+        "dtype": str(dtype),
     }
 
 
@@ -111,79 +117,78 @@ def account_json(accounts: list[dict]) -> dict:
     return {"schema": ACCOUNT_SCHEMA, "models": accounts}
 
 
+UNBOUNDED = 2**40  # max_context when the cache stops growing (all layers windowed, encoders)
+
+
 def _row_values(acc: dict) -> list[tuple[str, str]]:
+    """(label, value) rows, the same labels for every model ('-' where one does not apply),
+    so `--compare` lines models up row by row."""
     g, p, kv, fl, dev = acc["geometry"], acc["params"], acc["kv_cache"], acc["flops"], acc["device"]
+    na = "-"
+    m = g["mla"]
     heads = f"{g['n_heads']} x {g['head_dim']}"
-    if g["mla"]:
-        m = g["mla"]
+    if m:
         heads = f"{g['n_heads']} x ({m['nope_head_dim']}+{m['rope_dim']}), v {m['v_head_dim']}"
+    window = na
+    if g["window"]:
+        window = f"{g['window']['size']} on {g['window']['layers']}/{g['n_layers']} layers"
+    ctx = fmt_tokens(fl["context"])
+    at = f"{ctx} x {acc['batch']}"
     rows = [
         ("family", acc["family"]),
         ("attention", g["label"]),
         ("d_model", str(g["d_model"])),
         ("layers", str(g["n_layers"])),
         ("heads", heads),
-        ("KV heads", "latent" if g["mla"] else str(g["n_kv_heads"])),
-    ]
-    if g["mla"]:
-        rows.append(("kv_rank / q_rank", f"{g['mla']['kv_rank']} / {g['mla']['q_rank']}"))
-    if g["window"]:
-        rows.append(("sliding window", f"{g['window']['size']} on {g['window']['layers']}"
-                                       f"/{g['n_layers']} layers"))
-    rows += [
+        ("KV heads", "latent" if m else str(g["n_kv_heads"])),
+        ("kv_rank / q_rank", f"{m['kv_rank']} / {m['q_rank']}" if m else na),
+        ("sliding window", window),
         ("params", f"{p['total']:,} ({fmt_count(p['total'])})"),
         ("attention / layer", f"{p['attention_per_layer']:,}"),
+        ("active / token", f"{p['active']:,} ({fmt_count(p['active'])})"
+         if p["active"] != p["total"] else na),
     ]
-    if p["active"] != p["total"]:
-        rows.append(("active / token", f"{p['active']:,} ({fmt_count(p['active'])})"))
     if kv is None:
-        rows.append(("KV cache", "none (encoder)"))
+        rows += [(f"KV / token ({acc['dtype']})", "none (encoder)"), (f"KV @ {at}", na),
+                 ("decompressed KV / token", na), (f"decompressed @ {at}", na)]
     else:
-        at = f"{fmt_tokens(kv['context'])} x {kv['batch']}"
+        per = kv["bytes_per_token"]
+        dec = kv["decompressed_bytes_per_token"]
         rows += [
-            (f"KV / token ({kv['dtype']})", f"{kv['bytes_per_token']:,} B "
-                                            f"({fmt_bytes(kv['bytes_per_token'])})"),
+            (f"KV / token ({kv['dtype']})", f"{per:,} B ({fmt_bytes(per)})"),
             (f"KV @ {at}", fmt_bytes(kv["bytes"])),
+            ("decompressed KV / token", f"{dec:,} B ({fmt_bytes(dec)})" if dec else na),
+            (f"decompressed @ {at}", fmt_bytes(kv["decompressed_bytes"]) if dec else na),
         ]
-        if kv["decompressed_bytes_per_token"] is not None:
-            rows += [
-                ("decompressed KV / token", f"{kv['decompressed_bytes_per_token']:,} B"),
-                (f"decompressed @ {at}", fmt_bytes(kv["decompressed_bytes"])),
-            ]
-    rows.append((f"prefill FLOPs/token @ {fmt_tokens(fl['context'])}",
-                 fmt_flops(fl["prefill_per_token"])))
-    if fl["decode_per_token"] is not None:
-        rows.append((f"decode FLOPs/token @ {fmt_tokens(fl['context'])}",
-                     fmt_flops(fl["decode_per_token"])))
+    rows.append((f"prefill FLOPs/token @ {ctx}", fmt_flops(fl["prefill_per_token"])))
+    rows.append((f"decode FLOPs/token @ {ctx}", fmt_flops(fl["decode_per_token"])
+                 if fl["decode_per_token"] is not None else na))
     if dev is not None:
         where = dev["name"] if dev["n_devices"] == 1 else f"{dev['n_devices']} x {dev['name']}"
+        longest = dev["max_context_at_batch"]
+        decode = dev["decode_s_per_step"]
         rows += [
             ("device", where),
             (f"weights ({dev['weights_dtype']})", fmt_bytes(dev["weights_bytes"])),
             ("free for KV", fmt_bytes(max(dev["free_bytes"], 0))),
             ("fits", "yes" if dev["fits"] else "NO"),
-            ("max batch @ context", str(dev["max_batch_at_context"])),
-            ("max context @ batch", fmt_tokens(dev["max_context_at_batch"])),
+            ("max batch @ context", f"{dev['max_batch_at_context']:,}" if kv else na),
+            ("max context @ batch", na if kv is None else
+             "unbounded" if longest >= UNBOUNDED else f"{longest:,}"),
+            ("decode ms/step (mem-bound)", f"{decode * 1e3:.2f}" if decode else na),
+            ("tokens/s", f"{dev['tokens_per_s']:,.0f}" if decode else na),
         ]
-        if dev["decode_s_per_step"] is not None:
-            rows += [
-                ("decode ms/step (mem-bound)", f"{dev['decode_s_per_step'] * 1e3:.2f}"),
-                ("tokens/s", f"{dev['tokens_per_s']:,.0f}"),
-            ]
     return rows
 
 
 def account_text(accounts: list[dict]) -> str:
     """One column per model: a single config, or `--compare` side by side."""
     per = [_row_values(a) for a in accounts]
-    keys: list[str] = []
-    for rows in per:
-        for k, _ in rows:
-            if k not in keys:
-                keys.append(k)
-    lookup = [dict(rows) for rows in per]
+    keys = [k for k, _ in per[0]]
+    values = [[v for _, v in rows] for rows in per]
+    body = [[k, *[vals[i] for vals in values]] for i, k in enumerate(keys)
+            if any(vals[i] != "-" for vals in values)]
     headers = ["", *[a["name"] for a in accounts]]
-    body = [[k, *[lk.get(k, "-") for lk in lookup]] for k in keys]
     out = [table(headers, body, right=set(range(1, len(headers))))]
     for a in accounts:
         prefix = f"{a['name']}: " if len(accounts) > 1 else ""

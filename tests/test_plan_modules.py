@@ -1,0 +1,99 @@
+"""plan's numbers are the modules' numbers: parameter counts and cache bytes.
+
+For each geometry, build the real module and compare `sum(p.numel())` and the `nbytes`
+of its cache with what `multihead.plan` computes without torch.
+"""
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from multihead import plan  # noqa: E402
+
+ATTENTION = [
+    # (d_model, n_heads, n_kv_heads, kwargs)
+    pytest.param(64, 8, None, {}, id="mha"),
+    pytest.param(64, 8, 2, {}, id="gqa"),
+    pytest.param(64, 8, 1, {}, id="mqa"),
+    pytest.param(48, 4, 2, {"head_dim": 16}, id="head_dim-not-C/H"),
+    pytest.param(40, 2, 1, {"head_dim": 32}, id="gemma-like-H*D>C"),
+    pytest.param(64, 4, None, {"context_dim": 24}, id="cross-attention"),
+    pytest.param(64, 4, 2, {"context_dim": 24, "head_dim": 8}, id="cross-gqa-head_dim"),
+    pytest.param(64, 8, 4, {"bias": False}, id="gqa-no-bias"),
+    pytest.param(64, 8, None, {"bias": True}, id="mha-bias"),
+]
+
+
+def n_params(module) -> int:
+    return sum(p.numel() for p in module.parameters())
+
+
+@pytest.mark.parametrize("d_model, n_heads, n_kv_heads, kw", ATTENTION)
+@pytest.mark.parametrize("dtype", ["fp32", "bf16", "fp16"])
+def test_attention_params_and_cache_match_the_module(d_model, n_heads, n_kv_heads, kw, dtype):
+    from multihead import Attention
+
+    module = Attention(d_model, n_heads, n_kv_heads, **kw)
+    g = plan.AttentionGeometry(d_model, n_heads, n_kv_heads, **kw)
+    assert plan.attention_params(g) == n_params(module)
+    torch_dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[dtype]
+    for batch, max_len in [(1, 1), (3, 17)]:
+        cache = module.new_cache(batch, max_len, dtype=torch_dtype)
+        assert plan.kv_cache_bytes(g, max_len, batch, dtype) == cache.nbytes
+        # A torch dtype works too (duck-typed: plan imports no torch).
+        assert plan.kv_cache_bytes(g, max_len, batch, torch_dtype) == cache.nbytes
+
+
+def test_qwen2_style_o_bias_is_counted_apart():
+    from multihead import Attention
+
+    module = Attention(64, 8, 2, bias=True)
+    g = plan.AttentionGeometry(64, 8, 2, bias=True, o_bias=False)
+    assert plan.attention_params(g) == n_params(module) - module.o_proj.bias.numel()
+
+
+LATENT = [
+    # (d_model, n_heads, kv_rank, kwargs)
+    pytest.param(64, 4, 16, {}, id="no-rope"),
+    pytest.param(64, 4, 16, {"rope_dim": 8}, id="rope"),
+    pytest.param(64, 4, 16, {"q_rank": 24, "rope_dim": 8}, id="q_rank"),
+    pytest.param(64, 4, 32, {"head_dim": 12, "rope_dim": 4, "v_head_dim": 20}, id="dims"),
+    pytest.param(64, 4, 16, {"q_rank": 24, "rope_dim": 8, "bias": True}, id="bias"),
+    pytest.param(64, 4, 16, {"rope_dim": 8, "latent_norm": False}, id="no-latent-norm"),
+    # DeepSeek-V2-Lite's attention at full size (16 heads, 128 + 64, rank 512).
+    pytest.param(2048, 16, 512, {"head_dim": 128, "rope_dim": 64, "v_head_dim": 128},
+                 id="deepseek-v2-lite"),
+]
+
+
+@pytest.mark.parametrize("d_model, n_heads, kv_rank, kw", LATENT)
+def test_latent_params_and_cache_match_the_module(d_model, n_heads, kv_rank, kw):
+    latent = pytest.importorskip("multihead.latent")
+    module = latent.LatentAttention(d_model, n_heads, kv_rank, **kw)
+    g = plan.LatentGeometry(d_model, n_heads, kv_rank, **kw)
+    assert plan.attention_params(g) == n_params(module)
+    for dtype, torch_dtype in [("fp32", torch.float32), ("bf16", torch.bfloat16)]:
+        cache = module.new_cache(2, 9, dtype=torch_dtype)
+        assert plan.kv_cache_bytes(g, 9, 2, dtype) == cache.nbytes
+
+
+def test_deepseek_v2_lite_attention_matches_the_config_reader():
+    latent = pytest.importorskip("multihead.latent")
+    from test_plan_configs import CONFIGS
+
+    model = plan.read_config(CONFIGS["deepseek-v2-lite"])
+    a = model.attention
+    module = latent.LatentAttention(a.d_model, a.n_heads, a.kv_rank, q_rank=a.q_rank,
+                                    head_dim=a.head_dim, rope_dim=a.rope_dim,
+                                    v_head_dim=a.v_head_dim)
+    assert n_params(module) == plan.param_counts(model).attention_per_layer == 13_763_072
+
+
+def test_llama3_attention_block_matches_the_module():
+    from multihead import Attention
+
+    with torch.device("meta"):  # shapes only, no memory
+        module = Attention(4096, 32, 8, bias=False)
+    assert n_params(module) == 41_943_040
+    cache = module.new_cache(1, 1, dtype=torch.bfloat16, device="meta")
+    assert cache.nbytes * 32 == 131_072  # 32 layers: Llama-3-8B's KV bytes per token
