@@ -71,7 +71,7 @@ def test_mla_sits_between_4_and_2_kv_heads():
     assert r.pick.label == "MLA-512"  # rank 4 * head_dim, rope head_dim / 2
     a = r.pick.model.attention
     assert (a.kv_rank, a.rope_dim, a.d_head, a.d_value, a.q_rank) == (512, 64, 128, 128, 1536)
-    assert r.check["command"].endswith("--head-dim 128 --kv-rank 512 --rope-dim 64")
+    assert r.check["command"].endswith("--d-model 4096 --n-heads 32 --kv-rank 512 --rope-dim 64")
 
 
 def test_nothing_fits_gives_the_smallest_cache_flagged():
@@ -124,7 +124,7 @@ def test_init_scales_and_bias():
 def test_check_points_at_the_induction_lab():
     r = rec("125M")
     assert r.check["command"] == ("multihead lab induction --layers 2 --d-model 768 "
-                                  "--n-heads 12 --n-kv-heads 12 --head-dim 64")
+                                  "--n-heads 12 --n-kv-heads 12")
     assert r.check["threshold"] == 0.95
 
 

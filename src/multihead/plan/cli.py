@@ -51,7 +51,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                      help="what the geometry is optimised for (default inference)")
     use.add_argument("--dtype", default="bf16",
                      help="KV cache dtype: fp32, bf16, fp16, fp8, int8, int4 (default bf16)")
-    use.add_argument("--weights-dtype", default=None,
+    use.add_argument("--weights-dtype", default=None, metavar="DTYPE",
                      help="weights dtype (default: the same as --dtype)")
 
     shape = parser.add_argument_group("fix part of the geometry (when recommending)")

@@ -489,13 +489,17 @@ def init_scales(model: ModelGeometry) -> dict:
 
 
 def induction_check(model: ModelGeometry) -> dict:
-    """The check to run: 2 layers of this geometry should learn induction (A B ... A -> B)."""
+    """The check to run: 2 layers of this geometry should learn induction (A B ... A -> B).
+
+    The flags are the lab's model fields (LabConfig); head_dim is d_model / n_heads there,
+    as it is in every geometry the recommender produces.
+    """
     a = model.attention
     args = f"--layers 2 --d-model {a.d_model} --n-heads {a.n_heads}"
     if isinstance(a, LatentGeometry):
-        args += f" --head-dim {a.d_head} --kv-rank {a.kv_rank} --rope-dim {a.rope_dim}"
+        args += f" --kv-rank {a.kv_rank} --rope-dim {a.rope_dim}"
     else:
-        args += f" --n-kv-heads {a.n_kv} --head-dim {a.d_head}"
+        args += f" --n-kv-heads {a.n_kv}"
     return {
         "command": f"multihead lab induction {args}",
         "expect": "a 2-layer model of this geometry solves A B ... A -> B at >= 95% accuracy",

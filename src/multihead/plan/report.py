@@ -246,6 +246,16 @@ def recommendation_dict(rec: Recommendation) -> dict:
     }  # fmt: skip
 
 
+def _init_lines(init: dict) -> list[str]:
+    """Projections with the same rule share a line: 'q, k, v  N(0, 0.0156) = 1/sqrt(d_model)'."""
+    groups: dict[tuple, list[str]] = {}
+    for name, v in init.items():
+        groups.setdefault((v["std"], v["rule"]), []).append(name)
+    lines = [f"{', '.join(names)}: N(0, {std:.4g}), std = {rule}"
+             for (std, rule), names in groups.items()]
+    return [f"{'init' if i == 0 else '':<10}{line}" for i, line in enumerate(lines)]
+
+
 def recommendation_text(rec: Recommendation) -> str:
     r, p, f = rec.request, rec.pick, rec.pick.fit
     where = r.device.name if r.n_devices == 1 else f"{r.n_devices} x {r.device.name}"
@@ -263,8 +273,7 @@ def recommendation_text(rec: Recommendation) -> str:
         f"{fmt_bytes(max(f.free_bytes, 0))} free beside {fmt_bytes(f.weights_bytes)} of weights)",
         f"decode    {f.decode_s * 1e3:.2f} ms/step memory-bound, {f.tokens_per_s:,.0f} tokens/s "
         f"at batch {r.batch}",
-        "init      " + "; ".join(f"{k} N(0, {v['std']:.4g}) = {v['rule']}"
-                                for k, v in rec.init.items()),
+        *_init_lines(rec.init),
         f"biases    {'yes' if rec.bias['use'] else 'none'}: {rec.bias['reason']}",
         f"check     {rec.check['command']}",
         f"          ({rec.check['expect']})",
