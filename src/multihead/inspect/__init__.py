@@ -1,7 +1,44 @@
 """See what every head of a real model does: capture per-head weights, score head roles,
-draw them (self-contained HTML, PNG). Heavy imports (transformers, matplotlib) happen
-inside the functions that need them."""
+draw them (self-contained HTML, PNG).
 
-from multihead.inspect.capture_types import AttentionCapture, HeadRole
+    from multihead.inspect import capture, head_roles, render_html
+    cap = capture("The cat sat on the mat.")          # bundled all-MiniLM-L6-v2
+    roles = head_roles(cap)                             # ranked: layer 0 head 2 first
+    render_html(cap, roles=roles, path="view.html")
 
-__all__ = ["AttentionCapture", "HeadRole"]
+Every name is imported on first use, so importing this package (and the `multihead`
+command) stays light; torch, transformers and matplotlib load only when needed.
+"""
+
+from __future__ import annotations
+
+import importlib
+
+_LAZY = {
+    "AttentionCapture": "multihead.inspect.capture_types",
+    "HeadRole": "multihead.inspect.capture_types",
+    "capture": "multihead.inspect.capture",
+    "load_model": "multihead.inspect.capture",
+    "LoadedModel": "multihead.inspect.capture",
+    "InspectError": "multihead.inspect.capture",
+    "head_roles": "multihead.inspect.roles",
+    "role_scores": "multihead.inspect.roles",
+    "induction_scores": "multihead.inspect.roles",
+    "render_html": "multihead.inspect.html",
+    "save_grid": "multihead.inspect.png",
+    "save_head": "multihead.inspect.png",
+}
+
+__all__ = list(_LAZY)
+
+
+def __getattr__(name: str):
+    if name in _LAZY:
+        value = getattr(importlib.import_module(_LAZY[name]), name)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module 'multihead.inspect' has no attribute {name!r}")
+
+
+def __dir__():
+    return sorted(set(globals()) | set(_LAZY))

@@ -1,0 +1,188 @@
+"""See what every head of a real model does.
+
+Runs the text through the model (by default the bundled all-MiniLM-L6-v2) with its
+attention on multihead, captures the weights of the layers and heads asked, scores each
+head's role (previous-token, current-token, first-token sink, delimiter, duplicate-token,
+induction, prefix-matching on repeated random tokens, entropy) and prints the ranked
+table. --html writes a self-contained head view (no network), --png heatmaps.
+
+examples:
+  multihead inspect "The cat sat on the mat." --html view.html
+  multihead inspect "The cat sat on the mat." --layers 0 --heads 2 --png head.png
+  multihead inspect "When Mary and John went to the store, John gave a drink to Mary" --roles
+  multihead inspect "Some text" --model path/to/hf-model-folder --json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import warnings
+from pathlib import Path
+
+from multihead.cli import UsageError
+
+TOP = 10  # rows of the role table without --roles
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.formatter_class = argparse.RawDescriptionHelpFormatter
+    parser.add_argument("text", help='the text to look at, e.g. "The cat sat on the mat." ("-" reads stdin)')
+    parser.add_argument("--model", default="minilm",
+                        help="minilm (the bundled sentence-transformers/all-MiniLM-L6-v2; default), a local "
+                             "Hugging Face model folder, or a `multihead lab` checkpoint folder")
+    parser.add_argument("--layers", metavar="LIST", help="layers to capture, comma-separated, e.g. 0,3 (default: all)")
+    parser.add_argument("--heads", metavar="LIST", help="heads to capture in each layer, e.g. 2,5 (default: all)")
+    parser.add_argument("--max-tokens", type=int, metavar="N",
+                        help="keep at most N tokens (default: as many as the model's positions)")
+    parser.add_argument("--html", metavar="PATH", help="write the self-contained HTML head view to PATH")
+    parser.add_argument("--png", metavar="PATH",
+                        help="write heatmaps to PATH: a layer x head grid, or one labelled head if one is captured")
+    parser.add_argument("--roles", action="store_true",
+                        help=f"show every head with all its role scores (default: the top {TOP}, strongest role)")
+    parser.add_argument("--json", action="store_true",
+                        help="print JSON (tokens, ranked roles with every score, files written) instead of tables")
+
+
+def _indices(flag: str, value: str | None) -> list[int] | None:
+    if value is None:
+        return None
+    parts = [p.strip() for p in value.split(",") if p.strip()]
+    try:
+        out = [int(p) for p in parts]
+    except ValueError:
+        out = []
+    if not out:
+        raise UsageError(f"{flag} takes comma-separated integers, e.g. {flag} 0,3; received {value!r}")
+    return out
+
+
+def _out_path(flag: str, value: str | None) -> Path | None:
+    if value is None:
+        return None
+    path = Path(value).expanduser()
+    if path.is_dir():
+        raise UsageError(f"{flag} {value!r} is a folder; give a file name, e.g. {flag} view.html")
+    if not path.parent.is_dir():
+        raise UsageError(f"{flag} {value!r}: the folder {str(path.parent)!r} does not exist")
+    return path
+
+
+def _read_text(text: str) -> str:
+    if text == "-":
+        text = sys.stdin.read()
+    if not text.strip():
+        raise UsageError('text is empty; give a sentence, e.g. multihead inspect "The cat sat on the mat."')
+    return text
+
+
+def _quiet_transformers() -> None:
+    """Loading progress bars and advisory logs are noise on a command line."""
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+    try:
+        from transformers.utils import logging as hf_logging
+    except ImportError:
+        return
+    hf_logging.set_verbosity_error()
+    hf_logging.disable_progress_bar()
+
+
+def main(args: argparse.Namespace) -> int:
+    text = _read_text(args.text)
+    layers = _indices("--layers", args.layers)
+    heads = _indices("--heads", args.heads)
+    html_path = _out_path("--html", args.html)
+    png_path = _out_path("--png", args.png)
+    if args.max_tokens is not None and args.max_tokens < 1:
+        raise UsageError(f"--max-tokens must be >= 1; received {args.max_tokens}")
+
+    from multihead.inspect.capture import InspectError, TruncationWarning, resolve_model
+
+    try:
+        resolve_model(args.model)  # a bad --model is refused before anything heavy loads
+    except InspectError as err:
+        raise UsageError(str(err)) from None
+    _quiet_transformers()
+    from multihead.inspect.capture import capture, load_model
+    from multihead.inspect.roles import head_roles, induction_scores
+
+    try:
+        model = load_model(args.model)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always", TruncationWarning)
+            cap = capture(text, model=model, layers=layers, heads=heads, max_tokens=args.max_tokens)
+        prefix = induction_scores(model)
+    except InspectError as err:
+        raise UsageError(str(err)) from None
+    for w in caught:
+        if issubclass(w.category, TruncationWarning):
+            print(f"multihead inspect: warning: {w.message}", file=sys.stderr)
+    roles = head_roles(cap, prefix_matching=prefix)
+
+    written = {}
+    if html_path is not None:
+        from multihead.inspect.html import render_html
+
+        render_html(cap, roles=roles, path=html_path)
+        written["html"] = str(html_path.resolve())
+    if png_path is not None:
+        from multihead.inspect.png import save_grid, save_head
+
+        if len(cap.layers) == 1 and len(cap.heads) == 1:
+            save_head(cap, cap.layers[0], cap.heads[0], png_path)
+        else:
+            save_grid(cap, png_path, roles=roles)
+        written["png"] = str(png_path.resolve())
+
+    if args.json:
+        print(json.dumps(_as_json(cap, roles, written), indent=1, default=str))
+        return 0
+    print(f"{cap.model}: {cap.n_layers} layers x {cap.n_heads} heads; captured {len(cap.layers)} x "
+          f"{len(cap.heads)} on {len(cap.tokens)} tokens")
+    print("tokens: " + " ".join(cap.tokens[:40]) + (f" ... (+{len(cap.tokens) - 40})" if len(cap.tokens) > 40 else ""))
+    if "html" in written:
+        print(f"HTML head view: {written['html']}")
+    if "png" in written:
+        print(f"PNG: {written['png']}")
+    print()
+    print(format_roles(roles, full=args.roles))
+    return 0
+
+
+def _as_json(cap, roles, written) -> dict:
+    return {
+        "model": cap.model,
+        "n_layers": cap.n_layers,
+        "n_heads": cap.n_heads,
+        "layers": cap.layers,
+        "heads": cap.heads,
+        "tokens": cap.tokens,
+        "token_ids": cap.token_ids,
+        "meta": cap.meta,
+        "roles": [{"rank": i + 1, "layer": r.layer, "head": r.head, "role": r.role, "score": r.score,
+                   "scores": r.scores} for i, r in enumerate(roles)],
+        "files": written,
+    }
+
+
+_SHORT = {"previous_token": "prev", "current_token": "self", "first_token": "first", "delimiter": "delim",
+          "duplicate_token": "dup", "induction": "induct", "prefix_matching": "prefix", "entropy": "entropy"}
+
+
+def format_roles(roles, *, full: bool = False) -> str:
+    """The ranked role table as text: the top rows, or every head with every score."""
+    shown = roles if full else roles[:TOP]
+    cols = [c for c in _SHORT if any(c in r.scores for r in shown)] if full else []
+    head = f"{'rank':>4} {'layer':>5} {'head':>4}  {'role':<15} {'score':>5}"
+    head += "".join(f" {_SHORT[c]:>7}" for c in cols)
+    lines = [head]
+    for i, r in enumerate(shown):
+        line = f"{i + 1:>4} {r.layer:>5} {r.head:>4}  {r.role:<15} {r.score:>5.2f}"
+        line += "".join(f" {r.scores[c]:>7.2f}" if c in r.scores else f" {'-':>7}" for c in cols)
+        lines.append(line)
+    if not full and len(roles) > len(shown):
+        lines.append(f"... {len(roles) - len(shown)} more heads (--roles shows every head and every score)")
+    return "\n".join(lines)

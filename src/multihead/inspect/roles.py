@@ -1,0 +1,283 @@
+"""Head roles: what each captured head attends to, as scores in [0, 1].
+
+Notation: A is one head's `(T, T)` weights, A[i, j] the attention of query i to key j,
+rows summing to 1. Q is the set of query rows a score averages over: every row for a
+bidirectional model, rows 1..T-1 for a causal one (row 0 of a causal model can only
+attend to itself, so it carries no information about the head).
+
+Positional roles (each the mean, over the rows where it is defined, of the attention
+mass on the keys the role names):
+
+- previous_token:  mean over i >= 1 of A[i, i-1].
+- current_token:   mean over i in Q of A[i, i].
+- first_token:     mean over i in Q of A[i, 0]: the [CLS] / BOS "attention sink"
+                   (Xiao et al., 2023, "Efficient Streaming Language Models with
+                   Attention Sinks"; Clark et al., 2019, "What Does BERT Look At?").
+- delimiter:       mean over i in Q of sum_{j in delim} A[i, j], delim = positions j >= 1
+                   holding a special token ([SEP], </s>, ...) or punctuation only
+                   (Clark et al., 2019, who found BERT heads that attend to [SEP] and to
+                   periods and commas). Absent when the text has no delimiter.
+
+Token-matching roles use TransformerLens' detection patterns and its "mul" score
+(transformer_lens/head_detector.py: `get_duplicate_token_head_detection_pattern`,
+`get_induction_head_detection_pattern`, `compute_head_attention_similarity_score`):
+a 0/1 pattern P and
+
+    mul(A, P) = sum(A' * P) / sum(A'),
+
+A' = A with the BOS column (key 0) and the diagonal set to zero (its `exclude_bos` and
+`exclude_current_token` options, both on here, since sink and self attention say
+nothing about token matching). One change: the sums run over the query rows where P
+has a 1; TransformerLens sums over every row, which caps the score at the fraction of
+rows that have a match, small for natural text. The roles are absent when no row has.
+
+- duplicate_token: P[i, j] = 1 where ids[j] == ids[i], j != i and j < i (TransformerLens'
+                   lower triangle). In a bidirectional model a later duplicate is as
+                   visible as an earlier one, so there j > i counts too.
+- induction:       P[i, j] = 1 where ids[j-1] == ids[i], j - 1 != i, 1 <= j <= i: the
+                   token after an earlier occurrence of the current token.
+
+Prefix matching (Olsson et al., 2022, "In-context Learning and Induction Heads"),
+measured by `induction_scores` on sequences of random tokens repeated twice,
+`[specials] r_0 .. r_{n-1} r_0 .. r_{n-1} [specials]`: for the query at the k-th token of
+the second copy, the attention to the token after the first copy's r_k,
+
+    prefix_matching = mean over sequences and k of A[o + n + k, o + k + 1]   (o = offset).
+
+Entropy (broad vs sharp): mean over i in Q of H(A[i]) / log(n_i), with
+H(p) = -sum p log p and n_i the keys row i may attend (T, or i + 1 when causal): 0 is
+one key, 1 is uniform.
+
+Ranking (`head_roles`): a head's role is its highest-scoring role among the ones
+above (except entropy); if that score is below `min_score` (0.4) the head has no
+dominant role: "broad" (score = entropy) when its entropy is at least 0.75, else
+"mixed" (score = its best role score). Heads are ranked by score, highest first.
+"""
+
+from __future__ import annotations
+
+import string
+
+import torch
+from torch import Tensor
+
+from multihead.inspect.capture_types import AttentionCapture, HeadRole
+
+__all__ = [
+    "ROLES",
+    "attention_entropy",
+    "delimiter_positions",
+    "duplicate_token_pattern",
+    "head_roles",
+    "induction_pattern",
+    "induction_scores",
+    "mul_score",
+    "role_scores",
+]
+
+ROLES = ("previous_token", "current_token", "first_token", "delimiter", "duplicate_token", "induction",
+         "prefix_matching")
+MIN_SCORE = 0.4
+BROAD_ENTROPY = 0.75
+_PUNCT = set(string.punctuation) | set("«»“”‘’„…–—·")
+_PIECE_MARKERS = ("##", "\u0120", "\u2581", "\u010a")  # WordPiece, GPT-2 space/newline, SentencePiece
+
+
+# --------------------------------------------------------------------- patterns
+
+
+def duplicate_token_pattern(ids: Tensor, causal: bool = True) -> Tensor:
+    """TransformerLens' duplicate-token pattern `(T, T)`: 1 where ids[j] == ids[i], j != i,
+    j < i (also j > i when not causal)."""
+    ids = torch.as_tensor(ids).reshape(-1)
+    eq = (ids[:, None] == ids[None, :]).float()  # (T, T)
+    eq.fill_diagonal_(0)
+    return eq.tril() if causal else eq
+
+
+def induction_pattern(ids: Tensor) -> Tensor:
+    """TransformerLens' induction pattern `(T, T)`: 1 where ids[j-1] == ids[i], j-1 != i,
+    1 <= j <= i (the duplicate pattern shifted one key to the right, lower triangle)."""
+    dup = duplicate_token_pattern(ids, causal=True)
+    out = torch.zeros_like(dup)
+    out[:, 1:] = dup[:, :-1]
+    return out.tril()
+
+
+def mul_score(weights: Tensor, pattern: Tensor, *, exclude_bos: bool = True,
+              exclude_current: bool = True) -> Tensor | None:
+    """TransformerLens' "mul" score over the rows where `pattern` has a 1.
+
+    weights `(..., T, T)`, pattern `(T, T)` of 0/1. Returns `(...)`, or None when no row
+    of the pattern has a 1.
+    """
+    rows = pattern.bool().any(dim=-1)  # (T,)
+    if not bool(rows.any()):
+        return None
+    a = weights.clone()
+    if exclude_bos:
+        a[..., :, 0] = 0
+    if exclude_current:
+        a.diagonal(dim1=-2, dim2=-1).zero_()
+    a = a[..., rows, :]
+    p = pattern[rows].to(a.dtype)
+    den = a.sum(dim=(-2, -1))
+    num = (a * p).sum(dim=(-2, -1))
+    return torch.where(den > 0, num / den.clamp_min(1e-30), torch.zeros_like(den))
+
+
+def _strip_piece(token: str) -> str:
+    for marker in _PIECE_MARKERS:
+        token = token.replace(marker, "")
+    return token.strip()
+
+
+def delimiter_positions(tokens: list[str], special_tokens=()) -> list[int]:
+    """Positions j >= 1 whose token is special ([SEP], </s>, ...) or punctuation only."""
+    special = set(special_tokens)
+    out = []
+    for j, tok in enumerate(tokens):
+        if j == 0:
+            continue
+        core = _strip_piece(tok)
+        if tok in special or (core and all(ch in _PUNCT for ch in core)):
+            out.append(j)
+    return out
+
+
+def _is_causal(capture: AttentionCapture) -> bool:
+    if "causal" in capture.meta:
+        return bool(capture.meta["causal"])
+    T = capture.weights.shape[-1]
+    return T > 1 and bool((capture.weights.triu(1) == 0).all())
+
+
+def attention_entropy(weights: Tensor, causal: bool) -> Tensor:
+    """Mean normalised row entropy of weights `(..., T, T)` -> `(...)` in [0, 1]."""
+    T = weights.shape[-1]
+    p = weights.double().clamp_min(0)
+    h = -(p * torch.log(p.clamp_min(1e-300))).sum(-1)  # (..., T)
+    n = torch.arange(1, T + 1, dtype=torch.float64) if causal else torch.full((T,), float(T), dtype=torch.float64)
+    rows = n > 1
+    if not bool(rows.any()):
+        return torch.zeros(weights.shape[:-2])
+    return (h[..., rows] / torch.log(n[rows])).mean(-1).clamp(0, 1).float()
+
+
+# --------------------------------------------------------------------- scores
+
+
+def role_scores(capture: AttentionCapture) -> dict[str, Tensor]:
+    """Each role's score for every captured head: {role: `(len(layers), len(heads))`}.
+
+    Roles that the text cannot show (no delimiter, no repeated token) are absent.
+    Formulas and sources: the module docstring.
+    """
+    W = capture.weights.float()  # (L, h, T, T)
+    T = W.shape[-1]
+    causal = _is_causal(capture)
+    q0 = 1 if causal and T > 1 else 0  # rows Q
+    Q = W[..., q0:, :]
+    out: dict[str, Tensor] = {}
+    if T > 1:
+        out["previous_token"] = W.diagonal(offset=-1, dim1=-2, dim2=-1).mean(-1)
+    out["current_token"] = W.diagonal(dim1=-2, dim2=-1)[..., q0:].mean(-1)
+    out["first_token"] = Q[..., 0].mean(-1)
+    delim = delimiter_positions(capture.tokens, capture.meta.get("special_tokens", ()))
+    if delim:
+        out["delimiter"] = Q[..., delim].sum(-1).mean(-1)
+    ids = torch.tensor(capture.token_ids)
+    # A special token repeated ([SEP] ... [SEP]) is structure, not a duplicate.
+    special = set(capture.meta.get("special_tokens", ()))
+    plain = torch.tensor([tok not in special for tok in capture.tokens])
+    dup = duplicate_token_pattern(ids, causal) * plain[:, None] * plain[None, :]
+    score = mul_score(W, dup)
+    if score is not None:
+        out["duplicate_token"] = score
+    ind = induction_pattern(ids) * plain[:, None]
+    score = mul_score(W, ind)
+    if score is not None:
+        out["induction"] = score
+    out["entropy"] = attention_entropy(W, causal)
+    return out
+
+
+def head_roles(capture: AttentionCapture, *, prefix_matching: Tensor | None = None,
+               min_score: float = MIN_SCORE) -> list[HeadRole]:
+    """The ranked role table: one `HeadRole` per captured head, highest score first.
+
+    Args:
+        capture: from `multihead.inspect.capture`.
+        prefix_matching: optional `(n_layers, n_heads)` scores from `induction_scores`
+            (indexed by model layer and head), added as the "prefix_matching" role.
+        min_score: below it a head has no dominant role ("broad" or "mixed").
+    """
+    if not isinstance(capture, AttentionCapture):
+        raise TypeError(f"head_roles takes an AttentionCapture; received {type(capture).__name__}")
+    scores = role_scores(capture)
+    if prefix_matching is not None:
+        pm = torch.as_tensor(prefix_matching)
+        if tuple(pm.shape) != (capture.n_layers, capture.n_heads):
+            raise ValueError(f"prefix_matching must be (n_layers, n_heads) = ({capture.n_layers}, "
+                             f"{capture.n_heads}); received {tuple(pm.shape)}")
+        scores["prefix_matching"] = pm[capture.layers][:, capture.heads].float()
+    table = []
+    for li, layer in enumerate(capture.layers):
+        for hi, head in enumerate(capture.heads):
+            s = {name: round(float(v[li, hi]), 4) for name, v in scores.items()}
+            ranked = [(s[r], -ROLES.index(r), r) for r in ROLES if r in s]
+            best, _, role = max(ranked) if ranked else (0.0, 0, "mixed")
+            if best < min_score:
+                if s["entropy"] >= BROAD_ENTROPY:
+                    role, best = "broad", s["entropy"]
+                else:
+                    role = "mixed"
+            table.append(HeadRole(layer=layer, head=head, scores=s, role=role, score=float(best)))
+    table.sort(key=lambda r: (-r.score, r.layer, r.head))
+    return table
+
+
+# ------------------------------------------------------------ prefix matching
+
+
+def induction_scores(model="minilm", seq_len: int | None = None, seed: int = 0, batch: int = 4) -> Tensor:
+    """Olsson et al.'s prefix-matching score of every head, `(n_layers, n_heads)`.
+
+    Runs `batch` sequences of `seq_len` uniformly random ordinary tokens, each repeated
+    twice and wrapped in the model's special tokens, and averages, over the second copy,
+    the attention from each token to the token that followed its first occurrence.
+    Random tokens leave no grammar to lean on: only a head that looks up "what came after
+    this token last time" scores high. `model` is anything `capture` takes. Same seed,
+    same tokens. seq_len defaults to 50, or less where the model's positions need it.
+    """
+    from multihead.inspect.capture import InspectError, load_model
+
+    lm = load_model(model)
+    if seq_len is None:
+        extra = len(lm.wrap([0, 0])[0]) - 2  # special tokens around a text
+        room = None if lm.max_positions is None else (lm.max_positions - extra) // 2
+        seq_len = 50 if room is None else max(2, min(50, room))
+    for name, v, lo in (("seq_len", seq_len, 2), ("batch", batch, 1)):
+        if isinstance(v, bool) or not isinstance(v, int) or v < lo:
+            raise InspectError(f"{name} must be an int >= {lo}; received {v!r}")
+    gen = torch.Generator().manual_seed(int(seed))
+    r = lm.random_ids((batch, seq_len), gen)  # (B, n)
+    rows, offset = [], 0
+    for b in range(batch):
+        ids, offset = lm.wrap(torch.cat([r[b], r[b]]).tolist())
+        rows.append(ids)
+    total = len(rows[0])
+    if lm.max_positions is not None and total > lm.max_positions:
+        raise InspectError(f"seq_len {seq_len} gives {total} tokens, more than the model's {lm.max_positions} "
+                           f"positions; use seq_len <= {(lm.max_positions - (total - 2 * seq_len)) // 2}")
+    ids = torch.tensor(rows, dtype=torch.long)  # (B, T)
+    heads = tuple(range(lm.n_heads))
+    weights = lm.attention(ids, {layer: heads for layer in range(lm.n_layers)})
+    k = torch.arange(seq_len)
+    q_pos, k_pos = offset + seq_len + k, offset + k + 1
+    out = torch.empty(lm.n_layers, lm.n_heads)
+    for layer in range(lm.n_layers):
+        w = weights[layer].float()  # (B, H, T, T)
+        out[layer] = w[:, :, q_pos, k_pos].mean(dim=(0, 2))
+    return out
+
