@@ -46,6 +46,14 @@
   const roles = new Map(D.roles.map((r) => [`${r.layer}:${r.head}`, r]));
   const roleOf = (l, h) => roles.get(`${D.layers[l]}:${D.heads[h]}`);
   const roleLabel = (r) => `${r.role.replace(/_/g, " ")} ${r.score.toFixed(2)}`;
+  const SHORT = {
+    previous_token: "prev", current_token: "self", first_token: "first", delimiter: "delim",
+    duplicate_token: "dup", induction: "induct",
+  };
+  const roleShort = (r) =>
+    r.role === "broad" || r.role === "mixed" // no dominant role: the word says it, the score would not fit
+      ? r.role
+      : `${SHORT[r.role] || r.role.replace(/_/g, " ")} ${r.score.toFixed(2).replace(/^0/, "")}`;
   const roleTitle = (r) =>
     Object.entries(r.scores).map(([name, v]) => `${name}: ${Number(v).toFixed(3)}`).join("\n");
 
@@ -267,7 +275,7 @@
   }
 
   const grid = $("mh-grid");
-  grid.style.setProperty("--cell", `${Math.max(24, Math.min(64, Math.floor(560 / Math.max(1, NH))))}px`);
+  grid.style.setProperty("--cell", `${Math.max(24, Math.min(64, Math.floor(520 / Math.max(1, NH))))}px`);
   grid.style.gridTemplateColumns = `auto repeat(${NH}, calc(var(--cell) + 4px))`;
   grid.append(el("span", "mh-glabel", ""));
   for (const head of D.heads) grid.append(el("span", "mh-glabel", `H${head}`));
@@ -286,7 +294,7 @@
       b.append(c);
       const r = roleOf(l, h);
       b.title = `layer ${layer} head ${head}` + (r ? `\n${roleTitle(r)}` : "");
-      if (r) b.append(el("span", "mh-badge", roleLabel(r)));
+      if (D.roles.length) b.append(el("span", "mh-cell-role", r ? roleShort(r) : ""));
       b.addEventListener("click", () => {
         state.layer = l;
         state.sel = new Set([h]);
