@@ -97,3 +97,53 @@ def test_llama3_attention_block_matches_the_module():
     assert n_params(module) == 41_943_040
     cache = module.new_cache(1, 1, dtype=torch.bfloat16, device="meta")
     assert cache.nbytes * 32 == 131_072  # 32 layers: Llama-3-8B's KV bytes per token
+
+
+# --- any geometry, not only the listed ones ------------------------------------------------
+
+from hypothesis import given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+
+
+@st.composite
+def attention_args(draw):
+    n_heads = draw(st.integers(1, 12))
+    n_kv = draw(st.sampled_from([k for k in range(1, n_heads + 1) if n_heads % k == 0]))
+    head_dim = draw(st.one_of(st.none(), st.integers(1, 24)))
+    d_model = draw(st.integers(1, 8)) * n_heads if head_dim is None else draw(st.integers(1, 96))
+    kw = {"head_dim": head_dim, "bias": draw(st.booleans()),
+          "context_dim": draw(st.one_of(st.none(), st.integers(1, 40)))}
+    return d_model, n_heads, n_kv, kw
+
+
+@settings(max_examples=60, deadline=None)
+@given(attention_args(), st.integers(1, 4), st.integers(0, 33))
+def test_any_attention_geometry_matches_the_module(args, batch, max_len):
+    from multihead import Attention
+
+    d_model, n_heads, n_kv, kw = args
+    with torch.device("meta"):
+        module = Attention(d_model, n_heads, n_kv, **kw)
+    g = plan.AttentionGeometry(d_model, n_heads, n_kv, **kw)
+    assert plan.attention_params(g) == n_params(module)
+    if max_len:
+        cache = module.new_cache(batch, max_len, dtype=torch.float16, device="meta")
+        assert plan.kv_cache_bytes(g, max_len, batch, "fp16") == cache.nbytes
+
+
+@settings(max_examples=25, deadline=None)
+@given(st.integers(1, 8), st.integers(1, 48), st.one_of(st.none(), st.integers(1, 32)),
+       st.integers(1, 16), st.sampled_from([0, 2, 4, 8]), st.one_of(st.none(), st.integers(1, 16)),
+       st.booleans(), st.booleans())
+def test_any_latent_geometry_matches_the_module(n_heads, kv_rank, q_rank, head_dim, rope_dim,
+                                                v_head_dim, bias, latent_norm):
+    latent = pytest.importorskip("multihead.latent")
+    d_model = 8 * n_heads
+    kw = {"q_rank": q_rank, "head_dim": head_dim, "rope_dim": rope_dim,
+          "v_head_dim": v_head_dim, "bias": bias, "latent_norm": latent_norm}
+    with torch.device("meta"):
+        module = latent.LatentAttention(d_model, n_heads, kv_rank, **kw)
+    g = plan.LatentGeometry(d_model, n_heads, kv_rank, **kw)
+    assert plan.attention_params(g) == n_params(module)
+    cache = module.new_cache(2, 5, dtype=torch.bfloat16, device="meta")
+    assert plan.kv_cache_bytes(g, 5, 2, "bf16") == cache.nbytes

@@ -224,3 +224,29 @@ def test_bad_requests(kw, error, match):
 def test_bad_geometry_requests(kw, match):
     with pytest.raises(ValueError, match=match):
         rec("7B", **kw)
+
+
+# --- invariants over many requests ---------------------------------------------------------
+
+from hypothesis import given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.integers(7, 12).map(lambda e: 10**e).flatmap(lambda p: st.integers(p, 3 * p)),
+       st.sampled_from([512, 4096, 32768, 131072]), st.sampled_from([1, 4, 32]),
+       st.sampled_from(sorted(DEVICES)), st.sampled_from(["inference", "training"]))
+def test_recommendation_invariants(params, context, batch, device, priority):
+    r = recommend(Request(params=params, context=context, batch=batch, device=DEVICES[device],
+                          priority=priority))
+    a = r.pick.model.attention
+    assert a.d_model == a.n_heads * a.d_head and a.d_head in (64, 128)
+    assert a.kind != "MLA" or params >= 10**9
+    assert r.alternatives[0] is r.pick
+    assert len({c.label for c in r.alternatives}) == len(r.alternatives)
+    if priority == "inference" and not r.pick.fit.fits and r.pick.fit.weights_fit:
+        ladder = [c for c in r.alternatives if c.label in ("MQA", "MLA-" + str(4 * a.d_head))]
+        assert r.pick.kv_bytes <= min(c.kv_bytes for c in ladder)  # the smallest on offer
+    assert recommendation_dict(r) == recommendation_dict(
+        recommend(Request(params=params, context=context, batch=batch, device=DEVICES[device],
+                          priority=priority)))
