@@ -250,3 +250,10 @@ def test_recommendation_invariants(params, context, batch, device, priority):
     assert recommendation_dict(r) == recommendation_dict(
         recommend(Request(params=params, context=context, batch=batch, device=DEVICES[device],
                           priority=priority)))
+
+
+def test_warning_budget_too_small_for_two_layers():
+    r = rec("30M", d_model=1024)  # the 32000 x 1024 embedding alone is 32.8M
+    assert r.pick.model.n_layers == 1
+    assert any("leave room for 1 layer" in w for w in r.warnings)
+    assert not any("leave room" in w for w in rec("30M", d_model=1024, n_layers=1).warnings)

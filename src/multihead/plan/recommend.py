@@ -298,7 +298,7 @@ def recommend(req: Request) -> Recommendation:
                          f"tensor parallelism wants) that hold the {fmt_bytes(weights)} of "
                          "weights in half their usable memory, leaving the other half for the "
                          "cache; pass --devices to choose")
-    if n_layers < 2:
+    if req.n_layers is None and n_layers < 2:
         warnings.append(f"{fmt_count(req.params)} parameters leave room for {n_layers} layer "
                         f"at d_model {c} after the embeddings; pass a smaller --d-model")
 
