@@ -28,7 +28,7 @@ def save_grid(capture: AttentionCapture, path: str | Path, *, roles: list[HeadRo
     import numpy as np
 
     L, H, T, _ = capture.weights.shape
-    tile = min(1.6, 24.0 / max(H, 1), 30.0 / max(L, 1))  # inches; keeps big grids under ~2400 px
+    tile = min(1.6, 22.0 / max(H, 1), 28.0 / max(L, 1))  # inches
     # One mosaic image with NaN (white) gaps instead of L*H axes: 72 axes cost seconds to lay
     # out. Long texts are max-pooled to the tile's pixels so sharp cells stay visible.
     w = _max_pool(capture.weights.detach().float().cpu().numpy(), int(tile * _DPI))  # (L, H, P, P)
@@ -65,7 +65,8 @@ def save_grid(capture: AttentionCapture, path: str | Path, *, roles: list[HeadRo
         y=1 - 0.08 / (height + top),
         va="top",
     )
-    return _save(fig, path)
+    # Big grids (many layers or heads) are saved at a lower resolution: at most 2400 px a side.
+    return _save(fig, path, dpi=min(_DPI, 2400 / max(width, height + top)))
 
 
 def save_head(capture: AttentionCapture, layer: int, head: int, path: str | Path) -> Path:
@@ -140,7 +141,7 @@ def _label(token: str) -> str:
     return text if len(text) <= 16 else text[:15] + "\u2026"
 
 
-def _save(fig, path: str | Path) -> Path:
+def _save(fig, path: str | Path, dpi: float = _DPI) -> Path:
     path = Path(path)
-    fig.savefig(path, format="png", dpi=_DPI)
+    fig.savefig(path, format="png", dpi=dpi)
     return path
