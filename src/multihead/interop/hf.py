@@ -76,8 +76,9 @@ def _fold_scale(attn: Attention, scaling: float) -> None:
             attn.q_proj.bias.mul_(ratio)
 
 
-def _like(attn: Attention, ref: Tensor) -> Attention:
-    return attn.to(device=ref.device, dtype=ref.dtype)
+def _like(attn: Attention, src: nn.Module, ref: Tensor) -> Attention:
+    """On ref's device and dtype, in src's train/eval mode (dropout follows it)."""
+    return attn.to(device=ref.device, dtype=ref.dtype).train(src.training)
 
 
 def _class_name(module) -> str:
@@ -111,7 +112,7 @@ def _from_bert_parts(self_attn: nn.Module, dense: nn.Linear, *, backend: str) ->
     dropout = getattr(getattr(self_attn, "dropout", None), "p", 0.0)
     attn = Attention(C, H, head_dim=D, bias=True, dropout=dropout,
                      causal=bool(getattr(self_attn, "is_causal", False)), backend=backend)
-    attn = _like(attn, self_attn.query.weight)
+    attn = _like(attn, self_attn, self_attn.query.weight)
     for dst, src in ((attn.q_proj, self_attn.query), (attn.k_proj, self_attn.key),
                      (attn.v_proj, self_attn.value), (attn.o_proj, dense)):
         _copy_linear(dst, src.weight, src.bias)
@@ -135,7 +136,7 @@ def from_gpt2(attn_module: nn.Module, *, backend: str = "auto") -> Attention:
     w, b = attn_module.c_attn.weight, attn_module.c_attn.bias  # (C, 3C), (3C,)
     attn = Attention(C, H, head_dim=D, bias=True, dropout=attn_module.attn_dropout.p, causal=True,
                      backend=backend)
-    attn = _like(attn, w)
+    attn = _like(attn, attn_module, w)
     wq, wk, wv = w.split(C, dim=1)  # each (C, C) as (in, out)
     bq, bk, bv = b.split(C, dim=0)
     for dst, ww, bb in ((attn.q_proj, wq, bq), (attn.k_proj, wk, bk), (attn.v_proj, wv, bv)):
@@ -188,7 +189,7 @@ def from_llama(attn_module: nn.Module, *, backend: str = "auto", strict_rope: bo
     rope = RotaryEmbedding(D, base=_rope_theta(config))
     attn = Attention(C, H, Hkv, head_dim=D, bias=True, dropout=float(getattr(attn_module, "attention_dropout", 0.0)),
                      causal=True, rope=rope, backend=backend)
-    attn = _like(attn, attn_module.q_proj.weight)
+    attn = _like(attn, attn_module, attn_module.q_proj.weight)
     for dst, src in ((attn.q_proj, attn_module.q_proj), (attn.k_proj, attn_module.k_proj),
                      (attn.v_proj, attn_module.v_proj), (attn.o_proj, attn_module.o_proj)):
         _copy_linear(dst, src.weight, src.bias)
