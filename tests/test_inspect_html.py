@@ -214,6 +214,13 @@ def test_bad_arguments(kwargs, error, match):
         render_html(synthetic_capture(), **kwargs)
 
 
+def test_weights_must_be_finite():
+    cap = synthetic_capture()
+    cap.weights[1, 2, 3, 4] = float("nan")
+    with pytest.raises(ValueError, match=r"must be finite; got nan at \[layer, head, t, s\] = \[1, 2, 3, 4\]"):
+        render_html(cap)
+
+
 def test_not_a_capture():
     with pytest.raises(TypeError, match="capture must be an AttentionCapture, got Tensor"):
         render_html(torch.zeros(1, 1, 2, 2))

@@ -71,6 +71,10 @@ def render_html(
     T_all = len(capture.tokens)
     T = min(T_all, max_tokens)
     weights = capture.weights.detach().to("cpu", torch.float32)[..., :T, :T]  # (L, H, T, T)
+    if not torch.isfinite(weights).all():
+        bad = [int(i) for i in torch.nonzero(~torch.isfinite(weights))[0]]
+        value = weights[tuple(bad)].item()
+        raise ValueError(f"capture.weights must be finite; got {value} at [layer, head, t, s] = {bad}")
     L, H = weights.shape[:2]
     k = _choose_k(L * H * T, T, top_k)
     payload, dropped = _encode(weights, k)
