@@ -1,0 +1,384 @@
+"""Decode benchmark: one new token over a KV cache of L tokens, CPU, fp32.
+
+    .venv/bin/python benchmarks/decode.py                    # L = 1024, 4096, 16384
+    .venv/bin/python benchmarks/decode.py --quick            # L = 256, 1024, few rounds: smoke test
+    .venv/bin/python benchmarks/decode.py --lengths 4096 --rounds 9 --no-layer
+
+Geometry (DeepSeek-V2-like, B = 1): d_model 4096, 32 query heads of head_dim 128;
+MHA (32 KV heads), GQA (8 KV heads), MQA (1 KV head); MLA with kv_rank 512 and
+rope_dim 64 (cache 576 values per token against MHA's 2 * 32 * 128 = 8192).
+
+Two kinds of step:
+- kernel: attention of the new token over the cache, given its projections.
+  MHA/GQA/MQA: `multihead.scaled_dot_product_attention(q (1, 32, 1, 128), k, v)` over
+  the cached `(1, Hkv, L, 128)`. MLA naive: `LatentAttention.attend_naive` (decompress
+  K and V of all L cached latents with kv_b_proj, then attention). MLA absorbed:
+  `attend_absorbed` (fold W_UK into the query, attend over the latent, apply W_UV).
+  The baseline: torch's `F.scaled_dot_product_attention(..., enable_gqa=True)` on the
+  same q, k, v.
+- layer: the whole module's forward for one token with a cache at length L - 1
+  (projections, RoPE, cache write, attention, output projection).
+
+Method: every round runs each case once, in an order rotated round by round, and
+medians are taken over rounds; "x torch" is the median over rounds of the paired ratio
+torch / multihead, which cancels slow drifts of the load (the machine is shared: the
+load average is recorded). So that a step reads its cache from memory, as one layer of
+a many-layer model would, and not from the 32 MiB L3 left warm by the previous round,
+each case rotates over enough copies of its cache to exceed --rotate-mib.
+
+Ceilings, measured in the same run under the same load: copy bandwidth (a 256 MiB
+`copy_` into a preallocated tensor; bytes read + bytes written per second, the STREAM
+convention), read bandwidth (`sum` of the same tensor) and fp32 matmul throughput (a
+2048^3 `torch.mm`). "GB/s" is cache bytes / step time; "% copy" compares it with the
+copy bandwidth. "floor ms" is the roofline of the kernel step, max(cache bytes / read
+bandwidth, FLOPs / matmul throughput), to tell a memory-bound step from a compute-bound
+one.
+
+Writes a Markdown report to stdout, JSON to benchmarks/results/decode.json (--json) and
+the report to docs/benchmarks-decode.md (--doc; --no-doc to skip).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as _dt
+import gc
+import json
+import math
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+ROOT = Path(__file__).resolve().parent.parent
+if str(ROOT / "src") not in sys.path:  # run from a checkout without installing
+    sys.path.insert(0, str(ROOT / "src"))
+
+from multihead import Attention, LatentAttention, scaled_dot_product_attention  # noqa: E402
+
+D_MODEL, HEADS, HEAD_DIM = 4096, 32, 128
+KV_RANK, ROPE_DIM = 512, 64
+FP32 = 4
+MiB = 1 << 20
+KV_VARIANTS = {"MHA": 32, "GQA": 8, "MQA": 1}  # name -> KV heads
+
+
+@dataclass
+class Case:
+    """One timed thing: `fn(i)` runs step i (i picks the cache copy)."""
+
+    name: str  # "MHA", "MLA absorbed", "torch GQA", ...
+    kind: str  # "kernel" or "layer"
+    fn: object
+    cache_bytes: int
+    flops: float = 0.0
+    times: list = field(default_factory=list)
+
+
+def machine() -> dict:
+    model = platform.processor() or platform.machine()
+    try:
+        out = subprocess.run(["lscpu"], capture_output=True, text=True, timeout=10).stdout
+        for line in out.splitlines():
+            if line.startswith("Model name:"):
+                model = line.split(":", 1)[1].strip()
+    except (OSError, subprocess.SubprocessError):
+        pass
+    return {"cpu": model, "cores": os.cpu_count(), "threads": torch.get_num_threads(),
+            "torch": torch.__version__, "python": platform.python_version()}
+
+
+def _median_time(fn, reps: int) -> float:
+    fn()
+    ts = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        fn()
+        ts.append(time.perf_counter() - t0)
+    return statistics.median(ts)
+
+
+def ceilings(reps: int) -> dict:
+    """Copy and read bandwidth (bytes/s) and fp32 matmul throughput (FLOP/s)."""
+    x = torch.randn(64 * MiB)  # 256 MiB
+    y = torch.empty_like(x)
+    copy_s = _median_time(lambda: y.copy_(x), reps)
+    read_s = _median_time(lambda: x.sum(), reps)
+    a, b = torch.randn(2048, 2048), torch.randn(2048, 2048)
+    mm_s = _median_time(lambda: a @ b, reps)
+    return {"copy_Bps": 2 * 256 * MiB / copy_s, "read_Bps": 256 * MiB / read_s, "mm_flops": 2 * 2048**3 / mm_s}
+
+
+def _copies(nbytes: int, rotate_bytes: int) -> int:
+    return max(1, math.ceil(rotate_bytes / max(1, nbytes)))
+
+
+def _fill_(t: torch.Tensor) -> torch.Tensor:
+    return t.normal_(0.0, 1.0)
+
+
+def build_cases(L: int, modules: dict, rotate_bytes: int, layer: bool) -> list[Case]:
+    """Caches (several copies of the small ones), new-token inputs and the step functions."""
+    g = torch.Generator().manual_seed(L)
+    cases: list[Case] = []
+    q = torch.randn(1, HEADS, 1, HEAD_DIM, generator=g)  # (B, H, 1, D)
+    x = torch.randn(1, 1, D_MODEL, generator=g)  # the new token's input to a layer
+
+    # ---- MHA / GQA / MQA: KVCache objects, shared by the kernel and the layer step
+    for name, hkv in KV_VARIANTS.items():
+        attn = modules[name]
+        nbytes = 2 * hkv * L * HEAD_DIM * FP32
+        caches = []
+        for _ in range(_copies(nbytes, rotate_bytes)):
+            c = attn.new_cache(1, L)
+            _fill_(c.k), _fill_(c.v)
+            c.position.fill_(L)
+            caches.append(c)
+        kv = [(c.k[:, :, :L], c.v[:, :, :L]) for c in caches]  # (1, Hkv, L, D) views
+        n = len(kv)
+        flops = 4.0 * HEADS * L * HEAD_DIM  # Q K^T and P V, multiply-add = 2
+
+        def mh_step(i, kv=kv, n=n):
+            k, v = kv[i % n]
+            return scaled_dot_product_attention(q, k, v, causal=True)
+
+        def torch_step(i, kv=kv, n=n):
+            k, v = kv[i % n]
+            return F.scaled_dot_product_attention(q, k, v, enable_gqa=True)
+
+        cases.append(Case(name, "kernel", mh_step, nbytes, flops))
+        cases.append(Case(f"torch {name}", "kernel", torch_step, nbytes, flops))
+        if layer:
+            def layer_step(i, attn=attn, caches=caches, n=n):
+                c = caches[i % n]
+                c.position.fill_(L - 1)  # the new token is written at position L - 1
+                return attn(x, cache=c)
+
+            cases.append(Case(name, "layer", layer_step, nbytes))
+
+    # ---- MLA: latent caches `(1, L, R + rope_dim)`
+    mla = modules["MLA"]
+    nbytes = L * (KV_RANK + ROPE_DIM) * FP32
+    caches = []
+    for _ in range(_copies(nbytes, rotate_bytes)):
+        c = mla.new_cache(1, L)
+        _fill_(c.buf)
+        c.position.fill_(L)
+        caches.append(c)
+    n = len(caches)
+    q_nope, q_pe = mla.queries(x, L - 1)  # (1, H, 1, D), (1, H, 1, rope_dim)
+    naive_flops = 2.0 * L * KV_RANK * HEADS * 2 * HEAD_DIM + 2.0 * HEADS * L * (2 * HEAD_DIM + ROPE_DIM)
+    absorbed_flops = 2.0 * HEADS * KV_RANK * 2 * HEAD_DIM + 2.0 * HEADS * L * (2 * KV_RANK + ROPE_DIM)
+    for absorb, flops in ((False, naive_flops), (True, absorbed_flops)):
+        label = "MLA absorbed" if absorb else "MLA naive"
+        attend = mla.attend_absorbed if absorb else mla.attend_naive
+
+        def mla_kernel(i, attend=attend, caches=caches, n=n):
+            return attend(q_nope, q_pe, caches[i % n].buf[:, :L])
+
+        cases.append(Case(label, "kernel", mla_kernel, nbytes, flops))
+        if layer:
+            def mla_layer(i, absorb=absorb, caches=caches, n=n):
+                c = caches[i % n]
+                c.position.fill_(L - 1)
+                return mla(x, cache=c, absorb=absorb)
+
+            cases.append(Case(label, "layer", mla_layer, nbytes))
+    return cases
+
+
+def time_cases(cases: list[Case], rounds: int, min_sample_s: float, log) -> dict:
+    """Round-robin timing; returns the paired torch/multihead ratios per round."""
+    calls = {}
+    for c in cases:  # warm up, and pick calls per sample so that one sample lasts >= min_sample_s
+        t0 = time.perf_counter()
+        c.fn(0)
+        dt = time.perf_counter() - t0
+        calls[c.name, c.kind] = max(1, min(20, math.ceil(min_sample_s / max(dt, 1e-6))))
+    step = 0
+    for r in range(rounds):
+        k = r % len(cases)
+        for c in cases[k:] + cases[:k]:
+            n = calls[c.name, c.kind]
+            t0 = time.perf_counter()
+            for _ in range(n):
+                c.fn(step)
+                step += 1
+            c.times.append((time.perf_counter() - t0) / n)
+        log(f"  round {r + 1}/{rounds} done, load {os.getloadavg()[0]:.2f}")
+    ratios = {}
+    by_key = {(c.name, c.kind): c for c in cases}
+    for name in KV_VARIANTS:
+        mine, theirs = by_key[name, "kernel"], by_key[f"torch {name}", "kernel"]
+        ratios[name] = statistics.median(t / m for t, m in zip(theirs.times, mine.times))
+    return ratios
+
+
+def fmt_ms(s: float) -> str:
+    ms = s * 1e3
+    return f"{ms:.3g}" if ms < 100 else f"{ms:.0f}"
+
+
+def run(args, log) -> dict:
+    torch.set_num_threads(args.threads)
+    torch.manual_seed(0)
+    load_start = os.getloadavg()
+    log(f"machine: {machine()}")
+    with torch.inference_mode():
+        ceil = ceilings(args.ceiling_reps)
+        log(f"copy {ceil['copy_Bps'] / 1e9:.1f} GB/s, read {ceil['read_Bps'] / 1e9:.1f} GB/s, "
+            f"matmul {ceil['mm_flops'] / 1e9:.0f} GFLOP/s")
+        modules = {name: Attention(D_MODEL, HEADS, hkv, head_dim=HEAD_DIM, bias=False, causal=True, rope=True).eval()
+                   for name, hkv in KV_VARIANTS.items()}
+        modules["MLA"] = LatentAttention(D_MODEL, HEADS, KV_RANK, head_dim=HEAD_DIM, rope_dim=ROPE_DIM,
+                                         causal=True).eval()
+        rows, per_length = [], []
+        for L in args.lengths:
+            log(f"L = {L}")
+            load0 = os.getloadavg()[0]
+            cases = build_cases(L, modules, int(args.rotate_mib * MiB), args.layer)
+            ratios = time_cases(cases, args.rounds, args.min_sample_ms / 1e3, log)
+            per_length.append({"L": L, "load_start": load0, "load_end": os.getloadavg()[0], "x_torch": ratios})
+            for c in cases:
+                med = statistics.median(c.times)
+                floor = None
+                if c.kind == "kernel":
+                    floor = max(c.cache_bytes / ceil["read_Bps"], c.flops / ceil["mm_flops"])
+                rows.append({
+                    "L": L, "kind": c.kind, "variant": c.name, "cache_bytes": c.cache_bytes,
+                    "median_s": med, "min_s": min(c.times), "rounds": len(c.times),
+                    "GBps": c.cache_bytes / med / 1e9, "pct_copy": 100 * c.cache_bytes / med / ceil["copy_Bps"],
+                    "floor_s": floor, "x_torch": ratios.get(c.name) if c.kind == "kernel" else None,
+                })
+            del cases
+            gc.collect()
+    return {
+        "date": _dt.datetime.now().astimezone().isoformat(timespec="seconds"),
+        "machine": machine(),
+        "config": {"d_model": D_MODEL, "n_heads": HEADS, "head_dim": HEAD_DIM, "kv_rank": KV_RANK,
+                   "rope_dim": ROPE_DIM, "dtype": "float32", "batch": 1, "lengths": args.lengths,
+                   "rounds": args.rounds, "rotate_mib": args.rotate_mib},
+        "ceilings": {"copy_GBps": ceil["copy_Bps"] / 1e9, "read_GBps": ceil["read_Bps"] / 1e9,
+                     "matmul_GFLOPs": ceil["mm_flops"] / 1e9},
+        "load": {"start": load_start, "end": os.getloadavg(), "per_length": per_length},
+        "rows": rows,
+    }
+
+
+def _row(report, L, variant, kind="kernel"):
+    for r in report["rows"]:
+        if (r["L"], r["variant"], r["kind"]) == (L, variant, kind):
+            return r
+    return None
+
+
+def evaluate_targets(report) -> list[dict]:
+    out = []
+    L = max(report["config"]["lengths"])
+
+    def add(name, passed, detail):
+        out.append({"target": name, "passed": passed, "detail": detail})
+
+    for v in ("GQA", "MQA"):
+        r = _row(report, L, v)
+        add(f"{v} kernel step reads its cache at >= 50% of copy bandwidth (L = {L})", r["pct_copy"] >= 50,
+            f"{r['GBps']:.1f} GB/s = {r['pct_copy']:.0f}% of {report['ceilings']['copy_GBps']:.1f} GB/s; "
+            f"roofline floor {fmt_ms(r['floor_s'])} ms vs {fmt_ms(r['median_s'])} ms")
+        add(f"{v} kernel step >= 3x faster than torch SDPA enable_gqa (L = {L})", r["x_torch"] >= 3,
+            f"{fmt_ms(r['median_s'])} ms vs torch {fmt_ms(_row(report, L, 'torch ' + v)['median_s'])} ms: "
+            f"{r['x_torch']:.1f}x (median of paired ratios)")
+    naive, absorbed = _row(report, L, "MLA naive"), _row(report, L, "MLA absorbed")
+    speedup = naive["median_s"] / absorbed["median_s"]
+    add(f"MLA absorbed kernel step >= 10x faster than naive (L = {L})", speedup >= 10,
+        f"{fmt_ms(absorbed['median_s'])} ms vs {fmt_ms(naive['median_s'])} ms: {speedup:.0f}x")
+    ratio = _row(report, L, "MHA")["cache_bytes"] / absorbed["cache_bytes"]
+    add("MLA cache about 1/14 of MHA's", 13.5 <= ratio <= 15, f"MHA / MLA cache bytes = {ratio:.1f} (8192 / 576)")
+    return out
+
+
+def render(report) -> str:
+    m, ce, cfg = report["machine"], report["ceilings"], report["config"]
+    lines = [
+        f"Decode benchmark, {report['date']}: {m['cpu']}, {m['cores']} cores, {m['threads']} torch threads, "
+        f"torch {m['torch']}. fp32, B = 1, d_model {cfg['d_model']}, {cfg['n_heads']} query heads of "
+        f"{cfg['head_dim']}, MLA kv_rank {cfg['kv_rank']} + rope_dim {cfg['rope_dim']}; medians of "
+        f"{cfg['rounds']} interleaved rounds.",
+        "",
+        f"Ceilings measured in the same run: copy {ce['copy_GBps']:.1f} GB/s (read + write), read "
+        f"{ce['read_GBps']:.1f} GB/s, fp32 matmul {ce['matmul_GFLOPs']:.0f} GFLOP/s. Load average "
+        f"(1 min) {report['load']['start'][0]:.2f} at the start, {report['load']['end'][0]:.2f} at the end; "
+        "per length: " + ", ".join(f"L={p['L']}: {p['load_start']:.1f}->{p['load_end']:.1f}"
+                                   for p in report["load"]["per_length"]) + ".",
+        "",
+        "Kernel step (attention of one new token over the cache, given its projections):",
+        "",
+        "| L | variant | cache MiB | step ms | min ms | GB/s | % copy BW | floor ms | x torch |",
+        "|---:|---|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for r in report["rows"]:
+        if r["kind"] != "kernel":
+            continue
+        xt = f"{r['x_torch']:.1f}x" if r["x_torch"] is not None else ""
+        lines.append(f"| {r['L']} | {r['variant']} | {r['cache_bytes'] / MiB:.1f} | {fmt_ms(r['median_s'])} | "
+                     f"{fmt_ms(r['min_s'])} | {r['GBps']:.1f} | {r['pct_copy']:.0f}% | {fmt_ms(r['floor_s'])} | {xt} |")
+    if any(r["kind"] == "layer" for r in report["rows"]):
+        lines += ["", "Layer step (the module's forward for one token, cache at L - 1; weights are read too):", "",
+                  "| L | variant | cache MiB | step ms | min ms |", "|---:|---|---:|---:|---:|"]
+        for r in report["rows"]:
+            if r["kind"] == "layer":
+                lines.append(f"| {r['L']} | {r['variant']} | {r['cache_bytes'] / MiB:.1f} | "
+                             f"{fmt_ms(r['median_s'])} | {fmt_ms(r['min_s'])} |")
+    lines += ["", "Targets:", ""]
+    for t in report["targets"]:
+        lines.append(f"- [{'x' if t['passed'] else ' '}] {t['target']}: {t['detail']}")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--lengths", type=int, nargs="+", default=[1024, 4096, 16384], help="cache lengths L")
+    p.add_argument("--rounds", type=int, default=7, help="interleaved rounds; medians over them")
+    p.add_argument("--threads", type=int, default=min(2, os.cpu_count() or 1), help="torch threads")
+    p.add_argument("--min-sample-ms", type=float, default=20.0, help="repeat fast steps to fill a sample")
+    p.add_argument("--rotate-mib", type=float, default=96.0,
+                   help="rotate over cache copies totalling at least this much (3x the 32 MiB L3)")
+    p.add_argument("--ceiling-reps", type=int, default=9, help="repetitions of the bandwidth/matmul probes")
+    p.add_argument("--no-layer", dest="layer", action="store_false", help="kernel steps only")
+    p.add_argument("--quick", action="store_true", help="L = 256 1024, 3 rounds: a smoke test")
+    p.add_argument("--json", type=Path, default=None,
+                   help="JSON output (default benchmarks/results/decode.json; none with --quick)")
+    p.add_argument("--doc", type=Path, default=ROOT / "docs" / "benchmarks-decode.md")
+    p.add_argument("--no-doc", dest="doc", action="store_const", const=None, help="do not write the doc page")
+    args = p.parse_args(argv)
+    if args.quick:
+        args.lengths, args.rounds = [256, 1024], 3
+
+    def log(msg):
+        print(msg, file=sys.stderr, flush=True)
+
+    report = run(args, log)
+    report["targets"] = evaluate_targets(report)
+    md = render(report)
+    print(md)
+    if args.json is None and not args.quick:
+        args.json = ROOT / "benchmarks" / "results" / "decode.json"
+    if args.json is not None:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(report, indent=1) + "\n")
+    if args.doc is not None and not args.quick:
+        args.doc.parent.mkdir(parents=True, exist_ok=True)
+        args.doc.write_text("# Decode benchmark\n\nWritten by `benchmarks/decode.py` (`make bench`); see its "
+                            "docstring for the method.\n\n" + md)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
