@@ -1,0 +1,35 @@
+"""The classic multi-head experiments, reproducible, with plots (`multihead lab`).
+
+Each experiment is a function and a subcommand; each writes to an output folder a
+`results.json` (config, seed, library version, every number), PNG plots and a
+safetensors checkpoint that `multihead inspect --model FOLDER` opens:
+
+- `run_heads`: does the number of heads matter? (copy task)
+- `run_kv`: what do GQA, MQA and MLA cost and save? (parameters, cache, decode time)
+- `run_mla`: how small can MLA's latent be? (character LM on the King James Bible)
+- `run_induction`: when do induction heads appear? (2-layer attention-only model)
+
+torch and matplotlib are imported inside the experiments.
+"""
+
+from __future__ import annotations
+
+import importlib
+
+_LAZY = {
+    "run_heads": "multihead.lab.heads", "HeadsConfig": "multihead.lab.heads",
+    "run_kv": "multihead.lab.kv", "KVConfig": "multihead.lab.kv",
+    "run_mla": "multihead.lab.mla", "MLAConfig": "multihead.lab.mla",
+    "run_induction": "multihead.lab.induction", "InductionConfig": "multihead.lab.induction",
+    "load_lab_checkpoint": "multihead.lab.checkpoint", "capture_lab": "multihead.lab.checkpoint",
+    "check_results": "multihead.lab.common",
+}
+__all__ = list(_LAZY)
+
+
+def __getattr__(name: str):
+    if name in _LAZY:
+        value = getattr(importlib.import_module(_LAZY[name]), name)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module 'multihead.lab' has no attribute {name!r}")

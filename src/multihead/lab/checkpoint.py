@@ -1,0 +1,182 @@
+"""Lab checkpoints: a folder with `model.safetensors` and a `config.json`.
+
+config.json:
+
+    {"multihead_lab": {"experiment": "induction", "architecture": {LabConfig fields...},
+                       "multihead_version": "0.1.0"},
+     "tokenizer": {"kind": "symbols" | "char", "tokens": ["0", "1", ...]}}
+
+"char" tokenizers split text into characters (the MLA language model); "symbols"
+tokenizers split on whitespace (the synthetic tasks: "3 17 SEP 3 17"). The key
+`multihead_lab` is how `multihead inspect --model FOLDER` tells a lab checkpoint from a
+Hugging Face folder; `capture_lab` gives it an `AttentionCapture` of any text.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from multihead.lab.models import LabConfig, LabTransformer
+
+__all__ = ["Vocab", "capture_lab", "is_lab_checkpoint", "load_lab_checkpoint", "save_lab_checkpoint"]
+
+_KINDS = ("char", "symbols")
+
+
+@dataclass(frozen=True)
+class Vocab:
+    """Token strings by id; `kind` says how text is split into them."""
+
+    kind: str
+    tokens: tuple[str, ...]
+
+    def __post_init__(self):
+        if self.kind not in _KINDS:
+            raise ValueError(f"tokenizer kind must be one of {', '.join(_KINDS)}; received {self.kind!r}")
+        if len(set(self.tokens)) != len(self.tokens):
+            raise ValueError("tokenizer tokens must be distinct")
+
+    def __len__(self) -> int:
+        return len(self.tokens)
+
+    @property
+    def index(self) -> dict[str, int]:
+        return {t: i for i, t in enumerate(self.tokens)}
+
+    def split(self, text: str) -> list[str]:
+        return list(text) if self.kind == "char" else text.split()
+
+    def encode(self, text: str) -> list[int]:
+        index = self.index
+        pieces = self.split(text)
+        unknown = sorted({p for p in pieces if p not in index})
+        if unknown:
+            shown = ", ".join(repr(u) for u in unknown[:10])
+            valid = (f"{len(self.tokens)} characters" if self.kind == "char"
+                     else ", ".join(self.tokens[:12]) + (" ..." if len(self.tokens) > 12 else ""))
+            raise ValueError(f"text has tokens this model does not know: {shown}; valid: {valid}")
+        return [index[p] for p in pieces]
+
+    def decode(self, ids: Sequence[int]) -> list[str]:
+        return [self.tokens[int(i)] for i in ids]
+
+    def to_dict(self) -> dict:
+        return {"kind": self.kind, "tokens": list(self.tokens)}
+
+    @classmethod
+    def from_dict(cls, d: dict) -> Vocab:
+        return cls(d["kind"], tuple(d["tokens"]))
+
+
+def save_lab_checkpoint(folder: str | os.PathLike, model: LabTransformer, vocab: Vocab, *,
+                        experiment: str, extra: dict | None = None) -> Path:
+    """Write `model.safetensors` + `config.json` to `folder` (created); return the folder."""
+    from safetensors.torch import save_file
+
+    from multihead import __version__
+    from multihead.lab.common import write_json_atomic
+
+    if len(vocab) != model.cfg.vocab_size:
+        raise ValueError(f"vocab has {len(vocab)} tokens; the model has vocab_size {model.cfg.vocab_size}")
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    state = {k: v.detach().to("cpu").contiguous().clone() for k, v in model.state_dict().items()}
+    tmp = folder / ".model.safetensors.tmp"
+    save_file(state, str(tmp), metadata={"format": "pt", "multihead_lab": experiment})
+    os.replace(tmp, folder / "model.safetensors")
+    config = {
+        "multihead_lab": {"experiment": experiment, "architecture": model.cfg.to_dict(),
+                          "multihead_version": __version__, **(extra or {})},
+        "tokenizer": vocab.to_dict(),
+    }
+    write_json_atomic(folder / "config.json", config)
+    return folder
+
+
+def _config_path(path: str | os.PathLike) -> Path:
+    p = Path(path)
+    return p / "config.json" if p.is_dir() else p
+
+
+def is_lab_checkpoint(path: str | os.PathLike) -> bool:
+    """True for a folder (or its config.json) written by `save_lab_checkpoint`, or a lab
+    output folder holding one in `model/`."""
+    p = Path(path)
+    if p.is_dir() and not (p / "config.json").is_file() and (p / "model" / "config.json").is_file():
+        p = p / "model"
+    cfg = _config_path(p)
+    if not cfg.is_file():
+        return False
+    try:
+        return "multihead_lab" in json.loads(cfg.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return False
+
+
+def load_lab_checkpoint(path: str | os.PathLike, device: str | torch.device = "cpu"
+                        ) -> tuple[LabTransformer, Vocab, dict]:
+    """(model in eval mode, vocab, the `multihead_lab` metadata) from a checkpoint folder.
+
+    `path` may also be an experiment's output folder (its checkpoint is in `model/`).
+    """
+    from safetensors.torch import load_file
+
+    p = Path(path)
+    if p.is_dir() and not (p / "config.json").is_file() and (p / "model" / "config.json").is_file():
+        p = p / "model"
+    if not p.is_dir():
+        raise ValueError(f"{path} is not a folder; a lab checkpoint is a folder with config.json "
+                         "and model.safetensors")
+    if not is_lab_checkpoint(p):
+        raise ValueError(f"{path} is not a multihead lab checkpoint (no config.json with a "
+                         "'multihead_lab' section)")
+    meta_all = json.loads((p / "config.json").read_text(encoding="utf-8"))
+    meta = meta_all["multihead_lab"]
+    cfg = LabConfig.from_dict(meta["architecture"])
+    vocab = Vocab.from_dict(meta_all["tokenizer"])
+    weights = p / "model.safetensors"
+    if not weights.is_file():
+        raise ValueError(f"{p} has a lab config.json but no model.safetensors")
+    model = LabTransformer(cfg)
+    model.load_state_dict(load_file(str(weights)), strict=True)
+    return model.to(device).eval(), vocab, meta
+
+
+def capture_lab(path: str | os.PathLike, text: str, layers: Sequence[int] | None = None,
+                heads: Sequence[int] | None = None):
+    """Per-head attention weights of `text` through a lab checkpoint, as an AttentionCapture.
+
+    Text longer than the model's positions is truncated (noted in `meta["truncated"]`).
+    Raises ValueError for empty text, unknown tokens or out-of-range layers/heads.
+    """
+    from multihead.inspect.capture_types import AttentionCapture
+
+    model, vocab, meta = load_lab_checkpoint(path)
+    cfg = model.cfg
+    ids = vocab.encode(text)
+    if not ids:
+        raise ValueError("text is empty (no tokens)")
+    note = {}
+    if len(ids) > cfg.max_len:
+        note["truncated"] = f"text has {len(ids)} tokens; kept the first {cfg.max_len} (the model's positions)"
+        ids = ids[: cfg.max_len]
+    layers = list(range(cfg.n_layers)) if layers is None else [int(i) for i in layers]
+    heads = list(range(cfg.n_heads)) if heads is None else [int(h) for h in heads]
+    for name, sel, n in (("layer", layers, cfg.n_layers), ("head", heads, cfg.n_heads)):
+        bad = [i for i in sel if not 0 <= i < n]
+        if bad:
+            raise ValueError(f"{name} {bad[0]} out of range; this model has {n} {name}s (0..{n - 1})")
+    with torch.no_grad():
+        _, weights = model(torch.tensor([ids]), return_weights=True, layers=layers, heads=heads)
+    w = torch.stack([weights[i][0] for i in layers]).float()  # (L, h, T, T)
+    return AttentionCapture(
+        tokens=vocab.decode(ids), token_ids=list(ids), layers=layers, heads=heads, weights=w,
+        n_layers=cfg.n_layers, n_heads=cfg.n_heads, model=str(path),
+        meta={"model_type": f"multihead-lab/{meta.get('experiment', '?')}", "architecture": cfg.kind, **note},
+    )
