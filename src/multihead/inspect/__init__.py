@@ -6,21 +6,22 @@ draw them (self-contained HTML, PNG).
     roles = head_roles(cap)                             # ranked: layer 0 head 2 first
     render_html(cap, roles=roles, path="view.html")
 
-Every name is imported on first use, so importing this package (and the `multihead`
-command) stays light; torch, transformers and matplotlib load only when needed.
+Importing this package (and the `multihead` command) stays light: torch, transformers
+and matplotlib load only when a function needs them; the other names load on first use.
 """
 
 from __future__ import annotations
 
 import importlib
 
+# Imported now, not lazily: the function `capture` shares its name with the module
+# `multihead.inspect.capture`, and importing that module later would otherwise leave the
+# module, not the function, as `multihead.inspect.capture`. The module is torch-free.
+from multihead.inspect.capture import InspectError, LoadedModel, capture, load_model
+
 _LAZY = {
     "AttentionCapture": "multihead.inspect.capture_types",
     "HeadRole": "multihead.inspect.capture_types",
-    "capture": "multihead.inspect.capture",
-    "load_model": "multihead.inspect.capture",
-    "LoadedModel": "multihead.inspect.capture",
-    "InspectError": "multihead.inspect.capture",
     "head_roles": "multihead.inspect.roles",
     "role_scores": "multihead.inspect.roles",
     "induction_scores": "multihead.inspect.roles",
@@ -29,7 +30,7 @@ _LAZY = {
     "save_head": "multihead.inspect.png",
 }
 
-__all__ = list(_LAZY)
+__all__ = ["InspectError", "LoadedModel", "capture", "load_model", *_LAZY]
 
 
 def __getattr__(name: str):

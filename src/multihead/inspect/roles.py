@@ -243,8 +243,9 @@ def head_roles(capture: AttentionCapture, *, prefix_matching: Tensor | None = No
 def induction_scores(model="minilm", seq_len: int | None = None, seed: int = 0, batch: int = 4) -> Tensor:
     """Olsson et al.'s prefix-matching score of every head, `(n_layers, n_heads)`.
 
-    Runs `batch` sequences of `seq_len` uniformly random ordinary tokens, each repeated
-    twice and wrapped in the model's special tokens, and averages, over the second copy,
+    Runs `batch` sequences of `seq_len` uniformly random ordinary tokens (distinct within
+    a sequence where the vocabulary allows, so "the previous occurrence" is unique), each
+    repeated twice and wrapped in the model's special tokens, and averages, over the second copy,
     the attention from each token to the token that followed its first occurrence.
     Random tokens leave no grammar to lean on: only a head that looks up "what came after
     this token last time" scores high. `model` is anything `capture` takes. Same seed,
@@ -261,10 +262,10 @@ def induction_scores(model="minilm", seq_len: int | None = None, seed: int = 0, 
         if isinstance(v, bool) or not isinstance(v, int) or v < lo:
             raise InspectError(f"{name} must be an int >= {lo}; received {v!r}")
     gen = torch.Generator().manual_seed(int(seed))
-    r = lm.random_ids((batch, seq_len), gen)  # (B, n)
     rows, offset = [], 0
-    for b in range(batch):
-        ids, offset = lm.wrap(torch.cat([r[b], r[b]]).tolist())
+    for _ in range(batch):
+        r = _distinct(lm.random_ids((4 * seq_len,), gen).tolist(), seq_len)
+        ids, offset = lm.wrap(r + r)
         rows.append(ids)
     total = len(rows[0])
     if lm.max_positions is not None and total > lm.max_positions:
@@ -281,3 +282,13 @@ def induction_scores(model="minilm", seq_len: int | None = None, seed: int = 0, 
         out[layer] = w[:, :, q_pos, k_pos].mean(dim=(0, 2))
     return out
 
+
+
+def _distinct(draws: list[int], n: int) -> list[int]:
+    """The first n distinct values of draws in order; the first n draws if too few differ."""
+    seen: dict[int, None] = {}
+    for t in draws:
+        seen.setdefault(t, None)
+        if len(seen) == n:
+            return list(seen)
+    return draws[:n]
