@@ -1,0 +1,421 @@
+"""`multihead lab mla`: how small can MLA's latent be?
+
+A small character-level language model learns a real corpus: the King James Bible
+(public domain, shipped with multihead, see `multihead/data/KJV_PROVENANCE.md`) or any
+UTF-8 text (`corpus=`). The same model is trained with
+
+- MHA (the baseline), caching 2 * H * D values per token per layer;
+- MLA (`multihead.LatentAttention`) at a sweep of kv_rank values, caching R;
+- GQA and MQA with caches of the same sizes as some of the ranks;
+
+and each one's validation bits per character is set against its KV-cache bytes per
+token. The report names the smallest rank whose cache is below 1/8 of MHA's while its
+log2-perplexity (= bits per character) stays within `tolerance` bits of MHA's (1 bit by
+default, as the classic exercise has it). Finally the trained MHA model is converted
+layer by layer with `multihead.convert.to_mla` (truncated SVD of the stacked K/V
+projections) at each rank and evaluated as converted and after a short fine-tune.
+
+Writes results.json, mla.png (bits/char vs cache), curves.png (validation during
+training), model/ (the MHA baseline) and model-mla/ (the chosen MLA rank).
+"""
+
+from __future__ import annotations
+
+import copy
+import functools
+import lzma
+import math
+import time
+from dataclasses import dataclass, replace
+from importlib import resources
+from pathlib import Path
+
+import torch
+
+from multihead.lab.checkpoint import Vocab, save_lab_checkpoint
+from multihead.lab.common import (
+    StepCallback,
+    new_results,
+    pyplot,
+    resolve_device,
+    save_figure,
+    seed_everything,
+    train,
+    write_json_atomic,
+)
+from multihead.lab.models import LabConfig, LabTransformer
+
+__all__ = ["MLAConfig", "load_corpus", "run_mla"]
+
+KJV = "kjv"
+
+
+@dataclass(frozen=True)
+class MLAConfig:
+    corpus: str | None = None  # None: the King James Bible shipped with multihead
+    max_chars: int | None = None  # use only the first max_chars characters
+    d_model: int = 128
+    n_layers: int = 2
+    n_heads: int = 8
+    context: int = 64
+    ranks: tuple[int, ...] = (8, 16, 32, 64)
+    kv_heads: tuple[int, ...] = (2, 1)  # GQA/MQA to train beside (2 * Hkv * D values per token)
+    steps: int = 400
+    batch_size: int = 32
+    lr: float = 3e-3
+    warmup: int = 40
+    finetune_steps: int = 100
+    finetune_lr: float = 1e-3
+    eval_every: int = 50
+    eval_batches: int = 16
+    val_fraction: float = 0.1
+    tolerance: float = 1.0  # bits/char above MHA still "within tolerance"
+    budget: float = 1 / 8  # cache must be below this fraction of MHA's
+
+    @classmethod
+    def quick(cls) -> MLAConfig:
+        return cls(max_chars=300_000, d_model=64, n_layers=1, n_heads=4, context=48, ranks=(4, 16), kv_heads=(1,),
+                   steps=80, batch_size=16, warmup=10, finetune_steps=15, eval_every=40, eval_batches=4)
+
+    def __post_init__(self):
+        if not 0 < self.val_fraction < 1:
+            raise ValueError(f"val_fraction must be in (0, 1); received {self.val_fraction}")
+        if self.d_model % self.n_heads:
+            raise ValueError(f"n_heads {self.n_heads} does not divide d_model {self.d_model}")
+
+
+def load_corpus(path: str | None = None, max_chars: int | None = None) -> tuple[str, str]:
+    """(text, name): the shipped King James Bible, or a UTF-8 file."""
+    if path is None or path == KJV:
+        data = resources.files("multihead").joinpath("data/kjv.txt.xz").read_bytes()
+        text, name = lzma.decompress(data).decode("utf-8"), "King James Bible (multihead/data/kjv.txt.xz)"
+    else:
+        try:
+            text = Path(path).read_text(encoding="utf-8")
+        except UnicodeDecodeError as err:
+            raise ValueError(f"corpus {path} is not UTF-8 text ({err})") from None
+        except OSError as err:
+            raise ValueError(f"cannot read corpus {path}: {err}") from None
+        name = str(path)
+    if max_chars is not None:
+        text = text[:max_chars]
+    return text, name
+
+
+def _variants(cfg: MLAConfig) -> list[tuple[str, LabConfig]]:
+    base = dict(d_model=cfg.d_model, n_layers=cfg.n_layers, n_heads=cfg.n_heads, mlp=True)
+    out = [("MHA", base)]
+    for hkv in cfg.kv_heads:
+        if cfg.n_heads % hkv:
+            raise ValueError(f"kv_heads {hkv} does not divide n_heads {cfg.n_heads}")
+        if hkv == cfg.n_heads:
+            continue
+        out.append(("MQA" if hkv == 1 else f"GQA-{hkv}", {**base, "n_kv_heads": hkv}))
+    for r in cfg.ranks:
+        out.append((f"MLA-{r}", {**base, "attention": "mla", "kv_rank": r}))
+    return out
+
+
+def cache_bytes_per_token(model: LabTransformer, dtype=torch.bfloat16) -> int:
+    """Measured on the model's own caches: sum over layers of new_cache(1, 1).nbytes."""
+    return sum(block.attn.new_cache(1, 1, dtype=dtype, device="cpu").nbytes for block in model.blocks)
+
+
+def run_mla(cfg: MLAConfig | None = None, out_dir: str | Path = "lab-mla", *, seed: int = 0, device: str = "auto",
+            callback: StepCallback | None = None, progress: bool = True) -> dict:
+    """Run the experiment; write results.json, plots and checkpoints to `out_dir`."""
+    from multihead.cli import UsageError
+
+    cfg = cfg or MLAConfig()
+    dev = resolve_device(device)
+    text, corpus_name = load_corpus(cfg.corpus, cfg.max_chars)
+    chars = sorted(set(text))
+    vocab = Vocab("char", tuple(chars))
+    ids = torch.tensor(vocab.encode(text), dtype=torch.int32 if len(chars) > 255 else torch.uint8)
+    n_val = int(len(ids) * cfg.val_fraction)
+    train_ids, val_ids = ids[:-n_val], ids[-n_val:]
+    if len(val_ids) <= cfg.context + 1 or len(train_ids) <= cfg.context + 1:
+        raise UsageError(f"corpus too short: {len(ids):,} characters for context {cfg.context}; "
+                         f"give at least {20 * (cfg.context + 1):,}")
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    res = new_results("mla", cfg, seed, dev)
+    t0 = time.perf_counter()
+    runs: list[dict] = []
+    conversions: list[dict] = []
+    res["results"] = {"corpus": {"name": corpus_name, "characters": len(ids), "vocab_size": len(chars),
+                                 "train_characters": len(train_ids), "val_characters": len(val_ids)},
+                      "runs": runs, "conversions": conversions}
+    gen_val = torch.Generator().manual_seed(1_000_003 + seed)
+    val_batches = [_windows(val_ids, cfg.batch_size, cfg.context, gen_val) for _ in range(cfg.eval_batches)]
+
+    def val_bpc(model) -> float:
+        model.eval()
+        with torch.no_grad():
+            nats = [float(torch.nn.functional.cross_entropy(model(x.to(dev)).flatten(0, 1), y.to(dev).flatten()))
+                    for x, y in val_batches]
+        return sum(nats) / len(nats) / math.log(2)
+
+    models: dict[str, LabTransformer] = {}
+    try:
+        for name, arch in _variants(cfg):
+            lab_cfg = LabConfig(vocab_size=len(chars), max_len=cfg.context, **arch)
+            gen = seed_everything(seed)
+            model = LabTransformer(lab_cfg).to(dev)
+            hist = train(
+                model, lambda step, gen=gen: _batch(train_ids, cfg, gen, dev), cfg.steps, lr=cfg.lr,
+                warmup=cfg.warmup, name=f"mla {name:<7}", callback=callback, progress=progress,
+                evaluate=lambda step, model=model: {"val_bpc": val_bpc(model)}, eval_every=cfg.eval_every,
+            )
+            models[name] = model
+            runs.append({
+                "name": name, "kind": lab_cfg.kind, "n_kv_heads": arch.get("n_kv_heads"),
+                "kv_rank": arch.get("kv_rank"),
+                "params": model.n_params(), "attention_params": sum(
+                    p.numel() for b in model.blocks for p in b.attn.parameters()),
+                "cache_values_per_token_per_layer": lab_cfg.cache_values_per_token,
+                "cache_bytes_per_token": cache_bytes_per_token(model),
+                "val_bpc": hist["evals"][-1]["val_bpc"], "train_loss_final": hist["loss"][-1] if hist["loss"] else None,
+                "evals": hist["evals"], "steps": hist["steps"], "loss": hist["loss"], "steps_done": hist["steps_done"],
+                "interrupted": hist["interrupted"], "seconds": hist["seconds"], "tokens_per_s": hist["tokens_per_s"],
+            })
+            res["elapsed_s"] = time.perf_counter() - t0
+            write_json_atomic(out / "results.json", res)
+            if hist["interrupted"]:
+                raise KeyboardInterrupt
+        if "MHA" in models:
+            _conversions(cfg, models["MHA"], train_ids, dev, seed, val_bpc, conversions, callback, progress,
+                         out, res, t0)
+    except KeyboardInterrupt:
+        res["interrupted"] = True
+    _summarise(cfg, res)
+    done = [r for r in runs if not r["interrupted"]]
+    if done:
+        res["plots"] = [_plot_tradeoff(cfg, res, out / "mla.png"), _plot_curves(cfg, res, out / "curves.png")]
+    if "MHA" in models and not runs[0]["interrupted"]:
+        save_lab_checkpoint(out / "model", models["MHA"], vocab, experiment="mla", extra={"variant": "MHA"})
+        res["checkpoint"] = "model"
+        pick = res["results"].get("smallest_rank_within_tolerance")
+        if pick is not None and f"MLA-{pick}" in models:
+            save_lab_checkpoint(out / "model-mla", models[f"MLA-{pick}"], vocab, experiment="mla",
+                                extra={"variant": f"MLA-{pick}"})
+            res["results"]["mla_checkpoint"] = "model-mla"
+    res["elapsed_s"] = time.perf_counter() - t0
+    write_json_atomic(out / "results.json", res)
+    return res
+
+
+def _windows(ids: torch.Tensor, batch: int, context: int, gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+    starts = torch.randint(0, len(ids) - context - 1, (batch,), generator=gen)
+    rows = torch.stack([ids[s: s + context + 1] for s in starts.tolist()]).long()  # (B, context + 1)
+    return rows[:, :-1], rows[:, 1:]
+
+
+def _batch(ids, cfg: MLAConfig, gen, dev):
+    x, y = _windows(ids, cfg.batch_size, cfg.context, gen)
+    return x.to(dev), y.to(dev), None
+
+
+def convert_model(model: LabTransformer, kv_rank: int) -> tuple[LabTransformer, list[float]]:
+    """A copy of an MHA lab model with every attention layer replaced by `to_mla(attn, kv_rank)`;
+    also each layer's relative K/V reconstruction error."""
+    from multihead.convert import to_mla
+
+    bias = model.blocks[0].attn.q_proj.bias is not None
+    new_cfg = replace(model.cfg, attention="mla", kv_rank=kv_rank, n_kv_heads=None, latent_norm=False, bias=bias)
+    converted = LabTransformer(new_cfg).to(next(model.parameters()).device)
+    converted.load_state_dict({k: v for k, v in model.state_dict().items() if ".attn." not in k}, strict=False)
+    errors = []
+    for src, dst in zip(model.blocks, converted.blocks):
+        mla, report = to_mla(copy.deepcopy(src.attn), kv_rank, return_report=True)
+        dst.attn = mla
+        errors.append(report.error)
+    return converted, errors
+
+
+def _conversions(cfg, mha, train_ids, dev, seed, val_bpc, conversions, callback, progress, out, res, t0):
+    max_rank = min(2 * cfg.d_model, cfg.d_model)  # rank of the stacked [W_k; W_v] (2HD x C)
+    for r in cfg.ranks:
+        if r > max_rank:
+            continue
+        model, errors = convert_model(mha, r)
+        before = val_bpc(model)
+        gen = seed_everything(seed + 7919 * r)
+        hist = train(model, lambda step, gen=gen: _batch(train_ids, cfg, gen, dev), cfg.finetune_steps,
+                     lr=cfg.finetune_lr, warmup=0, name=f"mla to_mla R={r:<3d} fine-tune", callback=callback,
+                     progress=progress)
+        after = val_bpc(model)
+        conversions.append({
+            "kv_rank": r, "kv_reconstruction_error": errors, "val_bpc_converted": before,
+            "val_bpc_finetuned": after, "finetune_steps": hist["steps_done"], "interrupted": hist["interrupted"],
+            "cache_bytes_per_token": cache_bytes_per_token(model),
+        })
+        res["elapsed_s"] = time.perf_counter() - t0
+        write_json_atomic(out / "results.json", res)
+        if hist["interrupted"]:
+            raise KeyboardInterrupt
+
+
+def _summarise(cfg: MLAConfig, res: dict) -> None:
+    r = res["results"]
+    runs = [x for x in r["runs"] if not x["interrupted"]]
+    mha = next((x for x in runs if x["kind"] == "MHA"), None)
+    r["smallest_rank_within_tolerance"] = None
+    if mha is None:
+        r["summary"] = "The MHA baseline did not finish, so nothing is compared."
+        r["table"] = ""
+        return
+    limit_bytes = mha["cache_bytes_per_token"] * cfg.budget
+    limit_bpc = mha["val_bpc"] + cfg.tolerance
+    for x in runs:
+        x["cache_vs_mha"] = x["cache_bytes_per_token"] / mha["cache_bytes_per_token"]
+        x["bpc_vs_mha"] = x["val_bpc"] - mha["val_bpc"]
+        x["under_budget"] = x["cache_bytes_per_token"] < limit_bytes
+        x["within_tolerance"] = x["val_bpc"] <= limit_bpc
+    for c in r["conversions"]:
+        c["cache_vs_mha"] = c["cache_bytes_per_token"] / mha["cache_bytes_per_token"]
+        c["within_tolerance_converted"] = c["val_bpc_converted"] <= limit_bpc
+        c["within_tolerance_finetuned"] = c["val_bpc_finetuned"] <= limit_bpc
+    mla = sorted((x for x in runs if x["kind"] == "MLA"), key=lambda x: x["kv_rank"])
+    ok = [x for x in mla if x["under_budget"] and x["within_tolerance"]]
+    r["smallest_rank_within_tolerance"] = ok[0]["kv_rank"] if ok else None
+    conv_ok = [c for c in sorted(r["conversions"], key=lambda c: c["kv_rank"])
+               if c["cache_bytes_per_token"] < limit_bytes and c["within_tolerance_finetuned"]]
+    r["smallest_converted_rank_within_tolerance"] = conv_ok[0]["kv_rank"] if conv_ok else None
+    r["mha_val_bpc"] = mha["val_bpc"]
+    r["mha_cache_bytes_per_token"] = mha["cache_bytes_per_token"]
+    r["budget_bytes_per_token"] = limit_bytes
+    r["table"] = _table(cfg, runs, r["conversions"])
+    r["summary"] = _summary_text(cfg, r, mha, mla, runs)
+
+
+def _table(cfg, runs, conversions) -> str:
+    head = f"{'model':<8}  {'cache B/token':>13}  {'vs MHA':>6}  {'val bits/char':>13}  {'vs MHA':>7}  {'params':>8}"
+    lines = ["trained from scratch (cache: bf16, all layers)", head, "-" * len(head)]
+    for x in runs:
+        lines.append(f"{x['name']:<8}  {x['cache_bytes_per_token']:>13,}  {x['cache_vs_mha']:>6.3f}  "
+                     f"{x['val_bpc']:>13.3f}  {x['bpc_vs_mha']:>+7.3f}  {x['params']:>8,}")
+    if conversions:
+        lines += ["", "MHA converted with multihead.convert.to_mla",
+                  f"{'kv_rank':>7}  {'K/V error':>9}  {'bits/char converted':>19}  "
+                  f"{f'after {cfg.finetune_steps} steps':>16}"]
+        for c in conversions:
+            err = sum(c["kv_reconstruction_error"]) / len(c["kv_reconstruction_error"])
+            lines.append(f"{c['kv_rank']:>7}  {err:>9.3f}  {c['val_bpc_converted']:>19.3f}  "
+                         f"{c['val_bpc_finetuned']:>16.3f}")
+    return "\n".join(lines)
+
+
+def _summary_text(cfg, r, mha, mla, runs) -> str:
+    frac = f"1/{round(1 / cfg.budget)}" if abs(1 / cfg.budget - round(1 / cfg.budget)) < 1e-9 else f"{cfg.budget:g}"
+    parts = [f"MHA reaches {mha['val_bpc']:.3f} bits/char on held-out text with "
+             f"{mha['cache_bytes_per_token']:,} cache bytes per token (bf16, {cfg.n_layers} layers)."]
+    pick = r["smallest_rank_within_tolerance"]
+    if pick is not None:
+        x = next(m for m in mla if m["kv_rank"] == pick)
+        parts.append(f"The smallest MLA rank with a cache below {frac} of MHA's and bits/char within "
+                     f"{cfg.tolerance:g} of MHA is kv_rank = {pick}: {x['cache_bytes_per_token']:,} bytes per token "
+                     f"({x['cache_vs_mha']:.3f} of MHA) at {x['val_bpc']:.3f} bits/char ({x['bpc_vs_mha']:+.3f}).")
+    else:
+        under = [m for m in mla if m["under_budget"]]
+        parts.append(f"No MLA rank tried has both a cache below {frac} of MHA's and bits/char within "
+                     f"{cfg.tolerance:g} of MHA" + (f" (ranks under the budget: "
+                                                    f"{', '.join(str(m['kv_rank']) for m in under)})." if under
+                                                    else "; no rank tried is under the budget."))
+    if mla:
+        best = min(mla, key=lambda m: m["val_bpc"])
+        parts.append(f"The best MLA rank is {best['kv_rank']} at {best['val_bpc']:.3f} bits/char "
+                     f"({best['bpc_vs_mha']:+.3f} against MHA).")
+    for x in runs:
+        if x["kind"] in ("GQA", "MQA"):
+            same = [m for m in mla if m["cache_bytes_per_token"] == x["cache_bytes_per_token"]]
+            if same:
+                m = same[0]
+                better = "MLA" if m["val_bpc"] < x["val_bpc"] else x["name"]
+                parts.append(f"At the same cache ({x['cache_bytes_per_token']:,} B/token) {x['name']} gives "
+                             f"{x['val_bpc']:.3f} and MLA-{m['kv_rank']} {m['val_bpc']:.3f} bits/char: {better} "
+                             "is better.")
+    conv = r["conversions"]
+    if conv:
+        worst = max(conv, key=lambda c: c["val_bpc_converted"] - mha["val_bpc"])
+        parts.append(f"Converting the trained MHA with to_mla costs up to "
+                     f"{worst['val_bpc_converted'] - mha['val_bpc']:+.3f} bits/char (kv_rank {worst['kv_rank']}) "
+                     f"before fine-tuning and {worst['val_bpc_finetuned'] - mha['val_bpc']:+.3f} after "
+                     f"{cfg.finetune_steps} steps.")
+        if r["smallest_converted_rank_within_tolerance"] is not None:
+            parts.append(f"Converted and fine-tuned, kv_rank {r['smallest_converted_rank_within_tolerance']} is the "
+                         f"smallest under the cache budget within tolerance.")
+    return " ".join(parts)
+
+
+def _plot_tradeoff(cfg: MLAConfig, res: dict, path: Path) -> str:
+    plt = pyplot()
+    r = res["results"]
+    runs = [x for x in r["runs"] if not x["interrupted"]]
+    mha = next((x for x in runs if x["kind"] == "MHA"), None)
+    fig, ax = plt.subplots(figsize=(7.5, 4.8))
+    mla = sorted((x for x in runs if x["kind"] == "MLA"), key=lambda x: x["kv_rank"])
+    if mla:
+        ax.plot([x["cache_bytes_per_token"] for x in mla], [x["val_bpc"] for x in mla], "o-", color="#8172b2",
+                lw=2, label="MLA, trained")
+        for x in mla:
+            ax.annotate(f"R={x['kv_rank']}", (x["cache_bytes_per_token"], x["val_bpc"]), textcoords="offset points",
+                        xytext=(4, 6), fontsize=8, color="#8172b2")
+    conv = sorted(r["conversions"], key=lambda c: c["kv_rank"])
+    if conv:
+        xs = [c["cache_bytes_per_token"] for c in conv]
+        ax.plot(xs, [c["val_bpc_converted"] for c in conv], "x:", color="grey", label="MHA -> to_mla, converted")
+        ax.plot(xs, [c["val_bpc_finetuned"] for c in conv], "s--", color="#dd8452", mfc="none",
+                label=f"MHA -> to_mla, +{cfg.finetune_steps} fine-tune steps")
+    markers = {"MHA": ("*", "#4c72b0", 14), "GQA": ("D", "#55a868", 8), "MQA": ("^", "#c44e52", 9)}
+    for x in runs:
+        if x["kind"] in markers:
+            m, c, s = markers[x["kind"]]
+            ax.plot(x["cache_bytes_per_token"], x["val_bpc"], m, color=c, ms=s, ls="none", label=x["name"])
+    if mha is not None:
+        budget = mha["cache_bytes_per_token"] * cfg.budget
+        ax.axvline(budget, color="black", lw=1, ls="--")
+        ax.text(budget, ax.get_ylim()[1], f" {cfg.budget:.3g} of MHA's cache", va="top", fontsize=8)
+        ax.axhspan(mha["val_bpc"], mha["val_bpc"] + cfg.tolerance, color="#4c72b0", alpha=0.08,
+                   label=f"within {cfg.tolerance:g} bit of MHA")
+        pick = r.get("smallest_rank_within_tolerance")
+        if pick is not None:
+            x = next(m for m in mla if m["kv_rank"] == pick)
+            ax.plot(x["cache_bytes_per_token"], x["val_bpc"], "o", ms=16, mfc="none", mec="black", mew=1.5)
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("KV cache bytes per token (bf16, all layers, log scale)")
+    ax.set_ylabel("validation bits per character")
+    ax.set_title(f"{r['corpus']['name'].split(' (')[0]}: character LM, {cfg.n_layers} layers, d_model {cfg.d_model}, "
+                 f"{cfg.n_heads} heads, {cfg.steps} steps", fontsize=10)
+    ax.legend(frameon=False, fontsize=8, loc="upper right")
+    return save_figure(fig, path)
+
+
+def _plot_curves(cfg: MLAConfig, res: dict, path: Path) -> str:
+    plt = pyplot()
+    runs = [x for x in res["results"]["runs"] if not x["interrupted"]]
+    fig, ax = plt.subplots(figsize=(7.5, 4.2))
+    cmap = plt.get_cmap("plasma")
+    mla = [x for x in runs if x["kind"] == "MLA"]
+    for x in runs:
+        steps = [e["step"] for e in x["evals"]]
+        vals = [e["val_bpc"] for e in x["evals"]]
+        if x["kind"] == "MLA":
+            k = mla.index(x)
+            ax.plot(steps, vals, color=cmap(0.15 + 0.7 * k / max(1, len(mla) - 1)), lw=1.5, label=x["name"])
+        else:
+            style = {"MHA": ("#4c72b0", "-"), "GQA": ("#55a868", "--"), "MQA": ("#c44e52", ":")}[x["kind"]]
+            ax.plot(steps, vals, color=style[0], ls=style[1], lw=2.2, label=x["name"])
+    ax.set_xlabel("training step")
+    ax.set_ylabel("validation bits per character")
+    lo = min(min(e["val_bpc"] for e in x["evals"]) for x in runs)
+    ax.set_ylim(lo - 0.1, min(8.0, max(x["evals"][min(1, len(x["evals"]) - 1)]["val_bpc"] for x in runs) + 0.2))
+    ax.set_title("Validation bits/char during training", fontsize=10)
+    ax.legend(frameon=False, fontsize=8, ncol=2)
+    return save_figure(fig, path)
+
+
+@functools.lru_cache(maxsize=1)
+def kjv_text() -> str:
+    """The shipped King James Bible, decompressed (cached)."""
+    return load_corpus(None)[0]
