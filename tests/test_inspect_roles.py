@@ -20,6 +20,15 @@ from multihead.inspect.roles import (
 )
 
 
+@pytest.fixture(scope="module", autouse=True)
+def _one_thread():
+    """Small matrices: one intra-op thread each, so `pytest -n 2` on 2 cores does not oversubscribe."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
 def make(weights: torch.Tensor, tokens: list[str], ids: list[int] | None = None, causal: bool = True,
          special=("[SEP]", "[CLS]")) -> AttentionCapture:
     L, H, T, _ = weights.shape

@@ -1,0 +1,157 @@
+"""`multihead inspect`: the role table on the real model, JSON, files, and bad input as one
+clear line with exit code 2 (in process, and as a real subprocess: no traceback)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+pytest.importorskip("transformers")
+
+from multihead.cli import main  # noqa: E402
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _one_thread():
+    """Small matrices: one intra-op thread each, so `pytest -n 2` on 2 cores does not oversubscribe."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+TEXT = "The cat sat on the mat."
+
+
+@pytest.fixture(scope="module", autouse=True)
+def minilm():
+    from multihead.inspect.capture import load_model
+
+    return load_model("minilm")  # loaded once; main() reuses it
+
+
+def run(capsys, *argv):
+    code = main(["inspect", *argv])
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def test_default_prints_the_ranked_table(capsys):
+    code, out, err = run(capsys, TEXT)
+    assert code == 0, err
+    lines = out.splitlines()
+    assert lines[0].startswith("minilm (sentence-transformers/all-MiniLM-L6-v2): 6 layers x 12 heads")
+    assert "tokens: [CLS] the cat sat on the mat . [SEP]" in out
+    header = next(i for i, line in enumerate(lines) if line.startswith("rank"))
+    assert lines[header + 1].split() == ["1", "0", "2", "previous_token", "1.00"]
+    assert len(lines) - header - 2 == 10 and "62 more heads" in lines[-1]
+
+
+def test_roles_shows_every_head_and_score(capsys):
+    code, out, _ = run(capsys, TEXT, "--roles", "--layers", "0,1")
+    assert code == 0
+    lines = out.splitlines()
+    header = next(line for line in lines if line.startswith("rank"))
+    for col in ("prev", "self", "first", "delim", "dup", "prefix", "entropy"):
+        assert col in header.split()
+    rows = [line for line in lines if line[:4].strip().isdigit()]
+    assert len(rows) == 24
+    assert rows[0].split()[:4] == ["1", "0", "2", "previous_token"]
+
+
+def test_json(capsys):
+    code, out, _ = run(capsys, TEXT, "--layers", "0", "--heads", "2,5", "--json")
+    assert code == 0
+    data = json.loads(out)
+    assert data["layers"] == [0] and data["heads"] == [2, 5] and len(data["tokens"]) == 9
+    assert data["roles"][0]["layer"] == 0 and data["roles"][0]["head"] == 2
+    assert data["roles"][0]["role"] == "previous_token" and data["roles"][0]["score"] > 0.99
+    assert set(data["roles"][0]["scores"]) >= {"previous_token", "first_token", "entropy", "prefix_matching"}
+    assert data["files"] == {}
+
+
+def test_html_and_png(capsys, tmp_path):
+    pytest.importorskip("matplotlib")
+    html, png, one = tmp_path / "view.html", tmp_path / "grid.png", tmp_path / "head.png"
+    code, out, err = run(capsys, TEXT, "--layers", "0,3", "--heads", "2,5", "--html", str(html), "--png", str(png))
+    assert code == 0, err
+    assert f"HTML head view: {html}" in out and f"PNG: {png}" in out
+    page = html.read_text(encoding="utf-8")
+    assert "<html" in page.lower() and "previous_token" in page
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    code, out, _ = run(capsys, TEXT, "--layers", "0", "--heads", "2", "--png", str(one))
+    assert code == 0 and one.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_long_text_truncates_with_a_warning(capsys):
+    code, out, err = run(capsys, "word " * 600, "--layers", "0", "--heads", "2", "--json")
+    assert code == 0
+    assert "multihead inspect: warning: text is 602 tokens, longer than the model's positions (512); " \
+           "truncated to the first 512 tokens" in err
+    assert len(json.loads(out)["tokens"]) == 512
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["   "], "text is empty"),
+    ([TEXT, "--layers", "6"], "layer 6 is out of range; valid: 0..5 (the model has 6 layers)"),
+    ([TEXT, "--heads", "0,12"], "head 12 is out of range; valid: 0..11 (the model has 12 heads)"),
+    ([TEXT, "--heads", "two"], "--heads takes comma-separated integers, e.g. --heads 0,3; received 'two'"),
+    ([TEXT, "--model", "no/such/model"], "model 'no/such/model' not found: no such folder. valid: 'minilm'"),
+    ([TEXT, "--html", "no/such/dir/view.html"], "--html 'no/such/dir/view.html': the folder 'no/such/dir' does"),
+    ([TEXT, "--max-tokens", "0"], "--max-tokens must be >= 1; received 0"),
+])
+def test_bad_input_in_process(capsys, argv, message):
+    code, out, err = run(capsys, *argv)
+    assert code == 2
+    assert err.startswith("multihead inspect: error: ") and message in err and len(err.strip().splitlines()) == 1
+    assert out == ""
+
+
+def test_folder_that_is_not_a_model(capsys, tmp_path):
+    code, _, err = run(capsys, TEXT, "--model", str(tmp_path))
+    assert code == 2 and "is not a model folder: it has no config.json" in err
+
+
+# ------------------------------------------------------------ real subprocesses
+
+
+def cli(*argv, stdin=None):
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
+    return subprocess.run([sys.executable, "-m", "multihead", "inspect", *argv], input=stdin,
+                          capture_output=True, text=True, env=env, timeout=300)
+
+
+@pytest.mark.parametrize("argv, message", [
+    ([""], "text is empty"),
+    ([TEXT, "--model", "/no/such/model"], "not found: no such folder"),
+    ([TEXT, "--layers", "a"], "--layers takes comma-separated integers"),
+])
+def test_subprocess_fast_errors(argv, message):
+    r = cli(*argv)
+    assert r.returncode == 2, r.stderr
+    assert message in r.stderr and "Traceback" not in r.stderr and r.stdout == ""
+
+
+def test_subprocess_not_a_model_folder(tmp_path):
+    (tmp_path / "config.json").write_text('{"hello": "world"}')
+    r = cli(TEXT, "--model", str(tmp_path))
+    assert r.returncode == 2 and "not a Hugging Face model folder" in r.stderr and "Traceback" not in r.stderr
+
+
+def test_subprocess_real_model(tmp_path):
+    """One real run: a head out of range fails cleanly; stdin text, truncation and JSON work."""
+    r = cli(TEXT, "--heads", "12")
+    assert r.returncode == 2 and "head 12 is out of range; valid: 0..11" in r.stderr
+    assert "Traceback" not in r.stderr
+    r = cli("-", "--layers", "0", "--heads", "2", "--json", stdin="word " * 600)
+    assert r.returncode == 0, r.stderr
+    assert "truncated to the first 512 tokens" in r.stderr and "Traceback" not in r.stderr
+    assert "Loading weights" not in r.stderr  # progress bars are silenced
+    data = json.loads(r.stdout)
+    assert len(data["tokens"]) == 512 and data["layers"] == [0] and data["heads"] == [2]
+    assert data["meta"]["truncated"]["tokens"] == 602
