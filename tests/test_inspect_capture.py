@@ -220,7 +220,10 @@ class Diagonal(LoadedModel):
         return {layer: torch.eye(T).expand(ids.shape[0], len(h), T, T) for layer, h in heads.items()}
 
 
-def test_register_loader(tmp_path):
+def test_register_loader(tmp_path, monkeypatch):
+    import multihead.inspect.capture as capture_module
+
+    monkeypatch.setattr(capture_module, "_LOADERS", [])  # this test's loader goes away after it
     (tmp_path / "config.json").write_text(json.dumps({"diag": True}))
     register_loader(lambda folder, config: Diagonal() if config.get("diag") else None)
     cap = capture("a bb ccc", model=str(tmp_path), layers=1)

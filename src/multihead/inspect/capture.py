@@ -243,7 +243,11 @@ def resolve_model(spec) -> tuple[str, Path, str, dict]:
     if not (path / "config.json").is_file() and (path / "model" / "config.json").is_file():
         path = path / "model"  # a `multihead lab` output folder: its checkpoint is in model/
     path = path.resolve()
-    return str(path), path, text, _read_config(path, text)
+    config = _read_config(path, text)
+    if LAB_KEY not in config and "model_type" not in config and not _LOADERS:
+        raise InspectError(f"{text!r} is not a Hugging Face model folder: its config.json has no model_type. "
+                           f"{_VALID}")
+    return str(path), path, text, config
 
 
 def load_model(spec=MINILM) -> LoadedModel:
