@@ -4,6 +4,7 @@ a lab checkpoint and a plugged-in source; bad input says what is valid."""
 from __future__ import annotations
 
 import dataclasses
+import importlib
 import json
 
 import pytest
@@ -221,8 +222,7 @@ class Diagonal(LoadedModel):
 
 
 def test_register_loader(tmp_path, monkeypatch):
-    import multihead.inspect.capture as capture_module
-
+    capture_module = importlib.import_module("multihead.inspect.capture")  # the module, not the function
     monkeypatch.setattr(capture_module, "_LOADERS", [])  # this test's loader goes away after it
     (tmp_path / "config.json").write_text(json.dumps({"diag": True}))
     register_loader(lambda folder, config: Diagonal() if config.get("diag") else None)
