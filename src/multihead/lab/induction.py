@@ -1,0 +1,266 @@
+"""`multihead lab induction`: when do induction heads appear?
+
+A 2-layer attention-only transformer (Elhage et al., 2021; Olsson et al., 2022, "In-
+context Learning and Induction Heads") is trained on sequences of random tokens in which
+one random segment occurs twice, at random places and of random length (so no fixed
+offset solves it): once the model has seen `A B` it can predict `B` after the second
+`A` only by looking back for the earlier `A` and copying what followed it. The loss
+counts the second occurrence, the only predictable tokens.
+
+Over training it measures
+- the accuracy on the `A B ... A -> B` predictions (held-out sequences; chance is about
+  1 / vocab);
+- each head's role scores from `multihead.inspect`: previous-token (from
+  `inspect.roles.role_scores` on a capture) and induction, Olsson et al.'s prefix
+  matching on repeated random tokens (`inspect.roles.induction_scores`);
+
+and names the previous-token head (layer 0) and the induction head (layer 1) with the
+step at which the induction score jumps: the phase change, which coincides with the
+jump in accuracy. Writes results.json, induction.png and model/.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from multihead.lab.checkpoint import Vocab, save_lab_checkpoint
+from multihead.lab.common import (
+    StepCallback,
+    new_results,
+    pyplot,
+    resolve_device,
+    save_figure,
+    seed_everything,
+    train,
+    write_json_atomic,
+)
+from multihead.lab.models import LabConfig, LabTransformer
+
+__all__ = ["InductionConfig", "run_induction"]
+
+
+@dataclass(frozen=True)
+class InductionConfig:
+    vocab: int = 64
+    seq_len: int = 64  # tokens per sequence
+    seg_min: int = 20  # length of the repeated segment
+    seg_max: int = 31
+    d_model: int = 64
+    n_heads: int = 4
+    n_layers: int = 2
+    steps: int = 3000
+    batch_size: int = 32
+    lr: float = 3e-3
+    warmup: int = 50
+    eval_every: int = 50
+    eval_sequences: int = 256
+    score_sequences: int = 8  # random repeated sequences for the role scores
+    target_accuracy: float = 0.95
+
+    @classmethod
+    def quick(cls) -> InductionConfig:
+        return cls(vocab=16, seq_len=32, seg_min=10, seg_max=15, d_model=32, n_heads=2, steps=250,
+                   lr=1e-2, warmup=20, eval_every=50, eval_sequences=64, score_sequences=4)
+
+    def __post_init__(self):
+        if not 2 <= self.seg_min <= self.seg_max <= self.seq_len // 2:
+            raise ValueError(f"need 2 <= seg_min ({self.seg_min}) <= seg_max ({self.seg_max}) <= seq_len / 2 "
+                             f"({self.seq_len // 2})")
+        if self.seg_max >= self.vocab:
+            raise ValueError(f"seg_max ({self.seg_max}) must be below vocab ({self.vocab}): segment tokens are "
+                             "distinct, so each A has one B")
+        if self.d_model % self.n_heads:
+            raise ValueError(f"n_heads {self.n_heads} does not divide d_model {self.d_model}")
+
+
+def repeated_segments(cfg: InductionConfig, batch: int, gen: torch.Generator):
+    """(inputs, targets, mask) `(B, T-1)`: random filler with one segment of distinct tokens
+    occurring twice; mask marks the predictions inside the second occurrence (A -> B)."""
+    T, V = cfg.seq_len, cfg.vocab
+    xs = torch.empty(batch, T, dtype=torch.long)
+    mask = torch.zeros(batch, T - 1, dtype=torch.bool)
+    for b in range(batch):
+        L = int(torch.randint(cfg.seg_min, cfg.seg_max + 1, (1,), generator=gen))
+        perm = torch.randperm(V, generator=gen)
+        seg, rest = perm[:L], perm[L:]  # filler never uses the segment's tokens
+        x = rest[torch.randint(0, V - L, (T,), generator=gen)]
+        s1 = int(torch.randint(0, T - 2 * L + 1, (1,), generator=gen))
+        s2 = int(torch.randint(s1 + L, T - L + 1, (1,), generator=gen))
+        x[s1: s1 + L] = seg
+        x[s2: s2 + L] = seg
+        xs[b] = x
+        mask[b, s2: s2 + L - 1] = True  # at seg[k] (second copy) predict seg[k + 1]
+    return xs[:, :-1], xs[:, 1:], mask
+
+
+def live_model(model: LabTransformer, vocab: Vocab):
+    """The model being trained, seen through multihead.inspect's `LoadedModel` interface
+    (a `LabModel` that wraps the live module instead of loading a checkpoint)."""
+    from multihead.inspect.capture import LabModel
+
+    lm = LabModel.__new__(LabModel)
+    cfg = model.cfg
+    lm.model, lm.vocab, lm.name = model, vocab, "training"
+    lm.n_layers, lm.n_heads, lm.max_positions = cfg.n_layers, cfg.n_heads, cfg.max_len
+    lm.causal, lm.special_tokens = True, ()
+    lm.meta = {"model_type": "multihead-lab/induction", "architecture": cfg.kind, "causal": True,
+               "max_positions": cfg.max_len}
+    return lm
+
+
+def role_scores_now(model: LabTransformer, vocab: Vocab, cfg: InductionConfig, seed: int) -> dict:
+    """{"previous_token": [[layer][head]], "induction": [[...]]} with multihead.inspect's scores."""
+    from multihead.inspect.capture import capture
+    from multihead.inspect.roles import induction_scores, role_scores
+
+    live = live_model(model, vocab)
+    half = cfg.seq_len // 2
+    prefix = induction_scores(live, seq_len=half, seed=seed, batch=cfg.score_sequences)  # (L, H)
+    gen = torch.Generator().manual_seed(seed)
+    prev = torch.zeros(cfg.n_layers, cfg.n_heads)
+    for _ in range(cfg.score_sequences):
+        ids = torch.randint(0, cfg.vocab, (cfg.seq_len,), generator=gen).tolist()
+        cap = capture(" ".join(vocab.decode(ids)), model=live)
+        prev += role_scores(cap)["previous_token"]
+    prev /= cfg.score_sequences
+    return {"previous_token": prev.tolist(), "induction": prefix.tolist()}
+
+
+def run_induction(cfg: InductionConfig | None = None, out_dir: str | Path = "lab-induction", *, seed: int = 0,
+                  device: str = "auto", callback: StepCallback | None = None, progress: bool = True) -> dict:
+    """Train, score heads over training; write results.json, induction.png and model/ to `out_dir`."""
+    cfg = cfg or InductionConfig()
+    dev = resolve_device(device)
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    res = new_results("induction", cfg, seed, dev)
+    t0 = time.perf_counter()
+    vocab = Vocab("symbols", tuple(str(i) for i in range(cfg.vocab)))
+    gen = seed_everything(seed)
+    model = LabTransformer(LabConfig(vocab_size=cfg.vocab, max_len=cfg.seq_len, d_model=cfg.d_model,
+                                     n_layers=cfg.n_layers, n_heads=cfg.n_heads, mlp=False)).to(dev)
+    eval_gen = torch.Generator().manual_seed(2_000_003 + seed)
+    held_out = repeated_segments(cfg, cfg.eval_sequences, eval_gen)
+
+    def evaluate(step: int) -> dict:
+        x, y, m = (t.to(dev) for t in held_out)
+        logits = model(x)
+        acc = float((logits.argmax(-1) == y)[m].float().mean())
+        loss = float(torch.nn.functional.cross_entropy(logits[m], y[m]))
+        scores = role_scores_now(model, vocab, cfg, seed=3_000_017 + seed)
+        return {"accuracy": acc, "loss": loss, **scores}
+
+    def batches(step: int):
+        return tuple(t.to(dev) for t in repeated_segments(cfg, cfg.batch_size, gen))
+
+    hist = train(model, batches, cfg.steps, lr=cfg.lr, warmup=cfg.warmup, name="induction", callback=callback,
+                 evaluate=evaluate, eval_every=cfg.eval_every, progress=progress)
+    res["interrupted"] = hist["interrupted"]
+    res["results"] = {"evals": hist["evals"], "steps": hist["steps"], "loss": hist["loss"],
+                      "steps_done": hist["steps_done"], "seconds": hist["seconds"],
+                      "tokens_per_s": hist["tokens_per_s"], "params": model.n_params(),
+                      "chance_accuracy": 1 / cfg.vocab}
+    _analyse(cfg, res)
+    if hist["evals"]:
+        res["plots"] = [_plot(cfg, res, out / "induction.png")]
+    save_lab_checkpoint(out / "model", model, vocab, experiment="induction")
+    res["checkpoint"] = "model"
+    res["elapsed_s"] = time.perf_counter() - t0
+    write_json_atomic(out / "results.json", res)
+    return res
+
+
+def _analyse(cfg: InductionConfig, res: dict) -> None:
+    r = res["results"]
+    evals = r["evals"]
+    if not evals:
+        r["summary"] = "Training stopped before the first evaluation."
+        return
+    last = evals[-1]
+    r["final_accuracy"] = last["accuracy"]
+    r["reached_target"] = last["accuracy"] >= cfg.target_accuracy
+    hit = next((e["step"] for e in evals if e["accuracy"] >= cfg.target_accuracy), None)
+    r["steps_to_target"] = hit
+    prev_layer = 0
+    ind_layer = cfg.n_layers - 1
+    prev_scores = last["previous_token"][prev_layer]
+    ind_scores = last["induction"][ind_layer]
+    ph = max(range(cfg.n_heads), key=lambda h: prev_scores[h])
+    ih = max(range(cfg.n_heads), key=lambda h: ind_scores[h])
+    r["previous_token_head"] = {"layer": prev_layer, "head": ph, "score": prev_scores[ph]}
+    r["induction_head"] = {"layer": ind_layer, "head": ih, "score": ind_scores[ih]}
+    curve = [e["induction"][ind_layer][ih] for e in evals]
+    steps = [e["step"] for e in evals]
+    # The phase change: the evaluation interval with the largest rise of the induction score.
+    if len(curve) > 1:
+        jumps = [curve[i + 1] - curve[i] for i in range(len(curve) - 1)]
+        k = max(range(len(jumps)), key=lambda i: jumps[i])
+        r["phase_change_step"] = steps[k + 1]
+        r["phase_change_jump"] = jumps[k]
+        lo, hi = curve[0], max(curve)
+        r["induction_half_rise_step"] = next((s for s, c in zip(steps, curve) if c >= lo + (hi - lo) / 2), None)
+        acc = [e["accuracy"] for e in evals]
+        ajumps = [acc[i + 1] - acc[i] for i in range(len(acc) - 1)]
+        r["accuracy_jump_step"] = steps[max(range(len(ajumps)), key=lambda i: ajumps[i]) + 1]
+    else:
+        r["phase_change_step"] = r["induction_half_rise_step"] = r["accuracy_jump_step"] = None
+        r["phase_change_jump"] = 0.0
+    r["summary"] = _summary(cfg, r, last)
+
+
+def _summary(cfg: InductionConfig, r: dict, last: dict) -> str:
+    p, i = r["previous_token_head"], r["induction_head"]
+    parts = [f"After {r['steps_done']} steps the model predicts B in `A B ... A -> B` with "
+             f"{100 * r['final_accuracy']:.1f}% accuracy (chance about {100 * r['chance_accuracy']:.1f}%; "
+             f"target {100 * cfg.target_accuracy:.0f}%: {'reached' if r['reached_target'] else 'NOT reached'}"
+             + (f", first at step {r['steps_to_target']})." if r["steps_to_target"] is not None else ").")]
+    parts.append(f"Head {p['layer']}.{p['head']} became the previous-token head (score {p['score']:.2f}) and "
+                 f"head {i['layer']}.{i['head']} the induction head (prefix-matching score {i['score']:.2f}).")
+    if r.get("phase_change_step") is not None:
+        parts.append(f"The induction score rose most sharply just before step {r['phase_change_step']} "
+                     f"(+{r['phase_change_jump']:.2f} in {cfg.eval_every} steps; half its rise by step "
+                     f"{r['induction_half_rise_step']}), and the accuracy jumped most just before step "
+                     f"{r['accuracy_jump_step']}.")
+    others = [last["induction"][cfg.n_layers - 1][h] for h in range(cfg.n_heads) if h != i["head"]]
+    if others:
+        parts.append(f"The other layer-{i['layer']} heads score at most {max(others):.2f} on prefix matching.")
+    return " ".join(parts)
+
+
+def _plot(cfg: InductionConfig, res: dict, path: Path) -> str:
+    plt = pyplot()
+    r = res["results"]
+    evals = r["evals"]
+    steps = [e["step"] for e in evals]
+    fig, axes = plt.subplots(3, 1, figsize=(7.5, 8.2), sharex=True)
+    ax = axes[0]
+    ax.plot(steps, [100 * e["accuracy"] for e in evals], color="black", lw=2, label="A B ... A -> B accuracy")
+    ax.axhline(100 * cfg.target_accuracy, color="grey", ls="--", lw=1)
+    ax.axhline(100 * r["chance_accuracy"], color="grey", ls=":", lw=1)
+    ax.set_ylabel("accuracy (%)")
+    ax.set_ylim(0, 102)
+    ax.set_title(f"2-layer attention-only transformer, {cfg.n_heads} heads per layer, d_model {cfg.d_model}",
+                 fontsize=10)
+    colours = plt.get_cmap("tab10")
+    for ax, key, layer, label in ((axes[1], "previous_token", 0, "previous-token score, layer 0"),
+                                  (axes[2], "induction", cfg.n_layers - 1,
+                                   f"induction (prefix-matching) score, layer {cfg.n_layers - 1}")):
+        for h in range(cfg.n_heads):
+            ax.plot(steps, [e[key][layer][h] for e in evals], color=colours(h), lw=1.8,
+                    label=f"head {layer}.{h}")
+        ax.set_ylabel(label.split(",")[0].replace(" score", "") + " score")
+        ax.set_ylim(-0.02, 1.02)
+        ax.legend(frameon=False, fontsize=8, ncol=cfg.n_heads if cfg.n_heads <= 8 else 8, loc="upper left")
+        ax.set_title(label, fontsize=9)
+    for ax in axes:
+        if r.get("phase_change_step") is not None:
+            ax.axvline(r["phase_change_step"], color="#c44e52", lw=1, ls="--")
+    if r.get("phase_change_step") is not None:
+        axes[2].text(r["phase_change_step"], 0.5, " phase change", color="#c44e52", fontsize=8)
+    axes[-1].set_xlabel("training step")
+    fig.tight_layout()
+    return save_figure(fig, path)
