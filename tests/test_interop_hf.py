@@ -341,3 +341,30 @@ def test_hf_mask_forms():
     assert out.dtype == torch.float32 and torch.isneginf(out[..., 2]).all() and out[0, 0, 0, 0] == 0.5
     with pytest.raises(TypeError, match="attn_implementation='eager' or 'sdpa'"):
         hf.hf_mask(object())
+
+
+@pytest.mark.parametrize("family", ["gpt2", "llama"])
+def test_generate_with_left_padding_equals_unpatched(family):
+    from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
+
+    if family == "gpt2":
+        cls, cfg = GPT2LMHeadModel, GPT2Config(n_embd=64, n_layer=2, n_head=4, n_positions=64, vocab_size=101,
+                                               bos_token_id=0, eos_token_id=0, pad_token_id=0)
+    else:
+        cls, cfg = LlamaForCausalLM, LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                                 num_attention_heads=8, num_key_value_heads=2, vocab_size=101,
+                                                 max_position_embeddings=64, pad_token_id=0)
+    torch.manual_seed(0)
+    ref = cls(cfg).eval()
+    model = hf.patch(copy.deepcopy(ref))
+    ids = torch.randint(1, 101, (2, 6), generator=torch.Generator().manual_seed(2))
+    mask = torch.ones_like(ids)
+    mask[1, :2] = 0  # left padding, as batched generation uses
+    with torch.no_grad():
+        ref_scores = ref.generate(ids, attention_mask=mask, max_new_tokens=8, do_sample=False,
+                                  output_scores=True, return_dict_in_generate=True)
+        got = model.generate(ids, attention_mask=mask, max_new_tokens=8, do_sample=False,
+                             output_scores=True, return_dict_in_generate=True)
+    assert torch.equal(got.sequences, ref_scores.sequences)
+    assert_close(torch.stack(got.scores), torch.stack(ref_scores.scores), atol=1e-4, rtol=0,
+                 what=f"{family} generation logits")
