@@ -95,25 +95,18 @@ def machine() -> dict:
             "torch": torch.__version__, "python": platform.python_version()}
 
 
-def _median_time(fn, reps: int) -> float:
-    fn()
-    ts = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        fn()
-        ts.append(time.perf_counter() - t0)
-    return statistics.median(ts)
+def probes() -> list[Case]:
+    """The machine's ceilings, timed in every round next to the cases (same load).
 
-
-def ceilings(reps: int) -> dict:
-    """Copy and read bandwidth (bytes/s) and fp32 matmul throughput (FLOP/s)."""
-    x = torch.randn(64 * MiB)  # 256 MiB
+    copy: a 128 MiB `copy_` into a preallocated tensor, bytes read + written (STREAM);
+    read: `sum` of the same 128 MiB; matmul: a 1024^3 fp32 `torch.mm`.
+    """
+    x = torch.randn(32 * MiB)  # 128 MiB: four times the L3
     y = torch.empty_like(x)
-    copy_s = _median_time(lambda: y.copy_(x), reps)
-    read_s = _median_time(lambda: x.sum(), reps)
-    a, b = torch.randn(2048, 2048), torch.randn(2048, 2048)
-    mm_s = _median_time(lambda: a @ b, reps)
-    return {"copy_Bps": 2 * 256 * MiB / copy_s, "read_Bps": 256 * MiB / read_s, "mm_flops": 2 * 2048**3 / mm_s}
+    a, b = torch.randn(1024, 1024), torch.randn(1024, 1024)
+    return [Case("copy", "probe", lambda i: y.copy_(x), 2 * x.nbytes),
+            Case("read", "probe", lambda i: x.sum(), x.nbytes),
+            Case("matmul", "probe", lambda i: a @ b, 0, 2.0 * 1024**3)]
 
 
 def _copies(nbytes: int, rotate_bytes: int) -> int:
@@ -194,8 +187,8 @@ def build_cases(L: int, modules: dict, rotate_bytes: int, layer: bool) -> list[C
     return cases
 
 
-def time_cases(cases: list[Case], rounds: int, min_sample_s: float, log) -> dict:
-    """Round-robin timing; returns the paired torch/multihead ratios per round."""
+def time_cases(cases: list[Case], rounds: int, min_sample_s: float, log) -> None:
+    """Round-robin: every round runs every case once, in an order rotated round by round."""
     calls = {}
     for c in cases:  # warm up, and pick calls per sample so that one sample lasts >= min_sample_s
         t0 = time.perf_counter()
@@ -213,12 +206,11 @@ def time_cases(cases: list[Case], rounds: int, min_sample_s: float, log) -> dict
                 step += 1
             c.times.append((time.perf_counter() - t0) / n)
         log(f"  round {r + 1}/{rounds} done, load {os.getloadavg()[0]:.2f}")
-    ratios = {}
-    by_key = {(c.name, c.kind): c for c in cases}
-    for name in KV_VARIANTS:
-        mine, theirs = by_key[name, "kernel"], by_key[f"torch {name}", "kernel"]
-        ratios[name] = statistics.median(t / m for t, m in zip(theirs.times, mine.times))
-    return ratios
+
+
+def paired(a: Case, b: Case) -> float:
+    """Median over rounds of time(a) / time(b): a slow drift of the load cancels out."""
+    return statistics.median(ta / tb for ta, tb in zip(a.times, b.times))
 
 
 def fmt_ms(s: float) -> str:
@@ -232,32 +224,41 @@ def run(args, log) -> dict:
     load_start = os.getloadavg()
     log(f"machine: {machine()}")
     with torch.inference_mode():
-        ceil = ceilings(args.ceiling_reps)
-        log(f"copy {ceil['copy_Bps'] / 1e9:.1f} GB/s, read {ceil['read_Bps'] / 1e9:.1f} GB/s, "
-            f"matmul {ceil['mm_flops'] / 1e9:.0f} GFLOP/s")
         modules = {name: Attention(D_MODEL, HEADS, hkv, head_dim=HEAD_DIM, bias=False, causal=True, rope=True).eval()
                    for name, hkv in KV_VARIANTS.items()}
         modules["MLA"] = LatentAttention(D_MODEL, HEADS, KV_RANK, head_dim=HEAD_DIM, rope_dim=ROPE_DIM,
                                          causal=True).eval()
+        ceiling_cases = probes()
         rows, per_length = [], []
         for L in args.lengths:
             log(f"L = {L}")
             load0 = os.getloadavg()[0]
+            for c in ceiling_cases:
+                c.times.clear()
             cases = build_cases(L, modules, int(args.rotate_mib * MiB), args.layer)
-            ratios = time_cases(cases, args.rounds, args.min_sample_ms / 1e3, log)
-            per_length.append({"L": L, "load_start": load0, "load_end": os.getloadavg()[0], "x_torch": ratios})
+            time_cases(cases + ceiling_cases, args.rounds, args.min_sample_ms / 1e3, log)
+            copy, read, mm = ceiling_cases
+            ceil = {"copy_GBps": copy.cache_bytes / statistics.median(copy.times) / 1e9,
+                    "read_GBps": read.cache_bytes / statistics.median(read.times) / 1e9,
+                    "matmul_GFLOPs": mm.flops / statistics.median(mm.times) / 1e9}
+            log(f"  copy {ceil['copy_GBps']:.1f} GB/s, read {ceil['read_GBps']:.1f} GB/s, "
+                f"matmul {ceil['matmul_GFLOPs']:.0f} GFLOP/s")
+            per_length.append({"L": L, "load_start": load0, "load_end": os.getloadavg()[0], **ceil})
+            by_key = {(c.name, c.kind): c for c in cases}
             for c in cases:
                 med = statistics.median(c.times)
-                floor = None
+                row = {"L": L, "kind": c.kind, "variant": c.name, "cache_bytes": c.cache_bytes,
+                       "median_s": med, "min_s": min(c.times), "rounds": len(c.times),
+                       "GBps": c.cache_bytes / med / 1e9}
                 if c.kind == "kernel":
-                    floor = max(c.cache_bytes / ceil["read_Bps"], c.flops / ceil["mm_flops"])
-                rows.append({
-                    "L": L, "kind": c.kind, "variant": c.name, "cache_bytes": c.cache_bytes,
-                    "median_s": med, "min_s": min(c.times), "rounds": len(c.times),
-                    "GBps": c.cache_bytes / med / 1e9, "pct_copy": 100 * c.cache_bytes / med / ceil["copy_Bps"],
-                    "floor_s": floor, "x_torch": ratios.get(c.name) if c.kind == "kernel" else None,
-                })
-            del cases
+                    # achieved bandwidth over the copy bandwidth of the same round, median over rounds
+                    row["pct_copy"] = 100 * c.cache_bytes / copy.cache_bytes / paired(c, copy)
+                    row["floor_s"] = max(c.cache_bytes / (ceil["read_GBps"] * 1e9),
+                                         c.flops / (ceil["matmul_GFLOPs"] * 1e9))
+                    theirs = by_key.get((f"torch {c.name}", "kernel"))
+                    row["x_torch"] = paired(theirs, c) if theirs is not None else None
+                rows.append(row)
+            del cases, by_key
             gc.collect()
     return {
         "date": _dt.datetime.now().astimezone().isoformat(timespec="seconds"),
@@ -265,9 +266,8 @@ def run(args, log) -> dict:
         "config": {"d_model": D_MODEL, "n_heads": HEADS, "head_dim": HEAD_DIM, "kv_rank": KV_RANK,
                    "rope_dim": ROPE_DIM, "dtype": "float32", "batch": 1, "lengths": args.lengths,
                    "rounds": args.rounds, "rotate_mib": args.rotate_mib},
-        "ceilings": {"copy_GBps": ceil["copy_Bps"] / 1e9, "read_GBps": ceil["read_Bps"] / 1e9,
-                     "matmul_GFLOPs": ceil["mm_flops"] / 1e9},
-        "load": {"start": load_start, "end": os.getloadavg(), "per_length": per_length},
+        "load": {"start": load_start, "end": os.getloadavg()},
+        "per_length": per_length,
         "rows": rows,
     }
 
@@ -282,15 +282,17 @@ def _row(report, L, variant, kind="kernel"):
 def evaluate_targets(report) -> list[dict]:
     out = []
     L = max(report["config"]["lengths"])
+    ceil = next(p for p in report["per_length"] if p["L"] == L)
 
     def add(name, passed, detail):
-        out.append({"target": name, "passed": passed, "detail": detail})
+        out.append({"target": name, "passed": bool(passed), "detail": detail})
 
     for v in ("GQA", "MQA"):
         r = _row(report, L, v)
+        bound = "memory" if r["floor_s"] == r["cache_bytes"] / (ceil["read_GBps"] * 1e9) else "compute"
         add(f"{v} kernel step reads its cache at >= 50% of copy bandwidth (L = {L})", r["pct_copy"] >= 50,
-            f"{r['GBps']:.1f} GB/s = {r['pct_copy']:.0f}% of {report['ceilings']['copy_GBps']:.1f} GB/s; "
-            f"roofline floor {fmt_ms(r['floor_s'])} ms vs {fmt_ms(r['median_s'])} ms")
+            f"{r['GBps']:.1f} GB/s = {r['pct_copy']:.0f}% of the copy bandwidth ({ceil['copy_GBps']:.1f} GB/s); "
+            f"{fmt_ms(r['median_s'])} ms against a roofline floor of {fmt_ms(r['floor_s'])} ms ({bound}-bound)")
         add(f"{v} kernel step >= 3x faster than torch SDPA enable_gqa (L = {L})", r["x_torch"] >= 3,
             f"{fmt_ms(r['median_s'])} ms vs torch {fmt_ms(_row(report, L, 'torch ' + v)['median_s'])} ms: "
             f"{r['x_torch']:.1f}x (median of paired ratios)")
@@ -304,32 +306,42 @@ def evaluate_targets(report) -> list[dict]:
 
 
 def render(report) -> str:
-    m, ce, cfg = report["machine"], report["ceilings"], report["config"]
+    m, cfg = report["machine"], report["config"]
     lines = [
-        f"Decode benchmark, {report['date']}: {m['cpu']}, {m['cores']} cores, {m['threads']} torch threads, "
-        f"torch {m['torch']}. fp32, B = 1, d_model {cfg['d_model']}, {cfg['n_heads']} query heads of "
-        f"{cfg['head_dim']}, MLA kv_rank {cfg['kv_rank']} + rope_dim {cfg['rope_dim']}; medians of "
-        f"{cfg['rounds']} interleaved rounds.",
+        f"Decode benchmark, {report['date']}: {m['cpu']}, {m['cores']} cores, {m['threads']} torch "
+        f"thread{'s' if m['threads'] > 1 else ''}, torch {m['torch']}. fp32, B = 1, d_model {cfg['d_model']}, "
+        f"{cfg['n_heads']} query heads of {cfg['head_dim']}, MLA kv_rank {cfg['kv_rank']} + rope_dim "
+        f"{cfg['rope_dim']}; medians of {cfg['rounds']} interleaved rounds. Load average (1 min, the machine "
+        f"is shared): {report['load']['start'][0]:.2f} at the start, {report['load']['end'][0]:.2f} at the end.",
         "",
-        f"Ceilings measured in the same run: copy {ce['copy_GBps']:.1f} GB/s (read + write), read "
-        f"{ce['read_GBps']:.1f} GB/s, fp32 matmul {ce['matmul_GFLOPs']:.0f} GFLOP/s. Load average "
-        f"(1 min) {report['load']['start'][0]:.2f} at the start, {report['load']['end'][0]:.2f} at the end; "
-        "per length: " + ", ".join(f"L={p['L']}: {p['load_start']:.1f}->{p['load_end']:.1f}"
-                                   for p in report["load"]["per_length"]) + ".",
+        "Ceilings, timed in every round beside the cases:",
         "",
-        "Kernel step (attention of one new token over the cache, given its projections):",
+        "| L | load (1 min) | copy GB/s (read + write) | read GB/s | matmul GFLOP/s |",
+        "|---:|---|---:|---:|---:|",
+    ]
+    for p in report["per_length"]:
+        lines.append(f"| {p['L']} | {p['load_start']:.1f} -> {p['load_end']:.1f} | {p['copy_GBps']:.1f} | "
+                     f"{p['read_GBps']:.1f} | {p['matmul_GFLOPs']:.0f} |")
+    lines += [
         "",
-        "| L | variant | cache MiB | step ms | min ms | GB/s | % copy BW | floor ms | x torch |",
+        "Kernel step (attention of one new token over the cache, given its projections). "
+        "\"% copy\": cache bytes per second over the copy bandwidth of the same round; "
+        "\"floor\": max(cache bytes / read bandwidth, FLOPs / matmul throughput); "
+        "\"x torch\": torch's time over multihead's, paired by round.",
+        "",
+        "| L | variant | cache MiB | step ms | min ms | GB/s | % copy | floor ms | x torch |",
         "|---:|---|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for r in report["rows"]:
         if r["kind"] != "kernel":
             continue
-        xt = f"{r['x_torch']:.1f}x" if r["x_torch"] is not None else ""
+        xt = f"{r['x_torch']:.1f}x" if r.get("x_torch") is not None else ""
         lines.append(f"| {r['L']} | {r['variant']} | {r['cache_bytes'] / MiB:.1f} | {fmt_ms(r['median_s'])} | "
-                     f"{fmt_ms(r['min_s'])} | {r['GBps']:.1f} | {r['pct_copy']:.0f}% | {fmt_ms(r['floor_s'])} | {xt} |")
+                     f"{fmt_ms(r['min_s'])} | {r['GBps']:.1f} | {r['pct_copy']:.0f}% | {fmt_ms(r['floor_s'])} | "
+                     f"{xt} |")
     if any(r["kind"] == "layer" for r in report["rows"]):
-        lines += ["", "Layer step (the module's forward for one token, cache at L - 1; weights are read too):", "",
+        lines += ["", "Layer step (the module's forward for one token with the cache at L - 1: projections, RoPE, "
+                  "cache write, attention, output; the weights are read too):", "",
                   "| L | variant | cache MiB | step ms | min ms |", "|---:|---|---:|---:|---:|"]
         for r in report["rows"]:
             if r["kind"] == "layer":
@@ -350,7 +362,6 @@ def main(argv=None) -> int:
     p.add_argument("--min-sample-ms", type=float, default=20.0, help="repeat fast steps to fill a sample")
     p.add_argument("--rotate-mib", type=float, default=96.0,
                    help="rotate over cache copies totalling at least this much (3x the 32 MiB L3)")
-    p.add_argument("--ceiling-reps", type=int, default=9, help="repetitions of the bandwidth/matmul probes")
     p.add_argument("--no-layer", dest="layer", action="store_false", help="kernel steps only")
     p.add_argument("--quick", action="store_true", help="L = 256 1024, 3 rounds: a smoke test")
     p.add_argument("--json", type=Path, default=None,
