@@ -229,23 +229,29 @@ def _plot(cfg: KVConfig, rows: list[dict], path: Path, device: str) -> str:
         ("decode time per token", [r["decode_us_per_token"] for r in rows], "microseconds", "{:.0f}"),
     ]
     y = list(range(len(rows)))
-    for ax, (title, vals, unit, fmt) in zip(axes, panels):
+    naive = [(i, r["decode_naive_us_per_token"]) for i, r in enumerate(rows) if "decode_naive_us_per_token" in r]
+    for k, (ax, (title, vals, unit, fmt)) in enumerate(zip(axes, panels)):
+        log = k == 2 and bool(naive)  # the naive MLA step can be 10-100x slower: a log axis keeps both readable
         ax.barh(y, vals, color=c)
         ax.set_yticks(y, names)
         ax.invert_yaxis()
         ax.set_title(title, fontsize=10)
-        ax.set_xlabel(unit)
+        ax.set_xlabel(unit + (" (log scale)" if log else ""))
         ax.grid(axis="y", visible=False)
-        top = max(vals) if vals else 1
+        top = max(vals + [v for _, v in naive]) if log else max(vals)
         for yi, v in zip(y, vals):
-            ax.text(v + top * 0.01, yi, fmt.format(v), va="center", fontsize=8)
-        ax.set_xlim(0, top * 1.22)
-    naive = [(i, r["decode_naive_us_per_token"]) for i, r in enumerate(rows) if "decode_naive_us_per_token" in r]
+            ax.text(v * 1.08 if log else v + top * 0.01, yi, fmt.format(v), va="center", fontsize=8)
+        if log:
+            ax.set_xscale("log")
+            ax.set_xlim(min(vals) / 2, top * 4)
+        else:
+            ax.set_xlim(0, top * 1.22)
     if naive:
-        axes[2].scatter([v for _, v in naive], [i for i, _ in naive], marker="|", s=200, color="black",
-                        label="MLA naive (decompress)", zorder=3)
-        axes[2].set_xlim(0, max(max(v for _, v in naive), max(panels[2][1])) * 1.22)
-        axes[2].legend(frameon=False, fontsize=8, loc="lower right")
+        axes[2].scatter([v for _, v in naive], [i for i, _ in naive], marker="|", s=250, color="black", zorder=3,
+                        label="MLA naive (decompress K/V)")
+        for i, v in naive:
+            axes[2].text(v * 1.08, i, f"{v:.0f}", va="center", fontsize=8)
+        axes[2].legend(frameon=False, fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.18))
     fig.suptitle(f"MHA vs GQA vs MQA vs MLA at d_model {cfg.d_model}, {cfg.n_heads} heads "
                  f"(batch {cfg.batch}, float32 decode on {device})", fontsize=11)
     fig.tight_layout()
