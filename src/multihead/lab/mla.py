@@ -309,7 +309,7 @@ def _table(cfg, runs, conversions) -> str:
 def _summary_text(cfg, r, mha, mla, runs) -> str:
     frac = f"1/{round(1 / cfg.budget)}" if abs(1 / cfg.budget - round(1 / cfg.budget)) < 1e-9 else f"{cfg.budget:g}"
     parts = [f"MHA reaches {mha['val_bpc']:.3f} bits/char on held-out text with "
-             f"{mha['cache_bytes_per_token']:,} cache bytes per token (bf16, {cfg.n_layers} layers)."]
+             f"{mha['cache_bytes_per_token']:,} cache bytes per token (bf16, {_layers(cfg)})."]
     pick = r["smallest_rank_within_tolerance"]
     if pick is not None:
         x = next(m for m in mla if m["kv_rank"] == pick)
@@ -348,6 +348,10 @@ def _summary_text(cfg, r, mha, mla, runs) -> str:
     return " ".join(parts)
 
 
+def _layers(cfg: MLAConfig) -> str:
+    return f"{cfg.n_layers} layer{'s' if cfg.n_layers > 1 else ''}"
+
+
 def _plot_tradeoff(cfg: MLAConfig, res: dict, path: Path) -> str:
     plt = pyplot()
     r = res["results"]
@@ -372,20 +376,30 @@ def _plot_tradeoff(cfg: MLAConfig, res: dict, path: Path) -> str:
         if x["kind"] in markers:
             m, c, s = markers[x["kind"]]
             ax.plot(x["cache_bytes_per_token"], x["val_bpc"], m, color=c, ms=s, ls="none", label=x["name"])
+    ys = [x["val_bpc"] for x in runs] + [v for c in conv for v in (c["val_bpc_converted"], c["val_bpc_finetuned"])]
+    pad = 0.08 * (max(ys) - min(ys)) + 0.02
+    ax.set_ylim(min(ys) - pad, max(ys) + 3 * pad)  # from the data: the tolerance band may reach far above
     if mha is not None:
         budget = mha["cache_bytes_per_token"] * cfg.budget
         ax.axvline(budget, color="black", lw=1, ls="--")
         ax.text(budget, ax.get_ylim()[1], f" {cfg.budget:.3g} of MHA's cache", va="top", fontsize=8)
-        ax.axhspan(mha["val_bpc"], mha["val_bpc"] + cfg.tolerance, color="#4c72b0", alpha=0.08,
-                   label=f"within {cfg.tolerance:g} bit of MHA")
+        top = mha["val_bpc"] + cfg.tolerance
+        ax.axhspan(mha["val_bpc"], top, color="#4c72b0", alpha=0.08,
+                   label=f"within {cfg.tolerance:g} bit of MHA" + ("" if top < ax.get_ylim()[1] else
+                                                                  f" (up to {top:.2f})"))
+        ax.set_ylim(min(ys) - pad, max(ys) + 3 * pad)
         pick = r.get("smallest_rank_within_tolerance")
         if pick is not None:
             x = next(m for m in mla if m["kv_rank"] == pick)
-            ax.plot(x["cache_bytes_per_token"], x["val_bpc"], "o", ms=16, mfc="none", mec="black", mew=1.5)
+            ax.plot(x["cache_bytes_per_token"], x["val_bpc"], "o", ms=16, mfc="none", mec="black", mew=1.5,
+                    label=f"smallest rank within tolerance (R={pick})")
     ax.set_xscale("log", base=2)
+    ticks = sorted({x["cache_bytes_per_token"] for x in runs})
+    ax.set_xticks(ticks, [f"{t:,}" for t in ticks])
+    ax.minorticks_off()
     ax.set_xlabel("KV cache bytes per token (bf16, all layers, log scale)")
     ax.set_ylabel("validation bits per character")
-    ax.set_title(f"{r['corpus']['name'].split(' (')[0]}: character LM, {cfg.n_layers} layers, d_model {cfg.d_model}, "
+    ax.set_title(f"{r['corpus']['name'].split(' (')[0]}: character LM, {_layers(cfg)}, d_model {cfg.d_model}, "
                  f"{cfg.n_heads} heads, {cfg.steps} steps", fontsize=10)
     ax.legend(frameon=False, fontsize=8, loc="upper right")
     return save_figure(fig, path)
