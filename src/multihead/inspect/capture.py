@@ -173,6 +173,7 @@ class HFModel(LoadedModel):
         last = max(heads)
         hook = self.layers[last].register_forward_hook(_stop_forward)
         set_weight_heads(self.model, {layer: tuple(h) for layer, h in heads.items()})
+        ids = ids.to(self.layers[0].attn.q_proj.weight.device)
         try:
             with torch.no_grad():
                 self.model(input_ids=ids, attention_mask=torch.ones_like(ids))
@@ -433,7 +434,7 @@ def capture(text: str, model=MINILM, layers=None, heads=None, max_tokens: int | 
         raise InspectError(f"text {text!r} gives no tokens")
     batch = torch.tensor([ids], dtype=torch.long)
     by_layer = lm.attention(batch, {layer: tuple(heads) for layer in layers})
-    weights = torch.stack([by_layer[layer][0].float() for layer in layers])  # (L, h, T, T)
+    weights = torch.stack([by_layer[layer][0].float().cpu() for layer in layers])  # (L, h, T, T)
     return AttentionCapture(
         tokens=lm.tokens(ids), token_ids=list(ids), layers=layers, heads=heads, weights=weights,
         n_layers=lm.n_layers, n_heads=lm.n_heads, model=lm.name, meta=meta,

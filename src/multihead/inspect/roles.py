@@ -278,7 +278,7 @@ def induction_scores(model="minilm", seq_len: int | None = None, seed: int = 0, 
     q_pos, k_pos = offset + seq_len + k, offset + k + 1
     out = torch.empty(lm.n_layers, lm.n_heads)
     for layer in range(lm.n_layers):
-        w = weights[layer].float()  # (B, H, T, T)
+        w = weights[layer].float().cpu()  # (B, H, T, T)
         out[layer] = w[:, :, q_pos, k_pos].mean(dim=(0, 2))
     return out
 
