@@ -4,15 +4,23 @@ PY := $(VENV)/bin/python
 export HF_HUB_OFFLINE := 1
 export TRANSFORMERS_OFFLINE := 1
 
-.PHONY: setup run test lint bench
+.PHONY: setup run tour test lint bench
 
 setup: $(VENV)/.installed
 
 $(VENV)/.installed: pyproject.toml constraints.txt scripts/setup.sh
 	bash scripts/setup.sh
 
+TEXT ?= The cat sat on the mat. Then the cat slept on the mat.
+
+# The main job: every head of a real model (all-MiniLM-L6-v2, bundled offline), its
+# role table, a self-contained HTML head view and a PNG grid under out/.
 run: setup
-	$(PY) -m multihead
+	@mkdir -p out
+	$(PY) -m multihead inspect "$(TEXT)" --roles --html out/head_view.html --png out/heads.png
+
+tour: setup
+	$(PY) -m multihead tour
 
 lint: setup
 	$(VENV)/bin/ruff check src tests benchmarks
