@@ -327,3 +327,22 @@ def test_from_hf_refuses_rope_scaling():
     hf.config.rope_parameters = dict(hf.config.rope_parameters, rope_type="yarn", factor=4.0)
     with pytest.raises(ValueError, match="rope_type 'yarn' .* valid: 'default'"):
         mh.LatentAttention.from_hf(hf)
+
+
+def test_absorbed_decode_at_batch_one_equals_math_backend():
+    # B = 1, one shared latent head: the fused kernel splits the folded queries over threads
+    # (multihead.functional._mqa_splits); the result must not change.
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        fused = make(GEOMETRIES[1], dtype=torch.float32)
+        explicit = make(GEOMETRIES[1], dtype=torch.float32, backend="math")
+        explicit.load_state_dict(fused.state_dict())
+        x = torch.randn(1, 6, fused.d_model)
+        caches = fused.new_cache(1, 6), explicit.new_cache(1, 6)
+        for t in range(6):
+            a = fused(x[:, t : t + 1], cache=caches[0], absorb=True)
+            b = explicit(x[:, t : t + 1], cache=caches[1], absorb=True)
+            assert_close(a, b, what=f"decode step {t}, sdpa vs math")
+    finally:
+        torch.set_num_threads(threads)

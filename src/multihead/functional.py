@@ -468,9 +468,9 @@ def _sdpa(q, k, v, mask, *, causal, scale, dropout_p, weight_heads):
     if attn_mask is not None and attn_mask.dtype != torch.bool:
         attn_mask = attn_mask.to(q.dtype)
 
-    def call(qq, mm):
+    def call(qq, mm, kk=k, vv=v):
         return F.scaled_dot_product_attention(
-            qq, k, v, attn_mask=mm, dropout_p=dropout_p, is_causal=is_causal, scale=scale
+            qq, kk, vv, attn_mask=mm, dropout_p=dropout_p, is_causal=is_causal, scale=scale
         )
 
     if G == 1:
@@ -478,7 +478,16 @@ def _sdpa(q, k, v, mask, *, causal, scale, dropout_p, weight_heads):
     elif not is_causal and (attn_mask is None or attn_mask.shape[1] == attn_mask.shape[2] == 1):
         # Fold each group's query heads into the query length: (B, Hkv, G*T, D). A mask
         # that varies by neither head nor query broadcasts over the folded length.
-        out = call(q.reshape(B, Hkv, G * T, -1), attn_mask).view(B, H, T, Dv)
+        P = _mqa_splits(q, Hkv, G)
+        if P == 1:
+            out = call(q.reshape(B, Hkv, G * T, -1), attn_mask)
+        else:
+            # torch's CPU kernel parallelises over (B, heads) only: MQA folded into one
+            # head would run on one core. Split the folded queries over P heads that all
+            # read the one K/V head through a stride-0 view (no copy).
+            out = call(q.reshape(B, P, G // P * T, -1), attn_mask,
+                       k.expand(B, P, S, k.shape[-1]), v.expand(B, P, S, Dv))
+        out = out.view(B, H, T, Dv)
     else:
         # The mask or causality depends on the query row: one fused call per position in
         # the group, each reading K/V once, still without a copy of them.
@@ -495,6 +504,16 @@ def _sdpa(q, k, v, mask, *, causal, scale, dropout_p, weight_heads):
     if weight_heads is not None:
         weights = _weights_pass(q, k, mask, causal, scale, weight_heads)
     return out, weights
+
+
+def _mqa_splits(q: Tensor, Hkv: int, G: int) -> int:
+    """Heads to split a folded MQA call over so that every CPU thread has one (1: none)."""
+    if Hkv != 1 or q.device.type != "cpu" or torch.compiler.is_compiling():
+        return 1
+    B, threads = q.shape[0], torch.get_num_threads()
+    if B >= threads:
+        return 1
+    return next((p for p in range(2, G + 1) if G % p == 0 and B * p >= threads), G)
 
 
 register_backend("math", _math, weights=True, dropout=True, weights_with_dropout=True,
