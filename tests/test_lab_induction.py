@@ -34,7 +34,9 @@ def test_quick_learns_and_scores_heads(tmp_path, one_thread):  # noqa: F811
     chance = r["chance_accuracy"]
     assert chance == 1 / cfg.vocab
     assert r["evals"][0]["accuracy"] < 2 * chance
-    assert r["final_accuracy"] > max(3 * chance, 0.3), f"accuracy {r['final_accuracy']:.2f}, chance {chance:.2f}"
+    # The quick run forms its induction head by about step 150 (100% accuracy); ask for less.
+    assert r["final_accuracy"] > 0.5, f"accuracy {r['final_accuracy']:.2f}, chance {chance:.2f}"
+    assert r["induction_head"]["score"] > 0.5 and r["previous_token_head"]["score"] > 0.3
     for e in r["evals"]:
         for key in ("previous_token", "induction"):
             scores = torch.tensor(e[key])

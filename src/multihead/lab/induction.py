@@ -52,19 +52,20 @@ class InductionConfig:
     d_model: int = 64
     n_heads: int = 4
     n_layers: int = 2
-    steps: int = 3000
+    steps: int = 800
     batch_size: int = 32
     lr: float = 3e-3
     warmup: int = 50
-    eval_every: int = 50
+    eval_every: int = 20
     eval_sequences: int = 256
     score_sequences: int = 8  # random repeated sequences for the role scores
     target_accuracy: float = 0.95
+    positions: str = "rope"  # relative positions: a previous-token head is easy to form
 
     @classmethod
     def quick(cls) -> InductionConfig:
-        return cls(vocab=16, seq_len=32, seg_min=10, seg_max=15, d_model=32, n_heads=2, steps=250,
-                   lr=1e-2, warmup=20, eval_every=50, eval_sequences=64, score_sequences=4)
+        return cls(vocab=32, seq_len=32, seg_min=10, seg_max=15, n_heads=2, steps=250, eval_every=50,
+                   eval_sequences=64, score_sequences=2)
 
     def __post_init__(self):
         if not 2 <= self.seg_min <= self.seg_max <= self.seq_len // 2:
@@ -142,7 +143,8 @@ def run_induction(cfg: InductionConfig | None = None, out_dir: str | Path = "lab
     vocab = Vocab("symbols", tuple(str(i) for i in range(cfg.vocab)))
     gen = seed_everything(seed)
     model = LabTransformer(LabConfig(vocab_size=cfg.vocab, max_len=cfg.seq_len, d_model=cfg.d_model,
-                                     n_layers=cfg.n_layers, n_heads=cfg.n_heads, mlp=False)).to(dev)
+                                     n_layers=cfg.n_layers, n_heads=cfg.n_heads, mlp=False,
+                                     positions=cfg.positions)).to(dev)
     eval_gen = torch.Generator().manual_seed(2_000_003 + seed)
     held_out = repeated_segments(cfg, cfg.eval_sequences, eval_gen)
 

@@ -342,6 +342,11 @@ def _summary_text(cfg, r, mha, mla, runs) -> str:
                      f"{worst['val_bpc_converted'] - mha['val_bpc']:+.3f} bits/char (kv_rank {worst['kv_rank']}) "
                      f"before fine-tuning and {worst['val_bpc_finetuned'] - mha['val_bpc']:+.3f} after "
                      f"{cfg.finetune_steps} steps.")
+        best_c = min(conv, key=lambda c: c["val_bpc_finetuned"])
+        if best_c["val_bpc_finetuned"] < mha["val_bpc"]:
+            parts.append(f"Converted kv_rank {best_c['kv_rank']} ends below MHA ({best_c['val_bpc_finetuned']:.3f}), "
+                         f"but it has trained {cfg.steps + cfg.finetune_steps} steps in all against MHA's "
+                         f"{cfg.steps}: MHA was still improving when it stopped.")
         if r["smallest_converted_rank_within_tolerance"] is not None:
             parts.append(f"Converted and fine-tuned, kv_rank {r['smallest_converted_rank_within_tolerance']} is the "
                          f"smallest under the cache budget within tolerance.")

@@ -7,9 +7,11 @@ Circuits"), a final norm and an unembedding. The attention of each block is a
 `multihead.Attention` (MHA, GQA or MQA by `n_kv_heads`) or a `multihead.LatentAttention`
 (MLA by `kv_rank`), always causal.
 
-Positions are learned absolute embeddings rather than RoPE: the lab converts trained
-MHA layers to MLA (`multihead.convert.to_mla`), which factors the K and V projections,
-and absolute positions keep that conversion exact at full rank.
+Positions are learned absolute embeddings by default: the lab converts trained MHA
+layers to MLA (`multihead.convert.to_mla`), which factors the K and V projections, and
+absolute positions keep that conversion exact at full rank. `positions="rope"` rotates
+queries and keys instead (relative positions, which make a previous-token head a
+one-parameter pattern; the induction experiment uses it).
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ __all__ = ["LabConfig", "LabTransformer"]
 
 _ATTENTION = ("mha", "mla")
 _NORMS = ("rms", "layer", "none")
+_POSITIONS = ("learned", "rope")
 
 
 @dataclass(frozen=True)
@@ -39,6 +42,7 @@ class LabConfig:
         mlp: a 4x GELU MLP after each attention; False gives an attention-only model.
         norm: "rms", "layer" or "none".
         bias: biases on the attention projections.
+        positions: "learned" (absolute embeddings) or "rope" (rotary, in attention).
         latent_norm: MLA's RMSNorm on the latent (False in layers made by
             `multihead.convert.to_mla`, whose latent is a linear map of x).
     """
@@ -57,6 +61,7 @@ class LabConfig:
     norm: str = "rms"
     bias: bool = False
     latent_norm: bool = True
+    positions: str = "learned"
 
     def __post_init__(self):
         for name in ("vocab_size", "max_len", "d_model", "n_layers", "n_heads", "mlp_ratio"):
@@ -67,6 +72,10 @@ class LabConfig:
             raise ValueError(f"attention must be one of {', '.join(_ATTENTION)}; received {self.attention!r}")
         if self.norm not in _NORMS:
             raise ValueError(f"norm must be one of {', '.join(_NORMS)}; received {self.norm!r}")
+        if self.positions not in _POSITIONS:
+            raise ValueError(f"positions must be one of {', '.join(_POSITIONS)}; received {self.positions!r}")
+        if self.positions == "rope" and self.attention == "mla":
+            raise ValueError("positions='rope' is for attention='mha'; MLA carries RoPE in rope_dim")
         if self.attention == "mla" and self.kv_rank is None:
             raise ValueError("attention='mla' needs kv_rank")
 
@@ -119,7 +128,8 @@ def make_attention(cfg: LabConfig) -> nn.Module:
                                bias=cfg.bias, latent_norm=cfg.latent_norm)
     from multihead import Attention
 
-    return Attention(cfg.d_model, cfg.n_heads, cfg.n_kv_heads, bias=cfg.bias, causal=True)
+    return Attention(cfg.d_model, cfg.n_heads, cfg.n_kv_heads, bias=cfg.bias, causal=True,
+                     rope=cfg.positions == "rope")
 
 
 class Block(nn.Module):
@@ -157,7 +167,7 @@ class LabTransformer(nn.Module):
         super().__init__()
         self.cfg = cfg
         self.tok_emb = nn.Embedding(cfg.vocab_size, cfg.d_model)
-        self.pos_emb = nn.Embedding(cfg.max_len, cfg.d_model)
+        self.pos_emb = nn.Embedding(cfg.max_len, cfg.d_model) if cfg.positions == "learned" else None
         self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layers))
         self.norm_f = _norm(cfg.norm, cfg.d_model)
         self.lm_head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
@@ -179,8 +189,9 @@ class LabTransformer(nn.Module):
         B, T = idx.shape
         if T > self.cfg.max_len:
             raise ValueError(f"sequence of {T} tokens exceeds this model's max_len {self.cfg.max_len}")
-        pos = torch.arange(T, device=idx.device)
-        x = self.tok_emb(idx) + self.pos_emb(pos)[None]  # (B, T, C)
+        x = self.tok_emb(idx)  # (B, T, C)
+        if self.pos_emb is not None:
+            x = x + self.pos_emb(torch.arange(T, device=idx.device))[None]
         want = set(range(self.cfg.n_layers) if layers is None else layers) if return_weights else set()
         head_sel = True if heads is None else list(heads)
         weights = {}
