@@ -228,7 +228,12 @@ def _summary(cfg: InductionConfig, r: dict, last: dict) -> str:
                      f"{r['induction_half_rise_step']}), and the accuracy jumped most just before step "
                      f"{r['accuracy_jump_step']}.")
     others = [last["induction"][cfg.n_layers - 1][h] for h in range(cfg.n_heads) if h != i["head"]]
-    if others:
+    strong = [h for h in range(cfg.n_heads) if last["induction"][cfg.n_layers - 1][h] > 0.5]
+    if len(strong) > 1:
+        names = ", ".join(f"{i['layer']}.{h}" for h in strong)
+        parts.append(f"{len(strong)} of the {cfg.n_heads} layer-{i['layer']} heads score above 0.5 on prefix "
+                     f"matching: the induction role is shared (heads {names}).")
+    elif others:
         parts.append(f"The other layer-{i['layer']} heads score at most {max(others):.2f} on prefix matching.")
     return " ".join(parts)
 
@@ -256,13 +261,14 @@ def _plot(cfg: InductionConfig, res: dict, path: Path) -> str:
                     label=f"head {layer}.{h}")
         ax.set_ylabel(label.split(",")[0].replace(" score", "") + " score")
         ax.set_ylim(-0.02, 1.02)
-        ax.legend(frameon=False, fontsize=8, ncol=cfg.n_heads if cfg.n_heads <= 8 else 8, loc="upper left")
+        ax.legend(frameon=False, fontsize=8, ncol=min(cfg.n_heads, 4),
+                  loc="center right" if key == "previous_token" else "lower right")
         ax.set_title(label, fontsize=9)
     for ax in axes:
         if r.get("phase_change_step") is not None:
             ax.axvline(r["phase_change_step"], color="#c44e52", lw=1, ls="--")
     if r.get("phase_change_step") is not None:
-        axes[2].text(r["phase_change_step"], 0.5, " phase change", color="#c44e52", fontsize=8)
+        axes[2].text(r["phase_change_step"], 0.3, " phase change", color="#c44e52", fontsize=8)
     axes[-1].set_xlabel("training step")
     fig.tight_layout()
     return save_figure(fig, path)
