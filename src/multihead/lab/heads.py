@@ -265,7 +265,7 @@ def conclusion(cfg: HeadsConfig, rows: list[dict]) -> str:
         parts.append(f"n_heads = {', '.join(map(str, never))} never got below {cfg.threshold:g} nats "
                      f"within {cfg.steps} steps.")
     if best["n_heads"] == min(r["n_heads"] for r in rows):
-        parts.append("Copying is one lookup per position (the token L + 1 places back), which a single "
+        parts.append("Copying is one lookup per position (the token L places back), which a single "
                      "head can do; splitting the width into more heads only made each head's "
                      "query-key match narrower.")
     elif best["n_heads"] == max(r["n_heads"] for r in rows):
