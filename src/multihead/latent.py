@@ -156,7 +156,8 @@ class LatentAttention(nn.Module):
     def extra_repr(self) -> str:
         return (f"d_model={self.d_model}, n_heads={self.n_heads}, kv_rank={self.kv_rank}, "
                 f"q_rank={self.q_rank}, head_dim={self.head_dim}, rope_dim={self.rope_dim}, "
-                f"v_head_dim={self.v_head_dim}, causal={self.causal}, backend={self.backend!r}")
+                f"v_head_dim={self.v_head_dim}, causal={self.causal}, latent_norm={self.latent_norm}, "
+                f"backend={self.backend!r}")
 
     def new_cache(self, batch_size: int, max_len: int, *, dtype: torch.dtype | None = None,
                   device: torch.device | str | None = None) -> LatentCache:
