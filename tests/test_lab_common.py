@@ -74,6 +74,9 @@ def test_atomic_write_keeps_the_old_file_when_the_replace_fails(tmp_path, monkey
     monkeypatch.undo()
     assert json.loads(path.read_text()) == {"a": 1}
     assert sorted(p.name for p in tmp_path.iterdir()) == ["results.json"], "a temporary file was left behind"
+    umask = os.umask(0)
+    os.umask(umask)
+    assert path.stat().st_mode & 0o777 == 0o666 & ~umask, "readable like any file the user writes"
 
 
 def test_atomic_write_refuses_nan_and_unknown_types(tmp_path):

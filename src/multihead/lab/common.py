@@ -281,6 +281,7 @@ def write_json_atomic(path: str | os.PathLike, obj) -> Path:
             f.write(text)
             f.flush()
             os.fsync(f.fileno())
+        _usual_mode(tmp)
         os.replace(tmp, path)
     except BaseException:
         try:
@@ -289,6 +290,13 @@ def write_json_atomic(path: str | os.PathLike, obj) -> Path:
             pass
         raise
     return path
+
+
+def _usual_mode(path: str) -> None:
+    """mkstemp makes files owner-only (0600); give them the mode a plain open() would."""
+    umask = os.umask(0)
+    os.umask(umask)
+    os.chmod(path, 0o666 & ~umask)
 
 
 def _jsonable(obj):
@@ -394,6 +402,7 @@ def save_figure(fig, path: Path) -> str:
     os.close(fd)
     try:
         fig.savefig(tmp, bbox_inches="tight")
+        _usual_mode(tmp)
         os.replace(tmp, path)
     finally:
         if os.path.exists(tmp):
