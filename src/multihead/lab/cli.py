@@ -6,7 +6,7 @@
   multihead lab induction  when do induction heads appear? (2-layer attention-only)
 
 Each writes results.json, PNG plots and a safetensors checkpoint (model/, which
-`multihead inspect --model OUT` opens) to --out. --quick runs a small version in
+`multihead inspect --model OUT` opens; kv trains nothing and writes none) to --out. --quick runs a small version in
 seconds. Ctrl-C stops cleanly: what finished is kept, marked "interrupted": true.
 """
 
