@@ -9,19 +9,7 @@ import pytest
 from multihead import plan
 from multihead.plan import units
 from multihead.plan.devices import DEVICES, GiB, max_batch, max_context
-
-
-def public_configs() -> dict:
-    """The public config.json contents kept in test_plan_configs.py (loaded by path, so it
-    works whatever the test layout)."""
-    import importlib.util
-    import pathlib
-
-    path = pathlib.Path(__file__).with_name("test_plan_configs.py")
-    spec = importlib.util.spec_from_file_location("_plan_public_configs", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module.CONFIGS
+from plan_public_configs import CONFIGS as PUBLIC_CONFIGS
 
 
 def test_plan_imports_no_torch():
@@ -207,7 +195,7 @@ def test_unknown_device_lists_the_valid_ones():
 
 
 def test_fit_and_decode_estimate_by_hand():
-    CONFIGS = public_configs()
+    CONFIGS = PUBLIC_CONFIGS
 
     llama = plan.read_config(CONFIGS["llama-3-8b"])
     dev = plan.custom_device(memory=40 * GiB, bandwidth=1_000 * 10**9)
@@ -227,7 +215,7 @@ def test_fit_and_decode_estimate_by_hand():
 
 
 def test_max_context_with_windows_and_without_cache():
-    CONFIGS = public_configs()
+    CONFIGS = PUBLIC_CONFIGS
 
     mistral = plan.read_config(CONFIGS["mistral-7b-v0.1"])
     f = plan.fit(mistral, DEVICES["h100-80gb"], context=32768, batch=1)
@@ -239,7 +227,7 @@ def test_max_context_with_windows_and_without_cache():
 
 
 def test_account_dict_schema():
-    CONFIGS = public_configs()
+    CONFIGS = PUBLIC_CONFIGS
 
     acc = plan.account(plan.read_config(CONFIGS["deepseek-v2-lite"]), 4096, 2, "bf16",
                        DEVICES["a100-80gb"])

@@ -7,26 +7,14 @@ import sys
 import pytest
 
 from multihead.cli import main
-
-
-def public_configs() -> dict:
-    """The public config.json contents kept in test_plan_configs.py (loaded by path, so it
-    works whatever the test layout)."""
-    import importlib.util
-    import pathlib
-
-    path = pathlib.Path(__file__).with_name("test_plan_configs.py")
-    spec = importlib.util.spec_from_file_location("_plan_public_configs", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module.CONFIGS
+from plan_public_configs import CONFIGS as PUBLIC_CONFIGS
 
 CONFIG_NAMES = ["gpt2", "llama-3-8b", "gemma-2-9b", "deepseek-v2-lite"]
 
 
 @pytest.fixture()
 def configs(tmp_path):
-    CONFIGS = public_configs()
+    CONFIGS = PUBLIC_CONFIGS
 
     paths = {}
     for name in CONFIG_NAMES:

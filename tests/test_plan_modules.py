@@ -9,19 +9,7 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from multihead import plan  # noqa: E402
-
-
-def public_configs() -> dict:
-    """The public config.json contents kept in test_plan_configs.py (loaded by path, so it
-    works whatever the test layout)."""
-    import importlib.util
-    import pathlib
-
-    path = pathlib.Path(__file__).with_name("test_plan_configs.py")
-    spec = importlib.util.spec_from_file_location("_plan_public_configs", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module.CONFIGS
+from plan_public_configs import CONFIGS as PUBLIC_CONFIGS  # noqa: E402
 
 ATTENTION = [
     # (d_model, n_heads, n_kv_heads, kwargs)
@@ -92,7 +80,7 @@ def test_latent_params_and_cache_match_the_module(d_model, n_heads, kv_rank, kw)
 
 def test_deepseek_v2_lite_attention_matches_the_config_reader():
     latent = pytest.importorskip("multihead.latent")
-    CONFIGS = public_configs()
+    CONFIGS = PUBLIC_CONFIGS
 
     model = plan.read_config(CONFIGS["deepseek-v2-lite"])
     a = model.attention
