@@ -43,3 +43,12 @@ def assert_close(actual, expected, dtype=None, *, atol=None, rtol=None, what="")
 def _seed():
     torch.manual_seed(0)
     np.random.seed(0)
+
+
+@pytest.fixture(scope="module")
+def one_torch_thread():
+    """Small matrices: one intra-op thread, so two test processes do not oversubscribe 2 cores."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)

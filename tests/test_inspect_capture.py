@@ -24,14 +24,7 @@ from multihead.inspect.capture import (  # noqa: E402
     register_loader,
 )
 
-
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread():
-    """Small matrices: one intra-op thread each, so `pytest -n 2` on 2 cores does not oversubscribe."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 TEXT = "The cat sat on the mat."

@@ -19,14 +19,7 @@ from multihead.inspect.roles import (
     role_scores,
 )
 
-
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread():
-    """Small matrices: one intra-op thread each, so `pytest -n 2` on 2 cores does not oversubscribe."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 def make(weights: torch.Tensor, tokens: list[str], ids: list[int] | None = None, causal: bool = True,

@@ -18,14 +18,7 @@ from conftest import assert_close  # noqa: E402
 from multihead import Attention  # noqa: E402
 from multihead.interop import hf  # noqa: E402
 
-
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread():
-    """Small matrices: one intra-op thread each, so `pytest -n 2` on 2 cores does not oversubscribe."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 SENTENCES = ["The cat sat on the mat.", "Hi there",
