@@ -329,20 +329,27 @@ def test_from_hf_refuses_rope_scaling():
         mh.LatentAttention.from_hf(hf)
 
 
-def test_absorbed_decode_at_batch_one_equals_math_backend():
-    # B = 1, one shared latent head: the fused kernel splits the folded queries over threads
-    # (multihead.functional._mqa_splits); the result must not change.
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_one_token_decode_paths_agree(dtype, monkeypatch):
+    # One new token, no mask, no weights: backend "auto" takes the written-out `_one_token`;
+    # "sdpa" folds H query heads over the one latent head (at B = 1 split over the threads,
+    # multihead.functional._mqa_splits); "math" is the explicit kernel. All equal the naive path.
     threads = torch.get_num_threads()
     torch.set_num_threads(2)
     try:
-        fused = make(GEOMETRIES[1], dtype=torch.float32)
-        explicit = make(GEOMETRIES[1], dtype=torch.float32, backend="math")
-        explicit.load_state_dict(fused.state_dict())
-        x = torch.randn(1, 6, fused.d_model)
-        caches = fused.new_cache(1, 6), explicit.new_cache(1, 6)
+        mods = {b: make(GEOMETRIES[1], dtype=dtype, backend=b) for b in ("auto", "sdpa", "math")}
+        for m in mods.values():
+            m.load_state_dict(mods["auto"].state_dict())
+        calls = []
+        one_token = mods["auto"]._one_token
+        monkeypatch.setattr(mods["auto"], "_one_token", lambda *a: calls.append(1) or one_token(*a))
+        x = torch.randn(1, 6, mods["auto"].d_model, dtype=dtype)
+        caches = {b: m.new_cache(1, 6) for b, m in mods.items()}
+        naive = mods["math"](x, absorb=False)
         for t in range(6):
-            a = fused(x[:, t : t + 1], cache=caches[0], absorb=True)
-            b = explicit(x[:, t : t + 1], cache=caches[1], absorb=True)
-            assert_close(a, b, what=f"decode step {t}, sdpa vs math")
+            outs = {b: m(x[:, t : t + 1], cache=caches[b], absorb=True) for b, m in mods.items()}
+            for b, out in outs.items():
+                assert_close(out, naive[:, t : t + 1], dtype, what=f"decode step {t}, backend {b} vs naive")
+        assert len(calls) == 6
     finally:
         torch.set_num_threads(threads)

@@ -261,19 +261,39 @@ class LatentAttention(nn.Module):
 
         q_h . k_h,j = (W_UK_h^T q_nope_h) . c_j + q_pe_h . k_pe_j, so the absorbed query
         `(B, H, T, R + rope_dim)` meets the latent `(B, 1, S, R + rope_dim)` as one shared
-        key head, and the value head is c_kv `(B, 1, S, R)`. The kernel folds the H query
-        heads into the query length, `(B, 1, H*T, R + rope_dim)` (MQA), so the latent is
-        read once per step for all heads. Same outputs as `attend_naive`.
+        key head, and the value head is c_kv `(B, 1, S, R)`: MQA with head dim
+        R + rope_dim. The kernel folds the H query heads into the query length,
+        `(B, 1, H*T, R + rope_dim)`, so the latent is read once per step for all heads.
+        One new token without mask or weights takes `_one_token` instead. Same outputs
+        as `attend_naive`.
         """
         D, Dv, R = self.head_dim, self.v_head_dim, self.kv_rank
         w = self.kv_b_proj.weight.view(-1, D + Dv, R)  # (H, D + Dv, R)
         w_uk, w_uv = w[:, :D], w[:, D:]  # (H, D, R), (H, Dv, R)
         q_lat = q_nope @ w_uk  # (B, H, T, R): W_UK_h^T q_nope_h
         q_abs = torch.cat([q_lat, q_pe], dim=-1)  # (B, H, T, R + rope_dim)
-        kv = latent[:, None]  # (B, 1, S, R + rope_dim)
-        out_lat, weights = self._kernel(q_abs, kv, kv[..., :R], mask, return_weights)  # (B, H, T, R)
+        if q_abs.shape[2] == 1 and mask is None and not return_weights and self.backend == "auto":
+            out_lat, weights = self._one_token(q_abs, latent), None  # (B, H, 1, R)
+        else:
+            kv = latent[:, None]  # (B, 1, S, R + rope_dim)
+            out_lat, weights = self._kernel(q_abs, kv, kv[..., :R], mask, return_weights)  # (B, H, T, R)
         out = out_lat @ w_uv.transpose(1, 2)  # (B, H, T, Dv): W_UV_h (sum_j p_j c_j)
         return out, weights
+
+    def _one_token(self, q_abs: Tensor, latent: Tensor) -> Tensor:
+        """The decode step written out: one query per head over the whole latent.
+
+        The H absorbed queries are the columns of one tall-skinny GEMM, so the latent
+        streams through once: (B, S, R + rope_dim) @ (B, R + rope_dim, H). On CPU this is
+        about twice as fast as torch's fused kernel, whose blocks are tuned for head dims
+        up to 256, not 576 (benchmarks/decode.py). Causality needs no mask: the one query
+        sits at the last position and sees every key.
+        """
+        B, H, _, W = q_abs.shape
+        scores = latent @ q_abs.view(B, H, W).transpose(1, 2)  # (B, S, H)
+        probs = torch.softmax(scores * self.scale, dim=1, dtype=torch.promote_types(scores.dtype, torch.float32))
+        out = probs.to(latent.dtype).transpose(1, 2) @ latent[..., : self.kv_rank]  # (B, H, R)
+        return out[:, :, None]  # (B, H, 1, R)
 
     def absorb_is_cheaper(self, T: int, S: int) -> bool:
         """Whether the absorbed path needs fewer multiply-adds for T queries over S keys.
