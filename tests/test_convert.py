@@ -12,6 +12,8 @@ from conftest import assert_close
 from multihead import convert
 from multihead import reference as R
 
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
 
 def params(module):
     return {k: v.clone() for k, v in module.state_dict().items()}

@@ -12,6 +12,8 @@ from conftest import assert_close
 from multihead import masks
 from multihead import reference as R
 
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
 # (d_model, n_heads, kv_rank, q_rank, head_dim, rope_dim, v_head_dim)
 GEOMETRIES = [
     (32, 4, 16, None, None, 0, None),  # no decoupled RoPE, D == Dv
