@@ -1,0 +1,49 @@
+"""Smoke test of benchmarks/attention.py: the script runs and its JSON is complete.
+
+Not a timing assertion: `--quick` uses N = 256 and 512, and one torch thread so that a
+busy machine does not stretch it (OpenMP barriers under oversubscription).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+SCRIPT = ROOT / "benchmarks" / "attention.py"
+VARIANTS = {"multihead", "textbook", "torch_mha", "torch_mha_noweights", "sdpa_raw"}
+
+
+def test_attention_benchmark_quick(tmp_path):
+    out = tmp_path / "attention.json"
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    proc = subprocess.run(
+        [sys.executable, str(SCRIPT), "--quick", "--threads", "1", "--json", str(out)],
+        capture_output=True, text=True, timeout=240, cwd=ROOT, env=env,
+    )
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert "| N |" in proc.stdout and "Targets:" in proc.stdout
+
+    report = json.loads(out.read_text())
+    assert report["meta"]["matmul"]["gflops"] > 0
+    assert len(report["meta"]["loadavg_start"]) == 3 and len(report["meta"]["loadavg_end"]) == 3
+    results = report["results"]
+    for N in (256, 512):
+        for causal in (False, True):
+            rows = {r["variant"]: r for r in results if r["N"] == N and r["causal"] == causal}
+            assert set(rows) == VARIANTS, (N, causal, sorted(rows))
+            for name, r in rows.items():
+                assert r["status"] == "ok", (name, N, causal, r.get("reason"))
+                assert len(r["times_s"]) >= 1 and all(t > 0 for t in r["times_s"]), (name, N)
+                assert r["median_s"] > 0 and r["attn_gflops"] > 0 and r["total_gflops"] > 0
+                assert r["peak_bytes"] is not None and r["peak_bytes"] >= 0, (name, N, r.get("mem_error"))
+                # every variant computes the same function with the same weights
+                assert r["max_abs_diff_vs_multihead"] < 1e-3, (name, N, causal)
+            assert rows["sdpa_raw"]["ratio_vs_sdpa_raw"] == 1.0
+    weights = {w["variant"]: w for w in report["weights"]}
+    assert set(weights) == {"weights_head0", "weights_all"}
+    assert all(w["peak_bytes"] is not None and w["peak_bytes"] > 0 for w in weights.values())
+    assert {t["passed"] for t in report["targets"]} <= {True, False, None}
