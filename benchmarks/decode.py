@@ -251,7 +251,7 @@ def run(args, log) -> dict:
                 med = statistics.median(c.times)
                 row = {"L": L, "kind": c.kind, "variant": c.name, "cache_bytes": c.cache_bytes,
                        "median_s": med, "min_s": min(c.times), "rounds": len(c.times),
-                       "GBps": c.cache_bytes / med / 1e9, "times_s": list(c.times)}
+                       "GBps": c.cache_bytes / med / 1e9, "flops": c.flops, "times_s": list(c.times)}
                 if c.kind == "kernel":
                     # achieved bandwidth over the copy bandwidth of the same round, median over rounds
                     row["pct_copy"] = 100 * c.cache_bytes / copy.cache_bytes / paired(c, copy)
@@ -293,10 +293,14 @@ def evaluate_targets(report) -> list[dict]:
     for v in ("GQA", "MQA"):
         r = _row(report, L, v)
         bound = "memory" if r["floor_s"] == r["cache_bytes"] / (ceil["read_GBps"] * 1e9) else "compute"
+        need_s = r["cache_bytes"] / (0.5 * ceil["copy_GBps"] * 1e9)
         add(f"{v} kernel step reads its cache at >= 50% of copy bandwidth (L = {L})", r["pct_copy"] >= 50,
             f"{r['GBps']:.1f} GB/s = {r['pct_copy']:.0f}% of the copy bandwidth ({ceil['copy_GBps']:.1f} GB/s), "
             f"{r['pct_read']:.0f}% of the read bandwidth ({ceil['read_GBps']:.1f} GB/s); "
-            f"{fmt_ms(r['median_s'])} ms against a roofline floor of {fmt_ms(r['floor_s'])} ms ({bound}-bound)")
+            f"{fmt_ms(r['median_s'])} ms against a roofline floor of {fmt_ms(r['floor_s'])} ms ({bound}-bound). "
+            f"50% needs the step in {fmt_ms(need_s)} ms, i.e. its {r['flops'] / 1e6:.0f} MFLOP at "
+            f"{r['flops'] / need_s / 1e9:.0f} GFLOP/s = {100 * r['flops'] / need_s / 1e9 / ceil['matmul_GFLOPs']:.0f}% "
+            f"of the machine's fp32 matmul throughput")
         add(f"{v} kernel step >= 3x faster than torch SDPA enable_gqa (L = {L})", r["x_torch"] >= 3,
             f"{fmt_ms(r['median_s'])} ms vs torch {fmt_ms(_row(report, L, 'torch ' + v)['median_s'])} ms: "
             f"{r['x_torch']:.1f}x (median of paired ratios)")
@@ -358,6 +362,27 @@ def render(report) -> str:
     return "\n".join(lines) + "\n"
 
 
+NOTES = """
+Reading the table:
+
+- MHA: multihead hands one query per K/V head straight to torch's fused kernel, so the
+  two rows are the same kernel (1.0x). GQA and MQA fold each group's query heads into
+  the query length, so every K/V head is read once; torch's `enable_gqa=True` reads the
+  shared K/V once per query head, which is where the "x torch" column comes from. A
+  folded MQA call is one head, so at batch 1 multihead splits it over the CPU threads
+  through a stride-0 view of the one K/V head (without that, one core does all of it).
+- MQA is compute-bound here: 32 query heads share each cached K/V value, 16 FLOPs per
+  cached byte, so reading its cache at half the copy bandwidth would need the attention
+  arithmetic at the rate given in its target line, most of the machine's matmul peak.
+  torch's fused kernel runs these 16-row blocks well below that.
+- MLA naive decompresses every cached latent through kv_b_proj each step
+  (2 * L * 512 * 8192 FLOPs): compute-bound and linear in L. The absorbed step attends
+  over the 576-wide latent directly (one tall-skinny GEMM for scores, one for values)
+  and reads 1/14 of MHA's bytes, but as MQA with 32 heads it is compute-bound too.
+- Layer step: at small L the weights (64 MiB per 4096 x 4096 projection) dominate.
+"""
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -373,6 +398,8 @@ def main(argv=None) -> int:
                    help="JSON output (default benchmarks/results/decode.json; none with --quick)")
     p.add_argument("--doc", type=Path, default=ROOT / "docs" / "benchmarks-decode.md")
     p.add_argument("--no-doc", dest="doc", action="store_const", const=None, help="do not write the doc page")
+    p.add_argument("--render", type=Path, metavar="JSON",
+                   help="run nothing: render the report of an earlier run's JSON (to --doc and --json)")
     args = p.parse_args(argv)
     if args.quick:
         args.lengths, args.rounds = [256, 1024], 3
@@ -380,7 +407,7 @@ def main(argv=None) -> int:
     def log(msg):
         print(msg, file=sys.stderr, flush=True)
 
-    report = run(args, log)
+    report = json.loads(args.render.read_text()) if args.render else run(args, log)
     report["targets"] = evaluate_targets(report)
     md = render(report)
     print(md)
@@ -392,7 +419,7 @@ def main(argv=None) -> int:
     if args.doc is not None and not args.quick:
         args.doc.parent.mkdir(parents=True, exist_ok=True)
         args.doc.write_text("# Decode benchmark\n\nWritten by `benchmarks/decode.py` (`make bench`); see its "
-                            "docstring for the method.\n\n" + md)
+                            "docstring for the method.\n\n" + md + NOTES)
     return 0
 
 
