@@ -18,7 +18,7 @@ import torch
 from torch import Tensor, nn
 
 from multihead.cache import KVCache
-from multihead.functional import _BACKENDS, scaled_dot_product_attention
+from multihead.functional import check_backend_name, scaled_dot_product_attention
 from multihead.masks import MaskMod
 from multihead.rope import RotaryEmbedding
 
@@ -88,9 +88,7 @@ class Attention(nn.Module):
         _check_int("context_dim", context_dim)
         if isinstance(dropout, bool) or not isinstance(dropout, (int, float)) or not 0.0 <= dropout < 1.0:
             raise ValueError(f"dropout must be a float in [0, 1); received {dropout!r}")
-        if backend != "auto" and backend not in _BACKENDS:
-            raise ValueError(f"unknown attention backend {backend!r}; valid: 'auto', "
-                             + ", ".join(repr(n) for n in _BACKENDS))
+        check_backend_name(backend)
         if rope is True:
             rope = RotaryEmbedding(head_dim)
         elif rope is False:

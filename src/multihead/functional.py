@@ -298,12 +298,17 @@ def _weight_heads(return_weights, H: int) -> tuple[int, ...] | None:
     return tuple(heads)
 
 
-def _get_backend(name: str, *, want_weights: bool, dropout_p: float) -> Backend:
-    if name not in _BACKENDS:
+def check_backend_name(name: str) -> None:
+    """Raise unless `name` is "auto" or a registered backend (the modules check at construction)."""
+    if name != "auto" and name not in _BACKENDS:
         raise ValueError(
             f"unknown attention backend {name!r}; valid: 'auto', "
             + ", ".join(repr(n) for n in _BACKENDS)
         )
+
+
+def _get_backend(name: str, *, want_weights: bool, dropout_p: float) -> Backend:
+    check_backend_name(name)
     impl = _BACKENDS[name]
     needs = []
     if want_weights and not impl.weights:

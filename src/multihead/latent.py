@@ -35,8 +35,9 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor, nn
 
+from multihead.attention import _check_int, _divisors
 from multihead.cache import LatentCache
-from multihead.functional import _BACKENDS, scaled_dot_product_attention
+from multihead.functional import check_backend_name, scaled_dot_product_attention
 from multihead.masks import MaskMod
 from multihead.rope import RotaryEmbedding
 
@@ -44,15 +45,6 @@ __all__ = ["LatentAttention"]
 
 # RMSNorm epsilon of DeepSeek-V2's q_a_layernorm / kv_a_layernorm.
 _NORM_EPS = 1e-6
-
-
-def _divisors(n: int) -> list[int]:
-    return [d for d in range(1, n + 1) if n % d == 0]
-
-
-def _check_int(name: str, value, minimum: int = 1) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        raise ValueError(f"{name} must be an int >= {minimum}; received {value!r}")
 
 
 class LatentAttention(nn.Module):
@@ -121,9 +113,7 @@ class LatentAttention(nn.Module):
                              f"valid: 0 or an even int such as {rope_dim - 1} or {rope_dim + 1}")
         if isinstance(rope_base, bool) or not isinstance(rope_base, (int, float)) or not rope_base > 1:
             raise ValueError(f"rope_base must be a number > 1; received {rope_base!r}")
-        if backend != "auto" and backend not in _BACKENDS:
-            raise ValueError(f"unknown attention backend {backend!r}; valid: 'auto', "
-                             + ", ".join(repr(n) for n in _BACKENDS))
+        check_backend_name(backend)
 
         self.d_model = d_model
         self.n_heads = n_heads
