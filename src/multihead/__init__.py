@@ -19,7 +19,7 @@ pure-Python `multihead.plan` do not pay for importing torch.
 
 from __future__ import annotations
 
-import importlib
+from multihead._lazy import lazy_exports
 
 __version__ = "0.1.0"
 
@@ -39,13 +39,4 @@ _LAZY = {
 __all__ = ["__version__", *_LAZY]
 
 
-def __getattr__(name: str):
-    if name in _LAZY:
-        value = getattr(importlib.import_module(_LAZY[name]), name)
-        globals()[name] = value
-        return value
-    raise AttributeError(f"module 'multihead' has no attribute {name!r}")
-
-
-def __dir__():
-    return sorted(set(globals()) | set(_LAZY))
+__getattr__, __dir__ = lazy_exports(__name__, _LAZY, globals())

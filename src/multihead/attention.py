@@ -34,6 +34,19 @@ def _check_int(name: str, value, minimum: int = 1) -> None:
         raise ValueError(f"{name} must be an int >= {minimum}; received {value!r}")
 
 
+def _default_head_dim(d_model: int, n_heads: int, head_dim: int | None) -> int:
+    """head_dim as given (checked), else d_model // n_heads when that divides evenly."""
+    if head_dim is None:
+        if d_model % n_heads:
+            raise ValueError(
+                f"d_model ({d_model}) is not divisible by n_heads ({n_heads}); pass head_dim "
+                f"explicitly, or use n_heads in {', '.join(map(str, _divisors(d_model)))}"
+            )
+        head_dim = d_model // n_heads
+    _check_int("head_dim", head_dim)
+    return head_dim
+
+
 class Attention(nn.Module):
     """Multi-head attention: MHA, GQA (1 < n_kv_heads < n_heads) or MQA (n_kv_heads = 1).
 
@@ -76,14 +89,7 @@ class Attention(nn.Module):
                 f"n_heads ({n_heads}) must be divisible by n_kv_heads ({n_kv_heads}); "
                 f"valid: {', '.join(map(str, _divisors(n_heads)))}"
             )
-        if head_dim is None:
-            if d_model % n_heads:
-                raise ValueError(
-                    f"d_model ({d_model}) is not divisible by n_heads ({n_heads}); pass head_dim "
-                    f"explicitly, or use n_heads in {', '.join(map(str, _divisors(d_model)))}"
-                )
-            head_dim = d_model // n_heads
-        _check_int("head_dim", head_dim)
+        head_dim = _default_head_dim(d_model, n_heads, head_dim)
         context_dim = d_model if context_dim is None else context_dim
         _check_int("context_dim", context_dim)
         if isinstance(dropout, bool) or not isinstance(dropout, (int, float)) or not 0.0 <= dropout < 1.0:

@@ -35,7 +35,7 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor, nn
 
-from multihead.attention import _check_int, _divisors
+from multihead.attention import _check_int, _default_head_dim
 from multihead.cache import LatentCache
 from multihead.functional import check_backend_name, scaled_dot_product_attention
 from multihead.masks import MaskMod
@@ -97,14 +97,7 @@ class LatentAttention(nn.Module):
         _check_int("kv_rank", kv_rank)
         if q_rank is not None:
             _check_int("q_rank", q_rank)
-        if head_dim is None:
-            if d_model % n_heads:
-                raise ValueError(
-                    f"d_model ({d_model}) is not divisible by n_heads ({n_heads}); pass head_dim "
-                    f"explicitly, or use n_heads in {', '.join(map(str, _divisors(d_model)))}"
-                )
-            head_dim = d_model // n_heads
-        _check_int("head_dim", head_dim)
+        head_dim = _default_head_dim(d_model, n_heads, head_dim)
         v_head_dim = head_dim if v_head_dim is None else v_head_dim
         _check_int("v_head_dim", v_head_dim)
         _check_int("rope_dim", rope_dim, minimum=0)

@@ -12,7 +12,7 @@ and matplotlib load only when a function needs them; the other names load on fir
 
 from __future__ import annotations
 
-import importlib
+from multihead._lazy import lazy_exports
 
 # Imported now, not lazily: the function `capture` shares its name with the module
 # `multihead.inspect.capture`, and importing that module later would otherwise leave the
@@ -33,13 +33,4 @@ _LAZY = {
 __all__ = ["InspectError", "LoadedModel", "capture", "load_model", *_LAZY]
 
 
-def __getattr__(name: str):
-    if name in _LAZY:
-        value = getattr(importlib.import_module(_LAZY[name]), name)
-        globals()[name] = value
-        return value
-    raise AttributeError(f"module 'multihead.inspect' has no attribute {name!r}")
-
-
-def __dir__():
-    return sorted(set(globals()) | set(_LAZY))
+__getattr__, __dir__ = lazy_exports(__name__, _LAZY, globals())

@@ -8,7 +8,7 @@ imported here: the functions work on the modules they are given.
 
 from __future__ import annotations
 
-import importlib
+from multihead._lazy import lazy_exports
 
 _LAZY = {
     "convert": "multihead.interop.hf",
@@ -22,9 +22,4 @@ _LAZY = {
 __all__ = list(_LAZY)
 
 
-def __getattr__(name: str):
-    if name in _LAZY:
-        value = getattr(importlib.import_module(_LAZY[name]), name)
-        globals()[name] = value
-        return value
-    raise AttributeError(f"module 'multihead.interop' has no attribute {name!r}")
+__getattr__, __dir__ = lazy_exports(__name__, _LAZY, globals())

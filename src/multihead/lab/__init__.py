@@ -14,7 +14,7 @@ torch and matplotlib are imported inside the experiments.
 
 from __future__ import annotations
 
-import importlib
+from multihead._lazy import lazy_exports
 
 _LAZY = {
     "run_heads": "multihead.lab.heads", "HeadsConfig": "multihead.lab.heads",
@@ -27,9 +27,4 @@ _LAZY = {
 __all__ = list(_LAZY)
 
 
-def __getattr__(name: str):
-    if name in _LAZY:
-        value = getattr(importlib.import_module(_LAZY[name]), name)
-        globals()[name] = value
-        return value
-    raise AttributeError(f"module 'multihead.lab' has no attribute {name!r}")
+__getattr__, __dir__ = lazy_exports(__name__, _LAZY, globals())
