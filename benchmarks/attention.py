@@ -55,10 +55,8 @@ import json
 import math
 import multiprocessing as mp
 import os
-import platform
 import random
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -71,6 +69,7 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT / "src") not in sys.path:  # run from a checkout without installing
     sys.path.insert(0, str(ROOT / "src"))
 
+from machine_info import machine  # noqa: E402  (benchmarks/ is on sys.path when run as a script)
 from multihead import Attention  # noqa: E402
 
 B, D_MODEL, HEADS = 1, 512, 8
@@ -353,27 +352,6 @@ def _mem_case_safe(args) -> dict:
 # ------------------------------------------------------------------------- main
 
 
-def machine() -> dict:
-    model = platform.processor() or platform.machine()
-    try:
-        out = subprocess.run(["lscpu"], capture_output=True, text=True, timeout=10).stdout
-        for line in out.splitlines():
-            if line.startswith("Model name:"):
-                model = line.split(":", 1)[1].strip()
-                break
-    except (OSError, subprocess.SubprocessError):
-        pass
-    mem_total = None
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemTotal:"):
-                    mem_total = int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return {"cpu": model, "nproc": os.cpu_count(), "torch_threads": torch.get_num_threads(),
-            "mem_total_bytes": mem_total, "torch": torch.__version__, "python": platform.python_version()}
-
 
 def mem_available() -> int:
     try:
@@ -434,7 +412,7 @@ def main(argv=None) -> int:
     load_start = os.getloadavg()
     started = _dt.datetime.now().astimezone()
     info = machine()
-    log(f"# {info['cpu']}, {info['nproc']} CPUs, torch {info['torch']} ({info['torch_threads']} threads), "
+    log(f"# {info['cpu']}, {info['cores']} CPUs, torch {info['torch']} ({info['threads']} threads), "
         f"load {load_start[0]:.2f}")
 
     mm_args = [torch.randn(mm_n, mm_n), torch.randn(mm_n, mm_n)]
@@ -634,7 +612,7 @@ def render(report) -> str:
     m = meta["machine"]
     la0, la1 = meta["loadavg_start"], meta["loadavg_end"]
     lines = [
-        f"Run {meta['date']} on {m['cpu']}, {m['nproc']} CPUs ({m['torch_threads']} torch threads), "
+        f"Run {meta['date']} on {m['cpu']}, {m['cores']} CPUs ({m['threads']} torch threads), "
         f"torch {m['torch']}; load average {la0[0]:.2f}/{la0[1]:.2f}/{la0[2]:.2f} at start, "
         f"{la1[0]:.2f}/{la1[1]:.2f}/{la1[2]:.2f} at end; {meta['config']['repeats']}+ interleaved rounds "
         f"(n per row in the JSON).",

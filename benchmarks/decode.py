@@ -47,9 +47,7 @@ import gc
 import json
 import math
 import os
-import platform
 import statistics
-import subprocess
 import sys
 import time
 from dataclasses import dataclass, field
@@ -62,6 +60,7 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT / "src") not in sys.path:  # run from a checkout without installing
     sys.path.insert(0, str(ROOT / "src"))
 
+from machine_info import machine  # noqa: E402  (benchmarks/ is on sys.path when run as a script)
 from multihead import Attention, LatentAttention, scaled_dot_product_attention  # noqa: E402
 
 D_MODEL, HEADS, HEAD_DIM = 4096, 32, 128
@@ -82,18 +81,6 @@ class Case:
     flops: float = 0.0
     times: list = field(default_factory=list)
 
-
-def machine() -> dict:
-    model = platform.processor() or platform.machine()
-    try:
-        out = subprocess.run(["lscpu"], capture_output=True, text=True, timeout=10).stdout
-        for line in out.splitlines():
-            if line.startswith("Model name:"):
-                model = line.split(":", 1)[1].strip()
-    except (OSError, subprocess.SubprocessError):
-        pass
-    return {"cpu": model, "cores": os.cpu_count(), "threads": torch.get_num_threads(),
-            "torch": torch.__version__, "python": platform.python_version()}
 
 
 def probes() -> list[Case]:
