@@ -397,8 +397,7 @@ def _explicit(q, k, v, mask, *, causal, scale, dropout_p, weight_heads, block_ro
         allowed, bias = _rows_mask(mask, causal, t0, t1, T, S, q.device)
         probs = _softmax(scores, allowed, bias)  # (B, H, t, S)
         if weight_heads is not None:
-            w = probs if len(weight_heads) == H and weight_heads == tuple(range(H)) \
-                else probs[:, list(weight_heads)]
+            w = probs if weight_heads == tuple(range(H)) else probs[:, list(weight_heads)]
             weights.append(w.to(q.dtype))
         if dropout_p > 0:
             probs = F.dropout(probs, p=dropout_p, training=True)
@@ -449,8 +448,6 @@ def _weights_pass(q, k, mask, causal, scale, heads):
 
 def _sdpa(q, k, v, mask, *, causal, scale, dropout_p, weight_heads):
     """torch's fused kernel, with bottom-right causal and GQA without copying K/V."""
-    if weight_heads is not None and dropout_p > 0:  # guarded by the registry too
-        raise ValueError("backend 'sdpa' cannot return weights together with dropout; use 'math'")
     B, H, T, _ = q.shape
     Hkv, S, Dv = k.shape[1], k.shape[2], v.shape[-1]
     G = H // Hkv
