@@ -34,24 +34,23 @@ def _ints(text: str) -> tuple[int, ...]:
     return values
 
 
-def _positive(text: str) -> int:
-    try:
-        v = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive integer; received {text!r}") from None
-    if v < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive integer; received {text!r}")
-    return v
+def _positive_of(cast, what: str):
+    """An argparse type: `cast(text)` that must be > 0, else "expected a positive {what}"."""
+
+    def parse(text: str):
+        try:
+            v = cast(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected a positive {what}; received {text!r}") from None
+        if not v > 0:
+            raise argparse.ArgumentTypeError(f"expected a positive {what}; received {text!r}")
+        return v
+
+    return parse
 
 
-def _positive_float(text: str) -> float:
-    try:
-        v = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive number; received {text!r}") from None
-    if not v > 0:
-        raise argparse.ArgumentTypeError(f"expected a positive number; received {text!r}")
-    return v
+_positive = _positive_of(int, "integer")
+_positive_float = _positive_of(float, "number")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
