@@ -8,6 +8,12 @@ name from `multihead.functional`. Modules take and return `(B, T, C)`; inside, t
 layout is `(B, H, T, D)`. The head count is read back from the projection outputs
 (`view(B, T, -1, D)`), so tensor parallelism that splits q/k/v column-wise and o
 row-wise (torch.distributed.tensor.parallel) works on the module unchanged.
+
+The kernel call goes through one method, `_attend`, so a wrapper that runs attention
+another way (ring attention over a sequence split across processes) overrides that
+method and nothing else. `forward` takes the positions of its tokens (`positions=`) or
+precomputed rotary angles (`rotary=`) where a caller owns them (context parallelism,
+Hugging Face's rotary module), so there is one forward for every caller.
 """
 
 from __future__ import annotations
@@ -17,10 +23,11 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor, nn
 
-from multihead.cache import KVCache
+from multihead import masks as _masks
+from multihead.cache import KVCache, RollingKVCache
 from multihead.functional import check_backend_name, scaled_dot_product_attention
 from multihead.masks import MaskMod
-from multihead.rope import RotaryEmbedding
+from multihead.rope import RotaryEmbedding, apply_rotary
 
 __all__ = ["Attention"]
 
@@ -32,6 +39,13 @@ def _divisors(n: int) -> list[int]:
 def _check_int(name: str, value, minimum: int = 1) -> None:
     if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
         raise ValueError(f"{name} must be an int >= {minimum}; received {value!r}")
+
+
+def _split_heads(t: Tensor, D: int) -> Tensor:
+    """(B, T, h * D) -> (B, h, T, D). The head count h is read from the projection's
+    output, so a tensor-parallel shard (h local heads) and empty batches both work."""
+    B, T, width = t.shape
+    return t.view(B, T, width // D, D).transpose(1, 2)
 
 
 def _default_head_dim(d_model: int, n_heads: int, head_dim: int | None) -> int:
@@ -63,6 +77,13 @@ class Attention(nn.Module):
         rope: None, True (rotary over the whole head, half-split layout, base 10000)
             or a `RotaryEmbedding` (for another base, layout or a partial rotary dim).
         backend: kernel name for `multihead.scaled_dot_product_attention`.
+        sliding_window: W, for a causal layer whose query at position p sees keys
+            p - W < j <= p only (Mistral, Gemma-2's local layers); needs causal=True.
+            `new_cache` then gives a `RollingKVCache` of W slots.
+        softcap: cap the scaled scores at +-softcap with softcap * tanh(s / softcap)
+            (Gemma-2's attention logit softcapping).
+        alibi: add ALiBi's linear distance bias (Press et al., 2022; BLOOM, MPT) with the
+            standard per-head slopes `multihead.score_mods.alibi_slopes(n_heads)`.
     """
 
     def __init__(
@@ -78,6 +99,9 @@ class Attention(nn.Module):
         causal: bool = False,
         rope: bool | RotaryEmbedding | None = None,
         backend: str = "auto",
+        sliding_window: int | None = None,
+        softcap: float | None = None,
+        alibi: bool = False,
     ):
         super().__init__()
         _check_int("d_model", d_model)
@@ -103,6 +127,16 @@ class Attention(nn.Module):
             raise TypeError(f"rope must be None, True or a RotaryEmbedding; received {type(rope).__name__}")
         if rope is not None and rope.dim > head_dim:
             raise ValueError(f"rotary dim ({rope.dim}) exceeds head_dim ({head_dim})")
+        if sliding_window is not None:
+            _check_int("sliding_window", sliding_window)
+            if not causal:
+                raise ValueError(f"sliding_window={sliding_window} is a causal window (query p sees keys "
+                                 f"p - W < j <= p); set causal=True, or pass a masks predicate as mask=")
+        if softcap is not None and (isinstance(softcap, bool) or not isinstance(softcap, (int, float))
+                                    or not 0 < softcap < float("inf")):
+            raise ValueError(f"softcap must be a positive finite number or None; received {softcap!r}")
+        if not isinstance(alibi, bool):
+            raise TypeError(f"alibi must be True or False; received {alibi!r}")
 
         self.d_model = d_model
         self.n_heads = n_heads
@@ -113,6 +147,9 @@ class Attention(nn.Module):
         self.causal = bool(causal)
         self.backend = backend
         self.rope = rope
+        self.sliding_window = sliding_window
+        self.softcap = None if softcap is None else float(softcap)
+        self.alibi = alibi
         self.q_proj = nn.Linear(d_model, n_heads * head_dim, bias=bias)
         self.k_proj = nn.Linear(context_dim, n_kv_heads * head_dim, bias=bias)
         self.v_proj = nn.Linear(context_dim, n_kv_heads * head_dim, bias=bias)
@@ -125,16 +162,32 @@ class Attention(nn.Module):
 
     def extra_repr(self) -> str:
         kind = "MHA" if self.n_kv_heads == self.n_heads else "MQA" if self.n_kv_heads == 1 else "GQA"
+        extra = "".join(f", {name}={value}" for name, value in (
+            ("sliding_window", self.sliding_window), ("softcap", self.softcap), ("alibi", self.alibi or None))
+            if value is not None)
         return (f"{kind}, d_model={self.d_model}, n_heads={self.n_heads}, n_kv_heads={self.n_kv_heads}, "
-                f"head_dim={self.head_dim}, causal={self.causal}, backend={self.backend!r}")
+                f"head_dim={self.head_dim}, causal={self.causal}{extra}, backend={self.backend!r}")
 
-    def new_cache(self, batch_size: int, max_len: int, *, dtype: torch.dtype | None = None,
-                  device: torch.device | str | None = None) -> KVCache:
-        """A static cache for this layer: `(B, Hkv, max_len, D)` keys and values."""
+    def new_cache(self, batch_size: int, max_len: int | None = None, *, rolling: bool | None = None,
+                  dtype: torch.dtype | None = None, device: torch.device | str | None = None) -> KVCache:
+        """A cache for this layer's keys and values.
+
+        A static `KVCache` `(B, Hkv, max_len, D)`; or, for a sliding-window layer (the
+        default there, `rolling=None`), a `RollingKVCache` of `sliding_window` slots that
+        decodes sequences of any length in O(W) memory (max_len is then not needed).
+        """
+        if rolling is None:
+            rolling = self.sliding_window is not None
+        if rolling and self.sliding_window is None:
+            raise ValueError("rolling=True needs a sliding-window layer (Attention(..., sliding_window=W)); "
+                             "this layer attends every earlier key")
         w = self.k_proj.weight
-        return KVCache(batch_size, self.n_kv_heads, max_len, self.head_dim,
-                       dtype=w.dtype if dtype is None else dtype,
-                       device=w.device if device is None else device)
+        kw = dict(dtype=w.dtype if dtype is None else dtype, device=w.device if device is None else device)
+        if rolling:
+            return RollingKVCache(batch_size, self.n_kv_heads, self.sliding_window, self.head_dim, **kw)
+        if max_len is None:
+            raise ValueError("new_cache needs max_len (the longest sequence it will hold) for a static cache")
+        return KVCache(batch_size, self.n_kv_heads, max_len, self.head_dim, **kw)
 
     def forward(
         self,
@@ -144,6 +197,8 @@ class Attention(nn.Module):
         mask: Tensor | MaskMod | None = None,
         cache: KVCache | None = None,
         return_weights: bool | Sequence[int] = False,
+        positions: Tensor | None = None,
+        rotary: tuple[Tensor, Tensor] | None = None,
     ) -> Tensor | tuple[Tensor, Tensor]:
         """Attend from x `(B, T, d_model)` to itself, or to `context` `(B, S, context_dim)`.
 
@@ -154,18 +209,27 @@ class Attention(nn.Module):
                 and values and attends over everything cached (RoPE positions continue
                 from the cache length). Cross-attention fills it from `context` on the
                 first call and reuses it afterwards (the context is not projected again).
+                If the call raises, the cache is left exactly as it was.
             return_weights: True, or a list of head indices, to also get the attention
                 weights `(B, h, T, S)` of those heads.
+            positions: integer positions of x's tokens for RoPE, `(T,)` or `(B, T)`
+                (default: 0..T-1 after what the cache holds). A process holding one
+                shard of a sequence passes the shard's global positions.
+            rotary: precomputed `(cos, sin)`, each `(T, r/2)` or `(B|1, 1, T, r/2)` for
+                the rotary dim r of `self.rope` (a caller that owns the rotary angles,
+                such as a Hugging Face model with RoPE scaling).
 
         Returns:
             `(B, T, d_model)`, or `(out, weights)`.
         """
         self._check_input("x", x, self.d_model)
+        self._check_dtype("x", x)
         B, T, _ = x.shape
         D = self.head_dim
         cross = context is not None
         if cross:
             self._check_input("context", context, self.context_dim)
+            self._check_dtype("context", context)
             if context.shape[0] != B:
                 raise ValueError(f"context batch size ({context.shape[0]}) must equal x's ({B})")
             if self.rope is not None:
@@ -173,37 +237,100 @@ class Attention(nn.Module):
                                  "rope set but received a context (cross-attention)")
         if cache is not None and not isinstance(cache, KVCache):
             raise TypeError(f"cache must be a KVCache from new_cache(); received {type(cache).__name__}")
+        if positions is not None and rotary is not None:
+            raise ValueError("pass positions= or rotary=(cos, sin), not both")
+        if (positions is not None or rotary is not None) and self.rope is None:
+            raise ValueError("positions/rotary were given but this module has no rotary embedding (rope=None)")
+        if positions is not None:
+            self._check_positions(positions, B, T)
 
-        q = self.q_proj(x).view(B, T, -1, D).transpose(1, 2)  # (B, H, T, D)
-        causal = self.causal
+        q = _split_heads(self.q_proj(x), D)  # (B, H, T, D)
         if cross and cache is not None and cache.length > 0:
             k, v = cache.k[:, :, : cache.length], cache.v[:, :, : cache.length]  # reuse the context
-        else:
-            src = context if cross else x
-            S = src.shape[1]
-            k = self.k_proj(src).view(B, S, -1, D).transpose(1, 2)  # (B, Hkv, S, D)
-            v = self.v_proj(src).view(B, S, -1, D).transpose(1, 2)  # (B, Hkv, S, D)
-            if cache is not None and not cross and torch.compiler.is_compiling():
-                q, k, v, mask = self._static_cache_step(q, k, v, mask, cache)
-                causal = False  # folded into the positional mask
-            else:
-                if self.rope is not None:
-                    offset = cache.length if cache is not None else 0
-                    q = self.rope(q, offset)
-                    k = self.rope(k, offset)
-                if cache is not None:
-                    k, v = cache.update(k, v)  # (B, Hkv, S_cached, D)
+            return self._finish(q, k, v, mask, self.causal, return_weights, B, T)
+        src = context if cross else x
+        k = _split_heads(self.k_proj(src), D)  # (B, Hkv, S, D)
+        v = _split_heads(self.v_proj(src), D)  # (B, Hkv, S, D)
+        if cache is not None and not cross and torch.compiler.is_compiling():
+            q, k, v, mask = self._static_cache_step(q, k, v, mask, cache)
+            return self._finish(q, k, v, mask, False, return_weights, B, T)  # causal is in the mask
+        if self.rope is not None:
+            q, k = self._rotate(q, k, positions, rotary, cache.length if cache is not None else 0)
+        if cache is None:
+            return self._finish(q, k, v, mask, self.causal, return_weights, B, T)
+        mark = cache.checkpoint(k.shape[2])
+        try:
+            k, v = cache.update(k, v)  # (B, Hkv, S_cached, D)
+            return self._finish(q, k, v, mask, self.causal, return_weights, B, T)
+        except BaseException:
+            cache.restore(mark)  # a call that raises leaves the cache as it was
+            raise
 
-        result = scaled_dot_product_attention(
-            q, k, v, mask,
-            causal=causal,
-            dropout_p=self.dropout if self.training else 0.0,
-            return_weights=return_weights,
-            backend=self.backend,
-        )
-        out, weights = result if isinstance(result, tuple) else (result, None)
+    def _rotate(self, q: Tensor, k: Tensor, positions, rotary, offset: int) -> tuple[Tensor, Tensor]:
+        """RoPE on q and k from explicit positions, given angles, or the cache offset."""
+        if rotary is None and positions is None:
+            return self.rope(q, offset), self.rope(k, offset)
+        if rotary is None:
+            pos = positions.reshape(-1)  # (T,) or (B*T,)
+            cos, sin = self.rope.cos_sin(pos)  # (T | B*T, r/2)
+            if positions.dim() == 2:
+                cos = cos.view(positions.shape[0], 1, positions.shape[1], -1)  # (B, 1, T, r/2)
+                sin = sin.view(positions.shape[0], 1, positions.shape[1], -1)
+        else:
+            cos, sin = rotary
+        interleaved = self.rope.interleaved
+        return apply_rotary(q, cos, sin, interleaved=interleaved), apply_rotary(k, cos, sin, interleaved=interleaved)
+
+    def _finish(self, q, k, v, mask, causal, return_weights, B: int, T: int):
+        """The kernel through `_attend`, then the output projection."""
+        out, weights = self._attend(q, k, v, self._layer_mask(mask), causal=causal,
+                                    dropout_p=self.dropout if self.training else 0.0,
+                                    return_weights=return_weights)
         out = self.o_proj(out.transpose(1, 2).reshape(B, T, -1))  # (B, T, C)
         return out if weights is None else (out, weights)
+
+    def _layer_mask(self, mask):
+        """The caller's mask combined with this layer's sliding window (a predicate, so
+        the kernel can skip the tiles outside the window)."""
+        if self.sliding_window is None:
+            return mask
+        window = _masks.sliding_window(self.sliding_window)
+        if mask is None:
+            return window
+        if isinstance(mask, MaskMod):
+            return mask & window
+        return mask  # a tensor mask: combined with the window in _attend's kernel call
+
+    def _score_mod(self):
+        """The score mods this layer applies, composed (None if none)."""
+        from multihead import score_mods  # noqa: PLC0415 (kernel floor; imported on use)
+
+        mods = []
+        if self.softcap is not None:
+            mods.append(score_mods.softcap(self.softcap))
+        if self.alibi:
+            H = self.q_proj.out_features // self.head_dim  # local heads under tensor parallelism
+            mods.append(score_mods.alibi(score_mods.alibi_slopes(self.n_heads)[:H]))
+        if not mods:
+            return None
+        return mods[0] if len(mods) == 1 else score_mods.compose(*mods)
+
+    def _attend(self, q: Tensor, k: Tensor, v: Tensor, mask, *, causal: bool, dropout_p: float,
+                return_weights) -> tuple[Tensor, Tensor | None]:
+        """The attention kernel on `(B, H, T, D)` q and `(B, Hkv, S, D)` k, v: returns
+        `(out (B, H, T, D), weights or None)`. Wrappers override this one method."""
+        extra = {}
+        if self.softcap is not None or self.alibi:
+            extra["score_mod"] = self._score_mod()
+        if self.sliding_window is not None and isinstance(mask, Tensor):
+            window = _masks.sliding_window(self.sliding_window).to_dense(1, 1, q.shape[2], k.shape[2],
+                                                                         device=q.device)
+            mask = mask & window if mask.dtype == torch.bool else mask.masked_fill(~window, float("-inf"))
+        result = scaled_dot_product_attention(
+            q, k, v, mask, causal=causal, dropout_p=dropout_p, return_weights=return_weights,
+            backend=self.backend, **extra,
+        )
+        return result if isinstance(result, tuple) else (result, None)
 
     def _static_cache_step(self, q, k, v, mask, cache: KVCache):
         """The compiled decode step: positions are tensors, keys span the whole buffer and
@@ -216,6 +343,8 @@ class Attention(nn.Module):
         kv_idx = torch.arange(cache.max_len, device=q.device)[None, :]
         q_pos = pos + torch.arange(T, device=q.device)[:, None]
         allowed = (kv_idx <= q_pos) if self.causal else (kv_idx < pos + T)  # (T, S_max)
+        if self.sliding_window is not None:
+            allowed = allowed & (q_pos - kv_idx < self.sliding_window)
         allowed = allowed[None, None]
         if mask is not None:
             if isinstance(mask, MaskMod):
@@ -226,6 +355,15 @@ class Attention(nn.Module):
         return q, k, v, allowed
 
     @staticmethod
+    def _check_positions(positions, B: int, T: int) -> None:
+        if not isinstance(positions, Tensor) or positions.is_floating_point() or positions.dtype == torch.bool:
+            got = f"dtype {positions.dtype}" if isinstance(positions, Tensor) else type(positions).__name__
+            raise TypeError(f"positions must be an integer tensor (T,) or (B, T); received {got}")
+        if tuple(positions.shape) not in ((T,), (B, T)):
+            raise ValueError(f"positions must have shape (T,) = ({T},) or (B, T) = ({B}, {T}); "
+                             f"received {tuple(positions.shape)}")
+
+    @staticmethod
     def _check_input(name: str, t, width: int) -> None:
         if not isinstance(t, Tensor):
             raise TypeError(f"{name} must be a tensor (B, T, {width}); received {type(t).__name__}")
@@ -233,8 +371,12 @@ class Attention(nn.Module):
             raise ValueError(f"{name} must be 3-D (B, T, {width}), batch first; received shape {tuple(t.shape)}")
         if t.shape[-1] != width:
             raise ValueError(f"{name} has width {t.shape[-1]}; this module expects {width}")
-        if t.shape[1] == 0:
-            raise ValueError(f"{name} has no tokens (length 0)")
+
+    def _check_dtype(self, name: str, t: Tensor) -> None:
+        w = self.q_proj.weight
+        if t.dtype != w.dtype and not torch.is_autocast_enabled(t.device.type):
+            raise TypeError(f"{name} is {t.dtype} but this module's weights are {w.dtype}; cast one to "
+                            f"the other ({name}.to({w.dtype}) or module.to({t.dtype}))")
 
     # ------------------------------------------------------------ torch interop
 

@@ -9,15 +9,31 @@ Under `torch.compile`, a Python int length would be specialised and recompiled a
 step, so the length lives in a 0-d tensor. Eager `update` reads it and returns views of
 the cached tokens (exact shapes, no wasted work); compiled code uses `update_static`,
 which writes at the tensor position and returns the whole buffers, to be masked by
-position (the gpt-fast design): one graph serves every decode step (tested).
+position (the gpt-fast design): one graph serves every decode step (tested). Eager code
+keeps a Python int beside the tensor, so reading the length never waits for the device
+(one sync per layer per step on a GPU otherwise).
+
+`RollingKVCache` is the sliding-window cache (Mistral's design): W slots, written
+round-robin, so memory is O(W) however long the sequence grows.
+
+State rules that callers rely on:
+- A call that raises leaves the cache as it was. The modules take a `checkpoint()`
+  before writing and `restore()` it if anything after the write fails (a bad mask, a
+  bad head index), so a corrected retry sees exactly the old cache.
+- Under autograd, cached keys and values keep their graph within one sequence (so a
+  loss over several cached steps backpropagates into every step's projections);
+  `reset()` drops it, so nothing of a previous sequence's graph survives, and
+  `copy.deepcopy` copies values, never the graph.
 """
 
 from __future__ import annotations
 
+import copy
+
 import torch
 from torch import Tensor
 
-__all__ = ["KVCache", "LatentCache"]
+__all__ = ["KVCache", "LatentCache", "RollingKVCache"]
 
 
 def _check_positive(name: str, value) -> None:
@@ -29,19 +45,64 @@ class _StaticCache:
     """Shared bookkeeping: a length within a fixed capacity along dim `seq_dim`."""
 
     _seq_dim: int
+    _buffers: tuple[str, ...]  # attribute names of the cache tensors
+    _rolling = False  # slots are reused round-robin (no overflow)
 
     def __init__(self, max_len: int, device=None):
         self.max_len = max_len
         self.position = torch.zeros((), dtype=torch.long, device=device)  # tokens cached so far
+        self._len: int | None = 0  # the same on the host; None after compiled steps
 
     @property
     def length(self) -> int:
         """Tokens cached so far."""
-        return int(self.position)
+        if self._len is None:  # compiled steps advanced the tensor only: sync once
+            self._len = int(self.position)
+        return self._len
+
+    def _advance_to(self, end: int) -> None:
+        self.position.fill_(end)
+        self._len = end
 
     def reset(self) -> None:
-        """Forget every cached token (the buffers are kept and reused)."""
+        """Forget every cached token (the buffers are kept and reused) and any autograd
+        graph that previous writes attached to them."""
+        for name in self._buffers:
+            setattr(self, name, getattr(self, name).detach())
         self.position.zero_()
+        self._len = 0
+
+    def checkpoint(self, n_new: int) -> tuple:
+        """What `restore` needs to undo writing `n_new` tokens: the length and the slots
+        those tokens will overwrite (copies of at most `n_new` tokens per buffer)."""
+        start = self.length
+        slots = self._slots(start, n_new)
+        saved = tuple(getattr(self, name).index_select(self._seq_dim, slots).detach().clone()
+                      for name in self._buffers)
+        return start, slots, saved
+
+    def restore(self, mark: tuple) -> None:
+        """Put back the length and the contents saved by `checkpoint`."""
+        start, slots, saved = mark
+        with torch.no_grad():
+            for name, old in zip(self._buffers, saved):
+                getattr(self, name).index_copy_(self._seq_dim, slots, old)
+        self._advance_to(start)
+
+    def _slots(self, start: int, n: int) -> Tensor:
+        device = getattr(self, self._buffers[0]).device
+        return torch.arange(start, min(start + n, self.max_len), device=device)
+
+    def __deepcopy__(self, memo):
+        new = self.__class__.__new__(self.__class__)
+        memo[id(self)] = new
+        for key, value in self.__dict__.items():
+            if isinstance(value, Tensor):
+                value = value.detach().clone()
+            else:
+                value = copy.deepcopy(value, memo)
+            setattr(new, key, value)
+        return new
 
     def _reserve(self, name: str, new: Tensor, buf: Tensor, batch_dim: int = 0) -> tuple[int, int]:
         if not isinstance(new, Tensor):
@@ -67,7 +128,7 @@ class _StaticCache:
             raise ValueError(f"cache lives on {buf.device}; received {name} on {new.device}")
         start = self.length
         end = start + got[self._seq_dim]
-        if end > self.max_len:
+        if end > self.max_len and not self._rolling:
             raise ValueError(
                 f"cache overflow: {start} tokens cached + {got[self._seq_dim]} new = {end} "
                 f"> max_len {self.max_len}. Make the cache with a larger max_len, or reset() it"
@@ -86,6 +147,7 @@ class KVCache(_StaticCache):
 
     _seq_dim = 2
     _layout = "(B, Hkv, S, D)"
+    _buffers = ("k", "v")
 
     def __init__(self, batch_size: int, n_kv_heads: int, max_len: int, head_dim: int,
                  v_head_dim: int | None = None, *, dtype: torch.dtype | None = None,
@@ -128,7 +190,7 @@ class KVCache(_StaticCache):
                              f"{k.shape[2]} and {v.shape[2]}")
         self.k[:, :, start:end] = k
         self.v[:, :, start:end] = v
-        self.position.fill_(end)
+        self._advance_to(end)
         return self.k[:, :, :end], self.v[:, :, :end]
 
     def update_static(self, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
@@ -142,11 +204,73 @@ class KVCache(_StaticCache):
         self.k.index_copy_(2, idx, k)
         self.v.index_copy_(2, idx, v)
         self.position.add_(k.shape[2])
+        self._len = None
         return self.k, self.v
 
     def __repr__(self) -> str:
         B, Hkv, S, D = self.k.shape
         return (f"KVCache(B={B}, Hkv={Hkv}, max_len={S}, D={D}, Dv={self.v.shape[-1]}, "
+                f"length={self.length}, dtype={self.dtype})")
+
+
+class RollingKVCache(KVCache):
+    """A sliding-window key/value cache of W slots, written round-robin (Mistral's design).
+
+    A layer that attends at most `window` keys back (query p sees keys p - W < j <= p)
+    never needs older keys, so the cache holds W tokens whatever the sequence length:
+    memory O(W) instead of O(max_len), and no overflow. `length` counts every token
+    seen. `update` returns the keys still visible to the new queries in chronological
+    order (at most W - 1 old ones, then the new ones), so the bottom-right
+    `masks.sliding_window(W)` predicate applies to them as it does to a full forward.
+
+    Args:
+        batch_size, n_kv_heads, window, head_dim, v_head_dim, dtype, device: as `KVCache`,
+            with `window` slots.
+    """
+
+    _rolling = True
+
+    def __init__(self, batch_size: int, n_kv_heads: int, window: int, head_dim: int,
+                 v_head_dim: int | None = None, *, dtype: torch.dtype | None = None,
+                 device: torch.device | str | None = None):
+        _check_positive("window", window)
+        super().__init__(batch_size, n_kv_heads, window, head_dim, v_head_dim, dtype=dtype, device=device)
+
+    @property
+    def window(self) -> int:
+        return self.max_len
+
+    def _slots(self, start: int, n: int) -> Tensor:
+        W = self.window
+        written = min(n, W)  # only the last W new tokens are kept
+        return torch.arange(start + n - written, start + n, device=self.k.device) % W
+
+    def update(self, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
+        """Add k `(B, Hkv, T, D)`, v `(B, Hkv, T, Dv)`; return the visible keys and values
+        `(B, Hkv, min(length, W - 1) + T, .)` in chronological order."""
+        start, _ = self._reserve("k", k, self.k)
+        self._reserve("v", v, self.v)
+        if k.shape[2] != v.shape[2]:
+            raise ValueError(f"k and v must add the same number of tokens; received "
+                             f"{k.shape[2]} and {v.shape[2]}")
+        W, T = self.window, k.shape[2]
+        kept = min(start, W - 1)  # old tokens that the first new query can still see
+        old = torch.arange(start - kept, start, device=self.k.device) % W
+        k_all = torch.cat([self.k.index_select(2, old), k], dim=2)  # (B, Hkv, kept + T, D)
+        v_all = torch.cat([self.v.index_select(2, old), v], dim=2)  # (B, Hkv, kept + T, Dv)
+        slots = self._slots(start, T)
+        self.k.index_copy_(2, slots, k[:, :, T - len(slots):])
+        self.v.index_copy_(2, slots, v[:, :, T - len(slots):])
+        self._advance_to(start + T)
+        return k_all, v_all
+
+    def update_static(self, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
+        raise ValueError("a RollingKVCache runs eagerly; under torch.compile use a static cache "
+                         "(new_cache(..., rolling=False))")
+
+    def __repr__(self) -> str:
+        B, Hkv, W, D = self.k.shape
+        return (f"RollingKVCache(B={B}, Hkv={Hkv}, window={W}, D={D}, Dv={self.v.shape[-1]}, "
                 f"length={self.length}, dtype={self.dtype})")
 
 
@@ -158,6 +282,7 @@ class LatentCache(_StaticCache):
 
     _seq_dim = 1
     _layout = "(B, S, R + rope_dim)"
+    _buffers = ("buf",)
 
     def __init__(self, batch_size: int, max_len: int, kv_rank: int, rope_dim: int = 0, *,
                  dtype: torch.dtype | None = None, device: torch.device | str | None = None):
@@ -188,16 +313,8 @@ class LatentCache(_StaticCache):
         """Append latent `(B, T, R + rope_dim)`; return all cached `(B, S, R + rope_dim)`."""
         start, end = self._reserve("latent", latent, self.buf)
         self.buf[:, start:end] = latent
-        self.position.fill_(end)
+        self._advance_to(end)
         return self.buf[:, :end]
-
-    def update_static(self, latent: Tensor) -> Tensor:
-        """Write at the tensor position; return the whole buffer `(B, S_max, R + rope_dim)`
-        (see `KVCache.update_static`)."""
-        idx = self.position + torch.arange(latent.shape[1], device=self.position.device)
-        self.buf.index_copy_(1, idx, latent)
-        self.position.add_(latent.shape[1])
-        return self.buf
 
     def __repr__(self) -> str:
         B, S, W = self.buf.shape
