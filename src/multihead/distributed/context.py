@@ -1,0 +1,4 @@
+"""placeholder"""
+
+def context_parallel(*a, **k):
+    raise NotImplementedError

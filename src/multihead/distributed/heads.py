@@ -1,0 +1,4 @@
+"""placeholder"""
+
+def shard_heads(*a, **k):
+    raise NotImplementedError

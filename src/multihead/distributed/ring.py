@@ -1,0 +1,417 @@
+"""Ring attention: exact attention over a sequence sharded across P processes (Liu et
+al., 2023, "Ring Attention with Blockwise Transformers for Near-Infinite Context").
+
+Each rank keeps its shard of the queries and passes its shard of K/V to the next rank
+P - 1 times, so every query meets every key block once. The transfer of the next block
+(`batch_isend_irecv`) runs while the block in hand is computed. Each block yields a
+partial output and the log-sum-exp of its scores, merged exactly:
+
+    lse = logaddexp(lse_a, lse_b),  out = out_a * exp(lse_a - lse) + out_b * exp(lse_b - lse)
+
+The backward recomputes each block's probabilities from the final lse (as the flash
+attention backward does), adds to dQ locally, and sends dK/dV around the ring with
+their block, so each rank gets back the gradient of its own keys and values. Memory
+per rank holds a few blocks of (B, H|Hkv, N/P, D): O(N/P), never a score matrix over
+the whole sequence.
+
+Per-block kernel: on CPU, torch's fused `_scaled_dot_product_flash_attention_for_cpu`
+(and its backward), which returns the log-sum-exp, reads grouped K/V heads without
+copying them and accepts the backward's global lse; elsewhere an explicit path over
+blocks of queries (einsum with the G query heads of a group folded, so K/V are not
+repeated either).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from multihead.distributed._group import (
+    agree,
+    check_device,
+    check_layout,
+    chunk_ids,
+    dtype_code,
+    resolve_group,
+)
+
+__all__ = ["ring_attention"]
+
+# Elements of scores held at once by the explicit per-block path (2**22 float64 = 32 MiB).
+_EXPLICIT_ELEMENTS = 1 << 22
+
+
+# ------------------------------------------------------------------ block kernels
+
+
+def _acc(dtype: torch.dtype) -> torch.dtype:
+    return torch.promote_types(dtype, torch.float32)
+
+
+def _rows_with_keys(keep: Tensor | None, diag: bool, t: int) -> Tensor | None:
+    """(B, 1, t) True where a query row has at least one key to attend in the block."""
+    if keep is None:
+        return None
+    if diag:  # row i sees keys 0..i of the block
+        return (keep.cumsum(-1) > 0)[:, None, :t]
+    return keep.any(-1)[:, None, None].expand(keep.shape[0], 1, t)
+
+
+def _flash_mask(keep: Tensor | None, dtype) -> Tensor | None:
+    if keep is None:
+        return None
+    B, s = keep.shape
+    return torch.zeros(B, 1, 1, s, dtype=dtype, device=keep.device).masked_fill(~keep[:, None, None], float("-inf"))
+
+
+class _Flash:
+    """torch's fused CPU kernel: (out, lse) forward and a backward that takes a given lse."""
+
+    @staticmethod
+    def forward(q, k, v, keep, diag, scale):
+        out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+            q, k, v, 0.0, diag, attn_mask=_flash_mask(keep, q.dtype), scale=scale)
+        rows = _rows_with_keys(keep, diag, q.shape[2])
+        if rows is not None:  # the kernel reports lse 0 for a row with no key; it is -inf
+            lse = lse.masked_fill(~rows, float("-inf"))
+        return out, lse
+
+    @staticmethod
+    def backward(dout, q, k, v, out, lse, keep, diag, scale):
+        return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+            dout, q, k, v, out, lse, 0.0, diag, attn_mask=_flash_mask(keep, q.dtype), scale=scale)
+
+
+class _Explicit:
+    """matmul-softmax-matmul over blocks of query rows, in float32 at least.
+
+    GQA: q is viewed `(B, Hkv, G, t, D)` and einsum folds (G, t) into one matmul
+    dimension against `(B, Hkv, s, D)`, so K/V are never repeated per query head.
+    """
+
+    @staticmethod
+    def _allowed(keep, diag, t0, t1, s, device):
+        allowed = None if keep is None else keep[:, None, None, None, :]  # (B, 1, 1, 1, s)
+        if diag:
+            tri = torch.arange(s, device=device)[None, :] <= torch.arange(t0, t1, device=device)[:, None]
+            allowed = tri if allowed is None else allowed & tri  # (.., t, s)
+        return allowed
+
+    @staticmethod
+    def _rows(B, H, s):
+        return max(1, _EXPLICIT_ELEMENTS // max(1, B * H * s))
+
+    @staticmethod
+    def forward(q, k, v, keep, diag, scale):
+        B, H, t, _ = q.shape
+        Hkv, s = k.shape[1], k.shape[2]
+        acc = _acc(q.dtype)
+        q5 = q.to(acc).unflatten(1, (Hkv, H // Hkv))  # (B, Hkv, G, t, D)
+        ka, va = k.to(acc), v.to(acc)
+        outs, lses = [], []
+        step = _Explicit._rows(B, H, s)
+        for t0 in range(0, t, step):
+            t1 = min(t, t0 + step)
+            scores = torch.einsum("bhgtd,bhsd->bhgts", q5[:, :, :, t0:t1], ka) * scale  # (B, Hkv, G, t, s)
+            allowed = _Explicit._allowed(keep, diag, t0, t1, s, q.device)
+            if allowed is not None:
+                scores = scores.masked_fill(~allowed, float("-inf"))
+            lse = torch.logsumexp(scores, dim=-1)  # (B, Hkv, G, t); -inf for a row with no key
+            probs = torch.exp(scores - lse.masked_fill(torch.isneginf(lse), 0.0)[..., None])
+            outs.append(torch.einsum("bhgts,bhsd->bhgtd", probs, va))
+            lses.append(lse)
+        out = torch.cat(outs, dim=3).flatten(1, 2)  # (B, H, t, Dv)
+        return out.to(q.dtype), torch.cat(lses, dim=3).flatten(1, 2)
+
+    @staticmethod
+    def backward(dout, q, k, v, out, lse, keep, diag, scale):
+        B, H, t, _ = q.shape
+        Hkv, s = k.shape[1], k.shape[2]
+        G, acc = H // Hkv, _acc(q.dtype)
+        q5 = q.to(acc).unflatten(1, (Hkv, G))  # (B, Hkv, G, t, D)
+        do5 = dout.to(acc).unflatten(1, (Hkv, G))  # (B, Hkv, G, t, Dv)
+        o5 = out.to(acc).unflatten(1, (Hkv, G))
+        l5 = lse.to(acc).unflatten(1, (Hkv, G))  # (B, Hkv, G, t)
+        ka, va = k.to(acc), v.to(acc)
+        dq = torch.empty_like(q5)
+        dk, dv = torch.zeros_like(ka), torch.zeros_like(va)
+        step = _Explicit._rows(B, H, s)
+        for t0 in range(0, t, step):
+            t1 = min(t, t0 + step)
+            qb, dob = q5[:, :, :, t0:t1], do5[:, :, :, t0:t1]
+            scores = torch.einsum("bhgtd,bhsd->bhgts", qb, ka) * scale
+            allowed = _Explicit._allowed(keep, diag, t0, t1, s, q.device)
+            if allowed is not None:
+                scores = scores.masked_fill(~allowed, float("-inf"))
+            probs = torch.exp(scores - l5[:, :, :, t0:t1, None])  # the global probabilities
+            dv += torch.einsum("bhgts,bhgtd->bhsd", probs, dob)
+            dp = torch.einsum("bhgtd,bhsd->bhgts", dob, va)
+            delta = (dob * o5[:, :, :, t0:t1]).sum(-1, keepdim=True)  # (B, Hkv, G, t, 1)
+            ds = probs * (dp - delta) * scale
+            dq[:, :, :, t0:t1] = torch.einsum("bhgts,bhsd->bhgtd", ds, ka)
+            dk += torch.einsum("bhgts,bhgtd->bhsd", ds, qb)
+        return dq.flatten(1, 2), dk, dv
+
+
+_FLASH_DTYPES = (torch.float64, torch.float32, torch.bfloat16, torch.float16)
+
+
+def _pick_kernel(q: Tensor, kernel: str | None):
+    if kernel == "explicit" or (kernel is None and (q.device.type != "cpu" or q.dtype not in _FLASH_DTYPES)):
+        return _Explicit
+    return _Flash
+
+
+# ------------------------------------------------------------------------ the ring
+
+
+class _Ring:
+    """This rank's neighbours in `group` and the one operation the ring needs."""
+
+    def __init__(self, group):
+        self.group = group
+        self.size = dist.get_world_size(group)
+        self.rank = dist.get_rank(group)
+        self.next = dist.get_global_rank(group, (self.rank + 1) % self.size)
+        self.prev = dist.get_global_rank(group, (self.rank - 1) % self.size)
+
+    def shift(self, tensors: list[Tensor]):
+        """Start sending `tensors` to the next rank and receiving as many from the previous.
+
+        Returns (received buffers, handle); `wait(handle)` before reading the buffers.
+        """
+        sends = [t.contiguous() for t in tensors]
+        recvs = [torch.empty_like(t) for t in sends]
+        ops = [dist.P2POp(dist.isend, t, self.next, self.group) for t in sends]
+        ops += [dist.P2POp(dist.irecv, t, self.prev, self.group) for t in recvs]
+        return recvs, (dist.batch_isend_irecv(ops), sends)
+
+    @staticmethod
+    def wait(handle) -> None:
+        for work in handle[0]:
+            work.wait()
+
+
+def _blocks(q_chunks: list[int], kv_chunks: list[int], c: int, causal: bool, T: int, S: int):
+    """The (query rows, key rows, diagonal) blocks to compute for one pair of shards.
+
+    Chunk ids are global (ascending within a shard) and every chunk holds c tokens. Under
+    causality a key chunk before the query chunk is attended wholly, the same chunk is
+    the causal diagonal and a later one is skipped; the wholly attended key chunks are a
+    prefix of the shard, so each query chunk makes at most two kernel calls.
+    """
+    if not causal:
+        return [((0, T), (0, S), False)]
+    blocks = []
+    for i, a in enumerate(q_chunks):
+        rows = (i * c, (i + 1) * c)
+        before = sum(1 for b in kv_chunks if b < a)
+        if before:
+            blocks.append((rows, (0, before * c), False))
+        if a in kv_chunks:
+            j = kv_chunks.index(a)
+            blocks.append((rows, (j * c, (j + 1) * c), True))
+    return blocks
+
+
+def _merge(out: Tensor, lse: Tensor, out_b: Tensor, lse_b: Tensor) -> None:
+    """Fold a block's (out, lse) into the running ones, in place; -inf rows stay zero."""
+    new = torch.logaddexp(lse, lse_b)
+    dead = torch.isneginf(new)
+    w_old = torch.exp(lse - new).masked_fill(dead, 0.0)[..., None]
+    w_new = torch.exp(lse_b - new).masked_fill(dead, 0.0)[..., None]
+    out.mul_(w_old).add_(out_b.to(out.dtype) * w_new)
+    lse.copy_(new)
+
+
+def _forward(q, k, v, keep, causal, layout, scale, ring: _Ring, kern):
+    B, H, T, _ = q.shape
+    S, Dv = k.shape[2], v.shape[-1]
+    P, r = ring.size, ring.rank
+    q_chunks = chunk_ids(r, P, layout)
+    c = T // len(q_chunks)
+    out = torch.zeros(B, H, T, Dv, dtype=_acc(q.dtype), device=q.device)
+    lse = torch.full((B, H, T), float("-inf"), dtype=_acc(q.dtype), device=q.device)
+    held = [k, v] + ([] if keep is None else [keep])
+    for step in range(P):
+        if step < P - 1:
+            incoming, handle = ring.shift(held)  # the next block travels while this one is computed
+        kb, vb = held[0], held[1]
+        kp = None if keep is None else held[2]
+        for (t0, t1), (s0, s1), diag in _blocks(q_chunks, chunk_ids((r - step) % P, P, layout), c, causal, T, S):
+            o_b, l_b = kern.forward(q[:, :, t0:t1], kb[:, :, s0:s1], vb[:, :, s0:s1],
+                                    None if kp is None else kp[:, s0:s1], diag, scale)
+            _merge(out[:, :, t0:t1], lse[:, :, t0:t1], o_b, l_b)
+        if step < P - 1:
+            ring.wait(handle)
+            held = incoming
+    return out.to(q.dtype), lse
+
+
+def _backward(dout, q, k, v, out, lse, keep, causal, layout, scale, ring: _Ring, kern):
+    B, H, T, D = q.shape
+    S = k.shape[2]
+    P, r = ring.size, ring.rank
+    acc = _acc(q.dtype)
+    q_chunks = chunk_ids(r, P, layout)
+    c = T // len(q_chunks)
+    lse = lse.masked_fill(torch.isneginf(lse), float("inf"))  # a row with no key: probabilities 0
+    dq = torch.zeros(B, H, T, D, dtype=acc, device=q.device)
+    held = [k, v] + ([] if keep is None else [keep])
+    grads = grads_handle = None
+    for step in range(P):
+        if step < P - 1:
+            incoming, handle = ring.shift(held)
+        kb, vb = held[0], held[1]
+        kp = None if keep is None else held[2]
+        dk = torch.zeros(kb.shape, dtype=acc, device=q.device)
+        dv = torch.zeros(vb.shape, dtype=acc, device=q.device)
+        for (t0, t1), (s0, s1), diag in _blocks(q_chunks, chunk_ids((r - step) % P, P, layout), c, causal, T, S):
+            dq_b, dk_b, dv_b = kern.backward(
+                dout[:, :, t0:t1], q[:, :, t0:t1], kb[:, :, s0:s1], vb[:, :, s0:s1], out[:, :, t0:t1],
+                lse[:, :, t0:t1], None if kp is None else kp[:, s0:s1], diag, scale)
+            dq[:, :, t0:t1] += dq_b
+            dk[:, :, s0:s1] += dk_b
+            dv[:, :, s0:s1] += dv_b
+        if P > 1:
+            if step > 0:  # the gradient of this block so far, from the ranks it visited before
+                ring.wait(grads_handle)
+                dk += grads[0]
+                dv += grads[1]
+            # After the last step the block's next stop is its owner: the gradient comes home.
+            grads, grads_handle = ring.shift([dk, dv])
+        if step < P - 1:
+            ring.wait(handle)
+            held = incoming
+    if P > 1:
+        ring.wait(grads_handle)
+        dk, dv = grads
+    return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
+
+
+class _RingAttention(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, keep, causal, layout, scale, ring, kern):
+        out, lse = _forward(q, k, v, keep, causal, layout, scale, ring, kern)
+        ctx.save_for_backward(q, k, v, out, lse, keep)
+        ctx.args = (causal, layout, scale, ring, kern)
+        return out
+
+    @staticmethod
+    def backward(ctx, dout):
+        q, k, v, out, lse, keep = ctx.saved_tensors
+        dq, dk, dv = _backward(dout.contiguous(), q, k, v, out, lse, keep, *ctx.args)
+        return dq, dk, dv, None, None, None, None, None, None
+
+
+# ------------------------------------------------------------------------- public
+
+
+def _shape(t: Tensor) -> str:
+    return "(" + ", ".join(map(str, t.shape)) + ")"
+
+
+def _local_error(q, k, v, mask, causal, layout, scale, group) -> str | None:
+    """What is wrong with this rank's input, or None (checked before the ranks agree)."""
+    for name, t, lay in (("q", q, "(B, H, T, D)"), ("k", k, "(B, Hkv, S, D)"), ("v", v, "(B, Hkv, S, Dv)")):
+        if not isinstance(t, Tensor):
+            return f"{name} must be a torch.Tensor {lay}; received {type(t).__name__}"
+        if t.dim() != 4:
+            return f"{name} must be 4-D {lay}; received shape {_shape(t)}"
+        if not t.is_floating_point():
+            return f"{name} must be floating point; received dtype {t.dtype}"
+    B, H, T, D = q.shape
+    if k.shape[0] != B or v.shape[0] != B or k.shape[1] != v.shape[1] or k.shape[2] != v.shape[2]:
+        return f"q, k, v must be (B, H, T, D), (B, Hkv, S, D), (B, Hkv, S, Dv); received {_shape(q)}, " \
+               f"{_shape(k)}, {_shape(v)}"
+    if k.shape[3] != D:
+        return f"q and k must share the head dim D; received {_shape(q)} and {_shape(k)}"
+    Hkv = k.shape[1]
+    if H % Hkv:
+        return f"query heads H ({H}) must be a multiple of key/value heads Hkv ({Hkv}); valid Hkv: " \
+               + ", ".join(str(d) for d in range(1, H + 1) if H % d == 0)
+    if not q.dtype == k.dtype == v.dtype:
+        return f"q, k, v must share a dtype; received {q.dtype}, {k.dtype}, {v.dtype}"
+    if not q.device == k.device == v.device:
+        return f"q, k, v must be on one device; received {q.device}, {k.device}, {v.device}"
+    error = check_device(group, q, "q")
+    if error:
+        return error
+    S = k.shape[2]
+    if causal and S != T:
+        return f"causal ring attention needs this rank's keys to be the same shard as its queries " \
+               f"(S == T); received T = {T}, S = {S}"
+    if layout == "zigzag" and (T % 2 or S % 2):
+        P = dist.get_world_size(group)
+        return f"layout 'zigzag' gives each rank 2 of 2P chunks, so the sequence length must be divisible " \
+               f"by 2P = {2 * P}; received a shard of T = {T} (S = {S}) tokens, global length {T * P}"
+    if scale is not None and (isinstance(scale, bool) or not isinstance(scale, (int, float))
+                              or not math.isfinite(scale) or scale <= 0):
+        return f"scale must be a positive finite number or None; received {scale!r}"
+    if mask is not None:
+        if not isinstance(mask, Tensor) or mask.dtype != torch.bool:
+            got = type(mask).__name__ if not isinstance(mask, Tensor) else f"a {mask.dtype} tensor"
+            return f"mask must be a bool key-padding mask (B, S) of this rank's keys (True = may attend) " \
+                   f"or None; received {got}"
+        if mask.dim() == 4 and mask.shape[1:3] == (1, 1):
+            mask = mask[:, 0, 0]
+        if mask.dim() != 2 or mask.shape[1] != S or mask.shape[0] not in (1, B):
+            return f"mask must be (B, S) = ({B}, {S}) or (B, 1, 1, S): this rank's keys in the order of " \
+                   f"shard_sequence; received {_shape(mask)}"
+        if mask.device != q.device:
+            return f"mask is on {mask.device} but q is on {q.device}"
+    return None
+
+
+def ring_attention(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    *,
+    causal: bool = False,
+    layout: str = "contiguous",
+    group=None,
+    scale: float | None = None,
+    mask: Tensor | None = None,
+    _kernel: str | None = None,
+) -> Tensor:
+    """Exact attention over a sequence sharded across the ranks of `group`.
+
+    Every rank passes its shard: q `(B, H, T, D)`, k `(B, Hkv, S, D)`, v `(B, Hkv, S, Dv)`
+    with T = N/P (S = N_kv/P) tokens in the order `shard_sequence(x, dim, layout)` gives,
+    and receives its shard of the output `(B, H, T, Dv)`, equal to the same rows of
+    attention over the whole sequence. Differentiable (the gradient of k and v comes
+    back to the rank that owns them).
+
+    Args:
+        causal: query at global position i sees keys j <= i (self-attention: S == T).
+            Contiguous layout skips blocks wholly in the future (rank 0 then has the
+            least work, rank P-1 the most); "zigzag" balances the work.
+        layout: "contiguous" or "zigzag" (rank r holds chunks r and 2P-1-r of 2P; the
+            length must divide by 2P).
+        group: a process group (default: the default group).
+        scale: multiplies the scores; default 1 / sqrt(D).
+        mask: optional bool key-padding mask `(B, S)` of this rank's keys (True = may
+            attend); it travels around the ring with its keys. A query row with no key
+            to attend gives zeros (and zero gradients).
+
+    GQA/MQA: Hkv divides H; K/V are sent and read with Hkv heads, never repeated. No
+    dropout (the ring is meant for long sequences, where models train without it).
+    """
+    group = resolve_group(group, "ring_attention")
+    check_layout(layout)
+    error = _local_error(q, k, v, mask, causal, layout, scale, group)
+    shapes = [0] * 8
+    if error is None:
+        shapes = [*q.shape, k.shape[1], k.shape[2], v.shape[3], dtype_code(q.dtype)]
+    agree(group, "ring_attention", error, [*shapes, int(bool(causal)), layout == "zigzag", mask is not None],
+          "(B, H, T, D, Hkv, S, Dv, dtype, causal, zigzag, mask)")
+    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
+    keep = None
+    if mask is not None:
+        keep = (mask[:, 0, 0] if mask.dim() == 4 else mask).expand(q.shape[0], k.shape[2]).contiguous()
+    return _RingAttention.apply(q, k, v, keep, bool(causal), layout, scale, _Ring(group),
+                                _pick_kernel(q, _kernel))

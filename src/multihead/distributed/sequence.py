@@ -1,0 +1,108 @@
+"""Cutting a sequence into per-rank shards and putting it back together.
+
+`layout="contiguous"` gives rank r the r-th of P equal pieces. `layout="zigzag"` cuts
+the sequence into 2P chunks and gives rank r chunks r and 2P-1-r: under a causal mask
+a early chunk has little to attend to and a late one much, so pairing them gives every
+rank the same work (Brandon et al., 2023, "Striped Attention"; the zigzag form is the
+one used by ring-flash-attention and Megatron's context parallelism).
+
+Both functions are differentiable with DTensor's meaning: sharding a tensor that is
+the same on every rank is a local slice whose gradient is gathered; gathering gives
+every rank the whole tensor, whose gradient each rank takes its own slice of.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from multihead.distributed._group import agree, check_device, check_layout, chunk_ids, dtype_code, resolve_group
+
+__all__ = ["gather_sequence", "shard_sequence"]
+
+
+def _check_dim(x, dim) -> int:
+    if not isinstance(x, Tensor):
+        raise TypeError(f"x must be a torch.Tensor; received {type(x).__name__}")
+    if isinstance(dim, bool) or not isinstance(dim, int) or not -x.dim() <= dim < x.dim():
+        raise ValueError(f"dim must be an int in [{-x.dim()}, {x.dim() - 1}] for a {x.dim()}-D tensor; "
+                         f"received {dim!r}")
+    return dim % x.dim()
+
+
+def _local(x: Tensor, dim: int, rank: int, size: int, layout: str) -> Tensor:
+    """This rank's shard of the whole `x` along `dim` (a view for contiguous, a copy for zigzag)."""
+    n = len(chunk_ids(rank, size, layout)) * size
+    pieces = x.chunk(n, dim=dim)
+    mine = [pieces[c] for c in chunk_ids(rank, size, layout)]
+    return mine[0] if len(mine) == 1 else torch.cat(mine, dim=dim)
+
+
+def _whole(x: Tensor, dim: int, group, size: int, layout: str) -> Tensor:
+    """All ranks' shards in global order along `dim`."""
+    shards = [torch.empty_like(x) for _ in range(size)]
+    dist.all_gather(shards, x.contiguous(), group=group)
+    if layout == "contiguous":
+        return torch.cat(shards, dim=dim)
+    halves = [s.chunk(2, dim=dim) for s in shards]  # rank r: (chunk r, chunk 2P-1-r)
+    order = [halves[c][0] if c < size else halves[2 * size - 1 - c][1] for c in range(2 * size)]
+    return torch.cat(order, dim=dim)
+
+
+class _Shard(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, dim, group, rank, size, layout):
+        ctx.args = (dim, group, rank, size, layout)
+        return _local(x, dim, rank, size, layout).clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        dim, group, _, size, layout = ctx.args
+        return _whole(grad, dim, group, size, layout), None, None, None, None, None
+
+
+class _Gather(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, dim, group, rank, size, layout):
+        ctx.args = (dim, group, rank, size, layout)
+        return _whole(x, dim, group, size, layout)
+
+    @staticmethod
+    def backward(ctx, grad):
+        dim, _, rank, size, layout = ctx.args
+        return _local(grad, dim, rank, size, layout).contiguous(), None, None, None, None, None
+
+
+def shard_sequence(x: Tensor, dim: int, layout: str = "contiguous", group=None) -> Tensor:
+    """This rank's shard of `x` (the whole sequence, the same on every rank) along `dim`.
+
+    The length along `dim` must divide into P pieces (contiguous) or 2P chunks (zigzag).
+    The result is what `ring_attention` and `context_parallel` expect, and
+    `gather_sequence(shard, dim, layout)` gives `x` back.
+    """
+    group = resolve_group(group, "shard_sequence")
+    check_layout(layout)
+    dim = _check_dim(x, dim)
+    size, rank = dist.get_world_size(group), dist.get_rank(group)
+    pieces = size * (2 if layout == "zigzag" else 1)
+    error = check_device(group, x, "x")
+    if error is None and x.shape[dim] % pieces:
+        error = (f"the length along dim {dim} ({x.shape[dim]}) must be divisible by {pieces} "
+                 f"({'2P, P' if layout == 'zigzag' else 'P'} = {size} ranks, layout {layout!r})")
+    agree(group, "shard_sequence", error, [dim, x.dim(), x.shape[dim]], "(dim, ndim, length)")
+    return _Shard.apply(x, dim, group, rank, size, layout)
+
+
+def gather_sequence(x: Tensor, dim: int, layout: str = "contiguous", group=None) -> Tensor:
+    """The whole sequence from every rank's shard `x` (the inverse of `shard_sequence`)."""
+    group = resolve_group(group, "gather_sequence")
+    check_layout(layout)
+    dim = _check_dim(x, dim)
+    size, rank = dist.get_world_size(group), dist.get_rank(group)
+    error = check_device(group, x, "x")
+    if error is None and layout == "zigzag" and x.shape[dim] % 2:
+        error = f"a zigzag shard holds two equal chunks; received odd length {x.shape[dim]} along dim {dim}"
+    agree(group, "gather_sequence", error, [dim, dtype_code(x.dtype), *x.shape, *[0] * (8 - x.dim())],
+          "(dim, dtype, shape)")
+    return _Gather.apply(x, dim, group, rank, size, layout)
