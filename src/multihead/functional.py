@@ -12,12 +12,30 @@ the tests can hold one against the other:
              from a separate memory-bounded pass over the requested heads only.
 - "chunked": the explicit path run over blocks of queries, so memory stays bounded by a
              block of scores; returns weights for the requested heads in the same pass.
+- "tiles":   the explicit path over tiles with a FlashAttention-2 style backward
+             (`multihead.blocksparse`): any score mod, dropout, O(N) training memory.
+
+A mask predicate (`multihead.masks`, or a flex_attention `mask_mod` callable) is never
+materialised as `(T, S)` by "sdpa": `multihead.blocksparse` classifies the tiles of the
+score matrix as empty (skipped), full (no mask) or partial (a small dense mask) and
+runs the fused kernel over the kept tiles only. A score mod (`multihead.score_mods`, or
+a flex `score_mod` callable) runs on "sdpa" when it is an additive bias (ALiBi), and on
+the explicit paths otherwise.
 
 Conventions the backends share (and the tests check): a bool mask means True = may
 attend, a float mask is added to the scores; `causal=True` with S != T is aligned
 bottom-right; a query row with no key to attend yields zeros (output, weights and
 gradients), never NaN. GQA never copies K/V per query head: each group's query heads
 are folded into the query length, so every K/V head is read once.
+
+NaN rule (every backend): a query row that may attend no key is zero. Otherwise its
+output is NaN exactly when its query holds a NaN or a key or value it may attend holds
+one; a NaN in a key or value the mask hides has no effect (its weights: NaN when the
+query or an attended key holds one). The fused kernel alone would spread a hidden
+NaN value to every row (0 * NaN), so an output with a NaN is recomputed once with the
+NaNs replaced and the rule applied row by row; clean inputs pay one check of `out`.
+
+Empty problems (B, H, T or S = 0) return empty or zero outputs of the right shape.
 """
 
 from __future__ import annotations
@@ -30,7 +48,10 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from multihead.masks import MaskMod
+from multihead.masks import MaskMod, and_masks
+from multihead.masks import causal as causal_mod
+from multihead.score_mods import ScoreMod
+from multihead.score_mods import from_flex as _score_from_flex
 
 __all__ = [
     "Backend",
@@ -53,7 +74,10 @@ class Backend:
     `fn(q, k, v, mask, *, causal, scale, dropout_p, weight_heads) -> (out, weights)`
     receives validated inputs: `mask` is None or a 4-D tensor broadcastable to
     `(B, H, T, S)` (bool or q's float dtype), `weight_heads` is None or a tuple of head
-    indices, and `weights` is None or `(B, len(weight_heads), T, S)`.
+    indices, and `weights` is None or `(B, len(weight_heads), T, S)`. A backend
+    registered with `predicates=True` may also receive `mask` as a `masks.MaskMod`
+    (others get it materialised); one with `score_mods` "additive" or "any" receives
+    `score_mod=` (a `score_mods.ScoreMod` or None) as a keyword.
     """
 
     name: str
@@ -62,6 +86,8 @@ class Backend:
     dropout: bool  # can apply dropout
     weights_with_dropout: bool  # weights and dropout in the same call
     doc: str = ""
+    predicates: bool = False  # takes a MaskMod as is (no (T, S) materialisation)
+    score_mods: str = "none"  # "none", "additive" (bias-only mods such as ALiBi) or "any"
 
 
 _BACKENDS: dict[str, Backend] = {}
@@ -75,11 +101,15 @@ def register_backend(
     dropout: bool,
     weights_with_dropout: bool = False,
     doc: str = "",
+    predicates: bool = False,
+    score_mods: str = "none",
 ) -> None:
     """Add a kernel to the registry (the signature is documented on `Backend`)."""
     if not isinstance(name, str) or not name or name == "auto":
         raise ValueError(f"backend name must be a non-empty string other than 'auto'; received {name!r}")
-    _BACKENDS[name] = Backend(name, fn, weights, dropout, weights_with_dropout, doc)
+    if score_mods not in ("none", "additive", "any"):
+        raise ValueError(f"score_mods must be 'none', 'additive' or 'any'; received {score_mods!r}")
+    _BACKENDS[name] = Backend(name, fn, weights, dropout, weights_with_dropout, doc, predicates, score_mods)
 
 
 def available_backends() -> dict[str, Backend]:
@@ -87,16 +117,20 @@ def available_backends() -> dict[str, Backend]:
     return dict(_BACKENDS)
 
 
-def resolve_backend(*, want_weights: bool, dropout_p: float) -> str:
+def resolve_backend(*, want_weights: bool, dropout_p: float, score_mod: ScoreMod | Callable | None = None) -> str:
     """Resolve "auto" to a backend name, at call time.
 
-    The fused kernel serves everything it can; asking for weights does not make the
-    output fall back to a slow path (weights come from a separate pass over the heads
-    asked for). Only weights *and* dropout together need the explicit "math" path,
-    because the weights must describe the dropped-out probabilities' source.
+    The fused kernel serves everything it can, predicate masks included (block-sparse);
+    asking for weights does not make the output fall back to a slow path (weights come
+    from a separate pass over the heads asked for). Weights *and* dropout together need
+    the explicit "math" path, because the weights must describe the dropped-out
+    probabilities' source. A score mod that is not a plain additive bias runs on the
+    explicit tile path, whose backward recomputes tiles (O(N) memory). Never compiles.
     """
     if want_weights and dropout_p > 0:
         return "math"
+    if score_mod is not None and getattr(score_mod, "bias", None) is None:
+        return "tiles"
     return "sdpa"
 
 
@@ -111,8 +145,9 @@ def scaled_dot_product_attention(
     dropout_p: float = 0.0,
     return_weights: bool | Sequence[int] = False,
     backend: str = "auto",
+    score_mod: ScoreMod | Callable | None = None,
 ) -> Tensor | tuple[Tensor, Tensor]:
-    """Multi-head scaled dot-product attention with GQA/MQA, masks and weights.
+    """Multi-head scaled dot-product attention with GQA/MQA, masks, score mods and weights.
 
     Args:
         q: queries `(B, H, T, D)`.
@@ -120,8 +155,10 @@ def scaled_dot_product_attention(
         v: values `(B, Hkv, S, Dv)`.
         mask: bool (True = may attend) or float (added to the scores) tensor
             broadcastable to `(B, H, T, S)`; 1-D is read as `(S,)`, 2-D as `(T, S)`;
-            3-D is refused as ambiguous. A `multihead.masks` predicate is materialised
-            for these shapes.
+            3-D is refused as ambiguous. Or a predicate: a `multihead.masks` MaskMod
+            (q_idx bottom-right aligned), or a flex_attention `mask_mod(b, h, q_idx,
+            kv_idx)` callable (q_idx from the top-left, as flex reads it); predicates
+            run block-sparse, never building `(T, S)`.
         causal: query i may attend key j <= i + S - T (bottom-right aligned, as decoding
             with a cache needs). Combined with `mask` by logical and.
         scale: multiplies the scores; default 1 / sqrt(D).
@@ -130,26 +167,97 @@ def scaled_dot_product_attention(
         return_weights: False; True for the weights of every head; or a sequence of
             query-head indices, whose weights alone are computed.
         backend: "auto" or a name from `available_backends()`.
+        score_mod: `score_mod(score, b, h, q_idx, kv_idx) -> score` applied to the scaled
+            scores before the mask (flex_attention's signature; see
+            `multihead.score_mods` for softcap and ALiBi).
 
     Returns:
         out `(B, H, T, Dv)`, or `(out, weights)` with weights `(B, h, T, S)` for the h
         heads asked (the softmax probabilities before dropout). Rows with no key to
         attend are zero in both.
     """
+    scale = _check_scale(scale)
     mask = _check_inputs(q, k, v, mask, scale, dropout_p)
+    score_mod = _check_score_mod(score_mod, q, k)
     weight_heads = _weight_heads(return_weights, q.shape[1])
-    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
+    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
     causal = bool(causal)
+    if isinstance(mask, MaskMod) and causal:
+        mask, causal = and_masks(mask, causal_mod()), False
 
     name = backend
     if backend == "auto":
-        name = resolve_backend(want_weights=weight_heads is not None, dropout_p=dropout_p)
-    impl = _get_backend(name, want_weights=weight_heads is not None, dropout_p=dropout_p)
-    out, weights = impl.fn(
-        q, k, v, mask, causal=causal, scale=scale, dropout_p=dropout_p, weight_heads=weight_heads
-    )
+        name = resolve_backend(want_weights=weight_heads is not None, dropout_p=dropout_p, score_mod=score_mod)
+    impl = _get_backend(name, want_weights=weight_heads is not None, dropout_p=dropout_p, score_mod=score_mod)
+    if min(q.shape[0], q.shape[1], q.shape[2], k.shape[2]) == 0:
+        out, weights = _empty(q, k, v, weight_heads)
+    else:
+        out, weights = _run(impl, q, k, v, mask, causal, scale, dropout_p, weight_heads, score_mod)
+        if not torch.compiler.is_compiling() and torch.isnan(out).any():
+            out, weights = _nan_rule(impl, q, k, v, mask, causal, scale, dropout_p, weight_heads, score_mod)
     if weight_heads is None:
         return out
+    return out, weights
+
+
+def _run(impl: Backend, q, k, v, mask, causal, scale, dropout_p, weight_heads, score_mod):
+    """Call a backend with only the keywords it declared."""
+    if isinstance(mask, MaskMod) and not impl.predicates:
+        B, H, T, _ = q.shape
+        mask = mask.to_dense(B, H, T, k.shape[2], device=q.device)
+    kw = {} if impl.score_mods == "none" else {"score_mod": score_mod}
+    return impl.fn(q, k, v, mask, causal=causal, scale=scale, dropout_p=dropout_p, weight_heads=weight_heads, **kw)
+
+
+def _empty(q, k, v, weight_heads):
+    """B, H, T or S is 0: empty outputs, or zeros (S = 0: no key to attend), of the right shape.
+
+    The result stays connected to q, k and v (through a sum over nothing) so that a
+    backward through it gives zero gradients instead of an error.
+    """
+    B, H, T, _ = q.shape
+    S, Dv = k.shape[2], v.shape[-1]
+    tie = q.flatten()[:0].sum() + k.flatten()[:0].sum() + v.flatten()[:0].sum()  # 0, with a grad_fn
+    out = q.new_zeros(B, H, T, Dv) + tie
+    weights = None if weight_heads is None else q.new_zeros(B, len(weight_heads), T, S) + tie
+    return out, weights
+
+
+def _nan_rule(impl, q, k, v, mask, causal, scale, dropout_p, weight_heads, score_mod):
+    """Recompute with NaNs replaced by 0, then make NaN exactly the rows the rule names.
+
+    Rows (b, h, t) that may attend some key and whose query, or an attended key (or, for
+    the output, value), holds a NaN. Rare and only on bad data, so written for clarity.
+    """
+    B, H, T, _ = q.shape
+    Hkv, S = k.shape[1], k.shape[2]
+    G = H // Hkv
+    nan_q = torch.isnan(q).any(-1)  # (B, H, T)
+    nan_k = torch.isnan(k).any(-1).repeat_interleave(G, dim=1)  # (B, H, S)
+    nan_v = torch.isnan(v).any(-1).repeat_interleave(G, dim=1)
+    clean = [torch.where(torch.isnan(t), 0.0, t) for t in (q, k, v)]
+    out, weights = _run(impl, *clean, mask, causal, scale, dropout_p, weight_heads, score_mod)
+    sees_k = torch.zeros(B, H, T, dtype=torch.bool, device=q.device)
+    sees_v, sees_any = sees_k.clone(), sees_k.clone()
+    rows = _block_rows(B, H, S)
+    for t0 in range(0, T, rows):
+        t1 = min(T, t0 + rows)
+        allowed, bias = _rows_mask(mask, causal, t0, t1, T, S, q.device, _index(B, 0, q.device),
+                                   _index(H, 1, q.device))
+        ok = torch.ones(1, 1, t1 - t0, S, dtype=torch.bool, device=q.device)
+        if allowed is not None:
+            ok = ok & allowed
+        if bias is not None:
+            ok = ok & ~torch.isneginf(bias)
+        ok = ok.expand(B, H, t1 - t0, S)
+        sees_any[:, :, t0:t1] = ok.any(-1)
+        sees_k[:, :, t0:t1] = (ok & nan_k[:, :, None, :]).any(-1)
+        sees_v[:, :, t0:t1] = (ok & nan_v[:, :, None, :]).any(-1)
+    nan = torch.tensor(float("nan"), dtype=out.dtype, device=out.device)
+    out = torch.where((sees_any & (nan_q | sees_k | sees_v))[..., None], nan, out)
+    if weights is not None:
+        w_rows = (sees_any & (nan_q | sees_k))[:, list(weight_heads)]
+        weights = torch.where(w_rows[..., None], nan, weights)
     return out, weights
 
 
@@ -169,9 +277,12 @@ def attention_weights(
     """
     H = q.shape[1] if q.dim() == 4 else 0
     v = k[..., :1] if k.dim() == 4 else k  # only shapes matter for the checks
+    scale = _check_scale(scale)
     mask = _check_inputs(q, k, v, mask, scale, 0.0)
     heads = _weight_heads(True if heads is None else heads, H)
-    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
+    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
+    if min(q.shape[0], q.shape[2], k.shape[2]) == 0:
+        return q.new_zeros(q.shape[0], len(heads), q.shape[2], k.shape[2])
     return _weights_pass(q, k, mask, bool(causal), scale, heads)
 
 
@@ -182,8 +293,36 @@ def _shape(t: Tensor) -> str:
     return "(" + ", ".join(str(s) for s in t.shape) + ")"
 
 
-def _check_inputs(q, k, v, mask, scale, dropout_p) -> Tensor | None:
-    """Validate user input; return the mask as None or a 4-D tensor."""
+def _check_scale(scale) -> float | None:
+    """None, or a positive finite number: a Python, NumPy or 0-d/1-element tensor scalar."""
+    if scale is None:
+        return None
+    value = scale
+    if isinstance(scale, Tensor):
+        if scale.numel() != 1 or scale.dtype == torch.bool or scale.is_complex():
+            raise ValueError(f"scale must be a positive finite number or None; received a tensor of shape "
+                             f"{_shape(scale)} {scale.dtype}")
+        value = scale.item()
+    elif not isinstance(scale, bool) and hasattr(scale, "item") and hasattr(scale, "dtype"):
+        value = scale.item()  # NumPy scalar or 0-d array
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ValueError(f"scale must be a positive finite number or None; received {scale!r} "
+                         f"({type(scale).__name__})")
+    if not math.isfinite(value) or value <= 0:
+        raise ValueError(f"scale must be a positive finite number or None; received {scale!r}")
+    return float(value)
+
+
+def _check_score_mod(score_mod, q: Tensor, k: Tensor) -> ScoreMod | None:
+    if score_mod is None:
+        return None
+    mod = _score_from_flex(score_mod)
+    mod.check(q.shape[0], q.shape[1], q.shape[2], k.shape[2])
+    return mod
+
+
+def _check_inputs(q, k, v, mask, scale, dropout_p) -> Tensor | MaskMod | None:
+    """Validate user input; return the mask as None, a 4-D tensor or a checked predicate."""
     for name, t, layout in (("q", q, "(B, H, T, D)"), ("k", k, "(B, Hkv, S, D)"),
                             ("v", v, "(B, Hkv, S, Dv)")):
         if not isinstance(t, Tensor):
@@ -214,9 +353,6 @@ def _check_inputs(q, k, v, mask, scale, dropout_p) -> Tensor | None:
         raise TypeError(f"q, k, v must share a dtype; received {q.dtype}, {k.dtype}, {v.dtype}")
     if not (q.device == k.device == v.device):
         raise ValueError(f"q, k, v must be on one device; received {q.device}, {k.device}, {v.device}")
-    if scale is not None:
-        if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not math.isfinite(scale) or scale <= 0:
-            raise ValueError(f"scale must be a positive finite number or None; received {scale!r}")
     if isinstance(dropout_p, bool) or not isinstance(dropout_p, (int, float)) or not 0.0 <= dropout_p < 1.0:
         raise ValueError(f"dropout_p must be a float in [0, 1); received {dropout_p!r}")
     return _normalize_mask(mask, q, k)
@@ -227,12 +363,15 @@ def _normalize_mask(mask, q: Tensor, k: Tensor) -> Tensor | None:
     S = k.shape[2]
     if mask is None:
         return None
+    if not isinstance(mask, (Tensor, MaskMod)) and callable(mask):
+        mask = MaskMod(mask, getattr(mask, "__name__", "mask_mod"), top_left=True)  # flex's convention
     if isinstance(mask, MaskMod):
-        return mask.to_dense(B, H, T, S, device=q.device)
+        mask.check(B, H, T, S)
+        return mask
     if not isinstance(mask, Tensor):
         raise TypeError(
-            f"mask must be a bool or float tensor, a multihead.masks predicate, or None; "
-            f"received {type(mask).__name__}"
+            f"mask must be a bool or float tensor, a multihead.masks predicate, a mask_mod callable, "
+            f"or None; received {type(mask).__name__}"
         )
     if mask.dtype != torch.bool and not mask.is_floating_point():
         raise TypeError(
@@ -307,10 +446,16 @@ def check_backend_name(name: str) -> None:
         )
 
 
-def _get_backend(name: str, *, want_weights: bool, dropout_p: float) -> Backend:
+def _get_backend(name: str, *, want_weights: bool, dropout_p: float, score_mod: ScoreMod | None = None) -> Backend:
     check_backend_name(name)
     impl = _BACKENDS[name]
     needs = []
+    if score_mod is not None and impl.score_mods != "any":
+        if score_mod.bias is None:
+            needs.append((f"apply the score mod {score_mod.name} (not an additive bias)",
+                          lambda b: b.score_mods == "any"))
+        elif impl.score_mods == "none":
+            needs.append((f"apply the score mod {score_mod.name}", lambda b: b.score_mods != "none"))
     if want_weights and not impl.weights:
         needs.append(("return attention weights", lambda b: b.weights))
     if dropout_p > 0 and not impl.dropout:
@@ -335,11 +480,25 @@ def _acc_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.promote_types(dtype, torch.float32)
 
 
-def _rows_mask(mask: Tensor | None, causal: bool, t0: int, t1: int, T: int, S: int,
-               device) -> tuple[Tensor | None, Tensor | None]:
-    """The (allowed, bias) pair for query rows t0..t1: bool (.., t, S) and float (.., t, S)."""
+def _index(n: int, dim: int, device, start: int = 0) -> Tensor:
+    """arange(start, start + n) laid along `dim` of a 4-D index tensor (flex's b, h, q_idx, kv_idx)."""
+    shape = [1, 1, 1, 1]
+    shape[dim] = n
+    return torch.arange(start, start + n, device=device).view(shape)
+
+
+def _rows_mask(mask: Tensor | MaskMod | None, causal: bool, t0: int, t1: int, T: int, S: int,
+               device, b: Tensor | None = None, h: Tensor | None = None) -> tuple[Tensor | None, Tensor | None]:
+    """The (allowed, bias) pair for query rows t0..t1: bool (.., t, S) and float (.., t, S).
+
+    A predicate is evaluated for these rows only, at batch indices `b` and head indices
+    `h` (4-D index tensors; all batches / heads of `mask` when None).
+    """
     allowed = bias = None
-    if mask is not None:
+    if isinstance(mask, MaskMod):
+        allowed = mask.evaluate(b, h, _index(t1 - t0, 2, device, t0), _index(S, 3, device), S - T)
+        allowed = allowed.reshape((1,) * (4 - allowed.dim()) + tuple(allowed.shape))
+    elif mask is not None:
         rows = mask[..., t0:t1, :] if mask.shape[-2] == T else mask
         if rows.dtype == torch.bool:
             allowed = rows
@@ -376,7 +535,7 @@ def _block_rows(B: int, H: int, S: int) -> int:
 # ---------------------------------------------------------------- explicit paths
 
 
-def _explicit(q, k, v, mask, *, causal, scale, dropout_p, weight_heads, block_rows):
+def _explicit(q, k, v, mask, *, causal, scale, dropout_p, weight_heads, block_rows, score_mod=None):
     """matmul-softmax-matmul over blocks of `block_rows` queries (all at once for math).
 
     GQA: the G query heads that share a K/V head are folded into the query length,
@@ -388,13 +547,16 @@ def _explicit(q, k, v, mask, *, causal, scale, dropout_p, weight_heads, block_ro
     acc = _acc_dtype(q.dtype)
     kt = k.to(acc).transpose(-2, -1)  # (B, Hkv, D, S)
     va = v.to(acc)
+    b_idx, h_idx, kv_idx = _index(B, 0, q.device), _index(H, 1, q.device), _index(S, 3, q.device)
     outs, weights = [], []
     for t0 in range(0, T, block_rows):
         t1 = min(T, t0 + block_rows)
         t = t1 - t0
         qb = q[:, :, t0:t1].to(acc).reshape(B, Hkv, G * t, -1)  # (B, Hkv, G*t, D)
         scores = (qb @ kt).view(B, H, t, S) * scale  # (B, H, t, S)
-        allowed, bias = _rows_mask(mask, causal, t0, t1, T, S, q.device)
+        if score_mod is not None:
+            scores = score_mod.apply(scores, b_idx, h_idx, _index(t, 2, q.device, t0), kv_idx, S - T)
+        allowed, bias = _rows_mask(mask, causal, t0, t1, T, S, q.device, b_idx, h_idx)
         probs = _softmax(scores, allowed, bias)  # (B, H, t, S)
         if weight_heads is not None:
             w = probs if weight_heads == tuple(range(H)) else probs[:, list(weight_heads)]
@@ -409,18 +571,18 @@ def _explicit(q, k, v, mask, *, causal, scale, dropout_p, weight_heads, block_ro
     return out, weights[0] if len(weights) == 1 else torch.cat(weights, dim=2)
 
 
-def _math(q, k, v, mask, *, causal, scale, dropout_p, weight_heads):
+def _math(q, k, v, mask, *, causal, scale, dropout_p, weight_heads, score_mod=None):
     return _explicit(q, k, v, mask, causal=causal, scale=scale, dropout_p=dropout_p,
-                     weight_heads=weight_heads, block_rows=max(1, q.shape[2]))
+                     weight_heads=weight_heads, block_rows=max(1, q.shape[2]), score_mod=score_mod)
 
 
-def _chunked(q, k, v, mask, *, causal, scale, dropout_p, weight_heads):
+def _chunked(q, k, v, mask, *, causal, scale, dropout_p, weight_heads, score_mod=None):
     B, H, _, _ = q.shape
     return _explicit(q, k, v, mask, causal=causal, scale=scale, dropout_p=dropout_p,
-                     weight_heads=weight_heads, block_rows=_block_rows(B, H, k.shape[2]))
+                     weight_heads=weight_heads, block_rows=_block_rows(B, H, k.shape[2]), score_mod=score_mod)
 
 
-def _weights_pass(q, k, mask, causal, scale, heads):
+def _weights_pass(q, k, mask, causal, scale, heads, *, score_mod=None):
     """Weights of the query heads in `heads` only, one head at a time, blocks of queries."""
     B, H, T, _ = q.shape
     Hkv, S = k.shape[1], k.shape[2]
@@ -428,29 +590,54 @@ def _weights_pass(q, k, mask, causal, scale, heads):
     acc = _acc_dtype(q.dtype)
     rows = _block_rows(B, 1, S)
     result = q.new_empty(B, len(heads), T, S)
+    b_idx, kv_idx = _index(B, 0, q.device), _index(S, 3, q.device)
     with torch.no_grad():
         for i, h in enumerate(heads):
             kt = k[:, h // G].to(acc).transpose(-2, -1)  # (B, D, S)
-            mh = None
-            if mask is not None:
+            h_idx = _index(1, 1, q.device, h)
+            mh = mask
+            if isinstance(mask, Tensor):
                 mh = mask[:, h if mask.shape[1] == H else 0]  # (B|1, T|1, S|1)
                 mh = mh[:, None]
             for t0 in range(0, T, rows):
                 t1 = min(T, t0 + rows)
                 scores = (q[:, h, t0:t1].to(acc) @ kt)[:, None] * scale  # (B, 1, t, S)
-                allowed, bias = _rows_mask(mh, causal, t0, t1, T, S, q.device)
+                if score_mod is not None:
+                    scores = score_mod.apply(scores, b_idx, h_idx, _index(t1 - t0, 2, q.device, t0), kv_idx, S - T)
+                allowed, bias = _rows_mask(mh, causal, t0, t1, T, S, q.device, b_idx, h_idx)
                 result[:, i, t0:t1] = _softmax(scores, allowed, bias)[:, 0].to(q.dtype)
     return result
+
+
+def _weights(q, k, mask, causal, scale, heads, score_mod):
+    """The weight pass, called as the spies in the tests expect when there is no score mod."""
+    if score_mod is None:
+        return _weights_pass(q, k, mask, causal, scale, heads)
+    return _weights_pass(q, k, mask, causal, scale, heads, score_mod=score_mod)
 
 
 # -------------------------------------------------------------------- fused path
 
 
-def _sdpa(q, k, v, mask, *, causal, scale, dropout_p, weight_heads):
-    """torch's fused kernel, with bottom-right causal and GQA without copying K/V."""
+def _sdpa(q, k, v, mask, *, causal, scale, dropout_p, weight_heads, score_mod=None):
+    """torch's fused kernel, with bottom-right causal and GQA without copying K/V.
+
+    Predicates and additive score mods run block-sparse (`multihead.blocksparse`); so does
+    bottom-right causal with 1 < T != S, which torch's `is_causal` would align top-left.
+    """
     B, H, T, _ = q.shape
     Hkv, S, Dv = k.shape[1], k.shape[2], v.shape[-1]
     G = H // Hkv
+    if causal and mask is None and 1 < T != S:
+        mask, causal = causal_mod(), False
+    if isinstance(mask, MaskMod) or score_mod is not None:
+        from multihead import blocksparse
+
+        out = blocksparse.fused(q, k, v, mask, causal=causal, scale=scale, dropout_p=dropout_p, score_mod=score_mod)
+        weights = None
+        if weight_heads is not None:
+            weights = _weights(q, k, mask, causal, scale, weight_heads, score_mod)
+        return out, weights
     is_causal = False
     attn_mask = mask
     if causal:
@@ -518,9 +705,21 @@ def _mqa_splits(q: Tensor, Hkv: int, G: int) -> int:
     return next((p for p in range(2, G + 1) if G % p == 0 and B * p >= threads), G)
 
 
-register_backend("math", _math, weights=True, dropout=True, weights_with_dropout=True,
-                 doc="explicit matmul-softmax-matmul; materialises (B, H, T, S)")
-register_backend("sdpa", _sdpa, weights=True, dropout=True,
-                 doc="torch's fused kernel; weights from a memory-bounded pass over the heads asked")
-register_backend("chunked", _chunked, weights=True, dropout=False,
+def _tiles(q, k, v, mask, *, causal, scale, dropout_p, weight_heads, score_mod=None):
+    from multihead import blocksparse
+
+    out = blocksparse.explicit(q, k, v, mask, causal=causal, scale=scale, dropout_p=dropout_p, score_mod=score_mod)
+    weights = None
+    if weight_heads is not None:
+        weights = _weights(q, k, mask, causal, scale, weight_heads, score_mod)
+    return out, weights
+
+
+register_backend("math", _math, weights=True, dropout=True, weights_with_dropout=True, predicates=True,
+                 score_mods="any", doc="explicit matmul-softmax-matmul; materialises (B, H, T, S)")
+register_backend("sdpa", _sdpa, weights=True, dropout=True, predicates=True, score_mods="additive",
+                 doc="torch's fused kernel, block-sparse for predicates; weights from a memory-bounded pass")
+register_backend("chunked", _chunked, weights=True, dropout=False, predicates=True, score_mods="any",
                  doc="explicit path over blocks of queries; memory bounded by one block of scores")
+register_backend("tiles", _tiles, weights=True, dropout=True, predicates=True, score_mods="any",
+                 doc="explicit path over kept tiles, FlashAttention-2 backward: score mods and dropout in O(N) memory")

@@ -1,0 +1,322 @@
+"""Block-sparse attention: time and memory follow the pairs a mask allows, not T x S.
+
+The score matrix `(T, S)` is cut into tiles of bq queries x bk keys. A mask predicate
+(`multihead.masks`) classifies every tile as empty (skipped), full (run without a mask)
+or partial (run with the dense mask of that tile only), analytically for the built-in
+predicates and by evaluating one strip of rows at a time for any other. Nothing of
+size `(T, S)` is ever built. Two engines run the kept tiles:
+
+- `fused`: per block of queries, the contiguous range of key tiles it keeps goes to
+  torch's fused `F.scaled_dot_product_attention` in one call, with a small dense mask
+  (rows x kept keys) only when a tile in the range is not full; an additive score mod
+  (ALiBi) rides along as that call's float mask. Autograd goes through the fused
+  calls, so training memory stays O(N).
+- `explicit`: any score mod (softcap) and dropout, tile by tile with an online softmax
+  (FlashAttention-2, Dao 2023). A custom autograd Function saves only q, k, v, the
+  output and the per-row log-sum-exp, and its backward recomputes each kept tile's
+  probabilities from the log-sum-exp; dropout keeps are regenerated from a per-tile
+  seed. Training memory: O(N) plus one tile.
+
+GQA never copies K/V: the G query heads sharing a K/V head are folded into the query
+rows of a block, `(B, H, t, D) -> (B, Hkv, G*t, D)`.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from multihead.masks import MaskMod, and_masks
+from multihead.masks import causal as causal_mod
+
+__all__ = ["explicit", "fused", "plan", "tile_sizes"]
+
+# Tile edges. The fused engine wants short query blocks (the kept key range of a local
+# mask hugs the diagonal) and the explicit one wants big matmuls.
+FUSED_TILE = 128
+EXPLICIT_TILE = 256
+
+
+def tile_sizes(T: int, S: int, tile: int) -> tuple[int, int]:
+    return max(1, min(T, tile)), max(1, min(S, tile))
+
+
+def _combine(mask, causal: bool) -> tuple[MaskMod | None, Tensor | None]:
+    """Split a kernel mask into (predicate, dense tensor) and fold `causal` into the predicate."""
+    pred = mask if isinstance(mask, MaskMod) else None
+    dense = mask if isinstance(mask, Tensor) else None
+    if causal:
+        pred = causal_mod() if pred is None else and_masks(pred, causal_mod())
+    return pred, dense
+
+
+def plan(pred: MaskMod | None, B: int, H: int, T: int, S: int, bq: int, bk: int, device) -> tuple[Tensor, Tensor]:
+    """Per tile, over all batches and heads: (kept, full) bool `(nq, nk)` on the CPU.
+
+    A tile is kept when some (b, h) may attend a pair in it, and full when every (b, h)
+    may attend every pair in it.
+    """
+    nq, nk = -(-T // bq), -(-S // bk)
+    if pred is None:
+        ones = torch.ones(nq, nk, dtype=torch.bool)
+        return ones, ones
+    any_, all_ = pred.tiles(B, H, T, S, bq, bk, device)
+    any_ = any_.expand(-1, -1, nq, nk).flatten(0, 1).any(0)
+    all_ = all_.expand(-1, -1, nq, nk).flatten(0, 1).all(0)
+    return any_.cpu(), all_.cpu()
+
+
+def _slice_dense(dense: Tensor, r0: int, r1: int, c0: int, c1: int) -> Tensor:
+    rows = slice(r0, r1) if dense.shape[2] > 1 else slice(None)
+    cols = slice(c0, c1) if dense.shape[3] > 1 else slice(None)
+    return dense[:, :, rows, cols]
+
+
+def _index(n: int, dim: int, device, start: int = 0) -> Tensor:
+    shape = [1, 1, 1, 1]
+    shape[dim] = n
+    return torch.arange(start, start + n, device=device).view(shape)
+
+
+def _block_mask(pred, dense, score_mod, B, H, T, S, r0, r1, c0, c1, need_pred, dtype, device):
+    """The mask of one block (rows r0..r1, keys c0..c1): None, bool, or float (additive)."""
+    b, h = _index(B, 0, device), _index(H, 1, device)
+    rows, kv = _index(r1 - r0, 2, device, r0), _index(c1 - c0, 3, device, c0)
+    allowed = bias = None
+    if pred is not None and need_pred:
+        allowed = pred.evaluate(b, h, rows, kv, S - T)
+        allowed = allowed.reshape((1,) * (4 - allowed.dim()) + tuple(allowed.shape))
+    if dense is not None:
+        d = _slice_dense(dense, r0, r1, c0, c1)
+        if d.dtype == torch.bool:
+            allowed = d if allowed is None else allowed & d
+        else:
+            bias = d
+    if score_mod is not None:
+        sb = score_mod.bias_tile(b, h, rows, kv, S - T, dtype)
+        sb = sb.reshape((1,) * (4 - sb.dim()) + tuple(sb.shape))
+        bias = sb if bias is None else bias + sb
+    if bias is None:
+        return allowed
+    bias = bias.to(dtype)
+    return bias if allowed is None else bias.masked_fill(~allowed, float("-inf"))
+
+
+def _fold_mask(m: Tensor | None, B: int, Hkv: int, G: int, t: int) -> Tensor | None:
+    """A block mask `(Bm, Hm, t|1, s)` laid out for queries folded as `(B, Hkv, G*t, D)`."""
+    if m is None or G == 1:
+        return m
+    Bm, Hm, tm, s = m.shape
+    if Hm == 1 and tm == 1:
+        return m  # broadcasts over the folded rows
+    if Hm == 1:
+        return m.expand(Bm, G, t, s).reshape(Bm, 1, G * t, s)  # (Bm, 1, G*t, s)
+    return m.expand(Bm, Hm, t, s).reshape(Bm, Hkv, G * t, s)  # (Bm, Hkv, G*t, s)
+
+
+def _fused_call(q, k, v, m, scale, dropout_p):
+    """F.scaled_dot_product_attention on a block, GQA folded, K/V never copied."""
+    B, H, t, D = q.shape
+    Hkv, s, Dv = k.shape[1], k.shape[2], v.shape[-1]
+    G = H // Hkv
+    if G == 1:
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=m, dropout_p=dropout_p, scale=scale)
+    qf = q.reshape(B, Hkv, G * t, D)  # (B, Hkv, G*t, D)
+    mf = _fold_mask(m, B, Hkv, G, t)
+    P = 1
+    if Hkv == 1 and q.device.type == "cpu" and not torch.compiler.is_compiling():
+        # torch's CPU kernel parallelises over (B, heads): split the one folded head into
+        # P heads that read the K/V head through a stride-0 view, one per thread.
+        threads = torch.get_num_threads()
+        if B < threads:
+            P = next((p for p in range(2, G + 1) if G % p == 0 and B * p >= threads), G)
+    if P > 1:
+        qf = qf.reshape(B, P, G // P * t, D)  # (B, P, G/P*t, D)
+        if mf is not None and mf.shape[2] > 1:
+            mf = mf.reshape(mf.shape[0], P, G // P * t, mf.shape[3])
+        k, v = k.expand(B, P, s, D), v.expand(B, P, s, Dv)
+    out = F.scaled_dot_product_attention(qf, k, v, attn_mask=mf, dropout_p=dropout_p, scale=scale)
+    return out.reshape(B, H, t, Dv)
+
+
+def fused(q: Tensor, k: Tensor, v: Tensor, mask, *, causal: bool, scale: float, dropout_p: float,
+          score_mod=None, tile: int | None = None) -> Tensor:
+    """softmax(q k^T * scale + mask) v on torch's fused kernel, over the kept tiles only.
+
+    `mask`: None, a dense tensor (sliced per block) or a MaskMod; `score_mod`: None or an
+    additive ScoreMod (its `bias` becomes the block's float mask).
+    """
+    B, H, T, _ = q.shape
+    S, Dv = k.shape[2], v.shape[-1]
+    pred, dense = _combine(mask, causal)
+    bq, bk = tile_sizes(T, S, tile or FUSED_TILE)
+    kept, full = plan(pred, B, H, T, S, bq, bk, q.device)
+    outs = []
+    i = 0
+    nq = kept.shape[0]
+    while i < nq:
+        cols = kept[i].nonzero()
+        r0 = i * bq
+        if cols.numel() == 0:
+            r1 = min(T, r0 + bq)
+            outs.append(q.new_zeros(B, H, r1 - r0, Dv))
+            i += 1
+            continue
+        j0, j1 = int(cols[0]), int(cols[-1]) + 1
+        need_pred = not bool(full[i, j0:j1].all())
+        # Consecutive query blocks with the same key range and no mask share one call.
+        i1 = i + 1
+        while not need_pred and i1 < nq and torch.equal(kept[i1], kept[i]) and bool(full[i1, j0:j1].all()) \
+                and (i1 + 1 - i) * bq * (j1 - j0) * bk <= 1 << 22:
+            i1 += 1
+        r1 = min(T, i1 * bq)
+        c0, c1 = j0 * bk, min(S, j1 * bk)
+        m = _block_mask(pred, dense, score_mod, B, H, T, S, r0, r1, c0, c1, need_pred, q.dtype, q.device)
+        outs.append(_fused_call(q[:, :, r0:r1], k[:, :, c0:c1], v[:, :, c0:c1], m, scale, dropout_p))
+        i = i1
+    return outs[0] if len(outs) == 1 else torch.cat(outs, dim=2)
+
+
+# ------------------------------------------------------------- the explicit engine
+
+
+def _acc_dtype(dtype: torch.dtype) -> torch.dtype:
+    return torch.promote_types(dtype, torch.float32)
+
+
+class _Tiles:
+    """What both directions of the explicit engine share: shapes, the plan, tile scores."""
+
+    def __init__(self, q, k, v, pred, dense, score_mod, scale, dropout_p, tile, seed):
+        self.B, self.H, self.T, self.D = q.shape
+        self.Hkv, self.S, self.Dv = k.shape[1], k.shape[2], v.shape[-1]
+        self.G = self.H // self.Hkv
+        self.pred, self.dense, self.score_mod = pred, dense, score_mod
+        self.scale, self.dropout_p, self.seed = scale, dropout_p, seed
+        self.bq, self.bk = tile_sizes(self.T, self.S, tile)
+        self.kept, self.full = plan(pred, self.B, self.H, self.T, self.S, self.bq, self.bk, q.device)
+        self.acc = _acc_dtype(q.dtype)
+        self.device = q.device
+
+    def tiles(self):
+        """(i, r0, r1, [(j, c0, c1, full), ...]) for every query block."""
+        nq, nk = self.kept.shape
+        for i in range(nq):
+            r0, r1 = i * self.bq, min(self.T, (i + 1) * self.bq)
+            cols = [(j, j * self.bk, min(self.S, (j + 1) * self.bk), bool(self.full[i, j]))
+                    for j in range(nk) if self.kept[i, j]]
+            yield i, r0, r1, cols
+
+    def scores(self, qf, kj, r0, r1, c0, c1, full):
+        """Masked, modded scores of tile rows r0..r1 x keys c0..c1, `(B, H, t, s)` (-inf = hidden).
+
+        `qf` is the query block folded `(B, Hkv, G*t, D)`, `kj` the tile's keys `k[:, :, c0:c1]`,
+        both in the accumulation dtype.
+        """
+        B, H, t = self.B, self.H, r1 - r0
+        s = (qf @ kj.transpose(-2, -1)).view(B, H, t, c1 - c0) * self.scale
+        b, h = _index(B, 0, self.device), _index(H, 1, self.device)
+        rows, kv = _index(t, 2, self.device, r0), _index(c1 - c0, 3, self.device, c0)
+        if self.score_mod is not None:
+            s = self.score_mod.apply(s, b, h, rows, kv, self.S - self.T)
+        if self.dense is not None:
+            d = _slice_dense(self.dense, r0, r1, c0, c1)
+            s = s.masked_fill(~d, float("-inf")) if d.dtype == torch.bool else s + d.to(s.dtype)
+        if self.pred is not None and not full:
+            s = s.masked_fill(~self.pred.evaluate(b, h, rows, kv, self.S - self.T), float("-inf"))
+        return s
+
+    def keep(self, i, j, shape):
+        """The dropout keep-mask of tile (i, j), the same in forward and backward."""
+        g = torch.Generator(device=self.device)
+        g.manual_seed((self.seed * 1_000_003 + i * 65_537 + j) % (2 ** 63))
+        return torch.rand(shape, generator=g, device=self.device) >= self.dropout_p
+
+
+class _ExplicitTiles(torch.autograd.Function):
+    """Online-softmax forward over kept tiles; backward recomputes tiles from the LSE."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, tiles: _Tiles):
+        B, H, T, Dv, G, Hkv = tiles.B, tiles.H, tiles.T, tiles.Dv, tiles.G, tiles.Hkv
+        acc = tiles.acc
+        out = q.new_zeros(B, H, T, Dv)
+        lse = torch.full((B, H, T), float("-inf"), dtype=acc, device=q.device)
+        with torch.no_grad():
+            for i, r0, r1, cols in tiles.tiles():
+                if not cols:
+                    continue
+                t = r1 - r0
+                qf = q[:, :, r0:r1].to(acc).reshape(B, Hkv, G * t, -1)  # (B, Hkv, G*t, D)
+                m = torch.full((B, H, t, 1), float("-inf"), dtype=acc, device=q.device)
+                l_ = torch.zeros(B, H, t, 1, dtype=acc, device=q.device)
+                o = torch.zeros(B, H, t, Dv, dtype=acc, device=q.device)
+                for j, c0, c1, full in cols:
+                    s = tiles.scores(qf, k[:, :, c0:c1].to(acc), r0, r1, c0, c1, full)  # (B, H, t, s)
+                    m_new = torch.maximum(m, s.amax(-1, keepdim=True))
+                    m_safe = torch.where(torch.isneginf(m_new), 0.0, m_new)  # rows with nothing yet
+                    p = torch.exp(s - m_safe)
+                    alpha = torch.exp(m - m_safe)
+                    l_ = l_ * alpha + p.sum(-1, keepdim=True)
+                    if tiles.dropout_p > 0:
+                        p = p * tiles.keep(i, j, p.shape) / (1 - tiles.dropout_p)
+                    pv = p.view(B, Hkv, G * t, c1 - c0) @ v[:, :, c0:c1].to(acc)  # (B, Hkv, G*t, Dv)
+                    o = o * alpha + pv.view(B, H, t, Dv)
+                    m = m_new
+                seen = l_ > 0
+                out[:, :, r0:r1] = torch.where(seen, o / torch.where(seen, l_, 1.0), 0.0).to(q.dtype)
+                lse[:, :, r0:r1] = torch.where(seen, m + torch.log(torch.where(seen, l_, 1.0)),
+                                               float("-inf"))[..., 0]
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.tiles = tiles
+        return out
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, d_out):
+        q, k, v, out, lse = ctx.saved_tensors
+        tiles: _Tiles = ctx.tiles
+        B, H, G, Hkv, Dv = tiles.B, tiles.H, tiles.G, tiles.Hkv, tiles.Dv
+        acc = tiles.acc
+        dq = torch.zeros(q.shape, dtype=acc, device=q.device)
+        dk = torch.zeros(k.shape, dtype=acc, device=q.device)
+        dv = torch.zeros(v.shape, dtype=acc, device=q.device)
+        delta = (d_out.to(acc) * out.to(acc)).sum(-1, keepdim=True)  # (B, H, T, 1): rowsum(dO * O)
+        for i, r0, r1, cols in tiles.tiles():
+            if not cols:
+                continue
+            t = r1 - r0
+            do = d_out[:, :, r0:r1].to(acc)  # (B, H, t, Dv)
+            lse_i = lse[:, :, r0:r1, None]
+            lse_i = torch.where(torch.isneginf(lse_i), float("inf"), lse_i)  # empty rows: p = 0
+            for j, c0, c1, full in cols:
+                s_ = c1 - c0
+                with torch.enable_grad():
+                    qf = q[:, :, r0:r1].detach().to(acc).reshape(B, Hkv, G * t, -1).requires_grad_()
+                    kj = k.detach()[:, :, c0:c1].to(acc).requires_grad_()
+                    s = tiles.scores(qf, kj, r0, r1, c0, c1, full)
+                p = torch.exp(s.detach() - lse_i)  # (B, H, t, s)
+                vj = v[:, :, c0:c1].to(acc)
+                dp = (do.reshape(B, Hkv, G * t, Dv) @ vj.transpose(-2, -1)).view(B, H, t, s_)
+                if tiles.dropout_p > 0:
+                    keep = tiles.keep(i, j, p.shape) / (1 - tiles.dropout_p)
+                    p_drop, dp = p * keep, dp * keep
+                else:
+                    p_drop = p
+                dv[:, :, c0:c1] += p_drop.view(B, Hkv, G * t, s_).transpose(-2, -1) @ do.reshape(B, Hkv, G * t, Dv)
+                ds = p * (dp - delta[:, :, r0:r1])
+                gq, gk = torch.autograd.grad(s, (qf, kj), ds)
+                dq[:, :, r0:r1] += gq.view(B, H, t, -1)
+                dk[:, :, c0:c1] += gk
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None
+
+
+def explicit(q: Tensor, k: Tensor, v: Tensor, mask, *, causal: bool, scale: float, dropout_p: float,
+             score_mod=None, tile: int | None = None) -> Tensor:
+    """softmax(score_mod(q k^T * scale) + mask) v over kept tiles, O(N) memory in training."""
+    pred, dense = _combine(mask, causal)
+    seed = int(torch.randint(0, 2 ** 62, (1,)).item()) if dropout_p > 0 else 0
+    tiles = _Tiles(q, k, v, pred, dense, score_mod, scale, dropout_p, tile or EXPLICIT_TILE, seed)
+    return _ExplicitTiles.apply(q, k, v, tiles)
+

@@ -1,0 +1,165 @@
+"""Score modifications: functions of the scaled score, in flex_attention's signature.
+
+A score mod is `score_mod(score, b, h, q_idx, kv_idx) -> score`, applied to the scaled
+scores `q . k * scale` before the mask and the softmax, exactly where
+`torch.nn.attention.flex_attention` applies it. The kernel calls it on whole tiles with
+broadcastable index tensors (b `(B, 1, 1, 1)`, h `(1, H, 1, 1)`, q_idx `(1, 1, t, 1)`,
+kv_idx `(1, 1, 1, s)`), so an element-wise definition written for flex works unchanged.
+
+The mods shipped here, with their float64 NumPy twins in `multihead.reference`:
+
+- `softcap(cap)`: cap * tanh(score / cap), Gemma-2's attention logit soft-capping
+  (Gemma 2 report, 2024: cap 50 on the scaled scores).
+- `alibi(slopes)`: score + slope_h * (kv - q), ALiBi (Press et al., 2022, "Train Short,
+  Test Long") as BLOOM, MPT and Falcon use it; `alibi_slopes(n_heads)` is their slope
+  schedule, including the interleaving for a head count that is not a power of 2.
+
+As with `multihead.masks`, the ScoreMods made here read `q_idx` as the bottom-right
+aligned position (`i + S - T`), so ALiBi's distances stay right when decoding over a
+cache; a plain callable is read as flex reads it (top-left row index).
+
+ALiBi adds a term that does not depend on the score: it carries it as `bias`, so the
+kernel can hand it to the fused kernel as a float mask one tile at a time. A score mod
+that is not additive (softcap) runs on the explicit tile path (`multihead.blocksparse`).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+
+import torch
+from torch import Tensor
+
+__all__ = ["ScoreMod", "alibi", "alibi_slopes", "from_flex", "softcap"]
+
+
+class ScoreMod:
+    """A named score mod `(score, b, h, q_idx, kv_idx) -> score`.
+
+    `bias(b, h, q_idx, kv_idx) -> float tensor`, when given, says the mod is
+    `score + bias(...)` with a bias independent of the score (it may then run on the
+    fused kernel as an additive mask). `top_left`: index convention, as in `MaskMod`.
+    """
+
+    def __init__(self, fn: Callable, name: str, *, bias: Callable | None = None, top_left: bool = False,
+                 check: Callable | None = None):
+        if not callable(fn):
+            raise TypeError(f"a score mod must be callable (score, b, h, q_idx, kv_idx) -> score; "
+                            f"received {type(fn).__name__}")
+        self.fn = fn
+        self.name = name
+        self.bias = bias
+        self.top_left = top_left
+        self._check = check
+
+    def __call__(self, score: Tensor, b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
+        return self.fn(score, b, h, q_idx, kv_idx)
+
+    def __repr__(self) -> str:
+        return f"ScoreMod({self.name})"
+
+    def check(self, B: int, H: int, T: int, S: int) -> None:
+        if self._check is not None:
+            self._check(B, H, T, S)
+
+    def apply(self, score: Tensor, b: Tensor, h: Tensor, rows: Tensor, kv: Tensor, shift: int) -> Tensor:
+        """The mod on a tile of scores at query rows `rows` (0..T-1); shift = S - T."""
+        out = self.fn(score, b, h, rows if self.top_left else rows + shift, kv)
+        if not isinstance(out, Tensor):
+            raise TypeError(f"score mod {self.name} must return a tensor of scores; returned {type(out).__name__}")
+        if out.shape != score.shape:
+            raise ValueError(f"score mod {self.name} changed the shape of the scores: received "
+                             f"{tuple(score.shape)}, returned {tuple(out.shape)}; it must return one score per input")
+        if not out.is_floating_point():
+            raise TypeError(f"score mod {self.name} must return floating-point scores; returned {out.dtype}")
+        return out.to(score.dtype)
+
+    def bias_tile(self, b: Tensor, h: Tensor, rows: Tensor, kv: Tensor, shift: int, dtype) -> Tensor:
+        """The additive term on a tile (only for mods with `bias`)."""
+        return self.bias(b, h, rows if self.top_left else rows + shift, kv).to(dtype)
+
+
+def from_flex(fn: Callable, name: str | None = None) -> ScoreMod:
+    """A flex_attention `score_mod` (top-left q_idx) as a ScoreMod."""
+    if isinstance(fn, ScoreMod):
+        return fn
+    if not callable(fn) or isinstance(fn, Tensor):
+        raise TypeError(f"score_mod must be callable (score, b, h, q_idx, kv_idx) -> score; "
+                        f"received {type(fn).__name__}")
+    return ScoreMod(fn, name or getattr(fn, "__name__", "score_mod"), top_left=True)
+
+
+def _positive_number(x, what: str) -> float:
+    if isinstance(x, Tensor) and x.numel() == 1 and not x.dtype == torch.bool:
+        x = x.item()
+    if isinstance(x, bool) or not isinstance(x, (int, float)) and not hasattr(x, "__float__"):
+        raise ValueError(f"{what} must be a positive finite number; received {x!r}")
+    try:
+        f = float(x)
+    except (TypeError, ValueError):
+        raise ValueError(f"{what} must be a positive finite number; received {x!r}") from None
+    if not math.isfinite(f) or f <= 0:
+        raise ValueError(f"{what} must be a positive finite number; received {x!r}")
+    return f
+
+
+def softcap(cap: float) -> ScoreMod:
+    """cap * tanh(score / cap): scores squashed smoothly into (-cap, cap) (Gemma 2)."""
+    cap = _positive_number(cap, "softcap cap")
+
+    def fn(score, b, h, q, kv):
+        return torch.tanh(score / cap) * cap
+
+    return ScoreMod(fn, f"softcap({cap:g})")
+
+
+def alibi_slopes(n_heads: int) -> Tensor:
+    """ALiBi's per-head slopes `(H,)`, float32, as BLOOM builds them.
+
+    For H a power of 2: 2^(-8 h / H), h = 1..H. Otherwise the slopes of the closest
+    power of 2 below H, followed by every other slope of twice that power.
+    """
+    if isinstance(n_heads, bool) or not isinstance(n_heads, int) or n_heads < 1:
+        raise ValueError(f"n_heads must be a positive int; received {n_heads!r}")
+    p = 2 ** math.floor(math.log2(n_heads))
+    base = 2.0 ** (-(2.0 ** -(math.log2(p) - 3)))
+    slopes = [base ** i for i in range(1, p + 1)]
+    if p != n_heads:
+        extra = 2.0 ** (-(2.0 ** -(math.log2(2 * p) - 3)))
+        slopes += [extra ** i for i in range(1, 2 * min(p, n_heads - p), 2)]
+    return torch.tensor(slopes, dtype=torch.float32)
+
+
+def alibi(slopes: Tensor | Sequence[float] | int) -> ScoreMod:
+    """ALiBi: score + slope_h * (kv - q), a linear penalty on the distance to the key.
+
+    `slopes`: a `(H,)` tensor or sequence, one per query head; an int n_heads means
+    `alibi_slopes(n_heads)`. BLOOM adds slope * kv instead, which differs by a
+    constant per query row and so gives the same softmax.
+    """
+    if isinstance(slopes, int) and not isinstance(slopes, bool):
+        slopes = alibi_slopes(slopes)
+    if not isinstance(slopes, Tensor):
+        try:
+            slopes = torch.tensor(list(slopes), dtype=torch.float64)
+        except (TypeError, ValueError):
+            raise TypeError(f"slopes must be a (H,) tensor, a sequence of floats or an int n_heads; "
+                            f"received {type(slopes).__name__}") from None
+    if slopes.dim() != 1 or not slopes.is_floating_point() or slopes.numel() == 0:
+        raise ValueError(f"slopes must be a non-empty 1-D float tensor (H,); received shape "
+                         f"{tuple(slopes.shape)} {slopes.dtype}")
+    H = slopes.shape[0]
+
+    def check(B, H_, T, S):
+        if H_ != H:
+            raise ValueError(f"alibi has {H} slopes but the attention has H = {H_} query heads; give one per head")
+
+    def bias(b, h, q, kv):
+        s = slopes.to(device=kv.device)[h]  # (1, H, 1, 1) when h is the head index tensor
+        return s * (kv - q).to(s.dtype)
+
+    def fn(score, b, h, q, kv):
+        return score + bias(b, h, q, kv).to(score.dtype)
+
+    return ScoreMod(fn, f"alibi({H} heads)", bias=bias, check=check)
