@@ -48,6 +48,65 @@ KNOWN = {
     # biases, + 123*7168 norms = 671,026,419,200: the published "671B" of the main model
     # (the checkpoint's 685B adds the multi-token-prediction module, not counted here).
     "deepseek-v3": (671_026_419_200, 187_107_328, 70_272),
+    # Mixtral-8x7B: Mistral-7B's attention (41,943,040) and 8 experts of 3*4096*14336 =
+    # 176,160,768 in every layer, router 8*4096, 2 norms: 1,451,270,144 per layer;
+    # 32 layers + 2*32000*4096 + 4096 = 46,702,792,704 (published "46.7B"). KV as Mistral.
+    "mixtral-8x7b": (46_702_792_704, 41_943_040, 131_072),
+    # Qwen1.5-MoE-A2.7B: attention 4*2048^2 + 3*2048 (q/k/v biases) = 16,783,360; 60 experts
+    # of 3*2048*1408 = 8,650,752, ONE shared MLP 3*2048*5632 = 34,603,008 and its gate 2048,
+    # router 60*2048, 2 norms: 570,560,512 per layer; 24 layers + 2*151936*2048 + 2048 =
+    # 14,315,784,192 (published "14.3B"). KV 2*24*16*128*2.
+    "qwen1.5-moe-a2.7b": (14_315_784_192, 16_783_360, 196_608),
+    # Qwen3-30B-A3B: q 2048*4096, k/v 2048*512, o 4096*2048, q/k norms 2*128 = 18,874,624;
+    # 128 experts of 3*2048*768 = 4,718,592, router 128*2048, 2 norms: 623,120,640 per layer;
+    # 48 layers + 2*151936*2048 + 2048 = 30,532,122,624 (published "30.5B"). KV 2*48*4*128*2.
+    "qwen3-30b-a3b": (30_532_122_624, 18_874_624, 98_304),
+    # Qwen3-8B: Llama-3-8B's attention + q/k norms (2*128) = 41,943,296; MLP 3*4096*12288;
+    # 36 layers of 193,946,432 + 2*151936*4096 + 4096 = 8,190,735,360 (published "8.2B").
+    "qwen3-8b": (8_190_735_360, 41_943_296, 147_456),
+    # Gemma-3-1B: q 1152*1024, k/v 1152*256, o 1024*1152, q/k norms 2*256 = 2,949,632; MLP
+    # 3*1152*6912; 4 norms: 26 layers of 26,842,112 + tied 262144*1152 + 1152 =
+    # 999,885,952 (published "1B"). KV 2*26*1*256*2 (before the 512 window fills).
+    "gemma-3-1b": (999_885_952, 2_949_632, 26_624),
+    # Gemma-3-4B's language model (text_config over Gemma3TextConfig's defaults: 8 heads,
+    # 4 KV heads of 256, vocab 262208): q 2560*2048, k/v 2560*1024, o 2048*2560, q/k norms
+    # 512 = 15,729,152; MLP 3*2560*10240; 4 norms: 34 layers of 94,382,592 + tied
+    # 262208*2560 + 2560 = 3,880,263,168 (the published 4.3B adds the SigLIP tower).
+    "gemma-3-4b": (3_880_263_168, 15_729_152, 139_264),
+    # Pythia-160M: attention 4*(768^2 + 768), MLP 2*768*3072 + 3072 + 768, 2 LayerNorms
+    # with biases: 12 layers of 7,087,872 + untied 2*50304*768 + 1536 = 162,322,944
+    # (the Pythia paper's count). KV 2*12*768*2.
+    "pythia-160m": (162_322_944, 2_362_368, 36_864),
+    # GPT-NeoX-20B: 44 layers of 4*(6144^2 + 6144) + 2*6144*24576 + 24576 + 6144 + 4*6144
+    # = 453,009,408 + 2*50432*6144 + 12288 = 20,554,567,680 (the paper's 20,554,567,680).
+    "gpt-neox-20b": (20_554_567_680, 151_019_520, 1_081_344),
+    # gpt-oss-20b: q 2880*4096 + 4096, k/v 2880*512 + 512, o 4096*2880 + 2880, 64 sinks =
+    # 26,550,144; 32 experts of gate_up 2880*5760 + 5760 and down 2880*2880 + 2880 =
+    # 24,891,840, router 32*2880 + 32, 2 norms: 823,186,976 per layer; 24 layers + untied
+    # 2*201088*2880 + 2880 = 20,914,757,184 (published "21B"). KV 2*24*8*64*2.
+    "gpt-oss-20b": (20_914_757_184, 26_550_144, 49_152),
+    # gpt-oss-120b: the same layer with 128 experts (3,212,352,192 + 26,550,144 + 368,768 +
+    # 5,760), 36 layers: 116,829,156,672 (published "117B").
+    "gpt-oss-120b": (116_829_156_672, 26_550_144, 73_728),
+}
+
+# Active parameters per token: name -> (active, active without the input embedding table,
+# which is a lookup, the way model cards count "activated" parameters).
+ACTIVE = {
+    # 32 * (41,943,040 + 2 of 8 experts 352,321,536 + router 32,768 + 8192) + 2*32000*4096
+    # + 4096: 12.9B, Mistral AI's "12.9B active".
+    "mixtral-8x7b": (12_879_925_248, 12_748_853_248),
+    # 24 * (16,783,360 + 4 of 60 experts 34,603,008 + shared 34,603,008 + gate 2048 + router
+    # 122,880 + 4096) + 2*151936*2048 + 2048: Qwen's "2.7B activated".
+    "qwen1.5-moe-a2.7b": (2_689_173_504, 2_378_008_576),
+    # 48 * (18,874,624 + 8 of 128 experts 37,748,736 + router 262,144 + 4096) + 2*151936*2048
+    # + 2048: Qwen's "3.3B activated".
+    "qwen3-30b-a3b": (3_353_032_704, 3_041_867_776),
+    # 24 * (26,550,144 + 4 of 32 experts 99,567,360 + router 92,192 + 5760) + 2*201088*2880
+    # + 2880 = 4,187,440,704; without embed_tokens 3,608,307,264: OpenAI's "3.6B active".
+    "gpt-oss-20b": (4_187_440_704, 3_608_307_264),
+    # 36 layers, 4 of 128 experts: 5,132,849,472 without embed_tokens, OpenAI's "5.1B".
+    "gpt-oss-120b": (5_711_982_912, 5_132_849_472),
 }
 
 
@@ -63,6 +122,73 @@ def test_known_parameter_counts_and_cache(name):
                             + counts.head + counts.pooler)
 
 
+@pytest.mark.parametrize("name", sorted(ACTIVE))
+def test_moe_total_and_active(name):
+    model = plan.read_config(CONFIGS[name])
+    counts = plan.param_counts(model)
+    active, without_embedding = ACTIVE[name]
+    assert counts.active == active, f"{name}: {counts.active:,} != {active:,}"
+    assert counts.active - model.vocab_size * model.d_model == without_embedding
+    assert model.n_moe_layers == model.n_layers and counts.active < counts.total
+
+
+@pytest.mark.parametrize("name", sorted(set(KNOWN) - {"bert-base-uncased"}))
+def test_counts_equal_transformers_on_the_meta_device(name):
+    """An independent reference: transformers builds the model skeleton from the same
+    config (meta device: shapes, no memory) and we sum `numel()`. The attention block
+    is the first module whose class is named *Attention (q/k norms and sinks included)."""
+    torch = pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+    cfg = dict(CONFIGS[name])
+    config = transformers.CONFIG_MAPPING[cfg.pop("model_type")](**cfg)
+    if name == "gemma-3-4b":
+        config = config.text_config  # the language model; the vision tower is not counted
+    with torch.device("meta"):
+        model = transformers.AutoModelForCausalLM.from_config(config)
+    total = sum(p.numel() for p in model.parameters())
+    # DeepSeek-V3's router score correction is a buffer in transformers, a tensor in the
+    # checkpoint: plan counts it.
+    total += sum(b.numel() for n, b in model.named_buffers() if n.endswith("e_score_correction_bias"))
+    attn = next(m for m in model.modules() if type(m).__name__.endswith("Attention"))
+    counts = plan.param_counts(plan.read_config(CONFIGS[name]))
+    assert counts.total == total, f"{name}: plan {counts.total:,} != transformers {total:,}"
+    assert counts.attention_per_layer == sum(p.numel() for p in attn.parameters())
+    types = getattr(config, "layer_types", None)
+    model_geometry = plan.read_config(CONFIGS[name])
+    if types and model_geometry.window is not None:
+        assert model_geometry.n_window_layers == types.count("sliding_attention")
+
+
+def test_sliding_windows_of_the_new_families():
+    # gpt-oss: 128-token windows on every other layer (12 of 24); sinks add no cache.
+    oss = plan.read_config(CONFIGS["gpt-oss-20b"])
+    assert (oss.window, oss.n_window_layers, oss.sinks) == (128, 12, True)
+    per_layer_token = 2 * 8 * 64 * 2
+    assert plan.model_kv_cache_bytes(oss, 131072, 1, "bf16") == (12 * 131072 + 12 * 128) * per_layer_token
+    # Gemma-3-1B: sliding_window_pattern 6 makes layers 5, 11, 17, 23 global: 22 local.
+    g1 = plan.read_config(CONFIGS["gemma-3-1b"])
+    assert (g1.window, g1.n_window_layers) == (512, 22)
+    assert plan.model_kv_cache_bytes(g1, 32768, 1, "bf16") == (4 * 32768 + 22 * 512) * 2 * 256 * 2
+    # The multimodal Gemma-3-4B: 34 layers, 5 of 6 local (29), window 1024, and a note.
+    g4 = plan.read_config(CONFIGS["gemma-3-4b"])
+    assert (g4.window, g4.n_window_layers, g4.family) == (1024, 29, "gemma3")
+    assert any("vision tower" in n for n in g4.notes)
+
+
+def test_qwen_moe_layer_placement():
+    # decoder_sparse_step counts from layer 1 (transformers: (i + 1) % step == 0), and
+    # mlp_only_layers stay dense with intermediate_size.
+    cfg = dict(CONFIGS["qwen1.5-moe-a2.7b"], decoder_sparse_step=2, mlp_only_layers=[1])
+    model = plan.read_config(cfg)
+    moe_layers = [i for i in range(24) if model.moe.is_moe_layer(i)]
+    assert moe_layers == list(range(3, 24, 2))
+    assert model.n_moe_layers == 11
+    full = plan.read_config(CONFIGS["qwen1.5-moe-a2.7b"])
+    dense_layer = 3 * 2048 * 5632
+    moe_layer = 60 * 3 * 2048 * 1408 + 3 * 2048 * 5632 + 2048 + 60 * 2048
+    assert plan.model_params(full) - plan.model_params(model) == 13 * (moe_layer - dense_layer)
+
+
 def test_read_config_from_a_file(tmp_path):
     path = tmp_path / "config.json"
     path.write_text(json.dumps(CONFIGS["llama-3-8b"]))
@@ -70,6 +196,12 @@ def test_read_config_from_a_file(tmp_path):
     assert model.family == "llama"
     assert model.name == tmp_path.name  # a model directory names the model
     assert plan.model_params(model) == 8_030_261_248
+    # A model folder reads its config.json.
+    assert plan.model_params(plan.read_config(tmp_path)) == 8_030_261_248
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    with pytest.raises(ValueError, match=r"empty is a folder without a config.json"):
+        plan.read_config(empty)
 
 
 def test_gemma2_head_dim_and_local_global_layers():
@@ -211,3 +343,83 @@ def test_not_json_and_not_a_model_config(tmp_path):
         plan.read_config(other)
     with pytest.raises(ValueError, match="cannot read"):
         plan.read_config(tmp_path / "missing.json")
+
+
+# --- hostile files: every one a ValueError naming the file and the field ---------------
+
+
+def _write(tmp_path, name, content):
+    path = tmp_path / name
+    if isinstance(content, bytes):
+        path.write_bytes(content)
+    else:
+        path.write_text(content)
+    return path
+
+
+def test_a_huge_number_is_refused_with_the_field(tmp_path):
+    cfg = json.dumps(CONFIGS["llama-3-8b"]).replace('"num_hidden_layers": 32', '"num_hidden_layers": ' + "9" * 400)
+    path = _write(tmp_path, "big.json", cfg)
+    with pytest.raises(ValueError, match=r"big.json: field 'num_hidden_layers' .* at most 2\*\*40; "
+                                         r"received a 400-digit number"):
+        plan.read_config(path)
+    # Past Python's 4300-digit limit the JSON parser itself refuses: still named.
+    path = _write(tmp_path, "huge.json", '{"model_type": "llama", "hidden_size": ' + "9" * 5000 + "}")
+    with pytest.raises(ValueError, match=r"huge.json is not a usable config.json"):
+        plan.read_config(path)
+    # A float overflow (1e999 is inf) or NaN is not an integer field.
+    path = _write(tmp_path, "inf.json", json.dumps(CONFIGS["llama-3-8b"]).replace('"hidden_size": 4096',
+                                                                                '"hidden_size": 1e999'))
+    with pytest.raises(ValueError, match=r"inf.json: field 'hidden_size' .* integer; received inf"):
+        plan.read_config(path)
+    path = _write(tmp_path, "nan.json", '{"model_type": "llama", "hidden_size": NaN}')
+    with pytest.raises(ValueError, match=r"nan.json .*NaN is not a JSON number"):
+        plan.read_config(path)
+
+
+def test_deep_json_and_bad_bytes_and_endless_files(tmp_path):
+    path = _write(tmp_path, "deep.json", "[" * 100_000 + "]" * 100_000)
+    with pytest.raises(ValueError, match=r"deep.json is nested too deeply"):
+        plan.read_config(path)
+    raw = '{"model_type": "llama", "name": "caf\xe9"}'.encode("latin-1")
+    path = _write(tmp_path, "latin1.json", raw)
+    with pytest.raises(ValueError, match=rf"latin1.json is not UTF-8 text \(byte {raw.index(0xE9)} is 0xe9\)"):
+        plan.read_config(path)
+    # /dev/zero never ends: at most MAX_CONFIG_BYTES are read.
+    import os
+
+    from multihead.plan.configs import MAX_CONFIG_BYTES
+
+    if os.path.exists("/dev/zero"):
+        with pytest.raises(ValueError, match=r"/dev/zero is larger than 4 MiB"):
+            plan.read_config("/dev/zero")
+    path = _write(tmp_path, "padded.json", b" " * (MAX_CONFIG_BYTES + 1))
+    with pytest.raises(ValueError, match=r"padded.json is larger than"):
+        plan.read_config(path)
+
+
+@pytest.mark.parametrize("field, value, expected", [
+    ("model_type", ["llama"], r"field 'model_type' must be a string .*received \['llama'\]"),
+    ("model_type", {"x": 1}, r"field 'model_type' must be a string"),
+    ("layer_types", "sliding_attention", r"field 'layer_types' .* list of strings"),
+    ("layer_types", ["sliding_attention"] * 3, r"'layer_types' has 3 entries but num_hidden_layers is 24"),
+    ("mlp_only_layers", [1, "2"], r"field 'mlp_only_layers' .* list of layer indices"),
+    ("num_experts_per_tok", 99, r"top_k \(99\) must be <= n_experts \(32\)"),
+    ("tie_word_embeddings", "no", r"field 'tie_word_embeddings' .* true or false; received 'no'"),
+    ("hidden_size", "x" * 10_000, r"field 'hidden_size' .* integer; received 'xxxx.{0,60}\.\.\.$"),
+])
+def test_bad_fields_name_the_file_and_the_field(tmp_path, field, value, expected):
+    base = "qwen1.5-moe-a2.7b" if field == "mlp_only_layers" else "gpt-oss-20b"
+    path = _write(tmp_path, "cfg.json", json.dumps(dict(CONFIGS[base], **{field: value})))
+    with pytest.raises(ValueError, match=r"cfg.json") as info:
+        plan.read_config(path)
+    import re
+
+    assert re.search(expected, str(info.value)), str(info.value)
+    assert len(str(info.value)) < 400
+
+
+def test_gemma3_without_text_config():
+    cfg = {k: v for k, v in CONFIGS["gemma-3-4b"].items() if k != "text_config"}
+    with pytest.raises(ValueError, match=r"needs a 'text_config' object"):
+        plan.read_config(cfg)

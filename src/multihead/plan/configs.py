@@ -16,6 +16,28 @@ The traps each family sets for a naive calculator:
 - deepseek_v2 / deepseek_v3: MLA, so `num_key_value_heads` says nothing about the cache
   (the latent does: kv_lora_rank + qk_rope_head_dim per token per layer); MoE with
   shared experts and leading dense layers; V3's router score-correction bias.
+- mixtral: every FFN is 8 experts (num_local_experts) of intermediate_size, top 2; a
+  reader that takes it for Mistral counts one expert and misses 39B parameters.
+- qwen2_moe: 60-64 experts of moe_intermediate_size plus ONE shared MLP of
+  shared_expert_intermediate_size behind a Linear(C, 1) gate; decoder_sparse_step
+  counts from layer 1; mlp_only_layers stay dense. qwen3_moe: the same without the
+  shared MLP, and with Qwen3's q/k RMSNorms.
+- qwen3: head_dim 128 set explicitly, q_norm and k_norm (2*D per layer), no biases.
+- gemma3_text: Gemma-2's four norms, q/k norms, 5 local layers (sliding_window, e.g.
+  512 or 1024) per global one (`sliding_window_pattern` 6, or `layer_types`).
+  gemma3 (multimodal, 4B and up): the language model is in `text_config`, which the
+  published configs write sparsely, relying on transformers' Gemma3TextConfig
+  defaults (8 heads, 4 KV heads, head_dim 256, vocab 262208); the vision tower is not
+  counted.
+- gpt_neox (Pythia, GPT-NeoX-20B): fused query_key_value with biases, a non-gated MLP
+  with biases, two LayerNorms per block, untied embed_in / embed_out.
+- gpt_oss: MoE (num_local_experts, gated experts WITH biases, a router with a bias),
+  attention biases on q/k/v/o, a learned sink logit per head, and sliding-window
+  (128) layers alternating with full ones (`layer_types`).
+
+Reading is bounded and never trusts the file: at most MAX_CONFIG_BYTES are read, and
+bad UTF-8, JSON nested too deeply, huge numbers and fields of the wrong type are each a
+ValueError naming the file and the field.
 """
 
 from __future__ import annotations
@@ -31,6 +53,9 @@ from multihead.plan.geometry import (
     MixtureOfExperts,
     ModelGeometry,
 )
+
+MAX_CONFIG_BYTES = 4 * 2**20  # published config.json files are a few KB; 4 MiB is generous
+MAX_FIELD = 2**40  # no width, count or length of a real model comes near this
 
 
 class _Fields:
@@ -50,10 +75,14 @@ class _Fields:
                     return None
                 if isinstance(value, bool) or not isinstance(value, int):
                     self._fail(f"field '{name}' of a {self.family} config must be an integer; "
-                               f"received {value!r}")
+                               f"received {_short(value)}")
                 if value < minimum:
                     self._fail(f"field '{name}' of a {self.family} config must be >= {minimum}; "
                                f"received {value}")
+                if value > MAX_FIELD:
+                    shown = str(value) if value < 10**30 else f"a {len(str(value))}-digit number"
+                    self._fail(f"field '{name}' of a {self.family} config must be at most 2**40; "
+                               f"received {shown}")
                 return value
         if default is ...:
             alt = f" (or {', '.join(repr(n) for n in names[1:])})" if len(names) > 1 else ""
@@ -66,7 +95,7 @@ class _Fields:
             return default
         if not isinstance(value, bool):
             self._fail(f"field '{name}' of a {self.family} config must be true or false; "
-                       f"received {value!r}")
+                       f"received {_short(value)}")
         return value
 
     def head_dim(self, d_model: int, n_heads: int) -> int | None:
@@ -80,9 +109,33 @@ class _Fields:
     def window_layers(self, n_layers: int) -> int | None:
         """Layers marked sliding in a `layer_types` list (newer configs), else None."""
         types = self.data.get("layer_types")
-        if isinstance(types, list) and types:
-            return sum(t == "sliding_attention" for t in types)
-        return None
+        if types is None:
+            return None
+        if not isinstance(types, list) or not all(isinstance(t, str) for t in types):
+            self._fail(f"field 'layer_types' of a {self.family} config must be a list of strings "
+                       f"such as \"sliding_attention\"; received {_short(types)}")
+        if not types:
+            return None
+        if len(types) != n_layers:
+            self._fail(f"field 'layer_types' has {len(types)} entries but num_hidden_layers is "
+                       f"{n_layers}")
+        return sum(t == "sliding_attention" for t in types)
+
+    def int_list(self, name: str) -> tuple[int, ...]:
+        value = self.data.get(name)
+        if value is None:
+            return ()
+        if (not isinstance(value, list)
+                or not all(isinstance(v, int) and not isinstance(v, bool) and 0 <= v <= MAX_FIELD
+                           for v in value)):
+            self._fail(f"field '{name}' of a {self.family} config must be a list of layer indices; "
+                       f"received {_short(value)}")
+        return tuple(value)
+
+
+def _short(value, limit: int = 60) -> str:
+    text = repr(value)
+    return text if len(text) <= limit else text[:limit] + "..."
 
 
 def _context(f: _Fields) -> int | None:
@@ -130,7 +183,8 @@ def _bert(f: _Fields) -> ModelGeometry:
 
 def _llama_like(f: _Fields, *, qkv_bias: bool | None = None, o_bias: bool | None = None,
                 tied: bool = False, norms_per_layer: int = 2, window: int | None = None,
-                window_layers: int | None = None, notes: tuple[str, ...] = ()) -> ModelGeometry:
+                window_layers: int | None = None, qk_norm: bool = False, sinks: bool = False,
+                moe: MixtureOfExperts | None = None, notes: tuple[str, ...] = ()) -> ModelGeometry:
     c = f.int("hidden_size")
     h = f.int("num_attention_heads")
     hkv = f.int("num_key_value_heads", default=h, allow_none=True) or h
@@ -147,6 +201,9 @@ def _llama_like(f: _Fields, *, qkv_bias: bool | None = None, o_bias: bool | None
         norms_per_layer=norms_per_layer,
         window=window,
         window_layers=window_layers,
+        qk_norm=qk_norm,
+        sinks=sinks,
+        moe=moe,
         context_length=_context(f),
         notes=notes,
     )
@@ -160,16 +217,58 @@ def _mistral(f: _Fields) -> ModelGeometry:
     return _llama_like(f, window=f.int("sliding_window", default=None, allow_none=True))
 
 
+def _qwen_window(f: _Fields) -> tuple[int | None, int | None]:
+    """Qwen's sliding window: off unless use_sliding_window, then from max_window_layers on."""
+    if not f.bool("use_sliding_window", False):
+        return None, None
+    window = f.int("sliding_window", default=None, allow_none=True)
+    n_layers = f.int("num_hidden_layers")
+    start = f.int("max_window_layers", default=0, minimum=0)
+    window_layers = f.window_layers(n_layers)
+    if window_layers is None:
+        window_layers = max(0, n_layers - start)
+    return window, window_layers
+
+
 def _qwen2(f: _Fields) -> ModelGeometry:
-    window = window_layers = None
-    if f.bool("use_sliding_window", False):
-        window = f.int("sliding_window", default=None, allow_none=True)
-        n_layers = f.int("num_hidden_layers")
-        start = f.int("max_window_layers", default=0, minimum=0)
-        window_layers = f.window_layers(n_layers)
-        if window_layers is None:
-            window_layers = max(0, n_layers - start)
+    window, window_layers = _qwen_window(f)
     return _llama_like(f, qkv_bias=True, o_bias=False, window=window, window_layers=window_layers)
+
+
+def _qwen3(f: _Fields, moe: MixtureOfExperts | None = None) -> ModelGeometry:
+    window, window_layers = _qwen_window(f)
+    return _llama_like(f, qk_norm=True, window=window, window_layers=window_layers, moe=moe)
+
+
+def _qwen_moe(f: _Fields, shared: bool) -> MixtureOfExperts:
+    return MixtureOfExperts(
+        n_experts=f.int("num_experts"),
+        top_k=f.int("num_experts_per_tok"),
+        d_expert=f.int("moe_intermediate_size"),
+        n_shared=1 if shared else 0,
+        d_shared=f.int("shared_expert_intermediate_size") if shared else None,
+        shared_gate=shared,
+        layer_freq=f.int("decoder_sparse_step", default=1),
+        freq_offset=1,  # transformers: (layer_idx + 1) % decoder_sparse_step == 0
+        dense_layers=f.int_list("mlp_only_layers"),
+    )
+
+
+def _qwen2_moe(f: _Fields) -> ModelGeometry:
+    window, window_layers = _qwen_window(f)
+    bias = f.bool("qkv_bias", True)
+    return _llama_like(f, qkv_bias=bias, o_bias=False, window=window, window_layers=window_layers,
+                       moe=_qwen_moe(f, shared=True))
+
+
+def _qwen3_moe(f: _Fields) -> ModelGeometry:
+    return _qwen3(f, moe=_qwen_moe(f, shared=False))
+
+
+def _mixtral(f: _Fields) -> ModelGeometry:
+    moe = MixtureOfExperts(n_experts=f.int("num_local_experts"), top_k=f.int("num_experts_per_tok"),
+                           d_expert=f.int("intermediate_size"))
+    return _llama_like(f, window=f.int("sliding_window", default=None, allow_none=True), moe=moe)
 
 
 def _phi3(f: _Fields) -> ModelGeometry:
@@ -193,6 +292,80 @@ def _gemma2(f: _Fields) -> ModelGeometry:
         window_layers = (n_layers + 1) // 2
     return _llama_like(f, tied=True, norms_per_layer=4, window=window,
                        window_layers=window_layers)
+
+
+# transformers' Gemma3TextConfig defaults: the multimodal gemma3 configs (4B, 12B, 27B)
+# write only what differs from them in text_config.
+GEMMA3_TEXT_DEFAULTS = {
+    "vocab_size": 262_208, "hidden_size": 2304, "intermediate_size": 9216,
+    "num_hidden_layers": 26, "num_attention_heads": 8, "num_key_value_heads": 4, "head_dim": 256,
+    "max_position_embeddings": 131_072, "sliding_window": 4096, "sliding_window_pattern": 6,
+    "tie_word_embeddings": True,
+}  # fmt: skip
+
+
+def _gemma3_text(f: _Fields, notes: tuple[str, ...] = ()) -> ModelGeometry:
+    f.int("head_dim")
+    n_layers = f.int("num_hidden_layers")
+    window = f.int("sliding_window", default=4096, allow_none=True)
+    # Every `sliding_window_pattern`-th layer is global, the others local:
+    # transformers' (i + 1) % pattern != 0, unless layer_types lists them.
+    window_layers = f.window_layers(n_layers)
+    if window_layers is None:
+        pattern = f.int("sliding_window_pattern", default=6)
+        window_layers = sum(1 for i in range(n_layers) if (i + 1) % pattern)
+    return _llama_like(f, tied=True, norms_per_layer=4, window=window, window_layers=window_layers,
+                       qk_norm=True, notes=notes)
+
+
+def _gemma3(f: _Fields) -> ModelGeometry:
+    text = f.data.get("text_config")
+    if not isinstance(text, Mapping):
+        f._fail(f"a gemma3 config needs a 'text_config' object (the language model); received "
+                f"{_short(text)}")
+    data = {**GEMMA3_TEXT_DEFAULTS, **text}
+    if "tie_word_embeddings" in f.data and "tie_word_embeddings" not in text:
+        data["tie_word_embeddings"] = f.data["tie_word_embeddings"]
+    sub = _Fields(data, "gemma3 text_config", f.source)
+    return _gemma3_text(sub, notes=(
+        "the language model only (text_config, with transformers' Gemma3TextConfig defaults "
+        "for the fields it leaves out); the vision tower and projector are not counted",))
+
+
+def _gpt_neox(f: _Fields) -> ModelGeometry:
+    c = f.int("hidden_size")
+    h = f.int("num_attention_heads")
+    return ModelGeometry(
+        attention=AttentionGeometry(c, h, head_dim=f.head_dim(c, h), bias=f.bool("attention_bias", True)),
+        n_layers=f.int("num_hidden_layers"),
+        vocab_size=f.int("vocab_size"),
+        ffn=FeedForward(f.int("intermediate_size"), gated=False, bias=True),
+        tied_embeddings=f.bool("tie_word_embeddings", False),
+        norm="layernorm",
+        context_length=_context(f),
+        notes=("query_key_value is fused: 3*C outputs; rotary on rotary_pct of each head "
+               "(no parameters)",),
+    )
+
+
+def _gpt_oss(f: _Fields) -> ModelGeometry:
+    n_layers = f.int("num_hidden_layers")
+    window = f.int("sliding_window", default=128, allow_none=True)
+    # transformers' default layer_types: even layers sliding, odd layers full.
+    window_layers = f.window_layers(n_layers)
+    if window_layers is None:
+        window_layers = (n_layers + 1) // 2
+    moe = MixtureOfExperts(
+        n_experts=f.int("num_local_experts"),
+        top_k=f.int("num_experts_per_tok", "experts_per_token"),
+        d_expert=f.int("intermediate_size"),
+        expert_bias=True,  # gate_up_proj_bias and down_proj_bias
+        router_bias=True,  # the router is a Linear with a bias
+    )
+    return _llama_like(f, qkv_bias=f.bool("attention_bias", True), window=window,
+                       window_layers=window_layers, sinks=True, moe=moe,
+                       notes=("one learned sink logit per head and layer (counted in attention; "
+                              "it takes weight in the softmax and caches nothing)",))
 
 
 def _falcon(f: _Fields) -> ModelGeometry:
@@ -274,36 +447,42 @@ READERS: dict[str, Callable[[_Fields], ModelGeometry]] = {
     "falcon": _falcon,
     "gemma": _gemma,
     "gemma2": _gemma2,
+    "gemma3": _gemma3,
+    "gemma3_text": _gemma3_text,
     "gpt2": _gpt2,
+    "gpt_neox": _gpt_neox,
+    "gpt_oss": _gpt_oss,
     "llama": _llama,
     "mistral": _mistral,
+    "mixtral": _mixtral,
     "phi3": _phi3,
     "qwen2": _qwen2,
+    "qwen2_moe": _qwen2_moe,
+    "qwen3": _qwen3,
+    "qwen3_moe": _qwen3_moe,
 }
 _ALIASES = {"RefinedWebModel": "falcon", "RefinedWeb": "falcon"}
 SUPPORTED = ", ".join(READERS)
 
 
 def read_config(source, name: str | None = None) -> ModelGeometry:
-    """A `ModelGeometry` from a config.json path or an already-parsed dict.
+    """A `ModelGeometry` from a config.json path, a model folder holding one, or a dict.
 
-    Raises ValueError naming the file and what is wrong: not JSON, not a model config,
-    an unknown `model_type` (listing the supported families), a missing or bad field.
+    Raises ValueError naming the file and what is wrong: unreadable, larger than
+    MAX_CONFIG_BYTES, not UTF-8, not JSON (or nested too deeply), not a model config, an
+    unknown `model_type` (listing the supported families), a missing or bad field.
     """
     if isinstance(source, Mapping):
         data, label = source, name or "config"
     elif isinstance(source, (str, os.PathLike)):
         label = os.fspath(source)
-        try:
-            with open(source, encoding="utf-8") as fh:
-                text = fh.read()
-        except OSError as err:
-            raise ValueError(f"cannot read {label}: {err.strerror or err}") from None
-        try:
-            data = json.loads(text)
-        except json.JSONDecodeError as err:
-            raise ValueError(f"{label} is not JSON ({err.msg} at line {err.lineno}); "
-                             "expected a Hugging Face config.json") from None
+        if os.path.isdir(source):
+            source = os.path.join(source, "config.json")
+            if not os.path.isfile(source):
+                raise ValueError(f"{label} is a folder without a config.json; give a Hugging Face "
+                                 "model folder or the path of its config.json")
+            label = os.fspath(source)
+        data = _load_json(source, label)
     else:
         raise TypeError(f"read_config takes a path or a dict; received {type(source).__name__}")
     if not isinstance(data, Mapping):
@@ -311,15 +490,53 @@ def read_config(source, name: str | None = None) -> ModelGeometry:
                          f"a {type(data).__name__}")
     model_type = data.get("model_type")
     if model_type is None:
-        keys = ", ".join(list(data)[:6]) or "none"
+        keys = ", ".join(_short(k, 30) for k in list(data)[:6]) or "none"
         raise ValueError(f"{label} is not a model config: it has no 'model_type' (keys: {keys}); "
                          f"supported families: {SUPPORTED}")
+    if not isinstance(model_type, str):
+        raise ValueError(f"{label}: field 'model_type' must be a string such as \"llama\"; received "
+                         f"{_short(model_type)}; supported: {SUPPORTED}")
     family = _ALIASES.get(model_type, model_type)
     if family not in READERS:
-        raise ValueError(f"{label}: unknown model_type {model_type!r}; supported: {SUPPORTED}")
-    model = READERS[family](_Fields(data, family, label))
+        raise ValueError(f"{label}: unknown model_type {_short(model_type)}; supported: {SUPPORTED}")
+    try:
+        model = READERS[family](_Fields(data, family, label))
+    except (ValueError, TypeError) as err:
+        # A geometry that rejects the combination of fields (e.g. top_k > n_experts).
+        msg = str(err)
+        raise ValueError(msg if msg.startswith(label) else f"{label}: {msg}") from None
     model_name = name or data.get("_name_or_path") or _stem(label) or family
-    return _renamed(model, str(model_name), family)
+    return _renamed(model, str(model_name)[:80], family)
+
+
+def _load_json(path, label: str):
+    """Parse at most MAX_CONFIG_BYTES of UTF-8 JSON, every failure a ValueError naming the file."""
+    try:
+        with open(path, "rb") as fh:
+            raw = fh.read(MAX_CONFIG_BYTES + 1)
+    except OSError as err:
+        raise ValueError(f"cannot read {label}: {err.strerror or err}") from None
+    if len(raw) > MAX_CONFIG_BYTES:
+        raise ValueError(f"{label} is larger than {MAX_CONFIG_BYTES // 2**20} MiB; a config.json is a "
+                         "few KB (is this the right file?)")
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as err:
+        raise ValueError(f"{label} is not UTF-8 text (byte {err.start} is {raw[err.start]:#04x}); "
+                         "expected a Hugging Face config.json") from None
+    try:
+        return json.loads(text, parse_constant=_reject_constant)
+    except json.JSONDecodeError as err:
+        raise ValueError(f"{label} is not JSON ({err.msg} at line {err.lineno}); "
+                         "expected a Hugging Face config.json") from None
+    except RecursionError:
+        raise ValueError(f"{label} is nested too deeply to be a config.json") from None
+    except ValueError as err:  # e.g. an integer of more than 4300 digits
+        raise ValueError(f"{label} is not a usable config.json: {_short(str(err), 120)}") from None
+
+
+def _reject_constant(name: str):
+    raise ValueError(f"{name} is not a JSON number")
 
 
 def _stem(label: str) -> str:

@@ -278,12 +278,18 @@ class FeedForward:
 
 @dataclass(frozen=True)
 class MixtureOfExperts:
-    """DeepSeek-style MoE: routed experts (top_k of n_experts per token) + shared experts.
+    """A mixture-of-experts FFN: routed experts (top_k of n_experts per token) + shared ones.
 
-    MoE replaces the FFN in every `layer_freq`-th layer from `first_dense` on (the first
-    layers stay dense with the model's `ffn`). Shared experts always run; DeepSeek fuses
-    them into one MLP of n_shared * d_expert, which has the same parameter count.
-    `router_bias` is DeepSeek-V3's per-expert score correction (a learned vector).
+    MoE replaces the FFN in layer i when i >= `first_dense`, (i + `freq_offset`) is a
+    multiple of `layer_freq` and i is not in `dense_layers`; the other layers keep the
+    model's dense `ffn`. DeepSeek: first_k_dense_replace and moe_layer_freq (offset 0);
+    Qwen2/3-MoE: decoder_sparse_step counts from layer 1 (offset 1) and mlp_only_layers
+    lists dense layers. Shared experts always run: DeepSeek fuses its n_shared experts
+    into one MLP of n_shared * d_expert (the same parameter count); Qwen2-MoE has one
+    shared MLP of width `d_shared` behind a sigmoid gate, a Linear(C, 1) (`shared_gate`).
+    `expert_bias` puts biases on the experts' projections (gpt-oss). `router_bias` adds
+    n_experts parameters to the router: DeepSeek-V3's score correction, or the bias of
+    gpt-oss's router Linear.
     """
 
     n_experts: int
@@ -293,6 +299,11 @@ class MixtureOfExperts:
     first_dense: int = 0
     layer_freq: int = 1
     router_bias: bool = False
+    d_shared: int | None = None
+    shared_gate: bool = False
+    expert_bias: bool = False
+    freq_offset: int = 0
+    dense_layers: tuple[int, ...] = ()
 
     def __post_init__(self):
         _check_int("n_experts", self.n_experts)
@@ -301,21 +312,34 @@ class MixtureOfExperts:
         _check_int("n_shared", self.n_shared, minimum=0)
         _check_int("first_dense", self.first_dense, minimum=0)
         _check_int("layer_freq", self.layer_freq)
+        _check_int("d_shared", self.d_shared, allow_none=True)
+        _check_int("freq_offset", self.freq_offset, minimum=0)
+        for i in self.dense_layers:
+            _check_int("dense_layers[...]", i, minimum=0)
         if self.top_k > self.n_experts:
             raise ValueError(f"top_k ({self.top_k}) must be <= n_experts ({self.n_experts})")
 
     def is_moe_layer(self, i: int) -> bool:
-        return i >= self.first_dense and i % self.layer_freq == 0
+        return (i >= self.first_dense and (i + self.freq_offset) % self.layer_freq == 0
+                and i not in self.dense_layers)
 
     def expert_params(self, d_model: int) -> int:
-        return FeedForward(self.d_expert).params(d_model)
+        return FeedForward(self.d_expert, bias=self.expert_bias).params(d_model)
+
+    def shared_params(self, d_model: int) -> int:
+        """The always-on part: shared experts (or the one shared MLP) and its gate."""
+        if self.d_shared is not None:
+            shared = self.n_shared * FeedForward(self.d_shared, bias=self.expert_bias).params(d_model)
+        else:
+            shared = self.n_shared * self.expert_params(d_model)
+        return shared + d_model * self.shared_gate
 
     def router_params(self, d_model: int) -> int:
         return self.n_experts * d_model + self.n_experts * self.router_bias
 
     def params(self, d_model: int) -> int:
-        experts = (self.n_experts + self.n_shared) * self.expert_params(d_model)
-        return experts + self.router_params(d_model)
+        return (self.n_experts * self.expert_params(d_model) + self.shared_params(d_model)
+                + self.router_params(d_model))
 
     def active_params(self, d_model: int, tokens: int = 1) -> float:
         """Expert weights one step touches for `tokens` tokens, uniform routing assumed:
@@ -323,7 +347,7 @@ class MixtureOfExperts:
         of distinct routed experts is n_experts * (1 - (1 - p)**tokens)."""
         p = self.top_k / self.n_experts
         routed = self.n_experts * (1 - (1 - p) ** tokens)
-        return ((routed + self.n_shared) * self.expert_params(d_model)
+        return (routed * self.expert_params(d_model) + self.shared_params(d_model)
                 + self.router_params(d_model))
 
 
@@ -339,6 +363,10 @@ class ModelGeometry:
     tables (GPT-2, BERT); rotary and ALiBi have no parameters. `window` is a sliding
     window on `window_layers` layers (None = all layers when a window is set); the
     others attend globally. `causal=False` is an encoder: no KV cache, no decoding.
+    Two extras live inside the attention block and are counted in its parameters per
+    layer, as `layer.self_attn.parameters()` counts them: `qk_norm`, an RMSNorm of D on
+    the queries and one on the keys (Qwen3, Gemma-3), and `sinks`, one learned
+    attention-sink logit per query head (gpt-oss). Neither changes the KV cache.
     """
 
     attention: Geometry
@@ -358,6 +386,8 @@ class ModelGeometry:
     causal: bool = True
     window: int | None = None
     window_layers: int | None = None
+    qk_norm: bool = False
+    sinks: bool = False
     context_length: int | None = None
     name: str = "model"
     family: str = "custom"
@@ -421,7 +451,8 @@ def param_counts(model: ModelGeometry) -> ParamCounts:
     c, L = model.d_model, model.n_layers
     embedding = (model.vocab_size + model.max_positions + model.token_types) * c
     embedding += NORMS[model.norm] * c * model.embedding_norm
-    attn_layer = model.attention.params
+    a = model.attention
+    attn_layer = a.params + 2 * a.d_head * model.qk_norm + a.n_heads * model.sinks
     dense_layers = L - model.n_moe_layers
     ffn = dense_layers * model.ffn.params(c)
     active_ffn = ffn
