@@ -297,7 +297,6 @@ def _bad_calls():
         ("x not a tensor", lambda: m(x.tolist()), TypeError, "x must be a tensor (B, T, 32); received list"),
         ("x 2-D", lambda: m(x[0]), ValueError, "x must be 3-D (B, T, 32), batch first; received shape (3, 32)"),
         ("x width", lambda: m(torch.randn(2, 3, 30)), ValueError, "x has width 30; this module expects d_model = 32"),
-        ("x empty", lambda: m(x[:, :0]), ValueError, "x has no tokens"),
         ("KVCache", lambda: m(x, cache=mh.KVCache(2, 4, 8, 8)), TypeError,
          "cache must be a LatentCache from new_cache(); received KVCache"),
         ("cache rank", lambda: m(x, cache=other.new_cache(2, 8)), ValueError,

@@ -25,7 +25,7 @@ from torch import Tensor, nn
 
 from multihead import masks as _masks
 from multihead.cache import KVCache, RollingKVCache
-from multihead.functional import check_backend_name, scaled_dot_product_attention
+from multihead.functional import _normalize_mask, check_backend_name, scaled_dot_product_attention
 from multihead.masks import MaskMod
 from multihead.rope import RotaryEmbedding, apply_rotary
 
@@ -46,6 +46,12 @@ def _split_heads(t: Tensor, D: int) -> Tensor:
     output, so a tensor-parallel shard (h local heads) and empty batches both work."""
     B, T, width = t.shape
     return t.view(B, T, width // D, D).transpose(1, 2)
+
+
+def _merge_heads(t: Tensor) -> Tensor:
+    """(B, h, T, Dv) -> (B, T, h * Dv), with explicit sizes so empty batches work."""
+    B, h, T, Dv = t.shape
+    return t.transpose(1, 2).reshape(B, T, h * Dv)
 
 
 def _default_head_dim(d_model: int, n_heads: int, head_dim: int | None) -> int:
@@ -286,7 +292,7 @@ class Attention(nn.Module):
         out, weights = self._attend(q, k, v, self._layer_mask(mask), causal=causal,
                                     dropout_p=self.dropout if self.training else 0.0,
                                     return_weights=return_weights)
-        out = self.o_proj(out.transpose(1, 2).reshape(B, T, -1))  # (B, T, C)
+        out = self.o_proj(_merge_heads(out))  # (B, T, C)
         return out if weights is None else (out, weights)
 
     def _layer_mask(self, mask):
@@ -323,6 +329,7 @@ class Attention(nn.Module):
         if self.softcap is not None or self.alibi:
             extra["score_mod"] = self._score_mod()
         if self.sliding_window is not None and isinstance(mask, Tensor):
+            mask = _normalize_mask(mask, q, k)  # checked (clear errors) and 4-D before combining
             window = _masks.sliding_window(self.sliding_window).to_dense(1, 1, q.shape[2], k.shape[2],
                                                                          device=q.device)
             mask = mask & window if mask.dtype == torch.bool else mask.masked_fill(~window, float("-inf"))

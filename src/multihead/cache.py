@@ -20,10 +20,14 @@ State rules that callers rely on:
 - A call that raises leaves the cache as it was. The modules take a `checkpoint()`
   before writing and `restore()` it if anything after the write fails (a bad mask, a
   bad head index), so a corrected retry sees exactly the old cache.
-- Under autograd, cached keys and values keep their graph within one sequence (so a
-  loss over several cached steps backpropagates into every step's projections);
-  `reset()` drops it, so nothing of a previous sequence's graph survives, and
-  `copy.deepcopy` copies values, never the graph.
+- Under autograd, cached keys and values keep the graph of their writes within one
+  sequence, so the latest step's output backpropagates into every earlier token's
+  projections (equal to the full forward's gradient). Earlier steps' graphs are not
+  kept valid: each write is in place (O(L) memory, no copies), so a loss summed over
+  several cached steps makes torch report a tensor "modified by an inplace operation".
+  To train on whole sequences, run them without a cache (one causal forward computes
+  every step). Decode under `torch.no_grad()`. `reset()` drops the graph, so nothing
+  of a previous sequence survives it, and `copy.deepcopy` copies values, never a graph.
 """
 
 from __future__ import annotations

@@ -35,7 +35,7 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor, nn
 
-from multihead.attention import _check_int, _default_head_dim
+from multihead.attention import _check_int, _default_head_dim, _merge_heads
 from multihead.cache import LatentCache
 from multihead.functional import check_backend_name, scaled_dot_product_attention
 from multihead.masks import MaskMod
@@ -186,14 +186,23 @@ class LatentAttention(nn.Module):
         offset = cache.length if cache is not None else 0
         q_nope, q_pe = self.queries(x, offset)  # (B, H, T, D), (B, H, T, rope_dim)
         latent = self.latents(x, offset)  # (B, T, R + rope_dim)
-        if cache is not None:
+        if cache is None:
+            return self._attend_and_project(q_nope, q_pe, latent, mask, return_weights, absorb)
+        mark = cache.checkpoint(T)
+        try:
             latent = cache.update(latent)  # (B, S, R + rope_dim)
+            return self._attend_and_project(q_nope, q_pe, latent, mask, return_weights, absorb)
+        except BaseException:
+            cache.restore(mark)  # a call that raises leaves the cache as it was
+            raise
+
+    def _attend_and_project(self, q_nope, q_pe, latent, mask, return_weights, absorb):
         S = latent.shape[1]
         if absorb is None:
-            absorb = self.absorb_is_cheaper(T, S)
+            absorb = self.absorb_is_cheaper(q_nope.shape[2], S)
         attend = self.attend_absorbed if absorb else self.attend_naive
         out, weights = attend(q_nope, q_pe, latent, mask, return_weights=return_weights)
-        out = self.o_proj(out.transpose(1, 2).reshape(B, T, -1))  # (B, T, C)
+        out = self.o_proj(_merge_heads(out))  # (B, T, C)
         return out if weights is None else (out, weights)
 
     def queries(self, x: Tensor, offset: int = 0) -> tuple[Tensor, Tensor]:
@@ -206,7 +215,8 @@ class LatentAttention(nn.Module):
             q = self.q_proj(x)
         else:
             q = self.q_b_proj(self.q_a_norm(self.q_a_proj(x)))
-        q = q.view(B, T, -1, self.head_dim + self.rope_dim).transpose(1, 2)  # (B, H, T, D + rope_dim)
+        W = self.head_dim + self.rope_dim
+        q = q.view(B, T, q.shape[-1] // W, W).transpose(1, 2)  # (B, H, T, D + rope_dim)
         q_nope, q_pe = q.split([self.head_dim, self.rope_dim], dim=-1)
         if self.rope is not None:
             q_pe = self.rope(q_pe, offset)
@@ -230,7 +240,8 @@ class LatentAttention(nn.Module):
         B, S, _ = latent.shape
         D, Dv = self.head_dim, self.v_head_dim
         c_kv, k_pe = latent.split([self.kv_rank, self.rope_dim], dim=-1)  # (B, S, R), (B, S, rope_dim)
-        kv = self.kv_b_proj(c_kv).view(B, S, -1, D + Dv).transpose(1, 2)  # (B, H, S, D + Dv)
+        kv = self.kv_b_proj(c_kv)  # (B, S, H * (D + Dv))
+        kv = kv.view(B, S, kv.shape[-1] // (D + Dv), D + Dv).transpose(1, 2)  # (B, H, S, D + Dv)
         k_nope, v = kv.split([D, Dv], dim=-1)  # (B, H, S, D), (B, H, S, Dv)
         H = k_nope.shape[1]
         k = torch.cat([k_nope, k_pe[:, None].expand(B, H, S, self.rope_dim)], dim=-1)  # (B, H, S, D + rope_dim)
@@ -306,8 +317,10 @@ class LatentAttention(nn.Module):
             raise ValueError(f"x must be 3-D (B, T, {C}), batch first; received shape {tuple(x.shape)}")
         if x.shape[-1] != C:
             raise ValueError(f"x has width {x.shape[-1]}; this module expects d_model = {C}")
-        if x.shape[1] == 0:
-            raise ValueError("x has no tokens (length 0)")
+        w = self.kv_a_proj.weight
+        if x.dtype != w.dtype and not torch.is_autocast_enabled(x.device.type):
+            raise TypeError(f"x is {x.dtype} but this module's weights are {w.dtype}; cast one to "
+                            f"the other (x.to({w.dtype}) or module.to({x.dtype}))")
 
     def _check_cache(self, cache) -> None:
         if not isinstance(cache, LatentCache):

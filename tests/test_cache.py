@@ -1,0 +1,204 @@
+"""multihead.cache: state rules (a failed call leaves the cache as it was, reset drops the
+autograd graph, deepcopy copies values) and the rolling sliding-window cache against the
+full forward and the NumPy reference."""
+
+import copy
+
+import numpy as np
+import pytest
+import torch
+
+import multihead as mh
+from conftest import assert_close
+from multihead import masks
+from multihead import reference as R
+from multihead.cache import RollingKVCache
+
+
+def _snapshot(cache):
+    return cache.length, [getattr(cache, n).detach().clone() for n in cache._buffers]
+
+
+def _assert_unchanged(cache, snap):
+    length, bufs = snap
+    assert cache.length == length == int(cache.position)
+    for name, old in zip(cache._buffers, bufs):
+        assert torch.equal(getattr(cache, name), old), f"cache.{name} changed by a call that raised"
+
+
+BAD_CALLS = {
+    "bad mask shape": dict(mask=torch.ones(5, 7, dtype=torch.bool)),
+    "integer mask": dict(mask=torch.ones(1, 1, 1, 4, dtype=torch.int64)),
+    "bad head index": dict(return_weights=[99]),
+    "mask on a 3-D form": dict(mask=torch.ones(2, 1, 4, dtype=torch.bool)),
+}
+
+
+@pytest.mark.parametrize("bad", list(BAD_CALLS), ids=list(BAD_CALLS))
+@pytest.mark.parametrize("module", ["gqa-rope", "sliding", "mla"])
+def test_a_call_that_raises_leaves_the_cache_as_it_was(bad, module):
+    torch.manual_seed(1)
+    if module == "mla":
+        attn = mh.LatentAttention(16, 4, 6, rope_dim=4, causal=True).double()
+    elif module == "sliding":
+        attn = mh.Attention(16, 4, 2, causal=True, sliding_window=3, rope=True).double()
+    else:
+        attn = mh.Attention(16, 4, 2, causal=True, rope=True).double()
+    x = torch.randn(2, 6, 16, dtype=torch.float64)
+    cache = attn.new_cache(2, 8)
+    attn(x[:, :3], cache=cache)
+    snap = _snapshot(cache)
+    with pytest.raises((ValueError, TypeError)):
+        attn(x[:, 3:4], cache=cache, **BAD_CALLS[bad])
+    _assert_unchanged(cache, snap)
+    # the corrected retry gives exactly the answer of a cache that never saw the failure
+    steps = [attn(x[:, t : t + 1], cache=cache) for t in range(3, 6)]
+    assert_close(torch.cat(steps, 1), attn(x)[:, 3:], what=f"{module}: decode after a failed call")
+
+
+def test_restore_puts_back_the_overwritten_slots_of_a_rolling_cache():
+    cache = RollingKVCache(1, 1, 3, 2)
+    for t in range(5):  # wraps around: slots hold tokens 2, 3, 4
+        cache.update(torch.full((1, 1, 1, 2), float(t)), torch.full((1, 1, 1, 2), -float(t)))
+    snap = _snapshot(cache)
+    mark = cache.checkpoint(2)
+    cache.update(torch.full((1, 1, 2, 2), 9.0), torch.full((1, 1, 2, 2), 9.0))
+    assert not torch.equal(cache.k, snap[1][0])
+    cache.restore(mark)
+    _assert_unchanged(cache, snap)
+
+
+def test_reset_drops_the_graph_and_deepcopy_copies_values():
+    attn = mh.Attention(16, 4, 2, causal=True, rope=True)
+    cache = attn.new_cache(1, 8)
+    x = torch.randn(1, 4, 16)
+    attn(x, cache=cache).sum().backward()
+    assert cache.k.grad_fn is not None  # within a sequence the graph is kept (documented)
+    mid = copy.deepcopy(cache)  # values, not the graph
+    assert mid.k.grad_fn is None and mid.length == 4 and torch.equal(mid.k, cache.k.detach())
+    cache.reset()
+    assert cache.length == 0 and cache.k.grad_fn is None and cache.v.grad_fn is None
+    assert not cache.k.requires_grad
+    copy.deepcopy(cache)
+
+
+def test_backward_from_the_latest_cached_step_equals_the_full_forward():
+    """Under grad the cache keeps the graph of every write, so the latest step's output
+    backpropagates into every earlier token's projections, exactly as the full forward."""
+    torch.manual_seed(2)
+    attn = mh.Attention(16, 4, 2, causal=True, rope=True).double()
+    x = torch.randn(2, 5, 16, dtype=torch.float64)
+    attn(x)[:, -1].square().sum().backward()
+    full = [p.grad.clone() for p in attn.parameters()]
+    attn.zero_grad()
+    cache = attn.new_cache(2, 5)
+    attn(x[:, :3], cache=cache)
+    attn(x[:, 3:4], cache=cache)
+    attn(x[:, 4:5], cache=cache).square().sum().backward()
+    for g_full, p in zip(full, attn.parameters()):
+        assert_close(p.grad, g_full, what="grad through cache")
+
+
+def _windowed_reference(attn, x, W):
+    T = x.shape[1]
+    allowed = masks.sliding_window(W).to_dense(1, 1, T, T).numpy()
+    w = lambda lin: lin.weight.detach().double().numpy().T  # noqa: E731
+    b = lambda lin: lin.bias.detach().double().numpy()  # noqa: E731
+    return R.gqa_forward(x.double().numpy(), w(attn.q_proj), w(attn.k_proj), w(attn.v_proj), w(attn.o_proj),
+                         attn.n_heads, attn.n_kv_heads, mask=allowed, b_q=b(attn.q_proj), b_k=b(attn.k_proj),
+                         b_v=b(attn.v_proj), b_o=b(attn.o_proj))
+
+
+@pytest.mark.parametrize("heads", [(4, 4), (4, 2), (4, 1)])
+@pytest.mark.parametrize("W", [1, 3, 5])
+def test_sliding_window_module_equals_the_reference(heads, W):
+    attn = mh.Attention(16, *heads, causal=True, sliding_window=W).double()
+    x = torch.randn(2, 9, 16, dtype=torch.float64)
+    assert_close(attn(x), _windowed_reference(attn, x, W), what=f"sliding_window={W}")
+
+
+@pytest.mark.parametrize("rope", [None, True])
+@pytest.mark.parametrize("chunks", [[1] * 13, [5, 1, 1, 4, 1, 1], [7, 6], [2, 2, 2, 2, 2, 2, 1]])
+def test_rolling_cache_decode_equals_full_windowed_forward(rope, chunks):
+    """Token by token (and in chunks longer than the window) past several wrap-arounds."""
+    W = 4
+    attn = mh.Attention(16, 4, 2, causal=True, sliding_window=W, rope=rope).double()
+    x = torch.randn(2, sum(chunks), 16, dtype=torch.float64)
+    cache = attn.new_cache(2)
+    assert isinstance(cache, RollingKVCache) and cache.window == W
+    assert cache.nbytes == 2 * (2 * 2 * W * 4) * 8  # k and v: B * Hkv * W * D float64, whatever the length
+    outs, t = [], 0
+    for n in chunks:
+        outs.append(attn(x[:, t : t + n], cache=cache))
+        t += n
+    assert cache.length == t
+    assert_close(torch.cat(outs, 1), attn(x), what="rolling cache vs full windowed forward")
+    if rope is None:
+        assert_close(torch.cat(outs, 1), _windowed_reference(attn, x, W), what="rolling cache vs reference")
+
+
+def test_static_cache_on_a_sliding_window_layer_still_works():
+    attn = mh.Attention(16, 4, causal=True, sliding_window=3).double()
+    x = torch.randn(1, 7, 16, dtype=torch.float64)
+    cache = attn.new_cache(1, 7, rolling=False)
+    out = torch.cat([attn(x[:, t : t + 1], cache=cache) for t in range(7)], 1)
+    assert_close(out, attn(x))
+
+
+def test_cache_length_needs_no_device_read():
+    """The eager length is a Python int kept beside the tensor (no sync per layer per step)."""
+    cache = mh.KVCache(1, 1, 8, 2)
+    cache.update(torch.zeros(1, 1, 3, 2), torch.zeros(1, 1, 3, 2))
+    cache.position.fill_(99)  # were length read from the tensor, it would say 99
+    assert cache.length == 3
+
+
+def test_positions_equal_a_numpy_rope_reference():
+    """Explicit per-batch positions (non-contiguous) against RoPE written in NumPy."""
+    attn = mh.Attention(16, 4, 2, causal=True, rope=True).double()
+    x = torch.randn(2, 5, 16, dtype=torch.float64)
+    pos = torch.tensor([[0, 1, 2, 10, 11], [3, 4, 5, 6, 7]])
+    out = attn(x, positions=pos)
+
+    def rope_np(a, p):  # half-split pairing (f, f + D/2), angle p / 10000^(2f/D)
+        D = a.shape[-1]
+        inv = 1.0 / 10000.0 ** (np.arange(0, D, 2) / D)
+        ang = p[:, None, :, None] * inv  # (B, 1, T, D/2)
+        a1, a2 = a[..., : D // 2], a[..., D // 2 :]
+        return np.concatenate([a1 * np.cos(ang) - a2 * np.sin(ang), a1 * np.sin(ang) + a2 * np.cos(ang)], -1)
+
+    with torch.no_grad():
+        q = attn.q_proj(x).view(2, 5, 4, 4).transpose(1, 2).numpy()
+        k = attn.k_proj(x).view(2, 5, 2, 4).transpose(1, 2).numpy()
+        v = attn.v_proj(x).view(2, 5, 2, 4).transpose(1, 2).numpy()
+    heads = R.attention(rope_np(q, pos.numpy()), rope_np(k, pos.numpy()), v, causal=True)
+    ref = R.combine_heads(heads) @ attn.o_proj.weight.detach().numpy().T + attn.o_proj.bias.detach().numpy()
+    assert_close(out, ref, atol=1e-6, rtol=1e-6, what="positions=")  # TODO tighten: float32 RoPE angles
+    # rotary=(cos, sin) with the same angles gives the same output
+    cos, sin = attn.rope.cos_sin(pos.reshape(-1))
+    rot = (cos.view(2, 1, 5, -1), sin.view(2, 1, 5, -1))
+    assert_close(attn(x, rotary=rot), out, what="rotary=")
+
+
+def test_default_positions_continue_from_the_cache():
+    attn = mh.Attention(16, 4, causal=True, rope=True).double()
+    x = torch.randn(1, 6, 16, dtype=torch.float64)
+    assert_close(attn(x, positions=torch.arange(6)), attn(x))
+
+
+@pytest.mark.parametrize("shape", [(2, 0), (0, 3)], ids=["T=0", "B=0"])
+@pytest.mark.parametrize("kind", ["gqa", "mla"])
+def test_empty_inputs_give_empty_outputs_and_leave_the_cache(shape, kind):
+    """B = 0 or T = 0: an empty output of the right shape, the same way in both modules."""
+    if kind == "mla":
+        attn = mh.LatentAttention(16, 4, 6, rope_dim=4, causal=True)
+    else:
+        attn = mh.Attention(16, 4, 2, causal=True, rope=True)
+    B, T = shape
+    out, w = attn(torch.randn(B, T, 16), return_weights=True)
+    assert out.shape == (B, T, 16) and w.shape == (B, 4, T, T)
+    if B:
+        cache = attn.new_cache(B, 4)
+        attn(torch.randn(B, 2, 16), cache=cache)
+        out, w = attn(torch.randn(B, 0, 16), cache=cache, return_weights=[1])
+        assert out.shape == (B, 0, 16) and w.shape == (B, 1, 0, 2) and cache.length == 2
