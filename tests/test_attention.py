@@ -207,3 +207,65 @@ def test_decode_step_under_torch_compile():
     # the cache position is a tensor, so one graph serves every step
     assert graphs[-1] == 1, f"graphs compiled after each step: {graphs}"
     assert cache.length == 12
+
+
+def _heads_reference(attn, x, **kw):
+    """The module's projections in float64, then reference.attention with its score mods."""
+    B, T, _ = x.shape
+    with torch.no_grad():
+        q = attn.q_proj(x).view(B, T, attn.n_heads, attn.head_dim).transpose(1, 2).numpy()
+        k = attn.k_proj(x).view(B, T, attn.n_kv_heads, attn.head_dim).transpose(1, 2).numpy()
+        v = attn.v_proj(x).view(B, T, attn.n_kv_heads, attn.head_dim).transpose(1, 2).numpy()
+    heads = R.attention(q, k, v, causal=attn.causal, **kw)
+    return R.combine_heads(heads) @ attn.o_proj.weight.detach().numpy().T + attn.o_proj.bias.detach().numpy()
+
+
+@pytest.mark.parametrize("heads", [(4, 4), (6, 2)])
+@pytest.mark.parametrize("causal", [False, True])
+def test_softcap_module_equals_reference(heads, causal):
+    attn = mh.Attention(24, *heads, causal=causal, softcap=0.5).double()
+    x = 3 * torch.randn(2, 7, 24, dtype=torch.float64)  # scores well past the cap
+    ref = _heads_reference(attn, x, softcap_cap=0.5)
+    assert_close(attn(x), ref, what="softcap")
+    plain = mh.Attention(24, *heads, causal=causal).double()
+    plain.load_state_dict(attn.state_dict())
+    assert (plain(x) - attn(x)).abs().max() > 1e-3  # the cap matters at these scores
+
+
+@pytest.mark.parametrize("n_heads", [4, 6])
+def test_alibi_module_equals_reference_and_decodes_with_a_cache(n_heads):
+    attn = mh.Attention(24, n_heads, causal=True, alibi=True).double()
+    x = torch.randn(2, 9, 24, dtype=torch.float64)
+    ref = _heads_reference(attn, x, alibi=R.alibi_slopes(n_heads))
+    full = attn(x)
+    assert_close(full, ref, what="alibi")
+    cache = attn.new_cache(2, 9)
+    steps = [attn(x[:, :4], cache=cache)] + [attn(x[:, t : t + 1], cache=cache) for t in range(4, 9)]
+    assert_close(torch.cat(steps, 1), full, what="alibi cached decode")
+
+
+def test_sliding_window_and_softcap_with_a_rolling_cache():
+    """Gemma-2's local layer: window + softcap, decoded through the rolling cache."""
+    attn = mh.Attention(16, 4, 2, causal=True, sliding_window=3, softcap=1.0, rope=True).double()
+    x = 2 * torch.randn(1, 10, 16, dtype=torch.float64)
+    cache = attn.new_cache(1)
+    out = torch.cat([attn(x[:, t : t + 1], cache=cache) for t in range(10)], 1)
+    assert_close(out, attn(x), what="window + softcap, rolling cache")
+
+
+@pytest.mark.parametrize("kwargs,match", [
+    (dict(sliding_window=4), "sliding_window=4 is a causal window"),
+    (dict(causal=True, sliding_window=0), "sliding_window must be an int >= 1"),
+    (dict(softcap=0.0), "softcap must be a positive finite number"),
+    (dict(softcap=float("inf")), "softcap must be a positive finite number"),
+    (dict(alibi=1), "alibi must be True or False"),
+    (dict(causal=True, alibi=True, softcap=5.0), "softcap and alibi together"),
+])
+def test_bad_layer_options(kwargs, match):
+    with pytest.raises((ValueError, TypeError), match=match):
+        mh.Attention(16, 4, **kwargs)
+
+
+def test_float64_input_to_a_float32_module_is_named():
+    with pytest.raises(TypeError, match="x is torch.float64 but this module's weights are torch.float32"):
+        mh.Attention(16, 4)(torch.randn(1, 3, 16, dtype=torch.float64))

@@ -143,6 +143,9 @@ class Attention(nn.Module):
             raise ValueError(f"softcap must be a positive finite number or None; received {softcap!r}")
         if not isinstance(alibi, bool):
             raise TypeError(f"alibi must be True or False; received {alibi!r}")
+        if alibi and softcap is not None:
+            raise ValueError("softcap and alibi together are not supported (no model combines them); "
+                             "pass one, or call the kernel with your own score_mod")
 
         self.d_model = d_model
         self.n_heads = n_heads
@@ -308,26 +311,21 @@ class Attention(nn.Module):
         return mask  # a tensor mask: combined with the window in _attend's kernel call
 
     def _score_mod(self):
-        """The score mods this layer applies, composed (None if none)."""
-        from multihead import score_mods  # noqa: PLC0415 (kernel floor; imported on use)
+        """The score mod this layer applies (softcap or ALiBi), or None."""
+        from multihead import score_mods  # kernel floor, imported on use
 
-        mods = []
         if self.softcap is not None:
-            mods.append(score_mods.softcap(self.softcap))
+            return score_mods.softcap(self.softcap)
         if self.alibi:
-            H = self.q_proj.out_features // self.head_dim  # local heads under tensor parallelism
-            mods.append(score_mods.alibi(score_mods.alibi_slopes(self.n_heads)[:H]))
-        if not mods:
-            return None
-        return mods[0] if len(mods) == 1 else score_mods.compose(*mods)
+            H = self.q_proj.out_features // self.head_dim
+            return score_mods.alibi(score_mods.alibi_slopes(self.n_heads)[:H])
+        return None
 
     def _attend(self, q: Tensor, k: Tensor, v: Tensor, mask, *, causal: bool, dropout_p: float,
                 return_weights) -> tuple[Tensor, Tensor | None]:
         """The attention kernel on `(B, H, T, D)` q and `(B, Hkv, S, D)` k, v: returns
         `(out (B, H, T, D), weights or None)`. Wrappers override this one method."""
-        extra = {}
-        if self.softcap is not None or self.alibi:
-            extra["score_mod"] = self._score_mod()
+        score_mod = self._score_mod()
         if self.sliding_window is not None and isinstance(mask, Tensor):
             mask = _normalize_mask(mask, q, k)  # checked (clear errors) and 4-D before combining
             window = _masks.sliding_window(self.sliding_window).to_dense(1, 1, q.shape[2], k.shape[2],
@@ -335,7 +333,7 @@ class Attention(nn.Module):
             mask = mask & window if mask.dtype == torch.bool else mask.masked_fill(~window, float("-inf"))
         result = scaled_dot_product_attention(
             q, k, v, mask, causal=causal, dropout_p=dropout_p, return_weights=return_weights,
-            backend=self.backend, **extra,
+            backend=self.backend, score_mod=score_mod,
         )
         return result if isinstance(result, tuple) else (result, None)
 
