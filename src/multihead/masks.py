@@ -197,6 +197,7 @@ def tile_classes(mask_mod: MaskMod, B: int, H: int, T: int, S: int, bq: int, bk:
     mask_mod.check(B, H, T, S)
     any_, all_ = mask_mod.tiles(B, H, T, S, bq, bk, device)
     any_, all_ = torch.broadcast_tensors(any_, all_)
+    any_, all_ = (t.expand(-1, -1, -(-T // bq), -(-S // bk)) for t in (any_, all_))
     return torch.where(all_, 1, torch.where(any_, 2, 0)).to(torch.int8)
 
 

@@ -17,11 +17,14 @@ from __future__ import annotations
 import numpy as np
 
 __all__ = [
+    "alibi_bias",
+    "alibi_slopes",
     "attention",
     "combine_heads",
     "cross_attention",
     "gqa_forward",
     "mha_forward",
+    "softcap",
     "softmax",
     "split_heads",
 ]
@@ -57,10 +60,40 @@ def causal_mask(T: int, S: int) -> np.ndarray:
     return np.arange(S)[None, :] <= np.arange(T)[:, None] + (S - T)
 
 
-def attention(q, k, v, mask=None, causal=False, scale=None, return_weights=False):
-    """softmax(q k^T * scale + mask) v for q `(..., H, T, D)`, k/v `(..., Hkv, S, D|Dv)`.
+def softcap(scores: np.ndarray, cap: float) -> np.ndarray:
+    """cap * tanh(scores / cap): Gemma 2's logit soft-capping of the scaled scores."""
+    return cap * np.tanh(np.asarray(scores, dtype=np.float64) / cap)
 
-    With Hkv < H (GQA/MQA), query head h uses key/value head h // (H // Hkv).
+
+def alibi_slopes(n_heads: int) -> np.ndarray:
+    """ALiBi slopes (Press et al., 2022) as BLOOM computes them, `(H,)`.
+
+    H a power of 2: 2^(-8/H), its square, ..., 2^(-8). Otherwise the H' = 2^floor(log2 H)
+    slopes of H', then the odd powers of the 2H' schedule's ratio for the remaining heads.
+    """
+    closest = 2 ** int(np.floor(np.log2(n_heads)))
+    ratio = 2.0 ** (-8.0 / closest)
+    slopes = ratio ** np.arange(1, closest + 1)
+    if closest < n_heads:
+        ratio2 = 2.0 ** (-8.0 / (2 * closest))
+        slopes = np.concatenate([slopes, ratio2 ** np.arange(1, 2 * (n_heads - closest), 2)])
+    return slopes
+
+
+def alibi_bias(slopes, T: int, S: int) -> np.ndarray:
+    """`(H, T, S)` ALiBi bias slope_h * (j - p_i), query positions p_i = i + S - T (bottom-right)."""
+    slopes = np.asarray(slopes, dtype=np.float64)
+    dist = np.arange(S)[None, :] - (np.arange(T)[:, None] + (S - T))  # (T, S): j - p_i
+    return slopes[:, None, None] * dist[None]
+
+
+def attention(q, k, v, mask=None, causal=False, scale=None, return_weights=False, softcap_cap=None,
+              alibi=None):
+    """softmax(mod(q k^T * scale) + mask) v for q `(..., H, T, D)`, k/v `(..., Hkv, S, D|Dv)`.
+
+    With Hkv < H (GQA/MQA), query head h uses key/value head h // (H // Hkv). The score
+    mods act on the scaled scores before the mask: `softcap_cap` (cap * tanh(s / cap)),
+    then `alibi` (the `(H,)` slopes; adds `alibi_bias`).
     """
     q, k, v = (np.asarray(a, dtype=np.float64) for a in (q, k, v))
     H, Hkv = q.shape[-3], k.shape[-3]
@@ -71,6 +104,10 @@ def attention(q, k, v, mask=None, causal=False, scale=None, return_weights=False
     scale = 1.0 / np.sqrt(q.shape[-1]) if scale is None else scale
     scores = q @ np.swapaxes(k, -1, -2) * scale  # (..., H, T, S)
     T, S = scores.shape[-2:]
+    if softcap_cap is not None:
+        scores = softcap(scores, softcap_cap)
+    if alibi is not None:
+        scores = scores + alibi_bias(alibi, T, S)
     if mask is not None:
         mask = np.asarray(mask)
         if mask.dtype == bool:
