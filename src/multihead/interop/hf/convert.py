@@ -42,6 +42,7 @@ from torch import Tensor, nn
 
 from multihead.attention import Attention
 from multihead.functional import scaled_dot_product_attention
+from multihead.interop.hf.registry import hf_mask
 from multihead.rope import RotaryEmbedding, apply_rotary
 
 __all__ = ["convert", "from_bert", "from_gpt2", "from_llama", "patch", "patched_layers", "hf_mask"]
@@ -208,43 +209,6 @@ def convert(module: nn.Module, *, backend: str = "auto") -> Attention:
         return from_llama(module, backend=backend)
     raise TypeError(f"no multihead conversion for {name}; supported: BertAttention / RobertaAttention, "
                     + ", ".join(GPT2_FAMILY + LLAMA_FAMILY))
-
-
-# -------------------------------------------------------------------- HF masks
-
-
-def hf_mask(attention_mask, q_dtype: torch.dtype | None = None) -> Tensor | None:
-    """The mask transformers hands an attention module -> a multihead mask.
-
-    - None stays None (the module's own causality applies).
-    - bool `(B, 1|H, T, S)` (the sdpa path) already means True = may attend.
-    - float `(B, 1|H, T, S)` (the eager path) is added to the scores, with
-      `finfo.min` for blocked keys: blocked entries become False (or -inf where the
-      other entries carry real biases, which stay float).
-    - 2-D `(B, S)` with 1 = real token (the flash-attention path) becomes `(B, 1, 1, S)`.
-
-    A query row that may attend no key gives zeros here (multihead's convention), where
-    HF's eager path gives a uniform row; such rows exist only at padded query positions.
-    """
-    m = attention_mask
-    if m is None:
-        return None
-    if not isinstance(m, Tensor):
-        raise TypeError(f"attention mask of type {type(m).__name__} is not supported by the multihead-patched "
-                        "layers; load the model with attn_implementation='eager' or 'sdpa'")
-    if m.dim() == 2:
-        return m.bool()[:, None, None, :]
-    if m.dim() != 4:
-        raise ValueError(f"expected a 4-D (B, 1, T, S) or 2-D (B, S) attention mask; received {tuple(m.shape)}")
-    if m.dtype == torch.bool:
-        return m
-    if m.is_floating_point():
-        blocked = m <= torch.finfo(m.dtype).min / 2
-        if not bool((m.masked_fill(blocked, 0) != 0).any()):
-            return ~blocked
-        out = m.masked_fill(blocked, float("-inf"))
-        return out if q_dtype is None else out.to(q_dtype)
-    return m.bool()
 
 
 # ---------------------------------------------------------------- the wrappers

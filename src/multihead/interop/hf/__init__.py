@@ -1,0 +1,63 @@
+"""Hugging Face transformers models on multihead.
+
+Importing this package registers "multihead" as a transformers attention
+implementation (see `registry`), so
+
+    import multihead.interop.hf
+    model = AutoModelForCausalLM.from_pretrained(path, attn_implementation="multihead")
+
+runs every model whose attention goes through transformers' attention registry on
+multihead's kernel, with nothing else of the model changed.
+
+Three jobs, one module each:
+
+- `registry`: `register()`, the attention function, `WeightsRequest` (weights of chosen
+  heads, returned by the forward).
+- `convert`: one HF attention layer -> a standalone multihead module with the same
+  weights (`from_bert`, `from_gpt2`, `from_llama`, `from_deepseek`, `convert`), and the
+  model's RoPE settings -> `RotaryEmbedding`.
+- `patch`: the one case the registry cannot serve: DeepSeek-V2/V3 attention swapped for
+  `LatentAttention`, so `generate()` caches the latent and decodes on the absorbed path;
+  `unpatch()` restores the model, and saving a patched model writes the original keys.
+"""
+
+from __future__ import annotations
+
+from multihead.interop.hf.convert import (  # noqa: F401 (the patch() of before, until patch.py replaces it)
+    MultiheadLayer,
+    convert,
+    from_bert,
+    from_gpt2,
+    from_llama,
+    patch,
+    patched_layers,
+    set_weight_heads,
+)
+from multihead.interop.hf.registry import (
+    CaptureComplete,
+    WeightsRequest,
+    attention_forward,
+    hf_mask,
+    register,
+    registered,
+)
+
+__all__ = [
+    "CaptureComplete",
+    "WeightsRequest",
+    "attention_forward",
+    "convert",
+    "from_bert",
+    "from_gpt2",
+    "from_llama",
+    "hf_mask",
+    "patch",
+    "patched_layers",
+    "register",
+    "registered",
+]
+
+try:  # registering needs transformers; the conversions alone do not import it
+    register()
+except ImportError:
+    pass

@@ -1,0 +1,333 @@
+"""`attn_implementation="multihead"`: transformers' own attention registry, run on multihead.
+
+transformers picks the kernel of every attention module by name from its
+`AttentionInterface` (`ALL_ATTENTION_FUNCTIONS`): a module that calls
+`ALL_ATTENTION_FUNCTIONS.get_interface(config._attn_implementation, ...)` hands the
+function registered under that name its projected, rotated and cached q `(B, H, T, D)`,
+k, v `(B, Hkv, S, D|Dv)` and the mask its mask utilities built. `register()` puts
+`attention_forward` there under "multihead", and transformers' boolean mask builder (its
+sdpa masks: True = may attend, None where plain causality or nothing is needed) under the
+same name in `AttentionMaskInterface`, so
+
+    import multihead.interop.hf  # registers "multihead"
+    model = AutoModel.from_pretrained(path, attn_implementation="multihead")
+    model.set_attn_implementation("multihead")  # or switch a loaded model
+
+runs every such model on `multihead.scaled_dot_product_attention`. Nothing of the model
+changes: its modules, weights, caches and state dict stay transformers' own, so saving,
+reloading and generate need nothing from multihead.
+
+The keywords transformers passes are honoured: the mask (bool or additive float,
+`(B, 1|H, T, S)`), `scaling`, `dropout`, `is_causal`, `sliding_window` (applied when no
+mask carries it), `softcap` (Gemma-2), attention sinks (`s_aux` of GPT-OSS, `sinks`) and
+T5's `position_bias`. GQA goes to the kernel as `Hkv < H`, without copies of K/V.
+`output_attentions=True` returns the weights from the kernel's weights-on-demand pass, so
+asking for them never moves the output to a slow path. A `WeightsRequest` passed as the
+forward keyword `multihead_weights=` asks for chosen heads of chosen modules only (what
+`multihead inspect` does); the weights come back in it, not in attributes of the modules.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from collections.abc import Sequence
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from multihead.functional import check_backend_name, scaled_dot_product_attention
+
+__all__ = ["REQUEST_KEYWORD", "CaptureComplete", "WeightsRequest", "attention_forward", "hf_mask", "register",
+           "registered"]
+
+#: The forward keyword that carries a `WeightsRequest` down to the attention function.
+REQUEST_KEYWORD = "multihead_weights"
+
+# Names transformers itself defines: registering over them would change every model that uses them.
+_RESERVED = ("eager", "sdpa", "flex_attention", "flash_attention_2", "flash_attention_3", "flash_attention_4",
+             "paged|eager")
+
+_REGISTERED: dict[str, str] = {}  # name -> backend
+
+
+# ------------------------------------------------------------------ masks
+
+
+def hf_mask(attention_mask, q_dtype: torch.dtype | None = None) -> Tensor | None:
+    """The mask transformers hands an attention function -> a multihead mask.
+
+    - None stays None (the layer's causality, if any, applies).
+    - bool `(B, 1|H, T, S)` (transformers' sdpa masks, and ours) already means True =
+      may attend.
+    - float `(B, 1|H, T, S)` (its eager masks, or a custom one) is added to the scores,
+      with `finfo.min` for blocked keys: those become -inf, so a row with no key to
+      attend gives zeros (multihead's rule) where transformers' eager path gives a
+      uniform row; such rows exist only at padded query positions. No value is read
+      back to the host (no device sync).
+    - 2-D `(B, S)` with 1 = a real token (flash-attention's form) becomes `(B, 1, 1, S)`.
+    """
+    m = attention_mask
+    if m is None:
+        return None
+    if not isinstance(m, Tensor):
+        raise TypeError(f"attention mask of type {type(m).__name__} is not supported by attn_implementation="
+                        "'multihead' (a flex-attention BlockMask?); valid: None, a bool or float tensor "
+                        "(B, 1|H, T, S), or a 0/1 (B, S) padding mask")
+    if m.dim() == 2:
+        return m.bool()[:, None, None, :]  # (B, 1, 1, S)
+    if m.dim() != 4:
+        raise ValueError(f"expected a 4-D (B, 1|H, T, S) or 2-D (B, S) attention mask; received {tuple(m.shape)}")
+    if m.dtype == torch.bool:
+        return m
+    if m.is_floating_point():
+        out = m.masked_fill(m <= torch.finfo(m.dtype).min / 2, float("-inf"))
+        return out if q_dtype is None else out.to(q_dtype)
+    return m.bool()
+
+
+def _window_mask(T: int, S: int, window: int, device) -> Tensor:
+    """Causal sliding window, bottom-right aligned: query i (at S - T + i) sees keys j with
+    0 <= (S - T + i) - j < window. `(1, 1, T, S)` bool."""
+    q_pos = torch.arange(S - T, S, device=device)[:, None]
+    kv = torch.arange(S, device=device)[None, :]
+    return ((kv <= q_pos) & (q_pos - kv < window))[None, None]
+
+
+# ----------------------------------------------------------- weights on request
+
+
+class CaptureComplete(Exception):  # noqa: N818 (a signal, not an error)
+    """Raised by the attention function once a `WeightsRequest(stop=True)` has every weight
+    it asked for: the rest of the forward is skipped. `WeightsRequest.run` catches it."""
+
+
+class WeightsRequest:
+    """Heads whose attention weights a forward should return, per attention module.
+
+    Pass it as the forward keyword `multihead_weights=` of a model running on
+    attn_implementation="multihead" (transformers hands unknown keywords down to the
+    attention function). Each listed module computes its output with the fused kernel
+    and the weights of its listed heads only, `(B, len(heads), T, S)`, and hands them
+    back here (`weights[module]`); unlisted modules compute no weights at all.
+
+    Args:
+        heads: {attention module: head indices, or None for all its heads}.
+        stop: end the forward (by raising `CaptureComplete`, which `run` catches) once
+            every listed module has been seen, so layers after the last one asked for
+            are never computed.
+        probe: record every module that calls the attention function, with its shapes
+            `(H, Hkv, T, S)`, instead of weights (to find a model's attention modules).
+    """
+
+    def __init__(self, heads: dict[nn.Module, Sequence[int] | None] | None = None, *, stop: bool = False,
+                 probe: bool = False):
+        self._heads = {id(m): (m, None if h is None else tuple(int(i) for i in h)) for m, h in (heads or {}).items()}
+        self.stop = bool(stop)
+        self.probe = bool(probe)
+        self.weights: dict[int, Tensor] = {}
+        self.calls: list[tuple[nn.Module, tuple[int, int, int, int]]] = []
+
+    def heads_for(self, module: nn.Module) -> tuple[int, ...] | bool | None:
+        """The heads asked of `module`: a tuple, True for all, or None (not asked)."""
+        entry = self._heads.get(id(module))
+        if entry is None:
+            return None
+        return True if entry[1] is None else entry[1]
+
+    def record(self, module: nn.Module, weights: Tensor | None, shape: tuple[int, int, int, int]) -> None:
+        if self.probe:
+            self.calls.append((module, shape))
+            return
+        if weights is not None:
+            self.weights[id(module)] = weights
+        if self.stop and len(self.weights) == len(self._heads):
+            raise CaptureComplete
+
+    def get(self, module: nn.Module) -> Tensor | None:
+        """The weights recorded for `module` `(B, len(heads), T, S)`, or None."""
+        return self.weights.get(id(module))
+
+    def run(self, model: nn.Module, **inputs):
+        """model(**inputs, multihead_weights=self) under no_grad; CaptureComplete ends it early.
+        Returns the model's output, or None if the forward was ended early."""
+        with torch.no_grad():
+            try:
+                return model(**inputs, **{REQUEST_KEYWORD: self})
+            except CaptureComplete:
+                return None
+
+
+# ---------------------------------------------------------- the attention function
+
+
+def _number(name: str, value) -> float | None:
+    if value is None:
+        return None
+    if isinstance(value, Tensor) and value.numel() == 1:
+        value = value.item()
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
+        raise ValueError(f"{name} must be a positive finite number or None; received {value!r}")
+    return float(value)
+
+
+def _sink_logits(sinks, B: int, H: int, T: int) -> Tensor | None:
+    """Sink logits `(B|1, H, T|1, 1)` from a per-head `(H,)` parameter (GPT-OSS) or a 4-D tensor."""
+    if sinks is None:
+        return None
+    if not isinstance(sinks, Tensor):
+        raise TypeError(f"attention sinks must be a tensor (H,) or (B, H, T, 1); received {type(sinks).__name__}")
+    if sinks.dim() == 1 and sinks.shape[0] == H:
+        return sinks.view(1, H, 1, 1)
+    if sinks.dim() == 4 and sinks.shape[-1] == 1:
+        return sinks
+    raise ValueError(f"attention sinks must have shape (H,) = ({H},) or (B, H, T, 1) = ({B}, {H}, {T}, 1); "
+                     f"received {tuple(sinks.shape)}")
+
+
+def _explicit(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, *, causal: bool, scale: float,
+              softcap: float | None, sinks: Tensor | None, dropout_p: float) -> tuple[Tensor, Tensor]:
+    """Attention written out for what the fused kernel cannot do: a softcap on the scores
+    (Gemma-2: softcap * tanh(s / softcap), before the mask) and attention sinks (GPT-OSS:
+    one extra logit per head in the softmax's denominator, with no value). Returns
+    (out `(B, H, T, Dv)`, weights `(B, H, T, S)`, the probabilities before dropout).
+
+    GQA without copies: the G query heads of a K/V head are folded into the query length.
+    """
+    B, H, T, _ = q.shape
+    Hkv, S, Dv = k.shape[1], k.shape[2], v.shape[-1]
+    G = H // Hkv
+    acc = torch.promote_types(q.dtype, torch.float32)
+    scores = q.to(acc).reshape(B, Hkv, G * T, -1) @ k.to(acc).transpose(-2, -1)  # (B, Hkv, G*T, S)
+    scores = scores.view(B, H, T, S) * scale
+    if softcap is not None:
+        scores = torch.tanh(scores / softcap) * softcap
+    allowed = None
+    if mask is not None:
+        if mask.dtype == torch.bool:
+            allowed = mask
+        else:
+            scores = scores + mask.to(acc)
+    if causal:
+        q_pos = torch.arange(S - T, S, device=q.device)[:, None]
+        tri = (torch.arange(S, device=q.device)[None, :] <= q_pos)[None, None]  # (1, 1, T, S)
+        allowed = tri if allowed is None else allowed & tri
+    if allowed is not None:
+        scores = scores.masked_fill(~allowed, float("-inf"))
+    if sinks is not None:
+        sink = sinks.to(acc).expand(B, H, T, 1)
+        logits = torch.cat([scores, sink], dim=-1)  # (B, H, T, S + 1)
+        probs = torch.softmax(logits - logits.amax(dim=-1, keepdim=True), dim=-1)[..., :S]
+    else:
+        empty = torch.isneginf(scores).all(dim=-1, keepdim=True)  # no key to attend: zeros, not NaN
+        probs = torch.softmax(scores.masked_fill(empty, 0.0), dim=-1).masked_fill(empty, 0.0)
+    weights = probs.to(q.dtype)
+    if dropout_p > 0:
+        probs = F.dropout(probs, p=dropout_p, training=True)
+    out = probs.view(B, Hkv, G * T, S) @ v.to(acc)  # (B, Hkv, G*T, Dv)
+    return out.view(B, H, T, Dv).to(q.dtype), weights
+
+
+def attention_forward(module: nn.Module, query: Tensor, key: Tensor, value: Tensor, attention_mask,
+                      dropout: float = 0.0, scaling: float | None = None, is_causal: bool | None = None,
+                      sliding_window: int | None = None, softcap: float | None = None, s_aux: Tensor | None = None,
+                      sinks: Tensor | None = None, position_bias: Tensor | None = None, *,
+                      backend: str = "auto", **kwargs) -> tuple[Tensor, Tensor | None]:
+    """transformers' attention-function signature, on multihead's kernel.
+
+    query `(B, H, T, D)`, key `(B, Hkv, S, D)`, value `(B, Hkv, S, Dv)` -> (out
+    `(B, T, H, Dv)`, weights `(B, H, T, S)` when output_attentions is asked, else None).
+    Causality follows transformers' sdpa path: applied only when no mask is given (the
+    mask utilities fold it into the mask otherwise), from `is_causal` or the module's
+    `is_causal`, and top-left when a static cache's prefill hands more key slots than
+    queries (those slots are empty, so they are cut off).
+    """
+    B, H, T, _ = query.shape
+    S = key.shape[2]
+    mask = hf_mask(attention_mask, query.dtype)
+    causal = False
+    if mask is None and T > 1:
+        causal = bool(getattr(module, "is_causal", True) if is_causal is None else is_causal)
+        if causal and S > T:  # a static cache's prefill: the slots after the T queries are empty
+            key, value = key[:, :, :T], value[:, :, :T]
+            if position_bias is not None:
+                position_bias = position_bias[..., :T]
+            S = T
+        window = int(sliding_window) if isinstance(sliding_window, int) and not isinstance(sliding_window, bool) \
+            else None
+        if causal and window is not None and S > window:  # no mask carries the window: apply it here
+            mask, causal = _window_mask(T, S, window, query.device), False
+    if position_bias is not None:  # T5: a learned bias on the scores, combined with the mask
+        bias = position_bias.to(query.dtype)
+        mask = bias if mask is None else mask + bias if mask.dtype != torch.bool \
+            else bias.masked_fill(~mask, float("-inf"))
+    softcap = _number("softcap", softcap)
+    sinks = _sink_logits(s_aux if s_aux is not None else sinks, B, H, T)
+    scale = _number("scaling", scaling)
+
+    request = kwargs.get(REQUEST_KEYWORD)
+    if request is not None and not isinstance(request, WeightsRequest):
+        raise TypeError(f"{REQUEST_KEYWORD}= takes a multihead.interop.hf.WeightsRequest; "
+                        f"received {type(request).__name__}")
+    config = getattr(module, "config", None)
+    want_all = bool(kwargs.get("output_attentions", getattr(config, "output_attentions", False)))
+    asked = request.heads_for(module) if request is not None and not request.probe else None
+    return_weights = True if want_all or asked is True else (list(asked) if asked else False)
+
+    if softcap is None and sinks is None:
+        result = scaled_dot_product_attention(query, key, value, mask, causal=causal, scale=scale, dropout_p=dropout,
+                                              return_weights=return_weights, backend=backend)
+        out, weights = result if isinstance(result, tuple) else (result, None)
+    else:
+        out, weights = _explicit(query, key, value, mask, causal=causal,
+                                 scale=query.shape[-1] ** -0.5 if scale is None else scale,
+                                 softcap=softcap, sinks=sinks, dropout_p=dropout)
+        if not return_weights:
+            weights = None
+        elif return_weights is not True:
+            weights = weights[:, return_weights]
+    if request is not None:
+        mine = weights
+        if want_all and asked not in (None, True):
+            mine = weights[:, list(asked)]
+        request.record(module, None if asked is None else mine.detach(), (H, key.shape[1], T, S))
+    out = out.transpose(1, 2).contiguous()  # (B, T, H, Dv)
+    return out, (weights if want_all else None)
+
+
+# ------------------------------------------------------------------ registering
+
+
+def register(name: str = "multihead", *, backend: str = "auto") -> str:
+    """Register multihead's kernel with transformers as attention implementation `name`.
+
+    Importing `multihead.interop.hf` registers "multihead" (backend "auto"). Register
+    another name for another backend, e.g. `register("multihead_math", backend="math")`
+    for the explicit path that matches transformers' eager attention operation by
+    operation. Returns `name`.
+    """
+    if not isinstance(name, str) or not name.strip():
+        raise ValueError(f"name must be a non-empty string; received {name!r}")
+    if name in _RESERVED:
+        raise ValueError(f"{name!r} is one of transformers' own attention implementations; "
+                         f"choose another name (reserved: {', '.join(_RESERVED)})")
+    check_backend_name(backend)
+    try:
+        from transformers import AttentionInterface
+        from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+    except ImportError as err:
+        raise ImportError("attn_implementation='multihead' needs transformers >= 4.53 (AttentionInterface and "
+                          f"AttentionMaskInterface): pip install 'multihead[hf]' ({err})") from None
+    fn = functools.partial(attention_forward, backend=backend)
+    functools.update_wrapper(fn, attention_forward)
+    AttentionInterface.register(name, fn)
+    AttentionMaskInterface.register(name, sdpa_mask)
+    _REGISTERED[name] = backend
+    return name
+
+
+def registered() -> dict[str, str]:
+    """The names registered by this process, with their backends."""
+    return dict(_REGISTERED)
+
