@@ -202,3 +202,34 @@ def test_empty_inputs_give_empty_outputs_and_leave_the_cache(shape, kind):
         attn(torch.randn(B, 2, 16), cache=cache)
         out, w = attn(torch.randn(B, 0, 16), cache=cache, return_weights=[1])
         assert out.shape == (B, 0, 16) and w.shape == (B, 1, 0, 2) and cache.length == 2
+
+
+def test_cache_holds_kv_heads_not_query_heads_and_counts_bytes():
+    attn = mh.Attention(512, 8, 2)
+    cache = attn.new_cache(3, 100, dtype=torch.bfloat16)
+    assert cache.k.shape == (3, 2, 100, 64)
+    assert cache.nbytes == 2 * 3 * 2 * 100 * 64 * 2
+    assert cache.max_len == 100 and cache.length == 0
+
+
+def test_cache_update_returns_all_tokens_and_reset():
+    cache = mh.KVCache(1, 2, 5, 3)
+    k1, v1 = torch.randn(1, 2, 2, 3), torch.randn(1, 2, 2, 3)
+    k2, v2 = torch.randn(1, 2, 1, 3), torch.randn(1, 2, 1, 3)
+    cache.update(k1, v1)
+    ka, va = cache.update(k2, v2)
+    assert torch.equal(ka, torch.cat([k1, k2], 2)) and torch.equal(va, torch.cat([v1, v2], 2))
+    assert cache.length == 3
+    cache.reset()
+    assert cache.length == 0
+    assert torch.equal(cache.update(k2, v2)[0], k2)
+
+
+def test_static_update_matches_eager_update():
+    a, b = mh.KVCache(1, 2, 6, 3), mh.KVCache(1, 2, 6, 3)
+    for t in (2, 1, 3):
+        k, v = torch.randn(1, 2, t, 3), torch.randn(1, 2, t, 3)
+        ka, _ = a.update(k, v)
+        kb, _ = b.update_static(k, v)
+        assert torch.equal(kb[:, :, : a.length], ka)
+    assert a.length == b.length == 6

@@ -1,13 +1,11 @@
 """Masks, RoPE, caches and the NumPy reference, each against an independent computation."""
 
-import numpy as np
 import pytest
 import torch
 
 import multihead as mh
 from conftest import assert_close
 from multihead import masks
-from multihead import reference as R
 
 # ------------------------------------------------------------------------- masks
 
@@ -88,77 +86,3 @@ def test_partial_rope_leaves_the_rest():
     out = mh.RotaryEmbedding(4)(x, 2)
     assert torch.equal(out[..., 4:], x[..., 4:])
     assert not torch.allclose(out[..., :4], x[..., :4])
-
-
-# ------------------------------------------------------------------------- cache
-
-
-def test_cache_holds_kv_heads_not_query_heads_and_counts_bytes():
-    attn = mh.Attention(512, 8, 2)
-    cache = attn.new_cache(3, 100, dtype=torch.bfloat16)
-    assert cache.k.shape == (3, 2, 100, 64)
-    assert cache.nbytes == 2 * 3 * 2 * 100 * 64 * 2
-    assert cache.max_len == 100 and cache.length == 0
-
-
-def test_cache_update_returns_all_tokens_and_reset():
-    cache = mh.KVCache(1, 2, 5, 3)
-    k1, v1 = torch.randn(1, 2, 2, 3), torch.randn(1, 2, 2, 3)
-    k2, v2 = torch.randn(1, 2, 1, 3), torch.randn(1, 2, 1, 3)
-    cache.update(k1, v1)
-    ka, va = cache.update(k2, v2)
-    assert torch.equal(ka, torch.cat([k1, k2], 2)) and torch.equal(va, torch.cat([v1, v2], 2))
-    assert cache.length == 3
-    cache.reset()
-    assert cache.length == 0
-    assert torch.equal(cache.update(k2, v2)[0], k2)
-
-
-def test_static_update_matches_eager_update():
-    a, b = mh.KVCache(1, 2, 6, 3), mh.KVCache(1, 2, 6, 3)
-    for t in (2, 1, 3):
-        k, v = torch.randn(1, 2, t, 3), torch.randn(1, 2, t, 3)
-        ka, _ = a.update(k, v)
-        kb, _ = b.update_static(k, v)
-        assert torch.equal(kb[:, :, : a.length], ka)
-    assert a.length == b.length == 6
-
-
-# --------------------------------------------------------------------- reference
-
-
-def test_reference_equals_a_loop_over_heads():
-    """The vectorised textbook against the per-head loop the paper describes."""
-    rng = np.random.default_rng(0)
-    B, T, C, H = 2, 5, 12, 3
-    X = rng.standard_normal((B, T, C))
-    W = [rng.standard_normal((C, C)) for _ in range(4)]
-    out = R.mha_forward(X, *W, n_heads=H, causal=True)
-    D = C // H
-    expect = np.zeros_like(out)
-    for b in range(B):
-        heads = []
-        for h in range(H):
-            cols = slice(h * D, (h + 1) * D)
-            Q, K, V = X[b] @ W[0][:, cols], X[b] @ W[1][:, cols], X[b] @ W[2][:, cols]
-            s = Q @ K.T / np.sqrt(D)
-            s[np.triu_indices(T, 1)] = -np.inf
-            p = np.exp(s - s.max(1, keepdims=True))
-            heads.append(p / p.sum(1, keepdims=True) @ V)
-        expect[b] = np.concatenate(heads, 1) @ W[3]
-    assert np.abs(out - expect).max() < 1e-12
-
-
-def test_reference_split_combine_round_trip_and_softmax_empty_row():
-    x = np.arange(2 * 3 * 8, dtype=float).reshape(2, 3, 8)
-    assert R.split_heads(x, 4).shape == (2, 4, 3, 2)
-    assert np.array_equal(R.combine_heads(R.split_heads(x, 4)), x)
-    assert R.softmax(np.array([[-np.inf, -np.inf], [0.0, 0.0]])).tolist() == [[0.0, 0.0], [0.5, 0.5]]
-
-
-def test_reference_imports_no_torch():
-    import subprocess
-    import sys
-
-    code = "import sys, multihead.reference; assert 'torch' not in sys.modules, 'torch imported'"
-    subprocess.run([sys.executable, "-c", code], check=True)
