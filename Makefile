@@ -4,7 +4,7 @@ PY := $(VENV)/bin/python
 export HF_HUB_OFFLINE := 1
 export TRANSFORMERS_OFFLINE := 1
 
-.PHONY: setup run tour test lint bench
+.PHONY: setup run tour test test-fast lint bench
 
 setup: $(VENV)/.installed
 
@@ -27,6 +27,11 @@ lint: setup
 
 test: setup lint
 	$(PY) -m pytest -q -n 2 --dist loadfile
+
+# What a developer runs between edits (under a minute): no real model, browser,
+# multi-process or wheel tests. CI runs everything (`make test`).
+test-fast: setup
+	$(PY) -m pytest -q -n 2 --dist loadfile -m "not slow and not browser and not distributed"
 
 bench: setup
 	$(PY) benchmarks/attention.py
