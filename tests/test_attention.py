@@ -2,6 +2,7 @@
 
 import copy
 
+import numpy as np
 import pytest
 import torch
 from torch import nn
@@ -269,3 +270,13 @@ def test_bad_layer_options(kwargs, match):
 def test_float64_input_to_a_float32_module_is_named():
     with pytest.raises(TypeError, match="x is torch.float64 but this module's weights are torch.float32"):
         mh.Attention(16, 4)(torch.randn(1, 3, 16, dtype=torch.float64))
+
+
+def test_sliding_window_layer_combines_with_a_flex_callable_mask():
+    """A plain flex mask_mod (top-left indices) given to a windowed layer keeps the window."""
+    attn = mh.Attention(16, 4, causal=True, sliding_window=3).double()
+    x = torch.randn(2, 8, 16, dtype=torch.float64)
+    keep_even_keys = lambda b, h, q, kv: kv % 2 == 0  # noqa: E731
+    allowed = masks.sliding_window(3).to_dense(1, 1, 8, 8)[0, 0].numpy() & (np.arange(8)[None, :] % 2 == 0)
+    ref = _heads_reference(attn, x, mask=allowed)
+    assert_close(attn(x, mask=keep_even_keys), ref, what="window & flex callable")

@@ -306,9 +306,9 @@ class Attention(nn.Module):
         window = _masks.sliding_window(self.sliding_window)
         if mask is None:
             return window
-        if isinstance(mask, MaskMod):
-            return mask & window
-        return mask  # a tensor mask: combined with the window in _attend's kernel call
+        if isinstance(mask, Tensor):
+            return mask  # combined with the window in `_attend`, once its shape is checked
+        return _masks.and_masks(mask, window)  # a predicate or a flex-style callable
 
     def _score_mod(self):
         """The score mod this layer applies (softcap or ALiBi), or None."""
