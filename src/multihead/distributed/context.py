@@ -1,4 +1,109 @@
-"""placeholder"""
+"""Context parallelism for `Attention`: a layer whose input is this rank's shard of the
+sequence runs its kernel through `ring_attention`, and RoPE rotates each token by its
+position in the whole sequence.
 
-def context_parallel(*a, **k):
-    raise NotImplementedError
+Everything else in the layer (the projections, RoPE itself) works token by token, so
+only the kernel needs the other ranks: `Attention._attend` is the one method replaced.
+Parameters stay whole on every rank; each rank's parameter gradients are its shard's
+share, so sum them across the group after backward (as data parallelism does; the
+example does it with one all_reduce per parameter).
+
+torch has its own `torch.distributed.tensor.experimental.context_parallel`: it patches
+`F.scaled_dot_product_attention` for CUDA's flash / efficient kernels inside a context
+manager. It is not used here: the ring below runs on CPU/gloo and CUDA/NCCL alike.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from multihead.attention import Attention
+from multihead.distributed._group import check_layout, chunk_ids, resolve_group
+from multihead.distributed.ring import ring_attention
+
+__all__ = ["context_parallel", "shard_positions"]
+
+
+def shard_positions(length: int, layout: str = "zigzag", group=None, device=None) -> Tensor:
+    """Global positions `(length,)` of the tokens of this rank's shard of `length` tokens."""
+    group = resolve_group(group, "shard_positions")
+    check_layout(layout)
+    P, r = dist.get_world_size(group), dist.get_rank(group)
+    ids = chunk_ids(r, P, layout)
+    c = length // len(ids)
+    return torch.cat([torch.arange(i * c, (i + 1) * c, device=device) for i in ids])
+
+
+class _ContextParallel:
+    """Mixed into the module's class by `context_parallel`."""
+
+    cp_group = None
+    cp_layout: str
+
+    def forward(self, x: Tensor, context: Tensor | None = None, *, mask: Tensor | None = None,
+                cache=None, return_weights=False, positions: Tensor | None = None, rotary=None):
+        """x `(B, T, C)` is this rank's shard (T = N/P tokens, in `shard_sequence` order).
+
+        mask: None or a bool key-padding mask `(B, T)` of this rank's tokens (True = may
+        attend). positions default to the shard's global positions.
+        """
+        if context is not None:
+            raise ValueError("a context-parallel layer is self-attention over the sharded sequence; "
+                             "received a context (cross-attention is not supported)")
+        if cache is not None:
+            raise ValueError("a context-parallel layer takes no KV cache (decode with the unsharded module)")
+        if return_weights is not False:
+            raise ValueError("a context-parallel layer cannot return attention weights: no rank holds the "
+                             "(T, N) weights of its queries; use the unsharded module to inspect them")
+        if self.rope is not None and positions is None and rotary is None:
+            self._check_input("x", x, self.d_model)
+            positions = shard_positions(x.shape[1], self.cp_layout, self.cp_group, device=x.device)
+        return super().forward(x, mask=mask, positions=positions, rotary=rotary)
+
+    def _attend(self, q: Tensor, k: Tensor, v: Tensor, mask, *, causal: bool, dropout_p: float,
+                return_weights) -> tuple[Tensor, None]:
+        if dropout_p > 0:
+            raise ValueError(f"ring attention applies no dropout; this layer has dropout={self.dropout} in "
+                             f"training mode: set dropout=0 or call .eval()")
+        out = ring_attention(q, k, v, causal=causal, layout=self.cp_layout, group=self.cp_group, mask=mask)
+        return out, None
+
+    def extra_repr(self) -> str:
+        return super().extra_repr() + f", context parallel: layout={self.cp_layout!r}"
+
+
+_CLASSES: dict[type, type] = {}
+
+
+def context_parallel(module: Attention, group=None, layout: str = "zigzag") -> Attention:
+    """Make `module` take this rank's shard of the sequence and attend over all of it, in place.
+
+    Every rank calls the layer on its shard `x_r = shard_sequence(x, 1, layout)`; the
+    result is `shard_sequence(module(x), 1, layout)` of the unsharded layer, and
+    `gather_sequence` gives the whole. Keys and values travel around the ring
+    (`ring_attention`); RoPE uses global positions. Not supported (ValueError):
+    cross-attention, KV caches, returned weights, dropout in training,
+    sliding_window / softcap / alibi (the ring applies none of them).
+
+    Returns the module (its class is now a `ContextParallel...` subclass of the original).
+    """
+    if isinstance(module, _ContextParallel):
+        raise ValueError("this module is already context-parallel")
+    if not isinstance(module, Attention):
+        raise TypeError(f"context_parallel takes a multihead Attention; received {type(module).__name__}")
+    group = resolve_group(group, "context_parallel")
+    check_layout(layout)
+    unsupported = [name for name, on in (("sliding_window", module.sliding_window is not None),
+                                         ("softcap", module.softcap is not None), ("alibi", module.alibi)) if on]
+    if unsupported:
+        raise ValueError(f"context_parallel runs the kernel as ring attention, which does not apply "
+                         f"{', '.join(unsupported)}; received a module with {', '.join(unsupported)} set")
+    cls = type(module)
+    if cls not in _CLASSES:
+        _CLASSES[cls] = type(f"ContextParallel{cls.__name__}", (_ContextParallel, cls), {"__module__": __name__})
+    module.__class__ = _CLASSES[cls]
+    module.cp_group = group
+    module.cp_layout = layout
+    return module

@@ -1,4 +1,224 @@
-"""placeholder"""
+"""Tensor parallelism over heads (Shoeybi et al., 2019, "Megatron-LM").
 
-def shard_heads(*a, **k):
-    raise NotImplementedError
+Heads are independent until the output projection, so P ranks can each compute H/P of
+them: q/k/v are split by output columns (`ColwiseParallel`, each rank gets whole heads
+because the columns of a head are contiguous), o by input rows (`RowwiseParallel`,
+whose partial sums one all-reduce adds). The input x is replicated; its gradient is
+all-reduced by ColwiseParallel's backward. The modules read the local head count back
+from the projection outputs (`view(B, T, -1, D)`), so their forward runs unchanged.
+
+GQA with fewer KV heads than ranks (Hkv < P, P a multiple of Hkv): rank r's H/P query
+heads all belong to KV head r // (P / Hkv), so P / Hkv ranks share each KV head. The
+k/v projections are then kept whole on every rank (replicated; they are small, since
+Hkv < P) and each rank computes only its one KV head; their weight gradients and
+their share of x's gradient are summed across ranks in the backward.
+
+MLA (`LatentAttention`): the query heads (q_proj, or q_b_proj after the replicated
+low-rank q_a_proj/q_a_norm), the up-projection kv_b_proj (rows of whole heads) and o
+are split; the down-projection kv_a_proj, its norm and therefore the latent and the
+latent cache are replicated: every rank stores the whole (B, S, R + rope_dim) cache,
+which does not shrink with P (it is already H (D + Dv) / (R + rope_dim) times smaller
+than MHA's). The latent's gradient is summed across ranks once, where it is made.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from multihead.attention import Attention
+from multihead.latent import LatentAttention
+
+__all__ = ["shard_heads"]
+
+
+class _SumGrad(torch.autograd.Function):
+    """Identity forward; the backward sums the gradient over the group (Megatron's "f")."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        grad = grad.contiguous()
+        dist.all_reduce(grad, group=ctx.group)
+        return grad, None
+
+
+class _SharedKVHeads(nn.Module):
+    """k_proj or v_proj when Hkv < P: the whole projection on every rank, one KV head used.
+
+    Keeps the parameter names `weight` and `bias`, so state dicts keep their keys.
+    """
+
+    def __init__(self, linear: nn.Linear, rows: slice, group):
+        super().__init__()
+        self.weight = linear.weight
+        self.bias = linear.bias
+        self.rows = rows
+        self.group = group
+
+    def forward(self, x: Tensor) -> Tensor:
+        w = _SumGrad.apply(self.weight, self.group)[self.rows]  # (D, C): this rank's KV head
+        b = None if self.bias is None else _SumGrad.apply(self.bias, self.group)[self.rows]
+        return F.linear(_SumGrad.apply(x, self.group), w, b)
+
+    def extra_repr(self) -> str:
+        return f"rows={self.rows.start}:{self.rows.stop} of {self.weight.shape[0]} (replicated KV heads)"
+
+
+class _HeadSharded:
+    """Mixed into the module's class by `shard_heads`: the local head bookkeeping."""
+
+    tp_mesh = None
+    tp_heads: tuple[int, int]  # (first, count) of this rank's query heads
+    tp_kv_heads: tuple[int, int]  # (first, count) of this rank's KV heads
+
+    def extra_repr(self) -> str:
+        h0, h = self.tp_heads
+        return (super().extra_repr() + f", tensor parallel: heads {h0}..{h0 + h - 1} on rank "
+                f"{self.tp_mesh.get_local_rank()} of {self.tp_mesh.size()}")
+
+
+class _ShardedAttention(_HeadSharded):
+    def new_cache(self, batch_size: int, max_len: int | None = None, **kwargs):
+        """A cache of this rank's KV heads only: `(B, Hkv_local, max_len, D)`."""
+        full = self.n_kv_heads
+        self.n_kv_heads = self.tp_kv_heads[1]  # the parent reads the head count from here
+        try:
+            return super().new_cache(batch_size, max_len, **kwargs)
+        finally:
+            self.n_kv_heads = full
+
+
+class _ShardedLatent(_HeadSharded):
+    def latents(self, x: Tensor, offset: int = 0) -> Tensor:
+        # Every rank's heads read the one replicated latent: its gradient is their sum.
+        return _SumGrad.apply(super().latents(x, offset), self.tp_mesh.get_group())
+
+
+_CLASSES: dict[type, type] = {}
+
+
+def _swap_class(module: nn.Module, mixin: type) -> None:
+    """Give `module` a subclass of its class with `mixin` first (what FSDP2's fully_shard does)."""
+    cls = type(module)
+    if cls not in _CLASSES:
+        _CLASSES[cls] = type(f"HeadSharded{cls.__name__}", (mixin, cls), {"__module__": __name__})
+    module.__class__ = _CLASSES[cls]
+
+
+def _divisors(n: int) -> str:
+    return ", ".join(str(d) for d in range(1, n + 1) if n % d == 0)
+
+
+def _broadcast(parts: list[nn.Module], mesh) -> None:
+    with torch.no_grad():
+        for part in parts:
+            for p in part.parameters():
+                dist.broadcast(p, mesh.mesh[0].item(), group=mesh.get_group())
+
+
+def _check(module, mesh) -> None:
+    if isinstance(module, _HeadSharded):
+        raise ValueError("this module is already sharded by shard_heads")
+    if not isinstance(module, (Attention, LatentAttention)):
+        raise TypeError(f"shard_heads takes a multihead Attention or LatentAttention; received "
+                        f"{type(module).__name__}")
+    if not dist.is_available() or not dist.is_initialized():
+        raise RuntimeError("shard_heads needs a process group: call torch.distributed.init_process_group() "
+                           "(torchrun sets its environment) and pass a DeviceMesh")
+    from torch.distributed.device_mesh import DeviceMesh  # noqa: PLC0415 (heavy; on use)
+
+    if not isinstance(mesh, DeviceMesh):
+        raise TypeError(f"mesh must be a 1-D torch.distributed.device_mesh.DeviceMesh, e.g. "
+                        f"init_device_mesh('cpu', (world_size,)); received {type(mesh).__name__}")
+    if mesh.ndim != 1:
+        raise ValueError(f"mesh must be 1-D (the ranks that share the heads); received {mesh.ndim}-D "
+                         f"{tuple(mesh.shape)}: pass one dimension, e.g. mesh['tp']")
+    P, H = mesh.size(), module.n_heads
+    if H % P:
+        raise ValueError(f"n_heads ({H}) must be divisible by the number of ranks ({P}); valid rank "
+                         f"counts: {_divisors(H)}")
+    device = next(module.parameters()).device
+    if device.type != mesh.device_type:
+        raise ValueError(f"the module is on {device.type} but the mesh is for {mesh.device_type}; "
+                         f"move the module first (module.to(...))")
+    if isinstance(module, Attention):
+        Hkv = module.n_kv_heads
+        valid = ", ".join(str(p) for p in range(1, H + 1) if H % p == 0 and (Hkv % p == 0 or p % Hkv == 0))
+        if Hkv >= P and Hkv % P:
+            raise ValueError(f"n_kv_heads ({Hkv}) must be divisible by the number of ranks ({P}), or divide "
+                             f"it (then each KV head is replicated on P / Hkv ranks); valid rank counts: "
+                             f"{valid}")
+        if Hkv < P and P % Hkv:
+            raise ValueError(f"n_kv_heads ({Hkv}) < ranks ({P}) needs ranks to be a multiple of n_kv_heads "
+                             f"so that each rank's query heads share one KV head; valid rank counts: "
+                             f"{valid}")
+        if module.alibi:
+            raise ValueError("alibi=True is not supported under shard_heads: Attention picks the ALiBi slopes "
+                             "of the first H/P heads on every rank, and rank r needs heads r*H/P onwards")
+
+
+def shard_heads(module: Attention | LatentAttention, mesh) -> Attention | LatentAttention:
+    """Split the heads of `module` across the ranks of a 1-D `DeviceMesh`, in place.
+
+    Rank r computes query heads r*H/P .. (r+1)*H/P - 1 and the KV heads they read
+    (Hkv/P of them, or one shared KV head when Hkv < P: see the module docstring).
+    Input and output stay `(B, T, C)` and replicated on every rank; forward, backward
+    and cached decoding equal the unsharded module's. `new_cache` gives a cache of the
+    local KV heads (MLA: the whole latent, replicated). Weights are taken from mesh
+    rank 0 (torch's `distribute_tensor`). `return_weights` returns the local heads'
+    weights, indexed locally.
+
+    Returns the module (its class is now a `HeadSharded...` subclass of the original).
+    """
+    _check(module, mesh)
+    from torch.distributed.tensor.parallel import (  # noqa: PLC0415 (heavy; on use)
+        ColwiseParallel,
+        RowwiseParallel,
+        parallelize_module,
+    )
+
+    P, r = mesh.size(), mesh.get_local_rank()
+    H = module.n_heads
+    h = H // P
+    if isinstance(module, Attention):
+        Hkv = module.n_kv_heads
+        plan = {"q_proj": ColwiseParallel(), "o_proj": RowwiseParallel()}
+        if Hkv >= P:
+            plan.update(k_proj=ColwiseParallel(), v_proj=ColwiseParallel())
+            kv = (r * Hkv // P, Hkv // P)
+        else:
+            kv = (r // (P // Hkv), 1)
+            rows = slice(kv[0] * module.head_dim, (kv[0] + 1) * module.head_dim)
+            _broadcast([module.k_proj, module.v_proj], mesh)  # rank 0's weights, as distribute_tensor
+            module.k_proj = _SharedKVHeads(module.k_proj, rows, mesh.get_group())
+            module.v_proj = _SharedKVHeads(module.v_proj, rows, mesh.get_group())
+        parallelize_module(module, mesh, plan)
+        _swap_class(module, _ShardedAttention)
+    else:
+        q_name = "q_proj" if module.q_rank is None else "q_b_proj"
+        parallelize_module(module, mesh, {q_name: ColwiseParallel(), "o_proj": RowwiseParallel()})
+        # kv_b_proj keeps plain local rows (not a DTensor): the absorbed path reads its
+        # weight directly, and the latent's gradient is summed once in `latents`.
+        width = module.head_dim + module.v_head_dim
+        _broadcast([module.kv_b_proj], mesh)  # rank 0's weights, as distribute_tensor
+        with torch.no_grad():
+            w = module.kv_b_proj.weight
+            local = w[r * h * width:(r + 1) * h * width].clone()  # (h * (D + Dv), R)
+        module.kv_b_proj.weight = nn.Parameter(local, requires_grad=w.requires_grad)
+        module.kv_b_proj.out_features = local.shape[0]
+        # The replicated parts must start equal too.
+        _broadcast([module.kv_a_proj, module.kv_a_norm]
+                   + ([] if module.q_rank is None else [module.q_a_proj, module.q_a_norm]), mesh)
+        kv = (0, 1)
+        _swap_class(module, _ShardedLatent)
+    module.tp_mesh = mesh
+    module.tp_heads = (r * h, h)
+    module.tp_kv_heads = kv
+    return module

@@ -1,0 +1,368 @@
+"""multihead.distributed with real processes: 2 and 4 gloo ranks on 127.0.0.1.
+
+Each test spawns one world and runs many checks in it (start-up is the expensive part).
+The workers compute, on every rank, the single-process result with the unsharded
+module or `multihead.scaled_dot_product_attention(backend="math")` and return the
+largest differences; the test asserts them here. A rank that raises fails the test at
+once (the survivors are killed); a world that does not finish within its bound fails.
+"""
+
+from __future__ import annotations
+
+import copy
+import multiprocessing as mp
+import os
+import queue as queue_mod
+import socket
+import time
+import traceback
+from datetime import timedelta
+
+import pytest
+import torch
+import torch.distributed as dist
+
+TOL = 1e-10  # float64, every forward output and gradient
+WORLD_TIMEOUT = 120.0  # seconds a world may run before the test fails
+
+
+# ------------------------------------------------------------------ the harness
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _entry(name: str, rank: int, world: int, port: int, out) -> None:
+    torch.set_num_threads(1)
+    try:
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
+                                timeout=timedelta(seconds=60))
+        out.put((rank, "ok", globals()[name](rank, world)))
+    except BaseException:  # noqa: BLE001 (reported to the parent, which fails the test)
+        out.put((rank, "error", traceback.format_exc()))
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def run_world(fn, world: int, timeout: float = WORLD_TIMEOUT) -> list:
+    """Run `fn(rank, world)` on `world` spawned gloo ranks; return their results by rank."""
+    ctx = mp.get_context("spawn")
+    out = ctx.Queue()
+    env = os.environ.get("OMP_NUM_THREADS")
+    os.environ["OMP_NUM_THREADS"] = "1"  # inherited by the children: one thread per rank
+    try:
+        procs = [ctx.Process(target=_entry, args=(fn.__name__, r, world, _free_port() if r < 0 else port, out),
+                             daemon=True)
+                 for port in [_free_port()] for r in range(world)]
+        for p in procs:
+            p.start()
+    finally:
+        if env is None:
+            os.environ.pop("OMP_NUM_THREADS")
+        else:
+            os.environ["OMP_NUM_THREADS"] = env
+    results: dict[int, object] = {}
+    deadline = time.monotonic() + timeout
+    try:
+        while len(results) < world:
+            if time.monotonic() > deadline:
+                pytest.fail(f"{fn.__name__}: the world of {world} did not finish within {timeout:.0f} s; "
+                            f"ranks done: {sorted(results)}")
+            try:
+                rank, status, payload = out.get(timeout=0.5)
+            except queue_mod.Empty:
+                silent = [i for i, p in enumerate(procs) if p.exitcode is not None and i not in results]
+                if silent:
+                    pytest.fail(f"{fn.__name__}: rank(s) {silent} exited (code "
+                                f"{[procs[i].exitcode for i in silent]}) without a result")
+                continue
+            if status == "error":
+                pytest.fail(f"{fn.__name__}: rank {rank} of {world} raised:\n{payload}")
+            results[rank] = payload
+    finally:
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+        for p in procs:
+            p.join(10)
+    return [results[r] for r in range(world)]
+
+
+def assert_all_close(results: list[dict], tol: float = TOL) -> None:
+    """Every rank's {check: max |difference|} is within tol (and there were checks)."""
+    for rank, diffs in enumerate(results):
+        assert diffs, f"rank {rank} ran no checks"
+        bad = {k: v for k, v in diffs.items() if not v <= tol}
+        assert not bad, f"rank {rank}: max |diff| above {tol:g}: " + ", ".join(f"{k}: {v:.3e}" for k, v in bad.items())
+
+
+def _diff(a, b) -> float:
+    if hasattr(a, "full_tensor"):
+        a = a.full_tensor()
+    if hasattr(b, "full_tensor"):
+        b = b.full_tensor()
+    assert a.shape == b.shape, f"shape {tuple(a.shape)} != {tuple(b.shape)}"
+    return float((a.detach().double() - b.detach().double()).abs().max())
+
+
+# ----------------------------------------------------------------------- workers
+
+
+def _ring_checks(rank: int, world: int, combos) -> dict[str, float]:
+    from multihead import scaled_dot_product_attention
+    from multihead.distributed import gather_sequence, ring_attention, shard_sequence
+
+    torch.manual_seed(0)
+    diffs = {}
+    B, D = 2, 8
+    for H, Hkv in ((4, 4), (4, 2), (4, 1)):
+        N = 4 * world
+        q = torch.randn(B, H, N, D, dtype=torch.float64, requires_grad=True)
+        k = torch.randn(B, Hkv, N, D, dtype=torch.float64, requires_grad=True)
+        v = torch.randn(B, Hkv, N, D, dtype=torch.float64, requires_grad=True)
+        g = torch.randn(B, H, N, D, dtype=torch.float64)
+        keep = torch.rand(B, N) > 0.3
+        keep[1, : N // 2 + 1] = False  # left padding: the first causal rows of batch 1 see no key
+        for layout, causal, masked, kernel in combos:
+            mask = keep if masked else None
+            ref = scaled_dot_product_attention(q, k, v, None if mask is None else mask[:, None, None, :],
+                                               causal=causal, backend="math")
+            ref_grads = torch.autograd.grad(ref, (q, k, v), g)
+            shard = [shard_sequence(t, 2, layout) for t in (q, k, v)]
+            out = ring_attention(*shard, causal=causal, layout=layout, _kernel=kernel,
+                                 mask=None if mask is None else shard_sequence(mask, 1, layout))
+            full = gather_sequence(out, 2, layout)
+            grads = torch.autograd.grad(full, (q, k, v), g)
+            name = f"H{H}/Hkv{Hkv} {layout} causal={causal} mask={masked} {kernel or 'flash'}"
+            diffs[f"{name} out"] = _diff(full, ref)
+            for n, a, b in zip("qkv", grads, ref_grads):
+                diffs[f"{name} d{n}"] = _diff(a, b)
+            if masked and causal:
+                dead = ~keep.cumsum(1).bool()  # rows with no key before them
+                diffs[f"{name} masked rows are zero"] = float(ref.abs()[dead[:, None, :, None].expand_as(ref)].max())
+    x = torch.arange(2 * 4 * world * 3, dtype=torch.float64).view(2, 4 * world, 3)
+    for layout in ("contiguous", "zigzag"):
+        diffs[f"gather(shard(x)) {layout}"] = _diff(gather_sequence(shard_sequence(x, 1, layout), 1, layout), x)
+    return diffs
+
+
+def _w_ring_2(rank, world):
+    combos = [(layout, causal, masked, kernel) for layout in ("contiguous", "zigzag") for causal in (False, True)
+              for masked in (False, True) for kernel in (None, "explicit")]
+    return _ring_checks(rank, world, combos)
+
+
+def _module_checks(rank: int, world: int, heads: list[tuple[int, int]], latent: bool = True) -> dict[str, float]:
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from multihead import Attention, LatentAttention
+    from multihead.distributed import context_parallel, gather_sequence, shard_heads, shard_sequence
+
+    mesh = init_device_mesh("cpu", (world,))
+    diffs = {}
+    B, T, C = 2, 4 * world, 32
+    # --- tensor parallel Attention: forward, backward, cached decode
+    for H, Hkv in heads:
+        # No RoPE here: rope.py rotates in float32, and with shared KV heads (Hkv < P) the
+        # rounding of dK to float32 then happens before the sum over ranks instead of after.
+        torch.manual_seed(1)
+        ref = Attention(C, H, Hkv, causal=True).double()
+        tp = shard_heads(copy.deepcopy(ref), mesh)
+        x = torch.randn(B, T, C, dtype=torch.float64, requires_grad=True)
+        g = torch.randn(B, T, C, dtype=torch.float64)
+        y_ref = ref(x)
+        gx_ref, *gp_ref = torch.autograd.grad(y_ref, [x, *ref.parameters()], g)
+        y = tp(x)
+        gx, *gp = torch.autograd.grad(y, [x, *tp.parameters()], g)
+        name = f"shard_heads H{H}/Hkv{Hkv}"
+        diffs[f"{name} out"] = _diff(y, y_ref)
+        diffs[f"{name} dx"] = _diff(gx, gx_ref)
+        for (pname, _), a, b in zip(ref.named_parameters(), gp, gp_ref):
+            diffs[f"{name} d{pname}"] = _diff(a, b)
+        torch.manual_seed(1)
+        ref = Attention(C, H, Hkv, causal=True, rope=True).double()
+        tp = shard_heads(copy.deepcopy(ref), mesh)
+        with torch.no_grad():
+            y_ref = ref(x)
+        cache = tp.new_cache(B, T)
+        expect_kv = Hkv // world if Hkv >= world else 1
+        diffs[f"{name} cache holds {expect_kv} local KV heads"] = float(cache.k.shape[1] != expect_kv)
+        with torch.no_grad():
+            steps = [tp(x[:, t:t + 1], cache=cache) for t in range(T)]
+        diffs[f"{name} cached decode"] = _diff(torch.cat(steps, 1), y_ref)
+    # --- tensor parallel LatentAttention (direct and low-rank queries)
+    if latent:
+        for q_rank in (None, 16):
+            torch.manual_seed(2)
+            ref = LatentAttention(C, 4 * world // 2 if world > 2 else 4, 12, q_rank=q_rank, head_dim=8,
+                                  rope_dim=4, causal=True).double()
+            tp = shard_heads(copy.deepcopy(ref), mesh)
+            x = torch.randn(B, T, C, dtype=torch.float64, requires_grad=True)
+            g = torch.randn(B, T, C, dtype=torch.float64)
+            name = f"shard_heads MLA q_rank={q_rank}"
+            for absorb in (False, True):
+                y_ref = ref(x, absorb=absorb)
+                gx_ref, *gp_ref = torch.autograd.grad(y_ref, [x, *ref.parameters()], g)
+                y = tp(x, absorb=absorb)
+                gx, *gp = torch.autograd.grad(y, [x, *tp.parameters()], g)
+                diffs[f"{name} absorb={absorb} out"] = _diff(y, y_ref)
+                diffs[f"{name} absorb={absorb} dx"] = _diff(gx, gx_ref)
+                h0, h = tp.tp_heads
+                width = ref.head_dim + ref.v_head_dim
+                for (pname, _), a, b in zip(ref.named_parameters(), gp, gp_ref):
+                    if pname == "kv_b_proj.weight":  # plain local rows of this rank's heads
+                        b = b[h0 * width:(h0 + h) * width]
+                    diffs[f"{name} absorb={absorb} d{pname}"] = _diff(a, b)
+            cache = tp.new_cache(B, T)
+            with torch.no_grad():
+                steps = [tp(x[:, t:t + 1], cache=cache) for t in range(T)]
+                diffs[f"{name} cached decode"] = _diff(torch.cat(steps, 1), ref(x))
+    # --- context parallel with RoPE and a padding mask
+    for layout in ("contiguous", "zigzag"):
+        for masked in (False, True):
+            torch.manual_seed(3)
+            H, Hkv = heads[-1]
+            ref = Attention(C, H, Hkv, causal=True, rope=True).double()
+            cp = context_parallel(copy.deepcopy(ref), layout=layout)
+            x = torch.randn(B, T, C, dtype=torch.float64, requires_grad=True)
+            g = torch.randn(B, T, C, dtype=torch.float64)
+            keep = torch.ones(B, T, dtype=torch.bool)
+            keep[1, :3] = False
+            mask = keep if masked else None
+            y_ref = ref(x, mask=None if mask is None else mask[:, None, None, :])
+            gx_ref, *gp_ref = torch.autograd.grad(y_ref, [x, *ref.parameters()], g)
+            y_local = cp(shard_sequence(x, 1, layout),
+                         mask=None if mask is None else shard_sequence(mask, 1, layout))
+            y = gather_sequence(y_local, 1, layout)
+            gx, *gp = torch.autograd.grad(y, [x, *cp.parameters()], g)
+            name = f"context_parallel {layout} mask={masked}"
+            diffs[f"{name} out"] = _diff(y, y_ref)
+            diffs[f"{name} dx"] = _diff(gx, gx_ref)
+            for (pname, _), a, b in zip(ref.named_parameters(), gp, gp_ref):
+                dist.all_reduce(a)  # each rank holds its shard's share of a parameter's gradient
+                diffs[f"{name} d{pname}"] = _diff(a, b)
+    return diffs
+
+
+def _w_modules_2(rank, world):
+    return _module_checks(rank, world, heads=[(4, 4), (4, 2), (4, 1)])
+
+
+def _w_world_4(rank, world):
+    combos = [("zigzag", True, True, None), ("contiguous", True, False, None), ("zigzag", False, True, "explicit")]
+    diffs = _ring_checks(rank, world, combos)
+    diffs.update(_module_checks(rank, world, heads=[(8, 4), (8, 2)]))
+    return diffs
+
+
+def _w_errors_2(rank, world):
+    """Bad input: every rank must raise, with a message naming what was received."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from multihead import Attention
+    from multihead.distributed import ring_attention, shard_heads, shard_sequence
+
+    messages = {}
+
+    def expect(name, fn, exc=ValueError):
+        try:
+            fn()
+        except exc as e:
+            messages[name] = str(e)
+        else:
+            messages[name] = None
+
+    x = torch.randn(1, 2, 6, 4, dtype=torch.float64)
+    expect("zigzag length", lambda: shard_sequence(x, 2, "zigzag"))
+    expect("zigzag odd shard", lambda: ring_attention(x[:, :, :3], x[:, :, :3], x[:, :, :3], layout="zigzag"))
+    # one rank's shard differs: both ranks must stop, not hang in the ring
+    t = 4 if rank == 0 else 6
+    y = torch.randn(1, 2, t, 4, dtype=torch.float64)
+    expect("ranks disagree", lambda: ring_attention(y, y, y))
+    # one rank passes garbage: the other one stops too
+    bad = "not a tensor" if rank == 1 else y
+    expect("one rank bad", lambda: ring_attention(bad, y, y), (ValueError, TypeError))
+    mesh = init_device_mesh("cpu", (world,))
+    expect("heads not divisible", lambda: shard_heads(Attention(24, 3), mesh))
+    expect("kv heads", lambda: shard_heads(Attention(24, 6, 3, head_dim=4), mesh))
+    expect("layout", lambda: ring_attention(y, y, y, layout="striped"))
+    dist.barrier()
+    return messages
+
+
+def _w_one_rank_raises(rank, world):
+    if rank == 1:
+        raise RuntimeError("rank 1 fails on purpose")
+    from multihead.distributed import ring_attention
+
+    y = torch.randn(1, 2, 4, 4)
+    ring_attention(y, y, y)  # waits for rank 1, which is gone
+    return {}
+
+
+# ------------------------------------------------------------------------- tests
+
+
+def test_ring_attention_2_ranks():
+    """Both layouts, causal or not, MHA/GQA/MQA, padding mask, flash and explicit blocks."""
+    assert_all_close(run_world(_w_ring_2, 2))
+
+
+def test_modules_2_ranks():
+    """shard_heads (MHA, GQA, MQA replicated, MLA), cached decode, context_parallel with RoPE."""
+    assert_all_close(run_world(_w_modules_2, 2))
+
+
+@pytest.mark.slow
+def test_world_of_4():
+    """4 ranks on 2 cores (oversubscribed): ring, GQA with Hkv < P replicated, MLA, context parallel."""
+    assert_all_close(run_world(_w_world_4, 4))
+
+
+def test_bad_input_raises_on_every_rank():
+    results = run_world(_w_errors_2, 2)
+    for rank, messages in enumerate(results):
+        for name, msg in messages.items():
+            assert msg is not None, f"rank {rank}: {name} did not raise"
+        assert "divisible by 4" in messages["zigzag length"] and "(6)" in messages["zigzag length"]
+        assert "2P = 4" in messages["zigzag odd shard"]
+        assert "disagree" in messages["ranks disagree"] and "rank 1: (1, 2, 6" in messages["ranks disagree"]
+        assert "n_heads (3)" in messages["heads not divisible"] and "valid rank counts: 1, 3" in \
+            messages["heads not divisible"]
+        assert "n_kv_heads (3)" in messages["kv heads"]
+        assert "'striped'" in messages["layout"]
+    assert "received str" in results[1]["one rank bad"]
+    assert "rank(s) 1" in results[0]["one rank bad"]
+
+
+def test_a_rank_that_raises_fails_fast():
+    start = time.monotonic()
+    with pytest.raises(pytest.fail.Exception, match="rank 1 of 2 raised"):
+        run_world(_w_one_rank_raises, 2)
+    assert time.monotonic() - start < 30
+
+
+def test_no_process_group_is_a_clear_error():
+    from multihead import Attention
+    from multihead.distributed import (
+        ProcessGroupError,
+        context_parallel,
+        gather_sequence,
+        ring_attention,
+        shard_heads,
+        shard_sequence,
+    )
+
+    assert not dist.is_initialized()
+    x = torch.randn(1, 2, 4, 4)
+    for call in (lambda: ring_attention(x, x, x), lambda: shard_sequence(x, 2), lambda: gather_sequence(x, 2),
+                 lambda: context_parallel(Attention(8, 2))):
+        with pytest.raises(ProcessGroupError, match="init_process_group"):
+            call()
+    with pytest.raises(RuntimeError, match="init_process_group"):
+        shard_heads(Attention(8, 2), None)
+    assert issubclass(ProcessGroupError, ValueError)
