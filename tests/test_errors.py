@@ -83,7 +83,7 @@ CASES = [
     ("cache wrong heads", lambda: mh.KVCache(2, 2, 8, 4).update(torch.zeros(2, 4, 1, 4), torch.zeros(2, 4, 1, 4)),
      ValueError, ["(2, 4, 1, 4)", "does not fit"]),
     ("cache not a KVCache", lambda: _attn()(torch.randn(2, 1, 16), cache={}), TypeError, ["KVCache", "dict"]),
-    ("cache max_len zero", lambda: mh.KVCache(1, 1, 0, 4), ValueError, ["max_len must be a positive int", "0"]),
+    ("cache max_len zero", lambda: mh.KVCache(1, 1, 0, 4), ValueError, ["max_len must be an int >= 1", "0"]),
     ("cache integer dtype", lambda: mh.KVCache(1, 1, 4, 4, dtype=torch.int8), TypeError, ["floating", "torch.int8"]),
     ("sliding window zero", lambda: masks.sliding_window(0), ValueError, ["window", "positive", "0"]),
     ("padding both args", lambda: masks.padding(torch.tensor([1]), keep=torch.ones(1, 2, dtype=torch.bool)),

@@ -24,21 +24,15 @@ import torch
 from torch import Tensor, nn
 
 from multihead import masks as _masks
+from multihead._checks import check_int as _check_int
+from multihead._checks import divisors as _divisors
+from multihead._checks import variant_name
 from multihead.cache import KVCache, RollingKVCache
 from multihead.functional import _normalize_mask, check_backend_name, scaled_dot_product_attention
 from multihead.masks import MaskMod
 from multihead.rope import RotaryEmbedding, apply_rotary
 
 __all__ = ["Attention"]
-
-
-def _divisors(n: int) -> list[int]:
-    return [d for d in range(1, n + 1) if n % d == 0]
-
-
-def _check_int(name: str, value, minimum: int = 1) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        raise ValueError(f"{name} must be an int >= {minimum}; received {value!r}")
 
 
 def _split_heads(t: Tensor, D: int) -> Tensor:
@@ -170,7 +164,7 @@ class Attention(nn.Module):
         return self.n_heads // self.n_kv_heads
 
     def extra_repr(self) -> str:
-        kind = "MHA" if self.n_kv_heads == self.n_heads else "MQA" if self.n_kv_heads == 1 else "GQA"
+        kind = variant_name(self.n_heads, self.n_kv_heads)
         extra = "".join(f", {name}={value}" for name, value in (
             ("sliding_window", self.sliding_window), ("softcap", self.softcap), ("alibi", self.alibi or None))
             if value is not None)

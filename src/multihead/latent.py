@@ -35,7 +35,8 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor, nn
 
-from multihead.attention import _check_int, _default_head_dim, _merge_heads
+from multihead._checks import check_int as _check_int
+from multihead.attention import _default_head_dim, _merge_heads
 from multihead.cache import LatentCache
 from multihead.functional import check_backend_name, scaled_dot_product_attention
 from multihead.masks import MaskMod
