@@ -1,11 +1,14 @@
 """Bad input: every case raises ValueError/TypeError naming what was received and what is valid."""
 
+import numpy as np
 import pytest
 import torch
 from torch import nn
 
 import multihead as mh
 from multihead import masks
+from multihead.score_mods import alibi as mh_alibi
+from multihead.score_mods import softcap as mh_softcap
 
 q = torch.randn(2, 8, 5, 4)
 k = torch.randn(2, 2, 7, 4)
@@ -100,6 +103,42 @@ CASES = [
     ("to_torch GQA", lambda: mh.Attention(16, 4, 2).to_torch(), ValueError, ["n_kv_heads (2) != n_heads (4)"]),
     ("rope with cross-attention", lambda: _attn(rope=True)(torch.randn(1, 2, 16), torch.randn(1, 3, 16)),
      ValueError, ["rotary", "cross-attention"]),
+    # kernel: predicates, score mods, scalars
+    ("predicate returns float", lambda: sdpa(q, k, v, lambda b, h, qi, kv: (qi - kv).float()), TypeError,
+     ["must return a bool tensor", "torch.float32"]),
+    ("predicate returns python bool", lambda: sdpa(q, k, v, lambda b, h, qi, kv: True), TypeError,
+     ["must return a bool tensor", "bool True"]),
+    ("predicate wrong shape", lambda: sdpa(q, k, v, lambda b, h, qi, kv: torch.ones(3, 3, dtype=torch.bool)),
+     ValueError, ["returned shape (3, 3)", "not broadcastable"]),
+    ("score mod changes shape", lambda: sdpa(q, k, v, score_mod=lambda s, b, h, qi, kv: s.sum(-1)), ValueError,
+     ["changed the shape", "(2, 8, 5, 7)", "(2, 8, 5)"]),
+    ("score mod returns bool", lambda: sdpa(q, k, v, score_mod=lambda s, b, h, qi, kv: s > 0), TypeError,
+     ["floating-point scores", "torch.bool"]),
+    ("score mod not callable", lambda: sdpa(q, k, v, score_mod=3), TypeError, ["score_mod must be callable", "int"]),
+    ("sdpa cannot softcap", lambda: sdpa(q, k, v, score_mod=mh_softcap(5.0), backend="sdpa"), ValueError,
+     ["'sdpa' cannot apply the score mod softcap(5)", "'tiles'", "'math'"]),
+    ("doc ids wrong length", lambda: sdpa(q, k, v, masks.document(torch.zeros(6, dtype=torch.long))), ValueError,
+     ["doc_ids has 6 positions", "S = 7"]),
+    ("doc ids wrong batch", lambda: sdpa(q, k, v, masks.document(torch.zeros(3, 7, dtype=torch.long))), ValueError,
+     ["batch size 3", "valid: 1 or 2"]),
+    ("doc ids float", lambda: masks.document(torch.zeros(7)), ValueError, ["integer tensor", "torch.float32"]),
+    ("padding more lengths than batch", lambda: sdpa(q, k, v, masks.padding(torch.tensor([7, 7, 7]))), ValueError,
+     ["3 entries", "B = 2"]),
+    ("padding fewer lengths than batch", lambda: sdpa(q, k, v, masks.padding(torch.tensor([7]))), ValueError,
+     ["1 entries", "B = 2"]),
+    ("prefix_lm per-batch wrong size", lambda: sdpa(q, k, v, masks.prefix_lm(torch.tensor([1, 2, 3]))), ValueError,
+     ["prefix_len has 3 entries", "B = 2"]),
+    ("prefix_lm negative", lambda: masks.prefix_lm(-1), ValueError, ["prefix_len", ">= 0", "-1"]),
+    ("chunked zero", lambda: masks.chunked(0), ValueError, ["chunk size", "positive", "0"]),
+    ("window float", lambda: masks.sliding_window(2.5), ValueError, ["window", "positive int", "2.5"]),
+    ("softcap zero", lambda: mh_softcap(0.0), ValueError, ["softcap cap", "positive", "0.0"]),
+    ("alibi slopes per head", lambda: sdpa(q, k, v, score_mod=mh_alibi(4)), ValueError,
+     ["alibi has 4 slopes", "H = 8"]),
+    ("scale numpy negative", lambda: sdpa(q, k, v, scale=np.float64(-0.5)), ValueError,
+     ["scale must be a positive finite number", "-0.5"]),
+    ("scale tensor zero", lambda: sdpa(q, k, v, scale=torch.tensor(0.0)), ValueError, ["scale", "positive", "0."]),
+    ("scale vector", lambda: sdpa(q, k, v, scale=torch.ones(3)), ValueError, ["scale", "tensor of shape (3)"]),
+    ("scale string", lambda: sdpa(q, k, v, scale="0.5"), ValueError, ["scale", "'0.5'", "str"]),
 ]
 
 

@@ -209,3 +209,84 @@ def test_gqa_fast_path_does_not_copy_kv(monkeypatch):
     q = torch.randn(2, 8, 50, 16)
     mh.scaled_dot_product_attention(q, k, v, causal=True)  # prefill: one call per group position
     assert len(seen) == 4 and all(s[1] == k.data_ptr() and s[2] == (2, 2, 50, 16) for s in seen)
+
+
+# ------------------------------------------------------------------ NaN rule
+
+
+def _rule_reference(q, k, v, mask, causal):
+    """The documented NaN rule, from the float64 reference on NaN-free inputs: a row with no
+    key is 0; otherwise NaN iff its query, or a key/value it may attend, holds a NaN."""
+    clean = [np.nan_to_num(t.numpy(), nan=0.0) for t in (q, k, v)]
+    m = None if mask is None else mask.numpy()
+    out = R.attention(*clean, mask=m, causal=causal)
+    B, H, T, _ = q.shape
+    Hkv, S = k.shape[1], k.shape[2]
+    allowed = np.ones((B, H, T, S), bool)
+    if m is not None:
+        allowed &= m if m.dtype == bool else ~np.isneginf(np.broadcast_to(m, allowed.shape))
+    if causal:
+        allowed &= R.causal_mask(T, S)
+    nan_k = np.repeat(np.isnan(k.numpy()).any(-1), H // Hkv, 1)[:, :, None, :]  # (B, H, 1, S)
+    nan_v = np.repeat(np.isnan(v.numpy()).any(-1), H // Hkv, 1)[:, :, None, :]
+    nan_rows = np.isnan(q.numpy()).any(-1) | (allowed & (nan_k | nan_v)).any(-1)
+    out[nan_rows & allowed.any(-1)] = np.nan
+    return out
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(problems(), st.lists(st.tuples(st.sampled_from("qkv"), st.integers(0, 10**6)), min_size=1, max_size=3))
+def test_nan_rule_is_the_same_in_every_backend(p, nans):
+    B, H, Hkv, T, S, D, Dv, mask_kind, causal, seed = p
+    q, k, v, mask, _ = make(B, H, Hkv, T, S, D, Dv, mask_kind, seed)
+    tensors = {"q": q, "k": k, "v": v}
+    for name, where in nans:
+        t = tensors[name].view(-1)
+        t[where % t.numel()] = float("nan")
+    expect = _rule_reference(q, k, v, mask, causal)
+    for backend in [*BACKENDS, "tiles"]:
+        out = mh.scaled_dot_product_attention(q, k, v, mask, causal=causal, backend=backend).numpy()
+        assert (np.isnan(out) == np.isnan(expect)).all(), (backend, p, nans, np.isnan(out).sum(), np.isnan(expect).sum())
+        ok = ~np.isnan(expect)
+        assert np.allclose(out[ok], expect[ok], atol=1e-10), backend
+
+
+def test_nan_in_a_hidden_key_or_value_has_no_effect():
+    q, k, v = torch.randn(1, 2, 4, 8), torch.randn(1, 2, 6, 8), torch.randn(1, 2, 6, 8)
+    k[0, 0, 5, 0] = float("nan")  # key 5 is hidden from queries 0..2 by causality (positions 2..5)
+    v[0, 1, 4, 0] = float("nan")  # value 4 is hidden from queries 0..1
+    for backend in [*BACKENDS, "tiles"]:
+        out = mh.scaled_dot_product_attention(q, k, v, causal=True, backend=backend)
+        assert torch.isfinite(out[0, 0, :3]).all() and torch.isnan(out[0, 0, 3]).all(), backend
+        assert torch.isfinite(out[0, 1, :2]).all() and torch.isnan(out[0, 1, 2:]).all(), backend
+        clean = mh.scaled_dot_product_attention(q, k.nan_to_num(), v.nan_to_num(), causal=True, backend="math")
+        assert_close(out[0, 0, :3], clean[0, 0, :3], what=backend)
+
+
+# ----------------------------------------------------------- empty problems
+
+
+@pytest.mark.parametrize("backend", [*BACKENDS, "tiles"])
+@pytest.mark.parametrize("shape", [(0, 4, 3, 5), (2, 4, 0, 5), (2, 4, 3, 0)])
+def test_empty_batch_queries_or_keys(backend, shape):
+    B, H, T, S = shape
+    q = torch.randn(B, H, T, 8, requires_grad=True)
+    k, v = torch.randn(B, 2, S, 8, requires_grad=True), torch.randn(B, 2, S, 3, requires_grad=True)
+    for mask in (None, masks.causal(), masks.sliding_window(2)):
+        out, w = mh.scaled_dot_product_attention(q, k, v, mask, causal=True, backend=backend, return_weights=True)
+        assert out.shape == (B, H, T, 3) and w.shape == (B, H, T, S)
+        assert (out == 0).all() and (w == 0).all()  # S = 0: no key to attend, rows are zero
+        out.sum().backward()
+        assert q.grad.shape == q.shape and (q.grad == 0).all()
+
+
+# ------------------------------------------------------------------- scale
+
+
+@pytest.mark.parametrize("scale", [np.float64(0.3), np.float32(0.3), np.array(0.3), torch.tensor(0.3),
+                                   torch.tensor([0.3], dtype=torch.float64), 0.3])
+def test_scale_accepts_numpy_and_tensor_scalars(scale):
+    q, k, v = torch.randn(1, 2, 3, 4, dtype=torch.float64), torch.randn(1, 2, 5, 4, dtype=torch.float64), \
+        torch.randn(1, 2, 5, 4, dtype=torch.float64)
+    out = mh.scaled_dot_product_attention(q, k, v, scale=scale)
+    assert_close(out, R.attention(q.numpy(), k.numpy(), v.numpy(), scale=float(scale)), torch.float32)

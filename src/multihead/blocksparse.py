@@ -264,7 +264,7 @@ class _ExplicitTiles(torch.autograd.Function):
                     pv = p.view(B, Hkv, G * t, c1 - c0) @ v[:, :, c0:c1].to(acc)  # (B, Hkv, G*t, Dv)
                     o = o * alpha + pv.view(B, H, t, Dv)
                     m = m_new
-                seen = l_ > 0
+                seen = l_ != 0  # NaN rows stay NaN (the kernel's NaN rule then applies)
                 out[:, :, r0:r1] = torch.where(seen, o / torch.where(seen, l_, 1.0), 0.0).to(q.dtype)
                 lse[:, :, r0:r1] = torch.where(seen, m + torch.log(torch.where(seen, l_, 1.0)),
                                                float("-inf"))[..., 0]

@@ -128,6 +128,13 @@ class MaskMod:
             got = f"a {out.dtype} tensor" if isinstance(out, Tensor) else f"{type(out).__name__} {out!r}"
             raise TypeError(f"mask predicate {self.name} must return a bool tensor (True = may attend); "
                             f"it returned {got}")
+        want = torch.broadcast_shapes(*(t.shape for t in (b, h, rows, kv) if isinstance(t, Tensor)))
+        try:
+            if torch.broadcast_shapes(out.shape, want) != want:
+                raise RuntimeError
+        except RuntimeError:
+            raise ValueError(f"mask predicate {self.name} returned shape {tuple(out.shape)}, not broadcastable "
+                             f"to the shape of its index tensors {tuple(want)}") from None
         return out
 
     def tiles(self, B: int, H: int, T: int, S: int, bq: int, bk: int, device=None) -> tuple[Tensor, Tensor]:
@@ -459,14 +466,7 @@ def to_dense(mask_mod: MaskMod | Callable, B: int, H: int, T: int, S: int, devic
     h = torch.arange(H, device=device).view(1, H, 1, 1)
     rows = torch.arange(T, device=device).view(1, 1, T, 1)
     kv = torch.arange(S, device=device).view(1, 1, 1, S)
-    out = mask_mod.evaluate(b, h, rows, kv, S - T)
-    out = _as4d(out)
-    try:
-        torch.broadcast_shapes(out.shape, (B, H, T, S))
-    except RuntimeError:
-        raise ValueError(f"mask predicate {mask_mod.name} returned shape {tuple(out.shape)}, "
-                         f"not broadcastable to (B, H, T, S) = ({B}, {H}, {T}, {S})") from None
-    return out
+    return _as4d(mask_mod.evaluate(b, h, rows, kv, S - T))
 
 
 def from_key_padding_mask(key_padding_mask: Tensor) -> Tensor:
