@@ -382,74 +382,14 @@ class Attention(nn.Module):
     @classmethod
     def from_torch(cls, mha: nn.MultiheadAttention, *, causal: bool = False,
                    backend: str = "auto") -> Attention:
-        """An `Attention` with exactly the weights of an `nn.MultiheadAttention`.
+        """An `Attention` with exactly the weights of an `nn.MultiheadAttention`
+        (`multihead.interop.torch.from_torch`)."""
+        from multihead.interop.torch import from_torch
 
-        batch_first either way is fine (this module is always batch-first). kdim == vdim
-        != embed_dim becomes `context_dim`. Options with no equivalent raise: bias_k/bias_v
-        and add_zero_attn (they append a learned or zero key to every sequence), and
-        kdim != vdim (this module projects keys and values from one context tensor).
-        """
-        if not isinstance(mha, nn.MultiheadAttention):
-            raise TypeError(f"from_torch takes an nn.MultiheadAttention; received {type(mha).__name__}")
-        if mha.bias_k is not None or mha.bias_v is not None:
-            raise ValueError("nn.MultiheadAttention with add_bias_kv=True appends a learned key/value "
-                             "to every sequence; multihead.Attention has no equivalent")
-        if mha.add_zero_attn:
-            raise ValueError("nn.MultiheadAttention with add_zero_attn=True appends a zero key/value; "
-                             "multihead.Attention has no equivalent")
-        if mha.kdim != mha.vdim:
-            raise ValueError(f"kdim ({mha.kdim}) != vdim ({mha.vdim}): multihead.Attention projects keys "
-                             "and values from one context tensor; valid: kdim == vdim")
-        E, H = mha.embed_dim, mha.num_heads
-        bias = mha.in_proj_bias is not None
-        attn = cls(E, H, head_dim=mha.head_dim, context_dim=mha.kdim, bias=bias, dropout=mha.dropout,
-                   causal=causal, backend=backend)
-        attn = attn.to(device=mha.out_proj.weight.device, dtype=mha.out_proj.weight.dtype)
-        with torch.no_grad():
-            if mha._qkv_same_embed_dim:
-                wq, wk, wv = mha.in_proj_weight.chunk(3)
-            else:
-                wq, wk, wv = mha.q_proj_weight, mha.k_proj_weight, mha.v_proj_weight
-            for lin, w in ((attn.q_proj, wq), (attn.k_proj, wk), (attn.v_proj, wv)):
-                lin.weight.copy_(w)
-            attn.o_proj.weight.copy_(mha.out_proj.weight)
-            if bias:
-                for lin, b in zip((attn.q_proj, attn.k_proj, attn.v_proj), mha.in_proj_bias.chunk(3)):
-                    lin.bias.copy_(b)
-                attn.o_proj.bias.copy_(mha.out_proj.bias)
-        return attn
+        return from_torch(mha, causal=causal, backend=backend, cls=cls)
 
     def to_torch(self, *, batch_first: bool = True) -> nn.MultiheadAttention:
-        """An `nn.MultiheadAttention` with exactly these weights (MHA only, D = C / H, no RoPE)."""
-        reasons = []
-        if self.n_kv_heads != self.n_heads:
-            reasons.append(f"n_kv_heads ({self.n_kv_heads}) != n_heads ({self.n_heads}): "
-                           "nn.MultiheadAttention has no grouped heads")
-        if self.head_dim * self.n_heads != self.d_model:
-            reasons.append(f"head_dim * n_heads ({self.head_dim * self.n_heads}) != d_model "
-                           f"({self.d_model}): nn.MultiheadAttention needs head_dim = d_model / n_heads")
-        if self.rope is not None:
-            reasons.append("rotary embeddings have no nn.MultiheadAttention equivalent")
-        has_bias = [lin.bias is not None for lin in (self.q_proj, self.k_proj, self.v_proj, self.o_proj)]
-        if any(has_bias) and not all(has_bias):
-            reasons.append("biases on some projections only (nn.MultiheadAttention: all or none)")
-        if reasons:
-            raise ValueError("cannot convert to nn.MultiheadAttention: " + "; ".join(reasons))
-        w = self.q_proj.weight
-        mha = nn.MultiheadAttention(
-            self.d_model, self.n_heads, dropout=self.dropout, bias=all(has_bias),
-            kdim=self.context_dim, vdim=self.context_dim, batch_first=batch_first,
-            device=w.device, dtype=w.dtype,
-        )
-        with torch.no_grad():
-            if mha._qkv_same_embed_dim:
-                mha.in_proj_weight.copy_(torch.cat([self.q_proj.weight, self.k_proj.weight, self.v_proj.weight]))
-            else:
-                mha.q_proj_weight.copy_(self.q_proj.weight)
-                mha.k_proj_weight.copy_(self.k_proj.weight)
-                mha.v_proj_weight.copy_(self.v_proj.weight)
-            mha.out_proj.weight.copy_(self.o_proj.weight)
-            if all(has_bias):
-                mha.in_proj_bias.copy_(torch.cat([self.q_proj.bias, self.k_proj.bias, self.v_proj.bias]))
-                mha.out_proj.bias.copy_(self.o_proj.bias)
-        return mha
+        """An `nn.MultiheadAttention` with exactly these weights (`multihead.interop.torch.to_torch`)."""
+        from multihead.interop.torch import to_torch
+
+        return to_torch(self, batch_first=batch_first)

@@ -1,7 +1,7 @@
 """Conversions of trained attention layers between head layouts.
 
-- `from_torch` / `to_torch`: nn.MultiheadAttention <-> `Attention`, exact (the methods
-  of `Attention`, here so that every conversion has one home).
+- `from_torch` / `to_torch`: nn.MultiheadAttention <-> `Attention`, exact (they live in
+  `multihead.interop.torch`, re-exported here so that every conversion has one address).
 - `to_gqa`: MHA (or GQA) -> GQA with fewer key/value heads by mean-pooling the K and V
   projection heads of each group (Ainslie et al., 2023, "GQA: Training Generalized
   Multi-Query Transformer Models from Multi-Head Checkpoints"). Approximate; meant to
@@ -25,20 +25,10 @@ import torch
 from torch import nn
 
 from multihead.attention import Attention
+from multihead.interop.torch import from_torch, to_torch
 from multihead.latent import LatentAttention
 
 __all__ = ["MLAReport", "from_torch", "mla_report", "to_gqa", "to_mla", "to_torch"]
-
-
-def from_torch(mha: nn.MultiheadAttention, *, causal: bool = False, backend: str = "auto") -> Attention:
-    """`Attention.from_torch`: an `Attention` with exactly the weights of `mha`."""
-    return Attention.from_torch(mha, causal=causal, backend=backend)
-
-
-def to_torch(attn: Attention, *, batch_first: bool = True) -> nn.MultiheadAttention:
-    """`Attention.to_torch`: an `nn.MultiheadAttention` with exactly the weights of `attn`."""
-    _check_attention("to_torch", attn)
-    return attn.to_torch(batch_first=batch_first)
 
 
 def _check_attention(fn: str, attn) -> None:
