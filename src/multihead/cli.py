@@ -4,14 +4,31 @@ Each subcommand lives with its feature: a module that defines
 `add_arguments(parser)` and `main(args) -> int`. They are registered here by module
 path and imported only when the parser is built, and each keeps its heavy imports
 (torch, transformers, matplotlib) inside `main`, so `multihead --help` stays fast.
-Bad user input exits with code 2 and a one-line message, never a traceback.
+
+This file is the one boundary between the library's errors and the terminal:
+
+- a mistake of the user's (a tool raises `ValueError`, of which
+  `multihead.errors.UsageError` is one; a file that cannot be read or written, `OSError`;
+  memory exhausted by the sizes asked) prints one line, `multihead CMD: error: ...`,
+  and exits 2;
+- anything else is a bug in multihead: the traceback is printed and the exit code is 1;
+- `--debug` (anywhere on the command line, or MULTIHEAD_DEBUG=1) prints the traceback
+  of every error, then the same line and code.
+
+Ctrl-C exits 130; a closed pipe (`multihead plan ... | head`) exits 0.
 """
 
 from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import sys
+import traceback
+
+from multihead.errors import UsageError
+
+__all__ = ["UsageError", "build_parser", "main", "user_message"]
 
 # name -> (module path, one-line help)
 SUBCOMMANDS = {
@@ -22,10 +39,6 @@ SUBCOMMANDS = {
 }
 
 
-class UsageError(Exception):
-    """Bad user input: printed as one line, exit code 2."""
-
-
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="multihead",
@@ -34,6 +47,8 @@ def build_parser() -> argparse.ArgumentParser:
     from multihead import __version__
 
     parser.add_argument("--version", action="version", version=f"multihead {__version__}")
+    parser.add_argument("--debug", action="store_true",
+                        help="print the traceback of every error (also accepted after the subcommand)")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     for name, (module_path, help_text) in SUBCOMMANDS.items():
         try:
@@ -48,26 +63,72 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _split_debug(argv: list[str]) -> tuple[list[str], bool]:
+    """Take every `--debug` before a `--` out of argv, so it works after a subcommand too."""
+    end = argv.index("--") if "--" in argv else len(argv)
+    debug = "--debug" in argv[:end]
+    return [a for a in argv[:end] if a != "--debug"] + argv[end:], debug
+
+
+def user_message(err: BaseException) -> str | None:
+    """The one-line message for an error the user caused, or None for a bug."""
+    if isinstance(err, ValueError):  # UsageError, UnicodeError and JSONDecodeError included
+        text = str(err)
+    elif isinstance(err, OSError):
+        what = err.strerror or str(err) or type(err).__name__
+        text = f"{err.filename}: {what}" if err.filename is not None else what
+        if err.filename2 is not None:
+            text += f" (and {err.filename2})"
+    elif isinstance(err, MemoryError) or type(err).__name__ == "OutOfMemoryError" or (
+            isinstance(err, RuntimeError) and "can't allocate memory" in str(err)):
+        text = "out of memory for the sizes asked; try smaller ones"
+    else:
+        return None
+    lines = [line.strip() for line in text.splitlines() if line.strip()]
+    return "; ".join(lines) or type(err).__name__
+
+
 def main(argv: list[str] | None = None) -> int:
+    """Run the command line `argv` (default sys.argv[1:]); return the exit code (never raises
+    SystemExit: argparse's own exits are returned)."""
+    argv = sys.argv[1:] if argv is None else [str(a) for a in argv]
+    argv, debug = _split_debug(argv)
+    debug = debug or os.environ.get("MULTIHEAD_DEBUG", "") not in ("", "0")
     parser = build_parser()
-    args = parser.parse_args(argv)
+    try:
+        args = parser.parse_args(argv)
+    except SystemExit as exit_:  # --help, --version, or a usage error argparse printed
+        code = exit_.code
+        return code if isinstance(code, int) else (0 if code is None else 2)
     if getattr(args, "_main", None) is None:
-        parser.print_help()
+        parser.print_help(sys.stderr)
         return 2
+    name = f"multihead {args.command}"
     try:
         return int(args._main(args) or 0)
-    except UsageError as err:
-        print(f"multihead {args.command}: error: {err}", file=sys.stderr)
-        return 2
     except KeyboardInterrupt:
-        print(f"multihead {args.command}: interrupted", file=sys.stderr)
+        print(f"{name}: interrupted", file=sys.stderr)
         return 130
     except BrokenPipeError:
         # the reader went away (`multihead plan ... | head`): not an error of ours
-        import os
-
-        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        try:
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        except (OSError, ValueError):  # stdout is not a file (captured): nothing to silence
+            pass
         return 0
+    except SystemExit as exit_:
+        code = exit_.code
+        return code if isinstance(code, int) else (0 if code is None else 2)
+    except Exception as err:  # the boundary: every error ends here, as a line or a traceback
+        message = user_message(err)
+        if debug or message is None:
+            traceback.print_exc(file=sys.stderr)
+        if message is None:
+            print(f"{name}: internal error: {type(err).__name__}: {err}; this is a bug in multihead, "
+                  "please report it with the traceback above", file=sys.stderr)
+            return 1
+        print(f"{name}: error: {message}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

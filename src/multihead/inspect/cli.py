@@ -22,9 +22,10 @@ import sys
 import warnings
 from pathlib import Path
 
-from multihead.cli import UsageError
+from multihead.errors import UsageError
 
 TOP = 10  # rows of the role table without --roles
+_MAX_STDIN = 16 * 2**20
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -67,12 +68,30 @@ def _out_path(flag: str, value: str | None) -> Path | None:
         raise UsageError(f"{flag} {value!r} is a folder; give a file name, e.g. {flag} view.html")
     if not path.parent.is_dir():
         raise UsageError(f"{flag} {value!r}: the folder {str(path.parent)!r} does not exist")
+    if not os.access(path.parent, os.W_OK | os.X_OK):
+        raise UsageError(f"{flag} {value!r}: cannot write in the folder {str(path.parent)!r} (permission denied)")
+    if path.exists() and not os.access(path, os.W_OK):
+        raise UsageError(f"{flag} {value!r}: the file exists and is read-only")
     return path
 
 
 def _read_text(text: str) -> str:
     if text == "-":
-        text = sys.stdin.read()
+        data = sys.stdin.buffer.read(_MAX_STDIN + 1) if hasattr(sys.stdin, "buffer") else sys.stdin.read().encode()
+        if len(data) > _MAX_STDIN:
+            raise UsageError(f"the text on stdin is longer than {_MAX_STDIN // 2**20} MiB; inspect looks at a few "
+                             "hundred tokens (--max-tokens)")
+        try:
+            text = data.decode("utf-8")
+        except UnicodeDecodeError as err:
+            raise UsageError(f"the text on stdin is not UTF-8 (byte 0x{data[err.start]:02x} at offset {err.start}); "
+                             "give UTF-8 text") from None
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as err:
+        # a command-line argument that was not UTF-8 reaches Python as lone surrogates
+        raise UsageError(f"the text is not valid UTF-8 (character {err.start}: "
+                         f"{text[err.start]!r}); give UTF-8 text") from None
     if not text.strip():
         raise UsageError('text is empty; give a sentence, e.g. multihead inspect "The cat sat on the mat."')
     return text

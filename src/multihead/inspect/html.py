@@ -105,7 +105,11 @@ def render_html(
     }
     page = _page(title, data)
     if path is not None:
-        Path(path).write_text(page, encoding="utf-8")
+        from multihead._files import write_text
+
+        # encoded in full before the file is touched, then moved into place: text that cannot
+        # be encoded, a full disk or Ctrl-C leave an existing page as it was, never truncated
+        write_text(path, page)
     return page
 
 

@@ -142,6 +142,11 @@ def _label(token: str) -> str:
 
 
 def _save(fig, path: str | Path, dpi: float = _DPI) -> Path:
+    """Write atomically (a temporary file moved over `path`), so a failed draw never leaves a
+    truncated PNG, with the usual file mode."""
+    from multihead._files import atomic_path
+
     path = Path(path)
-    fig.savefig(path, format="png", dpi=dpi)
+    with atomic_path(path) as tmp:
+        fig.savefig(tmp, format="png", dpi=dpi)
     return path

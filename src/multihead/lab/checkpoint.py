@@ -14,7 +14,6 @@ Hugging Face folder; `capture_lab` gives it an `AttentionCapture` of any text.
 
 from __future__ import annotations
 
-import json
 import os
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -80,6 +79,7 @@ def save_lab_checkpoint(folder: str | os.PathLike, model: LabTransformer, vocab:
     from safetensors.torch import save_file
 
     from multihead import __version__
+    from multihead._files import atomic_path
     from multihead.lab.common import write_json_atomic
 
     if len(vocab) != model.cfg.vocab_size:
@@ -87,9 +87,8 @@ def save_lab_checkpoint(folder: str | os.PathLike, model: LabTransformer, vocab:
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
     state = {k: v.detach().to("cpu").contiguous().clone() for k, v in model.state_dict().items()}
-    tmp = folder / ".model.safetensors.tmp"
-    save_file(state, str(tmp), metadata={"format": "pt", "multihead_lab": experiment})
-    os.replace(tmp, folder / "model.safetensors")
+    with atomic_path(folder / "model.safetensors") as tmp:  # and the usual mode, not safetensors' 0600
+        save_file(state, str(tmp), metadata={"format": "pt", "multihead_lab": experiment})
     config = {
         "multihead_lab": {"experiment": experiment, "architecture": model.cfg.to_dict(),
                           "multihead_version": __version__, **(extra or {})},
@@ -113,10 +112,13 @@ def is_lab_checkpoint(path: str | os.PathLike) -> bool:
     cfg = _config_path(p)
     if not cfg.is_file():
         return False
+    from multihead._files import read_json
+
     try:
-        return "multihead_lab" in json.loads(cfg.read_text(encoding="utf-8"))
-    except (OSError, ValueError):
+        obj = read_json(cfg, what="config.json")
+    except ValueError:
         return False
+    return isinstance(obj, dict) and "multihead_lab" in obj
 
 
 def load_lab_checkpoint(path: str | os.PathLike, device: str | torch.device = "cpu"
@@ -125,6 +127,7 @@ def load_lab_checkpoint(path: str | os.PathLike, device: str | torch.device = "c
 
     `path` may also be an experiment's output folder (its checkpoint is in `model/`).
     """
+    from safetensors import SafetensorError
     from safetensors.torch import load_file
 
     p = Path(path)
@@ -136,15 +139,30 @@ def load_lab_checkpoint(path: str | os.PathLike, device: str | torch.device = "c
     if not is_lab_checkpoint(p):
         raise ValueError(f"{path} is not a multihead lab checkpoint (no config.json with a "
                          "'multihead_lab' section)")
-    meta_all = json.loads((p / "config.json").read_text(encoding="utf-8"))
-    meta = meta_all["multihead_lab"]
-    cfg = LabConfig.from_dict(meta["architecture"])
-    vocab = Vocab.from_dict(meta_all["tokenizer"])
+    from multihead._files import read_json
+
+    label = p / "config.json"
+    meta_all = read_json(label, what="lab checkpoint config.json")
+    try:
+        meta = meta_all["multihead_lab"]
+        cfg = LabConfig.from_dict(meta["architecture"])
+        tok = meta_all["tokenizer"]
+        if not isinstance(tok.get("tokens"), list) or not all(isinstance(t, str) for t in tok["tokens"]):
+            raise ValueError("'tokenizer.tokens' must be a list of strings")
+        vocab = Vocab.from_dict(tok)
+    except KeyError as err:
+        raise ValueError(f"{label} lacks the field {err.args[0]!r} of a lab checkpoint") from None
+    except (TypeError, ValueError, AttributeError) as err:
+        raise ValueError(f"{label} is not a valid lab checkpoint config: {err}") from None
     weights = p / "model.safetensors"
     if not weights.is_file():
         raise ValueError(f"{p} has a lab config.json but no model.safetensors")
     model = LabTransformer(cfg)
-    model.load_state_dict(load_file(str(weights)), strict=True)
+    try:
+        model.load_state_dict(load_file(str(weights)), strict=True)
+    except (RuntimeError, OSError, SafetensorError) as err:  # a truncated file, or another architecture's weights
+        first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        raise ValueError(f"{weights} does not hold this checkpoint's weights: {first}") from None
     return model.to(device).eval(), vocab, meta
 
 

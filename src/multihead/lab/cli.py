@@ -6,15 +6,27 @@
   multihead lab induction  when do induction heads appear? (2-layer attention-only)
 
 Each writes results.json, PNG plots and a safetensors checkpoint (model/, which
-`multihead inspect --model OUT` opens; kv trains nothing and writes none) to --out. --quick runs a small version in
-seconds. Ctrl-C stops cleanly: what finished is kept, marked "interrupted": true.
+`multihead inspect --model OUT` opens; kv trains nothing and writes none) to --out, which
+must be new or empty: --force replaces an earlier run's folder, and only once the new run
+has completed. --quick runs a small version in seconds. Ctrl-C stops cleanly: what
+finished is kept, marked "interrupted": true.
+
+  multihead lab induction --layers 2 --d-model 4096 --n-heads 32 --n-kv-heads 4 --quick
+
+trains the head geometry `multihead plan` recommends, scaled to a CPU (same head_dim and
+n_heads / n_kv_heads), and says what was scaled.
 """
 
 from __future__ import annotations
 
 import argparse
+import math
+import os
 import sys
+import time
 from pathlib import Path
+
+from multihead.errors import UsageError
 
 EXPERIMENTS = {
     "heads": "does the number of heads matter? copy task, n_heads 1..16, several seeds",
@@ -22,6 +34,13 @@ EXPERIMENTS = {
     "mla": "char-level LM: validation bits/char against cache bytes for MLA ranks, GQA, MQA",
     "induction": "2-layer attention-only model: accuracy and head roles over training",
 }
+_CONFIGS = {"heads": "HeadsConfig", "kv": "KVConfig", "mla": "MLAConfig", "induction": "InductionConfig"}
+_MAX_INT = 2**31 - 1  # every count and size fits a C int; beyond it only overflows later, far from the flag
+_MAX_LIST = 64
+
+
+class _Formatter(argparse.RawDescriptionHelpFormatter):
+    """Keeps the descriptions' line breaks; every flag's help states its default itself."""
 
 
 def _ints(text: str) -> tuple[int, ...]:
@@ -29,105 +48,242 @@ def _ints(text: str) -> tuple[int, ...]:
         values = tuple(int(v) for v in text.split(",") if v.strip())
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected comma-separated integers like 1,2,4; received {text!r}") from None
-    if not values or any(v < 1 for v in values):
-        raise argparse.ArgumentTypeError(f"expected positive integers like 1,2,4; received {text!r}")
+    if not values or any(not 1 <= v <= _MAX_INT for v in values) or len(values) > _MAX_LIST:
+        raise argparse.ArgumentTypeError(f"expected 1 to {_MAX_LIST} positive integers like 1,2,4; received {text!r}")
     return values
 
 
-def _positive_of(cast, what: str):
-    """An argparse type: `cast(text)` that must be > 0, else "expected a positive {what}"."""
+def _positive_of(cast, what: str, maximum: float = _MAX_INT):
+    """An argparse type: `cast(text)` that must be a finite number in (0, maximum]."""
 
     def parse(text: str):
         try:
             v = cast(text)
-        except ValueError:
+        except (ValueError, OverflowError):
             raise argparse.ArgumentTypeError(f"expected a positive {what}; received {text!r}") from None
-        if not v > 0:
+        if not (v > 0 and math.isfinite(v)):
             raise argparse.ArgumentTypeError(f"expected a positive {what}; received {text!r}")
+        if v > maximum:
+            raise argparse.ArgumentTypeError(f"expected a positive {what} of at most {maximum:g}; received {text!r}")
         return v
 
     return parse
 
 
+def _seed(text: str) -> int:
+    try:
+        v = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer seed >= 0; received {text!r}") from None
+    if not 0 <= v < 2**63:
+        raise argparse.ArgumentTypeError(f"expected a seed in 0 .. 2**63 - 1; received {text!r}")
+    return v
+
+
+def _nonnegative(text: str) -> int:
+    try:
+        v = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 0; received {text!r}") from None
+    if not 0 <= v <= _MAX_INT:
+        raise argparse.ArgumentTypeError(f"expected an integer in 0 .. {_MAX_INT}; received {text!r}")
+    return v
+
+
 _positive = _positive_of(int, "integer")
-_positive_float = _positive_of(float, "number")
+_positive_float = _positive_of(float, "number", maximum=1e300)
+
+
+def _shown(v) -> str:
+    return ",".join(map(str, v)) if isinstance(v, tuple) else f"{v:g}" if isinstance(v, float) else str(v)
+
+
+def _defaults(name: str):
+    """help(field) -> "(default X; --quick Y)", read off the experiment's config dataclass."""
+    from multihead.lab import configs
+
+    cls = getattr(configs, _CONFIGS[name])
+    full, quick = cls(), cls.quick()
+
+    def text(field: str) -> str:
+        a, b = getattr(full, field), getattr(quick, field)
+        if a is None:
+            return ""
+        return f" (default {_shown(a)}" + ("" if a == b else f"; --quick {_shown(b)}") + ")"
+
+    return text
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.formatter_class = argparse.RawDescriptionHelpFormatter
+    parser.formatter_class = _Formatter
     sub = parser.add_subparsers(dest="experiment", metavar="EXPERIMENT")
     for name, help_text in EXPERIMENTS.items():
-        p = sub.add_parser(name, help=help_text, description=help_text)
+        d = _defaults(name)
+        p = sub.add_parser(name, help=help_text, description=help_text, formatter_class=_Formatter)
         p.add_argument("--quick", action="store_true", help="a small version that runs in seconds (for tests)")
-        p.add_argument("--out", type=Path, default=None, help="output folder (default: lab-<experiment>)")
-        p.add_argument("--seed", type=int, default=0, help="random seed; same seed, same numbers (default 0)")
+        p.add_argument("--out", type=Path, default=None, help=f"output folder, new or empty (default lab-{name})")
+        p.add_argument("--force", action="store_true",
+                       help="replace an earlier run's --out folder (one with results.json), once this run completes")
+        p.add_argument("--seed", type=_seed, default=0, help="random seed; same seed, same numbers (default 0)")
         p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto",
-                       help="where to train (default auto: cuda when present)")
-        p.add_argument("--threads", type=_positive, default=None,
+                       help=("where to build and time the modules" if name == "kv" else "where to train")
+                       + " (default auto: cuda when present)")
+        p.add_argument("--threads", type=_positive_of(int, "integer", 4096), default=None,
                        help="CPU threads for torch (default: at most 2)")
         p.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
         if name != "kv":
-            p.add_argument("--steps", type=_positive, default=None, help="training steps per model")
-            p.add_argument("--batch-size", type=_positive, default=None, help="sequences per step")
-            p.add_argument("--lr", type=_positive_float, default=None, help="peak learning rate")
+            p.add_argument("--steps", type=_positive_of(int, "integer", 10**7), default=None,
+                           help="training steps per model" + d("steps"))
+            p.add_argument("--batch-size", type=_positive_of(int, "integer", 2**16), default=None,
+                           help="sequences per step" + d("batch_size"))
+            p.add_argument("--lr", type=_positive_float, default=None, help="peak learning rate" + d("lr"))
         if name == "heads":
-            p.add_argument("--head-counts", type=_ints, default=None, help="n_heads to compare (default 1,2,4,8,16)")
-            p.add_argument("--seeds", type=_positive, default=None, dest="n_seeds", help="seeds per head count")
-            p.add_argument("--d-model", type=_positive, default=None, help="model width (default 64)")
-            p.add_argument("--seq-len", type=_positive, default=None, help="tokens to copy (default 24)")
+            p.add_argument("--head-counts", type=_ints, default=None, help="n_heads to compare" + d("head_counts"))
+            p.add_argument("--seeds", type=_positive_of(int, "integer", 1000), default=None, dest="n_seeds",
+                           help="seeds per head count" + d("n_seeds"))
+            p.add_argument("--d-model", type=_positive, default=None, help="model width" + d("d_model"))
+            p.add_argument("--seq-len", type=_positive, default=None, help="tokens to copy" + d("seq_len"))
         elif name == "kv":
-            p.add_argument("--d-model", type=_positive, default=None, help="model width (default 512)")
-            p.add_argument("--n-heads", type=_positive, default=None, help="query heads (default 8)")
-            p.add_argument("--context", type=_positive, default=None, help="cached tokens N (default 2048)")
-            p.add_argument("--kv-heads", type=_ints, default=None, dest="kv_heads",
-                           help="n_kv_heads to compare (default 8,4,2,1: MHA, GQA, GQA, MQA)")
+            p.add_argument("--d-model", type=_positive, default=None, help="model width" + d("d_model"))
+            p.add_argument("--n-heads", type=_positive, default=None, help="query heads" + d("n_heads"))
+            p.add_argument("--context", type=_positive, default=None, help="cached tokens N" + d("context"))
+            _kv_heads(p, "n_kv_heads to compare: MHA, GQA, ..., MQA" + d("kv_heads"))
             p.add_argument("--kv-ranks", type=_ints, default=None, dest="mla_ranks",
-                           help="MLA kv_rank values (default 128,256)")
-            p.add_argument("--batch", type=_positive, default=None, help="decode batch size (default 1)")
-            p.add_argument("--decode-steps", type=_positive, default=None, help="timed decode steps")
+                           help="MLA kv_rank values" + d("mla_ranks"))
+            p.add_argument("--batch", type=_positive, default=None, help="decode batch size" + d("batch"))
+            p.add_argument("--decode-steps", type=_positive, default=None,
+                           help="timed decode steps" + d("decode_steps"))
         elif name == "mla":
             p.add_argument("--corpus", type=Path, default=None,
                            help="a UTF-8 text file (default: the King James Bible shipped with multihead)")
             p.add_argument("--kv-ranks", type=_ints, default=None, dest="ranks",
-                           help="MLA kv_rank sweep (default 8,16,32,64)")
+                           help="MLA kv_rank sweep" + d("ranks"))
+            _kv_heads(p, "GQA/MQA n_kv_heads trained beside MHA and MLA" + d("kv_heads"))
             p.add_argument("--tolerance", type=_positive_float, default=None,
-                           help="allowed bits/char above MHA (default 1.0)")
-            p.add_argument("--d-model", type=_positive, default=None, help="model width (default 128)")
-            p.add_argument("--n-layers", type=_positive, default=None, help="blocks (default 2)")
-            p.add_argument("--n-heads", type=_positive, default=None, help="heads (default 8)")
-            p.add_argument("--context", type=_positive, default=None, help="characters per sequence")
+                           help="allowed bits/char above MHA" + d("tolerance"))
+            p.add_argument("--d-model", type=_positive, default=None, help="model width" + d("d_model"))
+            _layers(p, "blocks" + d("n_layers"))
+            p.add_argument("--n-heads", type=_positive, default=None, help="heads" + d("n_heads"))
+            p.add_argument("--context", type=_positive, default=None, help="characters per sequence" + d("context"))
         elif name == "induction":
-            p.add_argument("--d-model", type=_positive, default=None, help="model width (default 64)")
-            p.add_argument("--n-heads", type=_positive, default=None, help="heads per layer (default 4)")
-            p.add_argument("--vocab", type=_positive, default=None, help="random symbols (default 64)")
-            p.add_argument("--seq-len", type=_positive, default=None, help="tokens per sequence")
+            g = p.add_argument_group(
+                "head geometry", "a model's heads (what `multihead plan` prints); a geometry too large for a\n"
+                "CPU is scaled down keeping head_dim = d_model / n_heads, n_heads / n_kv_heads and\n"
+                "rope_dim, and the output says what was scaled")
+            g.add_argument("--variant", choices=("mha", "gqa", "mqa", "mla"), default=None,
+                           help="attention variant (default: from --n-kv-heads / --kv-rank; mha)")
+            _layers(g, "layers" + d("n_layers"))
+            g.add_argument("--d-model", type=_positive, default=None, help="model width C" + d("d_model"))
+            g.add_argument("--n-heads", type=_positive, default=None, help="query heads per layer H" + d("n_heads"))
+            g.add_argument("--n-kv-heads", type=_positive, default=None,
+                           help="key/value heads K (GQA: 1 < K < H; MQA: 1) (default: --n-heads, MHA)")
+            g.add_argument("--kv-rank", type=_positive, default=None, help="MLA latent rank R (implies --variant mla)")
+            g.add_argument("--rope-dim", type=_nonnegative, default=None,
+                           help="MLA decoupled RoPE dims per head (default 0)")
+            p.add_argument("--vocab", type=_positive, default=None, help="random symbols" + d("vocab"))
+            p.add_argument("--seq-len", type=_positive, default=None, help="tokens per sequence" + d("seq_len"))
+
+
+def _kv_heads(p, help_text: str) -> None:
+    """--n-kv-heads (a list here), the flag name every subcommand uses; --kv-heads still works."""
+    p.add_argument("--n-kv-heads", type=_ints, default=None, dest="kv_heads", help=help_text)
+    p.add_argument("--kv-heads", type=_ints, default=None, dest="kv_heads", help=argparse.SUPPRESS)
+
+
+def _layers(p, help_text: str) -> None:
+    """--layers N (a count, as in `multihead plan`); the older --n-layers still works."""
+    p.add_argument("--layers", type=_positive_of(int, "integer", 1024), default=None, dest="n_layers",
+                   help=help_text)
+    p.add_argument("--n-layers", type=_positive_of(int, "integer", 1024), default=None, dest="n_layers",
+                   help=argparse.SUPPRESS)
 
 
 def main(args: argparse.Namespace) -> int:
-    from multihead.cli import UsageError
-
     if getattr(args, "experiment", None) is None:
         raise UsageError(f"choose an experiment: {', '.join(EXPERIMENTS)} (multihead lab --help)")
+    out = args.out or Path(f"lab-{args.experiment}")
+    runner, cfg = _configure(args)  # every flag checked first
+    stage = _prepare_out(out, args.force)  # then --out, before anything is trained
     import torch
 
     threads = args.threads or max(1, min(2, torch.get_num_threads()))
     torch.set_num_threads(threads)
-    out = args.out or Path(f"lab-{args.experiment}")
-    if out.exists() and not out.is_dir():
-        raise UsageError(f"--out {out} exists and is not a folder")
-    runner, cfg = _configure(args)
+    target = out if stage is None else stage
     try:
-        res = runner(cfg, out, seed=args.seed, device=args.device, progress=not args.no_progress)
-    except ValueError as err:
-        raise UsageError(str(err)) from None
-    _report(res, out)
+        res = runner(cfg, target, seed=args.seed, device=args.device, progress=not args.no_progress)
+    except BaseException:
+        if stage is not None:
+            _remove_tree(stage)
+        raise
+    shown = out
+    if stage is not None:
+        shown = _settle(stage, out, res)
+    _report(res, shown)
+    if res["diverged"]:
+        d = res["diverged"][0]
+        more = f" (and {len(res['diverged']) - 1} more runs)" if len(res["diverged"]) > 1 else ""
+        raise UsageError(f"training diverged at step {d['step']} in {d['run']}{more} ({d['reason']}); "
+                         f"lr {getattr(cfg, 'lr', '?'):g} is too high: try a smaller --lr. "
+                         f"{shown}/results.json records it")
     return 130 if res["interrupted"] else 0
+
+
+def _prepare_out(out: Path, force: bool) -> Path | None:
+    """Refuse an --out that cannot hold a run; return a staging folder when --force is to
+    replace an earlier run (the new run goes there and replaces `out` only when complete)."""
+    for folder in (out, *out.parents):
+        if folder.exists():
+            if not folder.is_dir():
+                raise UsageError(f"--out {out}: {folder} is a file, not a folder; give a folder path")
+            if not os.access(folder, os.W_OK | os.X_OK):
+                raise UsageError(f"--out {out}: cannot write in {folder} (permission denied)")
+            break
+    if not out.is_dir() or not any(out.iterdir()):
+        return None
+    earlier = (out / "results.json").is_file()
+    if not force:
+        raise UsageError(f"--out {out} is not empty" + (" (it holds an earlier run's results.json)" if earlier else "")
+                         + "; give a new or empty folder, or add --force to replace an earlier run "
+                         "once this one completes")
+    if not earlier:
+        raise UsageError(f"--force replaces only an earlier lab run's folder (one with results.json); {out} has "
+                         "none, so it is left alone: give a new or empty --out")
+    if not os.access(out.parent if str(out.parent) else Path("."), os.W_OK | os.X_OK):
+        raise UsageError(f"--force needs to write beside {out} (in {out.parent}); permission denied")
+    import tempfile
+
+    from multihead._files import usual_mode
+
+    stage = Path(tempfile.mkdtemp(prefix=f".{out.name}.new-", dir=out.parent))
+    os.chmod(stage, usual_mode(folder=True))  # the mode mkdir gives, not mkdtemp's 0700
+    return stage
+
+
+def _settle(stage: Path, out: Path, res: dict) -> Path:
+    """After a --force run: a complete run replaces `out`; an interrupted or diverged one is
+    kept beside it and `out` keeps the earlier complete run. Returns where the run now is."""
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    if res["interrupted"] or res["diverged"]:
+        kind = "interrupted" if res["interrupted"] else "diverged"
+        kept = out.parent / f"{out.name}.{kind}-{stamp}"
+        os.rename(stage, kept)
+        res.setdefault("notes", []).append(f"{out} still holds the earlier run: this {kind} run did not replace it")
+        return kept
+    old = out.parent / f".{out.name}.old-{stamp}-{os.getpid()}"
+    os.rename(out, old)
+    os.rename(stage, out)
+    _remove_tree(old)
+    return out
+
+
+def _remove_tree(path: Path) -> None:
+    import shutil
+
+    shutil.rmtree(path, ignore_errors=True)
 
 
 def _configure(args):
     from dataclasses import replace
-
-    from multihead.cli import UsageError
 
     def build(cls, **kw):
         cfg = cls.quick() if args.quick else cls()
@@ -157,14 +313,20 @@ def _configure(args):
             if not args.corpus.is_file():
                 raise UsageError(f"--corpus {args.corpus}: no such file")
             corpus = str(args.corpus)
-        return run_mla, build(MLAConfig, corpus=corpus, ranks=args.ranks, tolerance=args.tolerance,
-                              d_model=args.d_model, n_layers=args.n_layers, n_heads=args.n_heads,
-                              context=args.context, **common)
+        return run_mla, build(MLAConfig, corpus=corpus, ranks=args.ranks, kv_heads=args.kv_heads,
+                              tolerance=args.tolerance, d_model=args.d_model, n_layers=args.n_layers,
+                              n_heads=args.n_heads, context=args.context, **common)
     if args.experiment == "induction":
-        from multihead.lab.induction import InductionConfig, run_induction
+        from multihead.lab.configs import InductionConfig, scale_induction
+        from multihead.lab.induction import run_induction
 
-        return run_induction, build(InductionConfig, d_model=args.d_model, n_heads=args.n_heads,
-                                    vocab=args.vocab, seq_len=args.seq_len, **common)
+        base = InductionConfig.quick() if args.quick else InductionConfig()
+        geometry, notes = scale_induction(variant=args.variant, layers=args.n_layers, d_model=args.d_model,
+                                          n_heads=args.n_heads, n_kv_heads=args.n_kv_heads, kv_rank=args.kv_rank,
+                                          rope_dim=args.rope_dim, base=base)
+        for line in notes:
+            print(f"multihead lab induction: {line}", flush=True)
+        return run_induction, build(InductionConfig, vocab=args.vocab, seq_len=args.seq_len, **geometry, **common)
     raise UsageError(f"unknown experiment {args.experiment!r}; valid: {', '.join(EXPERIMENTS)}")
 
 
@@ -177,7 +339,14 @@ def _report(res: dict, out: Path) -> None:
             print()
             print(r[key])
     print()
+    for note in res.get("notes", []):
+        print(f"note: {note}")
+    for d in res.get("diverged", []):
+        print(f"training diverged at step {d['step']} in {d['run']} ({d['reason']})")
     status = "interrupted: partial results" if res["interrupted"] else "results"
     print(f"{status} in {out}/results.json; plots: {', '.join(res['plots']) or 'none'}"
           + (f"; checkpoint: {out}/{res['checkpoint']} (multihead inspect --model {out})" if res["checkpoint"] else ""))
+    extra = r.get("mla_checkpoint")
+    if extra:
+        print(f"MLA checkpoint: {out}/{extra} (multihead inspect --model {out}/{extra})")
     sys.stdout.flush()

@@ -1,13 +1,19 @@
 """What every lab experiment shares: devices and seeds, the training loop with its
-progress bar and clean Ctrl-C, the results file (written atomically, checked by a small
-schema) and the matplotlib setup.
+progress bar, clean Ctrl-C and divergence check, the results file (written atomically,
+checked by a small schema) and the matplotlib setup (optional: without matplotlib the
+results and checkpoint are written and the plots skipped with a note).
 
 A results file is one JSON object:
 
     {"experiment": "heads", "multihead_version": "0.1.0", "torch_version": "...",
      "date": "2025-...Z", "machine": {...}, "device": "cpu", "seed": 0,
      "config": {...every knob...}, "interrupted": false, "elapsed_s": 12.3,
-     "results": {...every number...}, "plots": ["loss.png"], "checkpoint": "model/"}
+     "results": {...every number...}, "plots": ["loss.png"], "checkpoint": "model/",
+     "diverged": [{"run": "heads H=4 seed 0", "step": 2, "reason": "loss nan"}], "notes": [...]}
+
+"diverged" lists the trainings whose loss (or gradient, or an evaluation) stopped being
+a finite number, at the step it happened; they stop there and are left out of the
+summaries. "notes" holds one-line remarks such as plots skipped for want of matplotlib.
 
 It is replaced in one `os.replace`, so a reader sees the old file or the new one, never
 half of one; an interrupted run writes what it finished with `"interrupted": true`.
@@ -22,7 +28,6 @@ import os
 import platform
 import random
 import sys
-import tempfile
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import asdict, is_dataclass
@@ -30,11 +35,17 @@ from pathlib import Path
 
 import torch
 
+from multihead._files import atomic_path, write_text
+from multihead.errors import UsageError
+
 __all__ = [
+    "Overall",
+    "PlotsUnavailable",
     "Progress",
     "ResultsSchemaError",
     "StepCallback",
     "check_results",
+    "draw_plots",
     "machine_info",
     "new_results",
     "resolve_device",
@@ -53,8 +64,6 @@ StepCallback = Callable[[str, int, float], None]
 
 def resolve_device(name: str | None) -> torch.device:
     """'auto' (or None) -> cuda when present, else cpu; 'cpu' / 'cuda' as asked."""
-    from multihead.cli import UsageError
-
     name = "auto" if name is None else str(name)
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -95,8 +104,11 @@ class Progress:
     every 10% so that logs stay short. `enabled=False` silences it.
     """
 
-    def __init__(self, total: int, label: str = "", *, stream=None, enabled: bool = True, width: int = 24):
+    def __init__(self, total: int, label: str = "", *, stream=None, enabled: bool = True, width: int = 24,
+                 overall: Overall | None = None):
         self.total = max(1, int(total))
+        self.overall = overall
+        self._base = overall.done if overall is not None else 0
         self.label = label
         self.stream = sys.stderr if stream is None else stream
         self.enabled = enabled
@@ -110,6 +122,8 @@ class Progress:
     def update(self, step: int, loss: float, tokens: int = 0) -> None:
         """Report that `step` steps (of `total`) are done, the last loss, and tokens seen."""
         self.tokens += tokens
+        if self.overall is not None:
+            self.overall.done = self._base + step
         if not self.enabled:
             return
         now = time.perf_counter()
@@ -131,13 +145,37 @@ class Progress:
         filled = int(round(frac * self.width))
         bar = "#" * filled + "-" * (self.width - filled)
         eta = elapsed / max(step, 1) * (self.total - step)
-        return (f"{self.label} [{bar}] {step}/{self.total} loss {loss:.4f} "
+        line = (f"{self.label} [{bar}] {step}/{self.total} loss {loss:.4f} "
                 f"{self.tokens / elapsed:,.0f} tok/s ETA {_fmt_time(eta)}")
+        if self.overall is not None:
+            line += f" | all {self.overall.runs} runs ETA {_fmt_time(self.overall.eta(now))}"
+        return line
 
     def close(self, note: str = "") -> None:
         if self.enabled and self._tty:
             self.stream.write("\n" if not note else f"  {note}\n")
             self.stream.flush()
+
+
+class Overall:
+    """Progress across the several trainings of one experiment (heads trains 15 models):
+    `next_label()` numbers them k/N and every progress line adds the ETA of them all,
+    estimated from the steps done so far."""
+
+    def __init__(self, runs: int, steps: int):
+        self.runs = max(1, int(runs))
+        self.total = max(1, int(steps))
+        self.done = 0
+        self.k = 0
+        self.start = time.perf_counter()
+
+    def next_label(self, label: str) -> str:
+        self.k += 1
+        return f"[{self.k}/{self.runs}] {label}"
+
+    def eta(self, now: float | None = None) -> float:
+        now = time.perf_counter() if now is None else now
+        return (now - self.start) / max(self.done, 1) * max(self.total - self.done, 0)
 
 
 def _fmt_time(seconds: float) -> str:
@@ -159,6 +197,7 @@ def train(
     eval_every: int = 0,
     progress: bool = True,
     log_every: int = 1,
+    overall: Overall | None = None,
 ) -> dict:
     """Train `model` for `steps` AdamW steps on next-token cross-entropy.
 
@@ -169,12 +208,16 @@ def train(
         callback: called as callback(name, step, loss) after every step.
         evaluate: called as evaluate(step) at step 0, every `eval_every` steps and at the
             end; its dicts are collected in "evals".
+        overall: progress across several trainings (k/N and the ETA of all).
 
     Returns:
         {"steps": [...], "loss": [...], "evals": [...], "steps_done": n,
-         "interrupted": bool, "seconds": s, "tokens_per_s": r}. Ctrl-C (KeyboardInterrupt,
-        from the user or the callback) ends training after the last finished step and is
-        reported, not raised.
+         "interrupted": bool, "diverged_at": step or None, "diverged_loss": str or None,
+         "seconds": s, "tokens_per_s": r}. Ctrl-C (KeyboardInterrupt, from the user or the
+        callback) ends training after the last finished step and is reported, not raised.
+        So does divergence: a loss, gradient norm or evaluation that is not a finite number
+        (a learning rate far too high) stops training at that step, before the step is
+        applied; "loss"/"evals" keep only the finite values before it.
     """
     opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=weight_decay, betas=(0.9, 0.98))
 
@@ -184,8 +227,16 @@ def train(
         t = (step - warmup) / max(1, steps - warmup)
         return lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(t, 1.0))))
 
-    hist = {"steps": [], "loss": [], "evals": [], "steps_done": 0, "interrupted": False}
-    bar = Progress(steps, name, enabled=progress)
+    hist = {"steps": [], "loss": [], "evals": [], "steps_done": 0, "interrupted": False,
+            "diverged_at": None, "diverged_loss": None}
+    bar = Progress(steps, name, enabled=progress, overall=overall)
+
+    def diverged(step: int, what: str) -> None:
+        hist["diverged_at"], hist["diverged_loss"] = step, what
+        bar.close(f"diverged at step {step}")
+        if progress:
+            print(f"{name}: training diverged at step {step} ({what})", file=sys.stderr, flush=True)
+
     start = time.perf_counter()
     tokens = 0
     model.train()
@@ -199,11 +250,17 @@ def train(
                 g["lr"] = lr_at(step - 1)
             logits = model(x)
             loss = _masked_ce(logits, y, m)
+            value = float(loss.detach())
+            if not math.isfinite(value):
+                diverged(step, f"loss {value}")
+                break
             opt.zero_grad(set_to_none=True)
             loss.backward()
-            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            norm = float(torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0))
+            if not math.isfinite(norm):
+                diverged(step, f"gradient norm {norm}")
+                break
             opt.step()
-            value = float(loss.detach())
             tokens += x.numel()
             hist["steps_done"] = step
             if step % log_every == 0 or step == steps:
@@ -211,14 +268,18 @@ def train(
                 hist["loss"].append(value)
             bar.update(step, value, x.numel())
             if evaluate is not None and ((eval_every and step % eval_every == 0) or step == steps):
-                hist["evals"].append({"step": step, **_eval(model, evaluate, step)})
+                result = _eval(model, evaluate, step)
+                if not _all_finite(result):
+                    diverged(step, "an evaluation that is not a finite number")
+                    break
+                hist["evals"].append({"step": step, **result})
             if callback is not None:
                 callback(name, step, value)
+        else:
+            bar.close()
     except KeyboardInterrupt:
         hist["interrupted"] = True
         bar.close("interrupted")
-    else:
-        bar.close()
     model.eval()
     hist["seconds"] = time.perf_counter() - start
     hist["tokens_per_s"] = tokens / max(hist["seconds"], 1e-9)
@@ -232,6 +293,23 @@ def _eval(model: torch.nn.Module, evaluate: Callable[[int], dict], step: int) ->
         out = evaluate(step)
     model.train(was)
     return out
+
+
+def _all_finite(obj) -> bool:
+    if isinstance(obj, float):
+        return math.isfinite(obj)
+    if isinstance(obj, dict):
+        return all(_all_finite(v) for v in obj.values())
+    if isinstance(obj, (list, tuple)):
+        return all(_all_finite(v) for v in obj)
+    return True
+
+
+def diverged_entry(run: str, hist: dict) -> dict | None:
+    """The results' "diverged" entry of a training history, or None when it did not diverge."""
+    if hist.get("diverged_at") is None:
+        return None
+    return {"run": run, "step": hist["diverged_at"], "reason": hist["diverged_loss"]}
 
 
 def _masked_ce(logits: torch.Tensor, y: torch.Tensor, m: torch.Tensor | None) -> torch.Tensor:
@@ -264,6 +342,8 @@ def new_results(experiment: str, config, seed: int, device: torch.device | str) 
         "results": {},
         "plots": [],
         "checkpoint": None,
+        "diverged": [],
+        "notes": [],
     }
 
 
@@ -274,29 +354,7 @@ def write_json_atomic(path: str | os.PathLike, obj) -> Path:
     """
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    text = json.dumps(_jsonable(obj), indent=2, allow_nan=False) + "\n"
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            f.write(text)
-            f.flush()
-            os.fsync(f.fileno())
-        _usual_mode(tmp)
-        os.replace(tmp, path)
-    except BaseException:
-        try:
-            os.unlink(tmp)
-        except FileNotFoundError:
-            pass
-        raise
-    return path
-
-
-def _usual_mode(path: str) -> None:
-    """mkstemp makes files owner-only (0600); give them the mode a plain open() would."""
-    umask = os.umask(0)
-    os.umask(umask)
-    os.chmod(path, 0o666 & ~umask)
+    return write_text(path, json.dumps(_jsonable(obj), indent=2, allow_nan=False) + "\n")
 
 
 def _jsonable(obj):
@@ -329,6 +387,7 @@ _TOP = {
     "machine": dict, "device": str, "seed": int, "config": dict, "interrupted": bool,
     "elapsed_s": (int, float), "results": dict, "plots": list,
 }
+_OPTIONAL = {"diverged": list, "notes": list}  # absent from files written before they existed
 _EXPERIMENTS = ("heads", "kv", "mla", "induction")
 
 
@@ -348,6 +407,9 @@ def check_results(obj: dict, folder: str | os.PathLike | None = None,
         if key not in obj:
             raise ResultsSchemaError(f"results.json lacks {key!r}")
         if not isinstance(obj[key], typ) or (typ is int and isinstance(obj[key], bool)):
+            raise ResultsSchemaError(f"results.json {key!r} should be {typ}; received {type(obj[key]).__name__}")
+    for key, typ in _OPTIONAL.items():
+        if key in obj and not isinstance(obj[key], typ):
             raise ResultsSchemaError(f"results.json {key!r} should be {typ}; received {type(obj[key]).__name__}")
     if obj["experiment"] not in _EXPERIMENTS:
         raise ResultsSchemaError(f"unknown experiment {obj['experiment']!r}; valid: {', '.join(_EXPERIMENTS)}")
@@ -379,14 +441,17 @@ def check_results(obj: dict, folder: str | os.PathLike | None = None,
 # ---------------------------------------------------------------- plotting
 
 
+class PlotsUnavailable(ImportError):
+    """matplotlib cannot be imported: the plots are skipped, the numbers are kept."""
+
+
 def pyplot():
     """matplotlib.pyplot on the non-interactive Agg backend (imported lazily)."""
     try:
         import matplotlib
-    except ModuleNotFoundError as err:  # pragma: no cover - an install without the extra
-        from multihead.cli import UsageError
-
-        raise UsageError("multihead lab draws its plots with matplotlib: pip install 'multihead[lab]'") from err
+    except ImportError as err:
+        raise PlotsUnavailable("plots skipped: matplotlib is not installed (pip install matplotlib; in a multihead "
+                               "checkout, pip install -e '.[lab]')") from err
     matplotlib.use("Agg", force=True)
     import matplotlib.pyplot as plt
 
@@ -398,16 +463,27 @@ def pyplot():
 def save_figure(fig, path: Path) -> str:
     """Save (atomically, like results.json) and close; return the file name."""
     path = Path(path)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.stem}.", suffix=".png", dir=path.parent)
-    os.close(fd)
     try:
-        fig.savefig(tmp, bbox_inches="tight")
-        _usual_mode(tmp)
-        os.replace(tmp, path)
+        with atomic_path(path) as tmp:
+            fig.savefig(tmp, format="png", bbox_inches="tight")
     finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
         import matplotlib.pyplot as plt
 
         plt.close(fig)
     return path.name
+
+
+def draw_plots(res: dict, makers: Iterable[Callable[[], str]]) -> None:
+    """Draw each plot (a function returning its file name) into res["plots"].
+
+    Called after results.json and the checkpoint are written, so a missing matplotlib
+    costs the plots only: they are skipped with one note in res["notes"] (which the
+    command prints).
+    """
+    plots = []
+    try:
+        for make in makers:
+            plots.append(make())
+    except PlotsUnavailable as err:
+        res.setdefault("notes", []).append(str(err))
+    res["plots"] = plots

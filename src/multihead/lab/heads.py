@@ -11,20 +11,26 @@ trade at n_heads in {1, 2, 4, 8, 16}, over several seeds, and writes
   steps to reach the threshold; per head count their mean and spread; and a
   conclusion paragraph generated from those numbers;
 - model/: the checkpoint of the best head count's first seed.
+
+A run whose training diverges (a learning rate far too high) is listed in results.json
+"diverged" and left out of the summary; the others go on.
 """
 
 from __future__ import annotations
 
 import statistics
 import time
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from pathlib import Path
 
 import torch
 
 from multihead.lab.checkpoint import Vocab, save_lab_checkpoint
 from multihead.lab.common import (
+    Overall,
     StepCallback,
+    diverged_entry,
+    draw_plots,
     new_results,
     pyplot,
     resolve_device,
@@ -33,34 +39,12 @@ from multihead.lab.common import (
     train,
     write_json_atomic,
 )
+from multihead.lab.configs import HeadsConfig
 from multihead.lab.models import LabConfig, LabTransformer
 
 __all__ = ["HeadsConfig", "run_heads"]
 
 SEP = "SEP"
-
-
-@dataclass(frozen=True)
-class HeadsConfig:
-    """Knobs of the heads experiment (all recorded in results.json)."""
-
-    d_model: int = 64
-    head_counts: tuple[int, ...] = (1, 2, 4, 8, 16)
-    n_seeds: int = 3
-    steps: int = 400
-    batch_size: int = 32
-    seq_len: int = 24  # L: tokens to copy
-    vocab: int = 32  # random symbols (the separator is one more)
-    lr: float = 1e-3
-    warmup: int = 50
-    threshold: float = 0.1  # nats: "learned" when the smoothed training loss is below
-    eval_batches: int = 8
-    smooth: int = 10  # steps in the moving average for steps-to-threshold
-
-    @classmethod
-    def quick(cls) -> HeadsConfig:
-        return cls(head_counts=(1, 16), n_seeds=2, steps=120, seq_len=8, vocab=16, lr=3e-3, warmup=10,
-                   threshold=0.5, eval_batches=2)
 
 
 def copy_batch(cfg: HeadsConfig, gen: torch.Generator, batch_size: int | None = None):
@@ -109,13 +93,18 @@ def run_heads(cfg: HeadsConfig | None = None, out_dir: str | Path = "lab-heads",
     runs: list[dict] = []
     res["results"] = {"runs": runs}
     best_model = {}
+    overall = Overall(len(cfg.head_counts) * cfg.n_seeds, len(cfg.head_counts) * cfg.n_seeds * cfg.steps)
     try:
         for n_heads in cfg.head_counts:
             for i in range(cfg.n_seeds):
                 s = seed + i
-                run, model = _one_run(cfg, n_heads, s, dev, callback, progress)
+                run, model, hist = _one_run(cfg, n_heads, s, dev, callback, progress, overall)
                 runs.append(run)
-                best_model[(n_heads, i)] = model
+                entry = diverged_entry(f"heads H={n_heads} seed {s}", hist)
+                if entry is not None:
+                    res["diverged"].append(entry)
+                else:
+                    best_model[(n_heads, i)] = model
                 res["elapsed_s"] = time.perf_counter() - t0
                 write_json_atomic(out / "results.json", res)  # what is finished so far
                 if run["interrupted"]:
@@ -125,7 +114,6 @@ def run_heads(cfg: HeadsConfig | None = None, out_dir: str | Path = "lab-heads",
     _summarise(cfg, res)
     summary = res["results"]["by_heads"]
     if summary:
-        res["plots"] = [_plot(cfg, res, out / "loss.png")]
         best = min(summary, key=lambda r: (r["final_loss_mean"], r["n_heads"]))
         model = best_model.get((best["n_heads"], 0))
         if model is not None:
@@ -133,11 +121,15 @@ def run_heads(cfg: HeadsConfig | None = None, out_dir: str | Path = "lab-heads",
                                 extra={"n_heads": best["n_heads"], "seed": seed})
             res["checkpoint"] = "model"
     res["elapsed_s"] = time.perf_counter() - t0
-    write_json_atomic(out / "results.json", res)
+    write_json_atomic(out / "results.json", res)  # the numbers first: a plot that fails cannot lose them
+    if summary:
+        draw_plots(res, [lambda: _plot(cfg, res, out / "loss.png")])
+        write_json_atomic(out / "results.json", res)
     return res
 
 
-def _one_run(cfg: HeadsConfig, n_heads: int, seed: int, dev, callback, progress) -> tuple[dict, LabTransformer]:
+def _one_run(cfg: HeadsConfig, n_heads: int, seed: int, dev, callback, progress,
+             overall: Overall | None = None) -> tuple[dict, LabTransformer, dict]:
     gen = seed_everything(seed)
     model = LabTransformer(model_config(cfg, n_heads)).to(dev)
     eval_gen = torch.Generator().manual_seed(10_000 + seed)
@@ -146,18 +138,20 @@ def _one_run(cfg: HeadsConfig, n_heads: int, seed: int, dev, callback, progress)
     def batches(step):
         return tuple(t.to(dev) for t in copy_batch(cfg, gen))
 
+    label = f"heads H={n_heads:<2d} seed {seed}"
     hist = train(model, batches, cfg.steps, lr=cfg.lr, warmup=cfg.warmup, callback=callback,
-                 name=f"heads H={n_heads:<2d} seed {seed}", progress=progress)
-    loss, acc = _evaluate(model, held_out, dev)
+                 name=overall.next_label(label) if overall is not None else label, progress=progress,
+                 overall=overall)
+    loss, acc = (None, None) if hist["diverged_at"] is not None else _evaluate(model, held_out, dev)
     run = {
         "n_heads": n_heads, "head_dim": cfg.d_model // n_heads, "seed": seed,
         "params": model.n_params(), "steps": hist["steps"], "loss": hist["loss"],
-        "steps_done": hist["steps_done"], "interrupted": hist["interrupted"],
+        "steps_done": hist["steps_done"], "interrupted": hist["interrupted"], "diverged_at": hist["diverged_at"],
         "final_loss": loss, "final_accuracy": acc,
         "steps_to_threshold": steps_to_threshold(hist["steps"], hist["loss"], cfg.threshold, cfg.smooth),
         "seconds": hist["seconds"], "tokens_per_s": hist["tokens_per_s"],
     }
-    return run, model
+    return run, model, hist
 
 
 @torch.no_grad()
@@ -176,8 +170,13 @@ def _evaluate(model: LabTransformer, batches, dev) -> tuple[float, float]:
     return loss_sum / total, correct / total
 
 
+def _finished(runs: list[dict]) -> list[dict]:
+    """The runs that trained to the end: neither interrupted nor diverged."""
+    return [r for r in runs if not r["interrupted"] and r.get("diverged_at") is None]
+
+
 def _summarise(cfg: HeadsConfig, res: dict) -> None:
-    runs = [r for r in res["results"]["runs"] if not r["interrupted"]]
+    runs = _finished(res["results"]["runs"])
     rows = []
     for h in cfg.head_counts:
         rs = [r for r in runs if r["n_heads"] == h]
@@ -275,7 +274,7 @@ def conclusion(cfg: HeadsConfig, rows: list[dict]) -> str:
 
 def _plot(cfg: HeadsConfig, res: dict, path: Path) -> str:
     plt = pyplot()
-    runs = [r for r in res["results"]["runs"] if not r["interrupted"]]
+    runs = _finished(res["results"]["runs"])
     fig, ax = plt.subplots(figsize=(7.5, 4.6))
     cmap = plt.get_cmap("viridis")
     counts = [h for h in cfg.head_counts if any(r["n_heads"] == h for r in runs)]

@@ -17,12 +17,16 @@ Over training it measures
 and names the previous-token head (layer 0) and the induction head (layer 1) with the
 step at which the induction score jumps: the phase change, which coincides with the
 jump in accuracy. Writes results.json, induction.png and model/.
+
+The heads can take any geometry (`n_kv_heads` for GQA/MQA, `attention="mla"` with
+`kv_rank`/`rope_dim`, a `head_dim` apart from d_model / n_heads): `multihead lab
+induction --layers 2 --d-model 4096 --n-heads 32 --n-kv-heads 4`, the check `multihead
+plan` prints, trains that geometry scaled to a CPU (`configs.scale_induction`).
 """
 
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -30,6 +34,8 @@ import torch
 from multihead.lab.checkpoint import Vocab, save_lab_checkpoint
 from multihead.lab.common import (
     StepCallback,
+    diverged_entry,
+    draw_plots,
     new_results,
     pyplot,
     resolve_device,
@@ -38,44 +44,10 @@ from multihead.lab.common import (
     train,
     write_json_atomic,
 )
+from multihead.lab.configs import InductionConfig
 from multihead.lab.models import LabConfig, LabTransformer
 
 __all__ = ["InductionConfig", "run_induction"]
-
-
-@dataclass(frozen=True)
-class InductionConfig:
-    vocab: int = 64
-    seq_len: int = 64  # tokens per sequence
-    seg_min: int = 20  # length of the repeated segment
-    seg_max: int = 31
-    d_model: int = 64
-    n_heads: int = 4
-    n_layers: int = 2
-    steps: int = 800
-    batch_size: int = 32
-    lr: float = 3e-3
-    warmup: int = 50
-    eval_every: int = 20
-    eval_sequences: int = 256
-    score_sequences: int = 8  # random repeated sequences for the role scores
-    target_accuracy: float = 0.95
-    positions: str = "rope"  # relative positions: a previous-token head is easy to form
-
-    @classmethod
-    def quick(cls) -> InductionConfig:
-        return cls(vocab=32, seq_len=32, seg_min=10, seg_max=15, n_heads=2, steps=250, eval_every=50,
-                   eval_sequences=64, score_sequences=2)
-
-    def __post_init__(self):
-        if not 2 <= self.seg_min <= self.seg_max <= self.seq_len // 2:
-            raise ValueError(f"need 2 <= seg_min ({self.seg_min}) <= seg_max ({self.seg_max}) <= seq_len / 2 "
-                             f"({self.seq_len // 2})")
-        if self.seg_max >= self.vocab:
-            raise ValueError(f"seg_max ({self.seg_max}) must be below vocab ({self.vocab}): segment tokens are "
-                             "distinct, so each A has one B")
-        if self.d_model % self.n_heads:
-            raise ValueError(f"n_heads {self.n_heads} does not divide d_model {self.d_model}")
 
 
 def repeated_segments(cfg: InductionConfig, batch: int, gen: torch.Generator):
@@ -142,9 +114,7 @@ def run_induction(cfg: InductionConfig | None = None, out_dir: str | Path = "lab
     t0 = time.perf_counter()
     vocab = Vocab("symbols", tuple(str(i) for i in range(cfg.vocab)))
     gen = seed_everything(seed)
-    model = LabTransformer(LabConfig(vocab_size=cfg.vocab, max_len=cfg.seq_len, d_model=cfg.d_model,
-                                     n_layers=cfg.n_layers, n_heads=cfg.n_heads, mlp=False,
-                                     positions=cfg.positions)).to(dev)
+    model = LabTransformer(model_config(cfg)).to(dev)
     eval_gen = torch.Generator().manual_seed(2_000_003 + seed)
     held_out = repeated_segments(cfg, cfg.eval_sequences, eval_gen)
 
@@ -162,18 +132,38 @@ def run_induction(cfg: InductionConfig | None = None, out_dir: str | Path = "lab
     hist = train(model, batches, cfg.steps, lr=cfg.lr, warmup=cfg.warmup, name="induction", callback=callback,
                  evaluate=evaluate, eval_every=cfg.eval_every, progress=progress)
     res["interrupted"] = hist["interrupted"]
+    entry = diverged_entry("induction", hist)
+    if entry is not None:
+        res["diverged"].append(entry)
+    arch = model.cfg
     res["results"] = {"evals": hist["evals"], "steps": hist["steps"], "loss": hist["loss"],
-                      "steps_done": hist["steps_done"], "seconds": hist["seconds"],
-                      "tokens_per_s": hist["tokens_per_s"], "params": model.n_params(),
-                      "chance_accuracy": 1 / cfg.vocab}
+                      "steps_done": hist["steps_done"], "diverged_at": hist["diverged_at"],
+                      "seconds": hist["seconds"], "tokens_per_s": hist["tokens_per_s"], "params": model.n_params(),
+                      "chance_accuracy": 1 / cfg.vocab,
+                      "geometry": {"variant": arch.kind, "n_layers": arch.n_layers, "d_model": arch.d_model,
+                                   "n_heads": arch.n_heads, "n_kv_heads": arch.n_kv_heads or arch.n_heads,
+                                   "head_dim": arch.head_dim, "kv_rank": arch.kv_rank, "rope_dim": arch.rope_dim,
+                                   "positions": arch.positions, "scaled_from": cfg.scaled_from}}
     _analyse(cfg, res)
-    if hist["evals"]:
-        res["plots"] = [_plot(cfg, res, out / "induction.png")]
-    save_lab_checkpoint(out / "model", model, vocab, experiment="induction")
-    res["checkpoint"] = "model"
+    if entry is None:  # a diverged model's weights are not a result worth opening
+        save_lab_checkpoint(out / "model", model, vocab, experiment="induction")
+        res["checkpoint"] = "model"
     res["elapsed_s"] = time.perf_counter() - t0
-    write_json_atomic(out / "results.json", res)
+    write_json_atomic(out / "results.json", res)  # the numbers first: a plot that fails cannot lose them
+    if hist["evals"]:
+        draw_plots(res, [lambda: _plot(cfg, res, out / "induction.png")])
+        write_json_atomic(out / "results.json", res)
     return res
+
+
+def model_config(cfg: InductionConfig) -> LabConfig:
+    """The attention-only model of `cfg`: RoPE in the attention for MHA/GQA/MQA; MLA carries
+    its positions in rope_dim (with learned absolute positions beside, as the lab's MLA does)."""
+    mla = cfg.attention == "mla"
+    return LabConfig(vocab_size=cfg.vocab, max_len=cfg.seq_len, d_model=cfg.d_model, n_layers=cfg.n_layers,
+                     n_heads=cfg.n_heads, n_kv_heads=None if mla else cfg.n_kv_heads, head_dim=cfg.head_dim,
+                     attention=cfg.attention, kv_rank=cfg.kv_rank if mla else None, rope_dim=cfg.rope_dim if mla else 0,
+                     mlp=False, positions="learned" if mla else cfg.positions)
 
 
 def _analyse(cfg: InductionConfig, res: dict) -> None:
@@ -216,7 +206,17 @@ def _analyse(cfg: InductionConfig, res: dict) -> None:
 
 def _summary(cfg: InductionConfig, r: dict, last: dict) -> str:
     p, i = r["previous_token_head"], r["induction_head"]
-    parts = [f"After {r['steps_done']} steps the model predicts B in `A B ... A -> B` with "
+    parts = []
+    if r.get("diverged_at") is not None:
+        parts.append(f"Training diverged at step {r['diverged_at']} (lr {cfg.lr:g} is too high); the numbers "
+                     f"below are from the last evaluation before it, at step {last['step']}.")
+    g = r.get("geometry") or {}
+    if g.get("scaled_from"):
+        parts.append(f"Trained {g['variant']} with {g['n_layers']} layers, d_model {g['d_model']}, {g['n_heads']} "
+                     f"heads of {g['head_dim']}" + (f", kv_rank {g['kv_rank']}, rope_dim {g['rope_dim']}"
+                                                    if g["variant"] == "MLA" else f", {g['n_kv_heads']} KV heads")
+                     + f": the CPU-sized version of {g['scaled_from']}.")
+    parts += [f"After {r['steps_done']} steps the model predicts B in `A B ... A -> B` with "
              f"{100 * r['final_accuracy']:.1f}% accuracy (chance about {100 * r['chance_accuracy']:.1f}%; "
              f"target {100 * cfg.target_accuracy:.0f}%: {'reached' if r['reached_target'] else 'NOT reached'}"
              + (f", first at step {r['steps_to_target']})." if r["steps_to_target"] is not None else ").")]
@@ -246,12 +246,18 @@ def _plot(cfg: InductionConfig, res: dict, path: Path) -> str:
     fig, axes = plt.subplots(3, 1, figsize=(7.5, 8.2), sharex=True)
     ax = axes[0]
     ax.plot(steps, [100 * e["accuracy"] for e in evals], color="black", lw=2, label="A B ... A -> B accuracy")
-    ax.axhline(100 * cfg.target_accuracy, color="grey", ls="--", lw=1)
-    ax.axhline(100 * r["chance_accuracy"], color="grey", ls=":", lw=1)
+    ax.axhline(100 * cfg.target_accuracy, color="grey", ls="--", lw=1,
+               label=f"target {100 * cfg.target_accuracy:.0f}%")
+    ax.axhline(100 * r["chance_accuracy"], color="grey", ls=":", lw=1,
+               label=f"chance {100 * r['chance_accuracy']:.1f}% (1 / {cfg.vocab} symbols)")
     ax.set_ylabel("accuracy (%)")
     ax.set_ylim(0, 102)
-    ax.set_title(f"2-layer attention-only transformer, {cfg.n_heads} heads per layer, d_model {cfg.d_model}",
-                 fontsize=10)
+    ax.legend(frameon=False, fontsize=8, loc="center right")
+    g = r.get("geometry") or {}
+    kind = g.get("variant", "MHA")
+    heads = f"{cfg.n_heads} heads per layer" + (f" ({g.get('n_kv_heads')} KV)" if kind in ("GQA", "MQA") else "")
+    ax.set_title(f"{cfg.n_layers}-layer attention-only transformer ({kind}), {heads}, d_model {cfg.d_model}"
+                 + (f", head_dim {g['head_dim']}" if g.get("scaled_from") else ""), fontsize=10)
     colours = plt.get_cmap("tab10")
     for ax, key, layer, label in ((axes[1], "previous_token", 0, "previous-token score, layer 0"),
                                   (axes[2], "induction", cfg.n_layers - 1,

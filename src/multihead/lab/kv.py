@@ -19,13 +19,13 @@ from __future__ import annotations
 
 import statistics
 import time
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 from multihead.lab.common import (
     StepCallback,
+    draw_plots,
     new_results,
     pyplot,
     resolve_device,
@@ -33,27 +33,9 @@ from multihead.lab.common import (
     seed_everything,
     write_json_atomic,
 )
+from multihead.lab.configs import KVConfig
 
 __all__ = ["KVConfig", "run_kv"]
-
-
-@dataclass(frozen=True)
-class KVConfig:
-    d_model: int = 512
-    n_heads: int = 8
-    context: int = 2048  # N: cached tokens
-    kv_heads: tuple[int, ...] = (8, 4, 2, 1)  # MHA, GQA-4, GQA-2, MQA
-    mla_ranks: tuple[int, ...] = (128, 256)
-    mla_rope_dim: int = 32
-    batch: int = 1
-    decode_steps: int = 32
-    warmup_steps: int = 4
-    bias: bool = False
-
-    @classmethod
-    def quick(cls) -> KVConfig:
-        return cls(d_model=128, n_heads=4, context=256, kv_heads=(4, 2, 1), mla_ranks=(32,), mla_rope_dim=8,
-                   decode_steps=8, warmup_steps=2)
 
 
 def _variants(cfg: KVConfig):
@@ -133,10 +115,11 @@ def run_kv(cfg: KVConfig | None = None, out_dir: str | Path = "lab-kv", *, seed:
     res["results"]["plan_agrees"] = all(r["plan_agrees"] for r in rows)
     res["results"]["table"] = _table(cfg, rows)
     res["results"]["summary"] = _summary(cfg, rows)
-    if rows:
-        res["plots"] = [_plot(cfg, rows, out / "kv.png", res["device"])]
     res["elapsed_s"] = time.perf_counter() - t0
-    write_json_atomic(out / "results.json", res)
+    write_json_atomic(out / "results.json", res)  # the numbers first: a plot that fails cannot lose them
+    if rows:
+        draw_plots(res, [lambda: _plot(cfg, rows, out / "kv.png", res["device"])])
+        write_json_atomic(out / "results.json", res)
     return res
 
 
@@ -224,7 +207,8 @@ def _plot(cfg: KVConfig, rows: list[dict], path: Path, device: str) -> str:
     c = [colours[r["kind"]] for r in rows]
     fig, axes = plt.subplots(1, 3, figsize=(12, 3.8))
     panels = [
-        ("parameters (attention block)", [r["params"] / 1e6 for r in rows], "millions", "{:.2f}M"),
+        # exact counts: at small widths GQA and MLA differ by a few hundred (49,152 vs 50,208)
+        ("parameters (attention block)", [r["params"] for r in rows], "parameters", "{:,.0f}"),
         (f"KV cache at N = {cfg.context} (bf16)", [r["cache_bytes_bf16"] / 2**20 for r in rows], "MiB", "{:.2f}"),
         ("decode time per token", [r["decode_us_per_token"] for r in rows], "microseconds", "{:.0f}"),
     ]

@@ -16,7 +16,12 @@ layer by layer with `multihead.convert.to_mla` (truncated SVD of the stacked K/V
 projections) at each rank and evaluated as converted and after a short fine-tune.
 
 Writes results.json, mla.png (bits/char vs cache), curves.png (validation during
-training), model/ (the MHA baseline) and model-mla/ (the chosen MLA rank).
+training), model/ (the MHA baseline's checkpoint) and model-mla/ (the checkpoint of the
+MLA model trained at the smallest rank within tolerance, when one is; results.json
+"mla_checkpoint" names it): `multihead inspect --model OUT/model-mla` opens it.
+
+A model whose training diverges is listed in results.json "diverged" and left out of
+the comparison; the others go on.
 """
 
 from __future__ import annotations
@@ -26,7 +31,7 @@ import functools
 import lzma
 import math
 import time
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from importlib import resources
 from pathlib import Path
 
@@ -34,7 +39,10 @@ import torch
 
 from multihead.lab.checkpoint import Vocab, save_lab_checkpoint
 from multihead.lab.common import (
+    Overall,
     StepCallback,
+    diverged_entry,
+    draw_plots,
     new_results,
     pyplot,
     resolve_device,
@@ -43,45 +51,12 @@ from multihead.lab.common import (
     train,
     write_json_atomic,
 )
+from multihead.lab.configs import MLAConfig
 from multihead.lab.models import LabConfig, LabTransformer
 
 __all__ = ["MLAConfig", "load_corpus", "run_mla"]
 
 KJV = "kjv"
-
-
-@dataclass(frozen=True)
-class MLAConfig:
-    corpus: str | None = None  # None: the King James Bible shipped with multihead
-    max_chars: int | None = None  # use only the first max_chars characters
-    d_model: int = 128
-    n_layers: int = 2
-    n_heads: int = 8
-    context: int = 64
-    ranks: tuple[int, ...] = (8, 16, 32, 64)
-    kv_heads: tuple[int, ...] = (2, 1)  # GQA/MQA to train beside (2 * Hkv * D values per token)
-    steps: int = 400
-    batch_size: int = 32
-    lr: float = 3e-3
-    warmup: int = 40
-    finetune_steps: int = 100
-    finetune_lr: float = 1e-3
-    eval_every: int = 50
-    eval_batches: int = 16
-    val_fraction: float = 0.1
-    tolerance: float = 1.0  # bits/char above MHA still "within tolerance"
-    budget: float = 1 / 8  # cache must be below this fraction of MHA's
-
-    @classmethod
-    def quick(cls) -> MLAConfig:
-        return cls(max_chars=300_000, d_model=64, n_layers=1, n_heads=4, context=48, ranks=(4, 16), kv_heads=(1,),
-                   steps=80, batch_size=16, warmup=10, finetune_steps=15, eval_every=40, eval_batches=4)
-
-    def __post_init__(self):
-        if not 0 < self.val_fraction < 1:
-            raise ValueError(f"val_fraction must be in (0, 1); received {self.val_fraction}")
-        if self.d_model % self.n_heads:
-            raise ValueError(f"n_heads {self.n_heads} does not divide d_model {self.d_model}")
 
 
 def load_corpus(path: str | None = None, max_chars: int | None = None) -> tuple[str, str]:
@@ -124,7 +99,7 @@ def cache_bytes_per_token(model: LabTransformer, dtype=torch.bfloat16) -> int:
 def run_mla(cfg: MLAConfig | None = None, out_dir: str | Path = "lab-mla", *, seed: int = 0, device: str = "auto",
             callback: StepCallback | None = None, progress: bool = True) -> dict:
     """Run the experiment; write results.json, plots and checkpoints to `out_dir`."""
-    from multihead.cli import UsageError
+    from multihead.errors import UsageError
 
     cfg = cfg or MLAConfig()
     dev = resolve_device(device)
@@ -157,17 +132,25 @@ def run_mla(cfg: MLAConfig | None = None, out_dir: str | Path = "lab-mla", *, se
         return sum(nats) / len(nats) / math.log(2)
 
     models: dict[str, LabTransformer] = {}
+    variants = _variants(cfg)
+    n_conv = sum(r <= cfg.d_model for r in cfg.ranks)
+    overall = Overall(len(variants) + n_conv, len(variants) * cfg.steps + n_conv * cfg.finetune_steps)
     try:
-        for name, arch in _variants(cfg):
+        for name, arch in variants:
             lab_cfg = LabConfig(vocab_size=len(chars), max_len=cfg.context, **arch)
             gen = seed_everything(seed)
             model = LabTransformer(lab_cfg).to(dev)
             hist = train(
                 model, lambda step, gen=gen: _batch(train_ids, cfg, gen, dev), cfg.steps, lr=cfg.lr,
-                warmup=cfg.warmup, name=f"mla {name:<7}", callback=callback, progress=progress,
+                warmup=cfg.warmup, name=overall.next_label(f"mla {name:<7}"), callback=callback, progress=progress,
                 evaluate=lambda step, model=model: {"val_bpc": val_bpc(model)}, eval_every=cfg.eval_every,
+                overall=overall,
             )
-            models[name] = model
+            entry = diverged_entry(name, hist)
+            if entry is not None:
+                res["diverged"].append(entry)
+            else:
+                models[name] = model
             runs.append({
                 "name": name, "kind": lab_cfg.kind, "n_kv_heads": arch.get("n_kv_heads"),
                 "kv_rank": arch.get("kv_rank"),
@@ -175,9 +158,11 @@ def run_mla(cfg: MLAConfig | None = None, out_dir: str | Path = "lab-mla", *, se
                     p.numel() for b in model.blocks for p in b.attn.parameters()),
                 "cache_values_per_token_per_layer": lab_cfg.cache_values_per_token,
                 "cache_bytes_per_token": cache_bytes_per_token(model),
-                "val_bpc": hist["evals"][-1]["val_bpc"], "train_loss_final": hist["loss"][-1] if hist["loss"] else None,
+                "val_bpc": hist["evals"][-1]["val_bpc"] if entry is None else None,
+                "train_loss_final": hist["loss"][-1] if hist["loss"] else None,
                 "evals": hist["evals"], "steps": hist["steps"], "loss": hist["loss"], "steps_done": hist["steps_done"],
-                "interrupted": hist["interrupted"], "seconds": hist["seconds"], "tokens_per_s": hist["tokens_per_s"],
+                "interrupted": hist["interrupted"], "diverged_at": hist["diverged_at"], "seconds": hist["seconds"],
+                "tokens_per_s": hist["tokens_per_s"],
             })
             res["elapsed_s"] = time.perf_counter() - t0
             write_json_atomic(out / "results.json", res)
@@ -185,13 +170,11 @@ def run_mla(cfg: MLAConfig | None = None, out_dir: str | Path = "lab-mla", *, se
                 raise KeyboardInterrupt
         if "MHA" in models:
             _conversions(cfg, models["MHA"], train_ids, dev, seed, val_bpc, conversions, callback, progress,
-                         out, res, t0)
+                         out, res, t0, overall)
     except KeyboardInterrupt:
         res["interrupted"] = True
     _summarise(cfg, res)
-    done = [r for r in runs if not r["interrupted"]]
-    if done:
-        res["plots"] = [_plot_tradeoff(cfg, res, out / "mla.png"), _plot_curves(cfg, res, out / "curves.png")]
+    done = _finished(runs)
     if "MHA" in models and not runs[0]["interrupted"]:
         save_lab_checkpoint(out / "model", models["MHA"], vocab, experiment="mla", extra={"variant": "MHA"})
         res["checkpoint"] = "model"
@@ -201,8 +184,17 @@ def run_mla(cfg: MLAConfig | None = None, out_dir: str | Path = "lab-mla", *, se
                                 extra={"variant": f"MLA-{pick}"})
             res["results"]["mla_checkpoint"] = "model-mla"
     res["elapsed_s"] = time.perf_counter() - t0
-    write_json_atomic(out / "results.json", res)
+    write_json_atomic(out / "results.json", res)  # the numbers first: a plot that fails cannot lose them
+    if done:
+        draw_plots(res, [lambda: _plot_tradeoff(cfg, res, out / "mla.png"),
+                         lambda: _plot_curves(cfg, res, out / "curves.png")])
+        write_json_atomic(out / "results.json", res)
     return res
+
+
+def _finished(runs: list[dict]) -> list[dict]:
+    """The models that trained to the end: neither interrupted nor diverged."""
+    return [x for x in runs if not x["interrupted"] and x.get("diverged_at") is None]
 
 
 def _windows(ids: torch.Tensor, batch: int, context: int, gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
@@ -233,7 +225,8 @@ def convert_model(model: LabTransformer, kv_rank: int) -> tuple[LabTransformer, 
     return converted, errors
 
 
-def _conversions(cfg, mha, train_ids, dev, seed, val_bpc, conversions, callback, progress, out, res, t0):
+def _conversions(cfg, mha, train_ids, dev, seed, val_bpc, conversions, callback, progress, out, res, t0,
+                 overall=None):
     max_rank = min(2 * cfg.d_model, cfg.d_model)  # rank of the stacked [W_k; W_v] (2HD x C)
     for r in cfg.ranks:
         if r > max_rank:
@@ -241,9 +234,14 @@ def _conversions(cfg, mha, train_ids, dev, seed, val_bpc, conversions, callback,
         model, errors = convert_model(mha, r)
         before = val_bpc(model)
         gen = seed_everything(seed + 7919 * r)
+        label = f"mla to_mla R={r:<3d} fine-tune"
         hist = train(model, lambda step, gen=gen: _batch(train_ids, cfg, gen, dev), cfg.finetune_steps,
-                     lr=cfg.finetune_lr, warmup=0, name=f"mla to_mla R={r:<3d} fine-tune", callback=callback,
-                     progress=progress)
+                     lr=cfg.finetune_lr, warmup=0, name=overall.next_label(label) if overall else label,
+                     callback=callback, progress=progress, overall=overall)
+        entry = diverged_entry(f"MLA-{r} converted", hist)
+        if entry is not None:
+            res["diverged"].append(entry)
+            continue
         after = val_bpc(model)
         conversions.append({
             "kv_rank": r, "kv_reconstruction_error": errors, "val_bpc_converted": before,
@@ -258,7 +256,7 @@ def _conversions(cfg, mha, train_ids, dev, seed, val_bpc, conversions, callback,
 
 def _summarise(cfg: MLAConfig, res: dict) -> None:
     r = res["results"]
-    runs = [x for x in r["runs"] if not x["interrupted"]]
+    runs = _finished(r["runs"])
     mha = next((x for x in runs if x["kind"] == "MHA"), None)
     r["smallest_rank_within_tolerance"] = None
     if mha is None:
@@ -360,7 +358,7 @@ def _layers(cfg: MLAConfig) -> str:
 def _plot_tradeoff(cfg: MLAConfig, res: dict, path: Path) -> str:
     plt = pyplot()
     r = res["results"]
-    runs = [x for x in r["runs"] if not x["interrupted"]]
+    runs = _finished(r["runs"])
     mha = next((x for x in runs if x["kind"] == "MHA"), None)
     fig, ax = plt.subplots(figsize=(7.5, 4.8))
     mla = sorted((x for x in runs if x["kind"] == "MLA"), key=lambda x: x["kv_rank"])
@@ -412,7 +410,7 @@ def _plot_tradeoff(cfg: MLAConfig, res: dict, path: Path) -> str:
 
 def _plot_curves(cfg: MLAConfig, res: dict, path: Path) -> str:
     plt = pyplot()
-    runs = [x for x in res["results"]["runs"] if not x["interrupted"]]
+    runs = _finished(res["results"]["runs"])
     fig, ax = plt.subplots(figsize=(7.5, 4.2))
     cmap = plt.get_cmap("plasma")
     mla = [x for x in runs if x["kind"] == "MLA"]
@@ -427,8 +425,10 @@ def _plot_curves(cfg: MLAConfig, res: dict, path: Path) -> str:
             ax.plot(steps, vals, color=style[0], ls=style[1], lw=2.2, label=x["name"])
     ax.set_xlabel("training step")
     ax.set_ylabel("validation bits per character")
-    lo = min(min(e["val_bpc"] for e in x["evals"]) for x in runs)
-    ax.set_ylim(lo - 0.1, min(8.0, max(x["evals"][min(1, len(x["evals"]) - 1)]["val_bpc"] for x in runs) + 0.2))
+    # every point shows, the untrained step-0 value included (the first segment is not clipped)
+    vals = [e["val_bpc"] for x in runs for e in x["evals"]]
+    pad = 0.04 * (max(vals) - min(vals)) + 0.02
+    ax.set_ylim(min(vals) - pad, max(vals) + pad)
     ax.set_title("Validation bits/char during training", fontsize=10)
     ax.legend(frameon=False, fontsize=8, ncol=2)
     return save_figure(fig, path)

@@ -37,6 +37,9 @@ class LabConfig:
         vocab_size, max_len: tokens and positions.
         d_model, n_layers, n_heads: C, blocks, H.
         n_kv_heads: Hkv for "mha" attention (None: H, i.e. MHA; 1: MQA; else GQA).
+        head_dim: D (None: d_model // n_heads, filled in). A head dim apart from
+            d_model / n_heads lets a small model keep a large model's heads (`lab induction`
+            scaled from a plan's geometry).
         attention: "mha" (multihead.Attention) or "mla" (multihead.LatentAttention).
         kv_rank, rope_dim: MLA's latent rank R and decoupled RoPE dims.
         mlp: a 4x GELU MLP after each attention; False gives an attention-only model.
@@ -53,6 +56,7 @@ class LabConfig:
     n_layers: int = 1
     n_heads: int = 4
     n_kv_heads: int | None = None
+    head_dim: int | None = None
     attention: str = "mha"
     kv_rank: int | None = None
     rope_dim: int = 0
@@ -78,10 +82,12 @@ class LabConfig:
             raise ValueError("positions='rope' is for attention='mha'; MLA carries RoPE in rope_dim")
         if self.attention == "mla" and self.kv_rank is None:
             raise ValueError("attention='mla' needs kv_rank")
-
-    @property
-    def head_dim(self) -> int:
-        return self.d_model // self.n_heads
+        if self.head_dim is None:
+            if self.d_model % self.n_heads:
+                raise ValueError(f"n_heads {self.n_heads} does not divide d_model {self.d_model}; give head_dim")
+            object.__setattr__(self, "head_dim", self.d_model // self.n_heads)  # an input left out, not derived
+        elif isinstance(self.head_dim, bool) or not isinstance(self.head_dim, int) or self.head_dim < 1:
+            raise ValueError(f"head_dim must be a positive int; received {self.head_dim!r}")
 
     @property
     def kind(self) -> str:
@@ -124,11 +130,11 @@ def make_attention(cfg: LabConfig) -> nn.Module:
     if cfg.attention == "mla":
         from multihead import LatentAttention
 
-        return LatentAttention(cfg.d_model, cfg.n_heads, cfg.kv_rank, rope_dim=cfg.rope_dim, causal=True,
-                               bias=cfg.bias, latent_norm=cfg.latent_norm)
+        return LatentAttention(cfg.d_model, cfg.n_heads, cfg.kv_rank, head_dim=cfg.head_dim, rope_dim=cfg.rope_dim,
+                               causal=True, bias=cfg.bias, latent_norm=cfg.latent_norm)
     from multihead import Attention
 
-    return Attention(cfg.d_model, cfg.n_heads, cfg.n_kv_heads, bias=cfg.bias, causal=True,
+    return Attention(cfg.d_model, cfg.n_heads, cfg.n_kv_heads, head_dim=cfg.head_dim, bias=cfg.bias, causal=True,
                      rope=cfg.positions == "rope")
 
 

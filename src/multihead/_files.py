@@ -1,0 +1,174 @@
+"""Writing and reading the files multihead makes and takes, safely.
+
+Every file the library writes (results.json, checkpoints, HTML pages, PNGs) goes
+through `atomic_path`: the content is written to a temporary file in the same folder and
+moved over the target with one `os.replace`, so a reader, a crash or Ctrl-C sees the old
+file or the new one, never a truncated or half-written one. The new file gets the mode a
+plain `open()` would give it (0666 less the umask, usually 0644), not the owner-only
+0600 of `tempfile.mkstemp` (or of safetensors).
+
+`read_json` is the one way a user's JSON file (a Hugging Face config.json, a lab
+checkpoint's config) is read: the bytes read are bounded (so `/dev/zero` is refused,
+not read forever), and every way the file can be wrong (unreadable, not UTF-8, not JSON,
+nested too deeply, a number too large to be a setting) is a ValueError that names the
+file and, where there is one, the field.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+import os
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+
+__all__ = ["MAX_JSON_BYTES", "atomic_path", "read_json", "usual_mode", "write_bytes", "write_json", "write_text"]
+
+MAX_JSON_BYTES = 16 * 2**20  # a config.json is a few KB; the largest tokenizer configs are a few MB
+_MAX_DEPTH = 64  # configs nest a few levels; deeper is not a config (and would exhaust the stack)
+_MAX_INT_DIGITS = 30  # 10**30: above any count, size or token id a config can hold
+
+
+def usual_mode(folder: bool = False) -> int:
+    """0666 less the process umask: the mode `open(path, "w")` gives a new file (0777 less
+    the umask for a folder, as `mkdir` gives)."""
+    umask = os.umask(0)
+    os.umask(umask)
+    return (0o777 if folder else 0o666) & ~umask
+
+
+@contextlib.contextmanager
+def atomic_path(path: str | os.PathLike) -> Iterator[Path]:
+    """Yield a temporary path beside `path`; when the block ends without an error, give it
+    the usual mode and move it over `path` in one os.replace. On an error (or Ctrl-C) the
+    temporary file is removed and `path` is left as it was.
+
+    For writers that want a file name (matplotlib's savefig, safetensors' save_file):
+
+        with atomic_path("plot.png") as tmp:
+            fig.savefig(tmp, format="png")
+    """
+    path = Path(path)
+    folder = path.parent
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=folder)
+    os.close(fd)
+    try:
+        yield Path(tmp)
+        os.chmod(tmp, usual_mode())
+        os.replace(tmp, path)
+    finally:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tmp)
+
+
+def write_bytes(path: str | os.PathLike, data: bytes) -> Path:
+    """Write `data` to `path` atomically (see `atomic_path`), flushed to disk; return the path."""
+    path = Path(path)
+    with atomic_path(path) as tmp:
+        with open(tmp, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+    return path
+
+
+def write_text(path: str | os.PathLike, text: str) -> Path:
+    """Write `text` as UTF-8, atomically. The text is encoded before the file is touched, so
+    text that cannot be encoded (lone surrogates) raises UnicodeEncodeError and leaves an
+    existing file as it was."""
+    return write_bytes(path, text.encode("utf-8"))
+
+
+def write_json(path: str | os.PathLike, obj, *, indent: int | None = 2) -> Path:
+    """Write `obj` as JSON (no NaN or Infinity, which JSON lacks), atomically."""
+    return write_text(path, json.dumps(obj, indent=indent, allow_nan=False) + "\n")
+
+
+def read_json(path: str | os.PathLike, *, what: str = "JSON file", max_bytes: int = MAX_JSON_BYTES):
+    """The parsed content of a user's JSON file; every failure is a ValueError naming it.
+
+    Refused, with the file (and the field where there is one) in the message: a file that
+    cannot be read (missing, a folder, no permission), one longer than `max_bytes` (only
+    `max_bytes + 1` bytes are ever read, so a device like /dev/zero is refused at once),
+    bytes that are not UTF-8, text that is not JSON, nesting deeper than 64 levels,
+    NaN/Infinity, and integers of more than 30 digits (no setting is that large; such
+    numbers only overflow later, far from the file).
+    """
+    label = os.fspath(path)
+    try:
+        with open(path, "rb") as f:
+            data = f.read(max_bytes + 1)
+    except IsADirectoryError:
+        raise ValueError(f"{label} is a folder; expected a {what}") from None
+    except OSError as err:
+        raise ValueError(f"cannot read {what} {label}: {err.strerror or err}") from None
+    if len(data) > max_bytes:
+        raise ValueError(f"{label} is larger than {max_bytes // 2**20} MiB; a {what} is a few KB "
+                         "(is it the right file?)")
+    try:
+        text = data.decode("utf-8-sig")
+    except UnicodeDecodeError as err:
+        raise ValueError(f"{label} is not UTF-8 text (byte 0x{data[err.start]:02x} at offset {err.start}); "
+                         f"a {what} is UTF-8 JSON") from None
+    depth = _max_depth(text) if text.count("[") + text.count("{") > _MAX_DEPTH else 0
+    if depth > _MAX_DEPTH:
+        raise ValueError(f"{label} nests {depth} levels deep; a {what} nests a few (at most {_MAX_DEPTH})")
+
+    def bad_constant(name: str):
+        raise ValueError(f"{label}: {name} is not a valid JSON number (JSON has no NaN or Infinity)")
+
+    try:
+        obj = json.loads(text, parse_constant=bad_constant)
+    except json.JSONDecodeError as err:
+        raise ValueError(f"{label} is not JSON ({err.msg} at line {err.lineno}, column {err.colno}); "
+                         f"expected a {what}") from None
+    except RecursionError:  # pragma: no cover - _max_depth refuses deep nesting first
+        raise ValueError(f"{label} nests too deeply for a {what}") from None
+    _check_numbers(obj, label, "")
+    return obj
+
+
+def _max_depth(text: str) -> int:
+    """The deepest [ / { nesting of JSON text, not counting brackets inside strings."""
+    depth = deepest = 0
+    in_string = escaped = False
+    for ch in text:
+        if in_string:
+            if escaped:
+                escaped = False
+            elif ch == "\\":
+                escaped = True
+            elif ch == '"':
+                in_string = False
+        elif ch == '"':
+            in_string = True
+        elif ch in "[{":
+            depth += 1
+            if depth > deepest:
+                deepest = depth
+                if deepest > _MAX_DEPTH:  # enough to refuse; do not scan a huge file further
+                    return deepest
+        elif ch in "]}":
+            depth -= 1
+    return deepest
+
+
+def _check_numbers(obj, label: str, where: str) -> None:
+    """Refuse numbers no setting can hold, naming the field (`a.b[2]`)."""
+    if isinstance(obj, dict):
+        for k, v in obj.items():
+            _check_numbers(v, label, f"{where}.{k}" if where else str(k))
+    elif isinstance(obj, list):
+        for i, v in enumerate(obj):
+            _check_numbers(v, label, f"{where}[{i}]")
+    elif isinstance(obj, bool):
+        return
+    elif isinstance(obj, int):
+        if len(str(abs(obj))) > _MAX_INT_DIGITS:
+            raise ValueError(f"{label}: field {where or '(top level)'!r} is a {len(str(abs(obj)))}-digit number; "
+                             f"no setting is that large (at most {_MAX_INT_DIGITS} digits)")
+    elif isinstance(obj, float) and not math.isfinite(obj):
+        raise ValueError(f"{label}: field {where or '(top level)'!r} is {obj} (a number too large for a float); "
+                         "expected a finite number")
