@@ -47,10 +47,6 @@ class TruncationWarning(UserWarning):
     """The text was longer than the model's positions (or max_tokens) and was cut."""
 
 
-class _StopForward(Exception):
-    """Raised by a hook after the last layer whose weights are wanted."""
-
-
 class LoadedModel:
     """A model `capture` and `induction_scores` can run. Subclass it for a new source.
 
@@ -93,45 +89,92 @@ class LoadedModel:
 
 
 class HFModel(LoadedModel):
-    """A Hugging Face model + tokenizer, patched to run its attention on multihead.
+    """A Hugging Face model + tokenizer, run on attn_implementation="multihead".
 
-    The model is patched in place (`multihead.interop.hf.patch`): it computes the same
-    outputs, and its per-head weights can be asked for on demand.
+    The model keeps its own modules and weights; only its attention implementation is
+    switched to multihead's (`model.set_attn_implementation("multihead")`, in place),
+    which computes the same outputs. One probe forward on three tokens finds the
+    attention modules that call transformers' attention registry, in the order they run:
+    those are the "layers" here (self-attention, and for an encoder-decoder the decoder's
+    self- and cross-attention too, `meta["layer_kinds"]`). A capture asks them for chosen
+    heads through a `multihead.interop.hf.WeightsRequest`: the weights come back in it,
+    computed for those heads only beside the fused kernel, and the forward stops after
+    the last layer asked. An encoder-decoder reads the text on both sides, so its
+    cross-attention is `(T, T)` too: decoder token t attending to encoder token s.
     """
 
     def __init__(self, model, tokenizer, name: str | None = None):
-        from multihead.interop import hf
-
         if not hasattr(tokenizer, "convert_ids_to_tokens"):
             raise InspectError(f"expected a (model, tokenizer) pair; the second item is a "
                                f"{type(tokenizer).__name__}, not a Hugging Face tokenizer")
-        try:
-            hf.patch(model)
-        except (TypeError, ValueError) as err:
-            raise InspectError(str(err)) from None
+        config = getattr(model, "config", None)
+        self.name = name or getattr(config, "_name_or_path", "") or type(model).__name__
+        _use_multihead(model, self.name)
         model.eval()
         self.model = model
         self.tokenizer = tokenizer
-        self.layers = hf.patched_layers(model)
-        attn = self.layers[0].attn
-        config = getattr(model, "config", None)
-        self.name = name or getattr(config, "_name_or_path", "") or type(model).__name__
+        self.encoder_decoder = bool(getattr(config, "is_encoder_decoder", False))
+        calls = self._probe()
+        self.layers = [call.module for call in calls]
+        self.layer_kinds = ["cross" if call.T != call.S else "self" for call in calls]
+        heads = sorted({call.H for call in calls})
         self.n_layers = len(self.layers)
-        self.n_heads = attn.n_heads
-        self.causal = attn.causal
+        self.n_heads = heads[0]
+        self.causal = all(bool(getattr(m, "is_causal", False))
+                          for m, kind in zip(self.layers, self.layer_kinds) if kind == "self")
         limits = [getattr(config, key, None) for key in ("max_position_embeddings", "n_positions")]
         limits = [int(n) for n in limits if isinstance(n, int) and n > 0]
         self.max_positions = min(limits) if limits else None
         self.special_tokens = tuple(getattr(tokenizer, "all_special_tokens", ()))
+        names = {id(m): n for n, m in model.named_modules()}
         self.meta = {
             "model_type": getattr(config, "model_type", type(model).__name__),
-            "n_kv_heads": attn.n_kv_heads,
-            "head_dim": attn.head_dim,
+            "n_kv_heads": calls[0].Hkv,
+            "head_dim": calls[0].D,
             "causal": self.causal,
-            "backend": attn.backend,
+            "attn_implementation": "multihead",
             "max_positions": self.max_positions,
         }
+        if len(heads) > 1:
+            self.meta["n_heads_per_layer"] = [call.H for call in calls]
+        if "cross" in self.layer_kinds:
+            self.meta["layer_kinds"] = list(self.layer_kinds)
+            self.meta["layer_names"] = [names.get(id(m), "?") for m in self.layers]
         self._ordinary = None
+
+    def _inputs(self, ids: Tensor, decoder_ids: Tensor | None = None) -> dict:
+        import torch
+
+        device = next(self.model.parameters()).device
+        ids = ids.to(device)
+        inputs = {"input_ids": ids, "attention_mask": torch.ones_like(ids)}
+        if self.encoder_decoder:
+            inputs["decoder_input_ids"] = ids if decoder_ids is None else decoder_ids.to(device)
+        return inputs
+
+    def _probe(self):
+        """The attention modules that call the registry, in call order, with their shapes."""
+        import torch
+
+        from multihead.interop.hf import WeightsRequest
+
+        vocab = int(getattr(self.model.config, "vocab_size", 2) or 2)
+        ids = torch.full((1, 3), min(1, vocab - 1), dtype=torch.long)
+        request = WeightsRequest(probe=True)
+        try:
+            request.run(self.model, **self._inputs(ids, ids[:, :2]))  # cross-attention: T = 2, S = 3
+        except (TypeError, ValueError, RuntimeError) as err:
+            raise InspectError(f"{self.name!r}: a forward on attn_implementation='multihead' failed "
+                               f"({type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''})") from None
+        calls = request.calls
+        if not calls:
+            raise InspectError(f"{self.name!r} ({type(self.model).__name__}): its attention does not call "
+                               "transformers' attention registry, so multihead can neither run nor capture it; "
+                               + _REACHES)
+        if len({id(c.module) for c in calls}) != len(calls):
+            raise InspectError(f"{self.name!r}: one attention module runs several times per forward (layers "
+                               "share weights, as in ALBERT); inspect captures models whose layers are distinct")
+        return calls
 
     def encode(self, text: str, max_length: int | None = None) -> list[int]:
         kwargs = {"truncation": True, "max_length": max_length} if max_length else {}
@@ -164,30 +207,38 @@ class HFModel(LoadedModel):
         return self._ordinary[pick]
 
     def attention(self, ids: Tensor, heads: dict[int, tuple[int, ...]]) -> dict[int, Tensor]:
-        import torch
-
-        from multihead.interop.hf import set_weight_heads
+        from multihead.interop.hf import WeightsRequest
 
         if not heads:
             return {}
-        last = max(heads)
-        hook = self.layers[last].register_forward_hook(_stop_forward)
-        set_weight_heads(self.model, {layer: tuple(h) for layer, h in heads.items()})
-        ids = ids.to(self.layers[0].attn.q_proj.weight.device)
+        request = WeightsRequest({self.layers[layer]: tuple(h) for layer, h in heads.items()}, stop=True)
+        request.run(self.model, **self._inputs(ids))
+        return {layer: request.get(self.layers[layer]) for layer in heads}
+
+
+_REACHES = ("inspect works on models whose attention does (BERT/RoBERTa, GPT-2, Llama, Mistral, Qwen2/3, "
+            "Gemma-2, Phi-3, GPT-NeoX, BART, T5, ViT, DeepSeek-V2, ...; Falcon does not)")
+
+
+def _use_multihead(model, name: str) -> None:
+    """Switch a transformers model to attn_implementation="multihead", or say why it cannot."""
+    try:
+        import multihead.interop.hf  # noqa: F401 (registers "multihead")
+    except ImportError as err:
+        raise InspectError(f"inspecting a Hugging Face model needs transformers ({err})") from None
+    config = getattr(model, "config", None)
+    if config is None or not hasattr(model, "set_attn_implementation"):
+        raise InspectError(f"{name!r}: a {type(model).__name__} is not a transformers model "
+                           "(no config / set_attn_implementation)")
+    if getattr(config, "_attn_implementation", None) != "multihead":
         try:
-            with torch.no_grad():
-                self.model(input_ids=ids, attention_mask=torch.ones_like(ids))
-        except _StopForward:
-            pass
-        finally:
-            hook.remove()
-        out = {layer: self.layers[layer].last_weights for layer in heads}
-        set_weight_heads(self.model, None)
-        return out
-
-
-def _stop_forward(module, args, output):
-    raise _StopForward
+            model.set_attn_implementation("multihead")
+        except (ValueError, KeyError, ImportError) as err:
+            raise InspectError(f"{name!r}: cannot run on attn_implementation='multihead' ({err})") from None
+    if getattr(config, "_attn_implementation", None) != "multihead":
+        raise InspectError(f"{name!r} ({type(model).__name__}): transformers cannot switch its attention "
+                           "implementation, because its attention does not go through the attention registry; "
+                           + _REACHES)
 
 
 # ------------------------------------------------------------------ loading
@@ -359,7 +410,7 @@ def _load_hf(path: Path, config: dict, name: str) -> LoadedModel:
         raise InspectError(f"{name!r}: cannot load its tokenizer ({type(err).__name__}: "
                            f"{str(err).splitlines()[0] if str(err) else ''})") from None
     try:
-        model = AutoModel.from_pretrained(str(path), attn_implementation="eager")
+        model = AutoModel.from_pretrained(str(path))  # then switched to "multihead" by HFModel
     except Exception as err:
         raise InspectError(f"{name!r}: cannot load the model ({type(err).__name__}: "
                            f"{str(err).splitlines()[0] if str(err) else ''})") from None

@@ -34,6 +34,7 @@ from multihead.interop.hf.convert import (  # noqa: F401 (the patch() of before,
     set_weight_heads,
 )
 from multihead.interop.hf.registry import (
+    AttentionCall,
     CaptureComplete,
     WeightsRequest,
     attention_forward,
@@ -43,6 +44,7 @@ from multihead.interop.hf.registry import (
 )
 
 __all__ = [
+    "AttentionCall",
     "CaptureComplete",
     "WeightsRequest",
     "attention_forward",

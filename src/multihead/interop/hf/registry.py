@@ -32,6 +32,7 @@ from __future__ import annotations
 import functools
 import math
 from collections.abc import Sequence
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -39,8 +40,8 @@ from torch import Tensor, nn
 
 from multihead.functional import check_backend_name, scaled_dot_product_attention
 
-__all__ = ["REQUEST_KEYWORD", "CaptureComplete", "WeightsRequest", "attention_forward", "hf_mask", "register",
-           "registered"]
+__all__ = ["REQUEST_KEYWORD", "AttentionCall", "CaptureComplete", "WeightsRequest", "attention_forward", "hf_mask",
+           "register", "registered"]
 
 #: The forward keyword that carries a `WeightsRequest` down to the attention function.
 REQUEST_KEYWORD = "multihead_weights"
@@ -103,6 +104,17 @@ class CaptureComplete(Exception):  # noqa: N818 (a signal, not an error)
     it asked for: the rest of the forward is skipped. `WeightsRequest.run` catches it."""
 
 
+class AttentionCall(NamedTuple):
+    """One call of the attention function, as a probe records it."""
+
+    module: nn.Module
+    H: int  # query heads
+    Hkv: int  # key/value heads
+    T: int  # queries
+    S: int  # keys
+    D: int  # query/key head dim
+
+
 class WeightsRequest:
     """Heads whose attention weights a forward should return, per attention module.
 
@@ -117,8 +129,8 @@ class WeightsRequest:
         stop: end the forward (by raising `CaptureComplete`, which `run` catches) once
             every listed module has been seen, so layers after the last one asked for
             are never computed.
-        probe: record every module that calls the attention function, with its shapes
-            `(H, Hkv, T, S)`, instead of weights (to find a model's attention modules).
+        probe: record every call of the attention function (`calls`, a list of
+            `AttentionCall`) instead of weights, to find a model's attention modules.
     """
 
     def __init__(self, heads: dict[nn.Module, Sequence[int] | None] | None = None, *, stop: bool = False,
@@ -127,7 +139,7 @@ class WeightsRequest:
         self.stop = bool(stop)
         self.probe = bool(probe)
         self.weights: dict[int, Tensor] = {}
-        self.calls: list[tuple[nn.Module, tuple[int, int, int, int]]] = []
+        self.calls: list[AttentionCall] = []
 
     def heads_for(self, module: nn.Module) -> tuple[int, ...] | bool | None:
         """The heads asked of `module`: a tuple, True for all, or None (not asked)."""
@@ -136,10 +148,12 @@ class WeightsRequest:
             return None
         return True if entry[1] is None else entry[1]
 
-    def record(self, module: nn.Module, weights: Tensor | None, shape: tuple[int, int, int, int]) -> None:
+    def record(self, call: AttentionCall, weights: Tensor | None) -> None:
+        """Called by the attention function: keep `weights` (or, probing, the call)."""
         if self.probe:
-            self.calls.append((module, shape))
+            self.calls.append(call)
             return
+        module = call.module
         if weights is not None:
             self.weights[id(module)] = weights
         if self.stop and len(self.weights) == len(self._heads):
@@ -291,7 +305,8 @@ def attention_forward(module: nn.Module, query: Tensor, key: Tensor, value: Tens
         mine = weights
         if want_all and asked not in (None, True):
             mine = weights[:, list(asked)]
-        request.record(module, None if asked is None else mine.detach(), (H, key.shape[1], T, S))
+        call = AttentionCall(module, H, key.shape[1], T, S, query.shape[-1])
+        request.record(call, None if asked is None else mine.detach())
     out = out.transpose(1, 2).contiguous()  # (B, T, H, Dv)
     return out, (weights if want_all else None)
 
