@@ -28,7 +28,7 @@ from multihead._checks import check_int as _check_int
 from multihead._checks import divisors as _divisors
 from multihead._checks import variant_name
 from multihead.cache import KVCache, RollingKVCache
-from multihead.functional import _normalize_mask, check_backend_name, scaled_dot_product_attention
+from multihead.functional import _normalize_mask, attend, check_backend_name
 from multihead.masks import MaskMod
 from multihead.rope import RotaryEmbedding, apply_rotary
 
@@ -325,11 +325,8 @@ class Attention(nn.Module):
             window = _masks.sliding_window(self.sliding_window).to_dense(1, 1, q.shape[2], k.shape[2],
                                                                          device=q.device)
             mask = mask & window if mask.dtype == torch.bool else mask.masked_fill(~window, float("-inf"))
-        result = scaled_dot_product_attention(
-            q, k, v, mask, causal=causal, dropout_p=dropout_p, return_weights=return_weights,
-            backend=self.backend, score_mod=score_mod,
-        )
-        return result if isinstance(result, tuple) else (result, None)
+        return attend(q, k, v, mask, causal=causal, dropout_p=dropout_p, return_weights=return_weights,
+                      backend=self.backend, score_mod=score_mod)
 
     def _static_cache_step(self, q, k, v, mask, cache: KVCache):
         """The compiled decode step: positions are tensors, keys span the whole buffer and

@@ -176,6 +176,17 @@ def scaled_dot_product_attention(
         heads asked (the softmax probabilities before dropout). Rows with no key to
         attend are zero in both.
     """
+    out, weights = attend(q, k, v, mask, causal=causal, scale=scale, dropout_p=dropout_p,
+                          return_weights=return_weights, backend=backend, score_mod=score_mod)
+    return out if weights is None else (out, weights)
+
+
+def attend(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | MaskMod | Callable | None = None, *,
+           causal: bool = False, scale: float | None = None, dropout_p: float = 0.0,
+           return_weights: bool | Sequence[int] = False, backend: str = "auto",
+           score_mod: ScoreMod | Callable | None = None) -> tuple[Tensor, Tensor | None]:
+    """`scaled_dot_product_attention` for the library's own callers: always returns
+    `(out, weights or None)`, so no caller has to ask which of the two it got."""
     scale = _check_scale(scale)
     mask = _check_inputs(q, k, v, mask, scale, dropout_p)
     score_mod = _check_score_mod(score_mod, q, k)
@@ -195,8 +206,6 @@ def scaled_dot_product_attention(
         out, weights = _run(impl, q, k, v, mask, causal, scale, dropout_p, weight_heads, score_mod)
         if not torch.compiler.is_compiling() and torch.isnan(out).any():
             out, weights = _nan_rule(impl, q, k, v, mask, causal, scale, dropout_p, weight_heads, score_mod)
-    if weight_heads is None:
-        return out
     return out, weights
 
 

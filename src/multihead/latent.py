@@ -38,7 +38,7 @@ from torch import Tensor, nn
 from multihead._checks import check_int as _check_int
 from multihead.attention import _default_head_dim, _merge_heads
 from multihead.cache import LatentCache
-from multihead.functional import check_backend_name, scaled_dot_product_attention
+from multihead.functional import attend, check_backend_name
 from multihead.masks import MaskMod
 from multihead.rope import RotaryEmbedding
 
@@ -304,11 +304,8 @@ class LatentAttention(nn.Module):
         return absorbed < naive
 
     def _kernel(self, q, k, v, mask, return_weights) -> tuple[Tensor, Tensor | None]:
-        result = scaled_dot_product_attention(
-            q, k, v, mask, causal=self.causal, scale=self.scale,
-            return_weights=return_weights, backend=self.backend,
-        )
-        return result if isinstance(result, tuple) else (result, None)
+        return attend(q, k, v, mask, causal=self.causal, scale=self.scale,
+                      return_weights=return_weights, backend=self.backend)
 
     def _check_input(self, x) -> None:
         C = self.d_model
