@@ -152,5 +152,44 @@ def test_bad_input_raises_clear_error(case):
         assert needle in message, f"message {message!r} lacks {needle!r}"
 
 
-def test_the_table_is_big_enough():
-    assert len(CASES) >= 25
+def _module_with_rope(**kw):
+    return mh.Attention(16, 4, causal=True, rope=True, **kw)
+
+
+MODULE_CASES = [
+    ("positions float", lambda: _module_with_rope()(torch.randn(1, 3, 16), positions=torch.zeros(3)), TypeError,
+     ["positions must be an integer tensor", "torch.float32"]),
+    ("positions wrong length", lambda: _module_with_rope()(torch.randn(1, 3, 16), positions=torch.arange(4)),
+     ValueError, ["positions must have shape (T,) = (3,)", "(4,)"]),
+    ("positions and rotary", lambda: _module_with_rope()(torch.randn(1, 3, 16), positions=torch.arange(3),
+                                                         rotary=(torch.ones(3, 2), torch.zeros(3, 2))),
+     ValueError, ["positions= or rotary="]),
+    ("positions without rope", lambda: _attn()(torch.randn(1, 3, 16), positions=torch.arange(3)), ValueError,
+     ["no rotary embedding"]),
+    ("window without causal", lambda: _attn(sliding_window=4), ValueError, ["causal window", "causal=True"]),
+    ("window zero", lambda: _attn(causal=True, sliding_window=0), ValueError, ["sliding_window must be an int >= 1"]),
+    ("softcap negative", lambda: _attn(softcap=-1.0), ValueError, ["softcap must be a positive finite number", "-1.0"]),
+    ("rolling without window", lambda: _attn(causal=True).new_cache(1, rolling=True), ValueError,
+     ["rolling=True needs a sliding-window layer"]),
+    ("static cache without max_len", lambda: _attn().new_cache(1), ValueError, ["needs max_len"]),
+    ("float64 x, float32 module", lambda: _attn()(torch.randn(1, 3, 16, dtype=torch.float64)), TypeError,
+     ["x is torch.float64", "weights are torch.float32"]),
+    ("mla float64 x", lambda: mh.LatentAttention(16, 4, 8)(torch.randn(1, 3, 16, dtype=torch.float64)), TypeError,
+     ["x is torch.float64", "torch.float32"]),
+]
+
+
+@pytest.mark.parametrize("case", MODULE_CASES, ids=[c[0] for c in MODULE_CASES])
+def test_bad_module_input_raises_clear_error(case):
+    test_bad_input_raises_clear_error(case)
+
+
+@pytest.mark.parametrize("case", CASES + MODULE_CASES, ids=[c[0] for c in CASES + MODULE_CASES])
+def test_messages_are_one_line_from_our_boundary(case):
+    """Each message is one line raised by multihead's own checks, not a torch internal error."""
+    _, fn, exc, _ = case
+    with pytest.raises(exc) as info:
+        fn()
+    assert "\n" not in str(info.value).strip(), f"multi-line message: {info.value!s}"
+    origin = info.traceback[-1].path
+    assert "multihead" in str(origin), f"raised from {origin}, not from multihead's checks"
