@@ -17,7 +17,6 @@ other source can be plugged in with `register_loader`.
 
 from __future__ import annotations
 
-import json
 import os
 import re
 import warnings
@@ -333,9 +332,11 @@ def _read_config(path: Path, text: str) -> dict:
     cfg = path / "config.json"
     if not cfg.is_file():
         raise InspectError(f"{text!r} is not a model folder: it has no config.json. {_VALID}")
-    try:
-        config = json.loads(cfg.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
+    from multihead._files import read_json
+
+    try:  # bounded and error-naming: a huge, deep or non-UTF-8 config.json is refused, not a traceback
+        config = read_json(cfg, what="config.json")
+    except ValueError as err:
         raise InspectError(f"{text!r} is not a model folder: its config.json does not parse ({err})") from None
     if not isinstance(config, dict):
         raise InspectError(f"{text!r} is not a model folder: its config.json is not a JSON object")
