@@ -1,9 +1,7 @@
 """LatentAttention (MLA): NumPy reference, absorbed == naive, latent cache == full forward,
 transformers' DeepseekV2Attention, parameter and cache accounting, bad input."""
 
-import math
 
-import numpy as np
 import pytest
 import torch
 
@@ -36,43 +34,18 @@ def make(geometry, *, causal=True, dtype=torch.float64, **kw):
 # ------------------------------------------------------------------ NumPy reference
 
 
-def _rms(a, w, eps):
-    return a / np.sqrt(np.mean(a * a, axis=-1, keepdims=True) + eps) * w
-
-
-def _rope_interleaved(x, base, offset=0):
-    """Rotate pairs (2f, 2f + 1) of x `(..., T, d)` by angle pos * base^(-2f/d)."""
-    d, T = x.shape[-1], x.shape[-2]
-    inv = base ** (-np.arange(0, d, 2) / d)  # (d/2,)
-    ang = (np.arange(T) + offset)[:, None] * inv[None, :]  # (T, d/2)
-    cos, sin = np.cos(ang), np.sin(ang)
-    x1, x2 = x[..., 0::2], x[..., 1::2]
-    return np.stack([x1 * cos - x2 * sin, x1 * sin + x2 * cos], axis=-1).reshape(x.shape)
-
-
 def ref_mla(m: mh.LatentAttention, x, mask=None):
-    """MLA as the DeepSeek-V2 paper writes it (decompress K and V), NumPy float64."""
+    """The module's weights through `reference.mla_forward` (NumPy float64)."""
     W = lambda lin: lin.weight.detach().double().numpy().T  # noqa: E731
     g = lambda norm: norm.weight.detach().double().numpy()  # noqa: E731
-    X = x.detach().double().numpy()
-    H, Rk, D, Dr = m.n_heads, m.kv_rank, m.head_dim, m.rope_dim
-    if m.q_rank is None:
-        Q = X @ W(m.q_proj)
-    else:
-        Q = _rms(X @ W(m.q_a_proj), g(m.q_a_norm), m.q_a_norm.eps) @ W(m.q_b_proj)
-    Q = R.split_heads(Q, H)  # (B, H, T, D + Dr)
-    KV = X @ W(m.kv_a_proj)  # (B, T, Rk + Dr)
-    c, k_pe = KV[..., :Rk], KV[..., Rk:]
-    c = _rms(c, g(m.kv_a_norm), m.kv_a_norm.eps) if m.latent_norm else c
-    if Dr:
-        Q = np.concatenate([Q[..., :D], _rope_interleaved(Q[..., D:], m.rope.base)], axis=-1)
-        k_pe = _rope_interleaved(k_pe, m.rope.base)
-    up = R.split_heads(c @ W(m.kv_b_proj), H)  # (B, H, S, D + Dv)
-    B, _, S, _ = up.shape
-    K = np.concatenate([up[..., :D], np.broadcast_to(k_pe[:, None], (B, H, S, Dr))], axis=-1)
-    V = up[..., D:]
-    out, w = R.attention(Q, K, V, mask=mask, causal=m.causal, scale=1 / math.sqrt(D + Dr), return_weights=True)
-    return R.combine_heads(out) @ W(m.o_proj), w
+    q = dict(W_q=W(m.q_proj)) if m.q_rank is None else dict(W_q_a=W(m.q_a_proj), g_q_a=g(m.q_a_norm),
+                                                              W_q_b=W(m.q_b_proj))
+    return R.mla_forward(
+        x.detach().double().numpy(), W(m.kv_a_proj), W(m.kv_b_proj), W(m.o_proj), m.n_heads, m.kv_rank,
+        m.head_dim, m.rope_dim, **q, g_kv=g(m.kv_a_norm) if m.latent_norm else None, eps=m.kv_a_norm.eps
+        if m.latent_norm else 1e-6, rope_base=m.rope.base if m.rope is not None else 10000.0, mask=mask,
+        causal=m.causal, return_weights=True,
+    )
 
 
 @pytest.mark.parametrize("geometry", GEOMETRIES, ids=GEOMETRY_IDS)

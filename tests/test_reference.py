@@ -40,3 +40,31 @@ def test_reference_imports_no_torch():
 
     code = "import sys, multihead.reference; assert 'torch' not in sys.modules, 'torch imported'"
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_rope_equals_complex_rotation_in_both_pairings():
+    """RoPE as the paper defines it: pair (a, b) as a + ib times e^(i pos theta_f)."""
+    rng = np.random.default_rng(1)
+    x = rng.standard_normal((2, 5, 8))
+    pos = np.array([0, 3, 7, 100, 100000])
+    theta = 500.0 ** (-np.arange(0, 8, 2) / 8)
+    turn = np.exp(1j * pos[:, None] * theta[None, :])  # (T, d/2)
+    z = (x[..., 0::2] + 1j * x[..., 1::2]) * turn
+    inter = np.stack([z.real, z.imag], -1).reshape(x.shape)
+    assert np.abs(R.rope(x, pos, 500.0, interleaved=True) - inter).max() < 1e-12
+    z = (x[..., :4] + 1j * x[..., 4:]) * turn
+    assert np.abs(R.rope(x, pos, 500.0) - np.concatenate([z.real, z.imag], -1)).max() < 1e-12
+
+
+def test_mla_forward_without_rope_or_norm_is_mha_with_low_rank_kv():
+    """With rope_dim 0 and no latent norm, MLA is MHA whose W_k, W_v factor through the latent."""
+    rng = np.random.default_rng(2)
+    B, T, C, H, Rk, D = 2, 4, 12, 3, 5, 4
+    X = rng.standard_normal((B, T, C))
+    W_a, W_b = rng.standard_normal((C, Rk)), rng.standard_normal((Rk, H * 2 * D))
+    W_q, W_o = rng.standard_normal((C, H * D)), rng.standard_normal((H * D, C))
+    cols = W_b.reshape(Rk, H, 2, D)
+    W_k = (W_a @ cols[:, :, 0].reshape(Rk, H * D))
+    W_v = (W_a @ cols[:, :, 1].reshape(Rk, H * D))
+    got = R.mla_forward(X, W_a, W_b, W_o, H, Rk, D, W_q=W_q, causal=True)
+    assert np.abs(got - R.mha_forward(X, W_q, W_k, W_v, W_o, n_heads=H, causal=True)).max() < 1e-10

@@ -24,6 +24,9 @@ __all__ = [
     "cross_attention",
     "gqa_forward",
     "mha_forward",
+    "mla_forward",
+    "rms_norm",
+    "rope",
     "softcap",
     "softmax",
     "split_heads",
@@ -155,3 +158,58 @@ def cross_attention(X, context, W_q, W_k, W_v, W_o, n_heads, n_kv_heads=None, ma
     """Queries from X `(B, T, C)`, keys and values from context `(B, S, C_ctx)`."""
     n_kv_heads = n_heads if n_kv_heads is None else n_kv_heads
     return gqa_forward(X, W_q, W_k, W_v, W_o, n_heads, n_kv_heads, mask=mask, context=context, **kw)
+
+
+def rms_norm(a: np.ndarray, weight: np.ndarray, eps: float) -> np.ndarray:
+    """a / sqrt(mean(a^2) + eps) * weight over the last dim (RMSNorm, Zhang & Sennrich, 2019)."""
+    a = np.asarray(a, dtype=np.float64)
+    return a / np.sqrt(np.mean(a * a, axis=-1, keepdims=True) + eps) * weight
+
+
+def rope(x: np.ndarray, positions, base: float = 10000.0, interleaved: bool = False) -> np.ndarray:
+    """Rotary embedding of x `(..., T, d)` at integer `positions` `(T,)` (Su et al., 2021).
+
+    Pair f turns by angle pos * base^(-2f/d). Half-split pairing (f, f + d/2) as HF's
+    rotate_half, or interleaved (2f, 2f + 1) as GPT-J and DeepSeek-V2.
+    """
+    x = np.asarray(x, dtype=np.float64)
+    d = x.shape[-1]
+    inv = base ** (-np.arange(0, d, 2) / d)  # (d/2,)
+    ang = np.asarray(positions, dtype=np.float64)[:, None] * inv[None, :]  # (T, d/2)
+    cos, sin = np.cos(ang), np.sin(ang)
+    if interleaved:
+        x1, x2 = x[..., 0::2], x[..., 1::2]
+        return np.stack([x1 * cos - x2 * sin, x1 * sin + x2 * cos], axis=-1).reshape(x.shape)
+    x1, x2 = x[..., : d // 2], x[..., d // 2 :]
+    return np.concatenate([x1 * cos - x2 * sin, x1 * sin + x2 * cos], axis=-1)
+
+
+def mla_forward(X, W_kv_a, W_kv_b, W_o, n_heads, kv_rank, head_dim, rope_dim=0, *, W_q=None,
+                W_q_a=None, g_q_a=None, W_q_b=None, g_kv=None, eps=1e-6, rope_base=10000.0,
+                mask=None, causal=False, return_weights=False):
+    """Multi-head latent attention as the DeepSeek-V2 paper writes it (section 2.1).
+
+    The latent c = RMSNorm(X W_kv_a[:, :R]) (no norm when g_kv is None) is decompressed
+    into every head's key and value by W_kv_b (per head [W_UK_h | W_UV_h] columns); a
+    decoupled RoPE key X W_kv_a[:, R:] is shared by all heads; queries are X W_q, or
+    RMSNorm(X W_q_a) W_q_b. RoPE is interleaved; scores are scaled by 1/sqrt(D + rope_dim).
+    """
+    X = np.asarray(X, dtype=np.float64)
+    H, Rk, D, Dr = n_heads, kv_rank, head_dim, rope_dim
+    Q = X @ W_q if W_q is not None else rms_norm(X @ W_q_a, g_q_a, eps) @ W_q_b
+    Q = split_heads(Q, H)  # (B, H, T, D + Dr)
+    KV = X @ W_kv_a  # (B, T, R + Dr)
+    c, k_pe = KV[..., :Rk], KV[..., Rk:]
+    if g_kv is not None:
+        c = rms_norm(c, g_kv, eps)
+    if Dr:
+        pos = np.arange(X.shape[-2])
+        Q = np.concatenate([Q[..., :D], rope(Q[..., D:], pos, rope_base, interleaved=True)], axis=-1)
+        k_pe = rope(k_pe, pos, rope_base, interleaved=True)
+    up = split_heads(c @ W_kv_b, H)  # (B, H, S, D + Dv)
+    B, _, S, _ = up.shape
+    K = np.concatenate([up[..., :D], np.broadcast_to(k_pe[:, None], (B, H, S, Dr))], axis=-1)
+    V = up[..., D:]
+    out, w = attention(Q, K, V, mask=mask, causal=causal, scale=1 / np.sqrt(D + Dr), return_weights=True)
+    Y = combine_heads(out) @ W_o
+    return (Y, w) if return_weights else Y
