@@ -50,14 +50,20 @@ def _entry(name: str, rank: int, world: int, port: int, out) -> None:
 
 def run_world(fn, world: int, timeout: float = WORLD_TIMEOUT) -> list:
     """Run `fn(rank, world)` on `world` spawned gloo ranks; return their results by rank."""
-    ctx = mp.get_context("spawn")
+    # A fork server imports torch once; every rank of every world is forked from it (a
+    # fresh interpreter per rank would spend seconds importing torch each time). The
+    # server has run no torch op, so no thread pool is forked with it. (DTensor imports
+    # torch._dynamo on first use: preloaded too.)
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(["torch", "torch._dynamo", "torch.distributed.tensor.parallel",
+                                "multihead.distributed", __name__])
     out = ctx.Queue()
     env = os.environ.get("OMP_NUM_THREADS")
     os.environ["OMP_NUM_THREADS"] = "1"  # inherited by the children: one thread per rank
     try:
-        procs = [ctx.Process(target=_entry, args=(fn.__name__, r, world, _free_port() if r < 0 else port, out),
-                             daemon=True)
-                 for port in [_free_port()] for r in range(world)]
+        port = _free_port()
+        procs = [ctx.Process(target=_entry, args=(fn.__name__, r, world, port, out), daemon=True)
+                 for r in range(world)]
         for p in procs:
             p.start()
     finally:
