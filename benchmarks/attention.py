@@ -599,7 +599,7 @@ def evaluate_targets(cases, weights_cases, sizes) -> list[dict]:
         detail = f"memory ratio {r:.3f} ({fmt_mib(one['peak_bytes'])} vs {fmt_mib(allw['peak_bytes'])} MiB)"
         if one["N"] < 8192:  # fixed costs dominate small N; the target is set at 8192
             add(f"weights of one head <= 1/4 of all heads' (N={one['N']})", None,
-                detail + "; target defined at N=8192")
+                "n/a: target defined at N=8192; " + detail)
         else:
             add(f"weights of one head at N={one['N']} <= 1/4 of all heads'", r <= 0.25, detail)
     else:

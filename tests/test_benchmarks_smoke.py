@@ -47,4 +47,9 @@ def test_attention_benchmark_quick(tmp_path):
     weights = {w["variant"]: w for w in report["weights"]}
     assert set(weights) == {"weights_head0", "weights_all"}
     assert all(w["peak_bytes"] is not None and w["peak_bytes"] > 0 for w in weights.values())
-    assert {t["passed"] for t in report["targets"]} <= {True, False, None}
+    # A target is judged (True/False) exactly when the run measured what it needs, and says
+    # "n/a" otherwise: --quick runs N = 256, 512 only, so the N >= 1024 targets must be n/a.
+    for t in report["targets"]:
+        assert (t["passed"] is None) == t["detail"].startswith("n/a"), t
+    by_name = {t["target"]: t for t in report["targets"]}
+    assert by_name["multihead within 5% of sdpa_raw, N>=1024"]["passed"] is None

@@ -5,11 +5,10 @@ of its cache with what `multihead.plan` computes without torch.
 """
 
 import pytest
+import torch
 
-torch = pytest.importorskip("torch")
-
-from multihead import plan  # noqa: E402
-from plan_public_configs import CONFIGS as PUBLIC_CONFIGS  # noqa: E402
+from multihead import latent, plan
+from plan_public_configs import CONFIGS as PUBLIC_CONFIGS
 
 ATTENTION = [
     # (d_model, n_heads, n_kv_heads, kwargs)
@@ -69,7 +68,6 @@ LATENT = [
 
 @pytest.mark.parametrize("d_model, n_heads, kv_rank, kw", LATENT)
 def test_latent_params_and_cache_match_the_module(d_model, n_heads, kv_rank, kw):
-    latent = pytest.importorskip("multihead.latent")
     module = latent.LatentAttention(d_model, n_heads, kv_rank, **kw)
     g = plan.LatentGeometry(d_model, n_heads, kv_rank, **kw)
     assert plan.attention_params(g) == n_params(module)
@@ -79,7 +77,6 @@ def test_latent_params_and_cache_match_the_module(d_model, n_heads, kv_rank, kw)
 
 
 def test_deepseek_v2_lite_attention_matches_the_config_reader():
-    latent = pytest.importorskip("multihead.latent")
     CONFIGS = PUBLIC_CONFIGS
 
     model = plan.read_config(CONFIGS["deepseek-v2-lite"])
@@ -138,7 +135,6 @@ def test_any_attention_geometry_matches_the_module(args, batch, max_len):
        st.booleans(), st.booleans())
 def test_any_latent_geometry_matches_the_module(n_heads, kv_rank, q_rank, head_dim, rope_dim,
                                                 v_head_dim, bias, latent_norm):
-    latent = pytest.importorskip("multihead.latent")
     d_model = 8 * n_heads
     kw = {"q_rank": q_rank, "head_dim": head_dim, "rope_dim": rope_dim,
           "v_head_dim": v_head_dim, "bias": bias, "latent_norm": latent_norm}
