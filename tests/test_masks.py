@@ -142,8 +142,10 @@ def tiny_tiles(monkeypatch):
 
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow,
                                                                   HealthCheck.function_scoped_fixture])
-@given(predicate_cases(), st.sampled_from([(1, 1), (2, 1), (4, 2), (3, 3)]), st.integers(0, 2**16))
-def test_kernel_with_predicates_equals_reference(tiny_tiles, case, heads, seed):
+@given(predicate_cases(), st.sampled_from([(1, 1), (2, 1), (4, 2), (3, 3)]), st.integers(0, 2**16),
+       st.sampled_from([3, 4]))
+def test_kernel_with_predicates_equals_reference(tiny_tiles, case, heads, seed, Dv):
+    """Dv == D runs the CPU engine that merges fused pieces by log-sum-exp, Dv != D the public one."""
     B, T, S, kind, arg, combine = case
     G, Hkv = heads
     H = G * Hkv
@@ -151,7 +153,7 @@ def test_kernel_with_predicates_equals_reference(tiny_tiles, case, heads, seed):
     g = torch.Generator().manual_seed(seed)
     q = torch.randn(B, H, T, 4, generator=g, dtype=torch.float64)
     k = torch.randn(B, Hkv, S, 4, generator=g, dtype=torch.float64)
-    v = torch.randn(B, Hkv, S, 3, generator=g, dtype=torch.float64)
+    v = torch.randn(B, Hkv, S, Dv, generator=g, dtype=torch.float64)
     ref, ref_w = R.attention(q.numpy(), k.numpy(), v.numpy(), mask=ref_mask, return_weights=True)
     for backend in BACKENDS:
         out, w = mh.scaled_dot_product_attention(q, k, v, mod, backend=backend, return_weights=[H - 1])
@@ -199,13 +201,15 @@ def test_empty_rows_and_empty_blocks_are_zero_with_zero_gradients(tiny_tiles):
                                            v[0:1].detach().numpy(), causal=True), what=backend)
 
 
+@pytest.mark.parametrize("Dv", [5, 8])
+@pytest.mark.parametrize("Hkv", [1, 2])
 @pytest.mark.parametrize("backend", ["sdpa", "tiles", "chunked"])
-def test_gradients_with_predicates_equal_math(backend, tiny_tiles):
-    B, H, Hkv, T, S = 2, 4, 2, 10, 12
+def test_gradients_with_predicates_equal_math(backend, Hkv, Dv, tiny_tiles):
+    B, H, T, S = 2, 4, 10, 12
     mod = masks.document(torch.tensor([[0] * 6 + [1] * 6, [0] * 3 + [1] * 9])) & masks.causal()
     g = torch.Generator().manual_seed(3)
     q, k, v = (torch.randn(*s, generator=g, dtype=torch.float64, requires_grad=True)
-               for s in ((B, H, T, 8), (B, Hkv, S, 8), (B, Hkv, S, 5)))
+               for s in ((B, H, T, 8), (B, Hkv, S, 8), (B, Hkv, S, Dv)))
     grads = {}
     for name in ("math", backend):
         out = mh.scaled_dot_product_attention(q, k, v, mod, backend=name)
@@ -215,11 +219,17 @@ def test_gradients_with_predicates_equal_math(backend, tiny_tiles):
         assert_close(b, a, what=f"d{n} {backend}")
 
 
-def test_sdpa_runs_only_the_kept_key_range(monkeypatch):
-    """sliding_window(4) & causal at T = S = 64, tiles of 8: each fused call sees at most
-    3 key tiles and never a (T, S) mask."""
-    monkeypatch.setattr(blocksparse, "FUSED_TILE", 8)
+def _spy_fused_calls(monkeypatch):
+    """Record (key length, mask shape) of every fused kernel call, whichever engine runs."""
     seen = []
+    if blocksparse._CPU_FLASH is not None:
+        real_op = blocksparse._CPU_FLASH
+
+        def spy_op(q, k, v, dropout_p=0.0, is_causal=False, *, attn_mask=None, scale=None):
+            seen.append((k.shape[2], None if attn_mask is None else tuple(attn_mask.shape)))
+            return real_op(q, k, v, dropout_p, is_causal, attn_mask=attn_mask, scale=scale)
+
+        monkeypatch.setattr(blocksparse, "_CPU_FLASH", spy_op)
     real = blocksparse.F.scaled_dot_product_attention
 
     def spy(q, k, v, attn_mask=None, **kw):
@@ -227,6 +237,14 @@ def test_sdpa_runs_only_the_kept_key_range(monkeypatch):
         return real(q, k, v, attn_mask=attn_mask, **kw)
 
     monkeypatch.setattr(blocksparse.F, "scaled_dot_product_attention", spy)
+    return seen
+
+
+def test_sdpa_runs_only_the_kept_key_range(monkeypatch):
+    """sliding_window(4) & causal at T = S = 64, tiles of 8: each fused call sees at most
+    2 key tiles and never a (T, S) mask."""
+    monkeypatch.setattr(blocksparse, "FUSED_TILE", 8)
+    seen = _spy_fused_calls(monkeypatch)
     q, k, v = torch.randn(1, 2, 64, 4), torch.randn(1, 2, 64, 4), torch.randn(1, 2, 64, 4)
     out = mh.scaled_dot_product_attention(q, k, v, masks.sliding_window(4) & masks.causal())
     assert len(seen) == 8 and all(s <= 16 for s, _ in seen), seen
@@ -236,20 +254,26 @@ def test_sdpa_runs_only_the_kept_key_range(monkeypatch):
     assert_close(out, ref, torch.float32)
 
 
+@pytest.mark.skipif(blocksparse._CPU_FLASH is None, reason="needs torch's CPU flash kernel (log-sum-exp pieces)")
+def test_causal_runs_full_tiles_without_a_mask(monkeypatch):
+    """Causal at T = S = 32 with tiles of 8: full tiles in one unmasked call per query block,
+    the diagonal tile through torch's own causal kernel; each lower-triangle tile once."""
+    monkeypatch.setattr(blocksparse, "FUSED_TILE", 8)
+    seen = _spy_fused_calls(monkeypatch)
+    q, k, v = torch.randn(1, 2, 32, 4), torch.randn(1, 2, 32, 4), torch.randn(1, 2, 32, 4)
+    out = mh.scaled_dot_product_attention(q, k, v, masks.causal())
+    assert seen == [(8, None), (8, None), (8, None), (16, None), (8, None), (24, None), (8, None)], seen
+    assert_close(out, R.attention(q.double().numpy(), k.double().numpy(), v.double().numpy(), causal=True),
+                 torch.float32)
+
+
 def test_bidirectional_documents_merge_full_blocks_into_one_call(monkeypatch):
     monkeypatch.setattr(blocksparse, "FUSED_TILE", 4)
-    calls = []
-    real = blocksparse.F.scaled_dot_product_attention
-
-    def spy(q, k, v, attn_mask=None, **kw):
-        calls.append(attn_mask)
-        return real(q, k, v, attn_mask=attn_mask, **kw)
-
-    monkeypatch.setattr(blocksparse.F, "scaled_dot_product_attention", spy)
+    seen = _spy_fused_calls(monkeypatch)
     ids = torch.tensor([0] * 16 + [1] * 16)
     q, k, v = torch.randn(1, 1, 32, 4), torch.randn(1, 1, 32, 4), torch.randn(1, 1, 32, 4)
     mh.scaled_dot_product_attention(q, k, v, masks.document(ids))
-    assert len(calls) == 2 and all(m is None for m in calls)  # one unmasked call per document
+    assert seen == [(16, None), (16, None)]  # one unmasked call per document
 
 
 # ------------------------------------------------------------- flex callables

@@ -58,10 +58,10 @@ def _mods(kind, H):
 
 
 @pytest.mark.parametrize("kind,mask_kind,causal", CASES)
-@pytest.mark.parametrize("T,S", [(7, 9), (9, 4), (1, 9)])
-def test_score_mods_equal_reference(kind, mask_kind, causal, T, S, tiny_tiles):
+@pytest.mark.parametrize("T,S,Dv", [(7, 9, 5), (9, 4, 8), (1, 9, 8)])
+def test_score_mods_equal_reference(kind, mask_kind, causal, T, S, Dv, tiny_tiles):
     B, H = 2, 4
-    q, k, v = _qkv(T=T, S=S)
+    q, k, v = _qkv(T=T, S=S, Dv=Dv)
     mod, ref_kw = _mods(kind, H)
     mask, ref_mask = None, None
     if mask_kind == "window":
@@ -144,17 +144,19 @@ def test_flex_score_mods_equal_flex_attention(tiny_tiles):
 @pytest.mark.parametrize("kind,mask_kind,causal", CASES)
 def test_tile_gradients_equal_math_float64(kind, mask_kind, causal, tiny_tiles):
     B, H, T, S = 2, 4, 7, 9
-    q, k, v = _qkv(T=T, S=S, grad=True)
+    q, k, v = _qkv(T=T, S=S, Dv=8, grad=True)
     mod, _ = _mods(kind, H)
     mask = {None: None, "window": masks.sliding_window(3), "bool": torch.rand(B, 1, T, S) > 0.3,
             "doc": masks.document(torch.tensor([0] * 4 + [1] * 5))}[mask_kind]
     grads = {}
-    for backend in ("math", "tiles"):
+    backends = ("math", "tiles", "sdpa") if kind == "alibi" else ("math", "tiles")
+    for backend in backends:
         out = mh.scaled_dot_product_attention(q, k, v, mask, causal=causal, score_mod=mod, backend=backend)
         g_out = torch.linspace(-1, 1, out.numel(), dtype=torch.float64).view_as(out)
         grads[backend] = torch.autograd.grad(out, (q, k, v), g_out)
-    for n, a, b in zip("qkv", grads["math"], grads["tiles"]):
-        assert_close(b, a, what=f"d{n} {mod}")
+    for backend in backends[1:]:
+        for n, a, b in zip("qkv", grads["math"], grads[backend]):
+            assert_close(b, a, what=f"d{n} {mod} {backend}")
 
 
 def test_gradcheck_tiles_softcap_with_empty_rows(tiny_tiles):
