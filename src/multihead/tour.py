@@ -18,13 +18,15 @@ def main(args: argparse.Namespace) -> int:
 
     import multihead as mh
     from multihead import reference as R
-    from multihead.cli import UsageError
+    from multihead.errors import UsageError
 
     C, H = args.d_model, args.heads
     if C < 1 or H < 1 or C % H:
         raise UsageError(f"--d-model ({C}) must be a positive multiple of --heads ({H})")
-    if args.context < 1:
-        raise UsageError(f"--context must be >= 1; received {args.context}")
+    if C > 2**14:  # the tour builds the modules in float64 and checks them against NumPy
+        raise UsageError(f"--d-model must be at most 16384 for the tour; received {C}")
+    if not 1 <= args.context <= 2**40:
+        raise UsageError(f"--context must be in 1 .. 2**40; received {args.context}")
     torch.manual_seed(0)
     variants = [("MHA", H), ("GQA", max(1, H // 4) if H % 4 == 0 else 1), ("MQA", 1)]
     print(f"multihead {mh.__version__} tour: d_model={C}, n_heads={H}, head_dim={C // H}, torch {torch.__version__}\n")
