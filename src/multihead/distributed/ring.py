@@ -223,7 +223,7 @@ def _merge(out: Tensor, lse: Tensor, out_b: Tensor, lse_b: Tensor) -> None:
     dead = torch.isneginf(new)
     w_old = torch.exp(lse - new).masked_fill(dead, 0.0)[..., None]
     w_new = torch.exp(lse_b - new).masked_fill(dead, 0.0)[..., None]
-    out.mul_(w_old).add_(out_b.to(out.dtype) * w_new)
+    out.mul_(w_old).addcmul_(out_b.to(out.dtype), w_new)  # no temporary of the block's size
     lse.copy_(new)
 
 
