@@ -138,6 +138,10 @@ class InductionConfig:
             raise ValueError("attention='mla' needs kv_rank")
         if self.n_kv_heads is not None and self.n_heads % self.n_kv_heads:
             raise ValueError(f"n_kv_heads {self.n_kv_heads} does not divide n_heads {self.n_heads}")
+        D = self.head_dim or self.d_model // self.n_heads
+        if self.attention == "mha" and self.positions == "rope" and D % 2:
+            raise ValueError(f"head_dim {D} is odd, and rotary positions turn pairs of dims; choose n_heads so that "
+                             f"d_model / n_heads is even (d_model {self.d_model}, n_heads {self.n_heads})")
 
 
 VARIANTS = ("mha", "gqa", "mqa", "mla")

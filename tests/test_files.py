@@ -1,0 +1,120 @@
+"""multihead._files: every file written atomically with the usual mode; user JSON read bounded,
+with errors that name the file and the field."""
+
+from __future__ import annotations
+
+import json
+import os
+import stat
+
+import pytest
+
+from multihead._files import atomic_path, read_json, usual_mode, write_json, write_text
+
+
+@pytest.fixture
+def umask_027():
+    """A umask other than the common 022, so "the usual mode" is not a coincidence."""
+    old = os.umask(0o027)
+    yield 0o640
+    os.umask(old)
+
+
+def mode(path) -> int:
+    return stat.S_IMODE(os.stat(path).st_mode)
+
+
+def test_writes_get_the_mode_open_would_give(tmp_path, umask_027):
+    assert usual_mode() == umask_027 and usual_mode(folder=True) == 0o750
+    write_text(tmp_path / "a.txt", "x")
+    write_json(tmp_path / "b.json", {"a": 1})
+    with atomic_path(tmp_path / "c.bin") as tmp:
+        tmp.write_bytes(b"y")
+    plain = tmp_path / "plain.txt"
+    plain.write_text("z")
+    for name in ("a.txt", "b.json", "c.bin"):
+        assert mode(tmp_path / name) == mode(plain) == 0o640, name
+
+
+def test_a_failed_write_leaves_the_old_file_and_no_temporary(tmp_path):
+    path = tmp_path / "page.html"
+    write_text(path, "old page")
+    with pytest.raises(UnicodeEncodeError):
+        write_text(path, "new page with a lone surrogate \udcff")
+    with pytest.raises(RuntimeError):
+        with atomic_path(path) as tmp:
+            tmp.write_text("half a page")
+            raise RuntimeError("the writer failed")
+    assert path.read_text() == "old page"
+    assert [p.name for p in tmp_path.iterdir()] == ["page.html"]
+
+
+def test_render_html_never_truncates_an_existing_page(tmp_path):
+    import torch
+
+    from multihead.inspect.capture_types import AttentionCapture
+    from multihead.inspect.html import render_html
+
+    w = torch.softmax(torch.randn(1, 1, 3, 3), -1)
+    good = AttentionCapture(tokens=["a", "b", "c"], token_ids=[0, 1, 2], layers=[0], heads=[0], weights=w,
+                            n_layers=1, n_heads=1, model="m", meta={})
+    path = tmp_path / "view.html"
+    page = render_html(good, path=path)
+    assert path.read_text(encoding="utf-8") == page and mode(path) == usual_mode()
+    bad = AttentionCapture(tokens=["a", "\udcff", "c"], token_ids=[0, 1, 2], layers=[0], heads=[0], weights=w,
+                           n_layers=1, n_heads=1, model="m", meta={})
+    with pytest.raises(UnicodeEncodeError):
+        render_html(bad, path=path)
+    assert path.read_text(encoding="utf-8") == page, "the earlier page must survive a failed write"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["view.html"]
+
+
+def test_png_and_checkpoint_files_get_the_usual_mode(tmp_path, umask_027):
+    pytest.importorskip("matplotlib")
+    import torch
+
+    from multihead.inspect.capture_types import AttentionCapture
+    from multihead.inspect.png import save_head
+    from multihead.lab.checkpoint import Vocab, save_lab_checkpoint
+    from multihead.lab.models import LabConfig, LabTransformer
+
+    w = torch.softmax(torch.randn(1, 1, 3, 3), -1)
+    cap = AttentionCapture(tokens=["a", "b", "c"], token_ids=[0, 1, 2], layers=[0], heads=[0], weights=w,
+                           n_layers=1, n_heads=1, model="m", meta={})
+    save_head(cap, 0, 0, tmp_path / "head.png")
+    assert (tmp_path / "head.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    model = LabTransformer(LabConfig(vocab_size=2, max_len=4, d_model=8, n_heads=2))
+    save_lab_checkpoint(tmp_path / "model", model, Vocab("symbols", ("a", "b")), experiment="heads")
+    for p in (tmp_path / "head.png", tmp_path / "model" / "model.safetensors", tmp_path / "model" / "config.json"):
+        assert mode(p) == 0o640, f"{p.name}: {oct(mode(p))}"  # safetensors alone would write 0600
+    assert sorted(p.name for p in (tmp_path / "model").iterdir()) == ["config.json", "model.safetensors"]
+
+
+@pytest.mark.parametrize("content, message", [
+    (b'{"a": {"b": [1, 2, ' + b"9" * 400 + b"]}}", ["a.b[2]", "400-digit"]),
+    (b"[" * 100_000 + b"]" * 100_000, ["nests", "at most 64"]),
+    (b'{"model_type": "llama", "x": "\xff"}', ["not UTF-8", "0xff", "offset 30"]),
+    (b'{"x": 1e400}', ["field 'x'", "inf"]),
+    (b'{"x": NaN}', ["NaN", "not a valid JSON number"]),
+    (b'{"x": 1,}', ["is not JSON", "line 1"]),
+    (b"", ["is not JSON"]),
+])
+def test_read_json_names_the_file_and_the_field(tmp_path, content, message):
+    path = tmp_path / "config.json"
+    path.write_bytes(content)
+    with pytest.raises(ValueError) as err:
+        read_json(path, what="config.json")
+    for part in [str(path), *message]:
+        assert part in str(err.value), f"{part!r} not in {err.value}"
+
+
+def test_read_json_is_bounded(tmp_path):
+    with pytest.raises(ValueError, match="larger than 1 MiB"):
+        read_json("/dev/zero", max_bytes=2**20)  # would read forever if unbounded
+    with pytest.raises(ValueError, match="is a folder"):
+        read_json(tmp_path)
+    with pytest.raises(ValueError, match="cannot read .* No such file"):
+        read_json(tmp_path / "missing.json")
+    ok = tmp_path / "ok.json"
+    ok.write_text(json.dumps({"n": 10**29, "deep": [[[1.5]]], "s": "[{"}))  # brackets in strings do not nest
+    assert read_json(ok) == {"n": 10**29, "deep": [[[1.5]]], "s": "[{"}
