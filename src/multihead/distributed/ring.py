@@ -181,18 +181,22 @@ class _Ring:
     def shift(self, tensors: list[Tensor]):
         """Start sending `tensors` to the next rank and receiving as many from the previous.
 
-        Returns (received buffers, handle); `wait(handle)` before reading the buffers.
+        Returns a handle; `wait(handle)` gives the received tensors and empties the handle,
+        so the sent tensors are freed as soon as nothing else holds them.
         """
         sends = [t.contiguous() for t in tensors]
         recvs = [torch.empty_like(t) for t in sends]
         ops = [dist.P2POp(dist.isend, t, self.next, self.group) for t in sends]
         ops += [dist.P2POp(dist.irecv, t, self.prev, self.group) for t in recvs]
-        return recvs, (dist.batch_isend_irecv(ops), sends)
+        return [dist.batch_isend_irecv(ops), sends, recvs]
 
     @staticmethod
-    def wait(handle) -> None:
-        for work in handle[0]:
+    def wait(handle: list) -> list[Tensor]:
+        works, _, recvs = handle
+        for work in works:
             work.wait()
+        handle.clear()
+        return recvs
 
 
 def _blocks(q_chunks: list[int], kv_chunks: list[int], c: int, causal: bool, T: int, S: int):
@@ -238,16 +242,16 @@ def _forward(q, k, v, keep, causal, layout, scale, ring: _Ring, kern):
     held = [k, v] + ([] if keep is None else [keep])
     for step in range(P):
         if step < P - 1:
-            incoming, handle = ring.shift(held)  # the next block travels while this one is computed
+            incoming = ring.shift(held)  # the next block travels while this one is computed
         kb, vb = held[0], held[1]
         kp = None if keep is None else held[2]
         for (t0, t1), (s0, s1), diag in _blocks(q_chunks, chunk_ids((r - step) % P, P, layout), c, causal, T, S):
             o_b, l_b = kern.forward(q[:, :, t0:t1], kb[:, :, s0:s1], vb[:, :, s0:s1],
                                     None if kp is None else kp[:, s0:s1], diag, scale)
             _merge(out[:, :, t0:t1], lse[:, :, t0:t1], o_b, l_b)
+            del o_b, l_b
         if step < P - 1:
-            ring.wait(handle)
-            held = incoming
+            held = ring.wait(incoming)
     return out.to(q.dtype), lse
 
 
@@ -261,14 +265,21 @@ def _backward(dout, q, k, v, out, lse, keep, causal, layout, scale, ring: _Ring,
     lse = lse.masked_fill(torch.isneginf(lse), float("inf"))  # a row with no key: probabilities 0
     dq = torch.zeros(B, H, T, D, dtype=acc, device=q.device)
     held = [k, v] + ([] if keep is None else [keep])
-    grads = grads_handle = None
+    grads = None
     for step in range(P):
+        if step == 0:
+            dk = torch.zeros(k.shape, dtype=acc, device=q.device)
+            dv = torch.zeros(v.shape, dtype=acc, device=q.device)
+        else:
+            # The gradient of the block in hand so far, from the ranks it visited before
+            # (sent at the end of their previous step). Waited for before this step's K/V
+            # transfer starts and accumulated into in place, so one dK/dV pair is alive
+            # during the compute instead of three (the sent, the received, the new one).
+            dk, dv = ring.wait(grads)
         if step < P - 1:
-            incoming, handle = ring.shift(held)
+            incoming = ring.shift(held)  # the next block travels while this one is computed
         kb, vb = held[0], held[1]
         kp = None if keep is None else held[2]
-        dk = torch.zeros(kb.shape, dtype=acc, device=q.device)
-        dv = torch.zeros(vb.shape, dtype=acc, device=q.device)
         for (t0, t1), (s0, s1), diag in _blocks(q_chunks, chunk_ids((r - step) % P, P, layout), c, causal, T, S):
             dq_b, dk_b, dv_b = kern.backward(
                 dout[:, :, t0:t1], q[:, :, t0:t1], kb[:, :, s0:s1], vb[:, :, s0:s1], out[:, :, t0:t1],
@@ -276,19 +287,15 @@ def _backward(dout, q, k, v, out, lse, keep, causal, layout, scale, ring: _Ring,
             dq[:, :, t0:t1] += dq_b
             dk[:, :, s0:s1] += dk_b
             dv[:, :, s0:s1] += dv_b
+            del dq_b, dk_b, dv_b
         if P > 1:
-            if step > 0:  # the gradient of this block so far, from the ranks it visited before
-                ring.wait(grads_handle)
-                dk += grads[0]
-                dv += grads[1]
             # After the last step the block's next stop is its owner: the gradient comes home.
-            grads, grads_handle = ring.shift([dk, dv])
+            grads = ring.shift([dk, dv])
+            del dk, dv
         if step < P - 1:
-            ring.wait(handle)
-            held = incoming
+            held = ring.wait(incoming)
     if P > 1:
-        ring.wait(grads_handle)
-        dk, dv = grads
+        dk, dv = ring.wait(grads)
     return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
 
 
