@@ -58,7 +58,7 @@ def test_recommend_text_is_an_aligned_table(capsys):
     # Every column starts where its dashes start.
     starts = [i for i, ch in enumerate(rule) if ch == "-" and (i == 0 or rule[i - 1] == " ")]
     assert first[starts[1]:].startswith("MHA")
-    assert "multihead lab induction --layers 2 --d-model 768" in out
+    assert "check     multihead lab induction --variant mha --layers 2 --d-model 768 --n-heads 12\n" in out
 
 
 def test_recommend_warnings_reach_the_output(capsys):
@@ -184,3 +184,51 @@ def test_subprocess_entry_point(tmp_path):
     assert "Traceback" not in bad.stderr
     assert bad.stderr.strip() == ("multihead plan: error: parameter count must be positive; "
                                   "received '0' (e.g. 125M, 1.3B, 7b, 70B, 1.2T)")
+
+
+def test_config_folder_reads_its_config_json(capsys, tmp_path):
+    folder = tmp_path / "Meta-Llama-3-8B"
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps(PUBLIC_CONFIGS["llama-3-8b"]))
+    code, out, _ = run(capsys, "--config", folder, "--json")
+    model = json.loads(out)["models"][0]
+    assert code == 0 and model["name"] == "Meta-Llama-3-8B"
+    assert model["params"]["total"] == 8_030_261_248
+
+
+def test_invalid_kv_heads_are_explained_on_the_pick_line(capsys):
+    code, out, _ = run(capsys, "--params", "7B", "--n-kv-heads", "7")
+    pick = next(line for line in out.splitlines() if line.startswith("pick "))
+    assert pick.endswith("(4 KV heads, not 7: KV heads must divide the 32 query heads)")
+    code, out, _ = run(capsys, "--params", "7B", "--n-kv-heads", "7", "--json")
+    assert json.loads(out)["pick_note"] == "4 KV heads, not 7: KV heads must divide the 32 query heads"
+
+
+def test_json_request_carries_what_plan_md_documents(capsys):
+    # docs/plan.md: `request` is what was asked, with n_devices resolved.
+    code, out, _ = run(capsys, "--params", "70B", "--context", "8k", "--json")
+    req = json.loads(out)["request"]
+    assert set(req) == {"params", "context", "batch", "priority", "dtype", "weights_dtype", "d_model",
+                        "n_layers", "n_heads", "n_kv_heads", "head_dim", "variant", "kv_rank",
+                        "vocab_size", "device", "n_devices"}
+    assert (req["device"], req["n_devices"]) == ("h100-80gb", 4)  # 70B in bf16: 4 x 80 GiB
+    assert req["params"] == 70_000_000_000 and req["n_kv_heads"] is None
+
+
+def test_tiny_budget_warning_in_the_output(capsys):
+    code, out, _ = run(capsys, "--params", "7")
+    assert code == 0
+    assert "warning: the budget is tiny: 7 parameters; did you mean 7M or 7B?" in out
+
+
+def test_compare_table_never_prints_none(capsys, tmp_path):
+    paths = []
+    for name, cfg in PUBLIC_CONFIGS.items():
+        paths.append(tmp_path / f"{name}.json")
+        paths[-1].write_text(json.dumps(cfg))
+    code, out, _ = run(capsys, "--compare", *paths, "--device", "h100-80gb")
+    assert code == 0
+    assert "None" not in out and "nan" not in out.lower() and "e+" not in out
+    # MoE rows: Mixtral's 8 experts of 14336, top 2, in all 32 layers; active parameters.
+    assert "8 x 14336, top 2, 32/32 layers" in out and "12,879,925,248 (12.9B)" in out
+    assert "999,885,952 (1B)" in out  # Gemma-3-1B: not "1e+03M"

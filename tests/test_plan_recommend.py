@@ -122,10 +122,36 @@ def test_init_scales_and_bias():
 
 
 def test_check_points_at_the_induction_lab():
+    # The flags of `multihead lab induction`: the variant, and the KV heads (GQA) or the
+    # latent rank and RoPE dims (MLA) of the pick.
     r = rec("125M")
-    assert r.check["command"] == ("multihead lab induction --layers 2 --d-model 768 "
-                                  "--n-heads 12 --n-kv-heads 12")
+    assert r.check["command"] == ("multihead lab induction --variant mha --layers 2 --d-model 768 "
+                                  "--n-heads 12")
     assert r.check["threshold"] == 0.95
+    assert rec("7B", n_kv_heads=4).check["command"] == (
+        "multihead lab induction --variant gqa --layers 2 --d-model 4096 --n-heads 32 --n-kv-heads 4")
+    assert rec("7B", variant="mqa").check["command"].startswith("multihead lab induction --variant mqa ")
+    mla = rec("7B", variant="mla")
+    a = mla.pick.model.attention
+    assert mla.check["command"] == (
+        f"multihead lab induction --variant mla --layers 2 --d-model 4096 --n-heads 32 "
+        f"--kv-rank {a.kv_rank} --rope-dim {a.rope_dim}") and (a.kv_rank, a.rope_dim) == (512, 64)
+
+
+def test_tiny_budget_warns():
+    r = rec("7")
+    assert r.warnings[0] == ("the budget is tiny: 7 parameters; did you mean 7M or 7B? "
+                             "(sizes take a suffix: 125M, 1.3B, 7B)")
+    assert not any("tiny" in w for w in rec("125M").warnings)
+
+
+def test_an_invalid_kv_head_count_is_named_in_the_pick():
+    r = rec("7B", n_kv_heads=7)  # 32 query heads: divisors 1, 2, 4, 8, 16, 32
+    assert r.pick.label == "GQA-4"
+    assert r.pick_note == "4 KV heads, not 7: KV heads must divide the 32 query heads"
+    assert "as asked" not in r.reason and "from the 7 KV heads asked" in r.reason
+    assert rec("7B", n_kv_heads=64).pick_note == "32 KV heads, not 64: there are only 32 query heads"
+    assert rec("7B", n_kv_heads=8).pick_note == ""
 
 
 def test_deterministic():

@@ -2,6 +2,7 @@
 
   multihead plan --params 7B --context 32k --device h100-80gb --batch 16
   multihead plan --config path/to/config.json --context 8k --device a100-80gb
+  multihead plan --config path/to/model-folder
   multihead plan --compare llama.json mistral.json gemma2.json --json
 
 With --params, recommend a variant (MHA, GQA, MQA, MLA), head geometry, init scales and
@@ -24,10 +25,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     mode = parser.add_argument_group("what to plan (one of)")
     mode.add_argument("--params", metavar="SIZE",
                       help="recommend a geometry for this many parameters (125M, 1.3B, 7B, 70B)")
-    mode.add_argument("--config", metavar="FILE",
-                      help="account for a Hugging Face config.json")
-    mode.add_argument("--compare", metavar="FILE", nargs="+",
-                      help="account for several config.json files side by side")
+    mode.add_argument("--config", metavar="PATH",
+                      help="account for a Hugging Face config.json, or a model folder holding one")
+    mode.add_argument("--compare", metavar="PATH", nargs="+",
+                      help="account for several config.json files (or model folders) side by side")
     mode.add_argument("--list-devices", action="store_true", help="list the device presets")
 
     use = parser.add_argument_group("how it is used")

@@ -56,6 +56,7 @@ MHA_MAX_HEADS = 16  # beyond this, and beyond LONG_CONTEXT, MHA draws a warning
 LONG_CONTEXT = 32 * 1024
 TIE_BELOW = 4e9  # Llama 3.2 1B/3B, Qwen2.5 <= 3B tie their embeddings; 7B+ models do not
 MIN_HEAD_DIM = 32
+TINY_PARAMS = 10**6  # below this a --params value is almost surely a missing suffix (7 for 7B)
 
 
 @dataclass(frozen=True)
@@ -134,6 +135,7 @@ class Recommendation:
     check: dict
     warnings: tuple[str, ...]
     notes: tuple[str, ...] = field(default=())
+    pick_note: str = ""  # what the pick changed from what was asked, and why ("" if nothing)
 
 
 # --- rule 1: width, heads and layers -----------------------------------------------
@@ -268,6 +270,11 @@ def recommend(req: Request) -> Recommendation:
     """Apply the rules in the module docstring; deterministic for a given request."""
     warnings: list[str] = []
     notes: list[str] = []
+    pick_note = ""
+    if req.params < TINY_PARAMS:
+        warnings.append(
+            f"the budget is tiny: {req.params:,} parameters; did you mean {req.params}M or "
+            f"{req.params}B? (sizes take a suffix: 125M, 1.3B, 7B)")
     c, h, d = _heads(req, warnings)
     tied = req.params < TIE_BELOW
     mla_allowed = req.params >= MLA_MIN_PARAMS or req.variant == "mla" or req.kv_rank is not None
@@ -281,6 +288,9 @@ def recommend(req: Request) -> Recommendation:
     if user_kv is not None and (user_kv > h or h % user_kv):
         valid = divisors(h)
         fixed = max(k for k in valid if k <= user_kv)
+        why = (f"KV heads must divide the {h} query heads" if user_kv <= h
+               else f"there are only {h} query heads")
+        pick_note = f"{fixed} KV heads, not {user_kv}: {why}"
         warnings.append(
             f"n_kv_heads {user_kv} does not divide n_heads {h} (every KV head must serve the "
             f"same number of query heads); valid: {', '.join(map(str, valid))}; using {fixed}")
@@ -318,7 +328,8 @@ def recommend(req: Request) -> Recommendation:
     forced = _forced_label(req, h, user_kv, start_kv, mla_default)
     if forced is not None:
         pick = cands[forced]
-        reason = (f"{pick.label} as asked: its KV cache at {_at(req)} is "
+        asked = "as asked" if not pick_note else f"from the {req.n_kv_heads} KV heads asked, made valid"
+        reason = (f"{pick.label} {asked}: its KV cache at {_at(req)} is "
                   f"{fmt_bytes(pick.kv_bytes)}, {_fit_words(pick)}.")
     elif req.priority == "training":
         pick = cands[start_attn.label]
@@ -384,6 +395,7 @@ def recommend(req: Request) -> Recommendation:
         check=induction_check(pick.model),
         warnings=tuple(warnings),
         notes=tuple(notes),
+        pick_note=pick_note,
     )
 
 
@@ -491,14 +503,17 @@ def init_scales(model: ModelGeometry) -> dict:
 def induction_check(model: ModelGeometry) -> dict:
     """The check to run: 2 layers of this geometry should learn induction (A B ... A -> B).
 
-    The flags are the lab's model fields (LabConfig); head_dim is d_model / n_heads there,
-    as it is in every geometry the recommender produces.
+    The flags are those of `multihead lab induction`, which trains this head geometry
+    scaled down to a CPU-sized model with the same head_dim, group ratio H/Hkv and
+    rope_dim (and says what it scaled). head_dim is d_model / n_heads there, as it is in
+    every geometry the recommender produces.
     """
     a = model.attention
-    args = f"--layers 2 --d-model {a.d_model} --n-heads {a.n_heads}"
+    variant = a.kind.lower()
+    args = f"--variant {variant} --layers 2 --d-model {a.d_model} --n-heads {a.n_heads}"
     if isinstance(a, LatentGeometry):
         args += f" --kv-rank {a.kv_rank} --rope-dim {a.rope_dim}"
-    else:
+    elif a.kind == "GQA":
         args += f" --n-kv-heads {a.n_kv}"
     return {
         "command": f"multihead lab induction {args}",

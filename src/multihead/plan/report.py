@@ -42,6 +42,7 @@ def geometry_dict(model: ModelGeometry) -> dict:
         "head_dim": a.d_head,
         "v_head_dim": a.d_value,
         "mla": None,
+        "moe": None,
         "window": None,
         "vocab_size": model.vocab_size,
         "tied_embeddings": model.tied_embeddings,
@@ -50,6 +51,10 @@ def geometry_dict(model: ModelGeometry) -> dict:
     if isinstance(a, LatentGeometry):
         out["mla"] = {"kv_rank": a.kv_rank, "q_rank": a.q_rank, "rope_dim": a.rope_dim,
                       "nope_head_dim": a.d_head, "v_head_dim": a.d_value}
+    if model.moe is not None:
+        e = model.moe
+        out["moe"] = {"n_experts": e.n_experts, "top_k": e.top_k, "d_expert": e.d_expert,
+                      "n_shared": e.n_shared, "moe_layers": model.n_moe_layers}
     if model.window is not None:
         out["window"] = {"size": model.window, "layers": model.n_window_layers}
     return out
@@ -141,8 +146,12 @@ def _row_values(acc: dict) -> list[tuple[str, str]]:
         ("layers", str(g["n_layers"])),
         ("heads", heads),
         ("KV heads", "latent" if m else str(g["n_kv_heads"])),
-        ("kv_rank / q_rank", f"{m['kv_rank']} / {m['q_rank']}" if m else na),
+        ("kv_rank / q_rank", f"{m['kv_rank']} / {m['q_rank'] or 'none'}" if m else na),
         ("sliding window", window),
+        ("experts", na if not g["moe"] else
+         f"{g['moe']['n_experts']} x {g['moe']['d_expert']}, top {g['moe']['top_k']}"
+         + (f" + {g['moe']['n_shared']} shared" if g["moe"]["n_shared"] else "")
+         + f", {g['moe']['moe_layers']}/{g['n_layers']} layers"),
         ("params", f"{p['total']:,} ({fmt_count(p['total'])})"),
         ("attention / layer", f"{p['attention_per_layer']:,}"),
         ("active / token", f"{p['active']:,} ({fmt_count(p['active'])})"
@@ -230,11 +239,13 @@ def recommendation_dict(rec: Recommendation) -> dict:
             "d_model": r.d_model, "n_layers": r.n_layers, "n_heads": r.n_heads,
             "n_kv_heads": r.n_kv_heads, "head_dim": r.head_dim, "variant": r.variant,
             "kv_rank": r.kv_rank, "vocab_size": r.vocab_size,
+            "device": r.device.name, "n_devices": r.n_devices,
         },
         "device": {"name": r.device.name, "memory_bytes": r.device.memory,
                    "bandwidth_bytes_per_s": r.device.bandwidth, "n_devices": r.n_devices,
                    "usable_bytes": f.usable_bytes},
         "pick": candidate_dict(rec.pick, 1),
+        "pick_note": rec.pick_note or None,
         "reason": rec.reason,
         "weights_bytes": f.weights_bytes,
         "init": rec.init,
@@ -264,7 +275,7 @@ def recommendation_text(rec: Recommendation) -> str:
         f"batch {r.batch}, {where} ({fmt_bytes(r.device.memory)}, "
         f"{r.device.bandwidth / 1e12:.2f} TB/s), {r.dtype} cache, {r.priority}",
         "",
-        f"pick      {describe(p.model)}",
+        f"pick      {describe(p.model)}" + (f" ({rec.pick_note})" if rec.pick_note else ""),
         f"          {p.params.total:,} parameters ({fmt_count(p.params.total)}), "
         f"{p.params.attention_per_layer:,} in attention per layer",
         f"why       {rec.reason}",

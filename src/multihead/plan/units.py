@@ -138,9 +138,14 @@ def fmt_bytes(n: float) -> str:
 def fmt_count(n: float) -> str:
     """Decimal units, as parameter counts are written: 8030261248 -> '8.03B'."""
     n = float(n)
-    for unit, size in (("T", 1e12), ("B", 1e9), ("M", 1e6), ("K", 1e3)):
+    units = (("T", 1e12), ("B", 1e9), ("M", 1e6), ("K", 1e3))
+    for i, (unit, size) in enumerate(units):
         if abs(n) >= size:
-            return f"{n / size:.3g}{unit}"
+            text = f"{n / size:.3g}"
+            if float(text) >= 1000 and i > 0:  # 999,885,952 rounds to 1000M: say 1B
+                unit, size = units[i - 1]
+                text = f"{n / size:.3g}"
+            return f"{text}{unit}"
     return f"{n:.0f}"
 
 
