@@ -2,6 +2,8 @@
 transformers' DeepseekV2Attention, parameter and cache accounting, bad input."""
 
 
+import math
+
 import pytest
 import torch
 
@@ -284,7 +286,7 @@ def _bad_calls():
          "mask of shape (2, 5, 3, 3) is not broadcastable"),
         ("int mask", lambda: m(x, mask=torch.ones(3, 3, dtype=torch.int64)), TypeError, "received dtype torch.int64"),
         ("from_hf", lambda: mh.LatentAttention.from_hf(torch.nn.Linear(2, 2)), TypeError,
-         "from_hf takes a transformers DeepseekV2Attention; received Linear"),
+         "takes a transformers DeepseekV2Attention / DeepseekV3Attention; received Linear"),
     ]
 
 
@@ -296,11 +298,17 @@ def test_bad_calls(case):
     assert message in str(err.value)
 
 
-def test_from_hf_refuses_rope_scaling():
+def test_from_hf_reads_yarn_rope_scaling():
+    """DeepSeek-V2's published YaRN: frequencies scaled, and mscale^2 on the softmax scale
+    (the full numeric comparison with transformers is in test_interop_hf_patch.py)."""
     _, hf = _hf_layer(None)
-    hf.config.rope_parameters = dict(hf.config.rope_parameters, rope_type="yarn", factor=4.0)
-    with pytest.raises(ValueError, match="rope_type 'yarn' .* valid: 'default'"):
-        mh.LatentAttention.from_hf(hf)
+    cfg = hf.config
+    cfg.rope_parameters = dict(cfg.rope_parameters, rope_type="yarn", factor=4.0, original_max_position_embeddings=16,
+                               mscale=0.707, mscale_all_dim=0.707)
+    yarn_layer = type(hf)(cfg, layer_idx=0)
+    m = mh.LatentAttention.from_hf(yarn_layer)
+    assert m.rope.scaling.kind == "yarn" and m.rope.scaling.factor == 4.0
+    assert math.isclose(m.scale, yarn_layer.scaling, rel_tol=1e-12) and m.scale > 1.2 / math.sqrt(12)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

@@ -40,7 +40,7 @@ from multihead.attention import _default_head_dim, _merge_heads
 from multihead.cache import LatentCache
 from multihead.functional import attend, check_backend_name
 from multihead.masks import MaskMod
-from multihead.rope import RotaryEmbedding
+from multihead.rope import RopeScaling, RotaryEmbedding, apply_rotary
 
 __all__ = ["LatentAttention"]
 
@@ -69,6 +69,10 @@ class LatentAttention(nn.Module):
             exact conversion of an MHA layer needs (`multihead.convert.to_mla`).
         bias: biases on the query input projection (q_proj, or q_a_proj), on kv_a_proj and
             on o_proj, as transformers' `attention_bias=True`; DeepSeek-V2 has none.
+        rope_scaling: a `multihead.rope.RopeScaling` (or transformers' rope_parameters
+            dict): DeepSeek-V2/V3 ship YaRN, which also multiplies the softmax scale.
+        rope_interleaved: RoPE over pairs (2f, 2f+1), as DeepSeek (default); False for the
+            half-split pairing (DeepSeek-V3 checkpoints with rope_interleave=False).
 
     Submodules (no biases by default): `q_proj` Linear(C, H*(D+rope_dim)) or `q_a_proj`
     Linear(C, q_rank), `q_a_norm` RMSNorm(q_rank), `q_b_proj` Linear(q_rank, H*(D+rope_dim));
@@ -91,6 +95,8 @@ class LatentAttention(nn.Module):
         backend: str = "auto",
         latent_norm: bool = True,
         bias: bool = False,
+        rope_scaling: RopeScaling | dict | None = None,
+        rope_interleaved: bool = True,
     ):
         super().__init__()
         _check_int("d_model", d_model)
@@ -130,12 +136,17 @@ class LatentAttention(nn.Module):
         self.kv_a_norm = nn.RMSNorm(kv_rank, eps=_NORM_EPS) if latent_norm else nn.Identity()
         self.kv_b_proj = nn.Linear(kv_rank, n_heads * (head_dim + v_head_dim), bias=False)
         self.o_proj = nn.Linear(n_heads * v_head_dim, d_model, bias=bias)
-        self.rope = RotaryEmbedding(rope_dim, rope_base, interleaved=True) if rope_dim else None
+        if rope_scaling is not None and not rope_dim:
+            raise ValueError("rope_scaling was given but rope_dim is 0 (no rotary features to scale)")
+        self.rope = RotaryEmbedding(rope_dim, rope_base, interleaved=rope_interleaved,
+                                    scaling=rope_scaling) if rope_dim else None
 
     @property
     def scale(self) -> float:
-        """Softmax scale 1 / sqrt(D + rope_dim): the full query/key width of the naive path."""
-        return 1.0 / math.sqrt(self.head_dim + self.rope_dim)
+        """Softmax scale 1 / sqrt(D + rope_dim): the full query/key width of the naive path;
+        times YaRN's mscale(factor, mscale_all_dim)^2 under DeepSeek's YaRN RoPE scaling."""
+        factor = self.rope.scaling.softmax_factor if self.rope is not None and self.rope.scaling else 1.0
+        return factor / math.sqrt(self.head_dim + self.rope_dim)
 
     def extra_repr(self) -> str:
         return (f"d_model={self.d_model}, n_heads={self.n_heads}, kv_rank={self.kv_rank}, "
@@ -206,8 +217,11 @@ class LatentAttention(nn.Module):
         out = self.o_proj(_merge_heads(out))  # (B, T, C)
         return out if weights is None else (out, weights)
 
-    def queries(self, x: Tensor, offset: int = 0) -> tuple[Tensor, Tensor]:
-        """Per-head queries of x `(B, T, C)` whose first token sits at `offset`.
+    def queries(self, x: Tensor, offset: int = 0, *,
+                rotary: tuple[Tensor, Tensor] | None = None) -> tuple[Tensor, Tensor]:
+        """Per-head queries of x `(B, T, C)` whose first token sits at `offset`, or rotated
+        by given angles `rotary=(cos, sin)`, each `(T, rope_dim/2)` or `(B|1, 1, T, rope_dim/2)`
+        (a caller that owns the positions, such as a Hugging Face model with left padding).
 
         Returns q_nope `(B, H, T, D)` and the rotated q_pe `(B, H, T, rope_dim)`.
         """
@@ -220,15 +234,18 @@ class LatentAttention(nn.Module):
         q = q.view(B, T, q.shape[-1] // W, W).transpose(1, 2)  # (B, H, T, D + rope_dim)
         q_nope, q_pe = q.split([self.head_dim, self.rope_dim], dim=-1)
         if self.rope is not None:
-            q_pe = self.rope(q_pe, offset)
+            q_pe = self.rope(q_pe, offset) if rotary is None else \
+                apply_rotary(q_pe, *rotary, interleaved=self.rope.interleaved)
         return q_nope, q_pe
 
-    def latents(self, x: Tensor, offset: int = 0) -> Tensor:
-        """What the cache stores for x `(B, T, C)`: [c_kv ; RoPE(k_pe)] `(B, T, R + rope_dim)`."""
+    def latents(self, x: Tensor, offset: int = 0, *, rotary: tuple[Tensor, Tensor] | None = None) -> Tensor:
+        """What the cache stores for x `(B, T, C)`: [c_kv ; RoPE(k_pe)] `(B, T, R + rope_dim)`
+        (rotated from `offset`, or by given angles `rotary=(cos, sin)` as in `queries`)."""
         c_kv, k_pe = self.kv_a_proj(x).split([self.kv_rank, self.rope_dim], dim=-1)  # (B, T, R), (B, T, rope_dim)
         c_kv = self.kv_a_norm(c_kv)
-        if self.rope is not None:
-            k_pe = self.rope(k_pe[:, None], offset)[:, 0]  # one shared RoPE key "head"
+        if self.rope is not None:  # one shared RoPE key "head"
+            k_pe = self.rope(k_pe[:, None], offset)[:, 0] if rotary is None else \
+                apply_rotary(k_pe[:, None], *rotary, interleaved=self.rope.interleaved)[:, 0]
         return torch.cat([c_kv, k_pe], dim=-1)
 
     def attend_naive(self, q_nope: Tensor, q_pe: Tensor, latent: Tensor,
@@ -333,54 +350,8 @@ class LatentAttention(nn.Module):
 
     @classmethod
     def from_hf(cls, hf_attn: nn.Module, *, backend: str = "auto") -> LatentAttention:
-        """A causal `LatentAttention` with the weights of transformers' `DeepseekV2Attention`.
+        """A causal `LatentAttention` with the weights of transformers' DeepSeek-V2/V3
+        attention, YaRN RoPE scaling included: see `multihead.interop.hf.from_deepseek`."""
+        from multihead.interop.hf.convert import from_deepseek  # noqa: PLC0415 (the interop floor)
 
-        Reads the sizes from `hf_attn.config` (hidden_size, num_attention_heads,
-        kv_lora_rank, q_lora_rank, qk_nope_head_dim, qk_rope_head_dim, v_head_dim,
-        rope_theta) and copies q_proj or q_a_proj / q_a_layernorm / q_b_proj,
-        kv_a_proj_with_mqa, kv_a_layernorm, kv_b_proj and o_proj. RoPE scaling
-        (rope_type other than "default", e.g. DeepSeek-V2's yarn) changes the frequencies
-        and the softmax scale and is refused.
-        """
-        needed = ("config", "kv_a_proj_with_mqa", "kv_a_layernorm", "kv_b_proj", "o_proj")
-        missing = [n for n in needed if not hasattr(hf_attn, n)]
-        if missing:
-            raise TypeError(f"from_hf takes a transformers DeepseekV2Attention; received "
-                            f"{type(hf_attn).__name__} without {', '.join(missing)}")
-        cfg = hf_attn.config
-        rope = dict(getattr(cfg, "rope_parameters", None) or {})
-        if not rope:  # older transformers: rope_theta / rope_scaling attributes
-            rope = dict(getattr(cfg, "rope_scaling", None) or {})
-            rope.setdefault("rope_theta", getattr(cfg, "rope_theta", 10000.0))
-        rope_type = rope.get("rope_type", rope.get("type", "default"))
-        if rope_type != "default":
-            raise ValueError(f"rope_type {rope_type!r} (RoPE scaling) is not supported; valid: 'default'")
-        bias = bool(getattr(cfg, "attention_bias", False))
-        attn = cls(
-            cfg.hidden_size, cfg.num_attention_heads, cfg.kv_lora_rank,
-            q_rank=cfg.q_lora_rank, head_dim=cfg.qk_nope_head_dim, rope_dim=cfg.qk_rope_head_dim,
-            v_head_dim=cfg.v_head_dim, causal=True, rope_base=float(rope["rope_theta"]),
-            backend=backend, bias=bias,
-        )
-        w = hf_attn.kv_b_proj.weight
-        attn = attn.to(device=w.device, dtype=w.dtype)
-        pairs = [(attn.kv_a_proj, hf_attn.kv_a_proj_with_mqa), (attn.kv_b_proj, hf_attn.kv_b_proj),
-                 (attn.o_proj, hf_attn.o_proj)]
-        norms = [(attn.kv_a_norm, hf_attn.kv_a_layernorm)]
-        if attn.q_rank is None:
-            pairs.append((attn.q_proj, hf_attn.q_proj))
-        else:
-            pairs += [(attn.q_a_proj, hf_attn.q_a_proj), (attn.q_b_proj, hf_attn.q_b_proj)]
-            norms.append((attn.q_a_norm, hf_attn.q_a_layernorm))
-        with torch.no_grad():
-            for mine, theirs in pairs:
-                mine.weight.copy_(theirs.weight)
-                if mine.bias is not None:
-                    if theirs.bias is None:
-                        mine.bias.zero_()
-                    else:
-                        mine.bias.copy_(theirs.bias)
-            for mine, theirs in norms:
-                mine.weight.copy_(theirs.weight)
-                mine.eps = float(getattr(theirs, "variance_epsilon", _NORM_EPS))
-        return attn
+        return from_deepseek(hf_attn, backend=backend)

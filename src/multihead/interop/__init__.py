@@ -1,9 +1,11 @@
 """Bridges to other libraries' attention layers.
 
-`multihead.interop.hf`: Hugging Face transformers models (BERT-family encoders, GPT-2,
-Llama / Mistral / Qwen2) as `multihead.Attention` modules with the same weights, and
-`patch(model)` to run a loaded model on multihead. transformers itself is never
-imported here: the functions work on the modules they are given.
+`multihead.interop.hf`: Hugging Face transformers. Importing it registers
+attn_implementation="multihead" (every model whose attention calls transformers'
+attention registry then runs on multihead's kernel); `patch(model)` swaps DeepSeek-V2/V3
+attention for `LatentAttention` (latent cache, absorbed decode); `from_bert`,
+`from_gpt2`, `from_llama`, `from_deepseek` take one layer out as a multihead module.
+Nothing here imports transformers until one of these names is used.
 """
 
 from __future__ import annotations
@@ -11,12 +13,16 @@ from __future__ import annotations
 from multihead._lazy import lazy_exports
 
 _LAZY = {
+    "WeightsRequest": "multihead.interop.hf",
     "convert": "multihead.interop.hf",
     "from_bert": "multihead.interop.hf",
+    "from_deepseek": "multihead.interop.hf",
     "from_gpt2": "multihead.interop.hf",
     "from_llama": "multihead.interop.hf",
     "patch": "multihead.interop.hf",
     "patched_layers": "multihead.interop.hf",
+    "register": "multihead.interop.hf",
+    "unpatch": "multihead.interop.hf",
 }
 
 __all__ = list(_LAZY)

@@ -23,16 +23,16 @@ Three jobs, one module each:
 
 from __future__ import annotations
 
-from multihead.interop.hf.convert import (  # noqa: F401 (the patch() of before, until patch.py replaces it)
-    MultiheadLayer,
+from multihead.interop.hf.convert import (
     convert,
     from_bert,
+    from_deepseek,
     from_gpt2,
     from_llama,
-    patch,
-    patched_layers,
-    set_weight_heads,
+    rope_scaling_from_config,
+    rotary_from_config,
 )
+from multihead.interop.hf.patch import is_patched, latent_cache_bytes, patch, patched_layers, unpatch
 from multihead.interop.hf.registry import (
     AttentionCall,
     CaptureComplete,
@@ -50,13 +50,19 @@ __all__ = [
     "attention_forward",
     "convert",
     "from_bert",
+    "from_deepseek",
     "from_gpt2",
     "from_llama",
     "hf_mask",
+    "is_patched",
+    "latent_cache_bytes",
     "patch",
     "patched_layers",
     "register",
     "registered",
+    "rope_scaling_from_config",
+    "rotary_from_config",
+    "unpatch",
 ]
 
 try:  # registering needs transformers; the conversions alone do not import it

@@ -1,9 +1,7 @@
-"""Hugging Face attention layers as `multihead.Attention`, and models run on multihead.
-
-Two levels:
+"""One Hugging Face attention layer -> a standalone multihead module with its weights.
 
 - `from_bert`, `from_gpt2`, `from_llama` (and `convert`, which picks one) build a
-  standalone `multihead.Attention` with exactly the weights of one HF attention layer:
+  `multihead.Attention`:
 
   * BERT family (BertAttention / RobertaAttention): query/key/value Linear layers plus
     the `output.dense` Linear of BertSelfOutput as o_proj. The dropout, residual and
@@ -11,7 +9,8 @@ Two levels:
   * GPT-2 (GPT2Attention): the fused, transposed Conv1D `c_attn` (y = x @ W + b,
     W `(C, 3C)`) is split into q/k/v and transposed; `c_proj` becomes o_proj; causal.
   * Llama family (Llama, Mistral, Qwen2): GQA with the model's key/value heads, RoPE in
-    the half-split layout with the model's rope_theta, and biases exactly where the
+    the half-split layout with the model's rope_theta and RoPE scaling (linear,
+    dynamic, llama3, yarn), Mistral's sliding window, and biases exactly where the
     model has them (Qwen2: q/k/v biases, no o bias; o_proj.bias is then None, so
     parameter counts stay honest).
 
@@ -19,38 +18,35 @@ Two levels:
   scale_attn_weights=False) gets the ratio folded into q_proj, so the module computes the
   same scores with its default scale.
 
-- `patch(model)` swaps every supported self-attention module of a loaded model for a
-  multihead-backed one, in place; the model then runs its attention on multihead and
-  computes the same outputs. Each replacement implements the forward signature of the
-  HF module it replaces (transformers 5.x; `past_key_values` and `cache` both accepted),
-  works with HF's KV caches, and is a subclass of the replaced class, so transformers'
-  `output_attentions=True` still collects weights from it. Per-head weights on demand:
-  set `layer.weight_heads = [heads]` (see `patched_layers`) and the next forward keeps
-  `layer.last_weights` `(B, len(heads), T, S)`, computed by multihead's weights pass for
-  those heads only, while the output comes from the fused kernel.
+- `from_deepseek` builds a `multihead.LatentAttention` (MLA) from a DeepSeek-V2/V3
+  attention layer, with its YaRN RoPE scaling and the softmax scale that comes with it.
 
-transformers is never imported here; the functions read the modules they are given.
+- `rotary_from_config` reads a config's RoPE settings into a `RotaryEmbedding`.
+
+To run a whole model on multihead, use attn_implementation="multihead" (`registry`);
+these conversions are for taking one layer out. transformers is never imported here:
+the functions read the modules and configs they are given.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
 
 import torch
 from torch import Tensor, nn
 
 from multihead.attention import Attention
-from multihead.functional import scaled_dot_product_attention
-from multihead.interop.hf.registry import hf_mask
-from multihead.rope import RotaryEmbedding, apply_rotary
+from multihead.latent import LatentAttention
+from multihead.rope import RopeScaling, RotaryEmbedding
 
-__all__ = ["convert", "from_bert", "from_gpt2", "from_llama", "patch", "patched_layers", "hf_mask"]
+__all__ = ["convert", "from_bert", "from_deepseek", "from_gpt2", "from_llama", "rope_scaling_from_config",
+           "rotary_from_config"]
 
 BERT_FAMILY = ("BertSelfAttention", "RobertaSelfAttention")
 GPT2_FAMILY = ("GPT2Attention",)
 LLAMA_FAMILY = ("LlamaAttention", "MistralAttention", "Qwen2Attention")
-SUPPORTED = BERT_FAMILY + GPT2_FAMILY + LLAMA_FAMILY
+DEEPSEEK_FAMILY = ("DeepseekV2Attention", "DeepseekV3Attention")
+SUPPORTED = BERT_FAMILY + GPT2_FAMILY + LLAMA_FAMILY + DEEPSEEK_FAMILY
 
 
 # ------------------------------------------------------------------ weight copying
@@ -147,49 +143,46 @@ def from_gpt2(attn_module: nn.Module, *, backend: str = "auto") -> Attention:
     return attn
 
 
-def _rope_theta(config) -> float:
-    params = getattr(config, "rope_parameters", None) or {}
-    theta = params.get("rope_theta") if isinstance(params, dict) else None
-    if theta is None:
-        theta = getattr(config, "rope_theta", 10000.0)
-    return float(theta)
+def _rope_parameters(config) -> dict:
+    """transformers' `rope_parameters` (5.x), or the older rope_theta / rope_scaling attributes."""
+    params = getattr(config, "rope_parameters", None)
+    if isinstance(params, dict) and params:
+        return dict(params)
+    params = dict(getattr(config, "rope_scaling", None) or {})
+    params.setdefault("rope_theta", getattr(config, "rope_theta", 10000.0))
+    return params
 
 
-def _rope_type(config) -> str:
-    params = getattr(config, "rope_parameters", None) or {}
-    kind = params.get("rope_type", params.get("type")) if isinstance(params, dict) else None
-    scaling = getattr(config, "rope_scaling", None)
-    if kind is None and isinstance(scaling, dict):
-        kind = scaling.get("rope_type", scaling.get("type"))
-    return kind or "default"
+def rope_scaling_from_config(config) -> RopeScaling | None:
+    """The RoPE scaling of a transformers config (None for plain RoPE)."""
+    return RopeScaling.from_hf(_rope_parameters(config), getattr(config, "max_position_embeddings", None))
 
 
-def from_llama(attn_module: nn.Module, *, backend: str = "auto", strict_rope: bool = True) -> Attention:
+def rotary_from_config(config, dim: int, *, interleaved: bool = False) -> RotaryEmbedding:
+    """A `RotaryEmbedding` over `dim` features with the config's base and RoPE scaling."""
+    params = _rope_parameters(config)
+    return RotaryEmbedding(dim, float(params.get("rope_theta", 10000.0)), interleaved=interleaved,
+                           scaling=rope_scaling_from_config(config))
+
+
+def from_llama(attn_module: nn.Module, *, backend: str = "auto") -> Attention:
     """A `LlamaAttention` / `MistralAttention` / `Qwen2Attention` -> a causal GQA `Attention`.
 
-    RoPE: half-split layout (HF's `rotate_half`) over the whole head, base = the model's
-    rope_theta. Only rope_type "default" is plain RoPE; for scaled variants (llama3,
-    yarn, linear, dynamic, ...) this raises unless `strict_rope=False`, which keeps the
-    plain RoPE of rope_theta (the patched model uses the model's own cos/sin instead).
-    Mistral's sliding window is a mask, not a weight: pass
-    `multihead.masks.sliding_window(config.sliding_window)` as `mask`.
+    RoPE: half-split layout (HF's `rotate_half`) over the whole head, with the model's
+    rope_theta and RoPE scaling (linear, dynamic, llama3, yarn); Mistral's sliding
+    window becomes the module's `sliding_window`.
     """
     name = _class_name(attn_module)
     if name not in LLAMA_FAMILY:
         raise TypeError(f"from_llama takes one of {', '.join(LLAMA_FAMILY)}; received {name}")
     config = attn_module.config
-    rope_type = _rope_type(config)
-    if strict_rope and rope_type != "default":
-        raise ValueError(f"{name} uses rope_type {rope_type!r}; multihead.RotaryEmbedding is plain RoPE "
-                         "(rope_type 'default'). Pass strict_rope=False to keep plain RoPE of rope_theta, "
-                         "or use patch(model), which rotates with the model's own cos/sin")
     D = attn_module.head_dim
     H = attn_module.q_proj.out_features // D
     Hkv = attn_module.k_proj.out_features // D
     C = attn_module.q_proj.in_features
-    rope = RotaryEmbedding(D, base=_rope_theta(config))
+    window = _sliding_window(attn_module, config)
     attn = Attention(C, H, Hkv, head_dim=D, bias=True, dropout=float(getattr(attn_module, "attention_dropout", 0.0)),
-                     causal=True, rope=rope, backend=backend)
+                     causal=True, rope=rotary_from_config(config, D), backend=backend, sliding_window=window)
     attn = _like(attn, attn_module, attn_module.q_proj.weight)
     for dst, src in ((attn.q_proj, attn_module.q_proj), (attn.k_proj, attn_module.k_proj),
                      (attn.v_proj, attn_module.v_proj), (attn.o_proj, attn_module.o_proj)):
@@ -198,8 +191,75 @@ def from_llama(attn_module: nn.Module, *, backend: str = "auto", strict_rope: bo
     return attn
 
 
+def _sliding_window(attn_module: nn.Module, config) -> int | None:
+    """The layer's causal window: its own attribute, else the config's (per layer type
+    where the config lists them, as Qwen2's does)."""
+    window = getattr(attn_module, "sliding_window", None)
+    if window is None:
+        types = getattr(config, "layer_types", None)
+        idx = getattr(attn_module, "layer_idx", None)
+        if types is not None and idx is not None:
+            window = config.sliding_window if types[idx] == "sliding_attention" else None
+        else:
+            window = getattr(config, "sliding_window", None)
+    return int(window) if window else None
+
+
+def from_deepseek(hf_attn: nn.Module, *, backend: str = "auto") -> LatentAttention:
+    """A causal `LatentAttention` with the weights of transformers' `DeepseekV2Attention`
+    or `DeepseekV3Attention`.
+
+    Reads the sizes from `hf_attn.config` (hidden_size, num_attention_heads,
+    kv_lora_rank, q_lora_rank, qk_nope_head_dim, qk_rope_head_dim, v_head_dim, the RoPE
+    parameters, V3's rope_interleave) and copies q_proj or q_a_proj / q_a_layernorm /
+    q_b_proj, kv_a_proj_with_mqa, kv_a_layernorm, kv_b_proj and o_proj. YaRN RoPE
+    scaling (the published DeepSeek-V2/V3 configs) sets the frequencies, the factor on
+    cos/sin and mscale(factor, mscale_all_dim)^2 on the softmax scale, as transformers does.
+    """
+    needed = ("config", "kv_a_proj_with_mqa", "kv_a_layernorm", "kv_b_proj", "o_proj")
+    missing = [n for n in needed if not hasattr(hf_attn, n)]
+    if missing:
+        raise TypeError(f"from_deepseek takes a transformers DeepseekV2Attention / DeepseekV3Attention; received "
+                        f"{type(hf_attn).__name__} without {', '.join(missing)}")
+    cfg = hf_attn.config
+    params = _rope_parameters(cfg)
+    bias = bool(getattr(cfg, "attention_bias", False))
+    attn = LatentAttention(
+        cfg.hidden_size, cfg.num_attention_heads, cfg.kv_lora_rank,
+        q_rank=cfg.q_lora_rank, head_dim=cfg.qk_nope_head_dim, rope_dim=cfg.qk_rope_head_dim,
+        v_head_dim=cfg.v_head_dim, causal=True, rope_base=float(params.get("rope_theta", 10000.0)),
+        backend=backend, bias=bias, rope_scaling=rope_scaling_from_config(cfg),
+        rope_interleaved=bool(getattr(cfg, "rope_interleave", True)),
+    )
+    w = hf_attn.kv_b_proj.weight
+    attn = attn.to(device=w.device, dtype=w.dtype)
+    with torch.no_grad():
+        for mine, theirs in _deepseek_pairs(attn, hf_attn):
+            mine.weight.copy_(theirs.weight)
+            if getattr(mine, "bias", None) is not None:
+                if theirs.bias is None:
+                    mine.bias.zero_()
+                else:
+                    mine.bias.copy_(theirs.bias)
+            if isinstance(mine, nn.RMSNorm):
+                mine.eps = float(getattr(theirs, "variance_epsilon", mine.eps))
+    return attn
+
+
+def _deepseek_pairs(attn: LatentAttention, hf_attn: nn.Module) -> list[tuple[nn.Module, nn.Module]]:
+    """(multihead submodule, transformers submodule) pairs of one MLA layer."""
+    pairs = [(attn.kv_a_proj, hf_attn.kv_a_proj_with_mqa), (attn.kv_a_norm, hf_attn.kv_a_layernorm),
+             (attn.kv_b_proj, hf_attn.kv_b_proj), (attn.o_proj, hf_attn.o_proj)]
+    if attn.q_rank is None:
+        pairs.append((attn.q_proj, hf_attn.q_proj))
+    else:
+        pairs += [(attn.q_a_proj, hf_attn.q_a_proj), (attn.q_a_norm, hf_attn.q_a_layernorm),
+                  (attn.q_b_proj, hf_attn.q_b_proj)]
+    return pairs
+
+
 def convert(module: nn.Module, *, backend: str = "auto") -> Attention:
-    """Any supported HF attention layer -> `Attention` (dispatches on the class)."""
+    """Any supported HF attention layer -> `Attention` / `LatentAttention` (by its class)."""
     name = _class_name(module)
     if _class_name(getattr(module, "self", None)) in BERT_FAMILY:
         return from_bert(module, backend=backend)
@@ -207,243 +267,7 @@ def convert(module: nn.Module, *, backend: str = "auto") -> Attention:
         return from_gpt2(module, backend=backend)
     if name in LLAMA_FAMILY:
         return from_llama(module, backend=backend)
+    if name in DEEPSEEK_FAMILY:
+        return from_deepseek(module, backend=backend)
     raise TypeError(f"no multihead conversion for {name}; supported: BertAttention / RobertaAttention, "
-                    + ", ".join(GPT2_FAMILY + LLAMA_FAMILY))
-
-
-# ---------------------------------------------------------------- the wrappers
-
-
-class MultiheadLayer(nn.Module):
-    """The part shared by the patched layers; see `patch`.
-
-    Attributes:
-        attn: the `multihead.Attention` that holds the weights and runs the kernel.
-        layer_idx: the layer's index in the model.
-        weight_heads: None, True (all heads) or a tuple of head indices whose weights the
-            next forwards keep in `last_weights` `(B, len(heads), T, S)`.
-    """
-
-    attn: Attention
-
-    def _setup(self, original: nn.Module, attn: Attention) -> None:
-        nn.Module.__init__(self)
-        self.attn = attn
-        self.layer_idx = getattr(original, "layer_idx", None)
-        self.config = getattr(original, "config", None)
-        self.is_causal = attn.causal
-        self.weight_heads = None
-        self.last_weights = None
-        # Hooks already on the replaced module (transformers' output capture installs them
-        # once per model) keep working on the replacement.
-        for name in ("_forward_hooks", "_forward_pre_hooks", "_forward_hooks_with_kwargs",
-                     "_forward_hooks_always_called", "_forward_pre_hooks_with_kwargs"):
-            src = getattr(original, name, None)
-            if src:
-                getattr(self, name).update(src)
-        self.train(original.training)
-
-    def extra_repr(self) -> str:
-        return f"layer_idx={self.layer_idx}"
-
-    def _run(self, x: Tensor, attention_mask, *, cache=None, rotary=None, output_attentions=False,
-             cache_kwargs=None) -> tuple[Tensor, Tensor | None]:
-        """Attention over x `(B, T, C)`; returns (out `(B, T, C)`, HF's weights or None)."""
-        attn = self.attn
-        keep = self.weight_heads
-        if keep is not None and keep is not True:
-            keep = tuple(int(h) for h in keep)
-        output_attentions = bool(output_attentions) or _hf_collects_attentions()
-        want = True if output_attentions else keep
-        return_weights = False if want is None else (True if want is True else list(want))
-        mask = hf_mask(attention_mask, x.dtype)
-        if cache is None and rotary is None:
-            result = attn(x, mask=mask, return_weights=return_weights)
-        else:
-            result = self._run_explicit(x, mask, cache, rotary, return_weights, cache_kwargs or {})
-        out, weights = result if isinstance(result, tuple) else (result, None)
-        if keep is not None:
-            kept = weights if keep is True or not output_attentions else weights[:, list(keep)]
-            self.last_weights = kept.detach()
-        return out, (weights if output_attentions else None)
-
-    def _run_explicit(self, x, mask, cache, rotary, return_weights, cache_kwargs):
-        """The module's steps written out, for HF's caches and HF's rotary positions."""
-        attn = self.attn
-        B, T, _ = x.shape
-        D = attn.head_dim
-        q = attn.q_proj(x).view(B, T, -1, D).transpose(1, 2)  # (B, H, T, D)
-        k = attn.k_proj(x).view(B, T, -1, D).transpose(1, 2)  # (B, Hkv, T, D)
-        v = attn.v_proj(x).view(B, T, -1, D).transpose(1, 2)  # (B, Hkv, T, D)
-        if rotary is not None:
-            cos, sin = rotary  # (B|1, 1, T, D/2)
-            q = apply_rotary(q, cos, sin, interleaved=attn.rope.interleaved)
-            k = apply_rotary(k, cos, sin, interleaved=attn.rope.interleaved)
-        if cache is not None:
-            k, v = cache.update(k, v, self.layer_idx, kwargs=cache_kwargs)  # (B, Hkv, S, D)
-        result = scaled_dot_product_attention(
-            q, k, v, mask, causal=attn.causal, dropout_p=attn.dropout if self.training else 0.0,
-            return_weights=return_weights, backend=attn.backend,
-        )
-        out, weights = result if isinstance(result, tuple) else (result, None)
-        out = attn.o_proj(out.transpose(1, 2).reshape(B, T, -1))  # (B, T, C)
-        return out if weights is None else (out, weights)
-
-
-_COLLECTOR = []
-
-
-def _hf_collects_attentions() -> bool:
-    """Whether transformers is recording `attentions` for the running forward.
-
-    transformers 5 records `output_attentions` with forward hooks on the attention
-    classes and does not always pass the flag down; its active collector says.
-    """
-    if not _COLLECTOR:
-        try:
-            from transformers.utils.output_capturing import _active_collector
-        except ImportError:  # another transformers version: rely on the kwargs
-            _active_collector = None
-        _COLLECTOR.append(_active_collector)
-    collector = _COLLECTOR[0]
-    if collector is None:
-        return False
-    collected = collector.get()
-    return isinstance(collected, dict) and "attentions" in collected
-
-
-def _self_cache(cache):
-    """An EncoderDecoderCache's self-attention part; any other cache as is."""
-    return getattr(cache, "self_attention_cache", cache)
-
-
-class _BertLayer(MultiheadLayer):
-    """Replaces BertSelfAttention; o_proj is the block's output.dense (now an Identity)."""
-
-    def forward(self, hidden_states: Tensor, attention_mask: Tensor | None = None, cache=None,
-                past_key_values=None, encoder_hidden_states: Tensor | None = None, **kwargs):
-        if encoder_hidden_states is not None:
-            raise ValueError("this multihead-patched layer is self-attention; it received encoder_hidden_states")
-        cache = _self_cache(cache if cache is not None else past_key_values)
-        return self._run(hidden_states, attention_mask, cache=cache,
-                         output_attentions=bool(kwargs.get("output_attentions")), cache_kwargs=kwargs)
-
-
-class _GPT2Layer(MultiheadLayer):
-    """Replaces GPT2Attention (self-attention); keeps GPT-2's residual dropout."""
-
-    def forward(self, hidden_states: Tensor, cache=None, attention_mask: Tensor | None = None,
-                encoder_hidden_states: Tensor | None = None, encoder_attention_mask: Tensor | None = None,
-                output_attentions: bool | None = False, past_key_values=None, **kwargs):
-        if encoder_hidden_states is not None:
-            raise ValueError("this multihead-patched layer is self-attention; it received encoder_hidden_states")
-        cache = _self_cache(cache if cache is not None else past_key_values)
-        out, weights = self._run(hidden_states, attention_mask, cache=cache,
-                                 output_attentions=bool(output_attentions or kwargs.get("output_attentions")),
-                                 cache_kwargs=kwargs)
-        return self.resid_dropout(out), weights
-
-
-class _LlamaLayer(MultiheadLayer):
-    """Replaces Llama/Mistral/Qwen2 attention; rotates with the model's cos/sin."""
-
-    def forward(self, hidden_states: Tensor, position_embeddings: tuple[Tensor, Tensor] | None = None,
-                attention_mask: Tensor | None = None, cache=None, past_key_values=None, **kwargs):
-        cache = cache if cache is not None else past_key_values
-        if position_embeddings is not None:
-            # HF's cos/sin are (B, T, D) with both halves equal (cat(freqs, freqs)); the
-            # model's rope scaling (llama3, yarn, ...) is already in them.
-            cos, sin = position_embeddings
-            half = cos.shape[-1] // 2
-            rotary = (cos[..., :half].unsqueeze(1), sin[..., :half].unsqueeze(1))  # (B, 1, T, D/2)
-        else:
-            T = hidden_states.shape[1]
-            offset = cache.get_seq_length(self.layer_idx) if cache is not None else 0
-            positions = torch.arange(T, device=hidden_states.device) + offset
-            cos, sin = self.attn.rope.cos_sin(positions)  # (T, D/2)
-            rotary = (cos, sin)
-        return self._run(hidden_states, attention_mask, cache=cache, rotary=rotary,
-                         output_attentions=bool(kwargs.get("output_attentions")), cache_kwargs=kwargs)
-
-
-_WRAPPER_CLASSES: dict[tuple[type, type], type] = {}
-
-
-def _wrapper_for(base: type, original: nn.Module) -> MultiheadLayer:
-    """An instance of a class deriving from both `base` and the replaced HF class."""
-    cls = type(original)
-    key = (base, cls)
-    if key not in _WRAPPER_CLASSES:
-        _WRAPPER_CLASSES[key] = type(f"Multihead{cls.__name__}", (base, cls),
-                                     {"__doc__": base.__doc__, "__module__": __name__})
-    return _WRAPPER_CLASSES[key].__new__(_WRAPPER_CLASSES[key])
-
-
-def _replace_child(model: nn.Module, qualified_name: str, new: nn.Module) -> None:
-    parent_name, _, child = qualified_name.rpartition(".")
-    parent = model.get_submodule(parent_name) if parent_name else model
-    setattr(parent, child, new)
-
-
-def patch(model: nn.Module, *, backend: str = "auto") -> nn.Module:
-    """Swap, in place, every supported self-attention layer of `model` for multihead's.
-
-    Supported: BertSelfAttention / RobertaSelfAttention (with their block's output.dense,
-    which becomes an Identity because its weights move into the layer's o_proj),
-    GPT2Attention (self-attention; cross-attention layers are left as they are),
-    LlamaAttention, MistralAttention, Qwen2Attention. Patching twice is a no-op. Returns
-    `model`. Parameter names change (`...attention.self.attn.q_proj.weight`); the
-    parameter count does not.
-    """
-    if not isinstance(model, nn.Module):
-        raise TypeError(f"patch takes a torch nn.Module (a loaded transformers model); received {type(model).__name__}")
-    found = 0
-    for name, module in list(model.named_modules()):
-        if isinstance(module, MultiheadLayer):
-            found += 1
-            continue
-        kind = _class_name(module)
-        if kind in BERT_FAMILY:
-            parent = model.get_submodule(name.rpartition(".")[0]) if "." in name else None
-            dense = getattr(getattr(parent, "output", None), "dense", None)
-            if parent is None or getattr(parent, "self", None) is not module or not isinstance(dense, nn.Linear):
-                raise ValueError(f"{name} ({kind}) is not inside a BertAttention-like block with .output.dense; "
-                                 "cannot move its output projection")
-            attn = _from_bert_parts(module, dense, backend=backend)
-            new = _wrapper_for(_BertLayer, module)
-            new._setup(module, attn)
-            parent.output.dense = nn.Identity()
-        elif kind in GPT2_FAMILY:
-            if getattr(module, "is_cross_attention", False):
-                continue
-            attn = from_gpt2(module, backend=backend)
-            new = _wrapper_for(_GPT2Layer, module)
-            new._setup(module, attn)
-            new.resid_dropout = module.resid_dropout
-        elif kind in LLAMA_FAMILY:
-            attn = from_llama(module, backend=backend, strict_rope=False)
-            new = _wrapper_for(_LlamaLayer, module)
-            new._setup(module, attn)
-        else:
-            continue
-        _replace_child(model, name, new)
-        found += 1
-    if not found:
-        raise ValueError(f"no supported attention layer in {type(model).__name__}; supported: "
-                         + ", ".join(SUPPORTED))
-    return model
-
-
-def patched_layers(model: nn.Module) -> list[MultiheadLayer]:
-    """The multihead-patched self-attention layers of `model`, in layer order."""
-    layers = [m for m in model.modules() if isinstance(m, MultiheadLayer)]
-    if all(m.layer_idx is not None for m in layers):
-        layers.sort(key=lambda m: m.layer_idx)
-    return layers
-
-
-def set_weight_heads(model: nn.Module, heads_by_layer: dict[int, Sequence[int] | bool] | None) -> None:
-    """Ask the patched layers for weights: {layer index: heads or True}; None clears."""
-    for i, layer in enumerate(patched_layers(model)):
-        layer.last_weights = None
-        layer.weight_heads = None if heads_by_layer is None else heads_by_layer.get(i)
+                    + ", ".join(GPT2_FAMILY + LLAMA_FAMILY + DEEPSEEK_FAMILY))

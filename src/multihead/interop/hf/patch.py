@@ -1,0 +1,214 @@
+"""`patch(model)`: DeepSeek-V2/V3 attention as multihead's `LatentAttention`, in place.
+
+The attention registry (`registry`) runs every other model on multihead without
+touching it. MLA is the one case it cannot serve: transformers' DeepSeek attention
+decompresses the K and V of every cached token at every decode step (kv_b_proj over
+the whole cache) before calling the registry, so an attention function only ever sees
+the decompressed heads. `patch` swaps each `DeepseekV2Attention` / `DeepseekV3Attention`
+for a layer that keeps only the latent in transformers' cache, c_kv and the rotated
+shared RoPE key, R + rope_dim values per token and layer, and decodes on
+`LatentAttention`'s absorbed path (W_UK folded into the query, W_UV applied after):
+each step reads the latent once and decompresses nothing.
+
+Safe by construction:
+
+- the replacement owns the replaced layer's own submodules, under their own names
+  (q_a_proj, q_a_layernorm, ..., kv_b_proj, o_proj), so the parameters are shared, not
+  copied, and `state_dict()` / `save_pretrained` write exactly the original keys: the
+  saved folder loads as the plain transformers model and computes the same outputs;
+- `unpatch(model)` puts the original modules back (they were never changed);
+- the replacement is an instance of a subclass of the replaced class, so transformers'
+  `output_attentions` capture still finds it.
+
+RoPE comes from the model (its rotary module's angles, YaRN included, at the positions
+transformers computed, left padding included); masks are transformers' own.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor, nn
+
+from multihead.interop.hf.convert import DEEPSEEK_FAMILY, from_deepseek
+from multihead.interop.hf.registry import hf_mask
+from multihead.latent import LatentAttention
+
+__all__ = ["LatentAttentionLayer", "is_patched", "patch", "patched_layers", "unpatch"]
+
+# (LatentAttention attribute, transformers attribute): the shared submodules.
+_SHARED = (("q_proj", "q_proj"), ("q_a_proj", "q_a_proj"), ("q_a_norm", "q_a_layernorm"), ("q_b_proj", "q_b_proj"),
+           ("kv_a_proj", "kv_a_proj_with_mqa"), ("kv_a_norm", "kv_a_layernorm"), ("kv_b_proj", "kv_b_proj"),
+           ("o_proj", "o_proj"))
+
+
+def _rotary(position_embeddings) -> tuple[Tensor, Tensor] | None:
+    """transformers' angles -> (cos, sin) `(B|1, 1, T, rope_dim/2)`.
+
+    DeepSeek-V2 hands complex cos + i sin `(B, T, rope_dim/2)`; V3 hands (cos, sin), each
+    `(B, T, rope_dim)` with both halves equal (cat(freqs, freqs)). Both already carry the
+    model's RoPE scaling (YaRN's factor on cos and sin included).
+    """
+    if position_embeddings is None:
+        return None
+    if isinstance(position_embeddings, Tensor) and position_embeddings.is_complex():
+        return position_embeddings.real[:, None], position_embeddings.imag[:, None]
+    cos, sin = position_embeddings
+    half = cos.shape[-1] // 2
+    return cos[..., :half][:, None], sin[..., :half][:, None]
+
+
+class LatentAttentionLayer(nn.Module):
+    """What `patch` puts in place of a DeepSeek attention layer (see the module docstring).
+
+    Attributes:
+        mla: the `LatentAttention` that computes the layer (sharing this layer's submodules;
+            not registered, so its parameters appear once, under transformers' names).
+        original: the replaced module, which `unpatch` restores.
+        layer_idx: the layer's index in transformers' cache.
+    """
+
+    mla: LatentAttention
+    original: nn.Module
+
+    def _setup(self, original: nn.Module, mla: LatentAttention) -> None:
+        nn.Module.__init__(self)
+        for mine, theirs in _SHARED:
+            module = getattr(original, theirs, None)
+            if module is not None:
+                setattr(self, theirs, module)  # registered under transformers' name
+                setattr(mla, mine, module)  # and computing inside the LatentAttention
+        self.rotary = mla.rope  # its buffers follow .to(device); none is saved
+        object.__setattr__(self, "mla", mla)
+        object.__setattr__(self, "original", original)
+        self.layer_idx = getattr(original, "layer_idx", None)
+        self.config = getattr(original, "config", None)
+        self.is_causal = True
+        # Hooks already on the replaced module (transformers' output capture installs them
+        # once per model) keep working on the replacement.
+        for name in ("_forward_hooks", "_forward_pre_hooks", "_forward_hooks_with_kwargs",
+                     "_forward_hooks_always_called", "_forward_pre_hooks_with_kwargs"):
+            src = getattr(original, name, None)
+            if src:
+                getattr(self, name).update(src)
+        self.train(original.training)
+
+    def extra_repr(self) -> str:
+        m = self.mla
+        return (f"layer_idx={self.layer_idx}, kv_rank={m.kv_rank}, rope_dim={m.rope_dim}: caches "
+                f"{m.kv_rank + m.rope_dim} values per token, decodes on the absorbed path")
+
+    def forward(self, hidden_states: Tensor, attention_mask: Tensor | None = None, cache=None,
+                position_embeddings=None, past_key_values=None, **kwargs) -> tuple[Tensor, Tensor | None]:
+        """transformers' DeepSeek attention signature: x `(B, T, C)` -> (out `(B, T, C)`,
+        weights `(B, H, T, S)` when output_attentions is asked, else None)."""
+        mla = self.mla
+        if self.training and float(getattr(self.config, "attention_dropout", 0.0) or 0.0) > 0:
+            raise ValueError("the patched DeepSeek layer has no attention dropout; set config.attention_dropout=0 "
+                             "to train it, or unpatch(model)")
+        cache = cache if cache is not None else past_key_values
+        x = hidden_states
+        B, T, _ = x.shape
+        rotary = _rotary(position_embeddings)
+        offset = 0
+        if rotary is None and cache is not None:
+            offset = cache.get_seq_length(self.layer_idx)
+        q_nope, q_pe = mla.queries(x, offset, rotary=rotary)  # (B, H, T, D), (B, H, T, rope_dim)
+        latent = mla.latents(x, offset, rotary=rotary)  # (B, T, R + rope_dim)
+        if cache is not None:
+            # One tensor per layer in transformers' cache: the latent as the "keys" of one
+            # head, and zero-width "values", so the attention reads it without a concatenation.
+            keys, _ = cache.update(latent[:, None], latent[:, None, :, :0], self.layer_idx, kwargs=kwargs)
+            latent = keys[:, 0]  # (B, S, R + rope_dim)
+        mask = hf_mask(attention_mask, x.dtype)
+        S = latent.shape[1]
+        if mask is None and 1 < T < S:  # a static cache's prefill: the slots after the T queries are empty
+            latent, S = latent[:, :T], T
+        want = bool(kwargs.get("output_attentions", False))
+        attend = mla.attend_absorbed if mla.absorb_is_cheaper(T, S) else mla.attend_naive
+        out, weights = attend(q_nope, q_pe, latent, mask, return_weights=want)  # (B, H, T, Dv)
+        out = mla.o_proj(out.transpose(1, 2).reshape(B, T, -1))  # (B, T, C)
+        return out, weights
+
+
+_CLASSES: dict[type, type] = {}
+
+
+def _replacement_for(original: nn.Module) -> LatentAttentionLayer:
+    """An instance of a class deriving from both LatentAttentionLayer and the replaced class."""
+    cls = type(original)
+    if cls not in _CLASSES:
+        _CLASSES[cls] = type(f"Multihead{cls.__name__}", (LatentAttentionLayer, cls),
+                             {"__doc__": LatentAttentionLayer.__doc__, "__module__": __name__,
+                              "forward": LatentAttentionLayer.forward})
+    return _CLASSES[cls].__new__(_CLASSES[cls])
+
+
+def _set_child(model: nn.Module, qualified_name: str, new: nn.Module) -> None:
+    parent_name, _, child = qualified_name.rpartition(".")
+    parent = model.get_submodule(parent_name) if parent_name else model
+    setattr(parent, child, new)
+
+
+def patch(model: nn.Module, *, backend: str = "auto") -> nn.Module:
+    """Swap, in place, every DeepSeek-V2/V3 attention layer of `model` for multihead's MLA.
+
+    `generate()` then keeps only the latent per token in its cache and decodes on the
+    absorbed path, with the same tokens. Parameters are shared with the replaced layers
+    (same names, same tensors); patching twice is a no-op. Returns `model`.
+
+    Other models need no patch: `model.set_attn_implementation("multihead")` (or
+    `attn_implementation="multihead"` when loading) runs them on multihead as they are.
+    """
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"patch takes a torch nn.Module (a loaded transformers model); received {type(model).__name__}")
+    found = 0
+    for name, module in list(model.named_modules()):
+        if isinstance(module, LatentAttentionLayer):
+            found += 1
+            continue
+        if type(module).__name__ not in DEEPSEEK_FAMILY:
+            continue
+        mla = from_deepseek(module, backend=backend)
+        new = _replacement_for(module)
+        new._setup(module, mla)
+        _set_child(model, name, new)
+        found += 1
+    if not found:
+        raise ValueError(f"patch() swaps DeepSeek-V2/V3 attention ({', '.join(DEEPSEEK_FAMILY)}) for multihead's "
+                         f"LatentAttention; {type(model).__name__} has none. To run any other model on multihead, "
+                         "use model.set_attn_implementation('multihead') or from_pretrained(..., "
+                         "attn_implementation='multihead') after importing multihead.interop.hf")
+    return model
+
+
+def patched_layers(model: nn.Module) -> list[LatentAttentionLayer]:
+    """The patched layers of `model`, in module order."""
+    return [m for m in model.modules() if isinstance(m, LatentAttentionLayer)]
+
+
+def is_patched(model: nn.Module) -> bool:
+    """Whether `model` has layers swapped by `patch`."""
+    return bool(patched_layers(model))
+
+
+def unpatch(model: nn.Module) -> nn.Module:
+    """Put back the original transformers modules that `patch` replaced (a no-op on an
+    unpatched model). Their weights are the ones the patched model used and trained."""
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"unpatch takes a torch nn.Module; received {type(model).__name__}")
+    for name, module in list(model.named_modules()):
+        if isinstance(module, LatentAttentionLayer):
+            original = module.original
+            original.train(module.training)
+            _set_child(model, name, original)
+    return model
+
+
+def latent_cache_bytes(cache) -> int:
+    """Bytes held by a transformers cache object (keys and values of every layer)."""
+    total = 0
+    for layer in getattr(cache, "layers", ()):
+        for t in (getattr(layer, "keys", None), getattr(layer, "values", None)):
+            if isinstance(t, torch.Tensor):
+                total += t.numel() * t.element_size()
+    return total
