@@ -200,6 +200,15 @@ def _module_checks(rank: int, world: int, heads: list[tuple[int, int]], latent: 
         with torch.no_grad():
             steps = [tp(x[:, t:t + 1], cache=cache) for t in range(T)]
         diffs[f"{name} cached decode"] = _diff(torch.cat(steps, 1), y_ref)
+    # --- ALiBi: each rank must use the slopes of its own heads
+    torch.manual_seed(4)
+    H, Hkv = heads[0]
+    ref = Attention(C, H, Hkv, causal=True, alibi=True).double()
+    tp = shard_heads(copy.deepcopy(ref), mesh)
+    x = torch.randn(B, T, C, dtype=torch.float64, requires_grad=True)
+    y_ref, y = ref(x), tp(x)
+    diffs["shard_heads alibi out"] = _diff(y, y_ref)
+    diffs["shard_heads alibi dx"] = _diff(torch.autograd.grad(y.sum(), x)[0], torch.autograd.grad(y_ref.sum(), x)[0])
     # --- tensor parallel LatentAttention (direct and low-rank queries)
     if latent:
         for q_rank in (None, 16):
@@ -350,6 +359,26 @@ def test_a_rank_that_raises_fails_fast():
     with pytest.raises(pytest.fail.Exception, match="rank 1 of 2 raised"):
         run_world(_w_one_rank_raises, 2)
     assert time.monotonic() - start < 30
+
+
+@pytest.mark.slow
+def test_example_under_torchrun():
+    """examples/distributed.py: both ways of sharding print the loss of one process."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port",
+           str(_free_port()), str(root / "examples" / "distributed.py"), "--steps", "3", "--seq-len", "64"]
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=240, env=env, cwd=root)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+    rows = [line.split() for line in proc.stdout.splitlines() if len(line.split()) == 4 and line.split()[0].isdigit()]
+    assert len(rows) == 3, proc.stdout
+    for _, heads, ring, single in rows:
+        assert abs(float(heads) - float(single)) < 1e-4 and abs(float(ring) - float(single)) < 1e-4, proc.stdout
+    assert "losses equal to one process's" in proc.stdout
 
 
 def test_no_process_group_is_a_clear_error():

@@ -95,6 +95,16 @@ class _ShardedAttention(_HeadSharded):
             self.n_kv_heads = full
 
 
+    def _score_mod(self):
+        """ALiBi with the slopes of this rank's heads (h0 .. h0 + h - 1), not of heads 0 .. h - 1."""
+        if not self.alibi:
+            return super()._score_mod()
+        from multihead import score_mods  # noqa: PLC0415 (kernel floor; imported on use, as Attention does)
+
+        h0, h = self.tp_heads
+        return score_mods.alibi(score_mods.alibi_slopes(self.n_heads)[h0:h0 + h])
+
+
 class _ShardedLatent(_HeadSharded):
     def latents(self, x: Tensor, offset: int = 0) -> Tensor:
         # Every rank's heads read the one replicated latent: its gradient is their sum.
@@ -159,9 +169,6 @@ def _check(module, mesh) -> None:
             raise ValueError(f"n_kv_heads ({Hkv}) < ranks ({P}) needs ranks to be a multiple of n_kv_heads "
                              f"so that each rank's query heads share one KV head; valid rank counts: "
                              f"{valid}")
-        if module.alibi:
-            raise ValueError("alibi=True is not supported under shard_heads: Attention picks the ALiBi slopes "
-                             "of the first H/P heads on every rank, and rank r needs heads r*H/P onwards")
 
 
 def shard_heads(module: Attention | LatentAttention, mesh) -> Attention | LatentAttention:
