@@ -177,7 +177,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
             g.add_argument("--n-heads", type=_positive, default=None, help="query heads per layer H" + d("n_heads"))
             g.add_argument("--n-kv-heads", type=_positive, default=None,
                            help="key/value heads K (GQA: 1 < K < H; MQA: 1) (default: --n-heads, MHA)")
-            g.add_argument("--kv-rank", type=_positive, default=None, help="MLA latent rank R (implies --variant mla)")
+            g.add_argument("--kv-rank", type=_positive, default=None,
+                           help="MLA latent rank R; implies --variant mla (default: none, MHA/GQA/MQA)")
             g.add_argument("--rope-dim", type=_nonnegative, default=None,
                            help="MLA decoupled RoPE dims per head (default 0)")
             p.add_argument("--vocab", type=_positive, default=None, help="random symbols" + d("vocab"))

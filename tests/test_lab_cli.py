@@ -1,0 +1,304 @@
+"""`multihead lab` at the command line: the output folder is never lost, divergence and a
+missing matplotlib end cleanly, help shows every default, one flag name per concept, and
+`lab induction` trains the head geometry `multihead plan` prints, scaled to a CPU."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from multihead.cli import build_parser, main
+from multihead.lab.configs import InductionConfig, scale_induction
+from test_lab_common import assert_png, load_results, one_thread  # noqa: F401
+
+KV_TINY = ["--quick", "--decode-steps", "1", "--no-progress"]
+HEADS_TINY = ["--quick", "--head-counts", "1", "--seeds", "1", "--steps", "3", "--no-progress"]
+
+
+def run(*args, **kw):
+    return subprocess.run([sys.executable, *args], capture_output=True, text=True, timeout=300, **kw)
+
+
+# ------------------------------------------------------------------ the output folder
+
+
+@pytest.mark.slow
+def test_a_non_empty_out_is_refused_and_force_replaces_only_a_complete_run(tmp_path, capsys, monkeypatch):
+    out = tmp_path / "run"
+    assert main(["lab", "kv", *KV_TINY, "--out", str(out)]) == 0
+    first = json.loads((out / "results.json").read_text())
+    capsys.readouterr()
+
+    assert main(["lab", "kv", *KV_TINY, "--out", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert "is not empty" in err and "--force" in err and "Traceback" not in err
+    assert json.loads((out / "results.json").read_text()) == first
+
+    # an interrupted --force run leaves the complete run in place and keeps its own beside it
+    import multihead.lab.kv as kv
+
+    real = kv.run_kv
+
+    def interrupted(cfg, out_dir, **kw):
+        def boom(name, step, loss):
+            raise KeyboardInterrupt
+
+        return real(cfg, out_dir, callback=boom, **kw)
+
+    monkeypatch.setattr(kv, "run_kv", interrupted)
+    assert main(["lab", "kv", *KV_TINY, "--out", str(out), "--force"]) == 130
+    assert json.loads((out / "results.json").read_text()) == first, "a complete run was replaced by a partial one"
+    kept = [p for p in tmp_path.iterdir() if p.name.startswith("run.interrupted-")]
+    assert len(kept) == 1 and json.loads((kept[0] / "results.json").read_text())["interrupted"] is True
+    assert "still holds the earlier run" in capsys.readouterr().out
+    monkeypatch.undo()
+
+    # a complete --force run replaces it, with no leftover staging folders, and the usual folder mode
+    (out / "stale-plot.png").write_bytes(b"old")
+    assert main(["lab", "kv", *KV_TINY, "--out", str(out), "--force", "--seed", "1"]) == 0
+    new = json.loads((out / "results.json").read_text())
+    assert new["seed"] == 1 and not (out / "stale-plot.png").exists()
+    assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith(".")) == []
+    umask = os.umask(0)
+    os.umask(umask)
+    assert out.stat().st_mode & 0o777 == 0o777 & ~umask
+
+
+def test_out_that_cannot_hold_a_run_is_refused_before_training(tmp_path, capsys):
+    a_file = tmp_path / "notes.txt"
+    a_file.write_text("mine")
+    assert main(["lab", "kv", *KV_TINY, "--out", str(a_file / "sub")]) == 2
+    assert "is a file, not a folder" in capsys.readouterr().err
+    assert main(["lab", "kv", *KV_TINY, "--out", str(a_file)]) == 2
+    assert "is a file, not a folder" in capsys.readouterr().err
+    own = tmp_path / "own"
+    own.mkdir()
+    (own / "data.csv").write_text("1,2")
+    assert main(["lab", "kv", *KV_TINY, "--out", str(own), "--force"]) == 2
+    assert "only an earlier lab run's folder" in capsys.readouterr().err
+    assert (own / "data.csv").read_text() == "1,2" and a_file.read_text() == "mine"
+
+
+# ------------------------------------------------------------------ divergence, no matplotlib
+
+
+@pytest.mark.slow
+def test_a_diverging_run_says_so_and_records_the_step(tmp_path, capsys, one_thread):  # noqa: F811
+    out = tmp_path / "d"
+    assert main(["lab", "heads", *HEADS_TINY, "--lr", "1e30", "--out", str(out)]) == 2
+    cap = capsys.readouterr()
+    assert "training diverged at step 2" in cap.out and "training diverged at step 2" in cap.err
+    assert "--lr" in cap.err and "Traceback" not in cap.err
+    res = load_results(out)
+    assert res["diverged"] == [{"run": "heads H=1 seed 0", "step": 2, "reason": "loss nan"}]
+    assert res["results"]["runs"][0]["diverged_at"] == 2 and res["checkpoint"] is None
+
+
+@pytest.mark.slow
+def test_induction_diverging_keeps_the_finite_evaluations(tmp_path, one_thread):  # noqa: F811
+    from dataclasses import replace
+
+    from multihead.lab.induction import run_induction
+
+    cfg = replace(InductionConfig.quick(), steps=4, eval_every=1, eval_sequences=8, score_sequences=1, lr=1e30)
+    res = run_induction(cfg, tmp_path, progress=False)
+    disk = load_results(tmp_path)  # every number finite: the schema check refuses NaN
+    step = disk["diverged"][0]["step"]
+    assert res["results"]["diverged_at"] == step and step <= 3
+    assert [e["step"] for e in disk["results"]["evals"]] == list(range(step))
+    assert "Training diverged at step" in disk["results"]["summary"]
+
+
+NO_MPL = """
+import sys
+sys.modules["matplotlib"] = None  # `import matplotlib` raises ImportError, as without the package
+from multihead.cli import main
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+@pytest.mark.slow
+def test_without_matplotlib_the_results_and_checkpoint_are_kept(tmp_path):
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    r = run("-c", NO_MPL, "lab", "heads", *HEADS_TINY, "--out", str(tmp_path / "h"), env=env)
+    assert r.returncode == 0, r.stderr
+    assert "Traceback" not in r.stderr
+    notes = [line for line in r.stdout.splitlines() if line.startswith("note:")]
+    assert len(notes) == 1 and "plots skipped" in notes[0] and "pip install -e '.[lab]'" in notes[0]
+    res = load_results(tmp_path / "h")
+    assert res["plots"] == [] and res["checkpoint"] == "model" and "plots skipped" in res["notes"][0]
+    assert not list((tmp_path / "h").glob("*.png"))
+    assert (tmp_path / "h" / "model" / "model.safetensors").is_file()
+
+
+# ------------------------------------------------------------------ help and flag names
+
+
+def _experiment_parsers() -> dict[str, argparse.ArgumentParser]:
+    lab = build_parser()._subparsers._group_actions[0].choices["lab"]
+    return dict(lab._subparsers._group_actions[0].choices)
+
+
+def test_help_shows_every_default():
+    for name, p in _experiment_parsers().items():
+        for action in p._actions:
+            if action.help == argparse.SUPPRESS or isinstance(action, (argparse._HelpAction,
+                                                                       argparse._StoreTrueAction)):
+                continue
+            assert "default" in action.help, f"lab {name} {action.option_strings}: {action.help!r}"
+
+    def help_of(name, flag):
+        return next(a.help for a in _experiment_parsers()[name]._actions if flag in a.option_strings)
+
+    # the numbers are the config dataclasses' own defaults (and --quick's)
+    assert help_of("heads", "--steps").endswith("(default 400; --quick 120)")
+    for flag, default in (("--batch-size", "32"), ("--lr", "0.001"), ("--seq-len", "24")):
+        assert f"(default {default}" in help_of("heads", flag), flag
+    assert "(default 32" in help_of("kv", "--decode-steps") and "(default 2048" in help_of("kv", "--context")
+    assert "(default 64" in help_of("mla", "--context")
+
+
+def test_one_flag_name_per_concept():
+    parsers = _experiment_parsers()
+    for name in ("kv", "mla", "induction"):
+        assert "--n-kv-heads" in parsers[name].format_help(), name
+        assert "--kv-heads" not in parsers[name].format_help().replace("--n-kv-heads", ""), name
+    for name in ("mla", "induction"):
+        assert "--layers" in parsers[name].format_help() and "--n-layers" not in parsers[name].format_help()
+    # the old spellings still parse, to the same place
+    ns = build_parser().parse_args(["lab", "kv", "--kv-heads", "4,2"])
+    assert ns.kv_heads == (4, 2) == build_parser().parse_args(["lab", "kv", "--n-kv-heads", "4,2"]).kv_heads
+    assert build_parser().parse_args(["lab", "mla", "--n-layers", "3"]).n_layers == 3
+    kv_device = next(a for a in parsers["kv"]._actions if "--device" in a.option_strings)
+    assert "train" not in kv_device.help
+    heads_device = next(a for a in parsers["heads"]._actions if "--device" in a.option_strings)
+    assert "train" in heads_device.help
+
+
+def test_progress_across_runs_shows_k_of_n_and_the_overall_eta():
+    import io
+
+    from multihead.lab.common import Overall, Progress
+
+    overall = Overall(runs=3, steps=30)
+    lines = []
+    for _ in range(3):
+        stream = io.StringIO()
+        bar = Progress(10, overall.next_label("heads H=1"), stream=stream, overall=overall)
+        for step in range(1, 11):
+            bar.update(step, 1.0)
+        lines.append(stream.getvalue().splitlines()[-1])
+    assert [line.split()[0] for line in lines] == ["[1/3]", "[2/3]", "[3/3]"]
+    assert all("| all 3 runs ETA" in line for line in lines)
+    assert overall.done == 30 and lines[-1].endswith("all 3 runs ETA 0:00")
+
+
+# ------------------------------------------------------------------ the plots
+
+
+@pytest.fixture
+def figures(monkeypatch):
+    """Keep the figures the experiments draw instead of saving them."""
+    import multihead.lab.common as common
+
+    kept = []
+
+    def keep(fig, path):
+        kept.append(fig)
+        return Path(path).name
+
+    for module in ("heads", "kv", "mla", "induction"):
+        monkeypatch.setattr(f"multihead.lab.{module}.save_figure", keep)
+    monkeypatch.setattr(common, "save_figure", keep)
+    return kept
+
+
+def test_kv_plot_labels_close_parameter_counts_apart(figures):
+    pytest.importorskip("matplotlib")
+    from multihead.lab.kv import KVConfig, _plot
+
+    rows = [{"name": n, "kind": k, "params": p, "cache_bytes_bf16": 1024, "decode_us_per_token": 10.0}
+            for n, k, p in (("GQA-2", "GQA", 49_152), ("MLA-32", "MLA", 50_208))]
+    _plot(KVConfig.quick(), rows, Path("kv.png"), "cpu")
+    labels = [t.get_text() for t in figures[0].axes[0].texts]
+    assert labels == ["49,152", "50,208"]
+
+
+def test_curves_plot_shows_the_first_segment(figures):
+    pytest.importorskip("matplotlib")
+    from multihead.lab.mla import MLAConfig, _plot_curves
+
+    runs = [{"name": "MHA", "kind": "MHA", "interrupted": False, "diverged_at": None,
+             "evals": [{"step": 0, "val_bpc": 6.3}, {"step": 40, "val_bpc": 3.1}, {"step": 80, "val_bpc": 2.6}]}]
+    _plot_curves(MLAConfig.quick(), {"results": {"runs": runs}}, Path("curves.png"))
+    lo, hi = figures[0].axes[0].get_ylim()
+    assert lo < 2.6 and hi > 6.3, f"y range {lo:.2f}..{hi:.2f} clips the curve (2.6..6.3)"
+
+
+def test_induction_plot_labels_the_target_and_chance_lines(figures):
+    pytest.importorskip("matplotlib")
+    from multihead.lab.induction import _plot
+
+    cfg = InductionConfig.quick()
+    evals = [{"step": s, "accuracy": a, "previous_token": [[0.1] * cfg.n_heads] * 2,
+              "induction": [[0.2] * cfg.n_heads] * 2} for s, a in ((0, 0.03), (50, 0.9))]
+    _plot(cfg, {"results": {"evals": evals, "chance_accuracy": 1 / cfg.vocab, "phase_change_step": 50}},
+          Path("induction.png"))
+    legend = [t.get_text() for t in figures[0].axes[0].get_legend().get_texts()]
+    assert "target 95%" in legend and any(t.startswith("chance 3.1%") for t in legend)
+
+
+# ------------------------------------------------------------------ induction: a plan's head geometry
+
+
+@pytest.mark.parametrize("C, H, K", [(4096, 32, 4), (4096, 32, 32), (4096, 32, 1), (8192, 64, 8), (2048, 16, 2)])
+def test_scaling_keeps_head_dim_and_group_ratio(C, H, K):
+    fields, notes = scale_induction(layers=2, d_model=C, n_heads=H, n_kv_heads=K)
+    D2 = fields["head_dim"]
+    assert D2 == C // H, "head_dim kept"
+    assert fields["n_heads"] // fields["n_kv_heads"] == H // K, "group ratio kept"
+    assert fields["n_heads"] % fields["n_kv_heads"] == 0 and fields["d_model"] <= 256
+    kind = lambda h, k: "MHA" if h == k else "MQA" if k == 1 else "GQA"  # noqa: E731
+    assert kind(fields["n_heads"], fields["n_kv_heads"]) == kind(H, K), "the variant stays what it was"
+    assert notes and f"head_dim {C // H}" in notes[0] and f"= {H // K} kept" in notes[0] and "d_model" in notes[0]
+    InductionConfig(**fields)  # a valid config
+
+
+def test_scaling_mla_and_small_geometries():
+    fields, notes = scale_induction(layers=2, d_model=5120, n_heads=128, kv_rank=512, rope_dim=64)
+    assert fields["attention"] == "mla" and fields["head_dim"] == 40 and fields["rope_dim"] == 64
+    assert fields["n_heads"] == 4 and fields["kv_rank"] == 8 and "kv_rank 512 -> 8" in notes[0]
+    assert scale_induction() == ({}, [])
+    small, notes = scale_induction(d_model=64, n_heads=8, n_kv_heads=2)
+    assert notes == [] and small["n_heads"] == 8 and small["n_kv_heads"] == 2  # fits a CPU: trained as asked
+    for kw, message in (({"variant": "gqa"}, "needs --n-kv-heads"), ({"n_kv_heads": 3}, "must divide"),
+                        ({"variant": "mla"}, "needs --kv-rank"), ({"kv_rank": 8, "n_kv_heads": 2}, "MLA caches"),
+                        ({"variant": "mqa", "n_kv_heads": 2}, "has 1 KV head"),
+                        ({"rope_dim": 4}, "MLA's"), ({"d_model": 100, "n_heads": 7}, "must divide")):
+        with pytest.raises(ValueError, match=message):
+            scale_induction(**kw)
+
+
+@pytest.mark.slow
+def test_the_command_plan_prints_runs(tmp_path, capsys, one_thread):  # noqa: F811
+    """The exact check `multihead plan --params ...` prints for a GQA geometry, with --quick."""
+    out = tmp_path / "ind"
+    argv = "lab induction --layers 2 --d-model 4096 --n-heads 32 --n-kv-heads 4 --quick --no-progress".split()
+    assert main([*argv, "--out", str(out), "--steps", "40"]) == 0
+    printed = capsys.readouterr().out
+    assert "scaled to train in minutes on a CPU" in printed and "head_dim 128" in printed
+    res = load_results(out, required=["geometry", "final_accuracy"])
+    g = res["results"]["geometry"]
+    assert (g["variant"], g["head_dim"], g["n_heads"] // g["n_kv_heads"]) == ("GQA", 128, 8)
+    assert "4 KV heads (GQA)" in g["scaled_from"]
+    from multihead.lab.checkpoint import load_lab_checkpoint
+
+    model, _, _ = load_lab_checkpoint(out)
+    attn = model.blocks[0].attn
+    assert (attn.n_heads, attn.n_kv_heads, attn.head_dim) == (g["n_heads"], g["n_kv_heads"], 128)
