@@ -146,7 +146,7 @@ class Spy:
 
     def __init__(self, monkeypatch):
         self.calls = 0
-        real_kernel, real_explicit = registry.scaled_dot_product_attention, registry._explicit
+        real_kernel, real_explicit = registry.attend, registry._with_sinks
 
         def kernel(*args, **kwargs):
             self.calls += 1
@@ -156,8 +156,8 @@ class Spy:
             self.calls += 1
             return real_explicit(*args, **kwargs)
 
-        monkeypatch.setattr(registry, "scaled_dot_product_attention", kernel)
-        monkeypatch.setattr(registry, "_explicit", explicit)
+        monkeypatch.setattr(registry, "attend", kernel)
+        monkeypatch.setattr(registry, "_with_sinks", explicit)
 
 
 def _run(model, impl: str, inputs, **kw):
@@ -391,3 +391,25 @@ def test_register_errors():
         hf.register("")
     assert hf.registered()["multihead"] == "auto"
     assert hf.registered()["multihead_math"] == "math"
+
+
+def test_sliding_window_layers_get_a_predicate(monkeypatch):
+    """Mistral's window reaches the kernel as transformers' own mask function (padding
+    included), not as a dense mask, so the kernel can skip the tiles outside it; the
+    outputs equal transformers' sdpa (left padding, T = 12 > window 5)."""
+    from multihead.masks import MaskMod
+
+    model = build("mistral")
+    inputs, keep = _inputs("mistral")
+    ref = _run(model, "sdpa", inputs).last_hidden_state
+    masks = []
+    real = registry.attend
+    monkeypatch.setattr(registry, "attend", lambda q, k, v, mask, **kw: masks.append(mask) or real(q, k, v, mask, **kw))
+    got = _run(model, "multihead", inputs).last_hidden_state
+    assert len(masks) == 2 and all(isinstance(m, MaskMod) for m in masks)
+    dense = masks[0].to_dense(2, 1, 12, 12)
+    i = torch.arange(12)
+    window = (i[None, :] <= i[:, None]) & (i[:, None] - i[None, :] < 5)
+    assert torch.equal(dense, window[None, None] & keep.bool()[:, None, None, :])
+    for a, b in zip(_real(got, keep), _real(ref, keep)):
+        assert_close(a, b, atol=1e-5, rtol=0, what="mistral with the window as a predicate")

@@ -19,8 +19,11 @@ reloading and generate need nothing from multihead.
 
 The keywords transformers passes are honoured: the mask (bool or additive float,
 `(B, 1|H, T, S)`), `scaling`, `dropout`, `is_causal`, `sliding_window` (applied when no
-mask carries it), `softcap` (Gemma-2), attention sinks (`s_aux` of GPT-OSS, `sinks`) and
-T5's `position_bias`. GQA goes to the kernel as `Hkv < H`, without copies of K/V.
+mask carries it), `softcap` (Gemma-2, as the kernel's `score_mods.softcap`), attention
+sinks (`s_aux` of GPT-OSS, `sinks`) and T5's `position_bias`. GQA goes to the kernel as
+`Hkv < H`, without copies of K/V. Sliding-window (and chunked) layers get, instead of a
+dense `(B, 1, T, S)` mask, transformers' own mask predicate as a `multihead.masks`
+predicate, so the kernel skips the tiles outside the window (block-sparse).
 `output_attentions=True` returns the weights from the kernel's weights-on-demand pass, so
 asking for them never moves the output to a slow path. A `WeightsRequest` passed as the
 forward keyword `multihead_weights=` asks for chosen heads of chosen modules only (what
@@ -38,7 +41,9 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from multihead.functional import check_backend_name, scaled_dot_product_attention
+from multihead import score_mods
+from multihead.functional import attend, check_backend_name
+from multihead.masks import MaskMod, from_flex
 
 __all__ = ["REQUEST_KEYWORD", "AttentionCall", "CaptureComplete", "WeightsRequest", "attention_forward", "hf_mask",
            "register", "registered"]
@@ -70,8 +75,8 @@ def hf_mask(attention_mask, q_dtype: torch.dtype | None = None) -> Tensor | None
     - 2-D `(B, S)` with 1 = a real token (flash-attention's form) becomes `(B, 1, 1, S)`.
     """
     m = attention_mask
-    if m is None:
-        return None
+    if m is None or isinstance(m, MaskMod):
+        return m
     if not isinstance(m, Tensor):
         raise TypeError(f"attention mask of type {type(m).__name__} is not supported by attn_implementation="
                         "'multihead' (a flex-attention BlockMask?); valid: None, a bool or float tensor "
@@ -86,6 +91,35 @@ def hf_mask(attention_mask, q_dtype: torch.dtype | None = None) -> Tensor | None
         out = m.masked_fill(m <= torch.finfo(m.dtype).min / 2, float("-inf"))
         return out if q_dtype is None else out.to(q_dtype)
     return m.bool()
+
+
+def multihead_mask(batch_size: int, q_length: int, kv_length: int, q_offset=0, kv_offset=0, mask_function=None,
+                   attention_mask: Tensor | None = None, local_size: int | None = None, use_vmap: bool = False,
+                   **kwargs):
+    """The mask builder registered beside the attention function (transformers'
+    `AttentionMaskInterface` signature).
+
+    transformers' boolean sdpa mask (True = may attend; None where plain causality or
+    nothing is needed), except for the multi-token forwards of sliding-window and
+    chunked layers (`local_size`): those get transformers' own mask function, padding
+    included, as a `multihead.masks` predicate, so the kernel evaluates it tile by tile
+    and skips the tiles outside the window instead of attending through a dense mask.
+    """
+    from transformers.masking_utils import and_masks, padding_mask_function, prepare_padding_mask, sdpa_mask
+
+    index_based = not use_vmap and not isinstance(q_offset, Tensor) and not isinstance(kv_offset, Tensor)
+    if local_size is None or q_length == 1 or kv_length <= local_size or not index_based or mask_function is None:
+        return sdpa_mask(batch_size=batch_size, q_length=q_length, kv_length=kv_length, q_offset=q_offset,
+                         kv_offset=kv_offset, mask_function=mask_function, attention_mask=attention_mask,
+                         local_size=local_size, use_vmap=use_vmap, **kwargs)
+    padding = prepare_padding_mask(attention_mask, kv_length, kv_offset)
+    fn = mask_function if padding is None else and_masks(mask_function, padding_mask_function(padding))
+    q0, kv0 = int(q_offset), int(kv_offset)
+
+    def predicate(b, h, q_idx, kv_idx):  # flex's top-left rows -> transformers' absolute positions
+        return fn(b, h, q_idx + q0, kv_idx + kv0)
+
+    return from_flex(predicate, f"transformers local attention ({local_size})")
 
 
 def _window_mask(T: int, S: int, window: int, device) -> Tensor:
@@ -200,12 +234,12 @@ def _sink_logits(sinks, B: int, H: int, T: int) -> Tensor | None:
                      f"received {tuple(sinks.shape)}")
 
 
-def _explicit(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, *, causal: bool, scale: float,
-              softcap: float | None, sinks: Tensor | None, dropout_p: float) -> tuple[Tensor, Tensor]:
-    """Attention written out for what the fused kernel cannot do: a softcap on the scores
-    (Gemma-2: softcap * tanh(s / softcap), before the mask) and attention sinks (GPT-OSS:
-    one extra logit per head in the softmax's denominator, with no value). Returns
-    (out `(B, H, T, Dv)`, weights `(B, H, T, S)`, the probabilities before dropout).
+def _with_sinks(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, *, causal: bool, scale: float,
+                softcap: float | None, sinks: Tensor, dropout_p: float) -> tuple[Tensor, Tensor]:
+    """Attention written out with sinks (GPT-OSS: one extra logit per head in the
+    softmax's denominator, with no value), which the kernel does not take; with the
+    softcap too when a model has both. Returns (out `(B, H, T, Dv)`, weights
+    `(B, H, T, S)`, the probabilities before dropout).
 
     GQA without copies: the G query heads of a K/V head are folded into the query length.
     """
@@ -229,13 +263,9 @@ def _explicit(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, *, causal: b
         allowed = tri if allowed is None else allowed & tri
     if allowed is not None:
         scores = scores.masked_fill(~allowed, float("-inf"))
-    if sinks is not None:
-        sink = sinks.to(acc).expand(B, H, T, 1)
-        logits = torch.cat([scores, sink], dim=-1)  # (B, H, T, S + 1)
-        probs = torch.softmax(logits - logits.amax(dim=-1, keepdim=True), dim=-1)[..., :S]
-    else:
-        empty = torch.isneginf(scores).all(dim=-1, keepdim=True)  # no key to attend: zeros, not NaN
-        probs = torch.softmax(scores.masked_fill(empty, 0.0), dim=-1).masked_fill(empty, 0.0)
+    sink = sinks.to(acc).expand(B, H, T, 1)
+    logits = torch.cat([scores, sink], dim=-1)  # (B, H, T, S + 1)
+    probs = torch.softmax(logits - logits.amax(dim=-1, keepdim=True), dim=-1)[..., :S]
     weights = probs.to(q.dtype)
     if dropout_p > 0:
         probs = F.dropout(probs, p=dropout_p, training=True)
@@ -272,6 +302,8 @@ def attention_forward(module: nn.Module, query: Tensor, key: Tensor, value: Tens
             else None
         if causal and window is not None and S > window:  # no mask carries the window: apply it here
             mask, causal = _window_mask(T, S, window, query.device), False
+    if isinstance(mask, MaskMod) and (position_bias is not None or sinks is not None or s_aux is not None):
+        mask = mask.to_dense(B, H, T, S, device=query.device)  # the written-out paths take tensors
     if position_bias is not None:  # T5: a learned bias on the scores, combined with the mask
         bias = position_bias.to(query.dtype)
         mask = bias if mask is None else mask + bias if mask.dtype != torch.bool \
@@ -289,14 +321,14 @@ def attention_forward(module: nn.Module, query: Tensor, key: Tensor, value: Tens
     asked = request.heads_for(module) if request is not None and not request.probe else None
     return_weights = True if want_all or asked is True else (list(asked) if asked else False)
 
-    if softcap is None and sinks is None:
-        result = scaled_dot_product_attention(query, key, value, mask, causal=causal, scale=scale, dropout_p=dropout,
-                                              return_weights=return_weights, backend=backend)
-        out, weights = result if isinstance(result, tuple) else (result, None)
+    if sinks is None:
+        out, weights = attend(query, key, value, mask, causal=causal, scale=scale, dropout_p=dropout,
+                              return_weights=return_weights, backend=backend,
+                              score_mod=None if softcap is None else score_mods.softcap(softcap))
     else:
-        out, weights = _explicit(query, key, value, mask, causal=causal,
-                                 scale=query.shape[-1] ** -0.5 if scale is None else scale,
-                                 softcap=softcap, sinks=sinks, dropout_p=dropout)
+        out, weights = _with_sinks(query, key, value, mask, causal=causal,
+                                   scale=query.shape[-1] ** -0.5 if scale is None else scale,
+                                   softcap=softcap, sinks=sinks, dropout_p=dropout)
         if not return_weights:
             weights = None
         elif return_weights is not True:
@@ -330,14 +362,14 @@ def register(name: str = "multihead", *, backend: str = "auto") -> str:
     check_backend_name(backend)
     try:
         from transformers import AttentionInterface
-        from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+        from transformers.masking_utils import AttentionMaskInterface
     except ImportError as err:
         raise ImportError("attn_implementation='multihead' needs transformers >= 4.53 (AttentionInterface and "
                           f"AttentionMaskInterface): pip install 'multihead[hf]' ({err})") from None
     fn = functools.partial(attention_forward, backend=backend)
     functools.update_wrapper(fn, attention_forward)
     AttentionInterface.register(name, fn)
-    AttentionMaskInterface.register(name, sdpa_mask)
+    AttentionMaskInterface.register(name, multihead_mask)
     _REGISTERED[name] = backend
     return name
 
