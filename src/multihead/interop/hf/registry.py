@@ -365,7 +365,8 @@ def register(name: str = "multihead", *, backend: str = "auto") -> str:
         from transformers.masking_utils import AttentionMaskInterface
     except ImportError as err:
         raise ImportError("attn_implementation='multihead' needs transformers >= 4.53 (AttentionInterface and "
-                          f"AttentionMaskInterface): pip install 'multihead[hf]' ({err})") from None
+                          f"AttentionMaskInterface): pip install 'multihead[hf]' (from a checkout of the repository: "
+                          f"pip install -e '.[hf]') ({err})") from None
     fn = functools.partial(attention_forward, backend=backend)
     functools.update_wrapper(fn, attention_forward)
     AttentionInterface.register(name, fn)
