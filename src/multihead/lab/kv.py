@@ -230,6 +230,9 @@ def _plot(cfg: KVConfig, rows: list[dict], path: Path, device: str) -> str:
             ax.set_xlim(min(vals) / 2, top * 4)
         else:
             ax.set_xlim(0, top * 1.22)
+        if k == 0:  # ticks in k/M (the bar labels carry the exact counts), no "1e6" offset
+            ax.xaxis.set_major_formatter(plt.FuncFormatter(
+                lambda v, _: "0" if v == 0 else f"{v / 1e6:g}M" if v >= 1e6 else f"{v / 1e3:g}k"))
     if naive:
         axes[2].scatter([v for _, v in naive], [i for i, _ in naive], marker="|", s=250, color="black", zorder=3,
                         label="MLA naive (decompress K/V)")
