@@ -161,3 +161,25 @@ def test_patch_refuses_models_without_mla():
         hf.patch("deepseek")
     with pytest.raises(TypeError, match="received int"):
         hf.unpatch(3)
+
+
+def test_inspect_captures_a_patched_model():
+    """multihead inspect reaches the patched layers too (through the same WeightsRequest)."""
+    from multihead.inspect import capture
+    from multihead.inspect.capture import minilm_path
+
+    tok = transformers.AutoTokenizer.from_pretrained(str(minilm_path()))
+    t = transformers
+    cfg = t.DeepseekV2Config(hidden_size=64, intermediate_size=128, moe_intermediate_size=32, num_hidden_layers=L,
+                             num_attention_heads=4, num_key_value_heads=4, kv_lora_rank=R, q_lora_rank=24,
+                             qk_nope_head_dim=16, qk_rope_head_dim=ROPE, v_head_dim=12, n_routed_experts=4,
+                             num_experts_per_tok=2, n_shared_experts=1, first_k_dense_replace=1,
+                             vocab_size=len(tok), max_position_embeddings=64, rope_parameters=dict(YARN))
+    torch.manual_seed(0)
+    ref = t.DeepseekV2Model(cfg).eval()
+    ref.set_attn_implementation("eager")
+    model = hf.patch(copy.deepcopy(ref))
+    cap = capture("The cat sat on the mat.", model=(model, tok), layers=[1], heads=[0, 3])
+    with torch.no_grad():
+        want = ref(torch.tensor([cap.token_ids]), output_attentions=True).attentions[1][0, [0, 3]]
+    assert_close(cap.weights[0], want, atol=1e-5, rtol=0, what="patched DeepSeek capture vs eager")

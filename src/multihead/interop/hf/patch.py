@@ -30,7 +30,7 @@ import torch
 from torch import Tensor, nn
 
 from multihead.interop.hf.convert import DEEPSEEK_FAMILY, from_deepseek
-from multihead.interop.hf.registry import hf_mask
+from multihead.interop.hf.registry import REQUEST_KEYWORD, AttentionCall, hf_mask
 from multihead.latent import LatentAttention
 
 __all__ = ["LatentAttentionLayer", "is_patched", "patch", "patched_layers", "unpatch"]
@@ -124,10 +124,17 @@ class LatentAttentionLayer(nn.Module):
         if mask is None and 1 < T < S:  # a static cache's prefill: the slots after the T queries are empty
             latent, S = latent[:, :T], T
         want = bool(kwargs.get("output_attentions", False))
+        request = kwargs.get(REQUEST_KEYWORD)  # a WeightsRequest (multihead inspect)
+        asked = request.heads_for(self) if request is not None and not request.probe else None
+        return_weights = True if want or asked is True else (list(asked) if asked else False)
         attend = mla.attend_absorbed if mla.absorb_is_cheaper(T, S) else mla.attend_naive
-        out, weights = attend(q_nope, q_pe, latent, mask, return_weights=want)  # (B, H, T, Dv)
+        out, weights = attend(q_nope, q_pe, latent, mask, return_weights=return_weights)  # (B, H, T, Dv)
         out = mla.o_proj(out.transpose(1, 2).reshape(B, T, -1))  # (B, T, C)
-        return out, weights
+        if request is not None:
+            mine = weights[:, list(asked)] if want and asked not in (None, True) else weights
+            call = AttentionCall(self, q_nope.shape[1], 1, T, S, mla.head_dim + mla.rope_dim)
+            request.record(call, None if asked is None else mine.detach())
+        return out, (weights if want else None)
 
 
 _CLASSES: dict[type, type] = {}
