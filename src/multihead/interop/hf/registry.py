@@ -41,7 +41,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from multihead import score_mods
+from multihead import masks, score_mods
 from multihead.functional import attend, check_backend_name
 from multihead.masks import MaskMod, from_flex
 
@@ -120,14 +120,6 @@ def multihead_mask(batch_size: int, q_length: int, kv_length: int, q_offset=0, k
         return fn(b, h, q_idx + q0, kv_idx + kv0)
 
     return from_flex(predicate, f"transformers local attention ({local_size})")
-
-
-def _window_mask(T: int, S: int, window: int, device) -> Tensor:
-    """Causal sliding window, bottom-right aligned: query i (at S - T + i) sees keys j with
-    0 <= (S - T + i) - j < window. `(1, 1, T, S)` bool."""
-    q_pos = torch.arange(S - T, S, device=device)[:, None]
-    kv = torch.arange(S, device=device)[None, :]
-    return ((kv <= q_pos) & (q_pos - kv < window))[None, None]
 
 
 # ----------------------------------------------------------- weights on request
@@ -301,7 +293,7 @@ def attention_forward(module: nn.Module, query: Tensor, key: Tensor, value: Tens
         window = int(sliding_window) if isinstance(sliding_window, int) and not isinstance(sliding_window, bool) \
             else None
         if causal and window is not None and S > window:  # no mask carries the window: apply it here
-            mask, causal = _window_mask(T, S, window, query.device), False
+            mask, causal = masks.sliding_window(window), False  # bottom-right, a predicate (block-sparse)
     if isinstance(mask, MaskMod) and (position_bias is not None or sinks is not None or s_aux is not None):
         mask = mask.to_dense(B, H, T, S, device=query.device)  # the written-out paths take tensors
     if position_bias is not None:  # T5: a learned bias on the scores, combined with the mask
