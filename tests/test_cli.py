@@ -30,7 +30,7 @@ def test_bad_input_exits_2_with_one_line():
     r = run("tour", "--d-model", "100", "--heads", "7")
     assert r.returncode == 2
     assert "Traceback" not in r.stderr
-    assert "--d-model (100) must be a positive multiple of --heads (7)" in r.stderr
+    assert "--d-model (100) must be a positive multiple of --n-heads (7)" in r.stderr
 
 
 def test_version_and_light_import():

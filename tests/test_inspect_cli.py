@@ -92,7 +92,9 @@ def test_long_text_truncates_with_a_warning(capsys):
     (["   "], "text is empty"),
     ([TEXT, "--layers", "6"], "layer 6 is out of range; valid: 0..5 (the model has 6 layers)"),
     ([TEXT, "--heads", "0,12"], "head 12 is out of range; valid: 0..11 (the model has 12 heads)"),
-    ([TEXT, "--heads", "two"], "--heads takes comma-separated integers, e.g. --heads 0,3; received 'two'"),
+    ([TEXT, "--only-heads", "two"], "--only-heads takes comma-separated integers, e.g. --only-heads 0,3; "
+                                    "received 'two'"),
+    ([TEXT, "--heads", "two"], "received 'two'"),  # the older spelling still parses
     ([TEXT, "--model", "no/such/model"], "model 'no/such/model' not found: no such folder. valid: 'minilm'"),
     ([TEXT, "--html", "no/such/dir/view.html"], "--html 'no/such/dir/view.html': the folder 'no/such/dir' does"),
     ([TEXT, "--max-tokens", "0"], "--max-tokens must be >= 1; received 0"),
@@ -121,7 +123,7 @@ def cli(*argv, stdin=None):
 @pytest.mark.parametrize("argv, message", [
     ([""], "text is empty"),
     ([TEXT, "--model", "/no/such/model"], "not found: no such folder"),
-    ([TEXT, "--layers", "a"], "--layers takes comma-separated integers"),
+    ([TEXT, "--layers", "a"], "--only-layers takes comma-separated integers"),
 ])
 def test_subprocess_fast_errors(argv, message):
     r = cli(*argv)

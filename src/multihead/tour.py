@@ -9,7 +9,8 @@ import argparse
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--d-model", type=int, default=512, help="model width (default 512)")
-    parser.add_argument("--heads", type=int, default=8, help="query heads (default 8)")
+    parser.add_argument("--n-heads", type=int, default=8, dest="heads", help="query heads (default 8)")
+    parser.add_argument("--heads", type=int, dest="heads", help=argparse.SUPPRESS)  # the older spelling
     parser.add_argument("--context", type=int, default=4096, help="context length for cache bytes (default 4096)")
 
 
@@ -22,7 +23,7 @@ def main(args: argparse.Namespace) -> int:
 
     C, H = args.d_model, args.heads
     if C < 1 or H < 1 or C % H:
-        raise UsageError(f"--d-model ({C}) must be a positive multiple of --heads ({H})")
+        raise UsageError(f"--d-model ({C}) must be a positive multiple of --n-heads ({H})")
     if C > 2**14:  # the tour builds the modules in float64 and checks them against NumPy
         raise UsageError(f"--d-model must be at most 16384 for the tour; received {C}")
     if not 1 <= args.context <= 2**40:

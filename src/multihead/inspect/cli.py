@@ -8,7 +8,7 @@ table. --html writes a self-contained head view (no network), --png heatmaps.
 
 examples:
   multihead inspect "The cat sat on the mat." --html view.html
-  multihead inspect "The cat sat on the mat." --layers 0 --heads 2 --png head.png
+  multihead inspect "The cat sat on the mat." --only-layers 0 --only-heads 2 --png head.png
   multihead inspect "When Mary and John went to the store, John gave a drink to Mary" --roles
   multihead inspect "Some text" --model path/to/hf-model-folder --json
 """
@@ -34,8 +34,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default="minilm",
                         help="minilm (the bundled sentence-transformers/all-MiniLM-L6-v2; default), a local "
                              "Hugging Face model folder, or a `multihead lab` checkpoint folder")
-    parser.add_argument("--layers", metavar="LIST", help="layers to capture, comma-separated, e.g. 0,3 (default: all)")
-    parser.add_argument("--heads", metavar="LIST", help="heads to capture in each layer, e.g. 2,5 (default: all)")
+    # --only-layers, not --layers: elsewhere (plan, lab) --layers N is a count of layers.
+    # The older --layers / --heads spellings still work, unlisted.
+    parser.add_argument("--only-layers", metavar="LIST", dest="layers",
+                        help="capture only these layers, comma-separated, e.g. 0,3 (default: all)")
+    parser.add_argument("--only-heads", metavar="LIST", dest="heads",
+                        help="capture only these heads in each layer, e.g. 2,5 (default: all)")
+    parser.add_argument("--layers", dest="layers", help=argparse.SUPPRESS)
+    parser.add_argument("--heads", dest="heads", help=argparse.SUPPRESS)
     parser.add_argument("--max-tokens", type=int, metavar="N",
                         help="keep at most N tokens (default: as many as the model's positions)")
     parser.add_argument("--html", metavar="PATH", help="write the self-contained HTML head view to PATH")
@@ -43,6 +49,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="write heatmaps to PATH: a layer x head grid, or one labelled head if one is captured")
     parser.add_argument("--roles", action="store_true",
                         help=f"show every head with all its role scores (default: the top {TOP}, strongest role)")
+    parser.add_argument("--tl-scores", action="store_true",
+                        help="also show TransformerLens' head-detector scores (tl_prev, tl_dup, tl_ind: its \"mul\" "
+                             "score over all rows, BOS included, as detect_head computes it) beside multihead's; "
+                             "implies --roles")
     parser.add_argument("--json", action="store_true",
                         help="print JSON (tokens, ranked roles with every score, files written) instead of tables")
 
@@ -111,8 +121,8 @@ def _quiet_transformers() -> None:
 
 def main(args: argparse.Namespace) -> int:
     text = _read_text(args.text)
-    layers = _indices("--layers", args.layers)
-    heads = _indices("--heads", args.heads)
+    layers = _indices("--only-layers", args.layers)
+    heads = _indices("--only-heads", args.heads)
     html_path = _out_path("--html", args.html)
     png_path = _out_path("--png", args.png)
     if args.max_tokens is not None and args.max_tokens < 1:
@@ -124,22 +134,27 @@ def main(args: argparse.Namespace) -> int:
         resolve_model(args.model)  # a bad --model is refused before anything heavy loads
     except InspectError as err:
         raise UsageError(str(err)) from None
-    _quiet_transformers()
-    from multihead.inspect.capture import capture, load_model
-    from multihead.inspect.roles import head_roles, induction_scores
-
+    _status(f"multihead inspect: loading {args.model} (the first import of torch and transformers takes "
+            "a few seconds) ...")
     try:
+        _quiet_transformers()
+        from multihead.inspect.capture import capture, load_model
+        from multihead.inspect.roles import head_roles, induction_scores
+
         model = load_model(args.model)
+        _status(f"multihead inspect: running {model.name} on {len(text):,} characters ...")
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always", TruncationWarning)
             cap = capture(text, model=model, layers=layers, heads=heads, max_tokens=args.max_tokens)
         prefix = induction_scores(model)
     except InspectError as err:
         raise UsageError(str(err)) from None
+    finally:
+        _status(None)
     for w in caught:
         if issubclass(w.category, TruncationWarning):
             print(f"multihead inspect: warning: {w.message}", file=sys.stderr)
-    roles = head_roles(cap, prefix_matching=prefix)
+    roles = head_roles(cap, prefix_matching=prefix, transformer_lens=args.tl_scores)
 
     written = {}
     if html_path is not None:
@@ -167,7 +182,7 @@ def main(args: argparse.Namespace) -> int:
     if "png" in written:
         print(f"PNG: {written['png']}")
     print()
-    print(format_roles(roles, full=args.roles))
+    print(format_roles(roles, full=args.roles or args.tl_scores))
     return 0
 
 
@@ -187,8 +202,22 @@ def _as_json(cap, roles, written) -> dict:
     }
 
 
-_SHORT = {"previous_token": "prev", "current_token": "self", "first_token": "first", "delimiter": "delim",
-          "duplicate_token": "dup", "induction": "induct", "prefix_matching": "prefix", "entropy": "entropy"}
+_SHORT = {"previous_token": "prev", "next_token": "next", "current_token": "self", "first_token": "first",
+          "delimiter": "delim", "duplicate_token": "dup", "induction": "induct", "prefix_matching": "prefix",
+          "entropy": "entropy", "tl_previous_token": "tl_prev", "tl_duplicate_token": "tl_dup",
+          "tl_induction": "tl_ind"}
+
+
+def _status(text: str | None) -> None:
+    """A progress line on a terminal (stderr), replaced by the next one; None clears it.
+
+    Importing transformers takes seconds: say so at once rather than sit silent. Nothing
+    is written when stderr is not a terminal, so logs and pipes stay clean.
+    """
+    if not sys.stderr.isatty():
+        return
+    sys.stderr.write("\r\033[K" + (text or ""))
+    sys.stderr.flush()
 
 
 def format_roles(roles, *, full: bool = False) -> str:
