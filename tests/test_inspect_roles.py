@@ -16,7 +16,9 @@ from multihead.inspect.roles import (
     induction_pattern,
     induction_scores,
     mul_score,
+    previous_token_pattern,
     role_scores,
+    transformer_lens_scores,
 )
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -83,6 +85,122 @@ def test_mul_score_is_transformer_lens_mul_over_matched_rows():
         expected = (a[rows] * P[rows]).sum() / a[rows].sum()  # TransformerLens' mul, on those rows
         assert abs(got[h].item() - expected.item()) < 1e-6
     assert mul_score(W, torch.zeros(8, 8)) is None
+
+
+def tl_similarity(attention: np.ndarray, detection: np.ndarray, exclude_bos=False, exclude_current_token=False):
+    """transformer_lens.head_detector.compute_head_attention_similarity_score, error_measure
+    "mul", in NumPy, line for line (TransformerLens @ 030a561): zero the BOS column and the
+    diagonal when asked, then sum(A * P) / sum(A) over every row."""
+    a = attention.astype(np.float64).copy()
+    if exclude_bos:
+        a[:, 0] = 0
+    if exclude_current_token:
+        np.fill_diagonal(a, 0)
+    return (a * detection).sum() / a.sum()
+
+
+def tl_previous(T: int) -> np.ndarray:
+    """get_previous_token_head_detection_pattern: ones below the diagonal."""
+    p = np.zeros((T, T))
+    p[1:, :-1] = np.eye(T - 1)
+    return np.tril(p)
+
+
+def fixed_heads(T: int) -> torch.Tensor:
+    """Fixed causal patterns on [BOS a b c a b c]: previous-token, induction, duplicate,
+    BOS sink, uniform, and a random one. `(6, T, T)`."""
+    g = torch.Generator().manual_seed(1)
+    rnd = torch.softmax(torch.randn(T, T, generator=g).masked_fill(~torch.ones(T, T, dtype=torch.bool).tril(),
+                                                                    -torch.inf), -1)
+    return torch.stack([
+        one_hot_rows([0, 0, 1, 2, 3, 4, 5], T),
+        one_hot_rows([0, 1, 2, 3, 2, 3, 4], T),
+        one_hot_rows([0, 1, 2, 3, 1, 2, 3], T),
+        one_hot_rows([0] * T, T),
+        causal_uniform(T),
+        rnd,
+    ])
+
+
+def test_transformer_lens_scores_follow_its_formula_on_fixed_patterns():
+    ids = [0, 11, 12, 13, 11, 12, 13]
+    tokens = ["<s>", "a", "b", "c", "a", "b", "c"]
+    T = len(ids)
+    W = fixed_heads(T)
+    cap = make(W[None], tokens, ids, special=("<s>",))
+    ref_patterns = {"previous_token_head": tl_previous(T), "duplicate_token_head": tl_duplicate(np.array(ids)),
+                    "induction_head": tl_induction(np.array(ids))}
+    assert np.array_equal(previous_token_pattern(T).numpy(), ref_patterns["previous_token_head"])
+    for flags in [{}, {"exclude_bos": True}, {"exclude_current_token": True},
+                  {"exclude_bos": True, "exclude_current_token": True}]:
+        got = transformer_lens_scores(cap, **flags)
+        for name, pattern in ref_patterns.items():
+            for h in range(W.shape[0]):
+                with np.errstate(invalid="ignore"):
+                    expected = tl_similarity(W[h].numpy(), pattern, **flags)
+                if np.isnan(expected):  # 0/0: every weight excluded (the BOS sink head); 0, not NaN
+                    expected = 0.0
+                assert abs(got[name][0, h].item() - expected) < 1e-6, (name, h, flags)
+    # Known answers, by hand: TransformerLens' default averages over all 7 rows, so a
+    # perfect induction head scores 3/7 (rows 4, 5, 6 match) and a perfect previous-token
+    # head 6/7 (row 0 has no previous token); multihead's own scores are 1 for both.
+    got = transformer_lens_scores(cap)
+    assert abs(got["induction_head"][0, 1].item() - 3 / 7) < 1e-6
+    assert abs(got["previous_token_head"][0, 0].item() - 6 / 7) < 1e-6
+    own = role_scores(cap)
+    assert own["induction"][0, 1] == 1 and own["previous_token"][0, 0] == 1
+    # ... and multihead's own induction / duplicate scores are TransformerLens' formula with
+    # exclude_bos and exclude_current_token, on the rows that have a match.
+    for role, name in (("induction", "induction_head"), ("duplicate_token", "duplicate_token_head")):
+        pattern = ref_patterns[name]
+        rows = pattern.any(-1)
+        for h in range(W.shape[0]):
+            a = W[h].numpy().copy()
+            a[:, 0] = 0
+            np.fill_diagonal(a, 0)
+            den = a[rows].sum()
+            expected = (a[rows] * pattern[rows]).sum() / den if den > 0 else 0.0
+            assert abs(own[role][0, h].item() - expected) < 1e-6, (role, h)
+    # Reported beside the roles, never ranked.
+    table = {r.head: r for r in head_roles(cap, transformer_lens=True)}
+    for name, key in (("previous_token_head", "tl_previous_token"), ("induction_head", "tl_induction"),
+                      ("duplicate_token_head", "tl_duplicate_token")):
+        for h, r in table.items():
+            assert abs(r.scores[key] - got[name][0, h].item()) < 1e-4
+    assert "tl_induction" not in head_roles(cap)[0].scores
+
+
+def test_next_token_role_in_a_bidirectional_model():
+    tokens = ["[CLS]", "the", "cat", "sat", "[SEP]"]
+    T = len(tokens)
+    nxt = one_hot_rows([1, 2, 3, 4, 4], T)  # each token looks at the next ([SEP] at itself)
+    cap = make(torch.stack([nxt, torch.full((T, T), 1 / T)])[None], tokens, causal=False)
+    s = role_scores(cap)
+    assert s["next_token"][0, 0] == 1 and abs(s["next_token"][0, 1].item() - 1 / T) < 1e-6
+    assert head_roles(cap)[0].role == "next_token"
+    # A causal head cannot look ahead: no next_token score.
+    assert "next_token" not in role_scores(make(causal_uniform(T)[None, None], tokens, causal=True))
+
+
+def test_one_repeated_token_is_not_an_induction_head():
+    # "the cat sat on the mat": one repeated word, one matched row. A head whose second
+    # "the" happens to look at "cat" scores 1 on induction, but one row is no evidence.
+    tokens = ["<s>", "the", "cat", "sat", "on", "the", "mat"]
+    ids = [0, 1, 2, 3, 4, 1, 5]
+    T = len(ids)
+    w = causal_uniform(T)
+    w[5] = one_hot_rows([2], T)[0]
+    cap = make(w[None, None], tokens, ids, special=("<s>",))
+    assert role_scores(cap)["induction"][0, 0] == 1
+    (r,) = head_roles(cap)
+    assert r.role != "induction" and r.scores["induction"] == 1
+    # Two matched rows, but prefix matching ~0: still not an induction head.
+    ids2 = [0, 11, 12, 13, 11, 12, 13]
+    ind = one_hot_rows([0, 1, 2, 3, 2, 3, 4], T)
+    cap2 = make(ind[None, None], tokens, ids2, special=("<s>",))
+    assert head_roles(cap2)[0].role == "induction"
+    assert head_roles(cap2, prefix_matching=torch.tensor([[0.01]]))[0].role != "induction"
+    assert head_roles(cap2, prefix_matching=torch.tensor([[0.6]]))[0].role == "induction"
 
 
 # ------------------------------------------------------------ synthetic heads
@@ -205,6 +323,18 @@ def test_minilm_layer0_head2_is_a_previous_token_head(minilm):
         print(text, [(r.layer, r.head, r.role, round(r.score, 3)) for r in roles[:5]])
 
 
+def test_minilm_next_token_head_and_no_false_induction(minilm):
+    from multihead.inspect import capture
+
+    cap = capture("The cat sat on the mat.", model=minilm)
+    roles = {(r.layer, r.head): r for r in head_roles(cap, prefix_matching=induction_scores(minilm, batch=2))}
+    # Layer 1 head 8 puts about half its weight on the next token: named so, not "mixed".
+    l1h8 = roles[(1, 8)]
+    assert l1h8.role == "next_token" and l1h8.score >= 0.4, l1h8
+    # One repeated word ("the") and prefix matching ~0.01: no head is called induction.
+    assert not [r for r in roles.values() if r.role == "induction"]
+
+
 def test_minilm_prefix_matching(minilm):
     a = induction_scores(minilm, seq_len=30, seed=0, batch=2)
     b = induction_scores(minilm, seq_len=30, seed=0, batch=2)
@@ -213,3 +343,57 @@ def test_minilm_prefix_matching(minilm):
     roles = head_roles(__import__("multihead.inspect", fromlist=["capture"]).capture("a b a b", model=minilm),
                        prefix_matching=a)
     assert all("prefix_matching" in r.scores for r in roles)
+
+
+# ------------------------------------------------------------ the command line
+
+
+@pytest.mark.slow
+def test_cli_tl_scores_beside_multiheads(capsys):
+    pytest.importorskip("transformers")
+    from multihead.cli import main
+    from multihead.inspect import capture
+
+    text = "The cat sat on the mat. The cat slept."
+    assert main(["inspect", text, "--layers", "0", "--tl-scores"]) == 0
+    out = capsys.readouterr().out
+    header = next(line for line in out.splitlines() if line.lstrip().startswith("rank"))
+    cols = header.split()
+    assert {"tl_prev", "tl_dup", "tl_ind", "prev", "next"} <= set(cols)
+    tl = transformer_lens_scores(capture(text, layers=[0]))
+    rows = {(int(p[1]), int(p[2])): p for p in (line.split() for line in out.splitlines()) if p and p[0].isdigit()}
+    for h in range(12):
+        printed = float(rows[(0, h)][cols.index("tl_prev")])
+        assert abs(printed - tl["previous_token_head"][0, h].item()) < 0.006
+
+
+@pytest.mark.slow
+def test_cli_says_what_it_is_loading_within_a_second():
+    """On a terminal, `multihead inspect` prints a status line before the seconds-long
+    import of transformers (measured 0.9 s on a loaded 2-core machine; bound 3 s here)."""
+    import os
+    import pty
+    import select
+    import signal
+    import sys
+    import time
+
+    start = time.monotonic()
+    pid, fd = pty.fork()
+    if pid == 0:  # the child: the command on a pseudo-terminal
+        os.environ["HF_HUB_OFFLINE"] = "1"
+        os.execv(sys.executable, [sys.executable, "-m", "multihead", "inspect", "The cat sat.",
+                                  "--layers", "0", "--heads", "2"])
+    seen, first = b"", None
+    try:
+        while b"loading minilm" not in seen and time.monotonic() - start < 60:
+            ready, _, _ = select.select([fd], [], [], 1)
+            if ready:
+                seen += os.read(fd, 4096)
+                first = first or time.monotonic() - start
+    finally:
+        os.kill(pid, signal.SIGTERM)
+        os.waitpid(pid, 0)
+        os.close(fd)
+    assert b"multihead inspect: loading minilm" in seen, seen
+    assert first is not None and first < 3.0, f"first output after {first:.2f} s"

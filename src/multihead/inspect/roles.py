@@ -9,6 +9,8 @@ Positional roles (each the mean, over the rows where it is defined, of the atten
 mass on the keys the role names):
 
 - previous_token:  mean over i >= 1 of A[i, i-1].
+- next_token:      mean over i <= T-2 of A[i, i+1] (bidirectional models only: a causal
+                   head cannot see the next token, so the role is absent there).
 - current_token:   mean over i in Q of A[i, i].
 - first_token:     mean over i in Q of A[i, 0]: the [CLS] / BOS "attention sink"
                    (Xiao et al., 2023, "Efficient Streaming Language Models with
@@ -49,9 +51,28 @@ H(p) = -sum p log p and n_i the keys row i may attend (T, or i + 1 when causal):
 one key, 1 is uniform.
 
 Ranking (`head_roles`): a head's role is its highest-scoring role among the ones
-above (except entropy); if that score is below `min_score` (0.4) the head has no
-dominant role: "broad" (score = entropy) when its entropy is at least 0.75, else
-"mixed" (score = its best role score). Heads are ranked by score, highest first.
+above (except entropy); if that score is below `min_score` (MIN_SCORE = 0.4) the head
+has no dominant role: "broad" (score = entropy) when its entropy is at least
+BROAD_ENTROPY = 0.75 (its rows spread over most keys), else "mixed" (score = its best
+role score: attention split between several roles, none reaching 0.4). Heads are
+ranked by score, highest first.
+
+Two guards keep the token-matching roles honest. `induction` (and `duplicate_token`)
+can only name a head when at least MIN_MATCH_ROWS = 2 query rows have a match: one
+repeated word ("the" in "The cat sat on the mat.") is one row, and a head that happens
+to look at the word after the first "the" from the second is not evidence of induction.
+And when prefix-matching scores are given, `induction` names a head only if its
+prefix_matching is at least MIN_PREFIX = 0.1: a head that does not copy on random
+repeated tokens is not an induction head, whatever one sentence suggests. The scores
+themselves are still reported.
+
+TransformerLens' own numbers (`transformer_lens_scores`, `head_roles(...,
+transformer_lens=True)`, `multihead inspect --tl-scores`): its detection patterns for
+previous-token, duplicate-token and induction heads and its "mul" score exactly as
+`transformer_lens.head_detector.detect_head` computes them by default: over every query
+row, with `exclude_bos=False` and `exclude_current_token=False` (the first token, BOS
+or [CLS], is part of the pattern and of the denominator), so the numbers can be compared
+with published TransformerLens results. They are reported, never used for ranking.
 """
 
 from __future__ import annotations
@@ -72,18 +93,32 @@ __all__ = [
     "induction_pattern",
     "induction_scores",
     "mul_score",
+    "previous_token_pattern",
     "role_scores",
+    "transformer_lens_scores",
 ]
 
-ROLES = ("previous_token", "current_token", "first_token", "delimiter", "duplicate_token", "induction",
-         "prefix_matching")
+ROLES = ("previous_token", "next_token", "current_token", "first_token", "delimiter", "duplicate_token",
+         "induction", "prefix_matching")
 MIN_SCORE = 0.4
 BROAD_ENTROPY = 0.75
+MIN_MATCH_ROWS = 2
+MIN_PREFIX = 0.1
+TL_SCORES = {"previous_token_head": "tl_previous_token", "duplicate_token_head": "tl_duplicate_token",
+             "induction_head": "tl_induction"}
 _PUNCT = set(string.punctuation) | set("«»“”‘’„…–—·")
 _PIECE_MARKERS = ("##", "\u0120", "\u2581", "\u010a")  # WordPiece, GPT-2 space/newline, SentencePiece
 
 
 # --------------------------------------------------------------------- patterns
+
+
+def previous_token_pattern(T: int) -> Tensor:
+    """TransformerLens' previous-token pattern `(T, T)`: 1 at [i, i-1] for i >= 1."""
+    pattern = torch.zeros(T, T)
+    if T > 1:
+        pattern[1:, :-1] = torch.eye(T - 1)
+    return pattern
 
 
 def duplicate_token_pattern(ids: Tensor, causal: bool = True) -> Tensor:
@@ -181,6 +216,8 @@ def role_scores(capture: AttentionCapture) -> dict[str, Tensor]:
     out: dict[str, Tensor] = {}
     if T > 1:
         out["previous_token"] = W.diagonal(offset=-1, dim1=-2, dim2=-1).mean(-1)
+        if not causal:
+            out["next_token"] = W.diagonal(offset=1, dim1=-2, dim2=-1).mean(-1)
     out["current_token"] = W.diagonal(dim1=-2, dim2=-1)[..., q0:].mean(-1)
     out["first_token"] = Q[..., 0].mean(-1)
     delim = delimiter_positions(capture.tokens, capture.meta.get("special_tokens", ()))
@@ -202,8 +239,51 @@ def role_scores(capture: AttentionCapture) -> dict[str, Tensor]:
     return out
 
 
+def _match_rows(capture: AttentionCapture) -> dict[str, int]:
+    """Query rows with a match in the duplicate-token and induction patterns (as scored)."""
+    ids = torch.tensor(capture.token_ids)
+    special = set(capture.meta.get("special_tokens", ()))
+    plain = torch.tensor([tok not in special for tok in capture.tokens])
+    dup = duplicate_token_pattern(ids, _is_causal(capture)) * plain[:, None] * plain[None, :]
+    ind = induction_pattern(ids) * plain[:, None]
+    return {"duplicate_token": int(dup.bool().any(-1).sum()), "induction": int(ind.bool().any(-1).sum())}
+
+
+def transformer_lens_scores(capture: AttentionCapture, *, exclude_bos: bool = False,
+                            exclude_current_token: bool = False) -> dict[str, Tensor]:
+    """TransformerLens' head-detector scores of every captured head, `(len(layers), len(heads))`
+    per detector: {"previous_token_head", "duplicate_token_head", "induction_head"}.
+
+    As `transformer_lens.head_detector.detect_head(model, text, name)` computes them with its
+    defaults: the detection pattern of the token ids (all tokens, BOS / [CLS] included),
+    and the "mul" score sum(A' * P) / sum(A') over every row, A' = A with the BOS column
+    and the diagonal zeroed only when `exclude_bos` / `exclude_current_token` are set.
+    Where that is 0 / 0 (a head whose every weight was excluded) the score is 0, not NaN.
+    """
+    if not isinstance(capture, AttentionCapture):
+        raise TypeError(f"transformer_lens_scores takes an AttentionCapture; received {type(capture).__name__}")
+    W = capture.weights.double().clone()  # (L, h, T, T)
+    T = W.shape[-1]
+    ids = torch.tensor(capture.token_ids)
+    patterns = {
+        "previous_token_head": previous_token_pattern(T),
+        "duplicate_token_head": duplicate_token_pattern(ids, causal=True),
+        "induction_head": induction_pattern(ids),
+    }
+    if exclude_bos:
+        W[..., :, 0] = 0
+    if exclude_current_token:
+        W.diagonal(dim1=-2, dim2=-1).zero_()
+    den = W.sum(dim=(-2, -1))  # (L, h)
+    out = {}
+    for name, pattern in patterns.items():
+        num = (W * pattern.double()).sum(dim=(-2, -1))
+        out[name] = torch.where(den > 0, num / den.clamp_min(1e-300), torch.zeros_like(den)).float()
+    return out
+
+
 def head_roles(capture: AttentionCapture, *, prefix_matching: Tensor | None = None,
-               min_score: float = MIN_SCORE) -> list[HeadRole]:
+               min_score: float = MIN_SCORE, transformer_lens: bool = False) -> list[HeadRole]:
     """The ranked role table: one `HeadRole` per captured head, highest score first.
 
     Args:
@@ -211,6 +291,9 @@ def head_roles(capture: AttentionCapture, *, prefix_matching: Tensor | None = No
         prefix_matching: optional `(n_layers, n_heads)` scores from `induction_scores`
             (indexed by model layer and head), added as the "prefix_matching" role.
         min_score: below it a head has no dominant role ("broad" or "mixed").
+        transformer_lens: also report TransformerLens' head-detector scores (as
+            `tl_previous_token`, `tl_duplicate_token`, `tl_induction`; see
+            `transformer_lens_scores`). They are not used for the role.
     """
     if not isinstance(capture, AttentionCapture):
         raise TypeError(f"head_roles takes an AttentionCapture; received {type(capture).__name__}")
@@ -221,17 +304,29 @@ def head_roles(capture: AttentionCapture, *, prefix_matching: Tensor | None = No
             raise ValueError(f"prefix_matching must be (n_layers, n_heads) = ({capture.n_layers}, "
                              f"{capture.n_heads}); received {tuple(pm.shape)}")
         scores["prefix_matching"] = pm[capture.layers][:, capture.heads].float()
+    ranked_roles = list(ROLES)
+    rows = _match_rows(capture)
+    for role in ("duplicate_token", "induction"):
+        if rows[role] < MIN_MATCH_ROWS:
+            ranked_roles.remove(role)
+    extra = {}
+    if transformer_lens:
+        extra = {TL_SCORES[k]: v for k, v in transformer_lens_scores(capture).items()}
     table = []
     for li, layer in enumerate(capture.layers):
         for hi, head in enumerate(capture.heads):
             s = {name: round(float(v[li, hi]), 4) for name, v in scores.items()}
-            ranked = [(s[r], -ROLES.index(r), r) for r in ROLES if r in s]
+            eligible = [r for r in ranked_roles if r in s]
+            if "induction" in eligible and s.get("prefix_matching", 1.0) < MIN_PREFIX:
+                eligible.remove("induction")
+            ranked = [(s[r], -ROLES.index(r), r) for r in eligible]
             best, _, role = max(ranked) if ranked else (0.0, 0, "mixed")
             if best < min_score:
                 if s["entropy"] >= BROAD_ENTROPY:
                     role, best = "broad", s["entropy"]
                 else:
                     role = "mixed"
+            s.update({name: round(float(v[li, hi]), 4) for name, v in extra.items()})
             table.append(HeadRole(layer=layer, head=head, scores=s, role=role, score=float(best)))
     table.sort(key=lambda r: (-r.score, r.layer, r.head))
     return table
