@@ -249,13 +249,17 @@ def _prepare_out(out: Path, force: bool) -> Path | None:
     if not earlier:
         raise UsageError(f"--force replaces only an earlier lab run's folder (one with results.json); {out} has "
                          "none, so it is left alone: give a new or empty --out")
-    if not os.access(out.parent if str(out.parent) else Path("."), os.W_OK | os.X_OK):
-        raise UsageError(f"--force needs to write beside {out} (in {out.parent}); permission denied")
+    here = Path.cwd().resolve()
+    if out.resolve() == here or out.resolve() in here.parents:
+        raise UsageError(f"--force would replace {out}, the current folder or one above it; give --out a folder "
+                         "below the current one")
+    if not os.access(out.resolve().parent, os.W_OK | os.X_OK):
+        raise UsageError(f"--force needs to write beside {out} (in {out.resolve().parent}); permission denied")
     import tempfile
 
     from multihead._files import usual_mode
 
-    stage = Path(tempfile.mkdtemp(prefix=f".{out.name}.new-", dir=out.parent))
+    stage = Path(tempfile.mkdtemp(prefix=f".{out.resolve().name}.new-", dir=out.resolve().parent))
     os.chmod(stage, usual_mode(folder=True))  # the mode mkdir gives, not mkdtemp's 0700
     return stage
 
@@ -266,7 +270,10 @@ def _settle(stage: Path, out: Path, res: dict) -> Path:
     stamp = time.strftime("%Y%m%d-%H%M%S")
     if res["interrupted"] or res["diverged"]:
         kind = "interrupted" if res["interrupted"] else "diverged"
-        kept = out.parent / f"{out.name}.{kind}-{stamp}"
+        kept, n = out.parent / f"{out.name}.{kind}-{stamp}", 1
+        while kept.exists():
+            n += 1
+            kept = out.parent / f"{out.name}.{kind}-{stamp}-{n}"
         os.rename(stage, kept)
         res.setdefault("notes", []).append(f"{out} still holds the earlier run: this {kind} run did not replace it")
         return kept
