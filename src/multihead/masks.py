@@ -53,9 +53,10 @@ __all__ = [
     "to_dense",
 ]
 
-# Query rows evaluated at once when a predicate has no analytic tile classes: a strip
-# of rows x S keys (x the batches and heads the predicate depends on).
-_STRIP_ELEMENTS = 1 << 22
+# Pairs evaluated at once when a predicate has no analytic tile classes (x the batches
+# and heads it depends on). Small, so that its temporaries are reused by the allocator:
+# glibc keeps freed multi-MiB blocks in the heap, and 16 MiB patches grew RSS by 1.4 GiB.
+_STRIP_ELEMENTS = 1 << 17
 
 
 class MaskMod:
@@ -175,23 +176,30 @@ def _tile_bounds(T: int, S: int, bq: int, bk: int, device):
 
 
 def _tiles_by_evaluation(mod: MaskMod, B, H, T, S, bq, bk, device) -> tuple[Tensor, Tensor]:
-    """Classify tiles by evaluating the predicate on strips of query rows, never all of (T, S)."""
+    """Classify tiles by evaluating the predicate one patch of whole tiles at a time (at most
+    `_STRIP_ELEMENTS` pairs, so a few MiB of temporaries), never all of (T, S)."""
     nq, nk = -(-T // bq), -(-S // bk)
     b = torch.arange(B, device=device).view(B, 1, 1, 1)
     h = torch.arange(H, device=device).view(1, H, 1, 1)
-    # Keys padded to nk * bk by repeating the last key: duplicates change neither any nor all.
-    kv = torch.arange(nk * bk, device=device).clamp(max=S - 1).view(1, 1, 1, -1)
-    strip = max(1, min(nq, _STRIP_ELEMENTS // max(1, bq * nk * bk)))
-    anys, alls = [], []
-    for i0 in range(0, nq, strip):
-        i1 = min(nq, i0 + strip)
+    kt = max(1, min(nk, _STRIP_ELEMENTS // max(1, bq * bk)))  # key tiles per patch
+    qt = max(1, min(nq, _STRIP_ELEMENTS // max(1, bq * kt * bk)))  # query tiles per patch
+    any_rows, all_rows = [], []
+    for i0 in range(0, nq, qt):
+        i1 = min(nq, i0 + qt)
+        # rows and keys padded to whole tiles by repeating the last one: changes neither any nor all
         rows = torch.arange(i0 * bq, i1 * bq, device=device).clamp(max=T - 1).view(1, 1, -1, 1)
-        m = mod.evaluate(b, h, rows, kv, S - T)
-        m = _as4d(m).expand(m.shape[0] if m.dim() == 4 else 1, -1, rows.shape[2], kv.shape[3])
-        m = m.reshape(m.shape[0], m.shape[1], i1 - i0, bq, nk, bk)  # (Bm, Hm, nq', bq, nk, bk)
-        anys.append(m.any(dim=5).any(dim=3))
-        alls.append(m.all(dim=5).all(dim=3))
-    return torch.cat(anys, dim=2), torch.cat(alls, dim=2)
+        anys, alls = [], []
+        for j0 in range(0, nk, kt):
+            j1 = min(nk, j0 + kt)
+            kv = torch.arange(j0 * bk, j1 * bk, device=device).clamp(max=S - 1).view(1, 1, 1, -1)
+            m = _as4d(mod.evaluate(b, h, rows, kv, S - T))
+            m = m.expand(-1, -1, rows.shape[2], kv.shape[3])
+            m = m.reshape(m.shape[0], m.shape[1], i1 - i0, bq, j1 - j0, bk)  # (Bm, Hm, nq', bq, nk', bk)
+            anys.append(m.any(dim=5).any(dim=3))
+            alls.append(m.all(dim=5).all(dim=3))
+        any_rows.append(torch.cat(anys, dim=3))
+        all_rows.append(torch.cat(alls, dim=3))
+    return torch.cat(any_rows, dim=2), torch.cat(all_rows, dim=2)
 
 
 def tile_classes(mask_mod: MaskMod, B: int, H: int, T: int, S: int, bq: int, bk: int,
