@@ -174,6 +174,9 @@ def test_auto_resolution_is_visible():
     assert mh.resolve_backend(want_weights=False, dropout_p=0.0) == "sdpa"
     assert mh.resolve_backend(want_weights=True, dropout_p=0.0) == "sdpa"
     assert mh.resolve_backend(want_weights=True, dropout_p=0.1) == "math"
+    # torch's CPU kernel has no fused dropout (it falls back to O(N^2) math): the tile engine
+    assert mh.resolve_backend(want_weights=False, dropout_p=0.1, device="cpu") == "tiles"
+    assert mh.resolve_backend(want_weights=False, dropout_p=0.1, device="cuda") == "sdpa"
     assert set(mh.available_backends()) >= {"math", "sdpa", "chunked"}
 
 

@@ -117,7 +117,8 @@ def available_backends() -> dict[str, Backend]:
     return dict(_BACKENDS)
 
 
-def resolve_backend(*, want_weights: bool, dropout_p: float, score_mod: ScoreMod | Callable | None = None) -> str:
+def resolve_backend(*, want_weights: bool, dropout_p: float, score_mod: ScoreMod | Callable | None = None,
+                    device: torch.device | str | None = None) -> str:
     """Resolve "auto" to a backend name, at call time.
 
     The fused kernel serves everything it can, predicate masks included (block-sparse);
@@ -125,11 +126,15 @@ def resolve_backend(*, want_weights: bool, dropout_p: float, score_mod: ScoreMod
     from a separate pass over the heads asked for). Weights *and* dropout together need
     the explicit "math" path, because the weights must describe the dropped-out
     probabilities' source. A score mod that is not a plain additive bias runs on the
-    explicit tile path, whose backward recomputes tiles (O(N) memory). Never compiles.
+    explicit tile path, whose backward recomputes tiles (O(N) memory); so does dropout
+    on the CPU, where torch's fused kernel has no dropout and falls back to its own
+    O(N^2) math path. Never compiles.
     """
     if want_weights and dropout_p > 0:
         return "math"
     if score_mod is not None and getattr(score_mod, "bias", None) is None:
+        return "tiles"
+    if dropout_p > 0 and device is not None and torch.device(device).type == "cpu":
         return "tiles"
     return "sdpa"
 
@@ -198,7 +203,8 @@ def attend(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | MaskMod | Callable | 
 
     name = backend
     if backend == "auto":
-        name = resolve_backend(want_weights=weight_heads is not None, dropout_p=dropout_p, score_mod=score_mod)
+        name = resolve_backend(want_weights=weight_heads is not None, dropout_p=dropout_p, score_mod=score_mod,
+                               device=q.device)
     impl = _get_backend(name, want_weights=weight_heads is not None, dropout_p=dropout_p, score_mod=score_mod)
     if min(q.shape[0], q.shape[1], q.shape[2], k.shape[2]) == 0:
         out, weights = _empty(q, k, v, weight_heads)
