@@ -224,3 +224,117 @@ def test_weights_must_be_finite():
 def test_not_a_capture():
     with pytest.raises(TypeError, match="capture must be an AttentionCapture, got Tensor"):
         render_html(torch.zeros(1, 1, 2, 2))
+
+
+# --- long texts, metadata, the opening head, notebooks --------------------------------
+
+
+LONG = "In the beginning God created the heaven and the earth. " * 64  # 3,520 characters
+
+
+def _long_capture():
+    cap = synthetic_capture(L=2, H=3, T=8)
+    cap.meta.update(text=LONG, special_tokens=["[CLS]", "[SEP]"], causal=False,
+                    truncated={"tokens": 700, "kept": 512, "limit": 512, "reason": "the model's positions"})
+    return cap
+
+
+def test_long_title_and_metadata_are_cut_with_the_full_text_kept():
+    from multihead.inspect.html import META_CHARS, TITLE_CHARS
+
+    page = render_html(_long_capture())
+    data = page_data(page)
+    assert len(data["title"]) <= TITLE_CHARS and data["title"].endswith("\u2026")
+    assert data["title_full"] == f"synthetic: {LONG}"
+    head_title = re.search(r"<title>(.*?)</title>", page, re.S).group(1)
+    h1 = re.search(r'<h1 id="mh-title">(.*?)</h1>', page, re.S).group(1)
+    assert html.unescape(head_title) == html.unescape(h1) == data["title"]
+    assert all(len(v) <= META_CHARS for v in data["meta_short"].values())
+    assert data["meta"]["text"] == LONG  # on demand, in full
+
+
+def test_metadata_is_text_not_python_reprs():
+    data = page_data(render_html(_long_capture()))
+    assert data["meta"]["special_tokens"] == "[CLS], [SEP]"
+    assert data["meta"]["causal"] == "no"
+    assert data["meta"]["truncated"] == "tokens 700, kept 512, limit 512, reason the model's positions"
+    for value in data["meta"].values():
+        assert not re.search(r"\['|\{'|': |\bTrue\b|\bFalse\b|\bNone\b", value), value
+
+
+def test_the_page_opens_on_the_top_ranked_head():
+    cap = synthetic_capture(L=3, H=4, T=8)
+    cap.layers, cap.heads = [1, 3, 5], [0, 2, 4, 6]
+    roles = [HeadRole(5, 4, {"previous_token": 0.9}, "previous_token", 0.9),
+             HeadRole(1, 0, {"first_token": 0.5}, "first_token", 0.5)]
+    assert page_data(render_html(cap, roles))["start"] == {"l": 2, "h": 2}  # layer 5 head 4, by position
+    assert page_data(render_html(cap))["start"] == {"l": 0, "h": 0}
+    uncaptured = [HeadRole(0, 1, {}, "broad", 0.9), *roles]  # ranked first but not captured: skipped
+    assert page_data(render_html(cap, uncaptured))["start"] == {"l": 2, "h": 2}
+
+
+def test_notebook_display_is_the_page_in_a_sandboxed_frame():
+    from multihead.inspect import head_roles
+
+    cap = synthetic_capture(L=2, H=3, T=8)
+    frame = cap._repr_html_()
+    m = re.fullmatch(r'<iframe srcdoc="([^"]*)" sandbox="allow-scripts" title="multihead head view" '
+                     r'style="width: 100%; height: \d+px; border: 0"></iframe>', frame)
+    assert m, frame[:300]
+    inner = html.unescape(m.group(1))
+    assert inner == render_html(cap, head_roles(cap))  # the same self-contained page, roles included
+    urls = re.findall(r"https?://[^\s\"')&]+", inner)
+    assert set(urls) <= {"http://www.w3.org/2000/svg"} and " src=" not in frame, urls  # offline
+    assert page_data(inner)["roles"], "the notebook view shows the role badges"
+
+
+# --- in a browser (skipped without Playwright or Chromium) ------------------------------
+
+# The browser fixtures of test_inspect_browser.py (they skip without Playwright/Chromium).
+from test_inspect_browser import browser, open_view  # noqa: E402,F401
+
+
+@pytest.mark.browser
+@pytest.mark.slow
+def test_page_features_in_a_browser(open_view):  # noqa: F811
+    cap = _long_capture()
+    roles = [HeadRole(1, 2, {"previous_token": 0.9}, "previous_token", 0.9)]
+    page, watch, _ = open_view(render_html(cap, roles))
+    # The title is one line; the full text is behind a <details>.
+    assert len(page.locator("#mh-title").text_content()) <= 120
+    assert page.locator("#mh-title").bounding_box()["height"] < 60
+    assert not page.locator("#mh-full").get_attribute("open")
+    page.click("#mh-full-summary")
+    assert LONG.strip() in page.locator("#mh-full-body").text_content()
+    summary = page.locator("#mh-summary").text_content()
+    assert "special_tokens: [CLS], [SEP]" in summary and "causal: no" in summary and LONG not in summary
+    # Opens on the top-ranked head: layer 1 in the head view, L1 H2 in focus.
+    assert page.input_value("#mh-layer") == "1"
+    assert page.locator("#mh-focus-title").text_content().startswith("Layer 1 head 2")
+    assert "mh-focused" in page.get_attribute("button.mh-cell[data-l='1'][data-h='2']", "class")
+    # The large heatmap's axes carry the tokens, each at its row / column.
+    ys = page.locator("#mh-ylabels span")
+    assert ys.count() == 8 and ys.nth(3).text_content() == cap.tokens[3]
+    assert page.locator("#mh-xlabels span").nth(5).text_content() == cap.tokens[5]
+    canvas = page.locator("#mh-focus").bounding_box()
+    label = ys.nth(3).bounding_box()
+    row_centre = canvas["y"] + canvas["height"] * 3.5 / 8
+    assert abs(label["y"] + label["height"] / 2 - row_centre) < 3
+    watch.check()
+
+
+@pytest.mark.browser
+@pytest.mark.slow
+def test_notebook_frame_renders_offline(open_view):  # noqa: F811
+    cap = synthetic_capture(L=2, H=3, T=8)
+    host = f"<!DOCTYPE html><html><body><h1>notebook</h1>{cap._repr_html_()}</body></html>"
+    page, watch, _ = open_view_frame(open_view, host)
+    frame = page.frames[1]
+    frame.wait_for_selector("html[data-mh-ready='1']", timeout=30_000)
+    assert frame.locator("button.mh-cell").count() == 6
+    watch.check()
+
+
+def open_view_frame(open_view, host: str):  # noqa: F811
+    """open_view waits for the page's ready mark, which a host page lacks: add it."""
+    return open_view(host.replace("<html>", "<html data-mh-ready='1'>", 1), name="notebook.html")

@@ -43,6 +43,13 @@ class AttentionCapture:
         assert (L, H) == (len(self.layers), len(self.heads)), "weights do not match layers/heads"
         assert T == S == len(self.tokens), "weights do not match the tokens"
 
+    def _repr_html_(self) -> str:
+        """Jupyter shows a capture as its head view: the page of `render_html` (roles from
+        `head_roles`) in a sandboxed iframe, self-contained and offline like the file."""
+        from multihead.inspect.html import notebook_html
+
+        return notebook_html(self)
+
     def head(self, layer: int, head: int) -> torch.Tensor:
         """The `(T, T)` weights of one captured (layer, head), by model indices."""
         if layer not in self.layers:

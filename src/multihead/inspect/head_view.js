@@ -69,13 +69,29 @@
   }
   const lut = (w) => 3 * Math.round(Math.sqrt(Math.min(1, Math.max(0, w))) * 255);
 
-  const state = { layer: 0, sel: new Set(D.heads.map((_, h) => h)), hover: null, focus: null };
+  // The page opens on the top-ranked head: its layer in the head view, its heatmap in focus.
+  const START = D.start || { l: 0, h: 0 };
+  const state = { layer: NL ? START.l : 0, sel: new Set(D.heads.map((_, h) => h)), hover: null, focus: null };
 
-  // --- header
+  // --- header: one line of summary (each metadata value cut to a line, the input text left
+  // out), and the full title and metadata on demand.
+  const META = D.meta || {}, META_SHORT = D.meta_short || META;
   $("mh-summary").textContent =
     `${D.model || "model"} \u00b7 ${T} tokens \u00b7 layers ${D.layers.join(", ")} of ${D.n_layers}` +
     ` \u00b7 heads ${D.heads.join(", ")} of ${D.n_heads}` +
-    Object.entries(D.meta).map(([k, v]) => ` \u00b7 ${k}: ${v}`).join("");
+    Object.keys(META).filter((k) => k !== "text").map((k) => ` \u00b7 ${k}: ${META_SHORT[k]}`).join("");
+  const cut = (D.title_full && D.title_full !== D.title) || Object.keys(META).some((k) => META[k] !== META_SHORT[k]);
+  if (cut || META.text) {
+    const body = $("mh-full-body"), list = el("dl");
+    if (D.title_full) {
+      list.append(el("dt", "", "title"), el("dd", "", D.title_full));
+    }
+    for (const [k, v] of Object.entries(META)) list.append(el("dt", "", k), el("dd", "", v));
+    body.append(list);
+    const n = (META.text || D.title_full || "").length;
+    $("mh-full-summary").textContent = `full text and metadata (${n.toLocaleString("en")} characters)`;
+    $("mh-full").hidden = false;
+  }
   for (const line of D.note) $("mh-note").append(el("li", "", line));
 
   // --- head view
@@ -85,6 +101,7 @@
     o.value = String(l);
     layerSel.append(o);
   });
+  layerSel.value = String(state.layer);
   layerSel.addEventListener("change", () => {
     state.layer = Number(layerSel.value);
     buildHeads();
@@ -316,6 +333,19 @@
     $("mh-focus-title").textContent = `Layer ${D.layers[l]} head ${D.heads[h]}` + (r ? ` \u00b7 ${roleLabel(r)}` : "");
     if (T) heat(focusCanvas, l, h, Math.min(T, 512));
   }
+
+  // Token labels on the large heatmap's axes: queries down the left, keys along the top;
+  // at most AXIS_MAX of each (every step-th token), placed at their row / column centre.
+  const AXIS_MAX = 48, step = Math.max(1, Math.ceil(T / AXIS_MAX));
+  for (const [box, axis] of [[$("mh-ylabels"), "top"], [$("mh-xlabels"), "left"]]) {
+    for (let i = 0; i < T; i += step) {
+      const e = el("span", "", show(D.tokens[i]));
+      e.style[axis] = `${((i + 0.5) / T) * 100}%`;
+      e.title = `${i}: ${D.tokens[i]}`;
+      e.dataset.i = String(i);
+      box.append(e);
+    }
+  }
   focusCanvas.addEventListener("mousemove", (ev) => {
     if (!state.focus || !T) return;
     const [l, h] = state.focus, box = focusCanvas.getBoundingClientRect();
@@ -341,7 +371,7 @@
 
   buildHeads();
   draw();
-  if (NL && NH) focus(0, 0);
+  if (NL && NH) focus(START.l, START.h);
   document.documentElement.dataset.mhReady = "1";
   window.mhLoadMs = performance.now();
 })();

@@ -10,6 +10,12 @@ To stay usable at 512 tokens x 72 heads the weights are stored compactly (the fo
 in `_encode`): each query row keeps its top-k weights, quantised to 8 bits against the
 row's largest weight. The page states what was dropped, with the kept mass measured on
 the float weights.
+
+A long text does not push the views off the first screen: the title and each metadata
+value are cut to a line (TITLE_CHARS, META_CHARS) and the full text is one click away.
+The page opens on the top-ranked head (its layer in the head view, its heatmap in
+focus). `notebook_html` wraps the same page in an iframe for Jupyter
+(`AttentionCapture._repr_html_`).
 """
 
 from __future__ import annotations
@@ -33,6 +39,8 @@ from multihead.inspect.capture_types import AttentionCapture, HeadRole
 _AUTO_ENTRIES = 1 << 21
 _MIN_AUTO_K = 8
 _ASSETS = ("head_view.html", "head_view.css", "head_view.js")
+TITLE_CHARS = 120  # the title (h1, <title>) beyond this is cut; the full text is on demand
+META_CHARS = 80  # likewise each metadata value in the summary line
 
 
 def render_html(
@@ -83,11 +91,18 @@ def render_html(
     if title is None:
         text = str(capture.meta.get("text") or " ".join(tokens[:12]) + (" ..." if T > 12 else ""))
         title = f"{capture.model or 'attention'}: {text}"
+    title = str(title)
+    short_title = _cut(" ".join(title.split()), TITLE_CHARS)
     dropped["truncated_tokens"] = T_all - T
     captured = {(layer, head) for layer in capture.layers for head in capture.heads}
+    ranked = [r for r in roles or () if (r.layer, r.head) in captured]
+    top = ranked[0] if ranked else None
     data = {
         "version": 1,
-        "title": title,
+        "title": short_title,
+        "title_full": title,
+        "start": ({"l": capture.layers.index(top.layer), "h": capture.heads.index(top.head)}
+                  if top is not None else {"l": 0, "h": 0}),
         "model": capture.model,
         "tokens": tokens,
         "token_ids": [int(i) for i in capture.token_ids[:T]],
@@ -101,9 +116,11 @@ def render_html(
         "roles": [_role_json(r) for r in roles or () if (r.layer, r.head) in captured],
         "dropped": dropped,
         "note": _notes(dropped, tokens, capture.layers, capture.heads, T, T_all),
-        "meta": {str(key): str(value) for key, value in capture.meta.items()},
+        "meta": {str(key): _meta_text(value) for key, value in capture.meta.items()},
+        "meta_short": {str(key): _cut(" ".join(_meta_text(value).split()), META_CHARS)
+                       for key, value in capture.meta.items()},
     }
-    page = _page(title, data)
+    page = _page(short_title, data)
     if path is not None:
         from multihead._files import write_text
 
@@ -111,6 +128,44 @@ def render_html(
         # be encoded, a full disk or Ctrl-C leave an existing page as it was, never truncated
         write_text(path, page)
     return page
+
+
+def notebook_html(capture: AttentionCapture, roles: list[HeadRole] | None = None, *, height: int = 780,
+                  **kwargs) -> str:
+    """The page of `render_html` in an iframe, for a Jupyter cell (`_repr_html_`).
+
+    The page goes in `srcdoc`, so it stays self-contained and offline (its CSP applies
+    inside the frame) and its styles and element ids cannot clash with the notebook's.
+    `sandbox="allow-scripts"` runs the page's one script in an opaque origin: it reads
+    no cookie or storage of the notebook. roles default to `head_roles(capture)`.
+    """
+    if roles is None:
+        from multihead.inspect.roles import head_roles
+
+        roles = head_roles(capture)
+    page = render_html(capture, roles, **kwargs)
+    return (f'<iframe srcdoc="{html_lib.escape(page, quote=True)}" sandbox="allow-scripts" '
+            f'title="multihead head view" style="width: 100%; height: {int(height)}px; border: 0"></iframe>')
+
+
+def _cut(text: str, limit: int) -> str:
+    return text if len(text) <= limit else text[: limit - 1].rstrip() + "\u2026"
+
+
+def _meta_text(value) -> str:
+    """Metadata as a person writes it, not a Python repr: lists comma-separated, mappings
+    as 'key value' pairs, booleans yes/no."""
+    if isinstance(value, bool):
+        return "yes" if value else "no"
+    if value is None:
+        return "none"
+    if isinstance(value, (list, tuple, set, frozenset)):
+        return ", ".join(_meta_text(v) for v in value) or "none"
+    if isinstance(value, dict):
+        return ", ".join(f"{k} {_meta_text(v)}" for k, v in value.items()) or "none"
+    if isinstance(value, float):
+        return f"{value:g}"
+    return str(value)
 
 
 def _choose_k(n_rows: int, T: int, top_k: int | None) -> int:
