@@ -11,11 +11,11 @@ Two ways to split attention when one process is not enough:
   sequence outgrow a device; memory per rank is O(N/P).
 
 `shard_sequence` / `gather_sequence` cut a sequence into the shards these expect and
-put it back together.
+put it back together; `shard_positions` gives a shard's global token positions.
 """
 
 from multihead.distributed._group import ProcessGroupError
-from multihead.distributed.context import context_parallel
+from multihead.distributed.context import context_parallel, shard_positions
 from multihead.distributed.heads import shard_heads
 from multihead.distributed.ring import ring_attention
 from multihead.distributed.sequence import gather_sequence, shard_sequence
@@ -26,5 +26,6 @@ __all__ = [
     "gather_sequence",
     "ring_attention",
     "shard_heads",
+    "shard_positions",
     "shard_sequence",
 ]

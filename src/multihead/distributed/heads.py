@@ -106,9 +106,9 @@ class _ShardedAttention(_HeadSharded):
 
 
 class _ShardedLatent(_HeadSharded):
-    def latents(self, x: Tensor, offset: int = 0) -> Tensor:
+    def latents(self, x: Tensor, offset: int = 0, **kwargs) -> Tensor:
         # Every rank's heads read the one replicated latent: its gradient is their sum.
-        return _SumGrad.apply(super().latents(x, offset), self.tp_mesh.get_group())
+        return _SumGrad.apply(super().latents(x, offset, **kwargs), self.tp_mesh.get_group())
 
 
 _CLASSES: dict[type, type] = {}

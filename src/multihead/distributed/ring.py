@@ -407,6 +407,8 @@ def ring_attention(
 
     GQA/MQA: Hkv divides H; K/V are sent and read with Hkv heads, never repeated. No
     dropout (the ring is meant for long sequences, where models train without it).
+    `_kernel="explicit"` forces the explicit per-block path (for tests; default: the
+    fused CPU kernel on CPU, the explicit path elsewhere).
     """
     group = resolve_group(group, "ring_attention")
     check_layout(layout)
