@@ -202,22 +202,19 @@ class _Ring:
 def _blocks(q_chunks: list[int], kv_chunks: list[int], c: int, causal: bool, T: int, S: int):
     """The (query rows, key rows, diagonal) blocks to compute for one pair of shards.
 
-    Chunk ids are global (ascending within a shard) and every chunk holds c tokens. Under
-    causality a key chunk before the query chunk is attended wholly, the same chunk is
-    the causal diagonal and a later one is skipped; the wholly attended key chunks are a
-    prefix of the shard, so each query chunk makes at most two kernel calls.
+    Chunk ids are global and every chunk holds c tokens. Under causality a key chunk
+    before the query chunk is attended wholly, the same chunk is the causal diagonal
+    and a later one is skipped. One kernel call per (query chunk, key chunk): the
+    backward's dK/dV of a call then span one chunk, not the shard, which keeps the
+    peak memory down.
     """
     if not causal:
         return [((0, T), (0, S), False)]
     blocks = []
     for i, a in enumerate(q_chunks):
-        rows = (i * c, (i + 1) * c)
-        before = sum(1 for b in kv_chunks if b < a)
-        if before:
-            blocks.append((rows, (0, before * c), False))
-        if a in kv_chunks:
-            j = kv_chunks.index(a)
-            blocks.append((rows, (j * c, (j + 1) * c), True))
+        for j, b in enumerate(kv_chunks):
+            if b <= a:
+                blocks.append(((i * c, (i + 1) * c), (j * c, (j + 1) * c), b == a))
     return blocks
 
 
