@@ -268,6 +268,9 @@ def test_scaling_keeps_head_dim_and_group_ratio(C, H, K):
     assert kind(fields["n_heads"], fields["n_kv_heads"]) == kind(H, K), "the variant stays what it was"
     assert notes and f"head_dim {C // H}" in notes[0] and f"= {H // K} kept" in notes[0] and "d_model" in notes[0]
     InductionConfig(**fields)  # a valid config
+    quick, quick_notes = scale_induction(layers=2, d_model=C, n_heads=H, n_kv_heads=K, quick=True)
+    assert quick == {**fields, "steps": 100, "batch_size": 16, "eval_every": 25, "eval_sequences": 32}
+    assert "smoke run" in quick_notes[-1]
 
 
 def test_scaling_mla_and_small_geometries():
@@ -290,10 +293,12 @@ def test_the_command_plan_prints_runs(tmp_path, capsys, one_thread):  # noqa: F8
     """The exact check `multihead plan --params ...` prints for a GQA geometry, with --quick."""
     out = tmp_path / "ind"
     argv = "lab induction --layers 2 --d-model 4096 --n-heads 32 --n-kv-heads 4 --quick --no-progress".split()
-    assert main([*argv, "--out", str(out), "--steps", "40"]) == 0
+    assert main([*argv, "--out", str(out)]) == 0
     printed = capsys.readouterr().out
     assert "scaled to train in minutes on a CPU" in printed and "head_dim 128" in printed
+    assert "--quick: a smoke run of 100 steps" in printed
     res = load_results(out, required=["geometry", "final_accuracy"])
+    assert (res["config"]["steps"], res["config"]["batch_size"]) == (100, 16)
     g = res["results"]["geometry"]
     assert (g["variant"], g["head_dim"], g["n_heads"] // g["n_kv_heads"]) == ("GQA", 128, 8)
     assert "4 KV heads (GQA)" in g["scaled_from"]

@@ -331,10 +331,12 @@ def _configure(args):
         base = InductionConfig.quick() if args.quick else InductionConfig()
         geometry, notes = scale_induction(variant=args.variant, layers=args.n_layers, d_model=args.d_model,
                                           n_heads=args.n_heads, n_kv_heads=args.n_kv_heads, kv_rank=args.kv_rank,
-                                          rope_dim=args.rope_dim, base=base)
+                                          rope_dim=args.rope_dim, base=base, quick=args.quick)
         for line in notes:
             print(f"multihead lab induction: {line}", flush=True)
-        return run_induction, build(InductionConfig, vocab=args.vocab, seq_len=args.seq_len, **geometry, **common)
+        given = {k: v for k, v in common.items() if v is not None}  # --steps etc. win over --quick's smoke run
+        return run_induction, build(InductionConfig, **{**geometry, "vocab": args.vocab, "seq_len": args.seq_len,
+                                                        **given})
     raise UsageError(f"unknown experiment {args.experiment!r}; valid: {', '.join(EXPERIMENTS)}")
 
 

@@ -154,7 +154,7 @@ SCALED_D_MODEL, SCALED_LAYERS, SCALED_HEADS = 64, 2, 4
 
 def scale_induction(*, variant: str | None = None, layers: int | None = None, d_model: int | None = None,
                     n_heads: int | None = None, n_kv_heads: int | None = None, kv_rank: int | None = None,
-                    rope_dim: int | None = None, base: InductionConfig | None = None
+                    rope_dim: int | None = None, base: InductionConfig | None = None, quick: bool = False
                     ) -> tuple[dict, list[str]]:
     """InductionConfig fields for a head geometry, and the lines saying what was scaled.
 
@@ -169,6 +169,10 @@ def scale_induction(*, variant: str | None = None, layers: int | None = None, d_
       it stays GQA), H -> G * Hkv (an MQA model, G = H, keeps all its H heads: fewer would
       change the ratio); MLA: H -> at most 4;
     - MLA's kv_rank R -> R * 64 / C (the latent's share of the width), at least 8.
+
+    With `quick`, a scaled geometry also trains a smoke run (100 steps of 16 sequences):
+    its heads are wide (16 heads of 128 for a 7B's GQA), so the usual quick run would take
+    minutes rather than seconds.
 
     Raises ValueError (naming the flags) for a geometry that is not one.
     """
@@ -247,4 +251,12 @@ def scale_induction(*, variant: str | None = None, layers: int | None = None, d_
     fields["scaled_from"] = asked
     changed = [f"{name} {a} -> {b}" for name, a, b in (("layers", L, L2), ("d_model", C, C2)) if a != b]
     notes = [f"scaled to train in minutes on a CPU: {', '.join(changed + heads)}; {kept}", f"asked: {asked}"]
+    if quick:
+        fields |= QUICK_SCALED
+        notes.append(f"--quick: a smoke run of {QUICK_SCALED['steps']} steps of {QUICK_SCALED['batch_size']} "
+                     "sequences (induction needs the full run to form)")
     return fields, notes
+
+
+# --quick for a scaled geometry: its heads are wide, so fewer and smaller steps
+QUICK_SCALED = {"steps": 100, "batch_size": 16, "eval_every": 25, "eval_sequences": 32}
