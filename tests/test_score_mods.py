@@ -189,3 +189,26 @@ def test_tiles_dropout_is_unbiased():
     q, k, v = torch.zeros(1, 1, 4, 4), torch.zeros(1, 1, 3000, 4), torch.ones(1, 1, 3000, 4)
     out = mh.scaled_dot_product_attention(q, k, v, dropout_p=0.5, backend="tiles")
     assert 0.9 < out.mean().item() < 1.1 and out.std().item() < 0.2
+
+
+def test_a_learned_bias_trains_under_auto_and_is_refused_by_the_tile_backends():
+    """A score mod holding a tensor that requires grad: "auto" runs it where autograd trains
+    it (gradients equal the math path's); the recomputing backends refuse it by name."""
+    q, k, v = _qkv(T=6, S=6)
+    table = torch.randn(4, 12, dtype=torch.float64, requires_grad=True)
+
+    def rel(score, b, h, q_idx, kv_idx):
+        return score + table[h, q_idx - kv_idx + 6]
+
+    grads = {}
+    for backend in ("math", "auto"):
+        out = mh.scaled_dot_product_attention(q, k, v, causal=True, score_mod=rel, backend=backend)
+        grads[backend] = torch.autograd.grad(out.square().sum(), table)[0]
+    assert_close(grads["auto"], grads["math"], what="d table")
+    for backend in ("tiles", "sdpa"):
+        with pytest.raises(ValueError, match="require grad"):
+            mh.scaled_dot_product_attention(q, k, v, causal=True, backend=backend,
+                                            score_mod=score_mods.ScoreMod(rel, "rel", bias=lambda b, h, qi, kv: 0))
+    with torch.no_grad():  # no training: the tile engine is fine
+        out = mh.scaled_dot_product_attention(q, k, v, causal=True, score_mod=rel, backend="tiles")
+        assert_close(out, mh.scaled_dot_product_attention(q, k, v, causal=True, score_mod=rel, backend="math"))

@@ -189,6 +189,10 @@ def fused(q: Tensor, k: Tensor, v: Tensor, mask, *, causal: bool, scale: float, 
     """
     B, H, T, _ = q.shape
     S, Dv = k.shape[2], v.shape[-1]
+    if score_mod is not None and torch.is_grad_enabled() and score_mod.trainable(q.device):
+        raise ValueError(f"score mod {score_mod.name} holds tensors that require grad; the fused kernel takes "
+                         f"its bias as a mask and would not train them: use backend 'chunked' or 'math' "
+                         f"(what 'auto' picks for such a mod)")
     pred, dense = _combine(mask, causal)
     bq, bk, kept, full = _choose_tile(pred, B, H, T, S, q.shape[1] // k.shape[1], tile or FUSED_TILE, q.device)
     if _CPU_FLASH is not None and q.device.type == "cpu" and dropout_p == 0 and q.shape[-1] == Dv \
@@ -508,6 +512,10 @@ class _ExplicitTiles(torch.autograd.Function):
 def explicit(q: Tensor, k: Tensor, v: Tensor, mask, *, causal: bool, scale: float, dropout_p: float,
              score_mod=None, tile: int | None = None) -> Tensor:
     """softmax(score_mod(q k^T * scale) + mask) v over kept tiles, O(N) memory in training."""
+    if score_mod is not None and torch.is_grad_enabled() and score_mod.trainable(q.device):
+        raise ValueError(f"score mod {score_mod.name} holds tensors that require grad; the 'tiles' backend's "
+                         f"recomputing backward would not train them: use backend 'chunked' or 'math' "
+                         f"(what 'auto' picks for such a mod)")
     pred, dense = _combine(mask, causal)
     seed = int(torch.randint(0, 2 ** 62, (1,)).item()) if dropout_p > 0 else 0
     tiles = _Tiles(q, k, v, pred, dense, score_mod, scale, dropout_p, tile or EXPLICIT_TILE, seed)

@@ -128,10 +128,13 @@ def resolve_backend(*, want_weights: bool, dropout_p: float, score_mod: ScoreMod
     probabilities' source. A score mod that is not a plain additive bias runs on the
     explicit tile path, whose backward recomputes tiles (O(N) memory); so does dropout
     on the CPU, where torch's fused kernel has no dropout and falls back to its own
-    O(N^2) math path. Never compiles.
+    O(N^2) math path. A score mod holding tensors that require grad (a learned bias)
+    runs where autograd sees it ("chunked", or "math" with dropout). Never compiles.
     """
     if want_weights and dropout_p > 0:
         return "math"
+    if isinstance(score_mod, ScoreMod) and torch.is_grad_enabled() and score_mod.trainable(device):
+        return "math" if dropout_p > 0 else "chunked"  # autograd trains what the mod captured
     if score_mod is not None and getattr(score_mod, "bias", None) is None:
         return "tiles"
     if dropout_p > 0 and device is not None and torch.device(device).type == "cpu":

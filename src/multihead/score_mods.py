@@ -63,6 +63,18 @@ class ScoreMod:
         if self._check is not None:
             self._check(B, H, T, S)
 
+    def trainable(self, device=None) -> bool:
+        """Whether the mod captures tensors that require grad (a learned bias): probed on one
+        score that does not. Such a mod needs a backend whose backward is autograd's."""
+        zero = torch.zeros(1, 1, 1, 1, device=device)
+        index = torch.zeros(1, 1, 1, 1, dtype=torch.long, device=device)
+        try:
+            with torch.enable_grad():
+                out = self.fn(zero, index, index, index, index)
+        except Exception:  # the probe's indices mean nothing to this mod; the real call will tell
+            return False
+        return isinstance(out, Tensor) and out.requires_grad
+
     def apply(self, score: Tensor, b: Tensor, h: Tensor, rows: Tensor, kv: Tensor, shift: int) -> Tensor:
         """The mod on a tile of scores at query rows `rows` (0..T-1); shift = S - T."""
         out = self.fn(score, b, h, rows if self.top_left else rows + shift, kv)
