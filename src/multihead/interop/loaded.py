@@ -195,7 +195,7 @@ class HFModel(LoadedModel):
         return {layer: request.get(self.layers[layer]) for layer in heads}
 
 
-_REACHES = ("inspect works on models whose attention does (BERT/RoBERTa, GPT-2, Llama, Mistral, Qwen2/3, "
+_REACHES = ("capturing works on models whose attention does (BERT/RoBERTa, GPT-2, Llama, Mistral, Qwen2/3, "
             "Gemma-2, Phi-3, GPT-NeoX, BART, T5, ViT, DeepSeek-V2, ...; Falcon does not)")
 
 
@@ -204,11 +204,12 @@ def _use_multihead(model, name: str) -> None:
     try:
         import multihead.interop.hf  # noqa: F401 (registers "multihead")
     except ImportError as err:
-        raise ModelError(f"inspecting a Hugging Face model needs transformers ({err})") from None
+        raise ModelError(f"capturing a Hugging Face model needs transformers: pip install 'multihead[hf]' "
+                         f"({err})") from None
     config = getattr(model, "config", None)
     if config is None or not hasattr(model, "set_attn_implementation"):
         raise ModelError(f"{name!r}: a {type(model).__name__} is not a transformers model "
-                           "(no config / set_attn_implementation)")
+                         "(no config / set_attn_implementation)")
     if getattr(config, "_attn_implementation", None) != "multihead":
         try:
             model.set_attn_implementation("multihead")
@@ -216,5 +217,5 @@ def _use_multihead(model, name: str) -> None:
             raise ModelError(f"{name!r}: cannot run on attn_implementation='multihead' ({err})") from None
     if getattr(config, "_attn_implementation", None) != "multihead":
         raise ModelError(f"{name!r} ({type(model).__name__}): transformers cannot switch its attention "
-                           "implementation, because its attention does not go through the attention registry; "
-                           + _REACHES)
+                         "implementation, because its attention does not go through the attention registry; "
+                         + _REACHES)
