@@ -91,7 +91,7 @@ def _choose_tile(pred, B, H, T, S, G, tile, device):
         bq, bk = tile_sizes(T, S, tile or 128)
         return (bq, bk, *plan(pred, B, H, T, S, bq, bk, device))
     best = None
-    for c in _FUSED_CANDIDATES:
+    for c in _FUSED_CANDIDATES if T > _FUSED_CANDIDATES[0] else (256,):  # decoding: one plan, one block
         bq, bk = tile_sizes(T, S, c)
         kept, full = plan(pred, B, H, T, S, bq, bk, device)
         # seconds at ~20 GFLOP/s per thread and head, plus ~0.5 ms per call (mask, merge, dispatch)
