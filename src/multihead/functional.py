@@ -33,7 +33,8 @@ output is NaN exactly when its query holds a NaN or a key or value it may attend
 one; a NaN in a key or value the mask hides has no effect (its weights: NaN when the
 query or an attended key holds one). The fused kernel alone would spread a hidden
 NaN value to every row (0 * NaN), so an output with a NaN is recomputed once with the
-NaNs replaced and the rule applied row by row; clean inputs pay one check of `out`.
+NaNs replaced and the rule applied row by row; clean inputs pay one check of `out`
+(skipped under torch.compile, where the check would split the graph).
 
 Empty problems (B, H, T or S = 0) return empty or zero outputs of the right shape.
 """
