@@ -214,7 +214,8 @@ def _summary(cfg: InductionConfig, r: dict, last: dict) -> str:
     if g.get("scaled_from"):
         parts.append(f"Trained {g['variant']} with {g['n_layers']} layers, d_model {g['d_model']}, {g['n_heads']} "
                      f"heads of {g['head_dim']}" + (f", kv_rank {g['kv_rank']}, rope_dim {g['rope_dim']}"
-                                                    if g["variant"] == "MLA" else f", {g['n_kv_heads']} KV heads")
+                                                    if g["variant"] == "MLA"
+                                                    else f", {g['n_kv_heads']} KV head{'s' * (g['n_kv_heads'] > 1)}")
                      + f": the CPU-sized version of {g['scaled_from']}.")
     parts += [f"After {r['steps_done']} steps the model predicts B in `A B ... A -> B` with "
              f"{100 * r['final_accuracy']:.1f}% accuracy (chance about {100 * r['chance_accuracy']:.1f}%; "
