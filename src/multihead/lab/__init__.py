@@ -9,7 +9,10 @@ safetensors checkpoint that `multihead inspect --model FOLDER` opens:
 - `run_mla`: how small can MLA's latent be? (character LM on the King James Bible)
 - `run_induction`: when do induction heads appear? (2-layer attention-only model)
 
-torch and matplotlib are imported inside the experiments.
+torch and matplotlib are imported inside the experiments (matplotlib is optional:
+without it the plots are skipped with a note). `scale_induction` turns a real model's
+head geometry into a CPU-sized `InductionConfig` (what `multihead lab induction --layers
+2 --d-model 4096 --n-heads 32 --n-kv-heads 4` trains).
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ _LAZY = {
     "run_induction": "multihead.lab.induction", "InductionConfig": "multihead.lab.induction",
     "load_lab_checkpoint": "multihead.lab.checkpoint", "capture_lab": "multihead.lab.checkpoint",
     "check_results": "multihead.lab.common",
+    "scale_induction": "multihead.lab.configs",
 }
 __all__ = list(_LAZY)
 
