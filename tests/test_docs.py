@@ -1,0 +1,253 @@
+"""The docs run: every code block of README.md and docs/*.md is executed.
+
+- Python blocks run in order within a file, all of a file's blocks in one fresh
+  subprocess (a later block may use the names an earlier one defined), in a temporary
+  folder holding the files the docs name (config.json files of public models).
+- Shell blocks: each line that starts with `multihead` runs as `python -m multihead ...`;
+  lab commands get `--quick` (they train). Other lines (`make run`, `pip install`) are
+  set-up instructions and are not run here.
+- A block preceded by `<!-- docs-test: skip (reason) -->` is deliberately abridged (or
+  needs what CI has not got) and is skipped; the reason is required.
+- A quoted output (a fence without a language right after a shell block of one command)
+  is compared with what the command prints: every quoted line must appear in the output,
+  except lines holding "..." (the doc's mark for an abridged line).
+
+Blocks that load the MiniLM model or train are marked slow; the rest takes seconds.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shlex
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from plan_public_configs import CONFIGS
+
+ROOT = Path(__file__).resolve().parent.parent
+DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+SKIP = re.compile(r"<!--\s*docs-test:\s*skip\s*\((?P<reason>[^)]+)\)\s*-->")
+SHELL = {"bash", "sh", "shell", "console"}
+HEAVY = re.compile(r"\b(capture|induction_scores|head_roles|AutoModel|from_pretrained|multihead inspect)\b|"
+                   r"\bmultihead lab\b")
+TIMEOUT = 600
+# Files whose light blocks still take over ~10 s on 2 cores (DeepSeek-sized MLA layers).
+SLOW_FILES = {"docs/mla.md"}
+
+# Files the docs name, with the public config.json of the model they name.
+FIXTURES = {
+    "config.json": "llama-3-8b",
+    "Meta-Llama-3-8B/config.json": "llama-3-8b",
+    "llama3.json": "llama-3-8b",
+    "gemma2.json": "gemma-2-9b",
+    "deepseek-v2-lite.json": "deepseek-v2-lite",
+    "mixtral/config.json": "mixtral-8x7b",
+    "gpt-oss-20b.json": "gpt-oss-20b",
+    "qwen3-30b-a3b.json": "qwen3-30b-a3b",
+}
+
+
+@dataclass
+class Block:
+    path: Path
+    line: int  # 1-based line of the opening fence
+    lang: str
+    code: str
+    skip: str | None  # the reason, when marked skip
+    output_of: Block | None = None  # for a quoted output: the shell block it quotes
+
+    @property
+    def id(self) -> str:
+        return f"{self.path.relative_to(ROOT)}:{self.line}"
+
+
+def blocks(path: Path) -> list[Block]:
+    """The fenced blocks of a Markdown file, each with its skip mark and quoted output."""
+    lines = path.read_text(encoding="utf-8").splitlines()
+    out: list[Block] = []
+    i = 0
+    while i < len(lines):
+        m = re.match(r"^(```+|~~~+)\s*([\w+-]*)", lines[i])
+        if not m:
+            i += 1
+            continue
+        fence, lang, start = m.group(1), m.group(2).lower(), i
+        j = i + 1
+        while j < len(lines) and not lines[j].startswith(fence):
+            j += 1
+        prev = next((lines[k] for k in range(start - 1, -1, -1) if lines[k].strip()), "")
+        skip = SKIP.search(prev)
+        block = Block(path, start + 1, lang, "\n".join(lines[start + 1 : j]), skip and skip.group("reason"))
+        if not lang and out and out[-1].lang in SHELL and start - (out[-1].line + out[-1].code.count("\n") + 2) <= 8:
+            block.output_of = out[-1]
+        out.append(block)
+        i = j + 1
+    return out
+
+
+ALL = [b for p in DOCS for b in blocks(p)]
+PYTHON_FILES = sorted({b.path for b in ALL if b.lang == "python"})
+SHELL_BLOCKS = [b for b in ALL if b.lang in SHELL]
+OUTPUTS = [b for b in ALL if b.output_of is not None]
+
+
+def _commands(block: Block) -> list[str]:
+    """The `multihead ...` lines of a shell block, comments removed, lab commands --quick."""
+    cmds = []
+    for raw in block.code.splitlines():
+        line = raw.strip()
+        if not line.startswith("multihead "):
+            continue
+        line = re.sub(r"\s+#.*$", "", line)
+        if line.startswith("multihead lab ") and "--quick" not in line:
+            line += " --quick"
+        cmds.append(line)
+    return cmds
+
+
+def _env() -> dict:
+    env = dict(os.environ)
+    env.update(HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", OMP_NUM_THREADS="1", MPLBACKEND="Agg",
+               PYTHONPATH=str(ROOT / "src") + os.pathsep + env.get("PYTHONPATH", ""))
+    return env
+
+
+@pytest.fixture()
+def workdir(tmp_path):
+    for name, model in FIXTURES.items():
+        path = tmp_path / name
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(CONFIGS[model]))
+    return tmp_path
+
+
+def _run_multihead(cmd: str, cwd: Path) -> subprocess.CompletedProcess:
+    argv = shlex.split(cmd)
+    proc = subprocess.run([sys.executable, "-m", "multihead", *argv[1:]], cwd=cwd, env=_env(),
+                          capture_output=True, text=True, timeout=TIMEOUT)
+    return proc
+
+
+def _marks(heavy: bool):
+    return [pytest.mark.slow] if heavy else []
+
+
+# --- Python blocks -------------------------------------------------------------------
+
+
+def _python_blocks(path: Path, light_only: bool) -> list[Block]:
+    return [b for b in ALL if b.path == path and b.lang == "python" and not b.skip
+            and not (light_only and HEAVY.search(b.code))]
+
+
+def _python_params():
+    # Every file's light blocks (no model to load) run in the fast suite; a file with
+    # heavy blocks also runs whole, in order, in the slow suite.
+    out = []
+    for path in PYTHON_FILES:
+        name = str(path.relative_to(ROOT))
+        light, every = _python_blocks(path, True), _python_blocks(path, False)
+        if light:
+            out.append(pytest.param(path, True, id=f"{name}-light", marks=_marks(name in SLOW_FILES)))
+        if len(every) > len(light):
+            out.append(pytest.param(path, False, id=f"{name}-all", marks=[pytest.mark.slow]))
+    return out
+
+
+@pytest.mark.parametrize("path, light_only", _python_params())
+def test_python_blocks_run(path, light_only, workdir):
+    parts = []
+    for b in _python_blocks(path, light_only):
+        # Each block prints where it starts, so a failure names its block.
+        parts.append(f"print('--- block {b.id}', flush=True)\n{b.code}")
+    script = workdir / "blocks.py"
+    script.write_text("\n\n".join(parts), encoding="utf-8")
+    proc = subprocess.run([sys.executable, str(script)], cwd=workdir, env=_env(), capture_output=True,
+                          text=True, timeout=TIMEOUT)
+    started = re.findall(r"--- block (\S+)", proc.stdout)
+    assert proc.returncode == 0, (f"{path.name}: the block at {started[-1] if started else '?'} failed:\n"
+                                  f"{proc.stderr[-3000:]}")
+
+
+# --- shell blocks --------------------------------------------------------------------
+
+
+def _shell_params():
+    out = []
+    for b in SHELL_BLOCKS:
+        cmds = _commands(b)
+        if not cmds:
+            continue
+        marks = _marks(any(HEAVY.search(c) for c in cmds))
+        if b.skip:
+            marks.append(pytest.mark.skip(reason=f"docs-test: skip ({b.skip})"))
+        out.append(pytest.param(b, id=b.id, marks=marks))
+    return out
+
+
+@pytest.mark.parametrize("block", _shell_params())
+def test_shell_blocks_run(block, workdir):
+    for cmd in _commands(block):
+        proc = _run_multihead(cmd, workdir)
+        assert proc.returncode == 0, f"{block.id}: `{cmd}` exited {proc.returncode}:\n{proc.stderr[-3000:]}"
+        assert "Traceback" not in proc.stderr
+
+
+# --- quoted outputs ------------------------------------------------------------------
+
+
+def _output_params():
+    out = []
+    for b in OUTPUTS:
+        cmds = _commands(b.output_of)
+        if len(cmds) != 1:
+            continue
+        marks = _marks(bool(HEAVY.search(cmds[0])))
+        if b.skip or b.output_of.skip:
+            marks.append(pytest.mark.skip(reason=f"docs-test: skip ({b.skip or b.output_of.skip})"))
+        out.append(pytest.param(b, id=b.id, marks=marks))
+    return out
+
+
+def _norm(line: str) -> str:
+    return " ".join(line.split())
+
+
+@pytest.mark.parametrize("block", _output_params())
+def test_quoted_outputs_match(block, workdir):
+    (cmd,) = _commands(block.output_of)
+    proc = _run_multihead(cmd, workdir)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    printed = proc.stdout.replace(str(workdir.resolve()) + os.sep, "/home/you/")
+    actual = [_norm(line) for line in printed.splitlines()]
+    missing = []
+    for quoted in block.code.splitlines():
+        q = _norm(quoted)
+        if not q or "..." in q:
+            continue
+        if not any(q in line for line in actual):
+            missing.append(quoted)
+    assert not missing, (f"{block.id}: quoted lines not in the output of `{cmd}`:\n" + "\n".join(missing)
+                         + "\n--- actual output:\n" + proc.stdout[:4000])
+
+
+def test_every_skip_mark_gives_a_reason():
+    for path in DOCS:
+        for n, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
+            if "docs-test" in line:
+                assert SKIP.search(line), f"{path.name}:{n}: write <!-- docs-test: skip (reason) -->"
+
+
+def test_the_extraction_finds_the_blocks():
+    # A guard against an extractor that silently finds nothing: README has shell and
+    # Python blocks and plan.md quotes an output.
+    readme = blocks(ROOT / "README.md")
+    assert sum(b.lang == "python" for b in readme) >= 5
+    assert any(_commands(b) for b in readme if b.lang in SHELL)
+    assert any(b.output_of is not None for b in blocks(ROOT / "docs" / "plan.md"))
