@@ -183,3 +183,24 @@ def test_inspect_captures_a_patched_model():
     with torch.no_grad():
         want = ref(torch.tensor([cap.token_ids]), output_attentions=True).attentions[1][0, [0, 3]]
     assert_close(cap.weights[0], want, atol=1e-5, rtol=0, what="patched DeepSeek capture vs eager")
+
+
+@pytest.mark.slow
+def test_decode_benchmark_runs(tmp_path):
+    """benchmarks/hf_mla.py --quick: exits 0 only if every way gives transformers' tokens;
+    its JSON has equal cache bytes for the three ways (transformers 5 caches the latent)."""
+    import json
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parent.parent
+    out = tmp_path / "hf_mla.json"
+    proc = subprocess.run([sys.executable, str(root / "benchmarks" / "hf_mla.py"), "--quick", "--json", str(out)],
+                          capture_output=True, text=True, timeout=300, cwd=root,
+                          env=dict(os.environ, OMP_NUM_THREADS="1"))
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    rows = json.loads(out.read_text())["rows"]
+    assert set(rows) == {"transformers", "registry", "patched"} and all(r["tokens_equal"] for r in rows.values())
+    assert len({r["cache_bytes"] for r in rows.values()}) == 1
