@@ -257,8 +257,10 @@ def test_sdpa_runs_only_the_kept_key_range(monkeypatch):
 @pytest.mark.skipif(blocksparse._CPU_FLASH is None, reason="needs torch's CPU flash kernel (log-sum-exp pieces)")
 def test_causal_runs_full_tiles_without_a_mask(monkeypatch):
     """Causal at T = S = 32 with tiles of 8: full tiles in one unmasked call per query block,
-    the diagonal tile through torch's own causal kernel; each lower-triangle tile once."""
+    the diagonal tile through torch's own causal kernel; each lower-triangle tile once.
+    (Short key ranges would run as one masked call: turned off here to see the pieces.)"""
     monkeypatch.setattr(blocksparse, "FUSED_TILE", 8)
+    monkeypatch.setattr(blocksparse, "_ONE_CALL_SPAN", 0)
     seen = _spy_fused_calls(monkeypatch)
     q, k, v = torch.randn(1, 2, 32, 4), torch.randn(1, 2, 32, 4), torch.randn(1, 2, 32, 4)
     out = mh.scaled_dot_product_attention(q, k, v, masks.causal())
