@@ -385,13 +385,32 @@ def test_deep_json_and_bad_bytes_and_endless_files(tmp_path):
     path = _write(tmp_path, "latin1.json", raw)
     with pytest.raises(ValueError, match=rf"latin1.json is not UTF-8 text \(byte {raw.index(0xE9)} is 0xe9\)"):
         plan.read_config(path)
-    # /dev/zero never ends: at most MAX_CONFIG_BYTES are read.
+    # A file that never ends (what /dev/zero is on most machines): at most
+    # MAX_CONFIG_BYTES + 1 bytes are read. A FIFO fed forever by a thread stands for it.
     import os
+    import threading
 
     from multihead.plan.configs import MAX_CONFIG_BYTES
 
-    if os.path.exists("/dev/zero"):
-        with pytest.raises(ValueError, match=r"/dev/zero is larger than 4 MiB"):
+    fifo = tmp_path / "endless.json"
+    os.mkfifo(fifo)
+
+    def feed():
+        try:
+            with open(fifo, "wb") as w:
+                while True:
+                    w.write(b" " * 65536)
+        except (BrokenPipeError, OSError):
+            pass  # the reader stopped: done
+
+    writer = threading.Thread(target=feed, daemon=True)
+    writer.start()
+    with pytest.raises(ValueError, match=r"endless.json is larger than 4 MiB"):
+        plan.read_config(fifo)
+    writer.join(timeout=10)
+    assert not writer.is_alive()
+    if os.path.exists("/dev/zero"):  # endless, or (in some sandboxes) a short file of zeros
+        with pytest.raises(ValueError, match=r"^/dev/zero (is larger than|is not JSON)"):
             plan.read_config("/dev/zero")
     path = _write(tmp_path, "padded.json", b" " * (MAX_CONFIG_BYTES + 1))
     with pytest.raises(ValueError, match=r"padded.json is larger than"):

@@ -513,7 +513,15 @@ def _load_json(path, label: str):
     """Parse at most MAX_CONFIG_BYTES of UTF-8 JSON, every failure a ValueError naming the file."""
     try:
         with open(path, "rb") as fh:
-            raw = fh.read(MAX_CONFIG_BYTES + 1)
+            # A device may return short reads: read until EOF or one byte past the limit.
+            chunks, size = [], 0
+            while size <= MAX_CONFIG_BYTES:
+                chunk = fh.read(MAX_CONFIG_BYTES + 1 - size)
+                if not chunk:
+                    break
+                chunks.append(chunk)
+                size += len(chunk)
+            raw = b"".join(chunks)
     except OSError as err:
         raise ValueError(f"cannot read {label}: {err.strerror or err}") from None
     if len(raw) > MAX_CONFIG_BYTES:
