@@ -2,8 +2,9 @@
 
 Pure Python, no torch: parameters, KV-cache bytes (window- and MLA-aware), attention
 FLOPs, and device fit for a model's shape; a reader for Hugging Face config.json files
-(gpt2, bert, llama, mistral, qwen2, gemma, gemma2, falcon, phi3, deepseek_v2/v3); and a
-deterministic recommender of heads, KV heads and attention variant.
+(gpt2, bert, llama, mistral, mixtral, qwen2, qwen2_moe, qwen3, qwen3_moe, gemma, gemma2,
+gemma3, falcon, phi3, gpt_neox, gpt_oss, deepseek_v2/v3; MoE with total and active
+parameters); and a deterministic recommender of heads, KV heads and attention variant.
 
     >>> from multihead import plan
     >>> g = plan.AttentionGeometry(4096, 32, 8, bias=False)   # Llama-3-8B's attention
