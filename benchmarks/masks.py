@@ -178,6 +178,7 @@ def time_rounds(cases: dict, rounds: int, grad: bool = False) -> dict:
                 t0 = time.perf_counter()
                 cases[name]()
                 times[name].append(time.perf_counter() - t0)
+            print(f"  {name}: {times[name][-1]:.3f} s", file=sys.stderr, flush=True)
     return times
 
 
