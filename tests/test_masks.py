@@ -326,3 +326,18 @@ def test_predicate_evaluation_counts_stay_tile_sized(monkeypatch):
     q, k, v = torch.randn(1, 1, 32, 4), torch.randn(1, 1, 32, 4), torch.randn(1, 1, 32, 4)
     mh.scaled_dot_product_attention(q, k, v, fn)
     assert max(a * b for a, b in sizes) <= 4 * 32, sizes
+
+
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 3e-2), (torch.float16, 5e-3)])
+def test_block_sparse_gradients_in_low_precision(dtype, tol, monkeypatch):
+    monkeypatch.setattr(blocksparse, "FUSED_TILE", 8)
+    mod = masks.document(torch.tensor([0] * 20 + [1] * 28)) & masks.causal()
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(2, 4, 48, 16, generator=g, dtype=torch.float64, requires_grad=True) for _ in range(3))
+    ref = torch.autograd.grad(mh.scaled_dot_product_attention(q, k, v, mod, backend="math").square().sum(), (q, k, v))
+    low = [t.detach().to(dtype).requires_grad_() for t in (q, k, v)]
+    out = mh.scaled_dot_product_attention(*low, mod)
+    grads = torch.autograd.grad(out.float().square().sum(), low)
+    for name, a, b in zip("qkv", grads, ref):
+        rel = ((a.double() - b).abs().max() / b.abs().max()).item()
+        assert rel < tol, f"d{name} {dtype}: max |diff| / max |ref| = {rel:.2e} > {tol:g}"
