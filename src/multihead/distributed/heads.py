@@ -94,7 +94,6 @@ class _ShardedAttention(_HeadSharded):
         finally:
             self.n_kv_heads = full
 
-
     def _score_mod(self):
         """ALiBi with the slopes of this rank's heads (h0 .. h0 + h - 1), not of heads 0 .. h - 1."""
         if not self.alibi:
