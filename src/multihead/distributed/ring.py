@@ -285,6 +285,8 @@ def _backward(dout, q, k, v, out, lse, keep, causal, layout, scale, ring: _Ring,
             dk[:, :, s0:s1] += dk_b
             dv[:, :, s0:s1] += dv_b
             del dq_b, dk_b, dv_b
+        if step == P - 1:
+            held = kb = vb = kp = None  # the last block is done with: free it before the transfer
         if P > 1:
             # After the last step the block's next stop is its owner: the gradient comes home.
             grads = ring.shift([dk, dv])
