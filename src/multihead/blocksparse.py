@@ -251,6 +251,7 @@ class _FusedPlan:
         self.pred, self.dense, self.score_mod, self.scale = pred, dense, score_mod, scale
         self.bq, self.bk, self.kept, self.full = bq, bk, kept, full
         self.dtype, self.device = q.dtype, q.device
+        self._cache = {}
         self.P = 1  # MQA: split the one folded head over P stride-0 heads, one per thread
         if self.Hkv == 1 and self.G > 1 and self.B < torch.get_num_threads():
             threads = torch.get_num_threads()
@@ -286,7 +287,22 @@ class _FusedPlan:
             i = i1
 
     def piece_mask(self, r0, r1, c0, c1, partial):
-        """(float mask laid out for the folded queries or None, is_causal, rows-empty or None)."""
+        """(float mask laid out for the folded queries or None, is_causal, rows-empty or None).
+
+        A mask that depends on q - kv only (causal, sliding windows) is the same for every
+        piece at the same offset from the diagonal: built once, for forward and backward.
+        """
+        key = None
+        if self.pred is not None and self.pred.relative and self.score_mod is None and self.dense is None:
+            key = (r0 + self.S - self.T - c0, r1 - r0, c1 - c0, partial)
+            if key in self._cache:
+                return self._cache[key]
+        result = self._piece_mask(r0, r1, c0, c1, partial)
+        if key is not None and len(self._cache) < 64:
+            self._cache[key] = result
+        return result
+
+    def _piece_mask(self, r0, r1, c0, c1, partial):
         t, s = r1 - r0, c1 - c0
         m = _block_mask(self.pred, self.dense, self.score_mod, self.B, self.H, self.T, self.S, r0, r1, c0, c1,
                         partial, self.dtype, self.device)
@@ -320,10 +336,11 @@ class _MergedFused(torch.autograd.Function):
     def forward(ctx, q, k, v, fp: _FusedPlan):
         B, H, T, Dv = fp.B, fp.H, fp.T, fp.Dv
         acc = _acc_dtype(q.dtype)
-        out = q.new_zeros(B, H, T, Dv)
+        out = q.new_empty(B, H, T, Dv)
         lse = torch.full((B, H, T), float("-inf"), dtype=acc, device=q.device)
         for r0, r1, pieces in fp.blocks():
             if not pieces:
+                out[:, :, r0:r1] = 0
                 continue
             t = r1 - r0
             qf = fp.fold(q[:, :, r0:r1], t)

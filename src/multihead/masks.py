@@ -70,7 +70,7 @@ class MaskMod:
 
     def __init__(self, fn: Callable[[Tensor, Tensor, Tensor, Tensor], Tensor], name: str, *,
                  top_left: bool = False, tiles: Callable | None = None, check: Callable | None = None,
-                 parts: tuple[MaskMod, ...] = (), op: str | None = None):
+                 parts: tuple[MaskMod, ...] = (), op: str | None = None, relative: bool = False):
         if not callable(fn):
             raise TypeError(f"a mask predicate must be callable (b, h, q_idx, kv_idx) -> bool tensor; "
                             f"received {type(fn).__name__}")
@@ -81,6 +81,8 @@ class MaskMod:
         self._check = check
         self._parts = parts
         self._op = op
+        # a function of q - kv only (causal, sliding_window): equal tiles along a diagonal
+        self.relative = all(p.relative for p in parts) if parts else relative
 
     def __call__(self, b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
         return self.fn(b, h, q_idx, kv_idx)
@@ -129,13 +131,11 @@ class MaskMod:
             got = f"a {out.dtype} tensor" if isinstance(out, Tensor) else f"{type(out).__name__} {out!r}"
             raise TypeError(f"mask predicate {self.name} must return a bool tensor (True = may attend); "
                             f"it returned {got}")
-        want = torch.broadcast_shapes(*(t.shape for t in (b, h, rows, kv) if isinstance(t, Tensor)))
-        try:
-            if torch.broadcast_shapes(out.shape, want) != want:
-                raise RuntimeError
-        except RuntimeError:
+        want = [max(sizes) for sizes in zip(*(t.shape for t in (b, h, rows, kv)))]
+        got = (1,) * (4 - out.dim()) + tuple(out.shape)
+        if len(got) != 4 or any(g not in (1, w) for g, w in zip(got, want)):
             raise ValueError(f"mask predicate {self.name} returned shape {tuple(out.shape)}, not broadcastable "
-                             f"to the shape of its index tensors {tuple(want)}") from None
+                             f"to the shape of its index tensors {tuple(want)}")
         return out
 
     def tiles(self, B: int, H: int, T: int, S: int, bq: int, bk: int, device=None) -> tuple[Tensor, Tensor]:
@@ -286,7 +286,7 @@ def causal() -> MaskMod:
     def tiles(q_lo, q_hi, k_lo, k_hi, *_):
         return k_lo <= q_hi, k_hi <= q_lo
 
-    return MaskMod(lambda b, h, q, kv: kv <= q, "causal", tiles=tiles)
+    return MaskMod(lambda b, h, q, kv: kv <= q, "causal", tiles=tiles, relative=True)
 
 
 def sliding_window(window: int) -> MaskMod:
@@ -298,7 +298,8 @@ def sliding_window(window: int) -> MaskMod:
         # q - kv over a tile spans [q_lo - k_hi, q_hi - k_lo]; allowed: [0, window - 1]
         return (q_hi - k_lo >= 0) & (q_lo - k_hi <= window - 1), (q_lo - k_hi >= 0) & (q_hi - k_lo <= window - 1)
 
-    return MaskMod(lambda b, h, q, kv: (kv <= q) & (q - kv < window), f"sliding_window({window})", tiles=tiles)
+    return MaskMod(lambda b, h, q, kv: (kv <= q) & (q - kv < window), f"sliding_window({window})", tiles=tiles,
+                   relative=True)
 
 
 def chunked(size: int) -> MaskMod:
