@@ -118,20 +118,36 @@ def _env() -> dict:
     return env
 
 
-@pytest.fixture()
-def workdir(tmp_path):
+def _fill(folder: Path) -> Path:
     for name, model in FIXTURES.items():
-        path = tmp_path / name
+        path = folder / name
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(json.dumps(CONFIGS[model]))
-    return tmp_path
+    return folder
+
+
+@pytest.fixture()
+def workdir(tmp_path):
+    return _fill(tmp_path)
+
+
+@pytest.fixture(scope="module")
+def shared_dir(tmp_path_factory):
+    """One folder for the shell commands, so a command that is run and whose quoted output
+    is compared runs once (`_RUNS`)."""
+    return _fill(tmp_path_factory.mktemp("docs-shell"))
+
+
+_RUNS: dict[str, subprocess.CompletedProcess] = {}
 
 
 def _run_multihead(cmd: str, cwd: Path) -> subprocess.CompletedProcess:
-    argv = shlex.split(cmd)
-    proc = subprocess.run([sys.executable, "-m", "multihead", *argv[1:]], cwd=cwd, env=_env(),
-                          capture_output=True, text=True, timeout=TIMEOUT)
-    return proc
+    key = f"{cwd}\0{cmd}"
+    if key not in _RUNS:
+        argv = shlex.split(cmd)
+        _RUNS[key] = subprocess.run([sys.executable, "-m", "multihead", *argv[1:]], cwd=cwd, env=_env(),
+                                    capture_output=True, text=True, timeout=TIMEOUT)
+    return _RUNS[key]
 
 
 def _marks(heavy: bool):
@@ -161,7 +177,10 @@ def _python_params():
 
 
 @pytest.mark.parametrize("path, light_only", _python_params())
-def test_python_blocks_run(path, light_only, workdir):
+def test_python_blocks_run(path, light_only, workdir, request):
+    whole = any(p.id.endswith("-all") and p.values[0] == path for p in _python_params())
+    if light_only and whole and "not slow" not in (request.config.option.markexpr or ""):
+        pytest.skip("the -all run of this file (slow tests are selected) runs these blocks too")
     parts = []
     for b in _python_blocks(path, light_only):
         # Each block prints where it starts, so a failure names its block.
@@ -192,9 +211,9 @@ def _shell_params():
 
 
 @pytest.mark.parametrize("block", _shell_params())
-def test_shell_blocks_run(block, workdir):
+def test_shell_blocks_run(block, shared_dir):
     for cmd in _commands(block):
-        proc = _run_multihead(cmd, workdir)
+        proc = _run_multihead(cmd, shared_dir)
         assert proc.returncode == 0, f"{block.id}: `{cmd}` exited {proc.returncode}:\n{proc.stderr[-3000:]}"
         assert "Traceback" not in proc.stderr
 
@@ -220,11 +239,11 @@ def _norm(line: str) -> str:
 
 
 @pytest.mark.parametrize("block", _output_params())
-def test_quoted_outputs_match(block, workdir):
+def test_quoted_outputs_match(block, shared_dir):
     (cmd,) = _commands(block.output_of)
-    proc = _run_multihead(cmd, workdir)
+    proc = _run_multihead(cmd, shared_dir)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    printed = proc.stdout.replace(str(workdir.resolve()) + os.sep, "/home/you/")
+    printed = proc.stdout.replace(str(shared_dir.resolve()) + os.sep, "/home/you/")
     actual = [_norm(line) for line in printed.splitlines()]
     missing = []
     for quoted in block.code.splitlines():
