@@ -36,7 +36,7 @@ __all__ = ["explicit", "fused", "plan", "tile_sizes"]
 # query blocks keep the key range of a local mask tight, long ones let torch's kernel
 # use its big blocks. The explicit engine wants big matmuls.
 FUSED_TILE: int | None = None
-EXPLICIT_TILE = 256
+EXPLICIT_TILE = 512
 _FUSED_CANDIDATES = (64, 128, 256, 512, 1024)
 _ONE_CALL_SPAN = 1024  # keys: below this a query block's pieces run as one masked call
 
@@ -422,18 +422,20 @@ class _Tiles:
                     for j in range(nk) if self.kept[i, j]]
             yield i, r0, r1, cols
 
-    def scores(self, qf, kj, r0, r1, c0, c1, full):
+    def scores(self, qf, kj, r0, r1, c0, c1, full, scaled=False):
         """Masked, modded scores of tile rows r0..r1 x keys c0..c1, `(B, H, t, s)` (-inf = hidden).
 
-        `qf` is the query block folded `(B, Hkv, G*t, D)`, `kj` the tile's keys `k[:, :, c0:c1]`,
-        both in the accumulation dtype.
+        `qf` is the query block folded `(B, Hkv, G*t, D)` (already times `scale` when
+        `scaled`), `kj` the tile's keys `k[:, :, c0:c1]`, both in the accumulation dtype.
         """
         B, H, t = self.B, self.H, r1 - r0
-        s = (qf @ kj.transpose(-2, -1)).view(B, H, t, c1 - c0) * self.scale
+        s = (qf @ kj.transpose(-2, -1)).view(B, H, t, c1 - c0)
+        if not scaled:
+            s = s * self.scale
         b, h = _index(B, 0, self.device), _index(H, 1, self.device)
         rows, kv = _index(t, 2, self.device, r0), _index(c1 - c0, 3, self.device, c0)
         if self.score_mod is not None:
-            s = self.score_mod.apply(s, b, h, rows, kv, self.S - self.T)
+            s = self.score_mod.apply(s, b, h, rows, kv, self.S - self.T, scratch=True)
         if self.dense is not None:
             d = _slice_dense(self.dense, r0, r1, c0, c1)
             s = s.masked_fill(~d, float("-inf")) if d.dtype == torch.bool else s + d.to(s.dtype)
@@ -462,15 +464,15 @@ class _ExplicitTiles(torch.autograd.Function):
                 if not cols:
                     continue
                 t = r1 - r0
-                qf = q[:, :, r0:r1].to(acc).reshape(B, Hkv, G * t, -1)  # (B, Hkv, G*t, D)
+                qf = (q[:, :, r0:r1].to(acc) * tiles.scale).reshape(B, Hkv, G * t, -1)  # (B, Hkv, G*t, D)
                 m = torch.full((B, H, t, 1), float("-inf"), dtype=acc, device=q.device)
                 l_ = torch.zeros(B, H, t, 1, dtype=acc, device=q.device)
                 o = torch.zeros(B, H, t, Dv, dtype=acc, device=q.device)
                 for j, c0, c1, full in cols:
-                    s = tiles.scores(qf, k[:, :, c0:c1].to(acc), r0, r1, c0, c1, full)  # (B, H, t, s)
+                    s = tiles.scores(qf, k[:, :, c0:c1].to(acc), r0, r1, c0, c1, full, scaled=True)  # (B, H, t, s)
                     m_new = torch.maximum(m, s.amax(-1, keepdim=True))
                     m_safe = torch.where(torch.isneginf(m_new), 0.0, m_new)  # rows with nothing yet
-                    p = torch.exp(s - m_safe)
+                    p = s.sub_(m_safe).exp_()  # in place: s is not needed again
                     alpha = torch.exp(m - m_safe)
                     l_ = l_ * alpha + p.sum(-1, keepdim=True)
                     if tiles.dropout_p > 0:

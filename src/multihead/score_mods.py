@@ -43,7 +43,7 @@ class ScoreMod:
     """
 
     def __init__(self, fn: Callable, name: str, *, bias: Callable | None = None, top_left: bool = False,
-                 check: Callable | None = None):
+                 check: Callable | None = None, inplace: Callable | None = None):
         if not callable(fn):
             raise TypeError(f"a score mod must be callable (score, b, h, q_idx, kv_idx) -> score; "
                             f"received {type(fn).__name__}")
@@ -52,6 +52,7 @@ class ScoreMod:
         self.bias = bias
         self.top_left = top_left
         self._check = check
+        self._inplace = inplace  # the same mod overwriting its input: the kernel's temporaries only
 
     def __call__(self, score: Tensor, b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
         return self.fn(score, b, h, q_idx, kv_idx)
@@ -75,8 +76,14 @@ class ScoreMod:
             return False
         return isinstance(out, Tensor) and out.requires_grad
 
-    def apply(self, score: Tensor, b: Tensor, h: Tensor, rows: Tensor, kv: Tensor, shift: int) -> Tensor:
-        """The mod on a tile of scores at query rows `rows` (0..T-1); shift = S - T."""
+    def apply(self, score: Tensor, b: Tensor, h: Tensor, rows: Tensor, kv: Tensor, shift: int,
+              scratch: bool = False) -> Tensor:
+        """The mod on a tile of scores at query rows `rows` (0..T-1); shift = S - T.
+
+        `scratch`: the kernel's own temporary, outside autograd, that the mod may overwrite.
+        """
+        if scratch and self._inplace is not None and not score.requires_grad:
+            return self._inplace(score)
         out = self.fn(score, b, h, rows if self.top_left else rows + shift, kv)
         if not isinstance(out, Tensor):
             raise TypeError(f"score mod {self.name} must return a tensor of scores; returned {type(out).__name__}")
@@ -123,7 +130,7 @@ def softcap(cap: float) -> ScoreMod:
     def fn(score, b, h, q, kv):
         return torch.tanh(score / cap) * cap
 
-    return ScoreMod(fn, f"softcap({cap:g})")
+    return ScoreMod(fn, f"softcap({cap:g})", inplace=lambda s: s.div_(cap).tanh_().mul_(cap))
 
 
 def alibi_slopes(n_heads: int) -> Tensor:
