@@ -205,7 +205,7 @@ def _use_multihead(model, name: str) -> None:
         import multihead.interop.hf  # noqa: F401 (registers "multihead")
     except ImportError as err:
         raise ModelError(f"capturing a Hugging Face model needs transformers: pip install 'multihead[hf]' "
-                         f"({err})") from None
+                         f"(from a checkout of the repository: pip install -e '.[hf]') ({err})") from None
     config = getattr(model, "config", None)
     if config is None or not hasattr(model, "set_attn_implementation"):
         raise ModelError(f"{name!r}: a {type(model).__name__} is not a transformers model "
