@@ -16,6 +16,7 @@ import contextlib
 import io
 import json
 import os
+import stat
 import subprocess
 import sys
 import time
@@ -98,6 +99,13 @@ def files(tmp_path_factory) -> dict[str, str]:
                         Vocab("symbols", ("a", "b", "c")), experiment="heads")
     made["lab"] = str(d / "lab")
     made["dir"] = str(d)
+    # a non-regular file that is safe to aim writes at (never /dev/null: an atomic replace
+    # that forgot to check would put a plain file in its place, system-wide)
+    import socket
+
+    sock = socket.socket(socket.AF_UNIX)
+    sock.bind(str(d / "socket"))
+    made["socket"] = str(d / "socket")
     made["under_a_file"] = str(d / "text.txt" / "sub" / "out.html")
     made["missing"] = str(d / "no" / "such" / "file.json")
     return made
@@ -146,6 +154,15 @@ def test_inspect_html_and_png_to_places_that_cannot_be_written(files, tmp_path):
         ro.mkdir(mode=0o555)
         code, out, err = cli(["inspect", "a b", "--model", files["lab"], "--html", str(ro / "v.html")])
         assert code == 2 and "permission denied" in err
+
+
+def test_writes_never_replace_what_is_not_a_regular_file(files, tmp_path):
+    for flag in ("--html", "--png"):
+        argv = ["inspect", "a b", "--model", files["lab"], flag, files["socket"]]
+        code, out, err = cli(argv)
+        assert_clean(argv, code, out, err)
+        assert code == 2 and "not a regular file" in err
+        assert stat.S_ISSOCK(os.stat(files["socket"]).st_mode), "the socket was replaced by a file"
 
 
 def test_inspect_text_that_is_not_utf8(files):
@@ -225,7 +242,7 @@ HOSTILE_VALUES = ["0", "-1", "1", "2", "3", "4", "7", "8", "16", "64", "9" * 400
                   "mla", "gqa", "cpu", "cuda", "7B", "32k", "80GB", "h100-80gb", "llama"]
 FILE_KEYS = ["huge_number.json", "deep.json", "list_type.json", "latin1.json", "nan.json", "empty.json",
              "not_json.json", "array.json", "text.txt", "binary.bin", "folder_deep", "bad_lab", "dir", "missing",
-             "under_a_file", "/dev/zero", "/dev/null", "/proc"]
+             "under_a_file", "socket", "/proc"]
 
 
 @st.composite

@@ -49,6 +49,21 @@ def test_a_failed_write_leaves_the_old_file_and_no_temporary(tmp_path):
     assert [p.name for p in tmp_path.iterdir()] == ["page.html"]
 
 
+def test_never_replaces_a_folder_device_or_pipe_and_writes_through_symlinks(tmp_path):
+    fifo = tmp_path / "pipe"
+    os.mkfifo(fifo)
+    (tmp_path / "folder").mkdir()
+    for target in (fifo, tmp_path / "folder"):
+        with pytest.raises(ValueError, match="will not replace it"):
+            write_text(target, "x")
+    assert stat.S_ISFIFO(os.stat(fifo).st_mode) and (tmp_path / "folder").is_dir()
+    real = tmp_path / "real.txt"
+    real.write_text("old")
+    (tmp_path / "link.txt").symlink_to(real)
+    write_text(tmp_path / "link.txt", "new")
+    assert (tmp_path / "link.txt").is_symlink() and real.read_text() == "new"
+
+
 def test_render_html_never_truncates_an_existing_page(tmp_path):
     import torch
 

@@ -24,7 +24,8 @@ import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
-__all__ = ["MAX_JSON_BYTES", "atomic_path", "read_json", "usual_mode", "write_bytes", "write_json", "write_text"]
+__all__ = ["MAX_JSON_BYTES", "atomic_path", "read_json", "usual_mode", "writable_target", "write_bytes", "write_json",
+           "write_text"]
 
 MAX_JSON_BYTES = 16 * 2**20  # a config.json is a few KB; the largest tokenizer configs are a few MB
 _MAX_DEPTH = 64  # configs nest a few levels; deeper is not a config (and would exhaust the stack)
@@ -50,7 +51,7 @@ def atomic_path(path: str | os.PathLike) -> Iterator[Path]:
         with atomic_path("plot.png") as tmp:
             fig.savefig(tmp, format="png")
     """
-    path = Path(path)
+    path = writable_target(path)
     folder = path.parent
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=folder)
     os.close(fd)
@@ -63,9 +64,21 @@ def atomic_path(path: str | os.PathLike) -> Iterator[Path]:
             os.unlink(tmp)
 
 
+def writable_target(path: str | os.PathLike) -> Path:
+    """The file an atomic write may replace: `path` with symlinks followed (the write goes to
+    the link's target, as open() would), refused (ValueError) when something other than a
+    regular file is there. An os.replace over /dev/null or a named pipe would put a plain
+    file in its place."""
+    path = Path(os.path.realpath(path))
+    if path.exists() and not path.is_file():
+        kind = "a folder" if path.is_dir() else "not a regular file (a device, pipe or socket)"
+        raise ValueError(f"{path} is {kind}; multihead writes only regular files and will not replace it")
+    return path
+
+
 def write_bytes(path: str | os.PathLike, data: bytes) -> Path:
     """Write `data` to `path` atomically (see `atomic_path`), flushed to disk; return the path."""
-    path = Path(path)
+    path = writable_target(path)
     with atomic_path(path) as tmp:
         with open(tmp, "wb") as f:
             f.write(data)

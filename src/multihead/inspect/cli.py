@@ -76,6 +76,9 @@ def _out_path(flag: str, value: str | None) -> Path | None:
     path = Path(value).expanduser()
     if path.is_dir():
         raise UsageError(f"{flag} {value!r} is a folder; give a file name, e.g. {flag} view.html")
+    if path.exists() and not Path(os.path.realpath(path)).is_file():
+        raise UsageError(f"{flag} {value!r} is not a regular file (a device, pipe or socket); give a file name, "
+                         f"e.g. {flag} view.html")
     if not path.parent.is_dir():
         raise UsageError(f"{flag} {value!r}: the folder {str(path.parent)!r} does not exist")
     if not os.access(path.parent, os.W_OK | os.X_OK):

@@ -318,8 +318,10 @@ def _configure(args):
 
         corpus = None
         if args.corpus is not None:
-            if not args.corpus.is_file():
+            if not args.corpus.exists():
                 raise UsageError(f"--corpus {args.corpus}: no such file")
+            if not args.corpus.is_file():  # a folder, or a device such as /dev/zero that reads forever
+                raise UsageError(f"--corpus {args.corpus} is not a regular file; give a UTF-8 text file")
             corpus = str(args.corpus)
         return run_mla, build(MLAConfig, corpus=corpus, ranks=args.ranks, kv_heads=args.kv_heads,
                               tolerance=args.tolerance, d_model=args.d_model, n_layers=args.n_layers,

@@ -66,6 +66,8 @@ def load_corpus(path: str | None = None, max_chars: int | None = None) -> tuple[
         text, name = lzma.decompress(data).decode("utf-8"), "King James Bible (multihead/data/kjv.txt.xz)"
     else:
         try:
+            if Path(path).exists() and not Path(path).is_file():  # /dev/zero would be read forever
+                raise ValueError(f"corpus {path} is not a regular file; give a UTF-8 text file")
             text = Path(path).read_text(encoding="utf-8")
         except UnicodeDecodeError as err:
             raise ValueError(f"corpus {path} is not UTF-8 text ({err})") from None
