@@ -38,7 +38,7 @@ __all__ = ["explicit", "fused", "plan", "tile_sizes"]
 FUSED_TILE: int | None = None
 EXPLICIT_TILE = 512
 _FUSED_CANDIDATES = (64, 128, 256, 512, 1024)
-_ONE_CALL_SPAN = 1024  # keys: below this a query block's pieces run as one masked call
+_ONE_CALL_SPAN = 512  # keys: below this a query block's pieces run as one masked call
 
 
 def tile_sizes(T: int, S: int, tile: int) -> tuple[int, int]:
