@@ -59,6 +59,16 @@ def assert_clean(argv, code: int, out: str, err: str) -> None:
 # ------------------------------------------------------------------ hostile files
 
 
+@pytest.fixture(scope="module", autouse=True)
+def in_a_scratch_folder(tmp_path_factory):
+    """Random flags name relative paths (`--html x`): let them land in a scratch folder."""
+    old = os.getcwd()
+    os.chdir(tmp_path_factory.mktemp("cwd"))
+    yield
+    os.chdir(old)
+
+
+
 @pytest.fixture(scope="module")
 def files(tmp_path_factory) -> dict[str, str]:
     """Hostile files and folders, plus one valid tiny lab checkpoint (so inspect can get as
