@@ -249,7 +249,8 @@ def test_nan_rule_is_the_same_in_every_backend(p, nans):
     expect = _rule_reference(q, k, v, mask, causal)
     for backend in [*BACKENDS, "tiles"]:
         out = mh.scaled_dot_product_attention(q, k, v, mask, causal=causal, backend=backend).numpy()
-        assert (np.isnan(out) == np.isnan(expect)).all(), (backend, p, nans, np.isnan(out).sum(), np.isnan(expect).sum())
+        assert (np.isnan(out) == np.isnan(expect)).all(), (backend, p, nans, np.isnan(out).sum(),
+                                                           np.isnan(expect).sum())
         ok = ~np.isnan(expect)
         assert np.allclose(out[ok], expect[ok], atol=1e-10), backend
 
