@@ -149,7 +149,8 @@ def _ring_checks(rank: int, world: int, combos) -> dict[str, float]:
                 diffs[f"{name} d{n}"] = _diff(a, b)
             if masked and causal:
                 dead = ~keep.cumsum(1).bool()  # rows with no key before them
-                diffs[f"{name} masked rows are zero"] = float(ref.abs()[dead[:, None, :, None].expand_as(ref)].max())
+                rows = dead[:, None, :, None].expand_as(ref)  # (B, H, N, D)
+                diffs[f"{name} masked rows are zero"] = float(ref.detach().abs()[rows].max())
     x = torch.arange(2 * 4 * world * 3, dtype=torch.float64).view(2, 4 * world, 3)
     for layout in ("contiguous", "zigzag"):
         diffs[f"gather(shard(x)) {layout}"] = _diff(gather_sequence(shard_sequence(x, 1, layout), 1, layout), x)
@@ -322,22 +323,26 @@ def _w_one_rank_raises(rank, world):
 # ------------------------------------------------------------------------- tests
 
 
+@pytest.mark.distributed
 def test_ring_attention_2_ranks():
     """Both layouts, causal or not, MHA/GQA/MQA, padding mask, flash and explicit blocks."""
     assert_all_close(run_world(_w_ring_2, 2))
 
 
+@pytest.mark.distributed
 def test_modules_2_ranks():
     """shard_heads (MHA, GQA, MQA replicated, MLA), cached decode, context_parallel with RoPE."""
     assert_all_close(run_world(_w_modules_2, 2))
 
 
+@pytest.mark.distributed
 @pytest.mark.slow
 def test_world_of_4():
     """4 ranks on 2 cores (oversubscribed): ring, GQA with Hkv < P replicated, MLA, context parallel."""
     assert_all_close(run_world(_w_world_4, 4))
 
 
+@pytest.mark.distributed
 def test_bad_input_raises_on_every_rank():
     results = run_world(_w_errors_2, 2)
     for rank, messages in enumerate(results):
@@ -354,6 +359,7 @@ def test_bad_input_raises_on_every_rank():
     assert "rank(s) 1" in results[0]["one rank bad"]
 
 
+@pytest.mark.distributed
 def test_a_rank_that_raises_fails_fast():
     start = time.monotonic()
     with pytest.raises(pytest.fail.Exception, match="rank 1 of 2 raised"):
@@ -361,6 +367,7 @@ def test_a_rank_that_raises_fails_fast():
     assert time.monotonic() - start < 30
 
 
+@pytest.mark.distributed
 @pytest.mark.slow
 def test_example_under_torchrun():
     """examples/distributed.py: both ways of sharding print the loss of one process."""
