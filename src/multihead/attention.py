@@ -310,9 +310,8 @@ class Attention(nn.Module):
 
         if self.softcap is not None:
             return score_mods.softcap(self.softcap)
-        if self.alibi:
-            H = self.q_proj.out_features // self.head_dim
-            return score_mods.alibi(score_mods.alibi_slopes(self.n_heads)[:H])
+        if self.alibi:  # one slope per head (a tensor-parallel shard overrides this with its own)
+            return score_mods.alibi(score_mods.alibi_slopes(self.n_heads))
         return None
 
     def _attend(self, q: Tensor, k: Tensor, v: Tensor, mask, *, causal: bool, dropout_p: float,
