@@ -51,12 +51,7 @@ def build_parser() -> argparse.ArgumentParser:
                         help="print the traceback of every error (also accepted after the subcommand)")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     for name, (module_path, help_text) in SUBCOMMANDS.items():
-        try:
-            module = importlib.import_module(module_path)
-        except ModuleNotFoundError as err:
-            if err.name is None or not module_path.startswith(err.name):
-                raise
-            continue  # that feature is not built yet
+        module = importlib.import_module(module_path)
         p = sub.add_parser(name, help=help_text, description=(module.__doc__ or "").strip())
         module.add_arguments(p)
         p.set_defaults(_main=module.main)

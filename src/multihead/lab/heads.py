@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import statistics
 import time
-from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -310,10 +309,3 @@ def _smooth(values: list[float], window: int) -> list[float]:
         out.append(acc / min(i + 1, window))
     return out
 
-
-def quick_config() -> HeadsConfig:
-    return HeadsConfig.quick()
-
-
-def with_overrides(cfg: HeadsConfig, **kw) -> HeadsConfig:
-    return replace(cfg, **{k: v for k, v in kw.items() if v is not None})

@@ -27,7 +27,6 @@ the comparison; the others go on.
 from __future__ import annotations
 
 import copy
-import functools
 import lzma
 import math
 import time
@@ -435,8 +434,3 @@ def _plot_curves(cfg: MLAConfig, res: dict, path: Path) -> str:
     ax.legend(frameon=False, fontsize=8, ncol=2)
     return save_figure(fig, path)
 
-
-@functools.lru_cache(maxsize=1)
-def kjv_text() -> str:
-    """The shipped King James Bible, decompressed (cached)."""
-    return load_corpus(None)[0]

@@ -70,7 +70,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def _usage(msg: str):
-    from multihead.cli import UsageError
+    from multihead.errors import UsageError
 
     return UsageError(msg)
 

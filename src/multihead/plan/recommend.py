@@ -33,7 +33,6 @@ from multihead.plan.geometry import (
     LatentGeometry,
     ModelGeometry,
     ParamCounts,
-    describe,
     divisors,
     kv_bytes_per_token,
     model_kv_cache_bytes,
@@ -521,6 +520,3 @@ def induction_check(model: ModelGeometry) -> dict:
         "threshold": 0.95,
     }
 
-
-def summary(c: Candidate) -> str:
-    return describe(c.model)
