@@ -45,9 +45,9 @@ def _seed():
     np.random.seed(0)
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture
 def one_torch_thread():
-    """Small matrices: one intra-op thread, so two test processes do not oversubscribe 2 cores."""
+    """Small models: one intra-op thread, so two test processes do not oversubscribe 2 cores."""
     n = torch.get_num_threads()
     torch.set_num_threads(1)
     yield

@@ -13,9 +13,9 @@ from pathlib import Path
 
 import pytest
 
+from lab_helpers import load_results
 from multihead.cli import build_parser, main
 from multihead.lab.configs import InductionConfig, scale_induction
-from test_lab_common import assert_png, load_results, one_thread  # noqa: F401
 
 KV_TINY = ["--quick", "--decode-steps", "1", "--no-progress"]
 HEADS_TINY = ["--quick", "--head-counts", "1", "--seeds", "1", "--steps", "3", "--no-progress"]
@@ -89,7 +89,7 @@ def test_out_that_cannot_hold_a_run_is_refused_before_training(tmp_path, capsys)
 
 
 @pytest.mark.slow
-def test_a_diverging_run_says_so_and_records_the_step(tmp_path, capsys, one_thread):  # noqa: F811
+def test_a_diverging_run_says_so_and_records_the_step(tmp_path, capsys, one_torch_thread):
     out = tmp_path / "d"
     assert main(["lab", "heads", *HEADS_TINY, "--lr", "1e30", "--out", str(out)]) == 2
     cap = capsys.readouterr()
@@ -101,7 +101,7 @@ def test_a_diverging_run_says_so_and_records_the_step(tmp_path, capsys, one_thre
 
 
 @pytest.mark.slow
-def test_induction_diverging_keeps_the_finite_evaluations(tmp_path, one_thread):  # noqa: F811
+def test_induction_diverging_keeps_the_finite_evaluations(tmp_path, one_torch_thread):
     from dataclasses import replace
 
     from multihead.lab.induction import run_induction
@@ -289,7 +289,7 @@ def test_scaling_mla_and_small_geometries():
 
 
 @pytest.mark.slow
-def test_the_command_plan_prints_runs(tmp_path, capsys, one_thread):  # noqa: F811
+def test_the_command_plan_prints_runs(tmp_path, capsys, one_torch_thread):
     """The exact check `multihead plan --params ...` prints for a GQA geometry, with --quick."""
     out = tmp_path / "ind"
     argv = "lab induction --layers 2 --d-model 4096 --n-heads 32 --n-kv-heads 4 --quick --no-progress".split()

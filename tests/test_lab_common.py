@@ -1,57 +1,16 @@
-"""Shared checks for the lab tests (not a test module)."""
+"""lab.common: results schema, progress, training loop, checkpoints."""
 
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
-import numpy as np
+# ------------------------------------------------------------------ tests of the shared parts
+import os
+
 import pytest
 import torch
 
-
-@pytest.fixture
-def one_thread():
-    """The lab tests are tiny models: one thread each is fastest (and fair under -n 2)."""
-    old = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(old)
-
-
-def load_results(folder: Path, required=()) -> dict:
-    from multihead.lab.common import check_results
-
-    obj = json.loads((Path(folder) / "results.json").read_text(encoding="utf-8"))
-    return check_results(obj, folder, required=required)
-
-
-def assert_png(path: Path) -> None:
-    """A real, non-blank PNG: the right signature and pixels that are not all one colour."""
-    import matplotlib.image as mpimg
-
-    path = Path(path)
-    assert path.is_file(), f"missing plot {path}"
-    assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n", f"{path} is not a PNG"
-    img = np.asarray(mpimg.imread(path))
-    assert img.ndim == 3 and img.shape[0] > 100 and img.shape[1] > 100, f"{path}: image shape {img.shape}"
-    assert float(img[..., :3].var()) > 1e-4, f"{path}: blank image (pixel variance {img[..., :3].var():.2e})"
-
-
-def numbers(obj, skip=("date", "elapsed_s", "seconds", "tokens_per_s", "machine")):
-    """Every number of a results object except timings, for same-seed comparisons."""
-    if isinstance(obj, dict):
-        return {k: numbers(v, skip) for k, v in obj.items() if k not in skip}
-    if isinstance(obj, list):
-        return [numbers(v, skip) for v in obj]
-    return obj
-
-
-# ------------------------------------------------------------------ tests of the shared parts
-
-import os  # noqa: E402
-
-from multihead.lab.common import (  # noqa: E402
+from multihead.lab.common import (
     Progress,
     ResultsSchemaError,
     check_results,
@@ -118,7 +77,7 @@ def test_progress_line_has_steps_loss_rate_and_eta():
     assert "tok/s ETA 0:00" in out[-1]
 
 
-def test_train_stops_cleanly_on_ctrl_c(one_thread):
+def test_train_stops_cleanly_on_ctrl_c(one_torch_thread):
     from multihead.lab.models import LabConfig, LabTransformer
 
     model = LabTransformer(LabConfig(vocab_size=8, max_len=8, d_model=16, n_heads=2))
@@ -133,7 +92,7 @@ def test_train_stops_cleanly_on_ctrl_c(one_thread):
     assert not model.training
 
 
-def test_checkpoint_round_trip_and_inspect(tmp_path, one_thread):
+def test_checkpoint_round_trip_and_inspect(tmp_path, one_torch_thread):
     from multihead.lab.checkpoint import Vocab, capture_lab, load_lab_checkpoint, save_lab_checkpoint
     from multihead.lab.models import LabConfig, LabTransformer
 

@@ -7,8 +7,8 @@ from dataclasses import replace
 
 import pytest
 
+from lab_helpers import assert_png, load_results, numbers
 from multihead.lab.heads import HeadsConfig, conclusion, run_heads
-from test_lab_common import assert_png, load_results, numbers, one_thread  # noqa: F401
 
 # Chance is ln(16) = 2.77 nats; the quick run gets ~0.015. Below 0.5 means it copies.
 LEARNED = 0.5
@@ -42,7 +42,7 @@ def test_quick_learns_and_validates(quick):
     assert "n_heads = " in disk["results"]["conclusion"]
 
 
-def test_same_seed_same_numbers(tmp_path, one_thread):  # noqa: F811
+def test_same_seed_same_numbers(tmp_path, one_torch_thread):
     cfg = replace(HeadsConfig.quick(), head_counts=(2,), n_seeds=1, steps=15)
     a = run_heads(cfg, tmp_path / "a", seed=3, progress=False)
     b = run_heads(cfg, tmp_path / "b", seed=3, progress=False)
@@ -51,7 +51,7 @@ def test_same_seed_same_numbers(tmp_path, one_thread):  # noqa: F811
     assert numbers(a["results"]) != numbers(c["results"])
 
 
-def test_ctrl_c_keeps_what_finished(tmp_path, one_thread):  # noqa: F811
+def test_ctrl_c_keeps_what_finished(tmp_path, one_torch_thread):
     cfg = replace(HeadsConfig.quick(), head_counts=(1, 2), n_seeds=1, steps=12)
 
     def callback(name, step, loss):
@@ -84,7 +84,7 @@ def test_conclusion_is_read_off_the_numbers():
     assert "nothing to conclude" in conclusion(cfg, [])
 
 
-def test_cli_quick(tmp_path, capsys, one_thread):  # noqa: F811
+def test_cli_quick(tmp_path, capsys, one_torch_thread):
     from multihead.cli import main
 
     rc = main(["lab", "heads", "--quick", "--head-counts", "4", "--seeds", "1", "--steps", "10",

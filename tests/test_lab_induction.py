@@ -7,8 +7,8 @@ from dataclasses import replace
 import pytest
 import torch
 
+from lab_helpers import assert_png, load_results, numbers
 from multihead.lab.induction import InductionConfig, repeated_segments, run_induction
-from test_lab_common import assert_png, load_results, numbers, one_thread  # noqa: F401
 
 
 def test_data_has_one_answer_per_prediction():
@@ -25,7 +25,7 @@ def test_data_has_one_answer_per_prediction():
         assert cfg.seg_min <= L <= cfg.seg_max
 
 
-def test_quick_learns_and_scores_heads(tmp_path, one_thread):  # noqa: F811
+def test_quick_learns_and_scores_heads(tmp_path, one_torch_thread):
     cfg = InductionConfig.quick()
     res = run_induction(cfg, tmp_path, progress=False)
     disk = load_results(tmp_path, required=["evals", "final_accuracy", "previous_token_head", "induction_head",
@@ -53,7 +53,7 @@ def test_quick_learns_and_scores_heads(tmp_path, one_thread):  # noqa: F811
     assert res["checkpoint"] == "model"
 
 
-def test_same_seed_same_numbers_and_ctrl_c(tmp_path, one_thread):  # noqa: F811
+def test_same_seed_same_numbers_and_ctrl_c(tmp_path, one_torch_thread):
     cfg = replace(InductionConfig.quick(), steps=8, eval_every=4, eval_sequences=8, score_sequences=1)
     a = run_induction(cfg, tmp_path / "a", seed=1, progress=False)
     b = run_induction(cfg, tmp_path / "b", seed=1, progress=False)

@@ -6,11 +6,11 @@ from dataclasses import replace
 
 import pytest
 
+from lab_helpers import assert_png, load_results
 from multihead.lab.kv import KVConfig, run_kv
-from test_lab_common import assert_png, load_results, one_thread  # noqa: F401
 
 
-def test_quick_measures_and_agrees_with_plan(tmp_path, one_thread):  # noqa: F811
+def test_quick_measures_and_agrees_with_plan(tmp_path, one_torch_thread):
     cfg = KVConfig.quick()
     res = run_kv(cfg, tmp_path, progress=False)
     disk = load_results(tmp_path, required=["rows", "plan_agrees", "table", "summary"])
@@ -32,7 +32,7 @@ def test_quick_measures_and_agrees_with_plan(tmp_path, one_thread):  # noqa: F81
     assert_png(tmp_path / "kv.png")
 
 
-def test_ctrl_c_keeps_measured_rows(tmp_path, one_thread):  # noqa: F811
+def test_ctrl_c_keeps_measured_rows(tmp_path, one_torch_thread):
     def callback(name, step, loss):
         if step == 2:
             raise KeyboardInterrupt

@@ -10,9 +10,9 @@ from importlib import resources
 import pytest
 import torch
 
+from lab_helpers import assert_png, load_results
 from multihead.lab.mla import MLAConfig, convert_model, load_corpus, run_mla
 from multihead.lab.models import LabConfig, LabTransformer
-from test_lab_common import assert_png, load_results, one_thread  # noqa: F401
 
 # Uniform over the KJV's ~60 characters is 5.9 bits/char, unigram frequencies ~4.3; the
 # quick run gets ~3.4. Below 4.0 means it learned more than character frequencies.
@@ -32,7 +32,7 @@ def test_shipped_corpus_matches_its_provenance():
     assert "King James" in name
 
 
-def test_quick_learns_and_validates(tmp_path, one_thread):  # noqa: F811
+def test_quick_learns_and_validates(tmp_path, one_torch_thread):
     cfg = MLAConfig.quick()
     res = run_mla(cfg, tmp_path, progress=False)
     disk = load_results(tmp_path, required=["runs", "conversions", "corpus", "smallest_rank_within_tolerance",
@@ -60,7 +60,7 @@ def test_quick_learns_and_validates(tmp_path, one_thread):  # noqa: F811
     assert res["checkpoint"] == "model"
 
 
-def test_to_mla_at_full_rank_is_the_same_model(one_thread):  # noqa: F811
+def test_to_mla_at_full_rank_is_the_same_model(one_torch_thread):
     torch.manual_seed(0)
     model = LabTransformer(LabConfig(vocab_size=11, max_len=16, d_model=16, n_layers=2, n_heads=4)).eval()
     full, errors = convert_model(model, 16)
@@ -71,7 +71,7 @@ def test_to_mla_at_full_rank_is_the_same_model(one_thread):  # noqa: F811
     assert min(errors) > 0.1 and low.cfg.kv_rank == 2 and low.cfg.attention == "mla"
 
 
-def test_any_utf8_corpus(tmp_path, one_thread):  # noqa: F811
+def test_any_utf8_corpus(tmp_path, one_torch_thread):
     text = "".join(f"ünïcödé line {i % 7} — the quick brown fox.\n" for i in range(2000))
     (tmp_path / "c.txt").write_text(text, encoding="utf-8")
     cfg = replace(MLAConfig.quick(), corpus=str(tmp_path / "c.txt"), max_chars=None, ranks=(4,), kv_heads=(),
@@ -84,7 +84,7 @@ def test_any_utf8_corpus(tmp_path, one_thread):  # noqa: F811
         run_mla(replace(cfg, corpus=str(tmp_path / "bad.txt")), tmp_path / "o2", progress=False)
 
 
-def test_ctrl_c_during_the_sweep(tmp_path, one_thread):  # noqa: F811
+def test_ctrl_c_during_the_sweep(tmp_path, one_torch_thread):
     cfg = replace(MLAConfig.quick(), steps=6, finetune_steps=2, eval_every=3, eval_batches=1)
 
     def callback(name, step, loss):
