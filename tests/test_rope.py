@@ -166,3 +166,48 @@ def test_apply_rotary_with_given_angles_equals_the_module():
     x = torch.randn(2, 3, 5, 16)
     cos, sin = rope.cos_sin(torch.arange(7, 12))
     assert torch.equal(apply_rotary(x, cos, sin), rope(x, 7))
+
+
+# ------------------------------------------------- layouts against their models' formulations
+
+
+def _hf_half_split(x, pos, base=10000.0):
+    """HF Llama's formulation, written independently: cat(freqs, freqs) with rotate_half."""
+    d = x.shape[-1]
+    inv = 1.0 / base ** (torch.arange(0, d, 2, dtype=torch.float64) / d)
+    freqs = pos[:, None].double() * inv[None]
+    emb = torch.cat([freqs, freqs], -1)
+    rot = torch.cat([-x[..., d // 2 :], x[..., : d // 2]], -1)
+    return x * emb.cos() + rot * emb.sin()
+
+
+def _gptj_interleaved(x, pos, base=10000.0):
+    """GPT-J's rotate_every_two with repeat_interleave'd sin/cos."""
+    d = x.shape[-1]
+    inv = 1.0 / base ** (torch.arange(0, d, 2, dtype=torch.float64) / d)
+    freqs = pos[:, None].double() * inv[None]
+    sin, cos = freqs.sin().repeat_interleave(2, -1), freqs.cos().repeat_interleave(2, -1)
+    rot = torch.stack([-x[..., 1::2], x[..., ::2]], -1).flatten(-2)
+    return x * cos + rot * sin
+
+
+@pytest.mark.parametrize("interleaved,ref", [(False, _hf_half_split), (True, _gptj_interleaved)])
+def test_rope_layouts_match_their_models(interleaved, ref):
+    x = torch.randn(2, 3, 6, 8, dtype=torch.float64)
+    rope = RotaryEmbedding(8, interleaved=interleaved)
+    assert_close(rope(x, offset=5), ref(x, torch.arange(5, 11)))  # float64 angles: exact
+
+
+def test_rope_scores_depend_on_relative_position_only():
+    rope = RotaryEmbedding(16)
+    q, k = torch.randn(1, 1, 1, 16), torch.randn(1, 1, 1, 16)
+    s1 = (rope(q, 3) * rope(k, 1)).sum()
+    s2 = (rope(q, 103) * rope(k, 101)).sum()
+    assert abs(s1 - s2) < 1e-4
+
+
+def test_partial_rope_leaves_the_rest():
+    x = torch.randn(1, 1, 4, 8)
+    out = RotaryEmbedding(4)(x, 2)
+    assert torch.equal(out[..., 4:], x[..., 4:])
+    assert not torch.allclose(out[..., :4], x[..., :4])
