@@ -360,30 +360,30 @@ def _write(tmp_path, name, content):
 def test_a_huge_number_is_refused_with_the_field(tmp_path):
     cfg = json.dumps(CONFIGS["llama-3-8b"]).replace('"num_hidden_layers": 32', '"num_hidden_layers": ' + "9" * 400)
     path = _write(tmp_path, "big.json", cfg)
-    with pytest.raises(ValueError, match=r"big.json: field 'num_hidden_layers' .* at most 2\*\*40; "
-                                         r"received a 400-digit number"):
+    with pytest.raises(ValueError, match=r"big.json: field 'num_hidden_layers' is a 400-digit number; "
+                                         r"no setting is that large"):
         plan.read_config(path)
     # Past Python's 4300-digit limit the JSON parser itself refuses: still named.
     path = _write(tmp_path, "huge.json", '{"model_type": "llama", "hidden_size": ' + "9" * 5000 + "}")
-    with pytest.raises(ValueError, match=r"huge.json is not a usable config.json"):
+    with pytest.raises(ValueError, match=r"huge.json is not a usable Hugging Face config.json"):
         plan.read_config(path)
     # A float overflow (1e999 is inf) or NaN is not an integer field.
     path = _write(tmp_path, "inf.json", json.dumps(CONFIGS["llama-3-8b"]).replace('"hidden_size": 4096',
                                                                                 '"hidden_size": 1e999'))
-    with pytest.raises(ValueError, match=r"inf.json: field 'hidden_size' .* integer; received inf"):
+    with pytest.raises(ValueError, match=r"inf.json: field 'hidden_size' is inf .*expected a finite number"):
         plan.read_config(path)
     path = _write(tmp_path, "nan.json", '{"model_type": "llama", "hidden_size": NaN}')
-    with pytest.raises(ValueError, match=r"nan.json .*NaN is not a JSON number"):
+    with pytest.raises(ValueError, match=r"nan.json: NaN is not a valid JSON number"):
         plan.read_config(path)
 
 
 def test_deep_json_and_bad_bytes_and_endless_files(tmp_path):
     path = _write(tmp_path, "deep.json", "[" * 100_000 + "]" * 100_000)
-    with pytest.raises(ValueError, match=r"deep.json is nested too deeply"):
+    with pytest.raises(ValueError, match=r"deep.json nests \d+ levels deep"):
         plan.read_config(path)
     raw = '{"model_type": "llama", "name": "caf\xe9"}'.encode("latin-1")
     path = _write(tmp_path, "latin1.json", raw)
-    with pytest.raises(ValueError, match=rf"latin1.json is not UTF-8 text \(byte {raw.index(0xE9)} is 0xe9\)"):
+    with pytest.raises(ValueError, match=rf"latin1.json is not UTF-8 text \(byte 0xe9 at offset {raw.index(0xE9)}\)"):
         plan.read_config(path)
     # A file that never ends (what /dev/zero is on most machines): at most
     # MAX_CONFIG_BYTES + 1 bytes are read. A FIFO fed forever by a thread stands for it.

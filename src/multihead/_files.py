@@ -112,7 +112,7 @@ def read_json(path: str | os.PathLike, *, what: str = "JSON file", max_bytes: in
     label = os.fspath(path)
     try:
         with open(path, "rb") as f:
-            data = f.read(max_bytes + 1)
+            data = _read_at_most(f, max_bytes + 1)
     except IsADirectoryError:
         raise ValueError(f"{label} is a folder; expected a {what}") from None
     except OSError as err:
@@ -139,8 +139,24 @@ def read_json(path: str | os.PathLike, *, what: str = "JSON file", max_bytes: in
                          f"expected a {what}") from None
     except RecursionError:  # pragma: no cover - _max_depth refuses deep nesting first
         raise ValueError(f"{label} nests too deeply for a {what}") from None
+    except ValueError as err:  # NaN/Infinity (named above), or an integer past Python's 4300 digits
+        if str(err).startswith(label):
+            raise
+        raise ValueError(f"{label} is not a usable {what}: {str(err)[:120]}") from None
     _check_numbers(obj, label, "")
     return obj
+
+
+def _read_at_most(f, n: int) -> bytes:
+    """Up to n bytes: reads until EOF or n, since a device or pipe may return short reads."""
+    chunks, size = [], 0
+    while size < n:
+        chunk = f.read(n - size)
+        if not chunk:
+            break
+        chunks.append(chunk)
+        size += len(chunk)
+    return b"".join(chunks)
 
 
 def _max_depth(text: str) -> int:

@@ -42,7 +42,6 @@ ValueError naming the file and the field.
 
 from __future__ import annotations
 
-import json
 import os
 from collections.abc import Callable, Mapping
 
@@ -510,41 +509,11 @@ def read_config(source, name: str | None = None) -> ModelGeometry:
 
 
 def _load_json(path, label: str):
-    """Parse at most MAX_CONFIG_BYTES of UTF-8 JSON, every failure a ValueError naming the file."""
-    try:
-        with open(path, "rb") as fh:
-            # A device may return short reads: read until EOF or one byte past the limit.
-            chunks, size = [], 0
-            while size <= MAX_CONFIG_BYTES:
-                chunk = fh.read(MAX_CONFIG_BYTES + 1 - size)
-                if not chunk:
-                    break
-                chunks.append(chunk)
-                size += len(chunk)
-            raw = b"".join(chunks)
-    except OSError as err:
-        raise ValueError(f"cannot read {label}: {err.strerror or err}") from None
-    if len(raw) > MAX_CONFIG_BYTES:
-        raise ValueError(f"{label} is larger than {MAX_CONFIG_BYTES // 2**20} MiB; a config.json is a "
-                         "few KB (is this the right file?)")
-    try:
-        text = raw.decode("utf-8")
-    except UnicodeDecodeError as err:
-        raise ValueError(f"{label} is not UTF-8 text (byte {err.start} is {raw[err.start]:#04x}); "
-                         "expected a Hugging Face config.json") from None
-    try:
-        return json.loads(text, parse_constant=_reject_constant)
-    except json.JSONDecodeError as err:
-        raise ValueError(f"{label} is not JSON ({err.msg} at line {err.lineno}); "
-                         "expected a Hugging Face config.json") from None
-    except RecursionError:
-        raise ValueError(f"{label} is nested too deeply to be a config.json") from None
-    except ValueError as err:  # e.g. an integer of more than 4300 digits
-        raise ValueError(f"{label} is not a usable config.json: {_short(str(err), 120)}") from None
+    """At most MAX_CONFIG_BYTES of UTF-8 JSON; every failure a ValueError naming the file
+    (and the field), through the library's one bounded reader."""
+    from multihead._files import read_json
 
-
-def _reject_constant(name: str):
-    raise ValueError(f"{name} is not a JSON number")
+    return read_json(path, what="Hugging Face config.json", max_bytes=MAX_CONFIG_BYTES)
 
 
 def _stem(label: str) -> str:
