@@ -294,3 +294,23 @@ def test_scale_accepts_numpy_and_tensor_scalars(scale):
         torch.randn(1, 2, 5, 4, dtype=torch.float64)
     out = mh.scaled_dot_product_attention(q, k, v, scale=scale)
     assert_close(out, R.attention(q.numpy(), k.numpy(), v.numpy(), scale=float(scale)), torch.float32)
+
+
+def test_weights_carry_gradients_on_the_explicit_backends_only_as_documented():
+    q = torch.randn(1, 4, 3, 8, dtype=torch.float64, requires_grad=True)
+    k, v = torch.randn(1, 2, 5, 8, dtype=torch.float64), torch.randn(1, 2, 5, 8, dtype=torch.float64)
+    for backend, differentiable in [("math", True), ("chunked", True), ("sdpa", False), ("auto", False)]:
+        _, w = mh.scaled_dot_product_attention(q, k, v, return_weights=True, backend=backend)
+        assert w.requires_grad is differentiable, backend
+    _, w = mh.scaled_dot_product_attention(q, k, v, return_weights=True, backend="math")
+    (g,) = torch.autograd.grad(w[..., 0].sum(), q)
+    ref = torch.softmax((q @ k.repeat_interleave(2, 1).transpose(-1, -2)) / 8 ** 0.5, -1)[..., 0].sum()
+    (g_ref,) = torch.autograd.grad(ref, q)
+    assert torch.allclose(g, g_ref, atol=1e-12)
+
+
+def test_attention_weights_needs_no_values():
+    q, k = torch.randn(2, 4, 3, 8, dtype=torch.float64), torch.randn(2, 2, 5, 8, dtype=torch.float64)
+    w = mh.attention_weights(q, k, causal=True, heads=[1, 3])
+    ref = R.attention(q.numpy(), k.numpy(), k.numpy(), causal=True, return_weights=True)[1][:, [1, 3]]
+    assert_close(w, ref)

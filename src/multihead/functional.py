@@ -56,8 +56,10 @@ from multihead.score_mods import from_flex as _score_from_flex
 
 __all__ = [
     "Backend",
+    "attend",
     "attention_weights",
     "available_backends",
+    "check_backend_name",
     "register_backend",
     "resolve_backend",
     "scaled_dot_product_attention",
@@ -174,7 +176,10 @@ def scaled_dot_product_attention(
         dropout_p: dropout on the attention probabilities, applied whenever > 0 (the
             modules pass 0 in eval mode).
         return_weights: False; True for the weights of every head; or a sequence of
-            query-head indices, whose weights alone are computed.
+            query-head indices, whose weights alone are computed. Weights are for
+            looking at: from "auto"/"sdpa"/"tiles" they come from a separate no-grad pass
+            and carry no gradient; backend="math" or "chunked" returns differentiable
+            weights (for a loss on the attention pattern).
         backend: "auto" or a name from `available_backends()`.
         score_mod: `score_mod(score, b, h, q_idx, kv_idx) -> score` applied to the scaled
             scores before the mask (flex_attention's signature; see
@@ -295,9 +300,8 @@ def attention_weights(
     result `(B, len(heads), T, S)` stays bounded whatever T and S are.
     """
     H = q.shape[1] if q.dim() == 4 else 0
-    v = k[..., :1] if k.dim() == 4 else k  # only shapes matter for the checks
     scale = _check_scale(scale)
-    mask = _check_inputs(q, k, v, mask, scale, 0.0)
+    mask = _check_inputs(q, k, None, mask, scale, 0.0)
     heads = _weight_heads(True if heads is None else heads, H)
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
     if min(q.shape[0], q.shape[2], k.shape[2]) == 0:
@@ -341,9 +345,12 @@ def _check_score_mod(score_mod, q: Tensor, k: Tensor) -> ScoreMod | None:
 
 
 def _check_inputs(q, k, v, mask, scale, dropout_p) -> Tensor | MaskMod | None:
-    """Validate user input; return the mask as None, a 4-D tensor or a checked predicate."""
-    for name, t, layout in (("q", q, "(B, H, T, D)"), ("k", k, "(B, Hkv, S, D)"),
-                            ("v", v, "(B, Hkv, S, Dv)")):
+    """Validate user input; return the mask as None, a 4-D tensor or a checked predicate.
+    `v` is None where no values are involved (`attention_weights`)."""
+    named = [("q", q, "(B, H, T, D)"), ("k", k, "(B, Hkv, S, D)")]
+    if v is not None:
+        named.append(("v", v, "(B, Hkv, S, Dv)"))
+    for name, t, layout in named:
         if not isinstance(t, Tensor):
             raise TypeError(f"{name} must be a torch.Tensor {layout}; received {type(t).__name__}")
         if t.dim() != 4:
@@ -351,6 +358,7 @@ def _check_inputs(q, k, v, mask, scale, dropout_p) -> Tensor | MaskMod | None:
         if not t.is_floating_point():
             raise TypeError(f"{name} must be a floating-point tensor; received dtype {t.dtype}")
     B, H, T, D = q.shape
+    v = k if v is None else v  # only q and k to compare
     if k.shape[0] != B or v.shape[0] != B:
         raise ValueError(
             f"batch sizes differ: q {_shape(q)}, k {_shape(k)}, v {_shape(v)}; dim 0 must match"
