@@ -269,34 +269,60 @@ def recommend(req: Request) -> Recommendation:
     """Apply the rules in the module docstring; deterministic for a given request."""
     warnings: list[str] = []
     notes: list[str] = []
-    pick_note = ""
     if req.params < TINY_PARAMS:
         warnings.append(
             f"the budget is tiny: {req.params:,} parameters; did you mean {req.params}M or "
             f"{req.params}B? (sizes take a suffix: 125M, 1.3B, 7B)")
     c, h, d = _heads(req, warnings)
-    tied = req.params < TIE_BELOW
-    mla_allowed = req.params >= MLA_MIN_PARAMS or req.variant == "mla" or req.kv_rank is not None
     if (req.variant == "mla" or req.kv_rank is not None) and req.params < MLA_MIN_PARAMS:
         warnings.append(
             f"MLA below 1B parameters ({fmt_count(req.params)}), as asked: the latent saves "
             f"little cache at this size and costs a more complex decode path; GQA is simpler")
-
-    # The user's KV heads, made valid (GQA groups must divide the heads).
-    user_kv = req.n_kv_heads
-    if user_kv is not None and (user_kv > h or h % user_kv):
-        valid = divisors(h)
-        fixed = max(k for k in valid if k <= user_kv)
-        why = (f"KV heads must divide the {h} query heads" if user_kv <= h
-               else f"there are only {h} query heads")
-        pick_note = f"{fixed} KV heads, not {user_kv}: {why}"
-        warnings.append(
-            f"n_kv_heads {user_kv} does not divide n_heads {h} (every KV head must serve the "
-            f"same number of query heads); valid: {', '.join(map(str, valid))}; using {fixed}")
-        user_kv = fixed
-
+    tied = req.params < TIE_BELOW
+    user_kv, pick_note = _valid_user_kv(req, h, warnings)
     start_kv, start_why = start_variant(req.params, h)
     start_attn = AttentionGeometry(c, h, start_kv, head_dim=d, bias=False)
+    req, n_layers = _size(req, start_attn, tied, warnings, notes)
+    mla_default = req.kv_rank or 4 * d
+    cands = _candidates(req, start_attn, user_kv, mla_default, n_layers, tied)
+    pick, reason = _pick(req, cands, start_attn.label, start_why, user_kv, mla_default, pick_note)
+    warnings += _pick_warnings(req, pick)
+    notes += _training_notes(req, pick)
+    return Recommendation(
+        request=req,
+        pick=pick,
+        reason=reason,
+        alternatives=tuple(_rank(pick, cands.values())),
+        init=init_scales(pick.model),
+        bias={"use": False, "reason": "production decoders (Llama, Mistral, Gemma, DeepSeek) "
+              "train without attention biases; they add parameters and no quality"},
+        check=induction_check(pick.model),
+        warnings=tuple(warnings),
+        notes=tuple(notes),
+        pick_note=pick_note,
+    )
+
+
+def _valid_user_kv(req: Request, h: int, warnings: list[str]) -> tuple[int | None, str]:
+    """The user's KV heads made valid (GQA groups must divide the heads), and the note
+    saying what was changed ("" if nothing)."""
+    user_kv = req.n_kv_heads
+    if user_kv is None or (user_kv <= h and h % user_kv == 0):
+        return user_kv, ""
+    valid = divisors(h)
+    fixed = max(k for k in valid if k <= user_kv)
+    why = (f"KV heads must divide the {h} query heads" if user_kv <= h
+           else f"there are only {h} query heads")
+    warnings.append(
+        f"n_kv_heads {user_kv} does not divide n_heads {h} (every KV head must serve the "
+        f"same number of query heads); valid: {', '.join(map(str, valid))}; using {fixed}")
+    return fixed, f"{fixed} KV heads, not {user_kv}: {why}"
+
+
+def _size(req: Request, start_attn, tied: bool, warnings: list[str],
+          notes: list[str]) -> tuple[Request, int]:
+    """(request with n_devices filled in, n_layers): layers fill the budget at the starting
+    geometry, devices hold its weights in half their usable memory."""
     n_layers = req.n_layers or layers_for(start_attn, req, tied)
     if req.n_devices is None:
         weights = bytes_for(param_counts(_model(start_attn, n_layers, req, tied)).total,
@@ -309,57 +335,67 @@ def recommend(req: Request) -> Recommendation:
                          "cache; pass --devices to choose")
     if req.n_layers is None and n_layers < 2:
         warnings.append(f"{fmt_count(req.params)} parameters leave room for {n_layers} layer "
-                        f"at d_model {c} after the embeddings; pass a smaller --d-model")
+                        f"at d_model {start_attn.d_model} after the embeddings; "
+                        "pass a smaller --d-model")
+    return req, n_layers
 
-    # Candidate set: MHA, several GQA groupings, MQA, MLA at ranks 2D, 4D, 8D.
-    kv_counts = {h, 1, start_kv} | {k for k in (h // 2, 16, 8, 4, 2) if 1 < k < h and h % k == 0}
+
+def _candidates(req: Request, start_attn, user_kv: int | None, mla_default: int, n_layers: int,
+                tied: bool) -> dict[str, Candidate]:
+    """MHA, several GQA groupings, MQA, and (where allowed) MLA at ranks 2D, 4D, 8D, by label."""
+    c, h, d = start_attn.d_model, start_attn.n_heads, start_attn.d_head
+    kv_counts = {h, 1, start_attn.n_kv} | {k for k in (h // 2, 16, 8, 4, 2) if 1 < k < h and h % k == 0}
     if user_kv is not None:
         kv_counts.add(user_kv)
     attns = [AttentionGeometry(c, h, k, head_dim=d, bias=False)
              for k in sorted(kv_counts, reverse=True)]
-    mla_default = req.kv_rank or 4 * d
-    if mla_allowed:
+    if req.params >= MLA_MIN_PARAMS or req.variant == "mla" or req.kv_rank is not None:
         ranks = sorted({2 * d, 4 * d, 8 * d, mla_default}, reverse=True)
         attns += [_mla(c, h, d, r) for r in ranks]
-    cands = {a.label: _candidate(a, n_layers, req, tied) for a in attns}
+    return {a.label: _candidate(a, n_layers, req, tied) for a in attns}
 
-    # The pick.
-    forced = _forced_label(req, h, user_kv, start_kv, mla_default)
+
+def _pick(req: Request, cands: dict[str, Candidate], start_label: str, start_why: str,
+          user_kv: int | None, mla_default: int, pick_note: str) -> tuple[Candidate, str]:
+    """(pick, reason): what the user forced, else the start when training (rule 4), else the
+    first rung of the cache ladder that fits (rule 3)."""
+    start = cands[start_label]
+    forced = _forced_label(req, start.model.attention.n_heads, user_kv, start.model.attention.n_kv,
+                           mla_default)
     if forced is not None:
         pick = cands[forced]
         asked = "as asked" if not pick_note else f"from the {req.n_kv_heads} KV heads asked, made valid"
-        reason = (f"{pick.label} {asked}: its KV cache at {_at(req)} is "
-                  f"{fmt_bytes(pick.kv_bytes)}, {_fit_words(pick)}.")
-    elif req.priority == "training":
-        pick = cands[start_attn.label]
-        reason = (f"{pick.label}: training holds no KV cache, so the geometry follows practice "
-                  f"({start_why}); served at {_at(req)} its cache would be "
-                  f"{fmt_bytes(pick.kv_bytes)}, {_fit_words(pick)}.")
-    else:
-        start = cands[start_attn.label]
-        ladder = [x for x in cands.values()
-                  if _kv_elements(x) <= _kv_elements(start)
-                  and (x.model.attention.kind != "MLA" or x.label == f"MLA-{mla_default}")]
-        ladder.sort(key=lambda x: (-_kv_elements(x), x.label))
-        pick = next((x for x in ladder if x.fit.fits), None)
-        if pick is start:
-            reason = (f"{pick.label}: {start_why}, and its KV cache at {_at(req)} is "
+        return pick, (f"{pick.label} {asked}: its KV cache at {_at(req)} is "
+                      f"{fmt_bytes(pick.kv_bytes)}, {_fit_words(pick)}.")
+    if req.priority == "training":
+        return start, (f"{start.label}: training holds no KV cache, so the geometry follows "
+                       f"practice ({start_why}); served at {_at(req)} its cache would be "
+                       f"{fmt_bytes(start.kv_bytes)}, {_fit_words(start)}.")
+    ladder = [x for x in cands.values()
+              if _kv_elements(x) <= _kv_elements(start)
+              and (x.model.attention.kind != "MLA" or x.label == f"MLA-{mla_default}")]
+    ladder.sort(key=lambda x: (-_kv_elements(x), x.label))
+    pick = next((x for x in ladder if x.fit.fits), None)
+    if pick is start:
+        return pick, (f"{pick.label}: {start_why}, and its KV cache at {_at(req)} is "
                       f"{fmt_bytes(pick.kv_bytes)}, {_fit_words(pick)}"
                       + (f" (MHA would need {fmt_bytes(cands['MHA'].kv_bytes)})."
                          if pick.label != "MHA" else "."))
-        elif pick is not None:
-            bigger = ladder[ladder.index(pick) - 1]
-            free = fmt_bytes(max(bigger.fit.free_bytes, 0))
-            reason = (f"{pick.label}: {bigger.label} would need {fmt_bytes(bigger.kv_bytes)} of "
+    if pick is not None:
+        bigger = ladder[ladder.index(pick) - 1]
+        free = fmt_bytes(max(bigger.fit.free_bytes, 0))
+        return pick, (f"{pick.label}: {bigger.label} would need {fmt_bytes(bigger.kv_bytes)} of "
                       f"KV cache at {_at(req)}, more than the {free} left beside the weights on "
                       f"{_device_words(req)}; {pick.label} needs {fmt_bytes(pick.kv_bytes)}.")
-        else:
-            pick = min(ladder, key=lambda x: (x.kv_bytes, x.label))
-            reason = (f"{pick.label}: the smallest KV cache on the ladder "
-                      f"({fmt_bytes(pick.kv_bytes)} at {_at(req)}) and still more than the "
-                      f"{fmt_bytes(max(pick.fit.free_bytes, 0))} left on {_device_words(req)}.")
+    pick = min(ladder, key=lambda x: (x.kv_bytes, x.label))
+    return pick, (f"{pick.label}: the smallest KV cache on the ladder "
+                  f"({fmt_bytes(pick.kv_bytes)} at {_at(req)}) and still more than the "
+                  f"{fmt_bytes(max(pick.fit.free_bytes, 0))} left on {_device_words(req)}.")
 
-    # Warnings that depend on the pick.
+
+def _pick_warnings(req: Request, pick: Candidate) -> list[str]:
+    """Warnings that depend on the pick: weights or cache that do not fit, MHA at long context."""
+    warnings = []
     if not pick.fit.weights_fit:
         need = math.ceil(pick.fit.weights_bytes / ((1 - RESERVE) * req.device.memory))
         warnings.append(
@@ -373,29 +409,18 @@ def recommend(req: Request) -> Recommendation:
             f"{fmt_bytes(pick.fit.free_bytes)} left beside the weights: at most "
             f"{pick.max_batch} sequences of {fmt_tokens(req.context)} fit, or "
             f"{pick.max_context:,} tokens at batch {req.batch}")
-    warnings += mha_warnings(pick.model, req.context, req.batch, req.dtype)
-    if req.priority == "training":
-        state = 16 * pick.params.total
-        per_device = (1 - RESERVE) * req.device.memory
-        notes.append(f"training state at 16 bytes/parameter (bf16 weights and grads, fp32 master "
-                     f"and Adam moments): {fmt_bytes(state)}, at least "
-                     f"{math.ceil(state / per_device)} x {req.device.name} with ZeRO-3/FSDP, "
-                     "plus activations")
+    return warnings + mha_warnings(pick.model, req.context, req.batch, req.dtype)
 
-    ranked = _rank(pick, cands.values())
-    return Recommendation(
-        request=req,
-        pick=pick,
-        reason=reason,
-        alternatives=tuple(ranked),
-        init=init_scales(pick.model),
-        bias={"use": False, "reason": "production decoders (Llama, Mistral, Gemma, DeepSeek) "
-              "train without attention biases; they add parameters and no quality"},
-        check=induction_check(pick.model),
-        warnings=tuple(warnings),
-        notes=tuple(notes),
-        pick_note=pick_note,
-    )
+
+def _training_notes(req: Request, pick: Candidate) -> list[str]:
+    if req.priority != "training":
+        return []
+    state = 16 * pick.params.total
+    per_device = (1 - RESERVE) * req.device.memory
+    return [f"training state at 16 bytes/parameter (bf16 weights and grads, fp32 master "
+            f"and Adam moments): {fmt_bytes(state)}, at least "
+            f"{math.ceil(state / per_device)} x {req.device.name} with ZeRO-3/FSDP, "
+            "plus activations"]
 
 
 def _forced_label(req: Request, h: int, user_kv, start_kv: int, mla_default: int) -> str | None:
