@@ -179,11 +179,7 @@ def _heads(req: Request, warnings: list[str]) -> tuple[int, int, int]:
             raise ValueError(f"d_model ({c}) is not a multiple of any usual head_dim "
                              f"({', '.join(map(str, HEAD_DIMS))}); pass --head-dim or --n-heads")
         h = c // d
-    if d < MIN_HEAD_DIM:
-        wider = f" (e.g. {c // 64} heads of 64)" if c % 64 == 0 else ""
-        warnings.append(f"head_dim {d} is below {MIN_HEAD_DIM}: each head's q.k has too few "
-                        f"dimensions to separate tokens and positions; use fewer, wider "
-                        f"heads{wider}")
+    warnings += _head_dim_warnings(c, d)
     return c, h, d
 
 
@@ -489,11 +485,16 @@ def mha_warnings(model: ModelGeometry, context: int, batch: int, dtype) -> list[
 
 
 def head_dim_warnings(model: ModelGeometry) -> list[str]:
-    d = model.attention.d_head
-    if d < MIN_HEAD_DIM:
-        return [f"head_dim {d} is below {MIN_HEAD_DIM}: each head's q.k has too few "
-                "dimensions to separate tokens and positions; use fewer, wider heads"]
-    return []
+    """Heads narrower than MIN_HEAD_DIM, for a real config as for a recommendation."""
+    return _head_dim_warnings(model.attention.d_model, model.attention.d_head)
+
+
+def _head_dim_warnings(d_model: int, d: int) -> list[str]:
+    if d >= MIN_HEAD_DIM:
+        return []
+    wider = f" (e.g. {d_model // 64} heads of 64)" if d_model % 64 == 0 else ""
+    return [f"head_dim {d} is below {MIN_HEAD_DIM}: each head's q.k has too few dimensions to "
+            f"separate tokens and positions; use fewer, wider heads{wider}"]
 
 
 # --- init scales and the check ------------------------------------------------------
