@@ -9,7 +9,7 @@ import numpy as np
 
 
 def load_results(folder: Path, required=()) -> dict:
-    from multihead.lab.common import check_results
+    from multihead.lab.results import check_results
 
     obj = json.loads((Path(folder) / "results.json").read_text(encoding="utf-8"))
     return check_results(obj, folder, required=required)

@@ -181,31 +181,13 @@ def test_one_flag_name_per_concept():
     assert "train" in heads_device.help
 
 
-def test_progress_across_runs_shows_k_of_n_and_the_overall_eta():
-    import io
-
-    from multihead.lab.common import Overall, Progress
-
-    overall = Overall(runs=3, steps=30)
-    lines = []
-    for _ in range(3):
-        stream = io.StringIO()
-        bar = Progress(10, overall.next_label("heads H=1"), stream=stream, overall=overall)
-        for step in range(1, 11):
-            bar.update(step, 1.0)
-        lines.append(stream.getvalue().splitlines()[-1])
-    assert [line.split()[0] for line in lines] == ["[1/3]", "[2/3]", "[3/3]"]
-    assert all("| all 3 runs ETA" in line for line in lines)
-    assert overall.done == 30 and lines[-1].endswith("all 3 runs ETA 0:00")
-
-
 # ------------------------------------------------------------------ the plots
 
 
 @pytest.fixture
 def figures(monkeypatch):
     """Keep the figures the experiments draw instead of saving them."""
-    import multihead.lab.common as common
+    import multihead.lab.plots as plots
 
     kept = []
 
@@ -215,7 +197,7 @@ def figures(monkeypatch):
 
     for module in ("heads", "kv", "mla", "induction"):
         monkeypatch.setattr(f"multihead.lab.{module}.save_figure", keep)
-    monkeypatch.setattr(common, "save_figure", keep)
+    monkeypatch.setattr(plots, "save_figure", keep)
     return kept
 
 
@@ -307,3 +289,20 @@ def test_the_command_plan_prints_runs(tmp_path, capsys, one_torch_thread):
     model, _, _ = load_lab_checkpoint(out)
     attn = model.blocks[0].attn
     assert (attn.n_heads, attn.n_kv_heads, attn.head_dim) == (g["n_heads"], g["n_kv_heads"], 128)
+
+
+def test_cli_bad_input_exits_2(tmp_path, capsys):
+    from multihead.cli import main
+
+    assert main(["lab"]) == 2
+    assert "choose an experiment" in capsys.readouterr().err
+    assert main(["lab", "mla", "--quick", "--corpus", str(tmp_path / "missing.txt"), "--out", str(tmp_path)]) == 2
+    assert "no such file" in capsys.readouterr().err
+    short = tmp_path / "short.txt"
+    short.write_text("too short", encoding="utf-8")
+    assert main(["lab", "mla", "--quick", "--corpus", str(short), "--out", str(tmp_path / "o")]) == 2
+    assert "corpus too short" in capsys.readouterr().err
+    assert main(["lab", "heads", "--head-counts", "1,x"]) == 2  # argparse's own error, returned
+    assert "expected comma-separated integers" in capsys.readouterr().err
+    assert main(["lab", "heads", "--quick", "--head-counts", "3", "--out", str(tmp_path / "h")]) == 2
+    assert "does not divide" in capsys.readouterr().err

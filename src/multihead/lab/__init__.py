@@ -25,7 +25,7 @@ _LAZY = {
     "run_mla": "multihead.lab.mla", "MLAConfig": "multihead.lab.mla",
     "run_induction": "multihead.lab.induction", "InductionConfig": "multihead.lab.induction",
     "load_lab_checkpoint": "multihead.lab.checkpoint", "capture_lab": "multihead.lab.checkpoint",
-    "check_results": "multihead.lab.common",
+    "check_results": "multihead.lab.results",
     "scale_induction": "multihead.lab.configs",
 }
 __all__ = list(_LAZY)

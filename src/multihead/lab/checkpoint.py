@@ -80,7 +80,7 @@ def save_lab_checkpoint(folder: str | os.PathLike, model: LabTransformer, vocab:
 
     from multihead import __version__
     from multihead._files import atomic_path
-    from multihead.lab.common import write_json_atomic
+    from multihead.lab.results import write_json_atomic
 
     if len(vocab) != model.cfg.vocab_size:
         raise ValueError(f"vocab has {len(vocab)} tokens; the model has vocab_size {model.cfg.vocab_size}")

@@ -25,21 +25,13 @@ from pathlib import Path
 import torch
 
 from multihead.lab.checkpoint import Vocab, save_lab_checkpoint
-from multihead.lab.common import (
-    Overall,
-    StepCallback,
-    diverged_entry,
-    draw_plots,
-    new_results,
-    pyplot,
-    resolve_device,
-    save_figure,
-    seed_everything,
-    train,
-    write_json_atomic,
-)
 from multihead.lab.configs import HeadsConfig
+from multihead.lab.devices import resolve_device, seed_everything
 from multihead.lab.models import LabConfig, LabTransformer
+from multihead.lab.plots import draw_plots, pyplot, save_figure
+from multihead.lab.progress import Overall
+from multihead.lab.results import new_results, write_json_atomic
+from multihead.lab.training import StepCallback, diverged_entry, train
 
 __all__ = ["HeadsConfig", "run_heads"]
 

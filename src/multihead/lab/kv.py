@@ -23,17 +23,11 @@ from pathlib import Path
 
 import torch
 
-from multihead.lab.common import (
-    StepCallback,
-    draw_plots,
-    new_results,
-    pyplot,
-    resolve_device,
-    save_figure,
-    seed_everything,
-    write_json_atomic,
-)
 from multihead.lab.configs import KVConfig
+from multihead.lab.devices import resolve_device, seed_everything
+from multihead.lab.plots import draw_plots, pyplot, save_figure
+from multihead.lab.results import new_results, write_json_atomic
+from multihead.lab.training import StepCallback
 
 __all__ = ["KVConfig", "run_kv"]
 

@@ -30,28 +30,20 @@ import copy
 import lzma
 import math
 import time
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from importlib import resources
 from pathlib import Path
 
 import torch
 
 from multihead.lab.checkpoint import Vocab, save_lab_checkpoint
-from multihead.lab.common import (
-    Overall,
-    StepCallback,
-    diverged_entry,
-    draw_plots,
-    new_results,
-    pyplot,
-    resolve_device,
-    save_figure,
-    seed_everything,
-    train,
-    write_json_atomic,
-)
 from multihead.lab.configs import MLAConfig
+from multihead.lab.devices import resolve_device, seed_everything
 from multihead.lab.models import LabConfig, LabTransformer
+from multihead.lab.plots import draw_plots, pyplot, save_figure
+from multihead.lab.progress import Overall
+from multihead.lab.results import new_results, write_json_atomic
+from multihead.lab.training import StepCallback, diverged_entry, train
 
 __all__ = ["MLAConfig", "load_corpus", "run_mla"]
 
@@ -97,13 +89,87 @@ def cache_bytes_per_token(model: LabTransformer, dtype=torch.bfloat16) -> int:
     return sum(block.attn.new_cache(1, 1, dtype=dtype, device="cpu").nbytes for block in model.blocks)
 
 
+@dataclass
+class _Session:
+    """What every training of one run shares: the data, the device, the callbacks, and the
+    results being written (saved after each model, so an interrupted run keeps what it has)."""
+
+    cfg: MLAConfig
+    train_ids: torch.Tensor
+    val_batches: list[tuple[torch.Tensor, torch.Tensor]]
+    dev: torch.device
+    seed: int
+    callback: StepCallback | None
+    progress: bool
+    out: Path
+    res: dict
+    t0: float
+    overall: Overall
+
+    def train(self, model, gen: torch.Generator, steps: int, *, lr: float, warmup: int, label: str,
+              evaluate: bool = False) -> dict:
+        return train(
+            model, lambda step: _batch(self.train_ids, self.cfg, gen, self.dev), steps, lr=lr, warmup=warmup,
+            name=self.overall.next_label(label), callback=self.callback, progress=self.progress,
+            evaluate=(lambda step: {"val_bpc": self.val_bpc(model)}) if evaluate else None,
+            eval_every=self.cfg.eval_every if evaluate else 0, overall=self.overall,
+        )
+
+    def val_bpc(self, model) -> float:
+        model.eval()
+        with torch.no_grad():
+            nats = [float(torch.nn.functional.cross_entropy(model(x.to(self.dev)).flatten(0, 1),
+                                                             y.to(self.dev).flatten()))
+                    for x, y in self.val_batches]
+        return sum(nats) / len(nats) / math.log(2)
+
+    def save(self) -> None:
+        self.res["elapsed_s"] = time.perf_counter() - self.t0
+        write_json_atomic(self.out / "results.json", self.res)
+
+
 def run_mla(cfg: MLAConfig | None = None, out_dir: str | Path = "lab-mla", *, seed: int = 0, device: str = "auto",
             callback: StepCallback | None = None, progress: bool = True) -> dict:
     """Run the experiment; write results.json, plots and checkpoints to `out_dir`."""
-    from multihead.errors import UsageError
-
     cfg = cfg or MLAConfig()
     dev = resolve_device(device)
+    vocab, corpus, train_ids, val_ids = _split_corpus(cfg)
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    res = new_results("mla", cfg, seed, dev)
+    t0 = time.perf_counter()
+    res["results"] = {"corpus": corpus, "runs": [], "conversions": []}
+    gen_val = torch.Generator().manual_seed(1_000_003 + seed)
+    val_batches = [_windows(val_ids, cfg.batch_size, cfg.context, gen_val) for _ in range(cfg.eval_batches)]
+    variants = _variants(cfg)
+    n_conv = sum(r <= cfg.d_model for r in cfg.ranks)
+    overall = Overall(len(variants) + n_conv, len(variants) * cfg.steps + n_conv * cfg.finetune_steps)
+    session = _Session(cfg, train_ids, val_batches, dev, seed, callback, progress, out, res, t0, overall)
+    models: dict[str, LabTransformer] = {}
+    try:
+        for name, arch in variants:
+            _train_variant(session, name, LabConfig(vocab_size=len(vocab.tokens), max_len=cfg.context, **arch),
+                           models)
+        if "MHA" in models:
+            _conversions(session, models["MHA"])
+    except KeyboardInterrupt:
+        res["interrupted"] = True
+    _summarise(cfg, res)
+    runs = res["results"]["runs"]
+    if "MHA" in models and not runs[0]["interrupted"]:
+        _save_checkpoints(out, models, vocab, res)
+    session.save()  # the numbers first: a plot that fails cannot lose them
+    if _finished(runs):
+        draw_plots(res, [lambda: _plot_tradeoff(cfg, res, out / "mla.png"),
+                         lambda: _plot_curves(cfg, res, out / "curves.png")])
+        write_json_atomic(out / "results.json", res)
+    return res
+
+
+def _split_corpus(cfg: MLAConfig) -> tuple[Vocab, dict, torch.Tensor, torch.Tensor]:
+    """(vocab, corpus description, train ids, validation ids): the last val_fraction is held out."""
+    from multihead.errors import UsageError
+
     text, corpus_name = load_corpus(cfg.corpus, cfg.max_chars)
     chars = sorted(set(text))
     vocab = Vocab("char", tuple(chars))
@@ -113,84 +179,50 @@ def run_mla(cfg: MLAConfig | None = None, out_dir: str | Path = "lab-mla", *, se
     if len(val_ids) <= cfg.context + 1 or len(train_ids) <= cfg.context + 1:
         raise UsageError(f"corpus too short: {len(ids):,} characters for context {cfg.context}; "
                          f"give at least {20 * (cfg.context + 1):,}")
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    res = new_results("mla", cfg, seed, dev)
-    t0 = time.perf_counter()
-    runs: list[dict] = []
-    conversions: list[dict] = []
-    res["results"] = {"corpus": {"name": corpus_name, "characters": len(ids), "vocab_size": len(chars),
-                                 "train_characters": len(train_ids), "val_characters": len(val_ids)},
-                      "runs": runs, "conversions": conversions}
-    gen_val = torch.Generator().manual_seed(1_000_003 + seed)
-    val_batches = [_windows(val_ids, cfg.batch_size, cfg.context, gen_val) for _ in range(cfg.eval_batches)]
+    corpus = {"name": corpus_name, "characters": len(ids), "vocab_size": len(chars),
+              "train_characters": len(train_ids), "val_characters": len(val_ids)}
+    return vocab, corpus, train_ids, val_ids
 
-    def val_bpc(model) -> float:
-        model.eval()
-        with torch.no_grad():
-            nats = [float(torch.nn.functional.cross_entropy(model(x.to(dev)).flatten(0, 1), y.to(dev).flatten()))
-                    for x, y in val_batches]
-        return sum(nats) / len(nats) / math.log(2)
 
-    models: dict[str, LabTransformer] = {}
-    variants = _variants(cfg)
-    n_conv = sum(r <= cfg.d_model for r in cfg.ranks)
-    overall = Overall(len(variants) + n_conv, len(variants) * cfg.steps + n_conv * cfg.finetune_steps)
-    try:
-        for name, arch in variants:
-            lab_cfg = LabConfig(vocab_size=len(chars), max_len=cfg.context, **arch)
-            gen = seed_everything(seed)
-            model = LabTransformer(lab_cfg).to(dev)
-            hist = train(
-                model, lambda step, gen=gen: _batch(train_ids, cfg, gen, dev), cfg.steps, lr=cfg.lr,
-                warmup=cfg.warmup, name=overall.next_label(f"mla {name:<7}"), callback=callback, progress=progress,
-                evaluate=lambda step, model=model: {"val_bpc": val_bpc(model)}, eval_every=cfg.eval_every,
-                overall=overall,
-            )
-            entry = diverged_entry(name, hist)
-            if entry is not None:
-                res["diverged"].append(entry)
-            else:
-                models[name] = model
-            runs.append({
-                "name": name, "kind": lab_cfg.kind, "n_kv_heads": arch.get("n_kv_heads"),
-                "kv_rank": arch.get("kv_rank"),
-                "params": model.n_params(), "attention_params": sum(
-                    p.numel() for b in model.blocks for p in b.attn.parameters()),
-                "cache_values_per_token_per_layer": lab_cfg.cache_values_per_token,
-                "cache_bytes_per_token": cache_bytes_per_token(model),
-                "val_bpc": hist["evals"][-1]["val_bpc"] if entry is None else None,
-                "train_loss_final": hist["loss"][-1] if hist["loss"] else None,
-                "evals": hist["evals"], "steps": hist["steps"], "loss": hist["loss"], "steps_done": hist["steps_done"],
-                "interrupted": hist["interrupted"], "diverged_at": hist["diverged_at"], "seconds": hist["seconds"],
-                "tokens_per_s": hist["tokens_per_s"],
-            })
-            res["elapsed_s"] = time.perf_counter() - t0
-            write_json_atomic(out / "results.json", res)
-            if hist["interrupted"]:
-                raise KeyboardInterrupt
-        if "MHA" in models:
-            _conversions(cfg, models["MHA"], train_ids, dev, seed, val_bpc, conversions, callback, progress,
-                         out, res, t0, overall)
-    except KeyboardInterrupt:
-        res["interrupted"] = True
-    _summarise(cfg, res)
-    done = _finished(runs)
-    if "MHA" in models and not runs[0]["interrupted"]:
-        save_lab_checkpoint(out / "model", models["MHA"], vocab, experiment="mla", extra={"variant": "MHA"})
-        res["checkpoint"] = "model"
-        pick = res["results"].get("smallest_rank_within_tolerance")
-        if pick is not None and f"MLA-{pick}" in models:
-            save_lab_checkpoint(out / "model-mla", models[f"MLA-{pick}"], vocab, experiment="mla",
-                                extra={"variant": f"MLA-{pick}"})
-            res["results"]["mla_checkpoint"] = "model-mla"
-    res["elapsed_s"] = time.perf_counter() - t0
-    write_json_atomic(out / "results.json", res)  # the numbers first: a plot that fails cannot lose them
-    if done:
-        draw_plots(res, [lambda: _plot_tradeoff(cfg, res, out / "mla.png"),
-                         lambda: _plot_curves(cfg, res, out / "curves.png")])
-        write_json_atomic(out / "results.json", res)
-    return res
+def _train_variant(s: _Session, name: str, lab_cfg: LabConfig, models: dict[str, LabTransformer]) -> None:
+    """Train one variant from scratch, record it in results "runs" (or "diverged"), keep the model
+    in `models` if it did not diverge; raise KeyboardInterrupt if training was interrupted."""
+    cfg, res = s.cfg, s.res
+    gen = seed_everything(s.seed)
+    model = LabTransformer(lab_cfg).to(s.dev)
+    hist = s.train(model, gen, cfg.steps, lr=cfg.lr, warmup=cfg.warmup, label=f"mla {name:<7}", evaluate=True)
+    entry = diverged_entry(name, hist)
+    if entry is not None:
+        res["diverged"].append(entry)
+    else:
+        models[name] = model
+    res["results"]["runs"].append({
+        "name": name, "kind": lab_cfg.kind, "n_kv_heads": lab_cfg.n_kv_heads,
+        "kv_rank": lab_cfg.kv_rank,
+        "params": model.n_params(), "attention_params": sum(
+            p.numel() for b in model.blocks for p in b.attn.parameters()),
+        "cache_values_per_token_per_layer": lab_cfg.cache_values_per_token,
+        "cache_bytes_per_token": cache_bytes_per_token(model),
+        "val_bpc": hist["evals"][-1]["val_bpc"] if entry is None else None,
+        "train_loss_final": hist["loss"][-1] if hist["loss"] else None,
+        "evals": hist["evals"], "steps": hist["steps"], "loss": hist["loss"], "steps_done": hist["steps_done"],
+        "interrupted": hist["interrupted"], "diverged_at": hist["diverged_at"], "seconds": hist["seconds"],
+        "tokens_per_s": hist["tokens_per_s"],
+    })
+    s.save()
+    if hist["interrupted"]:
+        raise KeyboardInterrupt
+
+
+def _save_checkpoints(out: Path, models: dict[str, LabTransformer], vocab: Vocab, res: dict) -> None:
+    """The MHA baseline in model/, and the smallest MLA within tolerance in model-mla/ when there is one."""
+    save_lab_checkpoint(out / "model", models["MHA"], vocab, experiment="mla", extra={"variant": "MHA"})
+    res["checkpoint"] = "model"
+    pick = res["results"].get("smallest_rank_within_tolerance")
+    if pick is not None and f"MLA-{pick}" in models:
+        save_lab_checkpoint(out / "model-mla", models[f"MLA-{pick}"], vocab, experiment="mla",
+                            extra={"variant": f"MLA-{pick}"})
+        res["results"]["mla_checkpoint"] = "model-mla"
 
 
 def _finished(runs: list[dict]) -> list[dict]:
@@ -226,31 +258,29 @@ def convert_model(model: LabTransformer, kv_rank: int) -> tuple[LabTransformer, 
     return converted, errors
 
 
-def _conversions(cfg, mha, train_ids, dev, seed, val_bpc, conversions, callback, progress, out, res, t0,
-                 overall=None):
+def _conversions(s: _Session, mha: LabTransformer) -> None:
+    """Convert the trained MHA with to_mla at each rank, evaluate, fine-tune, evaluate again."""
+    cfg, res = s.cfg, s.res
     max_rank = min(2 * cfg.d_model, cfg.d_model)  # rank of the stacked [W_k; W_v] (2HD x C)
     for r in cfg.ranks:
         if r > max_rank:
             continue
         model, errors = convert_model(mha, r)
-        before = val_bpc(model)
-        gen = seed_everything(seed + 7919 * r)
-        label = f"mla to_mla R={r:<3d} fine-tune"
-        hist = train(model, lambda step, gen=gen: _batch(train_ids, cfg, gen, dev), cfg.finetune_steps,
-                     lr=cfg.finetune_lr, warmup=0, name=overall.next_label(label) if overall else label,
-                     callback=callback, progress=progress, overall=overall)
+        before = s.val_bpc(model)
+        gen = seed_everything(s.seed + 7919 * r)
+        hist = s.train(model, gen, cfg.finetune_steps, lr=cfg.finetune_lr, warmup=0,
+                       label=f"mla to_mla R={r:<3d} fine-tune")
         entry = diverged_entry(f"MLA-{r} converted", hist)
         if entry is not None:
             res["diverged"].append(entry)
             continue
-        after = val_bpc(model)
-        conversions.append({
+        after = s.val_bpc(model)
+        res["results"]["conversions"].append({
             "kv_rank": r, "kv_reconstruction_error": errors, "val_bpc_converted": before,
             "val_bpc_finetuned": after, "finetune_steps": hist["steps_done"], "interrupted": hist["interrupted"],
             "cache_bytes_per_token": cache_bytes_per_token(model),
         })
-        res["elapsed_s"] = time.perf_counter() - t0
-        write_json_atomic(out / "results.json", res)
+        s.save()
         if hist["interrupted"]:
             raise KeyboardInterrupt
 
