@@ -139,7 +139,7 @@ def load_model(spec=MINILM) -> LoadedModel:
         if loaded is not None:
             break
     if loaded is None and LAB_KEY in config:
-        loaded = LabModel(path, name)
+        loaded = LabModel.from_checkpoint(path, name)
     if loaded is None:
         loaded = _load_hf(path, config, name)
     _LOADED[key] = loaded
@@ -165,25 +165,32 @@ class LabModel(LoadedModel):
     """A `multihead lab` checkpoint (multihead.lab.checkpoint): a decoder built from
     multihead modules, whose forward returns the weights of the layers and heads asked."""
 
-    def __init__(self, path: Path, name: str | None = None):
+    def __init__(self, model, vocab, *, name: str, experiment: str = "?"):
+        """Wrap a lab model in memory (a `LabTransformer` and its `Vocab`), e.g. one being
+        trained; `from_checkpoint` loads one from a folder."""
+        cfg = model.cfg
+        self.model, self.vocab, self.name = model, vocab, name
+        self.n_layers, self.n_heads = cfg.n_layers, cfg.n_heads
+        self.max_positions = cfg.max_len
+        self.causal = True
+        self.special_tokens = ()
+        self.meta = {"model_type": f"multihead-lab/{experiment}",
+                     "architecture": getattr(cfg, "kind", cfg.attention), "causal": True,
+                     "max_positions": cfg.max_len}
+
+    @classmethod
+    def from_checkpoint(cls, path: Path, name: str | None = None) -> LabModel:
+        """Load the checkpoint `save_lab_checkpoint` wrote to `path`; InspectError if it cannot."""
         try:
             from multihead.lab.checkpoint import load_lab_checkpoint
         except ImportError as err:
             raise InspectError(f"{str(path)!r} is a multihead lab checkpoint, but multihead.lab cannot be "
                                f"imported here ({err})") from None
         try:
-            self.model, self.vocab, lab_meta = load_lab_checkpoint(path)
+            model, vocab, lab_meta = load_lab_checkpoint(path)
         except (ValueError, KeyError, TypeError, OSError) as err:
             raise InspectError(f"{str(path)!r}: cannot load this lab checkpoint ({err})") from None
-        cfg = self.model.cfg
-        self.name = name or str(path)
-        self.n_layers, self.n_heads = cfg.n_layers, cfg.n_heads
-        self.max_positions = cfg.max_len
-        self.causal = True
-        self.special_tokens = ()
-        self.meta = {"model_type": f"multihead-lab/{lab_meta.get('experiment', '?')}",
-                     "architecture": getattr(cfg, "kind", cfg.attention), "causal": True,
-                     "max_positions": cfg.max_len}
+        return cls(model, vocab, name=name or str(path), experiment=lab_meta.get("experiment", "?"))
 
     def encode(self, text: str, max_length: int | None = None) -> list[int]:
         try:

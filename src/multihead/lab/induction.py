@@ -67,14 +67,7 @@ def live_model(model: LabTransformer, vocab: Vocab):
     (a `LabModel` that wraps the live module instead of loading a checkpoint)."""
     from multihead.inspect.capture import LabModel
 
-    lm = LabModel.__new__(LabModel)
-    cfg = model.cfg
-    lm.model, lm.vocab, lm.name = model, vocab, "training"
-    lm.n_layers, lm.n_heads, lm.max_positions = cfg.n_layers, cfg.n_heads, cfg.max_len
-    lm.causal, lm.special_tokens = True, ()
-    lm.meta = {"model_type": "multihead-lab/induction", "architecture": cfg.kind, "causal": True,
-               "max_positions": cfg.max_len}
-    return lm
+    return LabModel(model, vocab, name="training", experiment="induction")
 
 
 def role_scores_now(model: LabTransformer, vocab: Vocab, cfg: InductionConfig, seed: int) -> dict:
