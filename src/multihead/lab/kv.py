@@ -23,6 +23,7 @@ from pathlib import Path
 
 import torch
 
+from multihead._checks import variant_name
 from multihead.lab.configs import KVConfig
 from multihead.lab.devices import resolve_device, seed_everything
 from multihead.lab.plots import draw_plots, pyplot, save_figure
@@ -40,7 +41,7 @@ def _variants(cfg: KVConfig):
     for hkv in cfg.kv_heads:
         if cfg.n_heads % hkv:
             raise ValueError(f"kv_heads {hkv} does not divide n_heads {cfg.n_heads}")
-        kind = "MHA" if hkv == cfg.n_heads else "MQA" if hkv == 1 else "GQA"
+        kind = variant_name(cfg.n_heads, hkv)
         name = kind if kind != "GQA" else f"GQA-{hkv}"
         out.append((name, kind, hkv, None,
                     lambda hkv=hkv: Attention(cfg.d_model, cfg.n_heads, hkv, bias=cfg.bias, causal=True),

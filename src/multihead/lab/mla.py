@@ -36,6 +36,7 @@ from pathlib import Path
 
 import torch
 
+from multihead._checks import variant_name
 from multihead.lab.checkpoint import Vocab, save_lab_checkpoint
 from multihead.lab.configs import MLAConfig
 from multihead.lab.devices import resolve_device, seed_everything
@@ -78,7 +79,8 @@ def _variants(cfg: MLAConfig) -> list[tuple[str, LabConfig]]:
             raise ValueError(f"kv_heads {hkv} does not divide n_heads {cfg.n_heads}")
         if hkv == cfg.n_heads:
             continue
-        out.append(("MQA" if hkv == 1 else f"GQA-{hkv}", {**base, "n_kv_heads": hkv}))
+        kind = variant_name(cfg.n_heads, hkv)
+        out.append((f"GQA-{hkv}" if kind == "GQA" else kind, {**base, "n_kv_heads": hkv}))
     for r in cfg.ranks:
         out.append((f"MLA-{r}", {**base, "attention": "mla", "kv_rank": r}))
     return out

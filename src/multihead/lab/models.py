@@ -22,6 +22,8 @@ from dataclasses import asdict, dataclass, fields
 import torch
 from torch import Tensor, nn
 
+from multihead._checks import variant_name
+
 __all__ = ["LabConfig", "LabTransformer"]
 
 _ATTENTION = ("mha", "mla")
@@ -95,7 +97,7 @@ class LabConfig:
         if self.attention == "mla":
             return "MLA"
         hkv = self.n_heads if self.n_kv_heads is None else self.n_kv_heads
-        return "MHA" if hkv == self.n_heads else "MQA" if hkv == 1 else "GQA"
+        return variant_name(self.n_heads, hkv)
 
     @property
     def cache_values_per_token(self) -> int:

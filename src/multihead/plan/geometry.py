@@ -19,6 +19,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from multihead._checks import divisors, variant_name
 from multihead.plan.units import bytes_for
 
 
@@ -29,11 +30,6 @@ def _check_int(name: str, value, *, allow_none: bool = False, minimum: int = 1) 
         raise TypeError(f"{name} must be an int; received {value!r}")
     if value < minimum:
         raise ValueError(f"{name} must be >= {minimum}; received {value}")
-
-
-def divisors(n: int) -> list[int]:
-    """The valid KV head counts for `n` query heads: every divisor of n, ascending."""
-    return [d for d in range(1, n + 1) if n % d == 0]
 
 
 # --- one attention block -----------------------------------------------------------
@@ -74,9 +70,7 @@ class AttentionGeometry:
     @property
     def kind(self) -> str:
         """'MHA' (Hkv = H), 'MQA' (Hkv = 1 < H) or 'GQA' (anything between)."""
-        if self.n_kv == self.n_heads:
-            return "MHA"
-        return "MQA" if self.n_kv == 1 else "GQA"
+        return variant_name(self.n_heads, self.n_kv)
 
     @property
     def label(self) -> str:

@@ -26,6 +26,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field, replace
 
+from multihead._checks import divisors
 from multihead.plan.devices import DEVICES, RESERVE, Device, Fit, fit, max_batch, max_context
 from multihead.plan.geometry import (
     AttentionGeometry,
@@ -33,7 +34,6 @@ from multihead.plan.geometry import (
     LatentGeometry,
     ModelGeometry,
     ParamCounts,
-    divisors,
     kv_bytes_per_token,
     model_kv_cache_bytes,
     param_counts,
