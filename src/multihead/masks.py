@@ -268,16 +268,22 @@ def or_masks(*mods: MaskMod | Callable) -> MaskMod:
 # ------------------------------------------------------------------ the predicates
 
 
-def _positive_int(value, what: str) -> int:
+def _int_at_least(value, minimum: int, message: str) -> int:
+    """operator.index(value) (so numpy and 0-d tensor ints pass, bool does not) if it is
+    >= minimum; else ValueError(message)."""
     if isinstance(value, bool):
-        raise ValueError(f"{what} must be a positive int; received {value!r}")
+        raise ValueError(message)
     try:
         n = operator.index(value)
     except TypeError:
-        raise ValueError(f"{what} must be a positive int; received {value!r}") from None
-    if n < 1:
-        raise ValueError(f"{what} must be a positive int; received {value!r}")
+        raise ValueError(message) from None
+    if n < minimum:
+        raise ValueError(message)
     return n
+
+
+def _positive_int(value, what: str) -> int:
+    return _int_at_least(value, 1, f"{what} must be a positive int; received {value!r}")
 
 
 def causal() -> MaskMod:
@@ -399,14 +405,7 @@ def prefix_lm(prefix_len: int | Tensor) -> MaskMod:
             return (k_lo < PP) | (k_lo <= q_hi), (k_hi < PP) | (k_hi <= q_lo)
 
         return MaskMod(fn, "prefix_lm(tensor)", tiles=tiles, check=check)
-    if isinstance(prefix_len, bool):
-        raise ValueError(f"prefix_len must be an int >= 0 or a (B,) tensor; received {prefix_len!r}")
-    try:
-        n = operator.index(prefix_len)
-    except TypeError:
-        raise ValueError(f"prefix_len must be an int >= 0 or a (B,) tensor; received {prefix_len!r}") from None
-    if n < 0:
-        raise ValueError(f"prefix_len must be an int >= 0 or a (B,) tensor; received {prefix_len!r}")
+    n = _int_at_least(prefix_len, 0, f"prefix_len must be an int >= 0 or a (B,) tensor; received {prefix_len!r}")
 
     def tiles_int(q_lo, q_hi, k_lo, k_hi, *rest):
         return (k_lo < n) | (k_lo <= q_hi), (k_hi < n) | (k_hi <= q_lo)
