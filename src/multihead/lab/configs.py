@@ -15,6 +15,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from multihead._checks import divisors, variant_name
+
 __all__ = ["HeadsConfig", "InductionConfig", "KVConfig", "MLAConfig", "VARIANTS", "scale_induction"]
 
 @dataclass(frozen=True)
@@ -192,9 +194,28 @@ def scale_induction(*, variant: str | None = None, layers: int | None = None, d_
         raise ValueError(f"--rope-dim must be an integer >= 0; received {rope_dim!r}")
     if variant is not None and variant not in VARIANTS:
         raise ValueError(f"--variant must be one of {', '.join(VARIANTS)}; received {variant!r}")
+    variant, n_kv_heads = _checked_variant(variant, H, n_kv_heads, kv_rank, rope_dim)
+    if C % H:
+        valid = [d for d in divisors(C) if d <= 4096]
+        raise ValueError(f"--n-heads ({H}) must divide --d-model ({C}); valid: {', '.join(map(str, valid[:24]))}")
+    D = C // H
+    P = rope_dim or 0
+    fields = dict(n_layers=L, d_model=C, n_heads=H, head_dim=D)
+    if variant == "mla":
+        fields |= dict(attention="mla", kv_rank=kv_rank, rope_dim=P, n_kv_heads=None)
+    else:
+        fields |= dict(attention="mha", n_kv_heads=n_kv_heads)
+    if C <= CPU_D_MODEL and H * D <= CPU_QUERY_WIDTH and L <= CPU_LAYERS:
+        return fields, []
+    return _scaled(fields, variant, L, C, H, n_kv_heads, kv_rank, P, quick)
+
+
+def _checked_variant(variant: str | None, H: int, n_kv_heads: int | None, kv_rank: int | None,
+                     rope_dim: int | None) -> tuple[str, int | None]:
+    """(variant, n_kv_heads): the variant inferred from the flags when not given, checked
+    against them, and MHA's / MQA's KV head count filled in."""
     if variant is None:
-        variant = ("mla" if kv_rank is not None else "mha" if n_kv_heads in (None, H)
-                   else "mqa" if n_kv_heads == 1 else "gqa")
+        variant = "mla" if kv_rank is not None else variant_name(H, n_kv_heads or H).lower()
     if variant == "mla":
         if kv_rank is None:
             raise ValueError("--variant mla needs --kv-rank R (the latent rank), e.g. --kv-rank 512")
@@ -211,24 +232,18 @@ def scale_induction(*, variant: str | None = None, layers: int | None = None, d_
                              f"received --n-kv-heads {n_kv_heads}")
         n_kv_heads = want if n_kv_heads is None else n_kv_heads
         if H % n_kv_heads:
-            divisors = [d for d in range(1, H + 1) if H % d == 0]
             raise ValueError(f"--n-kv-heads ({n_kv_heads}) must divide --n-heads ({H}); valid: "
-                             f"{', '.join(map(str, divisors))}")
+                             f"{', '.join(map(str, divisors(H)))}")
         if variant == "gqa" and n_kv_heads in (1, H):
             raise ValueError(f"--variant gqa needs 1 < --n-kv-heads < --n-heads ({H}); received {n_kv_heads} "
                              f"(that is {'MQA' if n_kv_heads == 1 else 'MHA'})")
-    if C % H:
-        divisors = [d for d in range(1, C + 1) if C % d == 0 and d <= 4096]
-        raise ValueError(f"--n-heads ({H}) must divide --d-model ({C}); valid: {', '.join(map(str, divisors[:24]))}")
+    return variant, n_kv_heads
+
+
+def _scaled(fields: dict, variant: str, L: int, C: int, H: int, n_kv_heads: int | None, kv_rank: int | None,
+            P: int, quick: bool) -> tuple[dict, list[str]]:
+    """A geometry too large for a CPU scaled down as `scale_induction` says, and the notes."""
     D = C // H
-    P = rope_dim or 0
-    fields = dict(n_layers=L, d_model=C, n_heads=H, head_dim=D)
-    if variant == "mla":
-        fields |= dict(attention="mla", kv_rank=kv_rank, rope_dim=P, n_kv_heads=None)
-    else:
-        fields |= dict(attention="mha", n_kv_heads=n_kv_heads)
-    if C <= CPU_D_MODEL and H * D <= CPU_QUERY_WIDTH and L <= CPU_LAYERS:
-        return fields, []
     asked = (f"{L} layer{'s' if L > 1 else ''}, d_model {C}, {H} heads of {D}"
              + (f", kv_rank {kv_rank}, rope_dim {P} (MLA)" if variant == "mla"
                 else f", {n_kv_heads} KV head{'s' if n_kv_heads > 1 else ''} ({variant.upper()})"))
