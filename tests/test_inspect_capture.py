@@ -222,3 +222,13 @@ def test_register_loader(tmp_path, monkeypatch):
     assert cap.tokens == ["1", "2", "3"] and cap.weights.shape == (1, 3, 3, 3)
     assert torch.equal(cap.weights[0, 0], torch.eye(3))
     assert capture("a", model=Diagonal()).weights.shape == (2, 3, 1, 1)
+
+
+def test_loading_shows_no_weight_loading_bar_and_restores_the_setting(capfd):
+    from transformers.utils import logging as hf_logging
+
+    assert hf_logging.is_progress_bar_enabled()
+    load_model()
+    err = capfd.readouterr().err
+    assert "Loading weights" not in err and "it/s" not in err, err[-300:]
+    assert hf_logging.is_progress_bar_enabled()  # the user's setting is left as it was

@@ -236,11 +236,18 @@ def _load_hf(path: Path, config: dict, name: str) -> LoadedModel:
     except Exception as err:  # transformers raises OSError, ValueError, KeyError, ... here
         raise InspectError(f"{name!r}: cannot load its tokenizer ({type(err).__name__}: "
                            f"{str(err).splitlines()[0] if str(err) else ''})") from None
+    from transformers.utils import logging as hf_logging
+
+    bar = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()  # a capture() call is not a download: no weight-loading bar
     try:
         model = AutoModel.from_pretrained(str(path))  # then switched to "multihead" by HFModel
     except Exception as err:
         raise InspectError(f"{name!r}: cannot load the model ({type(err).__name__}: "
                            f"{str(err).splitlines()[0] if str(err) else ''})") from None
+    finally:
+        if bar:
+            hf_logging.enable_progress_bar()
     return _hf_model(model, tokenizer, name=name)
 
 
