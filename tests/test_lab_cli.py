@@ -195,7 +195,7 @@ def figures(monkeypatch):
         kept.append(fig)
         return Path(path).name
 
-    for module in ("heads", "kv", "mla", "induction"):
+    for module in ("heads", "kv", "mla_report", "induction"):
         monkeypatch.setattr(f"multihead.lab.{module}.save_figure", keep)
     monkeypatch.setattr(plots, "save_figure", keep)
     return kept
@@ -214,7 +214,8 @@ def test_kv_plot_labels_close_parameter_counts_apart(figures):
 
 def test_curves_plot_shows_the_first_segment(figures):
     pytest.importorskip("matplotlib")
-    from multihead.lab.mla import MLAConfig, _plot_curves
+    from multihead.lab.mla import MLAConfig
+    from multihead.lab.mla_report import plot_curves as _plot_curves
 
     runs = [{"name": "MHA", "kind": "MHA", "interrupted": False, "diverged_at": None,
              "evals": [{"step": 0, "val_bpc": 6.3}, {"step": 40, "val_bpc": 3.1}, {"step": 80, "val_bpc": 2.6}]}]
