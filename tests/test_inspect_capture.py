@@ -214,8 +214,8 @@ class Diagonal(LoadedModel):
 
 
 def test_register_loader(tmp_path, monkeypatch):
-    capture_module = importlib.import_module("multihead.inspect.capture")  # the module, not the function
-    monkeypatch.setattr(capture_module, "_LOADERS", [])  # this test's loader goes away after it
+    loaders = importlib.import_module("multihead.inspect.loaders")
+    monkeypatch.setattr(loaders, "_LOADERS", [])  # this test's loader goes away after it
     (tmp_path / "config.json").write_text(json.dumps({"diag": True}))
     register_loader(lambda folder, config: Diagonal() if config.get("diag") else None)
     cap = capture("a bb ccc", model=str(tmp_path), layers=1)
