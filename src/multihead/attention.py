@@ -6,7 +6,7 @@ causal, dropout, rotary positions and a KV cache (Vaswani et al., 2017; Shazeer,
 One module does projections, RoPE and the cache; the kernel is a function picked by
 name from `multihead.functional`. Modules take and return `(B, T, C)`; inside, the
 layout is `(B, H, T, D)`. The head count is read back from the projection outputs
-(`view(B, T, -1, D)`), so tensor parallelism that splits q/k/v column-wise and o
+(width // D), so tensor parallelism that splits q/k/v column-wise and o
 row-wise (torch.distributed.tensor.parallel) works on the module unchanged.
 
 The kernel call goes through one method, `_attend`, so a wrapper that runs attention
@@ -250,21 +250,22 @@ class Attention(nn.Module):
         q = _split_heads(self.q_proj(x), D)  # (B, H, T, D)
         if cross and cache is not None and cache.length > 0:
             k, v = cache.k[:, :, : cache.length], cache.v[:, :, : cache.length]  # reuse the context
-            return self._finish(q, k, v, mask, self.causal, return_weights, B, T)
+            return self._finish(q, k, v, mask, self.causal, return_weights)
         src = context if cross else x
         k = _split_heads(self.k_proj(src), D)  # (B, Hkv, S, D)
         v = _split_heads(self.v_proj(src), D)  # (B, Hkv, S, D)
         if cache is not None and not cross and torch.compiler.is_compiling():
             q, k, v, mask = self._static_cache_step(q, k, v, mask, cache)
-            return self._finish(q, k, v, mask, False, return_weights, B, T)  # causal is in the mask
+            # causality, the window and the unwritten slots are all in the positional mask
+            return self._finish(q, k, v, mask, False, return_weights, window=False)
         if self.rope is not None:
             q, k = self._rotate(q, k, positions, rotary, cache.length if cache is not None else 0)
         if cache is None:
-            return self._finish(q, k, v, mask, self.causal, return_weights, B, T)
+            return self._finish(q, k, v, mask, self.causal, return_weights)
         mark = cache.checkpoint(k.shape[2])
         try:
             k, v = cache.update(k, v)  # (B, Hkv, S_cached, D)
-            return self._finish(q, k, v, mask, self.causal, return_weights, B, T)
+            return self._finish(q, k, v, mask, self.causal, return_weights)
         except BaseException:
             cache.restore(mark)  # a call that raises leaves the cache as it was
             raise
@@ -284,25 +285,29 @@ class Attention(nn.Module):
         interleaved = self.rope.interleaved
         return apply_rotary(q, cos, sin, interleaved=interleaved), apply_rotary(k, cos, sin, interleaved=interleaved)
 
-    def _finish(self, q, k, v, mask, causal, return_weights, B: int, T: int):
-        """The kernel through `_attend`, then the output projection."""
-        out, weights = self._attend(q, k, v, self._layer_mask(mask), causal=causal,
+    def _finish(self, q, k, v, mask, causal, return_weights, *, window: bool = True):
+        """The kernel through `_attend` (with this layer's window unless the mask has it
+        already), then the output projection."""
+        mask = self._layer_mask(mask, q, k) if window else mask
+        out, weights = self._attend(q, k, v, mask, causal=causal,
                                     dropout_p=self.dropout if self.training else 0.0,
                                     return_weights=return_weights)
         out = self.o_proj(_merge_heads(out))  # (B, T, C)
         return out if weights is None else (out, weights)
 
-    def _layer_mask(self, mask):
-        """The caller's mask combined with this layer's sliding window (a predicate, so
-        the kernel can skip the tiles outside the window)."""
+    def _layer_mask(self, mask, q: Tensor, k: Tensor):
+        """The caller's mask combined with this layer's sliding window: a predicate (so the
+        kernel can skip the tiles outside the window), or with a tensor mask, a tensor."""
         if self.sliding_window is None:
             return mask
         window = _masks.sliding_window(self.sliding_window)
         if mask is None:
             return window
-        if isinstance(mask, Tensor):
-            return mask  # combined with the window in `_attend`, once its shape is checked
-        return _masks.and_masks(mask, window)  # a predicate or a flex-style callable
+        if not isinstance(mask, Tensor):
+            return _masks.and_masks(mask, window)  # a predicate or a flex-style callable
+        mask = _normalize_mask(mask, q, k)  # checked (clear errors) and 4-D before combining
+        dense = window.to_dense(1, 1, q.shape[2], k.shape[2], device=q.device)  # (1, 1, T, S)
+        return mask & dense if mask.dtype == torch.bool else mask.masked_fill(~dense, float("-inf"))
 
     def _score_mod(self):
         """The score mod this layer applies (softcap or ALiBi), or None."""
@@ -318,14 +323,8 @@ class Attention(nn.Module):
                 return_weights) -> tuple[Tensor, Tensor | None]:
         """The attention kernel on `(B, H, T, D)` q and `(B, Hkv, S, D)` k, v: returns
         `(out (B, H, T, D), weights or None)`. Wrappers override this one method."""
-        score_mod = self._score_mod()
-        if self.sliding_window is not None and isinstance(mask, Tensor):
-            mask = _normalize_mask(mask, q, k)  # checked (clear errors) and 4-D before combining
-            window = _masks.sliding_window(self.sliding_window).to_dense(1, 1, q.shape[2], k.shape[2],
-                                                                         device=q.device)
-            mask = mask & window if mask.dtype == torch.bool else mask.masked_fill(~window, float("-inf"))
         return attend(q, k, v, mask, causal=causal, dropout_p=dropout_p, return_weights=return_weights,
-                      backend=self.backend, score_mod=score_mod)
+                      backend=self.backend, score_mod=self._score_mod())
 
     def _static_cache_step(self, q, k, v, mask, cache: KVCache):
         """The compiled decode step: positions are tensors, keys span the whole buffer and
