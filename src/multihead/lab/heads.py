@@ -30,7 +30,7 @@ from multihead.lab.devices import resolve_device, seed_everything
 from multihead.lab.models import LabConfig, LabTransformer
 from multihead.lab.plots import draw_plots, pyplot, save_figure
 from multihead.lab.progress import Overall
-from multihead.lab.results import new_results, write_json_atomic
+from multihead.lab.results import finished_runs, new_results, write_json_atomic
 from multihead.lab.training import StepCallback, diverged_entry, train
 
 __all__ = ["HeadsConfig", "run_heads"]
@@ -161,13 +161,8 @@ def _evaluate(model: LabTransformer, batches, dev) -> tuple[float, float]:
     return loss_sum / total, correct / total
 
 
-def _finished(runs: list[dict]) -> list[dict]:
-    """The runs that trained to the end: neither interrupted nor diverged."""
-    return [r for r in runs if not r["interrupted"] and r.get("diverged_at") is None]
-
-
 def _summarise(cfg: HeadsConfig, res: dict) -> None:
-    runs = _finished(res["results"]["runs"])
+    runs = finished_runs(res["results"]["runs"])
     rows = []
     for h in cfg.head_counts:
         rs = [r for r in runs if r["n_heads"] == h]
@@ -265,7 +260,7 @@ def conclusion(cfg: HeadsConfig, rows: list[dict]) -> str:
 
 def _plot(cfg: HeadsConfig, res: dict, path: Path) -> str:
     plt = pyplot()
-    runs = _finished(res["results"]["runs"])
+    runs = finished_runs(res["results"]["runs"])
     fig, ax = plt.subplots(figsize=(7.5, 4.6))
     cmap = plt.get_cmap("viridis")
     counts = [h for h in cfg.head_counts if any(r["n_heads"] == h for r in runs)]

@@ -40,11 +40,11 @@ from multihead._checks import variant_name
 from multihead.lab.checkpoint import Vocab, save_lab_checkpoint
 from multihead.lab.configs import MLAConfig
 from multihead.lab.devices import resolve_device, seed_everything
-from multihead.lab.mla_report import finished, plot_curves, plot_tradeoff, summarise
+from multihead.lab.mla_report import plot_curves, plot_tradeoff, summarise
 from multihead.lab.models import LabConfig, LabTransformer
 from multihead.lab.plots import draw_plots
 from multihead.lab.progress import Overall
-from multihead.lab.results import new_results, write_json_atomic
+from multihead.lab.results import finished_runs, new_results, write_json_atomic
 from multihead.lab.training import StepCallback, diverged_entry, train
 
 __all__ = ["MLAConfig", "load_corpus", "run_mla"]
@@ -162,7 +162,7 @@ def run_mla(cfg: MLAConfig | None = None, out_dir: str | Path = "lab-mla", *, se
     if "MHA" in models and not runs[0]["interrupted"]:
         _save_checkpoints(out, models, vocab, res)
     session.save()  # the numbers first: a plot that fails cannot lose them
-    if finished(runs):
+    if finished_runs(runs):
         draw_plots(res, [lambda: plot_tradeoff(cfg, res, out / "mla.png"),
                          lambda: plot_curves(cfg, res, out / "curves.png")])
         write_json_atomic(out / "results.json", res)

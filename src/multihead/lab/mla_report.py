@@ -8,18 +8,14 @@ from pathlib import Path
 
 from multihead.lab.configs import MLAConfig
 from multihead.lab.plots import pyplot, save_figure
+from multihead.lab.results import finished_runs
 
-__all__ = ["finished", "plot_curves", "plot_tradeoff", "summarise"]
-
-
-def finished(runs: list[dict]) -> list[dict]:
-    """The models that trained to the end: neither interrupted nor diverged."""
-    return [x for x in runs if not x["interrupted"] and x.get("diverged_at") is None]
+__all__ = ["plot_curves", "plot_tradeoff", "summarise"]
 
 
 def summarise(cfg: MLAConfig, res: dict) -> None:
     r = res["results"]
-    runs = finished(r["runs"])
+    runs = finished_runs(r["runs"])
     mha = next((x for x in runs if x["kind"] == "MHA"), None)
     r["smallest_rank_within_tolerance"] = None
     if mha is None:
@@ -121,7 +117,7 @@ def _layers(cfg: MLAConfig) -> str:
 def plot_tradeoff(cfg: MLAConfig, res: dict, path: Path) -> str:
     plt = pyplot()
     r = res["results"]
-    runs = finished(r["runs"])
+    runs = finished_runs(r["runs"])
     mha = next((x for x in runs if x["kind"] == "MHA"), None)
     fig, ax = plt.subplots(figsize=(7.5, 4.8))
     mla = sorted((x for x in runs if x["kind"] == "MLA"), key=lambda x: x["kv_rank"])
@@ -173,7 +169,7 @@ def plot_tradeoff(cfg: MLAConfig, res: dict, path: Path) -> str:
 
 def plot_curves(cfg: MLAConfig, res: dict, path: Path) -> str:
     plt = pyplot()
-    runs = finished(res["results"]["runs"])
+    runs = finished_runs(res["results"]["runs"])
     fig, ax = plt.subplots(figsize=(7.5, 4.2))
     cmap = plt.get_cmap("plasma")
     mla = [x for x in runs if x["kind"] == "MLA"]

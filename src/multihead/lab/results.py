@@ -32,7 +32,7 @@ import torch
 from multihead._files import write_text
 from multihead.lab.devices import machine_info
 
-__all__ = ["ResultsSchemaError", "check_results", "new_results", "write_json_atomic"]
+__all__ = ["ResultsSchemaError", "check_results", "finished_runs", "new_results", "write_json_atomic"]
 
 
 def new_results(experiment: str, config, seed: int, device: torch.device | str) -> dict:
@@ -57,6 +57,11 @@ def new_results(experiment: str, config, seed: int, device: torch.device | str) 
         "diverged": [],
         "notes": [],
     }
+
+
+def finished_runs(runs: list[dict]) -> list[dict]:
+    """The runs that trained to the end: neither interrupted nor diverged."""
+    return [r for r in runs if not r["interrupted"] and r.get("diverged_at") is None]
 
 
 def write_json_atomic(path: str | os.PathLike, obj) -> Path:
