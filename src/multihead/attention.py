@@ -48,6 +48,14 @@ def _merge_heads(t: Tensor) -> Tensor:
     return t.transpose(1, 2).reshape(B, T, h * Dv)
 
 
+def _check_dtype(name: str, t: Tensor, weight: Tensor) -> None:
+    """An input whose dtype differs from the weights' is named here, not deep in a matmul
+    (under autocast the mix is intended and allowed)."""
+    if t.dtype != weight.dtype and not torch.is_autocast_enabled(t.device.type):
+        raise TypeError(f"{name} is {t.dtype} but this module's weights are {weight.dtype}; cast one to "
+                        f"the other ({name}.to({weight.dtype}) or module.to({t.dtype}))")
+
+
 def _default_head_dim(d_model: int, n_heads: int, head_dim: int | None) -> int:
     """head_dim as given (checked), else d_model // n_heads when that divides evenly."""
     if head_dim is None:
@@ -226,13 +234,13 @@ class Attention(nn.Module):
             `(B, T, d_model)`, or `(out, weights)`.
         """
         self._check_input("x", x, self.d_model)
-        self._check_dtype("x", x)
+        _check_dtype("x", x, self.q_proj.weight)
         B, T, _ = x.shape
         D = self.head_dim
         cross = context is not None
         if cross:
             self._check_input("context", context, self.context_dim)
-            self._check_dtype("context", context)
+            _check_dtype("context", context, self.k_proj.weight)
             if context.shape[0] != B:
                 raise ValueError(f"context batch size ({context.shape[0]}) must equal x's ({B})")
             if self.rope is not None:
@@ -365,12 +373,6 @@ class Attention(nn.Module):
             raise ValueError(f"{name} must be 3-D (B, T, {width}), batch first; received shape {tuple(t.shape)}")
         if t.shape[-1] != width:
             raise ValueError(f"{name} has width {t.shape[-1]}; this module expects {width}")
-
-    def _check_dtype(self, name: str, t: Tensor) -> None:
-        w = self.q_proj.weight
-        if t.dtype != w.dtype and not torch.is_autocast_enabled(t.device.type):
-            raise TypeError(f"{name} is {t.dtype} but this module's weights are {w.dtype}; cast one to "
-                            f"the other ({name}.to({w.dtype}) or module.to({t.dtype}))")
 
     # ------------------------------------------------------------ torch interop
 

@@ -36,7 +36,7 @@ import torch
 from torch import Tensor, nn
 
 from multihead._checks import check_int as _check_int
-from multihead.attention import _default_head_dim, _merge_heads
+from multihead.attention import _check_dtype, _default_head_dim, _merge_heads
 from multihead.cache import LatentCache
 from multihead.functional import attend, check_backend_name
 from multihead.masks import MaskMod
@@ -332,10 +332,7 @@ class LatentAttention(nn.Module):
             raise ValueError(f"x must be 3-D (B, T, {C}), batch first; received shape {tuple(x.shape)}")
         if x.shape[-1] != C:
             raise ValueError(f"x has width {x.shape[-1]}; this module expects d_model = {C}")
-        w = self.kv_a_proj.weight
-        if x.dtype != w.dtype and not torch.is_autocast_enabled(x.device.type):
-            raise TypeError(f"x is {x.dtype} but this module's weights are {w.dtype}; cast one to "
-                            f"the other (x.to({w.dtype}) or module.to({x.dtype}))")
+        _check_dtype("x", x, self.kv_a_proj.weight)
 
     def _check_cache(self, cache) -> None:
         if not isinstance(cache, LatentCache):
