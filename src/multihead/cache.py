@@ -182,13 +182,18 @@ class KVCache(_StaticCache):
         """Bytes of the preallocated buffers: 2 * B * Hkv * S_max * D * itemsize for D == Dv."""
         return self.k.nbytes + self.v.nbytes
 
-    def update(self, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
-        """Append k `(B, Hkv, T, D)`, v `(B, Hkv, T, Dv)`; return all cached `(B, Hkv, S, .)`."""
+    def _reserve_kv(self, k: Tensor, v: Tensor) -> tuple[int, int]:
+        """Check k and v against the buffers and each other; (start, end) of the new tokens."""
         start, end = self._reserve("k", k, self.k)
         self._reserve("v", v, self.v)
         if k.shape[2] != v.shape[2]:
             raise ValueError(f"k and v must add the same number of tokens; received "
                              f"{k.shape[2]} and {v.shape[2]}")
+        return start, end
+
+    def update(self, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
+        """Append k `(B, Hkv, T, D)`, v `(B, Hkv, T, Dv)`; return all cached `(B, Hkv, S, .)`."""
+        start, end = self._reserve_kv(k, v)
         self.k[:, :, start:end] = k
         self.v[:, :, start:end] = v
         self._advance_to(end)
@@ -249,11 +254,7 @@ class RollingKVCache(KVCache):
     def update(self, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
         """Add k `(B, Hkv, T, D)`, v `(B, Hkv, T, Dv)`; return the visible keys and values
         `(B, Hkv, min(length, W - 1) + T, .)` in chronological order."""
-        start, _ = self._reserve("k", k, self.k)
-        self._reserve("v", v, self.v)
-        if k.shape[2] != v.shape[2]:
-            raise ValueError(f"k and v must add the same number of tokens; received "
-                             f"{k.shape[2]} and {v.shape[2]}")
+        start, _ = self._reserve_kv(k, v)
         W, T = self.window, k.shape[2]
         kept = min(start, W - 1)  # old tokens that the first new query can still see
         old = torch.arange(start - kept, start, device=self.k.device) % W
