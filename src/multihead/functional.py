@@ -750,3 +750,14 @@ register_backend("chunked", _chunked, weights=True, dropout=False, predicates=Tr
                  doc="explicit path over blocks of queries; memory bounded by one block of scores")
 register_backend("tiles", _tiles, weights=True, dropout=True, predicates=True, score_mods="any",
                  doc="explicit path over kept tiles, FlashAttention-2 backward: score mods and dropout in O(N) memory")
+
+
+def _flex(q, k, v, mask, **kw):
+    from multihead import flex  # torch's flex_attention is imported and compiled on first use only
+
+    return flex.attention(q, k, v, mask, **kw)
+
+
+register_backend("flex", _flex, weights=True, dropout=False, predicates=True, score_mods="any",
+                 doc="torch.compile(flex_attention) with a cached block mask; opt-in (compiles per shape), "
+                     "never picked by 'auto'")

@@ -1,0 +1,362 @@
+"""The opt-in "flex" backend: multihead's masks and score mods through torch's compiled flex_attention.
+
+`torch.compile(flex_attention)` (torch.nn.attention.flex_attention) generates one fused
+kernel per (shape, mask, score mod), skipping the blocks a `BlockMask` marks empty. It
+can beat the fused-kernel-over-tiles path of "auto" once compiled, but compiling takes
+seconds per shape (and every new T or S is a new shape), so it runs only when asked
+for: `backend="flex"`. `"auto"` never picks it and never compiles anything.
+
+What this module adds on top of flex:
+
+- Index conventions. multihead's predicates read `q_idx` bottom-right aligned
+  (`i + S - T`), flex's callables top-left (`i`). The mask_mod handed to flex is
+  `pred.evaluate(b, h, q_idx, kv_idx, S - T)`, which converts each leaf of an `&`/`|`
+  combination to its own convention, so `causal()` stays right for T=1 decoding and for
+  chunks of queries over a longer cache. Score mods likewise (`ScoreMod.apply`).
+- Dense masks: a bool tensor becomes a mask_mod that indexes it; a float one a score
+  mod that adds it plus a mask_mod hiding its -inf entries (so fully hidden blocks are
+  skipped and a row with nothing to attend is 0, not NaN). They are accepted so that
+  backend="flex" is a drop-in for the modules, which may pass dense masks.
+- Block masks are cached (a small LRU) by the *structure* of the predicate: the code of
+  each leaf function and the values it captured (ints by value, tensors by identity and
+  version). The kernel builds a fresh `and_masks(mask, causal())` on every call; the
+  cache sees through that, so every layer and every step reuses one `BlockMask`, and
+  hands torch.compile the same function objects, whose guards then pass without a
+  recompilation. A callable that reads mutable *globals* is assumed not to change
+  between calls of the same shape (flex's own usage: build the block mask once).
+- Backward. torch 2.13's compiled flex is inference-only on the CPU ("torch.compile
+  on CPU only supports inference"), and returns no log-sum-exp there. On the CPU the
+  forward is flex's and the backward recomputes the attention on multihead's tile
+  engine (`blocksparse.explicit`, FlashAttention-2's recomputing backward, O(N) memory).
+  On other devices flex's own autograd runs.
+- Errors that name what failed and what to use instead: float64 on the CPU (flex's CPU
+  kernel takes float32, float16, bfloat16), dropout (flex has none), a missing
+  flex_attention or C++ compiler, too many compiled variants.
+"""
+
+from __future__ import annotations
+
+import shutil
+import types
+from collections import OrderedDict
+from collections.abc import Callable
+
+import torch
+from torch import Tensor
+
+from multihead import functional as F
+from multihead.masks import MaskMod, and_masks
+from multihead.masks import causal as causal_mod
+from multihead.score_mods import ScoreMod
+
+__all__ = ["attention", "clear_cache"]
+
+# Compiled variants allowed on flex_attention's code object while this backend calls it.
+# dynamo's default (8) would, once reached, silently run flex eagerly, which builds the
+# whole (B, H, T, S) score matrix; we raise a clear error instead.
+RECOMPILE_LIMIT = 64
+CACHE_SIZE = 16  # block masks kept (one per predicate structure and shape)
+_CPU_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+_INSTEAD = "use backend 'auto' (no compilation), 'sdpa' or 'tiles'"
+
+_flex: dict[str, Callable] = {}  # "attention", "block_mask": filled on first use
+_block_masks: OrderedDict = OrderedDict()  # structural key -> (pred, mask_fn, BlockMask)
+_score_fns: OrderedDict = OrderedDict()  # structural key -> (mod, score_fn)
+
+
+def clear_cache() -> None:
+    """Forget the cached block masks and score functions (compiled kernels stay in torch's cache)."""
+    _block_masks.clear()
+    _score_fns.clear()
+
+
+def _load() -> tuple[Callable, Callable]:
+    """torch's flex_attention compiled (static shapes, one graph) and create_block_mask, imported
+    on first use so that `import multihead` stays light."""
+    if not _flex:
+        try:
+            from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+        except ImportError as e:
+            raise RuntimeError(f"backend 'flex' needs torch.nn.attention.flex_attention (torch >= 2.5); "
+                               f"torch {torch.__version__} failed to import it ({e}); {_INSTEAD}") from None
+        # dynamic=False: a recompile for a new shape would otherwise make sizes symbolic, and the
+        # CPU flex template then fails to compile (measured with torch 2.13: C++ error
+        # 'cur_qSplitSize8 was not declared'). fullgraph=True: a recompile-limit hit raises.
+        _flex["attention"] = torch.compile(flex_attention, dynamic=False, fullgraph=True)
+        _flex["block_mask"] = create_block_mask
+    return _flex["attention"], _flex["block_mask"]
+
+
+# ------------------------------------------------------------ structural cache keys
+
+
+def _key(x, depth: int = 0):
+    """A hashable key equal for predicates/score mods that compute the same thing.
+
+    Functions by code, defaults and captured values; tensors by identity and version (an
+    in-place edit of doc ids changes the key); other objects by identity. The cache keeps
+    the first object seen alive, so an identity in its key cannot be reused by another.
+    """
+    if depth > 6:
+        return ("id", id(x))
+    if x is None or isinstance(x, (bool, int, float, str)):
+        return (type(x).__name__, x)
+    if isinstance(x, Tensor):
+        return ("tensor", id(x), x._version)
+    if isinstance(x, MaskMod):
+        if x._op is not None:
+            return ("op", x._op, tuple(_key(p, depth + 1) for p in x._parts))
+        return ("mask", _key(x.fn, depth + 1), x.top_left)
+    if isinstance(x, ScoreMod):
+        return ("score", _key(x.fn, depth + 1), x.top_left)
+    if isinstance(x, (tuple, list)):
+        return (type(x).__name__, tuple(_key(i, depth + 1) for i in x))
+    if isinstance(x, types.FunctionType):
+        cells = []
+        for c in x.__closure__ or ():
+            try:
+                cells.append(_key(c.cell_contents, depth + 1))
+            except ValueError:  # an empty cell
+                cells.append(("empty",))
+        defaults = tuple(_key(d, depth + 1) for d in x.__defaults__ or ())
+        kwdefaults = tuple(sorted((n, _key(d, depth + 1)) for n, d in (x.__kwdefaults__ or {}).items()))
+        return ("fn", x.__code__, defaults, kwdefaults, tuple(cells))
+    return ("id", id(x))
+
+
+def _lookup(cache: OrderedDict, key, make: Callable):
+    """LRU get-or-build: `make()` runs on a miss; the oldest entry goes beyond CACHE_SIZE."""
+    try:
+        hit = cache.get(key)
+    except TypeError:  # an unhashable captured value (nan is fine; this is for odd objects)
+        return make()
+    if hit is not None:
+        cache.move_to_end(key)
+        return hit
+    value = make()
+    cache[key] = value
+    while len(cache) > CACHE_SIZE:
+        cache.popitem(last=False)
+    return value
+
+
+# --------------------------------------------------------------- masks and mods
+
+
+def _analytic(pred: MaskMod) -> bool:
+    return pred._tiles is not None if pred._op is None else all(_analytic(p) for p in pred._parts)
+
+
+def _extent(pred: MaskMod, B: int, H: int, T: int, S: int, device) -> tuple[int | None, int | None]:
+    """(B or None, H or None): None where the predicate depends on neither batch nor head,
+    so create_block_mask builds one block mask broadcast over them.
+
+    Read from the shape of the analytic tile classes (one tile), or of the predicate on a
+    2 x 2 corner with every batch and head index: an index the predicate ignores
+    broadcasts to size 1. Conservative: a spurious dependence only builds more.
+    """
+    if _analytic(pred):
+        shape = pred.tiles(B, H, T, S, T, S, device)[0].shape
+    else:
+        b = torch.arange(B, device=device).view(B, 1, 1, 1)
+        h = torch.arange(H, device=device).view(1, H, 1, 1)
+        rows = torch.arange(min(T, 2), device=device).view(1, 1, -1, 1)
+        kv = torch.arange(min(S, 2), device=device).view(1, 1, 1, -1)
+        out = pred.evaluate(b, h, rows, kv, S - T)
+        shape = (1,) * (4 - out.dim()) + tuple(out.shape)
+    return (B if shape[0] > 1 else None), (H if shape[1] > 1 else None)
+
+
+def _mask_entry(pred: MaskMod, B: int, H: int, T: int, S: int, device):
+    """(pred, mask_fn, BlockMask) for a predicate, from the cache or built."""
+    Bm, Hm = _extent(pred, B, H, T, S, device)
+    key = (_key(pred), Bm, Hm, T, S, str(device))
+
+    def make():
+        shift = S - T
+
+        def mask_fn(b, h, q_idx, kv_idx):
+            return pred.evaluate(b, h, q_idx, kv_idx, shift)  # each leaf in its own convention
+
+        # _compile=False: eager create_block_mask took 0.05-0.2 s at N=4096, _compile=True
+        # seconds of compilation per new shape (see the README's flex paragraph).
+        return pred, mask_fn, _load()[1](mask_fn, Bm, Hm, T, S, device=device)
+
+    return _lookup(_block_masks, key, make)
+
+
+def _dense_mask_fn(dense: Tensor):
+    """A mask_mod reading a dense mask `(Bm, Hm, Tm, Sm)` broadcastable to (B, H, T, S).
+
+    Broadcast dims are indexed with 0, so nothing is expanded or copied. Float masks: the
+    entries that are not -inf."""
+    Bm, Hm, Tm, Sm = dense.shape
+    allowed = dense if dense.dtype == torch.bool else ~torch.isneginf(dense)
+
+    def mask_fn(b, h, q_idx, kv_idx):
+        return allowed[b if Bm > 1 else 0, h if Hm > 1 else 0, q_idx if Tm > 1 else 0, kv_idx if Sm > 1 else 0]
+
+    return mask_fn, (None if Bm == 1 else Bm), (None if Hm == 1 else Hm)
+
+
+def _block_mask(pred: MaskMod | None, dense: Tensor | None, B, H, T, S, device):
+    """The BlockMask (None: every pair) for a predicate and/or a dense mask."""
+    if pred is not None:
+        _, pred_fn, bm = _mask_entry(pred, B, H, T, S, device)
+        if dense is None:
+            return bm
+    if dense is None:
+        return None
+    # A dense mask is the user's own (T, S) tensor, usually new each call: built, not cached.
+    dense_fn, Bm, Hm = _dense_mask_fn(dense)
+    fn = dense_fn
+    if pred is not None:
+        def fn(b, h, q_idx, kv_idx):
+            return pred_fn(b, h, q_idx, kv_idx) & dense_fn(b, h, q_idx, kv_idx)
+
+        Bp, Hp = _extent(pred, B, H, T, S, device)
+        Bm, Hm = Bm or Bp, Hm or Hp
+    return _load()[1](fn, Bm, Hm, T, S, device=device)
+
+
+def _score_fn(mod: ScoreMod | None, dense: Tensor | None, T: int, S: int) -> Callable | None:
+    """flex's score_mod: the ScoreMod in its own index convention, then a float mask added."""
+    fn = None
+    if mod is not None:
+        def make():
+            shift = S - T
+
+            def score_fn(score, b, h, q_idx, kv_idx):
+                return mod.apply(score, b, h, q_idx, kv_idx, shift)
+
+            return mod, score_fn
+
+        fn = _lookup(_score_fns, (_key(mod), T, S), make)[1]
+    if dense is None or dense.dtype == torch.bool:
+        return fn
+    Bm, Hm, Tm, Sm = dense.shape
+    inner = fn
+
+    def with_bias(score, b, h, q_idx, kv_idx):
+        if inner is not None:
+            score = inner(score, b, h, q_idx, kv_idx)
+        bias = dense[b if Bm > 1 else 0, h if Hm > 1 else 0, q_idx if Tm > 1 else 0, kv_idx if Sm > 1 else 0]
+        # hidden (-inf) entries are masked by the block mask; adding -inf here too would be NaN-prone
+        return score + torch.where(torch.isneginf(bias), 0.0, bias).to(score.dtype)
+
+    return with_bias
+
+
+# ------------------------------------------------------------------- the backend
+
+
+def _check(q: Tensor, dropout_p: float, score_mod: ScoreMod | None) -> None:
+    if dropout_p > 0:
+        raise ValueError(f"backend 'flex' cannot apply dropout (torch's flex_attention has none); received "
+                         f"dropout_p={dropout_p}; backends that can: 'tiles', 'math'")
+    if q.device.type == "cpu" and q.dtype not in _CPU_DTYPES:
+        raise ValueError(f"backend 'flex' on the CPU takes float32, float16 or bfloat16 (torch's CPU flex "
+                         f"kernel); received {q.dtype}; for {q.dtype} use backend 'tiles', 'math' or 'auto'")
+    if (q.device.type == "cpu" and score_mod is not None and torch.is_grad_enabled()
+            and score_mod.trainable(q.device)):
+        raise ValueError(f"score mod {score_mod.name} holds tensors that require grad; on the CPU the 'flex' "
+                         f"backend's backward is the tile engine's, which would not train them: use backend "
+                         f"'chunked' or 'math' (what 'auto' picks for such a mod)")
+
+
+def _call(q: Tensor, k: Tensor, v: Tensor, block_mask, score_fn, scale: float) -> Tensor:
+    """One compiled flex call; compiler failures become errors that say what to do."""
+    flex_attention, _ = _load()
+    G = q.shape[1] // k.shape[1]
+    try:
+        with torch._dynamo.config.patch(recompile_limit=max(RECOMPILE_LIMIT, torch._dynamo.config.recompile_limit)):
+            return flex_attention(q, k, v, score_mod=score_fn, block_mask=block_mask, scale=scale,
+                                  enable_gqa=G > 1)  # GQA: K/V read per group, never copied
+    except torch._dynamo.exc.FailOnRecompileLimitHit:
+        raise RuntimeError(f"backend 'flex': flex_attention has been compiled for more than {RECOMPILE_LIMIT} "
+                           f"distinct (shape, mask, score mod) variants in this process, one per new T or S "
+                           f"(decoding over a growing cache is a new shape every step); {_INSTEAD}, or raise "
+                           f"multihead.flex.RECOMPILE_LIMIT") from None
+    except Exception as e:  # inductor / C++ compiler failures arrive as many exception types
+        if not _is_compiler_failure(e):
+            raise
+        first = next((line for line in str(e).splitlines() if line.strip()), type(e).__name__)
+        cxx = shutil.which("g++") or shutil.which("c++") or shutil.which("clang++")
+        hint = "" if q.device.type != "cpu" or cxx else " (no C++ compiler on PATH: inductor needs one on the CPU)"
+        raise RuntimeError(f"backend 'flex': torch.compile(flex_attention) failed on this machine{hint}: "
+                           f"{type(e).__name__}: {first[:300]}; {_INSTEAD}") from None
+
+
+def _is_compiler_failure(e: Exception) -> bool:
+    names = {c.__name__ for c in type(e).__mro__}
+    return bool(names & {"BackendCompilerFailed", "InductorError", "CppCompileError", "InvalidCxxCompiler",
+                         "LoweringException"})
+
+
+class _FlexForwardTileBackward(torch.autograd.Function):
+    """Forward: compiled flex. Backward: the tile engine recomputes the attention and its
+    gradient (torch's compiled flex has no backward on the CPU)."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, run, recompute):
+        ctx.save_for_backward(q, k, v)
+        ctx.recompute = recompute
+        return run(q.detach(), k.detach(), v.detach())
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, d_out):
+        q, k, v = ctx.saved_tensors
+        with torch.enable_grad():
+            leaves = [t.detach().requires_grad_() for t in (q, k, v)]
+            out = ctx.recompute(*leaves)
+        grads = torch.autograd.grad(out, leaves, d_out)
+        return (*grads, None, None)
+
+
+def attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | MaskMod | None, *, causal: bool, scale: float,
+              dropout_p: float, weight_heads: tuple[int, ...] | None,
+              score_mod: ScoreMod | None = None) -> tuple[Tensor, Tensor | None]:
+    """The "flex" backend (signature: `functional.Backend`)."""
+    _check(q, dropout_p, score_mod)
+    B, H, T, _ = q.shape
+    S = k.shape[2]
+    pred = mask if isinstance(mask, MaskMod) else None
+    dense = mask if isinstance(mask, Tensor) else None
+    if causal:
+        pred = causal_mod() if pred is None else and_masks(pred, causal_mod())
+    _check_mods(pred, score_mod, B, H, T, S, q.device)
+    block_mask = _block_mask(pred, dense, B, H, T, S, q.device)
+    score_fn = _score_fn(score_mod, dense, T, S)
+
+    def run(qq, kk, vv):
+        return _call(qq, kk, vv, block_mask, score_fn, scale)
+
+    needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
+    if needs_grad and q.device.type == "cpu":
+        from multihead import blocksparse
+
+        def recompute(qq, kk, vv):
+            return blocksparse.explicit(qq, kk, vv, mask, causal=causal, scale=scale, dropout_p=0.0,
+                                        score_mod=score_mod)
+
+        out = _FlexForwardTileBackward.apply(q, k, v, run, recompute)
+    else:
+        out = run(q, k, v)
+    weights = None
+    if weight_heads is not None:
+        weights = F._weights(q, k, mask, causal, scale, weight_heads, score_mod)
+    return out, weights
+
+
+def _check_mods(pred: MaskMod | None, score_mod: ScoreMod | None, B, H, T, S, device) -> None:
+    """Run the predicate and the score mod on a 2 x 2 corner first: one that returns a non-bool,
+    a non-tensor or the wrong shape fails here with multihead's message, not inside the compiler."""
+    b = torch.arange(B, device=device).view(B, 1, 1, 1)
+    h = torch.arange(H, device=device).view(1, H, 1, 1)
+    rows = torch.arange(min(T, 2), device=device).view(1, 1, -1, 1)
+    kv = torch.arange(min(S, 2), device=device).view(1, 1, 1, -1)
+    if pred is not None:
+        pred.evaluate(b, h, rows, kv, S - T)
+    if score_mod is not None:
+        score_mod.apply(torch.zeros(B, H, rows.shape[2], kv.shape[3], device=device), b, h, rows, kv, S - T)
