@@ -87,13 +87,17 @@ def test_generic_predicates_and_tiles_never_allocate_t_by_s():
 
 
 def test_tile_choice_follows_the_mask():
-    """Local masks get short query blocks, causal and long documents get long ones."""
+    """Local masks get short query blocks; causal is one causal square, documents one each."""
     def chosen(pred, T=4096, G=1):
         return blocksparse._choose_tile(pred, 1, 8, T, T, G, None, "cpu")[0]
 
+    def squares(pred, T=4096):
+        bq, _, _, _, found = blocksparse._choose_tile(pred, 1, 8, T, T, 1, None, "cpu")
+        return {a * bq: min(T, e * bq) for a, e in found.items()}
+
     assert chosen(masks.sliding_window(128) & masks.causal()) <= 128
-    assert chosen(masks.causal()) >= 512
-    assert chosen(masks.document(torch.arange(4096) // 2048) & masks.causal()) >= 256
+    assert squares(masks.causal()) == {0: 4096}
+    assert squares(masks.document(torch.arange(4096) // 2048) & masks.causal()) == {0: 2048, 2048: 4096}
     assert chosen(masks.from_flex(lambda b, h, q, kv: kv <= q)) == 128  # generic: planned once, fixed tile
 
 
@@ -117,3 +121,47 @@ def test_fused_engines_agree_in_float64(tile, G, monkeypatch):
         for backend in ("sdpa", "tiles"):
             for name, a, b in zip(["out", "dq", "dk", "dv"], results["math"], results[backend]):
                 assert_close(b, a, what=f"{backend} {name} tile={tile} G={G} Dv={Dv}")
+
+
+@pytest.mark.parametrize("pred, squares", [
+    (masks.causal(), {0: 8}),
+    (masks.causal() & masks.causal(), {0: 8}),
+    (masks.document(torch.arange(64) // 16) & masks.causal(), {0: 2, 2: 4, 4: 6, 6: 8}),
+    (masks.chunked(16) & masks.causal(), {0: 2, 2: 4, 4: 6, 6: 8}),
+    (masks.document(torch.arange(64) // 12) & masks.causal(), {0: 1, 3: 4, 6: 7}),  # on tile edges only
+    (masks.sliding_window(20) & masks.causal(), {0: 2}),  # rows 0..15 see all keys before them
+    (masks.sliding_window(4) & masks.causal(), {}),  # narrower than a tile: the diagonal is a band
+    (masks.padding(torch.tensor([30, 64])) & masks.causal(), {0: 3}),  # batch 0's keys 30.. are hidden
+    (masks.prefix_lm(10), {}),  # bidirectional prefix
+    (masks.from_flex(lambda b, h, q, kv: kv <= q), {}),  # a generic predicate is not analysed
+])
+def test_causal_squares(pred, squares):
+    """Runs of query blocks that attend exactly causally among themselves (8 x 8 tiles of 8)."""
+    bq, bk, kept, full, found = blocksparse._choose_tile(pred, 2, 4, 64, 64, 1, 8, "cpu")
+    assert found == squares
+    for a, e in found.items():  # against the dense mask: rows a*8..e*8 see exactly keys a*8..row
+        dense = masks.to_dense(pred, 2, 4, 64, 64)[:, :, a * 8:e * 8]
+        rows = torch.arange(a * 8, e * 8)[:, None]
+        assert torch.equal(dense, ((torch.arange(64) >= a * 8) & (torch.arange(64) <= rows)).expand_as(dense))
+
+
+@pytest.mark.parametrize("Hkv", [4, 2, 1])
+@pytest.mark.parametrize("T", [37, 64])
+def test_causal_squares_equal_the_math_path(Hkv, T, monkeypatch):
+    """Causal squares run as one causal call each (GQA: K/V heads as the batch, a stride-0 view
+    for their query heads; equal squares folded into the heads): outputs and gradients equal the
+    math path's in float64."""
+    monkeypatch.setattr(blocksparse, "FUSED_TILE", 8)
+    g = torch.Generator().manual_seed(1)
+    q = torch.randn(2, 4, T, 16, generator=g, dtype=torch.float64, requires_grad=True)
+    k, v = (torch.randn(2, Hkv, T, 16, generator=g, dtype=torch.float64, requires_grad=True) for _ in range(2))
+    if Hkv == 4:  # heads interleaved in memory, (B, T, H, D) transposed: no folding of squares into heads
+        q = q.detach().transpose(1, 2).contiguous().transpose(1, 2).requires_grad_()
+    for pred in (masks.causal(), masks.document(torch.arange(T) // 16) & masks.causal(),
+                 masks.sliding_window(20) & masks.causal()):
+        assert blocksparse._choose_tile(pred, 2, 4, T, T, 4 // Hkv, 8, "cpu")[4]  # squares in the plan
+        got = mh.scaled_dot_product_attention(q, k, v, pred)
+        want = mh.scaled_dot_product_attention(q, k, v, pred, backend="math")
+        for name, a, b in zip(["out", "dq", "dk", "dv"], (got, *torch.autograd.grad(got.square().sum(), (q, k, v))),
+                              (want, *torch.autograd.grad(want.square().sum(), (q, k, v)))):
+            assert_close(a, b, what=f"{pred.name} {name} Hkv={Hkv} T={T}")

@@ -256,17 +256,22 @@ def test_sdpa_runs_only_the_kept_key_range(monkeypatch):
 
 @pytest.mark.skipif(blocksparse._CPU_FLASH is None, reason="needs torch's CPU flash kernel (log-sum-exp pieces)")
 def test_causal_runs_full_tiles_without_a_mask(monkeypatch):
-    """Causal at T = S = 32 with tiles of 8: full tiles in one unmasked call per query block,
-    the diagonal tile through torch's own causal kernel; each lower-triangle tile once.
-    (Short key ranges would run as one masked call: turned off here to see the pieces.)"""
+    """Causal at T = S = 32 with tiles of 8: one call of torch's causal kernel (a causal square).
+    The same triangle behind a generic predicate (not analysed for squares) runs as pieces: full
+    tiles in one unmasked call per query block, the diagonal tile through torch's causal kernel;
+    each lower-triangle tile once. (Short key ranges would run as one masked call: turned off
+    here to see the pieces.)"""
     monkeypatch.setattr(blocksparse, "FUSED_TILE", 8)
     monkeypatch.setattr(blocksparse, "_ONE_CALL_SPAN", 0)
     seen = _spy_fused_calls(monkeypatch)
     q, k, v = torch.randn(1, 2, 32, 4), torch.randn(1, 2, 32, 4), torch.randn(1, 2, 32, 4)
-    out = mh.scaled_dot_product_attention(q, k, v, masks.causal())
+    want = R.attention(q.double().numpy(), k.double().numpy(), v.double().numpy(), causal=True)
+    assert_close(mh.scaled_dot_product_attention(q, k, v, masks.causal()), want, torch.float32)
+    assert seen == [(32, None)], seen
+    seen.clear()
+    everything = masks.from_flex(lambda b, h, q_idx, kv_idx: kv_idx >= 0)
+    assert_close(mh.scaled_dot_product_attention(q, k, v, masks.causal() & everything), want, torch.float32)
     assert seen == [(8, None), (8, None), (8, None), (16, None), (8, None), (24, None), (8, None)], seen
-    assert_close(out, R.attention(q.double().numpy(), k.double().numpy(), v.double().numpy(), causal=True),
-                 torch.float32)
 
 
 def test_bidirectional_documents_merge_full_blocks_into_one_call(monkeypatch):

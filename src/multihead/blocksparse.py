@@ -81,27 +81,115 @@ def _analytic(pred: MaskMod) -> bool:
 
 
 def _choose_tile(pred, B, H, T, S, G, tile, device):
-    """(bq, bk, kept, full): a fixed tile, or the candidate of least estimated kernel time.
+    """(bq, bk, kept, full, squares): a fixed tile, or the candidate of least estimated kernel time.
 
     Estimated time = pairs computed (rows x kept keys, tile-granular) / kernel efficiency
-    at that many (GQA-folded) rows. Only analytic predicates are planned more than once:
-    planning a generic predicate evaluates it over all pairs.
+    at that many (GQA-folded) rows, plus a cost per call; a causal square (see
+    `_causal_squares`) is one call at full efficiency over half its pairs. Only analytic
+    predicates are planned more than once: planning a generic predicate evaluates it
+    over all pairs.
     """
     if tile is not None or pred is None or not _analytic(pred):
         bq, bk = tile_sizes(T, S, tile or 128)
-        return (bq, bk, *plan(pred, B, H, T, S, bq, bk, device))
+        kept, full = plan(pred, B, H, T, S, bq, bk, device)
+        return bq, bk, kept, full, _causal_squares(pred, B, H, T, S, bq, bk, kept, full, device)
     best = None
+    threads = max(1, torch.get_num_threads())
     for c in _FUSED_CANDIDATES if T > _FUSED_CANDIDATES[0] else (256,):  # decoding: one plan, one block
         bq, bk = tile_sizes(T, S, c)
         kept, full = plan(pred, B, H, T, S, bq, bk, device)
+        squares = _causal_squares(pred, B, H, T, S, bq, bk, kept, full, device)
+        in_square = torch.zeros(kept.shape[0], dtype=torch.bool)
+        pairs, calls = 0.0, 0
+        for a, e in squares.items():
+            in_square[a:e] = True
+            n = min(T, e * bq) - a * bq
+            pairs, calls = pairs + n * (n + 1) / 2, calls + 1
+        rest = kept[~in_square]
         # seconds at ~20 GFLOP/s per thread and head, plus ~0.5 ms per call (mask, merge, dispatch)
-        pairs = float(kept.sum()) * bq * bk / _kernel_efficiency(G * bq)
-        cost = pairs * H * 4 * 64 / 20e9 / max(1, torch.get_num_threads()) + kept.shape[0] * 5e-4
+        pairs += float(rest.sum()) * bq * bk / _kernel_efficiency(G * bq)
+        calls += int((~in_square).sum()) + len(squares) * (G - 1)  # a GQA square: a call per group
+        cost = pairs * H * 4 * 64 / 20e9 / threads + calls * 5e-4
         if best is None or cost < best[0] * 0.97:
-            best = (cost, bq, bk, kept, full)
-        if bq == T and bk == S:
+            best = (cost, bq, bk, kept, full, squares)
+        if bq == T and bk == S or bool(in_square.all()):  # all causal squares: the tile no longer matters
             break
     return best[1:]
+
+
+def _and_leaves(pred: MaskMod) -> list[MaskMod]:
+    if pred._op == "and":
+        return [leaf for part in pred._parts for leaf in _and_leaves(part)]
+    return [pred]
+
+
+def _diagonal_tril(pred: MaskMod, B: int, H: int, T: int, bq: int, device) -> Tensor | None:
+    """(nq,) bool: the diagonal tile (i, i) of `pred` (S == T, square tiles) is exactly
+    lower-triangular for every batch and head; None when that cannot be told cheaply.
+
+    Told without evaluating every diagonal tile: `pred` is an `&` of parts of which one
+    is a function of q - kv alone that is lower-triangular on a diagonal tile (causal;
+    a sliding window at least a tile wide), and the others are full on that tile.
+    """
+    leaves = _and_leaves(pred)
+    b, h = _index(B, 0, device), _index(H, 1, device)
+    # a function of d = q - kv alone, over the d of a diagonal tile: -(bq - 1) .. bq - 1
+    d = torch.arange(-(bq - 1), bq, device=device)
+    at = torch.full((1, 1, 1, 1), bq - 1, device=device)
+    lower = d >= 0
+    nq = -(-T // bq)
+    by_d = {leaf: leaf.evaluate(b, h, (at + d.view(1, 1, -1, 1)), at, 0).reshape(-1, d.numel())
+            for leaf in leaves if leaf.relative and not leaf.top_left}  # (B*H or 1, 2bq - 1)
+    for leaf, m in by_d.items():
+        if not bool((m == lower).all()):  # not exactly the lower triangle
+            continue
+        ok = torch.ones(nq, dtype=torch.bool)
+        for other in leaves:
+            if other is leaf:
+                continue
+            if other in by_d:  # holds the triangle (a second causal, a wide window)?
+                ok &= bool((by_d[other] | ~lower).all())
+            elif _analytic(other):
+                all_ = other.tiles(B, H, T, T, bq, bq, device)[1]
+                ok &= all_.expand(-1, -1, nq, nq).flatten(0, 1).all(0).diagonal().cpu()
+            else:
+                return None
+        return ok
+    return None
+
+
+def _causal_squares(pred, B, H, T, S, bq, bk, kept, full, device) -> dict[int, int]:
+    """Runs of query blocks that attend exactly causally among themselves: {first: end}.
+
+    Block rows a..e-1 form a square when each row i keeps exactly the key tiles a..i,
+    those left of the diagonal full and the diagonal one exactly lower-triangular. Rows
+    a*bq..e*bq then attend keys a*bq..e*bq causally: one call of torch's causal kernel,
+    which skips the upper half itself, replaces 2 (e - a) pieces and their merges. Plain
+    causal is one square; packed documents & causal one square per document (when the
+    documents start on tile edges).
+    """
+    if pred is None or T != S or bq != bk or T < 2:
+        return {}
+    diag = _diagonal_tril(pred, B, H, T, bq, device)
+    if diag is None or not bool(diag.any()):
+        return {}
+    nq = kept.shape[0]
+    cols = torch.arange(kept.shape[1])
+    # per row: first kept tile, kept tiles, full tiles left of the diagonal, diagonal kept and tril
+    first = torch.where(kept, cols, kept.shape[1]).amin(1).tolist()
+    n_kept = kept.sum(1).tolist()
+    n_full = (full & (cols < torch.arange(nq)[:, None])).sum(1).tolist()
+    on_diag = (kept[:, :nq].diagonal() & diag).tolist() if kept.shape[1] >= nq else [False] * nq
+    squares, i = {}, 0
+    while i < nq:
+        a = i  # row i keeps exactly tiles a..i, full left of the diagonal:
+        while i < nq and on_diag[i] and first[i] == a and n_kept[i] == i - a + 1 and n_full[i] == i - a:
+            i += 1
+        if i > a:
+            squares[a] = i
+        else:
+            i += 1
+    return squares
 
 
 def _slice_dense(dense: Tensor, r0: int, r1: int, c0: int, c1: int) -> Tensor:
@@ -194,10 +282,11 @@ def fused(q: Tensor, k: Tensor, v: Tensor, mask, *, causal: bool, scale: float, 
                          f"its bias as a mask and would not train them: use backend 'chunked' or 'math' "
                          f"(what 'auto' picks for such a mod)")
     pred, dense = _combine(mask, causal)
-    bq, bk, kept, full = _choose_tile(pred, B, H, T, S, q.shape[1] // k.shape[1], tile or FUSED_TILE, q.device)
+    bq, bk, kept, full, squares = _choose_tile(pred, B, H, T, S, q.shape[1] // k.shape[1], tile or FUSED_TILE,
+                                               q.device)
     if _CPU_FLASH is not None and q.device.type == "cpu" and dropout_p == 0 and q.shape[-1] == Dv \
             and not torch.compiler.is_compiling():
-        fp = _FusedPlan(q, k, v, pred, dense, score_mod, scale, bq, bk, kept, full)
+        fp = _FusedPlan(q, k, v, pred, dense, score_mod, scale, bq, bk, kept, full, squares)
         return _MergedFused.apply(q, k, v, fp)
     outs = []
     i = 0
@@ -233,6 +322,9 @@ if _CPU_FLASH_BWD is None:
     _CPU_FLASH = None
 
 
+CAUSAL = "causal"  # a piece run by torch's causal kernel as a whole (a causal square)
+
+
 class _FusedPlan:
     """A query block's kept key tiles as pieces: runs of full tiles (no mask), runs of
     partial tiles (a float mask of that run only; the causal diagonal as `is_causal`).
@@ -244,7 +336,8 @@ class _FusedPlan:
     the merged out and lse (FlashAttention's dS = P (dP - rowsum(dO O)) splits over keys).
     """
 
-    def __init__(self, q, k, v, pred, dense, score_mod, scale, bq, bk, kept, full):
+    def __init__(self, q, k, v, pred, dense, score_mod, scale, bq, bk, kept, full, squares=None):
+        self.squares = {} if score_mod is not None or dense is not None else squares or {}
         self.B, self.H, self.T, self.D = q.shape
         self.Hkv, self.S, self.Dv = k.shape[1], k.shape[2], v.shape[-1]
         self.G = self.H // self.Hkv
@@ -258,10 +351,18 @@ class _FusedPlan:
             self.P = next((p for p in range(2, self.G + 1) if self.G % p == 0 and self.B * p >= threads), self.G)
 
     def blocks(self):
-        """(r0, r1, [(c0, c1, partial), ...]) per query block; empty blocks have no pieces."""
+        """(r0, r1, [(c0, c1, partial), ...]) per query block; empty blocks have no pieces.
+
+        A causal square is one block with the one piece `(r0, r1, CAUSAL)`.
+        """
         nq, nk = self.kept.shape
         i = 0
         while i < nq:
+            if i in self.squares:
+                r0, r1 = i * self.bq, min(self.T, self.squares[i] * self.bq)
+                yield r0, r1, [(r0, r1, CAUSAL)]
+                i = self.squares[i]
+                continue
             pieces, j = [], 0
             row_kept, row_full = self.kept[i].tolist(), self.full[i].tolist()
             while j < nk:
@@ -316,6 +417,36 @@ class _FusedPlan:
         empty = torch.isneginf(m).all(-1, keepdim=True) if partial or self.dense is not None else None
         return self.fold_mask(m, t), False, None if empty is None else self.fold_mask(empty, t)
 
+    def equal_squares(self, q, k, v) -> int:
+        """n > 0 when n causal squares of equal length cover all rows and fold into the
+        heads as views (MHA, heads laid out one after another): 0 otherwise."""
+        sq = self.squares
+        if self.G != 1 or not sq or 0 not in sq:
+            return 0
+        lengths = {min(self.T, e * self.bq) - a * self.bq for a, e in sq.items()}
+        ends = sorted(sq.values())
+        if len(lengths) != 1 or ends[-1] * self.bq < self.T or sorted(sq) != [0] + ends[:-1]:
+            return 0
+        if any(x.stride(1) != x.shape[2] * x.stride(2) for x in (q, k, v)):
+            return 0
+        return len(sq)
+
+    def fold_squares(self, n, *xs):
+        """(B, H, T, X) -> (B, H*n, T/n, X): views for q, k, v (see `equal_squares`)."""
+        return [x.reshape(self.B, x.shape[1] * n, self.T // n, x.shape[-1]) for x in xs]
+
+    def square_rows(self, x, r0, r1):
+        """(B, H, T, X) rows r0..r1 -> (B*Hkv, G, t, X): a K/V head's G query heads as heads."""
+        return x[:, :, r0:r1].reshape(self.B * self.Hkv, self.G, r1 - r0, x.shape[-1])
+
+    def square(self, q, k, v, r0, r1):
+        """q, k, v of the causal square r0..r1 for one causal call: K/V heads become the
+        batch and are read by their G query heads through a stride-0 view (no copies)."""
+        t, BK = r1 - r0, self.B * self.Hkv
+        ks = k[:, :, r0:r1].reshape(BK, 1, t, self.D).expand(BK, self.G, t, self.D)
+        vs = v[:, :, r0:r1].reshape(BK, 1, t, self.Dv).expand(BK, self.G, t, self.Dv)
+        return self.square_rows(q, r0, r1), ks, vs
+
     def fold_mask(self, m, t):
         m = _fold_mask(m, self.B, self.Hkv, self.G, t)
         if self.P > 1 and m.shape[2] > 1:
@@ -336,11 +467,21 @@ class _MergedFused(torch.autograd.Function):
     def forward(ctx, q, k, v, fp: _FusedPlan):
         B, H, T, Dv = fp.B, fp.H, fp.T, fp.Dv
         acc = _acc_dtype(q.dtype)
-        out = q.new_empty(B, H, T, Dv)
-        lse = torch.full((B, H, T), float("-inf"), dtype=acc, device=q.device)
-        for r0, r1, pieces in fp.blocks():
+        n = fp.equal_squares(q, k, v)
+        if n:  # causal, or equal documents & causal: one call, the squares folded into the heads
+            o, lp = _CPU_FLASH(*fp.fold_squares(n, q, k, v), 0.0, True, scale=fp.scale)
+            out, lse = o.view(B, H, T, Dv), lp.reshape(B, H, T).to(acc)
+        else:
+            out = q.new_empty(B, H, T, Dv)
+            lse = torch.full((B, H, T), float("-inf"), dtype=acc, device=q.device)
+        for r0, r1, pieces in fp.blocks() if not n else ():
             if not pieces:
                 out[:, :, r0:r1] = 0
+                continue
+            if pieces[0][2] is CAUSAL:
+                o, lp = _CPU_FLASH(*fp.square(q, k, v, r0, r1), 0.0, True, scale=fp.scale)
+                out[:, :, r0:r1] = o.reshape(B, H, r1 - r0, Dv)
+                lse[:, :, r0:r1] = lp.reshape(B, H, r1 - r0)
                 continue
             t = r1 - r0
             qf = fp.fold(q[:, :, r0:r1], t)
@@ -377,11 +518,27 @@ class _MergedFused(torch.autograd.Function):
         dv = torch.zeros(v.shape, dtype=acc, device=q.device)
         d_out = d_out.to(q.dtype)
         lse = lse.masked_fill(torch.isneginf(lse), float("inf"))  # rows with no key: P = 0, no gradient
+        lse_dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
+        n = fp.equal_squares(q, k, v)
+        if n:
+            lf = lse.reshape(fp.B, fp.H * n, fp.T // n).to(lse_dtype)
+            gq, gk, gv = _CPU_FLASH_BWD(*fp.fold_squares(n, d_out, q, k, v, out), lf, 0.0, True, scale=fp.scale)
+            return (gq.reshape(q.shape).to(q.dtype), gk.reshape(k.shape).to(k.dtype),
+                    gv.reshape(v.shape).to(v.dtype), None)
         for r0, r1, pieces in fp.blocks():
+            if pieces and pieces[0][2] is CAUSAL:
+                qs, ks, vs = fp.square(q, k, v, r0, r1)
+                gs, os_ = fp.square_rows(d_out, r0, r1), fp.square_rows(out, r0, r1)
+                ls = fp.square_rows(lse[..., None], r0, r1)[..., 0].to(lse_dtype)
+                gq, gk, gv = _CPU_FLASH_BWD(gs, qs, ks, vs, os_, ls, 0.0, True, scale=fp.scale)
+                t = r1 - r0
+                dq[:, :, r0:r1] += gq.reshape(fp.B, fp.H, t, -1)
+                dk[:, :, r0:r1] += gk.sum(1).reshape(fp.B, fp.Hkv, t, -1)
+                dv[:, :, r0:r1] += gv.sum(1).reshape(fp.B, fp.Hkv, t, -1)
+                continue
             t = r1 - r0
             qf, of, gf = (fp.fold(x[:, :, r0:r1], t) for x in (q, out, d_out))
-            lf = fp.fold(lse[:, :, r0:r1, None], t)[..., 0].to(torch.float64 if q.dtype == torch.float64
-                                                               else torch.float32)
+            lf = fp.fold(lse[:, :, r0:r1, None], t)[..., 0].to(lse_dtype)
             for c0, c1, partial in pieces:
                 m, is_causal, _ = fp.piece_mask(r0, r1, c0, c1, partial)
                 gq, gk, gv = _CPU_FLASH_BWD(gf, qf, fp.kv(k, c0, c1), fp.kv(v, c0, c1), of, lf, 0.0, is_causal,
