@@ -36,7 +36,7 @@ __all__ = ["explicit", "fused", "plan", "tile_sizes"]
 # query blocks keep the key range of a local mask tight, long ones let torch's kernel
 # use its big blocks. The explicit engine wants big matmuls.
 FUSED_TILE: int | None = None
-EXPLICIT_TILE = 512
+EXPLICIT_TILE = 256
 _FUSED_CANDIDATES = (64, 128, 256, 512, 1024)
 _ONE_CALL_SPAN = 512  # keys: below this a query block's pieces run as one masked call
 
@@ -557,7 +557,13 @@ def _acc_dtype(dtype: torch.dtype) -> torch.dtype:
 
 
 class _Tiles:
-    """What both directions of the explicit engine share: shapes, the plan, tile scores."""
+    """What both directions of the explicit engine share: shapes, the plan, tile buffers.
+
+    Queries are folded as in the fused engine, `(B*Hkv, G*t, D)`, so a tile's scores are one
+    batched matmul `(B*Hkv, G*t, s)`, seen as `(B, H, t, s)` by masks and score mods. The
+    tile temporaries live in buffers allocated once per call: a fresh multi-MiB tensor per
+    tile costs page faults that matter as much as the arithmetic (measured 2x on q k^T).
+    """
 
     def __init__(self, q, k, v, pred, dense, score_mod, scale, dropout_p, tile, seed):
         self.B, self.H, self.T, self.D = q.shape
@@ -569,6 +575,10 @@ class _Tiles:
         self.kept, self.full = plan(pred, self.B, self.H, self.T, self.S, self.bq, self.bk, q.device)
         self.acc = _acc_dtype(q.dtype)
         self.device = q.device
+        # a mod with an in-place form takes its scores times `input_scale`, folded into q
+        self.inplace = score_mod is not None and score_mod._inplace is not None
+        self.q_scale = scale * (score_mod.input_scale if self.inplace else 1.0)
+        self._buffers = {}
 
     def tiles(self):
         """(i, r0, r1, [(j, c0, c1, full), ...]) for every query block."""
@@ -579,32 +589,59 @@ class _Tiles:
                     for j in range(nk) if self.kept[i, j]]
             yield i, r0, r1, cols
 
-    def scores(self, qf, kj, r0, r1, c0, c1, full, scaled=False):
-        """Masked, modded scores of tile rows r0..r1 x keys c0..c1, `(B, H, t, s)` (-inf = hidden).
+    def buffer(self, name: str, t: int, s: int) -> Tensor:
+        """A `(B*Hkv, G*t, s)` scratch tensor, reusing one allocation per name."""
+        n = self.B * self.H * t * s
+        buf = self._buffers.get(name)
+        if buf is None or buf.numel() < n:
+            buf = self._buffers[name] = torch.empty(self.B * self.H * self.bq * max(self.bk, self.Dv),
+                                                    dtype=self.acc, device=self.device)
+        return buf[:n].view(self.B * self.Hkv, self.G * t, s)
 
-        `qf` is the query block folded `(B, Hkv, G*t, D)` (already times `scale` when
-        `scaled`), `kj` the tile's keys `k[:, :, c0:c1]`, both in the accumulation dtype.
-        """
-        B, H, t = self.B, self.H, r1 - r0
-        s = (qf @ kj.transpose(-2, -1)).view(B, H, t, c1 - c0)
-        if not scaled:
-            s = s * self.scale
-        b, h = _index(B, 0, self.device), _index(H, 1, self.device)
-        rows, kv = _index(t, 2, self.device, r0), _index(c1 - c0, 3, self.device, c0)
-        if self.score_mod is not None:
-            s = self.score_mod.apply(s, b, h, rows, kv, self.S - self.T, scratch=True)
-        if self.dense is not None:
-            d = _slice_dense(self.dense, r0, r1, c0, c1)
-            s = s.masked_fill(~d, float("-inf")) if d.dtype == torch.bool else s + d.to(s.dtype)
+    def fold_q(self, x: Tensor, r0: int, r1: int, times: float = 1.0) -> Tensor:
+        """Rows r0..r1 of a `(B, H, T, X)` tensor as `(B*Hkv, G*t, X)` in the accumulation dtype."""
+        x = x[:, :, r0:r1].to(self.acc)
+        x = x * times if times != 1.0 else x
+        return x.reshape(self.B * self.Hkv, self.G * (r1 - r0), x.shape[-1])
+
+    def kv(self, x: Tensor, c0: int, c1: int) -> Tensor:
+        """Keys c0..c1 of a `(B, Hkv, S, X)` tensor as `(B*Hkv, s, X)` (a view when x is acc-typed)."""
+        return x[:, :, c0:c1].to(self.acc).reshape(self.B * self.Hkv, c1 - c0, x.shape[-1])
+
+    def indices(self, r0, r1, c0, c1):
+        return (_index(self.B, 0, self.device), _index(self.H, 1, self.device),
+                _index(r1 - r0, 2, self.device, r0), _index(c1 - c0, 3, self.device, c0))
+
+    def modded(self, s: Tensor, r0, r1, c0, c1) -> Tensor:
+        """The score mod on a tile of `(B, H, t, s)` raw scores (times q_scale / scale): in place
+        when the mod has an in-place form, else a new tensor (autograd may record it)."""
+        if self.score_mod is None:
+            return s
+        if self.inplace and not s.requires_grad:
+            return self.score_mod._inplace(s)
+        return self.score_mod.apply(s, *self.indices(r0, r1, c0, c1), self.S - self.T)
+
+    def dense_tile(self, r0, r1, c0, c1) -> Tensor | None:
+        return None if self.dense is None else _slice_dense(self.dense, r0, r1, c0, c1)
+
+    def hidden(self, r0, r1, c0, c1, full) -> Tensor | None:
+        """Bool `(.., t, s)`, True where the mask hides a pair of the tile; None: nothing hidden."""
+        hide = None
+        d = self.dense_tile(r0, r1, c0, c1)
+        if d is not None and d.dtype == torch.bool:
+            hide = ~d
         if self.pred is not None and not full:
-            s = s.masked_fill(~self.pred.evaluate(b, h, rows, kv, self.S - self.T), float("-inf"))
-        return s
+            allowed = self.pred.evaluate(*self.indices(r0, r1, c0, c1), self.S - self.T)
+            hide = ~allowed if hide is None else hide | ~allowed
+        return hide
 
-    def keep(self, i, j, shape):
-        """The dropout keep-mask of tile (i, j), the same in forward and backward."""
+    def keep(self, i, j, out: Tensor) -> Tensor:
+        """Tile (i, j)'s dropout keep-mask as 0 or 1 / (1 - p), written into `out`; the same
+        in forward and backward (a generator seeded per tile)."""
         g = torch.Generator(device=self.device)
         g.manual_seed((self.seed * 1_000_003 + i * 65_537 + j) % (2 ** 63))
-        return torch.rand(shape, generator=g, device=self.device) >= self.dropout_p
+        torch.rand(out.shape, generator=g, device=self.device, dtype=out.dtype, out=out)
+        return out.ge_(self.dropout_p).mul_(1.0 / (1.0 - self.dropout_p))
 
 
 class _ExplicitTiles(torch.autograd.Function):
@@ -621,22 +658,31 @@ class _ExplicitTiles(torch.autograd.Function):
                 if not cols:
                     continue
                 t = r1 - r0
-                qf = (q[:, :, r0:r1].to(acc) * tiles.scale).reshape(B, Hkv, G * t, -1)  # (B, Hkv, G*t, D)
+                qf = tiles.fold_q(q, r0, r1, tiles.q_scale)  # (B*Hkv, G*t, D)
                 m = torch.full((B, H, t, 1), float("-inf"), dtype=acc, device=q.device)
                 l_ = torch.zeros(B, H, t, 1, dtype=acc, device=q.device)
-                o = torch.zeros(B, H, t, Dv, dtype=acc, device=q.device)
+                o = torch.zeros(B * Hkv, G * t, Dv, dtype=acc, device=q.device)
                 for j, c0, c1, full in cols:
-                    s = tiles.scores(qf, k[:, :, c0:c1].to(acc), r0, r1, c0, c1, full, scaled=True)  # (B, H, t, s)
-                    m_new = torch.maximum(m, s.amax(-1, keepdim=True))
+                    s_ = c1 - c0
+                    s = torch.bmm(qf, tiles.kv(k, c0, c1).mT, out=tiles.buffer("s", t, s_))  # (B*Hkv, G*t, s)
+                    s4 = tiles.modded(s.view(B, H, t, s_), r0, r1, c0, c1)  # (B, H, t, s)
+                    d = tiles.dense_tile(r0, r1, c0, c1)
+                    if d is not None and d.dtype != torch.bool:
+                        s4 = s4.add_(d.to(acc))
+                    hide = tiles.hidden(r0, r1, c0, c1, full)
+                    if hide is not None:
+                        s4 = s4.masked_fill_(hide, float("-inf"))
+                    m_new = torch.maximum(m, s4.amax(-1, keepdim=True))
                     m_safe = torch.where(torch.isneginf(m_new), 0.0, m_new)  # rows with nothing yet
-                    p = s.sub_(m_safe).exp_()  # in place: s is not needed again
+                    p = s4.sub_(m_safe).exp_()  # in place: the scores are not needed again
                     alpha = torch.exp(m - m_safe)
                     l_ = l_ * alpha + p.sum(-1, keepdim=True)
                     if tiles.dropout_p > 0:
-                        p = p * tiles.keep(i, j, p.shape) / (1 - tiles.dropout_p)
-                    pv = p.view(B, Hkv, G * t, c1 - c0) @ v[:, :, c0:c1].to(acc)  # (B, Hkv, G*t, Dv)
-                    o = o * alpha + pv.view(B, H, t, Dv)
+                        p = p.mul_(tiles.keep(i, j, tiles.buffer("r", t, s_).view(B, H, t, s_)))
+                    pv = torch.bmm(p.view(B * Hkv, G * t, s_), tiles.kv(v, c0, c1), out=tiles.buffer("pv", t, Dv))
+                    o = o.view(B, H, t, Dv).mul_(alpha).add_(pv.view(B, H, t, Dv))
                     m = m_new
+                o = o.view(B, H, t, Dv)
                 seen = l_ != 0  # NaN rows stay NaN (the kernel's NaN rule then applies)
                 out[:, :, r0:r1] = torch.where(seen, o / torch.where(seen, l_, 1.0), 0.0).to(q.dtype)
                 lse[:, :, r0:r1] = torch.where(seen, m + torch.log(torch.where(seen, l_, 1.0)),
@@ -648,10 +694,13 @@ class _ExplicitTiles(torch.autograd.Function):
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, d_out):
+        """Per tile (FlashAttention-2): z = mod(q k^T * scale), P = exp(z + bias - lse) on the
+        allowed pairs, dV += P_drop^T dO, dS = P (dP - rowsum(dO O)) with dP = (dO V^T) * keep,
+        dS *= dz/dx (the mod's derivative), dQ += dS K * scale, dK += dS^T Q * scale."""
         q, k, v, out, lse = ctx.saved_tensors
         tiles: _Tiles = ctx.tiles
         B, H, G, Hkv, Dv = tiles.B, tiles.H, tiles.G, tiles.Hkv, tiles.Dv
-        acc = tiles.acc
+        acc, mod = tiles.acc, tiles.score_mod
         dq = torch.zeros(q.shape, dtype=acc, device=q.device)
         dk = torch.zeros(k.shape, dtype=acc, device=q.device)
         dv = torch.zeros(v.shape, dtype=acc, device=q.device)
@@ -660,28 +709,49 @@ class _ExplicitTiles(torch.autograd.Function):
             if not cols:
                 continue
             t = r1 - r0
-            do = d_out[:, :, r0:r1].to(acc)  # (B, H, t, Dv)
+            qf = tiles.fold_q(q, r0, r1, tiles.q_scale)  # (B*Hkv, G*t, D), as in the forward
+            q_raw = tiles.fold_q(q, r0, r1)
+            do = tiles.fold_q(d_out, r0, r1)  # (B*Hkv, G*t, Dv)
+            dq_i = torch.zeros_like(q_raw)
             lse_i = lse[:, :, r0:r1, None]
             lse_i = torch.where(torch.isneginf(lse_i), float("inf"), lse_i)  # empty rows: p = 0
+            delta_i = delta[:, :, r0:r1]
             for j, c0, c1, full in cols:
                 s_ = c1 - c0
-                with torch.enable_grad():
-                    qf = q[:, :, r0:r1].detach().to(acc).reshape(B, Hkv, G * t, -1).requires_grad_()
-                    kj = k.detach()[:, :, c0:c1].to(acc).requires_grad_()
-                    s = tiles.scores(qf, kj, r0, r1, c0, c1, full)
-                p = torch.exp(s.detach() - lse_i)  # (B, H, t, s)
-                vj = v[:, :, c0:c1].to(acc)
-                dp = (do.reshape(B, Hkv, G * t, Dv) @ vj.transpose(-2, -1)).view(B, H, t, s_)
-                if tiles.dropout_p > 0:
-                    keep = tiles.keep(i, j, p.shape) / (1 - tiles.dropout_p)
-                    p_drop, dp = p * keep, dp * keep
+                kj, vj = tiles.kv(k, c0, c1), tiles.kv(v, c0, c1)
+                x = torch.bmm(qf, kj.mT, out=tiles.buffer("s", t, s_)).view(B, H, t, s_)
+                if mod is not None and not tiles.inplace:
+                    x = x.clone().requires_grad_()  # a mod without a derivative: autograd's, on this tile
+                    with torch.enable_grad():
+                        z = tiles.modded(x, r0, r1, c0, c1)
                 else:
-                    p_drop = p
-                dv[:, :, c0:c1] += p_drop.view(B, Hkv, G * t, s_).transpose(-2, -1) @ do.reshape(B, Hkv, G * t, Dv)
-                ds = p * (dp - delta[:, :, r0:r1])
-                gq, gk = torch.autograd.grad(s, (qf, kj), ds)
-                dq[:, :, r0:r1] += gq.view(B, H, t, -1)
-                dk[:, :, c0:c1] += gk
+                    z = tiles.modded(x, r0, r1, c0, c1)
+                p = tiles.buffer("p", t, s_).view(B, H, t, s_)
+                d = tiles.dense_tile(r0, r1, c0, c1)
+                if d is not None and d.dtype != torch.bool:
+                    torch.add(z.detach(), d.to(acc), out=p).sub_(lse_i)
+                else:
+                    torch.sub(z.detach(), lse_i, out=p)
+                p = p.exp_()
+                hide = tiles.hidden(r0, r1, c0, c1, full)
+                if hide is not None:
+                    p = p.masked_fill_(hide, 0.0)
+                dp = torch.bmm(do, vj.mT, out=tiles.buffer("dp", t, s_)).view(B, H, t, s_)
+                p_drop = p
+                if tiles.dropout_p > 0:
+                    keep = tiles.keep(i, j, tiles.buffer("r", t, s_).view(B, H, t, s_))
+                    dp = dp.mul_(keep)
+                    p_drop = keep.mul_(p)
+                dv[:, :, c0:c1].view(B * Hkv, s_, Dv).baddbmm_(p_drop.view(B * Hkv, G * t, s_).mT, do)
+                ds = dp.sub_(delta_i).mul_(p)  # (B, H, t, s): d loss / d z
+                if mod is not None and tiles.inplace:
+                    ds = mod.inplace_grad(z, ds)  # dz/dx from z (overwritten)
+                elif mod is not None:
+                    ds = torch.autograd.grad(z, x, ds)[0]
+                ds = ds.reshape(B * Hkv, G * t, s_)
+                dq_i.baddbmm_(ds, kj, alpha=tiles.scale)
+                dk[:, :, c0:c1].view(B * Hkv, s_, -1).baddbmm_(ds.mT, q_raw, alpha=tiles.scale)
+            dq[:, :, r0:r1] = dq_i.view(B, H, t, -1)
         return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None
 
 
