@@ -92,12 +92,15 @@ def test_tile_choice_follows_the_mask():
         return blocksparse._choose_tile(pred, 1, 8, T, T, G, None, "cpu")[0]
 
     def squares(pred, T=4096):
-        bq, _, _, _, found = blocksparse._choose_tile(pred, 1, 8, T, T, 1, None, "cpu")
-        return {a * bq: min(T, e * bq) for a, e in found.items()}
+        return blocksparse._choose_tile(pred, 1, 8, T, T, 1, None, "cpu")[4]
 
     assert chosen(masks.sliding_window(128) & masks.causal()) <= 128
     assert squares(masks.causal()) == {0: 4096}
     assert squares(masks.document(torch.arange(4096) // 2048) & masks.causal()) == {0: 2048, 2048: 4096}
+    lengths = torch.tensor([1000, 1500, 1, 1595])  # packed documents off the tile edges: one square each
+    assert squares(masks.document(torch.repeat_interleave(torch.arange(4), lengths)) & masks.causal()) == \
+        {0: 1000, 1000: 2500, 2500: 2501, 2501: 4096}
+    assert squares(masks.document(torch.arange(4096) // 16) & masks.causal()) == {}  # short ones: tiles
     assert chosen(masks.from_flex(lambda b, h, q, kv: kv <= q)) == 128  # generic: planned once, fixed tile
 
 
@@ -124,25 +127,30 @@ def test_fused_engines_agree_in_float64(tile, G, monkeypatch):
 
 
 @pytest.mark.parametrize("pred, squares", [
-    (masks.causal(), {0: 8}),
-    (masks.causal() & masks.causal(), {0: 8}),
-    (masks.document(torch.arange(64) // 16) & masks.causal(), {0: 2, 2: 4, 4: 6, 6: 8}),
-    (masks.chunked(16) & masks.causal(), {0: 2, 2: 4, 4: 6, 6: 8}),
-    (masks.document(torch.arange(64) // 12) & masks.causal(), {0: 1, 3: 4, 6: 7}),  # on tile edges only
-    (masks.sliding_window(20) & masks.causal(), {0: 2}),  # rows 0..15 see all keys before them
+    (masks.causal(), {0: 64}),
+    (masks.causal() & masks.causal(), {0: 64}),
+    (masks.document(torch.arange(64) // 16) & masks.causal(), {0: 16, 16: 32, 32: 48, 48: 64}),
+    (masks.chunked(16) & masks.causal(), {0: 16, 16: 32, 32: 48, 48: 64}),
+    (masks.document(torch.arange(64) // 12) & masks.causal(),  # documents: wherever they start
+     {0: 12, 12: 24, 24: 36, 36: 48, 48: 60, 60: 64}),
+    (masks.chunked(12) & masks.causal(), {0: 8, 24: 32, 48: 56}),  # chunks: on tile edges only
+    (masks.sliding_window(20) & masks.causal(), {0: 16}),  # rows 0..15 see all keys before them
     (masks.sliding_window(4) & masks.causal(), {}),  # narrower than a tile: the diagonal is a band
-    (masks.padding(torch.tensor([30, 64])) & masks.causal(), {0: 3}),  # batch 0's keys 30.. are hidden
+    (masks.padding(torch.tensor([30, 64])) & masks.causal(), {0: 24}),  # batch 0's keys 30.. are hidden
+    (masks.document(torch.arange(64) // 12), {}),  # documents without causal: bidirectional
     (masks.prefix_lm(10), {}),  # bidirectional prefix
     (masks.from_flex(lambda b, h, q, kv: kv <= q), {}),  # a generic predicate is not analysed
 ])
-def test_causal_squares(pred, squares):
-    """Runs of query blocks that attend exactly causally among themselves (8 x 8 tiles of 8)."""
+def test_causal_squares(pred, squares, monkeypatch):
+    """Rows that attend exactly causally among themselves (8 x 8 tiles of 8; documents of 12
+    found as such, with documents of 4 or more rows running as squares here)."""
+    monkeypatch.setattr(blocksparse, "_MIN_SEGMENT", 4)
     bq, bk, kept, full, found = blocksparse._choose_tile(pred, 2, 4, 64, 64, 1, 8, "cpu")
     assert found == squares
-    for a, e in found.items():  # against the dense mask: rows a*8..e*8 see exactly keys a*8..row
-        dense = masks.to_dense(pred, 2, 4, 64, 64)[:, :, a * 8:e * 8]
-        rows = torch.arange(a * 8, e * 8)[:, None]
-        assert torch.equal(dense, ((torch.arange(64) >= a * 8) & (torch.arange(64) <= rows)).expand_as(dense))
+    for a, e in found.items():  # against the dense mask: rows a..e see exactly keys a..row
+        dense = masks.to_dense(pred, 2, 4, 64, 64)[:, :, a:e]
+        rows = torch.arange(a, e)[:, None]
+        assert torch.equal(dense, ((torch.arange(64) >= a) & (torch.arange(64) <= rows)).expand_as(dense))
 
 
 @pytest.mark.parametrize("Hkv", [4, 2, 1])
@@ -152,13 +160,14 @@ def test_causal_squares_equal_the_math_path(Hkv, T, monkeypatch):
     for their query heads; equal squares folded into the heads): outputs and gradients equal the
     math path's in float64."""
     monkeypatch.setattr(blocksparse, "FUSED_TILE", 8)
+    monkeypatch.setattr(blocksparse, "_MIN_SEGMENT", 4)
     g = torch.Generator().manual_seed(1)
     q = torch.randn(2, 4, T, 16, generator=g, dtype=torch.float64, requires_grad=True)
     k, v = (torch.randn(2, Hkv, T, 16, generator=g, dtype=torch.float64, requires_grad=True) for _ in range(2))
     if Hkv == 4:  # heads interleaved in memory, (B, T, H, D) transposed: no folding of squares into heads
         q = q.detach().transpose(1, 2).contiguous().transpose(1, 2).requires_grad_()
     for pred in (masks.causal(), masks.document(torch.arange(T) // 16) & masks.causal(),
-                 masks.sliding_window(20) & masks.causal()):
+                 masks.sliding_window(20) & masks.causal(), masks.document(torch.arange(T) // 13) & masks.causal()):
         assert blocksparse._choose_tile(pred, 2, 4, T, T, 4 // Hkv, 8, "cpu")[4]  # squares in the plan
         got = mh.scaled_dot_product_attention(q, k, v, pred)
         want = mh.scaled_dot_product_attention(q, k, v, pred, backend="math")

@@ -39,6 +39,7 @@ FUSED_TILE: int | None = None
 EXPLICIT_TILE = 256
 _FUSED_CANDIDATES = (64, 128, 256, 512, 1024)
 _ONE_CALL_SPAN = 512  # keys: below this a query block's pieces run as one masked call
+_MIN_SEGMENT = 64  # documents shorter than this on average run as tiles, not a call each
 
 
 def tile_sizes(T: int, S: int, tile: int) -> tuple[int, int]:
@@ -89,10 +90,11 @@ def _choose_tile(pred, B, H, T, S, G, tile, device):
     predicates are planned more than once: planning a generic predicate evaluates it
     over all pairs.
     """
-    if tile is not None or pred is None or not _analytic(pred):
-        bq, bk = tile_sizes(T, S, tile or 128)
+    segments = _segment_squares(pred, B, H, T, S, device) if pred is not None else {}
+    if segments or tile is not None or pred is None or not _analytic(pred):
+        bq, bk = tile_sizes(T, S, tile or (256 if segments else 128))
         kept, full = plan(pred, B, H, T, S, bq, bk, device)
-        return bq, bk, kept, full, _causal_squares(pred, B, H, T, S, bq, bk, kept, full, device)
+        return bq, bk, kept, full, segments or _causal_squares(pred, B, H, T, S, bq, bk, kept, full, device)
     best = None
     threads = max(1, torch.get_num_threads())
     for c in _FUSED_CANDIDATES if T > _FUSED_CANDIDATES[0] else (256,):  # decoding: one plan, one block
@@ -101,14 +103,13 @@ def _choose_tile(pred, B, H, T, S, G, tile, device):
         squares = _causal_squares(pred, B, H, T, S, bq, bk, kept, full, device)
         in_square = torch.zeros(kept.shape[0], dtype=torch.bool)
         pairs, calls = 0.0, 0
-        for a, e in squares.items():
-            in_square[a:e] = True
-            n = min(T, e * bq) - a * bq
-            pairs, calls = pairs + n * (n + 1) / 2, calls + 1
+        for r0, r1 in squares.items():
+            in_square[r0 // bq:-(-r1 // bq)] = True
+            pairs, calls = pairs + (r1 - r0) * (r1 - r0 + 1) / 2, calls + 1
         rest = kept[~in_square]
         # seconds at ~20 GFLOP/s per thread and head, plus ~0.5 ms per call (mask, merge, dispatch)
         pairs += float(rest.sum()) * bq * bk / _kernel_efficiency(G * bq)
-        calls += int((~in_square).sum()) + len(squares) * (G - 1)  # a GQA square: a call per group
+        calls += int((~in_square).sum())
         cost = pairs * H * 4 * 64 / 20e9 / threads + calls * 5e-4
         if best is None or cost < best[0] * 0.97:
             best = (cost, bq, bk, kept, full, squares)
@@ -159,7 +160,7 @@ def _diagonal_tril(pred: MaskMod, B: int, H: int, T: int, bq: int, device) -> Te
 
 
 def _causal_squares(pred, B, H, T, S, bq, bk, kept, full, device) -> dict[int, int]:
-    """Runs of query blocks that attend exactly causally among themselves: {first: end}.
+    """Runs of query blocks that attend exactly causally among themselves: {first row: end row}.
 
     Block rows a..e-1 form a square when each row i keeps exactly the key tiles a..i,
     those left of the diagonal full and the diagonal one exactly lower-triangular. Rows
@@ -186,10 +187,39 @@ def _causal_squares(pred, B, H, T, S, bq, bk, kept, full, device) -> dict[int, i
         while i < nq and on_diag[i] and first[i] == a and n_kept[i] == i - a + 1 and n_full[i] == i - a:
             i += 1
         if i > a:
-            squares[a] = i
+            squares[a * bq] = min(T, i * bq)
         else:
             i += 1
     return squares
+
+
+def _segment_squares(pred: MaskMod, B: int, H: int, T: int, S: int, device) -> dict[int, int]:
+    """Packed documents & causal, documents anywhere (not only on tile edges): {start: end}
+    rows of each document, which attends exactly causally within itself: one causal call
+    per document, the time of the pairs allowed. Empty unless `pred` is an `&` of one
+    predicate that knows its segments (`document` with contiguous runs of ids, the same in
+    every batch) and functions of q - kv that give exactly the causal triangle over the
+    longest document (causal; a sliding window at least that long), and S == T.
+    """
+    if T != S or T < 2:
+        return {}
+    leaves = _and_leaves(pred)
+    runs = [leaf for leaf in leaves if leaf._segments is not None]
+    if len(runs) != 1 or any(not (leaf.relative and not leaf.top_left) for leaf in leaves if leaf is not runs[0]):
+        return {}
+    segments = runs[0]._segments(T, S)
+    if not segments or len(segments) > max(1, T // _MIN_SEGMENT):
+        return {}  # no runs, or many short documents: tiles do better than a call per document
+    L = max(e - a for a, e in segments)
+    d = torch.arange(-(L - 1), L, device=device)  # q - kv over a document
+    at = torch.full((1, 1, 1, 1), L - 1, device=device)
+    b, h = _index(B, 0, device), _index(H, 1, device)
+    by_d = [leaf.evaluate(b, h, at + d.view(1, 1, -1, 1), at, 0).reshape(-1, d.numel())
+            for leaf in leaves if leaf is not runs[0]]
+    lower = d >= 0
+    if not any(bool((m == lower).all()) for m in by_d) or not all(bool((m | ~lower).all()) for m in by_d):
+        return {}
+    return dict(segments)
 
 
 def _slice_dense(dense: Tensor, r0: int, r1: int, c0: int, c1: int) -> Tensor:
@@ -358,10 +388,12 @@ class _FusedPlan:
         nq, nk = self.kept.shape
         i = 0
         while i < nq:
-            if i in self.squares:
-                r0, r1 = i * self.bq, min(self.T, self.squares[i] * self.bq)
-                yield r0, r1, [(r0, r1, CAUSAL)]
-                i = self.squares[i]
+            if i * self.bq in self.squares:
+                r = i * self.bq
+                while r in self.squares:  # squares of documents may end off the tile edges
+                    yield r, self.squares[r], [(r, self.squares[r], CAUSAL)]
+                    r = self.squares[r]
+                i = -(-r // self.bq)
                 continue
             pieces, j = [], 0
             row_kept, row_full = self.kept[i].tolist(), self.full[i].tolist()
@@ -423,9 +455,9 @@ class _FusedPlan:
         sq = self.squares
         if self.G != 1 or not sq or 0 not in sq:
             return 0
-        lengths = {min(self.T, e * self.bq) - a * self.bq for a, e in sq.items()}
+        lengths = {e - a for a, e in sq.items()}
         ends = sorted(sq.values())
-        if len(lengths) != 1 or ends[-1] * self.bq < self.T or sorted(sq) != [0] + ends[:-1]:
+        if len(lengths) != 1 or ends[-1] != self.T or sorted(sq) != [0] + ends[:-1]:
             return 0
         if any(x.stride(1) != x.shape[2] * x.stride(2) for x in (q, k, v)):
             return 0

@@ -70,7 +70,8 @@ class MaskMod:
 
     def __init__(self, fn: Callable[[Tensor, Tensor, Tensor, Tensor], Tensor], name: str, *,
                  top_left: bool = False, tiles: Callable | None = None, check: Callable | None = None,
-                 parts: tuple[MaskMod, ...] = (), op: str | None = None, relative: bool = False):
+                 parts: tuple[MaskMod, ...] = (), op: str | None = None, relative: bool = False,
+                 segments: Callable | None = None):
         if not callable(fn):
             raise TypeError(f"a mask predicate must be callable (b, h, q_idx, kv_idx) -> bool tensor; "
                             f"received {type(fn).__name__}")
@@ -81,6 +82,9 @@ class MaskMod:
         self._check = check
         self._parts = parts
         self._op = op
+        # segments(T, S) -> [(start, end), ...] or None: runs of positions that attend within
+        # themselves and nowhere else (documents), for the kernel's one-call-per-document path
+        self._segments = segments
         # a function of q - kv only (causal, sliding_window): equal tiles along a diagonal
         self.relative = all(p.relative for p in parts) if parts else relative
 
@@ -379,7 +383,16 @@ def document(doc_ids: Tensor) -> MaskMod:
         all_ = (qmin == qmax) & (kmin == kmax) & (qmin == kmin) & valid.all(-1)[None, :, None]
         return any_[:, None], all_[:, None]  # (Bd, 1, nq, nk)
 
-    return MaskMod(fn, "document", tiles=tiles, check=check)
+    def segments(T, S):
+        if T != S or (ids.shape[0] > 1 and not bool((ids == ids[:1]).all())):
+            return None
+        row = ids[0]
+        starts = [0] + (torch.nonzero(row[1:] != row[:-1]).flatten() + 1).tolist()
+        if len(set(row[starts].tolist())) != len(starts):
+            return None  # an id in two runs: those runs see each other
+        return list(zip(starts, starts[1:] + [S]))
+
+    return MaskMod(fn, "document", tiles=tiles, check=check, segments=segments)
 
 
 def prefix_lm(prefix_len: int | Tensor) -> MaskMod:
