@@ -321,9 +321,20 @@ def fused(q: Tensor, k: Tensor, v: Tensor, mask, *, causal: bool, scale: float, 
     outs = []
     i = 0
     nq = kept.shape[0]
+    if dense is not None or score_mod is not None:
+        squares = {}
     while i < nq:
-        cols = kept[i].nonzero()
         r0 = i * bq
+        if r0 in squares:  # causal squares: torch's causal call on each (top-left within the square)
+            while r0 in squares:
+                r1 = squares[r0]
+                outs.append(F.scaled_dot_product_attention(q[:, :, r0:r1], k[:, :, r0:r1], v[:, :, r0:r1],
+                                                           is_causal=True, dropout_p=dropout_p, scale=scale,
+                                                           enable_gqa=k.shape[1] != H))
+                r0 = r1
+            i = -(-r0 // bq)
+            continue
+        cols = kept[i].nonzero()
         if cols.numel() == 0:
             r1 = min(T, r0 + bq)
             outs.append(q.new_zeros(B, H, r1 - r0, Dv))
