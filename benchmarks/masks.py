@@ -9,6 +9,8 @@ dense-mask path and compiled flex_attention (CPU, fp32, B = 1, H = 8, D = 64).
 Rows (forward unless "fwd+bwd"):
 
 - masks at N: `sliding_window(256) & causal` and `document` (8 documents of N/8) & causal,
+  and 8 documents of random lengths & causal (multihead only; its ideal is the fraction of
+  causal's pairs they allow, printed beside it),
   each run by multihead (block-sparse, "auto"), by the dense path (the same predicate
   materialised as a (T, S) bool tensor, as multihead did before, then the fused kernel),
   and by `torch.compile(flex_attention)` with a block mask; "setup" is the tile
@@ -72,6 +74,20 @@ def _document(N: int):
     return masks.document(torch.arange(N) // (N // DOCS)) & masks.causal()
 
 
+def _uneven_ids(N: int) -> torch.Tensor:
+    """DOCS packed documents of random lengths (fixed seed), as a data loader packs them."""
+    g = torch.Generator().manual_seed(1)
+    cuts = torch.zeros(N, dtype=torch.long)
+    cuts[torch.randperm(N - 1, generator=g)[:DOCS - 1] + 1] = 1
+    return cuts.cumsum(0)
+
+
+def uneven_pair_fraction(N: int) -> float:
+    """Allowed pairs of the uneven documents & causal over those of causal."""
+    lengths = torch.bincount(_uneven_ids(N)).double()
+    return float((lengths * (lengths + 1)).sum() / (N * (N + 1)))
+
+
 def _flex_mods(N: int):
     ids = torch.arange(N) // (N // DOCS)
 
@@ -91,12 +107,14 @@ def forward_cases(N: int) -> dict:
     """name -> zero-argument callable (inputs captured), all under torch.no_grad."""
     q, k, v = _inputs(N)
     win, doc = _window(), _document(N)
+    uneven = masks.document(_uneven_ids(N)) & masks.causal()
     return {
         "torch causal": lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True),
         "torch full": lambda: F.scaled_dot_product_attention(q, k, v),
         "multihead causal": lambda: mh.scaled_dot_product_attention(q, k, v, masks.causal()),
         "multihead window": lambda: mh.scaled_dot_product_attention(q, k, v, win),
         "multihead document": lambda: mh.scaled_dot_product_attention(q, k, v, doc),
+        "multihead uneven documents": lambda: mh.scaled_dot_product_attention(q, k, v, uneven),
         "dense window": lambda: mh.scaled_dot_product_attention(q, k, v, win.to_dense(1, H, N, N)),
         "dense document": lambda: mh.scaled_dot_product_attention(q, k, v, doc.to_dense(1, H, N, N)),
         "setup window": lambda: blocksparse._choose_tile(win, 1, H, N, N, 1, None, "cpu"),
@@ -153,6 +171,11 @@ def flex_cases(N: int, N_softcap: int) -> tuple[dict, dict]:
         setup[f"flex {name} create_block_mask"] = time.perf_counter() - t0
         cases[f"flex {name}"] = lambda bm=bm: compiled(q, k, v, block_mask=bm)
     cases["flex softcap"] = lambda: compiled(qs, ks, vs, score_mod=mods["softcap"])
+    # multihead's opt-in backend="flex": the same compiled kernel behind multihead's own masks
+    win, cap = _window(), score_mods.softcap(CAP)
+    cases["multihead backend=flex window"] = lambda: mh.scaled_dot_product_attention(q, k, v, win, backend="flex")
+    cases["multihead backend=flex softcap"] = lambda: mh.scaled_dot_product_attention(qs, ks, vs, score_mod=cap,
+                                                                                       backend="flex")
     for name, fn in cases.items():
         t0 = time.perf_counter()
         with torch.no_grad(), warnings.catch_warnings():
@@ -253,7 +276,7 @@ def main(argv=None) -> int:
     if not args.no_flex:
         flex, setup = flex_cases(args.n, args.n_softcap)
         for name, fn in flex.items():
-            (soft if name == "flex softcap" else fwd)[name] = fn
+            (soft if name.endswith("softcap") else fwd)[name] = fn
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         t_fwd = time_rounds(fwd, args.rounds)
@@ -280,6 +303,8 @@ def main(argv=None) -> int:
         "window / dense window": ratio(t_fwd, "multihead window", "dense window"),
         "document / torch causal": ratio(t_fwd, "multihead document", "torch causal"),
         "document / flex document": ratio(t_fwd, "multihead document", "flex document"),
+        "uneven documents / torch causal": ratio(t_fwd, "multihead uneven documents", "torch causal"),
+        "uneven documents: allowed pairs / causal's": uneven_pair_fraction(args.n),
         "window setup / window": ratio(t_fwd, "setup window", "multihead window"),
         "document setup / document": ratio(t_fwd, "setup document", "multihead document"),
         "multihead causal / torch causal": ratio(t_fwd, "multihead causal", "torch causal"),
@@ -287,6 +312,8 @@ def main(argv=None) -> int:
         "torch causal / torch full": ratio(t_fwd, "torch causal", "torch full"),
         "softcap / fused no mod": ratio(t_soft, "multihead softcap", "torch full (no mod)"),
         "flex softcap / fused no mod": ratio(t_soft, "flex softcap", "torch full (no mod)"),
+        "backend=flex window / window": ratio(t_fwd, "multihead backend=flex window", "multihead window"),
+        "backend=flex softcap / softcap": ratio(t_soft, "multihead backend=flex softcap", "multihead softcap"),
         "softcap fwd+bwd / fused causal fwd+bwd": ratio(t_train, "multihead softcap fwd+bwd", "torch causal fwd+bwd"),
         "dropout fwd+bwd / fused causal fwd+bwd": ratio(t_train, "multihead dropout fwd+bwd", "torch causal fwd+bwd"),
     }
