@@ -18,12 +18,15 @@ What this module adds on top of flex:
   skipped and a row with nothing to attend is 0, not NaN). They are accepted so that
   backend="flex" is a drop-in for the modules, which may pass dense masks.
 - Block masks are cached (a small LRU) by the *structure* of the predicate: the code of
-  each leaf function and the values it captured (ints by value, tensors by identity and
+  each leaf function and the values it captured (ints by value, tensors by memory and
   version). The kernel builds a fresh `and_masks(mask, causal())` on every call; the
   cache sees through that, so every layer and every step reuses one `BlockMask`, and
   hands torch.compile the same function objects, whose guards then pass without a
   recompilation. A callable that reads mutable *globals* is assumed not to change
   between calls of the same shape (flex's own usage: build the block mask once).
+- Key padding. torch 2.13's CPU flex kernel gives wrong values when S is not a multiple
+  of its KV block (see `_padded`), so on the CPU K/V are padded to a multiple of 128
+  with zero keys the mask hides (a copy of K/V per call when S is not a multiple).
 - Backward. torch 2.13's compiled flex is inference-only on the CPU ("torch.compile
   on CPU only supports inference"), and returns no log-sum-exp there. On the CPU the
   forward is flex's and the backward recomputes the attention on multihead's tile
@@ -56,6 +59,7 @@ __all__ = ["attention", "clear_cache"]
 # whole (B, H, T, S) score matrix; we raise a clear error instead.
 RECOMPILE_LIMIT = 64
 CACHE_SIZE = 16  # block masks kept (one per predicate structure and shape)
+_KV_BLOCK = 128  # create_block_mask's default block size
 _CPU_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 _INSTEAD = "use backend 'auto' (no compilation), 'sdpa' or 'tiles'"
 
@@ -93,16 +97,18 @@ def _load() -> tuple[Callable, Callable]:
 def _key(x, depth: int = 0):
     """A hashable key equal for predicates/score mods that compute the same thing.
 
-    Functions by code, defaults and captured values; tensors by identity and version (an
-    in-place edit of doc ids changes the key); other objects by identity. The cache keeps
-    the first object seen alive, so an identity in its key cannot be reused by another.
+    Functions by code, defaults and captured values; tensors by memory (storage, offset,
+    shape, strides) and version (an in-place edit of doc ids changes the key); other
+    objects by identity. The cache keeps the first object seen alive, so neither an
+    identity nor a storage in its key can be reused by another object meanwhile.
     """
     if depth > 6:
         return ("id", id(x))
     if x is None or isinstance(x, (bool, int, float, str)):
         return (type(x).__name__, x)
-    if isinstance(x, Tensor):
-        return ("tensor", id(x), x._version)
+    if isinstance(x, Tensor):  # by memory, so a fresh view of the same ids (doc_ids[None]) matches
+        return ("tensor", x.untyped_storage().data_ptr(), x.storage_offset(), tuple(x.shape), x.stride(),
+                x.dtype, str(x.device), x._version)
     if isinstance(x, MaskMod):
         if x._op is not None:
             return ("op", x._op, tuple(_key(p, depth + 1) for p in x._parts))
@@ -167,80 +173,97 @@ def _extent(pred: MaskMod, B: int, H: int, T: int, S: int, device) -> tuple[int 
     return (B if shape[0] > 1 else None), (H if shape[1] > 1 else None)
 
 
-def _mask_entry(pred: MaskMod, B: int, H: int, T: int, S: int, device):
-    """(pred, mask_fn, BlockMask) for a predicate, from the cache or built."""
-    Bm, Hm = _extent(pred, B, H, T, S, device)
-    key = (_key(pred), Bm, Hm, T, S, str(device))
+def _padded(S: int, device) -> int:
+    """Keys as flex sees them: on the CPU, S rounded up to a multiple of the KV block (128).
+
+    torch 2.13's CPU flex kernel reads uninitialised memory when the last KV block's
+    length is 8 mod 16 (S = 8, 24, 40, 152, ...: wrong values, NaN, different every run;
+    measured on this AVX-512 machine, the same with a plain `torch.compile(flex_attention)`),
+    so K/V get zero keys appended and the mask hides them: every KV block is then whole.
+    """
+    if torch.device(device).type != "cpu" or S % _KV_BLOCK == 0:
+        return S
+    return -(-S // _KV_BLOCK) * _KV_BLOCK
+
+
+def _mask_entry(pred: MaskMod | None, B: int, H: int, T: int, S: int, device):
+    """(pred, mask_fn, BlockMask) for a predicate (None: only the padded keys hidden), cached."""
+    Bm, Hm = (None, None) if pred is None else _extent(pred, B, H, T, S, device)
+    Sp = _padded(S, device)
+    key = (None if pred is None else _key(pred), Bm, Hm, T, S, str(device))
 
     def make():
         shift = S - T
 
         def mask_fn(b, h, q_idx, kv_idx):
-            return pred.evaluate(b, h, q_idx, kv_idx, shift)  # each leaf in its own convention
+            if Sp == S:
+                return pred.evaluate(b, h, q_idx, kv_idx, shift)  # each leaf in its own convention
+            real = kv_idx < S  # the padded keys are hidden; clamped, a predicate indexes inside its tensors
+            return real if pred is None else real & pred.evaluate(b, h, q_idx, kv_idx.clamp(max=S - 1), shift)
 
-        # _compile=False: eager create_block_mask took 0.05-0.2 s at N=4096, _compile=True
-        # seconds of compilation per new shape (see the README's flex paragraph).
-        return pred, mask_fn, _load()[1](mask_fn, Bm, Hm, T, S, device=device)
+        # _compile=False: eager create_block_mask takes well under a second at N=4096 (see the
+        # README's flex paragraph), _compile=True seconds of compilation for each new shape.
+        return pred, mask_fn, _load()[1](mask_fn, Bm, Hm, T, Sp, device=device)
 
     return _lookup(_block_masks, key, make)
 
 
-def _dense_mask_fn(dense: Tensor):
-    """A mask_mod reading a dense mask `(Bm, Hm, Tm, Sm)` broadcastable to (B, H, T, S).
-
-    Broadcast dims are indexed with 0, so nothing is expanded or copied. Float masks: the
-    entries that are not -inf."""
+def _dense_index(dense: Tensor, b, h, q_idx, kv_idx, S: int):
+    """dense[b, h, q_idx, kv_idx] for a mask `(Bm, Hm, Tm, Sm)` broadcastable to (B, H, T, S):
+    broadcast dims are read at 0, so nothing is expanded or copied; padded keys read key S-1."""
     Bm, Hm, Tm, Sm = dense.shape
-    allowed = dense if dense.dtype == torch.bool else ~torch.isneginf(dense)
-
-    def mask_fn(b, h, q_idx, kv_idx):
-        return allowed[b if Bm > 1 else 0, h if Hm > 1 else 0, q_idx if Tm > 1 else 0, kv_idx if Sm > 1 else 0]
-
-    return mask_fn, (None if Bm == 1 else Bm), (None if Hm == 1 else Hm)
+    return dense[b if Bm > 1 else 0, h if Hm > 1 else 0, q_idx if Tm > 1 else 0,
+                 kv_idx.clamp(max=S - 1) if Sm > 1 else 0]
 
 
 def _block_mask(pred: MaskMod | None, dense: Tensor | None, B, H, T, S, device):
-    """The BlockMask (None: every pair) for a predicate and/or a dense mask."""
-    if pred is not None:
+    """The BlockMask (None: every pair) for a predicate and/or a dense mask (float: its
+    entries that are not -inf)."""
+    Sp = _padded(S, device)
+    if pred is None and dense is None and Sp == S:
+        return None
+    pred_fn = None
+    if pred is not None or Sp != S:
         _, pred_fn, bm = _mask_entry(pred, B, H, T, S, device)
         if dense is None:
             return bm
-    if dense is None:
-        return None
     # A dense mask is the user's own (T, S) tensor, usually new each call: built, not cached.
-    dense_fn, Bm, Hm = _dense_mask_fn(dense)
-    fn = dense_fn
-    if pred is not None:
-        def fn(b, h, q_idx, kv_idx):
-            return pred_fn(b, h, q_idx, kv_idx) & dense_fn(b, h, q_idx, kv_idx)
+    allowed = dense if dense.dtype == torch.bool else ~torch.isneginf(dense)
 
-        Bp, Hp = _extent(pred, B, H, T, S, device)
-        Bm, Hm = Bm or Bp, Hm or Hp
-    return _load()[1](fn, Bm, Hm, T, S, device=device)
+    def fn(b, h, q_idx, kv_idx):
+        here = _dense_index(allowed, b, h, q_idx, kv_idx, S)
+        return here if pred_fn is None else pred_fn(b, h, q_idx, kv_idx) & here
+
+    Bp, Hp = (None, None) if pred is None else _extent(pred, B, H, T, S, device)
+    Bm = B if dense.shape[0] > 1 or Bp else None
+    Hm = H if dense.shape[1] > 1 or Hp else None
+    return _load()[1](fn, Bm, Hm, T, Sp, device=device)
 
 
-def _score_fn(mod: ScoreMod | None, dense: Tensor | None, T: int, S: int) -> Callable | None:
+def _score_fn(mod: ScoreMod | None, dense: Tensor | None, T: int, S: int, device) -> Callable | None:
     """flex's score_mod: the ScoreMod in its own index convention, then a float mask added."""
     fn = None
+    padded = _padded(S, device) != S
     if mod is not None:
         def make():
             shift = S - T
 
             def score_fn(score, b, h, q_idx, kv_idx):
+                if padded:  # a padded key's score is hidden anyway; clamped, a mod indexes inside its tensors
+                    kv_idx = kv_idx.clamp(max=S - 1)
                 return mod.apply(score, b, h, q_idx, kv_idx, shift)
 
             return mod, score_fn
 
-        fn = _lookup(_score_fns, (_key(mod), T, S), make)[1]
+        fn = _lookup(_score_fns, (_key(mod), T, S, str(device)), make)[1]
     if dense is None or dense.dtype == torch.bool:
         return fn
-    Bm, Hm, Tm, Sm = dense.shape
     inner = fn
 
     def with_bias(score, b, h, q_idx, kv_idx):
         if inner is not None:
             score = inner(score, b, h, q_idx, kv_idx)
-        bias = dense[b if Bm > 1 else 0, h if Hm > 1 else 0, q_idx if Tm > 1 else 0, kv_idx if Sm > 1 else 0]
+        bias = _dense_index(dense, b, h, q_idx, kv_idx, S)
         # hidden (-inf) entries are masked by the block mask; adding -inf here too would be NaN-prone
         return score + torch.where(torch.isneginf(bias), 0.0, bias).to(score.dtype)
 
@@ -327,9 +350,13 @@ def attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | MaskMod | None, *,
         pred = causal_mod() if pred is None else and_masks(pred, causal_mod())
     _check_mods(pred, score_mod, B, H, T, S, q.device)
     block_mask = _block_mask(pred, dense, B, H, T, S, q.device)
-    score_fn = _score_fn(score_mod, dense, T, S)
+    score_fn = _score_fn(score_mod, dense, T, S, q.device)
+    Sp = _padded(S, q.device)
 
     def run(qq, kk, vv):
+        if Sp != S:  # zero keys appended, hidden by the block mask: (B, Hkv, Sp, D)
+            kk = torch.nn.functional.pad(kk, (0, 0, 0, Sp - S))
+            vv = torch.nn.functional.pad(vv, (0, 0, 0, Sp - S))
         return _call(qq, kk, vv, block_mask, score_fn, scale)
 
     needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
