@@ -335,6 +335,29 @@ def test_compiler_failures_become_clear_errors(monkeypatch):
         mh.scaled_dot_product_attention(q, k, v, backend="flex")
 
 
+def test_untraceable_mods_raise_value_errors(monkeypatch):
+    """A mask or score mod that runs eagerly but cannot be vmapped or compiled (a Python
+    branch on a tensor value): a ValueError naming it and the backends that run it."""
+    class LoweringException(Exception):  # what inductor raises for an op it cannot lower, by name
+        pass
+
+    def lowering_fails(*args, **kwargs):
+        raise LoweringException("SubgraphLoweringException: Buffers cannot be created while lowering")
+
+    def branchy(b, h, q_idx, kv_idx):
+        return kv_idx <= q_idx if (q_idx > 3).all() else kv_idx >= q_idx
+
+    flex._load()
+    monkeypatch.setitem(flex._flex, "attention", lowering_fails)
+    q, k, v = _qkv(8, 8)
+    assert mh.scaled_dot_product_attention(q, k, v, branchy, backend="math").shape == (B, H, 8, DV)  # eager: fine
+    with pytest.raises(ValueError, match=r"create_block_mask could not evaluate the mask branchy.*vmap.*'tiles'"):
+        mh.scaled_dot_product_attention(q, k, v, branchy, backend="flex")
+    with pytest.raises(ValueError, match=r"could not compile flex_attention with mask causal and score mod "
+                                         r"softcap\(2\): LoweringException.*'auto'"):
+        mh.scaled_dot_product_attention(q, k, v, causal=True, score_mod=score_mods.softcap(2.0), backend="flex")
+
+
 def test_structural_cache_key_sees_through_fresh_objects():
     ids = torch.tensor([0, 0, 1, 1])
     a = masks.sliding_window(4) & masks.document(ids)
