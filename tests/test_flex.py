@@ -358,6 +358,9 @@ def test_untraceable_mods_raise_value_errors(monkeypatch):
         mh.scaled_dot_product_attention(q, k, v, causal=True, score_mod=score_mods.softcap(2.0), backend="flex")
 
 
+_GLOBAL_IDS = None
+
+
 def test_structural_cache_key_sees_through_fresh_objects():
     ids = torch.tensor([0, 0, 1, 1])
     a = masks.sliding_window(4) & masks.document(ids)
@@ -367,5 +370,14 @@ def test_structural_cache_key_sees_through_fresh_objects():
     before = flex._key(a)
     ids[0] = 1  # an in-place edit of captured ids is a different mask
     assert flex._key(a) != before
+    global _GLOBAL_IDS
+    _GLOBAL_IDS = torch.tensor([0, 1, 1, 1])
+
+    def reads_a_global(b, h, q_idx, kv_idx):
+        return _GLOBAL_IDS[q_idx] == _GLOBAL_IDS[kv_idx]
+
+    before = flex._key(masks.from_flex(reads_a_global))
+    _GLOBAL_IDS = torch.tensor([0, 0, 1, 1])  # rebinding the global is a different mask
+    assert flex._key(masks.from_flex(reads_a_global)) != before
     assert flex._key(score_mods.softcap(50)) == flex._key(score_mods.softcap(50.0))
     assert flex._key(score_mods.softcap(50)) != flex._key(score_mods.softcap(30))

@@ -1,10 +1,11 @@
 """The opt-in "flex" backend: multihead's masks and score mods through torch's compiled flex_attention.
 
 `torch.compile(flex_attention)` (torch.nn.attention.flex_attention) generates one fused
-kernel per (shape, mask, score mod), skipping the blocks a `BlockMask` marks empty. It
-can beat the fused-kernel-over-tiles path of "auto" once compiled, but compiling takes
-seconds per shape (and every new T or S is a new shape), so it runs only when asked
-for: `backend="flex"`. `"auto"` never picks it and never compiles anything.
+kernel per (shape, mask, score mod), skipping the blocks a `BlockMask` marks empty.
+Compiling takes seconds per shape (every new T or S is a new shape), so it runs only
+when asked for: `backend="flex"`; `"auto"` never picks it and never compiles anything.
+On this CPU it measured slower than "auto" even once compiled (README, "The opt-in flex
+backend"); it is here for GPUs, and to hold multihead's masks against flex's kernels.
 
 What this module adds on top of flex:
 
@@ -18,23 +19,26 @@ What this module adds on top of flex:
   skipped and a row with nothing to attend is 0, not NaN). They are accepted so that
   backend="flex" is a drop-in for the modules, which may pass dense masks.
 - Block masks are cached (a small LRU) by the *structure* of the predicate: the code of
-  each leaf function and the values it captured (ints by value, tensors by memory and
-  version). The kernel builds a fresh `and_masks(mask, causal())` on every call; the
-  cache sees through that, so every layer and every step reuses one `BlockMask`, and
-  hands torch.compile the same function objects, whose guards then pass without a
-  recompilation. A callable that reads mutable *globals* is assumed not to change
-  between calls of the same shape (flex's own usage: build the block mask once).
-- Key padding. torch 2.13's CPU flex kernel gives wrong values when S is not a multiple
-  of its KV block (see `_padded`), so on the CPU K/V are padded to a multiple of 128
-  with zero keys the mask hides (a copy of K/V per call when S is not a multiple).
+  each leaf function, the values it captured and the globals it names (ints by value,
+  tensors by memory and version). The kernel builds a fresh `and_masks(mask, causal())`
+  on every call; the cache sees through that, so every layer and every step reuses one
+  `BlockMask`, and hands torch.compile the same function objects, whose guards then
+  pass without a recompilation. What the key cannot see (the contents of a dict or
+  list the callable reads) is assumed not to change between calls of the same shape,
+  flex's own usage: build the block mask once, reuse it.
+- Key padding. torch 2.13's CPU flex kernel gives wrong values when the last KV block
+  is 8 mod 16 keys long (see `_padded`), so on the CPU K/V are padded to a multiple of
+  128 with zero keys the mask hides (one copy of K/V, never one per query head, when S
+  is not a multiple of 128).
 - Backward. torch 2.13's compiled flex is inference-only on the CPU ("torch.compile
   on CPU only supports inference"), and returns no log-sum-exp there. On the CPU the
   forward is flex's and the backward recomputes the attention on multihead's tile
   engine (`blocksparse.explicit`, FlashAttention-2's recomputing backward, O(N) memory).
   On other devices flex's own autograd runs.
 - Errors that name what failed and what to use instead: float64 on the CPU (flex's CPU
-  kernel takes float32, float16, bfloat16), dropout (flex has none), a missing
-  flex_attention or C++ compiler, too many compiled variants.
+  kernel takes float32, float16, bfloat16), dropout (flex has none), a mask or score
+  mod flex cannot vmap or compile (ValueError), a missing flex_attention or C++
+  compiler, too many compiled variants (RuntimeError).
 """
 
 from __future__ import annotations
@@ -97,9 +101,10 @@ def _load() -> tuple[Callable, Callable]:
 def _key(x, depth: int = 0):
     """A hashable key equal for predicates/score mods that compute the same thing.
 
-    Functions by code, defaults and captured values; tensors by memory (storage, offset,
-    shape, strides) and version (an in-place edit of doc ids changes the key); other
-    objects by identity. The cache keeps the first object seen alive, so neither an
+    Functions by code, defaults, captured values and the globals they name; tensors by
+    memory (storage, offset, shape, strides) and version (an in-place edit of doc ids
+    changes the key); other objects by identity (the contents of a mutated dict or list
+    are not seen). The cache keeps the first object seen alive, so neither an
     identity nor a storage in its key can be reused by another object meanwhile.
     """
     if depth > 6:
@@ -126,7 +131,9 @@ def _key(x, depth: int = 0):
                 cells.append(("empty",))
         defaults = tuple(_key(d, depth + 1) for d in x.__defaults__ or ())
         kwdefaults = tuple(sorted((n, _key(d, depth + 1)) for n, d in (x.__kwdefaults__ or {}).items()))
-        return ("fn", x.__code__, defaults, kwdefaults, tuple(cells))
+        glob = tuple((n, _key(x.__globals__[n], depth + 1)) for n in x.__code__.co_names  # globals it reads
+                     if n in x.__globals__ and not isinstance(x.__globals__[n], types.ModuleType))
+        return ("fn", x.__code__, defaults, kwdefaults, tuple(cells), glob)
     return ("id", id(x))
 
 
@@ -178,7 +185,7 @@ def _padded(S: int, device) -> int:
 
     torch 2.13's CPU flex kernel reads uninitialised memory when the last KV block's
     length is 8 mod 16 (S = 8, 24, 40, 152, ...: wrong values, NaN, different every run;
-    measured on this AVX-512 machine, the same with a plain `torch.compile(flex_attention)`),
+    measured on this AVX2 machine, the same with a plain `torch.compile(flex_attention)`),
     so K/V get zero keys appended and the mask hides them: every KV block is then whole.
     """
     if torch.device(device).type != "cpu" or S % _KV_BLOCK == 0:
