@@ -339,8 +339,8 @@ def _call(q: Tensor, k: Tensor, v: Tensor, block_mask, score_fn, scale: float, w
 
 
 def _failure_kind(e: Exception) -> str | None:
-    """"machine" (no or a broken C++ toolchain), "mods" (what the mask or score mod does cannot
-    be traced or lowered), or None (not a compilation failure: re-raised as it is)."""
+    """What a compilation failure says: "machine" (no or a broken C++ toolchain), "mods" (what
+    the mask or score mod does cannot be traced or lowered), None (not one: re-raised as is)."""
     names = {c.__name__ for c in type(e).__mro__}
     text = str(e)[:2000]
     if names & {"CppCompileError", "InvalidCxxCompiler"} or "CppCompileError" in text \
