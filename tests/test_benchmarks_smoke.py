@@ -1,4 +1,4 @@
-"""Smoke test of benchmarks/attention.py: the script runs and its JSON is complete.
+"""Smoke tests of benchmarks/attention.py and benchmarks/masks.py: the scripts run and their JSON is complete.
 
 Not a timing assertion: `--quick` uses N = 256 and 512, and one torch thread so that a
 busy machine does not stretch it (OpenMP barriers under oversubscription).
@@ -11,6 +11,9 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+
+import pytest
+import torch
 
 ROOT = Path(__file__).resolve().parent.parent
 SCRIPT = ROOT / "benchmarks" / "attention.py"
@@ -53,3 +56,31 @@ def test_attention_benchmark_quick(tmp_path):
         assert (t["passed"] is None) == t["detail"].startswith("n/a"), t
     by_name = {t["target"]: t for t in report["targets"]}
     assert by_name["multihead within 5% of sdpa_raw, N>=1024"]["passed"] is None
+
+
+@pytest.mark.slow
+def test_masks_benchmark_quick(tmp_path):
+    """benchmarks/masks.py at N = 512 (no flex: no compilation): every case timed, every ratio
+    computed, and the packed-documents pair fraction right (it is the ideal printed beside it)."""
+    out = tmp_path / "masks.json"
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "masks.py"), "--quick", "--threads", "1",
+                           "--no-memory", "--json", str(out)], capture_output=True, text=True, timeout=300, cwd=ROOT,
+                          env=env)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    report = json.loads(out.read_text())
+    assert all(t > 0 for ts in report["times_s"].values() for t in ts)
+    for name in ("window / torch causal", "document / torch causal", "uneven documents / torch causal",
+                 "multihead causal / torch causal", "softcap / fused no mod",
+                 "dropout fwd+bwd / fused causal fwd+bwd"):
+        assert report["ratios"][name] > 0, name
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    try:
+        import masks as bench
+    finally:
+        sys.path.pop(0)
+    ids = bench._uneven_ids(512)
+    lengths = torch.bincount(ids).double()
+    assert len(lengths) == bench.DOCS and bool((ids[1:] >= ids[:-1]).all())
+    pairs = sum(int((ids[:i + 1] == ids[i]).sum()) for i in range(512))  # allowed (q, kv) pairs, counted
+    assert abs(report["ratios"]["uneven documents: allowed pairs / causal's"] - pairs / (512 * 513 / 2)) < 1e-12
