@@ -77,10 +77,6 @@ def _kernel_efficiency(rows: int) -> float:
     return 0.55 if rows < 192 else 0.8 if rows < 768 else 1.0
 
 
-def _analytic(pred: MaskMod) -> bool:
-    return pred._tiles is not None if pred._op is None else all(_analytic(p) for p in pred._parts)
-
-
 def _choose_tile(pred, B, H, T, S, G, tile, device):
     """(bq, bk, kept, full, squares): a fixed tile, or the candidate of least estimated kernel time.
 
@@ -91,7 +87,7 @@ def _choose_tile(pred, B, H, T, S, G, tile, device):
     over all pairs.
     """
     segments = _segment_squares(pred, B, H, T, S, device) if pred is not None else {}
-    if segments or tile is not None or pred is None or not _analytic(pred):
+    if segments or tile is not None or pred is None or not pred.analytic:
         bq, bk = tile_sizes(T, S, tile or (256 if segments else 128))
         kept, full = plan(pred, B, H, T, S, bq, bk, device)
         return bq, bk, kept, full, segments or _causal_squares(pred, B, H, T, S, bq, bk, kept, full, device)
@@ -150,7 +146,7 @@ def _diagonal_tril(pred: MaskMod, B: int, H: int, T: int, bq: int, device) -> Te
                 continue
             if other in by_d:  # holds the triangle (a second causal, a wide window)?
                 ok &= bool((by_d[other] | ~lower).all())
-            elif _analytic(other):
+            elif other.analytic:
                 all_ = other.tiles(B, H, T, T, bq, bq, device)[1]
                 ok &= all_.expand(-1, -1, nq, nq).flatten(0, 1).all(0).diagonal().cpu()
             else:

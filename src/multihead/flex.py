@@ -156,10 +156,6 @@ def _lookup(cache: OrderedDict, key, make: Callable):
 # --------------------------------------------------------------- masks and mods
 
 
-def _analytic(pred: MaskMod) -> bool:
-    return pred._tiles is not None if pred._op is None else all(_analytic(p) for p in pred._parts)
-
-
 def _extent(pred: MaskMod, B: int, H: int, T: int, S: int, device) -> tuple[int | None, int | None]:
     """(B or None, H or None): None where the predicate depends on neither batch nor head,
     so create_block_mask builds one block mask broadcast over them.
@@ -168,7 +164,7 @@ def _extent(pred: MaskMod, B: int, H: int, T: int, S: int, device) -> tuple[int 
     2 x 2 corner with every batch and head index: an index the predicate ignores
     broadcasts to size 1. Conservative: a spurious dependence only builds more.
     """
-    if _analytic(pred):
+    if pred.analytic:
         shape = pred.tiles(B, H, T, S, T, S, device)[0].shape
     else:
         b = torch.arange(B, device=device).view(B, 1, 1, 1)

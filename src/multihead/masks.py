@@ -91,6 +91,12 @@ class MaskMod:
     def __call__(self, b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
         return self.fn(b, h, q_idx, kv_idx)
 
+    @property
+    def analytic(self) -> bool:
+        """Whether `tiles` classifies without evaluating the predicate pair by pair (every
+        leaf knows its tile classes): then planning costs O(tiles), and can be repeated."""
+        return self._tiles is not None if self._op is None else all(p.analytic for p in self._parts)
+
     def __and__(self, other: MaskMod | Callable) -> MaskMod:
         return and_masks(self, other)
 
