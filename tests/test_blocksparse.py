@@ -155,6 +155,36 @@ def test_causal_squares(pred, squares, monkeypatch):
         assert torch.equal(dense, ((torch.arange(64) >= a) & (torch.arange(64) <= rows)).expand_as(dense))
 
 
+def test_public_engine_runs_squares_as_causal_calls_where_memory_allows(monkeypatch):
+    """The public-sdpa engine (GPU, dropout, D != Dv) makes one causal call per square only where
+    torch's kernels are O(N) in memory (not the CPU, not GQA); forced here on the CPU, its
+    squares equal the math path (documents off the tile edges, D != Dv)."""
+    q, k = torch.randn(1, 4, 64, 16), torch.randn(1, 4, 64, 16)
+    assert not blocksparse._public_squares(q, k)
+    assert not blocksparse._public_squares(q.to("meta"), k[:, :2].to("meta"))
+    assert blocksparse._public_squares(q.to("meta"), k.to("meta"))
+    monkeypatch.setattr(blocksparse, "_public_squares", lambda q, k: True)
+    monkeypatch.setattr(blocksparse, "_MIN_SEGMENT", 4)
+    calls = []
+    real = blocksparse.F.scaled_dot_product_attention
+
+    def spy(*args, **kw):
+        calls.append(kw.get("is_causal", False))
+        return real(*args, **kw)
+
+    monkeypatch.setattr(blocksparse.F, "scaled_dot_product_attention", spy)
+    g = torch.Generator().manual_seed(2)
+    q, k = (torch.randn(2, 4, 64, 16, generator=g, dtype=torch.float64, requires_grad=True) for _ in range(2))
+    v = torch.randn(2, 4, 64, 5, generator=g, dtype=torch.float64, requires_grad=True)
+    pred = masks.document(torch.arange(64) // 20) & masks.causal()
+    got = mh.scaled_dot_product_attention(q, k, v, pred)
+    assert calls == [True] * 4  # documents of 20, 20, 20, 4
+    want = mh.scaled_dot_product_attention(q, k, v, pred, backend="math")
+    for name, a, b in zip(["out", "dq", "dk", "dv"], (got, *torch.autograd.grad(got.square().sum(), (q, k, v))),
+                          (want, *torch.autograd.grad(want.square().sum(), (q, k, v)))):
+        assert_close(a, b, what=name)
+
+
 @pytest.mark.parametrize("Hkv", [4, 2, 1])
 @pytest.mark.parametrize("T", [37, 64])
 def test_causal_squares_equal_the_math_path(Hkv, T, monkeypatch):
@@ -171,7 +201,7 @@ def test_causal_squares_equal_the_math_path(Hkv, T, monkeypatch):
     for pred in (masks.causal(), masks.document(torch.arange(T) // 16) & masks.causal(),
                  masks.sliding_window(20) & masks.causal(), masks.document(torch.arange(T) // 13) & masks.causal()):
         assert blocksparse._choose_tile(pred, 2, 4, T, T, 4 // Hkv, 8, "cpu")[4]  # squares in the plan
-        for vv in (v, v[..., :5]):  # Dv != D: torch's public sdpa per square instead of the lse engine
+        for vv in (v, v[..., :5]):  # Dv != D: the public-sdpa engine (squares as pieces on the CPU)
             got = mh.scaled_dot_product_attention(q, k, vv, pred)
             want = mh.scaled_dot_product_attention(q, k, vv, pred, backend="math")
             for name, a, b in zip(["out", "dq", "dk", "dv"],

@@ -298,6 +298,15 @@ def _fused_call(q, k, v, m, scale, dropout_p):
     return out.reshape(B, H, t, Dv)
 
 
+def _public_squares(q: Tensor, k: Tensor) -> bool:
+    """Whether the public-sdpa engine runs causal squares as whole causal calls: only where
+    torch's fused kernels take any length in O(N) memory. Not on the CPU, where this engine
+    runs only what the CPU flash kernel refuses (dropout, D != Dv: torch's math path, which
+    would build a square's whole (t, t) scores), nor for GQA (enable_gqa has no memory-
+    efficient kernel everywhere); there the square's blocks run as pieces, bounded in memory."""
+    return q.device.type != "cpu" and k.shape[1] == q.shape[1]
+
+
 def fused(q: Tensor, k: Tensor, v: Tensor, mask, *, causal: bool, scale: float, dropout_p: float,
           score_mod=None, tile: int | None = None) -> Tensor:
     """softmax(q k^T * scale + mask) v on torch's fused kernel, over the kept tiles only.
@@ -321,7 +330,7 @@ def fused(q: Tensor, k: Tensor, v: Tensor, mask, *, causal: bool, scale: float, 
     outs = []
     i = 0
     nq = kept.shape[0]
-    if dense is not None or score_mod is not None:
+    if dense is not None or score_mod is not None or not _public_squares(q, k):
         squares = {}
     while i < nq:
         r0 = i * bq
@@ -329,8 +338,7 @@ def fused(q: Tensor, k: Tensor, v: Tensor, mask, *, causal: bool, scale: float, 
             while r0 in squares:
                 r1 = squares[r0]
                 outs.append(F.scaled_dot_product_attention(q[:, :, r0:r1], k[:, :, r0:r1], v[:, :, r0:r1],
-                                                           is_causal=True, dropout_p=dropout_p, scale=scale,
-                                                           enable_gqa=k.shape[1] != H))
+                                                           is_causal=True, dropout_p=dropout_p, scale=scale))
                 r0 = r1
             i = -(-r0 // bq)
             continue
