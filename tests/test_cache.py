@@ -233,3 +233,45 @@ def test_static_update_matches_eager_update():
         kb, _ = b.update_static(k, v)
         assert torch.equal(kb[:, :, : a.length], ka)
     assert a.length == b.length == 6
+
+
+def test_one_token_steps_over_a_rolling_cache_take_the_slots_unordered(monkeypatch):
+    """T = 1 over a rolling cache: every cached key is visible, so the kernel gets the W slots
+    as they lie (no copy into chronological order, no mask) and the step equals both the
+    chronological path (forced with a redundant mask) and the full windowed forward."""
+    W = 4
+    attn = mh.Attention(16, 4, 2, causal=True, sliding_window=W, rope=True, softcap=3.0).double()
+    x = torch.randn(2, 11, 16, dtype=torch.float64)
+    seen = []
+    real = attn._attend
+
+    def spy(q, k, v, mask, **kw):
+        seen.append((k.shape[2], mask))
+        return real(q, k, v, mask, **kw)
+
+    monkeypatch.setattr(attn, "_attend", spy)
+    fast, slow = attn.new_cache(2), attn.new_cache(2)
+    outs_fast = [attn(x[:, t:t + 1], cache=fast) for t in range(11)]
+    assert [s for s, _ in seen] == [1, 2, 3, 4, 4, 4, 4, 4, 4, 4, 4] and all(m is None for _, m in seen)
+    outs_slow = [attn(x[:, t:t + 1], cache=slow, mask=masks.causal()) for t in range(11)]
+    assert all(m is not None for _, m in seen[11:])  # the chronological path, with the window predicate
+    assert_close(torch.cat(outs_fast, 1), torch.cat(outs_slow, 1), what="unordered slots vs chronological")
+    assert_close(torch.cat(outs_fast, 1), attn(x), what="unordered slots vs full forward")
+
+
+def test_rolling_steps_that_need_order_keep_it():
+    """ALiBi (scores depend on the distance) and weights (read per key) decode chronologically:
+    equal to the full windowed forward, weights included."""
+    W = 3
+    attn = mh.Attention(16, 4, causal=True, sliding_window=W, alibi=True).double()
+    x = torch.randn(1, 8, 16, dtype=torch.float64)
+    cache = attn.new_cache(1)
+    outs = [attn(x[:, t:t + 1], cache=cache) for t in range(8)]
+    assert_close(torch.cat(outs, 1), attn(x), what="alibi, rolling cache")
+    plain = mh.Attention(16, 4, causal=True, sliding_window=W).double()
+    full, full_w = plain(x, return_weights=True)  # (1, 4, 8, 8)
+    cache = plain.new_cache(1)
+    for t in range(8):
+        out, w = plain(x[:, t:t + 1], cache=cache, return_weights=True)  # keys: the last min(t + 1, W) in order
+        assert_close(out, full[:, t:t + 1], what=f"step {t}")
+        assert_close(w[:, :, 0], full_w[:, :, t, max(0, t - W + 1):t + 1], what=f"weights step {t}")

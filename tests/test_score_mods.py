@@ -100,6 +100,11 @@ def test_auto_picks_fused_for_alibi_and_tiles_for_softcap():
     assert mh.resolve_backend(want_weights=False, dropout_p=0.0, score_mod=score_mods.alibi(4)) == "sdpa"
     assert mh.resolve_backend(want_weights=False, dropout_p=0.0, score_mod=score_mods.softcap(3)) == "tiles"
     assert mh.resolve_backend(want_weights=True, dropout_p=0.1, score_mod=score_mods.softcap(3)) == "math"
+    # decoding (a few queries): one block of scores on "chunked", not the tile loop; dropout keeps "tiles"
+    for T, dropout, want in ((1, 0.0, "chunked"), (8, 0.0, "chunked"), (9, 0.0, "tiles"), (1, 0.1, "tiles")):
+        got = mh.resolve_backend(want_weights=False, dropout_p=dropout, score_mod=score_mods.softcap(3), device="cpu",
+                                 queries=T)
+        assert got == want, (T, dropout, got)
 
 
 # ----------------------------------------------------------- flex callables

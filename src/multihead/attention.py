@@ -272,6 +272,12 @@ class Attention(nn.Module):
             return self._finish(q, k, v, mask, self.causal, return_weights)
         mark = cache.checkpoint(k.shape[2])
         try:
+            if isinstance(cache, RollingKVCache) and T == 1 and mask is None and not return_weights \
+                    and not self.alibi:
+                # one query over a rolling cache sees every cached key (the last W tokens): no
+                # mask, so the slots' order does not matter; nothing copied, no tiles planned
+                k, v = cache.update_unordered(k, v)  # (B, Hkv, min(length, W), D)
+                return self._finish(q, k, v, None, False, return_weights, window=False)
             k, v = cache.update(k, v)  # (B, Hkv, S_cached, D)
             return self._finish(q, k, v, mask, self.causal, return_weights)
         except BaseException:

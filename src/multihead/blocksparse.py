@@ -623,6 +623,8 @@ class _Tiles:
         self.pred, self.dense, self.score_mod = pred, dense, score_mod
         self.scale, self.dropout_p, self.seed = scale, dropout_p, seed
         self.bq, self.bk = tile_sizes(self.T, self.S, tile)
+        if self.bq < tile:  # few queries (decoding): longer key tiles of the same area, fewer steps
+            self.bk = min(self.S, tile * tile // self.bq)
         self.kept, self.full = plan(pred, self.B, self.H, self.T, self.S, self.bq, self.bk, q.device)
         self.acc = _acc_dtype(q.dtype)
         self.device = q.device

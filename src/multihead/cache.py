@@ -266,6 +266,25 @@ class RollingKVCache(KVCache):
         self._advance_to(start + T)
         return k_all, v_all
 
+    def update_unordered(self, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
+        """Add ONE token (k `(B, Hkv, 1, D)`); return every cached key and value
+        `(B, Hkv, min(length, W), .)` as views of the slots, in slot order, not chronological.
+
+        The one query sees all of them (they are the last W tokens, its own included), so a
+        mask that depends only on positions (causal, the window) allows every one and their
+        order does not change the attention: no copy, no mask. Position-dependent scores
+        (ALiBi, a caller's mask, weights a caller reads per key) need `update`.
+        """
+        if k.shape[2] != 1:
+            raise ValueError(f"update_unordered adds one token; received {k.shape[2]} (use update)")
+        start, _ = self._reserve_kv(k, v)
+        slot = start % self.window
+        self.k[:, :, slot:slot + 1] = k
+        self.v[:, :, slot:slot + 1] = v
+        self._advance_to(start + 1)
+        n = min(start + 1, self.window)
+        return self.k[:, :, :n], self.v[:, :, :n]
+
     def update_static(self, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
         raise ValueError("a RollingKVCache runs eagerly; under torch.compile use a static cache "
                          "(new_cache(..., rolling=False))")
