@@ -564,18 +564,18 @@ class _MergedFused(torch.autograd.Function):
         q, k, v, out, lse = ctx.saved_tensors
         fp: _FusedPlan = ctx.fp
         acc = _acc_dtype(q.dtype)
-        dq = torch.zeros(q.shape, dtype=acc, device=q.device)
-        dk = torch.zeros(k.shape, dtype=acc, device=q.device)
-        dv = torch.zeros(v.shape, dtype=acc, device=q.device)
         d_out = d_out.to(q.dtype)
-        lse = lse.masked_fill(torch.isneginf(lse), float("inf"))  # rows with no key: P = 0, no gradient
         lse_dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
         n = fp.equal_squares(q, k, v)
-        if n:
+        if n:  # every row in a causal square: one backward call, no accumulators
             lf = lse.reshape(fp.B, fp.H * n, fp.T // n).to(lse_dtype)
             gq, gk, gv = _CPU_FLASH_BWD(*fp.fold_squares(n, d_out, q, k, v, out), lf, 0.0, True, scale=fp.scale)
             return (gq.reshape(q.shape).to(q.dtype), gk.reshape(k.shape).to(k.dtype),
                     gv.reshape(v.shape).to(v.dtype), None)
+        dq = torch.zeros(q.shape, dtype=acc, device=q.device)
+        dk = torch.zeros(k.shape, dtype=acc, device=q.device)
+        dv = torch.zeros(v.shape, dtype=acc, device=q.device)
+        lse = lse.masked_fill(torch.isneginf(lse), float("inf"))  # rows with no key: P = 0, no gradient
         for r0, r1, pieces in fp.blocks():
             if pieces and pieces[0][2] is CAUSAL:
                 qs, ks, vs = fp.square(q, k, v, r0, r1)
