@@ -84,3 +84,16 @@ def test_masks_benchmark_quick(tmp_path):
     assert len(lengths) == bench.DOCS and bool((ids[1:] >= ids[:-1]).all())
     pairs = sum(int((ids[:i + 1] == ids[i]).sum()) for i in range(512))  # allowed (q, kv) pairs, counted
     assert abs(report["ratios"]["uneven documents: allowed pairs / causal's"] - pairs / (512 * 513 / 2)) < 1e-12
+
+
+def test_local_decode_benchmark_quick(tmp_path):
+    """benchmarks/local_decode.py --quick: three layers timed per round, ratios to the plain one."""
+    out = tmp_path / "local_decode.json"
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "local_decode.py"), "--quick", "--json", str(out)],
+                          capture_output=True, text=True, timeout=120, cwd=ROOT, env=env)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    report = json.loads(out.read_text())
+    assert set(report["ms_per_token"]) == {"plain", "sliding_window=16", "softcap=50"}
+    assert all(len(v) == 2 and min(v) > 0 for v in report["ms_per_token"].values())
+    assert set(report["ratios"]) == {"sliding_window=16 / plain", "softcap=50 / plain"}
