@@ -36,3 +36,5 @@ test-fast: setup
 bench: setup
 	$(PY) benchmarks/attention.py
 	$(PY) benchmarks/decode.py
+	$(PY) benchmarks/local_decode.py
+	$(PY) benchmarks/masks.py  # ~25 min on 2 cores (the math path it is held against is slow)
