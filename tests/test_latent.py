@@ -36,7 +36,7 @@ def make(geometry, *, causal=True, dtype=torch.float64, **kw):
 # ------------------------------------------------------------------ NumPy reference
 
 
-def ref_mla(m: mh.LatentAttention, x, mask=None):
+def ref_mla(m: mh.LatentAttention, x, mask=None, softcap=None):
     """The module's weights through `reference.mla_forward` (NumPy float64)."""
     W = lambda lin: lin.weight.detach().double().numpy().T  # noqa: E731
     g = lambda norm: norm.weight.detach().double().numpy()  # noqa: E731
@@ -46,7 +46,7 @@ def ref_mla(m: mh.LatentAttention, x, mask=None):
         x.detach().double().numpy(), W(m.kv_a_proj), W(m.kv_b_proj), W(m.o_proj), m.n_heads, m.kv_rank,
         m.head_dim, m.rope_dim, **q, g_kv=g(m.kv_a_norm) if m.latent_norm else None, eps=m.kv_a_norm.eps
         if m.latent_norm else 1e-6, rope_base=m.rope.base if m.rope is not None else 10000.0, mask=mask,
-        causal=m.causal, return_weights=True,
+        causal=m.causal, return_weights=True, softcap_cap=softcap,
     )
 
 
@@ -251,6 +251,9 @@ BAD_CONSTRUCTION = [
     (dict(v_head_dim=True), ValueError, "v_head_dim must be an int >= 1; received True"),
     (dict(rope_base=1.0, rope_dim=4), ValueError, "rope_base must be a number > 1; received 1.0"),
     (dict(backend="flash"), ValueError, "unknown attention backend 'flash'; valid: 'auto'"),
+    (dict(sliding_window=4), ValueError, "sliding_window=4 is a causal window"),
+    (dict(sliding_window=0, causal=True), ValueError, "sliding_window must be an int >= 1; received 0"),
+    (dict(softcap=0.0), ValueError, "softcap must be a positive finite number or None; received 0.0"),
 ]
 
 
@@ -335,3 +338,28 @@ def test_one_token_decode_paths_agree(dtype, monkeypatch):
         assert len(calls) == 6
     finally:
         torch.set_num_threads(threads)
+
+
+@pytest.mark.parametrize("geometry", GEOMETRIES, ids=GEOMETRY_IDS)
+@pytest.mark.parametrize("absorb", [False, True])
+def test_window_and_softcap_equal_numpy_reference(geometry, absorb):
+    """LatentAttention(sliding_window=, softcap=) on both paths against the float64 reference."""
+    m = make(geometry, sliding_window=3, softcap=1.5)
+    x = 3 * torch.randn(2, 9, m.d_model, dtype=torch.float64)
+    out, w = m(x, absorb=absorb, return_weights=True)
+    allowed = masks.sliding_window(3).to_dense(1, 1, 9, 9)[0, 0].numpy()
+    ref, ref_w = ref_mla(m, x, mask=allowed, softcap=1.5)
+    assert_close(out, ref, what="out")
+    assert_close(w, ref_w, what="weights")
+    assert "sliding_window=3, softcap=1.5" in repr(m)
+
+
+@pytest.mark.parametrize("absorb", [None, False, True])
+def test_window_and_softcap_decode_equals_full_forward(absorb):
+    """Cached decoding (absorb=None: the written-out one-token step over the last W latents)."""
+    m = make(GEOMETRIES[1], sliding_window=3, softcap=1.5)
+    x = 3 * torch.randn(2, 10, m.d_model, dtype=torch.float64)
+    cache = m.new_cache(2, 10)
+    steps = [m(x[:, :4], cache=cache, absorb=absorb)] + [m(x[:, t:t + 1], cache=cache, absorb=absorb)
+                                                          for t in range(4, 10)]
+    assert_close(torch.cat(steps, 1), m(x), what=f"decode absorb={absorb}")

@@ -69,6 +69,33 @@ def _default_head_dim(d_model: int, n_heads: int, head_dim: int | None) -> int:
     return head_dim
 
 
+def _check_window_and_softcap(sliding_window, softcap, causal: bool) -> None:
+    """The layer options both attention modules take: a causal window W >= 1, a finite cap > 0."""
+    if sliding_window is not None:
+        _check_int("sliding_window", sliding_window)
+        if not causal:
+            raise ValueError(f"sliding_window={sliding_window} is a causal window (query p sees keys "
+                             f"p - W < j <= p); set causal=True, or pass a masks predicate as mask=")
+    if softcap is not None and (isinstance(softcap, bool) or not isinstance(softcap, (int, float))
+                                or not 0 < softcap < float("inf")):
+        raise ValueError(f"softcap must be a positive finite number or None; received {softcap!r}")
+
+
+def _with_window(mask, window: int | None, q: Tensor, k: Tensor):
+    """A caller's mask combined with a layer's sliding window: a predicate (so the kernel
+    can skip the tiles outside the window), or with a tensor mask, a tensor."""
+    if window is None:
+        return mask
+    pred = _masks.sliding_window(window)
+    if mask is None:
+        return pred
+    if not isinstance(mask, Tensor):
+        return _masks.and_masks(mask, pred)  # a predicate or a flex-style callable
+    mask = _normalize_mask(mask, q, k)  # checked (clear errors) and 4-D before combining
+    dense = pred.to_dense(1, 1, q.shape[2], k.shape[2], device=q.device)  # (1, 1, T, S)
+    return mask & dense if mask.dtype == torch.bool else mask.masked_fill(~dense, float("-inf"))
+
+
 class Attention(nn.Module):
     """Multi-head attention: MHA, GQA (1 < n_kv_heads < n_heads) or MQA (n_kv_heads = 1).
 
@@ -135,14 +162,7 @@ class Attention(nn.Module):
             raise TypeError(f"rope must be None, True or a RotaryEmbedding; received {type(rope).__name__}")
         if rope is not None and rope.dim > head_dim:
             raise ValueError(f"rotary dim ({rope.dim}) exceeds head_dim ({head_dim})")
-        if sliding_window is not None:
-            _check_int("sliding_window", sliding_window)
-            if not causal:
-                raise ValueError(f"sliding_window={sliding_window} is a causal window (query p sees keys "
-                                 f"p - W < j <= p); set causal=True, or pass a masks predicate as mask=")
-        if softcap is not None and (isinstance(softcap, bool) or not isinstance(softcap, (int, float))
-                                    or not 0 < softcap < float("inf")):
-            raise ValueError(f"softcap must be a positive finite number or None; received {softcap!r}")
+        _check_window_and_softcap(sliding_window, softcap, causal)
         if not isinstance(alibi, bool):
             raise TypeError(f"alibi must be True or False; received {alibi!r}")
         if alibi and softcap is not None:
@@ -310,18 +330,8 @@ class Attention(nn.Module):
         return out if weights is None else (out, weights)
 
     def _layer_mask(self, mask, q: Tensor, k: Tensor):
-        """The caller's mask combined with this layer's sliding window: a predicate (so the
-        kernel can skip the tiles outside the window), or with a tensor mask, a tensor."""
-        if self.sliding_window is None:
-            return mask
-        window = _masks.sliding_window(self.sliding_window)
-        if mask is None:
-            return window
-        if not isinstance(mask, Tensor):
-            return _masks.and_masks(mask, window)  # a predicate or a flex-style callable
-        mask = _normalize_mask(mask, q, k)  # checked (clear errors) and 4-D before combining
-        dense = window.to_dense(1, 1, q.shape[2], k.shape[2], device=q.device)  # (1, 1, T, S)
-        return mask & dense if mask.dtype == torch.bool else mask.masked_fill(~dense, float("-inf"))
+        """The caller's mask combined with this layer's sliding window (see `_with_window`)."""
+        return _with_window(mask, self.sliding_window, q, k)
 
     def _score_mod(self):
         """The score mod this layer applies (softcap or ALiBi), or None."""

@@ -36,7 +36,7 @@ import torch
 from torch import Tensor, nn
 
 from multihead._checks import check_int as _check_int
-from multihead.attention import _check_dtype, _default_head_dim, _merge_heads
+from multihead.attention import _check_dtype, _check_window_and_softcap, _default_head_dim, _merge_heads, _with_window
 from multihead.cache import LatentCache
 from multihead.functional import attend, check_backend_name
 from multihead.masks import MaskMod
@@ -73,6 +73,10 @@ class LatentAttention(nn.Module):
             dict): DeepSeek-V2/V3 ship YaRN, which also multiplies the softmax scale.
         rope_interleaved: RoPE over pairs (2f, 2f+1), as DeepSeek (default); False for the
             half-split pairing (DeepSeek-V3 checkpoints with rope_interleave=False).
+        sliding_window: W, as `Attention`'s (query p sees keys p - W < j <= p; needs
+            causal=True), on both paths; the latent cache stays static (O(max_len)).
+        softcap: cap the scaled scores at +-softcap (softcap * tanh(s / softcap)), as
+            `Attention`'s; the absorbed scores equal the naive ones, so both paths cap alike.
 
     Submodules (no biases by default): `q_proj` Linear(C, H*(D+rope_dim)) or `q_a_proj`
     Linear(C, q_rank), `q_a_norm` RMSNorm(q_rank), `q_b_proj` Linear(q_rank, H*(D+rope_dim));
@@ -97,6 +101,8 @@ class LatentAttention(nn.Module):
         bias: bool = False,
         rope_scaling: RopeScaling | dict | None = None,
         rope_interleaved: bool = True,
+        sliding_window: int | None = None,
+        softcap: float | None = None,
     ):
         super().__init__()
         _check_int("d_model", d_model)
@@ -114,6 +120,7 @@ class LatentAttention(nn.Module):
         if isinstance(rope_base, bool) or not isinstance(rope_base, (int, float)) or not rope_base > 1:
             raise ValueError(f"rope_base must be a number > 1; received {rope_base!r}")
         check_backend_name(backend)
+        _check_window_and_softcap(sliding_window, softcap, causal)
 
         self.d_model = d_model
         self.n_heads = n_heads
@@ -123,6 +130,8 @@ class LatentAttention(nn.Module):
         self.rope_dim = rope_dim
         self.v_head_dim = v_head_dim
         self.causal = bool(causal)
+        self.sliding_window = sliding_window
+        self.softcap = None if softcap is None else float(softcap)
         self.backend = backend
         self.latent_norm = bool(latent_norm)
         qk_dim = head_dim + rope_dim
@@ -152,7 +161,9 @@ class LatentAttention(nn.Module):
         return (f"d_model={self.d_model}, n_heads={self.n_heads}, kv_rank={self.kv_rank}, "
                 f"q_rank={self.q_rank}, head_dim={self.head_dim}, rope_dim={self.rope_dim}, "
                 f"v_head_dim={self.v_head_dim}, causal={self.causal}, latent_norm={self.latent_norm}, "
-                f"backend={self.backend!r}")
+                f"backend={self.backend!r}"
+                + "".join(f", {n}={v}" for n, v in (("sliding_window", self.sliding_window),
+                                                      ("softcap", self.softcap)) if v is not None))
 
     def new_cache(self, batch_size: int, max_len: int, *, dtype: torch.dtype | None = None,
                   device: torch.device | str | None = None) -> LatentCache:
@@ -302,8 +313,12 @@ class LatentAttention(nn.Module):
         sits at the last position and sees every key.
         """
         B, H, _, W = q_abs.shape
-        scores = latent @ q_abs.view(B, H, W).transpose(1, 2)  # (B, S, H)
-        probs = torch.softmax(scores * self.scale, dim=1, dtype=torch.promote_types(scores.dtype, torch.float32))
+        if self.sliding_window is not None:
+            latent = latent[:, -self.sliding_window:]  # the keys the last position sees
+        scores = latent @ q_abs.view(B, H, W).transpose(1, 2) * self.scale  # (B, S, H)
+        if self.softcap is not None:
+            scores = torch.tanh(scores / self.softcap) * self.softcap
+        probs = torch.softmax(scores, dim=1, dtype=torch.promote_types(scores.dtype, torch.float32))
         out = probs.to(latent.dtype).transpose(1, 2) @ latent[..., : self.kv_rank]  # (B, H, R)
         return out[:, :, None]  # (B, H, 1, R)
 
@@ -321,8 +336,11 @@ class LatentAttention(nn.Module):
         return absorbed < naive
 
     def _kernel(self, q, k, v, mask, return_weights) -> tuple[Tensor, Tensor | None]:
-        return attend(q, k, v, mask, causal=self.causal, scale=self.scale,
-                      return_weights=return_weights, backend=self.backend)
+        from multihead import score_mods  # kernel floor, imported on use
+
+        mod = None if self.softcap is None else score_mods.softcap(self.softcap)
+        return attend(q, k, v, _with_window(mask, self.sliding_window, q, k), causal=self.causal, scale=self.scale,
+                      return_weights=return_weights, backend=self.backend, score_mod=mod)
 
     def _check_input(self, x) -> None:
         C = self.d_model

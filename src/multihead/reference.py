@@ -186,7 +186,7 @@ def rope(x: np.ndarray, positions, base: float = 10000.0, interleaved: bool = Fa
 
 def mla_forward(X, W_kv_a, W_kv_b, W_o, n_heads, kv_rank, head_dim, rope_dim=0, *, W_q=None,
                 W_q_a=None, g_q_a=None, W_q_b=None, g_kv=None, eps=1e-6, rope_base=10000.0,
-                mask=None, causal=False, return_weights=False):
+                mask=None, causal=False, return_weights=False, softcap_cap=None):
     """Multi-head latent attention as the DeepSeek-V2 paper writes it (section 2.1).
 
     The latent c = RMSNorm(X W_kv_a[:, :R]) (no norm when g_kv is None) is decompressed
@@ -210,6 +210,7 @@ def mla_forward(X, W_kv_a, W_kv_b, W_o, n_heads, kv_rank, head_dim, rope_dim=0, 
     B, _, S, _ = up.shape
     K = np.concatenate([up[..., :D], np.broadcast_to(k_pe[:, None], (B, H, S, Dr))], axis=-1)
     V = up[..., D:]
-    out, w = attention(Q, K, V, mask=mask, causal=causal, scale=1 / np.sqrt(D + Dr), return_weights=True)
+    out, w = attention(Q, K, V, mask=mask, causal=causal, scale=1 / np.sqrt(D + Dr), return_weights=True,
+                       softcap_cap=softcap_cap)
     Y = combine_heads(out) @ W_o
     return (Y, w) if return_weights else Y
