@@ -18,12 +18,10 @@ from __future__ import annotations
 
 import argparse
 import datetime as _dt
-import json
 import os
 import random
 import statistics
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -31,7 +29,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import multihead as mh  # noqa: E402
-from machine_info import machine  # noqa: E402
+from machine_info import machine, write_json  # noqa: E402
 
 
 def layers(d_model: int, heads: int, window: int, cap: float, context: int) -> dict:
@@ -90,12 +88,7 @@ def main(argv=None) -> int:
                        "softcap": args.softcap, "steps": args.steps, "rounds": args.rounds, "threads": args.threads,
                        "loadavg_start": load_start, "loadavg_end": os.getloadavg()},
               "ms_per_token": ms, "median_ms_per_token": median, "ratios": ratios}
-    path = Path(args.json)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.NamedTemporaryFile("w", dir=path.parent, suffix=".tmp", delete=False) as f:
-        json.dump(report, f, indent=1)
-    os.chmod(f.name, 0o644)
-    os.replace(f.name, path)
+    path = write_json(args.json, report)
     print(f"d_model {args.d_model}, {args.heads} heads, {args.context} cached, fp32, {args.threads} threads, "
           f"{args.rounds} rounds of {args.steps} steps")
     print("\n| layer | ms per token | / plain |\n|---|---:|---:|")

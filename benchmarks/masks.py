@@ -42,7 +42,6 @@ import random
 import statistics
 import subprocess
 import sys
-import tempfile
 import time
 import warnings
 from pathlib import Path
@@ -52,7 +51,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import multihead as mh  # noqa: E402
-from machine_info import machine  # noqa: E402
+from machine_info import machine, write_json  # noqa: E402
 from multihead import blocksparse, masks, score_mods  # noqa: E402
 
 H, D, WINDOW, DOCS, CAP = 8, 64, 256, 8, 50.0
@@ -330,12 +329,7 @@ def main(argv=None) -> int:
         "times_s": {n: ts for t in (t_fwd, t_soft, t_train) for n, ts in t.items()},
         "median_s": med, "setup_s": setup, "peak_mib": memory, "ratios": ratios,
     }
-    path = Path(args.json)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.NamedTemporaryFile("w", dir=path.parent, suffix=".tmp", delete=False) as f:
-        json.dump(report, f, indent=1)
-    os.chmod(f.name, 0o644)
-    os.replace(f.name, path)
+    path = write_json(args.json, report)
 
     print(f"B=1 H={H} D={D} fp32, {args.threads} threads, N={args.n} (softcap {args.n_softcap}, "
           f"train {args.n_train}), {args.rounds} rounds, load {load_start[0]:.1f}->{os.getloadavg()[0]:.1f}")
