@@ -81,29 +81,31 @@ def _kernel_efficiency(rows: int) -> float:
     return 0.55 if rows < 192 else 0.8 if rows < 768 else 1.0
 
 
-def _choose_tile(pred, B, H, T, S, G, tile, device):
+def _choose_tile(pred, B, H, T, S, G, tile, device, squares: bool = True):
     """(bq, bk, kept, full, squares): a fixed tile, or the candidate of least estimated kernel time.
 
     Estimated time = pairs computed (rows x kept keys, tile-granular) / kernel efficiency
     at that many (GQA-folded) rows, plus a cost per call; a causal square (see
     `_causal_squares`) is one call at full efficiency over half its pairs. Only analytic
     predicates are planned more than once: planning a generic predicate evaluates it
-    over all pairs.
+    over all pairs. `squares=False`: the engine cannot run squares (a score mod, a dense
+    mask, or torch's math path behind it), so none are looked for or costed.
     """
-    segments = _segment_squares(pred, B, H, T, S, device) if pred is not None else {}
+    find = _causal_squares if squares else lambda *args: {}
+    segments = _segment_squares(pred, B, H, T, S, device) if pred is not None and squares else {}
     if segments or tile is not None or pred is None or not pred.analytic:
         bq, bk = tile_sizes(T, S, tile or (256 if segments else 128))
         kept, full = plan(pred, B, H, T, S, bq, bk, device)
-        return bq, bk, kept, full, segments or _causal_squares(pred, B, H, T, S, bq, bk, kept, full, device)
+        return bq, bk, kept, full, segments or find(pred, B, H, T, S, bq, bk, kept, full, device)
     best = None
     threads = max(1, torch.get_num_threads())
     for c in _FUSED_CANDIDATES if T > _FUSED_CANDIDATES[0] else (256,):  # decoding: one plan, one block
         bq, bk = tile_sizes(T, S, c)
         kept, full = plan(pred, B, H, T, S, bq, bk, device)
-        squares = _causal_squares(pred, B, H, T, S, bq, bk, kept, full, device)
+        found = find(pred, B, H, T, S, bq, bk, kept, full, device)
         in_square = torch.zeros(kept.shape[0], dtype=torch.bool)
         pairs, calls = 0.0, 0
-        for r0, r1 in squares.items():
+        for r0, r1 in found.items():
             in_square[r0 // bq:-(-r1 // bq)] = True
             pairs, calls = pairs + (r1 - r0) * (r1 - r0 + 1) / 2, calls + 1
         rest = kept[~in_square]
@@ -112,7 +114,7 @@ def _choose_tile(pred, B, H, T, S, G, tile, device):
         calls += int((~in_square).sum())
         cost = pairs * H * 4 * 64 / 20e9 / threads + calls * 5e-4
         if best is None or cost < best[0] * 0.97:
-            best = (cost, bq, bk, kept, full, squares)
+            best = (cost, bq, bk, kept, full, found)
         if bq == T and bk == S or bool(in_square.all()):  # all causal squares: the tile no longer matters
             break
     return best[1:]
@@ -124,6 +126,16 @@ def _and_leaves(pred: MaskMod) -> list[MaskMod]:
     return [pred]
 
 
+def _over_differences(leaf: MaskMod, n: int, B: int, H: int, device) -> tuple[Tensor, Tensor]:
+    """(allowed `(B*H or 1, 2n - 1)`, lower `(2n - 1,)`): a function of d = q - kv alone
+    (`leaf.relative`) at every d of an n x n block on the diagonal, -(n - 1) .. n - 1, and
+    where the causal triangle has it (d >= 0). O(n) evaluations instead of n^2."""
+    d = torch.arange(-(n - 1), n, device=device)
+    at = torch.full((1, 1, 1, 1), n - 1, device=device)
+    allowed = leaf.evaluate(_index(B, 0, device), _index(H, 1, device), at + d.view(1, 1, -1, 1), at, 0)
+    return allowed.reshape(-1, d.numel()), d >= 0
+
+
 def _diagonal_tril(pred: MaskMod, B: int, H: int, T: int, bq: int, device) -> Tensor | None:
     """(nq,) bool: the diagonal tile (i, i) of `pred` (S == T, square tiles) is exactly
     lower-triangular for every batch and head; None when that cannot be told cheaply.
@@ -133,14 +145,10 @@ def _diagonal_tril(pred: MaskMod, B: int, H: int, T: int, bq: int, device) -> Te
     a sliding window at least a tile wide), and the others are full on that tile.
     """
     leaves = _and_leaves(pred)
-    b, h = _index(B, 0, device), _index(H, 1, device)
-    # a function of d = q - kv alone, over the d of a diagonal tile: -(bq - 1) .. bq - 1
-    d = torch.arange(-(bq - 1), bq, device=device)
-    at = torch.full((1, 1, 1, 1), bq - 1, device=device)
-    lower = d >= 0
     nq = -(-T // bq)
-    by_d = {leaf: leaf.evaluate(b, h, (at + d.view(1, 1, -1, 1)), at, 0).reshape(-1, d.numel())
+    by_d = {leaf: _over_differences(leaf, bq, B, H, device)[0]
             for leaf in leaves if leaf.relative and not leaf.top_left}  # (B*H or 1, 2bq - 1)
+    lower = torch.arange(-(bq - 1), bq, device=device) >= 0
     for leaf, m in by_d.items():
         if not bool((m == lower).all()):  # not exactly the lower triangle
             continue
@@ -210,13 +218,9 @@ def _segment_squares(pred: MaskMod, B: int, H: int, T: int, S: int, device) -> d
     segments = runs[0]._segments(T, S)
     if not segments or len(segments) > max(1, T // _MIN_SEGMENT):
         return {}  # no runs, or many short documents: tiles do better than a call per document
-    L = max(e - a for a, e in segments)
-    d = torch.arange(-(L - 1), L, device=device)  # q - kv over a document
-    at = torch.full((1, 1, 1, 1), L - 1, device=device)
-    b, h = _index(B, 0, device), _index(H, 1, device)
-    by_d = [leaf.evaluate(b, h, at + d.view(1, 1, -1, 1), at, 0).reshape(-1, d.numel())
-            for leaf in leaves if leaf is not runs[0]]
-    lower = d >= 0
+    L = max(e - a for a, e in segments)  # over the longest document
+    by_d = [_over_differences(leaf, L, B, H, device)[0] for leaf in leaves if leaf is not runs[0]]
+    lower = torch.arange(-(L - 1), L, device=device) >= 0
     if not any(bool((m == lower).all()) for m in by_d) or not all(bool((m | ~lower).all()) for m in by_d):
         return {}
     return dict(segments)
@@ -321,17 +325,18 @@ def fused(q: Tensor, k: Tensor, v: Tensor, mask, *, causal: bool, scale: float, 
                          f"its bias as a mask and would not train them: use backend 'chunked' or 'math' "
                          f"(what 'auto' picks for such a mod)")
     pred, dense = _combine(mask, causal)
+    lse_engine = _CPU_FLASH is not None and q.device.type == "cpu" and dropout_p == 0 and q.shape[-1] == Dv \
+        and not torch.compiler.is_compiling()
+    # a square is one causal call: no room for a score mod's or a dense mask's bias
+    runs_squares = dense is None and score_mod is None and (lse_engine or _public_squares(q, k))
     bq, bk, kept, full, squares = _choose_tile(pred, B, H, T, S, q.shape[1] // k.shape[1], tile or FUSED_TILE,
-                                               q.device)
-    if _CPU_FLASH is not None and q.device.type == "cpu" and dropout_p == 0 and q.shape[-1] == Dv \
-            and not torch.compiler.is_compiling():
+                                               q.device, squares=runs_squares)
+    if lse_engine:
         fp = _FusedPlan(q, k, v, pred, dense, score_mod, scale, bq, bk, kept, full, squares)
         return _MergedFused.apply(q, k, v, fp)
     outs = []
     i = 0
     nq = kept.shape[0]
-    if dense is not None or score_mod is not None or not _public_squares(q, k):
-        squares = {}
     while i < nq:
         r0 = i * bq
         if r0 in squares:  # causal squares: torch's causal call on each (top-left within the square)
@@ -385,8 +390,8 @@ class _FusedPlan:
     the merged out and lse (FlashAttention's dS = P (dP - rowsum(dO O)) splits over keys).
     """
 
-    def __init__(self, q, k, v, pred, dense, score_mod, scale, bq, bk, kept, full, squares=None):
-        self.squares = {} if score_mod is not None or dense is not None else squares or {}
+    def __init__(self, q, k, v, pred, dense, score_mod, scale, bq, bk, kept, full, squares):
+        self.squares = squares  # {first row: end row} of the causal squares (none with a mod or dense mask)
         self.B, self.H, self.T, self.D = q.shape
         self.Hkv, self.S, self.Dv = k.shape[1], k.shape[2], v.shape[-1]
         self.G = self.H // self.Hkv
@@ -518,7 +523,7 @@ class _MergedFused(torch.autograd.Function):
     def forward(ctx, q, k, v, fp: _FusedPlan):
         B, H, T, Dv = fp.B, fp.H, fp.T, fp.Dv
         acc = _acc_dtype(q.dtype)
-        n = fp.equal_squares(q, k, v)
+        n = ctx.n = fp.equal_squares(q, k, v)
         if n:  # causal, or equal documents & causal: one call, the squares folded into the heads
             o, lp = _CPU_FLASH(*fp.fold_squares(n, q, k, v), 0.0, True, scale=fp.scale)
             out, lse = o.view(B, H, T, Dv), lp.reshape(B, H, T).to(acc)
@@ -566,7 +571,7 @@ class _MergedFused(torch.autograd.Function):
         acc = _acc_dtype(q.dtype)
         d_out = d_out.to(q.dtype)
         lse_dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
-        n = fp.equal_squares(q, k, v)
+        n = ctx.n
         if n:  # every row in a causal square: one backward call, no accumulators
             lf = lse.reshape(fp.B, fp.H * n, fp.T // n).to(lse_dtype)
             gq, gk, gv = _CPU_FLASH_BWD(*fp.fold_squares(n, d_out, q, k, v, out), lf, 0.0, True, scale=fp.scale)
