@@ -51,9 +51,9 @@ from collections.abc import Callable
 import torch
 from torch import Tensor
 
+from multihead import blocksparse
 from multihead import functional as F
-from multihead.masks import MaskMod, and_masks
-from multihead.masks import causal as causal_mod
+from multihead.masks import MaskMod
 from multihead.score_mods import ScoreMod
 
 __all__ = ["attention", "clear_cache"]
@@ -167,11 +167,7 @@ def _extent(pred: MaskMod, B: int, H: int, T: int, S: int, device) -> tuple[int 
     if pred.analytic:
         shape = pred.tiles(B, H, T, S, T, S, device)[0].shape
     else:
-        b = torch.arange(B, device=device).view(B, 1, 1, 1)
-        h = torch.arange(H, device=device).view(1, H, 1, 1)
-        rows = torch.arange(min(T, 2), device=device).view(1, 1, -1, 1)
-        kv = torch.arange(min(S, 2), device=device).view(1, 1, 1, -1)
-        out = pred.evaluate(b, h, rows, kv, S - T)
+        out = pred.evaluate(*_corner(B, H, T, S, device), S - T)
         shape = (1,) * (4 - out.dim()) + tuple(out.shape)
     return (B if shape[0] > 1 else None), (H if shape[1] > 1 else None)
 
@@ -376,10 +372,7 @@ def attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | MaskMod | None, *,
     _check(q, dropout_p, score_mod)
     B, H, T, _ = q.shape
     S = k.shape[2]
-    pred = mask if isinstance(mask, MaskMod) else None
-    dense = mask if isinstance(mask, Tensor) else None
-    if causal:
-        pred = causal_mod() if pred is None else and_masks(pred, causal_mod())
+    pred, dense = blocksparse._combine(mask, causal)  # (predicate with causal folded in, dense tensor)
     _check_mods(pred, score_mod, B, H, T, S, q.device)
     block_mask = _block_mask(pred, dense, B, H, T, S, q.device)
     score_fn = _score_fn(score_mod, dense, T, S, q.device)
@@ -395,8 +388,6 @@ def attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | MaskMod | None, *,
 
     needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
     if needs_grad and q.device.type == "cpu":
-        from multihead import blocksparse
-
         def recompute(qq, kk, vv):
             return blocksparse.explicit(qq, kk, vv, mask, causal=causal, scale=scale, dropout_p=0.0,
                                         score_mod=score_mod)
@@ -413,11 +404,15 @@ def attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | MaskMod | None, *,
 def _check_mods(pred: MaskMod | None, score_mod: ScoreMod | None, B, H, T, S, device) -> None:
     """Run the predicate and the score mod on a 2 x 2 corner first: one that returns a non-bool,
     a non-tensor or the wrong shape fails here with multihead's message, not inside the compiler."""
-    b = torch.arange(B, device=device).view(B, 1, 1, 1)
-    h = torch.arange(H, device=device).view(1, H, 1, 1)
-    rows = torch.arange(min(T, 2), device=device).view(1, 1, -1, 1)
-    kv = torch.arange(min(S, 2), device=device).view(1, 1, 1, -1)
+    b, h, rows, kv = _corner(B, H, T, S, device)
     if pred is not None:
         pred.evaluate(b, h, rows, kv, S - T)
     if score_mod is not None:
         score_mod.apply(torch.zeros(B, H, rows.shape[2], kv.shape[3], device=device), b, h, rows, kv, S - T)
+
+
+def _corner(B: int, H: int, T: int, S: int, device) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """Index tensors (b, h, q_idx, kv_idx) of every batch and head over the first 2 x 2 pairs."""
+    return (torch.arange(B, device=device).view(B, 1, 1, 1), torch.arange(H, device=device).view(1, H, 1, 1),
+            torch.arange(min(T, 2), device=device).view(1, 1, -1, 1),
+            torch.arange(min(S, 2), device=device).view(1, 1, 1, -1))
