@@ -35,7 +35,9 @@ The traps each family sets for a naive calculator:
   attention biases on q/k/v/o, a learned sink logit per head, and sliding-window
   (128) layers alternating with full ones (`layer_types`).
 
-Reading is bounded and never trusts the file: at most MAX_CONFIG_BYTES are read, and
+Reading is bounded and never trusts the file: only a regular file is opened (a named pipe
+nobody writes to would block forever), at most MAX_CONFIG_BYTES are read, layer counts
+are closed-form (a config may say 2**40 layers), and
 bad UTF-8, JSON nested too deeply, huge numbers and fields of the wrong type are each a
 ValueError naming the file and the field.
 """
@@ -312,7 +314,7 @@ def _gemma3_text(f: _Fields, notes: tuple[str, ...] = ()) -> ModelGeometry:
     window_layers = f.window_layers(n_layers)
     if window_layers is None:
         pattern = f.int("sliding_window_pattern", default=6)
-        window_layers = sum(1 for i in range(n_layers) if (i + 1) % pattern)
+        window_layers = n_layers - n_layers // pattern  # closed form: n_layers may be 2**40
     return _llama_like(f, tied=True, norms_per_layer=4, window=window, window_layers=window_layers,
                        qk_norm=True, notes=notes)
 
@@ -481,6 +483,7 @@ def read_config(source, name: str | None = None) -> ModelGeometry:
                 raise ValueError(f"{label} is a folder without a config.json; give a Hugging Face "
                                  "model folder or the path of its config.json")
             label = os.fspath(source)
+        _check_regular(source, label)
         data = _load_json(source, label)
     else:
         raise TypeError(f"read_config takes a path or a dict; received {type(source).__name__}")
@@ -506,6 +509,23 @@ def read_config(source, name: str | None = None) -> ModelGeometry:
         raise ValueError(msg if msg.startswith(label) else f"{label}: {msg}") from None
     model_name = name or data.get("_name_or_path") or _stem(label) or family
     return _renamed(model, str(model_name)[:80], family)
+
+
+def _check_regular(path, label: str) -> None:
+    """Refuse a named pipe, socket or device before opening it: opening a pipe nobody
+    writes to blocks forever, and a device is never a config. (A missing file is left to
+    the reader, which names it.)"""
+    import stat
+
+    try:
+        mode = os.stat(path).st_mode
+    except OSError:
+        return
+    if not stat.S_ISREG(mode):
+        kind = ("a named pipe" if stat.S_ISFIFO(mode) else "a socket" if stat.S_ISSOCK(mode)
+                else "a device" if stat.S_ISCHR(mode) or stat.S_ISBLK(mode) else "not a regular file")
+        raise ValueError(f"{label} is {kind}, not a regular file; give the path of a config.json "
+                         "(or a model folder holding one)")
 
 
 def _load_json(path, label: str):

@@ -317,6 +317,16 @@ class MixtureOfExperts:
         return (i >= self.first_dense and (i + self.freq_offset) % self.layer_freq == 0
                 and i not in self.dense_layers)
 
+    def count_moe_layers(self, n_layers: int) -> int:
+        """How many of layers 0 .. n_layers-1 are MoE, in closed form (a config may say
+        2**40 layers; counting them one by one would never finish)."""
+        lo = min(self.first_dense, n_layers)
+        f, off = self.layer_freq, self.freq_offset
+        # i in [lo, n_layers) with (i + off) % f == 0: multiples of f in [lo+off, n_layers+off)
+        count = -(-(n_layers + off) // f) - -(-(lo + off) // f)
+        return count - sum(1 for i in set(self.dense_layers)
+                           if lo <= i < n_layers and (i + off) % f == 0)
+
     def expert_params(self, d_model: int) -> int:
         return FeedForward(self.d_expert, bias=self.expert_bias).params(d_model)
 
@@ -420,7 +430,7 @@ class ModelGeometry:
     def n_moe_layers(self) -> int:
         if self.moe is None:
             return 0
-        return sum(self.moe.is_moe_layer(i) for i in range(self.n_layers))
+        return self.moe.count_moe_layers(self.n_layers)
 
 
 @dataclass(frozen=True)
