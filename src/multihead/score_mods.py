@@ -114,25 +114,49 @@ def from_flex(fn: Callable, name: str | None = None) -> ScoreMod:
 
 
 def _positive_number(x, what: str) -> float:
+    if isinstance(x, Tensor) and x.requires_grad:
+        raise ValueError(f"{what} is a tensor that requires grad; it is read as a fixed number and would never "
+                         f"train: pass a float, or write the mod with the tensor (e.g. lambda s, b, h, q, kv: "
+                         f"cap * torch.tanh(s / cap)) so autograd sees it")
     if isinstance(x, Tensor) and x.numel() == 1 and not x.dtype == torch.bool:
         x = x.item()
     if isinstance(x, bool) or not isinstance(x, (int, float)) and not hasattr(x, "__float__"):
         raise ValueError(f"{what} must be a positive finite number; received {x!r}")
     try:
         f = float(x)
-    except (TypeError, ValueError):
+    except (TypeError, ValueError, OverflowError):
         raise ValueError(f"{what} must be a positive finite number; received {x!r}") from None
     if not math.isfinite(f) or f <= 0:
         raise ValueError(f"{what} must be a positive finite number; received {x!r}")
     return f
 
 
+# Caps for which the fast float32 form 2 cap sigmoid(2 s / cap) - cap is accurate: its error
+# on the score is ~2 cap 2^-24 (1.2e-5 at 100; Gemma's caps are 30 and 50), and 2 / cap scales
+# q without overflow. Outside, cancellation (cap 1e4: 6.7e-4; 1e30: every score 0) or overflow
+# (cap 1e-40: 2 / cap = inf, NaN scores): there the tile loop uses tanh(s / cap) * cap.
+_SIGMOID_CAPS = (1e-6, 100.0)
+
+
 def softcap(cap: float) -> ScoreMod:
-    """cap * tanh(score / cap): scores squashed smoothly into (-cap, cap) (Gemma 2)."""
+    """cap * tanh(score / cap): scores squashed smoothly into (-cap, cap) (Gemma 2).
+
+    `cap`: a positive finite number (a huge cap leaves the scores as they are, a tiny one
+    flattens them); a tensor that requires grad is refused (it would not be trained).
+    """
     cap = _positive_number(cap, "softcap cap")
 
     def fn(score, b, h, q, kv):
         return torch.tanh(score / cap) * cap
+
+    def inplace_grad(z, ds):  # d(cap tanh(s / cap))/ds = 1 - (z / cap)^2
+        return ds.addcmul_(ds, z.div_(cap).square_(), value=-1)
+
+    if not _SIGMOID_CAPS[0] <= cap <= _SIGMOID_CAPS[1]:
+        def inplace_tanh(x):  # x = score
+            return x.div_(cap).tanh_().mul_(cap)
+
+        return ScoreMod(fn, f"softcap({cap:g})", inplace=inplace_tanh, inplace_grad=inplace_grad)
 
     def inplace(x):  # x = score * 2 / cap
         if x.dtype == torch.float64:
@@ -140,9 +164,6 @@ def softcap(cap: float) -> ScoreMod:
         # cap tanh(y) = 2 cap sigmoid(2y) - cap: torch's sigmoid is ~3x faster than its tanh on
         # the CPU; the float32 error on the score stays below 2 cap * 2^-24 (6e-6 at cap 50)
         return x.sigmoid_().mul_(2 * cap).sub_(cap)
-
-    def inplace_grad(z, ds):  # d(cap tanh(s / cap))/ds = 1 - (z / cap)^2
-        return ds.addcmul_(ds, z.div_(cap).square_(), value=-1)
 
     return ScoreMod(fn, f"softcap({cap:g})", inplace=inplace, input_scale=2 / cap, inplace_grad=inplace_grad)
 
