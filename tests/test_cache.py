@@ -275,3 +275,89 @@ def test_rolling_steps_that_need_order_keep_it():
         out, w = plain(x[:, t:t + 1], cache=cache, return_weights=True)  # keys: the last min(t + 1, W) in order
         assert_close(out, full[:, t:t + 1], what=f"step {t}")
         assert_close(w[:, :, 0], full_w[:, :, t, max(0, t - W + 1):t + 1], what=f"weights step {t}")
+
+
+# ------------------------------------------------- a cache must fit the layer it serves
+
+
+@pytest.mark.parametrize("layer_window, cache_window", [(4, 8), (4, 2), (None, 4)])
+def test_a_rolling_cache_that_does_not_fit_the_layer_is_refused(layer_window, cache_window):
+    """A rolling cache of another window (or on a full causal layer) would drop keys the layer
+    still sees, or keep keys it must not see: refused before anything is written, naming both."""
+    attn = mh.Attention(16, 4, 2, causal=True, sliding_window=layer_window).double()
+    cache = RollingKVCache(1, 2, cache_window, 4, dtype=torch.float64)
+    x = torch.randn(1, 9, 16, dtype=torch.float64)
+    snap = _snapshot(cache)
+    for chunk in (x[:, :1], x[:, :5]):  # the one-token path and the chronological path
+        with pytest.raises(ValueError, match=rf"window {cache_window}.*sliding_window={layer_window}"):
+            attn(chunk, cache=cache)
+        _assert_unchanged(cache, snap)
+
+
+def test_the_default_cache_of_a_windowed_layer_fits_it_and_decodes_right():
+    attn = mh.Attention(16, 4, 2, causal=True, sliding_window=4).double()
+    x = torch.randn(1, 9, 16, dtype=torch.float64)
+    cache = attn.new_cache(1)
+    outs = [attn(x[:, t:t + 1], cache=cache) for t in range(9)]
+    assert_close(torch.cat(outs, 1), attn(x), what="rolling cache of the layer's own window")
+
+
+@pytest.mark.parametrize("max_len, kind, slots", [(5, mh.KVCache, 5), (8, mh.KVCache, 8), (16, RollingKVCache, 8)])
+def test_new_cache_on_a_windowed_layer_holds_min_of_window_and_max_len(max_len, kind, slots):
+    """sliding_window=8 with max_len=5 needs 5 slots, not 8 (32768 vs 512 on a real model):
+    a static cache of max_len (nothing ever leaves the window), else W rolling slots."""
+    attn = mh.Attention(16, 4, 2, causal=True, sliding_window=8).double()
+    cache = attn.new_cache(1, max_len)
+    assert type(cache) is kind and cache.k.shape[2] == slots
+    x = torch.randn(1, max_len, 16, dtype=torch.float64)
+    outs = [attn(x[:, t:t + 1], cache=cache) for t in range(max_len)]
+    assert_close(torch.cat(outs, 1), attn(x), what=f"max_len={max_len}")
+
+
+def test_new_cache_on_a_huge_window_allocates_max_len_slots():
+    attn = mh.Attention(64, 8, 1, causal=True, sliding_window=32768)
+    cache = attn.new_cache(1, 512)
+    assert cache.k.shape[2] == 512 and cache.nbytes == 2 * 512 * 8 * 4
+
+
+@pytest.mark.parametrize("S", [3, 4, 7])
+@pytest.mark.parametrize("first_T", [1, 2])
+def test_cross_attention_on_a_windowed_layer_with_its_default_cache(S, first_T):
+    """Cross-attention needs the whole context, whatever the layer's window: the default cache
+    of a windowed layer holds it all (the context is not a stream to roll over), and every step
+    equals the no-cache forward."""
+    attn = mh.Attention(16, 4, 2, causal=True, sliding_window=3).double()
+    x, ctx = torch.randn(2, 5, 16, dtype=torch.float64), torch.randn(2, S, 16, dtype=torch.float64)
+    cache = attn.new_cache(2)
+    bounds = [0, first_T, first_T + 2, 5]  # a first chunk, two queries at once, then the rest
+    outs = [attn(x[:, a:b], ctx, cache=cache) for a, b in zip(bounds, bounds[1:])]
+    expected = [attn(x[:, a:b], ctx) for a, b in zip(bounds, bounds[1:])]
+    assert cache.length == S
+    assert_close(torch.cat(outs, 1), torch.cat(expected, 1), what=f"cross-attention, S={S}, window 3")
+    cache.reset()  # back to a rolling cache of the layer's window, for self-attention
+    assert cache.k.shape[2] == 3
+    steps = [attn(x[:, t:t + 1], cache=cache) for t in range(5)]
+    assert_close(torch.cat(steps, 1), attn(x), what="self-attention after reset")
+
+
+def test_a_cross_attention_cache_refuses_another_context_and_self_attention():
+    attn = mh.Attention(16, 4, 2, causal=True, sliding_window=3).double()
+    x, ctx = torch.randn(1, 2, 16, dtype=torch.float64), torch.randn(1, 7, 16, dtype=torch.float64)
+    cache = attn.new_cache(1)
+    with pytest.raises(ValueError):  # a bad mask on the first call: nothing is kept
+        attn(x, ctx, cache=cache, mask=torch.ones(5, 7, dtype=torch.bool))
+    assert cache.length == 0 and cache.k.shape[2] == 3
+    attn(x, ctx, cache=cache)
+    with pytest.raises(ValueError, match=r"context of 7 tokens; received a context of 5"):
+        attn(x, ctx[:, :5], cache=cache)
+    with pytest.raises(ValueError, match=r"holds a cross-attention context"):
+        attn(x, cache=cache)
+
+
+def test_cross_attention_with_a_too_small_static_cache_is_refused_by_name():
+    attn = mh.Attention(16, 4, 2, context_dim=12).double()
+    x, ctx = torch.randn(1, 1, 16, dtype=torch.float64), torch.randn(1, 7, 12, dtype=torch.float64)
+    cache = attn.new_cache(1, 4)
+    with pytest.raises(ValueError, match=r"context.*7.*max_len 4"):
+        attn(x, ctx, cache=cache)
+    assert cache.length == 0

@@ -205,10 +205,16 @@ class Attention(nn.Module):
 
         A static `KVCache` `(B, Hkv, max_len, D)`; or, for a sliding-window layer (the
         default there, `rolling=None`), a `RollingKVCache` of `sliding_window` slots that
-        decodes sequences of any length in O(W) memory (max_len is then not needed).
+        decodes sequences of any length in O(W) memory (max_len is then not needed). The
+        default holds min(W, max_len) slots: with max_len <= W no key ever leaves the
+        window, so a static cache of max_len serves (512 slots, not 32768, for a 512-token
+        run of a layer with a 32k window). For cross-attention, either kind holds the
+        whole context (a rolling cache widens to it).
         """
+        if max_len is not None:
+            _check_int("max_len", max_len)
         if rolling is None:
-            rolling = self.sliding_window is not None
+            rolling = self.sliding_window is not None and (max_len is None or max_len > self.sliding_window)
         if rolling and self.sliding_window is None:
             raise ValueError("rolling=True needs a sliding-window layer (Attention(..., sliding_window=W)); "
                              "this layer attends every earlier key")
@@ -275,6 +281,8 @@ class Attention(nn.Module):
         if positions is not None:
             self._check_positions(positions, B, T)
 
+        if cache is not None:
+            self._check_cache_fits(cache, context)
         q = _split_heads(self.q_proj(x), D)  # (B, H, T, D)
         if cross and cache is not None and cache.length > 0:
             k, v = cache.k[:, :, : cache.length], cache.v[:, :, : cache.length]  # reuse the context
@@ -282,6 +290,14 @@ class Attention(nn.Module):
         src = context if cross else x
         k = _split_heads(self.k_proj(src), D)  # (B, Hkv, S, D)
         v = _split_heads(self.v_proj(src), D)  # (B, Hkv, S, D)
+        if cross and cache is not None:  # the first call: the cache keeps the whole context
+            mark = cache.checkpoint(k.shape[2])
+            try:
+                k, v = cache.hold_context(k, v)  # (B, Hkv, S, D)
+                return self._finish(q, k, v, mask, self.causal, return_weights)
+            except BaseException:
+                cache.restore(mark)
+                raise
         if cache is not None and not cross and torch.compiler.is_compiling():
             q, k, v, mask = self._static_cache_step(q, k, v, mask, cache)
             # causality, the window and the unwritten slots are all in the positional mask
@@ -303,6 +319,27 @@ class Attention(nn.Module):
         except BaseException:
             cache.restore(mark)  # a call that raises leaves the cache as it was
             raise
+
+    def _check_cache_fits(self, cache: KVCache, context: Tensor | None) -> None:
+        """A cache made for other work gives wrong answers, not errors: a rolling cache of
+        another window drops keys this layer still sees (or keeps keys it must not see); a
+        cache holding one context answers for another. Refused, naming both."""
+        if context is not None:
+            if cache.length and context.shape[1] != cache.length:
+                raise ValueError(f"the cache holds a cross-attention context of {cache.length} tokens; received "
+                                 f"a context of {context.shape[1]}. reset() the cache for a new context")
+            return
+        if isinstance(cache, RollingKVCache):
+            if cache.holds_context:
+                raise ValueError(f"this RollingKVCache holds a cross-attention context ({cache.length} tokens); "
+                                 f"reset() it before self-attention")
+            if cache.window != self.sliding_window:
+                layer = ("a full causal layer (sliding_window=None)" if self.sliding_window is None
+                         else f"sliding_window={self.sliding_window}")
+                raise ValueError(f"a RollingKVCache of window {cache.window} does not fit this layer, "
+                                 f"{layer}: it keeps the last {cache.window} keys where the layer sees "
+                                 f"{'every earlier key' if self.sliding_window is None else self.sliding_window}. "
+                                 f"Make the cache with this layer's new_cache()")
 
     def _rotate(self, q: Tensor, k: Tensor, positions, rotary, offset: int) -> tuple[Tensor, Tensor]:
         """RoPE on q and k from explicit positions, given angles, or the cache offset."""

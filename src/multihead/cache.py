@@ -199,6 +199,18 @@ class KVCache(_StaticCache):
         self._advance_to(end)
         return self.k[:, :, :end], self.v[:, :, :end]
 
+    def hold_context(self, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
+        """Cross-attention: keep a whole context, k `(B, Hkv, S, D)`, v `(B, Hkv, S, Dv)`, in
+        an empty cache (filled once, read by every later step); return it `(B, Hkv, S, .)`."""
+        if self.length:
+            raise ValueError(f"this cache already holds {self.length} tokens; a cross-attention context "
+                             f"is held by an empty cache (reset() it, or make a new one)")
+        if isinstance(k, Tensor) and k.dim() == 4 and k.shape[2] > self.max_len:
+            raise ValueError(
+                f"cross-attention keeps the whole context ({k.shape[2]} tokens) but this cache holds "
+                f"max_len {self.max_len}; make it with new_cache(batch_size, max_len={k.shape[2]})")
+        return KVCache.update(self, k, v)
+
     def update_static(self, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
         """Write k, v at the tensor position; return the whole buffers `(B, Hkv, S_max, .)`.
 
@@ -241,10 +253,44 @@ class RollingKVCache(KVCache):
                  device: torch.device | str | None = None):
         check_int("window", window)
         super().__init__(batch_size, n_kv_heads, window, head_dim, v_head_dim, dtype=dtype, device=device)
+        self._window = window
 
     @property
     def window(self) -> int:
-        return self.max_len
+        return self._window
+
+    @property
+    def holds_context(self) -> bool:
+        """Whether the slots were widened to hold a cross-attention context (see `hold_context`)."""
+        return self.max_len != self._window
+
+    def hold_context(self, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
+        """Cross-attention: a context is not a stream that slides past a window (every query
+        may see every context token), so the cache holds all S tokens, in order, widening its
+        slots to S if S > W until `reset()`."""
+        S = k.shape[2] if isinstance(k, Tensor) and k.dim() == 4 else 0
+        if not self.length and S > self.max_len:
+            self._reserve_kv(k, v)  # a named error for a context that does not fit, before allocating
+            self.k = self.k.new_zeros(self.k.shape[:2] + (S,) + self.k.shape[3:])
+            self.v = self.v.new_zeros(self.v.shape[:2] + (S,) + self.v.shape[3:])
+            self.max_len = S
+        return super().hold_context(k, v)
+
+    def checkpoint(self, n_new: int) -> tuple:
+        # the buffers themselves too: hold_context may replace them by wider ones
+        return super().checkpoint(n_new), self.k, self.v, self.max_len
+
+    def restore(self, mark: tuple) -> None:
+        inner, self.k, self.v, self.max_len = mark
+        super().restore(inner)
+
+    def reset(self) -> None:
+        """Forget every cached token; a cache widened for a context goes back to W slots."""
+        if self.holds_context:
+            self.k = self.k.new_zeros(self.k.shape[:2] + (self._window,) + self.k.shape[3:])
+            self.v = self.v.new_zeros(self.v.shape[:2] + (self._window,) + self.v.shape[3:])
+            self.max_len = self._window
+        super().reset()
 
     def _slots(self, start: int, n: int) -> Tensor:
         W = self.window
