@@ -45,11 +45,15 @@ from multihead import masks, score_mods
 from multihead.functional import attend, check_backend_name
 from multihead.masks import MaskMod, from_flex
 
-__all__ = ["REQUEST_KEYWORD", "AttentionCall", "CaptureComplete", "WeightsRequest", "attention_forward", "hf_mask",
-           "register", "registered"]
+__all__ = ["INTERVENTION_KEYWORD", "REQUEST_KEYWORD", "AttentionCall", "CaptureComplete", "WeightsRequest",
+           "attention_forward", "hf_mask", "register", "registered"]
 
 #: The forward keyword that carries a `WeightsRequest` down to the attention function.
 REQUEST_KEYWORD = "multihead_weights"
+#: The forward keyword that carries a head intervention (`multihead.heads`) down to the attention
+#: function: an object with `inputs(module, q, k, v) -> (q, k, v)`, called before the kernel, and
+#: `output(module, out, v) -> out` on the heads' outputs `(B, H, T, Dv)`, before the output projection.
+INTERVENTION_KEYWORD = "multihead_heads"
 
 # Names transformers itself defines: registering over them would change every model that uses them.
 _RESERVED = ("eager", "sdpa", "flex_attention", "flash_attention_2", "flash_attention_3", "flash_attention_4",
@@ -279,6 +283,9 @@ def attention_forward(module: nn.Module, query: Tensor, key: Tensor, value: Tens
     `is_causal`, and top-left when a static cache's prefill hands more key slots than
     queries (those slots are empty, so they are cut off).
     """
+    intervention = kwargs.get(INTERVENTION_KEYWORD)
+    if intervention is not None:  # multihead.heads reads or edits keys/values per KV head
+        query, key, value = intervention.inputs(module, query, key, value)
     B, H, T, _ = query.shape
     S = key.shape[2]
     mask = hf_mask(attention_mask, query.dtype)
@@ -331,6 +338,8 @@ def attention_forward(module: nn.Module, query: Tensor, key: Tensor, value: Tens
             mine = weights[:, list(asked)]
         call = AttentionCall(module, H, key.shape[1], T, S, query.shape[-1])
         request.record(call, None if asked is None else mine.detach())
+    if intervention is not None:  # ... and the heads' outputs, before the output projection
+        out = intervention.output(module, out, value)
     out = out.transpose(1, 2).contiguous()  # (B, T, H, Dv)
     return out, (weights if want_all else None)
 
