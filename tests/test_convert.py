@@ -243,3 +243,163 @@ def test_deepcopy_of_converted_layers_works():
     again.load_state_dict(mla.state_dict())
     assert torch.equal(again(x), mla(x))
     assert np.isfinite(convert.mla_report(mh.Attention(16, 4)).errors).all()
+
+
+# ------------------------------------------------------------- whole models
+
+
+def _lab_model(n_heads=4, n_kv_heads=None, n_layers=2, bias=False):
+    from multihead.lab.models import LabConfig, LabTransformer
+
+    torch.manual_seed(0)
+    cfg = LabConfig(vocab_size=13, max_len=12, d_model=16, n_layers=n_layers, n_heads=n_heads,
+                    n_kv_heads=n_kv_heads, bias=bias)
+    model = LabTransformer(cfg).double().eval()
+    with torch.no_grad():  # trained-looking weights: not the tiny init, biases nonzero
+        for p in model.parameters():
+            p.normal_(0.0, 0.3)
+    return model
+
+
+class _TwoLayers(nn.Module):
+    """A plain module (not a lab model) with attention at two depths of nesting."""
+
+    def __init__(self):
+        super().__init__()
+        self.first = mh.Attention(16, 4, causal=True, rope=True)
+        self.inner = nn.ModuleDict({"attn": mh.Attention(16, 4, causal=True, sliding_window=3)})
+
+    def forward(self, x):
+        return self.inner["attn"](x + self.first(x))
+
+
+@pytest.mark.parametrize("init", ["mean", "first"])
+def test_whole_model_keeping_the_heads_is_exact(init):
+    model = _lab_model(bias=True)
+    x = torch.randint(0, 13, (2, 12))
+    new, report = convert.to_gqa(model, 4, init=init, return_report=True)
+    assert new is not model and all(a is not b for a, b in zip(new.parameters(), model.parameters()))
+    assert_close(new(x), model(x), atol=1e-6, rtol=0, what=f"to_gqa(model, n_heads) init={init}")
+    assert report.errors == (0.0, 0.0) and [layer.name for layer in report.layers] == ["blocks.0.attn",
+                                                                                       "blocks.1.attn"]
+    plain = _TwoLayers().double()
+    xs = torch.randn(2, 7, 16, dtype=torch.float64)
+    assert_close(convert.to_gqa(plain, 4, init=init)(xs), plain(xs), atol=1e-6, rtol=0, what="plain module")
+
+
+def test_whole_model_to_mla_at_full_rank_is_exact():
+    model = _lab_model(bias=True)
+    x = torch.randint(0, 13, (2, 12))
+    new, report = convert.to_mla(model, 17, return_report=True)  # 16 + the value-bias column
+    assert all(isinstance(b.attn, mh.LatentAttention) for b in new.blocks)
+    assert new.cfg.attention == "mla" and new.cfg.kv_rank == 17 and new.cfg.bias and not new.cfg.latent_norm
+    assert report.target == "MLA-17" and report.max_error < 1e-12
+    assert_close(new(x), model(x), atol=1e-6, rtol=0, what="to_mla(model, full rank)")
+
+
+@pytest.mark.parametrize("n_kv_from,n_kv_to", [(4, 2), (4, 1), (2, 1)])
+def test_whole_model_mean_pool_is_the_mean_of_each_group(n_kv_from, n_kv_to):
+    model = _lab_model(n_kv_heads=n_kv_from, bias=True)
+    before = params(model)
+    new = convert.to_gqa(model, n_kv_to)
+    assert new.cfg.n_kv_heads == n_kv_to and model.cfg.n_kv_heads == n_kv_from
+    D, m = 4, n_kv_from // n_kv_to
+    for old_block, new_block in zip(model.blocks, new.blocks):
+        for name in ("k_proj", "v_proj"):
+            w = getattr(old_block.attn, name).weight.detach().numpy()  # (Hkv*D, C)
+            b = getattr(old_block.attn, name).bias.detach().numpy()
+            # by hand: head j of the new layer is (head j*m + ... + head j*m + m - 1) / m
+            want_w = np.concatenate([sum(w[(j * m + i) * D:(j * m + i + 1) * D] for i in range(m)) / m
+                                     for j in range(n_kv_to)])
+            want_b = np.concatenate([sum(b[(j * m + i) * D:(j * m + i + 1) * D] for i in range(m)) / m
+                                     for j in range(n_kv_to)])
+            np.testing.assert_allclose(getattr(new_block.attn, name).weight.detach().numpy(), want_w, atol=1e-15)
+            np.testing.assert_allclose(getattr(new_block.attn, name).bias.detach().numpy(), want_b, atol=1e-15)
+        # and the layer computes NumPy's GQA with those pooled projections
+        a = new_block.attn
+        T = lambda lin: lin.weight.detach().numpy().T  # noqa: E731
+        bb = lambda lin: lin.bias.detach().numpy()  # noqa: E731
+        h = torch.randn(2, 5, 16, dtype=torch.float64)
+        ref = R.gqa_forward(h.numpy(), T(a.q_proj), T(a.k_proj), T(a.v_proj), T(a.o_proj), 4, n_kv_to, causal=True,
+                            b_q=bb(a.q_proj), b_k=bb(a.k_proj), b_v=bb(a.v_proj), b_o=bb(a.o_proj))
+        assert_close(a(h), ref, what="converted layer vs NumPy GQA")
+    for name, p in before.items():  # the input model is untouched
+        assert torch.equal(model.state_dict()[name], p), name
+
+
+def test_first_and_random_inits():
+    model = _lab_model(bias=True)
+    first, rep_first = convert.to_gqa(model, 2, init="first", return_report=True)
+    mean, rep_mean = convert.to_gqa(model, 2, init="mean", return_report=True)
+    D = 4
+    w = model.blocks[0].attn.k_proj.weight.detach()
+    want = torch.cat([w[0:D], w[2 * D:3 * D]])  # heads 0 and 2: the first of each group of two
+    assert torch.equal(first.blocks[0].attn.k_proj.weight, want)
+    # the mean is the least-squares representative of a group: never a larger error than one member
+    assert all(m <= f + 1e-15 for m, f in zip(rep_mean.errors, rep_first.errors)), (rep_mean, rep_first)
+    assert all(0 < e < 1 for e in rep_mean.errors)
+    r1 = convert.to_gqa(model, 2, init="random", generator=torch.Generator().manual_seed(3))
+    r2 = convert.to_gqa(model, 2, init="random", generator=torch.Generator().manual_seed(3))
+    r3 = convert.to_gqa(model, 2, init="random", generator=torch.Generator().manual_seed(4))
+    k1 = r1.blocks[1].attn.k_proj
+    assert torch.equal(k1.weight, r2.blocks[1].attn.k_proj.weight)
+    assert not torch.equal(k1.weight, r3.blocks[1].attn.k_proj.weight)
+    assert torch.count_nonzero(k1.bias) == 0
+    src = model.blocks[1].attn.k_proj.weight
+    assert float(k1.weight.detach().std()) == pytest.approx(float(src.detach().std()), rel=0.25)
+    assert torch.equal(r1.blocks[1].attn.q_proj.weight, model.blocks[1].attn.q_proj.weight)
+
+
+def test_converted_lab_model_saves_and_loads(tmp_path):
+    from multihead.lab.checkpoint import Vocab, load_lab_checkpoint, save_lab_checkpoint
+
+    model = _lab_model().float()
+    vocab = Vocab("char", tuple("abcdefghijklm"))
+    x = torch.randint(0, 13, (1, 12))
+    for new in (convert.to_gqa(model, 1), convert.to_mla(model, 6)):
+        save_lab_checkpoint(tmp_path / new.cfg.kind, new, vocab, experiment="uptrain")
+        back, _, _ = load_lab_checkpoint(tmp_path / new.cfg.kind)
+        assert back.cfg == new.cfg
+        assert torch.equal(back(x), new(x))
+
+
+def test_whole_model_carries_rope_and_window():
+    plain = _TwoLayers().double()
+    new = convert.to_gqa(plain, 2)
+    assert new.first.rope is not None and new.inner["attn"].sliding_window == 3 and new.inner["attn"].n_kv_heads == 2
+    assert plain.first.n_kv_heads == 4
+    with pytest.raises(ValueError, match=r"to_mla: layer first: to_mla: the layer has rotary embeddings"):
+        convert.to_mla(plain, 8)
+
+
+def test_to_gqa_keeps_window_softcap_and_alibi():
+    # the layer conversion used to drop them, silently changing what the layer computes
+    for kw in (dict(sliding_window=3), dict(softcap=2.0), dict(alibi=True)):
+        attn = mh.Attention(16, 4, causal=True, **kw).double()
+        x = torch.randn(2, 8, 16, dtype=torch.float64)
+        assert_close(convert.to_gqa(attn, 4)(x), attn(x), what=f"to_gqa keeps {kw}")
+
+
+def test_to_mla_keeps_window_and_softcap_and_refuses_alibi():
+    for kw in (dict(sliding_window=3), dict(softcap=2.0)):
+        attn = mh.Attention(16, 4, causal=True, bias=False, **kw).double()
+        x = torch.randn(2, 8, 16, dtype=torch.float64)
+        assert_close(convert.to_mla(attn, 16)(x), attn(x), what=f"to_mla keeps {kw}")
+    with pytest.raises(ValueError, match="ALiBi"):
+        convert.to_mla(mh.Attention(16, 4, causal=True, alibi=True), 8)
+
+
+def test_whole_model_bad_input():
+    with pytest.raises(ValueError, match=r"init must be one of mean, first, random; received 'avg'"):
+        convert.to_gqa(_lab_model(), 2, init="avg")
+    with pytest.raises(ValueError, match=r"to_gqa: Linear holds no multihead.Attention layer"):
+        convert.to_gqa(nn.Linear(3, 3), 1)
+    with pytest.raises(ValueError, match=r"from_torch first"):
+        convert.to_gqa(nn.Sequential(nn.MultiheadAttention(16, 4)), 1)
+    with pytest.raises(TypeError, match=r"received str"):
+        convert.to_gqa("model", 1)
+    with pytest.raises(ValueError, match=r"layer blocks.0.attn: n_kv_heads must divide the layer's 4 key/value "
+                                         r"heads; received 3; valid: 1, 2, 4"):
+        convert.to_gqa(_lab_model(), 3)
+    with pytest.raises(ValueError, match=r"n_kv_heads must be a positive int; received 0"):
+        convert.to_gqa(_lab_model(), 0)

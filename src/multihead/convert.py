@@ -4,22 +4,28 @@
   `multihead.interop.torch`, re-exported here so that every conversion has one address).
 - `to_gqa`: MHA (or GQA) -> GQA with fewer key/value heads by mean-pooling the K and V
   projection heads of each group (Ainslie et al., 2023, "GQA: Training Generalized
-  Multi-Query Transformer Models from Multi-Head Checkpoints"). Approximate; meant to
-  be followed by a little uptraining, as in the paper.
+  Multi-Query Transformer Models from Multi-Head Checkpoints"), or keeping the first
+  head of each group, or drawing the K/V projections afresh (the paper's ablation).
+  Approximate; meant to be followed by a little uptraining, as in the paper.
 - `to_mla`: MHA (or GQA) -> `LatentAttention` by a truncated SVD of the stacked key and
   value projections [W_k ; W_v]: the right factor becomes the shared down-projection
   to a rank-R latent, the left factor the per-head up-projections. Exact at full rank;
   `MLAReport` gives the relative reconstruction error at every rank.
 
-All return ordinary multihead modules (with their own caches) and leave the input
-layer untouched.
+Both take one `Attention` layer or a whole model (any `nn.Module`): a model is deep-copied
+and every `Attention` in it converted (a lab model's `cfg` follows; a Hugging Face model
+with `num_key_value_heads` in its config goes to `multihead.interop.hf.gqa`), and
+`return_report=True` adds a `ConversionReport`, the relative K/V reconstruction error of
+every layer. All return ordinary multihead modules (with their own caches) and leave the
+input untouched.
 """
 
 from __future__ import annotations
 
 import copy
 import math
-from dataclasses import dataclass
+import sys
+from dataclasses import dataclass, replace
 
 import torch
 from torch import nn
@@ -28,7 +34,10 @@ from multihead.attention import Attention
 from multihead.interop.torch import from_torch, to_torch
 from multihead.latent import LatentAttention
 
-__all__ = ["MLAReport", "from_torch", "mla_report", "to_gqa", "to_mla", "to_torch"]
+__all__ = ["GQA_INITS", "ConversionReport", "LayerConversion", "MLAReport", "from_torch", "mla_report", "to_gqa",
+           "to_mla", "to_torch"]
+
+GQA_INITS = ("mean", "first", "random")
 
 
 def _check_attention(fn: str, attn) -> None:
@@ -42,41 +51,198 @@ def _has_bias(attn: Attention) -> bool:
     return attn.k_proj.bias is not None
 
 
+# ------------------------------------------------------------------ reports
+
+
+@dataclass(frozen=True)
+class LayerConversion:
+    """One converted layer: its qualified name in the model ("" for a lone layer) and the
+    relative reconstruction error ||M - M'||_F / ||M||_F of its stacked K/V map
+    M = [W_k | 0 ; W_v | b_v] (the key bias left out: softmax ignores it). For GQA, M' is
+    the new K/V heads repeated over their groups (0 when nothing was merged); for MLA the
+    rank-R product of the factors."""
+
+    name: str
+    error: float
+
+
+@dataclass(frozen=True)
+class ConversionReport:
+    """What a conversion did to every attention layer of a model."""
+
+    target: str  # "GQA-2", "MQA", "MLA-16"
+    init: str  # "mean", "first", "random" (GQA) or "svd" (MLA)
+    layers: tuple[LayerConversion, ...]
+
+    @property
+    def errors(self) -> tuple[float, ...]:
+        return tuple(layer.error for layer in self.layers)
+
+    @property
+    def max_error(self) -> float:
+        return max(self.errors, default=0.0)
+
+    def __str__(self) -> str:
+        rows = [f"{self.target} ({self.init}): {len(self.layers)} attention layer(s)", "layer  rel. K/V error"]
+        rows += [f"{layer.name or '(layer)'}  {layer.error:.3e}" for layer in self.layers]
+        return "\n".join(rows)
+
+
+def _relative_error(old: torch.Tensor, new: torch.Tensor) -> float:
+    norm = old.norm()
+    return float((old - new).norm() / norm) if norm > 0 else float((new - old).norm())
+
+
 # ------------------------------------------------------------------------ GQA
 
 
-def to_gqa(attn: Attention, n_kv_heads: int) -> Attention:
-    """A copy of `attn` with `n_kv_heads` key/value heads, each the mean of its group's.
+def to_gqa(model, n_kv_heads: int, *, init: str = "mean", generator: torch.Generator | None = None,
+           return_report: bool = False):
+    """A copy of `model` with `n_kv_heads` key/value heads in every attention layer.
 
-    Query head h reads key/value head h // G, so the new key/value head j is the mean
-    of the old heads j*m .. (j+1)*m - 1, m = attn.n_kv_heads / n_kv_heads (weights and
-    biases alike). Queries, output, RoPE, causality and the rest are copied unchanged;
-    with n_kv_heads == attn.n_kv_heads the result is identical to `attn`.
+    `model` is one `Attention`, a model holding `Attention` layers (a lab model's `cfg`
+    gets the new n_kv_heads), or a Hugging Face model whose config has
+    `num_key_value_heads` (Llama, Mistral, Qwen2/3, Gemma: see `multihead.interop.hf.gqa`).
+
+    Query head h reads key/value head h // G, so the new key/value head j replaces the
+    old heads j*m .. (j+1)*m - 1, m = n_kv_heads_old / n_kv_heads. `init` says how:
+
+    - "mean": their mean, weights and biases alike (Ainslie et al., 2023);
+    - "first": head j*m's, the first of its group;
+    - "random": drawn afresh from N(0, std of the layer's own K (V) weights), zero biases
+      (`generator` makes it reproducible): the no-knowledge baseline of the paper.
+
+    Queries, output, RoPE, window, softcap, ALiBi, causality and the rest are copied
+    unchanged; with n_kv_heads == n_kv_heads_old and init "mean" or "first" the result
+    is identical to the input.
+
+    Returns:
+        the new layer or model, or `(new, ConversionReport)` with `return_report=True`.
 
     Raises:
-        ValueError: n_kv_heads does not divide attn.n_kv_heads.
+        ValueError: n_kv_heads does not divide a layer's key/value heads; an unknown init;
+            a model without attention layers.
+        TypeError: neither an `Attention` nor an `nn.Module`.
     """
-    _check_attention("to_gqa", attn)
+    if init not in GQA_INITS:
+        raise ValueError(f"init must be one of {', '.join(GQA_INITS)}; received {init!r}")
+    target = _gqa_target(model, n_kv_heads)
+    if _is_transformers_model(model):
+        from multihead.interop.hf.gqa import to_gqa as hf_to_gqa
+
+        return hf_to_gqa(model, n_kv_heads, init=init, generator=generator, return_report=return_report)
+    return _convert(
+        "to_gqa", model, lambda attn: _gqa_layer(attn, n_kv_heads, init, generator), target, init, return_report,
+        lambda cfg: replace(cfg, n_kv_heads=n_kv_heads))
+
+
+def _gqa_target(model, n_kv_heads) -> str:
+    if isinstance(model, Attention):
+        _check_kv_heads(model, n_kv_heads)
+    elif isinstance(n_kv_heads, bool) or not isinstance(n_kv_heads, int) or n_kv_heads < 1:
+        raise ValueError(f"n_kv_heads must be a positive int; received {n_kv_heads!r}")
+    return "MQA" if n_kv_heads == 1 else f"GQA-{n_kv_heads}"
+
+
+def _check_kv_heads(attn: Attention, n_kv_heads) -> None:
     old = attn.n_kv_heads
     if isinstance(n_kv_heads, bool) or not isinstance(n_kv_heads, int) or n_kv_heads < 1 or old % n_kv_heads:
         valid = [d for d in range(1, old + 1) if old % d == 0]
         raise ValueError(f"n_kv_heads must divide the layer's {old} key/value heads; received {n_kv_heads!r}; "
                          f"valid: {', '.join(map(str, valid))}")
+
+
+def _gqa_layer(attn: Attention, n_kv_heads: int, init: str, generator: torch.Generator | None
+               ) -> tuple[Attention, float]:
+    """The converted layer and its relative K/V reconstruction error."""
+    _check_attention("to_gqa", attn)
+    _check_kv_heads(attn, n_kv_heads)
+    old = attn.n_kv_heads
     m = old // n_kv_heads
     D, Cin = attn.head_dim, attn.context_dim
     w = attn.q_proj.weight
     new = Attention(attn.d_model, attn.n_heads, n_kv_heads, head_dim=D, context_dim=Cin, bias=_has_bias(attn),
-                    dropout=attn.dropout, causal=attn.causal, rope=copy.deepcopy(attn.rope), backend=attn.backend)
+                    dropout=attn.dropout, causal=attn.causal, rope=copy.deepcopy(attn.rope), backend=attn.backend,
+                    sliding_window=attn.sliding_window, softcap=attn.softcap, alibi=attn.alibi)
     new = new.to(device=w.device, dtype=w.dtype).train(attn.training)
     with torch.no_grad():
         for name in ("q_proj", "o_proj"):
             getattr(new, name).load_state_dict(getattr(attn, name).state_dict())
         for name in ("k_proj", "v_proj"):
             src, dst = getattr(attn, name), getattr(new, name)
-            dst.weight.copy_(src.weight.view(n_kv_heads, m, D, Cin).mean(1).reshape(-1, Cin))  # (Hkv*D, Cin)
+            dst.weight.copy_(_pool(src.weight, n_kv_heads, m, D, init, generator))  # (Hkv*D, Cin)
             if src.bias is not None:
-                dst.bias.copy_(src.bias.view(n_kv_heads, m, D).mean(1).reshape(-1))
-    return new
+                if init == "random":
+                    dst.bias.zero_()
+                else:
+                    dst.bias.copy_(_pool(src.bias, n_kv_heads, m, D, init, generator))  # (Hkv*D,)
+    expanded = _kv_matrix(new).view(2, n_kv_heads, 1, D, -1).expand(2, n_kv_heads, m, D, -1)
+    error = _relative_error(_kv_matrix(attn), expanded.reshape(2 * old * D, -1))
+    return new, error
+
+
+def _pool(t: torch.Tensor, n_kv_heads: int, m: int, D: int, init: str, generator) -> torch.Tensor:
+    """(old Hkv * D, ...) -> (n_kv_heads * D, ...): each group of m heads to one."""
+    grouped = t.detach().view(n_kv_heads, m, D, *t.shape[1:])  # (Hkv, m, D, ...)
+    if init == "mean":
+        return grouped.mean(1).reshape(-1, *t.shape[1:])
+    if init == "first":
+        return grouped[:, 0].reshape(-1, *t.shape[1:])
+    std = float(t.detach().float().std()) if t.numel() > 1 else 0.0
+    fresh = torch.randn((n_kv_heads * D, *t.shape[1:]), generator=generator, dtype=torch.float32)
+    return (fresh * std).to(device=t.device, dtype=t.dtype)
+
+
+# ------------------------------------------------------------- whole models
+
+
+def _is_transformers_model(model) -> bool:
+    """A transformers PreTrainedModel (checked without importing transformers)."""
+    return any(c.__module__.startswith("transformers.") and c.__name__ == "PreTrainedModel"
+               for c in type(model).__mro__)
+
+
+def _convert(fn: str, model, layer_fn, target: str, init: str, return_report: bool, lab_cfg):
+    """Apply `layer_fn` (attn -> (new, error)) to one layer, or to every `Attention` of a
+    deep copy of `model`; update a lab model's cfg with `lab_cfg(cfg)`."""
+    if isinstance(model, Attention):
+        new, error = layer_fn(model)
+        report = ConversionReport(target, init, (LayerConversion("", error),))
+        return (new, report) if return_report else new
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"{fn} takes a multihead.Attention or an nn.Module holding them; "
+                        f"received {type(model).__name__}")
+    if isinstance(model, (nn.MultiheadAttention, LatentAttention)):  # a lone layer of another kind
+        _check_attention(fn, model)
+    names = [name for name, m in model.named_modules() if isinstance(m, Attention)]
+    if not names:
+        torch_mha = any(isinstance(m, nn.MultiheadAttention) for m in model.modules())
+        raise ValueError(f"{fn}: {type(model).__name__} holds no multihead.Attention layer"
+                         + (" (its nn.MultiheadAttention layers convert with multihead.convert.from_torch first)"
+                            if torch_mha else "")
+                         + "; valid: a multihead.Attention, a model built from them (a lab model), or a "
+                         "transformers model with num_key_value_heads in its config (to_gqa)")
+    new = copy.deepcopy(model)
+    rows = []
+    for name in names:
+        try:
+            converted, error = layer_fn(new.get_submodule(name))
+        except ValueError as err:
+            raise ValueError(f"{fn}: layer {name}: {err}") from None
+        parent, _, child = name.rpartition(".")
+        setattr(new.get_submodule(parent) if parent else new, child, converted)
+        rows.append(LayerConversion(name, error))
+    _update_lab_config(new, lab_cfg)
+    report = ConversionReport(target, init, tuple(rows))
+    return (new, report) if return_report else new
+
+
+def _update_lab_config(model: nn.Module, lab_cfg) -> None:
+    """A lab model records its architecture in `cfg` (what its checkpoint's config.json
+    says); it follows the conversion. Only a model of a loaded lab module can be one."""
+    lab = sys.modules.get("multihead.lab.models")
+    if lab is not None and isinstance(model, lab.LabTransformer):
+        model.cfg = lab_cfg(model.cfg)
 
 
 # ------------------------------------------------------------------------ MLA
@@ -147,6 +313,8 @@ def _check_mla_source(fn: str, attn) -> None:
             "commute with a shared latent's up-projection, so it cannot be absorbed; MLA's decoupled RoPE "
             "key is a different model that needs training (MHA2MLA, Ji et al., 2025). valid: rope=None"
         )
+    if attn.alibi:
+        raise ValueError(f"{fn}: the layer uses ALiBi, which LatentAttention does not carry; valid: alibi=False")
     if attn.context_dim != attn.d_model:
         raise ValueError(f"{fn}: context_dim ({attn.context_dim}) != d_model ({attn.d_model}): a cross-attention "
                          "layer has no LatentAttention equivalent (MLA is self-attention); "
@@ -177,9 +345,13 @@ def _check_rank(kv_rank, max_rank: int, attn: Attention) -> None:
         )
 
 
-def to_mla(attn: Attention, kv_rank: int, *, return_report: bool = False
-           ) -> LatentAttention | tuple[LatentAttention, MLAReport]:
+def to_mla(model, kv_rank: int, *, return_report: bool = False):
     """Factor an MHA/GQA layer's keys and values through a shared rank-`kv_rank` latent.
+
+    `model` is one `Attention` (returns a `LatentAttention`, and with `return_report`
+    its `MLAReport`: the error at every rank) or a model holding `Attention` layers: a
+    deep copy with every one converted (a lab model's `cfg` says attention "mla"), and
+    with `return_report` a `ConversionReport` of every layer's error at kv_rank.
 
     With M = [W_k ; W_v] `(2 * Hkv * D, C)` and its SVD U S V^T truncated to R = kv_rank:
     the down-projection `kv_a_proj` is S_R^(1/2) V_R^T `(R, C)` and the up-projection
@@ -196,13 +368,34 @@ def to_mla(attn: Attention, kv_rank: int, *, return_report: bool = False
     down-projection's bias (M gains the column [0 ; b_v]), so it passes through the
     latent like the weights.
 
-    Refused, with the reason: layers with RoPE (the rotation sits between W_k and the
-    scores and cannot be absorbed into a shared latent), cross-attention layers
-    (context_dim != d_model). Dropout is not carried over (LatentAttention has none).
+    A sliding window and a softcap are carried over. Refused, with the reason: layers
+    with RoPE (the rotation sits between W_k and the scores and cannot be absorbed into a
+    shared latent), cross-attention layers (context_dim != d_model), ALiBi. Dropout is
+    not carried over (LatentAttention has none).
 
     Returns:
-        the `LatentAttention`, or `(module, MLAReport)` with `return_report=True`.
+        the converted layer or model, or `(new, report)` with `return_report=True`.
     """
+    if _is_transformers_model(model):
+        raise TypeError(f"to_mla converts multihead.Attention layers and models built from them; received the "
+                        f"transformers model {type(model).__name__}: for a DeepSeek-V2/V3 model (already MLA) use "
+                        "multihead.interop.hf.patch; valid: a multihead.Attention or an nn.Module holding them")
+    if isinstance(model, Attention):
+        return _mla_layer(model, kv_rank, return_report)
+    bias = next((m.k_proj.bias is not None for m in model.modules() if isinstance(m, Attention)), False) \
+        if isinstance(model, nn.Module) else False
+    return _convert(
+        "to_mla", model, lambda attn: _mla_layer_error(attn, kv_rank), f"MLA-{kv_rank}", "svd", return_report,
+        lambda cfg: replace(cfg, attention="mla", kv_rank=kv_rank, n_kv_heads=None, latent_norm=False, bias=bias,
+                            rope_dim=0))
+
+
+def _mla_layer_error(attn: Attention, kv_rank) -> tuple[LatentAttention, float]:
+    mla, report = _mla_layer(attn, kv_rank, True)
+    return mla, report.error
+
+
+def _mla_layer(attn: Attention, kv_rank, return_report: bool):
     _check_mla_source("to_mla", attn)
     m = _kv_matrix(attn)  # (2*Hkv*D, C [+1])
     max_rank = min(m.shape)
@@ -221,7 +414,8 @@ def to_mla(attn: Attention, kv_rank: int, *, return_report: bool = False
     bias = _has_bias(attn)
     w = attn.q_proj.weight
     mla = LatentAttention(C, H, R, head_dim=D, v_head_dim=D, rope_dim=0, causal=attn.causal,
-                          backend=attn.backend, latent_norm=False, bias=bias)
+                          backend=attn.backend, latent_norm=False, bias=bias,
+                          sliding_window=attn.sliding_window, softcap=attn.softcap)
     mla = mla.to(device=w.device, dtype=w.dtype).train(attn.training)
     with torch.no_grad():
         mla.q_proj.load_state_dict(attn.q_proj.state_dict())
