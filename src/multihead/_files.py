@@ -3,9 +3,10 @@
 Every file the library writes (results.json, checkpoints, HTML pages, PNGs) goes
 through `atomic_path`: the content is written to a temporary file in the same folder and
 moved over the target with one `os.replace`, so a reader, a crash or Ctrl-C sees the old
-file or the new one, never a truncated or half-written one. The new file gets the mode a
+file or the new one, never a truncated or half-written one. A new file gets the mode a
 plain `open()` would give it (0666 less the umask, usually 0644), not the owner-only
-0600 of `tempfile.mkstemp` (or of safetensors).
+0600 of `tempfile.mkstemp` (or of safetensors); a replaced file keeps its own mode, as
+`open(path, "w")` would leave it (a private 0600 page stays private).
 
 `read_json` is the one way a user's JSON file (a Hugging Face config.json, a lab
 checkpoint's config) is read: the bytes read are bounded (so `/dev/zero` is refused,
@@ -20,6 +21,7 @@ import contextlib
 import json
 import math
 import os
+import stat
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
@@ -57,11 +59,19 @@ def atomic_path(path: str | os.PathLike) -> Iterator[Path]:
     os.close(fd)
     try:
         yield Path(tmp)
-        os.chmod(tmp, usual_mode())
+        os.chmod(tmp, _mode_for(path))
         os.replace(tmp, path)
     finally:
         with contextlib.suppress(FileNotFoundError):
             os.unlink(tmp)
+
+
+def _mode_for(path: Path) -> int:
+    """The mode the replaced file had (a user's 0600 stays 0600), else the usual mode."""
+    try:
+        return stat.S_IMODE(os.stat(path).st_mode)
+    except FileNotFoundError:
+        return usual_mode()
 
 
 def writable_target(path: str | os.PathLike) -> Path:
