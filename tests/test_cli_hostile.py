@@ -175,6 +175,41 @@ def test_writes_never_replace_what_is_not_a_regular_file(files, tmp_path):
         assert stat.S_ISSOCK(os.stat(files["socket"]).st_mode), "the socket was replaced by a file"
 
 
+def test_inspect_html_and_png_over_a_private_file_keep_its_mode(files, tmp_path):
+    """An atomic replace keeps the replaced file's mode: a user's 0600 page stays 0600."""
+    for flag, name in (("--html", "v.html"), ("--png", "v.png")):
+        target = tmp_path / name
+        target.write_bytes(b"old")
+        target.chmod(0o600)
+        argv = ["inspect", "a b c", "--model", files["lab"], flag, str(target)]
+        code, out, err = cli(argv)
+        assert code == 0, err
+        assert target.read_bytes() != b"old"
+        assert stat.S_IMODE(os.stat(target).st_mode) == 0o600, f"{flag}: {oct(os.stat(target).st_mode)}"
+
+
+def test_inspect_png_without_matplotlib_is_one_line_and_keeps_the_rest(files, tmp_path):
+    """matplotlib unimportable: exit 2 with one error line after the table; the HTML is written."""
+    html, png = tmp_path / "v.html", tmp_path / "v.png"
+    code = ("import sys; sys.modules['matplotlib'] = None; from multihead.cli import main; "
+            f"sys.exit(main(['inspect', 'a b c a b', '--model', {files['lab']!r}, '--html', {str(html)!r}, "
+            f"'--png', {str(png)!r}] + sys.argv[1:]))")
+    for extra in ([], ["--json"]):
+        r = subprocess.run([sys.executable, "-c", code, *extra], capture_output=True, text=True, timeout=SECONDS,
+                           env={**os.environ, "OMP_NUM_THREADS": "1"})
+        assert r.returncode == 2, r.stderr
+        assert "Traceback" not in r.stderr and "internal error" not in r.stderr, r.stderr
+        lines = [line for line in r.stderr.splitlines() if line.strip()]
+        assert len(lines) == 1 and lines[0].startswith("multihead inspect: error: --png"), r.stderr
+        assert "matplotlib" in lines[0] and "HTML view were produced" in lines[0]
+        assert html.is_file() and not png.exists()
+        if extra:
+            assert json.loads(r.stdout)["files"] == {"html": str(html.resolve())}
+        else:
+            assert "rank layer head" in r.stdout and "HTML head view" in r.stdout
+        html.unlink()
+
+
 def test_inspect_text_that_is_not_utf8(files):
     code, out, err = cli(["inspect", "a \udcff b", "--model", files["lab"]])  # how Python sees argv bytes 0xff
     assert code == 2 and "not valid UTF-8" in err and "Traceback" not in err

@@ -165,18 +165,22 @@ def main(args: argparse.Namespace) -> int:
 
         render_html(cap, roles=roles, path=html_path)
         written["html"] = str(html_path.resolve())
+    png_error = None
     if png_path is not None:
         from multihead.inspect.png import save_grid, save_head
 
-        if len(cap.layers) == 1 and len(cap.heads) == 1:
-            save_head(cap, cap.layers[0], cap.heads[0], png_path)
-        else:
-            save_grid(cap, png_path, roles=roles)
-        written["png"] = str(png_path.resolve())
+        try:
+            if len(cap.layers) == 1 and len(cap.heads) == 1:
+                save_head(cap, cap.layers[0], cap.heads[0], png_path)
+            else:
+                save_grid(cap, png_path, roles=roles)
+            written["png"] = str(png_path.resolve())
+        except ImportError as err:  # no matplotlib: the rest of the run still stands
+            png_error = f"--png {args.png} was not written: {str(err).splitlines()[0]}"
 
     if args.json:
         print(json.dumps(_as_json(cap, roles, written), indent=1, default=str))
-        return 0
+        return _png_verdict(png_error, written)
     print(f"{cap.model}: {cap.n_layers} layers x {cap.n_heads} heads; captured {len(cap.layers)} x "
           f"{len(cap.heads)} on {len(cap.tokens)} tokens")
     print("tokens: " + " ".join(cap.tokens[:40]) + (f" ... (+{len(cap.tokens) - 40})" if len(cap.tokens) > 40 else ""))
@@ -186,7 +190,16 @@ def main(args: argparse.Namespace) -> int:
         print(f"PNG: {written['png']}")
     print()
     print(format_roles(roles, full=args.roles or args.tl_scores))
-    return 0
+    return _png_verdict(png_error, written)
+
+
+def _png_verdict(png_error: str | None, written: dict) -> int:
+    """0, or (a PNG was asked and matplotlib is missing) one error line after the table
+    and the HTML view, which were produced: exit 2."""
+    if png_error is None:
+        return 0
+    made = "the table and the HTML view were produced" if "html" in written else "the table was produced"
+    raise UsageError(f"{png_error} ({made})")
 
 
 def _as_json(cap, roles, written) -> dict:
