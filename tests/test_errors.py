@@ -143,6 +143,15 @@ CASES = [
     ("softcap cap infinite", lambda: mh_softcap(float("inf")), ValueError, ["softcap cap", "positive finite", "inf"]),
     ("softcap cap learned", lambda: mh_softcap(torch.tensor(30.0, requires_grad=True)), ValueError,
      ["softcap cap", "requires grad", "torch.tanh(s / cap)"]),
+    ("window beyond int64 positions", lambda: masks.sliding_window(2**63), ValueError,
+     ["window must be a positive int", "9223372036854775808", "at most 2**62"]),
+    ("window 10**20", lambda: masks.sliding_window(10**20), ValueError,
+     ["window", "100000000000000000000", "at most 2**62"]),
+    ("chunk size huge", lambda: masks.chunked(2**64), ValueError, ["chunk size", "at most 2**62"]),
+    ("prefix_len huge", lambda: masks.prefix_lm(10**20), ValueError, ["prefix_len", "100000000000000000000",
+                                                                       "at most 2**62"]),
+    ("tile_classes zero tile", lambda: masks.tile_classes(masks.causal(), 1, 1, 4, 4, 0, 2), ValueError,
+     ["bq must be a positive int", "0"]),
 ]
 
 

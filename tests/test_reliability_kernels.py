@@ -1,13 +1,14 @@
 """Issue 18 (reliability, round 3), the kernel-side classes: every one of these failed before
 its fix. Numbers are held against the float64 NumPy reference or the float64 math path."""
 
+import numpy as np
 import pytest
 import torch
 
 import multihead as mh
 from conftest import assert_close
+from multihead import masks, score_mods
 from multihead import reference as R
-from multihead import score_mods
 
 sdpa = mh.scaled_dot_product_attention
 
@@ -44,3 +45,36 @@ def test_softcap_refuses_a_cap_that_requires_grad():
     """A learned cap read with .item() would silently never train."""
     with pytest.raises(ValueError, match="requires grad"):
         score_mods.softcap(torch.tensor(30.0, requires_grad=True))
+
+
+# ------------------------------------------------------- integers the predicates take
+
+_HUGE = [2**62 + 1, 2**63, 10**20, np.uint64(2**63)]
+
+
+@pytest.mark.parametrize("make", [masks.sliding_window, masks.chunked, masks.prefix_lm],
+                         ids=["sliding_window", "chunked", "prefix_lm"])
+@pytest.mark.parametrize("n", _HUGE, ids=str)
+def test_predicate_integers_beyond_int64_positions_are_refused(make, n):
+    """sliding_window(2**63) was accepted and overflowed (a wrong mask); 10**20 raised a bare
+    OverflowError. Positions are int64: every int a predicate takes is checked against 2**62."""
+    with pytest.raises(ValueError, match=r"2\*\*62"):
+        make(n)
+
+
+@pytest.mark.parametrize("make, same", [(masks.sliding_window, masks.causal()),
+                                        (masks.prefix_lm, lambda b, h, q, kv: kv >= 0),
+                                        (masks.chunked, lambda b, h, q, kv: kv >= 0)],
+                         ids=["sliding_window", "prefix_lm", "chunked"])
+def test_predicate_integers_up_to_the_bound_are_exact(make, same):
+    """The largest value accepted still gives the right mask (a window past S is causal)."""
+    got = masks.to_dense(make(2**62), 1, 1, 5, 6)
+    want = masks.to_dense(same, 1, 1, 5, 6)
+    assert torch.equal(got.expand(1, 1, 5, 6), want.expand(1, 1, 5, 6))
+
+
+def test_tile_sizes_are_validated():
+    with pytest.raises(ValueError, match="bq must be a positive int"):
+        masks.tile_classes(masks.causal(), 1, 1, 4, 4, 0, 2)
+    with pytest.raises(ValueError, match="bk must be a positive int"):
+        masks.tile_classes(masks.causal(), 1, 1, 4, 4, 2, 2**63)

@@ -219,6 +219,8 @@ def tile_classes(mask_mod: MaskMod, B: int, H: int, T: int, S: int, bq: int, bk:
     Bm is 1 or B and Hm is 1 or H, whichever the predicate depends on.
     """
     mask_mod = _as_mod(mask_mod, "tile_classes")
+    for name, n in (("B", B), ("H", H), ("T", T), ("S", S), ("bq", bq), ("bk", bk)):
+        _positive_int(n, name)
     mask_mod.check(B, H, T, S)
     any_, all_ = mask_mod.tiles(B, H, T, S, bq, bk, device)
     any_, all_ = torch.broadcast_tensors(any_, all_)
@@ -278,9 +280,15 @@ def or_masks(*mods: MaskMod | Callable) -> MaskMod:
 # ------------------------------------------------------------------ the predicates
 
 
+# The largest int a predicate takes (window, chunk size, prefix length): positions are int64
+# tensors, and the predicates add and subtract them (q - kv, window - 1), so a bound with room
+# to spare. Any window or prefix beyond the sequence means the same mask as this one.
+_MAX_INT = 2**62
+
+
 def _int_at_least(value, minimum: int, message: str) -> int:
     """operator.index(value) (so numpy and 0-d tensor ints pass, bool does not) if it is
-    >= minimum; else ValueError(message)."""
+    in [minimum, 2**62]; else ValueError(message, with the bound)."""
     if isinstance(value, bool):
         raise ValueError(message)
     try:
@@ -289,6 +297,9 @@ def _int_at_least(value, minimum: int, message: str) -> int:
         raise ValueError(message) from None
     if n < minimum:
         raise ValueError(message)
+    if n > _MAX_INT:
+        raise ValueError(f"{message}: at most 2**62 = {_MAX_INT} (positions are int64; any larger value "
+                         f"means the same mask as 2**62)")
     return n
 
 
