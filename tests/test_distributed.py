@@ -320,6 +320,31 @@ def _w_one_rank_raises(rank, world):
     return {}
 
 
+def _w_pickle_2(rank, world):
+    """A context-parallel layer (its class is made by context_parallel) saves with torch.save and
+    loads back equal: same class, same outputs on the shard, on the default group."""
+    import io
+
+    from multihead import Attention
+    from multihead.distributed import context_parallel, shard_sequence
+
+    torch.manual_seed(3)
+    cp = context_parallel(Attention(16, 4, 2, causal=True, rope=True).double(), layout="zigzag")
+    x = shard_sequence(torch.randn(2, 4 * world, 16, dtype=torch.float64), 1, "zigzag")
+    buf = io.BytesIO()
+    torch.save(cp, buf)
+    buf.seek(0)
+    loaded = torch.load(buf, weights_only=False)
+    copied = copy.deepcopy(cp)
+    diffs = {"same class": float(type(loaded) is not type(cp)), "layout": float(loaded.cp_layout != "zigzag")}
+    with torch.no_grad():
+        y = cp(x)
+        diffs["loaded out"] = _diff(loaded(x), y)
+        diffs["deepcopy out"] = _diff(copied(x), y)
+    diffs["state_dict keys"] = float(sorted(loaded.state_dict()) != sorted(cp.state_dict()))
+    return diffs
+
+
 # ------------------------------------------------------------------------- tests
 
 
@@ -340,6 +365,11 @@ def test_modules_2_ranks():
 def test_world_of_4():
     """4 ranks on 2 cores (oversubscribed): ring, GQA with Hkv < P replicated, MLA, context parallel."""
     assert_all_close(run_world(_w_world_4, 4))
+
+
+@pytest.mark.distributed
+def test_a_context_parallel_layer_pickles():
+    assert_all_close(run_world(_w_pickle_2, 2), tol=0.0)
 
 
 @pytest.mark.distributed

@@ -204,3 +204,27 @@ def test_decode_benchmark_runs(tmp_path):
     rows = json.loads(out.read_text())["rows"]
     assert set(rows) == {"transformers", "registry", "patched"} and all(r["tokens_equal"] for r in rows.values())
     assert len({r["cache_bytes"] for r in rows.values()}) == 1
+
+
+@pytest.mark.parametrize("version", [2, 3])
+def test_a_patched_model_pickles_and_loads_back_equal(version, tmp_path):
+    """torch.save of the whole patched model (a class made at patch time) loads back patched,
+    with the same outputs, sharing parameters as before, and unpatches to the original."""
+    ref = _deepseek(version, yarn=True)
+    model = hf.patch(copy.deepcopy(ref))
+    torch.save(model, tmp_path / "model.pt")
+    loaded = torch.load(tmp_path / "model.pt", weights_only=False)
+    assert len(hf.patched_layers(loaded)) == L
+    layer = hf.patched_layers(loaded)[0]
+    assert layer.mla.kv_b_proj is layer.kv_b_proj  # still shared after the round trip
+    assert type(layer) is type(hf.patched_layers(model)[0])  # the same class, made once per process
+    ids, keep = _batch()
+    with torch.no_grad():
+        a = loaded(input_ids=ids, attention_mask=keep).logits
+        b = ref(input_ids=ids, attention_mask=keep).logits
+    assert_close(a, b, atol=1e-5, rtol=0, what="reloaded patched model vs the plain one")
+    hf.unpatch(loaded)
+    with torch.no_grad():
+        assert torch.equal(loaded(input_ids=ids, attention_mask=keep).logits, b)
+    copied = copy.deepcopy(model)  # deepcopy takes the same road
+    assert hf.patched_layers(copied)[0].mla.o_proj is hf.patched_layers(copied)[0].o_proj

@@ -15,6 +15,8 @@ manager. It is not used here: the ring below runs on CPU/gloo and CUDA/NCCL alik
 
 from __future__ import annotations
 
+import copy
+
 import torch
 import torch.distributed as dist
 from torch import Tensor
@@ -59,7 +61,7 @@ class _ContextParallel:
                              "(T, N) weights of its queries; use the unsharded module to inspect them")
         if self.rope is not None and positions is None and rotary is None:
             self._check_input("x", x, self.d_model)
-            positions = shard_positions(x.shape[1], self.cp_layout, self.cp_group, device=x.device)
+            positions = shard_positions(x.shape[1], self.cp_layout, self._group(), device=x.device)
         return super().forward(x, mask=mask, positions=positions, rotary=rotary)
 
     def _attend(self, q: Tensor, k: Tensor, v: Tensor, mask, *, causal: bool, dropout_p: float,
@@ -67,14 +69,56 @@ class _ContextParallel:
         if dropout_p > 0:
             raise ValueError(f"ring attention applies no dropout; this layer has dropout={self.dropout} in "
                              f"training mode: set dropout=0 or call .eval()")
-        out = ring_attention(q, k, v, causal=causal, layout=self.cp_layout, group=self.cp_group, mask=mask)
+        out = ring_attention(q, k, v, causal=causal, layout=self.cp_layout, group=self._group(), mask=mask)
         return out, None
 
     def extra_repr(self) -> str:
         return super().extra_repr() + f", context parallel: layout={self.cp_layout!r}"
 
+    # The class is made by `context_parallel`, so pickle cannot find it by name: it is made
+    # again from the original class on load. A process group cannot be saved: the default
+    # group is saved as None (resolved at each call, in the loading process); another group
+    # is left out, and the loaded layer says so when called.
+    def __reduce_ex__(self, protocol):
+        state = self.__getstate__()
+        group = state.get("cp_group")
+        if group is not None and not (dist.is_initialized() and group == dist.group.WORLD):
+            state["cp_group"] = _GROUP_NOT_SAVED
+        else:
+            state["cp_group"] = None
+        return _new_context_parallel, (type(self).__bases__[1],), state
+
+    def __deepcopy__(self, memo):
+        new = _new_context_parallel(type(self).__bases__[1])
+        memo[id(self)] = new
+        state = {k: v for k, v in self.__dict__.items() if k != "cp_group"}
+        new.__setstate__(copy.deepcopy(state, memo))
+        new.cp_group = self.cp_group  # the same group, not a copy of it
+        return new
+
+    def _group(self):
+        if isinstance(self.cp_group, str):
+            raise ValueError("this context-parallel layer was saved with a process group other than the default "
+                             "one, which cannot be saved; set layer.cp_group = <your group> after loading")
+        return self.cp_group
+
+
+# What a pickled layer holds in place of a group that is not the default one.
+_GROUP_NOT_SAVED = "<process group not saved>"
 
 _CLASSES: dict[type, type] = {}
+
+
+def _cp_class(cls: type) -> type:
+    """The context-parallel class of `cls`, made once per process."""
+    if cls not in _CLASSES:
+        _CLASSES[cls] = type(f"ContextParallel{cls.__name__}", (_ContextParallel, cls), {"__module__": __name__})
+    return _CLASSES[cls]
+
+
+def _new_context_parallel(cls: type) -> Attention:
+    """An empty instance of the context-parallel class of `cls` (what unpickling calls)."""
+    return _cp_class(cls).__new__(_cp_class(cls))
 
 
 def context_parallel(module: Attention, group=None, layout: str = "zigzag") -> Attention:
@@ -100,10 +144,7 @@ def context_parallel(module: Attention, group=None, layout: str = "zigzag") -> A
     if unsupported:
         raise ValueError(f"context_parallel runs the kernel as ring attention, which does not apply "
                          f"{', '.join(unsupported)}; received a module with {', '.join(unsupported)} set")
-    cls = type(module)
-    if cls not in _CLASSES:
-        _CLASSES[cls] = type(f"ContextParallel{cls.__name__}", (_ContextParallel, cls), {"__module__": __name__})
-    module.__class__ = _CLASSES[cls]
+    module.__class__ = _cp_class(type(module))
     module.cp_group = group
     module.cp_layout = layout
     return module

@@ -92,6 +92,11 @@ class LatentAttentionLayer(nn.Module):
                 getattr(self, name).update(src)
         self.train(original.training)
 
+    def __reduce_ex__(self, protocol):
+        # The class is made at patch time (it derives from the replaced transformers class),
+        # so pickle cannot find it by name: it is made again from that class on load.
+        return _new_replacement, (type(self).__bases__[1],), self.__getstate__()
+
     def extra_repr(self) -> str:
         m = self.mla
         return (f"layer_idx={self.layer_idx}, kv_rank={m.kv_rank}, rope_dim={m.rope_dim}: caches "
@@ -142,7 +147,11 @@ _CLASSES: dict[type, type] = {}
 
 def _replacement_for(original: nn.Module) -> LatentAttentionLayer:
     """An instance of a class deriving from both LatentAttentionLayer and the replaced class."""
-    cls = type(original)
+    return _new_replacement(type(original))
+
+
+def _new_replacement(cls: type) -> LatentAttentionLayer:
+    """An empty instance of the replacement class of `cls` (also what unpickling calls)."""
     if cls not in _CLASSES:
         _CLASSES[cls] = type(f"Multihead{cls.__name__}", (LatentAttentionLayer, cls),
                              {"__doc__": LatentAttentionLayer.__doc__, "__module__": __name__,
