@@ -1,13 +1,15 @@
 """Account for and recommend an attention geometry.
 
   multihead plan --params 7B --context 32k --device h100-80gb --batch 16
-  multihead plan --config path/to/config.json --context 8k --device a100-80gb
-  multihead plan --config path/to/model-folder
-  multihead plan --compare llama.json mistral.json gemma2.json --json
+  multihead plan --config llama-3-8b --context 8k --device a100-80gb
+  multihead plan --config path/to/config.json (or path/to/model-folder)
+  multihead plan --compare llama-3-8b mistral-7b-v0.1 gemma-2-9b --json
+  multihead plan --list-configs
 
 With --params, recommend a variant (MHA, GQA, MQA, MLA), head geometry, init scales and
 the check to run, with a ranked table of alternatives. With --config or --compare, the
-exact accounting of Hugging Face config.json files: parameters, KV cache (window- and
+exact accounting of Hugging Face config.json files (or of the presets shipped with
+multihead, named as --list-configs lists them): parameters, KV cache (window- and
 MLA-aware), attention FLOPs and, with a device, what fits and the decode estimate.
 Sizes are written as people write them: 125M, 1.3B, 70B; 32k, 128K; 80GB, 80GiB.
 """
@@ -25,10 +27,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     mode = parser.add_argument_group("what to plan (one of)")
     mode.add_argument("--params", metavar="SIZE",
                       help="recommend a geometry for this many parameters (125M, 1.3B, 7B, 70B)")
-    mode.add_argument("--config", metavar="PATH",
-                      help="account for a Hugging Face config.json, or a model folder holding one")
-    mode.add_argument("--compare", metavar="PATH", nargs="+",
-                      help="account for several config.json files (or model folders) side by side")
+    mode.add_argument("--config", metavar="PATH|PRESET",
+                      help="account for a Hugging Face config.json, a model folder holding one, or a "
+                           "preset (llama-3-8b, qwen2.5-7b, mixtral-8x7b, minilm, ...: see --list-configs)")
+    mode.add_argument("--compare", metavar="PATH|PRESET", nargs="+",
+                      help="account for several configs (files, folders or presets) side by side")
+    mode.add_argument("--list-configs", action="store_true",
+                      help="list the preset configs (public config.json files shipped with multihead)")
     mode.add_argument("--list-devices", action="store_true", help="list the device presets")
 
     use = parser.add_argument_group("how it is used")
@@ -125,11 +130,13 @@ def _main(args) -> int:
 
     if args.list_devices:
         return _list_devices(devices, args.json)
+    if args.list_configs:
+        return _list_configs(args.json)
     modes = [m for m in ("params", "config", "compare") if getattr(args, m)]
     if len(modes) != 1:
         given = ", ".join(f"--{m}" for m in modes) or "none"
-        raise _usage(f"give exactly one of --params SIZE (e.g. 7B), --config FILE or --compare "
-                     f"FILE FILE...; received {given}")
+        raise _usage(f"give exactly one of --params SIZE (e.g. 7B), --config FILE|PRESET or --compare "
+                     f"FILE|PRESET ... (presets: --list-configs); received {given}")
     if args.priority not in ("inference", "training"):
         raise _usage(f"--priority must be inference or training; received {args.priority!r}")
     dtype = units.dtype_name(args.dtype)
@@ -178,6 +185,27 @@ def _main(args) -> int:
         print(json.dumps(report.account_json(accounts), indent=2))
     else:
         print(report.account_text(accounts))
+    return 0
+
+
+def _list_configs(as_json: bool) -> int:
+    from multihead.plan.configs import read_config
+    from multihead.plan.geometry import param_counts
+    from multihead.plan.presets import PRESETS
+    from multihead.plan.units import fmt_count, table
+
+    models = {name: read_config(p.config, name=name) for name, p in PRESETS.items()}
+    if as_json:
+        print(json.dumps({"schema": "multihead.plan.presets/1", "presets": [
+            {"name": name, "repo": PRESETS[name].repo, "family": m.family, "attention": m.attention.label,
+             "params": param_counts(m).total, "context": m.context_length}
+            for name, m in models.items()]}, indent=2))
+        return 0
+    rows = [[name, m.family, m.attention.label, fmt_count(param_counts(m).total),
+             f"{m.context_length:,}" if m.context_length else "-", PRESETS[name].repo]
+            for name, m in models.items()]
+    print(table(["preset", "family", "attention", "params", "positions", "from"], rows, right={3, 4}))
+    print("use: multihead plan --config NAME (or --compare NAME NAME ...); a file or folder of that name wins")
     return 0
 
 

@@ -54,6 +54,7 @@ from multihead.plan.geometry import (
     MixtureOfExperts,
     ModelGeometry,
 )
+from multihead.plan.presets import PRESETS, did_you_mean, find_preset, preset_config
 
 MAX_CONFIG_BYTES = 4 * 2**20  # published config.json files are a few KB; 4 MiB is generous
 MAX_FIELD = 2**40  # no width, count or length of a real model comes near this
@@ -467,7 +468,9 @@ SUPPORTED = ", ".join(READERS)
 
 
 def read_config(source, name: str | None = None) -> ModelGeometry:
-    """A `ModelGeometry` from a config.json path, a model folder holding one, or a dict.
+    """A `ModelGeometry` from a config.json path, a model folder holding one, a dict, or the
+    name of a preset (`"llama-3-8b"`, see `multihead.plan.presets`; a file or folder of that
+    name wins).
 
     Raises ValueError naming the file and what is wrong: unreadable, larger than
     MAX_CONFIG_BYTES, not UTF-8, not JSON (or nested too deeply), not a model config, an
@@ -477,6 +480,13 @@ def read_config(source, name: str | None = None) -> ModelGeometry:
         data, label = source, name or "config"
     elif isinstance(source, (str, os.PathLike)):
         label = os.fspath(source)
+        if not os.path.lexists(source):
+            preset = find_preset(label) if isinstance(source, str) else None
+            if preset is None:
+                raise ValueError(f"cannot read {label}: no such file or folder, and no preset of that name"
+                                 f"{did_you_mean(label)} (presets: {', '.join(PRESETS)}; `multihead plan "
+                                 "--list-configs` lists them)")
+            return read_config(preset_config(preset.name), name=name or preset.name)
         if os.path.isdir(source):
             source = os.path.join(source, "config.json")
             if not os.path.isfile(source):
