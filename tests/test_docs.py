@@ -1,8 +1,9 @@
 """The docs run: every code block of README.md and docs/*.md is executed.
 
 - Python blocks run in order within a file, all of a file's blocks in one fresh
-  subprocess (a later block may use the names an earlier one defined), in a temporary
-  folder holding the files the docs name (config.json files of public models).
+  subprocess (a later block may use the names an earlier one defined), in an empty
+  temporary folder: as on a fresh checkout, no file the docs do not make is there (plan
+  examples name presets, which ship with the package).
 - Shell blocks: each line that starts with `multihead` runs as `python -m multihead ...`;
   lab commands get `--quick` (they train). Other lines (`make run`, `pip install`) are
   set-up instructions and are not run here.
@@ -17,7 +18,6 @@ Blocks that load the MiniLM model or train are marked slow; the rest takes secon
 
 from __future__ import annotations
 
-import json
 import os
 import re
 import shlex
@@ -28,8 +28,6 @@ from pathlib import Path
 
 import pytest
 
-from plan_public_configs import CONFIGS
-
 ROOT = Path(__file__).resolve().parent.parent
 DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 SKIP = re.compile(r"<!--\s*docs-test:\s*skip\s*\((?P<reason>[^)]+)\)\s*-->")
@@ -39,19 +37,6 @@ HEAVY = re.compile(r"\b(capture|induction_scores|head_roles|AutoModel|from_pretr
 TIMEOUT = 600
 # Files whose light blocks still take over ~10 s on 2 cores (DeepSeek-sized MLA layers).
 SLOW_FILES = {"docs/mla.md"}
-
-# Files the docs name, with the public config.json of the model they name.
-FIXTURES = {
-    "config.json": "llama-3-8b",
-    "Meta-Llama-3-8B/config.json": "llama-3-8b",
-    "llama3.json": "llama-3-8b",
-    "gemma2.json": "gemma-2-9b",
-    "deepseek-v2-lite.json": "deepseek-v2-lite",
-    "mixtral/config.json": "mixtral-8x7b",
-    "gpt-oss-20b.json": "gpt-oss-20b",
-    "qwen3-30b-a3b.json": "qwen3-30b-a3b",
-}
-
 
 @dataclass
 class Block:
@@ -118,24 +103,16 @@ def _env() -> dict:
     return env
 
 
-def _fill(folder: Path) -> Path:
-    for name, model in FIXTURES.items():
-        path = folder / name
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps(CONFIGS[model]))
-    return folder
-
-
 @pytest.fixture()
 def workdir(tmp_path):
-    return _fill(tmp_path)
+    return tmp_path
 
 
 @pytest.fixture(scope="module")
 def shared_dir(tmp_path_factory):
-    """One folder for the shell commands, so a command that is run and whose quoted output
-    is compared runs once (`_RUNS`)."""
-    return _fill(tmp_path_factory.mktemp("docs-shell"))
+    """One empty folder for the shell commands, so a command that is run and whose quoted
+    output is compared runs once (`_RUNS`)."""
+    return tmp_path_factory.mktemp("docs-shell")
 
 
 _RUNS: dict[str, subprocess.CompletedProcess] = {}

@@ -76,9 +76,19 @@ def get_device(name: str) -> Device:
         raise TypeError(f"device must be a name; received {name!r}")
     key = name.strip().lower()
     if key not in DEVICES:
-        raise ValueError(f"unknown device {name!r}; valid: {', '.join(DEVICES)} "
+        raise ValueError(f"unknown device {name!r}{_did_you_mean(key)}; valid: {', '.join(DEVICES)} "
                          "(or give --memory and --bandwidth)")
     return DEVICES[key]
+
+
+def _did_you_mean(key: str) -> str:
+    """' (did you mean h100-80gb or h100-pcie?)' for 'h100': the presets that start with what was
+    typed (a family name), else the close spellings."""
+    import difflib
+
+    close = [n for n in DEVICES if key and n.startswith(key.replace(" ", "-"))]
+    close = close or difflib.get_close_matches(key, list(DEVICES), n=3, cutoff=0.6)
+    return f" (did you mean {' or '.join(close)}?)" if close else ""
 
 
 def custom_device(memory: int, bandwidth: int, name: str = "custom") -> Device:

@@ -240,11 +240,11 @@ def preset_config(name: str) -> dict:
 
 
 def did_you_mean(name: str) -> str:
-    """'; did you mean llama-3-8b?' for a name close to a preset's, else ''."""
+    """' (did you mean llama-3-8b?)' for a name close to a preset's, else ''."""
     key = str(name).strip().lower().removesuffix("/config.json").removesuffix(".json")
     close = difflib.get_close_matches(key, list(_BY_ALIAS), n=3, cutoff=0.6)
     names = list(dict.fromkeys(_BY_ALIAS[c].name for c in close))
-    return f"; did you mean {' or '.join(names)}?" if names else ""
+    return f" (did you mean {' or '.join(names)}?)" if names else ""
 
 
 __all__ = ["PRESETS", "Preset", "did_you_mean", "find_preset", "preset_config"]

@@ -379,14 +379,14 @@ def _pick(req: Request, cands: dict[str, Candidate], start_label: str, start_why
                          if pick.label != "MHA" else "."))
     if pick is not None:
         bigger = ladder[ladder.index(pick) - 1]
-        free = fmt_bytes(max(bigger.fit.free_bytes, 0))
         return pick, (f"{pick.label}: {bigger.label} would need {fmt_bytes(bigger.kv_bytes)} of "
-                      f"KV cache at {_at(req)}, more than the {free} left beside the weights on "
-                      f"{_device_words(req)}; {pick.label} needs {fmt_bytes(pick.kv_bytes)}.")
+                      f"KV cache at {_at(req)} + {fmt_bytes(bigger.fit.weights_bytes)} of weights = "
+                      f"{_total(bigger)}, more than the {_usable(req)}; {pick.label} needs "
+                      f"{fmt_bytes(pick.kv_bytes)} + {fmt_bytes(pick.fit.weights_bytes)} = {_total(pick)}.")
     pick = min(ladder, key=lambda x: (x.kv_bytes, x.label))
     return pick, (f"{pick.label}: the smallest KV cache on the ladder "
-                  f"({fmt_bytes(pick.kv_bytes)} at {_at(req)}) and still more than the "
-                  f"{fmt_bytes(max(pick.fit.free_bytes, 0))} left on {_device_words(req)}.")
+                  f"({fmt_bytes(pick.kv_bytes)} at {_at(req)}; with the weights {_total(pick)}) and "
+                  f"still more than the {_usable(req)}.")
 
 
 def _pick_warnings(req: Request, pick: Candidate) -> list[str]:
@@ -401,8 +401,9 @@ def _pick_warnings(req: Request, pick: Candidate) -> list[str]:
             f"for the cache), or --weights-dtype fp8/int4")
     elif not pick.fit.fits:
         warnings.append(
-            f"the KV cache ({fmt_bytes(pick.kv_bytes)} at {_at(req)}) does not fit in the "
-            f"{fmt_bytes(pick.fit.free_bytes)} left beside the weights: at most "
+            f"the KV cache ({fmt_bytes(pick.kv_bytes)} at {_at(req)}) does not fit: with the "
+            f"{fmt_bytes(pick.fit.weights_bytes)} of weights it needs {_total(pick)}, more than the "
+            f"{_usable(req)}: at most "
             f"{pick.max_batch} sequences of {fmt_tokens(req.context)} fit, or "
             f"{pick.max_context:,} tokens at batch {req.batch}")
     return warnings + mha_warnings(pick.model, req.context, req.batch, req.dtype)
@@ -451,14 +452,23 @@ def _device_words(req: Request) -> str:
     return (f"{req.n_devices} x {req.device.name}" if req.n_devices > 1 else req.device.name)
 
 
+def _usable(req: Request) -> str:
+    """The one memory figure every line quotes: what the devices hold less the reserve."""
+    return (f"{fmt_bytes(int((1 - RESERVE) * req.device.memory * req.n_devices))} usable on "
+            f"{_device_words(req)}")
+
+
+def _total(c: Candidate) -> str:
+    return fmt_bytes(c.kv_bytes + c.fit.weights_bytes)
+
+
 def _fit_words(c: Candidate) -> str:
     f = c.fit
     if not f.weights_fit:
-        return "but the weights alone do not fit"
-    if f.fits:
-        return (f"which fits in the {fmt_bytes(f.free_bytes)} left beside "
-                f"{fmt_bytes(f.weights_bytes)} of weights")
-    return f"more than the {fmt_bytes(f.free_bytes)} left beside the weights"
+        return f"but the {fmt_bytes(f.weights_bytes)} of weights alone exceed the {fmt_bytes(f.usable_bytes)} usable"
+    verdict = "which fits in" if f.fits else "more than"
+    return (f"with {fmt_bytes(f.weights_bytes)} of weights {_total(c)}, {verdict} the "
+            f"{fmt_bytes(f.usable_bytes)} usable")
 
 
 # --- warnings shared with the accounting of real configs ---------------------------

@@ -47,6 +47,7 @@ def geometry_dict(model: ModelGeometry) -> dict:
         "vocab_size": model.vocab_size,
         "tied_embeddings": model.tied_embeddings,
         "causal": model.causal,
+        "max_positions": model.context_length,
     }
     if isinstance(a, LatentGeometry):
         out["mla"] = {"kv_rank": a.kv_rank, "q_rank": a.q_rank, "rope_dim": a.rope_dim,
@@ -169,8 +170,9 @@ def _row_values(acc: dict) -> list[tuple[str, str]]:
             ("decompressed KV / token", f"{dec:,} B ({fmt_bytes(dec)})" if dec else na),
             (f"decompressed @ {at}", fmt_bytes(kv["decompressed_bytes"]) if dec else na),
         ]
-    rows.append((f"prefill FLOPs/token @ {ctx}", fmt_flops(fl["prefill_per_token"])))
-    rows.append((f"decode FLOPs/token @ {ctx}", fmt_flops(fl["decode_per_token"])
+    # Attention only (q/k/v/o projections and the scores), not the FFN or the LM head.
+    rows.append((f"attention FLOPs/token, prefill @ {ctx}", fmt_flops(fl["prefill_per_token"])))
+    rows.append((f"attention FLOPs/token, decode @ {ctx}", fmt_flops(fl["decode_per_token"])
                  if fl["decode_per_token"] is not None else na))
     if dev is not None:
         where = dev["name"] if dev["n_devices"] == 1 else f"{dev['n_devices']} x {dev['name']}"
@@ -182,12 +184,19 @@ def _row_values(acc: dict) -> list[tuple[str, str]]:
             ("free for KV", fmt_bytes(max(dev["free_bytes"], 0))),
             ("fits", "yes" if dev["fits"] else "NO"),
             ("max batch @ context", f"{dev['max_batch_at_context']:,}" if kv else na),
-            ("max context @ batch", na if kv is None else
-             "unbounded" if longest >= UNBOUNDED else f"{longest:,}"),
+            ("max context @ batch", na if kv is None else _max_context_words(longest, g["max_positions"])),
             ("decode ms/step (mem-bound)", f"{decode * 1e3:.2f}" if decode else na),
             ("tokens/s", f"{dev['tokens_per_s']:,.0f}" if decode else na),
         ]
     return rows
+
+
+def _max_context_words(longest: int, positions: int | None) -> str:
+    """The longest context that fits, capped at the model's positions (and saying so)."""
+    memory = "unbounded" if longest >= UNBOUNDED else f"{longest:,}"
+    if positions and longest > positions:
+        return f"{positions:,} (its positions; memory: {memory})"
+    return memory
 
 
 def account_text(accounts: list[dict]) -> str:
@@ -267,6 +276,14 @@ def _init_lines(init: dict) -> list[str]:
     return [f"{'init' if i == 0 else '':<10}{line}" for i, line in enumerate(lines)]
 
 
+def _wrapped(label: str, text: str, width: int = 100) -> list[str]:
+    """'why       text...' wrapped at `width`, continuation lines under the text."""
+    import textwrap
+
+    return textwrap.wrap(text, width, initial_indent=f"{label:<10}", subsequent_indent=" " * 10,
+                         break_on_hyphens=False) or [label]
+
+
 def recommendation_text(rec: Recommendation) -> str:
     r, p, f = rec.request, rec.pick, rec.pick.fit
     where = r.device.name if r.n_devices == 1 else f"{r.n_devices} x {r.device.name}"
@@ -278,14 +295,15 @@ def recommendation_text(rec: Recommendation) -> str:
         f"pick      {describe(p.model)}" + (f" ({rec.pick_note})" if rec.pick_note else ""),
         f"          {p.params.total:,} parameters ({fmt_count(p.params.total)}), "
         f"{p.params.attention_per_layer:,} in attention per layer",
-        f"why       {rec.reason}",
+        *_wrapped("why", rec.reason),
         f"KV cache  {p.kv_bytes_per_token:,} B/token; {fmt_bytes(p.kv_bytes)} at "
-        f"{fmt_tokens(r.context)} x {r.batch} ({'fits' if f.fits else 'DOES NOT FIT'}: "
-        f"{fmt_bytes(max(f.free_bytes, 0))} free beside {fmt_bytes(f.weights_bytes)} of weights)",
+        f"{fmt_tokens(r.context)} x {r.batch} ({'fits' if f.fits else 'DOES NOT FIT'}: with "
+        f"{fmt_bytes(f.weights_bytes)} of weights {fmt_bytes(p.kv_bytes + f.weights_bytes)} of the "
+        f"{fmt_bytes(f.usable_bytes)} usable)",
         f"decode    {f.decode_s * 1e3:.2f} ms/step memory-bound, {f.tokens_per_s:,.0f} tokens/s "
         f"at batch {r.batch}",
         *_init_lines(rec.init),
-        f"biases    {'yes' if rec.bias['use'] else 'none'}: {rec.bias['reason']}",
+        *_wrapped("biases", f"{'yes' if rec.bias['use'] else 'none'}: {rec.bias['reason']}"),
         f"check     {rec.check['command']}",
         f"          ({rec.check['expect']})",
         "",
