@@ -74,7 +74,8 @@ def test_render_html_never_truncates_an_existing_page(tmp_path):
     good = AttentionCapture(tokens=["a", "b", "c"], token_ids=[0, 1, 2], layers=[0], heads=[0], weights=w,
                             n_layers=1, n_heads=1, model="m", meta={})
     path = tmp_path / "view.html"
-    page = render_html(good, path=path)
+    assert render_html(good, path=path) == path.resolve()  # writing returns the path, not the page
+    page = render_html(good)
     assert path.read_text(encoding="utf-8") == page and mode(path) == usual_mode()
     bad = AttentionCapture(tokens=["a", "\udcff", "c"], token_ids=[0, 1, 2], layers=[0], heads=[0], weights=w,
                            n_layers=1, n_heads=1, model="m", meta={})

@@ -188,8 +188,10 @@ def test_roles_of_captured_heads_become_badges(tmp_path):
         HeadRole(5, 0, {"induction": 0.9}, "induction", 0.9),  # not captured: ignored
     ]
     path = tmp_path / "view.html"
-    page = render_html(cap, roles, path)
-    assert path.read_text(encoding="utf-8") == page
+    written = render_html(cap, roles, path)  # writing returns where it wrote, not the page
+    assert written == path.resolve()
+    page = path.read_text(encoding="utf-8")
+    assert page == render_html(cap, roles)
     assert page_data(page)["roles"] == [
         {
             "layer": 0,

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 import torch
 
 
-@dataclass
+@dataclass(repr=False)
 class AttentionCapture:
     """Per-head attention weights of one text through one model.
 
@@ -43,6 +43,18 @@ class AttentionCapture:
         assert (L, H) == (len(self.layers), len(self.heads)), "weights do not match layers/heads"
         assert T == S == len(self.tokens), "weights do not match the tokens"
 
+    def __repr__(self) -> str:
+        """A few lines, never the weights: model, tokens, what was captured, the tensor's shape."""
+        T = len(self.tokens)
+        shown = " ".join(str(t) for t in self.tokens[:8]) + (" ..." if T > 8 else "")
+        every = len(self.layers) == self.n_layers and len(self.heads) == self.n_heads
+        what = ("every head" if every else
+                f"layers {_spans(self.layers)} x heads {_spans(self.heads)}")
+        return (f"AttentionCapture(model={self.model!r}, {T} tokens: {shown!r},\n"
+                f"  {self.n_layers} layers x {self.n_heads} heads; captured {what}: weights "
+                f"{tuple(self.weights.shape)} {str(self.weights.dtype).removeprefix('torch.')}"
+                f"{', meta: ' + ', '.join(map(str, self.meta)) if self.meta else ''})")
+
     def _repr_html_(self) -> str:
         """Jupyter shows a capture as its head view: the page of `render_html` (roles from
         `head_roles`) in a sandboxed iframe, self-contained and offline like the file."""
@@ -57,6 +69,18 @@ class AttentionCapture:
         if head not in self.heads:
             raise ValueError(f"head {head} was not captured; captured: {self.heads}")
         return self.weights[self.layers.index(layer), self.heads.index(head)]
+
+
+def _spans(indices: list[int]) -> str:
+    """[0, 1, 2, 3, 7] -> '0-3,7' (what --only-heads accepts)."""
+    out, i = [], 0
+    while i < len(indices):
+        j = i
+        while j + 1 < len(indices) and indices[j + 1] == indices[j] + 1:
+            j += 1
+        out.append(str(indices[i]) if i == j else f"{indices[i]}-{indices[j]}")
+        i = j + 1
+    return ",".join(out)
 
 
 @dataclass(frozen=True)

@@ -51,8 +51,8 @@ def render_html(
     max_tokens: int = 512,
     top_k: int | None = None,
     title: str | None = None,
-) -> str:
-    """The head view + model view page of `capture`; also written to `path` when given.
+) -> str | Path:
+    """The head view + model view page of `capture`, or written to `path` when given.
 
     Args:
         capture: the per-head weights `(L, H, T, T)` and tokens to draw.
@@ -67,7 +67,8 @@ def render_html(
         title: the page title; defaults to the model name and the text.
 
     Returns:
-        The page as a string.
+        The page as a string; when `path` is given, the page is written there and the path
+        (a `Path`) is returned instead, so a REPL shows where it went rather than 50 KB of HTML.
     """
     if not isinstance(capture, AttentionCapture):
         raise TypeError(f"capture must be an AttentionCapture, got {type(capture).__name__}")
@@ -126,7 +127,7 @@ def render_html(
 
         # encoded in full before the file is touched, then moved into place: text that cannot
         # be encoded, a full disk or Ctrl-C leave an existing page as it was, never truncated
-        write_text(path, page)
+        return write_text(path, page)
     return page
 
 

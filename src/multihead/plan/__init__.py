@@ -13,6 +13,11 @@ parameters); and a deterministic recommender of heads, KV heads and attention va
     >>> plan.kv_cache_bytes(g, tokens=1, dtype="bf16") * 32   # per token, 32 layers
     131072
 
+`recommend(Request(...))` returns a `Recommendation` (one-line repr; `print(rec)` or
+`recommendation_text(rec)` is the text `multihead plan` prints); `account_text([account(m)])`
+is the table of `multihead plan --config`. `read_config` takes a path, a dict or a preset
+name (`"llama-3-8b"`; `multihead.plan.presets.PRESETS` lists them).
+
 The numbers equal the library's modules: `attention_params(AttentionGeometry(*args))`
 is the parameter count of `multihead.Attention(*args)`, and `kv_cache_bytes` is the
 `nbytes` of its cache; likewise `LatentGeometry` and `multihead.LatentAttention`.
@@ -38,7 +43,7 @@ from multihead.plan.geometry import (
     param_counts,
 )
 from multihead.plan.recommend import Recommendation, Request, recommend
-from multihead.plan.report import account
+from multihead.plan.report import account, account_text, recommendation_text
 from multihead.plan.units import (
     dtype_bits,
     parse_bandwidth,
@@ -50,8 +55,8 @@ from multihead.plan.units import (
 __all__ = [
     "AttentionFlops", "AttentionGeometry", "DEVICES", "Device", "FeedForward", "Fit",
     "LatentGeometry", "MixtureOfExperts", "ModelGeometry", "ParamCounts", "Recommendation",
-    "Request", "SUPPORTED", "account", "attention_flops", "attention_params", "custom_device",
+    "Request", "SUPPORTED", "account", "account_text", "attention_flops", "attention_params", "custom_device",
     "describe", "dtype_bits", "fit", "get_device", "kv_bytes_per_token", "kv_cache_bytes",
     "model_kv_cache_bytes", "model_params", "param_counts", "parse_bandwidth", "parse_bytes",
-    "parse_count", "parse_tokens", "read_config", "recommend",
+    "parse_count", "parse_tokens", "read_config", "recommend", "recommendation_text",
 ]

@@ -122,9 +122,20 @@ class Candidate:
     def kv_bytes(self) -> int:
         return self.fit.kv_bytes
 
+    def __repr__(self) -> str:
+        a = self.model.attention
+        where = self.fit.device.name if self.fit.n_devices == 1 else f"{self.fit.n_devices} x {self.fit.device.name}"
+        return (f"Candidate({self.label}: {a.n_heads} heads of {a.d_head}, {self.model.n_layers} layers, "
+                f"{fmt_count(self.params.total)} params, KV {fmt_bytes(self.kv_bytes)} at "
+                f"{fmt_tokens(self.fit.context)} x {self.fit.batch}, {'fits' if self.fit.fits else 'does not fit'} "
+                f"on {where})")
+
 
 @dataclass(frozen=True)
 class Recommendation:
+    """What `recommend` returns. `repr` is one line; `str(rec)` (or `print(rec)`) is the text
+    `multihead plan` prints, which `plan.recommendation_text(rec)` also gives."""
+
     request: Request
     pick: Candidate
     reason: str
@@ -135,6 +146,16 @@ class Recommendation:
     warnings: tuple[str, ...]
     notes: tuple[str, ...] = field(default=())
     pick_note: str = ""  # what the pick changed from what was asked, and why ("" if nothing)
+
+    def __repr__(self) -> str:
+        extra = "".join(f", {len(x)} {name}" for name, x in (("warnings", self.warnings), ("notes", self.notes)) if x)
+        return (f"Recommendation(pick={self.pick!r}, {len(self.alternatives)} alternatives{extra}; "
+                "print() it for the full text)")
+
+    def __str__(self) -> str:
+        from multihead.plan.report import recommendation_text
+
+        return recommendation_text(self)
 
 
 # --- rule 1: width, heads and layers -----------------------------------------------
