@@ -1,0 +1,153 @@
+"""Greedy `generate` through `attn_implementation="multihead"` beside transformers' own sdpa,
+and where multihead's per-layer microseconds go (fp32, CPU, B = 1).
+
+    .venv/bin/python benchmarks/hf_generate.py            # 4-layer GQA Llama, 512-token prompt, 64 new tokens
+    .venv/bin/python benchmarks/hf_generate.py --quick    # a smoke run
+
+One random-init Llama (--layers, --heads query heads, --kv-heads KV heads) generates
+--new-tokens tokens greedily from the same prompt under each implementation, switched
+with `model.set_attn_implementation` on the one model, in alternating order, for
+--rounds rounds. Reported: seconds per generate (medians), the ratio multihead / sdpa
+(median of per-round ratios) and whether both produced the same tokens.
+
+Then the per-call cost of the two attention functions alone, on the shapes a decode step
+hands them (q `(1, H, 1, D)`, k/v `(1, Hkv, S, D)`, no mask, as transformers passes for
+a causal model without padding), in microseconds per call, and a cProfile breakdown of
+multihead's call by function (cumulative microseconds per call): what the mask
+conversion, the validation, the NaN rule and the kernel each cost.
+
+Writes a Markdown report to stdout and JSON to benchmarks/results/hf_generate.json (or --json).
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import os
+import pstats
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from machine_info import machine, write_json  # noqa: E402
+
+
+def build(layers: int, heads: int, kv_heads: int, width: int, positions: int):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    import multihead.interop.hf  # noqa: F401  (registers "multihead")
+
+    cfg = LlamaConfig(vocab_size=1000, hidden_size=width, intermediate_size=2 * width, num_hidden_layers=layers,
+                      num_attention_heads=heads, num_key_value_heads=kv_heads, max_position_embeddings=positions)
+    torch.manual_seed(0)
+    return LlamaForCausalLM(cfg).eval()
+
+
+def time_generate(model, prompt: torch.Tensor, new_tokens: int, rounds: int) -> dict:
+    seconds: dict[str, list[float]] = {"sdpa": [], "multihead": []}
+    tokens = {}
+    for r in range(rounds):
+        order = ("sdpa", "multihead") if r % 2 == 0 else ("multihead", "sdpa")
+        for impl in order:
+            model.set_attn_implementation(impl)
+            t0 = time.perf_counter()
+            with torch.no_grad():
+                tokens[impl] = model.generate(prompt, max_new_tokens=new_tokens, min_new_tokens=new_tokens,
+                                              do_sample=False)
+            seconds[impl].append(time.perf_counter() - t0)
+    ratios = [m / s for m, s in zip(seconds["multihead"], seconds["sdpa"])]
+    return {"seconds": {k: statistics.median(v) for k, v in seconds.items()}, "rounds": seconds,
+            "ratio": statistics.median(ratios), "ratios": ratios,
+            "same_tokens": bool(torch.equal(tokens["sdpa"], tokens["multihead"]))}
+
+
+def per_call(model, S: int, calls: int, rounds: int) -> dict:
+    """Microseconds per call of each attention function on a decode step's shapes."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    from multihead.interop.hf.registry import attention_forward
+
+    cfg = model.config
+    H, Hkv = cfg.num_attention_heads, cfg.num_key_value_heads
+    D = cfg.hidden_size // H
+    module = model.model.layers[0].self_attn
+    q, k, v = torch.randn(1, H, 1, D), torch.randn(1, Hkv, S, D), torch.randn(1, Hkv, S, D)
+    fns = {"sdpa": sdpa_attention_forward, "multihead": attention_forward}
+    us: dict[str, list[float]] = {name: [] for name in fns}
+    with torch.no_grad():
+        for _ in range(rounds):
+            for name, fn in fns.items():
+                fn(module, q, k, v, None, scaling=D ** -0.5)  # warm
+                t0 = time.perf_counter()
+                for _ in range(calls):
+                    fn(module, q, k, v, None, scaling=D ** -0.5)
+                us[name].append((time.perf_counter() - t0) / calls * 1e6)
+        profile = cProfile.Profile()
+        profile.enable()
+        for _ in range(calls):
+            attention_forward(module, q, k, v, None, scaling=D ** -0.5)
+        profile.disable()
+    stats = pstats.Stats(profile)
+    breakdown = []
+    for (file, _line, func), (_cc, ncalls, _tt, ct, _callers) in stats.stats.items():
+        if "multihead" in file and ncalls >= calls:
+            breakdown.append({"function": f"{Path(file).stem}.{func}", "calls_per_call": ncalls / calls,
+                              "us_per_call": ct / calls * 1e6})
+    breakdown.sort(key=lambda r: -r["us_per_call"])
+    med = {name: statistics.median(v) for name, v in us.items()}
+    return {"S": S, "us_per_call": med, "extra_us": med["multihead"] - med["sdpa"],
+            "profiled_breakdown": breakdown[:12]}
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawTextHelpFormatter)
+    ap.add_argument("--layers", type=int, default=4)
+    ap.add_argument("--heads", type=int, default=8)
+    ap.add_argument("--kv-heads", type=int, default=2)
+    ap.add_argument("--width", type=int, default=256)
+    ap.add_argument("--prompt", type=int, default=512, help="prompt tokens")
+    ap.add_argument("--new-tokens", type=int, default=64)
+    ap.add_argument("--rounds", type=int, default=7)
+    ap.add_argument("--calls", type=int, default=2000, help="attention calls per timing of the per-call part")
+    ap.add_argument("--threads", type=int, default=1, help="torch threads")
+    ap.add_argument("--quick", action="store_true", help="2 layers, 64-token prompt, 8 new tokens, 2 rounds")
+    ap.add_argument("--json", default=str(Path(__file__).resolve().parent / "results" / "hf_generate.json"))
+    a = ap.parse_args(argv)
+    if a.quick:
+        a.layers, a.prompt, a.new_tokens, a.rounds, a.calls = 2, 64, 8, 2, 50
+    torch.set_num_threads(a.threads)
+    model = build(a.layers, a.heads, a.kv_heads, a.width, a.prompt + a.new_tokens + 8)
+    prompt = torch.randint(0, model.config.vocab_size, (1, a.prompt), generator=torch.Generator().manual_seed(1))
+    gen = time_generate(model, prompt, a.new_tokens, a.rounds)
+    call = per_call(model, a.prompt + a.new_tokens // 2, a.calls, max(2, a.rounds // 2))
+    report = {"meta": machine() | {"threads": a.threads, "argv": sys.argv[1:] if argv is None else list(argv)},
+              "config": {"layers": a.layers, "heads": a.heads, "kv_heads": a.kv_heads, "width": a.width,
+                         "prompt": a.prompt, "new_tokens": a.new_tokens, "rounds": a.rounds},
+              "generate": gen, "per_call": call}
+    s = gen["seconds"]
+    print(f"greedy generate, {a.layers}-layer Llama, H={a.heads}, Hkv={a.kv_heads}, C={a.width}, "
+          f"{a.prompt}-token prompt, {a.new_tokens} new tokens, {a.threads} thread(s), medians of {a.rounds} rounds\n")
+    print("| implementation | s per generate |\n|---|---:|")
+    print(f"| sdpa (transformers) | {s['sdpa']:.3f} |\n| multihead | {s['multihead']:.3f} |")
+    print(f"\nratio multihead / sdpa: {gen['ratio']:.3f} (per round: "
+          f"{', '.join(f'{r:.2f}' for r in gen['ratios'])}); same tokens: {gen['same_tokens']}")
+    u = call["us_per_call"]
+    print(f"\none decode-step attention call (S={call['S']}): sdpa {u['sdpa']:.1f} us, multihead "
+          f"{u['multihead']:.1f} us ({call['extra_us']:+.1f} us per layer per token)")
+    print("\nmultihead's call, profiled (cumulative us per call, cProfile adds its own overhead):")
+    print("| function | calls per call | us per call |\n|---|---:|---:|")
+    for row in call["profiled_breakdown"]:
+        print(f"| {row['function']} | {row['calls_per_call']:.0f} | {row['us_per_call']:.1f} |")
+    path = write_json(a.json, report)
+    print(f"\nwrote {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,33 @@
+"""Smoke test of benchmarks/hf_generate.py: it runs, both implementations give the same tokens,
+and its JSON holds every figure the README quotes. Not a timing assertion."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("transformers")
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def test_hf_generate_benchmark_quick(tmp_path):
+    out = tmp_path / "hf_generate.json"
+    env = dict(os.environ, OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1")
+    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "hf_generate.py"), "--quick", "--json", str(out)],
+                          capture_output=True, text=True, timeout=300, cwd=ROOT, env=env)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert "ratio multihead / sdpa" in proc.stdout
+    report = json.loads(out.read_text())
+    gen = report["generate"]
+    assert gen["same_tokens"] is True  # greedy decoding through multihead picks transformers' tokens
+    assert len(gen["ratios"]) == report["config"]["rounds"] and gen["ratio"] > 0
+    assert set(gen["seconds"]) == {"sdpa", "multihead"} and min(gen["seconds"].values()) > 0
+    call = report["per_call"]
+    assert call["us_per_call"]["multihead"] > 0 and call["us_per_call"]["sdpa"] > 0
+    names = [row["function"] for row in call["profiled_breakdown"]]
+    assert "registry.attention_forward" in names  # the profile saw multihead's entry point
