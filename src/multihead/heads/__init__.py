@@ -1,0 +1,28 @@
+"""Heads you can intervene on: record, ablate, patch, scan, score and prune attention heads.
+
+Works on (a) any transformers model running `attn_implementation="multihead"` (the
+registry's attention function sees every layer's q/k/v and the heads' outputs), and (b)
+any module built from multihead's `Attention` / `LatentAttention` (lab models included).
+Layers are numbered in the order their attention runs; `heads` are `(layer, head)`
+pairs of query heads unless a function says otherwise. Per-head tensors use
+TransformerLens' layout: z `(B, T, H, Dv)`, k `(B, S, Hkv, D)`, v `(B, S, Hkv, Dv)`,
+pattern `(B, H, T, S)`.
+
+- `record(model, inputs, what=("z",), layers=None)` -> `Recording`
+- `ablate(model, heads, how="zero"|"mean"|"resample", reference=None)`: a context manager
+- `patch(model, recording, heads, positions=None, what="z")`: a context manager
+- `patch_scan(model, clean, corrupted, metric, what="z"|"k"|"v"|"pattern")` -> (layers, heads)
+- `attribution_scan(...)`: the same table by a first-order (gradient) approximation
+- `importance(model, batches, loss, normalize=True)`: Michel et al. (2019) head importance
+- `prune(model, heads)`: physical removal where the model can hold it
+
+See docs/heads.md.
+"""
+
+from __future__ import annotations
+
+from multihead.heads._interventions import ablate, patch
+from multihead.heads._record import Recording, record
+from multihead.heads._scan import attribution_scan, patch_scan
+
+__all__ = ["Recording", "ablate", "attribution_scan", "patch", "patch_scan", "record"]

@@ -1,0 +1,325 @@
+"""The one place where `multihead.heads` meets a model: hooks that see every attention
+layer's per-head tensors in a forward and let a handler read or rewrite them.
+
+Two kinds of attention layer, one interface:
+
+- a transformers model running `attn_implementation="multihead"`: a forward pre-hook on
+  the top model adds the keyword `multihead_heads=` (the registry's `INTERVENTION_KEYWORD`),
+  which transformers hands down to the attention function; there the adapter sees q/k/v
+  `(B, H|Hkv, T|S, D)` (after RoPE) and the heads' outputs before the output projection;
+- multihead's own `Attention` / `LatentAttention` (lab models included): torch hooks on
+  `k_proj`/`v_proj` (keys and values, before RoPE: equal for patching whole positions,
+  since RoPE acts position by position), on MLA's `kv_b_proj` (per-head keys and values
+  through the up-projection; the naive path is forced while such a hook is needed) and a
+  pre-hook on `o_proj` (the heads' outputs z).
+
+Handlers work in one layout (TransformerLens' hook layout): z `(B, T, H, Dv)`, k
+`(B, S, Hkv, D)`, v `(B, S, Hkv, Dv)`, pattern `(B, H, T, S)`. Layers are numbered in
+the order their attention runs in a forward. Every hook is removed when the context
+ends, also on an exception; nothing is stored on the modules.
+"""
+
+from __future__ import annotations
+
+import sys
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor, nn
+
+from multihead.attention import Attention
+from multihead.latent import LatentAttention
+
+_KEYWORD = "multihead_heads"  # = multihead.interop.hf.registry.INTERVENTION_KEYWORD (not imported: no transformers)
+
+
+@dataclass
+class Layer:
+    """One attention layer as a forward met it."""
+
+    index: int
+    module: nn.Module
+    kind: str  # "hf" | "attention" | "latent"
+    H: int  # query heads
+    Hkv: int  # key/value heads ("heads" of k and v: H for MLA, through the up-projection)
+    D: int  # key head dim
+    Dv: int  # value head dim
+
+
+class Handler:
+    """What an intervention does; every method returns its input unchanged by default."""
+
+    def k(self, layer: Layer, k: Tensor) -> Tensor:  # (B, S, Hkv, D)
+        return k
+
+    def v(self, layer: Layer, v: Tensor) -> Tensor:  # (B, S, Hkv, Dv)
+        return v
+
+    def z(self, layer: Layer, z: Tensor, v: Tensor | None) -> Tensor:  # (B, T, H, Dv); v of this call
+        return z
+
+    def wants_weights(self, layer: Layer) -> bool:
+        return False
+
+    def weights(self, layer: Layer, w: Tensor) -> None:  # (B, H, T, S)
+        pass
+
+    def wants_kv(self, layer: Layer) -> bool:
+        """Whether k/v (and v for z) are needed: MLA then runs its naive path."""
+        return False
+
+    def begin(self) -> None:  # a forward of the top model starts
+        pass
+
+
+def is_hf(model: nn.Module) -> bool:
+    tf = sys.modules.get("transformers")
+    return tf is not None and isinstance(model, tf.PreTrainedModel)
+
+
+def multihead_modules(model: nn.Module) -> list[nn.Module]:
+    return [m for m in model.modules() if isinstance(m, (Attention, LatentAttention))]
+
+
+def check_model(model) -> None:
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"model must be a torch nn.Module (a transformers model or one built from multihead's "
+                        f"Attention/LatentAttention); received {type(model).__name__}")
+    if is_hf(model):
+        impl = getattr(model.config, "_attn_implementation", None)
+        from multihead.interop.hf import registered  # registers "multihead" (transformers is already imported)
+
+        if impl not in registered() and not multihead_modules(model):
+            raise ValueError(f"this transformers model runs attn_implementation={impl!r}; multihead.heads needs "
+                             "'multihead': load it with attn_implementation='multihead' or call "
+                             "model.set_attn_implementation('multihead')")
+    elif not multihead_modules(model):
+        raise ValueError(f"{type(model).__name__} has no multihead Attention/LatentAttention module and is not a "
+                         "transformers model; valid: a transformers model on attn_implementation='multihead', or "
+                         "a module built from multihead.Attention / LatentAttention")
+
+
+class Engine:
+    """The hooks of one context on one model, routing every layer's tensors to `handler`."""
+
+    def __init__(self, model: nn.Module, handler: Handler, order: dict[int, Layer] | None = None):
+        self.model = model
+        self.handler = handler
+        self.layers: dict[int, Layer] = {} if order is None else order  # id(module) -> Layer
+        self._v: dict[int, Tensor] = {}  # layer index -> this call's v (for pattern z)
+        self._asked: dict[int, object] = {}  # id(module) -> the caller's own return_weights
+        self.hf = is_hf(model)
+
+    # ---------------------------------------------------------------- layers
+
+    def layer(self, module: nn.Module, kind: str, H: int, Hkv: int, D: int, Dv: int) -> Layer:
+        entry = self.layers.get(id(module))
+        if entry is None:
+            entry = self.layers[id(module)] = Layer(len(self.layers), module, kind, H, Hkv, D, Dv)
+        return entry
+
+    def ordered(self) -> list[Layer]:
+        return sorted(self.layers.values(), key=lambda lay: lay.index)
+
+    # ------------------------------------------------------------------ hooks
+
+    @contextmanager
+    def installed(self):
+        handles = []
+        try:
+            handles.append(self.model.register_forward_pre_hook(self._top, with_kwargs=True))
+            for m in multihead_modules(self.model):
+                handles += self._hook_module(m)
+            yield self
+        finally:
+            for h in handles:
+                h.remove()
+            self._v.clear()
+            self._asked.clear()
+
+    def _top(self, model, args, kwargs):
+        self.handler.begin()
+        if not self.hf:
+            return None
+        previous = kwargs.get(_KEYWORD)
+        adapter = _HFAdapter(self)
+        kwargs = dict(kwargs)
+        kwargs[_KEYWORD] = adapter if previous is None else _Chain(previous, adapter)
+        if any(self.handler.wants_weights(lay) for lay in self.ordered()) or not self.layers:
+            from multihead.interop.hf.registry import REQUEST_KEYWORD
+
+            if kwargs.get(REQUEST_KEYWORD) is None:
+                kwargs[REQUEST_KEYWORD] = _weights_request(self)
+        return args, kwargs
+
+    def _hook_module(self, m: nn.Module) -> list:
+        latent = isinstance(m, LatentAttention)
+        handles = [m.register_forward_pre_hook(lambda mod, a, kw: self._mh_pre(mod, a, kw, latent), with_kwargs=True),
+                   m.register_forward_hook(lambda mod, a, out: self._mh_post(mod, out))]
+        if latent:
+            handles.append(m.kv_b_proj.register_forward_hook(lambda mod, a, out: self._mla_kv(m, out)))
+        else:
+            handles.append(m.k_proj.register_forward_hook(lambda mod, a, out: self._mh_proj(m, out, "k")))
+            handles.append(m.v_proj.register_forward_hook(lambda mod, a, out: self._mh_proj(m, out, "v")))
+        handles.append(m.o_proj.register_forward_pre_hook(lambda mod, a: self._mh_z(m, a)))
+        return handles
+
+    def _mh_layer(self, m: nn.Module) -> Layer:
+        if isinstance(m, LatentAttention):
+            return self.layer(m, "latent", m.n_heads, m.n_heads, m.head_dim, m.v_head_dim)
+        D = m.head_dim
+        return self.layer(m, "attention", m.o_proj.in_features // D, m.k_proj.out_features // D, D, D)
+
+    def _mh_pre(self, m, args, kwargs, latent: bool):
+        lay = self._mh_layer(m)
+        changed = False
+        if self.handler.wants_weights(lay):
+            self._asked[id(m)] = kwargs.get("return_weights", False)
+            kwargs = {**kwargs, "return_weights": True}
+            changed = True
+        if latent and self.handler.wants_kv(lay) and kwargs.get("absorb") is not False:
+            kwargs = {**kwargs, "absorb": False}  # per-head k/v exist only on the naive path
+            changed = True
+        return (args, kwargs) if changed else None
+
+    def _mh_post(self, m, out):
+        if id(m) not in self._asked:
+            return None
+        asked = self._asked.pop(id(m))
+        y, w = out
+        self.handler.weights(self._mh_layer(m), w)
+        if asked is False:
+            return y
+        return (y, w) if asked is True else (y, w[:, list(asked)])
+
+    def _mh_proj(self, m, out: Tensor, what: str):
+        lay = self._mh_layer(m)
+        B, S, width = out.shape
+        t = out.view(B, S, width // lay.D, lay.D)  # (B, S, Hkv, D)
+        new = self.handler.k(lay, t) if what == "k" else self.handler.v(lay, t)
+        if what == "v":
+            self._v[lay.index] = new
+        return None if new is t else new.reshape(B, S, width)
+
+    def _mla_kv(self, m, out: Tensor):
+        lay = self._mh_layer(m)
+        B, S, width = out.shape
+        kv = out.view(B, S, lay.H, lay.D + lay.Dv)  # (B, S, H, D + Dv): rows per head [W_UK_h ; W_UV_h]
+        k, v = kv.split([lay.D, lay.Dv], dim=-1)
+        k2, v2 = self.handler.k(lay, k), self.handler.v(lay, v)
+        self._v[lay.index] = v2
+        if k2 is k and v2 is v:
+            return None
+        return torch.cat([k2, v2], dim=-1).reshape(B, S, width)
+
+    def _mh_z(self, m, args):
+        lay = self._mh_layer(m)
+        x = args[0]
+        B, T, width = x.shape
+        z = x.view(B, T, lay.H, width // lay.H)  # (B, T, H, Dv)
+        new = self.handler.z(lay, z, self._v.pop(lay.index, None))
+        return None if new is z else (new.reshape(B, T, width), *args[1:])
+
+
+class _HFAdapter:
+    """The object transformers hands down to `attention_forward` as `multihead_heads=`."""
+
+    def __init__(self, engine: Engine):
+        self.engine = engine
+        self._v: dict[int, Tensor] = {}
+
+    def inputs(self, module, query, key, value):
+        e = self.engine
+        lay = e.layer(module, "hf", query.shape[1], key.shape[1], query.shape[-1], value.shape[-1])
+        k = key.transpose(1, 2)  # (B, S, Hkv, D)
+        k2 = e.handler.k(lay, k)
+        v = value.transpose(1, 2)  # (B, S, Hkv, Dv)
+        v2 = e.handler.v(lay, v)
+        if k2 is not k:
+            key = k2.transpose(1, 2)
+        if v2 is not v:
+            value = v2.transpose(1, 2)
+        self._v[lay.index] = v2
+        return query, key, value
+
+    def output(self, module, out, value):
+        e = self.engine
+        lay = e.layers[id(module)]
+        z = out.transpose(1, 2)  # (B, T, H, Dv)
+        z2 = e.handler.z(lay, z, self._v.pop(lay.index, None))
+        return out if z2 is z else z2.transpose(1, 2)
+
+
+class _Chain:
+    """Two interventions in one forward (nested contexts): the outer one first."""
+
+    def __init__(self, first, second):
+        self.first, self.second = first, second
+
+    def inputs(self, module, q, k, v):
+        return self.second.inputs(module, *self.first.inputs(module, q, k, v))
+
+    def output(self, module, out, value):
+        return self.second.output(module, self.first.output(module, out, value), value)
+
+
+def _weights_request(engine: Engine):
+    from multihead.interop.hf.registry import WeightsRequest
+
+    class _Request(WeightsRequest):
+        """Weights of the layers the handler asks for, handed to it as they are computed."""
+
+        def heads_for(self, module):
+            lay = engine.layers.get(id(module))
+            return True if lay is not None and engine.handler.wants_weights(lay) else None
+
+        def record(self, call, weights):
+            if weights is not None:
+                engine.handler.weights(engine.layers[id(call.module)], weights)
+
+    return _Request()
+
+
+# ---------------------------------------------------------------- inputs and outputs
+
+
+def run(model: nn.Module, inputs):
+    """model(inputs): a tensor is the first argument, a mapping the keywords."""
+    if isinstance(inputs, Tensor):
+        return model(inputs)
+    if hasattr(inputs, "keys") and hasattr(inputs, "__getitem__"):
+        return model(**{k: inputs[k] for k in inputs.keys()})
+    raise TypeError(f"inputs must be a tensor (input_ids) or a mapping of keyword arguments (a tokenizer's "
+                    f"BatchEncoding); received {type(inputs).__name__}")
+
+
+def logits_of(out) -> Tensor:
+    """The run's logits: `.logits`, else `.last_hidden_state` (a base model), else the tensor."""
+    if isinstance(out, Tensor):
+        return out
+    for name in ("logits", "last_hidden_state"):
+        t = getattr(out, name, None)
+        if isinstance(t, Tensor):
+            return t
+    if isinstance(out, (tuple, list)) and out and isinstance(out[0], Tensor):
+        return out[0]
+    raise TypeError(f"cannot find logits in the model's output of type {type(out).__name__}")
+
+
+def batch_size(inputs) -> int:
+    if isinstance(inputs, Tensor):
+        return inputs.shape[0]
+    for k in inputs.keys():
+        t = inputs[k]
+        if isinstance(t, Tensor) and t.dim() >= 1:
+            return t.shape[0]
+    raise ValueError("inputs hold no tensor")
+
+
+def padding_of(inputs) -> Tensor | None:
+    """The (B, T) bool mask of real tokens, when the inputs carry an attention_mask."""
+    if isinstance(inputs, Tensor) or not hasattr(inputs, "keys"):
+        return None
+    m = inputs["attention_mask"] if "attention_mask" in inputs.keys() else None
+    return None if m is None or not isinstance(m, Tensor) or m.dim() != 2 else m.bool()

@@ -1,0 +1,317 @@
+"""multihead.heads: record / ablate / patch / patch_scan against independent references.
+
+- transformers: every registered architecture (tiny random models of the registry tests)
+  on attn_implementation="multihead"; ablation against the same weights in *eager*
+  transformers with a hand-written hook zeroing that head's slice of the output
+  projection's input; patch_scan against one patched forward per head.
+- TransformerLens 4 (when installed): `get_act_patch_attn_head_{out,k,v,pattern}_all_pos`
+  on the same GPT-2 weights.
+- multihead modules: ablation against the NumPy float64 reference with the head's
+  columns of W_o zeroed; lab models' scans against one patched forward per head.
+- The model is left exactly as it was: state dict and outputs, after exceptions and nesting.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import numpy as np
+import pytest
+import torch
+
+from multihead import heads
+from multihead import reference as R
+from multihead.attention import Attention
+from multihead.heads._engine import logits_of
+from multihead.lab.models import LabConfig, LabTransformer
+from multihead.latent import LatentAttention
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+transformers = pytest.importorskip("transformers")
+
+import multihead.interop.hf  # noqa: E402, F401  (registers "multihead")
+from test_interop_hf_registry import MODELS, V, build  # noqa: E402
+
+
+def _inputs(name: str, seed: int = 1, pad: bool = True):
+    g = torch.Generator().manual_seed(seed)
+    if name == "vit":
+        return {"pixel_values": torch.randn(2, 3, 16, 16, generator=g)}
+    ids = torch.randint(3, V, (2, 9), generator=g)
+    keep = torch.ones(2, 9, dtype=torch.long)
+    if pad:
+        keep[1, :2] = 0
+    inputs = {"input_ids": ids, "attention_mask": keep}
+    if name in ("bart", "t5"):
+        inputs["decoder_input_ids"] = ids[:, :5]
+    return inputs
+
+
+def _metric(logits):
+    return logits[:, -1, :7].sum() if logits.dim() == 3 else logits.sum()
+
+
+def _mh(name: str):
+    m = build(name)
+    m.set_attn_implementation("multihead")
+    return m
+
+
+def _out_module(model, attn):
+    """The output projection module after HF attention `attn` (as a reader finds it by hand)."""
+    for n in ("o_proj", "out_proj", "c_proj", "dense", "o"):
+        if hasattr(attn, n):
+            return getattr(attn, n)
+    parent = next(m for m in model.modules() if any(c is attn for c in m.children()))
+    return parent.output.dense
+
+
+def _attention_modules(model, inputs):
+    found = []
+    hooks = [m.register_forward_pre_hook(lambda mod, a, found=found: found.append(mod) if mod not in found else None)
+             for m in model.modules() if type(m).__name__.endswith("Attention") and hasattr(m, "config")
+             and not any(type(c).__name__.endswith("Attention") for c in m.children())]
+    with torch.no_grad():
+        model(**inputs)
+    for h in hooks:
+        h.remove()
+    return found
+
+
+@pytest.mark.parametrize("name", MODELS)
+def test_ablation_equals_zeroing_the_out_projection_input_in_eager_transformers(name):
+    inputs = _inputs(name, pad=False)
+    model = _mh(name)
+    pairs = [(0, 1), (1, 0)]
+    with heads.ablate(model, pairs), torch.no_grad():
+        got = logits_of(model(**inputs))
+    eager = build(name)
+    eager.set_attn_implementation("eager")
+    mods = _attention_modules(eager, inputs)
+    rec = heads.record(model, inputs)
+    hooks = []
+    for layer, head in pairs:
+        H, Dv = rec["z", layer].shape[2:]
+
+        def zero(mod, args, head=head, Dv=Dv):
+            x = args[0].clone()
+            x[..., head * Dv:(head + 1) * Dv] = 0
+            return (x, *args[1:])
+        hooks.append(_out_module(eager, mods[layer]).register_forward_pre_hook(zero))
+    with torch.no_grad():
+        want = logits_of(eager(**inputs))
+    for h in hooks:
+        h.remove()
+    diff = (got - want).abs().max().item()
+    assert diff < 1e-5, f"{name}: ablated multihead vs zeroed eager, max diff {diff:.2e}"
+    with torch.no_grad():
+        plain = logits_of(eager(**inputs))
+    assert (plain - want).abs().max().item() > 1e-4, "the ablation changed nothing: the check could not fail"
+
+
+@pytest.mark.parametrize("name", MODELS)
+def test_patch_scan_equals_one_patched_forward_per_head(name):
+    model = _mh(name)
+    clean, corrupted = _inputs(name, 1), _inputs(name, 2)
+    for what in ("z", "k", "v", "pattern"):
+        scan = heads.patch_scan(model, clean, corrupted, _metric, what=what)
+        rec = heads.record(model, clean, what=(what,))
+        want = torch.full_like(scan, float("nan"))
+        for layer in range(scan.shape[0]):
+            for h in range(scan.shape[1]):
+                if not torch.isnan(scan[layer, h]):
+                    with heads.patch(model, rec, [(layer, h)], what=what), torch.no_grad():
+                        want[layer, h] = _metric(logits_of(model(**corrupted)))
+        diff = (scan - want).abs().nan_to_num().max().item()
+        assert diff < 1e-5, f"{name} {what}: scan vs one patched forward per head, max diff {diff:.2e}"
+        with torch.no_grad():
+            base = _metric(logits_of(model(**corrupted)))
+        assert (scan - base).abs().nan_to_num().max() > 1e-6, f"{name} {what}: no head changed the metric"
+
+
+def _gpt2_pair():
+    cfg = transformers.GPT2Config(n_embd=64, n_layer=2, n_head=4, n_positions=32, vocab_size=V)
+    torch.manual_seed(0)
+    ours = transformers.GPT2LMHeadModel(cfg).eval()
+    theirs = transformers.GPT2LMHeadModel(copy.deepcopy(cfg)).eval()  # TransformerLens sets eager on its config
+    theirs.load_state_dict(ours.state_dict())
+    ours.set_attn_implementation("multihead")
+    return ours, theirs
+
+
+@pytest.mark.parametrize("what", ["z", "k", "v", "pattern"])
+def test_patch_scan_equals_transformer_lens(what):
+    pytest.importorskip("transformer_lens")
+    from tokenizers import Tokenizer, models
+    from transformer_lens import patching
+    from transformer_lens.model_bridge import TransformerBridge
+
+    ours, theirs = _gpt2_pair()
+    tok = transformers.PreTrainedTokenizerFast(tokenizer_object=Tokenizer(models.WordLevel(
+        {"[UNK]": 0, **{f"w{i}": i for i in range(1, V)}}, unk_token="[UNK]")))
+    bridge = TransformerBridge.boot_transformers("gpt2", hf_model=theirs, tokenizer=tok)
+    g = torch.Generator().manual_seed(4)
+    clean, corrupted = torch.randint(0, V, (3, 12), generator=g), torch.randint(0, V, (3, 12), generator=g)
+    _, cache = bridge.run_with_cache(clean)
+    fn = {"z": patching.get_act_patch_attn_head_out_all_pos, "k": patching.get_act_patch_attn_head_k_all_pos,
+          "v": patching.get_act_patch_attn_head_v_all_pos,
+          "pattern": patching.get_act_patch_attn_head_pattern_all_pos}[what]
+    want = fn(bridge, corrupted, cache, _metric)
+    got = heads.patch_scan(ours, clean, corrupted, _metric, what=what)
+    diff = (got - want).abs().max().item()
+    assert diff < 1e-4, f"{what}: multihead vs TransformerLens, max diff {diff:.2e}"
+    assert (want - want.mean()).abs().max() > 1e-4
+
+
+# ------------------------------------------------------------------ multihead modules
+
+
+def _w(lin):
+    return lin.weight.detach().double().numpy().T
+
+
+@pytest.mark.parametrize("n_kv", [4, 2, 1])
+def test_ablation_of_an_attention_module_equals_the_float64_reference(n_kv):
+    torch.manual_seed(0)
+    m = Attention(32, 4, n_kv, causal=True, bias=False).double()
+    x = torch.randn(2, 6, 32, dtype=torch.float64)
+    with heads.ablate(m, [(0, 1), (0, 3)]):
+        got = m(x)
+    W_o = _w(m.o_proj).copy()  # (H*D, C)
+    D = m.head_dim
+    for h in (1, 3):
+        W_o[h * D:(h + 1) * D] = 0
+    want = R.gqa_forward(x.numpy(), _w(m.q_proj), _w(m.k_proj), _w(m.v_proj), W_o, 4, n_kv, causal=True)
+    np.testing.assert_allclose(got.detach().numpy(), want, atol=1e-12)
+    rec = heads.record(m, x, what=("z", "result"))
+    full = R.gqa_forward(x.numpy(), _w(m.q_proj), _w(m.k_proj), _w(m.v_proj), _w(m.o_proj), 4, n_kv, causal=True)
+    np.testing.assert_allclose(rec["result", 0].sum(2).numpy(), full, atol=1e-12)  # heads' shares add up
+
+
+def test_ablation_of_a_latent_attention_module_equals_the_float64_reference():
+    torch.manual_seed(0)
+    m = LatentAttention(32, 4, 8, head_dim=8, rope_dim=4, causal=True).double()
+    x = torch.randn(2, 6, 32, dtype=torch.float64)
+    with heads.ablate(m, [(0, 2)]):
+        got = m(x)
+    W_o = _w(m.o_proj).copy()
+    W_o[2 * m.v_head_dim:3 * m.v_head_dim] = 0
+    want = R.mla_forward(x.numpy(), _w(m.kv_a_proj), _w(m.kv_b_proj), W_o, 4, 8, 8, 4, W_q=_w(m.q_proj),
+                         g_kv=m.kv_a_norm.weight.detach().double().numpy(), eps=m.kv_a_norm.eps, causal=True)
+    np.testing.assert_allclose(got.detach().numpy(), want, atol=1e-12)
+
+
+LAB = {"mha": dict(), "gqa_rope": dict(n_kv_heads=2, positions="rope", bias=True),
+       "mla": dict(attention="mla", kv_rank=8, rope_dim=4)}
+
+
+@pytest.mark.parametrize("kind", sorted(LAB))
+def test_lab_model_scans_equal_one_patched_forward_per_head(kind):
+    torch.manual_seed(0)
+    m = LabTransformer(LabConfig(vocab_size=50, max_len=16, n_layers=2, n_heads=4, **LAB[kind])).eval()
+    g = torch.Generator().manual_seed(1)
+    clean, corrupted = torch.randint(0, 50, (3, 10), generator=g), torch.randint(0, 50, (3, 10), generator=g)
+    for what in ("z", "k", "v", "pattern"):
+        scan = heads.patch_scan(m, clean, corrupted, _metric, what=what, positions=[7, 8, 9] if what == "z" else None)
+        rec = heads.record(m, clean, what=(what,))
+        want = torch.zeros_like(scan)
+        for layer in range(scan.shape[0]):
+            for h in range(scan.shape[1]):
+                with heads.patch(m, rec, [(layer, h)], what=what, positions=[7, 8, 9] if what == "z" else None), \
+                        torch.no_grad():
+                    want[layer, h] = _metric(m(corrupted))
+        assert (scan - want).abs().max() < 1e-5, f"{kind} {what}: max diff {(scan - want).abs().max():.2e}"
+        if what in ("k", "v") and kind == "gqa_rope":
+            assert scan.shape == (2, 2)  # per KV head
+
+
+def test_mla_record_holds_per_head_keys_and_values_through_the_up_projection():
+    torch.manual_seed(0)
+    m = LatentAttention(32, 4, 8, head_dim=8, rope_dim=4, v_head_dim=6, causal=True)
+    x = torch.randn(2, 5, 32)
+    rec = heads.record(m, x, what=("k", "v", "z"))
+    c = m.kv_a_norm(m.kv_a_proj(x)[..., :8])
+    kv = m.kv_b_proj(c).view(2, 5, 4, 14)
+    torch.testing.assert_close(rec["k", 0], kv[..., :8])
+    torch.testing.assert_close(rec["v", 0], kv[..., 8:])
+    assert rec["z", 0].shape == (2, 5, 4, 6)
+
+
+# ------------------------------------------------------------------ restoring the model
+
+
+def test_ablate_and_patch_leave_the_model_exactly_as_before_also_on_errors_and_nesting():
+    model = _mh("llama")
+    inputs = _inputs("llama")
+    state = {k: v.clone() for k, v in model.state_dict().items()}
+    with torch.no_grad():
+        before = logits_of(model(**inputs))
+    rec = heads.record(model, _inputs("llama", 3), what=("z",))
+    with heads.ablate(model, [(0, 0)]), torch.no_grad():
+        one = logits_of(model(**inputs))
+        with heads.patch(model, rec, [(1, 3)]):
+            two = logits_of(model(**inputs))
+        again = logits_of(model(**inputs))
+    assert (one - before).abs().max() > 1e-4 and (two - one).abs().max() > 1e-4
+    torch.testing.assert_close(again, one, rtol=0, atol=0)
+    with pytest.raises(RuntimeError, match="boom"), heads.ablate(model, [(1, 2)], how="mean", reference=rec):
+        raise RuntimeError("boom")
+    with pytest.raises(ValueError, match="out of range"), heads.ablate(model, [(0, 99)]), torch.no_grad():
+        model(**inputs)
+    with torch.no_grad():
+        after = logits_of(model(**inputs))
+    torch.testing.assert_close(after, before, rtol=0, atol=0)
+    assert all(torch.equal(v, state[k]) for k, v in model.state_dict().items())
+    assert not any(m._forward_pre_hooks or m._forward_hooks for m in model.modules())
+
+
+def test_mean_and_resample_ablation_write_the_reference_values():
+    torch.manual_seed(0)
+    m = Attention(16, 2, causal=True)
+    x, other = torch.randn(2, 5, 16), torch.randn(2, 5, 16)
+    ref = heads.record(m, other)
+    seen = {}
+    for how in ("mean", "resample"):
+        with heads.ablate(m, [(0, 1)], how=how, reference=ref):
+            seen[how] = heads.record(m, x)["z", 0]  # recorded inside: after the edit
+    torch.testing.assert_close(seen["mean"][:, :, 1], ref["z", 0][:, :, 1].mean((0, 1)).expand(2, 5, 8))
+    torch.testing.assert_close(seen["resample"][:, :, 1], ref["z", 0][:, :, 1])
+    torch.testing.assert_close(seen["mean"][:, :, 0], heads.record(m, x)["z", 0][:, :, 0])
+
+
+def test_mean_ablation_excludes_padding():
+    model = _mh("gpt2")
+    inputs = _inputs("gpt2")  # row 1 has two padded positions
+    ref = heads.record(model, inputs)
+    z = ref["z", 0][:, :, 2]  # (B, T, Dv)
+    keep = inputs["attention_mask"].bool()
+    want = z[keep].mean(0)
+    with heads.ablate(model, [(0, 2)], how="mean", reference=ref):
+        inside = heads.record(model, inputs)["z", 0][:, :, 2]
+    torch.testing.assert_close(inside[0, 0], want)
+    assert (want - z.flatten(0, 1).mean(0)).abs().max() > 1e-6
+
+
+def test_errors_name_what_was_received():
+    m = Attention(16, 2)
+    x = torch.randn(1, 3, 16)
+    with pytest.raises(ValueError, match="how must be one of"):
+        with heads.ablate(m, [(0, 0)], how="gone"):
+            pass
+    with pytest.raises(TypeError, match="needs reference="):
+        with heads.ablate(m, [(0, 0)], how="mean"):
+            pass
+    with pytest.raises(ValueError, match=r"\(layer, head\) pairs"):
+        with heads.ablate(m, [(0,)]):
+            pass
+    with pytest.raises(ValueError, match="what must be one of"):
+        heads.record(m, x, what="q")
+    with pytest.raises(ValueError, match="no multihead Attention"):
+        heads.record(torch.nn.Linear(3, 3), x)
+    with pytest.raises(KeyError, match="was not recorded"):
+        heads.record(m, x)["k", 0]
+    gpt2, _ = _gpt2_pair()
+    gpt2.set_attn_implementation("sdpa")
+    with pytest.raises(ValueError, match="set_attn_implementation"):
+        heads.record(gpt2, torch.zeros(1, 3, dtype=torch.long))
