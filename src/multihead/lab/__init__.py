@@ -8,6 +8,8 @@ safetensors checkpoint that `multihead inspect --model FOLDER` opens:
 - `run_kv`: what do GQA, MQA and MLA cost and save? (parameters, cache, decode time)
 - `run_mla`: how small can MLA's latent be? (character LM on the King James Bible)
 - `run_induction`: when do induction heads appear? (2-layer attention-only model)
+- `run_uptrain`: what does converting a trained MHA model to GQA/MQA/MLA cost, and how
+  much does a little uptraining win back? (Ainslie et al., 2023)
 
 torch and matplotlib are imported inside the experiments (matplotlib is optional:
 without it the plots are skipped with a note). `scale_induction` turns a real model's
@@ -24,6 +26,7 @@ _LAZY = {
     "run_kv": "multihead.lab.kv", "KVConfig": "multihead.lab.kv",
     "run_mla": "multihead.lab.mla", "MLAConfig": "multihead.lab.mla",
     "run_induction": "multihead.lab.induction", "InductionConfig": "multihead.lab.induction",
+    "run_uptrain": "multihead.lab.uptrain", "UptrainConfig": "multihead.lab.uptrain",
     "load_lab_checkpoint": "multihead.lab.checkpoint", "capture_lab": "multihead.lab.checkpoint",
     "check_results": "multihead.lab.results",
     "scale_induction": "multihead.lab.configs",

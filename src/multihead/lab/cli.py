@@ -33,8 +33,10 @@ EXPERIMENTS = {
     "kv": "parameters, KV-cache bytes and decode time of MHA, GQA, MQA and MLA",
     "mla": "char-level LM: validation bits/char against cache bytes for MLA ranks, GQA, MQA",
     "induction": "2-layer attention-only model: accuracy and head roles over training",
+    "uptrain": "MHA converted to MQA/GQA/MLA (mean-pool, first head, random; SVD), then uptrained",
 }
-_CONFIGS = {"heads": "HeadsConfig", "kv": "KVConfig", "mla": "MLAConfig", "induction": "InductionConfig"}
+_CONFIGS = {"heads": "HeadsConfig", "kv": "KVConfig", "mla": "MLAConfig", "induction": "InductionConfig",
+            "uptrain": "UptrainConfig"}
 _MAX_INT = 2**31 - 1  # every count and size fits a C int; beyond it only overflows later, far from the flag
 _MAX_LIST = 64
 
@@ -100,9 +102,9 @@ def _shown(v) -> str:
 
 def _defaults(name: str):
     """help(field) -> "(default X; --quick Y)", read off the experiment's config dataclass."""
-    from multihead.lab import configs
+    from multihead.lab import configs, uptrain_config
 
-    cls = getattr(configs, _CONFIGS[name])
+    cls = getattr(configs if name != "uptrain" else uptrain_config, _CONFIGS[name])
     full, quick = cls(), cls.quick()
 
     def text(field: str) -> str:
@@ -183,6 +185,21 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                            help="MLA decoupled RoPE dims per head (default 0)")
             p.add_argument("--vocab", type=_positive, default=None, help="random symbols" + d("vocab"))
             p.add_argument("--seq-len", type=_positive, default=None, help="tokens per sequence" + d("seq_len"))
+        elif name == "uptrain":
+            from multihead.lab.uptrain_config import parse_fractions, parse_inits
+
+            p.add_argument("--from", type=Path, default=None, dest="from_checkpoint",
+                           help="a `multihead lab mla` run folder: convert its MHA model (default: train one)")
+            _kv_heads(p, "MQA/GQA n_kv_heads to convert to" + d("kv_heads"))
+            p.add_argument("--inits", type=parse_inits, default=None, help="GQA/MQA inits" + d("inits"))
+            p.add_argument("--kv-ranks", type=_ints, default=None, dest="ranks", help="MLA kv_rank" + d("ranks"))
+            p.add_argument("--fractions", type=parse_fractions, default=None,
+                           help="uptraining, shares of --steps" + d("fractions"))
+            p.add_argument("--uptrain-lr", type=_positive_float, default=None,
+                           help="uptraining's peak learning rate (default: the baseline's last, 0.1 x --lr)")
+            p.add_argument("--d-model", type=_positive, default=None, help="model width" + d("d_model"))
+            _layers(p, "blocks" + d("n_layers"))
+            p.add_argument("--n-heads", type=_positive, default=None, help="heads" + d("n_heads"))
 
 
 def _kv_heads(p, help_text: str) -> None:
@@ -339,6 +356,16 @@ def _configure(args):
         given = {k: v for k, v in common.items() if v is not None}  # --steps etc. win over --quick's smoke run
         return run_induction, build(InductionConfig, **{**geometry, "vocab": args.vocab, "seq_len": args.seq_len,
                                                         **given})
+    if args.experiment == "uptrain":
+        from multihead.lab.uptrain import UptrainConfig, run_uptrain
+
+        src = args.from_checkpoint
+        if src is not None and not src.is_dir():
+            raise UsageError(f"--from {src}: no such folder; give the output folder of a `multihead lab mla` run")
+        return run_uptrain, build(UptrainConfig, from_checkpoint=None if src is None else str(src),
+                                  kv_heads=args.kv_heads, inits=args.inits, ranks=args.ranks,
+                                  fractions=args.fractions, uptrain_lr=args.uptrain_lr, d_model=args.d_model,
+                                  n_layers=args.n_layers, n_heads=args.n_heads, **common)
     raise UsageError(f"unknown experiment {args.experiment!r}; valid: {', '.join(EXPERIMENTS)}")
 
 

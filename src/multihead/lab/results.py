@@ -105,7 +105,7 @@ _TOP = {
     "elapsed_s": (int, float), "results": dict, "plots": list,
 }
 _OPTIONAL = {"diverged": list, "notes": list}  # absent from files written before they existed
-_EXPERIMENTS = ("heads", "kv", "mla", "induction")
+_EXPERIMENTS = ("heads", "kv", "mla", "induction", "uptrain")
 
 
 def check_results(obj: dict, folder: str | os.PathLike | None = None,

@@ -1,0 +1,306 @@
+"""`multihead lab uptrain`: convert a trained MHA model to a cheaper KV cache, and measure
+what the conversion costs and how much a little more training buys back.
+
+Ainslie et al., 2023 ("GQA: Training Generalized Multi-Query Transformer Models from
+Multi-Head Checkpoints") turn a trained multi-head model into GQA or MQA by mean-pooling
+each group's key and value heads, then "uptrain" it for ~5% of the original steps. This
+experiment repeats that on a character-level LM of the King James Bible (the `lab mla`
+model, same defaults):
+
+1. the MHA baseline: trained here for `steps`, or taken `--from` a `lab mla` run (its
+   MHA checkpoint, with that run's corpus, split, seed and optimiser settings);
+2. converted whole, every layer (`multihead.convert.to_gqa` / `to_mla`), to MQA and GQA
+   at each `kv_heads`, with each init: "mean" (the paper), "first" (the first head of
+   each group) and "random" (fresh K/V projections), and to MLA at each `ranks` by a
+   truncated SVD of each layer's stacked [W_k ; W_v] ("svd");
+3. each conversion evaluated as converted (fraction 0) and after uptraining for each
+   fraction of the original steps; uptraining continues the baseline's data stream
+   (steps N+1, N+2, ... of the same seeded sequence, the same batches for every
+   variant) with the baseline's optimiser (AdamW, its betas, weight decay and gradient
+   clipping) and its schedule's shape (warmup as the same share of the run, then cosine
+   decay to 10%), starting from the learning rate where the baseline's schedule ended
+   (0.1 x its peak; `uptrain_lr` to choose another): the run continued. AdamW's moments
+   start afresh (a checkpoint keeps weights only), which is why the rate matters: at the
+   baseline's peak, the first steps of a fresh AdamW move every weight by about the
+   learning rate and undo much of the training (measured: +0.6 bits/char after 2 steps
+   of a 100-step model);
+4. each target geometry trained from scratch for the baseline's steps, on the
+   baseline's batches, from the baseline's seed.
+
+RoPE: the lab's language model uses learned absolute positions (as `lab mla` does), so
+no rotary part sits between W_k and the scores and the SVD conversion is exact at full
+rank; `to_mla` refuses layers with RoPE (see its docstring), and MHA2MLA's partial-RoPE
+conversion is not attempted here.
+
+Writes results.json (`results.mha`, `results.variants`, `results.scratch`, `claims`,
+`summary`), uptrain.png (bits/char against uptraining per target and init), frontier.png
+(bits/char against KV bytes per token, converted and from scratch) and model/ (the MHA
+baseline's checkpoint).
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import math
+import time
+from dataclasses import replace
+from pathlib import Path
+
+import torch
+
+from multihead.lab.checkpoint import Vocab, load_lab_checkpoint, save_lab_checkpoint
+from multihead.lab.devices import resolve_device, seed_everything
+from multihead.lab.mla import cache_bytes_per_token, load_corpus
+from multihead.lab.models import LabConfig, LabTransformer
+from multihead.lab.plots import draw_plots
+from multihead.lab.progress import Overall
+from multihead.lab.results import new_results, write_json_atomic
+from multihead.lab.training import StepCallback, diverged_entry, train
+from multihead.lab.uptrain_config import UptrainConfig
+from multihead.lab.uptrain_report import plot_frontier, plot_uptrain, summarise
+
+__all__ = ["UptrainConfig", "run_uptrain", "targets"]
+
+# the settings of a `lab mla` run that define the baseline and its data
+_FROM_FIELDS = ("corpus", "max_chars", "d_model", "n_layers", "n_heads", "context", "steps", "batch_size", "lr",
+                "warmup", "eval_batches", "val_fraction")
+
+
+def targets(cfg: UptrainConfig) -> list[tuple[str, str, int, tuple[str, ...]]]:
+    """(target name, "gqa" | "mla", n_kv_heads or kv_rank, inits) for every conversion."""
+    out = []
+    for hkv in sorted(cfg.kv_heads):
+        out.append(("MQA" if hkv == 1 else f"GQA-{hkv}", "gqa", hkv, cfg.inits))
+    for r in sorted(cfg.ranks):
+        out.append((f"MLA-{r}", "mla", r, ("svd",)))
+    return out
+
+
+def run_uptrain(cfg: UptrainConfig | None = None, out_dir: str | Path = "lab-uptrain", *, seed: int = 0,
+                device: str = "auto", callback: StepCallback | None = None, progress: bool = True) -> dict:
+    """Run the experiment; write results.json, plots and the baseline's checkpoint to `out_dir`."""
+    cfg = cfg or UptrainConfig()
+    dev = resolve_device(device)
+    source = None
+    if cfg.from_checkpoint is not None:
+        source, cfg, seed = _load_source(cfg, seed)
+    vocab, corpus, train_ids, val_ids = _split(cfg)
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    res = new_results("uptrain", cfg, seed, dev)
+    t0 = time.perf_counter()
+    res["results"] = {"corpus": corpus, "uptrain_peak_lr": cfg.uptrain_peak_lr, "mha": None, "variants": [],
+                      "scratch": []}
+    gen_val = torch.Generator().manual_seed(1_000_003 + seed)  # the validation windows of `lab mla`
+    val = [_windows(val_ids, cfg.batch_size, cfg.context, gen_val) for _ in range(cfg.eval_batches)]
+    tg = targets(cfg)
+    up_steps = sum(cfg.uptrain_steps(f) for f in cfg.fractions)
+    n_conv = sum(len(inits) for *_, inits in tg)
+    overall = Overall((source is None) + len(tg) + n_conv * sum(f > 0 for f in cfg.fractions),
+                      cfg.steps * ((source is None) + len(tg)) + n_conv * up_steps)
+    ctx = _Run(cfg, train_ids, val, dev, seed, callback, progress, overall, out, res, t0)
+    mha = None
+    try:
+        mha = _baseline(ctx, source, vocab)
+        for name, kind, size, inits in tg:
+            for init in inits:
+                _conversion(ctx, mha, name, kind, size, init)
+        for name, kind, size, _ in tg:
+            _scratch(ctx, name, kind, size, len(vocab))
+    except KeyboardInterrupt:
+        res["interrupted"] = True
+    summarise(cfg, res)
+    if mha is not None:
+        save_lab_checkpoint(out / "model", mha, vocab, experiment="uptrain", extra={"variant": "MHA"})
+        res["checkpoint"] = "model"
+    ctx.save()  # the numbers first: a plot that fails cannot lose them
+    if res["results"]["mha"] is not None and res["results"]["variants"]:
+        draw_plots(res, [lambda: plot_uptrain(cfg, res, out / "uptrain.png"),
+                         lambda: plot_frontier(cfg, res, out / "frontier.png")])
+        ctx.save()
+    return res
+
+
+class _Run:
+    """What every training of one run shares, and the results being written (saved after
+    each model, so an interrupted run keeps what it finished)."""
+
+    def __init__(self, cfg, train_ids, val, dev, seed, callback, progress, overall, out, res, t0):
+        self.cfg, self.train_ids, self.val, self.dev, self.seed = cfg, train_ids, val, dev, seed
+        self.callback, self.progress, self.overall = callback, progress, overall
+        self.out, self.res, self.t0 = out, res, t0
+
+    def batches(self, skip: int):
+        """step -> batch: the baseline's data stream from batch `skip` + 1 on (the generator
+        advanced past the first `skip` batches; drawing start offsets is cheap)."""
+        gen = torch.Generator().manual_seed(self.seed)
+        n = len(self.train_ids) - self.cfg.context - 1
+        for _ in range(skip):
+            torch.randint(0, n, (self.cfg.batch_size,), generator=gen)
+        return lambda step: (*(t.to(self.dev) for t in _windows(self.train_ids, self.cfg.batch_size,
+                                                                  self.cfg.context, gen)), None)
+
+    def train(self, model, steps: int, skip: int, label: str, lr: float) -> dict:
+        warmup = round(self.cfg.warmup * steps / self.cfg.steps)  # the same share of the run as the baseline's
+        return train(model, self.batches(skip), steps, lr=lr, warmup=warmup,
+                     name=self.overall.next_label(label), callback=self.callback, progress=self.progress,
+                     overall=self.overall)
+
+    def val_bpc(self, model) -> float:
+        model.eval()
+        with torch.no_grad():
+            nats = [float(torch.nn.functional.cross_entropy(model(x.to(self.dev)).flatten(0, 1),
+                                                             y.to(self.dev).flatten()))
+                    for x, y in self.val]
+        return sum(nats) / len(nats) / math.log(2)
+
+    def finished(self, name: str, hist: dict) -> bool:
+        """Record a divergence; raise KeyboardInterrupt after an interrupted training."""
+        if hist["interrupted"]:
+            raise KeyboardInterrupt
+        entry = diverged_entry(name, hist)
+        if entry is not None:
+            self.res["diverged"].append(entry)
+            self.save()
+        return entry is None
+
+    def save(self) -> None:
+        self.res["elapsed_s"] = time.perf_counter() - self.t0
+        write_json_atomic(self.out / "results.json", self.res)
+
+
+def _attention_params(model: LabTransformer) -> int:
+    return sum(p.numel() for b in model.blocks for p in b.attn.parameters())
+
+
+def _baseline(ctx: _Run, source: LabTransformer | None, vocab: Vocab) -> LabTransformer:
+    cfg = ctx.cfg
+    if source is None:
+        seed_everything(ctx.seed)  # the model's init, as `lab mla` draws it
+        model = LabTransformer(_arch(cfg, len(vocab))).to(ctx.dev)
+        hist = ctx.train(model, cfg.steps, 0, "uptrain MHA baseline", cfg.lr)
+        if not ctx.finished("MHA baseline", hist):
+            raise KeyboardInterrupt  # nothing to convert: stop here, "diverged" says why
+        seconds = hist["seconds"]
+    else:
+        model, seconds = source.to(ctx.dev), None
+    ctx.res["results"]["mha"] = {
+        "val_bits_per_char": ctx.val_bpc(model), "kv_bytes_per_token": cache_bytes_per_token(model),
+        "params": model.n_params(), "attention_params": _attention_params(model), "steps": cfg.steps,
+        "source": "trained here" if source is None else str(cfg.from_checkpoint), "seconds": seconds,
+    }
+    ctx.save()
+    return model
+
+
+def _convert(mha: LabTransformer, kind: str, size: int, init: str, seed: int):
+    from multihead import convert
+
+    if kind == "mla":
+        return convert.to_mla(mha, size, return_report=True)
+    gen = torch.Generator().manual_seed(seed * 1_000 + size)  # "random": the same draw for every fraction
+    return convert.to_gqa(mha, size, init=init, generator=gen, return_report=True)
+
+
+def _conversion(ctx: _Run, mha: LabTransformer, name: str, kind: str, size: int, init: str) -> None:
+    """Convert, evaluate, then uptrain a copy for each fraction and evaluate it."""
+    cfg = ctx.cfg
+    converted, report = _convert(mha, kind, size, init, ctx.seed)
+    base = {"target": name, "init": init, "kv_bytes_per_token": cache_bytes_per_token(converted),
+            "params": converted.n_params(), "attention_params": _attention_params(converted),
+            "kv_reconstruction_error": list(report.errors)}
+    for fraction in cfg.fractions:
+        steps = cfg.uptrain_steps(fraction)
+        model = copy.deepcopy(converted)
+        seconds = 0.0
+        if steps:
+            hist = ctx.train(model, steps, cfg.steps, f"uptrain {name} {init} {fraction:g}", cfg.uptrain_peak_lr)
+            if not ctx.finished(f"{name} {init} uptrain {fraction:g}", hist):
+                continue
+            seconds = hist["seconds"]
+        ctx.res["results"]["variants"].append({
+            **base, "uptrain_fraction": fraction, "uptrain_steps": steps, "val_bits_per_char": ctx.val_bpc(model),
+            "seconds": seconds})
+        ctx.save()
+
+
+def _scratch(ctx: _Run, name: str, kind: str, size: int, vocab_size: int) -> None:
+    cfg = ctx.cfg
+    arch = _arch(cfg, vocab_size)
+    arch = replace(arch, attention="mla", kv_rank=size) if kind == "mla" else replace(arch, n_kv_heads=size)
+    seed_everything(ctx.seed)
+    model = LabTransformer(arch).to(ctx.dev)
+    hist = ctx.train(model, cfg.steps, 0, f"uptrain {name} scratch", cfg.lr)
+    if not ctx.finished(f"{name} scratch", hist):
+        return
+    ctx.res["results"]["scratch"].append({
+        "target": name, "val_bits_per_char": ctx.val_bpc(model), "kv_bytes_per_token": cache_bytes_per_token(model),
+        "params": model.n_params(), "attention_params": _attention_params(model), "steps": cfg.steps,
+        "seconds": hist["seconds"]})
+    ctx.save()
+
+
+def _arch(cfg: UptrainConfig, vocab_size: int) -> LabConfig:
+    """The baseline's architecture: `lab mla`'s MHA variant."""
+    return LabConfig(vocab_size=vocab_size, max_len=cfg.context, d_model=cfg.d_model, n_layers=cfg.n_layers,
+                     n_heads=cfg.n_heads, mlp=True)
+
+
+def _windows(ids: torch.Tensor, batch: int, context: int, gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+    """`batch` random windows of context + 1 characters: (inputs, next characters), as `lab mla` draws them."""
+    starts = torch.randint(0, len(ids) - context - 1, (batch,), generator=gen)
+    rows = torch.stack([ids[s: s + context + 1] for s in starts.tolist()]).long()  # (B, context + 1)
+    return rows[:, :-1], rows[:, 1:]
+
+
+def _split(cfg: UptrainConfig) -> tuple[Vocab, dict, torch.Tensor, torch.Tensor]:
+    """(vocab, corpus description, train ids, validation ids): `lab mla`'s split (the last
+    val_fraction held out), so that a `--from` baseline is validated on text it never saw."""
+    from multihead.errors import UsageError
+
+    text, corpus_name = load_corpus(cfg.corpus, cfg.max_chars)
+    chars = sorted(set(text))
+    vocab = Vocab("char", tuple(chars))
+    ids = torch.tensor(vocab.encode(text), dtype=torch.int32 if len(chars) > 255 else torch.uint8)
+    n_val = int(len(ids) * cfg.val_fraction)
+    train_ids, val_ids = ids[:-n_val], ids[-n_val:]
+    if len(val_ids) <= cfg.context + 1 or len(train_ids) <= cfg.context + 1:
+        raise UsageError(f"corpus too short: {len(ids):,} characters for context {cfg.context}")
+    corpus = {"name": corpus_name, "characters": len(ids), "vocab_size": len(chars),
+              "train_characters": len(train_ids), "val_characters": len(val_ids)}
+    return vocab, corpus, train_ids, val_ids
+
+
+def _load_source(cfg: UptrainConfig, seed: int) -> tuple[LabTransformer, UptrainConfig, int]:
+    """The MHA model of a `lab mla` run, the config with that run's settings, and its seed."""
+    from multihead.errors import UsageError
+
+    path = Path(cfg.from_checkpoint)
+    folder = path.parent if (path / "config.json").is_file() and not (path / "results.json").is_file() else path
+    results = folder / "results.json"
+    if not results.is_file():
+        raise UsageError(f"--from {path}: no results.json in {folder}; give the folder of a `multihead lab mla` "
+                         "run (its MHA checkpoint in model/ and its settings in results.json)")
+    try:
+        run = json.loads(results.read_text(encoding="utf-8"))
+        original = run["config"]
+        run_seed = int(run["seed"])
+        experiment = run["experiment"]
+    except (ValueError, KeyError, TypeError) as err:
+        raise UsageError(f"--from {path}: {results} is not a lab results file ({err})") from None
+    if experiment != "mla":
+        raise UsageError(f"--from {path}: a `lab {experiment}` run; valid: the folder of a `lab mla` run")
+    try:
+        model, vocab, meta = load_lab_checkpoint(folder)
+    except ValueError as err:
+        raise UsageError(f"--from {path}: {err}") from None
+    if model.cfg.kind != "MHA" or model.cfg.positions != "learned":
+        raise UsageError(f"--from {path}: the checkpoint is {model.cfg.kind}; valid: the MHA model of a lab mla run")
+    new = replace(cfg, **{k: original[k] for k in _FROM_FIELDS if k in original})
+    if _arch(new, len(vocab)) != replace(model.cfg, n_kv_heads=None):
+        raise UsageError(f"--from {path}: the checkpoint's architecture does not match its results.json")
+    if _split(new)[0] != vocab:
+        raise UsageError(f"--from {path}: the corpus does not give the checkpoint's characters "
+                         f"(corpus {new.corpus or 'kjv'}, max_chars {new.max_chars})")
+    return model, new, run_seed

@@ -1,0 +1,97 @@
+"""The knobs of `multihead lab uptrain` (no torch here, so `--help` stays light).
+
+The base model's fields (corpus, width, heads, context, batch, learning rate, warmup,
+validation split) are those of `MLAConfig` with the same defaults but for the steps
+(1200 here, 400 there), so that the MHA baseline trained here is the one `multihead lab
+mla --steps 1200` trains with the same seed, and `--from` a `lab mla` run reuses that
+run's own settings.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+from dataclasses import dataclass
+
+__all__ = ["UptrainConfig", "parse_fractions", "parse_inits"]
+
+_INITS = ("mean", "first", "random")
+
+
+@dataclass(frozen=True)
+class UptrainConfig:
+    corpus: str | None = None  # None: the King James Bible shipped with multihead
+    max_chars: int | None = None
+    d_model: int = 128
+    n_layers: int = 2
+    n_heads: int = 8
+    context: int = 64
+    steps: int = 1200  # the MHA baseline's steps; the scratch models train as many
+    batch_size: int = 32
+    lr: float = 3e-3
+    warmup: int = 40
+    eval_batches: int = 16
+    val_fraction: float = 0.1
+    kv_heads: tuple[int, ...] = (1, 2, 4)  # MQA, GQA-2, GQA-4
+    inits: tuple[str, ...] = _INITS
+    ranks: tuple[int, ...] = (32, 64)  # MLA latent ranks (the caches of MQA and GQA-2 at the defaults)
+    fractions: tuple[float, ...] = (0.0, 0.025, 0.05, 0.1)  # uptraining, as a fraction of `steps`
+    uptrain_lr: float | None = None  # None: where the baseline's schedule ended, 0.1 * lr
+    from_checkpoint: str | None = None  # a `lab mla` run folder (its MHA model/ and results.json)
+
+    @classmethod
+    def quick(cls) -> UptrainConfig:
+        return cls(max_chars=300_000, d_model=32, n_layers=1, n_heads=4, context=32, steps=80, batch_size=8,
+                   warmup=8, eval_batches=2, kv_heads=(1, 2), ranks=(8,))
+
+    def __post_init__(self):
+        if not 0 < self.val_fraction < 1:
+            raise ValueError(f"val_fraction must be in (0, 1); received {self.val_fraction}")
+        if self.d_model % self.n_heads:
+            raise ValueError(f"n_heads {self.n_heads} does not divide d_model {self.d_model}")
+        bad = [h for h in self.kv_heads if self.n_heads % h or h == self.n_heads]
+        if bad:
+            valid = [d for d in range(1, self.n_heads) if self.n_heads % d == 0]
+            raise ValueError(f"n_kv_heads {bad[0]} is not a smaller divisor of n_heads {self.n_heads}; "
+                             f"valid: {', '.join(map(str, valid))}")
+        unknown = [i for i in self.inits if i not in _INITS]
+        if unknown or not self.inits:
+            raise ValueError(f"inits must be some of {', '.join(_INITS)}; received {','.join(self.inits)!r}")
+        if any(r > self.d_model for r in self.ranks):
+            raise ValueError(f"kv_rank must be at most d_model ({self.d_model}), the rank of the stacked K/V "
+                             f"projections; received {', '.join(map(str, self.ranks))}")
+        if self.uptrain_lr is not None and not (math.isfinite(self.uptrain_lr) and self.uptrain_lr > 0):
+            raise ValueError(f"uptrain_lr must be a positive number; received {self.uptrain_lr!r}")
+        if any(not 0 <= f <= 1 for f in self.fractions) or 0.0 not in self.fractions:
+            raise ValueError(f"fractions must lie in [0, 1] and include 0 (the conversion alone); "
+                             f"received {', '.join(map(str, self.fractions))}")
+
+    @property
+    def uptrain_peak_lr(self) -> float:
+        """The uptraining's peak learning rate: the baseline's final one (its cosine ends at
+        10% of lr), so that uptraining continues the run where it stopped."""
+        return 0.1 * self.lr if self.uptrain_lr is None else self.uptrain_lr
+
+    def uptrain_steps(self, fraction: float) -> int:
+        """Steps of uptraining for a fraction of the original run (at least 1 when above 0)."""
+        return 0 if fraction == 0 else max(1, round(fraction * self.steps))
+
+
+def parse_fractions(text: str) -> tuple[float, ...]:
+    """argparse type of --fractions: comma-separated numbers in [0, 1]; 0 is always added."""
+    try:
+        values = tuple(float(v) for v in text.split(",") if v.strip())
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated fractions like 0,0.05,0.1; "
+                                         f"received {text!r}") from None
+    if not values or len(values) > 16 or any(not (math.isfinite(v) and 0 <= v <= 1) for v in values):
+        raise argparse.ArgumentTypeError(f"expected 1 to 16 fractions in [0, 1] like 0,0.05,0.1; received {text!r}")
+    return tuple(sorted({0.0, *values}))
+
+
+def parse_inits(text: str) -> tuple[str, ...]:
+    """argparse type of --inits: some of mean, first, random."""
+    values = tuple(dict.fromkeys(v.strip() for v in text.split(",") if v.strip()))
+    if not values or any(v not in _INITS for v in values):
+        raise argparse.ArgumentTypeError(f"expected some of {','.join(_INITS)}; received {text!r}")
+    return values

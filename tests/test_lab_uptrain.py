@@ -1,0 +1,142 @@
+"""`multihead lab uptrain` (quick): its fields, its numbers against an independent
+re-evaluation of the saved baseline, determinism, Ctrl-C, --from a `lab mla` run."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import replace
+
+import pytest
+import torch
+
+from lab_helpers import assert_png, load_results, numbers
+from multihead import convert
+from multihead.lab.checkpoint import load_lab_checkpoint
+from multihead.lab.mla import MLAConfig, load_corpus, run_mla
+from multihead.lab.uptrain import UptrainConfig, run_uptrain
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+
+@pytest.fixture(scope="module")
+def quick(tmp_path_factory):
+    out = tmp_path_factory.mktemp("uptrain-quick")
+    torch.set_num_threads(1)
+    run_uptrain(UptrainConfig.quick(), out, progress=False)
+    return out
+
+
+def _val_bpc(model, cfg, seed=0):
+    """Validation bits/char computed here, from the corpus and the documented split and windows."""
+    text, _ = load_corpus(cfg.corpus, cfg.max_chars)
+    chars = sorted(set(text))
+    ids = torch.tensor([chars.index(c) for c in text[-int(len(text) * cfg.val_fraction):]])
+    gen = torch.Generator().manual_seed(1_000_003 + seed)
+    total = 0.0
+    for _ in range(cfg.eval_batches):
+        starts = torch.randint(0, len(ids) - cfg.context - 1, (cfg.batch_size,), generator=gen).tolist()
+        rows = torch.stack([ids[s:s + cfg.context + 1] for s in starts])
+        with torch.no_grad():
+            logits = model(rows[:, :-1])
+        total += float(torch.nn.functional.cross_entropy(logits.flatten(0, 1), rows[:, 1:].flatten()))
+    return total / cfg.eval_batches / math.log(2)
+
+
+def test_quick_fields(quick):
+    cfg = UptrainConfig.quick()
+    disk = load_results(quick, required=["mha", "variants", "scratch", "claims", "summary", "table", "corpus"])
+    assert disk["experiment"] == "uptrain" and not disk["interrupted"] and not disk["diverged"]
+    r = disk["results"]
+    H, D, L = cfg.n_heads, cfg.d_model // cfg.n_heads, cfg.n_layers
+    assert r["mha"]["kv_bytes_per_token"] == 2 * H * D * L * 2  # bf16
+    kv = {"MQA": 2 * 1 * D * L * 2, "GQA-2": 2 * 2 * D * L * 2, "MLA-8": 8 * L * 2}
+    want = [(t, i, f) for t, inits in (("MQA", cfg.inits), ("GQA-2", cfg.inits), ("MLA-8", ("svd",)))
+            for i in inits for f in cfg.fractions]
+    assert [(v["target"], v["init"], v["uptrain_fraction"]) for v in r["variants"]] == want
+    for v in r["variants"]:
+        assert set(v) >= {"target", "init", "uptrain_fraction", "val_bits_per_char", "kv_bytes_per_token"}
+        assert v["kv_bytes_per_token"] == kv[v["target"]]
+        assert v["uptrain_steps"] == (0 if v["uptrain_fraction"] == 0 else max(1, round(v["uptrain_fraction"] * 80)))
+        assert 0 < v["val_bits_per_char"] < 8
+    assert [(s["target"], s["kv_bytes_per_token"]) for s in r["scratch"]] == list(kv.items())
+    assert all(s["steps"] == cfg.steps and s["val_bits_per_char"] < 5.0 for s in r["scratch"])
+    assert r["mha"]["val_bits_per_char"] < 5.0, "the baseline learned more than uniform (5.9 bits/char)"
+    for claim in r["claims"].values():
+        assert claim["held"] in (True, False, None) and claim["detail"]
+    assert "Claim 1" in r["summary"] and "Claim 3" in r["summary"]
+    assert disk["plots"] == ["uptrain.png", "frontier.png"] and disk["checkpoint"] == "model"
+    assert_png(quick / "uptrain.png")
+    assert_png(quick / "frontier.png")
+
+
+def test_quick_numbers_are_those_of_the_saved_models(quick):
+    """The baseline checkpoint, re-evaluated here, gives results.mha; converted here with
+    to_gqa / to_mla, it gives the fraction-0 variants."""
+    cfg = UptrainConfig.quick()
+    r = load_results(quick)["results"]
+    model, _, _ = load_lab_checkpoint(quick)
+    assert _val_bpc(model, cfg) == pytest.approx(r["mha"]["val_bits_per_char"], abs=1e-5)
+    at0 = {(v["target"], v["init"]): v["val_bits_per_char"] for v in r["variants"] if v["uptrain_fraction"] == 0}
+    assert _val_bpc(convert.to_gqa(model, 1), cfg) == pytest.approx(at0["MQA", "mean"], abs=1e-5)
+    assert _val_bpc(convert.to_gqa(model, 2, init="first"), cfg) == pytest.approx(at0["GQA-2", "first"], abs=1e-5)
+    assert _val_bpc(convert.to_mla(model, 8), cfg) == pytest.approx(at0["MLA-8", "svd"], abs=1e-5)
+    # the claims are read off these numbers
+    g = {(v["target"], v["init"], v["uptrain_fraction"]): v["val_bits_per_char"] for v in r["variants"]}
+    pairs = [(t, f) for t in ("MQA", "GQA-2") for f in cfg.fractions]
+    wins = sum(g[t, "mean", f] < min(g[t, "first", f], g[t, "random", f]) for t, f in pairs)
+    c1 = r["claims"]["mean_beats_first_and_random"]
+    assert (c1["wins"], c1["of"], c1["held"]) == (wins, len(pairs), wins == len(pairs))
+
+
+def test_same_seed_same_numbers(quick, tmp_path):
+    run_uptrain(UptrainConfig.quick(), tmp_path, progress=False)
+    assert numbers(load_results(tmp_path)["results"]) == numbers(load_results(quick)["results"])
+
+
+def test_ctrl_c_keeps_what_finished(tmp_path):
+    cfg = replace(UptrainConfig.quick(), steps=20, inits=("mean",), ranks=())
+
+    def callback(name, step, loss):
+        if "GQA-2" in name and "0.1" in name and step == 1:
+            raise KeyboardInterrupt
+
+    run_uptrain(cfg, tmp_path, callback=callback, progress=False)
+    disk = load_results(tmp_path)
+    assert disk["interrupted"] is True and disk["results"]["scratch"] == []
+    got = [(v["target"], v["uptrain_fraction"]) for v in disk["results"]["variants"]]
+    assert got == [("MQA", f) for f in cfg.fractions] + [("GQA-2", 0.0), ("GQA-2", 0.025), ("GQA-2", 0.05)]
+    assert (tmp_path / "model" / "model.safetensors").is_file()
+
+
+def test_from_a_lab_mla_run(tmp_path):
+    mla_cfg = replace(MLAConfig.quick(), ranks=(4,), kv_heads=(), steps=24, finetune_steps=1, eval_batches=2)
+    mla = run_mla(mla_cfg, tmp_path / "mla", seed=3, progress=False)
+    cfg = replace(UptrainConfig.quick(), kv_heads=(2,), inits=("mean",), ranks=(), fractions=(0.0, 0.1),
+                  from_checkpoint=str(tmp_path / "mla"))
+    res = run_uptrain(cfg, tmp_path / "up", progress=False)
+    r = res["results"]
+    # the MHA of the mla run, validated on the same held-out windows: the same number
+    assert r["mha"]["val_bits_per_char"] == pytest.approx(mla["results"]["runs"][0]["val_bpc"], abs=1e-9)
+    assert r["mha"]["source"] == str(tmp_path / "mla") and res["seed"] == 3
+    assert res["config"]["d_model"] == mla_cfg.d_model and res["config"]["steps"] == 24
+    assert [(v["target"], v["uptrain_steps"]) for v in r["variants"]] == [("GQA-2", 0), ("GQA-2", 2)]
+    assert [s["target"] for s in r["scratch"]] == ["GQA-2"]
+
+
+def test_cli_bad_input_exits_2(tmp_path, capsys):
+    from multihead.cli import main
+
+    for argv, message in (
+            (["--from", str(tmp_path / "nothing")], "--from"),
+            (["--fractions", "0,2"], "fractions in [0, 1]"),
+            (["--inits", "mean,avg"], "expected some of mean,first,random"),
+            (["--n-kv-heads", "3"], "n_kv_heads 3 is not a smaller divisor of n_heads 4; valid: 1, 2"),
+            (["--kv-ranks", "64"], "kv_rank must be at most d_model (32)"),
+    ):
+        assert main(["lab", "uptrain", "--quick", "--out", str(tmp_path / "o"), *argv]) == 2, argv
+        text = capsys.readouterr().err
+        assert message in text and "Traceback" not in text, (argv, text)
+    (tmp_path / "run").mkdir()
+    (tmp_path / "run" / "results.json").write_text('{"experiment": "heads", "config": {}, "seed": 0}')
+    assert main(["lab", "uptrain", "--quick", "--out", str(tmp_path / "o2"), "--from", str(tmp_path / "run")]) == 2
+    assert "a `lab heads` run; valid: the folder of a `lab mla` run" in capsys.readouterr().err
