@@ -403,3 +403,20 @@ def test_whole_model_bad_input():
         convert.to_gqa(_lab_model(), 3)
     with pytest.raises(ValueError, match=r"n_kv_heads must be a positive int; received 0"):
         convert.to_gqa(_lab_model(), 0)
+
+
+def test_layers_with_some_biases_convert():
+    # Qwen2 layers (from_llama) have q/k/v biases and no o bias: both conversions used to fail to load o_proj
+    attn = _randomize_biases(mh.Attention(16, 4, causal=True)).double()
+    attn.o_proj.register_parameter("bias", None)
+    x = torch.randn(2, 6, 16, dtype=torch.float64)
+    gqa = convert.to_gqa(attn, 4)
+    assert gqa.o_proj.bias is None and gqa.k_proj.bias is not None
+    assert_close(gqa(x), attn(x), what="to_gqa, no o bias")
+    mla = convert.to_mla(attn, 17)
+    assert mla.o_proj.bias is None and mla.kv_a_proj.bias is not None
+    assert_close(mla(x), attn(x), what="to_mla, no o bias")
+    attn.v_proj.register_parameter("bias", None)  # a key bias alone: dropped exactly, no latent bias
+    mla = convert.to_mla(attn, 16)
+    assert mla.kv_a_proj.bias is None
+    assert_close(mla(x), attn(x), what="to_mla, key bias only")

@@ -34,8 +34,8 @@ from multihead.attention import Attention
 from multihead.interop.torch import from_torch, to_torch
 from multihead.latent import LatentAttention
 
-__all__ = ["GQA_INITS", "ConversionReport", "LayerConversion", "MLAReport", "from_torch", "mla_report", "to_gqa",
-           "to_mla", "to_torch"]
+__all__ = ["GQA_INITS", "ConversionReport", "LayerConversion", "MLAReport", "from_torch", "grouped_kv_error",
+           "mla_report", "pool_kv_heads", "to_gqa", "to_mla", "to_torch"]
 
 GQA_INITS = ("mean", "first", "random")
 
@@ -48,7 +48,16 @@ def _check_attention(fn: str, attn) -> None:
 
 
 def _has_bias(attn: Attention) -> bool:
-    return attn.k_proj.bias is not None
+    """Whether any projection has a bias (Qwen2's layers have q/k/v biases and no o bias)."""
+    return any(getattr(attn, n).bias is not None for n in ("q_proj", "k_proj", "v_proj", "o_proj"))
+
+
+def _match_biases(dst: nn.Module, src: nn.Module, names: tuple[str, ...]) -> None:
+    """Remove dst's bias wherever src's same-named projection has none (so that the
+    state dicts load and parameter counts stay honest)."""
+    for name in names:
+        if getattr(src, name).bias is None:
+            getattr(dst, name).register_parameter("bias", None)
 
 
 # ------------------------------------------------------------------ reports
@@ -157,40 +166,52 @@ def _gqa_layer(attn: Attention, n_kv_heads: int, init: str, generator: torch.Gen
     """The converted layer and its relative K/V reconstruction error."""
     _check_attention("to_gqa", attn)
     _check_kv_heads(attn, n_kv_heads)
-    old = attn.n_kv_heads
-    m = old // n_kv_heads
     D, Cin = attn.head_dim, attn.context_dim
     w = attn.q_proj.weight
     new = Attention(attn.d_model, attn.n_heads, n_kv_heads, head_dim=D, context_dim=Cin, bias=_has_bias(attn),
                     dropout=attn.dropout, causal=attn.causal, rope=copy.deepcopy(attn.rope), backend=attn.backend,
                     sliding_window=attn.sliding_window, softcap=attn.softcap, alibi=attn.alibi)
+    _match_biases(new, attn, ("q_proj", "k_proj", "v_proj", "o_proj"))
     new = new.to(device=w.device, dtype=w.dtype).train(attn.training)
     with torch.no_grad():
         for name in ("q_proj", "o_proj"):
             getattr(new, name).load_state_dict(getattr(attn, name).state_dict())
         for name in ("k_proj", "v_proj"):
             src, dst = getattr(attn, name), getattr(new, name)
-            dst.weight.copy_(_pool(src.weight, n_kv_heads, m, D, init, generator))  # (Hkv*D, Cin)
+            dst.weight.copy_(pool_kv_heads(src.weight, n_kv_heads, D, init=init, generator=generator))  # (Hkv*D, Cin)
             if src.bias is not None:
-                if init == "random":
-                    dst.bias.zero_()
-                else:
-                    dst.bias.copy_(_pool(src.bias, n_kv_heads, m, D, init, generator))  # (Hkv*D,)
-    expanded = _kv_matrix(new).view(2, n_kv_heads, 1, D, -1).expand(2, n_kv_heads, m, D, -1)
-    error = _relative_error(_kv_matrix(attn), expanded.reshape(2 * old * D, -1))
+                dst.bias.copy_(pool_kv_heads(src.bias, n_kv_heads, D, init=init, generator=generator))  # (Hkv*D,)
+    error = grouped_kv_error((attn.k_proj.weight, attn.v_proj.weight, attn.v_proj.bias),
+                             (new.k_proj.weight, new.v_proj.weight, new.v_proj.bias), D)
     return new, error
 
 
-def _pool(t: torch.Tensor, n_kv_heads: int, m: int, D: int, init: str, generator) -> torch.Tensor:
-    """(old Hkv * D, ...) -> (n_kv_heads * D, ...): each group of m heads to one."""
-    grouped = t.detach().view(n_kv_heads, m, D, *t.shape[1:])  # (Hkv, m, D, ...)
+def pool_kv_heads(t: torch.Tensor, n_kv_heads: int, head_dim: int, *, init: str = "mean",
+                  generator: torch.Generator | None = None) -> torch.Tensor:
+    """A K or V projection's weight `(Hkv * D, C)` or bias `(Hkv * D,)` with each group of
+    m = Hkv / n_kv_heads consecutive heads made one, as `to_gqa`'s `init` says ("random"
+    draws weights from N(0, std of `t`) and gives zero biases)."""
+    m = t.shape[0] // (n_kv_heads * head_dim)
+    assert m * n_kv_heads * head_dim == t.shape[0], (t.shape, n_kv_heads, head_dim)
+    grouped = t.detach().view(n_kv_heads, m, head_dim, *t.shape[1:])  # (Hkv, m, D, ...)
     if init == "mean":
         return grouped.mean(1).reshape(-1, *t.shape[1:])
     if init == "first":
         return grouped[:, 0].reshape(-1, *t.shape[1:])
+    if t.dim() == 1:
+        return torch.zeros_like(t[: n_kv_heads * head_dim])
     std = float(t.detach().float().std()) if t.numel() > 1 else 0.0
-    fresh = torch.randn((n_kv_heads * D, *t.shape[1:]), generator=generator, dtype=torch.float32)
+    fresh = torch.randn((n_kv_heads * head_dim, *t.shape[1:]), generator=generator, dtype=torch.float32)
     return (fresh * std).to(device=t.device, dtype=t.dtype)
+
+
+def grouped_kv_error(old: tuple, new: tuple, head_dim: int) -> float:
+    """||M - M'||_F / ||M||_F for M = [W_k | 0 ; W_v | b_v] of (W_k, W_v, b_v or None)
+    `old` and M' that of `new` with each of its K/V heads repeated over its group."""
+    a, b = _stacked_kv(*old), _stacked_kv(*new)
+    n_old, n_new = old[0].shape[0] // head_dim, new[0].shape[0] // head_dim
+    b = b.view(2, n_new, 1, head_dim, -1).expand(2, n_new, n_old // n_new, head_dim, -1).reshape(a.shape)
+    return _relative_error(a, b)
 
 
 # ------------------------------------------------------------- whole models
@@ -294,13 +315,14 @@ def _kv_matrix(attn: Attention) -> torch.Tensor:
     The value bias rides along as the coefficient of a constant input feature 1, so it
     becomes the down-projection's bias and passes through the latent like the rest.
     """
-    wk = attn.k_proj.weight.detach().double()  # (Hkv*D, C)
-    wv = attn.v_proj.weight.detach().double()
-    m = torch.cat([wk, wv], dim=0)  # (2*Hkv*D, C)
-    if _has_bias(attn):
-        col = torch.cat([torch.zeros_like(attn.k_proj.bias, dtype=torch.float64),
-                         attn.v_proj.bias.detach().double()])[:, None]  # (2*Hkv*D, 1)
-        m = torch.cat([m, col], dim=1)
+    return _stacked_kv(attn.k_proj.weight, attn.v_proj.weight, attn.v_proj.bias)
+
+
+def _stacked_kv(wk: torch.Tensor, wv: torch.Tensor, bv: torch.Tensor | None) -> torch.Tensor:
+    m = torch.cat([wk.detach().double(), wv.detach().double()])  # (2*Hkv*D, C)
+    if bv is not None:
+        col = torch.cat([torch.zeros(wk.shape[0], dtype=torch.float64, device=wk.device), bv.detach().double()])
+        m = torch.cat([m, col[:, None]], dim=1)  # (2*Hkv*D, C + 1)
     return m
 
 
@@ -338,7 +360,7 @@ def mla_report(attn: Attention, kv_rank: int | None = None) -> MLAReport:
 
 def _check_rank(kv_rank, max_rank: int, attn: Attention) -> None:
     if isinstance(kv_rank, bool) or not isinstance(kv_rank, int) or not 1 <= kv_rank <= max_rank:
-        rows, cols = 2 * attn.n_kv_heads * attn.head_dim, attn.d_model + _has_bias(attn)
+        rows, cols = 2 * attn.n_kv_heads * attn.head_dim, attn.d_model + (attn.v_proj.bias is not None)
         raise ValueError(
             f"kv_rank must be an int in 1..{max_rank}, the rank of the stacked [W_k ; W_v] "
             f"(min({rows} rows, {cols} columns)); received {kv_rank!r}"
@@ -416,12 +438,15 @@ def _mla_layer(attn: Attention, kv_rank, return_report: bool):
     mla = LatentAttention(C, H, R, head_dim=D, v_head_dim=D, rope_dim=0, causal=attn.causal,
                           backend=attn.backend, latent_norm=False, bias=bias,
                           sliding_window=attn.sliding_window, softcap=attn.softcap)
+    _match_biases(mla, attn, ("q_proj", "o_proj"))
+    if attn.v_proj.bias is None:  # the latent's bias carries the value bias only (the key bias is dropped)
+        mla.kv_a_proj.register_parameter("bias", None)
     mla = mla.to(device=w.device, dtype=w.dtype).train(attn.training)
     with torch.no_grad():
         mla.q_proj.load_state_dict(attn.q_proj.state_dict())
         mla.o_proj.load_state_dict(attn.o_proj.state_dict())
         mla.kv_a_proj.weight.copy_(down[:, :C])
-        if bias:
+        if mla.kv_a_proj.bias is not None:
             mla.kv_a_proj.bias.copy_(down[:, C])
         mla.kv_b_proj.weight.copy_(up_kv.reshape(H * 2 * D, R))
     if not return_report:
