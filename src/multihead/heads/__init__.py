@@ -21,8 +21,10 @@ See docs/heads.md.
 
 from __future__ import annotations
 
+from multihead.heads._importance import importance
 from multihead.heads._interventions import ablate, patch
+from multihead.heads._prune import prune
 from multihead.heads._record import Recording, record
 from multihead.heads._scan import attribution_scan, patch_scan
 
-__all__ = ["Recording", "ablate", "attribution_scan", "patch", "patch_scan", "record"]
+__all__ = ["Recording", "ablate", "attribution_scan", "importance", "patch", "patch_scan", "prune", "record"]
