@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -40,7 +41,8 @@ def test_default_prints_the_ranked_table(capsys):
     assert lines[0].startswith("minilm (sentence-transformers/all-MiniLM-L6-v2): 6 layers x 12 heads")
     assert "tokens: [CLS] the cat sat on the mat . [SEP]" in out
     header = next(i for i, line in enumerate(lines) if line.startswith("rank"))
-    assert lines[header + 1].split() == ["1", "0", "2", "previous_token", "1.00"]
+    assert lines[header + 1].split()[:5] == ["1", "0", "2", "previous_token", "1.00"]
+    assert lines[header].split()[5] == "runner-up" and re.fullmatch(r"\w+=[01]\.\d\d", lines[header + 1].split()[5])
     assert len(lines) - header - 2 == 10 and "62 more heads" in lines[-1]
 
 
@@ -92,8 +94,12 @@ def test_long_text_truncates_with_a_warning(capsys):
     (["   "], "text is empty"),
     ([TEXT, "--layers", "6"], "layer 6 is out of range; valid: 0..5 (the model has 6 layers)"),
     ([TEXT, "--heads", "0,12"], "head 12 is out of range; valid: 0..11 (the model has 12 heads)"),
-    ([TEXT, "--only-heads", "two"], "--only-heads takes comma-separated integers, e.g. --only-heads 0,3; "
-                                    "received 'two'"),
+    ([TEXT, "--only-heads", "two"], "--only-heads takes comma-separated integers or ranges, e.g. --only-heads "
+                                    "0,3 or --only-heads 0-3,7; received 'two' ('two' is not an integer)"),
+    ([TEXT, "--only-heads", "1,,2"], "received '1,,2' (an empty item)"),
+    ([TEXT, "--only-heads", "1,"], "received '1,' (an empty item)"),
+    ([TEXT, "--only-heads", "3-1"], "(the range '3-1' runs backwards)"),
+    ([TEXT, "--only-layers", "0-x"], "('0-x' is not an integer)"),
     ([TEXT, "--heads", "two"], "received 'two'"),  # the older spelling still parses
     ([TEXT, "--model", "no/such/model"], "model 'no/such/model' not found: no such folder. valid: 'minilm'"),
     ([TEXT, "--html", "no/such/dir/view.html"], "--html 'no/such/dir/view.html': the folder 'no/such/dir' does"),
@@ -149,3 +155,27 @@ def test_subprocess_real_model(tmp_path):
     data = json.loads(r.stdout)
     assert len(data["tokens"]) == 512 and data["layers"] == [0] and data["heads"] == [2]
     assert data["meta"]["truncated"]["tokens"] == 602
+
+
+def test_ranges_are_accepted_and_json_has_the_runner_up(capsys):
+    code, out, err = run(capsys, TEXT, "--only-layers", "0-1", "--only-heads", "0-3, 7", "--json")
+    assert code == 0, err
+    data = json.loads(out)
+    assert data["layers"] == [0, 1] and data["heads"] == [0, 1, 2, 3, 7]
+    top = data["roles"][0]
+    assert (top["layer"], top["head"], top["role"]) == (0, 2, "previous_token")
+    assert top["runner_up"] in top["scores"] and top["runner_up_score"] == top["scores"][top["runner_up"]]
+
+
+def test_the_command_leaves_the_process_as_it_found_it(capsys, monkeypatch):
+    """In a notebook or a test, `main(["inspect", ...])` must not silence transformers for good."""
+    from transformers.utils import logging as hf_logging
+
+    monkeypatch.delenv("HF_HUB_DISABLE_PROGRESS_BARS", raising=False)
+    monkeypatch.setenv("HF_HUB_OFFLINE", "0")
+    hf_logging.enable_progress_bar()
+    verbosity = hf_logging.get_verbosity()
+    code, _, err = run(capsys, TEXT, "--only-layers", "0")
+    assert code == 0, err
+    assert hf_logging.is_progress_bar_enabled() and hf_logging.get_verbosity() == verbosity
+    assert os.environ["HF_HUB_OFFLINE"] == "0" and "HF_HUB_DISABLE_PROGRESS_BARS" not in os.environ

@@ -397,3 +397,63 @@ def test_cli_says_what_it_is_loading_within_a_second():
         os.close(fd)
     assert b"multihead inspect: loading minilm" in seen, seen
     assert first is not None and first < 3.0, f"first output after {first:.2f} s"
+
+
+# ------------------------------------------------------------ the label and its runner-up
+
+
+def _partial_induction(frac: float) -> tuple[AttentionCapture, list[int]]:
+    """A head that puts `frac` of each matched row on the induction target, the rest on the
+    token itself (excluded from the score) and BOS ... plus a little on a non-target, so its
+    induction score on this text is exactly `frac_target / (frac_target + other)`."""
+    ids = [0, 11, 12, 13, 11, 12, 13]
+    tokens = ["<s>", "a", "b", "c", "a", "b", "c"]
+    T = len(ids)
+    w = one_hot_rows([0, 0, 1, 2, 3, 4, 5], T)  # previous-token elsewhere
+    for i, target in ((4, 2), (5, 3), (6, 4)):
+        w[i] = 0
+        w[i, target] = frac
+        w[i, 1 if target != 1 else 3] = 1 - frac  # a non-target key: lowers the induction score
+    return make(w[None, None], tokens, ids, special=("<s>",)), ids
+
+
+def test_induction_is_the_label_when_prefix_matching_scores_higher_and_the_guards_pass():
+    cap, _ = _partial_induction(0.8)
+    assert abs(role_scores(cap)["induction"][0, 0].item() - 0.8) < 1e-6
+    # random repeated tokens: 0.95; this text: 0.8. One mechanism: the label is induction,
+    # the runner-up shows the prefix-matching score.
+    (r,) = head_roles(cap, prefix_matching=torch.tensor([[0.95]]))
+    assert (r.role, round(r.score, 4)) == ("induction", 0.8)
+    assert (r.runner_up, r.runner_up_score) == ("prefix_matching", 0.95)
+    # the same head on a text where induction scores below the bar: prefix matching names it
+    low, _ = _partial_induction(0.3)
+    (r,) = head_roles(low, prefix_matching=torch.tensor([[0.95]]))
+    # prefix 0.95, previous_token (rows 1-3 of 6) 0.5, induction 0.3
+    assert (r.role, r.runner_up, r.runner_up_score) == ("prefix_matching", "previous_token", 0.5)
+    # a text with one repeated token (one matched row): induction is not eligible
+    tokens = ["<s>", "the", "cat", "sat", "on", "the", "mat"]
+    ids = [0, 1, 2, 3, 4, 1, 5]
+    w = causal_uniform(7)
+    w[5] = one_hot_rows([2], 7)[0]
+    (r,) = head_roles(make(w[None, None], tokens, ids, special=("<s>",)), prefix_matching=torch.tensor([[0.9]]))
+    assert r.role == "prefix_matching" and r.runner_up != "induction"
+
+
+def test_every_head_shows_its_runner_up():
+    tokens = ["<s>", "the", "cat", ",", "sat", "."]
+    T = len(tokens)
+    mostly_prev = 0.7 * one_hot_rows([0, 0, 1, 2, 3, 4], T) + 0.3 * one_hot_rows([0] * T, T)
+    cap = make(torch.stack([mostly_prev, causal_uniform(T)])[None], tokens, special=("<s>",))
+    roles = {r.head: r for r in head_roles(cap)}
+    assert roles[0].role == "previous_token" and roles[0].runner_up == "first_token"
+    # first_token over rows 1..5: row 1's previous token is BOS (1.0), the others 0.3
+    assert roles[0].runner_up_score == pytest.approx((1.0 + 4 * 0.3) / 5, abs=1e-4)
+    # broad: the runner-up is the best role, below the bar
+    assert roles[1].role == "broad" and roles[1].runner_up and roles[1].runner_up_score < 0.4
+    assert "runner_up='first_token'" in repr(roles[0]) and "tensor" not in repr(roles[0])
+
+
+def test_repr_quotes_the_score_as_stored():
+    cap = make(one_hot_rows([0, 0, 1, 2], 4)[None, None], ["<s>", "a", "b", "c"], special=("<s>",))
+    (r,) = head_roles(cap)
+    assert f"score={r.score:.4g}" in repr(r) and r.score == 1.0

@@ -90,5 +90,13 @@ class HeadRole:
     layer: int
     head: int
     scores: dict  # role name -> score
-    role: str  # the strongest role (by the documented ranking)
+    role: str  # the label, chosen by the documented rules and guards
     score: float  # its score
+    runner_up: str = ""  # the next eligible role ("" if none), so a close call shows
+    runner_up_score: float = 0.0
+
+    def __repr__(self) -> str:
+        second = (f", runner_up={self.runner_up!r}, runner_up_score={self.runner_up_score:.4g}"
+                  if self.runner_up else "")
+        return (f"HeadRole(layer={self.layer}, head={self.head}, role={self.role!r}, score={self.score:.4g}"
+                f"{second}, scores={{{len(self.scores)} roles}})")

@@ -16,6 +16,7 @@ examples:
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import sys
@@ -37,9 +38,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     # --only-layers, not --layers: elsewhere (plan, lab) --layers N is a count of layers.
     # The older --layers / --heads spellings still work, unlisted.
     parser.add_argument("--only-layers", metavar="LIST", dest="layers",
-                        help="capture only these layers, comma-separated, e.g. 0,3 (default: all)")
+                        help="capture only these layers, comma-separated, ranges allowed, e.g. 0,3 or 0-2 "
+                             "(default: all)")
     parser.add_argument("--only-heads", metavar="LIST", dest="heads",
-                        help="capture only these heads in each layer, e.g. 2,5 (default: all)")
+                        help="capture only these heads in each layer, e.g. 2,5 or 0-3,7 (default: all)")
     parser.add_argument("--layers", dest="layers", help=argparse.SUPPRESS)
     parser.add_argument("--heads", dest="heads", help=argparse.SUPPRESS)
     parser.add_argument("--max-tokens", type=int, metavar="N",
@@ -58,15 +60,31 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def _indices(flag: str, value: str | None) -> list[int] | None:
+    """'0,3' -> [0, 3]; '0-3,7' -> [0, 1, 2, 3, 7]. An empty item ('1,,2', '1,') or a
+    backwards range is refused: it is a typo, not a request. Order and duplicates are left
+    to capture(), which checks the ranges against the model."""
     if value is None:
         return None
-    parts = [p.strip() for p in value.split(",") if p.strip()]
-    try:
-        out = [int(p) for p in parts]
-    except ValueError:
-        out = []
-    if not out:
-        raise UsageError(f"{flag} takes comma-separated integers, e.g. {flag} 0,3; received {value!r}")
+    usage = f"{flag} takes comma-separated integers or ranges, e.g. {flag} 0,3 or {flag} 0-3,7"
+    out = []
+    for raw in value.split(","):
+        item = raw.strip()
+        lo, dash, hi = item.partition("-")
+        try:
+            if not item:
+                raise ValueError("an empty item")
+            if dash and lo.strip():  # a range a-b (a leading '-' is a negative number: left to int())
+                a, b = int(lo), int(hi)
+                if b < a:
+                    raise ValueError(f"the range {item!r} runs backwards")
+                if b - a >= 2**16:
+                    raise ValueError(f"the range {item!r} is longer than any model's layers or heads")
+                out += range(a, b + 1)
+            else:
+                out.append(int(item))
+        except ValueError as err:
+            why = str(err) if str(err).startswith(("an empty", "the range")) else f"{item!r} is not an integer"
+            raise UsageError(f"{usage}; received {value!r} ({why})") from None
     return out
 
 
@@ -110,19 +128,42 @@ def _read_text(text: str) -> str:
     return text
 
 
-def _quiet_transformers() -> None:
-    """Loading progress bars and advisory logs are noise on a command line."""
+@contextlib.contextmanager
+def _quiet_transformers():
+    """Loading progress bars and advisory logs are noise on a command line; for the length
+    of the command only: the environment, transformers' verbosity and its progress-bar
+    setting are put back afterwards (`main` may run inside a notebook or a test)."""
+    saved_env = {k: os.environ.get(k) for k in ("HF_HUB_OFFLINE", "HF_HUB_DISABLE_PROGRESS_BARS")}
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
     try:
         from transformers.utils import logging as hf_logging
     except ImportError:
-        return
-    hf_logging.set_verbosity_error()
-    hf_logging.disable_progress_bar()
+        hf_logging = None
+    if hf_logging is not None:
+        verbosity, bars = hf_logging.get_verbosity(), hf_logging.is_progress_bar_enabled()
+        hf_logging.set_verbosity_error()
+        hf_logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        for key, value in saved_env.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
+        if hf_logging is not None:
+            hf_logging.set_verbosity(verbosity)
+            if bars:
+                hf_logging.enable_progress_bar()
 
 
 def main(args: argparse.Namespace) -> int:
+    with contextlib.ExitStack() as stack:
+        return _main(args, stack)
+
+
+def _main(args: argparse.Namespace, stack: contextlib.ExitStack) -> int:
     text = _read_text(args.text)
     layers = _indices("--only-layers", args.layers)
     heads = _indices("--only-heads", args.heads)
@@ -140,7 +181,7 @@ def main(args: argparse.Namespace) -> int:
     _status(f"multihead inspect: loading {args.model} (the first import of torch and transformers takes "
             "a few seconds) ...")
     try:
-        _quiet_transformers()
+        stack.enter_context(_quiet_transformers())
         from multihead.inspect.capture import capture, load_model
         from multihead.inspect.roles import head_roles, induction_scores
 
@@ -213,6 +254,7 @@ def _as_json(cap, roles, written) -> dict:
         "token_ids": cap.token_ids,
         "meta": cap.meta,
         "roles": [{"rank": i + 1, "layer": r.layer, "head": r.head, "role": r.role, "score": r.score,
+                   "runner_up": r.runner_up or None, "runner_up_score": r.runner_up_score if r.runner_up else None,
                    "scores": r.scores} for i, r in enumerate(roles)],
         "files": written,
     }
@@ -240,13 +282,14 @@ def format_roles(roles, *, full: bool = False) -> str:
     """The ranked role table as text: the top rows, or every head with every score."""
     shown = roles if full else roles[:TOP]
     cols = [c for c in _SHORT if any(c in r.scores for r in shown)] if full else []
-    head = f"{'rank':>4} {'layer':>5} {'head':>4}  {'role':<15} {'score':>5}"
+    head = f"{'rank':>4} {'layer':>5} {'head':>4}  {'role':<15} {'score':>5}  {'runner-up':<14}"
     head += "".join(f" {_SHORT[c]:>7}" for c in cols)
-    lines = [head]
+    lines = [head.rstrip()]
     for i, r in enumerate(shown):
-        line = f"{i + 1:>4} {r.layer:>5} {r.head:>4}  {r.role:<15} {r.score:>5.2f}"
+        second = f"{_SHORT.get(r.runner_up, r.runner_up)}={r.runner_up_score:.2f}" if r.runner_up else "-"
+        line = f"{i + 1:>4} {r.layer:>5} {r.head:>4}  {r.role:<15} {r.score:>5.2f}  {second:<14}"
         line += "".join(f" {r.scores[c]:>7.2f}" if c in r.scores else f" {'-':>7}" for c in cols)
-        lines.append(line)
+        lines.append(line.rstrip())
     if not full and len(roles) > len(shown):
         lines.append(f"... {len(roles) - len(shown)} more heads (--roles shows every head and every score)")
     return "\n".join(lines)

@@ -57,6 +57,12 @@ BROAD_ENTROPY = 0.75 (its rows spread over most keys), else "mixed" (score = its
 role score: attention split between several roles, none reaching 0.4). Heads are
 ranked by score, highest first.
 
+Induction and prefix matching are one mechanism measured twice: when prefix_matching
+scores highest and induction passes its guards below and reaches min_score, the label
+is induction (so a head is not called induction on one text and prefix_matching on the
+next). Every head also carries its runner-up: the next role in this order (for "broad"
+and "mixed", the best role, below the bar), so a close call shows.
+
 Two guards keep the token-matching roles honest. `induction` (and `duplicate_token`)
 can only name a head when at least MIN_MATCH_ROWS = 2 query rows have a match: one
 repeated word ("the" in "The cat sat on the mat.") is one row, and a head that happens
@@ -319,17 +325,36 @@ def head_roles(capture: AttentionCapture, *, prefix_matching: Tensor | None = No
             eligible = [r for r in ranked_roles if r in s]
             if "induction" in eligible and s.get("prefix_matching", 1.0) < MIN_PREFIX:
                 eligible.remove("induction")
-            ranked = [(s[r], -ROLES.index(r), r) for r in eligible]
-            best, _, role = max(ranked) if ranked else (0.0, 0, "mixed")
+            ranked = sorted(((s[r], -ROLES.index(r), r) for r in eligible), reverse=True)
+            ranked = _induction_first(ranked, min_score)
+            best, _, role = ranked[0] if ranked else (0.0, 0, "mixed")
+            second = ranked[1] if len(ranked) > 1 else None
             if best < min_score:
+                second = ranked[0] if ranked else None  # the best role, below the bar
                 if s["entropy"] >= BROAD_ENTROPY:
                     role, best = "broad", s["entropy"]
                 else:
                     role = "mixed"
             s.update({name: round(float(v[li, hi]), 4) for name, v in extra.items()})
-            table.append(HeadRole(layer=layer, head=head, scores=s, role=role, score=float(best)))
+            table.append(HeadRole(layer=layer, head=head, scores=s, role=role, score=float(best),
+                                  runner_up=second[2] if second else "",
+                                  runner_up_score=float(second[0]) if second else 0.0))
     table.sort(key=lambda r: (-r.score, r.layer, r.head))
     return table
+
+
+def _induction_first(ranked: list[tuple], min_score: float) -> list[tuple]:
+    """Prefix matching on random tokens and induction on the text measure one mechanism
+    (Olsson et al., 2022). When prefix matching scores highest and induction passed its
+    guards (2 rows with a match, prefix_matching >= MIN_PREFIX) and reaches min_score, the
+    label is induction, whichever of the two is higher on this text: otherwise one head
+    would be called induction on one text and prefix_matching on the next."""
+    if not ranked or ranked[0][2] != "prefix_matching":
+        return ranked
+    ind = next((x for x in ranked if x[2] == "induction"), None)
+    if ind is None or ind[0] < min_score:
+        return ranked
+    return [ind, *[x for x in ranked if x is not ind]]
 
 
 # ------------------------------------------------------------ prefix matching
