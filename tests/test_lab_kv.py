@@ -46,3 +46,41 @@ def test_ctrl_c_keeps_measured_rows(tmp_path, one_torch_thread):
 def test_bad_geometry():
     with pytest.raises(ValueError, match="does not divide"):
         run_kv(replace(KVConfig.quick(), kv_heads=(3,)), "/nonexistent-never-written", progress=False)
+
+
+def test_ratio_words_never_go_below_one():
+    from multihead.lab.kv import _times
+
+    assert _times(120.0, 100.0) == "1.2x slower"  # the bug: printed "0.8x slower"
+    assert _times(100.0, 120.0) == "1.2x faster"
+    assert _times(50.0, 500.0) == "10.0x faster"
+    assert _times(100.0, 100.0) == "1.0x faster"
+
+
+def test_summary_words_follow_the_measured_times():
+    from multihead.lab.kv import _summary
+
+    base = {"plan_agrees": True, "cache_bytes_fp32": 4, "cache_bytes_bf16": 2, "cache_vs_mha": 1.0}
+    rows = [dict(base, name="MHA", kind="MHA", decode_us_per_token=100.0),
+            dict(base, name="MLA-32", kind="MLA", decode_us_per_token=120.0, decode_naive_us_per_token=100.0)]
+    text = _summary(KVConfig.quick(), rows, threads=1)
+    assert "MLA-32: the absorbed step is 1.2x slower than decompressing" in text
+    assert "Decode times are medians on 1 CPU thread (the kv default" in text
+    assert "on 2 CPU threads." in _summary(KVConfig.quick(), rows, threads=2)
+
+
+def test_the_command_times_decode_on_one_thread_by_default(tmp_path, capsys):
+    import torch
+
+    from multihead.cli import main
+
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        assert main(["lab", "kv", "--quick", "--no-progress", "--out", str(tmp_path / "a")]) == 0
+        res = load_results(tmp_path / "a")
+        assert res["results"]["decode_threads"] == 1 and "on 1 CPU thread" in res["results"]["summary"]
+        assert main(["lab", "kv", "--quick", "--no-progress", "--threads", "2", "--out", str(tmp_path / "b")]) == 0
+        assert load_results(tmp_path / "b")["results"]["decode_threads"] == 2
+    finally:
+        torch.set_num_threads(before)

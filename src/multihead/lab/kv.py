@@ -11,6 +11,9 @@ real modules and caches:
 - decode time per token on this machine: one-token forwards over a cache filled to
   about N tokens (float32, the median of `decode_steps` steps after a warm-up). MLA is
   timed both absorbed (attending over the latent) and naive (decompressing K and V).
+  On the CPU the times are taken on the threads torch has; `multihead lab kv` uses one
+  by default (a 0.2 ms step timed on 2 threads of a loaded 2-core machine read 40 ms),
+  and the summary says how many.
 
 Nothing is trained, so this experiment writes no checkpoint; results.json and kv.png.
 """
@@ -109,7 +112,9 @@ def run_kv(cfg: KVConfig | None = None, out_dir: str | Path = "lab-kv", *, seed:
         r["decode_vs_mha"] = r["decode_us_per_token"] / mha["decode_us_per_token"]
     res["results"]["plan_agrees"] = all(r["plan_agrees"] for r in rows)
     res["results"]["table"] = _table(cfg, rows)
-    res["results"]["summary"] = _summary(cfg, rows)
+    threads = torch.get_num_threads() if dev.type == "cpu" else None
+    res["results"]["decode_threads"] = threads
+    res["results"]["summary"] = _summary(cfg, rows, threads)
     res["elapsed_s"] = time.perf_counter() - t0
     write_json_atomic(out / "results.json", res)  # the numbers first: a plot that fails cannot lose them
     if rows:
@@ -172,7 +177,7 @@ def _table(cfg: KVConfig, rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def _summary(cfg: KVConfig, rows: list[dict]) -> str:
+def _summary(cfg: KVConfig, rows: list[dict], threads: int | None = None) -> str:
     if not rows:
         return "No variant was measured."
     agree = all(r["plan_agrees"] for r in rows)
@@ -189,10 +194,22 @@ def _summary(cfg: KVConfig, rows: list[dict]) -> str:
                      f"{fastest['decode_us_per_token']:.0f} us/token against MHA's {mha['decode_us_per_token']:.0f}.")
         mla = [r for r in rows if r["kind"] == "MLA" and "decode_naive_us_per_token" in r]
         for r in mla:
-            ratio = r["decode_naive_us_per_token"] / r["decode_us_per_token"]
-            parts.append(f"{r['name']}: the absorbed step is {ratio:.1f}x "
-                         f"{'faster' if ratio >= 1 else 'slower'} than decompressing K/V each step.")
+            parts.append(f"{r['name']}: the absorbed step is "
+                         f"{_times(r['decode_us_per_token'], r['decode_naive_us_per_token'])} "
+                         "than decompressing K/V each step.")
+    if threads is not None:
+        parts.append(f"Decode times are medians on {threads} CPU thread{'s' * (threads != 1)}"
+                     + (" (the kv default: one thread is steadier on a shared machine; --threads N to change)"
+                        if threads == 1 else "") + ".")
     return " ".join(parts)
+
+
+def _times(t: float, other: float) -> str:
+    """'1.2x faster' / '1.2x slower': t against other, the ratio always >= 1, so the word
+    carries the direction (t = 1.2 * other is '1.2x slower', never '0.8x slower')."""
+    if t <= other:
+        return f"{other / t:.1f}x faster"
+    return f"{t / other:.1f}x slower"
 
 
 def _plot(cfg: KVConfig, rows: list[dict], path: Path, device: str) -> str:
