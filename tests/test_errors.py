@@ -26,6 +26,22 @@ def _full_cache():
     return cache
 
 
+def _learned_mod():
+    w = torch.ones(8, requires_grad=True)
+    return lambda s, b, h, qi, kv: s * w[h]
+
+
+def _unprobeable_mod(s, b, h, qi, kv):
+    if s.shape[-1] < 7:
+        raise RuntimeError("wants all 7 keys at once")
+    return s
+
+
+def _double_backward(**kw):
+    qq = q.clone().requires_grad_()
+    return torch.autograd.grad(sdpa(qq, k, v, **kw).sum(), qq, create_graph=True)
+
+
 CASES = [
     # (id, callable, exception, substrings the message must contain)
     ("q rank 3", lambda: sdpa(q[0], k, v), ValueError, ["q must be 4-D", "(8, 5, 4)"]),
@@ -152,6 +168,12 @@ CASES = [
                                                                        "at most 2**62"]),
     ("tile_classes zero tile", lambda: masks.tile_classes(masks.causal(), 1, 1, 4, 4, 0, 2), ValueError,
      ["bq must be a positive int", "0"]),
+    ("learned mod on tiles", lambda: sdpa(q, k, v, backend="tiles", score_mod=_learned_mod()), ValueError,
+     ["score mod", "holds tensors that require grad", "backends that can: 'chunked', 'math'"]),
+    ("unprobeable mod on tiles", lambda: sdpa(q, k, v, backend="tiles", score_mod=_unprobeable_mod), ValueError,
+     ["raised on a probe", "backends that can: 'chunked', 'math'"]),
+    ("double backward with sdpa dropout", lambda: _double_backward(backend="sdpa", dropout_p=0.1), ValueError,
+     ["'sdpa' cannot differentiate twice", "dropout_p=0.1", "backends that can: 'tiles', 'math'"]),
 ]
 
 

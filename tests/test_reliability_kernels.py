@@ -4,6 +4,8 @@ its fix. Numbers are held against the float64 NumPy reference or the float64 mat
 import numpy as np
 import pytest
 import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 import multihead as mh
 from conftest import assert_close
@@ -78,3 +80,244 @@ def test_tile_sizes_are_validated():
         masks.tile_classes(masks.causal(), 1, 1, 4, 4, 0, 2)
     with pytest.raises(ValueError, match="bk must be a positive int"):
         masks.tile_classes(masks.causal(), 1, 1, 4, 4, 2, 2**63)
+
+
+# ------------------------------------------------------ no gradient silently lost
+
+_BACKENDS = ["auto", "math", "chunked", "tiles", "sdpa"]
+
+
+def _grads(out, inputs, seed=5):
+    g_out = torch.randn(out.shape, generator=torch.Generator().manual_seed(seed), dtype=out.dtype)
+    wanted = [x for x in inputs if x.requires_grad]
+    return torch.autograd.grad(out, wanted, g_out, allow_unused=True)
+
+
+def test_float_mask_with_dropout_on_the_cpu_auto_path_gets_its_gradient():
+    """The issue's example: sdpa(q, k, v, bias, dropout_p=0.2) on the CPU auto path ran on the tile
+    engine and left bias.grad None. Dropout seeded per call makes the forward a fixed function:
+    gradcheck holds the bias gradient to the finite differences (GQA, a -inf hole, an empty row)."""
+    q, k, v = _qkv(B=1, H=2, Hkv=1, T=5, S=6, D=3, Dv=2)
+    bias = torch.randn(1, 2, 5, 6, dtype=torch.float64)
+    bias[0, 0, 1, 2] = float("-inf")
+    bias[0, 1, 3] = float("-inf")
+    bias.requires_grad_()
+
+    def f(bias, q):
+        torch.manual_seed(3)
+        return sdpa(q, k, v, bias, dropout_p=0.2)
+
+    out = f(bias, q)
+    out.sum().backward()
+    assert bias.grad is not None and bias.grad.abs().sum() > 0
+    assert torch.autograd.gradcheck(f, (bias, q.requires_grad_()))
+
+
+@pytest.mark.parametrize("backend", _BACKENDS)
+@pytest.mark.parametrize("mod", [None, "softcap", "alibi"])
+@pytest.mark.parametrize("shape", [(1, 1, 9, 11), (2, 1, 9, 11), (1, 4, 1, 11)], ids=["TS", "BTS", "HS"])
+def test_float_mask_gradient_equals_math_on_every_backend(backend, mod, shape):
+    """A learned bias (T5's position bias) added to the scores, with a score mod or not, more than 8
+    queries: its gradient (summed over the dims it broadcasts along) equals the math path's."""
+    q, k, v = _qkv(B=2, H=4, Hkv=2, T=9, S=11, grad=True)
+    bias = torch.randn(shape, dtype=torch.float64, requires_grad=True)
+    score_mod = {None: None, "softcap": score_mods.softcap(2.0), "alibi": score_mods.alibi(4)}[mod]
+    want = _grads(sdpa(q, k, v, bias, causal=True, score_mod=score_mod, backend="math"), (q, k, v, bias))
+    try:
+        out = sdpa(q, k, v, bias, causal=True, score_mod=score_mod, backend=backend)
+    except ValueError as e:  # a backend that cannot apply the mod says so, naming those that can
+        assert backend == "sdpa" and mod == "softcap" and "'tiles'" in str(e)
+        return
+    got = _grads(out, (q, k, v, bias))
+    for name, a, b in zip(["dq", "dk", "dv", "dbias"], got, want):
+        assert a is not None, f"{name} lost on {backend}"
+        assert_close(a, b, what=f"{name} {backend} {mod}")
+
+
+def test_float_mask_gradient_through_the_predicate_planner():
+    """A learned bias with an additive mod and a predicate on "sdpa" (the block-sparse LSE engine,
+    whose backward has no mask gradient, gives way to autograd through the fused calls)."""
+    q, k, v = _qkv(B=1, H=4, Hkv=2, T=40, S=40, grad=True)
+    bias = torch.randn(1, 4, 40, 40, dtype=torch.float64, requires_grad=True)
+    mod = score_mods.alibi(4)
+    want = _grads(sdpa(q, k, v, bias, causal=True, score_mod=mod, backend="math"), (q, k, v, bias))
+    got = _grads(sdpa(q, k, v, bias, causal=True, score_mod=mod, backend="sdpa"), (q, k, v, bias))
+    for name, a, b in zip(["dq", "dk", "dv", "dbias"], got, want):
+        assert_close(a, b, what=name)
+
+
+def test_trainable_mod_that_the_old_probe_could_not_run_is_trained():
+    """A mod that only runs on scores with the attention's heads: the one-element probe raised,
+    so it counted as not trainable and ran on the tile engine, which dropped its gradient."""
+    q, k, v = _qkv(B=1, H=2, Hkv=2, T=12, S=12, grad=True)
+    w = torch.randn(2, dtype=torch.float64, requires_grad=True)
+
+    def per_head(s, b, h, qi, kv):  # (B, 2, t, s) -> (B, 2, 1, t, s): a bias per head
+        return (s.unflatten(1, (2, -1)) * w.view(1, 2, 1, 1, 1)).flatten(1, 2)
+
+    want = _grads(sdpa(q, k, v, score_mod=per_head, backend="math"), (q, w))
+    got = _grads(sdpa(q, k, v, score_mod=per_head), (q, w))
+    assert_close(got[1], want[1], what="d w (auto)")
+    for backend in ("tiles", "flex"):
+        with pytest.raises(ValueError, match="backends that can: 'chunked', 'math'"):
+            sdpa(q.float(), k.float(), v.float(), score_mod=per_head, backend=backend)
+
+
+def _penalty(backend, q, k, v, **kw):
+    """A gradient penalty (WGAN-GP style): |d out.sum() / d q|^2, differentiated again. out.sum()
+    has a constant output gradient, the case where once_differentiable raised nothing and the
+    second-order term was silently dropped."""
+    out = sdpa(q, k, v, backend=backend, **kw)
+    (g,) = torch.autograd.grad((out * torch.linspace(-1, 1, out.shape[-1], dtype=out.dtype)).sum(), q,
+                               create_graph=True)
+    penalty = g.square().sum()
+    return penalty, torch.autograd.grad(penalty, (q, k, v))
+
+
+@pytest.mark.parametrize("backend", _BACKENDS)
+@pytest.mark.parametrize("case", ["softcap", "plain", "causal-rectangular", "window", "alibi", "bias"])
+def test_double_backward_equals_math_on_every_backend(backend, case):
+    """Gradient penalty through attention: the tile engine gave 25.2 where math gave 257.2 (the
+    second-order term dropped without a word); torch's fused kernels raise on it."""
+    T, S = (12, 20) if case == "causal-rectangular" else (12, 12)
+    q, k, v = _qkv(B=1, H=4, Hkv=2, T=T, S=S, grad=True, spread=3.0)
+    kw = {"softcap": {"score_mod": score_mods.softcap(1.5), "causal": True},
+          "plain": {},
+          "causal-rectangular": {"causal": True},
+          "window": {"mask": masks.sliding_window(5)},
+          "alibi": {"score_mod": score_mods.alibi(4), "causal": True},
+          "bias": {"mask": torch.randn(1, 4, T, S, dtype=torch.float64)}}[case]
+    want, want_g = _penalty("math", q, k, v, **kw)
+    try:
+        got, got_g = _penalty(backend, q, k, v, **kw)
+    except ValueError as e:
+        assert backend == "sdpa" and case == "softcap" and "'tiles'" in str(e)
+        return
+    assert_close(got, want, what=f"penalty {backend}")
+    for name, a, b in zip("qkv", got_g, want_g):
+        assert_close(a, b, what=f"d penalty / d{name} {backend}")
+
+
+def test_double_backward_of_a_learned_bias_and_with_dropout():
+    """Second order through a float mask that requires grad (tiles, sdpa); with dropout the tile
+    engine regenerates its keeps (gradcheck of the gradient: gradgradcheck), while torch's fused
+    kernel, whose dropout cannot be redrawn, refuses by name."""
+    q, k, v = _qkv(B=1, H=2, Hkv=1, T=4, S=5, D=3, Dv=2, grad=True)
+    bias = torch.randn(1, 2, 4, 5, dtype=torch.float64, requires_grad=True)
+    for backend in ("tiles", "sdpa", "auto"):
+        def f(q, k, v, bias, backend=backend):
+            return sdpa(q, k, v, bias, causal=True, backend=backend)
+
+        assert torch.autograd.gradgradcheck(f, (q, k, v, bias)), backend
+
+    def dropped(q, k, v, bias):
+        torch.manual_seed(11)
+        return sdpa(q, k, v, bias, dropout_p=0.3, backend="tiles", score_mod=score_mods.softcap(2.0))
+
+    assert torch.autograd.gradgradcheck(dropped, (q, k, v, bias))
+    out = sdpa(q, k, v, dropout_p=0.3, backend="sdpa")
+    with pytest.raises(ValueError, match=r"cannot differentiate twice.*dropout.*'tiles', 'math'"):
+        torch.autograd.grad(out.sum(), q, create_graph=True)
+
+
+def test_double_backward_through_the_block_sparse_engines_directly():
+    """blocksparse.fused's LSE engine and blocksparse.explicit: second order equals math's."""
+    from multihead import blocksparse
+
+    q, k, v = _qkv(B=1, H=2, Hkv=1, T=30, S=30, grad=True)
+    scale = 8 ** -0.5
+    want, want_g = _penalty("math", q, k, v, mask=masks.sliding_window(7))
+    for engine in (blocksparse.fused, blocksparse.explicit):
+        out = engine(q, k, v, masks.sliding_window(7), causal=False, scale=scale, dropout_p=0.0, tile=8)
+        (g,) = torch.autograd.grad((out * torch.linspace(-1, 1, 8, dtype=out.dtype)).sum(), q, create_graph=True)
+        got = g.square().sum()
+        assert_close(got, want, what=engine.__name__)
+        for name, a, b in zip("qkv", torch.autograd.grad(got, (q, k, v)), want_g):
+            assert_close(a, b, what=f"{engine.__name__} d{name}")
+
+
+def test_t5_relative_position_bias_trains_through_the_registry():
+    """T5 in train() with attn_implementation="multihead": its relative attention bias reaches the
+    kernel as a float mask that requires grad, with dropout on (the CPU tile engine): its gradient
+    was None. A dropout of 1e-9 keeps every element (both sides), so the gradients of every
+    parameter must equal eager's (float64)."""
+    transformers = pytest.importorskip("transformers")
+    import multihead.interop.hf  # noqa: F401  (registers "multihead")
+
+    cfg = dict(d_model=32, d_kv=8, d_ff=64, num_layers=2, num_decoder_layers=2, num_heads=4, vocab_size=40,
+               dropout_rate=1e-9, relative_attention_num_buckets=8)
+    grads = {}
+    for impl in ("eager", "multihead"):
+        torch.manual_seed(0)
+        model = transformers.T5Model(transformers.T5Config(**cfg, attn_implementation=impl)).double().train()
+        ids = torch.randint(0, 40, (2, 7), generator=torch.Generator().manual_seed(1))
+        keep = torch.ones(2, 7, dtype=torch.long)
+        keep[1, 5:] = 0
+        out = model(input_ids=ids, attention_mask=keep, decoder_input_ids=ids[:, :5]).last_hidden_state
+        out.square().sum().backward()
+        grads[impl] = {n: p.grad for n, p in model.named_parameters()}
+    bias = [n for n in grads["eager"] if "relative_attention_bias" in n]
+    assert bias
+    for n, g in grads["eager"].items():
+        if g is None:
+            continue
+        assert grads["multihead"][n] is not None, f"{n}: gradient lost"
+        assert_close(grads["multihead"][n], g, atol=1e-8, rtol=1e-8, what=n)
+
+
+def test_sinks_gradient_through_the_registry_equals_a_written_out_softmax():
+    """GPT-OSS sinks (a learned extra logit per head) with a learned bias and a softcap: the
+    gradients of the sinks, the bias, q, k and v equal autograd through a plain float64 softmax."""
+    pytest.importorskip("transformers")
+    from multihead.interop.hf import registry
+
+    q, k, v = _qkv(B=2, H=4, Hkv=2, T=6, S=6, grad=True)
+    sinks = torch.randn(4, dtype=torch.float64, requires_grad=True)
+    bias = torch.randn(2, 1, 6, 6, dtype=torch.float64, requires_grad=True)
+    module = torch.nn.Module()
+    module.is_causal = True
+    out, _ = registry.attention_forward(module, q, k, v, bias, scaling=0.3, softcap=2.0, sinks=sinks)
+    got = _grads(out.transpose(1, 2), (q, k, v, sinks, bias))
+    s = (q @ k.repeat_interleave(2, 1).mT) * 0.3
+    s = torch.tanh(s / 2.0) * 2.0 + bias
+    logits = torch.cat([s, sinks.view(1, 4, 1, 1).expand(2, 4, 6, 1)], -1)
+    ref = torch.softmax(logits, -1)[..., :6] @ v.repeat_interleave(2, 1)
+    want = _grads(ref, (q, k, v, sinks, bias))
+    for name, a, b in zip(["dq", "dk", "dv", "dsinks", "dbias"], got, want):
+        assert_close(a, b, what=name)
+
+
+@settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(B=st.integers(1, 2), Hkv=st.integers(1, 2), G=st.sampled_from([1, 2]), T=st.integers(1, 20),
+       S=st.integers(1, 20), causal=st.booleans(), mask=st.sampled_from(["none", "bias", "bias-B", "bool", "window"]),
+       mod=st.sampled_from(["none", "softcap", "alibi-learned", "captured", "softcap+bias-learned"]),
+       seed=st.integers(0, 2**16))
+def test_property_every_input_that_requires_grad_gets_the_math_gradient(B, Hkv, G, T, S, causal, mask, mod, seed):
+    """Any backend either refuses by name or gives every input requiring grad (q, k, v, a float mask,
+    ALiBi slopes, tensors a score mod captured) the math path's gradient, as is or through create_graph."""
+    H = Hkv * G
+    q, k, v = _qkv(B=B, H=H, Hkv=Hkv, T=T, S=S, D=4, Dv=3, seed=seed, grad=True)
+    g = torch.Generator().manual_seed(seed + 1)
+    m = {"none": None, "bias": torch.randn(1, H, T, S, generator=g, dtype=torch.float64),
+         "bias-B": torch.randn(B, 1, 1, S, generator=g, dtype=torch.float64),
+         "bool": torch.rand(B, 1, T, S, generator=g) > 0.3, "window": masks.sliding_window(3)}[mask]
+    if m is not None and not isinstance(m, masks.MaskMod) and m.is_floating_point():
+        m.requires_grad_()
+    learned = torch.rand(H, generator=g, dtype=torch.float64).requires_grad_()
+    extra = [learned] if mod in ("alibi-learned", "captured", "softcap+bias-learned") else []
+    cap = score_mods.softcap(2.5)
+    score_mod = {"none": None, "softcap": cap, "alibi-learned": score_mods.alibi(learned),
+                 "captured": lambda s, b, h, qi, kv: s * learned[h],
+                 "softcap+bias-learned": lambda s, b, h, qi, kv: cap(s, b, h, qi, kv) + learned[h] * (kv - qi)}[mod]
+    inputs = [q, k, v] + ([m] if isinstance(m, torch.Tensor) and m.requires_grad else []) + extra
+    want = _grads(sdpa(q, k, v, m, causal=causal, score_mod=score_mod, backend="math"), inputs)
+    for backend in ("auto", "chunked", "tiles", "sdpa"):
+        try:
+            out = sdpa(q, k, v, m, causal=causal, score_mod=score_mod, backend=backend)
+        except ValueError as e:
+            assert backend in ("tiles", "sdpa") and "backends that can" in str(e)
+            continue
+        got = _grads(out, inputs)
+        for i, (a, b) in enumerate(zip(got, want)):
+            assert a is not None, f"input {i} lost its gradient on {backend}"
+            assert_close(a, b, what=f"input {i} on {backend}")

@@ -302,6 +302,42 @@ def _fused_call(q, k, v, m, scale, dropout_p):
     return out.reshape(B, H, t, Dv)
 
 
+def refuse_trainable(score_mod, q: Tensor, S: int, engine: str) -> None:
+    """Raise when autograd records the call and the mod captures tensors that require grad
+    (a learned bias, ALiBi slopes being trained), or cannot be probed for them: `engine`
+    (which applies the mod outside autograd) would silently leave them without a gradient."""
+    if not torch.is_grad_enabled():
+        return
+    trainable = score_mod.trainable(q.device, q.shape, S)
+    if trainable is False:
+        return
+    why = "holds tensors that require grad" if trainable else \
+        "raised on a probe of its first 2 x 2 scores, so whether it holds tensors that require grad is unknown"
+    raise ValueError(f"score mod {score_mod.name} {why}; {engine} would not train them; backends that can: "
+                     f"'chunked', 'math' (what 'auto' picks for such a mod)")
+
+
+def _needs_grad(dense: Tensor | None) -> bool:
+    """A float mask autograd must differentiate (a learned bias), in a call that records grads."""
+    return dense is not None and dense.is_floating_point() and dense.requires_grad and torch.is_grad_enabled()
+
+
+def _twice(ctx, saved, d_out, recompute):
+    """The backward when autograd records it (create_graph=True: a gradient penalty, double
+    backward): the attention recomputed with differentiable ops (`_Tiles.recompute`) from the
+    saved inputs, and its gradient taken with the graph, so the second-order terms are exact.
+    The fast backwards write into buffers with no graph, which would drop them silently."""
+    wanted = [i for i, x in enumerate(saved) if x is not None and ctx.needs_input_grad[i]]
+    out = recompute(*saved)
+    if not out.requires_grad:  # every row empty: no gradient anywhere
+        return [None] * len(saved)
+    grads = torch.autograd.grad(out, [saved[i] for i in wanted], d_out, create_graph=True, allow_unused=True)
+    result = [None] * len(saved)
+    for i, g in zip(wanted, grads):
+        result[i] = g
+    return result
+
+
 def _public_squares(q: Tensor, k: Tensor) -> bool:
     """Whether the public-sdpa engine runs causal squares as whole causal calls: only where
     torch's fused kernels take any length in O(N) memory. Not on the CPU, where this engine
@@ -320,13 +356,13 @@ def fused(q: Tensor, k: Tensor, v: Tensor, mask, *, causal: bool, scale: float, 
     """
     B, H, T, _ = q.shape
     S, Dv = k.shape[2], v.shape[-1]
-    if score_mod is not None and torch.is_grad_enabled() and score_mod.trainable(q.device):
-        raise ValueError(f"score mod {score_mod.name} holds tensors that require grad; the fused kernel takes "
-                         f"its bias as a mask and would not train them: use backend 'chunked' or 'math' "
-                         f"(what 'auto' picks for such a mod)")
+    if score_mod is not None:
+        refuse_trainable(score_mod, q, S, "the fused kernel takes its bias as a mask")
     pred, dense = _combine(mask, causal)
+    # a float mask that requires grad (T5's position bias) gets its gradient from autograd through
+    # the public kernel's calls; the LSE engine's backward has no mask gradient
     lse_engine = _CPU_FLASH is not None and q.device.type == "cpu" and dropout_p == 0 and q.shape[-1] == Dv \
-        and not torch.compiler.is_compiling()
+        and not torch.compiler.is_compiling() and not _needs_grad(dense)
     # a square is one causal call: no room for a score mod's or a dense mask's bias
     runs_squares = dense is None and score_mod is None and (lse_engine or _public_squares(q, k))
     bq, bk, kept, full, squares = _choose_tile(pred, B, H, T, S, q.shape[1] // k.shape[1], tile or FUSED_TILE,
@@ -564,10 +600,15 @@ class _MergedFused(torch.autograd.Function):
         return out
 
     @staticmethod
-    @torch.autograd.function.once_differentiable
     def backward(ctx, d_out):
         q, k, v, out, lse = ctx.saved_tensors
         fp: _FusedPlan = ctx.fp
+        if torch.is_grad_enabled():  # create_graph: differentiable recomputation (see `_twice`)
+            def recompute(qq, kk, vv):
+                tiles = _Tiles(qq, kk, vv, fp.pred, fp.dense, fp.score_mod, fp.scale, 0.0, EXPLICIT_TILE, 0)
+                return tiles.recompute(qq, kk, vv, fp.dense)
+
+            return (*_twice(ctx, (q, k, v), d_out, recompute), None)
         acc = _acc_dtype(q.dtype)
         d_out = d_out.to(q.dtype)
         lse_dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
@@ -679,8 +720,42 @@ class _Tiles:
             return self.score_mod._inplace(s)
         return self.score_mod.apply(s, *self.indices(r0, r1, c0, c1), self.S - self.T)
 
-    def dense_tile(self, r0, r1, c0, c1) -> Tensor | None:
-        return None if self.dense is None else _slice_dense(self.dense, r0, r1, c0, c1)
+    def dense_tile(self, r0, r1, c0, c1, dense: Tensor | None = None) -> Tensor | None:
+        dense = self.dense if dense is None else dense
+        return None if dense is None else _slice_dense(dense, r0, r1, c0, c1)
+
+    def recompute(self, q: Tensor, k: Tensor, v: Tensor, dense: Tensor | None) -> Tensor:
+        """The forward written with differentiable ops, one query block of kept tiles at a time
+        (memory: one block's scores), the same dropout keeps: what autograd differentiates
+        twice (see `_twice`). The fast paths never run it."""
+        B, H, G, Hkv, Dv, acc = self.B, self.H, self.G, self.Hkv, self.Dv, self.acc
+        outs = []
+        for i, r0, r1, cols in self.tiles():
+            t = r1 - r0
+            if not cols:
+                outs.append(q.new_zeros(B, H, t, Dv))
+                continue
+            qf = self.fold_q(q, r0, r1)  # (B*Hkv, G*t, D)
+            parts = []
+            for _, c0, c1, full in cols:
+                x = torch.bmm(qf, self.kv(k, c0, c1).mT).view(B, H, t, c1 - c0) * self.scale
+                if self.score_mod is not None:
+                    x = self.score_mod.apply(x, *self.indices(r0, r1, c0, c1), self.S - self.T)
+                d = self.dense_tile(r0, r1, c0, c1, dense)
+                if d is not None and d.dtype != torch.bool:
+                    x = x + d.to(acc)
+                hide = self.hidden(r0, r1, c0, c1, full)
+                parts.append(x if hide is None else x.masked_fill(hide, float("-inf")))
+            x = torch.cat(parts, -1)  # (B, H, t, kept keys)
+            empty = torch.isneginf(x).all(-1, keepdim=True)  # nothing to attend: zeros, not NaN
+            p = torch.softmax(x.masked_fill(empty, 0.0), -1).masked_fill(empty, 0.0)
+            if self.dropout_p > 0:
+                p = p * torch.cat([self.keep(i, j, torch.empty(B, H, t, c1 - c0, dtype=acc, device=self.device))
+                                   for j, c0, c1, _ in cols], -1)
+            vs = torch.cat([self.kv(v, c0, c1) for _, c0, c1, _ in cols], 1)  # (B*Hkv, kept keys, Dv)
+            o = torch.bmm(p.reshape(B * Hkv, G * t, -1), vs)
+            outs.append(o.view(B, H, t, Dv).to(q.dtype))
+        return torch.cat(outs, 2)
 
     def hidden(self, r0, r1, c0, c1, full) -> Tensor | None:
         """Bool `(.., t, s)`, True where the mask hides a pair of the tile; None: nothing hidden."""
@@ -706,7 +781,8 @@ class _ExplicitTiles(torch.autograd.Function):
     """Online-softmax forward over kept tiles; backward recomputes tiles from the LSE."""
 
     @staticmethod
-    def forward(ctx, q, k, v, tiles: _Tiles):
+    def forward(ctx, q, k, v, dense, tiles: _Tiles):
+        """`dense`: the float mask when it requires grad (its gradient is returned), else None."""
         B, H, T, Dv, G, Hkv = tiles.B, tiles.H, tiles.T, tiles.Dv, tiles.G, tiles.Hkv
         acc = tiles.acc
         out = q.new_zeros(B, H, T, Dv)
@@ -745,20 +821,22 @@ class _ExplicitTiles(torch.autograd.Function):
                 out[:, :, r0:r1] = torch.where(seen, o / torch.where(seen, l_, 1.0), 0.0).to(q.dtype)
                 lse[:, :, r0:r1] = torch.where(seen, m + torch.log(torch.where(seen, l_, 1.0)),
                                                float("-inf"))[..., 0]
-        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.save_for_backward(q, k, v, out, lse, dense)
         ctx.tiles = tiles
         return out
 
     @staticmethod
-    @torch.autograd.function.once_differentiable
     def backward(ctx, d_out):
         """Per tile (FlashAttention-2): z = mod(q k^T * scale), P = exp(z + bias - lse) on the
         allowed pairs, dV += P_drop^T dO, dS = P (dP - rowsum(dO O)) with dP = (dO V^T) * keep,
         dS *= dz/dx (the mod's derivative), dQ += dS K * scale, dK += dS^T Q * scale."""
-        q, k, v, out, lse = ctx.saved_tensors
+        q, k, v, out, lse, dense = ctx.saved_tensors
         tiles: _Tiles = ctx.tiles
+        if torch.is_grad_enabled():  # create_graph: differentiable recomputation (see `_twice`)
+            return (*_twice(ctx, (q, k, v, dense), d_out, tiles.recompute), None)
         B, H, G, Hkv, Dv = tiles.B, tiles.H, tiles.G, tiles.Hkv, tiles.Dv
         acc, mod = tiles.acc, tiles.score_mod
+        d_dense = None if dense is None else torch.zeros(dense.shape, dtype=acc, device=q.device)
         dq = torch.zeros(q.shape, dtype=acc, device=q.device)
         dk = torch.zeros(k.shape, dtype=acc, device=q.device)
         dv = torch.zeros(v.shape, dtype=acc, device=q.device)
@@ -801,7 +879,11 @@ class _ExplicitTiles(torch.autograd.Function):
                     dp = dp.mul_(keep)
                     p_drop = keep.mul_(p)
                 dv[:, :, c0:c1].view(B * Hkv, s_, Dv).baddbmm_(p_drop.view(B * Hkv, G * t, s_).mT, do)
-                ds = dp.sub_(delta_i).mul_(p)  # (B, H, t, s): d loss / d z
+                ds = dp.sub_(delta_i).mul_(p)  # (B, H, t, s): d loss / d z, and / d of the float mask
+                if d_dense is not None:  # summed over the dims the mask broadcasts along
+                    dims = [a for a in range(4) if dense.shape[a] == 1 and ds.shape[a] != 1]
+                    g = ds.sum(dims, keepdim=True) if dims else ds
+                    _slice_dense(d_dense, r0, r1, c0, c1).add_(g)
                 if mod is not None and tiles.inplace:
                     ds = mod.inplace_grad(z, ds)  # dz/dx from z (overwritten)
                 elif mod is not None:
@@ -810,18 +892,17 @@ class _ExplicitTiles(torch.autograd.Function):
                 dq_i.baddbmm_(ds, kj, alpha=tiles.scale)
                 dk[:, :, c0:c1].view(B * Hkv, s_, -1).baddbmm_(ds.mT, q_raw, alpha=tiles.scale)
             dq[:, :, r0:r1] = dq_i.view(B, H, t, -1)
-        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None
+        d_dense = None if d_dense is None else d_dense.to(dense.dtype)
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), d_dense, None
 
 
 def explicit(q: Tensor, k: Tensor, v: Tensor, mask, *, causal: bool, scale: float, dropout_p: float,
              score_mod=None, tile: int | None = None) -> Tensor:
     """softmax(score_mod(q k^T * scale) + mask) v over kept tiles, O(N) memory in training."""
-    if score_mod is not None and torch.is_grad_enabled() and score_mod.trainable(q.device):
-        raise ValueError(f"score mod {score_mod.name} holds tensors that require grad; the 'tiles' backend's "
-                         f"recomputing backward would not train them: use backend 'chunked' or 'math' "
-                         f"(what 'auto' picks for such a mod)")
+    if score_mod is not None:
+        refuse_trainable(score_mod, q, k.shape[2], "the 'tiles' backend's recomputing backward")
     pred, dense = _combine(mask, causal)
     seed = int(torch.randint(0, 2 ** 62, (1,)).item()) if dropout_p > 0 else 0
     tiles = _Tiles(q, k, v, pred, dense, score_mod, scale, dropout_p, tile or EXPLICIT_TILE, seed)
-    return _ExplicitTiles.apply(q, k, v, tiles)
+    return _ExplicitTiles.apply(q, k, v, dense if _needs_grad(dense) else None, tiles)
 

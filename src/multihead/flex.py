@@ -286,18 +286,16 @@ def _score_fn(mod: ScoreMod | None, dense: Tensor | None, T: int, S: int, device
 # ------------------------------------------------------------------- the backend
 
 
-def _check(q: Tensor, dropout_p: float, score_mod: ScoreMod | None) -> None:
+def _check(q: Tensor, dropout_p: float, score_mod: ScoreMod | None, k: Tensor | None = None) -> None:
     if dropout_p > 0:
         raise ValueError(f"backend 'flex' cannot apply dropout (torch's flex_attention has none); received "
                          f"dropout_p={dropout_p}; backends that can: 'tiles', 'math'")
     if q.device.type == "cpu" and q.dtype not in _CPU_DTYPES:
         raise ValueError(f"backend 'flex' on the CPU takes float32, float16 or bfloat16 (torch's CPU flex "
                          f"kernel); received {q.dtype}; for {q.dtype} use backend 'tiles', 'math' or 'auto'")
-    if (q.device.type == "cpu" and score_mod is not None and torch.is_grad_enabled()
-            and score_mod.trainable(q.device)):
-        raise ValueError(f"score mod {score_mod.name} holds tensors that require grad; on the CPU the 'flex' "
-                         f"backend's backward is the tile engine's, which would not train them: use backend "
-                         f"'chunked' or 'math' (what 'auto' picks for such a mod)")
+    if q.device.type == "cpu" and score_mod is not None:
+        blocksparse.refuse_trainable(score_mod, q, q.shape[2] if k is None else k.shape[2],
+                                     "on the CPU the 'flex' backend's backward is the tile engine's, which")
 
 
 def _call(q: Tensor, k: Tensor, v: Tensor, block_mask, score_fn, scale: float, what: str) -> Tensor:
@@ -346,30 +344,37 @@ def _failure_kind(e: Exception) -> str | None:
 
 class _FlexForwardTileBackward(torch.autograd.Function):
     """Forward: compiled flex. Backward: the tile engine recomputes the attention and its
-    gradient (torch's compiled flex has no backward on the CPU)."""
+    gradient (torch's compiled flex has no backward on the CPU), of q, k, v and of a float
+    mask that requires grad. Under create_graph=True the recomputation is recorded from the
+    saved inputs themselves, so a second differentiation is exact too."""
 
     @staticmethod
-    def forward(ctx, q, k, v, run, recompute):
-        ctx.save_for_backward(q, k, v)
+    def forward(ctx, q, k, v, dense, run, recompute):
+        ctx.save_for_backward(q, k, v, dense)
         ctx.recompute = recompute
         return run(q.detach(), k.detach(), v.detach())
 
     @staticmethod
-    @torch.autograd.function.once_differentiable
     def backward(ctx, d_out):
-        q, k, v = ctx.saved_tensors
+        saved = ctx.saved_tensors
+        twice = torch.is_grad_enabled()  # create_graph: differentiate through the saved inputs
+        wanted = [i for i, x in enumerate(saved) if x is not None and ctx.needs_input_grad[i]]
         with torch.enable_grad():
-            leaves = [t.detach().requires_grad_() for t in (q, k, v)]
+            leaves = list(saved) if twice else [
+                None if t is None else t.detach().requires_grad_(ctx.needs_input_grad[i]) for i, t in enumerate(saved)]
             out = ctx.recompute(*leaves)
-        grads = torch.autograd.grad(out, leaves, d_out)
-        return (*grads, None, None)
+        grads = torch.autograd.grad(out, [leaves[i] for i in wanted], d_out, create_graph=twice, allow_unused=True)
+        result = [None] * 6
+        for i, g in zip(wanted, grads):
+            result[i] = g
+        return tuple(result)
 
 
 def attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | MaskMod | None, *, causal: bool, scale: float,
               dropout_p: float, weight_heads: tuple[int, ...] | None,
               score_mod: ScoreMod | None = None) -> tuple[Tensor, Tensor | None]:
     """The "flex" backend (signature: `functional.Backend`)."""
-    _check(q, dropout_p, score_mod)
+    _check(q, dropout_p, score_mod, k)
     B, H, T, _ = q.shape
     S = k.shape[2]
     pred, dense = blocksparse._combine(mask, causal)  # (predicate with causal folded in, dense tensor)
@@ -386,13 +391,15 @@ def attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | MaskMod | None, *,
             vv = torch.nn.functional.pad(vv, (0, 0, 0, Sp - S))
         return _call(qq, kk, vv, block_mask, score_fn, scale, what)
 
-    needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
-    if needs_grad and q.device.type == "cpu":
-        def recompute(qq, kk, vv):
-            return blocksparse.explicit(qq, kk, vv, mask, causal=causal, scale=scale, dropout_p=0.0,
-                                        score_mod=score_mod)
+    # a float mask that requires grad (a learned bias): flex would read it as a captured constant
+    grad_dense = dense if dense is not None and dense.is_floating_point() and dense.requires_grad else None
+    needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v, grad_dense) if t is not None)
+    if needs_grad and (q.device.type == "cpu" or grad_dense is not None):
+        def recompute(qq, kk, vv, dd):
+            return blocksparse.explicit(qq, kk, vv, mask if dd is None else dd, causal=causal, scale=scale,
+                                        dropout_p=0.0, score_mod=score_mod)
 
-        out = _FlexForwardTileBackward.apply(q, k, v, run, recompute)
+        out = _FlexForwardTileBackward.apply(q, k, v, grad_dense, run, recompute)
     else:
         out = run(q, k, v)
     weights = None

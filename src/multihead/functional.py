@@ -36,6 +36,14 @@ NaN value to every row (0 * NaN), so an output with a NaN is recomputed once wit
 NaNs replaced and the rule applied row by row; clean inputs pay one check of `out`
 (skipped under torch.compile, where the check would split the graph).
 
+Gradient rule (every backend): every tensor input that requires grad gets its exact
+gradient, a float mask (T5's position bias) and the tensors a score mod captures
+(learned ALiBi slopes) included, or the backend refuses by name (a mod holding such
+tensors on "tiles"/"sdpa": "auto" picks "chunked" or "math"). So do second derivatives
+(create_graph=True: gradient penalties): the tile engines and torch's fused kernels
+then recompute the attention with differentiable ops (`_SecondOrder`,
+`blocksparse._twice`); only torch's own dropout, which cannot be redrawn, refuses.
+
 Empty problems (B, H, T or S = 0) return empty or zero outputs of the right shape.
 """
 
@@ -122,7 +130,8 @@ def available_backends() -> dict[str, Backend]:
 
 
 def resolve_backend(*, want_weights: bool, dropout_p: float, score_mod: ScoreMod | Callable | None = None,
-                    device: torch.device | str | None = None, queries: int | None = None) -> str:
+                    device: torch.device | str | None = None, queries: int | None = None,
+                    shape: Sequence[int] | None = None) -> str:
     """Resolve "auto" to a backend name, at call time.
 
     The fused kernel serves everything it can, predicate masks included (block-sparse);
@@ -136,11 +145,14 @@ def resolve_backend(*, want_weights: bool, dropout_p: float, score_mod: ScoreMod
     runs where autograd sees it ("chunked", or "math" with dropout). A few `queries`
     (decoding: at most `_FEW_QUERIES`) with a non-additive mod and no dropout go to
     "chunked": one small block of scores beats the tile loop's per-tile steps (measured
-    2x at T = 1 over 1,100 keys). Never compiles.
+    2x at T = 1 over 1,100 keys). `shape` = (B, H, T, S), when known, is where a mod is
+    probed for captured tensors that require grad (a mod the probe cannot run counts as
+    one: the autograd backends are exact for any mod). Never compiles.
     """
     if want_weights and dropout_p > 0:
         return "math"
-    if isinstance(score_mod, ScoreMod) and torch.is_grad_enabled() and score_mod.trainable(device):
+    if isinstance(score_mod, ScoreMod) and torch.is_grad_enabled() \
+            and score_mod.trainable(device, shape, None if shape is None else shape[3]) is not False:
         return "math" if dropout_p > 0 else "chunked"  # autograd trains what the mod captured
     if score_mod is not None and getattr(score_mod, "bias", None) is None:
         return "chunked" if queries is not None and queries <= _FEW_QUERIES and dropout_p == 0 else "tiles"
@@ -217,7 +229,7 @@ def attend(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | MaskMod | Callable | 
     name = backend
     if backend == "auto":
         name = resolve_backend(want_weights=weight_heads is not None, dropout_p=dropout_p, score_mod=score_mod,
-                               device=q.device, queries=q.shape[2])
+                               device=q.device, queries=q.shape[2], shape=(*q.shape[:3], k.shape[2]))
     impl = _get_backend(name, want_weights=weight_heads is not None, dropout_p=dropout_p, score_mod=score_mod)
     if min(q.shape[0], q.shape[1], q.shape[2], k.shape[2]) == 0:
         out, weights = _empty(q, k, v, weight_heads)
@@ -668,7 +680,7 @@ def _sdpa(q, k, v, mask, *, causal, scale, dropout_p, weight_heads, score_mod=No
         weights = None
         if weight_heads is not None:
             weights = _weights(q, k, mask, causal, scale, weight_heads, score_mod)
-        return out, weights
+        return _twice_differentiable(out, q, k, v, mask, causal, scale, dropout_p, score_mod), weights
     is_causal = False
     attn_mask = mask
     if causal:
@@ -723,7 +735,54 @@ def _sdpa(q, k, v, mask, *, causal, scale, dropout_p, weight_heads, score_mod=No
     weights = None
     if weight_heads is not None:
         weights = _weights_pass(q, k, mask, causal, scale, weight_heads)
-    return out, weights
+    return _twice_differentiable(out, q, k, v, mask, causal, scale, dropout_p, None), weights
+
+
+class _SecondOrder(torch.autograd.Function):
+    """Identity on a fused kernel's output, so that a second differentiation is exact.
+
+    torch's fused kernels have backwards that are not differentiable again. A plain backward
+    passes the gradient through to the kernel's own backward; under create_graph=True (a
+    gradient penalty, Hessian-vector products) the gradients of q, k, v (and of a float mask
+    that requires grad) come instead from the written-out path recomputed with the graph,
+    and the kernel's node gets none. Costs one autograd node, no memory (q, k, v and the
+    mask are saved by the kernel's node already).
+    """
+
+    @staticmethod
+    def forward(ctx, out, q, k, v, mask, info):
+        ctx.save_for_backward(q, k, v, mask)
+        ctx.info = info
+        return out.view_as(out)
+
+    @staticmethod
+    def backward(ctx, d_out):
+        if not torch.is_grad_enabled():  # the usual backward: the fused kernel's
+            return d_out, None, None, None, None, None
+        q, k, v, grad_mask = ctx.saved_tensors
+        mask, causal, scale, dropout_p, score_mod = ctx.info
+        if dropout_p > 0:
+            raise ValueError(f"backend 'sdpa' cannot differentiate twice (create_graph=True) with dropout "
+                             f"(dropout_p={dropout_p}): torch's kernel draws its dropout inside; backends that "
+                             f"can: 'tiles', 'math'")
+        mask = grad_mask if grad_mask is not None else mask
+        saved = (q, k, v, grad_mask)
+        wanted = [i for i, x in enumerate(saved) if x is not None and ctx.needs_input_grad[i + 1]]
+        out, _ = _chunked(q, k, v, mask, causal=causal, scale=scale, dropout_p=0.0, weight_heads=None,
+                          score_mod=score_mod)
+        grads = torch.autograd.grad(out, [saved[i] for i in wanted], d_out, create_graph=True, allow_unused=True)
+        result = [None] * 6
+        for i, g in zip(wanted, grads):
+            result[i + 1] = g
+        return tuple(result)
+
+
+def _twice_differentiable(out, q, k, v, mask, causal, scale, dropout_p, score_mod):
+    """`out` through `_SecondOrder` when autograd records the call (skipped under torch.compile)."""
+    if not torch.is_grad_enabled() or torch.compiler.is_compiling() or not out.requires_grad:
+        return out
+    grad_mask = mask if isinstance(mask, Tensor) and mask.is_floating_point() and mask.requires_grad else None
+    return _SecondOrder.apply(out, q, k, v, grad_mask, (mask, causal, scale, dropout_p, score_mod))
 
 
 def _mqa_splits(q: Tensor, Hkv: int, G: int) -> int:

@@ -74,16 +74,23 @@ class ScoreMod:
         if self._check is not None:
             self._check(B, H, T, S)
 
-    def trainable(self, device=None) -> bool:
-        """Whether the mod captures tensors that require grad (a learned bias): probed on one
-        score that does not. Such a mod needs a backend whose backward is autograd's."""
-        zero = torch.zeros(1, 1, 1, 1, device=device)
-        index = torch.zeros(1, 1, 1, 1, dtype=torch.long, device=device)
+    def trainable(self, device=None, shape: Sequence[int] | None = None, S: int | None = None) -> bool | None:
+        """Whether the mod captures tensors that require grad (a learned bias): probed on scores
+        that do not, at the first 2 x 2 pairs of every batch and head of a `shape` = (B, H, T, ..)
+        attention over S keys (one pair at index 0 without a shape). Such a mod needs a backend
+        whose backward is autograd's. None: the probe raised, so it cannot tell (the real call
+        will say why; "auto" then picks an autograd backend, which stays exact either way)."""
+        if shape is None or S is None:
+            B = H = t = s = 1
+        else:
+            B, H, t, s = shape[0], shape[1], max(1, min(shape[2], 2)), max(1, min(S, 2))
+        index = [torch.arange(n, device=device).view([n if i == d else 1 for i in range(4)])
+                 for d, n in enumerate((B, H, t, s))]
         try:
             with torch.enable_grad():
-                out = self.fn(zero, index, index, index, index)
+                out = self.fn(torch.zeros(B, H, t, s, device=device), *index)
         except Exception:  # the probe's indices mean nothing to this mod; the real call will tell
-            return False
+            return None
         return isinstance(out, Tensor) and out.requires_grad
 
     def apply(self, score: Tensor, b: Tensor, h: Tensor, rows: Tensor, kv: Tensor, shift: int) -> Tensor:
