@@ -34,6 +34,7 @@ __all__ = ["UsageError", "build_parser", "main", "user_message"]
 SUBCOMMANDS = {
     "plan": ("multihead.plan.cli", "account for and recommend an attention geometry"),
     "inspect": ("multihead.inspect.cli", "see what every head of a real model does"),
+    "heads": ("multihead.heads.cli", "which heads matter: patching, importance, pruning"),
     "lab": ("multihead.lab.cli", "run the classic multi-head experiments"),
     "tour": ("multihead.tour", "a short tour: build MHA/GQA/MQA, check them, decode"),
 }
