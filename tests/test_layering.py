@@ -42,7 +42,6 @@ DEBT = {
         ("multihead.flex", "multihead.functional"),
         ("multihead.attention", "multihead.interop.torch"),
         ("multihead.interop.hf.convert", "multihead.latent"),
-        ("multihead.convert", "multihead.interop.hf.gqa"),
         ("multihead.plan.recommend", "multihead.plan.report"),
         ("multihead.inspect.capture", "multihead.inspect.capture_types", "multihead.inspect.html",
          "multihead.inspect.loaders", "multihead.inspect.roles", "multihead.lab.checkpoint"),

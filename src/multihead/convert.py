@@ -30,6 +30,14 @@ from dataclasses import dataclass, replace
 import torch
 from torch import nn
 
+from multihead._conversion import (
+    GQA_INITS,
+    ConversionReport,
+    LayerConversion,
+    grouped_kv_error,
+    pool_kv_heads,
+    stacked_kv,
+)
 from multihead.attention import Attention
 from multihead.interop.torch import from_torch, to_torch
 from multihead.latent import LatentAttention
@@ -37,7 +45,6 @@ from multihead.latent import LatentAttention
 __all__ = ["GQA_INITS", "ConversionReport", "LayerConversion", "MLAReport", "from_torch", "grouped_kv_error",
            "mla_report", "pool_kv_heads", "to_gqa", "to_mla", "to_torch"]
 
-GQA_INITS = ("mean", "first", "random")
 
 
 def _check_attention(fn: str, attn) -> None:
@@ -58,48 +65,6 @@ def _match_biases(dst: nn.Module, src: nn.Module, names: tuple[str, ...]) -> Non
     for name in names:
         if getattr(src, name).bias is None:
             getattr(dst, name).register_parameter("bias", None)
-
-
-# ------------------------------------------------------------------ reports
-
-
-@dataclass(frozen=True)
-class LayerConversion:
-    """One converted layer: its qualified name in the model ("" for a lone layer) and the
-    relative reconstruction error ||M - M'||_F / ||M||_F of its stacked K/V map
-    M = [W_k | 0 ; W_v | b_v] (the key bias left out: softmax ignores it). For GQA, M' is
-    the new K/V heads repeated over their groups (0 when nothing was merged); for MLA the
-    rank-R product of the factors."""
-
-    name: str
-    error: float
-
-
-@dataclass(frozen=True)
-class ConversionReport:
-    """What a conversion did to every attention layer of a model."""
-
-    target: str  # "GQA-2", "MQA", "MLA-16"
-    init: str  # "mean", "first", "random" (GQA) or "svd" (MLA)
-    layers: tuple[LayerConversion, ...]
-
-    @property
-    def errors(self) -> tuple[float, ...]:
-        return tuple(layer.error for layer in self.layers)
-
-    @property
-    def max_error(self) -> float:
-        return max(self.errors, default=0.0)
-
-    def __str__(self) -> str:
-        rows = [f"{self.target} ({self.init}): {len(self.layers)} attention layer(s)", "layer  rel. K/V error"]
-        rows += [f"{layer.name or '(layer)'}  {layer.error:.3e}" for layer in self.layers]
-        return "\n".join(rows)
-
-
-def _relative_error(old: torch.Tensor, new: torch.Tensor) -> float:
-    norm = old.norm()
-    return float((old - new).norm() / norm) if norm > 0 else float((new - old).norm())
 
 
 # ------------------------------------------------------------------------ GQA
@@ -184,34 +149,6 @@ def _gqa_layer(attn: Attention, n_kv_heads: int, init: str, generator: torch.Gen
     error = grouped_kv_error((attn.k_proj.weight, attn.v_proj.weight, attn.v_proj.bias),
                              (new.k_proj.weight, new.v_proj.weight, new.v_proj.bias), D)
     return new, error
-
-
-def pool_kv_heads(t: torch.Tensor, n_kv_heads: int, head_dim: int, *, init: str = "mean",
-                  generator: torch.Generator | None = None) -> torch.Tensor:
-    """A K or V projection's weight `(Hkv * D, C)` or bias `(Hkv * D,)` with each group of
-    m = Hkv / n_kv_heads consecutive heads made one, as `to_gqa`'s `init` says ("random"
-    draws weights from N(0, std of `t`) and gives zero biases)."""
-    m = t.shape[0] // (n_kv_heads * head_dim)
-    assert m * n_kv_heads * head_dim == t.shape[0], (t.shape, n_kv_heads, head_dim)
-    grouped = t.detach().view(n_kv_heads, m, head_dim, *t.shape[1:])  # (Hkv, m, D, ...)
-    if init == "mean":
-        return grouped.mean(1).reshape(-1, *t.shape[1:])
-    if init == "first":
-        return grouped[:, 0].reshape(-1, *t.shape[1:])
-    if t.dim() == 1:
-        return torch.zeros_like(t[: n_kv_heads * head_dim])
-    std = float(t.detach().float().std()) if t.numel() > 1 else 0.0
-    fresh = torch.randn((n_kv_heads * head_dim, *t.shape[1:]), generator=generator, dtype=torch.float32)
-    return (fresh * std).to(device=t.device, dtype=t.dtype)
-
-
-def grouped_kv_error(old: tuple, new: tuple, head_dim: int) -> float:
-    """||M - M'||_F / ||M||_F for M = [W_k | 0 ; W_v | b_v] of (W_k, W_v, b_v or None)
-    `old` and M' that of `new` with each of its K/V heads repeated over its group."""
-    a, b = _stacked_kv(*old), _stacked_kv(*new)
-    n_old, n_new = old[0].shape[0] // head_dim, new[0].shape[0] // head_dim
-    b = b.view(2, n_new, 1, head_dim, -1).expand(2, n_new, n_old // n_new, head_dim, -1).reshape(a.shape)
-    return _relative_error(a, b)
 
 
 # ------------------------------------------------------------- whole models
@@ -315,15 +252,7 @@ def _kv_matrix(attn: Attention) -> torch.Tensor:
     The value bias rides along as the coefficient of a constant input feature 1, so it
     becomes the down-projection's bias and passes through the latent like the rest.
     """
-    return _stacked_kv(attn.k_proj.weight, attn.v_proj.weight, attn.v_proj.bias)
-
-
-def _stacked_kv(wk: torch.Tensor, wv: torch.Tensor, bv: torch.Tensor | None) -> torch.Tensor:
-    m = torch.cat([wk.detach().double(), wv.detach().double()])  # (2*Hkv*D, C)
-    if bv is not None:
-        col = torch.cat([torch.zeros(wk.shape[0], dtype=torch.float64, device=wk.device), bv.detach().double()])
-        m = torch.cat([m, col[:, None]], dim=1)  # (2*Hkv*D, C + 1)
-    return m
+    return stacked_kv(attn.k_proj.weight, attn.v_proj.weight, attn.v_proj.bias)
 
 
 def _check_mla_source(fn: str, attn) -> None:
