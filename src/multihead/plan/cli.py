@@ -185,6 +185,10 @@ def _main(args) -> int:
         print(json.dumps(report.account_json(accounts), indent=2))
     else:
         print(report.account_text(accounts))
+        if args.config:  # what converting it would save (multihead.convert)
+            from multihead.plan.conversions import conversions_text
+
+            print(conversions_text(read_config(args.config), dtype))
     return 0
 
 
