@@ -93,3 +93,19 @@ def test_cli_quick(tmp_path, capsys, one_torch_thread):
     out = capsys.readouterr().out
     assert "results in" in out and "multihead inspect --model" in out
     assert load_results(tmp_path)["config"]["steps"] == 10
+
+
+def test_quick_runs_on_one_thread_by_default(tmp_path):
+    """lab heads --quick waited at OpenMP barriers on 2 threads of a loaded 2-core machine
+    (118 s vs 17 s on one thread at load 8; 6 s idle): tiny models run on one thread."""
+    import torch
+
+    from multihead.cli import main
+
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        assert main(["lab", "heads", "--quick", "--no-progress", "--steps", "2", "--out", str(tmp_path / "q")]) == 0
+        assert load_results(tmp_path / "q")["machine"]["torch_threads"] == 1
+    finally:
+        torch.set_num_threads(before)
