@@ -35,7 +35,7 @@ from multihead.lab.checkpoint import Vocab, save_lab_checkpoint
 from multihead.lab.configs import InductionConfig
 from multihead.lab.devices import resolve_device, seed_everything
 from multihead.lab.models import LabConfig, LabTransformer
-from multihead.lab.plots import draw_plots, pyplot, save_figure
+from multihead.lab.plots import distinct_colours, draw_plots, pyplot, save_figure
 from multihead.lab.results import new_results, write_json_atomic
 from multihead.lab.training import StepCallback, diverged_entry, train
 
@@ -183,6 +183,10 @@ def _analyse(cfg: InductionConfig, res: dict) -> None:
         acc = [e["accuracy"] for e in evals]
         ajumps = [acc[i + 1] - acc[i] for i in range(len(acc) - 1)]
         r["accuracy_jump_step"] = steps[max(range(len(ajumps)), key=lambda i: ajumps[i]) + 1]
+        if hi - lo < MIN_RISE or r["phase_change_jump"] <= 0:  # no rise: no step to name
+            r["phase_change_step"] = r["induction_half_rise_step"] = None
+        if max(acc) - acc[0] < MIN_RISE:
+            r["accuracy_jump_step"] = None
     else:
         r["phase_change_step"] = r["induction_half_rise_step"] = r["accuracy_jump_step"] = None
         r["phase_change_jump"] = 0.0
@@ -208,11 +212,7 @@ def _summary(cfg: InductionConfig, r: dict, last: dict) -> str:
              + (f", first at step {r['steps_to_target']})." if r["steps_to_target"] is not None else ").")]
     parts.append(f"Head {p['layer']}.{p['head']} became the previous-token head (score {p['score']:.2f}) and "
                  f"head {i['layer']}.{i['head']} the induction head (prefix-matching score {i['score']:.2f}).")
-    if r.get("phase_change_step") is not None:
-        parts.append(f"The induction score rose most sharply just before step {r['phase_change_step']} "
-                     f"(+{r['phase_change_jump']:.2f} in {cfg.eval_every} steps; half its rise by step "
-                     f"{r['induction_half_rise_step']}), and the accuracy jumped most just before step "
-                     f"{r['accuracy_jump_step']}.")
+    parts += _rise_words(cfg, r)
     others = [last["induction"][cfg.n_layers - 1][h] for h in range(cfg.n_heads) if h != i["head"]]
     strong = [h for h in range(cfg.n_heads) if last["induction"][cfg.n_layers - 1][h] > 0.5]
     if len(strong) > 1:
@@ -224,12 +224,46 @@ def _summary(cfg: InductionConfig, r: dict, last: dict) -> str:
     return " ".join(parts)
 
 
+MIN_RISE = 0.05  # a score or accuracy that moved less than this over training did not "rise"
+
+
+def _rise_words(cfg: InductionConfig, r: dict) -> list[str]:
+    """The phase change in words, saying only what was measured: nothing about a jump, a
+    half-rise step or an accuracy jump when there was no rise to speak of (a --quick run of
+    a few steps: "+-0.00 in 25 steps; half its rise by step 0" said nothing true)."""
+    evals = r["evals"]
+    if len(evals) < 2:
+        return [f"Only {len(evals)} evaluation{'s' * (len(evals) != 1)}: no rise can be measured "
+                "(train longer, or evaluate more often)."]
+    i = r["induction_head"]
+    curve = [e["induction"][i["layer"]][i["head"]] for e in evals]
+    acc = [e["accuracy"] for e in evals]
+    first, last_step = evals[0]["step"], evals[-1]["step"]
+    out = []
+    if r.get("phase_change_step") is None:
+        out.append(f"The induction score did not rise between steps {first} and {last_step} "
+                   f"({curve[0]:.2f} -> {curve[-1]:.2f}, at most {max(curve):.2f}): no phase change in this run.")
+    else:
+        out.append(f"The induction score rose from {curve[0]:.2f} to {max(curve):.2f}, most sharply just before "
+                   f"step {r['phase_change_step']} (+{r['phase_change_jump']:.2f} in the {cfg.eval_every} steps "
+                   f"before it); it had risen half way by step {r['induction_half_rise_step']}.")
+    if r.get("accuracy_jump_step") is not None:
+        out.append(f"The accuracy jumped most just before step {r['accuracy_jump_step']} "
+                   f"({100 * acc[0]:.1f}% -> {100 * max(acc):.1f}% over the run).")
+    else:
+        out.append(f"The accuracy did not rise ({100 * acc[0]:.1f}% -> {100 * acc[-1]:.1f}%).")
+    return out
+
+
 def _plot(cfg: InductionConfig, res: dict, path: Path) -> str:
     plt = pyplot()
     r = res["results"]
     evals = r["evals"]
     steps = [e["step"] for e in evals]
-    fig, axes = plt.subplots(3, 1, figsize=(7.5, 8.2), sharex=True)
+    # The head legends sit outside the axes, right of them: inside, 16 entries covered the
+    # curves and the phase-change label.
+    legend_cols = 1 if cfg.n_heads <= 12 else 2
+    fig, axes = plt.subplots(3, 1, figsize=(7.5 + 1.3 * legend_cols, 8.2), sharex=True)
     ax = axes[0]
     ax.plot(steps, [100 * e["accuracy"] for e in evals], color="black", lw=2, label="A B ... A -> B accuracy")
     ax.axhline(100 * cfg.target_accuracy, color="grey", ls="--", lw=1,
@@ -238,23 +272,22 @@ def _plot(cfg: InductionConfig, res: dict, path: Path) -> str:
                label=f"chance {100 * r['chance_accuracy']:.1f}% (1 / {cfg.vocab} symbols)")
     ax.set_ylabel("accuracy (%)")
     ax.set_ylim(0, 102)
-    ax.legend(frameon=False, fontsize=8, loc="center right")
+    ax.legend(frameon=False, fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0))
     g = r.get("geometry") or {}
     kind = g.get("variant", "MHA")
     heads = f"{cfg.n_heads} heads per layer" + (f" ({g.get('n_kv_heads')} KV)" if kind in ("GQA", "MQA") else "")
     ax.set_title(f"{cfg.n_layers}-layer attention-only transformer ({kind}), {heads}, d_model {cfg.d_model}"
                  + (f", head_dim {g['head_dim']}" if g.get("scaled_from") else ""), fontsize=10)
-    colours = plt.get_cmap("tab10")
+    colours = distinct_colours(cfg.n_heads)
     for ax, key, layer, label in ((axes[1], "previous_token", 0, "previous-token score, layer 0"),
                                   (axes[2], "induction", cfg.n_layers - 1,
                                    f"induction (prefix-matching) score, layer {cfg.n_layers - 1}")):
         for h in range(cfg.n_heads):
-            ax.plot(steps, [e[key][layer][h] for e in evals], color=colours(h), lw=1.8,
+            ax.plot(steps, [e[key][layer][h] for e in evals], color=colours[h], lw=1.8,
                     label=f"head {layer}.{h}")
         ax.set_ylabel(label.split(",")[0].replace(" score", "") + " score")
         ax.set_ylim(-0.02, 1.02)
-        ax.legend(frameon=False, fontsize=8, ncol=min(cfg.n_heads, 4),
-                  loc="center right" if key == "previous_token" else "lower right")
+        ax.legend(frameon=False, fontsize=8, ncol=legend_cols, loc="upper left", bbox_to_anchor=(1.01, 1.0))
         ax.set_title(label, fontsize=9)
     for ax in axes:
         if r.get("phase_change_step") is not None:

@@ -8,7 +8,7 @@ from pathlib import Path
 
 from multihead._files import atomic_path
 
-__all__ = ["PlotsUnavailable", "draw_plots", "pyplot", "save_figure"]
+__all__ = ["PlotsUnavailable", "distinct_colours", "draw_plots", "pyplot", "save_figure"]
 
 
 class PlotsUnavailable(ImportError):
@@ -28,6 +28,19 @@ def pyplot():
     plt.rcParams.update({"figure.dpi": 110, "savefig.dpi": 110, "axes.grid": True, "grid.alpha": 0.3,
                          "axes.spines.top": False, "axes.spines.right": False, "font.size": 10})
     return plt
+
+
+def distinct_colours(n: int) -> list[tuple]:
+    """n colours no two of which are the same: tab10 up to 10, tab20 up to 20 (16 heads
+    drawn from tab10 repeated 6 of its colours), then evenly spaced hues of turbo."""
+    from matplotlib import colormaps
+
+    if n <= 10:
+        return [colormaps["tab10"](i) for i in range(n)]
+    if n <= 20:
+        # tab20 orders dark/light pairs; all the dark ones first keeps the first 10 as tab10's
+        return [colormaps["tab20"](2 * i if i < 10 else 2 * (i - 10) + 1) for i in range(n)]
+    return [colormaps["turbo"](i / (n - 1)) for i in range(n)]
 
 
 def save_figure(fig, path: Path) -> str:
