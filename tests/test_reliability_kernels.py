@@ -321,3 +321,43 @@ def test_property_every_input_that_requires_grad_gets_the_math_gradient(B, Hkv, 
         for i, (a, b) in enumerate(zip(got, want)):
             assert a is not None, f"input {i} lost its gradient on {backend}"
             assert_close(a, b, what=f"input {i} on {backend}")
+
+
+# ----------------------------------------------------- rows a score mod hides entirely
+
+
+def _hide_first(s, b, h, qi, kv):
+    return torch.where(qi == 0, float("-inf"), s)
+
+
+def _hide_first_bias(b, h, qi, kv):
+    return torch.where(qi == 0, float("-inf"), 0.0 * kv)
+
+
+_HIDE_ADDITIVE = score_mods.ScoreMod(lambda s, b, h, qi, kv: s + _hide_first_bias(b, h, qi, kv), "hide-additive",
+                                     bias=_hide_first_bias, top_left=True)
+
+
+@pytest.mark.parametrize("mod", [_hide_first, _HIDE_ADDITIVE], ids=["where", "additive"])
+@pytest.mark.parametrize("backend", ["auto", "math", "chunked", "tiles", "sdpa"])
+@pytest.mark.parametrize("T, Dv", [(3, 8), (12, 8), (40, 5)])
+def test_a_row_hidden_by_a_score_mod_is_zero_on_every_backend(mod, backend, T, Dv):
+    """where(q_idx == 0, -inf, s): the tile engine gave 0, math and chunked NaN (output, weights,
+    and every gradient through the shared K and V) when no mask was given. The row is zero,
+    weights and gradients too; every other row equals the float64 reference."""
+    q, k, v = _qkv(B=2, H=4, Hkv=2, T=T, S=T, Dv=Dv, grad=True)
+    try:
+        out, w = sdpa(q, k, v, score_mod=mod, backend=backend, return_weights=True)
+    except ValueError as e:
+        assert backend == "sdpa" and mod is _hide_first and "'tiles'" in str(e)
+        return
+    want, want_w = R.attention(q.detach().numpy(), k.detach().numpy(), v.detach().numpy(),
+                               return_weights=True)
+    want, want_w = torch.from_numpy(want), torch.from_numpy(want_w)
+    want[:, :, 0], want_w[:, :, 0] = 0.0, 0.0
+    assert_close(out, want, what=f"out {backend}")
+    assert_close(w, want_w, what=f"weights {backend}")
+    got = _grads(out, (q, k, v))
+    ref = _grads(sdpa(q, k, v, backend="math") * (torch.arange(T) > 0).view(1, 1, T, 1), (q, k, v))
+    for name, a, b in zip("qkv", got, ref):
+        assert_close(a, b, what=f"d{name} {backend}")

@@ -554,17 +554,18 @@ def _rows_mask(mask: Tensor | MaskMod | None, causal: bool, t0: int, t1: int, T:
     return allowed, bias
 
 
-def _softmax(scores: Tensor, allowed: Tensor | None, bias: Tensor | None) -> Tensor:
+def _softmax(scores: Tensor, allowed: Tensor | None, bias: Tensor | None, modded: bool = False) -> Tensor:
     """Masked softmax over the last dim; a row with nothing to attend is all zeros.
 
     Without the guard such a row is softmax(-inf, ..., -inf) = NaN, and its NaN flows
-    into every gradient through the shared K and V.
+    into every gradient through the shared K and V. `modded`: the scores went through a
+    score mod, which may hide pairs too (`where(q_idx == 0, -inf, s)` hides a whole row).
     """
     if bias is not None:
         scores = scores + bias.to(scores.dtype)
     if allowed is not None:
         scores = scores.masked_fill(~allowed, float("-inf"))
-    if allowed is None and bias is None:
+    if allowed is None and bias is None and not modded:
         return torch.softmax(scores, dim=-1)
     empty = torch.isneginf(scores).all(dim=-1, keepdim=True)
     probs = torch.softmax(scores.masked_fill(empty, 0.0), dim=-1)
@@ -600,7 +601,7 @@ def _explicit(q, k, v, mask, *, causal, scale, dropout_p, weight_heads, block_ro
         if score_mod is not None:
             scores = score_mod.apply(scores, b_idx, h_idx, _index(t, 2, q.device, t0), kv_idx, S - T)
         allowed, bias = _rows_mask(mask, causal, t0, t1, T, S, q.device, b_idx, h_idx)
-        probs = _softmax(scores, allowed, bias)  # (B, H, t, S)
+        probs = _softmax(scores, allowed, bias, score_mod is not None)  # (B, H, t, S)
         if weight_heads is not None:
             w = probs if weight_heads == tuple(range(H)) else probs[:, list(weight_heads)]
             weights.append(w.to(q.dtype))
@@ -648,7 +649,7 @@ def _weights_pass(q, k, mask, causal, scale, heads, *, score_mod=None):
                 if score_mod is not None:
                     scores = score_mod.apply(scores, b_idx, h_idx, _index(t1 - t0, 2, q.device, t0), kv_idx, S - T)
                 allowed, bias = _rows_mask(mh, causal, t0, t1, T, S, q.device, b_idx, h_idx)
-                result[:, i, t0:t1] = _softmax(scores, allowed, bias)[:, 0].to(q.dtype)
+                result[:, i, t0:t1] = _softmax(scores, allowed, bias, score_mod is not None)[:, 0].to(q.dtype)
     return result
 
 
