@@ -70,19 +70,24 @@ def _summary_text(cfg, r, mha, mla, runs) -> str:
     pick = r["smallest_rank_within_tolerance"]
     if pick is not None:
         x = next(m for m in mla if m["kv_rank"] == pick)
-        parts.append(f"The smallest MLA rank with a cache below {frac} of MHA's and bits/char within "
-                     f"{cfg.tolerance:g} of MHA is kv_rank = {pick}: {x['cache_bytes_per_token']:,} bytes per token "
-                     f"({x['cache_vs_mha']:.3f} of MHA) at {x['val_bpc']:.3f} bits/char ({x['bpc_vs_mha']:+.3f}).")
+        parts.append(f"The smallest MLA rank with a cache below {frac} of MHA's and validation loss within "
+                     f"{_bits(cfg.tolerance)}/char of MHA's is kv_rank = {pick}: {x['cache_bytes_per_token']:,} bytes "
+                     f"per token ({x['cache_vs_mha']:.3f} of MHA) at {x['val_bpc']:.3f} bits/char, "
+                     f"{_against(x['bpc_vs_mha'])} MHA, a margin of {cfg.tolerance - x['bpc_vs_mha']:.3f} bits/char "
+                     "to the tolerance.")
     else:
         under = [m for m in mla if m["under_budget"]]
-        parts.append(f"No MLA rank tried has both a cache below {frac} of MHA's and bits/char within "
-                     f"{cfg.tolerance:g} of MHA" + (f" (ranks under the budget: "
-                                                    f"{', '.join(str(m['kv_rank']) for m in under)})." if under
-                                                    else "; no rank tried is under the budget."))
+        closest = min(under, key=lambda m: m["val_bpc"]) if under else None
+        parts.append(f"No MLA rank tried has both a cache below {frac} of MHA's and validation loss within "
+                     f"{_bits(cfg.tolerance)}/char of MHA's" + (
+                         f" (ranks under the budget: {', '.join(str(m['kv_rank']) for m in under)}; the closest, "
+                         f"kv_rank {closest['kv_rank']}, is {_against(closest['bpc_vs_mha'])} MHA, "
+                         f"{closest['bpc_vs_mha'] - cfg.tolerance:.3f} bits/char past the tolerance)."
+                         if under else "; no rank tried is under the budget."))
     if mla:
         best = min(mla, key=lambda m: m["val_bpc"])
         parts.append(f"The best MLA rank is {best['kv_rank']} at {best['val_bpc']:.3f} bits/char "
-                     f"({best['bpc_vs_mha']:+.3f} against MHA).")
+                     f"({_against(best['bpc_vs_mha'])} MHA).")
     for x in runs:
         if x["kind"] in ("GQA", "MQA"):
             same = [m for m in mla if m["cache_bytes_per_token"] == x["cache_bytes_per_token"]]
@@ -108,6 +113,18 @@ def _summary_text(cfg, r, mha, mla, runs) -> str:
             parts.append(f"Converted and fine-tuned, kv_rank {r['smallest_converted_rank_within_tolerance']} is the "
                          f"smallest under the cache budget within tolerance.")
     return " ".join(parts)
+
+
+def _bits(x: float) -> str:
+    """'1 bit', '0.5 bits'."""
+    return f"{x:g} bit" + ("" if x == 1 else "s")
+
+
+def _against(delta: float) -> str:
+    """'+0.042 bits/char above' / '0.013 bits/char below': the unit and the direction in words."""
+    if abs(delta) < 5e-4:
+        return "level with"
+    return f"{abs(delta):.3f} bits/char {'above' if delta > 0 else 'below'}"
 
 
 def _layers(cfg: MLAConfig) -> str:
@@ -147,7 +164,7 @@ def plot_tradeoff(cfg: MLAConfig, res: dict, path: Path) -> str:
         ax.text(budget, ax.get_ylim()[1], f" {cfg.budget:.3g} of MHA's cache", va="top", fontsize=8)
         top = mha["val_bpc"] + cfg.tolerance
         ax.axhspan(mha["val_bpc"], top, color="#4c72b0", alpha=0.08,
-                   label=f"within {cfg.tolerance:g} bit of MHA" + ("" if top < ax.get_ylim()[1] else
+                   label=f"within {_bits(cfg.tolerance)}/char of MHA" + ("" if top < ax.get_ylim()[1] else
                                                                   f" (up to {top:.2f})"))
         ax.set_ylim(min(ys) - pad, max(ys) + 3 * pad)
         pick = r.get("smallest_rank_within_tolerance")
