@@ -361,3 +361,52 @@ def test_a_row_hidden_by_a_score_mod_is_zero_on_every_backend(mod, backend, T, D
     ref = _grads(sdpa(q, k, v, backend="math") * (torch.arange(T) > 0).view(1, 1, T, 1), (q, k, v))
     for name, a, b in zip("qkv", got, ref):
         assert_close(a, b, what=f"d{name} {backend}")
+
+
+# ------------------------------------------------ the NaN rule, whatever the kernel does
+
+
+def _zeroing_nan_rows(kernel, returns_lse=False):
+    """A fused kernel that zeroes the output rows of NaN queries (torch's CPU kernel on an Intel
+    Xeon did), instead of propagating them as it does on this machine."""
+    def wrapped(q, *args, **kwargs):
+        res = kernel(q, *args, **kwargs)
+        out = res[0] if returns_lse else res
+        out = out.masked_fill(torch.isnan(q).any(-1, keepdim=True), 0.0)
+        return (out, *res[1:]) if returns_lse else out
+    return wrapped
+
+
+@pytest.mark.parametrize("kernel", ["zeroing", "as this machine's"])
+@pytest.mark.parametrize("mask", [None, "causal", "window", "bool"])
+@pytest.mark.parametrize("where", ["query", "key", "both"])
+def test_nan_rule_holds_whatever_the_fused_kernel_does_with_nan(kernel, mask, where, monkeypatch):
+    """The documented rule (functional's docstring, README): a row is NaN exactly when its query,
+    or a key or value it may attend, holds a NaN; a row with no key is zero. It was enforced only
+    when the kernel's output had a NaN, so a kernel that zeroes NaN rows gave a zero row."""
+    from multihead import blocksparse
+
+    if kernel == "zeroing":
+        monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention",
+                            _zeroing_nan_rows(torch.nn.functional.scaled_dot_product_attention))
+        if blocksparse._CPU_FLASH is not None:
+            monkeypatch.setattr(blocksparse, "_CPU_FLASH", _zeroing_nan_rows(blocksparse._CPU_FLASH, True))
+    B, H, T, S = 1, 2, 20, 20
+    q, k, v = _qkv(B=B, H=H, Hkv=1, T=T, S=S, dtype=torch.float32)
+    m = {None: None, "causal": masks.causal(), "window": masks.sliding_window(4),
+         "bool": torch.ones(1, 1, T, S, dtype=torch.bool).tril()}[mask]
+    if where != "key":
+        q[0, 1, 7, 3] = float("nan")  # query row 7 of head 1
+    if where != "query":
+        k[0, 0, 15, 0] = float("nan")  # key 15: rows that may attend it are NaN, the others not
+    allowed = torch.ones(T, S, dtype=torch.bool) if m is None else masks.to_dense(m, B, H, T, S)[0, 0] \
+        if isinstance(m, masks.MaskMod) else m[0, 0]
+    want_nan = torch.zeros(B, H, T, dtype=torch.bool)
+    want_nan[0, 1, 7] = where != "key" and bool(allowed[7].any())
+    if where != "query":
+        want_nan |= allowed[:, 15].view(1, 1, T)
+    for backend in ("auto", "sdpa", "math", "tiles"):
+        out = sdpa(q, k, v, m, backend=backend)
+        got_nan = torch.isnan(out).any(-1)
+        assert torch.equal(got_nan, want_nan), f"{backend}: NaN rows {got_nan.nonzero().tolist()}"
+        assert not torch.isnan(out[~want_nan]).any()

@@ -33,8 +33,11 @@ output is NaN exactly when its query holds a NaN or a key or value it may attend
 one; a NaN in a key or value the mask hides has no effect (its weights: NaN when the
 query or an attended key holds one). The fused kernel alone would spread a hidden
 NaN value to every row (0 * NaN), so an output with a NaN is recomputed once with the
-NaNs replaced and the rule applied row by row; clean inputs pay one check of `out`
-(skipped under torch.compile, where the check would split the graph).
+NaNs replaced and the rule applied row by row, whenever q, k, v or the output holds a
+NaN: the rule never depends on what the kernel does with a NaN (torch's CPU kernel
+zeroes a NaN query's row on some CPUs). Clean inputs pay one sum of q and `out` (and of
+k and v from 16 queries on; see `_any_nan`) with one host sync, as the output's check
+alone had (skipped under torch.compile, where it would split the graph).
 
 Gradient rule (every backend): every tensor input that requires grad gets its exact
 gradient, a float mask (T5's position bias) and the tensors a score mod captures
@@ -235,7 +238,7 @@ def attend(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | MaskMod | Callable | 
         out, weights = _empty(q, k, v, weight_heads)
     else:
         out, weights = _run(impl, q, k, v, mask, causal, scale, dropout_p, weight_heads, score_mod)
-        if not torch.compiler.is_compiling() and torch.isnan(out).any():
+        if not torch.compiler.is_compiling() and _any_nan(q, k, v, out):
             out, weights = _nan_rule(impl, q, k, v, mask, causal, scale, dropout_p, weight_heads, score_mod)
     return out, weights
 
@@ -261,6 +264,23 @@ def _empty(q, k, v, weight_heads):
     out = q.new_zeros(B, H, T, Dv) + tie
     weights = None if weight_heads is None else q.new_zeros(B, len(weight_heads), T, S) + tie
     return out, weights
+
+
+_NAN_CHECK_ROWS = 16  # from this many queries on, the NaN check reads K and V too
+
+
+def _any_nan(q: Tensor, k: Tensor, v: Tensor, out: Tensor) -> bool:
+    """Whether q, the output or (for T >= 16 queries) k and v may hold a NaN: one host sync,
+    as the output's check alone had. What a fused kernel does with a NaN is its own affair
+    (torch's CPU kernel zeroes a NaN query's row on some CPUs, propagates it on others), so
+    the inputs are read too and the rule is then applied from them, never from the kernel's
+    output. Sums, not isnan().any() (4-8x the time): NaN always survives a sum, and a false
+    alarm (inf - inf) only costs the exact recomputation. For a few queries (decoding) K and
+    V are not read: that would cost as much as the attention; there a NaN key or value
+    reaches the output through its score or its weight, in any kernel."""
+    acc = torch.promote_types(q.dtype, torch.float32)
+    parts = [q, out] if q.shape[2] < _NAN_CHECK_ROWS else [q, out, k, v]
+    return bool(torch.stack([t.sum(dtype=acc) for t in parts]).isnan().any())
 
 
 def _nan_rule(impl, q, k, v, mask, causal, scale, dropout_p, weight_heads, score_mod):
