@@ -1,6 +1,8 @@
 """Issue 18 (reliability, round 3), the kernel-side classes: every one of these failed before
 its fix. Numbers are held against the float64 NumPy reference or the float64 math path."""
 
+import functools
+
 import numpy as np
 import pytest
 import torch
@@ -410,3 +412,123 @@ def test_nan_rule_holds_whatever_the_fused_kernel_does_with_nan(kernel, mask, wh
         got_nan = torch.isnan(out).any(-1)
         assert torch.equal(got_nan, want_nan), f"{backend}: NaN rows {got_nan.nonzero().tolist()}"
         assert not torch.isnan(out[~want_nan]).any()
+
+
+# ------------------------------------------- flex: cached block masks keyed on what they read
+
+
+class _Window:
+    """A callable mask object whose attribute a user changes between calls."""
+
+    def __init__(self, width):
+        self.width = width
+
+    def __call__(self, b, h, q_idx, kv_idx):
+        return (kv_idx <= q_idx) & (q_idx - kv_idx < self.width)
+
+
+def _doc_mask(ids, b, h, q_idx, kv_idx):
+    return ids[q_idx] == ids[kv_idx]
+
+
+def _stale_cases():
+    ids = torch.zeros(512, dtype=torch.long)
+    ids[256:] = 1
+    partial = functools.partial(_doc_mask, ids)
+
+    def edit_partial():
+        ids[:] = 0  # in place: the partial is the same object; every pair allowed now
+
+    obj = _Window(4)
+
+    def edit_obj():
+        obj.width = 400
+
+    table = {"width": 4}
+
+    def from_dict(b, h, q_idx, kv_idx):
+        return (kv_idx <= q_idx) & (q_idx - kv_idx < table["width"])
+
+    def edit_dict():
+        table["width"] = 400
+
+    widths = [4]
+
+    def from_list(b, h, q_idx, kv_idx):
+        return (kv_idx <= q_idx) & (q_idx - kv_idx < widths[0])
+
+    def edit_list():
+        widths[0] = 400
+
+    bound = _Window(4).__call__
+
+    def edit_bound():
+        bound.__self__.width = 400
+
+    return {"partial over a tensor": (partial, edit_partial), "callable object": (obj, edit_obj),
+            "closure over a dict": (from_dict, edit_dict), "closure over a list": (from_list, edit_list),
+            "bound method": (bound, edit_bound)}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", list(_stale_cases()))
+def test_flex_block_mask_cache_never_serves_a_stale_mask(case):
+    """The flex backend cached block masks by the callable's identity for objects it could not
+    look into: after an in-place edit of a tensor a functools.partial holds, or of a callable
+    object's attribute, it skipped the blocks the old mask left empty (off by 0.8). Each call must equal the math path
+    with the mask as it is now."""
+    pytest.importorskip("torch.nn.attention.flex_attention")
+    from multihead import flex
+
+    flex.clear_cache()
+    mask, edit = _stale_cases()[case]
+    q, k, v = _qkv(B=1, H=2, Hkv=2, T=512, S=512, D=8, Dv=8, dtype=torch.float32)  # 128-key blocks
+    for _ in range(2):
+        before = sdpa(q, k, v, mask, backend="flex")
+        assert_close(before, sdpa(q, k, v, mask, backend="math"), torch.float32, atol=1e-5, what=f"{case} before")
+    edit()
+    after = sdpa(q, k, v, mask, backend="flex")
+    want = sdpa(q, k, v, mask, backend="math")
+    assert (want - before).abs().max() > 0.05  # the edit changes the answer
+    assert_close(after, want, torch.float32, atol=1e-5, what=f"{case} after the edit")
+
+
+class _SlotWindow:
+    """A callable object `_key` cannot look into (slots): never cached, always right."""
+
+    __slots__ = ("width",)
+
+    def __init__(self, width):
+        self.width = width
+
+    def __call__(self, b, h, q_idx, kv_idx):
+        return (kv_idx <= q_idx) & (q_idx - kv_idx < self.width)
+
+
+@pytest.mark.slow
+def test_flex_cache_hit_is_checked_against_the_object_it_was_built_from():
+    """Two predicates of the same code: the second's key matches the entry the first built, but
+    the first's list was edited since; the entry (whose mask reads the first's list) is rebuilt.
+    An object the key cannot see into is not cached at all."""
+    pytest.importorskip("torch.nn.attention.flex_attention")
+    from multihead import flex
+
+    def make(widths):
+        def window(b, h, q_idx, kv_idx):
+            return (kv_idx <= q_idx) & (q_idx - kv_idx < widths[0])
+        return window
+
+    flex.clear_cache()
+    q, k, v = _qkv(B=1, H=2, Hkv=2, T=512, S=512, D=8, Dv=8, dtype=torch.float32)
+    first_widths = [4]
+    first, second = make(first_widths), make([4])
+    sdpa(q, k, v, first, backend="flex")
+    first_widths[0] = 400
+    for mask in (second, first):
+        assert_close(sdpa(q, k, v, mask, backend="flex"), sdpa(q, k, v, mask, backend="math"), torch.float32,
+                     atol=1e-5, what="second, then the edited first")
+    slot = _SlotWindow(4)
+    for width in (4, 400):
+        slot.width = width
+        assert_close(sdpa(q, k, v, slot, backend="flex"), sdpa(q, k, v, slot, backend="math"), torch.float32,
+                     atol=1e-5, what=f"slots object, width {width}")

@@ -20,12 +20,12 @@ What this module adds on top of flex:
   backend="flex" is a drop-in for the modules, which may pass dense masks.
 - Block masks are cached (a small LRU) by the *structure* of the predicate: the code of
   each leaf function, the values it captured and the globals it names (ints by value,
-  tensors by memory and version). The kernel builds a fresh `and_masks(mask, causal())`
-  on every call; the cache sees through that, so every layer and every step reuses one
-  `BlockMask`, and hands torch.compile the same function objects, whose guards then
-  pass without a recompilation. What the key cannot see (the contents of a dict or
-  list the callable reads) is assumed not to change between calls of the same shape,
-  flex's own usage: build the block mask once, reuse it.
+  tensors by memory and version, containers, partials and callable objects by their
+  current contents; what cannot be keyed is not cached; see `_key`). The kernel builds
+  a fresh `and_masks(mask, causal())` on every call; the cache sees through that, so
+  every layer and every step reuses one `BlockMask`, and hands torch.compile the same
+  function objects, whose guards then pass without a recompilation. A hit is checked against the entry's own predicate
+  as it is now, so an edit after caching (a tensor changed in place) rebuilds it.
 - Key padding. torch 2.13's CPU flex kernel gives wrong values when the last KV block
   is 8 mod 16 keys long (see `_padded`), so on the CPU K/V are padded to a multiple of
   128 with zero keys the mask hides (one copy of K/V, never one per query head, when S
@@ -43,11 +43,13 @@ What this module adds on top of flex:
 
 from __future__ import annotations
 
+import functools
 import shutil
 import types
 from collections import OrderedDict
 from collections.abc import Callable
 
+import numpy as np
 import torch
 from torch import Tensor
 
@@ -98,18 +100,25 @@ def _load() -> tuple[Callable, Callable]:
 # ------------------------------------------------------------ structural cache keys
 
 
+class _Unkeyable(Exception):
+    """A predicate or mod reads something `_key` cannot see into: it is not cached."""
+
+
 def _key(x, depth: int = 0):
-    """A hashable key equal for predicates/score mods that compute the same thing.
+    """A hashable key equal for predicates/score mods that compute the same thing *now*.
 
     Functions by code, defaults, captured values and the globals they name; tensors by
     memory (storage, offset, shape, strides) and version (an in-place edit of doc ids
-    changes the key); other objects by identity (the contents of a mutated dict or list
-    are not seen). The cache keeps the first object seen alive, so neither an
-    identity nor a storage in its key can be reused by another object meanwhile.
+    changes the key); containers (list, dict, tuple, set), `functools.partial`, bound
+    methods and plain objects (a callable class) by their current contents and attributes;
+    classes and builtins by identity. Anything else raises `_Unkeyable`: what the key
+    cannot see is not cached. The key is taken at every call, and a cache hit is checked
+    against the key of the object the entry was built from (see `_lookup`), so an entry
+    whose predicate has changed since is rebuilt, never served stale.
     """
-    if depth > 6:
-        return ("id", id(x))
-    if x is None or isinstance(x, (bool, int, float, str)):
+    if depth > 8:
+        raise _Unkeyable
+    if x is None or isinstance(x, (bool, int, float, complex, str, bytes, torch.dtype, torch.device)):
         return (type(x).__name__, x)
     if isinstance(x, Tensor):  # by memory, so a fresh view of the same ids (doc_ids[None]) matches
         return ("tensor", x.untyped_storage().data_ptr(), x.storage_offset(), tuple(x.shape), x.stride(),
@@ -122,6 +131,14 @@ def _key(x, depth: int = 0):
         return ("score", _key(x.fn, depth + 1), x.top_left)
     if isinstance(x, (tuple, list)):
         return (type(x).__name__, tuple(_key(i, depth + 1) for i in x))
+    if isinstance(x, (set, frozenset)):
+        return (type(x).__name__, frozenset(_key(i, depth + 1) for i in x))
+    if isinstance(x, dict):
+        return ("dict", tuple((_key(n, depth + 1), _key(val, depth + 1)) for n, val in x.items()))
+    if isinstance(x, functools.partial):
+        return ("partial", _key(x.func, depth + 1), _key(x.args, depth + 1), _key(x.keywords, depth + 1))
+    if isinstance(x, types.MethodType):
+        return ("method", _key(x.__func__, depth + 1), _key(x.__self__, depth + 1))
     if isinstance(x, types.FunctionType):
         cells = []
         for c in x.__closure__ or ():
@@ -134,20 +151,42 @@ def _key(x, depth: int = 0):
         glob = tuple((n, _key(x.__globals__[n], depth + 1)) for n in x.__code__.co_names  # globals it reads
                      if n in x.__globals__ and not isinstance(x.__globals__[n], types.ModuleType))
         return ("fn", x.__code__, defaults, kwdefaults, tuple(cells), glob)
-    return ("id", id(x))
+    if isinstance(x, (type, types.BuiltinFunctionType, types.BuiltinMethodType, types.ModuleType,
+                      torch._ops.OpOverloadPacket, torch._ops.OpOverload)):  # classes, builtins, ops
+        return ("id", id(x))
+    if isinstance(x, (np.generic,)):
+        return ("np", x.dtype.str, x.item())
+    state = getattr(x, "__dict__", None)
+    if isinstance(state, dict) and not hasattr(type(x), "__slots__"):  # a callable object: its attributes
+        call = type(x).__call__ if callable(x) else None
+        return ("object", id(type(x)), _key(call, depth + 1) if isinstance(call, types.FunctionType) else None,
+                _key(state, depth + 1))
+    raise _Unkeyable
 
 
-def _lookup(cache: OrderedDict, key, make: Callable):
-    """LRU get-or-build: `make()` runs on a miss; the oldest entry goes beyond CACHE_SIZE."""
+def _try_key(x):
+    """`_key(x)`, or None when it cannot be keyed (then nothing is cached)."""
     try:
-        hit = cache.get(key)
-    except TypeError:  # an unhashable captured value (nan is fine; this is for odd objects)
+        key = _key(x)
+        hash(key)
+        return key
+    except (_Unkeyable, TypeError):
+        return None
+
+
+def _lookup(cache: OrderedDict, key, make: Callable, built_from: Callable | None = None):
+    """LRU get-or-build: `make()` runs on a miss (and, uncached, when `key` is None); the oldest
+    entry goes beyond CACHE_SIZE. `built_from(entry)`: the key the entry's own object has now;
+    a hit whose object no longer matches (a tensor it reads was edited since) is rebuilt."""
+    if key is None:
         return make()
-    if hit is not None:
+    hit = cache.get(key)
+    if hit is not None and (built_from is None or built_from(hit) == key):
         cache.move_to_end(key)
         return hit
     value = make()
     cache[key] = value
+    cache.move_to_end(key)
     while len(cache) > CACHE_SIZE:
         cache.popitem(last=False)
     return value
@@ -189,7 +228,9 @@ def _mask_entry(pred: MaskMod | None, B: int, H: int, T: int, S: int, device):
     """(pred, mask_fn, BlockMask) for a predicate (None: only the padded keys hidden), cached."""
     Bm, Hm = (None, None) if pred is None else _extent(pred, B, H, T, S, device)
     Sp = _padded(S, device)
-    key = (None if pred is None else _key(pred), Bm, Hm, T, S, str(device))
+    tail = (Bm, Hm, T, S, str(device))
+    pred_key = None if pred is None else _try_key(pred)
+    key = None if pred is not None and pred_key is None else (pred_key, *tail)
 
     def make():
         shift = S - T
@@ -205,7 +246,8 @@ def _mask_entry(pred: MaskMod | None, B: int, H: int, T: int, S: int, device):
         name = "hiding the padded keys" if pred is None else pred.name
         return pred, mask_fn, _create(mask_fn, Bm, Hm, T, Sp, device, name)
 
-    return _lookup(_block_masks, key, make)
+    return _lookup(_block_masks, key, make,
+                   lambda hit: (None if hit[0] is None else _try_key(hit[0]), *tail))
 
 
 def _dense_index(dense: Tensor, b, h, q_idx, kv_idx, S: int):
@@ -268,7 +310,9 @@ def _score_fn(mod: ScoreMod | None, dense: Tensor | None, T: int, S: int, device
 
             return mod, score_fn
 
-        fn = _lookup(_score_fns, (_key(mod), T, S, str(device)), make)[1]
+        mod_key = _try_key(mod)
+        key = None if mod_key is None else (mod_key, T, S, str(device))
+        fn = _lookup(_score_fns, key, make, lambda hit: (_try_key(hit[0]), T, S, str(device)))[1]
     if dense is None or dense.dtype == torch.bool:
         return fn
     inner = fn
