@@ -22,7 +22,15 @@ import torch.distributed as dist
 from torch import Tensor
 
 from multihead.attention import Attention
-from multihead.distributed._group import check_layout, chunk_ids, resolve_group
+from multihead.distributed._group import (
+    GroupRef,
+    agree_on,
+    check_layout,
+    chunk_ids,
+    layout_code,
+    resolve_group,
+    tensor_code,
+)
 from multihead.distributed.ring import ring_attention
 
 __all__ = ["context_parallel", "shard_positions"]
@@ -51,6 +59,18 @@ class _ContextParallel:
         mask: None or a bool key-padding mask `(B, T)` of this rank's tokens (True = may
         attend). positions default to the shard's global positions.
         """
+        group = self._group()
+        # Every rank checks its call, then the ranks agree on what each received before any
+        # of them raises: one rank's wrong width must not leave the others in the ring.
+        agree_on(resolve_group(group, "context_parallel"), "context_parallel layer",
+                 lambda: self._describe_call(x, context, mask, cache, return_weights, positions, rotary),
+                 _CALL_WIDTH, "(x, mask, positions, cos, sin: present, ndim, dtype, shape; training)")
+        if self.rope is not None and positions is None and rotary is None:
+            positions = shard_positions(x.shape[1], self.cp_layout, group, device=x.device)
+        return super().forward(x, mask=mask, positions=positions, rotary=rotary)
+
+    def _describe_call(self, x, context, mask, cache, return_weights, positions, rotary) -> list[int]:
+        """This rank's checks of a call (ValueError/TypeError), else its description."""
         if context is not None:
             raise ValueError("a context-parallel layer is self-attention over the sharded sequence; "
                              "received a context (cross-attention is not supported)")
@@ -59,16 +79,33 @@ class _ContextParallel:
         if return_weights is not False:
             raise ValueError("a context-parallel layer cannot return attention weights: no rank holds the "
                              "(T, N) weights of its queries; use the unsharded module to inspect them")
-        if self.rope is not None and positions is None and rotary is None:
-            self._check_input("x", x, self.d_model)
-            positions = shard_positions(x.shape[1], self.cp_layout, self._group(), device=x.device)
-        return super().forward(x, mask=mask, positions=positions, rotary=rotary)
+        if self.training and self.dropout > 0:
+            raise ValueError(f"ring attention applies no dropout; this layer has dropout={self.dropout} in "
+                             f"training mode: set dropout=0 or call .eval()")
+        self._check_input("x", x, self.d_model)
+        weight = self.q_proj.weight
+        if x.dtype != weight.dtype and not torch.is_autocast_enabled(x.device.type):
+            raise TypeError(f"x is {x.dtype} but this module's weights are {weight.dtype}; cast one to the other")
+        if mask is not None and (not isinstance(mask, Tensor) or mask.dtype != torch.bool or mask.dim() != 2):
+            got = f"shape {tuple(mask.shape)}, {mask.dtype}" if isinstance(mask, Tensor) else type(mask).__name__
+            raise ValueError(f"mask must be None or a bool key-padding mask (B, T) of this rank's tokens; "
+                             f"received {got}")
+        if positions is not None and rotary is not None:
+            raise ValueError("pass positions= or rotary=(cos, sin), not both")
+        if (positions is not None or rotary is not None) and self.rope is None:
+            raise ValueError("positions/rotary were given but this module has no rotary embedding (rope=None)")
+        if positions is not None:
+            self._check_positions(positions, x.shape[0], x.shape[1])
+        cos = sin = None
+        if rotary is not None:
+            if not (isinstance(rotary, tuple) and len(rotary) == 2 and all(isinstance(t, Tensor) for t in rotary)):
+                raise TypeError(f"rotary must be a tuple (cos, sin) of tensors; received {type(rotary).__name__}")
+            cos, sin = rotary
+        return [*tensor_code(x, 3), *tensor_code(mask, 2), *tensor_code(positions, 2), *tensor_code(cos),
+                *tensor_code(sin), int(self.training)]
 
     def _attend(self, q: Tensor, k: Tensor, v: Tensor, mask, *, causal: bool, dropout_p: float,
                 return_weights) -> tuple[Tensor, None]:
-        if dropout_p > 0:
-            raise ValueError(f"ring attention applies no dropout; this layer has dropout={self.dropout} in "
-                             f"training mode: set dropout=0 or call .eval()")
         out = ring_attention(q, k, v, causal=causal, layout=self.cp_layout, group=self._group(), mask=mask)
         return out, None
 
@@ -100,8 +137,11 @@ class _ContextParallel:
         if isinstance(self.cp_group, str):
             raise ValueError("this context-parallel layer was saved with a process group other than the default "
                              "one, which cannot be saved; set layer.cp_group = <your group> after loading")
-        return self.cp_group
+        return self.cp_group.get() if isinstance(self.cp_group, GroupRef) else self.cp_group
 
+
+# Length of the description of one call that the ranks compare (see _describe_call).
+_CALL_WIDTH = (3 + 3) + (3 + 2) + (3 + 2) + 2 * (3 + 4) + 1  # tensor_code(t, n) gives 3 + n ints
 
 # What a pickled layer holds in place of a group that is not the default one.
 _GROUP_NOT_SAVED = "<process group not saved>"
@@ -133,18 +173,27 @@ def context_parallel(module: Attention, group=None, layout: str = "zigzag") -> A
 
     Returns the module (its class is now a `ContextParallel...` subclass of the original).
     """
-    if isinstance(module, _ContextParallel):
-        raise ValueError("this module is already context-parallel")
-    if not isinstance(module, Attention):
-        raise TypeError(f"context_parallel takes a multihead Attention; received {type(module).__name__}")
     group = resolve_group(group, "context_parallel")
-    check_layout(layout)
-    unsupported = [name for name, on in (("sliding_window", module.sliding_window is not None),
-                                         ("softcap", module.softcap is not None), ("alibi", module.alibi)) if on]
-    if unsupported:
-        raise ValueError(f"context_parallel runs the kernel as ring attention, which does not apply "
-                         f"{', '.join(unsupported)}; received a module with {', '.join(unsupported)} set")
+
+    def check():
+        if isinstance(module, _ContextParallel):
+            raise ValueError("this module is already context-parallel")
+        if not isinstance(module, Attention):
+            raise TypeError(f"context_parallel takes a multihead Attention; received {type(module).__name__}")
+        check_layout(layout)
+        unsupported = [name for name, on in (("sliding_window", module.sliding_window is not None),
+                                             ("softcap", module.softcap is not None), ("alibi", module.alibi)) if on]
+        if unsupported:
+            raise ValueError(f"context_parallel runs the kernel as ring attention, which does not apply "
+                             f"{', '.join(unsupported)}; received a module with {', '.join(unsupported)} set")
+        return [layout_code(layout), module.d_model, module.n_heads, module.n_kv_heads, module.head_dim,
+                int(module.causal), int(module.rope is not None)]
+
+    # every rank wraps its layer together: one rank's refusal must not leave the others in the ring
+    agree_on(group, "context_parallel", check, 7, "(layout, d_model, n_heads, n_kv_heads, head_dim, causal, rope)")
     module.__class__ = _cp_class(type(module))
-    module.cp_group = group
+    # The default group is kept as None and resolved at each call, another one weakly: a
+    # module that held the group would keep it alive past destroy_process_group() (see GroupRef).
+    module.cp_group = None if group == dist.group.WORLD else GroupRef(group)
     module.cp_layout = layout
     return module

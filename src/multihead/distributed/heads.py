@@ -29,6 +29,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from multihead.attention import Attention
+from multihead.distributed._group import GroupRef, agree_on
 from multihead.latent import LatentAttention
 
 __all__ = ["shard_heads"]
@@ -39,14 +40,32 @@ class _SumGrad(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, group):
-        ctx.group = group
+        ctx.group = GroupRef(group)  # the graph holds no group
         return x.view_as(x)
 
     @staticmethod
     def backward(ctx, grad):
         grad = grad.contiguous()
-        dist.all_reduce(grad, group=ctx.group)
+        dist.all_reduce(grad, group=ctx.group.get())
         return grad, None
+
+
+class _Wait(torch.autograd.Function):
+    """Identity that waits for an async collective's result (the gradient passes through)."""
+
+    @staticmethod
+    def forward(ctx, t):
+        return t.trigger_wait()
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad
+
+
+def _waited(t):
+    from torch.distributed._functional_collectives import AsyncCollectiveTensor  # noqa: PLC0415 (heavy)
+
+    return _Wait.apply(t) if isinstance(t, AsyncCollectiveTensor) else t
 
 
 class _SharedKVHeads(nn.Module):
@@ -60,12 +79,13 @@ class _SharedKVHeads(nn.Module):
         self.weight = linear.weight
         self.bias = linear.bias
         self.rows = rows
-        self.group = group
+        self._group = GroupRef(group)
 
     def forward(self, x: Tensor) -> Tensor:
-        w = _SumGrad.apply(self.weight, self.group)[self.rows]  # (D, C): this rank's KV head
-        b = None if self.bias is None else _SumGrad.apply(self.bias, self.group)[self.rows]
-        return F.linear(_SumGrad.apply(x, self.group), w, b)
+        group = self._group.get()
+        w = _SumGrad.apply(self.weight, group)[self.rows]  # (D, C): this rank's KV head
+        b = None if self.bias is None else _SumGrad.apply(self.bias, group)[self.rows]
+        return F.linear(_SumGrad.apply(x, group), w, b)
 
     def extra_repr(self) -> str:
         return f"rows={self.rows.start}:{self.rows.stop} of {self.weight.shape[0]} (replicated KV heads)"
@@ -77,6 +97,13 @@ class _HeadSharded:
     tp_mesh = None
     tp_heads: tuple[int, int]  # (first, count) of this rank's query heads
     tp_kv_heads: tuple[int, int]  # (first, count) of this rank's KV heads
+
+    def forward(self, *args, **kwargs):
+        # RowwiseParallel ends in an async all-reduce (an AsyncCollectiveTensor): waited for
+        # here, so an output nobody reads leaves no collective unwaited ("there are still 1
+        # unwaited collective calls" at exit, with the README's snippet).
+        out = super().forward(*args, **kwargs)
+        return tuple(_waited(t) for t in out) if isinstance(out, tuple) else _waited(out)
 
     def extra_repr(self) -> str:
         h0, h = self.tp_heads
@@ -133,11 +160,9 @@ def _broadcast(parts: list[nn.Module], mesh) -> None:
 
 
 def _check(module, mesh) -> None:
-    if isinstance(module, _HeadSharded):
-        raise ValueError("this module is already sharded by shard_heads")
-    if not isinstance(module, (Attention, LatentAttention)):
-        raise TypeError(f"shard_heads takes a multihead Attention or LatentAttention; received "
-                        f"{type(module).__name__}")
+    """The process group and the mesh, checked here; the module, checked on every rank and
+    agreed on before any rank raises (one rank's refusal would leave the others waiting in
+    parallelize_module's collectives)."""
     if not dist.is_available() or not dist.is_initialized():
         raise RuntimeError("shard_heads needs a process group: call torch.distributed.init_process_group() "
                            "(torchrun sets its environment) and pass a DeviceMesh")
@@ -149,6 +174,21 @@ def _check(module, mesh) -> None:
     if mesh.ndim != 1:
         raise ValueError(f"mesh must be 1-D (the ranks that share the heads); received {mesh.ndim}-D "
                          f"{tuple(mesh.shape)}: pass one dimension, e.g. mesh['tp']")
+
+    def check():
+        _check_module(module, mesh)
+        kind = 1 if isinstance(module, Attention) else 2
+        return [kind, module.d_model, module.n_heads, getattr(module, "n_kv_heads", 0), module.head_dim]
+
+    agree_on(mesh.get_group(), "shard_heads", check, 5, "(kind, d_model, n_heads, n_kv_heads, head_dim)")
+
+
+def _check_module(module, mesh) -> None:
+    if isinstance(module, _HeadSharded):
+        raise ValueError("this module is already sharded by shard_heads")
+    if not isinstance(module, (Attention, LatentAttention)):
+        raise TypeError(f"shard_heads takes a multihead Attention or LatentAttention; received "
+                        f"{type(module).__name__}")
     P, H = mesh.size(), module.n_heads
     if H % P:
         raise ValueError(f"n_heads ({H}) must be divisible by the number of ranks ({P}); valid rank "

@@ -30,11 +30,14 @@ import torch.distributed as dist
 from torch import Tensor
 
 from multihead.distributed._group import (
+    GroupRef,
     agree,
     check_device,
     check_layout,
     chunk_ids,
     dtype_code,
+    float_code,
+    layout_code,
     resolve_group,
 )
 
@@ -172,11 +175,15 @@ class _Ring:
     """This rank's neighbours in `group` and the one operation the ring needs."""
 
     def __init__(self, group):
-        self.group = group
+        self._group = GroupRef(group)  # kept by the autograd graph: never the group itself
         self.size = dist.get_world_size(group)
         self.rank = dist.get_rank(group)
         self.next = dist.get_global_rank(group, (self.rank + 1) % self.size)
         self.prev = dist.get_global_rank(group, (self.rank - 1) % self.size)
+
+    @property
+    def group(self):
+        return self._group.get()
 
     def shift(self, tensors: list[Tensor]):
         """Start sending `tensors` to the next rank and receiving as many from the previous.
@@ -186,8 +193,9 @@ class _Ring:
         """
         sends = [t.contiguous() for t in tensors]
         recvs = [torch.empty_like(t) for t in sends]
-        ops = [dist.P2POp(dist.isend, t, self.next, self.group) for t in sends]
-        ops += [dist.P2POp(dist.irecv, t, self.prev, self.group) for t in recvs]
+        group = self.group
+        ops = [dist.P2POp(dist.isend, t, self.next, group) for t in sends]
+        ops += [dist.P2POp(dist.irecv, t, self.prev, group) for t in recvs]
         return [dist.batch_isend_irecv(ops), sends, recvs]
 
     @staticmethod
@@ -410,13 +418,18 @@ def ring_attention(
     fused CPU kernel on CPU, the explicit path elsewhere).
     """
     group = resolve_group(group, "ring_attention")
-    check_layout(layout)
-    error = _local_error(q, k, v, mask, causal, layout, scale, group)
-    shapes = [0] * 8
+    try:
+        check_layout(layout)
+        error = _local_error(q, k, v, mask, causal, layout, scale, group)
+    except ValueError as e:
+        error = str(e)
+    shapes, scale_code = [0] * 8, 0
     if error is None:
         shapes = [*q.shape, k.shape[1], k.shape[2], v.shape[3], dtype_code(q.dtype)]
-    agree(group, "ring_attention", error, [*shapes, int(bool(causal)), layout == "zigzag", mask is not None],
-          "(B, H, T, D, Hkv, S, Dv, dtype, causal, zigzag, mask)")
+        scale_code = float_code(scale)
+    agree(group, "ring_attention", error, [*shapes, int(bool(causal)), layout_code(layout), mask is not None,
+                                           scale_code],
+          "(B, H, T, D, Hkv, S, Dv, dtype, causal, layout, mask, scale bits)")
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
     keep = None
     if mask is not None:

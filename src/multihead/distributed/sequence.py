@@ -17,9 +17,20 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from multihead.distributed._group import agree, check_device, check_layout, chunk_ids, dtype_code, resolve_group
+from multihead.distributed._group import (
+    GroupRef,
+    agree_on,
+    check_device,
+    check_layout,
+    chunk_ids,
+    dtype_code,
+    layout_code,
+    resolve_group,
+)
 
 __all__ = ["gather_sequence", "shard_sequence"]
+
+_MAX_DIMS = 8  # of a tensor gather_sequence describes to the other ranks (a fixed-length signature)
 
 
 def _check_dim(x, dim) -> int:
@@ -53,19 +64,19 @@ def _whole(x: Tensor, dim: int, group, size: int, layout: str) -> Tensor:
 class _Shard(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, dim, group, rank, size, layout):
-        ctx.args = (dim, group, rank, size, layout)
+        ctx.args = (dim, GroupRef(group), rank, size, layout)  # the graph holds no group
         return _local(x, dim, rank, size, layout).clone()
 
     @staticmethod
     def backward(ctx, grad):
         dim, group, _, size, layout = ctx.args
-        return _whole(grad, dim, group, size, layout), None, None, None, None, None
+        return _whole(grad, dim, group.get(), size, layout), None, None, None, None, None
 
 
 class _Gather(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, dim, group, rank, size, layout):
-        ctx.args = (dim, group, rank, size, layout)
+        ctx.args = (dim, None, rank, size, layout)
         return _whole(x, dim, group, size, layout)
 
     @staticmethod
@@ -82,27 +93,40 @@ def shard_sequence(x: Tensor, dim: int, layout: str = "contiguous", group=None) 
     `gather_sequence(shard, dim, layout)` gives `x` back.
     """
     group = resolve_group(group, "shard_sequence")
-    check_layout(layout)
-    dim = _check_dim(x, dim)
     size, rank = dist.get_world_size(group), dist.get_rank(group)
-    pieces = size * (2 if layout == "zigzag" else 1)
-    error = check_device(group, x, "x")
-    if error is None and x.shape[dim] % pieces:
-        error = (f"the length along dim {dim} ({x.shape[dim]}) must be divisible by {pieces} "
-                 f"({'2P, P' if layout == 'zigzag' else 'P'} = {size} ranks, layout {layout!r})")
-    agree(group, "shard_sequence", error, [dim, x.dim(), x.shape[dim]], "(dim, ndim, length)")
+
+    def check():
+        check_layout(layout)
+        d = _check_dim(x, dim)
+        pieces = size * (2 if layout == "zigzag" else 1)
+        error = check_device(group, x, "x")
+        if error:
+            raise ValueError(error)
+        if x.shape[d] % pieces:
+            raise ValueError(f"the length along dim {d} ({x.shape[d]}) must be divisible by {pieces} "
+                             f"({'2P, P' if layout == 'zigzag' else 'P'} = {size} ranks, layout {layout!r})")
+        return [d, x.dim(), x.shape[d], layout_code(layout)]
+
+    dim = agree_on(group, "shard_sequence", check, 4, "(dim, ndim, length, layout)")[0]
     return _Shard.apply(x, dim, group, rank, size, layout)
 
 
 def gather_sequence(x: Tensor, dim: int, layout: str = "contiguous", group=None) -> Tensor:
     """The whole sequence from every rank's shard `x` (the inverse of `shard_sequence`)."""
     group = resolve_group(group, "gather_sequence")
-    check_layout(layout)
-    dim = _check_dim(x, dim)
     size, rank = dist.get_world_size(group), dist.get_rank(group)
-    error = check_device(group, x, "x")
-    if error is None and layout == "zigzag" and x.shape[dim] % 2:
-        error = f"a zigzag shard holds two equal chunks; received odd length {x.shape[dim]} along dim {dim}"
-    agree(group, "gather_sequence", error, [dim, dtype_code(x.dtype), *x.shape, *[0] * (8 - x.dim())],
-          "(dim, dtype, shape)")
+
+    def check():
+        check_layout(layout)
+        d = _check_dim(x, dim)
+        if x.dim() > _MAX_DIMS:
+            raise ValueError(f"x may have at most {_MAX_DIMS} dims; received shape {tuple(x.shape)}")
+        error = check_device(group, x, "x")
+        if error:
+            raise ValueError(error)
+        if layout == "zigzag" and x.shape[d] % 2:
+            raise ValueError(f"a zigzag shard holds two equal chunks; received odd length {x.shape[d]} along dim {d}")
+        return [d, dtype_code(x.dtype), layout_code(layout), x.dim(), *x.shape, *[0] * (_MAX_DIMS - x.dim())]
+
+    dim = agree_on(group, "gather_sequence", check, 4 + _MAX_DIMS, "(dim, dtype, layout, ndim, shape)")[0]
     return _Gather.apply(x, dim, group, rank, size, layout)
