@@ -88,7 +88,7 @@ def test_overall_eta_waits_for_warm_up_and_counts_time_between_runs():
     clock = FakeClock()
     overall = Overall(runs=3, steps=30, clock=clock)
     etas = []
-    for run in range(3):
+    for _ in range(3):
         clock.t += 5.0  # building the model, the held-out batches
         bar = Progress(10, overall.next_label("heads"), stream=io.StringIO(), overall=overall, clock=clock)
         for step in range(1, 11):
@@ -99,3 +99,11 @@ def test_overall_eta_waits_for_warm_up_and_counts_time_between_runs():
     # after the first run, 1 s a step plus 5 s between runs: 1.5 s a step over what is left
     done_after_first = 10
     assert abs(etas[done_after_first + 1 - 1] - 1.5 * 19) < 0.2 * 1.5 * 19
+
+
+def test_an_evaluation_right_after_the_warm_up_is_not_priced_into_every_step():
+    # lab induction: 800 steps, evaluations every 20, warm-up 20: the interval after step 20
+    # holds an evaluation; priced into every step it said "1h19" for a run of about 20 min
+    lines, shown, truth, bar = _simulate(total=800, step_s=1.0, first_extra=30.0, eval_every=20, eval_s=5.0)
+    real_total = 30 + 800 + 40 * 5.0
+    assert 0.9 * real_total <= bar.expected_s <= 1.1 * real_total, bar.expected_s

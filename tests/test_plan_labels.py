@@ -79,3 +79,11 @@ def test_a_device_family_gets_did_you_mean(capsys):
     assert code == 2 and "did you mean rtx-4090" in err
     code, _, err = run(capsys, "--params", "7B", "--device", "zzz")
     assert code == 2 and "did you mean" not in err and "valid: h100-80gb" in err
+
+
+def test_the_check_says_how_long_it_takes(capsys):
+    out = run(capsys, "--params", "7B", "--context", "32k", "--batch", "16")[1]
+    flat = " ".join(out.split())
+    assert "about 15 minutes on one CPU core for 16 heads of 128" in flat
+    data = json.loads(run(capsys, "--params", "7B", "--json")[1])
+    assert "minutes" in data["check"]["takes"] and "--quick" in data["check"]["takes"]

@@ -131,7 +131,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                        help=("where to build and time the modules" if name == "kv" else "where to train")
                        + " (default auto: cuda when present)")
         p.add_argument("--threads", type=_positive_of(int, "integer", 4096), default=None,
-                       help="CPU threads for torch (default: at most 2; 1 for kv and --quick)")
+                       help="CPU threads for torch (default: 2 with 4 or more cores, else 1; 1 for kv and "
+                            "--quick)")
         p.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
         if name != "kv":
             p.add_argument("--steps", type=_positive_of(int, "integer", 10**7), default=None,
@@ -224,11 +225,12 @@ def main(args: argparse.Namespace) -> int:
     stage = _prepare_out(out, args.force)  # then --out, before anything is trained
     import torch
 
-    # One thread by default for kv (it times single decode steps) and --quick (tiny models): a
-    # second OpenMP thread gains nothing there and, on a loaded 2-core machine, waits at every
-    # op's barrier (lab heads --quick: 118 s on 2 threads vs 17 s on 1 at load 8).
+    # One thread by default for kv (it times single decode steps), --quick (tiny models) and
+    # on machines of 2 cores or fewer: there a second OpenMP thread waits at every op's
+    # barrier whenever anything else runs (lab heads --quick: 118 s on 2 threads vs 17 s on 1
+    # at load 8; the induction check >7 s/step vs 1.1 s/step); 2 where 4 or more cores are.
     threads = args.threads or (1 if args.experiment == "kv" or args.quick
-                               else max(1, min(2, torch.get_num_threads())))
+                               else max(1, min(2, torch.get_num_threads() // 2)))
     torch.set_num_threads(threads)
     target = out if stage is None else stage
     try:

@@ -3,9 +3,10 @@ and the count and ETA across the several trainings of one experiment (`Overall`)
 
 The ETA is honest rather than early: no estimate until a few warm-up steps are done (the
 first step pays for start-up, and an evaluation before step 1 had made the first ETA of
-`lab induction` read 6h39 for a 9-minute run), then the remaining steps times the
-average time per step since the warm-up, which counts the periodic evaluations in the
-proportion they occur. When the rate is first known, one line says the expected total.
+`lab induction` read 6h39 for a 9-minute run) and as many again are measured, then the
+remaining steps times the average time per step since the warm-up, which counts the
+periodic evaluations in the proportion they occur. When the rate is first known, one
+line says the expected total.
 """
 
 from __future__ import annotations
@@ -35,8 +36,10 @@ class RateEstimate:
             self.anchor = (step, now)
 
     def seconds_per_step(self, step: int, now: float) -> float | None:
-        """None while warming up (or before a step past the warm-up is done)."""
-        if self.anchor is None or step <= self.anchor[0]:
+        """None while warming up, and until as many steps again are measured after it: the
+        first interval after the warm-up can hold an evaluation (lab induction evaluates
+        every 20 steps), and one interval alone would price every step like it."""
+        if self.anchor is None or step - self.anchor[0] < min(self.warm, self.total - self.anchor[0]):
             return None
         return (now - self.anchor[1]) / (step - self.anchor[0])
 

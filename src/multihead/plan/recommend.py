@@ -556,6 +556,12 @@ def init_scales(model: ModelGeometry) -> dict:
             "o": rule(a.n_heads * a.d_value, "n_heads * head_dim", depth=True)}
 
 
+# Measured 2026-11-30 on a shared 2-vCPU VM, one torch thread: the check for --params 7B
+# (scaled to 16 heads of 128) trains 800 steps at 1.1 s/step, evaluations included.
+CHECK_TAKES = ("about 15 minutes on one CPU core for 16 heads of 128 (fewer or narrower heads: less); "
+               "it prints its expected time after 40 steps; --quick: a smoke run of under a minute")
+
+
 def induction_check(model: ModelGeometry) -> dict:
     """The check to run: 2 layers of this geometry should learn induction (A B ... A -> B).
 
@@ -575,5 +581,6 @@ def induction_check(model: ModelGeometry) -> dict:
         "command": f"multihead lab induction {args}",
         "expect": "a 2-layer model of this geometry solves A B ... A -> B at >= 95% accuracy",
         "threshold": 0.95,
+        "takes": CHECK_TAKES,
     }
 

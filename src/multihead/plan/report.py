@@ -305,7 +305,7 @@ def recommendation_text(rec: Recommendation) -> str:
         *_init_lines(rec.init),
         *_wrapped("biases", f"{'yes' if rec.bias['use'] else 'none'}: {rec.bias['reason']}"),
         f"check     {rec.check['command']}",
-        f"          ({rec.check['expect']})",
+        *_wrapped("", f"({rec.check['expect']}; {rec.check['takes']})"),
         "",
         "alternatives, ranked:",
     ]
