@@ -125,6 +125,9 @@ def test_patch_scan_equals_one_patched_forward_per_head(name):
                         want[layer, h] = _metric(logits_of(model(**corrupted)))
         diff = (scan - want).abs().nan_to_num().max().item()
         assert diff < 1e-5, f"{name} {what}: scan vs one patched forward per head, max diff {diff:.2e}"
+        if what == "z":  # another cut of the variants into forwards: the same table
+            other = heads.patch_scan(model, clean, corrupted, _metric, what=what, variants_per_run=3)
+            assert (other - scan).abs().nan_to_num().max() < 1e-5
         with torch.no_grad():
             base = _metric(logits_of(model(**corrupted)))
         assert (scan - base).abs().nan_to_num().max() > 1e-6, f"{name} {what}: no head changed the metric"
