@@ -30,6 +30,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from multihead.kernels.common import acc_dtype, index, lse_merge, mqa_splits
 from multihead.masks import MaskMod, and_masks
 from multihead.masks import causal as causal_mod
 
@@ -132,7 +133,7 @@ def _over_differences(leaf: MaskMod, n: int, B: int, H: int, device) -> tuple[Te
     where the causal triangle has it (d >= 0). O(n) evaluations instead of n^2."""
     d = torch.arange(-(n - 1), n, device=device)
     at = torch.full((1, 1, 1, 1), n - 1, device=device)
-    allowed = leaf.evaluate(_index(B, 0, device), _index(H, 1, device), at + d.view(1, 1, -1, 1), at, 0)
+    allowed = leaf.evaluate(index(B, 0, device), index(H, 1, device), at + d.view(1, 1, -1, 1), at, 0)
     return allowed.reshape(-1, d.numel()), d >= 0
 
 
@@ -232,16 +233,10 @@ def _slice_dense(dense: Tensor, r0: int, r1: int, c0: int, c1: int) -> Tensor:
     return dense[:, :, rows, cols]
 
 
-def _index(n: int, dim: int, device, start: int = 0) -> Tensor:
-    shape = [1, 1, 1, 1]
-    shape[dim] = n
-    return torch.arange(start, start + n, device=device).view(shape)
-
-
 def _block_mask(pred, dense, score_mod, B, H, T, S, r0, r1, c0, c1, need_pred, dtype, device):
     """The mask of one block (rows r0..r1, keys c0..c1): None, bool, or float (additive)."""
-    b, h = _index(B, 0, device), _index(H, 1, device)
-    rows, kv = _index(r1 - r0, 2, device, r0), _index(c1 - c0, 3, device, c0)
+    b, h = index(B, 0, device), index(H, 1, device)
+    rows, kv = index(r1 - r0, 2, device, r0), index(c1 - c0, 3, device, c0)
     allowed = bias = None
     if pred is not None and need_pred:
         allowed = pred.evaluate(b, h, rows, kv, S - T)
@@ -286,13 +281,7 @@ def _fused_call(q, k, v, m, scale, dropout_p):
         return F.scaled_dot_product_attention(q, k, v, attn_mask=m, dropout_p=dropout_p, scale=scale)
     qf = q.reshape(B, Hkv, G * t, D)  # (B, Hkv, G*t, D)
     mf = _fold_mask(m, B, Hkv, G, t)
-    P = 1
-    if Hkv == 1 and q.device.type == "cpu" and not torch.compiler.is_compiling():
-        # torch's CPU kernel parallelises over (B, heads): split the one folded head into
-        # P heads that read the K/V head through a stride-0 view, one per thread.
-        threads = torch.get_num_threads()
-        if B < threads:
-            P = next((p for p in range(2, G + 1) if G % p == 0 and B * p >= threads), G)
+    P = mqa_splits(B, Hkv, G, q.device)  # MQA: the one folded head split over the CPU threads
     if P > 1:
         qf = qf.reshape(B, P, G // P * t, D)  # (B, P, G/P*t, D)
         if mf is not None and mf.shape[2] > 1:
@@ -435,10 +424,7 @@ class _FusedPlan:
         self.bq, self.bk, self.kept, self.full = bq, bk, kept, full
         self.dtype, self.device = q.dtype, q.device
         self._cache = {}
-        self.P = 1  # MQA: split the one folded head over P stride-0 heads, one per thread
-        if self.Hkv == 1 and self.G > 1 and self.B < torch.get_num_threads():
-            threads = torch.get_num_threads()
-            self.P = next((p for p in range(2, self.G + 1) if self.G % p == 0 and self.B * p >= threads), self.G)
+        self.P = mqa_splits(self.B, self.Hkv, self.G, q.device)  # MQA: P stride-0 heads, one per thread
 
     def blocks(self):
         """(r0, r1, [(c0, c1, partial), ...]) per query block; empty blocks have no pieces.
@@ -558,7 +544,7 @@ class _MergedFused(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, fp: _FusedPlan):
         B, H, T, Dv = fp.B, fp.H, fp.T, fp.Dv
-        acc = _acc_dtype(q.dtype)
+        acc = acc_dtype(q.dtype)
         n = ctx.n = fp.equal_squares(q, k, v)
         if n:  # causal, or equal documents & causal: one call, the squares folded into the heads
             o, lp = _CPU_FLASH(*fp.fold_squares(n, q, k, v), 0.0, True, scale=fp.scale)
@@ -586,13 +572,7 @@ class _MergedFused(torch.autograd.Function):
                 if empty is not None:
                     lp = lp.masked_fill(empty, float("-inf"))  # the kernel reports 0 for a row with no key
                 parts.append((o, lp))
-            if len(parts) == 1:
-                o, lp = parts[0]
-                o = o.masked_fill(torch.isneginf(lp), 0.0)
-            else:
-                lp = torch.logsumexp(torch.cat([p[1] for p in parts], -1), -1, keepdim=True)
-                safe = lp.masked_fill(torch.isneginf(lp), 0.0)
-                o = sum(p[0].to(acc) * torch.exp(p[1] - safe) for p in parts).to(q.dtype)
+            o, lp = lse_merge(parts, acc, q.dtype)
             out[:, :, r0:r1] = o.reshape(B, H, t, Dv)
             lse[:, :, r0:r1] = lp.reshape(B, H, t)
         ctx.save_for_backward(q, k, v, out, lse)
@@ -609,7 +589,7 @@ class _MergedFused(torch.autograd.Function):
                 return tiles.recompute(qq, kk, vv, fp.dense)
 
             return (*_twice(ctx, (q, k, v), d_out, recompute), None)
-        acc = _acc_dtype(q.dtype)
+        acc = acc_dtype(q.dtype)
         d_out = d_out.to(q.dtype)
         lse_dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
         n = ctx.n
@@ -649,10 +629,6 @@ class _MergedFused(torch.autograd.Function):
 # ------------------------------------------------------------- the explicit engine
 
 
-def _acc_dtype(dtype: torch.dtype) -> torch.dtype:
-    return torch.promote_types(dtype, torch.float32)
-
-
 class _Tiles:
     """What both directions of the explicit engine share: shapes, the plan, tile buffers.
 
@@ -672,7 +648,7 @@ class _Tiles:
         if self.bq < tile:  # few queries (decoding): longer key tiles of the same area, fewer steps
             self.bk = min(self.S, tile * tile // self.bq)
         self.kept, self.full = plan(pred, self.B, self.H, self.T, self.S, self.bq, self.bk, q.device)
-        self.acc = _acc_dtype(q.dtype)
+        self.acc = acc_dtype(q.dtype)
         self.device = q.device
         # a mod with an in-place form takes its scores times `input_scale`, folded into q
         self.inplace = score_mod is not None and score_mod._inplace is not None
@@ -708,8 +684,8 @@ class _Tiles:
         return x[:, :, c0:c1].to(self.acc).reshape(self.B * self.Hkv, c1 - c0, x.shape[-1])
 
     def indices(self, r0, r1, c0, c1):
-        return (_index(self.B, 0, self.device), _index(self.H, 1, self.device),
-                _index(r1 - r0, 2, self.device, r0), _index(c1 - c0, 3, self.device, c0))
+        return (index(self.B, 0, self.device), index(self.H, 1, self.device),
+                index(r1 - r0, 2, self.device, r0), index(c1 - c0, 3, self.device, c0))
 
     def modded(self, s: Tensor, r0, r1, c0, c1) -> Tensor:
         """The score mod on a tile of `(B, H, t, s)` raw scores (times q_scale / scale): in place

@@ -60,6 +60,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from multihead.kernels.common import acc_dtype, causal_triangle, index, mqa_splits
 from multihead.masks import MaskMod, and_masks
 from multihead.masks import causal as causal_mod
 from multihead.score_mods import ScoreMod
@@ -302,8 +303,8 @@ def _nan_rule(impl, q, k, v, mask, causal, scale, dropout_p, weight_heads, score
     rows = _block_rows(B, H, S)
     for t0 in range(0, T, rows):
         t1 = min(T, t0 + rows)
-        allowed, bias = _rows_mask(mask, causal, t0, t1, T, S, q.device, _index(B, 0, q.device),
-                                   _index(H, 1, q.device))
+        allowed, bias = _rows_mask(mask, causal, t0, t1, T, S, q.device, index(B, 0, q.device),
+                                   index(H, 1, q.device))
         ok = torch.ones(1, 1, t1 - t0, S, dtype=torch.bool, device=q.device)
         if allowed is not None:
             ok = ok & allowed
@@ -538,18 +539,6 @@ def _get_backend(name: str, *, want_weights: bool, dropout_p: float, score_mod: 
 # ------------------------------------------------------------------ shared pieces
 
 
-def _acc_dtype(dtype: torch.dtype) -> torch.dtype:
-    """Scores and softmax are accumulated in float32 at least (float64 stays float64)."""
-    return torch.promote_types(dtype, torch.float32)
-
-
-def _index(n: int, dim: int, device, start: int = 0) -> Tensor:
-    """arange(start, start + n) laid along `dim` of a 4-D index tensor (flex's b, h, q_idx, kv_idx)."""
-    shape = [1, 1, 1, 1]
-    shape[dim] = n
-    return torch.arange(start, start + n, device=device).view(shape)
-
-
 def _rows_mask(mask: Tensor | MaskMod | None, causal: bool, t0: int, t1: int, T: int, S: int,
                device, b: Tensor | None = None, h: Tensor | None = None) -> tuple[Tensor | None, Tensor | None]:
     """The (allowed, bias) pair for query rows t0..t1: bool (.., t, S) and float (.., t, S).
@@ -559,7 +548,7 @@ def _rows_mask(mask: Tensor | MaskMod | None, causal: bool, t0: int, t1: int, T:
     """
     allowed = bias = None
     if isinstance(mask, MaskMod):
-        allowed = mask.evaluate(b, h, _index(t1 - t0, 2, device, t0), _index(S, 3, device), S - T)
+        allowed = mask.evaluate(b, h, index(t1 - t0, 2, device, t0), index(S, 3, device), S - T)
         allowed = allowed.reshape((1,) * (4 - allowed.dim()) + tuple(allowed.shape))
     elif mask is not None:
         rows = mask[..., t0:t1, :] if mask.shape[-2] == T else mask
@@ -568,8 +557,7 @@ def _rows_mask(mask: Tensor | MaskMod | None, causal: bool, t0: int, t1: int, T:
         else:
             bias = rows
     if causal:
-        q_pos = torch.arange(t0, t1, device=device)[:, None] + (S - T)  # absolute positions
-        tri = torch.arange(S, device=device)[None, :] <= q_pos  # (t, S)
+        tri = causal_triangle(t0, t1, T, S, device)  # (t, S)
         allowed = tri if allowed is None else allowed & tri
     return allowed, bias
 
@@ -608,10 +596,10 @@ def _explicit(q, k, v, mask, *, causal, scale, dropout_p, weight_heads, block_ro
     B, H, T, _ = q.shape
     Hkv, S, Dv = k.shape[1], k.shape[2], v.shape[-1]
     G = H // Hkv
-    acc = _acc_dtype(q.dtype)
+    acc = acc_dtype(q.dtype)
     kt = k.to(acc).transpose(-2, -1)  # (B, Hkv, D, S)
     va = v.to(acc)
-    b_idx, h_idx, kv_idx = _index(B, 0, q.device), _index(H, 1, q.device), _index(S, 3, q.device)
+    b_idx, h_idx, kv_idx = index(B, 0, q.device), index(H, 1, q.device), index(S, 3, q.device)
     outs, weights = [], []
     for t0 in range(0, T, block_rows):
         t1 = min(T, t0 + block_rows)
@@ -619,7 +607,7 @@ def _explicit(q, k, v, mask, *, causal, scale, dropout_p, weight_heads, block_ro
         qb = q[:, :, t0:t1].to(acc).reshape(B, Hkv, G * t, -1)  # (B, Hkv, G*t, D)
         scores = (qb @ kt).view(B, H, t, S) * scale  # (B, H, t, S)
         if score_mod is not None:
-            scores = score_mod.apply(scores, b_idx, h_idx, _index(t, 2, q.device, t0), kv_idx, S - T)
+            scores = score_mod.apply(scores, b_idx, h_idx, index(t, 2, q.device, t0), kv_idx, S - T)
         allowed, bias = _rows_mask(mask, causal, t0, t1, T, S, q.device, b_idx, h_idx)
         probs = _softmax(scores, allowed, bias, score_mod is not None)  # (B, H, t, S)
         if weight_heads is not None:
@@ -651,14 +639,14 @@ def _weights_pass(q, k, mask, causal, scale, heads, *, score_mod=None):
     B, H, T, _ = q.shape
     Hkv, S = k.shape[1], k.shape[2]
     G = H // Hkv
-    acc = _acc_dtype(q.dtype)
+    acc = acc_dtype(q.dtype)
     rows = _block_rows(B, 1, S)
     result = q.new_empty(B, len(heads), T, S)
-    b_idx, kv_idx = _index(B, 0, q.device), _index(S, 3, q.device)
+    b_idx, kv_idx = index(B, 0, q.device), index(S, 3, q.device)
     with torch.no_grad():
         for i, h in enumerate(heads):
             kt = k[:, h // G].to(acc).transpose(-2, -1)  # (B, D, S)
-            h_idx = _index(1, 1, q.device, h)
+            h_idx = index(1, 1, q.device, h)
             mh = mask
             if isinstance(mask, Tensor):
                 mh = mask[:, h if mask.shape[1] == H else 0]  # (B|1, T|1, S|1)
@@ -667,7 +655,7 @@ def _weights_pass(q, k, mask, causal, scale, heads, *, score_mod=None):
                 t1 = min(T, t0 + rows)
                 scores = (q[:, h, t0:t1].to(acc) @ kt)[:, None] * scale  # (B, 1, t, S)
                 if score_mod is not None:
-                    scores = score_mod.apply(scores, b_idx, h_idx, _index(t1 - t0, 2, q.device, t0), kv_idx, S - T)
+                    scores = score_mod.apply(scores, b_idx, h_idx, index(t1 - t0, 2, q.device, t0), kv_idx, S - T)
                 allowed, bias = _rows_mask(mh, causal, t0, t1, T, S, q.device, b_idx, h_idx)
                 result[:, i, t0:t1] = _softmax(scores, allowed, bias, score_mod is not None)[:, 0].to(q.dtype)
     return result
@@ -731,7 +719,7 @@ def _sdpa(q, k, v, mask, *, causal, scale, dropout_p, weight_heads, score_mod=No
     elif not is_causal and (attn_mask is None or attn_mask.shape[1] == attn_mask.shape[2] == 1):
         # Fold each group's query heads into the query length: (B, Hkv, G*T, D). A mask
         # that varies by neither head nor query broadcasts over the folded length.
-        P = _mqa_splits(q, Hkv, G)
+        P = mqa_splits(B, Hkv, G, q.device)
         if P == 1:
             out = call(q.reshape(B, Hkv, G * T, -1), attn_mask)
         else:
@@ -806,16 +794,6 @@ def _twice_differentiable(out, q, k, v, mask, causal, scale, dropout_p, score_mo
         return out
     grad_mask = mask if isinstance(mask, Tensor) and mask.is_floating_point() and mask.requires_grad else None
     return _SecondOrder.apply(out, q, k, v, grad_mask, (mask, causal, scale, dropout_p, score_mod))
-
-
-def _mqa_splits(q: Tensor, Hkv: int, G: int) -> int:
-    """Heads to split a folded MQA call over so that every CPU thread has one (1: none)."""
-    if Hkv != 1 or q.device.type != "cpu" or torch.compiler.is_compiling():
-        return 1
-    B, threads = q.shape[0], torch.get_num_threads()
-    if B >= threads:
-        return 1
-    return next((p for p in range(2, G + 1) if G % p == 0 and B * p >= threads), G)
 
 
 def _tiles(q, k, v, mask, *, causal, scale, dropout_p, weight_heads, score_mod=None):

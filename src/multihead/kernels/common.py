@@ -1,0 +1,54 @@
+"""The pieces every attention engine shares, written once: the accumulation dtype, flex's
+index tensors, the MQA split over CPU threads, the bottom-right causal triangle and the
+log-sum-exp merge of attentions over disjoint key sets (FlashAttention's rescaling)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+from torch import Tensor
+
+__all__ = ["acc_dtype", "causal_triangle", "index", "lse_merge", "mqa_splits"]
+
+
+def acc_dtype(dtype: torch.dtype) -> torch.dtype:
+    """Scores and softmax are accumulated in float32 at least (float64 stays float64)."""
+    return torch.promote_types(dtype, torch.float32)
+
+
+def index(n: int, dim: int, device, start: int = 0) -> Tensor:
+    """arange(start, start + n) laid along `dim` of a 4-D index tensor (flex's b, h, q_idx, kv_idx)."""
+    shape = [1, 1, 1, 1]
+    shape[dim] = n
+    return torch.arange(start, start + n, device=device).view(shape)
+
+
+def mqa_splits(B: int, Hkv: int, G: int, device) -> int:
+    """Heads to split a folded MQA call `(B, 1, G*t, D)` over so that every CPU thread has one
+    (1: none). torch's CPU kernel parallelises over (B, heads) only, so MQA folded into one
+    head would run on one core; the P heads read the one K/V head through a stride-0 view."""
+    if Hkv != 1 or torch.device(device).type != "cpu" or torch.compiler.is_compiling():
+        return 1
+    threads = torch.get_num_threads()
+    if B >= threads:
+        return 1
+    return next((p for p in range(2, G + 1) if G % p == 0 and B * p >= threads), G)
+
+
+def causal_triangle(t0: int, t1: int, T: int, S: int, device) -> Tensor:
+    """Bool `(t1 - t0, S)`: query rows t0..t1 of T may attend key j <= i + S - T (bottom-right)."""
+    q_pos = torch.arange(t0, t1, device=device)[:, None] + (S - T)  # absolute positions
+    return torch.arange(S, device=device)[None, :] <= q_pos  # (t, S)
+
+
+def lse_merge(parts: Sequence[tuple[Tensor, Tensor]], acc: torch.dtype, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+    """Attention over the union of disjoint key sets from each set's (out, lse `(.., 1)`):
+    out = sum_p exp(lse_p - lse) out_p, lse = logsumexp_p lse_p. A row no part attends
+    (lse -inf everywhere) is 0 with lse -inf. Returns (out in `dtype`, lse in `acc`)."""
+    if len(parts) == 1:
+        o, lp = parts[0]
+        return o.masked_fill(torch.isneginf(lp), 0.0), lp
+    lp = torch.logsumexp(torch.cat([p[1] for p in parts], -1), -1, keepdim=True)
+    safe = lp.masked_fill(torch.isneginf(lp), 0.0)
+    return sum(p[0].to(acc) * torch.exp(p[1] - safe) for p in parts).to(dtype), lp
