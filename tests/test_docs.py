@@ -169,6 +169,9 @@ def test_python_blocks_run(path, light_only, workdir, request):
     started = re.findall(r"--- block (\S+)", proc.stdout)
     assert proc.returncode == 0, (f"{path.name}: the block at {started[-1] if started else '?'} failed:\n"
                                   f"{proc.stderr[-3000:]}")
+    # an example that warns is not one to copy (docs/mla.md's out.past_key_values did)
+    warned = [line for line in proc.stderr.splitlines() if "deprecat" in line.lower()]
+    assert not warned, f"{path.name}: the docs' code warns of a deprecation:\n" + "\n".join(warned[:5])
 
 
 # --- shell blocks --------------------------------------------------------------------
