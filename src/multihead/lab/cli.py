@@ -222,6 +222,13 @@ def main(args: argparse.Namespace) -> int:
         raise UsageError(f"choose an experiment: {', '.join(EXPERIMENTS)} (multihead lab --help)")
     out = args.out or Path(f"lab-{args.experiment}")
     runner, cfg = _configure(args)  # every flag checked first
+    from multihead.lab.results import lock_out
+
+    with lock_out(out):  # one run per --out at a time: a second one stops here (exit 2)
+        return _run(args, out, runner, cfg)
+
+
+def _run(args: argparse.Namespace, out: Path, runner, cfg) -> int:
     stage = _prepare_out(out, args.force)  # then --out, before anything is trained
     import torch
 

@@ -19,6 +19,7 @@ half of one; an interrupted run writes what it finished with `"interrupted": tru
 
 from __future__ import annotations
 
+import contextlib
 import datetime as _dt
 import json
 import math
@@ -29,10 +30,11 @@ from pathlib import Path
 
 import torch
 
-from multihead._files import write_text
+from multihead._files import LockHeld, pid_lock, write_text
+from multihead.errors import UsageError
 from multihead.lab.devices import machine_info
 
-__all__ = ["ResultsSchemaError", "check_results", "finished_runs", "new_results", "write_json_atomic"]
+__all__ = ["ResultsSchemaError", "check_results", "finished_runs", "lock_out", "new_results", "write_json_atomic"]
 
 
 def new_results(experiment: str, config, seed: int, device: torch.device | str) -> dict:
@@ -57,6 +59,27 @@ def new_results(experiment: str, config, seed: int, device: torch.device | str) 
         "diverged": [],
         "notes": [],
     }
+
+
+@contextlib.contextmanager
+def lock_out(out: str | os.PathLike):
+    """One lab run per output folder at a time: hold `.<name>.lock` beside `out` (a file
+    with this process's pid, made with O_EXCL) for the block, from before `out` is checked
+    until the run is written. Two runs started together on one new folder both found it
+    empty and both wrote it, one run's results silently lost; the second now stops at once
+    (UsageError: one line, exit 2). A lock left by a killed run is taken over."""
+    out = Path(out).absolute()
+    held = contextlib.ExitStack()
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        held.enter_context(pid_lock(out.parent / f".{out.name}.lock"))
+    except LockHeld as e:
+        raise UsageError(f"--out {out} is in use by another multihead lab run (pid {e.pid}, lock {e.path}); "
+                         f"wait for it to finish, or give another --out") from None
+    except OSError:  # a parent that is a file, or not writable: the --out checks name it
+        pass
+    with held:
+        yield
 
 
 def finished_runs(runs: list[dict]) -> list[dict]:
