@@ -31,6 +31,7 @@ from pathlib import Path
 
 import torch
 
+from multihead.lab.ablation import ablation_check, ablation_line, plot_ablation
 from multihead.lab.checkpoint import Vocab, save_lab_checkpoint
 from multihead.lab.configs import InductionConfig
 from multihead.lab.devices import resolve_device, seed_everything
@@ -130,13 +131,17 @@ def run_induction(cfg: InductionConfig | None = None, out_dir: str | Path = "lab
                                    "head_dim": arch.head_dim, "kv_rank": arch.kv_rank, "rope_dim": arch.rope_dim,
                                    "positions": arch.positions, "scaled_from": cfg.scaled_from}}
     _analyse(cfg, res)
+    if hist["evals"]:  # Olsson et al.'s causal check: each head ablated, then the named pair (lab.ablation)
+        res["results"]["ablation"] = ablation_check(model, held_out, res["results"])
+        res["results"]["summary"] += " " + ablation_line(res["results"])
     if entry is None:  # a diverged model's weights are not a result worth opening
         save_lab_checkpoint(out / "model", model, vocab, experiment="induction")
         res["checkpoint"] = "model"
     res["elapsed_s"] = time.perf_counter() - t0
     write_json_atomic(out / "results.json", res)  # the numbers first: a plot that fails cannot lose them
     if hist["evals"]:
-        draw_plots(res, [lambda: _plot(cfg, res, out / "induction.png")])
+        draw_plots(res, [lambda: _plot(cfg, res, out / "induction.png"),
+                         lambda: plot_ablation(res, out / "ablation.png")])
         write_json_atomic(out / "results.json", res)
     return res
 
