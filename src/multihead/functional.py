@@ -54,17 +54,29 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
 from multihead.kernels.common import acc_dtype, causal_triangle, index, mqa_splits
+from multihead.kernels.registry import (
+    BACKENDS,
+    Backend,
+    available_backends,
+    check_backend_name,
+    register_backend,
+    resolve_backend,
+)
+from multihead.kernels.registry import get_backend as _get_backend
+from multihead.kernels.validation import check_inputs as _check_inputs
+from multihead.kernels.validation import check_scale as _check_scale
+from multihead.kernels.validation import check_score_mod as _check_score_mod
+from multihead.kernels.validation import normalize_mask
+from multihead.kernels.validation import weight_heads as _weight_heads
 from multihead.masks import MaskMod, and_masks
 from multihead.masks import causal as causal_mod
 from multihead.score_mods import ScoreMod
-from multihead.score_mods import from_flex as _score_from_flex
 
 __all__ = [
     "Backend",
@@ -80,89 +92,11 @@ __all__ = [
 # Scores kept in memory at once by the block-wise paths (elements of the accumulation
 # dtype). 2**24 float32 = 64 MiB.
 _BLOCK_ELEMENTS = 1 << 24
-_FEW_QUERIES = 8  # query rows up to which a score mod runs on "chunked" rather than "tiles"
 
-
-@dataclass(frozen=True)
-class Backend:
-    """A registered kernel.
-
-    `fn(q, k, v, mask, *, causal, scale, dropout_p, weight_heads) -> (out, weights)`
-    receives validated inputs: `mask` is None or a 4-D tensor broadcastable to
-    `(B, H, T, S)` (bool or q's float dtype), `weight_heads` is None or a tuple of head
-    indices, and `weights` is None or `(B, len(weight_heads), T, S)`. A backend
-    registered with `predicates=True` may also receive `mask` as a `masks.MaskMod`
-    (others get it materialised); one with `score_mods` "additive" or "any" receives
-    `score_mod=` (a `score_mods.ScoreMod` or None) as a keyword.
-    """
-
-    name: str
-    fn: Callable[..., tuple[Tensor, Tensor | None]]
-    weights: bool  # can return attention weights
-    dropout: bool  # can apply dropout
-    weights_with_dropout: bool  # weights and dropout in the same call
-    doc: str = ""
-    predicates: bool = False  # takes a MaskMod as is (no (T, S) materialisation)
-    score_mods: str = "none"  # "none", "additive" (bias-only mods such as ALiBi) or "any"
-
-
-_BACKENDS: dict[str, Backend] = {}
-
-
-def register_backend(
-    name: str,
-    fn: Callable[..., tuple[Tensor, Tensor | None]],
-    *,
-    weights: bool,
-    dropout: bool,
-    weights_with_dropout: bool = False,
-    doc: str = "",
-    predicates: bool = False,
-    score_mods: str = "none",
-) -> None:
-    """Add a kernel to the registry (the signature is documented on `Backend`)."""
-    if not isinstance(name, str) or not name or name == "auto":
-        raise ValueError(f"backend name must be a non-empty string other than 'auto'; received {name!r}")
-    if score_mods not in ("none", "additive", "any"):
-        raise ValueError(f"score_mods must be 'none', 'additive' or 'any'; received {score_mods!r}")
-    _BACKENDS[name] = Backend(name, fn, weights, dropout, weights_with_dropout, doc, predicates, score_mods)
-
-
-def available_backends() -> dict[str, Backend]:
-    """The registered backends by name."""
-    return dict(_BACKENDS)
-
-
-def resolve_backend(*, want_weights: bool, dropout_p: float, score_mod: ScoreMod | Callable | None = None,
-                    device: torch.device | str | None = None, queries: int | None = None,
-                    shape: Sequence[int] | None = None) -> str:
-    """Resolve "auto" to a backend name, at call time.
-
-    The fused kernel serves everything it can, predicate masks included (block-sparse);
-    asking for weights does not make the output fall back to a slow path (weights come
-    from a separate pass over the heads asked for). Weights *and* dropout together need
-    the explicit "math" path, because the weights must describe the dropped-out
-    probabilities' source. A score mod that is not a plain additive bias runs on the
-    explicit tile path, whose backward recomputes tiles (O(N) memory); so does dropout
-    on the CPU, where torch's fused kernel has no dropout and falls back to its own
-    O(N^2) math path. A score mod holding tensors that require grad (a learned bias)
-    runs where autograd sees it ("chunked", or "math" with dropout). A few `queries`
-    (decoding: at most `_FEW_QUERIES`) with a non-additive mod and no dropout go to
-    "chunked": one small block of scores beats the tile loop's per-tile steps (measured
-    2x at T = 1 over 1,100 keys). `shape` = (B, H, T, S), when known, is where a mod is
-    probed for captured tensors that require grad (a mod the probe cannot run counts as
-    one: the autograd backends are exact for any mod). Never compiles.
-    """
-    if want_weights and dropout_p > 0:
-        return "math"
-    if isinstance(score_mod, ScoreMod) and torch.is_grad_enabled() \
-            and score_mod.trainable(device, shape, None if shape is None else shape[3]) is not False:
-        return "math" if dropout_p > 0 else "chunked"  # autograd trains what the mod captured
-    if score_mod is not None and getattr(score_mod, "bias", None) is None:
-        return "chunked" if queries is not None and queries <= _FEW_QUERIES and dropout_p == 0 else "tiles"
-    if dropout_p > 0 and device is not None and torch.device(device).type == "cpu":
-        return "tiles"
-    return "sdpa"
+# The registry and the input checks live in `multihead.kernels` (registry, validation); the
+# names callers of this module used before the move stay bound here.
+_BACKENDS = BACKENDS
+_normalize_mask = normalize_mask
 
 
 def scaled_dot_product_attention(
@@ -344,196 +278,6 @@ def attention_weights(
     if min(q.shape[0], q.shape[2], k.shape[2]) == 0:
         return q.new_zeros(q.shape[0], len(heads), q.shape[2], k.shape[2])
     return _weights_pass(q, k, mask, bool(causal), scale, heads)
-
-
-# --------------------------------------------------------------------------- checks
-
-
-def _shape(t: Tensor) -> str:
-    return "(" + ", ".join(str(s) for s in t.shape) + ")"
-
-
-def _check_scale(scale) -> float | None:
-    """None, or a positive finite number: a Python, NumPy or 0-d/1-element tensor scalar."""
-    if scale is None:
-        return None
-    value = scale
-    if isinstance(scale, Tensor):
-        if scale.numel() != 1 or scale.dtype == torch.bool or scale.is_complex():
-            raise ValueError(f"scale must be a positive finite number or None; received a tensor of shape "
-                             f"{_shape(scale)} {scale.dtype}")
-        value = scale.item()
-    elif not isinstance(scale, bool) and hasattr(scale, "item") and hasattr(scale, "dtype"):
-        value = scale.item()  # NumPy scalar or 0-d array
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise ValueError(f"scale must be a positive finite number or None; received {scale!r} "
-                         f"({type(scale).__name__})")
-    if not math.isfinite(value) or value <= 0:
-        raise ValueError(f"scale must be a positive finite number or None; received {scale!r}")
-    return float(value)
-
-
-def _check_score_mod(score_mod, q: Tensor, k: Tensor) -> ScoreMod | None:
-    if score_mod is None:
-        return None
-    mod = _score_from_flex(score_mod)
-    mod.check(q.shape[0], q.shape[1], q.shape[2], k.shape[2])
-    return mod
-
-
-def _check_inputs(q, k, v, mask, scale, dropout_p) -> Tensor | MaskMod | None:
-    """Validate user input; return the mask as None, a 4-D tensor or a checked predicate.
-    `v` is None where no values are involved (`attention_weights`)."""
-    named = [("q", q, "(B, H, T, D)"), ("k", k, "(B, Hkv, S, D)")]
-    if v is not None:
-        named.append(("v", v, "(B, Hkv, S, Dv)"))
-    for name, t, layout in named:
-        if not isinstance(t, Tensor):
-            raise TypeError(f"{name} must be a torch.Tensor {layout}; received {type(t).__name__}")
-        if t.dim() != 4:
-            raise ValueError(f"{name} must be 4-D {layout}; received shape {_shape(t)}")
-        if not t.is_floating_point():
-            raise TypeError(f"{name} must be a floating-point tensor; received dtype {t.dtype}")
-    B, H, T, D = q.shape
-    v = k if v is None else v  # only q and k to compare
-    if k.shape[0] != B or v.shape[0] != B:
-        raise ValueError(
-            f"batch sizes differ: q {_shape(q)}, k {_shape(k)}, v {_shape(v)}; dim 0 must match"
-        )
-    if k.shape[1] != v.shape[1]:
-        raise ValueError(f"k and v must have the same number of heads Hkv; received k {_shape(k)}, v {_shape(v)}")
-    if k.shape[2] != v.shape[2]:
-        raise ValueError(f"k and v must have the same key length S; received k {_shape(k)}, v {_shape(v)}")
-    if k.shape[3] != D:
-        raise ValueError(f"q and k must have the same head dim D; received q {_shape(q)}, k {_shape(k)}")
-    Hkv = k.shape[1]
-    if Hkv == 0 or H % Hkv != 0:
-        valid = [d for d in range(1, H + 1) if H % d == 0]
-        raise ValueError(
-            f"query heads H ({H}) must be a multiple of key/value heads Hkv ({Hkv}); "
-            f"valid Hkv for H={H}: {', '.join(map(str, valid))}"
-        )
-    if not (q.dtype == k.dtype == v.dtype):
-        raise TypeError(f"q, k, v must share a dtype; received {q.dtype}, {k.dtype}, {v.dtype}")
-    if not (q.device == k.device == v.device):
-        raise ValueError(f"q, k, v must be on one device; received {q.device}, {k.device}, {v.device}")
-    if isinstance(dropout_p, bool) or not isinstance(dropout_p, (int, float)) or not 0.0 <= dropout_p < 1.0:
-        raise ValueError(f"dropout_p must be a float in [0, 1); received {dropout_p!r}")
-    return _normalize_mask(mask, q, k)
-
-
-def _normalize_mask(mask, q: Tensor, k: Tensor) -> Tensor | None:
-    B, H, T, _ = q.shape
-    S = k.shape[2]
-    if mask is None:
-        return None
-    if not isinstance(mask, (Tensor, MaskMod)) and callable(mask):
-        mask = MaskMod(mask, getattr(mask, "__name__", "mask_mod"), top_left=True)  # flex's convention
-    if isinstance(mask, MaskMod):
-        mask.check(B, H, T, S)
-        return mask
-    if not isinstance(mask, Tensor):
-        raise TypeError(
-            f"mask must be a bool or float tensor, a multihead.masks predicate, a mask_mod callable, "
-            f"or None; received {type(mask).__name__}"
-        )
-    if mask.dtype != torch.bool and not mask.is_floating_point():
-        raise TypeError(
-            f"mask must be bool (True = may attend) or floating point (added to the scores); "
-            f"received dtype {mask.dtype}. For a 0/1 integer mask use mask.bool()"
-        )
-    if mask.device != q.device:
-        raise ValueError(f"mask is on {mask.device} but q is on {q.device}; move it to {q.device}")
-    if mask.dim() == 3:
-        raise ValueError(
-            f"a 3-D mask {_shape(mask)} is ambiguous: (B, T, S) or (H, T, S)? Pass it 4-D: "
-            f"mask[:, None] for (B, 1, T, S) or mask[None] for (1, H, T, S)"
-        )
-    if mask.dim() == 2 and B == T and B > 1 and tuple(mask.shape) == (T, S):
-        raise ValueError(
-            f"a 2-D mask {_shape(mask)} is ambiguous when B == T ({B}): a (T, S) attention mask "
-            f"or a (B, S) key-padding mask? Pass mask[None, None] for (T, S), or "
-            f"multihead.masks.padding(keep=mask) for a (B, S) keep-mask"
-        )
-    if mask.dim() > 4 or mask.dim() == 0:
-        raise ValueError(f"mask must have 1, 2 or 4 dims broadcastable to (B, H, T, S) = "
-                         f"({B}, {H}, {T}, {S}); received shape {_shape(mask)}")
-    mask4 = mask.reshape((1,) * (4 - mask.dim()) + tuple(mask.shape))
-    try:
-        shape = torch.broadcast_shapes(mask4.shape, (B, H, T, S))
-    except RuntimeError:
-        shape = None
-    if shape != (B, H, T, S):
-        hint = ""
-        if mask.dim() == 2 and mask.shape[0] == B:
-            hint = "; if this is a (B, S) key-padding mask, use multihead.masks.padding(keep=mask)"
-        raise ValueError(
-            f"mask of shape {_shape(mask)} is not broadcastable to (B, H, T, S) = "
-            f"({B}, {H}, {T}, {S}){hint}"
-        )
-    if mask4.is_floating_point() and mask4.dtype != q.dtype:
-        mask4 = mask4.to(q.dtype)
-    return mask4
-
-
-def _weight_heads(return_weights, H: int) -> tuple[int, ...] | None:
-    if return_weights is False or return_weights is None:
-        return None
-    if return_weights is True:
-        return tuple(range(H))
-    if isinstance(return_weights, (str, bytes)) or not isinstance(return_weights, Sequence):
-        if isinstance(return_weights, Tensor) and return_weights.dim() <= 1:
-            return_weights = return_weights.reshape(-1).tolist()
-        else:
-            raise TypeError(
-                f"return_weights must be a bool or a sequence of head indices; "
-                f"received {type(return_weights).__name__}"
-            )
-    heads = []
-    for h in return_weights:
-        if isinstance(h, bool) or not isinstance(h, int):
-            raise TypeError(f"weight head indices must be ints; received {h!r}")
-        if not -H <= h < H:
-            raise ValueError(f"weight head index {h} out of range; valid: 0..{H - 1} (H = {H})")
-        heads.append(h % H)
-    if not heads:
-        raise ValueError("return_weights is an empty sequence; pass False for no weights")
-    return tuple(heads)
-
-
-def check_backend_name(name: str) -> None:
-    """Raise unless `name` is "auto" or a registered backend (the modules check at construction)."""
-    if name != "auto" and name not in _BACKENDS:
-        raise ValueError(
-            f"unknown attention backend {name!r}; valid: 'auto', "
-            + ", ".join(repr(n) for n in _BACKENDS)
-        )
-
-
-def _get_backend(name: str, *, want_weights: bool, dropout_p: float, score_mod: ScoreMod | None = None) -> Backend:
-    check_backend_name(name)
-    impl = _BACKENDS[name]
-    needs = []
-    if score_mod is not None and impl.score_mods != "any":
-        if score_mod.bias is None:
-            needs.append((f"apply the score mod {score_mod.name} (not an additive bias)",
-                          lambda b: b.score_mods == "any"))
-        elif impl.score_mods == "none":
-            needs.append((f"apply the score mod {score_mod.name}", lambda b: b.score_mods != "none"))
-    if want_weights and not impl.weights:
-        needs.append(("return attention weights", lambda b: b.weights))
-    if dropout_p > 0 and not impl.dropout:
-        needs.append(("apply dropout", lambda b: b.dropout))
-    if want_weights and dropout_p > 0 and not impl.weights_with_dropout:
-        needs.append(("return weights together with dropout", lambda b: b.weights_with_dropout))
-    if needs:
-        what, test = needs[-1]
-        able = [n for n, b in _BACKENDS.items() if test(b)]
-        raise ValueError(
-            f"backend {name!r} cannot {what}; backends that can: "
-            + ", ".join(repr(n) for n in able)
-        )
-    return impl
 
 
 # ------------------------------------------------------------------ shared pieces
