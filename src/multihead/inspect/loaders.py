@@ -12,6 +12,7 @@ can be plugged in with `register_loader`.
 
 from __future__ import annotations
 
+import contextlib
 import os
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -216,27 +217,52 @@ def _load_hf(path: Path, config: dict, name: str) -> LoadedModel:
     if "model_type" not in config:
         raise InspectError(f"{name!r} is not a Hugging Face model folder: its config.json has no model_type. "
                            f"{_VALID}")
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
     try:
         from transformers import AutoModel, AutoTokenizer
     except ImportError:
         raise InspectError("loading a Hugging Face model needs transformers: pip install 'multihead[hf]' (from a "
                            "checkout of the repository: pip install -e '.[hf]')") from None
-    try:
-        tokenizer = AutoTokenizer.from_pretrained(str(path))
-    except Exception as err:  # transformers raises OSError, ValueError, KeyError, ... here
-        raise InspectError(f"{name!r}: cannot load its tokenizer ({type(err).__name__}: "
-                           f"{str(err).splitlines()[0] if str(err) else ''})") from None
+    with _loading_a_local_folder():
+        try:
+            tokenizer = AutoTokenizer.from_pretrained(str(path))
+        except Exception as err:  # transformers raises OSError, ValueError, KeyError, ... here
+            raise InspectError(f"{name!r}: cannot load its tokenizer ({type(err).__name__}: "
+                               f"{str(err).splitlines()[0] if str(err) else ''})") from None
+        try:
+            model = AutoModel.from_pretrained(str(path))  # then switched to "multihead" by HFModel
+        except Exception as err:
+            raise InspectError(f"{name!r}: cannot load the model ({type(err).__name__}: "
+                               f"{str(err).splitlines()[0] if str(err) else ''})") from None
+    return _hf_model(model, tokenizer, name=name)
+
+
+@contextlib.contextmanager
+def _loading_a_local_folder():
+    """For the length of a load from a folder, and only then: offline (a folder needs no hub)
+    and no weight-loading bar (a capture() call is not a download). The environment and both
+    libraries' progress-bar switches (transformers' and huggingface_hub's, per group) are put
+    back exactly as they were, error or not: a library changes no state it does not restore."""
+    import importlib
+
     from transformers.utils import logging as hf_logging
 
-    bar = hf_logging.is_progress_bar_enabled()
-    hf_logging.disable_progress_bar()  # a capture() call is not a download: no weight-loading bar
+    hub_tqdm = importlib.import_module("huggingface_hub.utils.tqdm")  # the module (the package exports a class)
+
+    offline = os.environ.get("HF_HUB_OFFLINE")
+    bars, hub_bars = hf_logging.is_progress_bar_enabled(), dict(getattr(hub_tqdm, "progress_bar_states", {}))
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    hf_logging.disable_progress_bar()
     try:
-        model = AutoModel.from_pretrained(str(path))  # then switched to "multihead" by HFModel
-    except Exception as err:
-        raise InspectError(f"{name!r}: cannot load the model ({type(err).__name__}: "
-                           f"{str(err).splitlines()[0] if str(err) else ''})") from None
+        yield
     finally:
-        if bar:
+        if offline is None:
+            os.environ.pop("HF_HUB_OFFLINE", None)
+        else:
+            os.environ["HF_HUB_OFFLINE"] = offline
+        hf_logging._tqdm_active = bars  # enable_progress_bar() would also switch the hub's bars on
+        states = getattr(hub_tqdm, "progress_bar_states", None)
+        if isinstance(states, dict):
+            states.clear()
+            states.update(hub_bars)
+        elif bars:
             hf_logging.enable_progress_bar()
-    return _hf_model(model, tokenizer, name=name)
