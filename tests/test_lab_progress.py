@@ -107,3 +107,19 @@ def test_an_evaluation_right_after_the_warm_up_is_not_priced_into_every_step():
     lines, shown, truth, bar = _simulate(total=800, step_s=1.0, first_extra=30.0, eval_every=20, eval_s=5.0)
     real_total = 30 + 800 + 40 * 5.0
     assert 0.9 * real_total <= bar.expected_s <= 1.1 * real_total, bar.expected_s
+
+
+def test_overall_eta_is_never_below_the_current_runs():
+    clock = FakeClock()
+    overall = Overall(runs=2, steps=200, clock=clock)
+    for step_s in (0.1, 1.0):  # the second run is 10x slower (more heads)
+        bar = Progress(100, overall.next_label("heads"), stream=io.StringIO(), overall=overall, clock=clock)
+        for step in range(1, 101):
+            clock.t += step_s
+            bar.update(step, 1.0)
+            line = bar.line(step, 1.0)
+            if "ETA (measuring)" not in line.split("|")[0] and step < 100 and step_s == 1.0:
+                this = line.split("|")[0].split("ETA ")[1].strip()
+                every = line.split("all 2 runs ETA ")[1]
+                to_s = lambda t: int(t.split(":")[0]) * 60 + int(t.split(":")[1])  # noqa: E731
+                assert to_s(every) >= to_s(this), line

@@ -114,10 +114,16 @@ class Progress:
         frac = min(step / self.total, 1.0)
         filled = int(round(frac * self.width))
         bar = "#" * filled + "-" * (self.width - filled)
+        eta = self.rate.eta(step, now)
         line = (f"{self.label} [{bar}] {step}/{self.total} loss {loss:.4f} "
-                f"{self.tokens / elapsed:,.0f} tok/s ETA {_fmt_eta(self.rate.eta(step, now))}")
+                f"{self.tokens / elapsed:,.0f} tok/s ETA {_fmt_eta(eta)}")
         if self.overall is not None:
-            line += f" | all {self.overall.runs} runs ETA {_fmt_eta(self.overall.eta(now))}"
+            every = self.overall.eta(now)
+            if every is not None and eta is not None:
+                # the runs so far may have been faster (fewer heads): never less than this run's
+                every = max(every, eta + self.overall.rate.seconds_per_step(self.overall.done, now)
+                            * max(self.overall.total - self.overall.done - (self.total - step), 0))
+            line += f" | all {self.overall.runs} runs ETA {_fmt_eta(every)}"
         return line
 
     def close(self, note: str = "") -> None:
