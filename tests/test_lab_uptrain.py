@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import replace
+from pathlib import Path
 
 import pytest
 import torch
@@ -140,3 +141,44 @@ def test_cli_bad_input_exits_2(tmp_path, capsys):
     (tmp_path / "run" / "results.json").write_text('{"experiment": "heads", "config": {}, "seed": 0}')
     assert main(["lab", "uptrain", "--quick", "--out", str(tmp_path / "o2"), "--from", str(tmp_path / "run")]) == 2
     assert "a `lab heads` run; valid: the folder of a `lab mla` run" in capsys.readouterr().err
+
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def doc_rows(res: dict) -> list[str]:
+    """The Markdown rows docs/lab.md quotes from results.json: one per (target, init)."""
+    r = res["results"]
+    fractions = sorted({v["uptrain_fraction"] for v in r["variants"]})
+    scratch = {s["target"]: s["val_bits_per_char"] for s in r["scratch"]}
+    cells: dict = {}
+    for v in r["variants"]:
+        cells.setdefault((v["target"], v["init"], v["kv_bytes_per_token"]), {})[v["uptrain_fraction"]] = \
+            v["val_bits_per_char"]
+    rows = []
+    for (target, init, kv), curve in cells.items():
+        vals = " | ".join(f"{curve[f]:.3f}" if f in curve else "-" for f in fractions)
+        rows.append(f"| {target} | {kv:,} | {init} | {vals} | {scratch.get(target, float('nan')):.3f} |")
+    return rows
+
+
+def test_the_docs_quote_the_committed_results():
+    import json
+
+    committed = ROOT / "docs" / "lab" / "uptrain" / "results.json"
+    if not committed.is_file():
+        pytest.skip("no committed uptrain run yet")
+    from multihead.lab.results import check_results
+
+    res = check_results(json.loads(committed.read_text(encoding="utf-8")),
+                        required=["mha", "variants", "scratch", "summary"])  # the checkpoint is not committed
+    for plot in res["plots"]:
+        assert_png(committed.parent / plot)
+    doc = (ROOT / "docs" / "lab.md").read_text(encoding="utf-8")
+    section = doc[doc.index("`multihead lab uptrain`"):]
+    for row in doc_rows(res):
+        assert row in section, f"docs/lab.md lacks the row {row!r} of {committed}"
+    assert res["results"]["summary"] in section, "docs/lab.md does not quote results.json's summary"
+    mha = res["results"]["mha"]
+    assert f"| MHA | {mha['kv_bytes_per_token']:,} | - | {mha['val_bits_per_char']:.3f} |" in section
+    assert res["experiment"] == "uptrain" and not res["interrupted"] and res["config"]["steps"] == 1200

@@ -22,7 +22,7 @@ model, same defaults):
    (0.1 x its peak; `uptrain_lr` to choose another): the run continued. AdamW's moments
    start afresh (a checkpoint keeps weights only), which is why the rate matters: at the
    baseline's peak, the first steps of a fresh AdamW move every weight by about the
-   learning rate and undo much of the training (measured: +0.6 bits/char after 2 steps
+   learning rate and undo much of the training (measured: +0.5 bits/char after 2 steps
    of a 100-step model);
 4. each target geometry trained from scratch for the baseline's steps, on the
    baseline's batches, from the baseline's seed.
@@ -84,7 +84,7 @@ def run_uptrain(cfg: UptrainConfig | None = None, out_dir: str | Path = "lab-upt
     dev = resolve_device(device)
     source = None
     if cfg.from_checkpoint is not None:
-        source, cfg, seed = _load_source(cfg, seed)
+        source, cfg, seed = _load_source(cfg)
     vocab, corpus, train_ids, val_ids = _split(cfg)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
@@ -272,7 +272,7 @@ def _split(cfg: UptrainConfig) -> tuple[Vocab, dict, torch.Tensor, torch.Tensor]
     return vocab, corpus, train_ids, val_ids
 
 
-def _load_source(cfg: UptrainConfig, seed: int) -> tuple[LabTransformer, UptrainConfig, int]:
+def _load_source(cfg: UptrainConfig) -> tuple[LabTransformer, UptrainConfig, int]:
     """The MHA model of a `lab mla` run, the config with that run's settings, and its seed."""
     from multihead.errors import UsageError
 

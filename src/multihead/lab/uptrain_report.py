@@ -201,40 +201,44 @@ def plot_uptrain(cfg: UptrainConfig, res: dict, path: Path) -> str:
 
 
 def plot_frontier(cfg: UptrainConfig, res: dict, path: Path) -> str:
-    """Bits/char against KV bytes per token: converted (paper init) before and after the
-    most uptraining, and every target from scratch."""
+    """Bits/char against KV bytes per token, one colour per family (MQA/GQA by mean-pool,
+    MLA by SVD): converted, converted and uptrained the most, and trained from scratch."""
     plt = pyplot()
     r = res["results"]
     g = _grid(r["variants"])
     mha = r["mha"]
     kv = {v["target"]: v["kv_bytes_per_token"] for v in r["variants"]}
-    fig, ax = plt.subplots(figsize=(7.2, 4.6))
-    conv0, convf = [], []
-    for t in g:
-        curve = g[t].get(_paper_init(t), {})
-        if 0.0 in curve:
-            conv0.append((kv[t], curve[0.0], t))
-        if any(f > 0 for f in curve):
-            f = max(curve)
-            convf.append((kv[t], curve[f], t))
-    scratch = sorted((s["kv_bytes_per_token"], s["val_bits_per_char"], s["target"]) for s in r["scratch"])
-    for pts, style, colour, label in (
-            (sorted(conv0), "x:", "grey", "converted (mean-pool / SVD), no uptraining"),
-            (sorted(convf), "s-", "#dd8452", f"converted + uptrained {max(cfg.fractions):.1%} of the steps"),
-            (scratch, "o--", "black", f"trained from scratch, {cfg.steps} steps")):
-        if pts:
-            ax.plot([p[0] for p in pts], [p[1] for p in pts], style, color=colour, mfc="none", ms=7, label=label)
-            if pts is scratch:
-                for x, y, t in pts:
-                    ax.annotate(t, (x, y), textcoords="offset points", xytext=(5, -10), fontsize=8)
+    kv.update({s["target"]: s["kv_bytes_per_token"] for s in r["scratch"]})
+    scratch = {s["target"]: s["val_bits_per_char"] for s in r["scratch"]}
+    fig, ax = plt.subplots(figsize=(7.6, 4.8))
+    top = max(cfg.fractions)
+    families = (("MQA/GQA, mean-pool", "#55a868", lambda t: not t.startswith("MLA")),
+                ("MLA, SVD", "#8172b2", lambda t: t.startswith("MLA")))
+    for family, colour, member in families:
+        names = sorted((t for t in kv if member(t)), key=lambda t: kv[t])
+        if not names:
+            continue
+        for label, pts, style in (
+                ("converted", [(kv[t], g[t][_paper_init(t)][0.0]) for t in names
+                               if 0.0 in g.get(t, {}).get(_paper_init(t), {})], "x:"),
+                (f"+ {top:.1%} uptraining", [(kv[t], g[t][_paper_init(t)][top]) for t in names
+                                             if top in g.get(t, {}).get(_paper_init(t), {})], "s-"),
+                (f"from scratch, {cfg.steps} steps", [(kv[t], scratch[t]) for t in names if t in scratch], "o--")):
+            if pts:
+                ax.plot([p[0] for p in pts], [p[1] for p in pts], style, color=colour, mfc="none", ms=7, lw=1.4,
+                        label=f"{family}: {label}")
+        for t in names:
+            if t in scratch:
+                ax.annotate(t, (kv[t], scratch[t]), textcoords="offset points", xytext=(6, -12 if member(t) and
+                            t.startswith("MLA") else 4), fontsize=8, color=colour)
     ax.plot(mha["kv_bytes_per_token"], mha["val_bits_per_char"], "*", color="#4c72b0", ms=14, ls="none",
-            label="MHA baseline")
-    ticks = sorted({p[0] for p in conv0 + scratch} | {mha["kv_bytes_per_token"]})
+            label=f"MHA baseline, {cfg.steps} steps")
+    ticks = sorted(set(kv.values()) | {mha["kv_bytes_per_token"]})
     ax.set_xscale("log", base=2)
     ax.set_xticks(ticks, [f"{t:,}" for t in ticks])
     ax.minorticks_off()
     ax.set_xlabel("KV cache bytes per token (bf16, all layers, log scale)")
     ax.set_ylabel("validation bits per character")
     ax.set_title("Quality against KV cache: converted from MHA vs trained from scratch", fontsize=10)
-    ax.legend(frameon=False, fontsize=8)
+    ax.legend(frameon=False, fontsize=7.5, loc="upper right")
     return save_figure(fig, path)
