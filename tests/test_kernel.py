@@ -181,12 +181,12 @@ def test_auto_resolution_is_visible():
 
 
 def test_chunked_bounds_memory_by_blocks(monkeypatch):
-    import multihead.functional as fn
+    from multihead.kernels import math as kmath
 
-    monkeypatch.setattr(fn, "_BLOCK_ELEMENTS", 2 * 4 * 16)  # two query rows per block
+    monkeypatch.setattr(kmath, "BLOCK_ELEMENTS", 2 * 4 * 16)  # two query rows per block
     q, k, v = torch.randn(1, 4, 7, 8, dtype=torch.float64), torch.randn(1, 4, 16, 8, dtype=torch.float64), \
         torch.randn(1, 4, 16, 8, dtype=torch.float64)
-    assert fn._block_rows(1, 4, 16) == 2
+    assert kmath.block_rows(1, 4, 16) == 2
     out, w = mh.scaled_dot_product_attention(q, k, v, causal=True, backend="chunked", return_weights=True)
     ref, ref_w = R.attention(q.numpy(), k.numpy(), v.numpy(), causal=True, return_weights=True)
     assert_close(out, ref)

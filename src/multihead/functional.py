@@ -59,7 +59,12 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from multihead.kernels.common import acc_dtype, causal_triangle, index, mqa_splits
+from multihead.kernels.common import index, mqa_splits
+from multihead.kernels.math import block_rows as _block_rows
+from multihead.kernels.math import chunked as _chunked
+from multihead.kernels.math import math_backend as _math
+from multihead.kernels.math import rows_mask as _rows_mask
+from multihead.kernels.math import weights_pass as _weights_pass
 from multihead.kernels.registry import (
     BACKENDS,
     Backend,
@@ -88,10 +93,6 @@ __all__ = [
     "resolve_backend",
     "scaled_dot_product_attention",
 ]
-
-# Scores kept in memory at once by the block-wise paths (elements of the accumulation
-# dtype). 2**24 float32 = 64 MiB.
-_BLOCK_ELEMENTS = 1 << 24
 
 # The registry and the input checks live in `multihead.kernels` (registry, validation); the
 # names callers of this module used before the move stay bound here.
@@ -280,129 +281,8 @@ def attention_weights(
     return _weights_pass(q, k, mask, bool(causal), scale, heads)
 
 
-# ------------------------------------------------------------------ shared pieces
-
-
-def _rows_mask(mask: Tensor | MaskMod | None, causal: bool, t0: int, t1: int, T: int, S: int,
-               device, b: Tensor | None = None, h: Tensor | None = None) -> tuple[Tensor | None, Tensor | None]:
-    """The (allowed, bias) pair for query rows t0..t1: bool (.., t, S) and float (.., t, S).
-
-    A predicate is evaluated for these rows only, at batch indices `b` and head indices
-    `h` (4-D index tensors; all batches / heads of `mask` when None).
-    """
-    allowed = bias = None
-    if isinstance(mask, MaskMod):
-        allowed = mask.evaluate(b, h, index(t1 - t0, 2, device, t0), index(S, 3, device), S - T)
-        allowed = allowed.reshape((1,) * (4 - allowed.dim()) + tuple(allowed.shape))
-    elif mask is not None:
-        rows = mask[..., t0:t1, :] if mask.shape[-2] == T else mask
-        if rows.dtype == torch.bool:
-            allowed = rows
-        else:
-            bias = rows
-    if causal:
-        tri = causal_triangle(t0, t1, T, S, device)  # (t, S)
-        allowed = tri if allowed is None else allowed & tri
-    return allowed, bias
-
-
-def _softmax(scores: Tensor, allowed: Tensor | None, bias: Tensor | None, modded: bool = False) -> Tensor:
-    """Masked softmax over the last dim; a row with nothing to attend is all zeros.
-
-    Without the guard such a row is softmax(-inf, ..., -inf) = NaN, and its NaN flows
-    into every gradient through the shared K and V. `modded`: the scores went through a
-    score mod, which may hide pairs too (`where(q_idx == 0, -inf, s)` hides a whole row).
-    """
-    if bias is not None:
-        scores = scores + bias.to(scores.dtype)
-    if allowed is not None:
-        scores = scores.masked_fill(~allowed, float("-inf"))
-    if allowed is None and bias is None and not modded:
-        return torch.softmax(scores, dim=-1)
-    empty = torch.isneginf(scores).all(dim=-1, keepdim=True)
-    probs = torch.softmax(scores.masked_fill(empty, 0.0), dim=-1)
-    return probs.masked_fill(empty, 0.0)
-
-
-def _block_rows(B: int, H: int, S: int) -> int:
-    return max(1, _BLOCK_ELEMENTS // max(1, B * H * S))
-
-
 # ---------------------------------------------------------------- explicit paths
-
-
-def _explicit(q, k, v, mask, *, causal, scale, dropout_p, weight_heads, block_rows, score_mod=None):
-    """matmul-softmax-matmul over blocks of `block_rows` queries (all at once for math).
-
-    GQA: the G query heads that share a K/V head are folded into the query length,
-    `(B, H, t, D) -> (B, Hkv, G*t, D)`, so K/V are used as they are, never repeated.
-    """
-    B, H, T, _ = q.shape
-    Hkv, S, Dv = k.shape[1], k.shape[2], v.shape[-1]
-    G = H // Hkv
-    acc = acc_dtype(q.dtype)
-    kt = k.to(acc).transpose(-2, -1)  # (B, Hkv, D, S)
-    va = v.to(acc)
-    b_idx, h_idx, kv_idx = index(B, 0, q.device), index(H, 1, q.device), index(S, 3, q.device)
-    outs, weights = [], []
-    for t0 in range(0, T, block_rows):
-        t1 = min(T, t0 + block_rows)
-        t = t1 - t0
-        qb = q[:, :, t0:t1].to(acc).reshape(B, Hkv, G * t, -1)  # (B, Hkv, G*t, D)
-        scores = (qb @ kt).view(B, H, t, S) * scale  # (B, H, t, S)
-        if score_mod is not None:
-            scores = score_mod.apply(scores, b_idx, h_idx, index(t, 2, q.device, t0), kv_idx, S - T)
-        allowed, bias = _rows_mask(mask, causal, t0, t1, T, S, q.device, b_idx, h_idx)
-        probs = _softmax(scores, allowed, bias, score_mod is not None)  # (B, H, t, S)
-        if weight_heads is not None:
-            w = probs if weight_heads == tuple(range(H)) else probs[:, list(weight_heads)]
-            weights.append(w.to(q.dtype))
-        if dropout_p > 0:
-            probs = F.dropout(probs, p=dropout_p, training=True)
-        out = probs.view(B, Hkv, G * t, S) @ va  # (B, Hkv, G*t, Dv)
-        outs.append(out.view(B, H, t, Dv).to(q.dtype))
-    out = outs[0] if len(outs) == 1 else torch.cat(outs, dim=2)
-    if weight_heads is None:
-        return out, None
-    return out, weights[0] if len(weights) == 1 else torch.cat(weights, dim=2)
-
-
-def _math(q, k, v, mask, *, causal, scale, dropout_p, weight_heads, score_mod=None):
-    return _explicit(q, k, v, mask, causal=causal, scale=scale, dropout_p=dropout_p,
-                     weight_heads=weight_heads, block_rows=max(1, q.shape[2]), score_mod=score_mod)
-
-
-def _chunked(q, k, v, mask, *, causal, scale, dropout_p, weight_heads, score_mod=None):
-    B, H, _, _ = q.shape
-    return _explicit(q, k, v, mask, causal=causal, scale=scale, dropout_p=dropout_p,
-                     weight_heads=weight_heads, block_rows=_block_rows(B, H, k.shape[2]), score_mod=score_mod)
-
-
-def _weights_pass(q, k, mask, causal, scale, heads, *, score_mod=None):
-    """Weights of the query heads in `heads` only, one head at a time, blocks of queries."""
-    B, H, T, _ = q.shape
-    Hkv, S = k.shape[1], k.shape[2]
-    G = H // Hkv
-    acc = acc_dtype(q.dtype)
-    rows = _block_rows(B, 1, S)
-    result = q.new_empty(B, len(heads), T, S)
-    b_idx, kv_idx = index(B, 0, q.device), index(S, 3, q.device)
-    with torch.no_grad():
-        for i, h in enumerate(heads):
-            kt = k[:, h // G].to(acc).transpose(-2, -1)  # (B, D, S)
-            h_idx = index(1, 1, q.device, h)
-            mh = mask
-            if isinstance(mask, Tensor):
-                mh = mask[:, h if mask.shape[1] == H else 0]  # (B|1, T|1, S|1)
-                mh = mh[:, None]
-            for t0 in range(0, T, rows):
-                t1 = min(T, t0 + rows)
-                scores = (q[:, h, t0:t1].to(acc) @ kt)[:, None] * scale  # (B, 1, t, S)
-                if score_mod is not None:
-                    scores = score_mod.apply(scores, b_idx, h_idx, index(t1 - t0, 2, q.device, t0), kv_idx, S - T)
-                allowed, bias = _rows_mask(mh, causal, t0, t1, T, S, q.device, b_idx, h_idx)
-                result[:, i, t0:t1] = _softmax(scores, allowed, bias, score_mod is not None)[:, 0].to(q.dtype)
-    return result
+# (kernels/math.py: explicit, math, chunked, the weights pass)
 
 
 def _weights(q, k, mask, causal, scale, heads, score_mod):
