@@ -1,4 +1,5 @@
 import os
+import sys
 
 import numpy as np
 import pytest
@@ -43,6 +44,56 @@ def assert_close(actual, expected, dtype=None, *, atol=None, rtol=None, what="")
 def _seed():
     torch.manual_seed(0)
     np.random.seed(0)
+
+
+def _hf_state():
+    """transformers' and huggingface_hub's process-wide switches, if they are imported (a test
+    that never touched them does not pay for importing them)."""
+    if "transformers.utils.logging" not in sys.modules:
+        return None
+    hf_logging = sys.modules["transformers.utils.logging"]
+    hub = sys.modules.get("huggingface_hub.utils.tqdm")
+    return (hf_logging.get_verbosity(), hf_logging.is_progress_bar_enabled(),
+            dict(getattr(hub, "progress_bar_states", {}) or {}))
+
+
+@pytest.fixture(autouse=True)
+def _process_state():
+    """Every test starts from the process state the one before it found, whatever it leaked:
+    the environment, torch's default dtype, grad mode and thread count, transformers'
+    verbosity and progress bars. The suite runs in random order (pytest-randomly), so no
+    test may depend on another's leftovers."""
+    env = dict(os.environ)
+    dtype, grad, threads = torch.get_default_dtype(), torch.is_grad_enabled(), torch.get_num_threads()
+    hf = _hf_state()
+    yield
+    if dict(os.environ) != env:
+        for key in set(os.environ) - set(env):
+            del os.environ[key]
+        os.environ.update(env)
+    if torch.get_default_dtype() != dtype:
+        torch.set_default_dtype(dtype)
+    torch.set_grad_enabled(grad)
+    if torch.get_num_threads() != threads:
+        torch.set_num_threads(threads)
+    if hf is not None and _hf_state() != hf:
+        hf_logging = sys.modules["transformers.utils.logging"]
+        hf_logging.set_verbosity(hf[0])
+        hf_logging._tqdm_active = hf[1]
+        hub = sys.modules.get("huggingface_hub.utils.tqdm")
+        if isinstance(getattr(hub, "progress_bar_states", None), dict):
+            hub.progress_bar_states.clear()
+            hub.progress_bar_states.update(hf[2])
+
+
+def pytest_sessionstart(session):
+    """Print the random order's seed even under -q (which hides pytest-randomly's header line),
+    so a failure that depends on the order can be replayed."""
+    seed = getattr(session.config.option, "randomly_seed", None)
+    reporter = session.config.pluginmanager.get_plugin("terminalreporter")
+    if reporter is not None and isinstance(seed, int) and not hasattr(session.config, "workerinput"):
+        reporter.write_line(f"random test order: -p randomly --randomly-seed={seed} replays it "
+                            f"(-p no:randomly for file order)")
 
 
 @pytest.fixture
