@@ -420,3 +420,71 @@ def test_layers_with_some_biases_convert():
     mla = convert.to_mla(attn, 16)
     assert mla.kv_a_proj.bias is None
     assert_close(mla(x), attn(x), what="to_mla, key bias only")
+
+
+# ------------------------------------------------------- partial RoPE (MHA2MLA)
+
+
+def _rope_layer(n_kv_heads, rope, bias=True):
+    torch.manual_seed(1)
+    attn = mh.Attention(32, 4, n_kv_heads, head_dim=16, causal=True, rope=rope, bias=bias).double()
+    return _randomize_biases(attn) if bias else attn
+
+
+def _check_same(mla, ref, what):
+    x = torch.randn(2, 9, 32, dtype=torch.float64)
+    want = ref(x)
+    for absorb in (False, True):
+        assert_close(mla(x, absorb=absorb), want, atol=1e-10, rtol=1e-9, what=f"{what}, absorb={absorb}")
+    cache = mla.new_cache(2, 9)
+    steps = torch.cat([mla(x[:, t:t + 1], cache=cache) for t in range(9)], dim=1)
+    assert_close(steps, want, atol=1e-10, rtol=1e-9, what=f"{what}, cached decode")
+
+
+@pytest.mark.parametrize("interleaved", [False, True])
+def test_partial_rope_keeping_every_rotary_pair_of_an_mqa_layer_is_exact(interleaved):
+    # one key head and a rotary part of 8 of its 16 dims: the decoupled key is that part, exactly
+    attn = _rope_layer(1, mh.RotaryEmbedding(8, interleaved=interleaved))
+    mla, report = convert.to_mla(attn, 24, rope_dim=8, return_report=True)  # rank of [W_k nope ; W_v]: 8 + 16
+    assert mla.rope_dim == 8 and mla.head_dim == 8 and report.error < 1e-12
+    _check_same(mla, attn, f"MQA, rotary 8 of 16, interleaved={interleaved}")
+
+
+def test_partial_rope_shares_the_mean_of_the_key_heads_rotary_parts():
+    attn = _rope_layer(2, mh.RotaryEmbedding(8))
+    with torch.no_grad():  # equal rotary parts in both key heads (features 0-3 and 4-7 of each): then exact
+        w = attn.k_proj.weight.view(2, 16, 32)
+        w[1, :8] = w[0, :8]
+        attn.k_proj.bias.view(2, 16)[1, :8] = attn.k_proj.bias.view(2, 16)[0, :8]
+    _check_same(convert.to_mla(attn, 33, rope_dim=8), attn, "GQA with equal rotary parts")
+    with torch.no_grad():
+        w[1, :8] = torch.randn(8, 32, dtype=torch.float64)
+    x = torch.randn(2, 9, 32, dtype=torch.float64)
+    assert not torch.allclose(convert.to_mla(attn, 33, rope_dim=8)(x), attn(x), atol=1e-3)
+
+
+def test_partial_rope_keeps_the_highest_frequencies_and_drops_the_rest():
+    # interleaved, rotary over 8 of a head's 16 dims; keeping 4: pairs (0,1), (2,3) rotate at the original
+    # frequencies, the others not at all: what RotaryEmbedding(4, base ** (4 / 8)) does to the same weights
+    attn = _rope_layer(1, mh.RotaryEmbedding(8, interleaved=True))
+    ref = copy.deepcopy(attn)
+    ref.rope = mh.RotaryEmbedding(4, 10000.0 ** 0.5, interleaved=True)
+    _check_same(convert.to_mla(attn, 28, rope_dim=4), ref, "keep 2 of 4 pairs")
+    ref.rope = None  # rope_dim=0: no rotation left at all
+    mla = convert.to_mla(attn, 32, rope_dim=0)
+    assert mla.rope is None
+    _check_same(mla, ref, "rope_dim=0")
+
+
+def test_partial_rope_bad_input():
+    attn = _rope_layer(2, mh.RotaryEmbedding(8))
+    for bad in (3, 10, -2, 2.0):
+        with pytest.raises(ValueError, match=r"rope_dim must be an even int in 0..8 \(the layer's rotary dim\)"):
+            convert.to_mla(attn, 8, rope_dim=bad)
+    with pytest.raises(ValueError, match=r"rope_dim must be an even int in 0..0"):
+        convert.to_mla(mh.Attention(32, 4), 8, rope_dim=2)
+    scaled = _rope_layer(2, mh.RotaryEmbedding(8, scaling=mh.rope.RopeScaling("linear", 2.0)))
+    with pytest.raises(ValueError, match="linear scaling"):
+        convert.to_mla(scaled, 8, rope_dim=4)
+    with pytest.raises(ValueError, match=r"valid: rope=None, or to_mla\(..., rope_dim=r\)"):
+        convert.to_mla(attn, 8)

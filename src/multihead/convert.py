@@ -255,15 +255,24 @@ def _kv_matrix(attn: Attention) -> torch.Tensor:
     return stacked_kv(attn.k_proj.weight, attn.v_proj.weight, attn.v_proj.bias)
 
 
-def _check_mla_source(fn: str, attn) -> None:
+def _check_mla_source(fn: str, attn, rope_dim=None) -> None:
     _check_attention(fn, attn)
-    if attn.rope is not None:
+    if attn.rope is not None and rope_dim is None:
         raise ValueError(
             f"{fn}: the layer has rotary embeddings (rope={attn.rope.extra_repr()}); only layers without RoPE "
             "convert exactly. RoPE rotates each key by its position after W_k, and that rotation does not "
             "commute with a shared latent's up-projection, so it cannot be absorbed; MLA's decoupled RoPE "
-            "key is a different model that needs training (MHA2MLA, Ji et al., 2025). valid: rope=None"
+            "key is a different model that needs training (MHA2MLA, Ji et al., 2025). valid: rope=None, or "
+            "to_mla(..., rope_dim=r) for the approximate partial-RoPE conversion"
         )
+    if rope_dim is not None:
+        top = 0 if attn.rope is None else attn.rope.dim
+        if isinstance(rope_dim, bool) or not isinstance(rope_dim, int) or rope_dim % 2 or not 0 <= rope_dim <= top:
+            raise ValueError(f"{fn}: rope_dim must be an even int in 0..{top} (the layer's rotary dim); "
+                             f"received {rope_dim!r}")
+        if rope_dim and attn.rope.scaling is not None:
+            raise ValueError(f"{fn}: the layer's RoPE has {attn.rope.scaling.kind} scaling, whose frequencies "
+                             "a decoupled RoPE key of fewer dims cannot keep; valid: rope_dim=0 or unscaled RoPE")
     if attn.alibi:
         raise ValueError(f"{fn}: the layer uses ALiBi, which LatentAttention does not carry; valid: alibi=False")
     if attn.context_dim != attn.d_model:
@@ -287,16 +296,17 @@ def mla_report(attn: Attention, kv_rank: int | None = None) -> MLAReport:
     return MLAReport(kv_rank, report.singular_values)
 
 
-def _check_rank(kv_rank, max_rank: int, attn: Attention) -> None:
+def _check_rank(kv_rank, max_rank: int, attn: Attention, rope_dim: int = 0) -> None:
     if isinstance(kv_rank, bool) or not isinstance(kv_rank, int) or not 1 <= kv_rank <= max_rank:
-        rows, cols = 2 * attn.n_kv_heads * attn.head_dim, attn.d_model + (attn.v_proj.bias is not None)
+        rows = attn.n_kv_heads * (2 * attn.head_dim - rope_dim)
+        cols = attn.d_model + (attn.v_proj.bias is not None)
         raise ValueError(
             f"kv_rank must be an int in 1..{max_rank}, the rank of the stacked [W_k ; W_v] "
             f"(min({rows} rows, {cols} columns)); received {kv_rank!r}"
         )
 
 
-def to_mla(model, kv_rank: int, *, return_report: bool = False):
+def to_mla(model, kv_rank: int, *, rope_dim: int | None = None, return_report: bool = False):
     """Factor an MHA/GQA layer's keys and values through a shared rank-`kv_rank` latent.
 
     `model` is one `Attention` (returns a `LatentAttention`, and with `return_report`
@@ -320,9 +330,19 @@ def to_mla(model, kv_rank: int, *, return_report: bool = False):
     latent like the weights.
 
     A sliding window and a softcap are carried over. Refused, with the reason: layers
-    with RoPE (the rotation sits between W_k and the scores and cannot be absorbed into a
-    shared latent), cross-attention layers (context_dim != d_model), ALiBi. Dropout is
-    not carried over (LatentAttention has none).
+    with RoPE unless `rope_dim` is given (the rotation sits between W_k and the scores and
+    cannot be absorbed into a shared latent), cross-attention layers (context_dim !=
+    d_model), ALiBi. Dropout is not carried over (LatentAttention has none).
+
+    `rope_dim=r` converts a layer with RoPE approximately, after MHA2MLA's partial RoPE
+    (Ji et al., 2025, "Towards Economical Inference: Enabling DeepSeek's Multi-Head
+    Latent Attention in Any Transformer-based LLMs"), choosing the r/2 highest-frequency
+    rotary pairs (their "S_high"): those stay rotary in MLA's one decoupled RoPE key,
+    which is the mean of the key heads' parts there (shared by all heads, as to_gqa's
+    mean-pool: exact for an MQA layer), with the same frequencies (the new RoPE base is
+    base^(r / rotary dim)); the other pairs lose their rotation and go through the SVD
+    with the values (the report's error is that of this NoPE K/V map). r = 0 drops RoPE
+    altogether. RoPE scaling is refused (its frequencies are not a base's).
 
     Returns:
         the converted layer or model, or `(new, report)` with `return_report=True`.
@@ -332,52 +352,87 @@ def to_mla(model, kv_rank: int, *, return_report: bool = False):
                         f"transformers model {type(model).__name__}: for a DeepSeek-V2/V3 model (already MLA) use "
                         "multihead.interop.hf.patch; valid: a multihead.Attention or an nn.Module holding them")
     if isinstance(model, Attention):
-        return _mla_layer(model, kv_rank, return_report)
+        return _mla_layer(model, kv_rank, return_report, rope_dim)
     bias = next((m.k_proj.bias is not None for m in model.modules() if isinstance(m, Attention)), False) \
         if isinstance(model, nn.Module) else False
     return _convert(
-        "to_mla", model, lambda attn: _mla_layer_error(attn, kv_rank), f"MLA-{kv_rank}", "svd", return_report,
-        lambda cfg: replace(cfg, attention="mla", kv_rank=kv_rank, n_kv_heads=None, latent_norm=False, bias=bias,
-                            rope_dim=0))
+        "to_mla", model, lambda attn: _mla_layer_error(attn, kv_rank, rope_dim), f"MLA-{kv_rank}", "svd",
+        return_report, lambda cfg: _lab_mla_config(cfg, kv_rank, bias, rope_dim))
 
 
-def _mla_layer_error(attn: Attention, kv_rank) -> tuple[LatentAttention, float]:
-    mla, report = _mla_layer(attn, kv_rank, True)
+def _lab_mla_config(cfg, kv_rank: int, bias: bool, rope_dim: int | None):
+    if rope_dim is not None and cfg.positions == "rope":
+        raise ValueError("to_mla(rope_dim=...) converts the layers of a lab model with rotary positions, but a "
+                         "lab MLA model takes its RoPE base from d_model and n_heads, not from the conversion; "
+                         "convert the model's layers, or use a model with positions='learned'")
+    return replace(cfg, attention="mla", kv_rank=kv_rank, n_kv_heads=None, latent_norm=False, bias=bias, rope_dim=0)
+
+
+def _mla_layer_error(attn: Attention, kv_rank, rope_dim) -> tuple[LatentAttention, float]:
+    mla, report = _mla_layer(attn, kv_rank, True, rope_dim)
     return mla, report.error
 
 
-def _mla_layer(attn: Attention, kv_rank, return_report: bool):
-    _check_mla_source("to_mla", attn)
-    m = _kv_matrix(attn)  # (2*Hkv*D, C [+1])
+def _rope_split(attn: Attention, r: int) -> tuple[list[int], list[int]]:
+    """(rope features, nope features) of a head: the r/2 highest-frequency rotary pairs in
+    the order a rotary embedding of width r and the same layout pairs them, and the rest."""
+    D = attn.head_dim
+    if not r:
+        return [], list(range(D))
+    half, k = attn.rope.dim // 2, r // 2
+    rope = list(range(r)) if attn.rope.interleaved else list(range(k)) + [half + f for f in range(k)]
+    kept = set(rope)
+    return rope, [i for i in range(D) if i not in kept]
+
+
+def _mla_layer(attn: Attention, kv_rank, return_report: bool, rope_dim: int | None = None):
+    _check_mla_source("to_mla", attn, rope_dim)
+    r = rope_dim or 0
+    H, Hkv, D, C = attn.n_heads, attn.n_kv_heads, attn.head_dim, attn.d_model
+    rope_idx, nope_idx = _rope_split(attn, r)
+    wk = attn.k_proj.weight.detach().view(Hkv, D, C)
+    m = stacked_kv(wk[:, nope_idx].reshape(-1, C), attn.v_proj.weight, attn.v_proj.bias)  # (Hkv*(2D-r), C [+1])
     max_rank = min(m.shape)
-    _check_rank(kv_rank, max_rank, attn)
+    _check_rank(kv_rank, max_rank, attn, r)
     U, S, Vh = torch.linalg.svd(m, full_matrices=False)  # (rows, k), (k,), (k, cols)
     R = kv_rank
     root = S[:R].sqrt()
     down = root[:, None] * Vh[:R]  # (R, C [+1])
-    up = U[:, :R] * root[None, :]  # (2*Hkv*D, R)
+    up = U[:, :R] * root[None, :]  # (Hkv*(2D-r), R)
 
-    H, Hkv, D, C = attn.n_heads, attn.n_kv_heads, attn.head_dim, attn.d_model
     G = H // Hkv
-    up_k, up_v = up.view(2, Hkv, D, R).unbind(0)  # (Hkv, D, R) each
-    up_kv = torch.cat([up_k, up_v], dim=1).repeat_interleave(G, dim=0)  # (H, 2D, R): query head h uses h // G
+    nk = Hkv * (D - r)
+    up_k, up_v = up[:nk].view(Hkv, D - r, R), up[nk:].view(Hkv, D, R)
+    up_kv = torch.cat([up_k, up_v], dim=1).repeat_interleave(G, dim=0)  # (H, 2D-r, R): query head h uses h // G
 
+    k_rope = wk[:, rope_idx].double().mean(0)  # (r, C): the shared decoupled RoPE key, the heads' mean
+    b_k = attn.k_proj.bias
+    b_rope = None if b_k is None or not r else b_k.detach().view(Hkv, D)[:, rope_idx].double().mean(0)  # (r,)
+    latent_bias = attn.v_proj.bias is not None or b_rope is not None
     bias = _has_bias(attn)
     w = attn.q_proj.weight
-    mla = LatentAttention(C, H, R, head_dim=D, v_head_dim=D, rope_dim=0, causal=attn.causal,
+    rope_kw = {} if not r else dict(rope_base=attn.rope.base ** (r / attn.rope.dim),
+                                    rope_interleaved=attn.rope.interleaved)
+    mla = LatentAttention(C, H, R, head_dim=D - r, v_head_dim=D, rope_dim=r, causal=attn.causal,
                           backend=attn.backend, latent_norm=False, bias=bias,
-                          sliding_window=attn.sliding_window, softcap=attn.softcap)
+                          sliding_window=attn.sliding_window, softcap=attn.softcap, **rope_kw)
     _match_biases(mla, attn, ("q_proj", "o_proj"))
-    if attn.v_proj.bias is None:  # the latent's bias carries the value bias only (the key bias is dropped)
+    if not latent_bias:  # the latent's bias carries the value bias (and the RoPE key's); the rest is dropped
         mla.kv_a_proj.register_parameter("bias", None)
     mla = mla.to(device=w.device, dtype=w.dtype).train(attn.training)
+    order = nope_idx + rope_idx  # each query head: [q_nope ; q_pe]
     with torch.no_grad():
-        mla.q_proj.load_state_dict(attn.q_proj.state_dict())
+        mla.q_proj.weight.copy_(attn.q_proj.weight.view(H, D, C)[:, order].reshape(H * D, C))
+        if attn.q_proj.bias is not None:
+            mla.q_proj.bias.copy_(attn.q_proj.bias.view(H, D)[:, order].reshape(-1))
         mla.o_proj.load_state_dict(attn.o_proj.state_dict())
-        mla.kv_a_proj.weight.copy_(down[:, :C])
+        mla.kv_a_proj.weight.copy_(torch.cat([down[:, :C], k_rope]))  # (R + r, C)
         if mla.kv_a_proj.bias is not None:
-            mla.kv_a_proj.bias.copy_(down[:, C])
-        mla.kv_b_proj.weight.copy_(up_kv.reshape(H * 2 * D, R))
+            zeros = torch.zeros(r, dtype=torch.float64, device=down.device)
+            mla.kv_a_proj.bias.copy_(torch.cat([down[:, C] if attn.v_proj.bias is not None else
+                                                torch.zeros(R, dtype=torch.float64, device=down.device),
+                                                zeros if b_rope is None else b_rope]))
+        mla.kv_b_proj.weight.copy_(up_kv.reshape(H * (2 * D - r), R))
     if not return_report:
         return mla
     return mla, MLAReport(R, tuple(S.tolist()))
