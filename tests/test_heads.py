@@ -318,3 +318,31 @@ def test_errors_name_what_was_received():
     gpt2.set_attn_implementation("sdpa")
     with pytest.raises(ValueError, match="set_attn_implementation"):
         heads.record(gpt2, torch.zeros(1, 3, dtype=torch.long))
+
+
+def test_deepseek_v2_through_patch_records_ablates_and_scans():
+    """`multihead.interop.hf.patch` swaps DeepSeek-V2's attention for LatentAttention: the
+    heads are reached through it (z, per-head k/v through kv_b_proj, patterns)."""
+    import multihead.interop.hf as mhf
+
+    model = build("deepseek_v2", lm=True)
+    mhf.patch(model)
+    eager = build("deepseek_v2", lm=True)
+    eager.set_attn_implementation("eager")
+    clean, corrupted = _inputs("deepseek_v2", 1, pad=False), _inputs("deepseek_v2", 2, pad=False)
+    with heads.ablate(model, [(1, 2)]), torch.no_grad():
+        got = model(**clean).logits
+    o_proj = eager.model.layers[1].self_attn.o_proj
+    Dv = eager.config.v_head_dim
+    hook = o_proj.register_forward_pre_hook(lambda m, a: (a[0].index_fill(-1, torch.arange(2 * Dv, 3 * Dv), 0.0),))
+    with torch.no_grad():
+        want = eager(**clean).logits
+    hook.remove()
+    assert (got - want).abs().max() < 1e-4, f"max diff {(got - want).abs().max():.2e}"
+    for what in ("z", "k", "v", "pattern"):
+        scan = heads.patch_scan(model, clean, corrupted, _metric, what=what)
+        rec = heads.record(model, clean, what=(what,))
+        for layer, h in [(0, 1), (1, 3)]:
+            with heads.patch(model, rec, [(layer, h)], what=what), torch.no_grad():
+                one = _metric(model(**corrupted).logits)
+            assert abs(scan[layer, h] - one) < 1e-5, (what, layer, h)

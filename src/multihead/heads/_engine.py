@@ -79,7 +79,15 @@ def is_hf(model: nn.Module) -> bool:
 
 
 def multihead_modules(model: nn.Module) -> list[nn.Module]:
-    return [m for m in model.modules() if isinstance(m, (Attention, LatentAttention))]
+    """multihead's attention modules in module order, with the `LatentAttention` a patched
+    DeepSeek layer (`multihead.interop.hf.patch`) computes with (kept unregistered there)."""
+    out = []
+    for m in model.modules():
+        if isinstance(m, (Attention, LatentAttention)):
+            out.append(m)
+        elif isinstance(getattr(m, "mla", None), LatentAttention):
+            out.append(m.mla)
+    return out
 
 
 def check_model(model) -> None:
@@ -131,6 +139,9 @@ class Engine:
             handles.append(self.model.register_forward_pre_hook(self._top, with_kwargs=True))
             for m in multihead_modules(self.model):
                 handles += self._hook_module(m)
+            for owner in self.model.modules():  # a patched DeepSeek layer: number its LatentAttention as it starts
+                if isinstance(getattr(owner, "mla", None), LatentAttention):
+                    handles.append(owner.register_forward_pre_hook(lambda mod, a: self._mh_layer(mod.mla) and None))
             yield self
         finally:
             for h in handles:
@@ -264,6 +275,12 @@ class _Chain:
         return self.second.output(module, self.first.output(module, out, value), value)
 
 
+def _key(module) -> int:
+    """A patched DeepSeek layer asks for weights as itself; its LatentAttention is the layer."""
+    mla = getattr(module, "mla", None)
+    return id(mla) if isinstance(mla, LatentAttention) else id(module)
+
+
 def _weights_request(engine: Engine):
     from multihead.interop.hf.registry import WeightsRequest
 
@@ -271,12 +288,12 @@ def _weights_request(engine: Engine):
         """Weights of the layers the handler asks for, handed to it as they are computed."""
 
         def heads_for(self, module):
-            lay = engine.layers.get(id(module))
+            lay = engine.layers.get(_key(module))
             return True if lay is not None and engine.handler.wants_weights(lay) else None
 
         def record(self, call, weights):
             if weights is not None:
-                engine.handler.weights(engine.layers[id(call.module)], weights)
+                engine.handler.weights(engine.layers[_key(call.module)], weights)
 
     return _Request()
 
