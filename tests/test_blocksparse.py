@@ -14,7 +14,8 @@ from hypothesis import strategies as st
 
 import multihead as mh
 from conftest import assert_close
-from multihead import blocksparse, masks
+from multihead import masks
+from multihead.kernels import fused_tiles, planner
 
 N = 16384
 TS_BOOL_MIB = N * N / 2**20  # one (T, S) bool mask: 256 MiB
@@ -91,10 +92,10 @@ def test_generic_predicates_and_tiles_never_allocate_t_by_s():
 def test_tile_choice_follows_the_mask():
     """Local masks get short query blocks; causal is one causal square, documents one each."""
     def chosen(pred, T=4096, G=1):
-        return blocksparse._choose_tile(pred, 1, 8, T, T, G, None, "cpu")[0]
+        return planner.choose_tile(pred, 1, 8, T, T, G, None, "cpu")[0]
 
     def squares(pred, T=4096):
-        return blocksparse._choose_tile(pred, 1, 8, T, T, 1, None, "cpu")[4]
+        return planner.choose_tile(pred, 1, 8, T, T, 1, None, "cpu")[4]
 
     assert chosen(masks.sliding_window(128) & masks.causal()) <= 128
     assert squares(masks.causal()) == {0: 4096}
@@ -110,7 +111,7 @@ def test_tile_choice_follows_the_mask():
 @pytest.mark.parametrize("G", [1, 3])
 def test_fused_engines_agree_in_float64(tile, G, monkeypatch):
     """The log-sum-exp CPU engine (D == Dv), the public one (D != Dv) and the explicit tiles."""
-    monkeypatch.setattr(blocksparse, "FUSED_TILE", tile)
+    monkeypatch.setattr(fused_tiles, "FUSED_TILE", tile)
     B, Hkv, T, S = 2, 2, 40, 47
     mod = masks.prefix_lm(torch.tensor([10, 0])) | masks.sliding_window(9) & masks.document(
         torch.tensor([[0] * 20 + [1] * 27, [0] * 47]))
@@ -146,8 +147,8 @@ def test_fused_engines_agree_in_float64(tile, G, monkeypatch):
 def test_causal_squares(pred, squares, monkeypatch):
     """Rows that attend exactly causally among themselves (8 x 8 tiles of 8; documents of 12
     found as such, with documents of 4 or more rows running as squares here)."""
-    monkeypatch.setattr(blocksparse, "_MIN_SEGMENT", 4)
-    bq, bk, kept, full, found = blocksparse._choose_tile(pred, 2, 4, 64, 64, 1, 8, "cpu")
+    monkeypatch.setattr(planner, "_MIN_SEGMENT", 4)
+    bq, bk, kept, full, found = planner.choose_tile(pred, 2, 4, 64, 64, 1, 8, "cpu")
     assert found == squares
     for a, e in found.items():  # against the dense mask: rows a..e see exactly keys a..row
         dense = masks.to_dense(pred, 2, 4, 64, 64)[:, :, a:e]
@@ -160,19 +161,19 @@ def test_public_engine_runs_squares_as_causal_calls_where_memory_allows(monkeypa
     torch's kernels are O(N) in memory (not the CPU, not GQA); forced here on the CPU, its
     squares equal the math path (documents off the tile edges, D != Dv)."""
     q, k = torch.randn(1, 4, 64, 16), torch.randn(1, 4, 64, 16)
-    assert not blocksparse._public_squares(q, k)
-    assert not blocksparse._public_squares(q.to("meta"), k[:, :2].to("meta"))
-    assert blocksparse._public_squares(q.to("meta"), k.to("meta"))
-    monkeypatch.setattr(blocksparse, "_public_squares", lambda q, k: True)
-    monkeypatch.setattr(blocksparse, "_MIN_SEGMENT", 4)
+    assert not fused_tiles._public_squares(q, k)
+    assert not fused_tiles._public_squares(q.to("meta"), k[:, :2].to("meta"))
+    assert fused_tiles._public_squares(q.to("meta"), k.to("meta"))
+    monkeypatch.setattr(fused_tiles, "_public_squares", lambda q, k: True)
+    monkeypatch.setattr(planner, "_MIN_SEGMENT", 4)
     calls = []
-    real = blocksparse.F.scaled_dot_product_attention
+    real = fused_tiles.F.scaled_dot_product_attention
 
     def spy(*args, **kw):
         calls.append(kw.get("is_causal", False))
         return real(*args, **kw)
 
-    monkeypatch.setattr(blocksparse.F, "scaled_dot_product_attention", spy)
+    monkeypatch.setattr(fused_tiles.F, "scaled_dot_product_attention", spy)
     g = torch.Generator().manual_seed(2)
     q, k = (torch.randn(2, 4, 64, 16, generator=g, dtype=torch.float64, requires_grad=True) for _ in range(2))
     v = torch.randn(2, 4, 64, 5, generator=g, dtype=torch.float64, requires_grad=True)
@@ -191,8 +192,8 @@ def test_causal_squares_equal_the_math_path(Hkv, T, monkeypatch):
     """Causal squares run as one causal call each (GQA: K/V heads as the batch, a stride-0 view
     for their query heads; equal squares folded into the heads): outputs and gradients equal the
     math path's in float64."""
-    monkeypatch.setattr(blocksparse, "FUSED_TILE", 8)
-    monkeypatch.setattr(blocksparse, "_MIN_SEGMENT", 4)
+    monkeypatch.setattr(fused_tiles, "FUSED_TILE", 8)
+    monkeypatch.setattr(planner, "_MIN_SEGMENT", 4)
     g = torch.Generator().manual_seed(1)
     q = torch.randn(2, 4, T, 16, generator=g, dtype=torch.float64, requires_grad=True)
     k, v = (torch.randn(2, Hkv, T, 16, generator=g, dtype=torch.float64, requires_grad=True) for _ in range(2))
@@ -200,7 +201,7 @@ def test_causal_squares_equal_the_math_path(Hkv, T, monkeypatch):
         q = q.detach().transpose(1, 2).contiguous().transpose(1, 2).requires_grad_()
     for pred in (masks.causal(), masks.document(torch.arange(T) // 16) & masks.causal(),
                  masks.sliding_window(20) & masks.causal(), masks.document(torch.arange(T) // 13) & masks.causal()):
-        assert blocksparse._choose_tile(pred, 2, 4, T, T, 4 // Hkv, 8, "cpu")[4]  # squares in the plan
+        assert planner.choose_tile(pred, 2, 4, T, T, 4 // Hkv, 8, "cpu")[4]  # squares in the plan
         for vv in (v, v[..., :5]):  # Dv != D: the public-sdpa engine (squares as pieces on the CPU)
             got = mh.scaled_dot_product_attention(q, k, vv, pred)
             want = mh.scaled_dot_product_attention(q, k, vv, pred, backend="math")
@@ -219,8 +220,8 @@ def test_causal_squares_equal_the_math_path(Hkv, T, monkeypatch):
 def test_document_squares_equal_the_reference(lengths, heads, tile, dtype, batch_ids, seed, monkeypatch):
     """Packed documents of any lengths & causal (one causal call per document, or tiles when the
     planner declines): output and gradients against the math path in float64."""
-    monkeypatch.setattr(blocksparse, "_MIN_SEGMENT", 1)
-    monkeypatch.setattr(blocksparse, "FUSED_TILE", tile)
+    monkeypatch.setattr(planner, "_MIN_SEGMENT", 1)
+    monkeypatch.setattr(fused_tiles, "FUSED_TILE", tile)
     H, Hkv = heads
     ids = torch.repeat_interleave(torch.arange(len(lengths)), torch.tensor(lengths))
     T = ids.numel()

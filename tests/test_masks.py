@@ -11,8 +11,9 @@ from hypothesis import strategies as st
 
 import multihead as mh
 from conftest import assert_close
-from multihead import blocksparse, masks
+from multihead import masks
 from multihead import reference as R
+from multihead.kernels import explicit_tiles, fused_tiles
 
 BACKENDS = ["math", "chunked", "sdpa", "tiles"]
 
@@ -136,8 +137,8 @@ def test_document_tiles_exact_for_sorted_ids():
 @pytest.fixture
 def tiny_tiles(monkeypatch):
     """Tiles of 3 x 3 so that small problems cross many tile edges."""
-    monkeypatch.setattr(blocksparse, "FUSED_TILE", 3)
-    monkeypatch.setattr(blocksparse, "EXPLICIT_TILE", 3)
+    monkeypatch.setattr(fused_tiles, "FUSED_TILE", 3)
+    monkeypatch.setattr(explicit_tiles, "EXPLICIT_TILE", 3)
 
 
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow,
@@ -222,28 +223,28 @@ def test_gradients_with_predicates_equal_math(backend, Hkv, Dv, tiny_tiles):
 def _spy_fused_calls(monkeypatch):
     """Record (key length, mask shape) of every fused kernel call, whichever engine runs."""
     seen = []
-    if blocksparse._CPU_FLASH is not None:
-        real_op = blocksparse._CPU_FLASH
+    if fused_tiles._CPU_FLASH is not None:
+        real_op = fused_tiles._CPU_FLASH
 
         def spy_op(q, k, v, dropout_p=0.0, is_causal=False, *, attn_mask=None, scale=None):
             seen.append((k.shape[2], None if attn_mask is None else tuple(attn_mask.shape)))
             return real_op(q, k, v, dropout_p, is_causal, attn_mask=attn_mask, scale=scale)
 
-        monkeypatch.setattr(blocksparse, "_CPU_FLASH", spy_op)
-    real = blocksparse.F.scaled_dot_product_attention
+        monkeypatch.setattr(fused_tiles, "_CPU_FLASH", spy_op)
+    real = fused_tiles.F.scaled_dot_product_attention
 
     def spy(q, k, v, attn_mask=None, **kw):
         seen.append((k.shape[2], None if attn_mask is None else tuple(attn_mask.shape)))
         return real(q, k, v, attn_mask=attn_mask, **kw)
 
-    monkeypatch.setattr(blocksparse.F, "scaled_dot_product_attention", spy)
+    monkeypatch.setattr(fused_tiles.F, "scaled_dot_product_attention", spy)
     return seen
 
 
 def test_sdpa_runs_only_the_kept_key_range(monkeypatch):
     """sliding_window(4) & causal at T = S = 64, tiles of 8: each fused call sees at most
     2 key tiles and never a (T, S) mask."""
-    monkeypatch.setattr(blocksparse, "FUSED_TILE", 8)
+    monkeypatch.setattr(fused_tiles, "FUSED_TILE", 8)
     seen = _spy_fused_calls(monkeypatch)
     q, k, v = torch.randn(1, 2, 64, 4), torch.randn(1, 2, 64, 4), torch.randn(1, 2, 64, 4)
     out = mh.scaled_dot_product_attention(q, k, v, masks.sliding_window(4) & masks.causal())
@@ -254,15 +255,15 @@ def test_sdpa_runs_only_the_kept_key_range(monkeypatch):
     assert_close(out, ref, torch.float32)
 
 
-@pytest.mark.skipif(blocksparse._CPU_FLASH is None, reason="needs torch's CPU flash kernel (log-sum-exp pieces)")
+@pytest.mark.skipif(fused_tiles._CPU_FLASH is None, reason="needs torch's CPU flash kernel (log-sum-exp pieces)")
 def test_causal_runs_full_tiles_without_a_mask(monkeypatch):
     """Causal at T = S = 32 with tiles of 8: one call of torch's causal kernel (a causal square).
     The same triangle behind a generic predicate (not analysed for squares) runs as pieces: full
     tiles in one unmasked call per query block, the diagonal tile through torch's causal kernel;
     each lower-triangle tile once. (Short key ranges would run as one masked call: turned off
     here to see the pieces.)"""
-    monkeypatch.setattr(blocksparse, "FUSED_TILE", 8)
-    monkeypatch.setattr(blocksparse, "_ONE_CALL_SPAN", 0)
+    monkeypatch.setattr(fused_tiles, "FUSED_TILE", 8)
+    monkeypatch.setattr(fused_tiles, "_ONE_CALL_SPAN", 0)
     seen = _spy_fused_calls(monkeypatch)
     q, k, v = torch.randn(1, 2, 32, 4), torch.randn(1, 2, 32, 4), torch.randn(1, 2, 32, 4)
     want = R.attention(q.double().numpy(), k.double().numpy(), v.double().numpy(), causal=True)
@@ -275,7 +276,7 @@ def test_causal_runs_full_tiles_without_a_mask(monkeypatch):
 
 
 def test_bidirectional_documents_merge_full_blocks_into_one_call(monkeypatch):
-    monkeypatch.setattr(blocksparse, "FUSED_TILE", 4)
+    monkeypatch.setattr(fused_tiles, "FUSED_TILE", 4)
     seen = _spy_fused_calls(monkeypatch)
     ids = torch.tensor([0] * 16 + [1] * 16)
     q, k, v = torch.randn(1, 1, 32, 4), torch.randn(1, 1, 32, 4), torch.randn(1, 1, 32, 4)
@@ -321,7 +322,7 @@ def test_flex_mask_mods_equal_flex_attention(T, S, tiny_tiles):
 def test_predicate_evaluation_counts_stay_tile_sized(monkeypatch):
     """A generic predicate is evaluated strip by strip (never the whole (T, S) at once)."""
     monkeypatch.setattr(masks, "_STRIP_ELEMENTS", 64)
-    monkeypatch.setattr(blocksparse, "FUSED_TILE", 4)
+    monkeypatch.setattr(fused_tiles, "FUSED_TILE", 4)
     sizes = []
 
     def fn(b, h, q, kv):
@@ -335,7 +336,7 @@ def test_predicate_evaluation_counts_stay_tile_sized(monkeypatch):
 
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 3e-2), (torch.float16, 5e-3)])
 def test_block_sparse_gradients_in_low_precision(dtype, tol, monkeypatch):
-    monkeypatch.setattr(blocksparse, "FUSED_TILE", 8)
+    monkeypatch.setattr(fused_tiles, "FUSED_TILE", 8)
     mod = masks.document(torch.tensor([0] * 20 + [1] * 28)) & masks.causal()
     g = torch.Generator().manual_seed(0)
     q, k, v = (torch.randn(2, 4, 48, 16, generator=g, dtype=torch.float64, requires_grad=True) for _ in range(3))

@@ -13,6 +13,7 @@ import multihead as mh
 from conftest import assert_close
 from multihead import masks, score_mods
 from multihead import reference as R
+from multihead.kernels import fused_tiles
 
 sdpa = mh.scaled_dot_product_attention
 
@@ -386,13 +387,12 @@ def test_nan_rule_holds_whatever_the_fused_kernel_does_with_nan(kernel, mask, wh
     """The documented rule (functional's docstring, README): a row is NaN exactly when its query,
     or a key or value it may attend, holds a NaN; a row with no key is zero. It was enforced only
     when the kernel's output had a NaN, so a kernel that zeroes NaN rows gave a zero row."""
-    from multihead import blocksparse
 
     if kernel == "zeroing":
         monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention",
                             _zeroing_nan_rows(torch.nn.functional.scaled_dot_product_attention))
-        if blocksparse._CPU_FLASH is not None:
-            monkeypatch.setattr(blocksparse, "_CPU_FLASH", _zeroing_nan_rows(blocksparse._CPU_FLASH, True))
+        if fused_tiles._CPU_FLASH is not None:
+            monkeypatch.setattr(fused_tiles, "_CPU_FLASH", _zeroing_nan_rows(fused_tiles._CPU_FLASH, True))
     B, H, T, S = 1, 2, 20, 20
     q, k, v = _qkv(B=B, H=H, Hkv=1, T=T, S=S, dtype=torch.float32)
     m = {None: None, "causal": masks.causal(), "window": masks.sliding_window(4),

@@ -5,6 +5,12 @@ small steps). `multihead.functional` stays the public face: `scaled_dot_product_
 - `registry`: `Backend`, `register_backend`, `available_backends`, `resolve_backend`
   ("auto", at call time) and `get_backend` (what a backend cannot do, with the backends
   that can).
+- `planner`: the tiles of the score matrix a mask keeps (empty / full / partial), causal
+  squares, per-block masks.
+- `fused_tiles`: the block-sparse engine on torch's fused kernel (`sdpa` with a predicate
+  or an additive mod), pieces merged by log-sum-exp on the CPU.
+- `explicit_tiles`: the online-softmax tile engine ("tiles": any score mod, dropout) with
+  its FlashAttention-2 backward.
 - `math`: the explicit paths ("math", "chunked") and the weights pass.
 - `validation`: the checks of q, k, v, masks, scale, score mods and weight heads.
 - `common`: what every engine shares (accumulation dtype, index tensors, the MQA split,

@@ -1,0 +1,345 @@
+"""The fused tile engine: per block of queries, the contiguous range of key tiles it keeps
+(`multihead.kernels.planner`) goes to torch's fused `F.scaled_dot_product_attention` in
+one call, with a small dense mask (rows x kept keys) only when a tile in the range is not
+full; an additive score mod (ALiBi) rides along as that call's float mask. Causal squares
+run as one call of torch's causal kernel each, which skips the upper triangle itself. On
+the CPU the pieces of a block run on torch's flash kernel, which returns each piece's
+log-sum-exp, and merge exactly (`_MergedFused`, with its own backward); elsewhere
+autograd goes through the fused calls. Training memory stays O(N)."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from multihead.kernels import explicit_tiles
+from multihead.kernels.common import acc_dtype, lse_merge, mqa_splits
+from multihead.kernels.explicit_tiles import Tiles, needs_grad, refuse_trainable, twice
+from multihead.kernels.planner import block_mask, choose_tile, combine, fold_mask
+
+__all__ = ["CAUSAL", "FUSED_TILE", "fused"]
+
+# None: the fused engine picks its tile per call (`planner.choose_tile`): short query blocks
+# keep the key range of a local mask tight, long ones let torch's kernel use its big blocks.
+FUSED_TILE: int | None = None
+_ONE_CALL_SPAN = 512  # keys: below this a query block's pieces run as one masked call
+
+
+def _fused_call(q, k, v, m, scale, dropout_p):
+    """F.scaled_dot_product_attention on a block, GQA folded, K/V never copied."""
+    B, H, t, D = q.shape
+    Hkv, s, Dv = k.shape[1], k.shape[2], v.shape[-1]
+    G = H // Hkv
+    if G == 1:
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=m, dropout_p=dropout_p, scale=scale)
+    qf = q.reshape(B, Hkv, G * t, D)  # (B, Hkv, G*t, D)
+    mf = fold_mask(m, B, Hkv, G, t)
+    P = mqa_splits(B, Hkv, G, q.device)  # MQA: the one folded head split over the CPU threads
+    if P > 1:
+        qf = qf.reshape(B, P, G // P * t, D)  # (B, P, G/P*t, D)
+        if mf is not None and mf.shape[2] > 1:
+            mf = mf.reshape(mf.shape[0], P, G // P * t, mf.shape[3])
+        k, v = k.expand(B, P, s, D), v.expand(B, P, s, Dv)
+    out = F.scaled_dot_product_attention(qf, k, v, attn_mask=mf, dropout_p=dropout_p, scale=scale)
+    return out.reshape(B, H, t, Dv)
+
+
+def _public_squares(q: Tensor, k: Tensor) -> bool:
+    """Whether the public-sdpa engine runs causal squares as whole causal calls: only where
+    torch's fused kernels take any length in O(N) memory. Not on the CPU, where this engine
+    runs only what the CPU flash kernel refuses (dropout, D != Dv: torch's math path, which
+    would build a square's whole (t, t) scores), nor for GQA (enable_gqa has no memory-
+    efficient kernel everywhere); there the square's blocks run as pieces, bounded in memory."""
+    return q.device.type != "cpu" and k.shape[1] == q.shape[1]
+
+
+def fused(q: Tensor, k: Tensor, v: Tensor, mask, *, causal: bool, scale: float, dropout_p: float,
+          score_mod=None, tile: int | None = None) -> Tensor:
+    """softmax(q k^T * scale + mask) v on torch's fused kernel, over the kept tiles only.
+
+    `mask`: None, a dense tensor (sliced per block) or a MaskMod; `score_mod`: None or an
+    additive ScoreMod (its `bias` becomes the block's float mask).
+    """
+    B, H, T, _ = q.shape
+    S, Dv = k.shape[2], v.shape[-1]
+    if score_mod is not None:
+        refuse_trainable(score_mod, q, S, "the fused kernel takes its bias as a mask")
+    pred, dense = combine(mask, causal)
+    # a float mask that requires grad (T5's position bias) gets its gradient from autograd through
+    # the public kernel's calls; the LSE engine's backward has no mask gradient
+    lse_engine = _CPU_FLASH is not None and q.device.type == "cpu" and dropout_p == 0 and q.shape[-1] == Dv \
+        and not torch.compiler.is_compiling() and not needs_grad(dense)
+    # a square is one causal call: no room for a score mod's or a dense mask's bias
+    runs_squares = dense is None and score_mod is None and (lse_engine or _public_squares(q, k))
+    bq, bk, kept, full, squares = choose_tile(pred, B, H, T, S, q.shape[1] // k.shape[1], tile or FUSED_TILE,
+                                               q.device, squares=runs_squares)
+    if lse_engine:
+        fp = _FusedPlan(q, k, v, pred, dense, score_mod, scale, bq, bk, kept, full, squares)
+        return _MergedFused.apply(q, k, v, fp)
+    outs = []
+    i = 0
+    nq = kept.shape[0]
+    while i < nq:
+        r0 = i * bq
+        if r0 in squares:  # causal squares: torch's causal call on each (top-left within the square)
+            while r0 in squares:
+                r1 = squares[r0]
+                outs.append(F.scaled_dot_product_attention(q[:, :, r0:r1], k[:, :, r0:r1], v[:, :, r0:r1],
+                                                           is_causal=True, dropout_p=dropout_p, scale=scale))
+                r0 = r1
+            i = -(-r0 // bq)
+            continue
+        cols = kept[i].nonzero()
+        if cols.numel() == 0:
+            r1 = min(T, r0 + bq)
+            outs.append(q.new_zeros(B, H, r1 - r0, Dv))
+            i += 1
+            continue
+        j0, j1 = int(cols[0]), int(cols[-1]) + 1
+        need_pred = not bool(full[i, j0:j1].all())
+        # Consecutive query blocks with the same key range and no mask share one call.
+        i1 = i + 1
+        while not need_pred and i1 < nq and torch.equal(kept[i1], kept[i]) and bool(full[i1, j0:j1].all()) \
+                and (i1 + 1 - i) * bq * (j1 - j0) * bk <= 1 << 22:
+            i1 += 1
+        r1 = min(T, i1 * bq)
+        c0, c1 = j0 * bk, min(S, j1 * bk)
+        m = block_mask(pred, dense, score_mod, B, H, T, S, r0, r1, c0, c1, need_pred, q.dtype, q.device)
+        outs.append(_fused_call(q[:, :, r0:r1], k[:, :, c0:c1], v[:, :, c0:c1], m, scale, dropout_p))
+        i = i1
+    return outs[0] if len(outs) == 1 else torch.cat(outs, dim=2)
+
+
+# ------------------------------------------- fused pieces merged by log-sum-exp (CPU)
+
+_CPU_FLASH = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
+_CPU_FLASH_BWD = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu_backward", None)
+if _CPU_FLASH_BWD is None:
+    _CPU_FLASH = None
+
+
+CAUSAL = "causal"  # a piece run by torch's causal kernel as a whole (a causal square)
+
+
+class _FusedPlan:
+    """A query block's kept key tiles as pieces: runs of full tiles (no mask), runs of
+    partial tiles (a float mask of that run only; the causal diagonal as `is_causal`).
+
+    On the CPU, torch's flash kernel returns each piece's log-sum-exp, so pieces merge
+    exactly: out = sum_p exp(lse_p - lse) out_p. A mask over a block's whole key range
+    costs the kernel 1.3-2x (it adds the mask to every score); pieces keep it to the
+    partial tiles. The backward asks the kernel's backward for each piece's share with
+    the merged out and lse (FlashAttention's dS = P (dP - rowsum(dO O)) splits over keys).
+    """
+
+    def __init__(self, q, k, v, pred, dense, score_mod, scale, bq, bk, kept, full, squares):
+        self.squares = squares  # {first row: end row} of the causal squares (none with a mod or dense mask)
+        self.B, self.H, self.T, self.D = q.shape
+        self.Hkv, self.S, self.Dv = k.shape[1], k.shape[2], v.shape[-1]
+        self.G = self.H // self.Hkv
+        self.pred, self.dense, self.score_mod, self.scale = pred, dense, score_mod, scale
+        self.bq, self.bk, self.kept, self.full = bq, bk, kept, full
+        self.dtype, self.device = q.dtype, q.device
+        self._cache = {}
+        self.P = mqa_splits(self.B, self.Hkv, self.G, q.device)  # MQA: P stride-0 heads, one per thread
+
+    def blocks(self):
+        """(r0, r1, [(c0, c1, partial), ...]) per query block; empty blocks have no pieces.
+
+        A causal square is one block with the one piece `(r0, r1, CAUSAL)`.
+        """
+        nq, nk = self.kept.shape
+        i = 0
+        while i < nq:
+            if i * self.bq in self.squares:
+                r = i * self.bq
+                while r in self.squares:  # squares of documents may end off the tile edges
+                    yield r, self.squares[r], [(r, self.squares[r], CAUSAL)]
+                    r = self.squares[r]
+                i = -(-r // self.bq)
+                continue
+            pieces, j = [], 0
+            row_kept, row_full = self.kept[i].tolist(), self.full[i].tolist()
+            while j < nk:
+                if not row_kept[j]:
+                    j += 1
+                    continue
+                j1 = j
+                while j1 < nk and row_kept[j1] and row_full[j1] == row_full[j]:
+                    j1 += 1
+                pieces.append((j * self.bk, min(self.S, j1 * self.bk), not row_full[j]))
+                j = j1
+            # query blocks whose pieces are all full and alike share one call (no bias to slice)
+            i1 = i + 1
+            if pieces and not any(p[2] for p in pieces) and self.score_mod is None and self.dense is None:
+                span = sum(c1 - c0 for c0, c1, _ in pieces)
+                while i1 < nq and torch.equal(self.kept[i1], self.kept[i]) \
+                        and torch.equal(self.full[i1], self.full[i]) and (i1 + 1 - i) * self.bq * span <= 1 << 22:
+                    i1 += 1
+            if len(pieces) > 1 and pieces[-1][1] - pieces[0][0] <= _ONE_CALL_SPAN:
+                # a short range: one masked call costs less than a call per piece
+                pieces = [(pieces[0][0], pieces[-1][1], True)]
+            yield i * self.bq, min(self.T, i1 * self.bq), pieces
+            i = i1
+
+    def piece_mask(self, r0, r1, c0, c1, partial):
+        """(float mask laid out for the folded queries or None, is_causal, rows-empty or None).
+
+        A mask that depends on q - kv only (causal, sliding windows) is the same for every
+        piece at the same offset from the diagonal: built once, for forward and backward.
+        """
+        key = None
+        if self.pred is not None and self.pred.relative and self.score_mod is None and self.dense is None:
+            key = (r0 + self.S - self.T - c0, r1 - r0, c1 - c0, partial)
+            if key in self._cache:
+                return self._cache[key]
+        result = self._piece_mask(r0, r1, c0, c1, partial)
+        if key is not None and len(self._cache) < 64:
+            self._cache[key] = result
+        return result
+
+    def _piece_mask(self, r0, r1, c0, c1, partial):
+        t, s = r1 - r0, c1 - c0
+        m = block_mask(self.pred, self.dense, self.score_mod, self.B, self.H, self.T, self.S, r0, r1, c0, c1,
+                        partial, self.dtype, self.device)
+        if m is None:
+            return None, False, None
+        if self.G == 1 and t == s and m.shape[0] == m.shape[1] == 1 and t > 1 and partial \
+                and self.score_mod is None and self.dense is None:
+            tril = torch.ones(t, s, dtype=torch.bool, device=self.device).tril()
+            if torch.equal(~torch.isneginf(m[0, 0]), tril):
+                return None, True, None  # the causal diagonal tile: torch's own causal kernel
+        empty = torch.isneginf(m).all(-1, keepdim=True) if partial or self.dense is not None else None
+        return self.fold_mask(m, t), False, None if empty is None else self.fold_mask(empty, t)
+
+    def equal_squares(self, q, k, v) -> int:
+        """n > 0 when n causal squares of equal length cover all rows and fold into the
+        heads as views (MHA, heads laid out one after another): 0 otherwise."""
+        sq = self.squares
+        if self.G != 1 or not sq or 0 not in sq:
+            return 0
+        lengths = {e - a for a, e in sq.items()}
+        ends = sorted(sq.values())
+        if len(lengths) != 1 or ends[-1] != self.T or sorted(sq) != [0] + ends[:-1]:
+            return 0
+        if any(x.stride(1) != x.shape[2] * x.stride(2) for x in (q, k, v)):
+            return 0
+        return len(sq)
+
+    def fold_squares(self, n, *xs):
+        """(B, H, T, X) -> (B, H*n, T/n, X): views for q, k, v (see `equal_squares`)."""
+        return [x.reshape(self.B, x.shape[1] * n, self.T // n, x.shape[-1]) for x in xs]
+
+    def square_rows(self, x, r0, r1):
+        """(B, H, T, X) rows r0..r1 -> (B*Hkv, G, t, X): a K/V head's G query heads as heads."""
+        return x[:, :, r0:r1].reshape(self.B * self.Hkv, self.G, r1 - r0, x.shape[-1])
+
+    def square(self, q, k, v, r0, r1):
+        """q, k, v of the causal square r0..r1 for one causal call: K/V heads become the
+        batch and are read by their G query heads through a stride-0 view (no copies)."""
+        t, BK = r1 - r0, self.B * self.Hkv
+        ks = k[:, :, r0:r1].reshape(BK, 1, t, self.D).expand(BK, self.G, t, self.D)
+        vs = v[:, :, r0:r1].reshape(BK, 1, t, self.Dv).expand(BK, self.G, t, self.Dv)
+        return self.square_rows(q, r0, r1), ks, vs
+
+    def fold_mask(self, m, t):
+        m = fold_mask(m, self.B, self.Hkv, self.G, t)
+        if self.P > 1 and m.shape[2] > 1:
+            m = m.reshape(m.shape[0], self.P, self.G // self.P * t, m.shape[3])
+        return m
+
+    def fold(self, x, t):
+        """(B, H, t, X) -> (B, Hkv*P, G/P*t, X): the G query heads of a K/V head as rows."""
+        return x.reshape(self.B, self.Hkv * self.P, self.G // self.P * t, x.shape[-1])
+
+    def kv(self, x, c0, c1):
+        x = x[:, :, c0:c1]
+        return x.expand(self.B, self.P, c1 - c0, x.shape[-1]) if self.P > 1 else x
+
+
+class _MergedFused(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, fp: _FusedPlan):
+        B, H, T, Dv = fp.B, fp.H, fp.T, fp.Dv
+        acc = acc_dtype(q.dtype)
+        n = ctx.n = fp.equal_squares(q, k, v)
+        if n:  # causal, or equal documents & causal: one call, the squares folded into the heads
+            o, lp = _CPU_FLASH(*fp.fold_squares(n, q, k, v), 0.0, True, scale=fp.scale)
+            out, lse = o.view(B, H, T, Dv), lp.reshape(B, H, T).to(acc)
+        else:
+            out = q.new_empty(B, H, T, Dv)
+            lse = torch.full((B, H, T), float("-inf"), dtype=acc, device=q.device)
+        for r0, r1, pieces in fp.blocks() if not n else ():
+            if not pieces:
+                out[:, :, r0:r1] = 0
+                continue
+            if pieces[0][2] is CAUSAL:
+                o, lp = _CPU_FLASH(*fp.square(q, k, v, r0, r1), 0.0, True, scale=fp.scale)
+                out[:, :, r0:r1] = o.reshape(B, H, r1 - r0, Dv)
+                lse[:, :, r0:r1] = lp.reshape(B, H, r1 - r0)
+                continue
+            t = r1 - r0
+            qf = fp.fold(q[:, :, r0:r1], t)
+            parts = []
+            for c0, c1, partial in pieces:
+                m, is_causal, empty = fp.piece_mask(r0, r1, c0, c1, partial)
+                o, lp = _CPU_FLASH(qf, fp.kv(k, c0, c1), fp.kv(v, c0, c1), 0.0, is_causal, attn_mask=m,
+                                   scale=fp.scale)
+                lp = lp[..., None].to(acc)  # (B, Hkv*P, G/P*t, 1)
+                if empty is not None:
+                    lp = lp.masked_fill(empty, float("-inf"))  # the kernel reports 0 for a row with no key
+                parts.append((o, lp))
+            o, lp = lse_merge(parts, acc, q.dtype)
+            out[:, :, r0:r1] = o.reshape(B, H, t, Dv)
+            lse[:, :, r0:r1] = lp.reshape(B, H, t)
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.fp = fp
+        return out
+
+    @staticmethod
+    def backward(ctx, d_out):
+        q, k, v, out, lse = ctx.saved_tensors
+        fp: _FusedPlan = ctx.fp
+        if torch.is_grad_enabled():  # create_graph: differentiable recomputation (see `twice`)
+            def recompute(qq, kk, vv):
+                tiles = Tiles(qq, kk, vv, fp.pred, fp.dense, fp.score_mod, fp.scale, 0.0,
+                              explicit_tiles.EXPLICIT_TILE, 0)
+                return tiles.recompute(qq, kk, vv, fp.dense)
+
+            return (*twice(ctx, (q, k, v), d_out, recompute), None)
+        acc = acc_dtype(q.dtype)
+        d_out = d_out.to(q.dtype)
+        lse_dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
+        n = ctx.n
+        if n:  # every row in a causal square: one backward call, no accumulators
+            lf = lse.reshape(fp.B, fp.H * n, fp.T // n).to(lse_dtype)
+            gq, gk, gv = _CPU_FLASH_BWD(*fp.fold_squares(n, d_out, q, k, v, out), lf, 0.0, True, scale=fp.scale)
+            return (gq.reshape(q.shape).to(q.dtype), gk.reshape(k.shape).to(k.dtype),
+                    gv.reshape(v.shape).to(v.dtype), None)
+        dq = torch.zeros(q.shape, dtype=acc, device=q.device)
+        dk = torch.zeros(k.shape, dtype=acc, device=q.device)
+        dv = torch.zeros(v.shape, dtype=acc, device=q.device)
+        lse = lse.masked_fill(torch.isneginf(lse), float("inf"))  # rows with no key: P = 0, no gradient
+        for r0, r1, pieces in fp.blocks():
+            if pieces and pieces[0][2] is CAUSAL:
+                qs, ks, vs = fp.square(q, k, v, r0, r1)
+                gs, os_ = fp.square_rows(d_out, r0, r1), fp.square_rows(out, r0, r1)
+                ls = fp.square_rows(lse[..., None], r0, r1)[..., 0].to(lse_dtype)
+                gq, gk, gv = _CPU_FLASH_BWD(gs, qs, ks, vs, os_, ls, 0.0, True, scale=fp.scale)
+                t = r1 - r0
+                dq[:, :, r0:r1] += gq.reshape(fp.B, fp.H, t, -1)
+                dk[:, :, r0:r1] += gk.sum(1).reshape(fp.B, fp.Hkv, t, -1)
+                dv[:, :, r0:r1] += gv.sum(1).reshape(fp.B, fp.Hkv, t, -1)
+                continue
+            t = r1 - r0
+            qf, of, gf = (fp.fold(x[:, :, r0:r1], t) for x in (q, out, d_out))
+            lf = fp.fold(lse[:, :, r0:r1, None], t)[..., 0].to(lse_dtype)
+            for c0, c1, partial in pieces:
+                m, is_causal, _ = fp.piece_mask(r0, r1, c0, c1, partial)
+                gq, gk, gv = _CPU_FLASH_BWD(gf, qf, fp.kv(k, c0, c1), fp.kv(v, c0, c1), of, lf, 0.0, is_causal,
+                                            attn_mask=m, scale=fp.scale)
+                dq[:, :, r0:r1] += gq.reshape(fp.B, fp.H, t, -1)
+                dk[:, :, c0:c1] += gk.sum(1, keepdim=True) if fp.P > 1 else gk
+                dv[:, :, c0:c1] += gv.sum(1, keepdim=True) if fp.P > 1 else gv
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None

@@ -1,0 +1,247 @@
+"""The tile planner of the block-sparse engines: the score matrix `(T, S)` is cut into
+tiles of bq queries x bk keys, and a mask predicate (`multihead.masks`) classifies every
+tile as empty (skipped), full (run without a mask) or partial (run with the dense mask of
+that tile only), analytically for the built-in predicates and by evaluating one strip of
+rows at a time for any other; nothing of size `(T, S)` is ever built. It also finds the
+"causal squares" (rows that attend exactly causally among themselves: plain causal, each
+packed document of `document & causal`), which run as one causal kernel call each, and
+builds each block's small mask."""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from multihead.kernels.common import index
+from multihead.masks import MaskMod, and_masks
+from multihead.masks import causal as causal_mod
+
+__all__ = ["block_mask", "choose_tile", "combine", "fold_mask", "plan", "slice_dense", "tile_sizes"]
+
+_FUSED_CANDIDATES = (64, 128, 256, 512, 1024)  # tile edges the fused engine's plan chooses from
+_MIN_SEGMENT = 64  # documents shorter than this on average run as tiles, not a call each
+
+
+def tile_sizes(T: int, S: int, tile: int) -> tuple[int, int]:
+    return max(1, min(T, tile)), max(1, min(S, tile))
+
+
+def combine(mask, causal: bool) -> tuple[MaskMod | None, Tensor | None]:
+    """Split a kernel mask into (predicate, dense tensor) and fold `causal` into the predicate."""
+    pred = mask if isinstance(mask, MaskMod) else None
+    dense = mask if isinstance(mask, Tensor) else None
+    if causal:
+        pred = causal_mod() if pred is None else and_masks(pred, causal_mod())
+    return pred, dense
+
+
+def plan(pred: MaskMod | None, B: int, H: int, T: int, S: int, bq: int, bk: int, device) -> tuple[Tensor, Tensor]:
+    """Per tile, over all batches and heads: (kept, full) bool `(nq, nk)` on the CPU.
+
+    A tile is kept when some (b, h) may attend a pair in it, and full when every (b, h)
+    may attend every pair in it.
+    """
+    nq, nk = -(-T // bq), -(-S // bk)
+    if pred is None:
+        ones = torch.ones(nq, nk, dtype=torch.bool)
+        return ones, ones
+    any_, all_ = pred.tiles(B, H, T, S, bq, bk, device)
+    any_ = any_.expand(-1, -1, nq, nk).flatten(0, 1).any(0)
+    all_ = all_.expand(-1, -1, nq, nk).flatten(0, 1).all(0)
+    return any_.cpu(), all_.cpu()
+
+
+def _kernel_efficiency(rows: int) -> float:
+    """Relative speed of torch's CPU flash kernel by query rows per call: it splits queries
+    in blocks of 32 below 192 rows, 64 below 768, 256 above (measured ~0.55 : 0.8 : 1)."""
+    return 0.55 if rows < 192 else 0.8 if rows < 768 else 1.0
+
+
+def choose_tile(pred, B, H, T, S, G, tile, device, squares: bool = True):
+    """(bq, bk, kept, full, squares): a fixed tile, or the candidate of least estimated kernel time.
+
+    Estimated time = pairs computed (rows x kept keys, tile-granular) / kernel efficiency
+    at that many (GQA-folded) rows, plus a cost per call; a causal square (see
+    `_causal_squares`) is one call at full efficiency over half its pairs. Only analytic
+    predicates are planned more than once: planning a generic predicate evaluates it
+    over all pairs. `squares=False`: the engine cannot run squares (a score mod, a dense
+    mask, or torch's math path behind it), so none are looked for or costed.
+    """
+    find = _causal_squares if squares else lambda *args: {}
+    segments = _segment_squares(pred, B, H, T, S, device) if pred is not None and squares else {}
+    if segments or tile is not None or pred is None or not pred.analytic:
+        bq, bk = tile_sizes(T, S, tile or (256 if segments else 128))
+        kept, full = plan(pred, B, H, T, S, bq, bk, device)
+        return bq, bk, kept, full, segments or find(pred, B, H, T, S, bq, bk, kept, full, device)
+    best = None
+    threads = max(1, torch.get_num_threads())
+    for c in _FUSED_CANDIDATES if T > _FUSED_CANDIDATES[0] else (256,):  # decoding: one plan, one block
+        bq, bk = tile_sizes(T, S, c)
+        kept, full = plan(pred, B, H, T, S, bq, bk, device)
+        found = find(pred, B, H, T, S, bq, bk, kept, full, device)
+        in_square = torch.zeros(kept.shape[0], dtype=torch.bool)
+        pairs, calls = 0.0, 0
+        for r0, r1 in found.items():
+            in_square[r0 // bq:-(-r1 // bq)] = True
+            pairs, calls = pairs + (r1 - r0) * (r1 - r0 + 1) / 2, calls + 1
+        rest = kept[~in_square]
+        # seconds at ~20 GFLOP/s per thread and head, plus ~0.5 ms per call (mask, merge, dispatch)
+        pairs += float(rest.sum()) * bq * bk / _kernel_efficiency(G * bq)
+        calls += int((~in_square).sum())
+        cost = pairs * H * 4 * 64 / 20e9 / threads + calls * 5e-4
+        if best is None or cost < best[0] * 0.97:
+            best = (cost, bq, bk, kept, full, found)
+        if bq == T and bk == S or bool(in_square.all()):  # all causal squares: the tile no longer matters
+            break
+    return best[1:]
+
+
+def _and_leaves(pred: MaskMod) -> list[MaskMod]:
+    if pred._op == "and":
+        return [leaf for part in pred._parts for leaf in _and_leaves(part)]
+    return [pred]
+
+
+def _over_differences(leaf: MaskMod, n: int, B: int, H: int, device) -> tuple[Tensor, Tensor]:
+    """(allowed `(B*H or 1, 2n - 1)`, lower `(2n - 1,)`): a function of d = q - kv alone
+    (`leaf.relative`) at every d of an n x n block on the diagonal, -(n - 1) .. n - 1, and
+    where the causal triangle has it (d >= 0). O(n) evaluations instead of n^2."""
+    d = torch.arange(-(n - 1), n, device=device)
+    at = torch.full((1, 1, 1, 1), n - 1, device=device)
+    allowed = leaf.evaluate(index(B, 0, device), index(H, 1, device), at + d.view(1, 1, -1, 1), at, 0)
+    return allowed.reshape(-1, d.numel()), d >= 0
+
+
+def _diagonal_tril(pred: MaskMod, B: int, H: int, T: int, bq: int, device) -> Tensor | None:
+    """(nq,) bool: the diagonal tile (i, i) of `pred` (S == T, square tiles) is exactly
+    lower-triangular for every batch and head; None when that cannot be told cheaply.
+
+    Told without evaluating every diagonal tile: `pred` is an `&` of parts of which one
+    is a function of q - kv alone that is lower-triangular on a diagonal tile (causal;
+    a sliding window at least a tile wide), and the others are full on that tile.
+    """
+    leaves = _and_leaves(pred)
+    nq = -(-T // bq)
+    by_d = {leaf: _over_differences(leaf, bq, B, H, device)[0]
+            for leaf in leaves if leaf.relative and not leaf.top_left}  # (B*H or 1, 2bq - 1)
+    lower = torch.arange(-(bq - 1), bq, device=device) >= 0
+    for leaf, m in by_d.items():
+        if not bool((m == lower).all()):  # not exactly the lower triangle
+            continue
+        ok = torch.ones(nq, dtype=torch.bool)
+        for other in leaves:
+            if other is leaf:
+                continue
+            if other in by_d:  # holds the triangle (a second causal, a wide window)?
+                ok &= bool((by_d[other] | ~lower).all())
+            elif other.analytic:
+                all_ = other.tiles(B, H, T, T, bq, bq, device)[1]
+                ok &= all_.expand(-1, -1, nq, nq).flatten(0, 1).all(0).diagonal().cpu()
+            else:
+                return None
+        return ok
+    return None
+
+
+def _causal_squares(pred, B, H, T, S, bq, bk, kept, full, device) -> dict[int, int]:
+    """Runs of query blocks that attend exactly causally among themselves: {first row: end row}.
+
+    Block rows a..e-1 form a square when each row i keeps exactly the key tiles a..i,
+    those left of the diagonal full and the diagonal one exactly lower-triangular. Rows
+    a*bq..e*bq then attend keys a*bq..e*bq causally: one call of torch's causal kernel,
+    which skips the upper half itself, replaces 2 (e - a) pieces and their merges. Plain
+    causal is one square; packed documents & causal one square per document (when the
+    documents start on tile edges).
+    """
+    if pred is None or T != S or bq != bk or T < 2:
+        return {}
+    diag = _diagonal_tril(pred, B, H, T, bq, device)
+    if diag is None or not bool(diag.any()):
+        return {}
+    nq = kept.shape[0]
+    cols = torch.arange(kept.shape[1])
+    # per row: first kept tile, kept tiles, full tiles left of the diagonal, diagonal kept and tril
+    first = torch.where(kept, cols, kept.shape[1]).amin(1).tolist()
+    n_kept = kept.sum(1).tolist()
+    n_full = (full & (cols < torch.arange(nq)[:, None])).sum(1).tolist()
+    on_diag = (kept[:, :nq].diagonal() & diag).tolist() if kept.shape[1] >= nq else [False] * nq
+    squares, i = {}, 0
+    while i < nq:
+        a = i  # row i keeps exactly tiles a..i, full left of the diagonal:
+        while i < nq and on_diag[i] and first[i] == a and n_kept[i] == i - a + 1 and n_full[i] == i - a:
+            i += 1
+        if i > a:
+            squares[a * bq] = min(T, i * bq)
+        else:
+            i += 1
+    return squares
+
+
+def _segment_squares(pred: MaskMod, B: int, H: int, T: int, S: int, device) -> dict[int, int]:
+    """Packed documents & causal, documents anywhere (not only on tile edges): {start: end}
+    rows of each document, which attends exactly causally within itself: one causal call
+    per document, the time of the pairs allowed. Empty unless `pred` is an `&` of one
+    predicate that knows its segments (`document` with contiguous runs of ids, the same in
+    every batch) and functions of q - kv that give exactly the causal triangle over the
+    longest document (causal; a sliding window at least that long), and S == T.
+    """
+    if T != S or T < 2:
+        return {}
+    leaves = _and_leaves(pred)
+    runs = [leaf for leaf in leaves if leaf._segments is not None]
+    if len(runs) != 1 or any(not (leaf.relative and not leaf.top_left) for leaf in leaves if leaf is not runs[0]):
+        return {}
+    segments = runs[0]._segments(T, S)
+    if not segments or len(segments) > max(1, T // _MIN_SEGMENT):
+        return {}  # no runs, or many short documents: tiles do better than a call per document
+    L = max(e - a for a, e in segments)  # over the longest document
+    by_d = [_over_differences(leaf, L, B, H, device)[0] for leaf in leaves if leaf is not runs[0]]
+    lower = torch.arange(-(L - 1), L, device=device) >= 0
+    if not any(bool((m == lower).all()) for m in by_d) or not all(bool((m | ~lower).all()) for m in by_d):
+        return {}
+    return dict(segments)
+
+
+def slice_dense(dense: Tensor, r0: int, r1: int, c0: int, c1: int) -> Tensor:
+    rows = slice(r0, r1) if dense.shape[2] > 1 else slice(None)
+    cols = slice(c0, c1) if dense.shape[3] > 1 else slice(None)
+    return dense[:, :, rows, cols]
+
+
+def block_mask(pred, dense, score_mod, B, H, T, S, r0, r1, c0, c1, need_pred, dtype, device):
+    """The mask of one block (rows r0..r1, keys c0..c1): None, bool, or float (additive)."""
+    b, h = index(B, 0, device), index(H, 1, device)
+    rows, kv = index(r1 - r0, 2, device, r0), index(c1 - c0, 3, device, c0)
+    allowed = bias = None
+    if pred is not None and need_pred:
+        allowed = pred.evaluate(b, h, rows, kv, S - T)
+        allowed = allowed.reshape((1,) * (4 - allowed.dim()) + tuple(allowed.shape))
+    if dense is not None:
+        d = slice_dense(dense, r0, r1, c0, c1)
+        if d.dtype == torch.bool:
+            allowed = d if allowed is None else allowed & d
+        else:
+            bias = d
+    if score_mod is not None:
+        sb = score_mod.bias_tile(b, h, rows, kv, S - T, dtype)
+        sb = sb.reshape((1,) * (4 - sb.dim()) + tuple(sb.shape))
+        bias = sb if bias is None else bias + sb
+    if bias is None:
+        if allowed is None:
+            return None
+        # torch's CPU kernel runs a float mask faster than a bool one (measured 1.3-1.6x)
+        bias = torch.zeros((), dtype=dtype, device=device).expand(allowed.shape)
+    bias = bias.to(dtype)
+    return bias if allowed is None else bias.masked_fill(~allowed, float("-inf"))
+
+
+def fold_mask(m: Tensor | None, B: int, Hkv: int, G: int, t: int) -> Tensor | None:
+    """A block mask `(Bm, Hm, t|1, s)` laid out for queries folded as `(B, Hkv, G*t, D)`."""
+    if m is None or G == 1:
+        return m
+    Bm, Hm, tm, s = m.shape
+    if Hm == 1 and tm == 1:
+        return m  # broadcasts over the folded rows
+    if Hm == 1:
+        return m.expand(Bm, G, t, s).reshape(Bm, 1, G * t, s)  # (Bm, 1, G*t, s)
+    return m.expand(Bm, Hm, t, s).reshape(Bm, Hkv, G * t, s)  # (Bm, Hkv, G*t, s)
