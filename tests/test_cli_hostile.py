@@ -191,23 +191,26 @@ def test_inspect_html_and_png_over_a_private_file_keep_its_mode(files, tmp_path)
 def test_inspect_png_without_matplotlib_is_one_line_and_keeps_the_rest(files, tmp_path):
     """matplotlib unimportable: exit 2 with one error line after the table; the HTML is written."""
     html, png = tmp_path / "v.html", tmp_path / "v.png"
-    code = ("import sys; sys.modules['matplotlib'] = None; from multihead.cli import main; "
-            f"sys.exit(main(['inspect', 'a b c a b', '--model', {files['lab']!r}, '--html', {str(html)!r}, "
-            f"'--png', {str(png)!r}] + sys.argv[1:]))")
-    for extra in ([], ["--json"]):
-        r = subprocess.run([sys.executable, "-c", code, *extra], capture_output=True, text=True, timeout=SECONDS,
-                           env={**os.environ, "OMP_NUM_THREADS": "1"})
-        assert r.returncode == 2, r.stderr
-        assert "Traceback" not in r.stderr and "internal error" not in r.stderr, r.stderr
-        lines = [line for line in r.stderr.splitlines() if line.strip()]
-        assert len(lines) == 1 and lines[0].startswith("multihead inspect: error: --png"), r.stderr
-        assert "matplotlib" in lines[0] and "HTML view were produced" in lines[0]
-        assert html.is_file() and not png.exists()
-        if extra:
-            assert json.loads(r.stdout)["files"] == {"html": str(html.resolve())}
-        else:
-            assert "rank layer head" in r.stdout and "HTML head view" in r.stdout
-        html.unlink()
+    # one process, two runs (table, then --json); the first run's page is moved aside
+    code = ("import os, sys; sys.modules['matplotlib'] = None; from multihead.cli import main\n"
+            f"argv = ['inspect', 'a b c a b', '--model', {files['lab']!r}, '--html', {str(html)!r}, "
+            f"'--png', {str(png)!r}]\n"
+            "first = main(argv)\n"
+            f"os.rename({str(html)!r}, {str(html) + '.first'!r})\n"
+            "print('=====', flush=True)\n"
+            "second = main(argv + ['--json'])\n"
+            "print('exits', first, second, file=sys.stderr)\n")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=SECONDS,
+                       env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert "Traceback" not in r.stderr and "internal error" not in r.stderr, r.stderr
+    lines = [line for line in r.stderr.splitlines() if line.strip()]
+    assert lines[-1] == "exits 2 2", r.stderr
+    assert len(lines) == 3 and all(line.startswith("multihead inspect: error: --png") for line in lines[:2]), r.stderr
+    assert all("matplotlib" in line and "HTML view were produced" in line for line in lines[:2])
+    table, as_json = r.stdout.split("=====\n")
+    assert "rank layer head" in table and "HTML head view" in table
+    assert json.loads(as_json)["files"] == {"html": str(html.resolve())}
+    assert Path(str(html) + ".first").is_file() and html.is_file() and not png.exists()
 
 
 def test_inspect_text_that_is_not_utf8(files):
