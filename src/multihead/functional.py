@@ -45,7 +45,7 @@ gradient, a float mask (T5's position bias) and the tensors a score mod captures
 tensors on "tiles"/"sdpa": "auto" picks "chunked" or "math"). So do second derivatives
 (create_graph=True: gradient penalties): the tile engines and torch's fused kernels
 then recompute the attention with differentiable ops (`_SecondOrder`,
-`blocksparse._twice`); only torch's own dropout, which cannot be redrawn, refuses.
+`kernels.explicit_tiles.twice`); only torch's own dropout, which cannot be redrawn, refuses.
 
 Empty problems (B, H, T or S = 0) return empty or zero outputs of the right shape.
 """

@@ -31,6 +31,8 @@ from collections.abc import Callable, Sequence
 import torch
 from torch import Tensor
 
+from multihead.kernels.common import softcap as softcap_formula
+
 __all__ = ["ScoreMod", "alibi", "alibi_slopes", "from_flex", "softcap"]
 
 
@@ -154,7 +156,7 @@ def softcap(cap: float) -> ScoreMod:
     cap = _positive_number(cap, "softcap cap")
 
     def fn(score, b, h, q, kv):
-        return torch.tanh(score / cap) * cap
+        return softcap_formula(score, cap)
 
     def inplace_grad(z, ds):  # d(cap tanh(s / cap))/ds = 1 - (z / cap)^2
         return ds.addcmul_(ds, z.div_(cap).square_(), value=-1)

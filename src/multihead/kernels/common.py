@@ -1,6 +1,7 @@
 """The pieces every attention engine shares, written once: the accumulation dtype, flex's
 index tensors, the MQA split over CPU threads, the bottom-right causal triangle and the
-log-sum-exp merge of attentions over disjoint key sets (FlashAttention's rescaling)."""
+log-sum-exp merge of attentions over disjoint key sets (FlashAttention's rescaling), and
+the softcap formula."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
-__all__ = ["acc_dtype", "causal_triangle", "index", "lse_merge", "mqa_splits"]
+__all__ = ["acc_dtype", "causal_triangle", "index", "lse_merge", "mqa_splits", "softcap"]
 
 
 def acc_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -52,3 +53,8 @@ def lse_merge(parts: Sequence[tuple[Tensor, Tensor]], acc: torch.dtype, dtype: t
     lp = torch.logsumexp(torch.cat([p[1] for p in parts], -1), -1, keepdim=True)
     safe = lp.masked_fill(torch.isneginf(lp), 0.0)
     return sum(p[0].to(acc) * torch.exp(p[1] - safe) for p in parts).to(dtype), lp
+
+
+def softcap(scores: Tensor, cap: float) -> Tensor:
+    """cap * tanh(scores / cap): Gemma 2's logit soft-capping (scores squashed into (-cap, cap))."""
+    return torch.tanh(scores / cap) * cap
