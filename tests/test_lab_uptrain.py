@@ -182,3 +182,23 @@ def test_the_docs_quote_the_committed_results():
     mha = res["results"]["mha"]
     assert f"| MHA | {mha['kv_bytes_per_token']:,} | - | {mha['val_bits_per_char']:.3f} |" in section
     assert res["experiment"] == "uptrain" and not res["interrupted"] and res["config"]["steps"] == 1200
+
+
+def test_a_rope_baseline_converts_to_mla_with_partial_rope(tmp_path):
+    cfg = replace(UptrainConfig.quick(), positions="rope", kv_heads=(2,), inits=("mean",), ranks=(8,),
+                  mla_rope_dims=(0, 4), fractions=(0.0, 0.1), steps=20)
+    res = run_uptrain(cfg, tmp_path, progress=False)
+    r = res["results"]
+    L = cfg.n_layers
+    got = [(v["target"], v["uptrain_fraction"], v["kv_bytes_per_token"]) for v in r["variants"]]
+    assert got == [("GQA-2", 0.0, 2 * 2 * 8 * L * 2), ("GQA-2", 0.1, 64), ("MLA-8 rope 0", 0.0, 8 * L * 2),
+                   ("MLA-8 rope 0", 0.1, 16), ("MLA-8 rope 4", 0.0, 12 * L * 2), ("MLA-8 rope 4", 0.1, 24)]
+    assert [(s["target"], s["kv_bytes_per_token"]) for s in r["scratch"]] == [
+        ("GQA-2", 64), ("MLA-8 rope 0", 16), ("MLA-8 rope 4", 24)]
+    # the fraction-0 numbers are those of the saved baseline converted here, layer by layer
+    model, _, _ = load_lab_checkpoint(tmp_path)
+    assert model.cfg.positions == "rope"
+    for b in model.blocks:
+        b.attn = convert.to_mla(b.attn, 8, rope_dim=4)
+    at0 = next(v for v in r["variants"] if v["target"] == "MLA-8 rope 4" and v["uptrain_fraction"] == 0)
+    assert _val_bpc(model, cfg) == pytest.approx(at0["val_bits_per_char"], abs=1e-5)

@@ -187,7 +187,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
             p.add_argument("--vocab", type=_positive, default=None, help="random symbols" + d("vocab"))
             p.add_argument("--seq-len", type=_positive, default=None, help="tokens per sequence" + d("seq_len"))
         elif name == "uptrain":
-            from multihead.lab.uptrain_config import parse_fractions, parse_inits
+            from multihead.lab.uptrain_config import parse_fractions, parse_inits, parse_rope_dims
 
             p.add_argument("--from", type=Path, default=None, dest="from_checkpoint",
                            help="a `multihead lab mla` run folder: convert its MHA model (default: train one)")
@@ -198,6 +198,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                            help="uptraining, shares of --steps" + d("fractions"))
             p.add_argument("--uptrain-lr", type=_positive_float, default=None,
                            help="uptraining's peak learning rate (default: the baseline's last, 0.1 x --lr)")
+            p.add_argument("--positions", choices=("learned", "rope"), default=None,
+                           help="the baseline's positions (default learned)")
+            p.add_argument("--mla-rope-dims", type=parse_rope_dims, default=None,
+                           help="with --positions rope: MLA's rotary dims kept" + d("mla_rope_dims"))
             p.add_argument("--d-model", type=_positive, default=None, help="model width" + d("d_model"))
             _layers(p, "blocks" + d("n_layers"))
             p.add_argument("--n-heads", type=_positive, default=None, help="heads" + d("n_heads"))
@@ -377,7 +381,8 @@ def _configure(args):
             raise UsageError(f"--from {src}: no such folder; give the output folder of a `multihead lab mla` run")
         return run_uptrain, build(UptrainConfig, from_checkpoint=None if src is None else str(src),
                                   kv_heads=args.kv_heads, inits=args.inits, ranks=args.ranks,
-                                  fractions=args.fractions, uptrain_lr=args.uptrain_lr, d_model=args.d_model,
+                                  fractions=args.fractions, uptrain_lr=args.uptrain_lr, positions=args.positions,
+                                  mla_rope_dims=args.mla_rope_dims, d_model=args.d_model,
                                   n_layers=args.n_layers, n_heads=args.n_heads, **common)
     raise UsageError(f"unknown experiment {args.experiment!r}; valid: {', '.join(EXPERIMENTS)}")
 

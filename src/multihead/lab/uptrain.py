@@ -29,8 +29,12 @@ model, same defaults):
 
 RoPE: the lab's language model uses learned absolute positions (as `lab mla` does), so
 no rotary part sits between W_k and the scores and the SVD conversion is exact at full
-rank; `to_mla` refuses layers with RoPE (see its docstring), and MHA2MLA's partial-RoPE
-conversion is not attempted here.
+rank. `positions="rope"` trains a baseline with rotary positions instead (every head dim
+rotary, no position embedding) and converts it to MLA at each rank and each
+`mla_rope_dims` r by `to_mla(..., rope_dim=r)`: MHA2MLA's partial RoPE, the r/2
+highest-frequency pairs kept rotary in MLA's shared decoupled key (the heads' mean), the
+rest unrotated through the SVD (r = 0: RoPE dropped). Its MLA from scratch has learned
+positions and RoPE in its rope_dim dims, as every lab MLA model.
 
 Writes results.json (`results.mha`, `results.variants`, `results.scratch`, `claims`,
 `summary`), uptrain.png (bits/char against uptraining per target and init), frontier.png
@@ -67,13 +71,17 @@ _FROM_FIELDS = ("corpus", "max_chars", "d_model", "n_layers", "n_heads", "contex
                 "warmup", "eval_batches", "val_fraction")
 
 
-def targets(cfg: UptrainConfig) -> list[tuple[str, str, int, tuple[str, ...]]]:
-    """(target name, "gqa" | "mla", n_kv_heads or kv_rank, inits) for every conversion."""
+def targets(cfg: UptrainConfig) -> list[tuple[str, str, int, int | None, tuple[str, ...]]]:
+    """(target name, "gqa" | "mla", n_kv_heads or kv_rank, MLA's rope_dim, inits) for every
+    conversion; a RoPE baseline gives one MLA target per rank and rope_dim."""
     out = []
     for hkv in sorted(cfg.kv_heads):
-        out.append(("MQA" if hkv == 1 else f"GQA-{hkv}", "gqa", hkv, cfg.inits))
+        out.append(("MQA" if hkv == 1 else f"GQA-{hkv}", "gqa", hkv, None, cfg.inits))
     for r in sorted(cfg.ranks):
-        out.append((f"MLA-{r}", "mla", r, ("svd",)))
+        if cfg.positions == "rope":
+            out += [(f"MLA-{r} rope {p}", "mla", r, p, ("svd",)) for p in sorted(cfg.mla_rope_dims)]
+        else:
+            out.append((f"MLA-{r}", "mla", r, None, ("svd",)))
     return out
 
 
@@ -96,18 +104,18 @@ def run_uptrain(cfg: UptrainConfig | None = None, out_dir: str | Path = "lab-upt
     val = [_windows(val_ids, cfg.batch_size, cfg.context, gen_val) for _ in range(cfg.eval_batches)]
     tg = targets(cfg)
     up_steps = sum(cfg.uptrain_steps(f) for f in cfg.fractions)
-    n_conv = sum(len(inits) for *_, inits in tg)
+    n_conv = sum(len(t[-1]) for t in tg)
     overall = Overall((source is None) + len(tg) + n_conv * sum(f > 0 for f in cfg.fractions),
                       cfg.steps * ((source is None) + len(tg)) + n_conv * up_steps)
     ctx = _Run(cfg, train_ids, val, dev, seed, callback, progress, overall, out, res, t0)
     mha = None
     try:
         mha = _baseline(ctx, source, vocab)
-        for name, kind, size, inits in tg:
+        for name, kind, size, rope_dim, inits in tg:
             for init in inits:
-                _conversion(ctx, mha, name, kind, size, init)
-        for name, kind, size, _ in tg:
-            _scratch(ctx, name, kind, size, len(vocab))
+                _conversion(ctx, mha, name, kind, size, rope_dim, init)
+        for name, kind, size, rope_dim, _ in tg:
+            _scratch(ctx, name, kind, size, rope_dim, len(vocab))
     except KeyboardInterrupt:
         res["interrupted"] = True
     summarise(cfg, res)
@@ -194,19 +202,28 @@ def _baseline(ctx: _Run, source: LabTransformer | None, vocab: Vocab) -> LabTran
     return model
 
 
-def _convert(mha: LabTransformer, kind: str, size: int, init: str, seed: int):
+def _convert(mha: LabTransformer, kind: str, size: int, rope_dim: int | None, init: str, seed: int):
     from multihead import convert
 
+    if kind == "mla" and rope_dim is not None:
+        # layer by layer: a lab model's config cannot describe MLA keeping part of a rotary head
+        # (its MLA takes RoPE from rope_dim at the default base), so the copy keeps its cfg
+        model, rows = copy.deepcopy(mha), []
+        for i, block in enumerate(model.blocks):
+            block.attn, report = convert.to_mla(block.attn, size, rope_dim=rope_dim, return_report=True)
+            rows.append(convert.LayerConversion(f"blocks.{i}.attn", report.error))
+        return model, convert.ConversionReport(f"MLA-{size}", "svd", tuple(rows))
     if kind == "mla":
         return convert.to_mla(mha, size, return_report=True)
     gen = torch.Generator().manual_seed(seed * 1_000 + size)  # "random": the same draw for every fraction
     return convert.to_gqa(mha, size, init=init, generator=gen, return_report=True)
 
 
-def _conversion(ctx: _Run, mha: LabTransformer, name: str, kind: str, size: int, init: str) -> None:
+def _conversion(ctx: _Run, mha: LabTransformer, name: str, kind: str, size: int, rope_dim: int | None,
+                init: str) -> None:
     """Convert, evaluate, then uptrain a copy for each fraction and evaluate it."""
     cfg = ctx.cfg
-    converted, report = _convert(mha, kind, size, init, ctx.seed)
+    converted, report = _convert(mha, kind, size, rope_dim, init, ctx.seed)
     base = {"target": name, "init": init, "kv_bytes_per_token": cache_bytes_per_token(converted),
             "params": converted.n_params(), "attention_params": _attention_params(converted),
             "kv_reconstruction_error": list(report.errors)}
@@ -225,10 +242,13 @@ def _conversion(ctx: _Run, mha: LabTransformer, name: str, kind: str, size: int,
         ctx.save()
 
 
-def _scratch(ctx: _Run, name: str, kind: str, size: int, vocab_size: int) -> None:
+def _scratch(ctx: _Run, name: str, kind: str, size: int, rope_dim: int | None, vocab_size: int) -> None:
     cfg = ctx.cfg
     arch = _arch(cfg, vocab_size)
-    arch = replace(arch, attention="mla", kv_rank=size) if kind == "mla" else replace(arch, n_kv_heads=size)
+    if kind == "mla":  # a lab MLA model has learned positions, and RoPE in its rope_dim dims
+        arch = replace(arch, attention="mla", kv_rank=size, rope_dim=rope_dim or 0, positions="learned")
+    else:
+        arch = replace(arch, n_kv_heads=size)
     seed_everything(ctx.seed)
     model = LabTransformer(arch).to(ctx.dev)
     hist = ctx.train(model, cfg.steps, 0, f"uptrain {name} scratch", cfg.lr)
@@ -244,7 +264,7 @@ def _scratch(ctx: _Run, name: str, kind: str, size: int, vocab_size: int) -> Non
 def _arch(cfg: UptrainConfig, vocab_size: int) -> LabConfig:
     """The baseline's architecture: `lab mla`'s MHA variant."""
     return LabConfig(vocab_size=vocab_size, max_len=cfg.context, d_model=cfg.d_model, n_layers=cfg.n_layers,
-                     n_heads=cfg.n_heads, mlp=True)
+                     n_heads=cfg.n_heads, mlp=True, positions=cfg.positions)
 
 
 def _windows(ids: torch.Tensor, batch: int, context: int, gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
@@ -289,6 +309,9 @@ def _load_source(cfg: UptrainConfig) -> tuple[LabTransformer, UptrainConfig, int
         experiment = run["experiment"]
     except (ValueError, KeyError, TypeError) as err:
         raise UsageError(f"--from {path}: {results} is not a lab results file ({err})") from None
+    if cfg.positions != "learned":
+        raise UsageError(f"--from {path}: a lab mla model has learned positions; --positions {cfg.positions} "
+                         "trains its own baseline (leave out --from)")
     if experiment != "mla":
         raise UsageError(f"--from {path}: a `lab {experiment}` run; valid: the folder of a `lab mla` run")
     try:

@@ -13,7 +13,7 @@ import argparse
 import math
 from dataclasses import dataclass
 
-__all__ = ["UptrainConfig", "parse_fractions", "parse_inits"]
+__all__ = ["UptrainConfig", "parse_fractions", "parse_inits", "parse_rope_dims"]
 
 _INITS = ("mean", "first", "random")
 
@@ -37,6 +37,8 @@ class UptrainConfig:
     ranks: tuple[int, ...] = (32, 64)  # MLA latent ranks (the caches of MQA and GQA-2 at the defaults)
     fractions: tuple[float, ...] = (0.0, 0.025, 0.05, 0.1)  # uptraining, as a fraction of `steps`
     uptrain_lr: float | None = None  # None: where the baseline's schedule ended, 0.1 * lr
+    positions: str = "learned"  # the baseline's: "learned" (as lab mla) or "rope" (rotary, every head dim)
+    mla_rope_dims: tuple[int, ...] = (0, 8)  # positions "rope": MLA's decoupled RoPE dims (to_mla's rope_dim)
     from_checkpoint: str | None = None  # a `lab mla` run folder (its MHA model/ and results.json)
 
     @classmethod
@@ -57,6 +59,12 @@ class UptrainConfig:
         unknown = [i for i in self.inits if i not in _INITS]
         if unknown or not self.inits:
             raise ValueError(f"inits must be some of {', '.join(_INITS)}; received {','.join(self.inits)!r}")
+        if self.positions not in ("learned", "rope"):
+            raise ValueError(f"positions must be 'learned' or 'rope'; received {self.positions!r}")
+        D = self.d_model // self.n_heads
+        if any(isinstance(p, bool) or not isinstance(p, int) or p < 0 or p % 2 or p > D for p in self.mla_rope_dims):
+            raise ValueError(f"mla_rope_dims must be even ints in 0..{D} (the head dim); "
+                             f"received {', '.join(map(str, self.mla_rope_dims))}")
         if any(r > self.d_model for r in self.ranks):
             raise ValueError(f"kv_rank must be at most d_model ({self.d_model}), the rank of the stacked K/V "
                              f"projections; received {', '.join(map(str, self.ranks))}")
@@ -87,6 +95,17 @@ def parse_fractions(text: str) -> tuple[float, ...]:
     if not values or len(values) > 16 or any(not (math.isfinite(v) and 0 <= v <= 1) for v in values):
         raise argparse.ArgumentTypeError(f"expected 1 to 16 fractions in [0, 1] like 0,0.05,0.1; received {text!r}")
     return tuple(sorted({0.0, *values}))
+
+
+def parse_rope_dims(text: str) -> tuple[int, ...]:
+    """argparse type of --mla-rope-dims: comma-separated even ints >= 0."""
+    try:
+        values = tuple(dict.fromkeys(int(v) for v in text.split(",") if v.strip()))
+    except ValueError:
+        values = ()
+    if not values or len(values) > 16 or any(v < 0 or v % 2 for v in values):
+        raise argparse.ArgumentTypeError(f"expected comma-separated even integers >= 0 like 0,8; received {text!r}")
+    return values
 
 
 def parse_inits(text: str) -> tuple[str, ...]:

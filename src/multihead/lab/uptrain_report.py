@@ -112,7 +112,8 @@ def _table(cfg: UptrainConfig, r: dict) -> str:
     fractions = sorted(cfg.fractions)
     g = _grid(r["variants"])
     scratch = {s["target"]: s for s in r["scratch"]}
-    head = (f"{'target':<8} {'init':<6} {'KV B/tok':>8}  "
+    w = max([8, *(len(t) for t in g)])
+    head = (f"{'target':<{w}} {'init':<6} {'KV B/tok':>8}  "
             + "  ".join(f"{f'+{f:.1%}':>7}" if f else f"{'conv.':>7}" for f in fractions) + f"  {'scratch':>7}")
     mha = r["mha"]
     lines = [f"val bits/char (MHA {mha['val_bits_per_char']:.3f} at {mha['kv_bytes_per_token']:,} KV bytes/token; "
@@ -122,7 +123,7 @@ def _table(cfg: UptrainConfig, r: dict) -> str:
         for i, (init, curve) in enumerate(inits.items()):
             cells = "  ".join(f"{curve[f]:>7.3f}" if f in curve else f"{'-':>7}" for f in fractions)
             s = f"{scratch[t]['val_bits_per_char']:>7.3f}" if t in scratch and i == 0 else f"{'':>7}"
-            lines.append(f"{t if i == 0 else '':<8} {init:<6} {kv[t] if i == 0 else '':>8}  {cells}  {s}")
+            lines.append(f"{t if i == 0 else '':<{w}} {init:<6} {kv[t] if i == 0 else '':>8}  {cells}  {s}")
     return "\n".join(lines)
 
 
