@@ -10,7 +10,8 @@
 - `to_mla`: MHA (or GQA) -> `LatentAttention` by a truncated SVD of the stacked key and
   value projections [W_k ; W_v]: the right factor becomes the shared down-projection
   to a rank-R latent, the left factor the per-head up-projections. Exact at full rank;
-  `MLAReport` gives the relative reconstruction error at every rank.
+  `MLAReport` gives the relative reconstruction error at every rank. Layers with RoPE
+  convert approximately with `rope_dim=` (MHA2MLA's partial RoPE, see `to_mla`).
 
 Both take one `Attention` layer or a whole model (any `nn.Module`): a model is deep-copied
 and every `Attention` in it converted (a lab model's `cfg` follows; a Hugging Face model
@@ -44,7 +45,6 @@ from multihead.latent import LatentAttention
 
 __all__ = ["GQA_INITS", "ConversionReport", "LayerConversion", "MLAReport", "from_torch", "grouped_kv_error",
            "mla_report", "pool_kv_heads", "to_gqa", "to_mla", "to_torch"]
-
 
 
 def _check_attention(fn: str, attn) -> None:
