@@ -532,3 +532,23 @@ def test_flex_cache_hit_is_checked_against_the_object_it_was_built_from():
         slot.width = width
         assert_close(sdpa(q, k, v, slot, backend="flex"), sdpa(q, k, v, slot, backend="math"), torch.float32,
                      atol=1e-5, what=f"slots object, width {width}")
+
+
+@pytest.mark.slow
+def test_flex_learned_bias_and_double_backward_equal_math():
+    """The flex backend (CPU: flex forward, tile-engine backward): a float mask that requires grad
+    gets its gradient, and a gradient penalty through it equals math's (the backward was
+    once_differentiable, so the second-order term was dropped when dO had no graph)."""
+    pytest.importorskip("torch.nn.attention.flex_attention")
+    q, k, v = _qkv(B=1, H=2, Hkv=1, T=16, S=16, dtype=torch.float32, grad=True)
+    bias = torch.randn(1, 2, 16, 16, requires_grad=True)
+    mod = score_mods.softcap(3.0)
+    want = _grads(sdpa(q, k, v, bias, causal=True, score_mod=mod, backend="math"), (q, k, v, bias))
+    got = _grads(sdpa(q, k, v, bias, causal=True, score_mod=mod, backend="flex"), (q, k, v, bias))
+    for name, a, b in zip(["dq", "dk", "dv", "dbias"], got, want):
+        assert_close(a, b, torch.float32, atol=1e-4, rtol=1e-4, what=f"flex {name}")
+    want_p, want_g = _penalty("math", q, k, v, causal=True, score_mod=mod)
+    got_p, got_g = _penalty("flex", q, k, v, causal=True, score_mod=mod)
+    assert_close(got_p, want_p, torch.float32, atol=1e-4, rtol=1e-4, what="flex penalty")
+    for name, a, b in zip("qkv", got_g, want_g):
+        assert_close(a, b, torch.float32, atol=1e-4, rtol=1e-4, what=f"flex d penalty / d{name}")
