@@ -470,6 +470,7 @@ def _stale_cases():
             "bound method": (bound, edit_bound)}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("case", list(_stale_cases()))
 def test_flex_block_mask_cache_never_serves_a_stale_mask(case):
     """The flex backend cached block masks by the callable's identity for objects it could not
@@ -504,6 +505,7 @@ class _SlotWindow:
         return (kv_idx <= q_idx) & (q_idx - kv_idx < self.width)
 
 
+@pytest.mark.slow
 def test_flex_cache_hit_is_checked_against_the_object_it_was_built_from():
     """Two predicates of the same code: the second's key matches the entry the first built, but
     the first's list was edited since; the entry (whose mask reads the first's list) is rebuilt.
@@ -532,6 +534,7 @@ def test_flex_cache_hit_is_checked_against_the_object_it_was_built_from():
                      atol=1e-5, what=f"slots object, width {width}")
 
 
+@pytest.mark.slow
 def test_flex_learned_bias_and_double_backward_equal_math():
     """The flex backend (CPU: flex forward, tile-engine backward): a float mask that requires grad
     gets its gradient, and a gradient penalty through it equals math's (the backward was
