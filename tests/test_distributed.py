@@ -369,6 +369,14 @@ def _w_disagree_2(rank, world):
     mesh = init_device_mesh("cpu", (world,))
     expect("tp heads on one rank", lambda: shard_heads(Attention(24, 4 if rank == 0 else 3), mesh))
     expect("tp geometry differs", lambda: shard_heads(Attention(24, 4 if rank == 0 else 2), mesh))
+    torch.manual_seed(0)
+    tp = shard_heads(Attention(16, 4, 2, causal=True).double(), mesh)
+    x = torch.randn(2, 4, 16, dtype=torch.float64)
+    expect("tp width", lambda: tp(x if rank == 0 else x[..., :12]))
+    expect("tp cache on one rank", lambda: tp(x, cache=None if rank == 0 else tp.new_cache(2, 8)))
+    expect("tp weights on one rank", lambda: tp(x, return_weights=rank == 1))
+    with torch.no_grad():
+        tp(x)  # still in step on every rank
     with torch.no_grad():  # after all that, the layer still works on every rank
         out = cp(x)
     dist.barrier()
@@ -445,6 +453,8 @@ def test_one_rank_wrong_raises_on_every_rank_without_waiting():
     assert "sliding_window" in m1["cp unsupported on one rank"]
     assert "n_heads (3)" in m1["tp heads on one rank"] and "rank(s) 1" in m0["tp heads on one rank"]
     assert "disagree" in m0["tp geometry differs"]
+    assert "width 12" in m1["tp width"] and "rank(s) 1" in m0["tp width"]
+    assert "disagree" in m0["tp cache on one rank"] and "disagree" in m0["tp weights on one rank"]
     assert time.monotonic() - start < 60
 
 

@@ -23,13 +23,15 @@ than MHA's). The latent's gradient is summed across ranks once, where it is made
 
 from __future__ import annotations
 
+import zlib
+
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor, nn
 
 from multihead.attention import Attention
-from multihead.distributed._group import GroupRef, agree_on
+from multihead.distributed._group import GroupRef, agree_on, float_code, tensor_code
 from multihead.latent import LatentAttention
 
 __all__ = ["shard_heads"]
@@ -91,6 +93,32 @@ class _SharedKVHeads(nn.Module):
         return f"rows={self.rows.start}:{self.rows.stop} of {self.weight.shape[0]} (replicated KV heads)"
 
 
+# What the ranks compare of a tensor-parallel layer's call (the arguments of Attention's and
+# LatentAttention's forward), each described by _ARG_WIDTH ints.
+_CALL_ARGS = ("x", "context", "mask", "cache", "return_weights", "positions", "rotary", "absorb")
+_ARG_WIDTH = 8
+
+
+def _describe(v) -> list[int]:
+    """A fixed-length description of one argument, equal on two ranks when their calls match."""
+    if v is None:
+        code = [0]
+    elif isinstance(v, Tensor):
+        code = tensor_code(v, 4)
+    elif isinstance(v, bool):
+        code = [1, int(v)]
+    elif isinstance(v, (int, float)):
+        code = [2, float_code(v)]
+    elif isinstance(v, (list, tuple)):
+        code = [3, len(v), *[int(t) if isinstance(t, int) else t.numel() if isinstance(t, Tensor) else -1
+                             for t in v[:_ARG_WIDTH - 2]]]
+    elif hasattr(v, "length") and hasattr(v, "max_len"):  # a cache
+        code = [4, v.length, v.max_len, *getattr(v, "k", getattr(v, "buf", None)).shape]
+    else:  # a predicate or another object: its type
+        code = [5, zlib.crc32(type(v).__qualname__.encode())]
+    return (code + [0] * _ARG_WIDTH)[:_ARG_WIDTH]
+
+
 class _HeadSharded:
     """Mixed into the module's class by `shard_heads`: the local head bookkeeping."""
 
@@ -99,11 +127,29 @@ class _HeadSharded:
     tp_kv_heads: tuple[int, int]  # (first, count) of this rank's KV heads
 
     def forward(self, *args, **kwargs):
+        # The ranks agree on a description of this call first (one small all_gather): a call
+        # that raises on one rank alone (a wrong width, a cache on one rank) would leave the
+        # others in the projections' collectives.
+        agree_on(self.tp_mesh.get_group(), f"tensor-parallel {type(self).__bases__[1].__name__}",
+                 lambda: self._describe_call(args, kwargs), len(_CALL_ARGS) * _ARG_WIDTH,
+                 f"({', '.join(_CALL_ARGS)}: type, ndim or length, dtype or value, shape)")
         # RowwiseParallel ends in an async all-reduce (an AsyncCollectiveTensor): waited for
         # here, so an output nobody reads leaves no collective unwaited ("there are still 1
         # unwaited collective calls" at exit, with the README's snippet).
         out = super().forward(*args, **kwargs)
         return tuple(_waited(t) for t in out) if isinstance(out, tuple) else _waited(out)
+
+    def _describe_call(self, args, kwargs) -> list[int]:
+        import inspect
+
+        try:
+            bound = inspect.signature(super().forward).bind(*args, **kwargs)
+        except TypeError as e:
+            raise TypeError(f"{type(self).__bases__[1].__name__}.forward: {e}") from None
+        x = bound.arguments.get("x")
+        if isinstance(x, Tensor) and x.dim() == 3 and x.shape[-1] != self.d_model:
+            raise ValueError(f"x has width {x.shape[-1]}; this module expects {self.d_model}")
+        return [code for name in _CALL_ARGS for code in _describe(bound.arguments.get(name))]
 
     def extra_repr(self) -> str:
         h0, h = self.tp_heads
