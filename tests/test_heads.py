@@ -346,3 +346,23 @@ def test_deepseek_v2_through_patch_records_ablates_and_scans():
             with heads.patch(model, rec, [(layer, h)], what=what), torch.no_grad():
                 one = _metric(model(**corrupted).logits)
             assert abs(scan[layer, h] - one) < 1e-5, (what, layer, h)
+
+
+@pytest.mark.parametrize("name", ["bert", "gpt2", "llama", "bart"])
+def test_results_add_up_to_the_output_projection(name):
+    """rec["result"] (each head's share after the output projection) summed over heads, plus
+    the projection's bias, is what transformers' own output projection returns."""
+    model = _mh(name)
+    inputs = _inputs(name, pad=False)
+    mods = _attention_modules(model, inputs)
+    outs = {}
+    hooks = [_out_module(model, m).register_forward_hook(lambda mod, a, o, i=i: outs.setdefault(i, o))
+             for i, m in enumerate(mods)]
+    rec = heads.record(model, inputs, what=("result",))
+    for h in hooks:
+        h.remove()
+    for i in range(len(mods)):
+        proj = _out_module(model, mods[i])
+        bias = 0 if getattr(proj, "bias", None) is None else proj.bias
+        torch.testing.assert_close(rec["result", i].sum(2) + bias, outs[i], rtol=1e-5, atol=1e-5)
+    assert ("z", 0) not in rec
