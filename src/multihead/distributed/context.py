@@ -16,6 +16,7 @@ manager. It is not used here: the ring below runs on CPU/gloo and CUDA/NCCL alik
 from __future__ import annotations
 
 import copy
+import zlib
 
 import torch
 import torch.distributed as dist
@@ -64,7 +65,7 @@ class _ContextParallel:
         # of them raises: one rank's wrong width must not leave the others in the ring.
         agree_on(resolve_group(group, "context_parallel"), "context_parallel layer",
                  lambda: self._describe_call(x, context, mask, cache, return_weights, positions, rotary),
-                 _CALL_WIDTH, "(x, mask, positions, cos, sin: present, ndim, dtype, shape; training)")
+                 _CALL_WIDTH, "(x, mask, positions, cos, sin: present, ndim, dtype, shape; training; device)")
         if self.rope is not None and positions is None and rotary is None:
             positions = shard_positions(x.shape[1], self.cp_layout, group, device=x.device)
         return super().forward(x, mask=mask, positions=positions, rotary=rotary)
@@ -102,11 +103,12 @@ class _ContextParallel:
                 raise TypeError(f"rotary must be a tuple (cos, sin) of tensors; received {type(rotary).__name__}")
             cos, sin = rotary
         return [*tensor_code(x, 3), *tensor_code(mask, 2), *tensor_code(positions, 2), *tensor_code(cos),
-                *tensor_code(sin), int(self.training)]
+                *tensor_code(sin), int(self.training), zlib.crc32(str(x.device).encode())]
 
     def _attend(self, q: Tensor, k: Tensor, v: Tensor, mask, *, causal: bool, dropout_p: float,
                 return_weights) -> tuple[Tensor, None]:
-        out = ring_attention(q, k, v, causal=causal, layout=self.cp_layout, group=self._group(), mask=mask)
+        out = ring_attention(q, k, v, causal=causal, layout=self.cp_layout, group=self._group(), mask=mask,
+                             _agreed=True)  # forward agreed on the call: shapes follow from it
         return out, None
 
     def extra_repr(self) -> str:
@@ -141,7 +143,7 @@ class _ContextParallel:
 
 
 # Length of the description of one call that the ranks compare (see _describe_call).
-_CALL_WIDTH = (3 + 3) + (3 + 2) + (3 + 2) + 2 * (3 + 4) + 1  # tensor_code(t, n) gives 3 + n ints
+_CALL_WIDTH = (3 + 3) + (3 + 2) + (3 + 2) + 2 * (3 + 4) + 2  # tensor_code(t, n) gives 3 + n ints
 
 # What a pickled layer holds in place of a group that is not the default one.
 _GROUP_NOT_SAVED = "<process group not saved>"

@@ -391,6 +391,7 @@ def ring_attention(
     scale: float | None = None,
     mask: Tensor | None = None,
     _kernel: str | None = None,
+    _agreed: bool = False,
 ) -> Tensor:
     """Exact attention over a sequence sharded across the ranks of `group`.
 
@@ -415,7 +416,9 @@ def ring_attention(
     GQA/MQA: Hkv divides H; K/V are sent and read with Hkv heads, never repeated. No
     dropout (the ring is meant for long sequences, where models train without it).
     `_kernel="explicit"` forces the explicit per-block path (for tests; default: the
-    fused CPU kernel on CPU, the explicit path elsewhere).
+    fused CPU kernel on CPU, the explicit path elsewhere). `_agreed=True`: the caller's
+    ranks have agreed on every input shape and option already (context_parallel's layer),
+    so the ranks' own agreement, one all_gather, is skipped.
     """
     group = resolve_group(group, "ring_attention")
     try:
@@ -427,9 +430,13 @@ def ring_attention(
     if error is None:
         shapes = [*q.shape, k.shape[1], k.shape[2], v.shape[3], dtype_code(q.dtype)]
         scale_code = float_code(scale)
-    agree(group, "ring_attention", error, [*shapes, int(bool(causal)), layout_code(layout), mask is not None,
-                                           scale_code],
-          "(B, H, T, D, Hkv, S, Dv, dtype, causal, layout, mask, scale bits)")
+    if _agreed:  # the caller's ranks agreed on every shape already: an error here is on every rank
+        if error:
+            raise ValueError(f"ring_attention: {error}")
+    else:
+        agree(group, "ring_attention", error, [*shapes, int(bool(causal)), layout_code(layout), mask is not None,
+                                               scale_code],
+              "(B, H, T, D, Hkv, S, Dv, dtype, causal, layout, mask, scale bits)")
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
     keep = None
     if mask is not None:
