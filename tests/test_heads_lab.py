@@ -36,8 +36,11 @@ def test_ablation_check_equals_zeroing_by_hand(one_torch_thread):
         for p in model.parameters():
             p.mul_(8)
     held = repeated_segments(cfg, 32, torch.Generator().manual_seed(1))
-    r = {"previous_token_head": {"layer": 0, "head": 1}, "induction_head": {"layer": 1, "head": 0}}
+    r = {"previous_token_head": {"layer": 0, "head": 1}, "induction_head": {"layer": 1, "head": 0},
+         "evals": [{"induction": [[0.1, 0.2], [0.9, 0.7]]}]}  # both layer-1 heads score above 0.5
     ab = ablation_check(model, held, r)
+    assert ab["induction_heads"] == [[1, 0], [1, 1]]
+    assert ab["induction_heads_accuracy"] == _by_hand(model, held, [(1, 0), (1, 1)])
     for layer in range(cfg.n_layers):
         for h in range(cfg.n_heads):
             assert ab["accuracy"][layer][h] == _by_hand(model, held, [(layer, h)])

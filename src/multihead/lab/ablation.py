@@ -26,7 +26,8 @@ def _accuracy(model, held_out, ablated: list[tuple[int, int]]) -> float:
 def ablation_check(model, held_out, r: dict) -> dict:
     """{"accuracy": [[layer][head]] with that one head zero-ablated, "circuit_accuracy": with
     the reported previous-token and induction heads both ablated, "baseline": with none,
-    "circuit": the two heads}."""
+    "circuit": the two heads; when several induction-layer heads score above 0.5 on prefix
+    matching, "induction_heads" and "induction_heads_accuracy" with all of them ablated}."""
     dev = next(model.parameters()).device
     held_out = tuple(t.to(dev) for t in held_out)
     cfg = model.cfg
@@ -34,8 +35,16 @@ def ablation_check(model, held_out, r: dict) -> dict:
                 for layer in range(cfg.n_layers)]
     p, i = r["previous_token_head"], r["induction_head"]
     circuit = [(p["layer"], p["head"]), (i["layer"], i["head"])]
-    return {"accuracy": per_head, "circuit_accuracy": _accuracy(model, held_out, circuit),
-            "baseline": _accuracy(model, held_out, []), "circuit": [list(c) for c in circuit]}
+    out = {"accuracy": per_head, "circuit_accuracy": _accuracy(model, held_out, circuit),
+           "baseline": _accuracy(model, held_out, []), "circuit": [list(c) for c in circuit]}
+    # The induction role is often shared by several heads, each able to stand in for the
+    # others: then ablating one costs nothing, and what matters is all of them together.
+    scores = r["evals"][-1]["induction"][i["layer"]] if r.get("evals") else []
+    shared = [(i["layer"], h) for h, sc in enumerate(scores) if sc > 0.5]
+    if len(shared) > 1:
+        out["induction_heads"] = [list(x) for x in shared]
+        out["induction_heads_accuracy"] = _accuracy(model, held_out, shared)
+    return out
 
 
 def ablation_line(r: dict) -> str:
@@ -52,10 +61,15 @@ def ablation_line(r: dict) -> str:
         f"head {top[1]}.{top[2]}, not a named one, costs the most"
     rest = [d for d in drops if (d[1], d[2]) not in named]
     worst_other = f"; no other head costs more than {100 * rest[0][0]:.1f} points" if rest else ""
+    shared = ""
+    if "induction_heads" in ab:
+        names = ", ".join(f"{a}.{b}" for a, b in ab["induction_heads"])
+        shared = (f" Without all {len(ab['induction_heads'])} heads that score above 0.5 on prefix matching "
+                  f"({names}): {100 * ab['induction_heads_accuracy']:.1f}%.")
     return (f"Ablating heads (zeroing their outputs): accuracy {100 * ab['baseline']:.1f}% with none; "
             f"{100 * acc[pl][ph]:.1f}% without the previous-token head {pl}.{ph}, {100 * acc[il][ih]:.1f}% without "
             f"the induction head {il}.{ih}, {100 * ab['circuit_accuracy']:.1f}% without both: {verdict}"
-            f"{worst_other}.")
+            f"{worst_other}.{shared}")
 
 
 def plot_ablation(res: dict, path: Path) -> str:
