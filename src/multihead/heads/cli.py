@@ -25,6 +25,8 @@ from pathlib import Path
 from multihead.errors import UsageError
 
 TOP = 10
+HELD_OUT = 256  # verses the task's score is measured on (not the ones importance is computed on)
+STRIDE = 37  # every 37th verse: 320 verses spread over the KJV's 30,687 of 8+ words
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -259,11 +261,11 @@ def _task(loaded, model, kind: str, args):
         if not texts:
             raise UsageError("--text is empty; give a sentence")
     else:
-        texts = tasks.kjv_verses(n + 64, path=args.corpus)
+        texts = tasks.kjv_verses(n + HELD_OUT, path=args.corpus, stride=STRIDE)
     if kind == "hf" and not getattr(loaded, "causal", False):
         if len(texts) < 2:
             raise UsageError("the retrieval task needs at least 2 texts")
-        train, held = (texts[:n], texts[n:n + 64]) if len(texts) > n + 8 else (texts, texts)
+        train, held = (texts[:n], texts[n:n + HELD_OUT]) if len(texts) > n + 8 else (texts, texts)
         batches = [train[i:i + args.batch_size] for i in range(0, len(train), args.batch_size)]
         batches = [b for b in batches if len(b) >= 2]
         tok = loaded.tokenizer
@@ -274,7 +276,7 @@ def _task(loaded, model, kind: str, args):
     seqs = [encode(t) for t in texts]
     limit = getattr(loaded, "max_positions", None) or 512
     seqs = [s[:, :limit] for s in seqs if s.shape[1] >= 2]
-    train, held = (seqs[:n], seqs[n:n + 64]) if len(seqs) > n + 8 else (seqs, seqs)
+    train, held = (seqs[:n], seqs[n:n + HELD_OUT]) if len(seqs) > n + 8 else (seqs, seqs)
 
     def run(m, ids):
         return tasks.logits(m, m(input_ids=ids) if kind == "hf" else m(ids))

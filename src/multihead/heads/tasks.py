@@ -1,12 +1,12 @@
 """The tasks `multihead heads` measures heads with, on the bundled King James Bible.
 
 - Sentence encoders (the bundled MiniLM, any encoder without an LM head): *verse-half
-  retrieval*. Each verse (a line of the text with at least 8 words) is cut in two at its
-  middle word; a half is embedded as the mean of the last hidden states over its real
+  retrieval*. Verses (lines of at least 8 words, every 37th, spread over the book) are cut
+  in two at their middle word; a half is embedded as the mean of the last hidden states over its real
   tokens, L2-normalized. The loss is InfoNCE (van den Oord et al., 2018): cross-entropy of
   the first halves' cosine similarities to every second half in the batch, temperature
   0.05, the right partner being the target; accuracy is top-1 retrieval of the partner
-  among `pool` second halves. It asks what a sentence embedding is for: that related
+  among 32 second halves (held-out verses, 32 at a time). It asks what a sentence embedding is for: that related
   text lands close.
 - Causal language models (lab checkpoints, HF causal LMs): next-token cross-entropy and
   top-1 accuracy on the verses.
@@ -27,10 +27,13 @@ import torch.nn.functional as F
 from torch import Tensor
 
 TEMPERATURE = 0.05
+POOL = 32  # candidates per retrieval
 
 
-def kjv_verses(n: int, start: int = 0, min_words: int = 8, path: str | None = None) -> list[str]:
-    """n verses (lines of >= min_words words) from line `start` on, of the bundled KJV or a UTF-8 file."""
+def kjv_verses(n: int, start: int = 0, min_words: int = 8, path: str | None = None, stride: int = 1) -> list[str]:
+    """n verses (lines of >= min_words words): every `stride`-th from the `start`-th on, of the
+    bundled KJV or a UTF-8 file (a stride spreads them over the book: neighbouring verses,
+    a genealogy's, are too alike to tell apart)."""
     if path is None:
         text = lzma.decompress(resources.files("multihead").joinpath("data/kjv.txt.xz").read_bytes()).decode()
     else:
@@ -41,11 +44,12 @@ def kjv_verses(n: int, start: int = 0, min_words: int = 8, path: str | None = No
         except (OSError, UnicodeDecodeError) as err:
             raise ValueError(f"cannot read corpus {path}: {err}") from None
     out = []
-    for line in text.splitlines()[start:]:
-        if len(line.split()) >= min_words:
-            out.append(line.strip())
-            if len(out) == n:
-                break
+    lines = [line.strip() for line in text.splitlines() if len(line.split()) >= min_words]
+    stride = max(1, min(stride, len(lines) // max(1, n)))  # a short corpus: as spread as it allows
+    for line in lines[start::stride]:
+        out.append(line)
+        if len(out) == n:
+            break
     if len(out) < 2:
         raise ValueError(f"the corpus has {len(out)} lines of {min_words}+ words from line {start}; need at least 2")
     return out
@@ -76,12 +80,18 @@ def contrastive_loss(model, tokenizer, verses: list[str]) -> Tensor:
     return F.cross_entropy(sim, torch.arange(len(verses)))
 
 
-def retrieval_accuracy(model, tokenizer, verses: list[str]) -> float:
-    """Top-1 accuracy of finding each first half's second half among all of them."""
+def retrieval_accuracy(model, tokenizer, verses: list[str], pool: int = POOL) -> float:
+    """Top-1 accuracy of finding each first half's second half among the `pool` second halves
+    of its group (the verses taken `pool` at a time; a last short group is left out)."""
     a, b = halves(verses)
+    pool = min(pool, len(verses))
+    hits = []
     with torch.no_grad():
-        sim = embed(model, tokenizer, a) @ embed(model, tokenizer, b).T
-    return (sim.argmax(1) == torch.arange(len(verses))).float().mean().item()
+        ea, eb = embed(model, tokenizer, a), embed(model, tokenizer, b)
+    for s in range(0, len(verses) - pool + 1, pool):
+        sim = ea[s:s + pool] @ eb[s:s + pool].T
+        hits.append(sim.argmax(1) == torch.arange(pool))
+    return torch.cat(hits).float().mean().item()
 
 
 def logits(model, out) -> Tensor:
