@@ -23,77 +23,23 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor, nn
 
-from multihead import masks as _masks
 from multihead._checks import check_int as _check_int
 from multihead._checks import divisors as _divisors
 from multihead._checks import variant_name
+from multihead._layer import (
+    check_dtype,
+    check_window_and_softcap,
+    default_head_dim,
+    merge_heads,
+    split_heads,
+    with_window,
+)
 from multihead.cache import KVCache, RollingKVCache
-from multihead.functional import _normalize_mask, attend, check_backend_name
+from multihead.functional import attend, check_backend_name
 from multihead.masks import MaskMod
 from multihead.rope import RotaryEmbedding, apply_rotary
 
 __all__ = ["Attention"]
-
-
-def _split_heads(t: Tensor, D: int) -> Tensor:
-    """(B, T, h * D) -> (B, h, T, D). The head count h is read from the projection's
-    output, so a tensor-parallel shard (h local heads) and empty batches both work."""
-    B, T, width = t.shape
-    return t.view(B, T, width // D, D).transpose(1, 2)
-
-
-def _merge_heads(t: Tensor) -> Tensor:
-    """(B, h, T, Dv) -> (B, T, h * Dv), with explicit sizes so empty batches work."""
-    B, h, T, Dv = t.shape
-    return t.transpose(1, 2).reshape(B, T, h * Dv)
-
-
-def _check_dtype(name: str, t: Tensor, weight: Tensor) -> None:
-    """An input whose dtype differs from the weights' is named here, not deep in a matmul
-    (under autocast the mix is intended and allowed)."""
-    if t.dtype != weight.dtype and not torch.is_autocast_enabled(t.device.type):
-        raise TypeError(f"{name} is {t.dtype} but this module's weights are {weight.dtype}; cast one to "
-                        f"the other ({name}.to({weight.dtype}) or module.to({t.dtype}))")
-
-
-def _default_head_dim(d_model: int, n_heads: int, head_dim: int | None) -> int:
-    """head_dim as given (checked), else d_model // n_heads when that divides evenly."""
-    if head_dim is None:
-        if d_model % n_heads:
-            raise ValueError(
-                f"d_model ({d_model}) is not divisible by n_heads ({n_heads}); pass head_dim "
-                f"explicitly, or use n_heads in {', '.join(map(str, _divisors(d_model)))}"
-            )
-        head_dim = d_model // n_heads
-    _check_int("head_dim", head_dim)
-    return head_dim
-
-
-def _check_window_and_softcap(sliding_window, softcap, causal: bool) -> None:
-    """The layer options both attention modules take: a causal window W >= 1, a finite cap > 0."""
-    if sliding_window is not None:
-        _check_int("sliding_window", sliding_window)
-        if not causal:
-            raise ValueError(f"sliding_window={sliding_window} is a causal window (query p sees keys "
-                             f"p - W < j <= p); set causal=True, or pass a masks predicate as mask=")
-    if softcap is not None and (isinstance(softcap, bool) or not isinstance(softcap, (int, float))
-                                or not 0 < softcap < float("inf")):
-        raise ValueError(f"softcap must be a positive finite number or None; received {softcap!r}")
-
-
-def _with_window(mask, window: int | None, q: Tensor, k: Tensor):
-    """A caller's mask combined with a layer's sliding window: a predicate (so the kernel
-    can skip the tiles outside the window), or with a tensor mask, a tensor."""
-    if window is None:
-        return mask
-    pred = _masks.sliding_window(window)
-    if mask is None:
-        return pred
-    if not isinstance(mask, Tensor):
-        return _masks.and_masks(mask, pred)  # a predicate or a flex-style callable
-    mask = _normalize_mask(mask, q, k)  # checked (clear errors) and 4-D before combining
-    dense = pred.to_dense(1, 1, q.shape[2], k.shape[2], device=q.device)  # (1, 1, T, S)
-    return mask & dense if mask.dtype == torch.bool else mask.masked_fill(~dense, float("-inf"))
 
 
 class Attention(nn.Module):
@@ -148,7 +94,7 @@ class Attention(nn.Module):
                 f"n_heads ({n_heads}) must be divisible by n_kv_heads ({n_kv_heads}); "
                 f"valid: {', '.join(map(str, _divisors(n_heads)))}"
             )
-        head_dim = _default_head_dim(d_model, n_heads, head_dim)
+        head_dim = default_head_dim(d_model, n_heads, head_dim)
         context_dim = d_model if context_dim is None else context_dim
         _check_int("context_dim", context_dim)
         if isinstance(dropout, bool) or not isinstance(dropout, (int, float)) or not 0.0 <= dropout < 1.0:
@@ -162,7 +108,7 @@ class Attention(nn.Module):
             raise TypeError(f"rope must be None, True or a RotaryEmbedding; received {type(rope).__name__}")
         if rope is not None and rope.dim > head_dim:
             raise ValueError(f"rotary dim ({rope.dim}) exceeds head_dim ({head_dim})")
-        _check_window_and_softcap(sliding_window, softcap, causal)
+        check_window_and_softcap(sliding_window, softcap, causal)
         if not isinstance(alibi, bool):
             raise TypeError(f"alibi must be True or False; received {alibi!r}")
         if alibi and softcap is not None:
@@ -260,13 +206,13 @@ class Attention(nn.Module):
             `(B, T, d_model)`, or `(out, weights)`.
         """
         self._check_input("x", x, self.d_model)
-        _check_dtype("x", x, self.q_proj.weight)
+        check_dtype("x", x, self.q_proj.weight)
         B, T, _ = x.shape
         D = self.head_dim
         cross = context is not None
         if cross:
             self._check_input("context", context, self.context_dim)
-            _check_dtype("context", context, self.k_proj.weight)
+            check_dtype("context", context, self.k_proj.weight)
             if context.shape[0] != B:
                 raise ValueError(f"context batch size ({context.shape[0]}) must equal x's ({B})")
             if self.rope is not None:
@@ -283,13 +229,13 @@ class Attention(nn.Module):
 
         if cache is not None:
             self._check_cache_fits(cache, context)
-        q = _split_heads(self.q_proj(x), D)  # (B, H, T, D)
+        q = split_heads(self.q_proj(x), D)  # (B, H, T, D)
         if cross and cache is not None and cache.length > 0:
             k, v = cache.k[:, :, : cache.length], cache.v[:, :, : cache.length]  # reuse the context
             return self._finish(q, k, v, mask, self.causal, return_weights)
         src = context if cross else x
-        k = _split_heads(self.k_proj(src), D)  # (B, Hkv, S, D)
-        v = _split_heads(self.v_proj(src), D)  # (B, Hkv, S, D)
+        k = split_heads(self.k_proj(src), D)  # (B, Hkv, S, D)
+        v = split_heads(self.v_proj(src), D)  # (B, Hkv, S, D)
         if cross and cache is not None:  # the first call: the cache keeps the whole context
             mark = cache.checkpoint(k.shape[2])
             try:
@@ -363,12 +309,12 @@ class Attention(nn.Module):
         out, weights = self._attend(q, k, v, mask, causal=causal,
                                     dropout_p=self.dropout if self.training else 0.0,
                                     return_weights=return_weights)
-        out = self.o_proj(_merge_heads(out))  # (B, T, C)
+        out = self.o_proj(merge_heads(out))  # (B, T, C)
         return out if weights is None else (out, weights)
 
     def _layer_mask(self, mask, q: Tensor, k: Tensor):
-        """The caller's mask combined with this layer's sliding window (see `_with_window`)."""
-        return _with_window(mask, self.sliding_window, q, k)
+        """The caller's mask combined with this layer's sliding window (`multihead._layer.with_window`)."""
+        return with_window(mask, self.sliding_window, q, k)
 
     def _score_mod(self):
         """The score mod this layer applies (softcap or ALiBi), or None."""

@@ -36,7 +36,7 @@ import torch
 from torch import Tensor, nn
 
 from multihead._checks import check_int as _check_int
-from multihead.attention import _check_dtype, _check_window_and_softcap, _default_head_dim, _merge_heads, _with_window
+from multihead._layer import check_dtype, check_window_and_softcap, default_head_dim, merge_heads, with_window
 from multihead.cache import LatentCache
 from multihead.functional import attend, check_backend_name
 from multihead.masks import MaskMod
@@ -110,7 +110,7 @@ class LatentAttention(nn.Module):
         _check_int("kv_rank", kv_rank)
         if q_rank is not None:
             _check_int("q_rank", q_rank)
-        head_dim = _default_head_dim(d_model, n_heads, head_dim)
+        head_dim = default_head_dim(d_model, n_heads, head_dim)
         v_head_dim = head_dim if v_head_dim is None else v_head_dim
         _check_int("v_head_dim", v_head_dim)
         _check_int("rope_dim", rope_dim, minimum=0)
@@ -120,7 +120,7 @@ class LatentAttention(nn.Module):
         if isinstance(rope_base, bool) or not isinstance(rope_base, (int, float)) or not rope_base > 1:
             raise ValueError(f"rope_base must be a number > 1; received {rope_base!r}")
         check_backend_name(backend)
-        _check_window_and_softcap(sliding_window, softcap, causal)
+        check_window_and_softcap(sliding_window, softcap, causal)
 
         self.d_model = d_model
         self.n_heads = n_heads
@@ -225,7 +225,7 @@ class LatentAttention(nn.Module):
             absorb = self.absorb_is_cheaper(q_nope.shape[2], S)
         attend = self.attend_absorbed if absorb else self.attend_naive
         out, weights = attend(q_nope, q_pe, latent, mask, return_weights=return_weights)
-        out = self.o_proj(_merge_heads(out))  # (B, T, C)
+        out = self.o_proj(merge_heads(out))  # (B, T, C)
         return out if weights is None else (out, weights)
 
     def queries(self, x: Tensor, offset: int = 0, *,
@@ -339,7 +339,7 @@ class LatentAttention(nn.Module):
         from multihead import score_mods  # kernel floor, imported on use
 
         mod = None if self.softcap is None else score_mods.softcap(self.softcap)
-        return attend(q, k, v, _with_window(mask, self.sliding_window, q, k), causal=self.causal, scale=self.scale,
+        return attend(q, k, v, with_window(mask, self.sliding_window, q, k), causal=self.causal, scale=self.scale,
                       return_weights=return_weights, backend=self.backend, score_mod=mod)
 
     def _check_input(self, x) -> None:
@@ -350,7 +350,7 @@ class LatentAttention(nn.Module):
             raise ValueError(f"x must be 3-D (B, T, {C}), batch first; received shape {tuple(x.shape)}")
         if x.shape[-1] != C:
             raise ValueError(f"x has width {x.shape[-1]}; this module expects d_model = {C}")
-        _check_dtype("x", x, self.kv_a_proj.weight)
+        check_dtype("x", x, self.kv_a_proj.weight)
 
     def _check_cache(self, cache) -> None:
         if not isinstance(cache, LatentCache):
