@@ -552,3 +552,19 @@ def test_flex_learned_bias_and_double_backward_equal_math():
     assert_close(got_p, want_p, torch.float32, atol=1e-4, rtol=1e-4, what="flex penalty")
     for name, a, b in zip("qkv", got_g, want_g):
         assert_close(a, b, torch.float32, atol=1e-4, rtol=1e-4, what=f"flex d penalty / d{name}")
+
+
+@pytest.mark.parametrize("T, S", [(1, 1), (1, 9), (3, 5), (15, 40)])
+@pytest.mark.parametrize("backend", ["auto", "sdpa"])
+def test_nan_rule_when_every_key_a_row_sees_is_nan_few_queries(T, S, backend):
+    """torch's CPU kernel (on this machine too) zeroes a row whose every score is NaN: a NaN in
+    every key a decoding query sees gave 0, not NaN. Few queries: the check must catch it
+    without reading K and V (what decoding cannot afford)."""
+    q, k, v = _qkv(B=2, H=4, Hkv=2, T=T, S=S, dtype=torch.float32)
+    k[1, 0, :, 2] = float("nan")  # every key of batch 1, K/V head 0: query heads 0 and 1
+    out = sdpa(q, k, v, causal=True, backend=backend)
+    want = torch.zeros(2, 4, T, dtype=torch.bool)
+    want[1, :2] = True
+    assert torch.equal(torch.isnan(out).any(-1), want)
+    clean = sdpa(q[:1], k[:1], v[:1], causal=True, backend="math")
+    assert_close(out[:1], clean, torch.float32, atol=1e-6, what="the batch without NaN")
