@@ -368,9 +368,11 @@ def test_cli_tl_scores_beside_multiheads(capsys):
 
 
 @pytest.mark.slow
-def test_cli_says_what_it_is_loading_within_a_second():
+def test_cli_says_what_it_is_loading_before_importing_transformers(tmp_path):
     """On a terminal, `multihead inspect` prints a status line before the seconds-long
-    import of transformers (measured 0.9 s on a loaded 2-core machine; bound 3 s here)."""
+    import of transformers. Not timed (the machines are shared): a `transformers` that
+    never finishes importing stands in front of the real one, so the line can only be
+    seen if it is printed before that import starts."""
     import os
     import pty
     import select
@@ -378,25 +380,30 @@ def test_cli_says_what_it_is_loading_within_a_second():
     import sys
     import time
 
+    fake = tmp_path / "transformers"
+    fake.mkdir()
+    (fake / "__init__.py").write_text("import time\ntime.sleep(600)\n")
     start = time.monotonic()
     pid, fd = pty.fork()
     if pid == 0:  # the child: the command on a pseudo-terminal
         os.environ["HF_HUB_OFFLINE"] = "1"
+        os.environ["PYTHONPATH"] = os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")])
         os.execv(sys.executable, [sys.executable, "-m", "multihead", "inspect", "The cat sat.",
                                   "--layers", "0", "--heads", "2"])
-    seen, first = b"", None
+    seen = b""
     try:
-        while b"loading minilm" not in seen and time.monotonic() - start < 60:
+        while b"loading minilm" not in seen and time.monotonic() - start < 120:
             ready, _, _ = select.select([fd], [], [], 1)
             if ready:
-                seen += os.read(fd, 4096)
-                first = first or time.monotonic() - start
+                try:
+                    seen += os.read(fd, 4096)
+                except OSError:  # the child ended: the pty is closed
+                    break
     finally:
         os.kill(pid, signal.SIGTERM)
         os.waitpid(pid, 0)
         os.close(fd)
     assert b"multihead inspect: loading minilm" in seen, seen
-    assert first is not None and first < 3.0, f"first output after {first:.2f} s"
 
 
 # ------------------------------------------------------------ the label and its runner-up
