@@ -1,4 +1,5 @@
-"""lab.checkpoint: save, load and capture a lab model, and open it through multihead.inspect."""
+"""The lab checkpoint format (multihead.checkpoint, re-exported by multihead.lab.checkpoint):
+save and load a lab model, and open it through multihead.inspect."""
 
 from __future__ import annotations
 
@@ -7,29 +8,40 @@ import torch
 
 
 def test_checkpoint_round_trip_and_inspect(tmp_path, one_torch_thread):
-    from multihead.lab.checkpoint import Vocab, capture_lab, load_lab_checkpoint, save_lab_checkpoint
+    from multihead.inspect import InspectError
+    from multihead.inspect.capture import capture
+    from multihead.lab.checkpoint import Vocab, load_lab_checkpoint, save_lab_checkpoint
     from multihead.lab.models import LabConfig, LabTransformer
 
-    for arch in ({}, {"attention": "mla", "kv_rank": 4}, {"n_kv_heads": 1, "mlp": False}):
+    vocab = Vocab("symbols", ("a", "b", "c", "d", "SEP"))
+    x = torch.tensor([vocab.encode("a b c SEP a b")])
+    for i, arch in enumerate(({}, {"attention": "mla", "kv_rank": 4}, {"n_kv_heads": 1, "mlp": False})):
         cfg = LabConfig(vocab_size=5, max_len=12, d_model=16, n_layers=2, n_heads=2, **arch)
         model = LabTransformer(cfg).eval()
-        vocab = Vocab("symbols", ("a", "b", "c", "d", "SEP"))
-        save_lab_checkpoint(tmp_path / "m", model, vocab, experiment="heads")
-        loaded, v2, meta = load_lab_checkpoint(tmp_path / "m")
+        folder = tmp_path / f"m{i}"
+        save_lab_checkpoint(folder, model, vocab, experiment="heads")
+        loaded, v2, meta = load_lab_checkpoint(folder)
         assert loaded.cfg == cfg and v2 == vocab and meta["experiment"] == "heads"
-        x = torch.tensor([vocab.encode("a b c SEP a b")])
         torch.testing.assert_close(loaded(x), model(x), rtol=0, atol=0)
-        cap = capture_lab(tmp_path / "m", "a b c SEP a b", layers=[1], heads=[0])
-        assert cap.weights.shape == (1, 1, 6, 6) and cap.tokens[3] == "SEP"
-        torch.testing.assert_close(cap.weights.sum(-1), torch.ones(1, 1, 6))
-    with pytest.raises(ValueError, match="does not know"):
-        capture_lab(tmp_path / "m", "a z")
-    with pytest.raises(ValueError, match="out of range"):
-        capture_lab(tmp_path / "m", "a b", layers=[2])
+        # multihead.inspect opens it through its own loader: the weights of the saved model
+        cap = capture("a b c SEP a b", model=str(folder), layers=[1], heads=[0])
+        assert cap.tokens[3] == "SEP"
+        with torch.no_grad():
+            _, want = model(x, return_weights=True, layers=[1], heads=[0])
+        torch.testing.assert_close(cap.weights, want[1].float(), rtol=0, atol=0)
+    with pytest.raises(InspectError, match="does not know"):
+        capture("a z", model=str(tmp_path / "m0"))
+    with pytest.raises(InspectError, match="out of range"):
+        capture("a b", model=str(tmp_path / "m0"), layers=[2])
     with pytest.raises(ValueError, match="not a multihead lab checkpoint"):
         load_lab_checkpoint(tmp_path)
-    # multihead.inspect opens it through its own loader (the same weights)
-    from multihead.inspect.capture import capture
 
-    got = capture("a b c SEP a b", model=str(tmp_path / "m"))
-    torch.testing.assert_close(got.weights, capture_lab(tmp_path / "m", "a b c SEP a b").weights)
+
+def test_the_lab_modules_re_export_the_format_and_the_model():
+    import multihead.checkpoint
+    import multihead.decoder
+    from multihead.lab import checkpoint, load_lab_checkpoint, models
+
+    assert checkpoint.save_lab_checkpoint is multihead.checkpoint.save_lab_checkpoint
+    assert load_lab_checkpoint is multihead.checkpoint.load_lab_checkpoint
+    assert models.LabTransformer is multihead.decoder.LabTransformer

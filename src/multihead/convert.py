@@ -197,8 +197,8 @@ def _convert(fn: str, model, layer_fn, target: str, init: str, return_report: bo
 
 def _update_lab_config(model: nn.Module, lab_cfg) -> None:
     """A lab model records its architecture in `cfg` (what its checkpoint's config.json
-    says); it follows the conversion. Only a model of a loaded lab module can be one."""
-    lab = sys.modules.get("multihead.lab.models")
+    says); it follows the conversion. Only a model of a loaded `multihead.decoder` can be one."""
+    lab = sys.modules.get("multihead.decoder")
     if lab is not None and isinstance(model, lab.LabTransformer):
         model.cfg = lab_cfg(model.cfg)
 

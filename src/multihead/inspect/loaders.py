@@ -5,7 +5,8 @@ tokens, attention) that every model source implements.
 Sources: the bundled MiniLM ("minilm"), a local Hugging Face model folder (run on
 attn_implementation="multihead"), a (model, tokenizer) pair, and a `multihead lab`
 checkpoint (a folder whose config.json has a "multihead_lab" section, written by
-`multihead.lab.checkpoint.save_lab_checkpoint`; `LabModel` runs it). Any other source
+`multihead.checkpoint.save_lab_checkpoint`, the format one floor below the tools, so
+inspect never imports lab; `LabModel` runs it). Any other source
 can be plugged in with `register_loader`.
 """
 
@@ -114,7 +115,7 @@ def resolve_model(spec) -> tuple[str, Path, str, dict]:
 def load_model(spec=MINILM) -> LoadedModel:
     """A `LoadedModel` from 'minilm', a folder path, a (model, tokenizer) pair, or a LoadedModel.
 
-    Folders: a `multihead lab` checkpoint (config.json with "format": "multihead-lab"), a
+    Folders: a `multihead lab` checkpoint (config.json with a "multihead_lab" section), a
     folder a registered loader recognises, or a Hugging Face model folder. Loaded folders
     are kept for the session, so repeated captures do not reload them.
     """
@@ -154,7 +155,7 @@ def _read_config(path: Path, text: str) -> dict:
 
 
 class LabModel(LoadedModel):
-    """A `multihead lab` checkpoint (multihead.lab.checkpoint): a decoder built from
+    """A `multihead lab` checkpoint (`multihead.checkpoint`): a decoder built from
     multihead modules, whose forward returns the weights of the layers and heads asked."""
 
     def __init__(self, model, vocab, *, name: str, experiment: str = "?"):
@@ -174,10 +175,10 @@ class LabModel(LoadedModel):
     def from_checkpoint(cls, path: Path, name: str | None = None) -> LabModel:
         """Load the checkpoint `save_lab_checkpoint` wrote to `path`; InspectError if it cannot."""
         try:
-            from multihead.lab.checkpoint import load_lab_checkpoint
+            from multihead.checkpoint import load_lab_checkpoint
         except ImportError as err:
-            raise InspectError(f"{str(path)!r} is a multihead lab checkpoint, but multihead.lab cannot be "
-                               f"imported here ({err})") from None
+            raise InspectError(f"{str(path)!r} is a multihead lab checkpoint, but its reader "
+                               f"(multihead.checkpoint) cannot be imported here ({err})") from None
         try:
             model, vocab, lab_meta = load_lab_checkpoint(path)
         except (ValueError, KeyError, TypeError, OSError) as err:

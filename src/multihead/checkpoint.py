@@ -1,0 +1,168 @@
+"""Lab checkpoints: a folder with `model.safetensors` and a `config.json`, the format of
+the small decoders `multihead lab` trains (`multihead.decoder`). It lives below the tools:
+lab writes it, `multihead inspect` and `multihead heads` open it (`multihead.lab.checkpoint`
+re-exports these names).
+
+config.json:
+
+    {"multihead_lab": {"experiment": "induction", "architecture": {LabConfig fields...},
+                       "multihead_version": "0.1.0"},
+     "tokenizer": {"kind": "symbols" | "char", "tokens": ["0", "1", ...]}}
+
+"char" tokenizers split text into characters (the MLA language model); "symbols"
+tokenizers split on whitespace (the synthetic tasks: "3 17 SEP 3 17"). The key
+`multihead_lab` is how `multihead inspect --model FOLDER` tells a lab checkpoint from a
+Hugging Face folder.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from multihead.decoder import LabConfig, LabTransformer
+
+__all__ = ["Vocab", "is_lab_checkpoint", "load_lab_checkpoint", "save_lab_checkpoint"]
+
+_KINDS = ("char", "symbols")
+
+
+@dataclass(frozen=True)
+class Vocab:
+    """Token strings by id; `kind` says how text is split into them."""
+
+    kind: str
+    tokens: tuple[str, ...]
+
+    def __post_init__(self):
+        if self.kind not in _KINDS:
+            raise ValueError(f"tokenizer kind must be one of {', '.join(_KINDS)}; received {self.kind!r}")
+        if len(set(self.tokens)) != len(self.tokens):
+            raise ValueError("tokenizer tokens must be distinct")
+
+    def __len__(self) -> int:
+        return len(self.tokens)
+
+    @property
+    def index(self) -> dict[str, int]:
+        return {t: i for i, t in enumerate(self.tokens)}
+
+    def split(self, text: str) -> list[str]:
+        return list(text) if self.kind == "char" else text.split()
+
+    def encode(self, text: str) -> list[int]:
+        index = self.index
+        pieces = self.split(text)
+        unknown = sorted({p for p in pieces if p not in index})
+        if unknown:
+            shown = ", ".join(repr(u) for u in unknown[:10])
+            valid = (f"{len(self.tokens)} characters" if self.kind == "char"
+                     else ", ".join(self.tokens[:12]) + (" ..." if len(self.tokens) > 12 else ""))
+            raise ValueError(f"text has tokens this model does not know: {shown}; valid: {valid}")
+        return [index[p] for p in pieces]
+
+    def decode(self, ids: Sequence[int]) -> list[str]:
+        return [self.tokens[int(i)] for i in ids]
+
+    def to_dict(self) -> dict:
+        return {"kind": self.kind, "tokens": list(self.tokens)}
+
+    @classmethod
+    def from_dict(cls, d: dict) -> Vocab:
+        return cls(d["kind"], tuple(d["tokens"]))
+
+
+def save_lab_checkpoint(folder: str | os.PathLike, model: LabTransformer, vocab: Vocab, *,
+                        experiment: str, extra: dict | None = None) -> Path:
+    """Write `model.safetensors` + `config.json` to `folder` (created); return the folder."""
+    from safetensors.torch import save_file
+
+    from multihead import __version__
+    from multihead._files import atomic_path, write_json
+
+    if len(vocab) != model.cfg.vocab_size:
+        raise ValueError(f"vocab has {len(vocab)} tokens; the model has vocab_size {model.cfg.vocab_size}")
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    state = {k: v.detach().to("cpu").contiguous().clone() for k, v in model.state_dict().items()}
+    with atomic_path(folder / "model.safetensors") as tmp:  # and the usual mode, not safetensors' 0600
+        save_file(state, str(tmp), metadata={"format": "pt", "multihead_lab": experiment})
+    config = {
+        "multihead_lab": {"experiment": experiment, "architecture": model.cfg.to_dict(),
+                          "multihead_version": __version__, **(extra or {})},
+        "tokenizer": vocab.to_dict(),
+    }
+    write_json(folder / "config.json", config)
+    return folder
+
+
+def _config_path(path: str | os.PathLike) -> Path:
+    p = Path(path)
+    return p / "config.json" if p.is_dir() else p
+
+
+def is_lab_checkpoint(path: str | os.PathLike) -> bool:
+    """True for a folder (or its config.json) written by `save_lab_checkpoint`, or a lab
+    output folder holding one in `model/`."""
+    p = Path(path)
+    if p.is_dir() and not (p / "config.json").is_file() and (p / "model" / "config.json").is_file():
+        p = p / "model"
+    cfg = _config_path(p)
+    if not cfg.is_file():
+        return False
+    from multihead._files import read_json
+
+    try:
+        obj = read_json(cfg, what="config.json")
+    except ValueError:
+        return False
+    return isinstance(obj, dict) and "multihead_lab" in obj
+
+
+def load_lab_checkpoint(path: str | os.PathLike, device: str | torch.device = "cpu"
+                        ) -> tuple[LabTransformer, Vocab, dict]:
+    """(model in eval mode, vocab, the `multihead_lab` metadata) from a checkpoint folder.
+
+    `path` may also be an experiment's output folder (its checkpoint is in `model/`).
+    """
+    from safetensors import SafetensorError
+    from safetensors.torch import load_file
+
+    p = Path(path)
+    if p.is_dir() and not (p / "config.json").is_file() and (p / "model" / "config.json").is_file():
+        p = p / "model"
+    if not p.is_dir():
+        raise ValueError(f"{path} is not a folder; a lab checkpoint is a folder with config.json "
+                         "and model.safetensors")
+    if not is_lab_checkpoint(p):
+        raise ValueError(f"{path} is not a multihead lab checkpoint (no config.json with a "
+                         "'multihead_lab' section)")
+    from multihead._files import read_json
+
+    label = p / "config.json"
+    meta_all = read_json(label, what="lab checkpoint config.json")
+    try:
+        meta = meta_all["multihead_lab"]
+        cfg = LabConfig.from_dict(meta["architecture"])
+        tok = meta_all["tokenizer"]
+        if not isinstance(tok.get("tokens"), list) or not all(isinstance(t, str) for t in tok["tokens"]):
+            raise ValueError("'tokenizer.tokens' must be a list of strings")
+        vocab = Vocab.from_dict(tok)
+    except KeyError as err:
+        raise ValueError(f"{label} lacks the field {err.args[0]!r} of a lab checkpoint") from None
+    except (TypeError, ValueError, AttributeError) as err:
+        raise ValueError(f"{label} is not a valid lab checkpoint config: {err}") from None
+    weights = p / "model.safetensors"
+    if not weights.is_file():
+        raise ValueError(f"{p} has a lab config.json but no model.safetensors")
+    model = LabTransformer(cfg)
+    try:
+        model.load_state_dict(load_file(str(weights)), strict=True)
+    except (RuntimeError, OSError, SafetensorError) as err:  # a truncated file, or another architecture's weights
+        first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        raise ValueError(f"{weights} does not hold this checkpoint's weights: {first}") from None
+    return model.to(device).eval(), vocab, meta
