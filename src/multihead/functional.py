@@ -207,23 +207,25 @@ _NAN_CHECK_ROWS = 16  # from this many queries on, the NaN check reads K and V t
 
 
 def _any_nan(q: Tensor, k: Tensor, v: Tensor, out: Tensor) -> bool:
-    """Whether the NaN rule may have to act: one host sync, as the output's check alone had.
+    """Whether the NaN rule may have to act, read from the inputs, never from what the fused
+    kernel did with a NaN (torch's CPU kernel zeroes a row whose every score is NaN: a NaN
+    query on some CPUs, a NaN in every key a row sees on all).
 
-    What a fused kernel does with a NaN is its own affair (torch's CPU kernel zeroes a row
-    whose every score is NaN: a NaN query on some CPUs, a NaN in every key a row sees on
-    all), so the rule is applied from the inputs, never from the kernel's output. From 16
-    queries on, q, k, v and out are summed (NaN always survives a sum; a false alarm,
-    inf - inf, only costs the exact recomputation). For fewer (decoding) reading K and V
-    would cost as much as the attention: a row whose every score is NaN (a NaN query, or a
-    NaN in every key it sees) comes out of any kernel NaN or exactly zero (what a kernel
-    gives a row it took for empty), so a row of out that is NaN or all zero sends the call
-    through the rule, which tells a NaN from a row with nothing to attend (one amax over
-    out: 24 us vs 21 for the old isnan check, at (1, 32, 1, 128)).
+    From 16 queries on: q, k, v and out are summed (NaN always survives a sum; a false alarm,
+    inf - inf, only costs the exact recomputation), one host sync as the output's check had.
+    Fewer (decoding), where reading K and V would cost as much as the attention: a row
+    whose every score is NaN comes out of any kernel NaN or exactly zero, so one amax over
+    out decides (24 us vs 21 for the old isnan check at (1, 32, 1, 128)); only when a row is
+    exactly zero (a NaN, or a row the mask leaves empty) are q, k and v summed too.
     """
-    if q.shape[2] >= _NAN_CHECK_ROWS:
-        acc = torch.promote_types(q.dtype, torch.float32)
-        return bool(torch.stack([t.sum(dtype=acc) for t in (q, out, k, v)]).isnan().any())
-    return not bool((out.abs().amax(-1) > 0).all())  # amax is NaN for a row with a NaN
+    acc = torch.promote_types(q.dtype, torch.float32)
+    if q.shape[2] < _NAN_CHECK_ROWS:
+        peak = out.abs().amax(-1)  # NaN for a row with a NaN, 0 for a zero row
+        if bool((peak > 0).all()):
+            return False
+        if bool(torch.isnan(peak).any()):
+            return True
+    return bool(torch.stack([t.sum(dtype=acc) for t in (q, out, k, v)]).isnan().any())
 
 
 def _nan_rule(impl, q, k, v, mask, causal, scale, dropout_p, weight_heads, score_mod):
