@@ -123,3 +123,18 @@ def test_overall_eta_is_never_below_the_current_runs():
                 every = line.split("all 2 runs ETA ")[1]
                 to_s = lambda t: int(t.split(":")[0]) * 60 + int(t.split(":")[1])  # noqa: E731
                 assert to_s(every) >= to_s(this), line
+
+
+def test_several_runs_say_one_expected_total():
+    clock = FakeClock()
+    overall = Overall(runs=3, steps=300, clock=clock)
+    text = ""
+    for _ in range(3):
+        stream = io.StringIO()
+        bar = Progress(100, overall.next_label("heads"), stream=stream, overall=overall, clock=clock)
+        for step in range(1, 101):
+            clock.t += 1.0
+            bar.update(step, 1.0)
+        text += stream.getvalue()
+    said = [line for line in text.splitlines() if "expected about" in line]
+    assert len(said) == 1 and said[0].startswith("all 3 runs: expected about 5:00 in all"), said

@@ -91,7 +91,19 @@ class Progress:
                 announce = True
         if not self.enabled:
             return
-        if announce:
+        if announce and self.overall is not None:
+            # several runs: one line for them all, once (a line per run was noise)
+            announce = not self.overall.announced
+            if announce:
+                self.overall.announced = True
+                every = (now - self.overall.start) + (self.overall.eta(now) or 0.0)
+                every = max(every, (now - self.overall.start) + self.expected_s - (now - self.start)
+                            + (self.overall.total - self.overall.done - (self.total - step))
+                            * self.rate.seconds_per_step(step, now))
+                self._write_line(f"all {self.overall.runs} runs: expected about {_fmt_time(every)} in all "
+                                 f"({self.rate.seconds_per_step(step, now):.3g} s/step in the first run after "
+                                 f"{self.rate.anchor[0]} warm-up steps)", now, newline=True)
+        elif announce:
             self._write_line(f"{self.label}: expected about {_fmt_time(self.expected_s)} in all "
                              f"({self.rate.seconds_per_step(step, now):.3g} s/step after "
                              f"{self.rate.anchor[0]} warm-up steps)", now, newline=True)
@@ -147,6 +159,7 @@ class Overall:
         self.start = clock()
         self.rate = RateEstimate(self.total)
         self.rate.warm = warmup_steps(self.total // self.runs)
+        self.announced = False  # the expected total of all runs is said once
 
     def next_label(self, label: str) -> str:
         self.k += 1
