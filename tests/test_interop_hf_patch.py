@@ -104,6 +104,32 @@ def test_output_attentions_equal_eager():
         assert_close(a, b, atol=1e-5, rtol=0, what="logits")
 
 
+def test_a_weights_request_and_output_attentions_on_a_patched_model():
+    """The patch answers as the attention function does (registry.WeightsAnswer): the requested
+    heads recorded, every head returned when output_attentions asks, a bad request refused."""
+    ref = _deepseek(2)
+    ref.set_attn_implementation("eager")
+    model = hf.patch(copy.deepcopy(ref))
+    ids, keep = _batch()
+    with torch.no_grad():
+        want = ref(input_ids=ids, attention_mask=keep, output_attentions=True).attentions
+    layer = hf.patched_layers(model)[1]
+    for output_attentions in (False, True):
+        request = hf.WeightsRequest({layer: [0, 3]})
+        out = request.run(model, input_ids=ids, attention_mask=keep, output_attentions=output_attentions)
+        got = request.get(layer)
+        assert got.shape == (2, 2, 8, 8)
+        assert_close(got[0], want[1][0, [0, 3]], atol=1e-5, rtol=0, what="requested heads, unpadded row")
+        assert_close(got[1, :, 3:], want[1][1, [0, 3], 3:], atol=1e-5, rtol=0, what="requested heads, real queries")
+        if output_attentions:
+            assert_close(out.attentions[1][0], want[1][0], atol=1e-5, rtol=0, what="every head to transformers")
+        else:
+            assert out.attentions is None
+    with pytest.raises(TypeError, match="multihead_weights= takes a multihead.interop.hf.WeightsRequest; "
+                                        "received str"):
+        model(input_ids=ids, multihead_weights="heads")
+
+
 def test_save_pretrained_writes_the_original_keys(tmp_path):
     ref = _deepseek(2, yarn=True)
     model = hf.patch(copy.deepcopy(ref))

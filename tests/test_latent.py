@@ -363,3 +363,42 @@ def test_window_and_softcap_decode_equals_full_forward(absorb):
     steps = [m(x[:, :4], cache=cache, absorb=absorb)] + [m(x[:, t:t + 1], cache=cache, absorb=absorb)
                                                           for t in range(4, 10)]
     assert_close(torch.cat(steps, 1), m(x), what=f"decode absorb={absorb}")
+
+
+@pytest.mark.parametrize("absorb", [None, False, True])
+def test_a_callers_store_and_angles_equal_the_latent_cache(absorb):
+    """forward(store=, rotary=) is what the Hugging Face patch calls: a caller-owned cache
+    (a list here) and angles at the caller's positions give the full forward's outputs."""
+    m = make(GEOMETRIES[1])
+    B, T = 2, 9
+    x = torch.randn(B, T, m.d_model, dtype=torch.float64)
+    full = m(x, absorb=False)
+    held: list[torch.Tensor] = []
+
+    def store(latent):  # (B, t, R + rope_dim) -> every latent so far (B, S, R + rope_dim)
+        held.append(latent)
+        return torch.cat(held, dim=1)
+
+    parts = []
+    for start, stop in ((0, 4), *((t, t + 1) for t in range(4, T))):
+        rotary = m.rope.cos_sin(torch.arange(start, stop))  # (t, rope_dim/2) each
+        parts.append(m(x[:, start:stop], rotary=rotary, store=store, absorb=absorb))
+    assert_close(torch.cat(parts, dim=1), full, atol=1e-12, rtol=1e-12, what=f"store decode, absorb={absorb}")
+    assert sum(h.shape[1] for h in held) == T
+
+
+def test_store_and_rotary_bad_calls():
+    m, flat = make(GEOMETRIES[1]), make(GEOMETRIES[0])
+    x = torch.randn(2, 3, m.d_model, dtype=torch.float64)
+    angles = m.rope.cos_sin(torch.arange(3))
+    cases = [
+        (lambda: m(x, store=lambda t: t, rotary=angles, cache=m.new_cache(2, 8)), ValueError,
+         "pass cache= (a LatentCache) or store= (a caller's cache), not both"),
+        (lambda: m(x, store="cache", rotary=angles), TypeError, "store must be callable"),
+        (lambda: m(x, store=lambda t: t), ValueError, "pass rotary=(cos, sin) for this call's tokens"),
+        (lambda: flat(x, rotary=angles), ValueError, "this module has no rotary part (rope_dim=0)"),
+    ]
+    for call, exc, message in cases:
+        with pytest.raises(exc) as err:
+            call()
+        assert message in str(err.value)

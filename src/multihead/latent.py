@@ -30,7 +30,7 @@ DeepseekV2Attention): RoPE rotates interleaved pairs (2f, 2f + 1) of q_pe and k_
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 from torch import Tensor, nn
@@ -183,6 +183,8 @@ class LatentAttention(nn.Module):
         cache: LatentCache | None = None,
         return_weights: bool | Sequence[int] = False,
         absorb: bool | None = None,
+        rotary: tuple[Tensor, Tensor] | None = None,
+        store: Callable[[Tensor], Tensor] | None = None,
     ) -> Tensor | tuple[Tensor, Tensor]:
         """Self-attention over x `(B, T, d_model)`.
 
@@ -196,6 +198,14 @@ class LatentAttention(nn.Module):
             absorb: True for the absorbed path, False for the naive one, None to pick the
                 one with fewer multiply-adds for this T and S (`absorb_is_cheaper`):
                 absorbed when decoding over a cache, naive for a long prefill.
+            rotary: precomputed `(cos, sin)`, each `(T, rope_dim/2)` or
+                `(B|1, 1, T, rope_dim/2)`, for a caller that owns the positions (a Hugging
+                Face model: its RoPE scaling, left padding). Default: positions 0..T-1
+                after what the cache holds.
+            store: a caller's own cache in place of `cache` (the Hugging Face patch keeps
+                the latent in transformers' cache): called with this call's latents
+                `(B, T, R + rope_dim)`, it returns every latent to attend over
+                `(B, S, R + rope_dim)`. The positions are then the caller's: pass `rotary=`.
 
         Returns:
             `(B, T, d_model)`, or `(out, weights)`.
@@ -205,10 +215,13 @@ class LatentAttention(nn.Module):
             self._check_cache(cache)
         if absorb is not None and not isinstance(absorb, bool):
             raise TypeError(f"absorb must be True, False or None; received {absorb!r}")
+        self._check_rotary_and_store(rotary, store, cache)
         B, T, _ = x.shape
         offset = cache.length if cache is not None else 0
-        q_nope, q_pe = self.queries(x, offset)  # (B, H, T, D), (B, H, T, rope_dim)
-        latent = self.latents(x, offset)  # (B, T, R + rope_dim)
+        q_nope, q_pe = self.queries(x, offset, rotary=rotary)  # (B, H, T, D), (B, H, T, rope_dim)
+        latent = self.latents(x, offset, rotary=rotary)  # (B, T, R + rope_dim)
+        if store is not None:
+            latent = store(latent)  # (B, S, R + rope_dim)
         if cache is None:
             return self._attend_and_project(q_nope, q_pe, latent, mask, return_weights, absorb)
         mark = cache.checkpoint(T)
@@ -351,6 +364,19 @@ class LatentAttention(nn.Module):
         if x.shape[-1] != C:
             raise ValueError(f"x has width {x.shape[-1]}; this module expects d_model = {C}")
         check_dtype("x", x, self.kv_a_proj.weight)
+
+    def _check_rotary_and_store(self, rotary, store, cache) -> None:
+        if store is not None:
+            if cache is not None:
+                raise ValueError("pass cache= (a LatentCache) or store= (a caller's cache), not both")
+            if not callable(store):
+                raise TypeError(f"store must be callable(latent (B, T, R + rope_dim)) -> every latent "
+                                f"(B, S, R + rope_dim); received {type(store).__name__}")
+            if self.rope is not None and rotary is None:
+                raise ValueError("store= keeps the caller's cache, so the positions are the caller's too: "
+                                 "pass rotary=(cos, sin) for this call's tokens")
+        if rotary is not None and self.rope is None:
+            raise ValueError("rotary=(cos, sin) was given but this module has no rotary part (rope_dim=0)")
 
     def _check_cache(self, cache) -> None:
         if not isinstance(cache, LatentCache):

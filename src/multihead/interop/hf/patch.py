@@ -30,7 +30,7 @@ import torch
 from torch import Tensor, nn
 
 from multihead.interop.hf.convert import DEEPSEEK_FAMILY, from_deepseek
-from multihead.interop.hf.registry import REQUEST_KEYWORD, AttentionCall, hf_mask
+from multihead.interop.hf.registry import AttentionCall, WeightsAnswer, hf_mask
 from multihead.latent import LatentAttention
 
 __all__ = ["LatentAttentionLayer", "is_patched", "patch", "patched_layers", "unpatch"]
@@ -105,41 +105,41 @@ class LatentAttentionLayer(nn.Module):
     def forward(self, hidden_states: Tensor, attention_mask: Tensor | None = None, cache=None,
                 position_embeddings=None, past_key_values=None, **kwargs) -> tuple[Tensor, Tensor | None]:
         """transformers' DeepSeek attention signature: x `(B, T, C)` -> (out `(B, T, C)`,
-        weights `(B, H, T, S)` when output_attentions is asked, else None)."""
+        weights `(B, H, T, S)` when output_attentions is asked, else None), computed by
+        `LatentAttention.forward` with transformers' angles, mask and cache."""
         mla = self.mla
         if self.training and float(getattr(self.config, "attention_dropout", 0.0) or 0.0) > 0:
             raise ValueError("the patched DeepSeek layer has no attention dropout; set config.attention_dropout=0 "
                              "to train it, or unpatch(model)")
         cache = cache if cache is not None else past_key_values
         x = hidden_states
-        B, T, _ = x.shape
-        rotary = _rotary(position_embeddings)
-        offset = 0
-        if rotary is None and cache is not None:
-            offset = cache.get_seq_length(self.layer_idx)
-        q_nope, q_pe = mla.queries(x, offset, rotary=rotary)  # (B, H, T, D), (B, H, T, rope_dim)
-        latent = mla.latents(x, offset, rotary=rotary)  # (B, T, R + rope_dim)
-        if cache is not None:
-            # One tensor per layer in transformers' cache: the latent as the "keys" of one
-            # head, and zero-width "values", so the attention reads it without a concatenation.
-            keys, _ = cache.update(latent[:, None], latent[:, None, :, :0], self.layer_idx, kwargs=kwargs)
-            latent = keys[:, 0]  # (B, S, R + rope_dim)
+        T = x.shape[1]
+        rotary = _rotary(position_embeddings) if mla.rope is not None else None
+        if rotary is None and mla.rope is not None:  # no angles given: positions after what the cache holds
+            offset = cache.get_seq_length(self.layer_idx) if cache is not None else 0
+            rotary = mla.rope.cos_sin(torch.arange(T, device=x.device) + offset)  # (T, rope_dim/2) each
         mask = hf_mask(attention_mask, x.dtype)
-        S = latent.shape[1]
-        if mask is None and 1 < T < S:  # a static cache's prefill: the slots after the T queries are empty
-            latent, S = latent[:, :T], T
-        want = bool(kwargs.get("output_attentions", False))
-        request = kwargs.get(REQUEST_KEYWORD)  # a WeightsRequest (multihead inspect)
-        asked = request.heads_for(self) if request is not None and not request.probe else None
-        return_weights = True if want or asked is True else (list(asked) if asked else False)
-        attend = mla.attend_absorbed if mla.absorb_is_cheaper(T, S) else mla.attend_naive
-        out, weights = attend(q_nope, q_pe, latent, mask, return_weights=return_weights)  # (B, H, T, Dv)
-        out = mla.o_proj(out.transpose(1, 2).reshape(B, T, -1))  # (B, T, C)
-        if request is not None:
-            mine = weights[:, list(asked)] if want and asked not in (None, True) else weights
-            call = AttentionCall(self, q_nope.shape[1], 1, T, S, mla.head_dim + mla.rope_dim)
-            request.record(call, None if asked is None else mine.detach())
-        return out, (weights if want else None)
+        S = [T]  # the keys attended, for the request's record
+
+        def store(latent: Tensor) -> Tensor:
+            """This call's latents `(B, T, R + rope_dim)` -> every cached one `(B, S, R + rope_dim)`."""
+            if cache is not None:
+                # One tensor per layer in transformers' cache: the latent as the "keys" of one
+                # head, and zero-width "values", so the attention reads it without a concatenation.
+                keys, _ = cache.update(latent[:, None], latent[:, None, :, :0], self.layer_idx, kwargs=kwargs)
+                latent = keys[:, 0]  # (B, S, R + rope_dim)
+            if mask is None and 1 < T < latent.shape[1]:  # a static cache's prefill: the slots after T are empty
+                latent = latent[:, :T]
+            S[0] = latent.shape[1]
+            return latent
+
+        answer = WeightsAnswer.of(self, kwargs, kwargs.get("output_attentions", False))
+        # forward, not __call__: hooks see this layer (multihead.heads numbers it and takes its
+        # weights through the request), as they did before the LatentAttention computed it
+        got = mla.forward(x, mask=mask, return_weights=answer.return_weights, rotary=rotary, store=store)
+        out, weights = got if isinstance(got, tuple) else (got, None)
+        answer.record(AttentionCall(self, mla.n_heads, 1, T, S[0], mla.head_dim + mla.rope_dim), weights)
+        return out, answer.returned(weights)
 
 
 _CLASSES: dict[type, type] = {}

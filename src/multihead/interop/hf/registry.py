@@ -45,8 +45,8 @@ from multihead import masks, score_mods
 from multihead.functional import attend, check_backend_name
 from multihead.masks import MaskMod, from_flex
 
-__all__ = ["INTERVENTION_KEYWORD", "REQUEST_KEYWORD", "AttentionCall", "CaptureComplete", "WeightsRequest",
-           "attention_forward", "hf_mask", "register", "registered"]
+__all__ = ["INTERVENTION_KEYWORD", "REQUEST_KEYWORD", "AttentionCall", "CaptureComplete", "WeightsAnswer",
+           "WeightsRequest", "attention_forward", "hf_mask", "register", "registered"]
 
 #: The forward keyword that carries a `WeightsRequest` down to the attention function.
 REQUEST_KEYWORD = "multihead_weights"
@@ -203,6 +203,46 @@ class WeightsRequest:
                 return None
 
 
+class WeightsAnswer(NamedTuple):
+    """How one attention call answers for its weights: what transformers asked
+    (`output_attentions`: every head's, returned to it) and what a `WeightsRequest` asked
+    of this module (its heads, recorded there). The attention function and the DeepSeek
+    patch (`patch.LatentAttentionLayer`) both answer through it."""
+
+    request: WeightsRequest | None
+    want_all: bool  # output_attentions
+    asked: tuple[int, ...] | bool | None  # the request's heads of this module (True: all; None: not asked)
+
+    @classmethod
+    def of(cls, module: nn.Module, kwargs: dict, want_all: bool) -> WeightsAnswer:
+        """Read the forward's keywords; a `multihead_weights=` that is not a WeightsRequest is refused."""
+        request = kwargs.get(REQUEST_KEYWORD)
+        if request is not None and not isinstance(request, WeightsRequest):
+            raise TypeError(f"{REQUEST_KEYWORD}= takes a multihead.interop.hf.WeightsRequest; "
+                            f"received {type(request).__name__}")
+        asked = request.heads_for(module) if request is not None and not request.probe else None
+        return cls(request, bool(want_all), asked)
+
+    @property
+    def return_weights(self) -> bool | list[int]:
+        """What to ask the kernel for: every head, the requested ones, or none."""
+        asked = self.asked
+        return True if self.want_all or asked is True else (list(asked) if asked else False)
+
+    def record(self, call: AttentionCall, weights: Tensor | None) -> None:
+        """Hand the request (if any) its heads of `weights` (as `return_weights` computed them)."""
+        if self.request is None:
+            return
+        mine = weights
+        if self.want_all and self.asked not in (None, True):
+            mine = weights[:, list(self.asked)]
+        self.request.record(call, None if self.asked is None else mine.detach())
+
+    def returned(self, weights: Tensor | None) -> Tensor | None:
+        """What goes back to transformers: the weights when output_attentions asked, else None."""
+        return weights if self.want_all else None
+
+
 # ---------------------------------------------------------- the attention function
 
 
@@ -311,14 +351,10 @@ def attention_forward(module: nn.Module, query: Tensor, key: Tensor, value: Tens
     sinks = _sink_logits(s_aux if s_aux is not None else sinks, B, H, T)
     scale = _number("scaling", scaling)
 
-    request = kwargs.get(REQUEST_KEYWORD)
-    if request is not None and not isinstance(request, WeightsRequest):
-        raise TypeError(f"{REQUEST_KEYWORD}= takes a multihead.interop.hf.WeightsRequest; "
-                        f"received {type(request).__name__}")
     config = getattr(module, "config", None)
-    want_all = bool(kwargs.get("output_attentions", getattr(config, "output_attentions", False)))
-    asked = request.heads_for(module) if request is not None and not request.probe else None
-    return_weights = True if want_all or asked is True else (list(asked) if asked else False)
+    want_all = kwargs.get("output_attentions", getattr(config, "output_attentions", False))
+    answer = WeightsAnswer.of(module, kwargs, want_all)
+    return_weights = answer.return_weights
 
     if sinks is None:
         out, weights = attend(query, key, value, mask, causal=causal, scale=scale, dropout_p=dropout,
@@ -332,16 +368,11 @@ def attention_forward(module: nn.Module, query: Tensor, key: Tensor, value: Tens
             weights = None
         elif return_weights is not True:
             weights = weights[:, return_weights]
-    if request is not None:
-        mine = weights
-        if want_all and asked not in (None, True):
-            mine = weights[:, list(asked)]
-        call = AttentionCall(module, H, key.shape[1], T, S, query.shape[-1])
-        request.record(call, None if asked is None else mine.detach())
+    answer.record(AttentionCall(module, H, key.shape[1], T, S, query.shape[-1]), weights)
     if intervention is not None:  # ... and the heads' outputs, before the output projection
         out = intervention.output(module, out, value)
     out = out.transpose(1, 2).contiguous()  # (B, T, H, Dv)
-    return out, (weights if want_all else None)
+    return out, answer.returned(weights)
 
 
 # ------------------------------------------------------------------ registering
