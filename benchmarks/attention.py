@@ -71,6 +71,7 @@ if str(ROOT / "src") not in sys.path:  # run from a checkout without installing
 
 from machine_info import machine  # noqa: E402  (benchmarks/ is on sys.path when run as a script)
 from multihead import Attention  # noqa: E402
+from multihead.interop.torch import to_torch  # noqa: E402
 
 B, D_MODEL, HEADS = 1, 512, 8
 HEAD_DIM = D_MODEL // HEADS
@@ -236,7 +237,7 @@ def build(N: int, causal: bool, variants, seed: int = 0):
         if "textbook_srcmask" in variants:
             fns["textbook_srcmask"] = textbook_srcmask
     if "torch_mha" in variants or "torch_mha_noweights" in variants:
-        mha = mh.to_torch(batch_first=True).eval()
+        mha = to_torch(mh, batch_first=True).eval()
         amask = torch.ones(N, N, dtype=torch.bool).triu(1) if causal else None  # True = masked
         keep.update(mha=mha, amask=amask)
         if "torch_mha" in variants:

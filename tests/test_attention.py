@@ -11,6 +11,7 @@ import multihead as mh
 from conftest import assert_close
 from multihead import masks
 from multihead import reference as R
+from multihead.interop.torch import from_torch, to_torch
 
 
 def ref_forward(attn: mh.Attention, x, context=None, mask=None, causal=None):
@@ -44,7 +45,7 @@ def test_cross_attention_equals_reference():
 
 def _mha_pair(E=32, H=4, kdim=None, bias=True, batch_first=True):
     mha = nn.MultiheadAttention(E, H, bias=bias, kdim=kdim, vdim=kdim, batch_first=batch_first).double().eval()
-    return mha, mh.Attention.from_torch(mha).eval()
+    return mha, from_torch(mha).eval()
 
 
 @pytest.mark.parametrize("bias", [True, False])
@@ -66,7 +67,7 @@ def test_equals_nn_multihead_attention_cross_kdim_and_seq_first():
 
 def test_equals_nn_multihead_attention_key_padding_and_causal():
     mha, _ = _mha_pair()
-    attn = mh.Attention.from_torch(mha, causal=True).eval()
+    attn = from_torch(mha, causal=True).eval()
     x = torch.randn(2, 6, 32, dtype=torch.float64)
     kpm = torch.tensor([[False] * 6, [False] * 4 + [True] * 2])  # torch: True = padding
     causal_tm = nn.Transformer.generate_square_subsequent_mask(6, dtype=torch.float64)
@@ -89,7 +90,7 @@ def test_fully_padded_sequence_is_zero_where_torch_gives_nan():
 
 def test_to_torch_round_trip_is_exact():
     attn = mh.Attention(32, 4, context_dim=20)
-    back = mh.Attention.from_torch(attn.to_torch(batch_first=False))
+    back = from_torch(to_torch(attn, batch_first=False))
     for name, p in attn.state_dict().items():
         assert torch.equal(p, back.state_dict()[name]), name
 

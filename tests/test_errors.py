@@ -7,6 +7,7 @@ from torch import nn
 
 import multihead as mh
 from multihead import masks
+from multihead.interop.torch import from_torch, to_torch
 from multihead.score_mods import alibi as mh_alibi
 from multihead.score_mods import softcap as mh_softcap
 
@@ -110,13 +111,13 @@ CASES = [
     ("padding float lengths", lambda: masks.padding(torch.tensor([1.5])), ValueError,
      ["1-D integer tensor", "torch.float32"]),
     ("rope odd dim", lambda: mh.RotaryEmbedding(7), ValueError, ["even", "7"]),
-    ("from_torch add_zero_attn", lambda: mh.Attention.from_torch(nn.MultiheadAttention(16, 4, add_zero_attn=True)),
+    ("from_torch add_zero_attn", lambda: from_torch(nn.MultiheadAttention(16, 4, add_zero_attn=True)),
      ValueError, ["add_zero_attn", "no equivalent"]),
-    ("from_torch bias_kv", lambda: mh.Attention.from_torch(nn.MultiheadAttention(16, 4, add_bias_kv=True)),
+    ("from_torch bias_kv", lambda: from_torch(nn.MultiheadAttention(16, 4, add_bias_kv=True)),
      ValueError, ["add_bias_kv", "no equivalent"]),
-    ("from_torch kdim != vdim", lambda: mh.Attention.from_torch(nn.MultiheadAttention(16, 4, kdim=8, vdim=6)),
+    ("from_torch kdim != vdim", lambda: from_torch(nn.MultiheadAttention(16, 4, kdim=8, vdim=6)),
      ValueError, ["kdim (8) != vdim (6)", "valid: kdim == vdim"]),
-    ("to_torch GQA", lambda: mh.Attention(16, 4, 2).to_torch(), ValueError, ["n_kv_heads (2) != n_heads (4)"]),
+    ("to_torch GQA", lambda: to_torch(mh.Attention(16, 4, 2)), ValueError, ["n_kv_heads (2) != n_heads (4)"]),
     ("rope with cross-attention", lambda: _attn(rope=True)(torch.randn(1, 2, 16), torch.randn(1, 3, 16)),
      ValueError, ["rotary", "cross-attention"]),
     # kernel: predicates, score mods, scalars

@@ -23,6 +23,13 @@ GEOMETRIES = [
 GEOMETRY_IDS = ["plain", "rope", "q_rank"]
 
 
+def from_deepseek(layer, **kw):
+    """multihead.interop.hf.from_deepseek, imported on use (it registers with transformers)."""
+    from multihead.interop.hf import from_deepseek as convert
+
+    return convert(layer, **kw)
+
+
 def make(geometry, *, causal=True, dtype=torch.float64, **kw):
     C, H, Rk, Rq, D, Dr, Dv = geometry
     m = mh.LatentAttention(C, H, Rk, q_rank=Rq, head_dim=D, rope_dim=Dr, v_head_dim=Dv, causal=causal, **kw)
@@ -217,7 +224,7 @@ def _hf_layer(q_rank):
 @pytest.mark.parametrize("q_rank", [None, 24])
 def test_equals_hf_deepseek_v2_attention(q_rank):
     model, hf = _hf_layer(q_rank)
-    m = mh.LatentAttention.from_hf(hf).eval()
+    m = from_deepseek(hf).eval()
     assert (m.q_rank, m.kv_rank, m.head_dim, m.rope_dim, m.v_head_dim) == (q_rank, 16, 8, 4, 6)
     B, T = 2, 9
     x = torch.randn(B, T, 32)
@@ -288,7 +295,7 @@ def _bad_calls():
         ("mask shape", lambda: m(x, mask=torch.ones(2, 5, 3, 3, dtype=torch.bool)), ValueError,
          "mask of shape (2, 5, 3, 3) is not broadcastable"),
         ("int mask", lambda: m(x, mask=torch.ones(3, 3, dtype=torch.int64)), TypeError, "received dtype torch.int64"),
-        ("from_hf", lambda: mh.LatentAttention.from_hf(torch.nn.Linear(2, 2)), TypeError,
+        ("from_hf", lambda: from_deepseek(torch.nn.Linear(2, 2)), TypeError,
          "takes a transformers DeepseekV2Attention / DeepseekV3Attention; received Linear"),
     ]
 
@@ -309,7 +316,7 @@ def test_from_hf_reads_yarn_rope_scaling():
     cfg.rope_parameters = dict(cfg.rope_parameters, rope_type="yarn", factor=4.0, original_max_position_embeddings=16,
                                mscale=0.707, mscale_all_dim=0.707)
     yarn_layer = type(hf)(cfg, layer_idx=0)
-    m = mh.LatentAttention.from_hf(yarn_layer)
+    m = from_deepseek(yarn_layer)
     assert m.rope.scaling.kind == "yarn" and m.rope.scaling.factor == 4.0
     assert math.isclose(m.scale, yarn_layer.scaling, rel_tol=1e-12) and m.scale > 1.2 / math.sqrt(12)
 

@@ -35,8 +35,6 @@ DEBT = {
     },
     "cycles": {
         ("multihead.flex", "multihead.functional"),
-        ("multihead.attention", "multihead.interop.torch"),
-        ("multihead.interop.hf.convert", "multihead.latent"),
         ("multihead.plan.recommend", "multihead.plan.report"),
         ("multihead.inspect.capture", "multihead.inspect.capture_types", "multihead.inspect.html",
          "multihead.inspect.roles"),
@@ -44,10 +42,7 @@ DEBT = {
     "tools": {
         ("multihead.heads.cli", "multihead.inspect.loaders"),  # the heads CLI loads models through inspect's loader
     },
-    "floors": {
-        ("multihead.latent", "multihead.interop.hf.convert"),
-        ("multihead.attention", "multihead.interop.torch"),
-    },
+    "floors": set(),
 }
 
 

@@ -372,20 +372,3 @@ class Attention(nn.Module):
             raise ValueError(f"{name} must be 3-D (B, T, {width}), batch first; received shape {tuple(t.shape)}")
         if t.shape[-1] != width:
             raise ValueError(f"{name} has width {t.shape[-1]}; this module expects {width}")
-
-    # ------------------------------------------------------------ torch interop
-
-    @classmethod
-    def from_torch(cls, mha: nn.MultiheadAttention, *, causal: bool = False,
-                   backend: str = "auto") -> Attention:
-        """An `Attention` with exactly the weights of an `nn.MultiheadAttention`
-        (`multihead.interop.torch.from_torch`)."""
-        from multihead.interop.torch import from_torch
-
-        return from_torch(mha, causal=causal, backend=backend, cls=cls)
-
-    def to_torch(self, *, batch_first: bool = True) -> nn.MultiheadAttention:
-        """An `nn.MultiheadAttention` with exactly these weights (`multihead.interop.torch.to_torch`)."""
-        from multihead.interop.torch import to_torch
-
-        return to_torch(self, batch_first=batch_first)

@@ -386,13 +386,3 @@ class LatentAttention(nn.Module):
                 f"cache holds kv_rank={cache.kv_rank}, rope_dim={cache.rope_dim}; this module needs "
                 f"kv_rank={self.kv_rank}, rope_dim={self.rope_dim}. Make it with new_cache()"
             )
-
-    # ------------------------------------------------------- Hugging Face weights
-
-    @classmethod
-    def from_hf(cls, hf_attn: nn.Module, *, backend: str = "auto") -> LatentAttention:
-        """A causal `LatentAttention` with the weights of transformers' DeepSeek-V2/V3
-        attention, YaRN RoPE scaling included: see `multihead.interop.hf.from_deepseek`."""
-        from multihead.interop.hf.convert import from_deepseek  # noqa: PLC0415 (the interop floor)
-
-        return from_deepseek(hf_attn, backend=backend)
