@@ -23,6 +23,7 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor, nn
 
+from multihead import score_mods
 from multihead._checks import check_int as _check_int
 from multihead._checks import divisors as _divisors
 from multihead._checks import variant_name
@@ -318,8 +319,6 @@ class Attention(nn.Module):
 
     def _score_mod(self):
         """The score mod this layer applies (softcap or ALiBi), or None."""
-        from multihead import score_mods  # kernel floor, imported on use
-
         if self.softcap is not None:
             return score_mods.softcap(self.softcap)
         if self.alibi:  # one slope per head (a tensor-parallel shard overrides this with its own)

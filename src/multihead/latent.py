@@ -35,6 +35,7 @@ from collections.abc import Callable, Sequence
 import torch
 from torch import Tensor, nn
 
+from multihead import score_mods
 from multihead._checks import check_int as _check_int
 from multihead._layer import check_dtype, check_window_and_softcap, default_head_dim, merge_heads, with_window
 from multihead.cache import LatentCache
@@ -349,8 +350,6 @@ class LatentAttention(nn.Module):
         return absorbed < naive
 
     def _kernel(self, q, k, v, mask, return_weights) -> tuple[Tensor, Tensor | None]:
-        from multihead import score_mods  # kernel floor, imported on use
-
         mod = None if self.softcap is None else score_mods.softcap(self.softcap)
         return attend(q, k, v, with_window(mask, self.sliding_window, q, k), causal=self.causal, scale=self.scale,
                       return_weights=return_weights, backend=self.backend, score_mod=mod)

@@ -171,7 +171,7 @@ class _ShardedAttention(_HeadSharded):
         """ALiBi with the slopes of this rank's heads (h0 .. h0 + h - 1), not of heads 0 .. h - 1."""
         if not self.alibi:
             return super()._score_mod()
-        from multihead import score_mods  # noqa: PLC0415 (kernel floor; imported on use, as Attention does)
+        from multihead import score_mods  # the kernel floor (already loaded with multihead.functional)
 
         h0, h = self.tp_heads
         return score_mods.alibi(score_mods.alibi_slopes(self.n_heads)[h0:h0 + h])

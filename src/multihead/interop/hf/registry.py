@@ -129,7 +129,7 @@ def multihead_mask(batch_size: int, q_length: int, kv_length: int, q_offset=0, k
 # ----------------------------------------------------------- weights on request
 
 
-class CaptureComplete(Exception):  # noqa: N818 (a signal, not an error)
+class CaptureComplete(Exception):  # a signal, not an error: hence no Error suffix
     """Raised by the attention function once a `WeightsRequest(stop=True)` has every weight
     it asked for: the rest of the forward is skipped. `WeightsRequest.run` catches it."""
 
