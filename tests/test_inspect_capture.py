@@ -23,6 +23,7 @@ from multihead.inspect.capture import (  # noqa: E402
     minilm_path,
     register_loader,
 )
+from multihead.kernels import math as explicit_math  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -57,13 +58,13 @@ def test_capture_all_heads_equals_eager(minilm, eager):
 
 def test_layer3_head5_asks_the_kernel_for_that_head_only(minilm, eager, monkeypatch):
     calls, explicit = [], []
-    real_pass = F._weights_pass
+    real_pass = explicit_math.weights_pass
 
-    def spy_pass(q, k, mask, causal, scale, heads):
+    def spy_pass(q, k, mask, causal, scale, heads, **kw):
         calls.append(tuple(heads))
-        return real_pass(q, k, mask, causal, scale, heads)
+        return real_pass(q, k, mask, causal, scale, heads, **kw)
 
-    monkeypatch.setattr(F, "_weights_pass", spy_pass)
+    monkeypatch.setattr(explicit_math, "weights_pass", spy_pass)
     # the explicit backends would build every head's (T, S) block: they must not run
     for name in ("math", "chunked"):
         b = F._BACKENDS[name]

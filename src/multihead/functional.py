@@ -45,7 +45,7 @@ gradient, a float mask (T5's position bias) and the tensors a score mod captures
 (learned ALiBi slopes) included, or the backend refuses by name (a mod holding such
 tensors on "tiles"/"sdpa": "auto" picks "chunked" or "math"). So do second derivatives
 (create_graph=True: gradient penalties): the tile engines and torch's fused kernels
-then recompute the attention with differentiable ops (`_SecondOrder`,
+then recompute the attention with differentiable ops (`kernels.sdpa.SecondOrder`,
 `kernels.explicit_tiles.twice`); only torch's own dropout, which cannot be redrawn, refuses.
 
 Empty problems (B, H, T or S = 0) return empty or zero outputs of the right shape.
@@ -57,15 +57,14 @@ import math
 from collections.abc import Callable, Sequence
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor
 
-from multihead.kernels.common import index, mqa_splits
+from multihead.kernels import math as explicit_math  # weights_pass read at call time: the tests spy on it
+from multihead.kernels.common import index
 from multihead.kernels.math import block_rows as _block_rows
 from multihead.kernels.math import chunked as _chunked
 from multihead.kernels.math import math_backend as _math
 from multihead.kernels.math import rows_mask as _rows_mask
-from multihead.kernels.math import weights_pass as _weights_pass
 from multihead.kernels.registry import (
     BACKENDS,
     Backend,
@@ -75,6 +74,7 @@ from multihead.kernels.registry import (
     resolve_backend,
 )
 from multihead.kernels.registry import get_backend as _get_backend
+from multihead.kernels.sdpa import sdpa
 from multihead.kernels.validation import check_inputs as _check_inputs
 from multihead.kernels.validation import check_scale as _check_scale
 from multihead.kernels.validation import check_score_mod as _check_score_mod
@@ -287,146 +287,17 @@ def attention_weights(
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
     if min(q.shape[0], q.shape[2], k.shape[2]) == 0:
         return q.new_zeros(q.shape[0], len(heads), q.shape[2], k.shape[2])
-    return _weights_pass(q, k, mask, bool(causal), scale, heads)
+    return explicit_math.weights_pass(q, k, mask, bool(causal), scale, heads)
 
 
-# ---------------------------------------------------------------- explicit paths
-# (kernels/math.py: explicit, math, chunked, the weights pass)
+# ---------------------------------------------------------------- the backends
+# math, chunked and the weights pass: kernels/math.py; sdpa: kernels/sdpa.py; the tile engines:
+# kernels/explicit_tiles.py and kernels/fused_tiles.py (through multihead.blocksparse).
 
 
 def _weights(q, k, mask, causal, scale, heads, score_mod):
     """The weight pass, called as the spies in the tests expect when there is no score mod."""
-    if score_mod is None:
-        return _weights_pass(q, k, mask, causal, scale, heads)
-    return _weights_pass(q, k, mask, causal, scale, heads, score_mod=score_mod)
-
-
-# -------------------------------------------------------------------- fused path
-
-
-def _sdpa(q, k, v, mask, *, causal, scale, dropout_p, weight_heads, score_mod=None):
-    """torch's fused kernel, with bottom-right causal and GQA without copying K/V.
-
-    Predicates and additive score mods run block-sparse (`multihead.blocksparse`); so does
-    bottom-right causal with 1 < T != S, which torch's `is_causal` would align top-left.
-    """
-    B, H, T, _ = q.shape
-    Hkv, S, Dv = k.shape[1], k.shape[2], v.shape[-1]
-    G = H // Hkv
-    if causal and mask is None and 1 < T != S:
-        mask, causal = causal_mod(), False
-    if isinstance(mask, MaskMod) or score_mod is not None:
-        from multihead import blocksparse
-
-        out = blocksparse.fused(q, k, v, mask, causal=causal, scale=scale, dropout_p=dropout_p, score_mod=score_mod)
-        weights = None
-        if weight_heads is not None:
-            weights = _weights(q, k, mask, causal, scale, weight_heads, score_mod)
-        return _twice_differentiable(out, q, k, v, mask, causal, scale, dropout_p, score_mod), weights
-    is_causal = False
-    attn_mask = mask
-    if causal:
-        if T == S and mask is None:
-            is_causal = True  # top-left == bottom-right when T == S
-        elif T == 1 and S >= 1:
-            pass  # the one query sits at the last position and sees every key
-        else:
-            allowed, _ = _rows_mask(None, True, 0, T, T, S, q.device)
-            allowed = allowed[None, None]  # (1, 1, T, S)
-            if mask is None:
-                attn_mask = allowed
-            elif mask.dtype == torch.bool:
-                attn_mask = mask & allowed
-            else:
-                attn_mask = mask.masked_fill(~allowed, float("-inf"))
-    if attn_mask is not None and attn_mask.dtype != torch.bool:
-        attn_mask = attn_mask.to(q.dtype)
-
-    def call(qq, mm, kk=k, vv=v):
-        return F.scaled_dot_product_attention(
-            qq, kk, vv, attn_mask=mm, dropout_p=dropout_p, is_causal=is_causal, scale=scale
-        )
-
-    if G == 1:
-        out = call(q, attn_mask)
-    elif not is_causal and (attn_mask is None or attn_mask.shape[1] == attn_mask.shape[2] == 1):
-        # Fold each group's query heads into the query length: (B, Hkv, G*T, D). A mask
-        # that varies by neither head nor query broadcasts over the folded length.
-        P = mqa_splits(B, Hkv, G, q.device)
-        if P == 1:
-            out = call(q.reshape(B, Hkv, G * T, -1), attn_mask)
-        else:
-            # torch's CPU kernel parallelises over (B, heads) only: MQA folded into one
-            # head would run on one core. Split the folded queries over P heads that all
-            # read the one K/V head through a stride-0 view (no copy).
-            out = call(q.reshape(B, P, G // P * T, -1), attn_mask,
-                       k.expand(B, P, S, k.shape[-1]), v.expand(B, P, S, Dv))
-        out = out.view(B, H, T, Dv)
-    else:
-        # The mask or causality depends on the query row: one fused call per position in
-        # the group, each reading K/V once, still without a copy of them.
-        out = q.new_empty(B, H, T, Dv)
-        q5 = q.unflatten(1, (Hkv, G))  # (B, Hkv, G, T, D)
-        out5 = out.unflatten(1, (Hkv, G))  # (B, Hkv, G, T, Dv)
-        m5 = None
-        if attn_mask is not None and attn_mask.shape[1] == H:
-            m5 = attn_mask.unflatten(1, (Hkv, G))
-        for g in range(G):
-            mg = attn_mask if m5 is None else m5[:, :, g]
-            out5[:, :, g] = call(q5[:, :, g], mg)
-    weights = None
-    if weight_heads is not None:
-        weights = _weights_pass(q, k, mask, causal, scale, weight_heads)
-    return _twice_differentiable(out, q, k, v, mask, causal, scale, dropout_p, None), weights
-
-
-class _SecondOrder(torch.autograd.Function):
-    """Identity on a fused kernel's output, so that a second differentiation is exact.
-
-    torch's fused kernels have backwards that are not differentiable again. A plain backward
-    passes the gradient through to the kernel's own backward; under create_graph=True (a
-    gradient penalty, Hessian-vector products) the gradients of q, k, v (and of a float mask
-    that requires grad) come instead from the written-out path recomputed with the graph,
-    and the kernel's node gets none. Costs one autograd node, no memory (q, k, v and the
-    mask are saved by the kernel's node already).
-    """
-
-    @staticmethod
-    def forward(ctx, out, q, k, v, mask, info):
-        ctx.save_for_backward(q, k, v, mask)
-        ctx.info = info
-        # a view, no copy; an in-place edit of the result is refused by autograd, as it already was
-        # for the fused kernels, which save their output for the backward
-        return out.view_as(out)
-
-    @staticmethod
-    def backward(ctx, d_out):
-        if not torch.is_grad_enabled():  # the usual backward: the fused kernel's
-            return d_out, None, None, None, None, None
-        q, k, v, grad_mask = ctx.saved_tensors
-        mask, causal, scale, dropout_p, score_mod = ctx.info
-        if dropout_p > 0:
-            raise ValueError(f"backend 'sdpa' cannot differentiate twice (create_graph=True) with dropout "
-                             f"(dropout_p={dropout_p}): torch's kernel draws its dropout inside; backends that "
-                             f"can: 'tiles', 'math'")
-        mask = grad_mask if grad_mask is not None else mask
-        saved = (q, k, v, grad_mask)
-        wanted = [i for i, x in enumerate(saved) if x is not None and ctx.needs_input_grad[i + 1]]
-        out, _ = _chunked(q, k, v, mask, causal=causal, scale=scale, dropout_p=0.0, weight_heads=None,
-                          score_mod=score_mod)
-        grads = torch.autograd.grad(out, [saved[i] for i in wanted], d_out, create_graph=True, allow_unused=True)
-        result = [None] * 6
-        for i, g in zip(wanted, grads):
-            result[i + 1] = g
-        return tuple(result)
-
-
-def _twice_differentiable(out, q, k, v, mask, causal, scale, dropout_p, score_mod):
-    """`out` through `_SecondOrder` when autograd records the call (skipped under torch.compile)."""
-    if not torch.is_grad_enabled() or torch.compiler.is_compiling() or not out.requires_grad:
-        return out
-    grad_mask = mask if isinstance(mask, Tensor) and mask.is_floating_point() and mask.requires_grad else None
-    return _SecondOrder.apply(out, q, k, v, grad_mask, (mask, causal, scale, dropout_p, score_mod))
+    return explicit_math.weights_pass(q, k, mask, causal, scale, heads, score_mod=score_mod)
 
 
 def _tiles(q, k, v, mask, *, causal, scale, dropout_p, weight_heads, score_mod=None):
@@ -441,7 +312,7 @@ def _tiles(q, k, v, mask, *, causal, scale, dropout_p, weight_heads, score_mod=N
 
 register_backend("math", _math, weights=True, dropout=True, weights_with_dropout=True, predicates=True,
                  score_mods="any", doc="explicit matmul-softmax-matmul; materialises (B, H, T, S)")
-register_backend("sdpa", _sdpa, weights=True, dropout=True, predicates=True, score_mods="additive",
+register_backend("sdpa", sdpa, weights=True, dropout=True, predicates=True, score_mods="additive",
                  doc="torch's fused kernel, block-sparse for predicates; weights from a memory-bounded pass")
 register_backend("chunked", _chunked, weights=True, dropout=False, predicates=True, score_mods="any",
                  doc="explicit path over blocks of queries; memory bounded by one block of scores")

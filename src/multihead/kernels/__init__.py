@@ -5,6 +5,8 @@ small steps). `multihead.functional` stays the public face: `scaled_dot_product_
 - `registry`: `Backend`, `register_backend`, `available_backends`, `resolve_backend`
   ("auto", at call time) and `get_backend` (what a backend cannot do, with the backends
   that can).
+- `sdpa`: torch's fused kernel ("sdpa"), bottom-right causal, GQA without copies, weights
+  from the weights pass, exact second derivatives.
 - `planner`: the tiles of the score matrix a mask keeps (empty / full / partial), causal
   squares, per-block masks.
 - `fused_tiles`: the block-sparse engine on torch's fused kernel (`sdpa` with a predicate

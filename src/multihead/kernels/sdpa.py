@@ -1,0 +1,141 @@
+"""The "sdpa" backend: torch's fused `F.scaled_dot_product_attention`, with bottom-right
+causal, GQA without copying K/V, predicates and additive score mods block-sparse
+(`fused_tiles`), weights on demand from the memory-bounded weights pass over the heads
+asked for (`kernels.math.weights_pass`), and exact second derivatives (`SecondOrder`)."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from multihead.kernels import fused_tiles
+from multihead.kernels import math as explicit_math  # weights_pass read at call time: the tests spy on it
+from multihead.kernels.common import mqa_splits
+from multihead.masks import MaskMod
+from multihead.masks import causal as causal_mod
+
+__all__ = ["SecondOrder", "sdpa", "twice_differentiable"]
+
+
+def sdpa(q, k, v, mask, *, causal, scale, dropout_p, weight_heads, score_mod=None):
+    """torch's fused kernel, with bottom-right causal and GQA without copying K/V.
+
+    Predicates and additive score mods run block-sparse (`kernels.fused_tiles`); so does
+    bottom-right causal with 1 < T != S, which torch's `is_causal` would align top-left.
+    """
+    B, H, T, _ = q.shape
+    Hkv, S, Dv = k.shape[1], k.shape[2], v.shape[-1]
+    G = H // Hkv
+    if causal and mask is None and 1 < T != S:
+        mask, causal = causal_mod(), False
+    if isinstance(mask, MaskMod) or score_mod is not None:
+        out = fused_tiles.fused(q, k, v, mask, causal=causal, scale=scale, dropout_p=dropout_p, score_mod=score_mod)
+        weights = None
+        if weight_heads is not None:
+            weights = explicit_math.weights_pass(q, k, mask, causal, scale, weight_heads, score_mod=score_mod)
+        return twice_differentiable(out, q, k, v, mask, causal, scale, dropout_p, score_mod), weights
+    is_causal = False
+    attn_mask = mask
+    if causal:
+        if T == S and mask is None:
+            is_causal = True  # top-left == bottom-right when T == S
+        elif T == 1 and S >= 1:
+            pass  # the one query sits at the last position and sees every key
+        else:
+            allowed, _ = explicit_math.rows_mask(None, True, 0, T, T, S, q.device)
+            allowed = allowed[None, None]  # (1, 1, T, S)
+            if mask is None:
+                attn_mask = allowed
+            elif mask.dtype == torch.bool:
+                attn_mask = mask & allowed
+            else:
+                attn_mask = mask.masked_fill(~allowed, float("-inf"))
+    if attn_mask is not None and attn_mask.dtype != torch.bool:
+        attn_mask = attn_mask.to(q.dtype)
+
+    def call(qq, mm, kk=k, vv=v):
+        return F.scaled_dot_product_attention(
+            qq, kk, vv, attn_mask=mm, dropout_p=dropout_p, is_causal=is_causal, scale=scale
+        )
+
+    if G == 1:
+        out = call(q, attn_mask)
+    elif not is_causal and (attn_mask is None or attn_mask.shape[1] == attn_mask.shape[2] == 1):
+        # Fold each group's query heads into the query length: (B, Hkv, G*T, D). A mask
+        # that varies by neither head nor query broadcasts over the folded length.
+        P = mqa_splits(B, Hkv, G, q.device)
+        if P == 1:
+            out = call(q.reshape(B, Hkv, G * T, -1), attn_mask)
+        else:
+            # torch's CPU kernel parallelises over (B, heads) only: MQA folded into one
+            # head would run on one core. Split the folded queries over P heads that all
+            # read the one K/V head through a stride-0 view (no copy).
+            out = call(q.reshape(B, P, G // P * T, -1), attn_mask,
+                       k.expand(B, P, S, k.shape[-1]), v.expand(B, P, S, Dv))
+        out = out.view(B, H, T, Dv)
+    else:
+        # The mask or causality depends on the query row: one fused call per position in
+        # the group, each reading K/V once, still without a copy of them.
+        out = q.new_empty(B, H, T, Dv)
+        q5 = q.unflatten(1, (Hkv, G))  # (B, Hkv, G, T, D)
+        out5 = out.unflatten(1, (Hkv, G))  # (B, Hkv, G, T, Dv)
+        m5 = None
+        if attn_mask is not None and attn_mask.shape[1] == H:
+            m5 = attn_mask.unflatten(1, (Hkv, G))
+        for g in range(G):
+            mg = attn_mask if m5 is None else m5[:, :, g]
+            out5[:, :, g] = call(q5[:, :, g], mg)
+    weights = None
+    if weight_heads is not None:
+        weights = explicit_math.weights_pass(q, k, mask, causal, scale, weight_heads)
+    return twice_differentiable(out, q, k, v, mask, causal, scale, dropout_p, None), weights
+
+
+class SecondOrder(torch.autograd.Function):
+    """Identity on a fused kernel's output, so that a second differentiation is exact.
+
+    torch's fused kernels have backwards that are not differentiable again. A plain backward
+    passes the gradient through to the kernel's own backward; under create_graph=True (a
+    gradient penalty, Hessian-vector products) the gradients of q, k, v (and of a float mask
+    that requires grad) come instead from the written-out path recomputed with the graph,
+    and the kernel's node gets none. Costs one autograd node, no memory (q, k, v and the
+    mask are saved by the kernel's node already).
+    """
+
+    @staticmethod
+    def forward(ctx, out, q, k, v, mask, info):
+        ctx.save_for_backward(q, k, v, mask)
+        ctx.info = info
+        # a view, no copy; an in-place edit of the result is refused by autograd, as it already was
+        # for the fused kernels, which save their output for the backward
+        return out.view_as(out)
+
+    @staticmethod
+    def backward(ctx, d_out):
+        if not torch.is_grad_enabled():  # the usual backward: the fused kernel's
+            return d_out, None, None, None, None, None
+        q, k, v, grad_mask = ctx.saved_tensors
+        mask, causal, scale, dropout_p, score_mod = ctx.info
+        if dropout_p > 0:
+            raise ValueError(f"backend 'sdpa' cannot differentiate twice (create_graph=True) with dropout "
+                             f"(dropout_p={dropout_p}): torch's kernel draws its dropout inside; backends that "
+                             f"can: 'tiles', 'math'")
+        mask = grad_mask if grad_mask is not None else mask
+        saved = (q, k, v, grad_mask)
+        wanted = [i for i, x in enumerate(saved) if x is not None and ctx.needs_input_grad[i + 1]]
+        out, _ = explicit_math.chunked(q, k, v, mask, causal=causal, scale=scale, dropout_p=0.0, weight_heads=None,
+                                       score_mod=score_mod)
+        grads = torch.autograd.grad(out, [saved[i] for i in wanted], d_out, create_graph=True, allow_unused=True)
+        result = [None] * 6
+        for i, g in zip(wanted, grads):
+            result[i + 1] = g
+        return tuple(result)
+
+
+def twice_differentiable(out, q, k, v, mask, causal, scale, dropout_p, score_mod):
+    """`out` through `SecondOrder` when autograd records the call (skipped under torch.compile)."""
+    if not torch.is_grad_enabled() or torch.compiler.is_compiling() or not out.requires_grad:
+        return out
+    grad_mask = mask if isinstance(mask, Tensor) and mask.is_floating_point() and mask.requires_grad else None
+    return SecondOrder.apply(out, q, k, v, grad_mask, (mask, causal, scale, dropout_p, score_mod))
