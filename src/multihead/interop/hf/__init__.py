@@ -12,12 +12,15 @@ multihead's kernel, with nothing else of the model changed.
 Three jobs, one module each:
 
 - `registry`: `register()`, the attention function, `WeightsRequest` (weights of chosen
-  heads, returned by the forward).
+  heads, returned by the forward) and `WeightsAnswer` (how one attention call answers
+  it, written once for the attention function and the patch).
 - `convert`: one HF attention layer -> a standalone multihead module with the same
   weights (`from_bert`, `from_gpt2`, `from_llama`, `from_deepseek`, `convert`), and the
   model's RoPE settings -> `RotaryEmbedding`.
 - `patch`: the one case the registry cannot serve: DeepSeek-V2/V3 attention swapped for
-  `LatentAttention`, so `generate()` caches the latent and decodes on the absorbed path;
+  a layer that calls `LatentAttention.forward` (transformers' angles, mask and cache
+  through its `rotary=` and `store=`), so `generate()` caches the latent and decodes on
+  the absorbed path;
   `unpatch()` restores the model, and saving a patched model writes the original keys.
 """
 
