@@ -36,8 +36,7 @@ DEBT = {
     "cycles": {
         ("multihead.flex", "multihead.functional"),
         ("multihead.plan.recommend", "multihead.plan.report"),
-        ("multihead.inspect.capture", "multihead.inspect.capture_types", "multihead.inspect.html",
-         "multihead.inspect.roles"),
+        ("multihead.inspect.capture_types", "multihead.inspect.html", "multihead.inspect.roles"),
     },
     "tools": {
         ("multihead.heads.cli", "multihead.inspect.loaders"),  # the heads CLI loads models through inspect's loader
