@@ -19,8 +19,9 @@ import torch
 import multihead as mh
 import multihead.functional as F
 from conftest import assert_close
-from multihead import flex, masks, score_mods
+from multihead import masks, score_mods
 from multihead import reference as R
+from multihead.kernels import flex
 
 B, H, HKV, D, DV = 2, 4, 2, 16, 8
 CHUNK, DECODE, OVER = (40, 100), (1, 100), (48, 32)  # (T, S)
@@ -287,7 +288,7 @@ def test_auto_never_picks_flex_nor_compiles(monkeypatch):
 
 def test_import_multihead_does_not_import_flex():
     code = ("import sys, torch, multihead as mh; mh.scaled_dot_product_attention(*[torch.randn(1, 1, 4, 8)] * 3); "
-            "print('multihead.flex' in sys.modules, 'torch.nn.attention.flex_attention' in sys.modules)")
+            "print('multihead.kernels.flex' in sys.modules, 'torch.nn.attention.flex_attention' in sys.modules)")
     res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert res.returncode == 0, res.stderr[-2000:]
     assert res.stdout.split() == ["False", "False"], res.stdout

@@ -29,12 +29,9 @@ HIGHER = {"interop", "distributed", "heads", "inspect", "plan", "lab", "cli", "c
 # Known when this test was written (issue 20, "The house"); each goes as the refactor lands.
 DEBT = {
     "private": {
-        ("multihead.flex", "multihead.blocksparse._combine"),
-        ("multihead.flex", "multihead.functional._weights"),
         ("multihead.plan.devices", "multihead.plan.geometry._check_int"),
     },
     "cycles": {
-        ("multihead.flex", "multihead.functional"),
         ("multihead.plan.recommend", "multihead.plan.report"),
         ("multihead.inspect.capture_types", "multihead.inspect.html", "multihead.inspect.roles"),
     },

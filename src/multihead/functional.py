@@ -59,11 +59,10 @@ from collections.abc import Callable, Sequence
 import torch
 from torch import Tensor
 
+import multihead.kernels.backends  # noqa: F401  (registers the built-in backends: math, sdpa, chunked, tiles, flex)
 from multihead.kernels import math as explicit_math  # weights_pass read at call time: the tests spy on it
 from multihead.kernels.common import index
 from multihead.kernels.math import block_rows as _block_rows
-from multihead.kernels.math import chunked as _chunked
-from multihead.kernels.math import math_backend as _math
 from multihead.kernels.math import rows_mask as _rows_mask
 from multihead.kernels.registry import (
     BACKENDS,
@@ -74,7 +73,6 @@ from multihead.kernels.registry import (
     resolve_backend,
 )
 from multihead.kernels.registry import get_backend as _get_backend
-from multihead.kernels.sdpa import sdpa
 from multihead.kernels.validation import check_inputs as _check_inputs
 from multihead.kernels.validation import check_scale as _check_scale
 from multihead.kernels.validation import check_score_mod as _check_score_mod
@@ -288,44 +286,3 @@ def attention_weights(
     if min(q.shape[0], q.shape[2], k.shape[2]) == 0:
         return q.new_zeros(q.shape[0], len(heads), q.shape[2], k.shape[2])
     return explicit_math.weights_pass(q, k, mask, bool(causal), scale, heads)
-
-
-# ---------------------------------------------------------------- the backends
-# math, chunked and the weights pass: kernels/math.py; sdpa: kernels/sdpa.py; the tile engines:
-# kernels/explicit_tiles.py and kernels/fused_tiles.py (through multihead.blocksparse).
-
-
-def _weights(q, k, mask, causal, scale, heads, score_mod):
-    """The weight pass, called as the spies in the tests expect when there is no score mod."""
-    return explicit_math.weights_pass(q, k, mask, causal, scale, heads, score_mod=score_mod)
-
-
-def _tiles(q, k, v, mask, *, causal, scale, dropout_p, weight_heads, score_mod=None):
-    from multihead import blocksparse
-
-    out = blocksparse.explicit(q, k, v, mask, causal=causal, scale=scale, dropout_p=dropout_p, score_mod=score_mod)
-    weights = None
-    if weight_heads is not None:
-        weights = _weights(q, k, mask, causal, scale, weight_heads, score_mod)
-    return out, weights
-
-
-register_backend("math", _math, weights=True, dropout=True, weights_with_dropout=True, predicates=True,
-                 score_mods="any", doc="explicit matmul-softmax-matmul; materialises (B, H, T, S)")
-register_backend("sdpa", sdpa, weights=True, dropout=True, predicates=True, score_mods="additive",
-                 doc="torch's fused kernel, block-sparse for predicates; weights from a memory-bounded pass")
-register_backend("chunked", _chunked, weights=True, dropout=False, predicates=True, score_mods="any",
-                 doc="explicit path over blocks of queries; memory bounded by one block of scores")
-register_backend("tiles", _tiles, weights=True, dropout=True, predicates=True, score_mods="any",
-                 doc="explicit path over kept tiles, FlashAttention-2 backward: score mods and dropout in O(N) memory")
-
-
-def _flex(q, k, v, mask, **kw):
-    from multihead import flex  # torch's flex_attention is imported and compiled on first use only
-
-    return flex.attention(q, k, v, mask, **kw)
-
-
-register_backend("flex", _flex, weights=True, dropout=False, predicates=True, score_mods="any",
-                 doc="torch.compile(flex_attention) with a cached block mask; opt-in (compiles per shape), "
-                     "never picked by 'auto'")
