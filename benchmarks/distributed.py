@@ -183,7 +183,7 @@ def _entry(job: str, rank: int, world: int, threads: int, port: int, cfg: dict, 
             dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
                                     timeout=timedelta(seconds=1800))
         out.put((rank, "ok", JOBS[job](rank, world, cfg)))
-    except BaseException:  # noqa: BLE001 (reported to the parent)
+    except BaseException:  # reported to the parent
         out.put((rank, "error", traceback.format_exc()))
     finally:
         if world > 1 and dist.is_initialized():
@@ -220,7 +220,7 @@ def run_world(job: str, world: int, threads: int, cfg: dict, log) -> list[dict]:
 
 
 def run(cfg: dict, log) -> dict:
-    from machine_info import machine  # noqa: PLC0415 (benchmarks/ on sys.path)
+    from machine_info import machine  # benchmarks/ is on sys.path
 
     report = {"date": datetime.now(timezone.utc).isoformat(timespec="seconds"), "machine": machine(),
               "load_average_1min_at_start": os.getloadavg()[0], "config": cfg, "ring": {}, "tp": {}}

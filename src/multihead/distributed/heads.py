@@ -65,7 +65,7 @@ class _Wait(torch.autograd.Function):
 
 
 def _waited(t):
-    from torch.distributed._functional_collectives import AsyncCollectiveTensor  # noqa: PLC0415 (heavy)
+    from torch.distributed._functional_collectives import AsyncCollectiveTensor  # heavy: imported on use
 
     return _Wait.apply(t) if isinstance(t, AsyncCollectiveTensor) else t
 
@@ -212,7 +212,7 @@ def _check(module, mesh) -> None:
     if not dist.is_available() or not dist.is_initialized():
         raise RuntimeError("shard_heads needs a process group: call torch.distributed.init_process_group() "
                            "(torchrun sets its environment) and pass a DeviceMesh")
-    from torch.distributed.device_mesh import DeviceMesh  # noqa: PLC0415 (heavy; on use)
+    from torch.distributed.device_mesh import DeviceMesh  # heavy: imported on use
 
     if not isinstance(mesh, DeviceMesh):
         raise TypeError(f"mesh must be a 1-D torch.distributed.device_mesh.DeviceMesh, e.g. "
@@ -270,7 +270,7 @@ def shard_heads(module: Attention | LatentAttention, mesh) -> Attention | Latent
     Returns the module (its class is now a `HeadSharded...` subclass of the original).
     """
     _check(module, mesh)
-    from torch.distributed.tensor.parallel import (  # noqa: PLC0415 (heavy; on use)
+    from torch.distributed.tensor.parallel import (  # heavy: imported on use
         ColwiseParallel,
         RowwiseParallel,
         parallelize_module,
