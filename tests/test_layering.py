@@ -28,11 +28,8 @@ HIGHER = {"interop", "distributed", "heads", "inspect", "plan", "lab", "cli", "c
 
 # Known when this test was written (issue 20, "The house"); each goes as the refactor lands.
 DEBT = {
-    "private": {
-        ("multihead.plan.devices", "multihead.plan.geometry._check_int"),
-    },
+    "private": set(),
     "cycles": {
-        ("multihead.plan.recommend", "multihead.plan.report"),
         ("multihead.inspect.capture_types", "multihead.inspect.html", "multihead.inspect.roles"),
     },
     "tools": {

@@ -43,7 +43,8 @@ from multihead.plan.geometry import (
     param_counts,
 )
 from multihead.plan.recommend import Recommendation, Request, recommend
-from multihead.plan.report import account, account_text, recommendation_text
+from multihead.plan.report import account, account_text
+from multihead.plan.text import recommendation_text
 from multihead.plan.units import (
     dtype_bits,
     parse_bandwidth,

@@ -23,7 +23,7 @@ from multihead._checks import divisors, variant_name
 from multihead.plan.units import bytes_for
 
 
-def _check_int(name: str, value, *, allow_none: bool = False, minimum: int = 1) -> None:
+def check_int(name: str, value, *, allow_none: bool = False, minimum: int = 1) -> None:
     if value is None and allow_none:
         return
     if isinstance(value, bool) or not isinstance(value, int):
@@ -54,11 +54,11 @@ class AttentionGeometry:
     o_bias: bool | None = None
 
     def __post_init__(self):
-        _check_int("d_model", self.d_model)
-        _check_int("n_heads", self.n_heads)
-        _check_int("n_kv_heads", self.n_kv_heads, allow_none=True)
-        _check_int("head_dim", self.head_dim, allow_none=True)
-        _check_int("context_dim", self.context_dim, allow_none=True)
+        check_int("d_model", self.d_model)
+        check_int("n_heads", self.n_heads)
+        check_int("n_kv_heads", self.n_kv_heads, allow_none=True)
+        check_int("head_dim", self.head_dim, allow_none=True)
+        check_int("context_dim", self.context_dim, allow_none=True)
         if self.n_heads % self.n_kv:
             raise ValueError(
                 f"n_heads ({self.n_heads}) must be divisible by n_kv_heads ({self.n_kv}); "
@@ -142,13 +142,13 @@ class LatentGeometry:
     bias: bool = False
 
     def __post_init__(self):
-        _check_int("d_model", self.d_model)
-        _check_int("n_heads", self.n_heads)
-        _check_int("kv_rank", self.kv_rank)
-        _check_int("q_rank", self.q_rank, allow_none=True)
-        _check_int("head_dim", self.head_dim, allow_none=True)
-        _check_int("rope_dim", self.rope_dim, minimum=0)
-        _check_int("v_head_dim", self.v_head_dim, allow_none=True)
+        check_int("d_model", self.d_model)
+        check_int("n_heads", self.n_heads)
+        check_int("kv_rank", self.kv_rank)
+        check_int("q_rank", self.q_rank, allow_none=True)
+        check_int("head_dim", self.head_dim, allow_none=True)
+        check_int("rope_dim", self.rope_dim, minimum=0)
+        check_int("v_head_dim", self.v_head_dim, allow_none=True)
         if self.rope_dim % 2:
             raise ValueError(f"rope_dim must be even (RoPE rotates pairs of features); "
                              f"received {self.rope_dim}")
@@ -239,8 +239,8 @@ def kv_cache_bytes(
     MHA/GQA/MQA, B*T*(R + rope)*itemsize for MLA's latent cache. `decompressed=True`
     gives what an MLA implementation that caches K and V would need instead.
     """
-    _check_int("tokens", tokens, minimum=0)
-    _check_int("batch", batch)
+    check_int("tokens", tokens, minimum=0)
+    check_int("batch", batch)
     per_token = geometry.kv_elements_per_token
     if decompressed:
         if not isinstance(geometry, LatentGeometry):
@@ -262,7 +262,7 @@ class FeedForward:
     bias: bool = False
 
     def __post_init__(self):
-        _check_int("d_ff", self.d_ff)
+        check_int("d_ff", self.d_ff)
 
     def params(self, d_model: int) -> int:
         mats = 3 if self.gated else 2
@@ -300,16 +300,16 @@ class MixtureOfExperts:
     dense_layers: tuple[int, ...] = ()
 
     def __post_init__(self):
-        _check_int("n_experts", self.n_experts)
-        _check_int("top_k", self.top_k)
-        _check_int("d_expert", self.d_expert)
-        _check_int("n_shared", self.n_shared, minimum=0)
-        _check_int("first_dense", self.first_dense, minimum=0)
-        _check_int("layer_freq", self.layer_freq)
-        _check_int("d_shared", self.d_shared, allow_none=True)
-        _check_int("freq_offset", self.freq_offset, minimum=0)
+        check_int("n_experts", self.n_experts)
+        check_int("top_k", self.top_k)
+        check_int("d_expert", self.d_expert)
+        check_int("n_shared", self.n_shared, minimum=0)
+        check_int("first_dense", self.first_dense, minimum=0)
+        check_int("layer_freq", self.layer_freq)
+        check_int("d_shared", self.d_shared, allow_none=True)
+        check_int("freq_offset", self.freq_offset, minimum=0)
         for i in self.dense_layers:
-            _check_int("dense_layers[...]", i, minimum=0)
+            check_int("dense_layers[...]", i, minimum=0)
         if self.top_k > self.n_experts:
             raise ValueError(f"top_k ({self.top_k}) must be <= n_experts ({self.n_experts})")
 
@@ -398,14 +398,14 @@ class ModelGeometry:
     notes: tuple[str, ...] = ()
 
     def __post_init__(self):
-        _check_int("n_layers", self.n_layers)
-        _check_int("vocab_size", self.vocab_size)
-        _check_int("norms_per_layer", self.norms_per_layer, minimum=0)
-        _check_int("max_positions", self.max_positions, minimum=0)
-        _check_int("token_types", self.token_types, minimum=0)
-        _check_int("window", self.window, allow_none=True)
-        _check_int("window_layers", self.window_layers, allow_none=True, minimum=0)
-        _check_int("context_length", self.context_length, allow_none=True)
+        check_int("n_layers", self.n_layers)
+        check_int("vocab_size", self.vocab_size)
+        check_int("norms_per_layer", self.norms_per_layer, minimum=0)
+        check_int("max_positions", self.max_positions, minimum=0)
+        check_int("token_types", self.token_types, minimum=0)
+        check_int("window", self.window, allow_none=True)
+        check_int("window_layers", self.window_layers, allow_none=True, minimum=0)
+        check_int("context_length", self.context_length, allow_none=True)
         if self.norm not in NORMS:
             raise ValueError(f"norm must be one of {', '.join(NORMS)}; received {self.norm!r}")
         if self.window_layers is not None and self.window_layers > self.n_layers:
@@ -497,8 +497,8 @@ def model_kv_cache_bytes(model: ModelGeometry, context: int, batch: int = 1, dty
     A layer with a sliding window W needs only min(context, W) tokens (a rolling
     buffer); global layers need all of them. Encoders (causal=False) cache nothing.
     """
-    _check_int("context", context)
-    _check_int("batch", batch)
+    check_int("context", context)
+    check_int("batch", batch)
     if not model.causal:
         return 0
     return kv_cache_bytes(model.attention, _cached_tokens(model, context), batch, dtype,
@@ -546,7 +546,7 @@ def _sum_keys(context: int, window: int | None, causal: bool) -> int:
 
 
 def attention_flops(model: ModelGeometry, context: int) -> AttentionFlops:
-    _check_int("context", context)
+    check_int("context", context)
     a = model.attention
     proj = 2 * a.weights
     layers = [(model.n_global_layers, None), (model.n_window_layers, model.window)]

@@ -38,6 +38,7 @@ from multihead.plan.geometry import (
     model_kv_cache_bytes,
     param_counts,
 )
+from multihead.plan.text import recommendation_text
 from multihead.plan.units import bytes_for, dtype_name, fmt_bytes, fmt_count, fmt_tokens
 
 PRIORITIES = ("inference", "training")
@@ -153,8 +154,6 @@ class Recommendation:
                 "print() it for the full text)")
 
     def __str__(self) -> str:
-        from multihead.plan.report import recommendation_text
-
         return recommendation_text(self)
 
 
