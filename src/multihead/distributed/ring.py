@@ -40,6 +40,7 @@ from multihead.distributed._group import (
     layout_code,
     resolve_group,
 )
+from multihead.kernels.common import acc_dtype, causal_triangle, lse_merge_into
 
 __all__ = ["ring_attention"]
 
@@ -48,10 +49,6 @@ _EXPLICIT_ELEMENTS = 1 << 22
 
 
 # ------------------------------------------------------------------ block kernels
-
-
-def _acc(dtype: torch.dtype) -> torch.dtype:
-    return torch.promote_types(dtype, torch.float32)
 
 
 def _rows_with_keys(keep: Tensor | None, diag: bool, t: int) -> Tensor | None:
@@ -98,8 +95,8 @@ class _Explicit:
     @staticmethod
     def _allowed(keep, diag, t0, t1, s, device):
         allowed = None if keep is None else keep[:, None, None, None, :]  # (B, 1, 1, 1, s)
-        if diag:
-            tri = torch.arange(s, device=device)[None, :] <= torch.arange(t0, t1, device=device)[:, None]
+        if diag:  # a square block (t == s) on the diagonal: bottom-right is top-left
+            tri = causal_triangle(t0, t1, s, s, device)  # (t1 - t0, s)
             allowed = tri if allowed is None else allowed & tri  # (.., t, s)
         return allowed
 
@@ -111,7 +108,7 @@ class _Explicit:
     def forward(q, k, v, keep, diag, scale):
         B, H, t, _ = q.shape
         Hkv, s = k.shape[1], k.shape[2]
-        acc = _acc(q.dtype)
+        acc = acc_dtype(q.dtype)
         q5 = q.to(acc).unflatten(1, (Hkv, H // Hkv))  # (B, Hkv, G, t, D)
         ka, va = k.to(acc), v.to(acc)
         outs, lses = [], []
@@ -133,7 +130,7 @@ class _Explicit:
     def backward(dout, q, k, v, out, lse, keep, diag, scale):
         B, H, t, _ = q.shape
         Hkv, s = k.shape[1], k.shape[2]
-        G, acc = H // Hkv, _acc(q.dtype)
+        G, acc = H // Hkv, acc_dtype(q.dtype)
         q5 = q.to(acc).unflatten(1, (Hkv, G))  # (B, Hkv, G, t, D)
         do5 = dout.to(acc).unflatten(1, (Hkv, G))  # (B, Hkv, G, t, Dv)
         o5 = out.to(acc).unflatten(1, (Hkv, G))
@@ -226,24 +223,14 @@ def _blocks(q_chunks: list[int], kv_chunks: list[int], c: int, causal: bool, T: 
     return blocks
 
 
-def _merge(out: Tensor, lse: Tensor, out_b: Tensor, lse_b: Tensor) -> None:
-    """Fold a block's (out, lse) into the running ones, in place; -inf rows stay zero."""
-    new = torch.logaddexp(lse, lse_b)
-    dead = torch.isneginf(new)
-    w_old = torch.exp(lse - new).masked_fill(dead, 0.0)[..., None]
-    w_new = torch.exp(lse_b - new).masked_fill(dead, 0.0)[..., None]
-    out.mul_(w_old).addcmul_(out_b.to(out.dtype), w_new)  # no temporary of the block's size
-    lse.copy_(new)
-
-
 def _forward(q, k, v, keep, causal, layout, scale, ring: _Ring, kern):
     B, H, T, _ = q.shape
     S, Dv = k.shape[2], v.shape[-1]
     P, r = ring.size, ring.rank
     q_chunks = chunk_ids(r, P, layout)
     c = T // len(q_chunks)
-    out = torch.zeros(B, H, T, Dv, dtype=_acc(q.dtype), device=q.device)
-    lse = torch.full((B, H, T), float("-inf"), dtype=_acc(q.dtype), device=q.device)
+    out = torch.zeros(B, H, T, Dv, dtype=acc_dtype(q.dtype), device=q.device)
+    lse = torch.full((B, H, T), float("-inf"), dtype=acc_dtype(q.dtype), device=q.device)
     held = [k, v] + ([] if keep is None else [keep])
     for step in range(P):
         if step < P - 1:
@@ -253,7 +240,7 @@ def _forward(q, k, v, keep, causal, layout, scale, ring: _Ring, kern):
         for (t0, t1), (s0, s1), diag in _blocks(q_chunks, chunk_ids((r - step) % P, P, layout), c, causal, T, S):
             o_b, l_b = kern.forward(q[:, :, t0:t1], kb[:, :, s0:s1], vb[:, :, s0:s1],
                                     None if kp is None else kp[:, s0:s1], diag, scale)
-            _merge(out[:, :, t0:t1], lse[:, :, t0:t1], o_b, l_b)
+            lse_merge_into(out[:, :, t0:t1], lse[:, :, t0:t1], o_b, l_b)  # in place, no block-sized temporary
             del o_b, l_b
         if step < P - 1:
             held = ring.wait(incoming)
@@ -264,7 +251,7 @@ def _backward(dout, q, k, v, out, lse, keep, causal, layout, scale, ring: _Ring,
     B, H, T, D = q.shape
     S = k.shape[2]
     P, r = ring.size, ring.rank
-    acc = _acc(q.dtype)
+    acc = acc_dtype(q.dtype)
     q_chunks = chunk_ids(r, P, layout)
     c = T // len(q_chunks)
     lse = lse.masked_fill(torch.isneginf(lse), float("inf"))  # a row with no key: probabilities 0

@@ -10,7 +10,7 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
-__all__ = ["acc_dtype", "causal_triangle", "index", "lse_merge", "mqa_splits", "softcap"]
+__all__ = ["acc_dtype", "causal_triangle", "index", "lse_merge", "lse_merge_into", "mqa_splits", "softcap"]
 
 
 def acc_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -53,6 +53,18 @@ def lse_merge(parts: Sequence[tuple[Tensor, Tensor]], acc: torch.dtype, dtype: t
     lp = torch.logsumexp(torch.cat([p[1] for p in parts], -1), -1, keepdim=True)
     safe = lp.masked_fill(torch.isneginf(lp), 0.0)
     return sum(p[0].to(acc) * torch.exp(p[1] - safe) for p in parts).to(dtype), lp
+
+
+def lse_merge_into(out: Tensor, lse: Tensor, out_b: Tensor, lse_b: Tensor) -> None:
+    """`lse_merge`'s running form, for parts that arrive one at a time (ring attention): fold
+    (out_b, lse_b) into (out, lse) in place, lse `(..)` without the trailing 1, `out` in the
+    accumulation dtype; no temporary of the part's size. A row neither attends stays 0, -inf."""
+    new = torch.logaddexp(lse, lse_b)
+    dead = torch.isneginf(new)
+    w_old = torch.exp(lse - new).masked_fill(dead, 0.0)[..., None]
+    w_new = torch.exp(lse_b - new).masked_fill(dead, 0.0)[..., None]
+    out.mul_(w_old).addcmul_(out_b.to(out.dtype), w_new)
+    lse.copy_(new)
 
 
 def softcap(scores: Tensor, cap: float) -> Tensor:
