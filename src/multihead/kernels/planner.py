@@ -20,6 +20,15 @@ __all__ = ["block_mask", "choose_tile", "combine", "fold_mask", "plan", "slice_d
 
 _FUSED_CANDIDATES = (64, 128, 256, 512, 1024)  # tile edges the fused engine's plan chooses from
 _MIN_SEGMENT = 64  # documents shorter than this on average run as tiles, not a call each
+# The tile cost model's two constants (~20 GFLOP/s per thread, ~0.5 ms per call) were fitted
+# together at D = 64, and a pair's 4 D flops are counted at that D whatever the call's D: the
+# real D made the plan worse. Measured 2026-11-30 on the fused engine (1 thread, N = 4096,
+# H = 8, sliding_window(256) & causal): with the real D, D = 16 and 32 chose 256-row tiles
+# over 64 and ran 26.1 vs 20.4 ms and 37.1 vs 27.5 ms; D = 128, and window 64 or plain causal
+# at every D, chose as D = 64 does. torch's CPU kernel's time per pair is about proportional
+# to D (unmasked, T = S = 1024: 0.81, 1.49, 2.31, 4.34 ns at D = 16, 32, 64, 128), so the
+# per-call term is what is off at small D; refitting both per D would let the real D in.
+_COST_HEAD_DIM = 64
 
 
 def tile_sizes(T: int, S: int, tile: int) -> tuple[int, int]:
@@ -88,7 +97,7 @@ def choose_tile(pred, B, H, T, S, G, tile, device, squares: bool = True):
         # seconds at ~20 GFLOP/s per thread and head, plus ~0.5 ms per call (mask, merge, dispatch)
         pairs += float(rest.sum()) * bq * bk / _kernel_efficiency(G * bq)
         calls += int((~in_square).sum())
-        cost = pairs * H * 4 * 64 / 20e9 / threads + calls * 5e-4
+        cost = pairs * H * 4 * _COST_HEAD_DIM / 20e9 / threads + calls * 5e-4
         if best is None or cost < best[0] * 0.97:
             best = (cost, bq, bk, kept, full, found)
         if bq == T and bk == S or bool(in_square.all()):  # all causal squares: the tile no longer matters
