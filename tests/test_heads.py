@@ -366,3 +366,29 @@ def test_results_add_up_to_the_output_projection(name):
         bias = 0 if getattr(proj, "bias", None) is None else proj.bias
         torch.testing.assert_close(rec["result", i].sum(2) + bias, outs[i], rtol=1e-5, atol=1e-5)
     assert ("z", 0) not in rec
+
+
+def test_mla_latent_scan_equals_swapping_kv_a_projs_output_by_hand():
+    """what="latent": MLA's shared latent (kv_a_proj's output, before its norm and RoPE) as
+    one "head" per layer; the reference writes the clean output with a plain torch hook."""
+    torch.manual_seed(0)
+    m = LabTransformer(LabConfig(vocab_size=50, max_len=16, n_layers=2, n_heads=4, attention="mla", kv_rank=8,
+                                 rope_dim=4)).eval()
+    g = torch.Generator().manual_seed(1)
+    clean, corrupted = torch.randint(0, 50, (3, 10), generator=g), torch.randint(0, 50, (3, 10), generator=g)
+    scan = heads.patch_scan(m, clean, corrupted, _metric, what="latent")
+    assert scan.shape == (2, 1)
+    for layer in range(2):
+        proj = m.blocks[layer].attn.kv_a_proj
+        with torch.no_grad():
+            kept = {}
+            h = proj.register_forward_hook(lambda mod, a, o, kept=kept: kept.setdefault("c", o))
+            m(clean)
+            h.remove()
+            h = proj.register_forward_hook(lambda mod, a, o, kept=kept: kept["c"])
+            want = _metric(m(corrupted))
+            h.remove()
+        assert abs(scan[layer, 0] - want) < 1e-5
+    with pytest.raises(ValueError, match="MLA latents"):
+        heads.patch_scan(Attention(16, 2), torch.randn(1, 3, 16), torch.randn(1, 3, 16), lambda y: y.sum(),
+                         what="latent")

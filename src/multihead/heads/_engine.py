@@ -56,6 +56,9 @@ class Handler:
     def v(self, layer: Layer, v: Tensor) -> Tensor:  # (B, S, Hkv, Dv)
         return v
 
+    def latent(self, layer: Layer, c: Tensor) -> Tensor:  # MLA: (B, S, 1, R + rope_dim), kv_a_proj's output
+        return c
+
     def z(self, layer: Layer, z: Tensor, v: Tensor | None) -> Tensor:  # (B, T, H, Dv); v of this call
         return z
 
@@ -170,6 +173,7 @@ class Engine:
                    m.register_forward_hook(lambda mod, a, out: self._mh_post(mod, out))]
         if latent:
             handles.append(m.kv_b_proj.register_forward_hook(lambda mod, a, out: self._mla_kv(m, out)))
+            handles.append(m.kv_a_proj.register_forward_hook(lambda mod, a, out: self._mla_latent(m, out)))
         else:
             handles.append(m.k_proj.register_forward_hook(lambda mod, a, out: self._mh_proj(m, out, "k")))
             handles.append(m.v_proj.register_forward_hook(lambda mod, a, out: self._mh_proj(m, out, "v")))
@@ -223,6 +227,12 @@ class Engine:
         if k2 is k and v2 is v:
             return None
         return torch.cat([k2, v2], dim=-1).reshape(B, S, width)
+
+    def _mla_latent(self, m, out: Tensor):
+        lay = self._mh_layer(m)
+        c = out.unsqueeze(2)  # (B, S, 1, R + rope_dim): the latent, one "head" shared by all
+        new = self.handler.latent(lay, c)
+        return None if new is c else new.squeeze(2)
 
     def _mh_z(self, m, args):
         lay = self._mh_layer(m)

@@ -79,12 +79,15 @@ class _Edits(Handler):
     def v(self, lay, v):
         return self._apply("v", lay, v)
 
+    def latent(self, lay, c):
+        return self._apply("latent", lay, c)
+
     def z(self, lay, z, v):
         z = self._apply("z", lay, z)
         return self._apply("pattern", lay, z, v)
 
     def wants_kv(self, lay):
-        return any(w in ("k", "v", "pattern") for w, _ in self.edits)
+        return any(w in ("k", "v", "pattern", "latent") for w, _ in self.edits)
 
 
 def _check_pos(positions: list[int], n: int) -> None:
@@ -95,7 +98,7 @@ def _check_pos(positions: list[int], n: int) -> None:
 
 def _range_check(heads_by_what: dict[str, list[tuple[int, int]]]):
     def check(what: str, lay: Layer) -> None:
-        n = lay.Hkv if what in ("k", "v") else lay.H
+        n = lay.Hkv if what in ("k", "v") else 1 if what == "latent" else lay.H
         bad = [h for layer, h in heads_by_what.get(what, ()) if layer == lay.index and h >= n]
         if bad:
             kind = "key/value heads" if what in ("k", "v") else "query heads"
@@ -191,7 +194,7 @@ def patch(model, recording: Recording, heads, positions=None, what: str = "z"):
             pattern times this run's values: z_h = pattern_h @ v_kv(h)).
     """
     check_model(model)
-    check_what(what, ("z", "k", "v", "pattern"))
+    check_what(what, ("z", "k", "v", "pattern", "latent"))
     if not isinstance(recording, Recording):
         raise TypeError(f"recording must be a multihead.heads.Recording (from record()); "
                         f"received {type(recording).__name__}")

@@ -9,7 +9,7 @@ from torch import Tensor
 
 from multihead.heads._engine import Engine, Handler, Layer, batch_size, check_model, logits_of, padding_of, run
 
-WHATS = ("z", "result", "k", "v", "pattern")
+WHATS = ("z", "result", "k", "v", "pattern", "latent")
 
 
 def check_what(what, valid: Sequence[str] = WHATS) -> str:
@@ -80,6 +80,11 @@ class _Recorder(Handler):
             self.data["v", lay.index] = v.detach().clone()
         return v
 
+    def latent(self, lay, c):
+        if "latent" in self.what and self._on(lay):
+            self.data["latent", lay.index] = c.detach().clone()
+        return c
+
     def z(self, lay, z, v):
         if self.what & {"z", "result"} and self._on(lay):
             self.data["z", lay.index] = z.detach().clone()
@@ -127,7 +132,8 @@ def record(model, inputs, what=("z",), layers=None) -> Recording:
             keyword arguments (a tokenizer's BatchEncoding).
         what: any of "z" (heads' outputs before the output projection), "result" (each
             head's contribution after it), "k", "v" (per KV head), "pattern" (attention
-            weights; the only one that makes a (T, S) tensor, and only for `layers`).
+            weights; the only one that makes a (T, S) tensor, and only for `layers`),
+            "latent" (MLA modules: kv_a_proj's output `(B, S, 1, R + rope_dim)`).
         layers: None for every layer, or the layer indices to keep.
 
     Returns a `Recording`.

@@ -33,7 +33,7 @@ from multihead.heads._interventions import check_positions
 from multihead.heads._record import Recording, check_what, record
 from multihead.masks import MaskMod
 
-SCANS = ("z", "k", "v", "pattern")
+SCANS = ("z", "k", "v", "pattern", "latent")
 # The default bound on a scan forward's rows (variants x B): bigger batches cost more per row
 # here, and memory grows with them (GPT-2-shaped, B 4, T 256: 202 MiB peak at 16 rows, 408 at 32).
 ROWS_PER_RUN = 16
@@ -199,6 +199,9 @@ class _ScanHandler(Handler):
     def v(self, lay, v):
         return self._write(lay, v) if self.what == "v" else v
 
+    def latent(self, lay, c):
+        return self._write(lay, c) if self.what == "latent" else c
+
     def z(self, lay, z, v):
         if self.what == "z":
             return self._write(lay, z)
@@ -245,8 +248,8 @@ def patch_scan(model, clean, corrupted, metric: Callable[[Tensor], Tensor], what
         metric: logits of one run (the output's `.logits`, or the output when it is a
             tensor; `(B, ...)` of that run's B rows) -> a scalar tensor.
         what: "z" (heads' outputs), "k", "v" (per KV head: MQA/GQA scan Hkv heads; MLA
-            modules per head through the up-projection) or "pattern" (z = clean pattern @
-            this run's values).
+            modules per head through the up-projection), "pattern" (z = clean pattern @
+            this run's values) or, for MLA modules, "latent" (the shared latent, one column).
         positions: None for all, or the positions to patch.
         variants_per_run: how many patched copies of the batch one forward carries
             (default: 16 // B, at least 1).
@@ -266,7 +269,11 @@ def patch_scan(model, clean, corrupted, metric: Callable[[Tensor], Tensor], what
                          f"and {B}")
     rec = record(model, clean, what=(what,))
     layers = rec.layers
-    n_heads = [lay.Hkv if what in ("k", "v") else lay.H for lay in layers]
+    if what == "latent" and not any(lay.kind == "latent" for lay in layers):
+        raise ValueError("what='latent' patches MLA latents (multihead LatentAttention, or a DeepSeek model after "
+                         "multihead.interop.hf.patch); this model has none")
+    n_heads = [lay.Hkv if what in ("k", "v") else int(lay.kind == "latent") if what == "latent" else lay.H
+               for lay in layers]
     # head by head, layer by layer within: a run carries head h of consecutive layers, so
     # each block adds B rows and no block runs for nothing (measured on 2 CPU cores: one
     # layer's 8 heads per run, 32 rows, was ~25% slower per row than 4-row runs)
