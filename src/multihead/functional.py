@@ -7,18 +7,24 @@ the tests can hold one against the other:
 
 - "math":    matmul, softmax, matmul, written out. Materialises `(B, H, T, S)`; softmax in
              float32 for half inputs; returns weights; supports dropout and double
-             backward. The readable one.
+             backward. The readable one (`kernels/math.py`).
 - "sdpa":    torch's fused `F.scaled_dot_product_attention`. Weights, when asked, come
-             from a separate memory-bounded pass over the requested heads only.
+             from a separate memory-bounded pass over the requested heads only
+             (`kernels/sdpa.py`).
 - "chunked": the explicit path run over blocks of queries, so memory stays bounded by a
-             block of scores; returns weights for the requested heads in the same pass.
+             block of scores; returns weights for the requested heads in the same pass
+             (`kernels/math.py`).
 - "tiles":   the explicit path over tiles with a FlashAttention-2 style backward
-             (`multihead.blocksparse`): any score mod, dropout, O(N) training memory.
+             (`kernels/explicit_tiles.py`): any score mod, dropout, O(N) training memory.
+- "flex":    opt-in, torch's compiled flex_attention (`kernels/flex.py`); never "auto".
+
+This module is their public face: the input checks, "auto", empty inputs and the NaN
+rule; the backends are registered by `kernels/backends.py`.
 
 A mask predicate (`multihead.masks`, or a flex_attention `mask_mod` callable) is never
-materialised as `(T, S)` by "sdpa": `multihead.blocksparse` classifies the tiles of the
-score matrix as empty (skipped), full (no mask) or partial (a small dense mask) and
-runs the fused kernel over the kept tiles only. A score mod (`multihead.score_mods`, or
+materialised as `(T, S)` by "sdpa": the tile planner (`kernels/planner.py`) classifies
+the tiles of the score matrix as empty (skipped), full (no mask) or partial (a small
+dense mask) and runs the fused kernel over the kept tiles only. A score mod (`multihead.score_mods`, or
 a flex `score_mod` callable) runs on "sdpa" when it is an additive bias (ALiBi), and on
 the explicit paths otherwise.
 

@@ -1,10 +1,12 @@
-"""The attention kernels, one home per formula (issue 20, "The house": being moved here in
-small steps). `multihead.functional` stays the public face: `scaled_dot_product_attention`,
-`attend` and the backend registry are imported from there.
+"""The attention kernels, one file per backend and one home per formula (issue 20, "The
+house"). `multihead.functional` stays the public face: `scaled_dot_product_attention`,
+`attend`, `attention_weights` and the backend registry are imported from there.
 
 - `registry`: `Backend`, `register_backend`, `available_backends`, `resolve_backend`
   ("auto", at call time) and `get_backend` (what a backend cannot do, with the backends
   that can).
+- `backends`: the built-in backends registered in their listed order ("math", "sdpa",
+  "chunked", "tiles", "flex"); flex's module is imported on its first call only.
 - `sdpa`: torch's fused kernel ("sdpa"), bottom-right causal, GQA without copies, weights
   from the weights pass, exact second derivatives.
 - `planner`: the tiles of the score matrix a mask keeps (empty / full / partial), causal
@@ -13,8 +15,11 @@ small steps). `multihead.functional` stays the public face: `scaled_dot_product_
   or an additive mod), pieces merged by log-sum-exp on the CPU.
 - `explicit_tiles`: the online-softmax tile engine ("tiles": any score mod, dropout) with
   its FlashAttention-2 backward.
+- `flex`: the opt-in "flex" backend, torch's compiled flex_attention with cached block
+  masks (`multihead.flex` re-exports its public names).
 - `math`: the explicit paths ("math", "chunked") and the weights pass.
 - `validation`: the checks of q, k, v, masks, scale, score mods and weight heads.
 - `common`: what every engine shares (accumulation dtype, index tensors, the MQA split,
-  the causal triangle, the log-sum-exp merge of partial attentions).
+  the causal triangle, the log-sum-exp merge of partial attentions, whole or running (ring
+  attention), softcap).
 """
