@@ -38,3 +38,11 @@ def test_version_and_light_import():
     assert r.stdout.strip() == f"multihead {multihead.__version__}"
     code = "import sys, multihead; multihead.__version__; assert 'torch' not in sys.modules"
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_every_subcommand_builds_its_parser_without_torch():
+    # the parser imports each tool's cli module (and its package): none may wait for torch
+    code = ("import sys; from multihead import cli; cli.build_parser(); "
+            "assert {'multihead.heads.cli', 'multihead.lab.cli'} <= set(sys.modules); "
+            "assert 'torch' not in sys.modules, sorted(m for m in sys.modules if m.startswith('multihead'))")
+    subprocess.run([sys.executable, "-c", code], check=True)

@@ -21,10 +21,21 @@ See docs/heads.md.
 
 from __future__ import annotations
 
-from multihead.heads._importance import importance
-from multihead.heads._interventions import ablate, patch
-from multihead.heads._prune import prune
-from multihead.heads._record import Recording, record
-from multihead.heads._scan import attribution_scan, patch_scan
+from multihead._lazy import lazy_exports
+
+# Loaded on first use, so that `multihead heads --help` (which imports multihead.heads.cli,
+# and with it this package) does not wait for torch.
+_LAZY = {
+    "importance": "multihead.heads._importance",
+    "ablate": "multihead.heads._interventions",
+    "patch": "multihead.heads._interventions",
+    "prune": "multihead.heads._prune",
+    "Recording": "multihead.heads._record",
+    "record": "multihead.heads._record",
+    "attribution_scan": "multihead.heads._scan",
+    "patch_scan": "multihead.heads._scan",
+}
 
 __all__ = ["Recording", "ablate", "attribution_scan", "importance", "patch", "patch_scan", "prune", "record"]
+
+__getattr__, __dir__ = lazy_exports(__name__, _LAZY, globals())
