@@ -215,7 +215,7 @@ class Diagonal(LoadedModel):
 
 
 def test_register_loader(tmp_path, monkeypatch):
-    loaders = importlib.import_module("multihead.inspect.loaders")
+    loaders = importlib.import_module("multihead.interop.loaders")
     monkeypatch.setattr(loaders, "_LOADERS", [])  # this test's loader goes away after it
     (tmp_path / "config.json").write_text(json.dumps({"diag": True}))
     register_loader(lambda folder, config: Diagonal() if config.get("diag") else None)

@@ -32,9 +32,7 @@ DEBT = {
     "cycles": {
         ("multihead.inspect.capture_types", "multihead.inspect.html", "multihead.inspect.roles"),
     },
-    "tools": {
-        ("multihead.heads.cli", "multihead.inspect.loaders"),  # the heads CLI loads models through inspect's loader
-    },
+    "tools": set(),
     "floors": set(),
 }
 

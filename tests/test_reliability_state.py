@@ -13,7 +13,7 @@ hub_tqdm = pytest.importorskip("huggingface_hub.utils.tqdm")
 
 from transformers.utils import logging as hf_logging  # noqa: E402
 
-from multihead.inspect import loaders  # noqa: E402
+from multihead.interop import loaders  # noqa: E402
 
 
 def _state() -> dict:

@@ -99,7 +99,7 @@ def _out_file(flag: str, value: str | None) -> Path | None:
 
 def _load(spec: str):
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    from multihead.inspect.loaders import load_model
+    from multihead.interop.loaders import load_model
 
     loaded = load_model(spec)
     model = loaded.model

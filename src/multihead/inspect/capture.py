@@ -9,7 +9,7 @@ pass over the requested heads only, returned through a `WeightsRequest`, and the
 forward stops inside the last requested layer. Nothing is materialised for the heads
 and layers not asked for.
 
-Models are reached through `multihead.inspect.loaders.load_model(spec)` (re-exported
+Models are reached through `multihead.interop.loaders.load_model(spec)` (re-exported
 here), which returns a `LoadedModel`.
 """
 
@@ -19,7 +19,7 @@ import warnings
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
-from multihead.inspect.loaders import (
+from multihead.interop.loaders import (
     MINILM,
     MINILM_HUB_NAME,
     HFModel,

@@ -371,7 +371,7 @@ def induction_scores(model="minilm", seq_len: int | None = None, seed: int = 0, 
     this token last time" scores high. `model` is anything `capture` takes. Same seed,
     same tokens. seq_len defaults to 50, or less where the model's positions need it.
     """
-    from multihead.inspect.loaders import InspectError, load_model
+    from multihead.interop.loaders import InspectError, load_model
 
     lm = load_model(model)
     if seq_len is None:
