@@ -12,7 +12,6 @@ import torch
 
 pytest.importorskip("transformers")
 
-import multihead.functional as F  # noqa: E402
 from conftest import assert_close  # noqa: E402
 from multihead.inspect import capture  # noqa: E402
 from multihead.inspect.capture import (  # noqa: E402
@@ -24,6 +23,7 @@ from multihead.inspect.capture import (  # noqa: E402
     register_loader,
 )
 from multihead.kernels import math as explicit_math  # noqa: E402
+from multihead.kernels.registry import BACKENDS  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -67,13 +67,13 @@ def test_layer3_head5_asks_the_kernel_for_that_head_only(minilm, eager, monkeypa
     monkeypatch.setattr(explicit_math, "weights_pass", spy_pass)
     # the explicit backends would build every head's (T, S) block: they must not run
     for name in ("math", "chunked"):
-        b = F._BACKENDS[name]
+        b = BACKENDS[name]
 
         def spy(*a, _fn=b.fn, _name=name, **k):
             explicit.append(_name)
             return _fn(*a, **k)
 
-        monkeypatch.setitem(F._BACKENDS, name, dataclasses.replace(b, fn=spy))
+        monkeypatch.setitem(BACKENDS, name, dataclasses.replace(b, fn=spy))
     ran = []
     hooks = [layer.register_forward_pre_hook(lambda m, a, i=i: ran.append(i)) for i, layer in enumerate(minilm.layers)]
     try:

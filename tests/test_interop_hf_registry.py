@@ -273,13 +273,13 @@ def test_output_attentions_keeps_the_fused_kernel(monkeypatch):
     backends made to fail, output_attentions=True still runs."""
     import dataclasses
 
-    import multihead.functional as F
+    from multihead.kernels.registry import BACKENDS
 
     def refuse(*args, **kwargs):
         raise AssertionError("the explicit path ran")
 
     for name in ("math", "chunked"):
-        monkeypatch.setitem(F._BACKENDS, name, dataclasses.replace(F._BACKENDS[name], fn=refuse))
+        monkeypatch.setitem(BACKENDS, name, dataclasses.replace(BACKENDS[name], fn=refuse))
     model = build("llama")
     inputs, _ = _inputs("llama")
     out = _run(model, "multihead", inputs, output_attentions=True)

@@ -71,7 +71,6 @@ from multihead.kernels.common import index
 from multihead.kernels.math import block_rows as _block_rows
 from multihead.kernels.math import rows_mask as _rows_mask
 from multihead.kernels.registry import (
-    BACKENDS,
     Backend,
     available_backends,
     check_backend_name,
@@ -82,7 +81,6 @@ from multihead.kernels.registry import get_backend as _get_backend
 from multihead.kernels.validation import check_inputs as _check_inputs
 from multihead.kernels.validation import check_scale as _check_scale
 from multihead.kernels.validation import check_score_mod as _check_score_mod
-from multihead.kernels.validation import normalize_mask
 from multihead.kernels.validation import weight_heads as _weight_heads
 from multihead.masks import MaskMod, and_masks
 from multihead.masks import causal as causal_mod
@@ -98,11 +96,6 @@ __all__ = [
     "resolve_backend",
     "scaled_dot_product_attention",
 ]
-
-# The registry and the input checks live in `multihead.kernels` (registry, validation); the
-# names callers of this module used before the move stay bound here.
-_BACKENDS = BACKENDS
-_normalize_mask = normalize_mask
 
 
 def scaled_dot_product_attention(
