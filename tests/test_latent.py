@@ -325,7 +325,7 @@ def test_from_hf_reads_yarn_rope_scaling():
 def test_one_token_decode_paths_agree(dtype, monkeypatch):
     # One new token, no mask, no weights: backend "auto" takes the written-out `_one_token`;
     # "sdpa" folds H query heads over the one latent head (at B = 1 split over the threads,
-    # multihead.functional._mqa_splits); "math" is the explicit kernel. All equal the naive path.
+    # multihead.kernels.common.mqa_splits); "math" is the explicit kernel. All equal the naive path.
     threads = torch.get_num_threads()
     torch.set_num_threads(2)
     try:
