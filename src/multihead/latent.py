@@ -40,6 +40,7 @@ from multihead._checks import check_int as _check_int
 from multihead._layer import check_dtype, check_window_and_softcap, default_head_dim, merge_heads, with_window
 from multihead.cache import LatentCache
 from multihead.functional import attend, check_backend_name
+from multihead.kernels import common
 from multihead.masks import MaskMod
 from multihead.rope import RopeScaling, RotaryEmbedding, apply_rotary
 
@@ -331,8 +332,8 @@ class LatentAttention(nn.Module):
             latent = latent[:, -self.sliding_window:]  # the keys the last position sees
         scores = latent @ q_abs.view(B, H, W).transpose(1, 2) * self.scale  # (B, S, H)
         if self.softcap is not None:
-            scores = torch.tanh(scores / self.softcap) * self.softcap
-        probs = torch.softmax(scores, dim=1, dtype=torch.promote_types(scores.dtype, torch.float32))
+            scores = common.softcap(scores, self.softcap)
+        probs = torch.softmax(scores, dim=1, dtype=common.acc_dtype(scores.dtype))
         out = probs.to(latent.dtype).transpose(1, 2) @ latent[..., : self.kv_rank]  # (B, H, R)
         return out[:, :, None]  # (B, H, 1, R)
 

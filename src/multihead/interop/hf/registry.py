@@ -43,6 +43,7 @@ from torch import Tensor, nn
 
 from multihead import masks, score_mods
 from multihead.functional import attend, check_backend_name
+from multihead.kernels import common
 from multihead.masks import MaskMod, from_flex
 
 __all__ = ["INTERVENTION_KEYWORD", "REQUEST_KEYWORD", "AttentionCall", "CaptureComplete", "WeightsAnswer",
@@ -282,11 +283,11 @@ def _with_sinks(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, *, causal:
     B, H, T, _ = q.shape
     Hkv, S, Dv = k.shape[1], k.shape[2], v.shape[-1]
     G = H // Hkv
-    acc = torch.promote_types(q.dtype, torch.float32)
+    acc = common.acc_dtype(q.dtype)
     scores = q.to(acc).reshape(B, Hkv, G * T, -1) @ k.to(acc).transpose(-2, -1)  # (B, Hkv, G*T, S)
     scores = scores.view(B, H, T, S) * scale
     if softcap is not None:
-        scores = torch.tanh(scores / softcap) * softcap
+        scores = common.softcap(scores, softcap)
     allowed = None
     if mask is not None:
         if mask.dtype == torch.bool:
@@ -294,8 +295,7 @@ def _with_sinks(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, *, causal:
         else:
             scores = scores + mask.to(acc)
     if causal:
-        q_pos = torch.arange(S - T, S, device=q.device)[:, None]
-        tri = (torch.arange(S, device=q.device)[None, :] <= q_pos)[None, None]  # (1, 1, T, S)
+        tri = common.causal_triangle(0, T, T, S, q.device)[None, None]  # (1, 1, T, S)
         allowed = tri if allowed is None else allowed & tri
     if allowed is not None:
         scores = scores.masked_fill(~allowed, float("-inf"))
