@@ -217,8 +217,8 @@ def _any_nan(q: Tensor, k: Tensor, v: Tensor, out: Tensor) -> bool:
     """
     acc = torch.promote_types(q.dtype, torch.float32)
     if q.shape[2] < _NAN_CHECK_ROWS:
-        peak = out.abs().amax(-1)  # NaN for a row with a NaN, 0 for a zero row
-        if bool((peak > 0).all()):
+        peak = torch.linalg.vector_norm(out.detach(), float("inf"), dim=-1)  # max |out| per row; NaN, 0 if zero
+        if float(peak.amin()) > 0:  # (NaN > 0 is False) one op fewer than abs, amax, > 0, all: ~3 us per call
             return False
         if bool(torch.isnan(peak).any()):
             return True

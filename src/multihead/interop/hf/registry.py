@@ -368,7 +368,8 @@ def attention_forward(module: nn.Module, query: Tensor, key: Tensor, value: Tens
             weights = None
         elif return_weights is not True:
             weights = weights[:, return_weights]
-    answer.record(AttentionCall(module, H, key.shape[1], T, S, query.shape[-1]), weights)
+    if answer.request is not None:  # (no AttentionCall to build on the common path)
+        answer.record(AttentionCall(module, H, key.shape[1], T, S, query.shape[-1]), weights)
     if intervention is not None:  # ... and the heads' outputs, before the output projection
         out = intervention.output(module, out, value)
     out = out.transpose(1, 2).contiguous()  # (B, T, H, Dv)
