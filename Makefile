@@ -29,9 +29,10 @@ test: setup lint
 	$(PY) -m pytest -q -n 2 --dist loadfile
 
 # What a developer runs between edits: no real model, browser, multi-process or wheel
-# tests (1,585 tests). Not a minute: measured 7 min 50 s on 2026-11-30 on the shared
-# 2-vCPU VM at a load average of 9 (other jobs beside it). For one area, run its files
-# (`.venv/bin/pytest -q tests/test_plan*.py`: 36 s there). CI runs everything (`make test`).
+# tests (1,603 tests): 58 s on the idle 2-vCPU VM (2026-12-01), 7 min 50 s when other jobs
+# held it at a load average of 9 (2026-11-30). For one area, run its files
+# (`.venv/bin/pytest -q tests/test_plan*.py`: seconds). CI runs everything (`make test`:
+# 2 min 24 s idle, the same day).
 test-fast: setup
 	$(PY) -m pytest -q -n 2 --dist loadfile -m "not slow and not browser and not distributed"
 
