@@ -47,7 +47,7 @@ from multihead.lab.progress import Overall
 from multihead.lab.results import finished_runs, new_results, write_json_atomic
 from multihead.lab.training import StepCallback, diverged_entry, train
 
-__all__ = ["MLAConfig", "load_corpus", "run_mla"]
+__all__ = ["MLAConfig", "load_corpus", "run_mla", "split_corpus", "val_bits_per_char", "windows"]
 
 KJV = "kjv"
 
@@ -119,12 +119,7 @@ class _Session:
         )
 
     def val_bpc(self, model) -> float:
-        model.eval()
-        with torch.no_grad():
-            nats = [float(torch.nn.functional.cross_entropy(model(x.to(self.dev)).flatten(0, 1),
-                                                             y.to(self.dev).flatten()))
-                    for x, y in self.val_batches]
-        return sum(nats) / len(nats) / math.log(2)
+        return val_bits_per_char(model, self.val_batches, self.dev)
 
     def save(self) -> None:
         self.res["elapsed_s"] = time.perf_counter() - self.t0
@@ -136,14 +131,14 @@ def run_mla(cfg: MLAConfig | None = None, out_dir: str | Path = "lab-mla", *, se
     """Run the experiment; write results.json, plots and checkpoints to `out_dir`."""
     cfg = cfg or MLAConfig()
     dev = resolve_device(device)
-    vocab, corpus, train_ids, val_ids = _split_corpus(cfg)
+    vocab, corpus, train_ids, val_ids = split_corpus(cfg)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     res = new_results("mla", cfg, seed, dev)
     t0 = time.perf_counter()
     res["results"] = {"corpus": corpus, "runs": [], "conversions": []}
     gen_val = torch.Generator().manual_seed(1_000_003 + seed)
-    val_batches = [_windows(val_ids, cfg.batch_size, cfg.context, gen_val) for _ in range(cfg.eval_batches)]
+    val_batches = [windows(val_ids, cfg.batch_size, cfg.context, gen_val) for _ in range(cfg.eval_batches)]
     variants = _variants(cfg)
     n_conv = sum(r <= cfg.d_model for r in cfg.ranks)
     overall = Overall(len(variants) + n_conv, len(variants) * cfg.steps + n_conv * cfg.finetune_steps)
@@ -169,8 +164,9 @@ def run_mla(cfg: MLAConfig | None = None, out_dir: str | Path = "lab-mla", *, se
     return res
 
 
-def _split_corpus(cfg: MLAConfig) -> tuple[Vocab, dict, torch.Tensor, torch.Tensor]:
-    """(vocab, corpus description, train ids, validation ids): the last val_fraction is held out."""
+def split_corpus(cfg) -> tuple[Vocab, dict, torch.Tensor, torch.Tensor]:
+    """(vocab, corpus description, train ids, validation ids): the last val_fraction is held out.
+    `cfg` carries corpus, max_chars, val_fraction and context (`MLAConfig`, `UptrainConfig`)."""
     from multihead.errors import UsageError
 
     text, corpus_name = load_corpus(cfg.corpus, cfg.max_chars)
@@ -228,14 +224,24 @@ def _save_checkpoints(out: Path, models: dict[str, LabTransformer], vocab: Vocab
         res["results"]["mla_checkpoint"] = "model-mla"
 
 
-def _windows(ids: torch.Tensor, batch: int, context: int, gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+def windows(ids: torch.Tensor, batch: int, context: int, gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+    """`batch` random windows of context + 1 characters: (inputs, next characters)."""
     starts = torch.randint(0, len(ids) - context - 1, (batch,), generator=gen)
     rows = torch.stack([ids[s: s + context + 1] for s in starts.tolist()]).long()  # (B, context + 1)
     return rows[:, :-1], rows[:, 1:]
 
 
+def val_bits_per_char(model: torch.nn.Module, batches, device) -> float:
+    """Mean next-character cross-entropy over (inputs, targets) batches, in bits per character."""
+    model.eval()
+    with torch.no_grad():
+        nats = [float(torch.nn.functional.cross_entropy(model(x.to(device)).flatten(0, 1), y.to(device).flatten()))
+                for x, y in batches]
+    return sum(nats) / len(nats) / math.log(2)
+
+
 def _batch(ids, cfg: MLAConfig, gen, dev):
-    x, y = _windows(ids, cfg.batch_size, cfg.context, gen)
+    x, y = windows(ids, cfg.batch_size, cfg.context, gen)
     return x.to(dev), y.to(dev), None
 
 

@@ -46,7 +46,6 @@ from __future__ import annotations
 
 import copy
 import json
-import math
 import time
 from dataclasses import replace
 from pathlib import Path
@@ -55,7 +54,7 @@ import torch
 
 from multihead.lab.checkpoint import Vocab, load_lab_checkpoint, save_lab_checkpoint
 from multihead.lab.devices import resolve_device, seed_everything
-from multihead.lab.mla import cache_bytes_per_token, load_corpus
+from multihead.lab.mla import cache_bytes_per_token, split_corpus, val_bits_per_char, windows
 from multihead.lab.models import LabConfig, LabTransformer
 from multihead.lab.plots import draw_plots
 from multihead.lab.progress import Overall
@@ -93,7 +92,7 @@ def run_uptrain(cfg: UptrainConfig | None = None, out_dir: str | Path = "lab-upt
     source = None
     if cfg.from_checkpoint is not None:
         source, cfg, seed = _load_source(cfg)
-    vocab, corpus, train_ids, val_ids = _split(cfg)
+    vocab, corpus, train_ids, val_ids = split_corpus(cfg)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     res = new_results("uptrain", cfg, seed, dev)
@@ -101,7 +100,7 @@ def run_uptrain(cfg: UptrainConfig | None = None, out_dir: str | Path = "lab-upt
     res["results"] = {"corpus": corpus, "uptrain_peak_lr": cfg.uptrain_peak_lr, "mha": None, "variants": [],
                       "scratch": []}
     gen_val = torch.Generator().manual_seed(1_000_003 + seed)  # the validation windows of `lab mla`
-    val = [_windows(val_ids, cfg.batch_size, cfg.context, gen_val) for _ in range(cfg.eval_batches)]
+    val = [windows(val_ids, cfg.batch_size, cfg.context, gen_val) for _ in range(cfg.eval_batches)]
     tg = targets(cfg)
     up_steps = sum(cfg.uptrain_steps(f) for f in cfg.fractions)
     n_conv = sum(len(t[-1]) for t in tg)
@@ -146,7 +145,7 @@ class _Run:
         n = len(self.train_ids) - self.cfg.context - 1
         for _ in range(skip):
             torch.randint(0, n, (self.cfg.batch_size,), generator=gen)
-        return lambda step: (*(t.to(self.dev) for t in _windows(self.train_ids, self.cfg.batch_size,
+        return lambda step: (*(t.to(self.dev) for t in windows(self.train_ids, self.cfg.batch_size,
                                                                   self.cfg.context, gen)), None)
 
     def train(self, model, steps: int, skip: int, label: str, lr: float) -> dict:
@@ -156,12 +155,7 @@ class _Run:
                      overall=self.overall)
 
     def val_bpc(self, model) -> float:
-        model.eval()
-        with torch.no_grad():
-            nats = [float(torch.nn.functional.cross_entropy(model(x.to(self.dev)).flatten(0, 1),
-                                                             y.to(self.dev).flatten()))
-                    for x, y in self.val]
-        return sum(nats) / len(nats) / math.log(2)
+        return val_bits_per_char(model, self.val, self.dev)
 
     def finished(self, name: str, hist: dict) -> bool:
         """Record a divergence; raise KeyboardInterrupt after an interrupted training."""
@@ -267,31 +261,6 @@ def _arch(cfg: UptrainConfig, vocab_size: int) -> LabConfig:
                      n_heads=cfg.n_heads, mlp=True, positions=cfg.positions)
 
 
-def _windows(ids: torch.Tensor, batch: int, context: int, gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
-    """`batch` random windows of context + 1 characters: (inputs, next characters), as `lab mla` draws them."""
-    starts = torch.randint(0, len(ids) - context - 1, (batch,), generator=gen)
-    rows = torch.stack([ids[s: s + context + 1] for s in starts.tolist()]).long()  # (B, context + 1)
-    return rows[:, :-1], rows[:, 1:]
-
-
-def _split(cfg: UptrainConfig) -> tuple[Vocab, dict, torch.Tensor, torch.Tensor]:
-    """(vocab, corpus description, train ids, validation ids): `lab mla`'s split (the last
-    val_fraction held out), so that a `--from` baseline is validated on text it never saw."""
-    from multihead.errors import UsageError
-
-    text, corpus_name = load_corpus(cfg.corpus, cfg.max_chars)
-    chars = sorted(set(text))
-    vocab = Vocab("char", tuple(chars))
-    ids = torch.tensor(vocab.encode(text), dtype=torch.int32 if len(chars) > 255 else torch.uint8)
-    n_val = int(len(ids) * cfg.val_fraction)
-    train_ids, val_ids = ids[:-n_val], ids[-n_val:]
-    if len(val_ids) <= cfg.context + 1 or len(train_ids) <= cfg.context + 1:
-        raise UsageError(f"corpus too short: {len(ids):,} characters for context {cfg.context}")
-    corpus = {"name": corpus_name, "characters": len(ids), "vocab_size": len(chars),
-              "train_characters": len(train_ids), "val_characters": len(val_ids)}
-    return vocab, corpus, train_ids, val_ids
-
-
 def _load_source(cfg: UptrainConfig) -> tuple[LabTransformer, UptrainConfig, int]:
     """The MHA model of a `lab mla` run, the config with that run's settings, and its seed."""
     from multihead.errors import UsageError
@@ -323,7 +292,7 @@ def _load_source(cfg: UptrainConfig) -> tuple[LabTransformer, UptrainConfig, int
     new = replace(cfg, **{k: original[k] for k in _FROM_FIELDS if k in original})
     if _arch(new, len(vocab)) != replace(model.cfg, n_kv_heads=None):
         raise UsageError(f"--from {path}: the checkpoint's architecture does not match its results.json")
-    if _split(new)[0] != vocab:
+    if split_corpus(new)[0] != vocab:
         raise UsageError(f"--from {path}: the corpus does not give the checkpoint's characters "
                          f"(corpus {new.corpus or 'kjv'}, max_chars {new.max_chars})")
     return model, new, run_seed
