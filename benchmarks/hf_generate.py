@@ -105,6 +105,61 @@ def per_call(model, S: int, calls: int, rounds: int) -> dict:
             "profiled_breakdown": breakdown[:12]}
 
 
+def in_loop(model, prompt: torch.Tensor, new_tokens: int, rounds: int) -> dict:
+    """Microseconds per decode-step attention call as the calls run inside `generate`, between
+    the model's other layers (colder caches than a call timed alone): the whole attention
+    function, torch's fused kernel inside it, and multihead's NaN-rule check."""
+    import torch.nn.functional as F
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    import multihead.functional as mh_functional
+
+    spent: dict[str, float] = {}
+    state = {"impl": "", "decode": False}
+    calls = {"n": 0}
+
+    def timed(key: str, f):
+        def g(*a, **k):
+            t0 = time.perf_counter()
+            out = f(*a, **k)
+            if state["decode"]:
+                spent[key] = spent.get(key, 0.0) + time.perf_counter() - t0
+            return out
+        return g
+
+    mapping = ALL_ATTENTION_FUNCTIONS._global_mapping
+    saved = {"sdpa": mapping["sdpa"], "multihead": mapping["multihead"], "kernel": F.scaled_dot_product_attention,
+             "nan": mh_functional._any_nan}
+
+    def entry(impl: str):
+        inner = timed(f"{impl}: attention function", saved[impl])
+
+        def g(module, query, *a, **k):
+            state["impl"], state["decode"] = impl, query.shape[2] == 1
+            calls["n"] += state["decode"] and impl == "multihead"
+            return inner(module, query, *a, **k)
+        return g
+
+    def kernel(*a, **k):
+        return timed(f"{state['impl']}: torch's fused kernel", saved["kernel"])(*a, **k)
+
+    try:
+        mapping["sdpa"], mapping["multihead"] = entry("sdpa"), entry("multihead")
+        F.scaled_dot_product_attention = kernel
+        mh_functional._any_nan = timed("multihead: NaN-rule check", saved["nan"])
+        for r in range(rounds):
+            for impl in (("sdpa", "multihead") if r % 2 else ("multihead", "sdpa")):
+                model.set_attn_implementation(impl)
+                with torch.no_grad():
+                    model.generate(prompt, max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False)
+    finally:
+        mapping["sdpa"], mapping["multihead"] = saved["sdpa"], saved["multihead"]
+        F.scaled_dot_product_attention = saved["kernel"]
+        mh_functional._any_nan = saved["nan"]
+    n = max(1, calls["n"])
+    return {"decode_calls": n, "us_per_call": {key: t / n * 1e6 for key, t in sorted(spent.items())}}
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--layers", type=int, default=4)
@@ -126,10 +181,11 @@ def main(argv=None) -> int:
     prompt = torch.randint(0, model.config.vocab_size, (1, a.prompt), generator=torch.Generator().manual_seed(1))
     gen = time_generate(model, prompt, a.new_tokens, a.rounds)
     call = per_call(model, a.prompt + a.new_tokens // 2, a.calls, max(2, a.rounds // 2))
+    loop = in_loop(model, prompt, a.new_tokens, max(2, a.rounds // 2))
     report = {"meta": machine() | {"threads": a.threads, "argv": sys.argv[1:] if argv is None else list(argv)},
               "config": {"layers": a.layers, "heads": a.heads, "kv_heads": a.kv_heads, "width": a.width,
                          "prompt": a.prompt, "new_tokens": a.new_tokens, "rounds": a.rounds},
-              "generate": gen, "per_call": call}
+              "generate": gen, "per_call": call, "in_loop": loop}
     s = gen["seconds"]
     print(f"greedy generate, {a.layers}-layer Llama, H={a.heads}, Hkv={a.kv_heads}, C={a.width}, "
           f"{a.prompt}-token prompt, {a.new_tokens} new tokens, {a.threads} thread(s), medians of {a.rounds} rounds\n")
@@ -144,6 +200,10 @@ def main(argv=None) -> int:
     print("| function | calls per call | us per call |\n|---|---:|---:|")
     for row in call["profiled_breakdown"]:
         print(f"| {row['function']} | {row['calls_per_call']:.0f} | {row['us_per_call']:.1f} |")
+    print(f"\nthe same decode-step calls inside generate ({loop['decode_calls']} calls of each, us per call):")
+    print("| part | us per call |\n|---|---:|")
+    for key, us in loop["us_per_call"].items():
+        print(f"| {key} | {us:.1f} |")
     path = write_json(a.json, report)
     print(f"\nwrote {path}")
     return 0

@@ -31,3 +31,9 @@ def test_hf_generate_benchmark_quick(tmp_path):
     assert call["us_per_call"]["multihead"] > 0 and call["us_per_call"]["sdpa"] > 0
     names = [row["function"] for row in call["profiled_breakdown"]]
     assert "registry.attention_forward" in names  # the profile saw multihead's entry point
+    loop = report["in_loop"]
+    assert loop["decode_calls"] > 0
+    assert {"multihead: attention function", "multihead: torch's fused kernel", "multihead: NaN-rule check",
+            "sdpa: attention function", "sdpa: torch's fused kernel"} <= set(loop["us_per_call"])
+    parts = loop["us_per_call"]  # the kernel and the check run inside the function that times them all
+    assert parts["multihead: attention function"] > parts["multihead: torch's fused kernel"]
