@@ -26,7 +26,8 @@ import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
-__all__ = ["MAX_JSON_BYTES", "LockHeld", "atomic_path", "pid_lock", "read_json", "usual_mode", "writable_target",
+__all__ = ["MAX_JSON_BYTES", "LockHeld", "atomic_path", "output_file", "pid_lock", "read_json", "usual_mode",
+           "writable_target",
            "write_bytes", "write_json", "write_text"]
 
 MAX_JSON_BYTES = 16 * 2**20  # a config.json is a few KB; the largest tokenizer configs are a few MB
@@ -83,6 +84,30 @@ def writable_target(path: str | os.PathLike) -> Path:
     if path.exists() and not path.is_file():
         kind = "a folder" if path.is_dir() else "not a regular file (a device, pipe or socket)"
         raise ValueError(f"{path} is {kind}; multihead writes only regular files and will not replace it")
+    return path
+
+
+def output_file(flag: str, value: str | None, example: str) -> Path | None:
+    """A command-line output file (`--png`, `--html`), checked before any work is done: not a
+    folder, device, pipe or socket, in a folder that exists and can be written, not a read-only
+    file. None stays None. Errors are `UsageError`s naming the flag, with `example` as a valid
+    value."""
+    from multihead.errors import UsageError
+
+    if value is None:
+        return None
+    path = Path(value).expanduser()
+    if path.is_dir():
+        raise UsageError(f"{flag} {value!r} is a folder; give a file name, e.g. {flag} {example}")
+    if path.exists() and not Path(os.path.realpath(path)).is_file():
+        raise UsageError(f"{flag} {value!r} is not a regular file (a device, pipe or socket); give a file name, "
+                         f"e.g. {flag} {example}")
+    if not path.parent.is_dir():
+        raise UsageError(f"{flag} {value!r}: the folder {str(path.parent)!r} does not exist")
+    if not os.access(path.parent, os.W_OK | os.X_OK):
+        raise UsageError(f"{flag} {value!r}: cannot write in the folder {str(path.parent)!r} (permission denied)")
+    if path.exists() and not os.access(path, os.W_OK):
+        raise UsageError(f"{flag} {value!r}: the file exists and is read-only")
     return path
 
 

@@ -19,9 +19,9 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 from pathlib import Path
 
+from multihead._files import output_file
 from multihead.errors import UsageError
 
 TOP = 10
@@ -86,20 +86,8 @@ def _pairs(value: str) -> list[tuple[int, int]]:
     return out
 
 
-def _out_file(flag: str, value: str | None) -> Path | None:
-    if value is None:
-        return None
-    path = Path(value).expanduser()
-    if path.is_dir():
-        raise UsageError(f"{flag} {value!r} is a folder; give a file name")
-    if not path.parent.is_dir():
-        raise UsageError(f"{flag} {value!r}: the folder {str(path.parent)!r} does not exist")
-    return path
-
-
 def _load(spec: str):
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    from multihead.interop.loaders import load_model
+    from multihead.interop.loaders import load_model  # it sets the hub offline for the load only
 
     loaded = load_model(spec)
     model = loaded.model
@@ -392,7 +380,7 @@ def _prune(args) -> dict:
 def main(args) -> int:
     cmd = args.heads_command
     if cmd == "scan":
-        png, html = _out_file("--png", args.png), _out_file("--html", args.html)
+        png, html = output_file("--png", args.png, "scan.png"), output_file("--html", args.html, "scan.html")
         r = _scan(args)
         if png:
             _heat_png(png, r["table"], f"{r['model']}: patching {r['what']}", r["metric_corrupted"])
@@ -402,7 +390,7 @@ def main(args) -> int:
             r["html"] = str(html)
         print(json.dumps(r, indent=1)) if args.json else _print_scan(r)
     elif cmd == "importance":
-        png = _out_file("--png", args.png)
+        png = output_file("--png", args.png, "curve.png")
         if png and not args.prune_curve:
             raise UsageError("--png draws the pruning curve; add --prune-curve")
         r = _importance(args)

@@ -21,8 +21,8 @@ import json
 import os
 import sys
 import warnings
-from pathlib import Path
 
+from multihead._files import output_file
 from multihead.errors import UsageError
 
 TOP = 10  # rows of the role table without --roles
@@ -88,24 +88,6 @@ def _indices(flag: str, value: str | None) -> list[int] | None:
     return out
 
 
-def _out_path(flag: str, value: str | None) -> Path | None:
-    if value is None:
-        return None
-    path = Path(value).expanduser()
-    if path.is_dir():
-        raise UsageError(f"{flag} {value!r} is a folder; give a file name, e.g. {flag} view.html")
-    if path.exists() and not Path(os.path.realpath(path)).is_file():
-        raise UsageError(f"{flag} {value!r} is not a regular file (a device, pipe or socket); give a file name, "
-                         f"e.g. {flag} view.html")
-    if not path.parent.is_dir():
-        raise UsageError(f"{flag} {value!r}: the folder {str(path.parent)!r} does not exist")
-    if not os.access(path.parent, os.W_OK | os.X_OK):
-        raise UsageError(f"{flag} {value!r}: cannot write in the folder {str(path.parent)!r} (permission denied)")
-    if path.exists() and not os.access(path, os.W_OK):
-        raise UsageError(f"{flag} {value!r}: the file exists and is read-only")
-    return path
-
-
 def _read_text(text: str) -> str:
     if text == "-":
         data = sys.stdin.buffer.read(_MAX_STDIN + 1) if hasattr(sys.stdin, "buffer") else sys.stdin.read().encode()
@@ -167,8 +149,8 @@ def _main(args: argparse.Namespace, stack: contextlib.ExitStack) -> int:
     text = _read_text(args.text)
     layers = _indices("--only-layers", args.layers)
     heads = _indices("--only-heads", args.heads)
-    html_path = _out_path("--html", args.html)
-    png_path = _out_path("--png", args.png)
+    html_path = output_file("--html", args.html, "view.html")
+    png_path = output_file("--png", args.png, "heads.png")
     if args.max_tokens is not None and args.max_tokens < 1:
         raise UsageError(f"--max-tokens must be >= 1; received {args.max_tokens}")
 
