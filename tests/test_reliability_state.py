@@ -73,3 +73,26 @@ def test_a_failed_load_restores_the_process_state(tmp_path, monkeypatch, restore
     with pytest.raises(InspectError, match="cannot load the model"):
         loaders.load_model(str(folder))
     assert _state() == before
+
+
+@pytest.mark.parametrize("bars", ["transformers off, hub on", "hub off for one group"])
+def test_the_inspect_command_restores_the_process_state(bars, capsys, monkeypatch, restore_hf_state):
+    # the command quiets transformers for its length (quiet_hub(logs=True)); it used to put the
+    # bars back with enable_progress_bar(), which switched every hub group on
+    from multihead.cli import main
+
+    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+    monkeypatch.delenv("HF_HUB_DISABLE_PROGRESS_BARS", raising=False)
+    hf_logging.enable_progress_bar()
+    if bars == "transformers off, hub on":
+        hf_logging._tqdm_active = False
+    else:
+        hub_tqdm.disable_progress_bars("huggingface_hub.http_get")
+    before = _state()
+    assert main(["inspect", "The cat sat on the mat.", "--only-layers", "0", "--only-heads", "0"]) == 0
+    capsys.readouterr()
+    after = _state()
+    changed = {k: (before[k], after[k]) for k in before if k != "env" and before[k] != after[k]}
+    env = {k: (before["env"].get(k), after["env"].get(k)) for k in set(before["env"]) | set(after["env"])
+           if before["env"].get(k) != after["env"].get(k)}
+    assert not changed and not env, f"changed by multihead inspect: {changed} {env}"

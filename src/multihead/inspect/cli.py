@@ -18,12 +18,12 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
-import os
 import sys
 import warnings
 
 from multihead._files import output_file
 from multihead.errors import UsageError
+from multihead.interop.loaders import quiet_hub
 
 TOP = 10  # rows of the role table without --roles
 _MAX_STDIN = 16 * 2**20
@@ -110,36 +110,6 @@ def _read_text(text: str) -> str:
     return text
 
 
-@contextlib.contextmanager
-def _quiet_transformers():
-    """Loading progress bars and advisory logs are noise on a command line; for the length
-    of the command only: the environment, transformers' verbosity and its progress-bar
-    setting are put back afterwards (`main` may run inside a notebook or a test)."""
-    saved_env = {k: os.environ.get(k) for k in ("HF_HUB_OFFLINE", "HF_HUB_DISABLE_PROGRESS_BARS")}
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
-    try:
-        from transformers.utils import logging as hf_logging
-    except ImportError:
-        hf_logging = None
-    if hf_logging is not None:
-        verbosity, bars = hf_logging.get_verbosity(), hf_logging.is_progress_bar_enabled()
-        hf_logging.set_verbosity_error()
-        hf_logging.disable_progress_bar()
-    try:
-        yield
-    finally:
-        for key, value in saved_env.items():
-            if value is None:
-                os.environ.pop(key, None)
-            else:
-                os.environ[key] = value
-        if hf_logging is not None:
-            hf_logging.set_verbosity(verbosity)
-            if bars:
-                hf_logging.enable_progress_bar()
-
-
 def main(args: argparse.Namespace) -> int:
     with contextlib.ExitStack() as stack:
         return _main(args, stack)
@@ -163,7 +133,7 @@ def _main(args: argparse.Namespace, stack: contextlib.ExitStack) -> int:
     _status(f"multihead inspect: loading {args.model} (the first import of torch and transformers takes "
             "a few seconds) ...")
     try:
-        stack.enter_context(_quiet_transformers())
+        stack.enter_context(quiet_hub(logs=True))  # the command's noise off, put back after
         from multihead.inspect.capture import capture, load_model
         from multihead.inspect.roles import head_roles, induction_scores
 

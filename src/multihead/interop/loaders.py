@@ -27,7 +27,7 @@ if TYPE_CHECKING:  # torch is imported where it is used, so the CLI can refuse b
 
 
 __all__ = ["InspectError", "LoadedModel", "HFModel", "LabModel", "TruncationWarning", "load_model",
-           "minilm_path", "register_loader", "resolve_model"]
+           "minilm_path", "quiet_hub", "register_loader", "resolve_model"]
 
 MINILM = "minilm"
 MINILM_HUB_NAME = "sentence-transformers/all-MiniLM-L6-v2"
@@ -223,7 +223,7 @@ def _load_hf(path: Path, config: dict, name: str) -> LoadedModel:
     except ImportError:
         raise InspectError("loading a Hugging Face model needs transformers: pip install 'multihead[hf]' (from a "
                            "checkout of the repository: pip install -e '.[hf]')") from None
-    with _loading_a_local_folder():
+    with quiet_hub():
         try:
             tokenizer = AutoTokenizer.from_pretrained(str(path))
         except Exception as err:  # transformers raises OSError, ValueError, KeyError, ... here
@@ -238,32 +238,46 @@ def _load_hf(path: Path, config: dict, name: str) -> LoadedModel:
 
 
 @contextlib.contextmanager
-def _loading_a_local_folder():
-    """For the length of a load from a folder, and only then: offline (a folder needs no hub)
-    and no weight-loading bar (a capture() call is not a download). The environment and both
-    libraries' progress-bar switches (transformers' and huggingface_hub's, per group) are put
-    back exactly as they were, error or not: a library changes no state it does not restore."""
+def quiet_hub(*, logs: bool = False):
+    """For the length of the block, and only then: offline (HF_HUB_OFFLINE=1 unless the user
+    set it) and no progress bars (a capture() call is not a download); with `logs`, also
+    transformers' advisory logs off and HF_HUB_DISABLE_PROGRESS_BARS set (what a command line
+    wants). The environment, transformers' verbosity and both libraries' progress-bar switches
+    (transformers' and huggingface_hub's, per group) are put back exactly as they were, error
+    or not: a library changes no state it does not restore. Without transformers installed only
+    the environment is touched."""
     import importlib
 
-    from transformers.utils import logging as hf_logging
+    names = ("HF_HUB_OFFLINE", "HF_HUB_DISABLE_PROGRESS_BARS") if logs else ("HF_HUB_OFFLINE",)
+    saved_env = {name: os.environ.get(name) for name in names}
+    for name in names:
+        os.environ.setdefault(name, "1")
+    try:
+        from transformers.utils import logging as hf_logging
 
-    hub_tqdm = importlib.import_module("huggingface_hub.utils.tqdm")  # the module (the package exports a class)
-
-    offline = os.environ.get("HF_HUB_OFFLINE")
-    bars, hub_bars = hf_logging.is_progress_bar_enabled(), dict(getattr(hub_tqdm, "progress_bar_states", {}))
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    hf_logging.disable_progress_bar()
+        hub_tqdm = importlib.import_module("huggingface_hub.utils.tqdm")  # the module (the package exports a class)
+    except ImportError:
+        hf_logging = hub_tqdm = None
+    if hf_logging is not None:
+        bars, verbosity = hf_logging.is_progress_bar_enabled(), hf_logging.get_verbosity()
+        hub_bars = dict(getattr(hub_tqdm, "progress_bar_states", {}))
+        hf_logging.disable_progress_bar()
+        if logs:
+            hf_logging.set_verbosity_error()
     try:
         yield
     finally:
-        if offline is None:
-            os.environ.pop("HF_HUB_OFFLINE", None)
-        else:
-            os.environ["HF_HUB_OFFLINE"] = offline
-        hf_logging._tqdm_active = bars  # enable_progress_bar() would also switch the hub's bars on
-        states = getattr(hub_tqdm, "progress_bar_states", None)
-        if isinstance(states, dict):
-            states.clear()
-            states.update(hub_bars)
-        elif bars:
-            hf_logging.enable_progress_bar()
+        for name, value in saved_env.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
+        if hf_logging is not None:
+            hf_logging.set_verbosity(verbosity)
+            hf_logging._tqdm_active = bars  # enable_progress_bar() would also switch the hub's bars on
+            states = getattr(hub_tqdm, "progress_bar_states", None)
+            if isinstance(states, dict):
+                states.clear()
+                states.update(hub_bars)
+            elif bars:
+                hf_logging.enable_progress_bar()
