@@ -307,3 +307,17 @@ def test_cli_bad_input_exits_2(tmp_path, capsys):
     assert "expected comma-separated integers" in capsys.readouterr().err
     assert main(["lab", "heads", "--quick", "--head-counts", "3", "--out", str(tmp_path / "h")]) == 2
     assert "does not divide" in capsys.readouterr().err
+
+
+def test_an_in_process_run_leaves_torch_threads_as_it_found_them(tmp_path, capsys):
+    # lab runs on one thread by default here; main() inside a notebook or a test must not keep it
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        assert main(["lab", "kv", *KV_TINY, "--threads", "1", "--out", str(tmp_path / "kv")]) == 0
+        assert torch.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(before)
+    capsys.readouterr()

@@ -242,7 +242,8 @@ def _run(args: argparse.Namespace, out: Path, runner, cfg) -> int:
     # at load 8; the induction check >7 s/step vs 1.1 s/step); 2 where 4 or more cores are.
     threads = args.threads or (1 if args.experiment == "kv" or args.quick
                                else max(1, min(2, torch.get_num_threads() // 2)))
-    torch.set_num_threads(threads)
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)  # for the run only: main() may run inside a notebook or a test
     target = out if stage is None else stage
     try:
         res = runner(cfg, target, seed=args.seed, device=args.device, progress=not args.no_progress)
@@ -250,6 +251,8 @@ def _run(args: argparse.Namespace, out: Path, runner, cfg) -> int:
         if stage is not None:
             _remove_tree(stage)
         raise
+    finally:
+        torch.set_num_threads(before)
     shown = out
     if stage is not None:
         shown = _settle(stage, out, res)
