@@ -76,6 +76,11 @@ class Handler:
         pass
 
 
+def parents_of(model: nn.Module) -> dict[int, nn.Module]:
+    """id(child) -> its parent module, for every module of `model` (built once per call)."""
+    return {id(c): m for m in model.modules() for c in m.children()}
+
+
 def is_hf(model: nn.Module) -> bool:
     tf = sys.modules.get("transformers")
     return tf is not None and isinstance(model, tf.PreTrainedModel)

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 from torch import Tensor, nn
 
+from multihead.heads._engine import parents_of
+
 
 def _weight_out_in(lin: nn.Module) -> Tensor:
     """The weight as (out, in): nn.Linear stores it so, GPT-2's Conv1D transposed."""
@@ -16,14 +18,6 @@ def _weight_out_in(lin: nn.Module) -> Tensor:
     raise TypeError(f"unexpected projection {type(lin).__name__}")
 
 
-def _parent_of(model: nn.Module, module: nn.Module) -> nn.Module | None:
-    for m in model.modules():
-        for child in m.children():
-            if child is module:
-                return m
-    return None
-
-
 def hf_out_projection(model: nn.Module, module: nn.Module) -> Tensor:
     """The output projection `(C, H * Dv)` that follows transformers attention `module`:
     its `o_proj` / `out_proj` / `c_proj` / `dense` / `o`, or (BERT, ViT) the sibling
@@ -32,7 +26,7 @@ def hf_out_projection(model: nn.Module, module: nn.Module) -> Tensor:
         lin = getattr(module, name, None)
         if isinstance(lin, nn.Module):
             return _weight_out_in(lin)
-    parent = _parent_of(model, module)
+    parent = parents_of(model).get(id(module))
     out = getattr(parent, "output", None) if parent is not None else None
     if out is not None and isinstance(getattr(out, "dense", None), nn.Module):
         return _weight_out_in(out.dense)

@@ -28,7 +28,7 @@ from collections.abc import Callable
 import torch
 from torch import Tensor, nn
 
-from multihead.heads._engine import Engine, Handler, Layer, batch_size, check_model, logits_of
+from multihead.heads._engine import Engine, Handler, Layer, batch_size, check_model, logits_of, parents_of
 from multihead.heads._interventions import check_positions
 from multihead.heads._record import Recording, check_what, record
 from multihead.masks import MaskMod
@@ -39,8 +39,8 @@ SCANS = ("z", "k", "v", "pattern", "latent")
 ROWS_PER_RUN = 16
 
 
-def block_of(model: nn.Module, module: nn.Module) -> nn.Module:
-    parents = {id(c): m for m in model.modules() for c in m.children()}
+def block_of(model: nn.Module, module: nn.Module, parents: dict[int, nn.Module]) -> nn.Module:
+    """The block (an item of a ModuleList) that holds attention `module`; the model if none does."""
     x = next((m for m in model.modules() if getattr(m, "mla", None) is module), module)  # a patched DeepSeek layer
     while id(x) in parents:
         p = parents[id(x)]
@@ -76,8 +76,8 @@ def _blocks(model: nn.Module, layers: list[Layer]) -> dict[int, nn.Module]:
     """Where each layer's variants join the batch. Layers of every stack but the last
     (an encoder-decoder's encoder) join at the model's input: what sits between two stacks
     (the decoder's masks built from the encoder's batch and the inputs') is no block's."""
-    blocks = {lay.index: block_of(model, lay.module) for lay in layers}
-    parents = {id(c): m for m in model.modules() for c in m.children()}
+    parents = parents_of(model)
+    blocks = {lay.index: block_of(model, lay.module, parents) for lay in layers}
     stacks = [parents.get(id(b)) for b in blocks.values()]
     last = stacks[-1]
     return {i: (b if stack is last else model) for (i, b), stack in zip(blocks.items(), stacks)}
