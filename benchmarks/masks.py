@@ -52,7 +52,8 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import multihead as mh  # noqa: E402
 from machine_info import machine, write_json  # noqa: E402
-from multihead import blocksparse, masks, score_mods  # noqa: E402
+from multihead import masks, score_mods  # noqa: E402
+from multihead.kernels import planner  # noqa: E402
 
 H, D, WINDOW, DOCS, CAP = 8, 64, 256, 8, 50.0
 
@@ -116,8 +117,8 @@ def forward_cases(N: int) -> dict:
         "multihead uneven documents": lambda: mh.scaled_dot_product_attention(q, k, v, uneven),
         "dense window": lambda: mh.scaled_dot_product_attention(q, k, v, win.to_dense(1, H, N, N)),
         "dense document": lambda: mh.scaled_dot_product_attention(q, k, v, doc.to_dense(1, H, N, N)),
-        "setup window": lambda: blocksparse._choose_tile(win, 1, H, N, N, 1, None, "cpu"),
-        "setup document": lambda: blocksparse._choose_tile(doc, 1, H, N, N, 1, None, "cpu"),
+        "setup window": lambda: planner.choose_tile(win, 1, H, N, N, 1, None, "cpu"),
+        "setup document": lambda: planner.choose_tile(doc, 1, H, N, N, 1, None, "cpu"),
     }
 
 

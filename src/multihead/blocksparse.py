@@ -32,10 +32,6 @@ from __future__ import annotations
 
 from multihead.kernels.explicit_tiles import explicit, refuse_trainable
 from multihead.kernels.fused_tiles import fused
-from multihead.kernels.planner import choose_tile, plan, tile_sizes
+from multihead.kernels.planner import plan, tile_sizes
 
 __all__ = ["explicit", "fused", "plan", "refuse_trainable", "tile_sizes"]
-
-# The engines live in `multihead.kernels` (planner, fused_tiles, explicit_tiles); this module
-# keeps the names its callers used (benchmarks/masks.py times `_choose_tile`).
-_choose_tile = choose_tile
