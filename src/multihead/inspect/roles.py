@@ -403,7 +403,6 @@ def induction_scores(model="minilm", seq_len: int | None = None, seed: int = 0, 
     return out
 
 
-
 def _distinct(draws: list[int], n: int) -> list[int]:
     """The first n distinct values of draws in order; the first n draws if too few differ."""
     seen: dict[int, None] = {}

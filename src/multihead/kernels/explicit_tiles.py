@@ -58,8 +58,6 @@ def twice(ctx, saved, d_out, recompute):
     return result
 
 
-
-
 class Tiles:
     """What both directions of the explicit engine share: shapes, the plan, tile buffers.
 
