@@ -117,6 +117,9 @@ def test_prune_saves_a_model_stock_transformers_loads(capsys, llama_folder, tmp_
      "give one token"),
     (["prune", "--remove", "0-1", "--out", "x"], "layer.head"),
     (["prune", "--remove", "0.1", "--out", "x"], "ablate"),
+    (["importance", "--corpus", "/dev/zero"], "not a regular file"),  # was read forever
+    (["scan", "--clean", "when mary", "--corrupted", "when john", "--answer", "mary", "--wrong", "john",
+      "--png", "/dev/null"], "not a regular file"),
 ])
 def test_user_mistakes_print_one_line_and_exit_2(capsys, gpt2_folder, argv, message, tmp_path):
     argv = [a if a != "x" else str(tmp_path / "x") for a in argv]

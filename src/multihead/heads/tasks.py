@@ -19,12 +19,11 @@ trained head).
 
 from __future__ import annotations
 
-import lzma
-from importlib import resources
-
 import torch
 import torch.nn.functional as F
 from torch import Tensor
+
+from multihead.corpus import load_corpus
 
 TEMPERATURE = 0.05
 POOL = 32  # candidates per retrieval
@@ -34,15 +33,7 @@ def kjv_verses(n: int, start: int = 0, min_words: int = 8, path: str | None = No
     """n verses (lines of >= min_words words): every `stride`-th from the `start`-th on, of the
     bundled KJV or a UTF-8 file (a stride spreads them over the book: neighbouring verses,
     a genealogy's, are too alike to tell apart)."""
-    if path is None:
-        text = lzma.decompress(resources.files("multihead").joinpath("data/kjv.txt.xz").read_bytes()).decode()
-    else:
-        from pathlib import Path
-
-        try:
-            text = Path(path).read_text(encoding="utf-8")
-        except (OSError, UnicodeDecodeError) as err:
-            raise ValueError(f"cannot read corpus {path}: {err}") from None
+    text, _ = load_corpus(path)  # refuses a device or pipe (/dev/zero would be read forever)
     out = []
     lines = [line.strip() for line in text.splitlines() if len(line.split()) >= min_words]
     stride = max(1, min(stride, len(lines) // max(1, n)))  # a short corpus: as spread as it allows

@@ -27,16 +27,15 @@ the comparison; the others go on.
 from __future__ import annotations
 
 import copy
-import lzma
 import math
 import time
 from dataclasses import dataclass, replace
-from importlib import resources
 from pathlib import Path
 
 import torch
 
 from multihead._checks import variant_name
+from multihead.corpus import KJV, load_corpus  # noqa: F401  (KJV: lab mla's --corpus default)
 from multihead.lab.checkpoint import Vocab, save_lab_checkpoint
 from multihead.lab.configs import MLAConfig
 from multihead.lab.devices import resolve_device, seed_everything
@@ -48,29 +47,6 @@ from multihead.lab.results import finished_runs, new_results, write_json_atomic
 from multihead.lab.training import StepCallback, diverged_entry, train
 
 __all__ = ["MLAConfig", "load_corpus", "run_mla", "split_corpus", "val_bits_per_char", "windows"]
-
-KJV = "kjv"
-
-
-def load_corpus(path: str | None = None, max_chars: int | None = None) -> tuple[str, str]:
-    """(text, name): the shipped King James Bible, or a UTF-8 file."""
-    if path is None or path == KJV:
-        data = resources.files("multihead").joinpath("data/kjv.txt.xz").read_bytes()
-        text, name = lzma.decompress(data).decode("utf-8"), "King James Bible (multihead/data/kjv.txt.xz)"
-    else:
-        try:
-            if Path(path).exists() and not Path(path).is_file():  # /dev/zero would be read forever
-                raise ValueError(f"corpus {path} is not a regular file; give a UTF-8 text file")
-            text = Path(path).read_text(encoding="utf-8")
-        except UnicodeDecodeError as err:
-            raise ValueError(f"corpus {path} is not UTF-8 text ({err})") from None
-        except OSError as err:
-            raise ValueError(f"cannot read corpus {path}: {err}") from None
-        name = str(path)
-    if max_chars is not None:
-        text = text[:max_chars]
-    return text, name
-
 
 def _variants(cfg: MLAConfig) -> list[tuple[str, LabConfig]]:
     base = dict(d_model=cfg.d_model, n_layers=cfg.n_layers, n_heads=cfg.n_heads, mlp=True)
