@@ -324,15 +324,17 @@ def attention_forward(module: nn.Module, query: Tensor, key: Tensor, value: Tens
     queries (those slots are empty, so they are cut off).
     """
     intervention = kwargs.get(INTERVENTION_KEYWORD)
+    own_keys = key.shape[2]
     if intervention is not None:  # multihead.heads reads or edits keys/values per KV head
         query, key, value = intervention.inputs(module, query, key, value)
     B, H, T, _ = query.shape
     S = key.shape[2]
+    prepended = S - own_keys  # keys an intervention put before this call's own (a scan's cached prefix)
     mask = hf_mask(attention_mask, query.dtype)
     causal = False
     if mask is None and T > 1:
         causal = bool(getattr(module, "is_causal", True) if is_causal is None else is_causal)
-        if causal and S > T:  # a static cache's prefill: the slots after the T queries are empty
+        if causal and S > T and not prepended:  # a static cache's prefill: the slots after the T queries are empty
             key, value = key[:, :, :T], value[:, :, :T]
             if position_bias is not None:
                 position_bias = position_bias[..., :T]
