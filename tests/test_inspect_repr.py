@@ -53,3 +53,31 @@ def test_account_text_is_the_cli_table(capsys):
     table = plan.account_text([plan.account(plan.read_config("gpt2"), device=plan.get_device("t4"))])
     assert capsys.readouterr().out.startswith(table + "\n")  # (the CLI may add lines after the table)
 
+
+
+def test_notebook_display_needs_no_view_imported_first():
+    # capture_types imports no view module (no circle: tests/test_layering.py); its _repr_html_
+    # finds the page through the package's public names. In a fresh process where only the
+    # types are loaded, the display is still the page notebook_html draws.
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    code = ("import sys\n"
+            "from inspect_synthetic import synthetic_capture\n"
+            "cap = synthetic_capture(L=2, H=3, T=8)\n"
+            "assert 'multihead.inspect.html' not in sys.modules, 'a view was imported with the types'\n"
+            "frame = cap._repr_html_()\n"
+            "import multihead.inspect as inspect\n"
+            "from multihead.inspect.html import notebook_html, render_html\n"
+            "from multihead.inspect.roles import head_roles\n"
+            "assert inspect.notebook_html is notebook_html\n"
+            "assert frame == notebook_html(cap) and frame.startswith('<iframe srcdoc=')\n"
+            "import html\n"
+            "assert html.escape(render_html(cap, head_roles(cap)), quote=True) in frame\n"
+            "print('ok')\n")
+    tests = Path(__file__).resolve().parent
+    done = subprocess.run([sys.executable, "-c", code], cwd=tests, capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "PYTHONPATH": str(tests), "OMP_NUM_THREADS": "1"})
+    assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr[-2000:]

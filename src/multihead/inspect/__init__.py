@@ -26,6 +26,7 @@ _LAZY = {
     "role_scores": "multihead.inspect.roles",
     "induction_scores": "multihead.inspect.roles",
     "render_html": "multihead.inspect.html",
+    "notebook_html": "multihead.inspect.html",
     "save_grid": "multihead.inspect.png",
     "save_head": "multihead.inspect.png",
 }

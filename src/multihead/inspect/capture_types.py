@@ -2,7 +2,8 @@
 
 `capture()` produces an `AttentionCapture`; `head_roles()` scores it; `render_html()`
 and the PNG writers draw it. Kept in its own small module so the views can be built and
-tested on synthetic captures without loading a model.
+tested on synthetic captures without loading a model. The floor under the views: it
+imports none of them (a notebook's `_repr_html_` reaches its page through the package).
 """
 
 from __future__ import annotations
@@ -57,8 +58,12 @@ class AttentionCapture:
 
     def _repr_html_(self) -> str:
         """Jupyter shows a capture as its head view: the page of `render_html` (roles from
-        `head_roles`) in a sandboxed iframe, self-contained and offline like the file."""
-        from multihead.inspect.html import notebook_html
+        `head_roles`) in a sandboxed iframe, self-contained and offline like the file.
+
+        The page is drawn by `multihead.inspect.notebook_html`, looked up on use through the
+        package's public names: the view modules (html, roles) read these types, so this
+        module names none of them (no circle between the files)."""
+        from multihead.inspect import notebook_html
 
         return notebook_html(self)
 
