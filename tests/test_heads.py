@@ -31,7 +31,8 @@ pytestmark = pytest.mark.usefixtures("one_torch_thread")
 transformers = pytest.importorskip("transformers")
 
 import multihead.interop.hf  # noqa: E402, F401  (registers "multihead")
-from test_interop_hf_registry import MODELS, V, build  # noqa: E402
+from multihead.heads import _scan  # noqa: E402
+from test_interop_hf_registry import DECODERS, MODELS, V, build  # noqa: E402
 
 
 def _inputs(name: str, seed: int = 1, pad: bool = True):
@@ -131,6 +132,71 @@ def test_patch_scan_equals_one_patched_forward_per_head(name):
         with torch.no_grad():
             base = _metric(logits_of(model(**corrupted)))
         assert (scan - base).abs().nan_to_num().max() > 1e-6, f"{name} {what}: no head changed the metric"
+
+
+def _one_token_changed(name: str, at: int = 5):
+    """IOI-style: corrupted is clean with the token at `at` changed (row 1 left-padded)."""
+    clean = _inputs(name, 1)
+    corrupted = {k: v.clone() for k, v in clean.items()}
+    ids = corrupted["input_ids"]
+    ids[:, at] = (ids[:, at] - 3 + 7) % (V - 3) + 3
+    return clean, corrupted
+
+
+def _count_skips(monkeypatch) -> list:
+    """Calls of the prefix skip's last-block hook: one for its check run, one per scan forward."""
+    calls, real = [], _scan._unskip
+    monkeypatch.setattr(_scan, "_unskip", lambda *a: calls.append(1) or real(*a))
+    return calls
+
+
+@pytest.mark.parametrize("name", DECODERS)
+def test_patch_scan_skips_the_shared_prefix_of_a_causal_model_exactly(name, monkeypatch):
+    """Clean and corrupted share positions [0, 5): the variants run on [5, T) only and read
+    the corrupted keys/values of the prefix. Equal to one full patched forward per head."""
+    model = _mh(name)
+    clean, corrupted = _one_token_changed(name)
+    calls = _count_skips(monkeypatch)
+    for what, positions in [("z", None), ("k", None), ("v", None), ("pattern", None), ("z", [2, 6, -1])]:
+        calls.clear()
+        scan = heads.patch_scan(model, clean, corrupted, _metric, what=what, positions=positions)
+        assert len(calls) > 1, f"{name} {what}: the prefix skip was not taken"
+        rec = heads.record(model, clean, what=(what,))
+        want = torch.full_like(scan, float("nan"))
+        for layer in range(scan.shape[0]):
+            for h in range(scan.shape[1]):
+                if not torch.isnan(scan[layer, h]):
+                    with heads.patch(model, rec, [(layer, h)], positions=positions, what=what), torch.no_grad():
+                        want[layer, h] = _metric(logits_of(model(**corrupted)))
+        diff = (scan - want).abs().nan_to_num().max().item()
+        assert diff < 1e-5, f"{name} {what}: scan vs one patched forward per head, max diff {diff:.2e}"
+        assert (want - want.nan_to_num().mean()).abs().nan_to_num().max() > 1e-6, "every head scored the same"
+
+
+def test_the_prefix_skip_is_refused_where_it_would_not_be_exact(monkeypatch):
+    """Not causal (BERT): no skip. A block input the cut reads wrongly (simulated: the
+    sliding-window predicate left top-left aligned): the check run differs from the
+    corrupted run, so the full positions run, and the table is still exact."""
+    calls = _count_skips(monkeypatch)
+    bert = _mh("bert")
+    clean, corrupted = _one_token_changed("bert")
+    heads.patch_scan(bert, clean, corrupted, _metric)
+    assert calls == []
+    model = _mh("mistral")
+    clean, corrupted = _one_token_changed("mistral")
+    right = heads.patch_scan(model, clean, corrupted, _metric)
+    assert len(calls) > 1
+    real_cut = _scan._cut
+    monkeypatch.setattr(_scan, "_cut",
+                        lambda x, key, T, p: x if isinstance(x, _scan.MaskMod) else real_cut(x, key, T, p))
+    calls.clear()
+    fallback = heads.patch_scan(model, clean, corrupted, _metric)
+    assert len(calls) == 1, "the check run should have refused the skip"
+    assert (fallback - right).abs().max() < 1e-5
+    monkeypatch.setattr(_scan, "_SKIP_PREFIX", False)
+    calls.clear()
+    full = heads.patch_scan(model, clean, corrupted, _metric)
+    assert calls == [] and (full - right).abs().max() < 1e-5
 
 
 def _gpt2_pair():

@@ -31,7 +31,7 @@ from torch import Tensor, nn
 from multihead.attention import Attention
 from multihead.latent import LatentAttention
 
-_KEYWORD = "multihead_heads"  # = multihead.interop.hf.registry.INTERVENTION_KEYWORD (not imported: no transformers)
+KEYWORD = "multihead_heads"  # = multihead.interop.hf.registry.INTERVENTION_KEYWORD (not imported: no transformers)
 
 
 @dataclass
@@ -161,10 +161,10 @@ class Engine:
         self.handler.begin()
         if not self.hf:
             return None
-        previous = kwargs.get(_KEYWORD)
+        previous = kwargs.get(KEYWORD)
         adapter = _HFAdapter(self)
         kwargs = dict(kwargs)
-        kwargs[_KEYWORD] = adapter if previous is None else _Chain(previous, adapter)
+        kwargs[KEYWORD] = adapter if previous is None else _Chain(previous, adapter)
         if any(self.handler.wants_weights(lay) for lay in self.ordered()) or not self.layers:
             from multihead.interop.hf.registry import REQUEST_KEYWORD
 

@@ -17,6 +17,18 @@ between the two stacks, so their variants join at the model's input instead.
 
 A block is the element of a `nn.ModuleList` that holds the attention module (the
 model itself when there is none). The cache holds one B-row input per block.
+
+Causal models skip the shared prefix. When clean and corrupted agree on their first p
+positions, a causal model's two runs agree there at every layer, and so does every
+variant: a variant's blocks then run on positions [p, T) only, their attention reading
+the corrupted run's cached keys and values for [0, p) (bottom-right causal, as a KV
+cache), and the last block's output gets the corrupted prefix back before the model's
+head. Taken only for a transformers decoder whose every block holds an attention layer
+on multihead's function, whose attention modules say `is_causal`, whose block inputs
+are all of a known kind (hidden states, 4-D masks, position ids / embeddings / cache
+positions), and whose two runs are checked equal (every layer's z) on the
+prefix (to float rounding); otherwise the full positions run. An IOI-style pair (one token changed in the
+middle) halves the work above each patched layer.
 """
 
 from __future__ import annotations
@@ -24,11 +36,23 @@ from __future__ import annotations
 import inspect
 import math
 from collections.abc import Callable
+from contextlib import nullcontext
 
 import torch
 from torch import Tensor, nn
 
-from multihead.heads._engine import Engine, Handler, Layer, batch_size, check_model, logits_of, parents_of
+from multihead.heads._engine import (
+    KEYWORD,
+    Engine,
+    Handler,
+    Layer,
+    batch_size,
+    check_model,
+    is_hf,
+    logits_of,
+    multihead_modules,
+    parents_of,
+)
 from multihead.heads._interventions import check_positions
 from multihead.heads._record import Recording, check_what, record
 from multihead.masks import MaskMod
@@ -72,11 +96,10 @@ def _grow(x, rows: int, new_rows: int, B: int):
     return x
 
 
-def _blocks(model: nn.Module, layers: list[Layer]) -> dict[int, nn.Module]:
+def _blocks(model: nn.Module, layers: list[Layer], parents: dict[int, nn.Module]) -> dict[int, nn.Module]:
     """Where each layer's variants join the batch. Layers of every stack but the last
     (an encoder-decoder's encoder) join at the model's input: what sits between two stacks
     (the decoder's masks built from the encoder's batch and the inputs') is no block's."""
-    parents = parents_of(model)
     blocks = {lay.index: block_of(model, lay.module, parents) for lay in layers}
     stacks = [parents.get(id(b)) for b in blocks.values()]
     last = stacks[-1]
@@ -130,14 +153,150 @@ def _append(x, cached, rows: int, n: int, B: int):
     return _grow(x, rows, rows + n * B, B)
 
 
+class _NoCut(Exception):
+    """A block input of a kind the prefix skip does not know how to cut."""
+
+
+def _cut(x, key, T: int, p: int):
+    """Positions [p, T) of one block input; `key` is its keyword or its place among the
+    positional arguments. Raises _NoCut for a T-long input of an unknown kind."""
+    if isinstance(x, Tensor):
+        if x.dim() == 0 or T not in x.shape:
+            return x
+        if key in (0, "hidden_states") and x.dim() == 3:
+            return x[:, p:] if x.shape[1] == T else x
+        if x.dim() == 4 and x.shape[-2] == T and x.shape[-1] == T:  # a mask (B, 1|H, T, S): its query rows
+            return x[..., p:, :]
+        if isinstance(key, str) and key.startswith("position_embeddings") and x.dim() >= 2 and x.shape[-2] == T:
+            return x[..., p:, :]  # rotary angles as one (complex) tensor (B|1, T, D)
+        if key == "position_ids" and x.shape[-1] == T:
+            return x[..., p:]
+        if key == "cache_position" and x.dim() == 1:
+            return x[p:]
+        raise _NoCut(key)
+    if isinstance(x, MaskMod):  # built for T == S, where both readings of q_idx agree; the last queries
+        return MaskMod(x.fn, x.name, relative=x.relative) if x.top_left else x  # read bottom-right
+    if isinstance(x, (tuple, list)) and isinstance(key, str) and key.startswith("position_embeddings"):
+        return type(x)(t[..., p:, :] if isinstance(t, Tensor) and t.dim() >= 2 and t.shape[-2] == T else t
+                       for t in x)  # rotary (cos, sin), each (B|1, T, D)
+    if isinstance(x, (tuple, list, dict)):
+        items = x.values() if isinstance(x, dict) else x
+        if any(isinstance(t, Tensor) for t in items):
+            raise _NoCut(key)
+    return x
+
+
+def _cut_all(args, kwargs, cut: tuple[int, int] | None):
+    if cut is None:
+        return args, kwargs
+    T, p = cut
+    return (tuple(_cut(a, i, T, p) for i, a in enumerate(args)),
+            {k: _cut(v, k, T, p) for k, v in kwargs.items()})
+
+
+def _shared_prefix(clean, corrupted) -> tuple[int, int]:
+    """(p, T): how many leading positions every input of the two runs shares, and the
+    inputs' length; (0, 0) when that cannot be read off the inputs."""
+    if isinstance(clean, Tensor) and isinstance(corrupted, Tensor):
+        pairs = [(clean, corrupted)]
+    elif hasattr(clean, "keys") and hasattr(corrupted, "keys") and set(clean.keys()) == set(corrupted.keys()):
+        pairs = [(clean[k], corrupted[k]) for k in clean.keys()]
+    else:
+        return 0, 0
+    T, p = None, None
+    for a, b in pairs:
+        if not (isinstance(a, Tensor) and isinstance(b, Tensor)):
+            if isinstance(a, Tensor) or isinstance(b, Tensor) or a is not b and a != b:
+                return 0, 0
+            continue
+        if a.dim() < 2 or a.shape != b.shape or (T is not None and a.shape[1] != T):
+            return 0, 0
+        T = a.shape[1]
+        differ = (a != b).reshape(a.shape[0], T, -1).any(dim=2).any(dim=0)
+        first = int(differ.nonzero()[0, 0]) if bool(differ.any()) else T
+        p = first if p is None else min(p, first)
+    return (0, 0) if T is None else (p, T)
+
+
+def _causal_stack(model: nn.Module, layers: list[Layer], blocks: dict[int, nn.Module],
+                  parents: dict[int, nn.Module]) -> nn.ModuleList | None:
+    """The ModuleList of blocks when the prefix skip may apply (a transformers decoder, every
+    block an attention layer on multihead's function that says it is causal), else None."""
+    if not is_hf(model) or multihead_modules(model) or getattr(model.config, "is_encoder_decoder", False):
+        return None
+    if any(getattr(lay.module, "is_causal", False) is not True for lay in layers):
+        return None
+    stacks = {id(parents.get(id(b))) for b in blocks.values()}
+    stack = parents.get(id(next(iter(blocks.values()))))
+    if len(stacks) != 1 or not isinstance(stack, nn.ModuleList):
+        return None
+    held = {id(b) for b in blocks.values()}
+    return stack if all(id(b) in held for b in stack) else None
+
+
+_SKIP_PREFIX = True  # tests turn it off to compare the two paths
+
+
+def _first(out) -> Tensor:
+    return out if isinstance(out, Tensor) else out[0]
+
+
+def _unskip(out, head: Tensor, B: int):
+    """A block's output on positions [p, T) of its rows, with the corrupted run's [0, p) put back."""
+    x = _first(out)
+    full = torch.cat([head.repeat(x.shape[0] // B, *([1] * (x.dim() - 1))), x], dim=1)
+    return full if isinstance(out, Tensor) else (full, *out[1:])
+
+
+def _prefix_holds(rec: Recording, prefix: _Prefix, layers: list[Layer], cache: dict[int, tuple], T: int,
+                  p: int) -> bool:
+    """Whether the prefix skip is exact here: both runs' heads agree on the shared prefix at
+    every layer (what a causal model does; to float rounding: a mixture of experts batches
+    each expert's tokens, so its sums differ in the last bits), and every block input can be cut."""
+    for lay in layers:
+        got = prefix.data.get(("z", lay.index))
+        if got is None or ("k", lay.index) not in prefix.data:
+            return False
+        want = rec["z", lay.index][:, :p]
+        if not torch.allclose(got, want, rtol=1e-5, atol=1e-6 * (1 + float(want.abs().max()))):
+            return False
+    try:
+        for args, kwargs in cache.values():
+            _cut_all(args, kwargs, (T, p))
+    except _NoCut:
+        return False
+    return True
+
+
+class _Prefix(Handler):
+    """The corrupted run's keys, values and heads' outputs on the shared prefix."""
+
+    def __init__(self, p: int):
+        self.p = p
+        self.data: dict[tuple[str, int], Tensor] = {}
+
+    def k(self, lay, k):
+        self.data["k", lay.index] = k[:, :self.p].clone()
+        return k
+
+    def v(self, lay, v):
+        self.data["v", lay.index] = v[:, :self.p].clone()
+        return v
+
+    def z(self, lay, z, v):
+        self.data["z", lay.index] = z[:, :self.p].clone()
+        return z
+
+
 class _FromCache:
     """Block pre-hooks of a chunk when the corrupted run's block inputs are cached: blocks
     below the first patched layer run on one row (their output is replaced), the first
     patched block starts from the cached input repeated once per variant, later patched
     blocks append their cached input for their variants. No corrupted row is recomputed."""
 
-    def __init__(self, B: int, per_block: dict[int, int], cache: dict[int, tuple]):
+    def __init__(self, B: int, per_block: dict[int, int], cache: dict[int, tuple], cut: tuple[int, int] | None = None):
         self.B, self.per_block, self.cache = B, per_block, cache
+        self.cut = cut  # (T, p): variants run on positions [p, T) (the shared prefix skipped)
         self.rows = 0
 
     def begin(self):
@@ -148,16 +307,17 @@ class _FromCache:
         if self.rows == 0:
             if n == 0:
                 return tuple(_shrink(a, B) for a in args), {k: _shrink(v, B) for k, v in kwargs.items()}
-            cargs, ckw = self.cache[id(block)]
+            cargs, ckw = _cut_all(*self.cache[id(block)], self.cut)
             self.rows = n * B
-            merged = {**kwargs, **ckw}  # what the forward adds (the intervention) stays
+            merged = {**_cut_all((), kwargs, self.cut)[1], **ckw}  # what the forward adds (the intervention) stays
             return (tuple(_grow(a, B, self.rows, B) for a in cargs),
                     {k: _grow(v, B, self.rows, B) for k, v in merged.items()})
+        args, kwargs = _cut_all(args, kwargs, self.cut)
         rows, new = self.rows, self.rows + n * B
         self.rows = new
         if n == 0:
             return tuple(_grow(a, rows, rows, B) for a in args), {k: _grow(v, rows, rows, B) for k, v in kwargs.items()}
-        cargs, ckw = self.cache[id(block)]
+        cargs, ckw = _cut_all(*self.cache[id(block)], self.cut)
         return (tuple(_append(a, c, rows, n, B) for a, c in zip(args, cargs)),
                 {k: _append(v, ckw.get(k), rows, n, B) for k, v in kwargs.items()})
 
@@ -165,12 +325,26 @@ class _FromCache:
 class _ScanHandler(Handler):
     """Writes the clean head into each variant's rows at its layer."""
 
-    def __init__(self, what: str, clean: Recording, B: int, positions: list[int] | None):
+    def __init__(self, what: str, clean: Recording, B: int, positions: list[int] | None,
+                 prefix: dict | None = None, cut: tuple[int, int] | None = None):
         self.what = what
         self.clean = clean
         self.B = B
         self.positions = positions
+        self.prefix = prefix  # the corrupted run's ("k"|"v", layer) on [0, p) (the prefix skip)
+        self.cut = cut  # (T, p)
         self.rows: dict[int, tuple[int, list[int]]] = {}  # layer -> (first row, heads of its variants)
+
+    def _skipped(self, t: Tensor) -> int:
+        """p when `t` (positions on dim 1) holds only positions [p, T), else 0."""
+        return self.cut[1] if self.cut is not None and t.shape[1] == self.cut[0] - self.cut[1] else 0
+
+    def _extend(self, what: str, lay: Layer, t: Tensor) -> Tensor:
+        """Keys/values of positions [p, T) with the corrupted run's [0, p) put in front."""
+        if not self._skipped(t):
+            return t
+        head = self.prefix[what, lay.index]
+        return torch.cat([head.repeat(t.shape[0] // self.B, 1, 1, 1).to(t.dtype), t], dim=1)
 
     def _write(self, lay: Layer, t: Tensor, v: Tensor | None = None) -> Tensor:
         entry = self.rows.get(lay.index)
@@ -178,15 +352,21 @@ class _ScanHandler(Handler):
             return t
         start, hs = entry
         B, pos = self.B, self.positions
+        off = self._skipped(t)  # z on positions [off, T): the shared prefix is the corrupted run's already
+        if pos is not None and off:
+            T = self.cut[0]
+            pos = [q % T - off for q in pos if q % T >= off]
+            if not pos:
+                return t
         t = t.clone()
         src = self.clean[self.what, lay.index]
         for i, h in enumerate(hs):
             r = slice(start + i * B, start + (i + 1) * B)
             if self.what == "pattern":
                 kv = h // (lay.H // v.shape[2])
-                new = src[:, h].to(v.dtype) @ v[r, :, kv]  # (B, T, S) @ (B, S, Dv)
+                new = src[:, h, off:].to(v.dtype) @ v[r, :, kv]  # (B, T, S) @ (B, S, Dv)
             else:
-                new = src[:, :, h]
+                new = src[:, off:, h]
             if pos is None:
                 t[r, :, h] = new.to(t.dtype)
             else:
@@ -194,9 +374,11 @@ class _ScanHandler(Handler):
         return t
 
     def k(self, lay, k):
+        k = self._extend("k", lay, k)
         return self._write(lay, k) if self.what == "k" else k
 
     def v(self, lay, v):
+        v = self._extend("v", lay, v)
         return self._write(lay, v) if self.what == "v" else v
 
     def latent(self, lay, c):
@@ -211,6 +393,22 @@ class _ScanHandler(Handler):
 
     def wants_kv(self, lay):
         return self.what != "z"
+
+
+def _forward(model, corrupted, no_cache: bool, handler: Handler, grower, hooked: list, last: nn.Module | None,
+             tail: list, B: int) -> Tensor:
+    """One scan forward: `grower` lays out the rows, `handler` patches them; with the prefix
+    skip, `last` (the last block) gets the corrupted prefix `tail[0]` back on its output."""
+    handles = [b.register_forward_pre_hook(grower.hook, with_kwargs=True) for b in hooked]
+    if last is not None:
+        handles.append(last.register_forward_hook(lambda m, a, out: _unskip(out, tail[0], B)))
+    handles.append(model.register_forward_pre_hook(lambda m, a: grower.begin()))
+    try:
+        with Engine(model, handler).installed(), torch.no_grad():
+            return logits_of(_call(model, corrupted, no_cache))
+    finally:
+        for h in handles:
+            h.remove()
 
 
 def _call(model: nn.Module, inputs, no_cache: bool):
@@ -267,7 +465,11 @@ def patch_scan(model, clean, corrupted, metric: Callable[[Tensor], Tensor], what
     if batch_size(clean) != B:
         raise ValueError(f"clean and corrupted inputs must have the same batch size; received {batch_size(clean)} "
                          f"and {B}")
-    rec = record(model, clean, what=(what,))
+    p0, T = _shared_prefix(clean, corrupted)
+    if pos is not None and T and any(not -T <= q < T for q in pos):
+        raise ValueError(f"positions must lie in [-{T}, {T}) for inputs of {T} positions; received {positions!r}")
+    skip = _SKIP_PREFIX and 0 < p0 < T and is_hf(model)
+    rec = record(model, clean, what=(what, "z") if skip and what != "z" else (what,))
     layers = rec.layers
     if what == "latent" and not any(lay.kind == "latent" for lay in layers):
         raise ValueError("what='latent' patches MLA latents (multihead LatentAttention, or a DeepSeek model after "
@@ -282,22 +484,39 @@ def patch_scan(model, clean, corrupted, metric: Callable[[Tensor], Tensor], what
     per_run = max(1, ROWS_PER_RUN // B) if variants_per_run is None else int(variants_per_run)
     if per_run < 1:
         raise ValueError(f"variants_per_run must be >= 1; received {variants_per_run!r}")
-    blocks = _blocks(model, layers)
+    parents = parents_of(model)
+    blocks = _blocks(model, layers, parents)
+    stack = _causal_stack(model, layers, blocks, parents) if skip and what != "latent" else None
     block_list = list({id(b): b for b in blocks.values()}.values())
     no_cache = _takes_use_cache(model)
     out = torch.full((len(layers), max(n_heads)), math.nan)
     last_stack = {i for i, b in blocks.items() if b is not model}
     cache: dict[int, tuple] = {}
+    prefix = _Prefix(p0)
+    tail: list = []  # the last block's output on the prefix (the prefix skip)
+    corrupted_logits: list = []
     if last_stack:  # the corrupted run once, keeping what each block of the last stack is handed
         def keep(block, args, kwargs):
-            cache[id(block)] = (args, dict(kwargs))
+            cache[id(block)] = (args, {k: v for k, v in kwargs.items() if k not in (KEYWORD, "multihead_weights")})
         handles = [b.register_forward_pre_hook(keep, with_kwargs=True) for b in block_list if b is not model]
+        if stack is not None:
+            handles.append(stack[-1].register_forward_hook(lambda m, a, out: tail.append(_first(out)[:, :p0].clone())))
         try:
-            with torch.no_grad():
-                _call(model, corrupted, no_cache)
+            with torch.no_grad(), Engine(model, prefix).installed() if stack is not None else nullcontext():
+                corrupted_logits.append(logits_of(_call(model, corrupted, no_cache)))
         finally:
             for h in handles:
                 h.remove()
+        if stack is not None and not _prefix_holds(rec, prefix, layers, cache, T, p0):
+            stack = None
+    cut = (T, p0) if stack is not None else None
+    if cut is not None:  # the corrupted run again through the skip, nothing patched: it must give its logits
+        grower = _FromCache(B, {id(stack[0]): 1}, cache, cut)
+        again = _forward(model, corrupted, no_cache, _ScanHandler(what, rec, B, None, prefix.data, cut), grower,
+                         [b for b in block_list if b is not model], stack[-1], tail, B)
+        if again.shape != corrupted_logits[0].shape or not torch.allclose(
+                again, corrupted_logits[0], rtol=1e-5, atol=1e-5 * (1 + float(corrupted_logits[0].abs().max()))):
+            cut = None  # a block input the cut does not read right: the full positions run
     # chunks of at most per_run variants, never mixing layers that join at the model's input
     chunks: list[list[tuple[int, int]]] = []
     for v in variants:
@@ -308,7 +527,7 @@ def patch_scan(model, clean, corrupted, metric: Callable[[Tensor], Tensor], what
     out = torch.full((len(layers), max(n_heads)), math.nan)
     for chunk in chunks:
         cached = chunk[0][0] in last_stack
-        handler = _ScanHandler(what, rec, B, pos)
+        handler = _ScanHandler(what, rec, B, pos, prefix.data if cut else None, cut)
         per_block: dict[int, int] = {}
         first_row = 0 if cached else B
         start = first_row
@@ -324,16 +543,9 @@ def patch_scan(model, clean, corrupted, metric: Callable[[Tensor], Tensor], what
                 handler.rows[layer] = (first_row, hs)
                 order += [(layer, h) for h in hs]
                 first_row += len(hs) * B
-        grower = _FromCache(B, per_block, cache) if cached else _Grower(B, per_block)
+        grower = _FromCache(B, per_block, cache, cut) if cached else _Grower(B, per_block)
         hooked = [b for b in block_list if b is not model] if cached else block_list
-        handles = [b.register_forward_pre_hook(grower.hook, with_kwargs=True) for b in hooked]
-        handles.append(model.register_forward_pre_hook(lambda m, a, g=grower: g.begin()))
-        try:
-            with Engine(model, handler).installed(), torch.no_grad():
-                logits = logits_of(_call(model, corrupted, no_cache))
-        finally:
-            for h in handles:
-                h.remove()
+        logits = _forward(model, corrupted, no_cache, handler, grower, hooked, stack[-1] if cut else None, tail, B)
         if logits.shape[0] != first_row:
             raise RuntimeError(f"the scan's batch did not come out whole ({logits.shape[0]} rows, expected "
                                f"{first_row}): {type(model).__name__} reshapes its batch between blocks")
