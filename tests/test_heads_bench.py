@@ -14,7 +14,7 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 
 
-@pytest.mark.slow  # about a minute: two fresh processes import transformers and TransformerLens for the peaks
+@pytest.mark.slow  # about two minutes: four fresh processes import transformers and TransformerLens for the peaks
 def test_heads_benchmark_quick(tmp_path):
     pytest.importorskip("transformers")
     out = tmp_path / "heads.json"
@@ -27,11 +27,14 @@ def test_heads_benchmark_quick(tmp_path):
     except ImportError:
         assert "skipped: TransformerLens is not installed" in proc.stdout
         return
-    assert "| multihead |" in proc.stdout and "Targets:" in proc.stdout
+    assert "| inputs |" in proc.stdout and "Targets:" in proc.stdout
     r = json.loads(out.read_text())
-    assert r["max_abs_diff"] < 1e-4
-    assert {x["variant"] for x in r["results"]} == {"multihead", "transformer_lens"}
-    for x in r["results"]:
-        assert len(x["times_s"]) == 2 and all(t > 0 for t in x["times_s"])
-        assert x["peak_bytes"] is not None and x["peak_bytes"] >= 0
-    assert r["speedup_median"] > 0 and len(r["targets"]) == 2
+    assert [c["changed_position"] for c in r["cases"]] == [16, 0]  # T/2 (quick: T = 32), then the first token
+    for case in r["cases"]:
+        assert case["max_abs_diff"] < 1e-4
+        assert {x["variant"] for x in case["results"]} == {"multihead", "transformer_lens"}
+        for x in case["results"]:
+            assert len(x["times_s"]) == 2 and all(t > 0 for t in x["times_s"])
+            assert x["peak_bytes"] is not None and x["peak_bytes"] >= 0
+        assert case["speedup_median"] > 0
+    assert len(r["targets"]) == 2
