@@ -40,7 +40,7 @@ from multihead.distributed._group import (
     layout_code,
     resolve_group,
 )
-from multihead.kernels.common import acc_dtype, causal_triangle, lse_merge_into
+from multihead.kernels.common import acc_dtype, backward_lse, causal_triangle, lse_merge_into, softmax_lse
 
 __all__ = ["ring_attention"]
 
@@ -86,7 +86,9 @@ class _Flash:
 
 
 class _Explicit:
-    """matmul-softmax-matmul over blocks of query rows, in float32 at least.
+    """matmul-softmax-matmul over blocks of query rows, in float32 at least; each block's
+    probabilities and log-sum-exp from `kernels.common.softmax_lse`; the backward's
+    probabilities from the final lse, read through `kernels.common.backward_lse`.
 
     GQA: q is viewed `(B, Hkv, G, t, D)` and einsum folds (G, t) into one matmul
     dimension against `(B, Hkv, s, D)`, so K/V are never repeated per query head.
@@ -116,11 +118,8 @@ class _Explicit:
         for t0 in range(0, t, step):
             t1 = min(t, t0 + step)
             scores = torch.einsum("bhgtd,bhsd->bhgts", q5[:, :, :, t0:t1], ka) * scale  # (B, Hkv, G, t, s)
-            allowed = _Explicit._allowed(keep, diag, t0, t1, s, q.device)
-            if allowed is not None:
-                scores = scores.masked_fill(~allowed, float("-inf"))
-            lse = torch.logsumexp(scores, dim=-1)  # (B, Hkv, G, t); -inf for a row with no key
-            probs = torch.exp(scores - lse.masked_fill(torch.isneginf(lse), 0.0)[..., None])
+            # probs (B, Hkv, G, t, s), lse (B, Hkv, G, t): -inf (probs 0) for a row with no key
+            probs, lse = softmax_lse(scores, _Explicit._allowed(keep, diag, t0, t1, s, q.device))
             outs.append(torch.einsum("bhgts,bhsd->bhgtd", probs, va))
             lses.append(lse)
         out = torch.cat(outs, dim=3).flatten(1, 2)  # (B, H, t, Dv)
@@ -254,7 +253,7 @@ def _backward(dout, q, k, v, out, lse, keep, causal, layout, scale, ring: _Ring,
     acc = acc_dtype(q.dtype)
     q_chunks = chunk_ids(r, P, layout)
     c = T // len(q_chunks)
-    lse = lse.masked_fill(torch.isneginf(lse), float("inf"))  # a row with no key: probabilities 0
+    lse = backward_lse(lse)  # a row with no key: probabilities 0
     dq = torch.zeros(B, H, T, D, dtype=acc, device=q.device)
     held = [k, v] + ([] if keep is None else [keep])
     grads = None

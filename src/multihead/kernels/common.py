@@ -1,7 +1,9 @@
 """The pieces every attention engine shares, written once: the accumulation dtype, flex's
-index tensors, the MQA split over CPU threads, the bottom-right causal triangle and the
-log-sum-exp merge of attentions over disjoint key sets (FlashAttention's rescaling), and
-the softcap formula."""
+index tensors, the MQA split over CPU threads, the bottom-right causal triangle, the
+masked softmax over scores (with its log-sum-exp for an engine that merges blocks, and
+the log-sum-exp as a backward reads it), the log-sum-exp merge of attentions over
+disjoint key sets (FlashAttention's rescaling), and the softcap formula. The online
+softmax, a tile loop of its own, lives in its engine (explicit_tiles.py)."""
 
 from __future__ import annotations
 
@@ -10,7 +12,8 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
-__all__ = ["acc_dtype", "causal_triangle", "index", "lse_merge", "lse_merge_into", "mqa_splits", "softcap"]
+__all__ = ["acc_dtype", "backward_lse", "causal_triangle", "index", "lse_merge", "lse_merge_into", "mqa_splits",
+           "softcap", "softmax", "softmax_lse"]
 
 
 def acc_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -41,6 +44,46 @@ def causal_triangle(t0: int, t1: int, T: int, S: int, device) -> Tensor:
     """Bool `(t1 - t0, S)`: query rows t0..t1 of T may attend key j <= i + S - T (bottom-right)."""
     q_pos = torch.arange(t0, t1, device=device)[:, None] + (S - T)  # absolute positions
     return torch.arange(S, device=device)[None, :] <= q_pos  # (t, S)
+
+
+def softmax(scores: Tensor, allowed: Tensor | None = None, bias: Tensor | None = None,
+            hidden: bool = False) -> Tensor:
+    """Masked softmax over the last dim; a row with nothing to attend is all zeros.
+
+    `allowed`: bool, True = may attend; `bias`: added to the scores. Without the guard a
+    row with nothing to attend is softmax(-inf, ..., -inf) = NaN, and its NaN flows into
+    every gradient through the shared K and V. `hidden`: the scores may hold -inf already
+    (a score mod may hide pairs too, `where(q_idx == 0, -inf, s)` hides a whole row; or
+    the caller filled the hidden pairs), so rows are checked even without a mask.
+    """
+    if bias is not None:
+        scores = scores + bias.to(scores.dtype)
+    if allowed is not None:
+        scores = scores.masked_fill(~allowed, float("-inf"))
+    if allowed is None and bias is None and not hidden:
+        return torch.softmax(scores, dim=-1)
+    empty = torch.isneginf(scores).all(dim=-1, keepdim=True)
+    probs = torch.softmax(scores.masked_fill(empty, 0.0), dim=-1)
+    return probs.masked_fill(empty, 0.0)
+
+
+def softmax_lse(scores: Tensor, allowed: Tensor | None = None) -> tuple[Tensor, Tensor]:
+    """`softmax` of one block of keys and the log-sum-exp of its scores, for an engine that
+    merges blocks (`lse_merge`, `lse_merge_into`): probs = exp(scores - lse), lse `(..)`
+    without the trailing 1. A row with nothing to attend in the block has zeros and lse
+    -inf (so a merge weighs it 0)."""
+    if allowed is not None:
+        scores = scores.masked_fill(~allowed, float("-inf"))
+    lse = torch.logsumexp(scores, dim=-1)  # -inf for a row with no key
+    probs = torch.exp(scores - lse.masked_fill(torch.isneginf(lse), 0.0)[..., None])
+    return probs, lse
+
+
+def backward_lse(lse: Tensor) -> Tensor:
+    """The forward's log-sum-exp as a backward reads it to recompute probabilities,
+    exp(scores - lse): a row with no key (-inf) becomes +inf, so its probabilities, and
+    every gradient through them, are 0 (never NaN from -inf - -inf)."""
+    return lse.masked_fill(torch.isneginf(lse), float("inf"))
 
 
 def lse_merge(parts: Sequence[tuple[Tensor, Tensor]], acc: torch.dtype, dtype: torch.dtype) -> tuple[Tensor, Tensor]:

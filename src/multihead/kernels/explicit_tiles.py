@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from multihead.kernels.common import acc_dtype, index
+from multihead.kernels.common import acc_dtype, backward_lse, index, softmax
 from multihead.kernels.planner import combine, plan, slice_dense, tile_sizes
 
 __all__ = ["EXPLICIT_TILE", "Tiles", "explicit", "needs_grad", "refuse_trainable", "twice"]
@@ -152,8 +152,7 @@ class Tiles:
                 hide = self.hidden(r0, r1, c0, c1, full)
                 parts.append(x if hide is None else x.masked_fill(hide, float("-inf")))
             x = torch.cat(parts, -1)  # (B, H, t, kept keys)
-            empty = torch.isneginf(x).all(-1, keepdim=True)  # nothing to attend: zeros, not NaN
-            p = torch.softmax(x.masked_fill(empty, 0.0), -1).masked_fill(empty, 0.0)
+            p = softmax(x, hidden=True)  # the hidden pairs are -inf already; nothing to attend: zeros, not NaN
             if self.dropout_p > 0:
                 p = p * torch.cat([self.keep(i, j, torch.empty(B, H, t, c1 - c0, dtype=acc, device=self.device))
                                    for j, c0, c1, _ in cols], -1)
@@ -254,8 +253,7 @@ class _ExplicitTiles(torch.autograd.Function):
             q_raw = tiles.fold_q(q, r0, r1)
             do = tiles.fold_q(d_out, r0, r1)  # (B*Hkv, G*t, Dv)
             dq_i = torch.zeros_like(q_raw)
-            lse_i = lse[:, :, r0:r1, None]
-            lse_i = torch.where(torch.isneginf(lse_i), float("inf"), lse_i)  # empty rows: p = 0
+            lse_i = backward_lse(lse[:, :, r0:r1, None])  # empty rows: p = 0
             delta_i = delta[:, :, r0:r1]
             for j, c0, c1, full in cols:
                 s_ = c1 - c0

@@ -2,7 +2,8 @@
 "chunked": blocks of queries, memory bounded by one block of scores), and the weights
 pass (the softmax of the heads asked for, head by head, blocks of queries) that the
 fused backends use to return weights. The readable twin the fused paths are tested
-against."""
+against. The masked softmax they apply is `kernels.common.softmax`, shared with the tile
+engines."""
 
 from __future__ import annotations
 
@@ -10,11 +11,10 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from multihead.kernels.common import acc_dtype, causal_triangle, index
+from multihead.kernels.common import acc_dtype, causal_triangle, index, softmax
 from multihead.masks import MaskMod
 
-__all__ = ["BLOCK_ELEMENTS", "block_rows", "chunked", "explicit", "math_backend", "rows_mask", "softmax",
-           "weights_pass"]
+__all__ = ["BLOCK_ELEMENTS", "block_rows", "chunked", "explicit", "math_backend", "rows_mask", "weights_pass"]
 
 # Scores kept in memory at once by the block-wise paths (elements of the accumulation
 # dtype). 2**24 float32 = 64 MiB.
@@ -42,24 +42,6 @@ def rows_mask(mask: Tensor | MaskMod | None, causal: bool, t0: int, t1: int, T: 
         tri = causal_triangle(t0, t1, T, S, device)  # (t, S)
         allowed = tri if allowed is None else allowed & tri
     return allowed, bias
-
-
-def softmax(scores: Tensor, allowed: Tensor | None, bias: Tensor | None, modded: bool = False) -> Tensor:
-    """Masked softmax over the last dim; a row with nothing to attend is all zeros.
-
-    Without the guard such a row is softmax(-inf, ..., -inf) = NaN, and its NaN flows
-    into every gradient through the shared K and V. `modded`: the scores went through a
-    score mod, which may hide pairs too (`where(q_idx == 0, -inf, s)` hides a whole row).
-    """
-    if bias is not None:
-        scores = scores + bias.to(scores.dtype)
-    if allowed is not None:
-        scores = scores.masked_fill(~allowed, float("-inf"))
-    if allowed is None and bias is None and not modded:
-        return torch.softmax(scores, dim=-1)
-    empty = torch.isneginf(scores).all(dim=-1, keepdim=True)
-    probs = torch.softmax(scores.masked_fill(empty, 0.0), dim=-1)
-    return probs.masked_fill(empty, 0.0)
 
 
 def block_rows(B: int, H: int, S: int) -> int:

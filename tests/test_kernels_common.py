@@ -1,0 +1,109 @@
+"""The softmax pieces of kernels/common.py (issue 20: every attention formula has one home),
+against the NumPy float64 reference: the masked softmax, the softmax of one block with its
+log-sum-exp (ring attention's block), the log-sum-exp a backward reads, and blocks merged
+by lse_merge / lse_merge_into equal to the softmax over all keys."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from multihead import reference as ref
+from multihead.kernels.common import backward_lse, lse_merge, lse_merge_into, softmax, softmax_lse
+
+TOL = {torch.float64: 1e-12, torch.float32: 1e-6}
+
+
+def _np_lse(x: np.ndarray) -> np.ndarray:
+    m = np.max(x, axis=-1, keepdims=True)
+    m = np.where(np.isneginf(m), 0.0, m)
+    with np.errstate(divide="ignore"):
+        return (np.log(np.sum(np.exp(x - m), axis=-1, keepdims=True)) + m)[..., 0]
+
+
+def _case(dtype, seed=0):
+    """Scores (2, 3, 5, 7) and a mask with one row of nothing to attend and one fully open."""
+    g = torch.Generator().manual_seed(seed)
+    scores = (torch.randn(2, 3, 5, 7, generator=g) * 4).to(dtype)
+    allowed = torch.rand(2, 3, 5, 7, generator=g) > 0.4
+    allowed[0, 1, 2] = False  # a row with no key
+    allowed[1, 0, 0] = True
+    return scores, allowed
+
+
+def _masked_np(scores: torch.Tensor, allowed: torch.Tensor) -> np.ndarray:
+    return np.where(allowed.numpy(), scores.double().numpy(), -np.inf)
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+def test_softmax_lse_equals_the_reference(dtype):
+    scores, allowed = _case(dtype)
+    probs, lse = softmax_lse(scores, allowed)
+    x = _masked_np(scores, allowed)
+    want_p, want_l = ref.softmax(x), _np_lse(x)
+    assert probs.dtype == lse.dtype == dtype and lse.shape == scores.shape[:-1]
+    err = np.abs(probs.double().numpy() - want_p).max()
+    assert err < TOL[dtype], f"probs: max diff {err:.3g}"
+    finite = np.isfinite(want_l)
+    err = np.abs(lse.double().numpy()[finite] - want_l[finite]).max()
+    assert err < TOL[dtype] * 10, f"lse: max diff {err:.3g}"
+    # the row with nothing to attend: zeros and lse -inf, never NaN
+    assert torch.isneginf(lse[0, 1, 2]) and torch.equal(probs[0, 1, 2], torch.zeros(7, dtype=dtype))
+    assert not torch.isnan(probs).any() and not torch.isnan(lse).any()
+    # without a mask: the plain softmax and logsumexp
+    p0, l0 = softmax_lse(scores)
+    x0 = scores.double().numpy()
+    assert np.abs(p0.double().numpy() - ref.softmax(x0)).max() < TOL[dtype]
+    assert np.abs(l0.double().numpy() - _np_lse(x0)).max() < TOL[dtype] * 10
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+def test_softmax_equals_the_reference_and_guards_empty_rows(dtype):
+    scores, allowed = _case(dtype, seed=1)
+    bias = torch.randn(1, 3, 1, 7, dtype=dtype, generator=torch.Generator().manual_seed(2))
+    got = softmax(scores, allowed, bias)
+    want = ref.softmax(np.where(allowed.numpy(), (scores + bias).double().numpy(), -np.inf))
+    err = np.abs(got.double().numpy() - want).max()
+    assert err < TOL[dtype], f"max diff {err:.3g}"
+    assert torch.equal(got[0, 1, 2], torch.zeros(7, dtype=dtype))
+    # scores that already hold -inf (hidden pairs filled by the caller): `hidden` guards the empty row
+    filled = scores.masked_fill(~allowed, float("-inf"))
+    assert torch.equal(softmax(filled, hidden=True), softmax(scores, allowed))
+    assert torch.isnan(softmax(filled)[0, 1, 2]).all()  # what the guard is for
+    assert np.abs(softmax(scores).double().numpy() - ref.softmax(scores.double().numpy())).max() < TOL[dtype]
+
+
+def test_backward_lse_makes_empty_rows_zero_and_keeps_the_rest():
+    scores, allowed = _case(torch.float64)
+    probs, lse = softmax_lse(scores, allowed)
+    back = backward_lse(lse)
+    assert torch.isposinf(back[0, 1, 2]) and torch.equal(back[torch.isfinite(lse)], lse[torch.isfinite(lse)])
+    # the backward's recomputation exp(masked scores - lse) gives the forward's probabilities, 0 on empty rows
+    again = torch.exp(scores.masked_fill(~allowed, float("-inf")) - back[..., None])
+    assert torch.equal(again[0, 1, 2], torch.zeros(7, dtype=torch.float64))
+    assert (again - probs).abs().max() < 1e-12
+    assert torch.isnan(torch.exp(scores.masked_fill(~allowed, float("-inf")) - lse[..., None])).any()
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+def test_blocks_merged_by_their_lse_equal_attention_over_all_keys(dtype):
+    # ring attention's use: each block's (probs @ v, lse), merged, is attention over every key
+    g = torch.Generator().manual_seed(3)
+    scores, allowed = _case(dtype, seed=4)
+    allowed[1, 2, 3, :4] = False  # a row with keys in the second block only
+    v = torch.randn(2, 3, 7, 4, generator=g).to(dtype)
+    want = ref.softmax(_masked_np(scores, allowed)) @ v.double().numpy()
+    parts = []
+    out = torch.zeros(2, 3, 5, 4, dtype=dtype)
+    lse = torch.full((2, 3, 5), float("-inf"), dtype=dtype)
+    for s0, s1 in ((0, 4), (4, 7)):
+        p, lb = softmax_lse(scores[..., s0:s1], allowed[..., s0:s1])
+        ob = p @ v[:, :, s0:s1]
+        parts.append((ob, lb[..., None]))
+        lse_merge_into(out, lse, ob, lb)
+    merged, _ = lse_merge(parts, dtype, dtype)
+    for got in (merged, out):
+        err = np.abs(got.double().numpy() - want).max()
+        assert err < TOL[dtype] * 10, f"max diff {err:.3g}"
+    assert torch.equal(out[0, 1, 2], torch.zeros(4, dtype=dtype)) and torch.isneginf(lse[0, 1, 2])
