@@ -20,6 +20,7 @@ house"). `multihead.functional` stays the public face: `scaled_dot_product_atten
 - `math`: the explicit paths ("math", "chunked") and the weights pass.
 - `validation`: the checks of q, k, v, masks, scale, score mods and weight heads.
 - `common`: what every engine shares (accumulation dtype, index tensors, the MQA split,
-  the causal triangle, the log-sum-exp merge of partial attentions, whole or running (ring
-  attention), softcap).
+  the causal triangle, the masked softmax and a block's softmax with its log-sum-exp, the
+  log-sum-exp a backward reads, the log-sum-exp merge of partial attentions, whole or
+  running (ring attention), softcap).
 """
