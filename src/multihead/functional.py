@@ -42,9 +42,13 @@ NaN value to every row (0 * NaN), so an output with a NaN is recomputed once wit
 NaNs replaced and the rule applied row by row, whenever q, k, v or the output holds a
 NaN (or, decoding, a row of `out` is exactly zero): the rule never depends on what the
 kernel does with a NaN (torch's CPU kernel zeroes a row whose every score is NaN). Clean
-inputs pay one sum of q and `out` (and of k and v from 16 queries on; see `_any_nan`)
-with one host sync, as the output's check alone had (skipped under torch.compile, where
-it would split the graph).
+inputs pay one sum per row of `out` when decoding (fewer than 16 queries), else one sum
+of q, k, v and `out`, each with one host sync (see `_any_nan`; skipped under
+torch.compile, where it would split the graph).
+
+The plain call (no mask, score mod, weights or dropout: every decode step of a model)
+takes a short way through `attend`: the same checks folded into two expressions
+(`validation.plain_inputs`, `plain_scale`), the same backend, the same bits.
 
 Gradient rule (every backend): every tensor input that requires grad gets its exact
 gradient, a float mask (T5's position bias) and the tensors a score mod captures
@@ -71,6 +75,7 @@ from multihead.kernels.common import index
 from multihead.kernels.math import block_rows as _block_rows
 from multihead.kernels.math import rows_mask as _rows_mask
 from multihead.kernels.registry import (
+    BACKENDS,
     Backend,
     available_backends,
     check_backend_name,
@@ -81,6 +86,8 @@ from multihead.kernels.registry import get_backend as _get_backend
 from multihead.kernels.validation import check_inputs as _check_inputs
 from multihead.kernels.validation import check_scale as _check_scale
 from multihead.kernels.validation import check_score_mod as _check_score_mod
+from multihead.kernels.validation import plain_inputs as _plain_inputs
+from multihead.kernels.validation import plain_scale as _plain_scale
 from multihead.kernels.validation import weight_heads as _weight_heads
 from multihead.masks import MaskMod, and_masks
 from multihead.masks import causal as causal_mod
@@ -154,6 +161,24 @@ def attend(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | MaskMod | Callable | 
            score_mod: ScoreMod | Callable | None = None) -> tuple[Tensor, Tensor | None]:
     """`scaled_dot_product_attention` for the library's own callers: always returns
     `(out, weights or None)`, so no caller has to ask which of the two it got."""
+    if mask is None and score_mod is None and (return_weights is False or return_weights is None) \
+            and (type(dropout_p) is float or type(dropout_p) is int) and dropout_p == 0 \
+            and _plain_scale(scale) and _plain_inputs(q, k, v):
+        # The plain call (a decode step: no mask, no mod, no weights, no dropout), with the
+        # checks the general path below would pass folded into two expressions: what it
+        # resolves to is the same ("auto" is "sdpa" here), so is the result, bit for bit.
+        impl = BACKENDS.get("sdpa" if backend == "auto" else backend)
+        if impl is not None:
+            if scale is None:
+                scale = 1.0 / math.sqrt(q.shape[-1])
+            if min(q.shape[0], q.shape[1], q.shape[2], k.shape[2]) == 0:
+                return _empty(q, k, v, None)
+            kw = {} if impl.score_mods == "none" else {"score_mod": None}
+            out, weights = impl.fn(q, k, v, None, causal=bool(causal), scale=scale, dropout_p=dropout_p,
+                                   weight_heads=None, **kw)
+            if not torch.compiler.is_compiling() and _any_nan(q, k, v, out):
+                out, weights = _nan_rule(impl, q, k, v, None, bool(causal), scale, dropout_p, None, None)
+            return out, weights
     scale = _check_scale(scale)
     mask = _check_inputs(q, k, v, mask, scale, dropout_p)
     score_mod = _check_score_mod(score_mod, q, k)
@@ -201,6 +226,7 @@ def _empty(q, k, v, weight_heads):
 
 
 _NAN_CHECK_ROWS = 16  # from this many queries on, the NaN check reads K and V too
+_NAN_CHECK_LIST = 64  # up to this many rows of `out`, the decode check reads their sums back as a list
 
 
 def _any_nan(q: Tensor, k: Tensor, v: Tensor, out: Tensor) -> bool:
@@ -211,17 +237,24 @@ def _any_nan(q: Tensor, k: Tensor, v: Tensor, out: Tensor) -> bool:
     From 16 queries on: q, k, v and out are summed (NaN always survives a sum; a false alarm,
     inf - inf, only costs the exact recomputation), one host sync as the output's check had.
     Fewer (decoding), where reading K and V would cost as much as the attention: a row
-    whose every score is NaN comes out of any kernel NaN or exactly zero, so one amax over
-    out decides (24 us vs 21 for the old isnan check at (1, 32, 1, 128)); only when a row is
-    exactly zero (a NaN, or a row the mask leaves empty) are q, k and v summed too.
+    whose every score is NaN comes out of any kernel NaN or exactly zero, so one sum per
+    row of `out` decides: if no row sums to NaN or to exactly zero, nothing is to do; else
+    (a NaN, a row the mask leaves empty, or, rarely, a row whose values cancel) q, k, v
+    and out are summed as above. One reduction and one read-back: inside `generate`, where
+    every extra op costs 5-10 us with cold caches, the old vector_norm, amin, float cost
+    ~25 us per call and this ~15 (benchmarks/hf_generate.py); a few rows come back as a
+    Python list (a C loop finds a zero or a NaN in it), more as one amin.
     """
-    acc = torch.promote_types(q.dtype, torch.float32)
     if q.shape[2] < _NAN_CHECK_ROWS:
-        peak = torch.linalg.vector_norm(out.detach(), float("inf"), dim=-1)  # max |out| per row; NaN, 0 if zero
-        if float(peak.amin()) > 0:  # (NaN > 0 is False) one op fewer than abs, amax, > 0, all: ~3 us per call
+        sums = (out.detach() if out.requires_grad else out).sum(-1)  # (B, H, T): NaN or 0 if the row is
+        if sums.numel() <= _NAN_CHECK_LIST:
+            rows = sums.view(-1).tolist()
+            total = sum(rows)
+            if total == total and 0.0 not in rows:  # no NaN (NaN != NaN), no zero
+                return False
+        elif float(sums.abs().amin()) > 0:  # (NaN > 0 is False)
             return False
-        if bool(torch.isnan(peak).any()):
-            return True
+    acc = torch.promote_types(q.dtype, torch.float32)
     return bool(torch.stack([t.sum(dtype=acc) for t in (q, out, k, v)]).isnan().any())
 
 

@@ -13,7 +13,8 @@ from multihead.masks import MaskMod
 from multihead.score_mods import ScoreMod
 from multihead.score_mods import from_flex as _score_from_flex
 
-__all__ = ["check_inputs", "check_scale", "check_score_mod", "normalize_mask", "shape_str", "weight_heads"]
+__all__ = ["check_inputs", "check_scale", "check_score_mod", "normalize_mask", "plain_inputs", "plain_scale",
+           "shape_str", "weight_heads"]
 
 
 def shape_str(t: Tensor) -> str:
@@ -38,6 +39,31 @@ def check_scale(scale) -> float | None:
     if not math.isfinite(value) or value <= 0:
         raise ValueError(f"scale must be a positive finite number or None; received {scale!r}")
     return float(value)
+
+
+def plain_scale(scale) -> bool:
+    """Whether `check_scale` would accept `scale` unchanged: None or a positive finite Python
+    float (what transformers passes). The decode path's quick accept; anything else goes
+    through `check_scale`."""
+    return scale is None or (type(scale) is float and 0.0 < scale < math.inf)
+
+
+def plain_inputs(q, k, v) -> bool:
+    """Whether `check_inputs(q, k, v, None, scale, 0.0)` would pass: q `(B, H, T, D)`, k
+    `(B, Hkv, S, D)`, v `(B, Hkv, S, Dv)` tensors of one floating dtype on one device, H a
+    multiple of Hkv. One expression over the shapes instead of the per-check messages, for
+    the calls that pay for every microsecond (a decode step runs it once per layer per
+    token); False sends the caller to `check_inputs`, which names what is wrong."""
+    if not (isinstance(q, Tensor) and isinstance(k, Tensor) and isinstance(v, Tensor)):
+        return False
+    qs, ks, vs = q.shape, k.shape, v.shape
+    if len(qs) != 4 or len(ks) != 4 or len(vs) != 4:
+        return False
+    Hkv = ks[1]
+    dtype = q.dtype
+    return (qs[0] == ks[0] == vs[0] and Hkv == vs[1] and Hkv != 0 and qs[1] % Hkv == 0 and ks[2] == vs[2]
+            and ks[3] == qs[3] and dtype.is_floating_point and dtype == k.dtype == v.dtype
+            and q.device == k.device == v.device)
 
 
 def check_score_mod(score_mod, q: Tensor, k: Tensor) -> ScoreMod | None:

@@ -44,6 +44,7 @@ from torch import Tensor, nn
 from multihead import masks, score_mods
 from multihead.functional import attend, check_backend_name
 from multihead.kernels import common
+from multihead.kernels.validation import plain_scale
 from multihead.masks import MaskMod, from_flex
 
 __all__ = ["INTERVENTION_KEYWORD", "REQUEST_KEYWORD", "AttentionCall", "CaptureComplete", "WeightsAnswer",
@@ -323,6 +324,16 @@ def attention_forward(module: nn.Module, query: Tensor, key: Tensor, value: Tens
     `is_causal`, and top-left when a static cache's prefill hands more key slots than
     queries (those slots are empty, so they are cut off).
     """
+    if attention_mask is None and query.shape[2] == 1 and position_bias is None and softcap is None \
+            and s_aux is None and sinks is None and kwargs.get(INTERVENTION_KEYWORD) is None \
+            and kwargs.get(REQUEST_KEYWORD) is None and plain_scale(scaling) \
+            and not kwargs.get("output_attentions", getattr(getattr(module, "config", None), "output_attentions",
+                                                                False)):
+        # A decode step with nothing but q, k, v (every layer, every token of `generate`): what
+        # the general path below does with it, without its per-keyword work. One query sees
+        # every key (no causality to apply), `attend` checks the scale and the shapes.
+        out, _ = attend(query, key, value, None, scale=scaling, dropout_p=dropout, backend=backend)
+        return out.transpose(1, 2).contiguous(), None  # (B, 1, H, Dv)
     intervention = kwargs.get(INTERVENTION_KEYWORD)
     own_keys = key.shape[2]
     if intervention is not None:  # multihead.heads reads or edits keys/values per KV head
