@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from multihead.kernels import explicit_tiles
-from multihead.kernels.common import acc_dtype, lse_merge, mqa_splits
+from multihead.kernels.common import acc_dtype, backward_lse, lse_merge, mqa_splits
 from multihead.kernels.explicit_tiles import Tiles, needs_grad, refuse_trainable, twice
 from multihead.kernels.planner import block_mask, choose_tile, combine, fold_mask
 
@@ -320,7 +320,7 @@ class _MergedFused(torch.autograd.Function):
         dq = torch.zeros(q.shape, dtype=acc, device=q.device)
         dk = torch.zeros(k.shape, dtype=acc, device=q.device)
         dv = torch.zeros(v.shape, dtype=acc, device=q.device)
-        lse = lse.masked_fill(torch.isneginf(lse), float("inf"))  # rows with no key: P = 0, no gradient
+        lse = backward_lse(lse)  # rows with no key: P = 0, no gradient
         for r0, r1, pieces in fp.blocks():
             if pieces and pieces[0][2] is CAUSAL:
                 qs, ks, vs = fp.square(q, k, v, r0, r1)
