@@ -1,6 +1,6 @@
 """The decode step's quick path: one query, no mask, no score mod, no weights, no dropout
 (every layer, every token of `generate`). `attend` accepts such a call with two folded
-checks (`validation.plain_inputs`, `plain_scale`), the HF attention function without its
+checks (`validation.plain_shape`, `plain_scale`), the HF attention function without its
 per-keyword work, and the NaN rule's decode check is one reduction read back as a list.
 Held against the general path (bit for bit), the NumPy reference, the general path's
 errors, the NaN rule, and the op count the benchmark's microseconds come from."""
@@ -17,7 +17,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from conftest import assert_close
 from multihead import reference as R
 from multihead.functional import attend
-from multihead.kernels.validation import check_inputs, check_scale, plain_inputs, plain_scale
+from multihead.kernels.validation import check_inputs, check_scale, plain_scale, plain_shape
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -81,17 +81,17 @@ def _check_error(q, k, v):
 
 
 @pytest.mark.parametrize("case", list(_valid()))
-def test_plain_inputs_accepts_what_check_inputs_accepts(case):
+def test_plain_shape_accepts_what_check_inputs_accepts(case):
     q, k, v = _valid()[case]
     assert _check_error(q, k, v) is None
-    assert plain_inputs(q, k, v)
+    assert plain_shape(q, k, v) == (*q.shape[:3], k.shape[2])
 
 
 @pytest.mark.parametrize("case", list(_invalid()))
-def test_plain_inputs_refuses_what_check_inputs_refuses_and_attend_says_the_same(case):
+def test_plain_shape_refuses_what_check_inputs_refuses_and_attend_says_the_same(case):
     q, k, v = _invalid()[case]
     err = _check_error(q, k, v)
-    assert err is not None and not plain_inputs(q, k, v)
+    assert err is not None and plain_shape(q, k, v) is None
     with pytest.raises(type(err), match=re.escape(str(err))):
         attend(q, k, v)
 

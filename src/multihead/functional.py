@@ -48,7 +48,7 @@ torch.compile, where it would split the graph).
 
 The plain call (no mask, score mod, weights or dropout: every decode step of a model)
 takes a short way through `attend`: the same checks folded into two expressions
-(`validation.plain_inputs`, `plain_scale`), the same backend, the same bits.
+(`validation.plain_shape`, `plain_scale`), the same backend, the same bits.
 
 Gradient rule (every backend): every tensor input that requires grad gets its exact
 gradient, a float mask (T5's position bias) and the tensors a score mod captures
@@ -86,8 +86,8 @@ from multihead.kernels.registry import get_backend as _get_backend
 from multihead.kernels.validation import check_inputs as _check_inputs
 from multihead.kernels.validation import check_scale as _check_scale
 from multihead.kernels.validation import check_score_mod as _check_score_mod
-from multihead.kernels.validation import plain_inputs as _plain_inputs
 from multihead.kernels.validation import plain_scale as _plain_scale
+from multihead.kernels.validation import plain_shape as _plain_shape
 from multihead.kernels.validation import weight_heads as _weight_heads
 from multihead.masks import MaskMod, and_masks
 from multihead.masks import causal as causal_mod
@@ -163,7 +163,7 @@ def attend(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | MaskMod | Callable | 
     `(out, weights or None)`, so no caller has to ask which of the two it got."""
     if mask is None and score_mod is None and (return_weights is False or return_weights is None) \
             and (type(dropout_p) is float or type(dropout_p) is int) and dropout_p == 0 \
-            and _plain_scale(scale) and _plain_inputs(q, k, v):
+            and _plain_scale(scale) and (shape := _plain_shape(q, k, v)) is not None:
         # The plain call (a decode step: no mask, no mod, no weights, no dropout), with the
         # checks the general path below would pass folded into two expressions: what it
         # resolves to is the same ("auto" is "sdpa" here), so is the result, bit for bit.
@@ -171,7 +171,7 @@ def attend(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | MaskMod | Callable | 
         if impl is not None:
             if scale is None:
                 scale = 1.0 / math.sqrt(q.shape[-1])
-            if min(q.shape[0], q.shape[1], q.shape[2], k.shape[2]) == 0:
+            if 0 in shape:  # (B, H, T, S)
                 return _empty(q, k, v, None)
             kw = {} if impl.score_mods == "none" else {"score_mod": None}
             out, weights = impl.fn(q, k, v, None, causal=bool(causal), scale=scale, dropout_p=dropout_p,

@@ -13,7 +13,7 @@ from multihead.masks import MaskMod
 from multihead.score_mods import ScoreMod
 from multihead.score_mods import from_flex as _score_from_flex
 
-__all__ = ["check_inputs", "check_scale", "check_score_mod", "normalize_mask", "plain_inputs", "plain_scale",
+__all__ = ["check_inputs", "check_scale", "check_score_mod", "normalize_mask", "plain_scale", "plain_shape",
            "shape_str", "weight_heads"]
 
 
@@ -48,22 +48,25 @@ def plain_scale(scale) -> bool:
     return scale is None or (type(scale) is float and 0.0 < scale < math.inf)
 
 
-def plain_inputs(q, k, v) -> bool:
-    """Whether `check_inputs(q, k, v, None, scale, 0.0)` would pass: q `(B, H, T, D)`, k
-    `(B, Hkv, S, D)`, v `(B, Hkv, S, Dv)` tensors of one floating dtype on one device, H a
-    multiple of Hkv. One expression over the shapes instead of the per-check messages, for
-    the calls that pay for every microsecond (a decode step runs it once per layer per
-    token); False sends the caller to `check_inputs`, which names what is wrong."""
+def plain_shape(q, k, v) -> tuple[int, int, int, int] | None:
+    """`(B, H, T, S)` when `check_inputs(q, k, v, None, scale, 0.0)` would pass, else None:
+    q `(B, H, T, D)`, k `(B, Hkv, S, D)`, v `(B, Hkv, S, Dv)` tensors of one floating dtype
+    on one device, H a multiple of Hkv. One expression over the shapes instead of the
+    per-check messages, for the calls that pay for every microsecond (a decode step runs it
+    once per layer per token); None sends the caller to `check_inputs`, which names what
+    is wrong."""
     if not (isinstance(q, Tensor) and isinstance(k, Tensor) and isinstance(v, Tensor)):
-        return False
+        return None
     qs, ks, vs = q.shape, k.shape, v.shape
     if len(qs) != 4 or len(ks) != 4 or len(vs) != 4:
-        return False
-    Hkv = ks[1]
+        return None
+    B, H, T, D = qs
+    Hkv, S = ks[1], ks[2]
     dtype = q.dtype
-    return (qs[0] == ks[0] == vs[0] and Hkv == vs[1] and Hkv != 0 and qs[1] % Hkv == 0 and ks[2] == vs[2]
-            and ks[3] == qs[3] and dtype.is_floating_point and dtype == k.dtype == v.dtype
-            and q.device == k.device == v.device)
+    if (B == ks[0] == vs[0] and Hkv == vs[1] and Hkv != 0 and H % Hkv == 0 and S == vs[2] and D == ks[3]
+            and dtype.is_floating_point and dtype == k.dtype == v.dtype and q.device == k.device == v.device):
+        return B, H, T, S
+    return None
 
 
 def check_score_mod(score_mod, q: Tensor, k: Tensor) -> ScoreMod | None:
