@@ -381,9 +381,13 @@ def test_errors_name_what_was_received():
     with pytest.raises(KeyError, match="was not recorded"):
         heads.record(m, x)["k", 0]
     gpt2, _ = _gpt2_pair()
+    ids = torch.zeros(1, 3, dtype=torch.long)
+    for bad in ([3], [-4]):  # was an IndexError from deep inside the scan
+        with pytest.raises(ValueError, match=r"positions must lie in \[-3, 3\) for inputs of 3 positions"):
+            heads.patch_scan(gpt2, ids, ids + 1, _metric, positions=bad)
     gpt2.set_attn_implementation("sdpa")
     with pytest.raises(ValueError, match="set_attn_implementation"):
-        heads.record(gpt2, torch.zeros(1, 3, dtype=torch.long))
+        heads.record(gpt2, ids)
 
 
 def test_deepseek_v2_through_patch_records_ablates_and_scans():
