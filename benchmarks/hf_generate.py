@@ -12,9 +12,35 @@ with `model.set_attn_implementation` on the one model, in alternating order, for
 
 Then the per-call cost of the two attention functions alone, on the shapes a decode step
 hands them (q `(1, H, 1, D)`, k/v `(1, Hkv, S, D)`, no mask, as transformers passes for
-a causal model without padding), in microseconds per call, and a cProfile breakdown of
-multihead's call by function (cumulative microseconds per call): what the mask
-conversion, the validation, the NaN rule and the kernel each cost.
+a causal model without padding), in microseconds per call, with a cProfile breakdown of
+multihead's call by function (cumulative microseconds per call; cProfile's own cost
+inflates every line). And the same decode calls inside `generate` (see `in_loop`): the
+two functions alone (medians), then their parts: torch's kernel, multihead's NaN-rule
+check, and multihead's rest layer by layer (the HF function, `attend`, the backend).
+
+Where the microseconds go (2026-12-01, this 2-core VM, load 1.5-2, the default run; in
+the loop, per decode call, per layer; the committed JSON has the run's own figures):
+- the mask: nothing. transformers hands no mask to a causal model without padding, and
+  the HF function's decode path (`attention_forward`, T = 1, nothing but q, k, v) does
+  not look for one further.
+- torch's fused kernel: ~41 us in multihead's call against ~58 in sdpa's: multihead folds
+  each K/V head's G query heads into its query length, sdpa asks the kernel to broadcast
+  K/V (`enable_gqa`).
+- the NaN rule's check: ~15 us (was ~26: vector_norm, amin and a read-back, three ops;
+  now one sum per row of `out` and one read-back of those sums as a list). Timed alone
+  it is ~4.5 us: inside the loop every extra torch op runs with cold caches (~7 us for
+  the sum, ~8 for the read-back).
+- the Python around them: ~33 us against sdpa's ~23 (both net of the timers): the HF
+  function's keyword checks and its read of `config.output_attentions` (a transformers
+  property, 2.5 us alone) and the transpose; `attend`'s checks, folded into two
+  expressions on this path (`validation.plain_shape`, `plain_scale`: 1.4 us alone against
+  4.2 for `check_inputs` and `check_scale`) and its dispatch; the backend's fold and views
+  (each view a dispatch: ~1 us alone, ~2 in the loop).
+So a decode call costs ~8 us more than sdpa's in the loop (~84 against ~76 us, medians):
+the check's ~15, less the ~7 that the kernel's ~17 us gain leaves after paying for the
+~10 us more Python. Per generate that is about 2 ms of ~205 (256 decode calls), within
+the run-to-run noise: the ratio is 1.00 (0.99-1.00 in three runs). Before the decode
+path (1c4854e): 117.6 us against 76.0 per call and 1.05x per generate.
 
 Writes a Markdown report to stdout and JSON to benchmarks/results/hf_generate.json (or --json).
 """
@@ -107,57 +133,92 @@ def per_call(model, S: int, calls: int, rounds: int) -> dict:
 
 def in_loop(model, prompt: torch.Tensor, new_tokens: int, rounds: int) -> dict:
     """Microseconds per decode-step attention call as the calls run inside `generate`, between
-    the model's other layers (colder caches than a call timed alone): the whole attention
-    function, torch's fused kernel inside it, and multihead's NaN-rule check."""
+    the model's other layers (colder caches than a call timed alone).
+
+    Two passes of `rounds` alternating generates. The first times the two attention functions
+    alone, with the same wrapper around each (median and mean per call: the fair comparison).
+    The second also times what runs inside them: torch's fused kernel (both) and multihead's
+    NaN-rule check; "the rest" is the function less those (Python: the registry's and
+    attend's checks, the backend's dispatch, the views), inflated by the inner timers'
+    own ~1-2 us each."""
+    import dataclasses
+
     import torch.nn.functional as F
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
     import multihead.functional as mh_functional
+    from multihead.interop.hf import registry as mh_registry
+    from multihead.kernels.registry import BACKENDS
 
-    spent: dict[str, float] = {}
+    spent: dict[str, list[float]] = {}
     state = {"impl": "", "decode": False}
-    calls = {"n": 0}
 
     def timed(key: str, f):
         def g(*a, **k):
             t0 = time.perf_counter()
             out = f(*a, **k)
             if state["decode"]:
-                spent[key] = spent.get(key, 0.0) + time.perf_counter() - t0
+                spent.setdefault(key, []).append(time.perf_counter() - t0)
             return out
         return g
 
     mapping = ALL_ATTENTION_FUNCTIONS._global_mapping
     saved = {"sdpa": mapping["sdpa"], "multihead": mapping["multihead"], "kernel": F.scaled_dot_product_attention,
-             "nan": mh_functional._any_nan}
+             "nan": mh_functional._any_nan, "attend": mh_registry.attend, "backend": BACKENDS["sdpa"]}
 
     def entry(impl: str):
         inner = timed(f"{impl}: attention function", saved[impl])
 
         def g(module, query, *a, **k):
             state["impl"], state["decode"] = impl, query.shape[2] == 1
-            calls["n"] += state["decode"] and impl == "multihead"
             return inner(module, query, *a, **k)
         return g
 
+    kernels = {impl: timed(f"{impl}: torch's fused kernel", saved["kernel"]) for impl in ("sdpa", "multihead")}
+
     def kernel(*a, **k):
-        return timed(f"{state['impl']}: torch's fused kernel", saved["kernel"])(*a, **k)
+        return kernels[state["impl"]](*a, **k)
+
+    def generate(r: int) -> None:
+        for impl in (("sdpa", "multihead") if r % 2 else ("multihead", "sdpa")):
+            model.set_attn_implementation(impl)
+            with torch.no_grad():
+                model.generate(prompt, max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False)
 
     try:
         mapping["sdpa"], mapping["multihead"] = entry("sdpa"), entry("multihead")
+        for r in range(rounds):  # pass 1: the functions alone
+            generate(r)
+        alone = {key: list(times) for key, times in spent.items()}
+        spent.clear()
         F.scaled_dot_product_attention = kernel
         mh_functional._any_nan = timed("multihead: NaN-rule check", saved["nan"])
-        for r in range(rounds):
-            for impl in (("sdpa", "multihead") if r % 2 else ("multihead", "sdpa")):
-                model.set_attn_implementation(impl)
-                with torch.no_grad():
-                    model.generate(prompt, max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False)
+        mh_registry.attend = timed("multihead: attend", saved["attend"])
+        BACKENDS["sdpa"] = dataclasses.replace(saved["backend"], fn=timed("multihead: sdpa backend",
+                                                                          saved["backend"].fn))
+        for r in range(rounds):  # pass 2: and their parts
+            generate(r)
     finally:
         mapping["sdpa"], mapping["multihead"] = saved["sdpa"], saved["multihead"]
         F.scaled_dot_product_attention = saved["kernel"]
         mh_functional._any_nan = saved["nan"]
-    n = max(1, calls["n"])
-    return {"decode_calls": n, "us_per_call": {key: t / n * 1e6 for key, t in sorted(spent.items())}}
+        mh_registry.attend, BACKENDS["sdpa"] = saved["attend"], saved["backend"]
+    n = len(alone.get("multihead: attention function", [])) or 1
+    us = {key: sum(t) / len(t) * 1e6 for key, t in sorted(spent.items())}
+    part = {key.split(": ", 1)[1]: us.get(key, 0.0) for key in us if key.startswith("multihead: ")}
+    us["sdpa: the rest"] = us.get("sdpa: attention function", 0.0) - us.get("sdpa: torch's fused kernel", 0.0)
+    us["multihead: the rest"] = part["attention function"] - part["torch's fused kernel"] - part["NaN-rule check"]
+    split = {  # multihead's rest, layer by layer (each includes the inner timers' own cost)
+        "the HF attention function around attend (keyword checks, config read, transpose)":
+            part["attention function"] - part["attend"],
+        "attend around the backend and the check (folded checks, dispatch)":
+            part["attend"] - part["sdpa backend"] - part["NaN-rule check"],
+        "the sdpa backend around torch's kernel (GQA fold, views)": part["sdpa backend"] - part["torch's fused kernel"],
+    }
+    return {"decode_calls": n,
+            "alone_us_per_call": {key: {"median": statistics.median(t) * 1e6, "mean": sum(t) / len(t) * 1e6}
+                                  for key, t in sorted(alone.items())},
+            "us_per_call": us, "multihead_rest_us_per_call": split}
 
 
 def main(argv=None) -> int:
@@ -200,9 +261,18 @@ def main(argv=None) -> int:
     print("| function | calls per call | us per call |\n|---|---:|---:|")
     for row in call["profiled_breakdown"]:
         print(f"| {row['function']} | {row['calls_per_call']:.0f} | {row['us_per_call']:.1f} |")
-    print(f"\nthe same decode-step calls inside generate ({loop['decode_calls']} calls of each, us per call):")
+    print(f"\nthe same decode-step calls inside generate ({loop['decode_calls']} calls of each), the attention "
+          "functions alone (us per call):")
+    print("| function | median | mean |\n|---|---:|---:|")
+    for key, row in loop["alone_us_per_call"].items():
+        print(f"| {key.split(':')[0]} | {row['median']:.1f} | {row['mean']:.1f} |")
+    print("\nand their parts (means, with a timer around each part):")
     print("| part | us per call |\n|---|---:|")
     for key, us in loop["us_per_call"].items():
+        print(f"| {key} | {us:.1f} |")
+    print("\nmultihead's rest, by layer:")
+    print("| layer | us per call |\n|---|---:|")
+    for key, us in loop["multihead_rest_us_per_call"].items():
         print(f"| {key} | {us:.1f} |")
     path = write_json(a.json, report)
     print(f"\nwrote {path}")
