@@ -172,13 +172,15 @@ def _zeroing(kernel):
 @pytest.mark.parametrize("rows", ["a list (few rows)", "one amin (many rows)"])
 @pytest.mark.parametrize("kernel", ["as this machine's", "zeroing"])
 @pytest.mark.parametrize("where", ["query", "every key of a head", "one value"])
-def test_decode_nan_rule(rows, kernel, where, monkeypatch):
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_decode_nan_rule(rows, kernel, where, dtype, monkeypatch):
     """Both branches of the decode check (up to 64 rows of `out` read back as a list; more,
     one amin) find a NaN row and a row the kernel zeroed."""
     if kernel == "zeroing":
         monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention",
                             _zeroing(torch.nn.functional.scaled_dot_product_attention))
-    q, k, v = _qkv(B=1, H=8, Hkv=2) if rows.startswith("a list") else _qkv(B=3, H=32, Hkv=8)
+    shape = dict(B=1, H=8, Hkv=2) if rows.startswith("a list") else dict(B=3, H=32, Hkv=8)
+    q, k, v = _qkv(**shape, dtype=dtype)
     if where == "query":
         q[0, 1, 0, 3] = float("nan")
     elif where == "every key of a head":
@@ -190,7 +192,7 @@ def test_decode_nan_rule(rows, kernel, where, monkeypatch):
     assert torch.equal(torch.isnan(out).any(-1), want), torch.isnan(out).any(-1).nonzero().tolist()
     assert torch.isnan(out[want]).all()
     clean = ~want[..., 0]  # (B, H)
-    assert_close(out[clean], _reference(q, k, v)[clean], what="rows without NaN")
+    assert_close(out[clean], _reference(q, k, v)[clean], dtype, what="rows without NaN")
 
 
 def test_decode_rows_that_are_zero_or_sum_to_zero_are_not_nan():
