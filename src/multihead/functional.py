@@ -246,7 +246,7 @@ def _any_nan(q: Tensor, k: Tensor, v: Tensor, out: Tensor) -> bool:
     Python list (a C loop finds a zero or a NaN in it), more as one amin.
     """
     if q.shape[2] < _NAN_CHECK_ROWS:
-        sums = (out.detach() if out.requires_grad else out).sum(-1)  # (B, H, T): NaN or 0 if the row is
+        sums = (out.detach() if out.requires_grad else out).sum(-1)  # (B, H, T); NaN: a NaN in the row; 0: zero
         if sums.numel() <= _NAN_CHECK_LIST:
             rows = sums.view(-1).tolist()
             total = sum(rows)
