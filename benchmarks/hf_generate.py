@@ -18,7 +18,7 @@ inflates every line). And the same decode calls inside `generate` (see `in_loop`
 two functions alone (medians), then their parts: torch's kernel, multihead's NaN-rule
 check, and multihead's rest layer by layer (the HF function, `attend`, the backend).
 
-Where the microseconds go (2026-12-01, this 2-core VM, load 1.5-2, the default run; in
+Where the microseconds go (2026-12-01, this 2-core VM, load 1.3-2, the default run; in
 the loop, per decode call, per layer; the committed JSON has the run's own figures):
 - the mask: nothing. transformers hands no mask to a causal model without padding, and
   the HF function's decode path (`attention_forward`, T = 1, nothing but q, k, v) does
@@ -30,17 +30,20 @@ the loop, per decode call, per layer; the committed JSON has the run's own figur
   now one sum per row of `out` and one read-back of those sums as a list). Timed alone
   it is ~4.5 us: inside the loop every extra torch op runs with cold caches (~7 us for
   the sum, ~8 for the read-back).
-- the Python around them: ~33 us against sdpa's ~23 (both net of the timers): the HF
-  function's keyword checks and its read of `config.output_attentions` (a transformers
-  property, 2.5 us alone) and the transpose; `attend`'s checks, folded into two
-  expressions on this path (`validation.plain_shape`, `plain_scale`: 1.4 us alone against
-  4.2 for `check_inputs` and `check_scale`) and its dispatch; the backend's fold and views
-  (each view a dispatch: ~1 us alone, ~2 in the loop).
-So a decode call costs ~8 us more than sdpa's in the loop (~84 against ~76 us, medians):
-the check's ~15, less the ~7 that the kernel's ~17 us gain leaves after paying for the
-~10 us more Python. Per generate that is about 2 ms of ~205 (256 decode calls), within
-the run-to-run noise: the ratio is 1.00 (0.99-1.00 in three runs). Before the decode
-path (1c4854e): 117.6 us against 76.0 per call and 1.05x per generate.
+- the Python around them: ~33 us against sdpa's ~22 (37.4 and 23.3 with the timers:
+  four inside multihead's function, one inside sdpa's), in three nearly equal layers:
+  the HF function (keyword checks, its read of `config.output_attentions`, a
+  transformers property: 2.5 us alone, and the transpose), `attend` (its checks folded
+  into two expressions on this path, `validation.plain_shape` and `plain_scale`: 1.4 us
+  alone against 4.2 for `check_inputs` and `check_scale`; the backend lookup and call)
+  and the sdpa backend (the GQA fold and its views, each a dispatch: ~1 us alone).
+So a decode call costs 6-10 us more than sdpa's in the loop (82.5 against 76.1 us,
+medians, in the committed run): roughly the check's ~15, less the ~6 that the kernel's
+~17 us gain leaves after paying for the ~11 us more Python (the parts' timers blur each
+figure by a microsecond or two). Per generate that is 1.5-2.5 ms of
+~205 (256 decode calls), under the run-to-run noise: the ratio is 0.99 (per round
+0.98-1.01; 0.996, 0.991 and 0.999 in three more runs that hour). Before the decode path
+(1c4854e): 117.6 us against 76.0 per call and 1.05x per generate (1.044 rerun that hour).
 
 Writes a Markdown report to stdout and JSON to benchmarks/results/hf_generate.json (or --json).
 """
