@@ -302,7 +302,7 @@ def _with_sinks(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, *, causal:
         scores = scores.masked_fill(~allowed, float("-inf"))
     sink = sinks.to(acc).expand(B, H, T, 1)
     logits = torch.cat([scores, sink], dim=-1)  # (B, H, T, S + 1)
-    probs = torch.softmax(logits - logits.amax(dim=-1, keepdim=True), dim=-1)[..., :S]
+    probs = common.softmax(logits)[..., :S]  # never an empty row: the sink's logit is finite
     weights = probs.to(q.dtype)
     if dropout_p > 0:
         probs = F.dropout(probs, p=dropout_p, training=True)
