@@ -199,6 +199,27 @@ def test_the_prefix_skip_is_refused_where_it_would_not_be_exact(monkeypatch):
     assert calls == [] and (full - right).abs().max() < 1e-5
 
 
+def test_the_prefix_skip_is_refused_where_a_mask_lets_the_prefix_see_ahead(monkeypatch):
+    """A custom 4-D mask where query 1 also sees key 7 (after the changed position 5): the
+    prefix is not the corrupted run's in a variant, so every position runs; exact."""
+    model = _mh("llama")
+    clean, corrupted = _one_token_changed("llama")
+    T = clean["input_ids"].shape[1]
+    allowed = torch.ones(T, T).tril().bool()
+    assert not _scan._sees_ahead(torch.zeros(2, 1, T, T).masked_fill(~allowed, float("-inf")), T, 5, 2)
+    allowed[1, 7] = True
+    mask = torch.zeros(2, 1, T, T).masked_fill(~allowed, float("-inf"))
+    assert _scan._sees_ahead(mask, T, 5, 2) and _scan._sees_ahead(allowed.expand(2, 1, T, T), T, 5, 2)
+    clean, corrupted = ({"input_ids": x["input_ids"], "attention_mask": mask} for x in (clean, corrupted))
+    calls = _count_skips(monkeypatch)
+    got = heads.patch_scan(model, clean, corrupted, _metric)
+    assert calls == []
+    rec = heads.record(model, clean)
+    for layer, h in [(0, 1), (1, 6)]:
+        with heads.patch(model, rec, [(layer, h)]), torch.no_grad():
+            assert abs(got[layer, h] - _metric(logits_of(model(**corrupted)))) < 1e-5
+
+
 def _gpt2_pair():
     cfg = transformers.GPT2Config(n_embd=64, n_layer=2, n_head=4, n_positions=32, vocab_size=V)
     torch.manual_seed(0)

@@ -249,10 +249,11 @@ def _unskip(out, head: Tensor, B: int):
 
 
 def _prefix_holds(rec: Recording, prefix: _Prefix, layers: list[Layer], cache: dict[int, tuple], T: int,
-                  p: int) -> bool:
+                  p: int, B: int) -> bool:
     """Whether the prefix skip is exact here: both runs' heads agree on the shared prefix at
     every layer (what a causal model does; to float rounding: a mixture of experts batches
-    each expert's tokens, so its sums differ in the last bits), and every block input can be cut."""
+    each expert's tokens, so its sums differ in the last bits), every block input can be
+    cut, and no mask lets the prefix see a later key."""
     for lay in layers:
         got = prefix.data.get(("z", lay.index))
         if got is None or ("k", lay.index) not in prefix.data:
@@ -265,7 +266,22 @@ def _prefix_holds(rec: Recording, prefix: _Prefix, layers: list[Layer], cache: d
             _cut_all(args, kwargs, (T, p))
     except _NoCut:
         return False
-    return True
+    return not any(_sees_ahead(x, T, p, B) for args, kwargs in cache.values() for x in (*args, *kwargs.values()))
+
+
+def _sees_ahead(x, T: int, p: int, B: int) -> bool:
+    """Whether a mask lets a query of the prefix [0, p) see a key of [p, T) (a bidirectional
+    span, a prefix-LM): then the prefix is not the corrupted run's in a variant."""
+    if isinstance(x, Tensor) and x.dim() == 4 and x.shape[-2] == T and x.shape[-1] == T:
+        corner = x[..., :p, p:]
+        return bool(corner.any()) if corner.dtype == torch.bool else \
+            bool((corner > torch.finfo(corner.dtype).min / 2).any())
+    if isinstance(x, MaskMod):
+        b = torch.arange(B)[:, None, None, None]  # (head 0: masks here do not vary by head)
+        q = torch.arange(p)[None, None, :, None]
+        kv = torch.arange(p, T)[None, None, None, :]
+        return bool(torch.as_tensor(x(b, torch.zeros_like(b), q, kv)).any())
+    return False
 
 
 class _Prefix(Handler):
@@ -507,7 +523,7 @@ def patch_scan(model, clean, corrupted, metric: Callable[[Tensor], Tensor], what
         finally:
             for h in handles:
                 h.remove()
-        if stack is not None and not _prefix_holds(rec, prefix, layers, cache, T, p0):
+        if stack is not None and not _prefix_holds(rec, prefix, layers, cache, T, p0, B):
             stack = None
     cut = (T, p0) if stack is not None else None
     if cut is not None:  # the corrupted run again through the skip, nothing patched: it must give its logits
