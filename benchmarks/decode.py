@@ -120,9 +120,9 @@ def build_cases(L: int, modules: dict, rotate_bytes: int, layer: bool) -> list[C
         for _ in range(_copies(nbytes, rotate_bytes)):
             c = attn.new_cache(1, L)
             _fill_(c.k), _fill_(c.v)
-            c.position.fill_(L)
-            caches.append(c)
-        kv = [(c.k[:, :, :L], c.v[:, :, :L]) for c in caches]  # (1, Hkv, L, D) views
+            c.update(c.k[:, :, :L - 1].clone(), c.v[:, :, :L - 1].clone())  # L - 1 cached (host length too)
+            caches.append((c, c.checkpoint(1)))  # restore(mark) puts it back at L - 1 before each step
+        kv = [(c.k[:, :, :L], c.v[:, :, :L]) for c, _ in caches]  # (1, Hkv, L, D) views
         n = len(kv)
         flops = 4.0 * HEADS * L * HEAD_DIM  # Q K^T and P V, multiply-add = 2
 
@@ -138,8 +138,8 @@ def build_cases(L: int, modules: dict, rotate_bytes: int, layer: bool) -> list[C
         cases.append(Case(f"torch {name}", "kernel", torch_step, nbytes, flops))
         if layer:
             def layer_step(i, attn=attn, caches=caches, n=n):
-                c = caches[i % n]
-                c.position.fill_(L - 1)  # the new token is written at position L - 1
+                c, mark = caches[i % n]
+                c.restore(mark)  # the new token is written at position L - 1
                 return attn(x, cache=c)
 
             cases.append(Case(name, "layer", layer_step, nbytes))
@@ -151,8 +151,8 @@ def build_cases(L: int, modules: dict, rotate_bytes: int, layer: bool) -> list[C
     for _ in range(_copies(nbytes, rotate_bytes)):
         c = mla.new_cache(1, L)
         _fill_(c.buf)
-        c.position.fill_(L)
-        caches.append(c)
+        c.update(c.buf[:, :L - 1].clone())  # L - 1 cached (host length too)
+        caches.append((c, c.checkpoint(1)))
     n = len(caches)
     q_nope, q_pe = mla.queries(x, L - 1)  # (1, H, 1, D), (1, H, 1, rope_dim)
     naive_flops = 2.0 * L * KV_RANK * HEADS * 2 * HEAD_DIM + 2.0 * HEADS * L * (2 * HEAD_DIM + ROPE_DIM)
@@ -162,13 +162,13 @@ def build_cases(L: int, modules: dict, rotate_bytes: int, layer: bool) -> list[C
         attend = mla.attend_absorbed if absorb else mla.attend_naive
 
         def mla_kernel(i, attend=attend, caches=caches, n=n):
-            return attend(q_nope, q_pe, caches[i % n].buf[:, :L])
+            return attend(q_nope, q_pe, caches[i % n][0].buf[:, :L])
 
         cases.append(Case(label, "kernel", mla_kernel, nbytes, flops))
         if layer:
             def mla_layer(i, absorb=absorb, caches=caches, n=n):
-                c = caches[i % n]
-                c.position.fill_(L - 1)
+                c, mark = caches[i % n]
+                c.restore(mark)
                 return mla(x, cache=c, absorb=absorb)
 
             cases.append(Case(label, "layer", mla_layer, nbytes))
