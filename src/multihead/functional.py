@@ -161,6 +161,7 @@ def attend(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | MaskMod | Callable | 
            score_mod: ScoreMod | Callable | None = None) -> tuple[Tensor, Tensor | None]:
     """`scaled_dot_product_attention` for the library's own callers: always returns
     `(out, weights or None)`, so no caller has to ask which of the two it got."""
+    impl = shape = None
     if mask is None and score_mod is None and (return_weights is False or return_weights is None) \
             and (type(dropout_p) is float or type(dropout_p) is int) and dropout_p == 0 \
             and _plain_scale(scale) and (shape := _plain_shape(q, k, v)) is not None:
@@ -168,32 +169,23 @@ def attend(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | MaskMod | Callable | 
         # checks the general path below would pass folded into two expressions: what it
         # resolves to is the same ("auto" is "sdpa" here), so is the result, bit for bit.
         impl = BACKENDS.get("sdpa" if backend == "auto" else backend)
-        if impl is not None:
-            if scale is None:
-                scale = 1.0 / math.sqrt(q.shape[-1])
-            if 0 in shape:  # (B, H, T, S)
-                return _empty(q, k, v, None)
-            kw = {} if impl.score_mods == "none" else {"score_mod": None}
-            out, weights = impl.fn(q, k, v, None, causal=bool(causal), scale=scale, dropout_p=dropout_p,
-                                   weight_heads=None, **kw)
-            if not torch.compiler.is_compiling() and _any_nan(q, k, v, out):
-                out, weights = _nan_rule(impl, q, k, v, None, bool(causal), scale, dropout_p, None, None)
-            return out, weights
-    scale = _check_scale(scale)
-    mask = _check_inputs(q, k, v, mask, scale, dropout_p)
-    score_mod = _check_score_mod(score_mod, q, k)
-    weight_heads = _weight_heads(return_weights, q.shape[1])
+        weight_heads, causal = None, bool(causal)
+    if impl is None:
+        scale = _check_scale(scale)
+        mask = _check_inputs(q, k, v, mask, scale, dropout_p)
+        score_mod = _check_score_mod(score_mod, q, k)
+        weight_heads = _weight_heads(return_weights, q.shape[1])
+        causal = bool(causal)
+        if isinstance(mask, MaskMod) and causal:
+            mask, causal = and_masks(mask, causal_mod()), False
+        shape = (*q.shape[:3], k.shape[2])  # (B, H, T, S)
+        name = backend
+        if backend == "auto":
+            name = resolve_backend(want_weights=weight_heads is not None, dropout_p=dropout_p, score_mod=score_mod,
+                                   device=q.device, queries=q.shape[2], shape=shape)
+        impl = _get_backend(name, want_weights=weight_heads is not None, dropout_p=dropout_p, score_mod=score_mod)
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
-    causal = bool(causal)
-    if isinstance(mask, MaskMod) and causal:
-        mask, causal = and_masks(mask, causal_mod()), False
-
-    name = backend
-    if backend == "auto":
-        name = resolve_backend(want_weights=weight_heads is not None, dropout_p=dropout_p, score_mod=score_mod,
-                               device=q.device, queries=q.shape[2], shape=(*q.shape[:3], k.shape[2]))
-    impl = _get_backend(name, want_weights=weight_heads is not None, dropout_p=dropout_p, score_mod=score_mod)
-    if min(q.shape[0], q.shape[1], q.shape[2], k.shape[2]) == 0:
+    if 0 in shape:
         out, weights = _empty(q, k, v, weight_heads)
     else:
         out, weights = _run(impl, q, k, v, mask, causal, scale, dropout_p, weight_heads, score_mod)
