@@ -134,6 +134,14 @@ def test_patch_scan_equals_one_patched_forward_per_head(name):
         assert (scan - base).abs().nan_to_num().max() > 1e-6, f"{name} {what}: no head changed the metric"
 
 
+def test_the_engine_speaks_the_registrys_keywords():
+    """heads._engine spells the registry's keywords itself (it must not import transformers)."""
+    from multihead.heads import _engine
+    from multihead.interop.hf import registry
+
+    assert (_engine.KEYWORD, _engine.WEIGHTS_KEYWORD) == (registry.INTERVENTION_KEYWORD, registry.REQUEST_KEYWORD)
+
+
 def _one_token_changed(name: str, at: int = 5):
     """IOI-style: corrupted is clean with the token at `at` changed (row 1 left-padded)."""
     clean = _inputs(name, 1)

@@ -32,6 +32,7 @@ from multihead.attention import Attention
 from multihead.latent import LatentAttention
 
 KEYWORD = "multihead_heads"  # = multihead.interop.hf.registry.INTERVENTION_KEYWORD (not imported: no transformers)
+WEIGHTS_KEYWORD = "multihead_weights"  # = its REQUEST_KEYWORD
 
 
 @dataclass
@@ -166,10 +167,8 @@ class Engine:
         kwargs = dict(kwargs)
         kwargs[KEYWORD] = adapter if previous is None else _Chain(previous, adapter)
         if any(self.handler.wants_weights(lay) for lay in self.ordered()) or not self.layers:
-            from multihead.interop.hf.registry import REQUEST_KEYWORD
-
-            if kwargs.get(REQUEST_KEYWORD) is None:
-                kwargs[REQUEST_KEYWORD] = _weights_request(self)
+            if kwargs.get(WEIGHTS_KEYWORD) is None:
+                kwargs[WEIGHTS_KEYWORD] = _weights_request(self)
         return args, kwargs
 
     def _hook_module(self, m: nn.Module) -> list:

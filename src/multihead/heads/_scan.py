@@ -26,9 +26,9 @@ cache), and the last block's output gets the corrupted prefix back before the mo
 head. Taken only for a transformers decoder whose every block holds an attention layer
 on multihead's function, whose attention modules say `is_causal`, whose block inputs
 are all of a known kind (hidden states, 4-D masks, position ids / embeddings / cache
-positions), and whose two runs are checked equal (every layer's z) on the
-prefix (to float rounding); otherwise the full positions run. An IOI-style pair (one token changed in the
-middle) halves the work above each patched layer.
+positions), and whose two runs are checked equal (every layer's z, to float rounding)
+on the prefix; otherwise the full positions run. An IOI-style pair (one token changed
+in the middle) halves the work above each patched layer.
 """
 
 from __future__ import annotations
@@ -43,6 +43,7 @@ from torch import Tensor, nn
 
 from multihead.heads._engine import (
     KEYWORD,
+    WEIGHTS_KEYWORD,
     Engine,
     Handler,
     Layer,
@@ -194,6 +195,14 @@ def _cut_all(args, kwargs, cut: tuple[int, int] | None):
             {k: _cut(v, k, T, p) for k, v in kwargs.items()})
 
 
+def _cut_cache(cache: dict[int, tuple], cut: tuple[int, int]) -> dict[int, tuple] | None:
+    """Every block's cached input on positions [p, T); None when one cannot be cut."""
+    try:
+        return {i: _cut_all(args, kwargs, cut) for i, (args, kwargs) in cache.items()}
+    except _NoCut:
+        return None
+
+
 def _shared_prefix(clean, corrupted) -> tuple[int, int]:
     """(p, T): how many leading positions every input of the two runs shares, and the
     inputs' length; (0, 0) when that cannot be read off the inputs."""
@@ -252,8 +261,8 @@ def _prefix_holds(rec: Recording, prefix: _Prefix, layers: list[Layer], cache: d
                   p: int, B: int) -> bool:
     """Whether the prefix skip is exact here: both runs' heads agree on the shared prefix at
     every layer (what a causal model does; to float rounding: a mixture of experts batches
-    each expert's tokens, so its sums differ in the last bits), every block input can be
-    cut, and no mask lets the prefix see a later key."""
+    each expert's tokens, so its sums differ in the last bits), and no mask lets the prefix
+    see a later key."""
     for lay in layers:
         got = prefix.data.get(("z", lay.index))
         if got is None or ("k", lay.index) not in prefix.data:
@@ -261,11 +270,6 @@ def _prefix_holds(rec: Recording, prefix: _Prefix, layers: list[Layer], cache: d
         want = rec["z", lay.index][:, :p]
         if not torch.allclose(got, want, rtol=1e-5, atol=1e-6 * (1 + float(want.abs().max()))):
             return False
-    try:
-        for args, kwargs in cache.values():
-            _cut_all(args, kwargs, (T, p))
-    except _NoCut:
-        return False
     return not any(_sees_ahead(x, T, p, B) for args, kwargs in cache.values() for x in (*args, *kwargs.values()))
 
 
@@ -308,7 +312,9 @@ class _FromCache:
     """Block pre-hooks of a chunk when the corrupted run's block inputs are cached: blocks
     below the first patched layer run on one row (their output is replaced), the first
     patched block starts from the cached input repeated once per variant, later patched
-    blocks append their cached input for their variants. No corrupted row is recomputed."""
+    blocks append their cached input for their variants. No corrupted row is recomputed.
+    With `cut`, the cache holds the inputs on [p, T) already; what the forward hands the
+    blocks is cut here."""
 
     def __init__(self, B: int, per_block: dict[int, int], cache: dict[int, tuple], cut: tuple[int, int] | None = None):
         self.B, self.per_block, self.cache = B, per_block, cache
@@ -323,7 +329,7 @@ class _FromCache:
         if self.rows == 0:
             if n == 0:
                 return tuple(_shrink(a, B) for a in args), {k: _shrink(v, B) for k, v in kwargs.items()}
-            cargs, ckw = _cut_all(*self.cache[id(block)], self.cut)
+            cargs, ckw = self.cache[id(block)]
             self.rows = n * B
             merged = {**_cut_all((), kwargs, self.cut)[1], **ckw}  # what the forward adds (the intervention) stays
             return (tuple(_grow(a, B, self.rows, B) for a in cargs),
@@ -333,7 +339,7 @@ class _FromCache:
         self.rows = new
         if n == 0:
             return tuple(_grow(a, rows, rows, B) for a in args), {k: _grow(v, rows, rows, B) for k, v in kwargs.items()}
-        cargs, ckw = _cut_all(*self.cache[id(block)], self.cut)
+        cargs, ckw = self.cache[id(block)]
         return (tuple(_append(a, c, rows, n, B) for a, c in zip(args, cargs)),
                 {k: _append(v, ckw.get(k), rows, n, B) for k, v in kwargs.items()})
 
@@ -505,15 +511,15 @@ def patch_scan(model, clean, corrupted, metric: Callable[[Tensor], Tensor], what
     stack = _causal_stack(model, layers, blocks, parents) if skip and what != "latent" else None
     block_list = list({id(b): b for b in blocks.values()}.values())
     no_cache = _takes_use_cache(model)
-    out = torch.full((len(layers), max(n_heads)), math.nan)
     last_stack = {i for i, b in blocks.items() if b is not model}
     cache: dict[int, tuple] = {}
+    cut_cache: dict[int, tuple] | None = None  # the same on positions [p0, T) (the prefix skip)
     prefix = _Prefix(p0)
     tail: list = []  # the last block's output on the prefix (the prefix skip)
     corrupted_logits: list = []
     if last_stack:  # the corrupted run once, keeping what each block of the last stack is handed
         def keep(block, args, kwargs):
-            cache[id(block)] = (args, {k: v for k, v in kwargs.items() if k not in (KEYWORD, "multihead_weights")})
+            cache[id(block)] = (args, {k: v for k, v in kwargs.items() if k not in (KEYWORD, WEIGHTS_KEYWORD)})
         handles = [b.register_forward_pre_hook(keep, with_kwargs=True) for b in block_list if b is not model]
         if stack is not None:
             handles.append(stack[-1].register_forward_hook(lambda m, a, out: tail.append(_first(out)[:, :p0].clone())))
@@ -523,11 +529,13 @@ def patch_scan(model, clean, corrupted, metric: Callable[[Tensor], Tensor], what
         finally:
             for h in handles:
                 h.remove()
-        if stack is not None and not _prefix_holds(rec, prefix, layers, cache, T, p0, B):
-            stack = None
+        if stack is not None:
+            cut_cache = _cut_cache(cache, (T, p0))
+            if cut_cache is None or not _prefix_holds(rec, prefix, layers, cache, T, p0, B):
+                stack = None
     cut = (T, p0) if stack is not None else None
     if cut is not None:  # the corrupted run again through the skip, nothing patched: it must give its logits
-        grower = _FromCache(B, {id(stack[0]): 1}, cache, cut)
+        grower = _FromCache(B, {id(stack[0]): 1}, cut_cache, cut)
         again = _forward(model, corrupted, no_cache, _ScanHandler(what, rec, B, None, prefix.data, cut), grower,
                          [b for b in block_list if b is not model], stack[-1], tail, B)
         if again.shape != corrupted_logits[0].shape or not torch.allclose(
@@ -559,7 +567,7 @@ def patch_scan(model, clean, corrupted, metric: Callable[[Tensor], Tensor], what
                 handler.rows[layer] = (first_row, hs)
                 order += [(layer, h) for h in hs]
                 first_row += len(hs) * B
-        grower = _FromCache(B, per_block, cache, cut) if cached else _Grower(B, per_block)
+        grower = _FromCache(B, per_block, cut_cache if cut else cache, cut) if cached else _Grower(B, per_block)
         hooked = [b for b in block_list if b is not model] if cached else block_list
         logits = _forward(model, corrupted, no_cache, handler, grower, hooked, stack[-1] if cut else None, tail, B)
         if logits.shape[0] != first_row:
