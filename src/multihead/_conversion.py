@@ -81,9 +81,14 @@ def grouped_kv_error(old: tuple, new: tuple, head_dim: int) -> float:
     return relative_error(a, b)
 
 
-def stacked_kv(wk: torch.Tensor, wv: torch.Tensor, bv: torch.Tensor | None) -> torch.Tensor:
+def stacked_kv(wk: torch.Tensor, wv: torch.Tensor, bv: torch.Tensor | None,
+               bk: torch.Tensor | None = None) -> torch.Tensor:
+    """M = [W_k | b_k ; W_v | b_v] in float64, `(rows_k + rows_v, C [+ 1])`: the bias column
+    only when a bias is given (a missing one is a block of zeros in it)."""
     m = torch.cat([wk.detach().double(), wv.detach().double()])  # (2*Hkv*D, C)
-    if bv is not None:
-        col = torch.cat([torch.zeros(wk.shape[0], dtype=torch.float64, device=wk.device), bv.detach().double()])
+    if bv is not None or bk is not None:
+        def part(b, rows):
+            return torch.zeros(rows, dtype=torch.float64, device=wk.device) if b is None else b.detach().double()
+        col = torch.cat([part(bk, wk.shape[0]), part(bv, wv.shape[0])])
         m = torch.cat([m, col[:, None]], dim=1)  # (2*Hkv*D, C + 1)
     return m

@@ -37,6 +37,7 @@ from multihead._conversion import (
     LayerConversion,
     grouped_kv_error,
     pool_kv_heads,
+    relative_error,
     stacked_kv,
 )
 from multihead.attention import Attention
@@ -210,12 +211,16 @@ def _update_lab_config(model: nn.Module, lab_cfg) -> None:
 class MLAReport:
     """The spectrum of a layer's stacked key/value map, and the error of each rank.
 
-    `singular_values` (descending, float64) are those of M = [W_k | 0 ; W_v | b_v]
-    (the bias column only when the layer has biases), the map `to_mla` factors.
+    `singular_values` (descending, float64) are those of M = [W_k | b_k ; W_v | b_v]
+    (the bias column only when the layer has biases; b_k only where softmax does not
+    cancel it, i.e. under a softcap), the map `to_mla` factors. `measured`, set by
+    `to_mla`, is the error of the map the built module computes, read back from its
+    weights; `error` is that number when present.
     """
 
     kv_rank: int
     singular_values: tuple[float, ...]
+    measured: float | None = None
 
     @property
     def max_rank(self) -> int:
@@ -232,8 +237,9 @@ class MLAReport:
 
     @property
     def error(self) -> float:
-        """Relative reconstruction error at `kv_rank`."""
-        return self.errors[self.kv_rank]
+        """Relative reconstruction error at `kv_rank`: measured from the built module's
+        weights where `to_mla` made one, else from the singular values (equal up to rounding)."""
+        return self.errors[self.kv_rank] if self.measured is None else self.measured
 
     def __str__(self) -> str:
         rows = ["rank  rel. error"]
@@ -245,14 +251,21 @@ class MLAReport:
 
 
 def _kv_matrix(attn: Attention) -> torch.Tensor:
-    """M = [W_k | 0 ; W_v | b_v] in float64, `(2 * Hkv * D, C [+ 1])`.
+    """M = [W_k | b_k ; W_v | b_v] in float64, `(2 * Hkv * D, C [+ 1])`.
 
-    The key bias is left out on purpose: it adds q_i . b_k to every score of query i,
-    the same for every key, and softmax is invariant to that (exactly, weights too).
-    The value bias rides along as the coefficient of a constant input feature 1, so it
-    becomes the down-projection's bias and passes through the latent like the rest.
+    The key bias is left out (a zero block) where it cannot matter: it adds q_i . b_k to
+    every score of query i, the same for every key, and softmax is invariant to that
+    (exactly, weights too). A softcap breaks that invariance (tanh of a shifted score is
+    not a shifted tanh), so a capped layer keeps its key bias in M. The biases ride along
+    as the coefficients of a constant input feature 1, so they become the down-projection's
+    bias and pass through the latent like the rest.
     """
-    return stacked_kv(attn.k_proj.weight, attn.v_proj.weight, attn.v_proj.bias)
+    return stacked_kv(attn.k_proj.weight, attn.v_proj.weight, attn.v_proj.bias, _kept_key_bias(attn))
+
+
+def _kept_key_bias(attn: Attention) -> torch.Tensor | None:
+    """The key bias when the conversion must carry it (a softcapped layer), else None."""
+    return attn.k_proj.bias if attn.softcap is not None else None
 
 
 def _check_mla_source(fn: str, attn, rope_dim=None) -> None:
@@ -266,10 +279,13 @@ def _check_mla_source(fn: str, attn, rope_dim=None) -> None:
             "to_mla(..., rope_dim=r) for the approximate partial-RoPE conversion"
         )
     if rope_dim is not None:
-        top = 0 if attn.rope is None else attn.rope.dim
+        top = _max_rope_dim(attn)
         if isinstance(rope_dim, bool) or not isinstance(rope_dim, int) or rope_dim % 2 or not 0 <= rope_dim <= top:
-            raise ValueError(f"{fn}: rope_dim must be an even int in 0..{top} (the layer's rotary dim); "
-                             f"received {rope_dim!r}")
+            rotary = 0 if attn.rope is None else attn.rope.dim
+            why = "the layer's rotary dim" if top == rotary else \
+                f"the layer's rotary dim {rotary}, less one non-rotary feature per head of {attn.head_dim}"
+            raise ValueError(f"{fn}: rope_dim must be an even int in 0..{top} ({why}); received {rope_dim!r}; "
+                             f"valid: {', '.join(map(str, range(0, top + 1, 2)))}")
         if rope_dim and attn.rope.scaling is not None:
             raise ValueError(f"{fn}: the layer's RoPE has {attn.rope.scaling.kind} scaling, whose frequencies "
                              "a decoupled RoPE key of fewer dims cannot keep; valid: rope_dim=0 or unscaled RoPE")
@@ -279,6 +295,15 @@ def _check_mla_source(fn: str, attn, rope_dim=None) -> None:
         raise ValueError(f"{fn}: context_dim ({attn.context_dim}) != d_model ({attn.d_model}): a cross-attention "
                          "layer has no LatentAttention equivalent (MLA is self-attention); "
                          "valid: context_dim == d_model")
+
+
+def _max_rope_dim(attn: Attention) -> int:
+    """The largest rope_dim that converts: at most the rotary dim, and every head keeps at
+    least one non-rotary feature (LatentAttention's head_dim is D - rope_dim >= 1)."""
+    if attn.rope is None:
+        return 0
+    top = min(attn.rope.dim, attn.head_dim - 1)
+    return top - top % 2
 
 
 def mla_report(attn: Attention, kv_rank: int | None = None) -> MLAReport:
@@ -299,7 +324,7 @@ def mla_report(attn: Attention, kv_rank: int | None = None) -> MLAReport:
 def _check_rank(kv_rank, max_rank: int, attn: Attention, rope_dim: int = 0) -> None:
     if isinstance(kv_rank, bool) or not isinstance(kv_rank, int) or not 1 <= kv_rank <= max_rank:
         rows = attn.n_kv_heads * (2 * attn.head_dim - rope_dim)
-        cols = attn.d_model + (attn.v_proj.bias is not None)
+        cols = attn.d_model + (attn.v_proj.bias is not None or _kept_key_bias(attn) is not None)
         raise ValueError(
             f"kv_rank must be an int in 1..{max_rank}, the rank of the stacked [W_k ; W_v] "
             f"(min({rows} rows, {cols} columns)); received {kv_rank!r}"
@@ -325,9 +350,11 @@ def to_mla(model, kv_rank: int, *, rope_dim: int | None = None, return_report: b
 
     Biases (Attention's default) are handled exactly: the query and output biases are
     copied (`bias=True`); the key bias is dropped, since it adds the same q_i . b_k to
-    every score of query i and softmax ignores such a shift; the value bias becomes the
-    down-projection's bias (M gains the column [0 ; b_v]), so it passes through the
-    latent like the weights.
+    every score of query i and softmax ignores such a shift, except under a softcap (the
+    cap does not commute with the shift), where it is kept; the value bias (and a kept
+    key bias) becomes the down-projection's bias (M gains the column [b_k or 0 ; b_v]),
+    so it passes through the latent like the weights. The report's error is measured
+    from the built module's weights against M.
 
     A sliding window and a softcap are carried over. Refused, with the reason: layers
     with RoPE unless `rope_dim` is given (the rotation sits between W_k and the scores and
@@ -391,7 +418,10 @@ def _mla_layer(attn: Attention, kv_rank, return_report: bool, rope_dim: int | No
     H, Hkv, D, C = attn.n_heads, attn.n_kv_heads, attn.head_dim, attn.d_model
     rope_idx, nope_idx = _rope_split(attn, r)
     wk = attn.k_proj.weight.detach().view(Hkv, D, C)
-    m = stacked_kv(wk[:, nope_idx].reshape(-1, C), attn.v_proj.weight, attn.v_proj.bias)  # (Hkv*(2D-r), C [+1])
+    bk = _kept_key_bias(attn)
+    bk_nope = None if bk is None else bk.detach().view(Hkv, D)[:, nope_idx].reshape(-1)  # (Hkv*(D-r),)
+    m = stacked_kv(wk[:, nope_idx].reshape(-1, C), attn.v_proj.weight, attn.v_proj.bias, bk_nope)  # (rows, C [+1])
+    has_col = m.shape[1] > C
     max_rank = min(m.shape)
     _check_rank(kv_rank, max_rank, attn, r)
     U, S, Vh = torch.linalg.svd(m, full_matrices=False)  # (rows, k), (k,), (k, cols)
@@ -408,7 +438,7 @@ def _mla_layer(attn: Attention, kv_rank, return_report: bool, rope_dim: int | No
     k_rope = wk[:, rope_idx].double().mean(0)  # (r, C): the shared decoupled RoPE key, the heads' mean
     b_k = attn.k_proj.bias
     b_rope = None if b_k is None or not r else b_k.detach().view(Hkv, D)[:, rope_idx].double().mean(0)  # (r,)
-    latent_bias = attn.v_proj.bias is not None or b_rope is not None
+    latent_bias = has_col or b_rope is not None
     bias = _has_bias(attn)
     w = attn.q_proj.weight
     rope_kw = {} if not r else dict(rope_base=attn.rope.base ** (r / attn.rope.dim),
@@ -417,7 +447,7 @@ def _mla_layer(attn: Attention, kv_rank, return_report: bool, rope_dim: int | No
                           backend=attn.backend, latent_norm=False, bias=bias,
                           sliding_window=attn.sliding_window, softcap=attn.softcap, **rope_kw)
     _match_biases(mla, attn, ("q_proj", "o_proj"))
-    if not latent_bias:  # the latent's bias carries the value bias (and the RoPE key's); the rest is dropped
+    if not latent_bias:  # the latent's bias carries the value bias (and the key's where it matters)
         mla.kv_a_proj.register_parameter("bias", None)
     mla = mla.to(device=w.device, dtype=w.dtype).train(attn.training)
     order = nope_idx + rope_idx  # each query head: [q_nope ; q_pe]
@@ -429,10 +459,23 @@ def _mla_layer(attn: Attention, kv_rank, return_report: bool, rope_dim: int | No
         mla.kv_a_proj.weight.copy_(torch.cat([down[:, :C], k_rope]))  # (R + r, C)
         if mla.kv_a_proj.bias is not None:
             zeros = torch.zeros(r, dtype=torch.float64, device=down.device)
-            mla.kv_a_proj.bias.copy_(torch.cat([down[:, C] if attn.v_proj.bias is not None else
+            mla.kv_a_proj.bias.copy_(torch.cat([down[:, C] if has_col else
                                                 torch.zeros(R, dtype=torch.float64, device=down.device),
                                                 zeros if b_rope is None else b_rope]))
         mla.kv_b_proj.weight.copy_(up_kv.reshape(H * (2 * D - r), R))
     if not return_report:
         return mla
-    return mla, MLAReport(R, tuple(S.tolist()))
+    return mla, MLAReport(R, tuple(S.tolist()), _measured_error(mla, m, Hkv, G, D - r, D, r))
+
+
+def _measured_error(mla: LatentAttention, m: torch.Tensor, Hkv: int, G: int, Dn: int, Dv: int, r: int) -> float:
+    """||M - M'||_F / ||M||_F with M' the K/V map the built module computes, read back from
+    its weights: kv_b_proj (one query head per key/value head) times [kv_a_proj | bias]."""
+    R = mla.kv_rank
+    up = mla.kv_b_proj.weight.detach().double().view(Hkv, G, Dn + Dv, R)[:, 0]  # (Hkv, Dn + Dv, R)
+    up = torch.cat([up[:, :Dn].reshape(-1, R), up[:, Dn:].reshape(-1, R)])  # (Hkv*(Dn+Dv), R): keys, then values
+    down = mla.kv_a_proj.weight.detach().double()[:R]  # (R, C)
+    if m.shape[1] > down.shape[1]:
+        b = mla.kv_a_proj.bias
+        down = torch.cat([down, b.detach().double()[:R, None]], dim=1)  # (R, C + 1)
+    return relative_error(m, up @ down)
