@@ -9,6 +9,11 @@ config.json:
                        "multihead_version": "0.1.0"},
      "tokenizer": {"kind": "symbols" | "char", "tokens": ["0", "1", ...]}}
 
+The architecture is read off the model's layers, not only its `cfg`: a model pruned by
+`multihead.heads.prune` to the same heads in every layer is written with those counts,
+and one whose layers keep different counts gets `"layer_heads": [[H, Hkv], ...]` (one
+pair per block; Hkv is H for MLA) in its `multihead_lab` section, which loading applies.
+
 "char" tokenizers split text into characters (the MLA language model); "symbols"
 tokenizers split on whitespace (the synthetic tasks: "3 17 SEP 3 17"). The key
 `multihead_lab` is how `multihead inspect --model FOLDER` tells a lab checkpoint from a
@@ -19,12 +24,12 @@ from __future__ import annotations
 
 import os
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
 
-from multihead.decoder import LabConfig, LabTransformer
+from multihead.decoder import LabConfig, LabTransformer, make_attention
 
 __all__ = ["Vocab", "is_lab_checkpoint", "load_lab_checkpoint", "save_lab_checkpoint"]
 
@@ -76,6 +81,45 @@ class Vocab:
         return cls(d["kind"], tuple(d["tokens"]))
 
 
+def _layer_heads(model: LabTransformer) -> list[list[int]]:
+    """[H, Hkv] of each block's attention as it is (Hkv = H for MLA)."""
+    out = []
+    for block in model.blocks:
+        m = block.attn
+        out.append([int(m.n_heads), int(getattr(m, "n_kv_heads", m.n_heads))])
+    return out
+
+
+def _with_heads(cfg: LabConfig, H: int, Hkv: int) -> LabConfig:
+    return replace(cfg, n_heads=H, n_kv_heads=None if Hkv == H or cfg.attention == "mla" else Hkv)
+
+
+def _architecture(model: LabTransformer) -> tuple[LabConfig, list[list[int]] | None]:
+    """(the config to write, the per-layer heads when the layers differ, else None)."""
+    cfg = model.cfg
+    per_layer = _layer_heads(model)
+    if {tuple(x) for x in per_layer} == {(cfg.n_heads, cfg.n_kv_heads or cfg.n_heads)}:
+        return cfg, None
+    if len({tuple(x) for x in per_layer}) == 1:
+        return _with_heads(cfg, *per_layer[0]), None
+    return cfg, per_layer
+
+
+def _check_layer_heads(value, cfg: LabConfig) -> list[tuple[int, int]]:
+    def pair(x) -> bool:
+        if not (isinstance(x, list) and len(x) == 2):
+            return False
+        if not all(isinstance(i, int) and not isinstance(i, bool) and i >= 1 for i in x):
+            return False
+        return x[0] % x[1] == 0
+
+    ok = isinstance(value, list) and len(value) == cfg.n_layers and all(pair(x) for x in value)
+    if not ok:
+        raise ValueError(f"'layer_heads' must be {cfg.n_layers} pairs [H, Hkv] of positive ints with Hkv dividing H "
+                         f"(one per block); received {value!r}")
+    return [(h, kv) for h, kv in value]
+
+
 def save_lab_checkpoint(folder: str | os.PathLike, model: LabTransformer, vocab: Vocab, *,
                         experiment: str, extra: dict | None = None) -> Path:
     """Write `model.safetensors` + `config.json` to `folder` (created); return the folder."""
@@ -91,9 +135,11 @@ def save_lab_checkpoint(folder: str | os.PathLike, model: LabTransformer, vocab:
     state = {k: v.detach().to("cpu").contiguous().clone() for k, v in model.state_dict().items()}
     with atomic_path(folder / "model.safetensors") as tmp:  # and the usual mode, not safetensors' 0600
         save_file(state, str(tmp), metadata={"format": "pt", "multihead_lab": experiment})
+    arch, per_layer = _architecture(model)
     config = {
-        "multihead_lab": {"experiment": experiment, "architecture": model.cfg.to_dict(),
-                          "multihead_version": __version__, **(extra or {})},
+        "multihead_lab": {"experiment": experiment, "architecture": arch.to_dict(),
+                          "multihead_version": __version__, **(extra or {}),
+                          **({} if per_layer is None else {"layer_heads": per_layer})},
         "tokenizer": vocab.to_dict(),
     }
     write_json(folder / "config.json", config)
@@ -152,6 +198,7 @@ def load_lab_checkpoint(path: str | os.PathLike, device: str | torch.device = "c
         if not isinstance(tok.get("tokens"), list) or not all(isinstance(t, str) for t in tok["tokens"]):
             raise ValueError("'tokenizer.tokens' must be a list of strings")
         vocab = Vocab.from_dict(tok)
+        layer_heads = _check_layer_heads(meta["layer_heads"], cfg) if "layer_heads" in meta else None
     except KeyError as err:
         raise ValueError(f"{label} lacks the field {err.args[0]!r} of a lab checkpoint") from None
     except (TypeError, ValueError, AttributeError) as err:
@@ -160,6 +207,8 @@ def load_lab_checkpoint(path: str | os.PathLike, device: str | torch.device = "c
     if not weights.is_file():
         raise ValueError(f"{p} has a lab config.json but no model.safetensors")
     model = LabTransformer(cfg)
+    for block, (H, Hkv) in zip(model.blocks, layer_heads or ()):  # a model pruned to different heads per layer
+        block.attn = make_attention(_with_heads(cfg, H, Hkv))
     try:
         model.load_state_dict(load_file(str(weights)), strict=True)
     except (RuntimeError, OSError, SafetensorError) as err:  # a truncated file, or another architecture's weights

@@ -12,6 +12,17 @@
   that leave every layer the same H' query and Hkv' key/value heads with H'/Hkv' heads
   in every group (whole KV groups, or the same number of heads of each group). The
   config is updated, so `save_pretrained` writes a model stock transformers loads.
+- a DeepSeek-V2/V3 model patched by `multihead.interop.hf.patch`: its LatentAttention
+  shares its projections with the registered layer (what `state_dict` and
+  `save_pretrained` read) and with the transformers layer `unpatch` puts back, so the
+  projections are narrowed in place and the config and the replaced layers take the new
+  head count: saving, loading and unpatching all give the pruned model. The config holds
+  one count, so every layer must keep the same number of heads.
+- lab models (`LabTransformer`): their `cfg` follows when every layer keeps the same
+  heads; `save_lab_checkpoint` records per-layer counts otherwise.
+
+Every projection is narrowed in place (the module stays the same object: hooks and every
+holder of it see the pruned weights), and each parameter keeps its `requires_grad`.
 
 Layers are numbered in module order (`model.modules()`), the order they run in for the
 models this applies to.
@@ -21,29 +32,30 @@ from __future__ import annotations
 
 import copy
 import math
+from dataclasses import replace
 from functools import reduce
 
-import torch
 from torch import nn
 
 from multihead.attention import Attention
+from multihead.decoder import LabConfig
 from multihead.heads._engine import is_hf, multihead_modules
 from multihead.heads._interventions import check_heads
+from multihead.latent import LatentAttention
 
 
-def _linear(old: nn.Linear, rows: list[int] | None = None, cols: list[int] | None = None) -> nn.Linear:
-    w = old.weight.detach()
+def _narrow(lin: nn.Linear, rows: list[int] | None = None, cols: list[int] | None = None) -> nn.Linear:
+    """Keep output rows `rows` / input columns `cols` of `lin`, in place; returns `lin`."""
+    w = lin.weight.detach()
     if rows is not None:
         w = w[rows]
     if cols is not None:
         w = w[:, cols]
-    new = nn.Linear(w.shape[1], w.shape[0], bias=old.bias is not None, device=w.device, dtype=w.dtype)
-    with torch.no_grad():
-        new.weight.copy_(w)
-        if old.bias is not None:
-            new.bias.copy_(old.bias.detach() if rows is None else old.bias.detach()[rows])
-    new.weight.requires_grad_(old.weight.requires_grad)
-    return new
+    lin.weight = nn.Parameter(w.clone(), requires_grad=lin.weight.requires_grad)
+    if lin.bias is not None and rows is not None:
+        lin.bias = nn.Parameter(lin.bias.detach()[rows].clone(), requires_grad=lin.bias.requires_grad)
+    lin.out_features, lin.in_features = w.shape
+    return lin
 
 
 def _rows(heads: list[int], width: int) -> list[int]:
@@ -66,22 +78,19 @@ def _plan(H: int, Hkv: int, removed: set[int], where: str) -> tuple[list[int], l
 def _prune_attention(m: Attention, removed: set[int], where: str) -> None:
     D = m.head_dim
     keep, kv = _plan(m.n_heads, m.n_kv_heads, removed, where)
-    m.q_proj = _linear(m.q_proj, rows=_rows(keep, D))
-    m.k_proj = _linear(m.k_proj, rows=_rows(kv, D))
-    m.v_proj = _linear(m.v_proj, rows=_rows(kv, D))
-    m.o_proj = _linear(m.o_proj, cols=_rows(keep, D))
+    _narrow(m.q_proj, rows=_rows(keep, D))
+    _narrow(m.k_proj, rows=_rows(kv, D))
+    _narrow(m.v_proj, rows=_rows(kv, D))
+    _narrow(m.o_proj, cols=_rows(keep, D))
     m.n_heads, m.n_kv_heads = len(keep), len(kv)
 
 
 def _prune_latent(m, removed: set[int], where: str) -> None:
     keep = [h for h in range(m.n_heads) if h not in removed]
     qk = m.head_dim + m.rope_dim
-    if m.q_rank is None:
-        m.q_proj = _linear(m.q_proj, rows=_rows(keep, qk))
-    else:
-        m.q_b_proj = _linear(m.q_b_proj, rows=_rows(keep, qk))
-    m.kv_b_proj = _linear(m.kv_b_proj, rows=_rows(keep, m.head_dim + m.v_head_dim))
-    m.o_proj = _linear(m.o_proj, cols=_rows(keep, m.v_head_dim))
+    _narrow(m.q_proj if m.q_rank is None else m.q_b_proj, rows=_rows(keep, qk))
+    _narrow(m.kv_b_proj, rows=_rows(keep, m.head_dim + m.v_head_dim))
+    _narrow(m.o_proj, cols=_rows(keep, m.v_head_dim))
     m.n_heads = len(keep)
 
 
@@ -93,6 +102,20 @@ def _hf_attention_modules(model) -> list[nn.Module]:
 def _refuse_hf(model, reason: str):
     raise ValueError(f"cannot prune this {type(model).__name__} physically: {reason}; use "
                      "multihead.heads.ablate(model, heads) for the same function without removing weights")
+
+
+def _check_config(model, text, H2: int, Hkv2: int) -> None:
+    """Refuse counts transformers' own validation of the config would not take (before any change)."""
+    trial = copy.deepcopy(text)
+    try:
+        trial.num_attention_heads = H2
+        if hasattr(trial, "num_key_value_heads"):
+            trial.num_key_value_heads = Hkv2
+        if hasattr(trial, "validate"):
+            trial.validate()
+    except Exception as err:  # noqa: BLE001 (transformers' validators raise their own kinds)
+        _refuse_hf(model, f"transformers' {type(text).__name__} would not hold {H2} query / {Hkv2} key-value heads "
+                          f"({str(err).splitlines()[-1].strip()})")
 
 
 def _prune_hf(model, by_layer: dict[int, set[int]]) -> None:
@@ -125,21 +148,12 @@ def _prune_hf(model, by_layer: dict[int, set[int]]) -> None:
         _refuse_hf(model, f"the layers would keep different head counts {sorted(shapes)} and its config holds one "
                           "count for all layers; remove the same number of heads in every layer")
     (H2, Hkv2), = shapes
-    trial = copy.deepcopy(text)  # the config must still pass transformers' own validation
-    try:
-        trial.num_attention_heads = H2
-        if hasattr(trial, "num_key_value_heads"):
-            trial.num_key_value_heads = Hkv2
-        if hasattr(trial, "validate"):
-            trial.validate()
-    except Exception as err:  # noqa: BLE001 (transformers' validators raise their own kinds)
-        _refuse_hf(model, f"transformers' {type(text).__name__} would not hold {H2} query / {Hkv2} key-value heads "
-                          f"({str(err).splitlines()[-1].strip()})")
+    _check_config(model, text, H2, Hkv2)
     for m, keep, kv in plans:
-        m.q_proj = _linear(m.q_proj, rows=_rows(keep, D))
-        m.k_proj = _linear(m.k_proj, rows=_rows(kv, D))
-        m.v_proj = _linear(m.v_proj, rows=_rows(kv, D))
-        m.o_proj = _linear(m.o_proj, cols=_rows(keep, D))
+        _narrow(m.q_proj, rows=_rows(keep, D))
+        _narrow(m.k_proj, rows=_rows(kv, D))
+        _narrow(m.v_proj, rows=_rows(kv, D))
+        _narrow(m.o_proj, cols=_rows(keep, D))
         sinks = getattr(m, "sinks", None)
         if isinstance(sinks, nn.Parameter) and sinks.shape == (H,):
             m.sinks = nn.Parameter(sinks.detach()[keep].clone(), requires_grad=sinks.requires_grad)
@@ -148,6 +162,69 @@ def _prune_hf(model, by_layer: dict[int, set[int]]) -> None:
     text.num_attention_heads = H2
     if hasattr(text, "num_key_value_heads"):
         text.num_key_value_heads = Hkv2
+
+
+def _owners(model: nn.Module) -> dict[int, nn.Module]:
+    """id(LatentAttention) -> the patched DeepSeek layer computing with it (`interop.hf.patch`)."""
+    return {id(o.mla): o for o in model.modules() if isinstance(getattr(o, "mla", None), LatentAttention)}
+
+
+def _plan_deepseek(model: nn.Module, mine: list, owners: dict[int, nn.Module],
+                   by_layer: dict[int, set[int]]) -> tuple[int, int]:
+    """(H', Hkv') of a patched DeepSeek model after the removal, checked against its config."""
+    left = {m.n_heads - len(by_layer.get(i, ())) for i, m in enumerate(mine) if id(m) in owners}
+    if len(left) > 1:
+        raise ValueError(f"cannot prune this {type(model).__name__} physically: its layers would keep different "
+                         f"head counts {sorted(left)} and its config holds one count for all layers; remove the same "
+                         "number of heads in every layer, or use multihead.heads.ablate(model, heads)")
+    (H2,) = left
+    cfg = next(iter(owners.values())).original.config
+    H, Hkv = cfg.num_attention_heads, getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
+    G = H // Hkv
+    if H2 % G:
+        raise ValueError(f"cannot prune this {type(model).__name__} physically: its config groups {G} query heads per "
+                         f"key/value head (num_attention_heads {H}, num_key_value_heads {Hkv}) and {H2} heads "
+                         f"would be left; keep a multiple of {G}, or use multihead.heads.ablate(model, heads)")
+    _check_config(model, cfg, H2, H2 // G)
+    return H2, H2 // G
+
+
+def _configs(model: nn.Module, owners: dict[int, nn.Module]) -> list:
+    """Every distinct config object that states the patched layers' head count."""
+    found = {}
+    for owner in owners.values():
+        for c in (owner.original.config, getattr(owner, "config", None)):
+            if c is not None:
+                found[id(c)] = c
+    cfg = getattr(model, "config", None)
+    if cfg is not None:
+        text = cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg
+        found[id(text)] = text
+    return list(found.values())
+
+
+def _set_deepseek_heads(owners: dict[int, nn.Module], configs: list, H2: int, Hkv2: int) -> None:
+    for c in configs:
+        c.num_attention_heads = H2
+        if hasattr(c, "num_key_value_heads"):
+            c.num_key_value_heads = Hkv2
+    for owner in owners.values():  # the transformers layers unpatch puts back compute with these counts
+        original = owner.original
+        original.num_heads = H2
+        if hasattr(original, "num_key_value_groups"):
+            original.num_key_value_groups = H2 // Hkv2
+
+
+def _follow_lab_config(model: nn.Module, mine: list) -> None:
+    """A lab model's `cfg` takes the new head counts when every layer has the same."""
+    cfg = getattr(model, "cfg", None)
+    if not isinstance(cfg, LabConfig) or len(mine) != cfg.n_layers:
+        return
+    counts = {(m.n_heads, getattr(m, "n_kv_heads", m.n_heads)) for m in mine}
+    if len(counts) != 1:
+        return  # per-layer counts: save_lab_checkpoint records them from the modules
+    (H2, Hkv2), = counts
+    model.cfg = replace(cfg, n_heads=H2, n_kv_heads=None if Hkv2 == H2 or cfg.attention == "mla" else Hkv2)
 
 
 def prune(model: nn.Module, heads) -> nn.Module:
@@ -183,9 +260,14 @@ def prune(model: nn.Module, heads) -> nn.Module:
                 _plan(m.n_heads, m.n_kv_heads, removed, f"layer {i}")
             elif len(removed) >= m.n_heads:
                 raise ValueError(f"pruning would remove every head of layer {i}; keep at least one")
+        owners = _owners(model)
+        deepseek = _plan_deepseek(model, mine, owners, by_layer) if owners else None
         for i, removed in by_layer.items():
             m = mine[i]
             (_prune_attention if isinstance(m, Attention) else _prune_latent)(m, removed, f"layer {i}")
+        if deepseek is not None:
+            _set_deepseek_heads(owners, _configs(model, owners), *deepseek)
+        _follow_lab_config(model, mine)
         return model
     if is_hf(model):
         _prune_hf(model, by_layer)
