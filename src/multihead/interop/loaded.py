@@ -66,6 +66,13 @@ class LoadedModel:
         """Run ids `(B, T)`; return {layer: weights `(B, len(heads[layer]), T, T)`}."""
         raise NotImplementedError
 
+    def copy(self) -> LoadedModel:
+        """A deep copy whose model a tool may change (prune, convert, ablate in place) while
+        this one, perhaps shared through `load_model`'s session cache, stays as it was."""
+        import copy
+
+        return copy.deepcopy(self)
+
 
 class HFModel(LoadedModel):
     """A Hugging Face model + tokenizer, run on attn_implementation="multihead".
@@ -120,6 +127,28 @@ class HFModel(LoadedModel):
             self.meta["layer_kinds"] = list(self.layer_kinds)
             self.meta["layer_names"] = [names.get(id(m), "?") for m in self.layers]
         self._ordinary = None
+
+    @property
+    def has_lm_head(self) -> bool:
+        """Whether the model carries its own language-model head (`get_output_embeddings()`:
+        a causal LM's `lm_head`, a masked LM's decoder), so its outputs hold `.logits` over the
+        vocabulary. A base model (`BertModel`, the bundled MiniLM) has none: its last hidden
+        states are not logits, and a next-token metric on it would read noise."""
+        get = getattr(self.model, "get_output_embeddings", None)
+        return callable(get) and get() is not None
+
+    @property
+    def is_causal_lm(self) -> bool:
+        """Whether the model predicts the next token: a decoder-only model (causal attention,
+        not an encoder-decoder) with its own LM head, such as `LlamaForCausalLM`."""
+        return self.has_lm_head and self.causal and not self.encoder_decoder
+
+    def copy(self) -> HFModel:
+        """A deep copy of the model (its weights included) sharing the tokenizer, which no tool
+        changes; the copy's `layers` are the copied model's attention modules."""
+        import copy
+
+        return copy.deepcopy(self, {id(self.tokenizer): self.tokenizer})
 
     def _inputs(self, ids: Tensor, decoder_ids: Tensor | None = None) -> dict:
         import torch

