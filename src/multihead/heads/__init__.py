@@ -13,6 +13,10 @@ pattern `(B, H, T, S)`.
 - `patch(model, recording, heads, positions=None, what="z")`: a context manager
 - `patch_scan(model, clean, corrupted, metric, what="z"|"k"|"v"|"pattern")` -> (layers, heads)
 - `attribution_scan(...)`: the same table by a first-order (gradient) approximation
+- `path_patch(model, clean, corrupted, metric, senders, receivers, via="q"|"k"|"v")` -> float:
+  the senders' effect let through to the receivers' queries/keys/values (or "logits") only
+- `path_patch_scan(model, clean, corrupted, metric, receivers, via="q")` -> (layers, heads):
+  every head as the only sender
 - `importance(model, batches, loss, normalize=True)`: Michel et al. (2019) head importance
 - `prune(model, heads)`: physical removal where the model can hold it
 
@@ -34,8 +38,11 @@ _LAZY = {
     "record": "multihead.heads._record",
     "attribution_scan": "multihead.heads._scan",
     "patch_scan": "multihead.heads._scan",
+    "path_patch": "multihead.heads.path_patching",
+    "path_patch_scan": "multihead.heads.path_patching",
 }
 
-__all__ = ["Recording", "ablate", "attribution_scan", "importance", "patch", "patch_scan", "prune", "record"]
+__all__ = ["Recording", "ablate", "attribution_scan", "importance", "patch", "patch_scan", "path_patch",
+           "path_patch_scan", "prune", "record"]
 
 __getattr__, __dir__ = lazy_exports(__name__, _LAZY, globals())

@@ -1,0 +1,592 @@
+"""Path patching: what one head does to another head's input, or to the logits directly.
+
+Wang et al. (2022), "Interpretability in the Wild: a Circuit for Indirect Object
+Identification in GPT-2 small", section 3.1. Activation patching (`patch_scan`) says
+which heads matter; path patching says through which path. For senders (query heads)
+and receivers, three steps:
+
+1. record every head's z (the output projection's input, per head) on clean and on
+   corrupted;
+2. run corrupted with every head's z pinned to its corrupted value except the senders',
+   pinned to their clean value (MLPs, norms and everything else recompute), and keep each
+   receiver's input: via "q" the receiver's query, via "k"/"v" its key/value head's keys
+   or values;
+3. run corrupted with only the receivers' inputs replaced by step 2's (everything else
+   recomputes) and read the metric.
+
+The receiver "logits" is the direct path: step 3's final residual (the last block's
+output, the final norm's input) plus the senders' clean-minus-corrupted results (z through
+their slice of the output projection, no bias). Alone it is the corrupted run's final
+residual plus those results, nothing recomputed. A receiver at or below the lowest
+sender's layer has no path from any sender (step 2 gives it its corrupted input), so it is
+left as it is; when no receiver is left, the result is the corrupted metric, exactly.
+
+Where a head's query is taken: transformers models hand the attention function queries
+after RoPE (and any per-head query norm); both act on each head and position alone, so a
+query replaced there by step 2's value at the same position equals the query projection's
+slice replaced. Keys and values are the engine's (`multihead.heads._engine`).
+
+`path_patch_scan` makes every head the only sender in few batched forwards, the way
+`patch_scan` does: the corrupted run's block inputs are cached once; a variant's step 2
+starts at its sender's block from the cached input (the blocks below run on one row, their
+output unused) and stops after the last receiver's layer; its step 3 starts at the first
+receiver's block. Each forward carries up to `16 // B` variants of one sender layer.
+"""
+
+from __future__ import annotations
+
+import inspect
+import math
+from collections.abc import Callable, Iterable
+from contextlib import contextmanager
+
+import torch
+from torch import Tensor, nn
+
+from multihead.heads._engine import (
+    KEYWORD,
+    WEIGHTS_KEYWORD,
+    Engine,
+    Handler,
+    Layer,
+    batch_size,
+    check_model,
+    logits_of,
+    multihead_modules,
+    parents_of,
+)
+from multihead.heads._interventions import check_heads
+from multihead.heads._record import Recording, head_results, record
+from multihead.heads._scan import ROWS_PER_RUN, block_of
+from multihead.masks import MaskMod
+
+VIAS = ("q", "k", "v")
+LOGITS = "logits"
+
+
+# ---------------------------------------------------------------- what the caller asked for
+
+
+def check_via(via) -> str:
+    if not isinstance(via, str) or via not in VIAS:
+        raise ValueError(f"via must be one of {', '.join(map(repr, VIAS))}; received {via!r}")
+    return via
+
+
+def check_receivers(receivers, via: str) -> tuple[list[tuple[int, int, str]], bool]:
+    """([(layer, head, via), ...], whether the direct path to the logits is a receiver).
+
+    Receivers are "logits", or a sequence of (layer, head) pairs (their input is `via`),
+    (layer, head, "q"|"k"|"v") triples (their own input) and the string "logits"."""
+    via = check_via(via)
+    if isinstance(receivers, str):
+        if receivers != LOGITS:
+            raise ValueError(f"receivers must be 'logits' or a sequence of (layer, head) pairs; "
+                             f"received {receivers!r}")
+        return [], True
+    if isinstance(receivers, tuple) and len(receivers) in (2, 3) and all(
+            isinstance(i, int) and not isinstance(i, bool) for i in receivers[:2]) and \
+            (len(receivers) == 2 or isinstance(receivers[2], str)):
+        receivers = [receivers]
+    if not isinstance(receivers, Iterable) or isinstance(receivers, bytes):
+        raise TypeError(f"receivers must be 'logits' or a sequence of (layer, head) pairs; received {receivers!r}")
+    out, logits = [], False
+    for r in receivers:
+        if isinstance(r, str) and r == LOGITS:
+            logits = True
+            continue
+        if isinstance(r, (tuple, list)) and len(r) == 3:
+            if not isinstance(r[2], str) or r[2] not in VIAS:
+                raise ValueError(f"a receiver triple's input must be one of {', '.join(map(repr, VIAS))}; "
+                                 f"received {r!r}")
+            (layer, head), = check_heads([tuple(r[:2])], "receivers")
+            out.append((layer, head, r[2]))
+            continue
+        (layer, head), = check_heads([r], "receivers")
+        out.append((layer, head, via))
+    if not out and not logits:
+        raise ValueError("receivers is empty; pass 'logits' or (layer, head) pairs")
+    return sorted(set(out)), logits
+
+
+def _check_ranges(layers: list[Layer], senders: list[tuple[int, int]], receivers: list[tuple[int, int, str]]):
+    n = len(layers)
+    bad = sorted({layer for layer, _ in senders if layer >= n} | {layer for layer, _, _ in receivers if layer >= n})
+    if bad:
+        raise ValueError(f"layer(s) {bad} out of range: this model has {n} attention layers (0..{n - 1})")
+    for layer, head in senders:
+        H = layers[layer].H
+        if head >= H:
+            raise ValueError(f"sender head {head} out of range in layer {layer}, which has {H} query heads "
+                             f"(0..{H - 1})")
+    for layer, head, via in receivers:
+        lay = layers[layer]
+        n_heads, kind = (lay.H, "query heads") if via == "q" else (lay.Hkv, "key/value heads")
+        if head >= n_heads:
+            raise ValueError(f"receiver head {head} (via {via!r}) out of range in layer {layer}, which has "
+                             f"{n_heads} {kind} (0..{n_heads - 1})")
+
+
+def _by_layer(receivers: list[tuple[int, int, str]], above: int) -> dict[tuple[int, str], list[int]]:
+    """(layer, via) -> heads, for the receivers above layer `above` (the only ones a sender reaches)."""
+    out: dict[tuple[int, str], list[int]] = {}
+    for layer, head, via in receivers:
+        if layer > above:
+            out.setdefault((layer, via), []).append(head)
+    return out
+
+
+def _scalar(value, where: str) -> float:
+    t = torch.as_tensor(value)
+    if t.numel() != 1:
+        raise ValueError(f"metric must return a scalar tensor; {where} it returned shape {tuple(t.shape)}")
+    return float(t.detach().float().reshape(()))
+
+
+# ---------------------------------------------------------------- queries
+
+
+class _QueryAdapter:
+    """Wraps the engine's `multihead_heads=` object: queries after its keys and values."""
+
+    def __init__(self, inner, queries: _Queries):
+        self.inner, self.queries = inner, queries
+
+    def inputs(self, module, q, k, v):
+        q, k, v = self.inner.inputs(module, q, k, v)
+        lay = self.queries.engine.layers[id(module)]
+        t = q.transpose(1, 2)  # (B, T, H, D)
+        new = self.queries.fn(lay, t)
+        return (q if new is t else new.transpose(1, 2)), k, v
+
+    def output(self, module, out, value):
+        return self.inner.output(module, out, value)
+
+
+class _Queries:
+    """Hands every layer's queries `(B, T, H, Dq)` to `fn(layer, q) -> q`: a transformers
+    model's in its attention function, multihead modules' as their query projection's
+    output. Enter inside the engine's `installed()`: its layers are numbered by then."""
+
+    def __init__(self, engine: Engine, fn: Callable[[Layer, Tensor], Tensor]):
+        self.engine, self.fn = engine, fn
+
+    @contextmanager
+    def installed(self):
+        model = self.engine.model
+        handles = []
+        try:
+            if self.engine.hf:  # registered after the engine's hook, so it finds the engine's adapter
+                handles.append(model.register_forward_pre_hook(self._top, with_kwargs=True))
+            else:
+                for m in multihead_modules(model):
+                    proj = m.q_proj if isinstance(getattr(m, "q_proj", None), nn.Module) else m.q_b_proj
+                    handles.append(proj.register_forward_hook(lambda mod, a, out, m=m: self._proj(m, out)))
+            yield self
+        finally:
+            for h in handles:
+                h.remove()
+
+    def _top(self, model, args, kwargs):
+        kwargs = dict(kwargs)
+        kwargs[KEYWORD] = _QueryAdapter(kwargs[KEYWORD], self)
+        return args, kwargs
+
+    def _proj(self, m, out: Tensor):
+        lay = self.engine.layers[id(m)]
+        B, T, width = out.shape
+        t = out.view(B, T, lay.H, width // lay.H)  # (B, T, H, Dq)
+        new = self.fn(lay, t)
+        return None if new is t else new.reshape(B, T, width)
+
+
+# ---------------------------------------------------------------- the steps' handlers
+
+
+class _Stop(Exception):
+    """Step 2 has every receiver's input: the layers above are not needed."""
+
+
+class _Pinned(Handler):
+    """Step 2 for n variants (variant i in rows [i B, (i + 1) B)): from layer `start` on,
+    every head's z is the corrupted run's, each variant's senders' the clean run's; the
+    receivers' inputs are kept, and `stop` (a layer) ends the forward once they are."""
+
+    def __init__(self, corrupted: Recording, clean: Recording, senders: list[list[tuple[int, int]]],
+                 receivers: dict[tuple[int, str], list[int]], B: int, start: int = 0, stop: int | None = None):
+        self.corrupted, self.clean = corrupted, clean
+        self.senders = senders
+        self.receivers = receivers
+        self.B, self.start, self.stop = B, start, stop
+        self.kept: dict[tuple[int, str], Tensor] = {}
+
+    def z(self, lay, z, v):
+        if lay.index < self.start:
+            return z
+        B = self.B
+        new = self.corrupted["z", lay.index].to(z.dtype).repeat(z.shape[0] // B, 1, 1, 1)  # (n B, T, H, Dv)
+        clean = self.clean["z", lay.index]
+        for i, heads in enumerate(self.senders):
+            for layer, h in heads:
+                if layer == lay.index:
+                    new[i * B:(i + 1) * B, :, h] = clean[:, :, h].to(z.dtype)
+        return new
+
+    def _keep(self, lay: Layer, t: Tensor, via: str) -> Tensor:
+        hs = self.receivers.get((lay.index, via))
+        if hs is not None:
+            self.kept[lay.index, via] = t[:, :, hs].clone()  # (n B, T|S, receivers, D)
+            if lay.index == self.stop and all(key in self.kept for key in self.receivers):
+                raise _Stop
+        return t
+
+    def q(self, lay, q):
+        return self._keep(lay, q, "q")
+
+    def k(self, lay, k):
+        return self._keep(lay, k, "k")
+
+    def v(self, lay, v):
+        return self._keep(lay, v, "v")
+
+    def wants_kv(self, lay):
+        return any(via != "q" for _, via in self.receivers)
+
+
+class _Received(Handler):
+    """Step 3: the receivers' inputs are step 2's, everything else this run's own."""
+
+    def __init__(self, kept: dict[tuple[int, str], Tensor], receivers: dict[tuple[int, str], list[int]]):
+        self.kept, self.receivers = kept, receivers
+
+    def _put(self, lay: Layer, t: Tensor, via: str) -> Tensor:
+        new = self.kept.get((lay.index, via))
+        if new is None:
+            return t
+        t = t.clone()
+        t[:, :, self.receivers[lay.index, via]] = new.to(t.dtype)
+        return t
+
+    def q(self, lay, q):
+        return self._put(lay, q, "q")
+
+    def k(self, lay, k):
+        return self._put(lay, k, "k")
+
+    def v(self, lay, v):
+        return self._put(lay, v, "v")
+
+    def wants_kv(self, lay):
+        return any(via != "q" for _, via in self.receivers)
+
+
+# ---------------------------------------------------------------- running the model
+
+
+def _takes_use_cache(model: nn.Module) -> bool:
+    try:
+        return "use_cache" in inspect.signature(model.forward).parameters
+    except (TypeError, ValueError):
+        return False
+
+
+def _call(model: nn.Module, inputs):
+    """model(inputs) without a KV cache (a scan's forwards change their batch between blocks)."""
+    no_cache = _takes_use_cache(model)
+    if isinstance(inputs, Tensor):
+        return model(inputs, use_cache=False) if no_cache else model(inputs)
+    if not (hasattr(inputs, "keys") and hasattr(inputs, "__getitem__")):
+        raise TypeError(f"inputs must be a tensor (input_ids) or a mapping of keyword arguments (a tokenizer's "
+                        f"BatchEncoding); received {type(inputs).__name__}")
+    kw = {k: inputs[k] for k in inputs.keys()}
+    if no_cache:
+        kw.setdefault("use_cache", False)
+    return model(**kw)
+
+
+def _first(out) -> Tensor:
+    return out if isinstance(out, Tensor) else out[0]
+
+
+def _with_first(out, x: Tensor):
+    return x if isinstance(out, Tensor) else (x, *out[1:])
+
+
+def _forward(model: nn.Module, inputs, handler: Handler, hooks: list[tuple[nn.Module, str, Callable]]):
+    """One forward with `handler` on the heads and `hooks` (module, "pre"|"post", fn) on the
+    blocks; the logits, or None when step 2 stopped early."""
+    handles = []
+    try:
+        for module, kind, fn in hooks:
+            handles.append(module.register_forward_pre_hook(fn, with_kwargs=True) if kind == "pre"
+                           else module.register_forward_hook(fn))
+        engine = Engine(model, handler)
+        with engine.installed(), _Queries(engine, handler.q).installed(), torch.no_grad():
+            try:
+                return logits_of(_call(model, inputs))
+            except _Stop:
+                return None
+    finally:
+        for h in handles:
+            h.remove()
+
+
+class _Runs:
+    """What every path patch of one (clean, corrupted) pair shares: both runs' z, the
+    corrupted logits and metric, the layers, and each head's clean-minus-corrupted result."""
+
+    def __init__(self, model, clean, corrupted, metric):
+        check_model(model)
+        if not callable(metric):
+            raise TypeError(f"metric must be callable(logits) -> scalar tensor; received {type(metric).__name__}")
+        self.B = batch_size(corrupted)
+        if batch_size(clean) != self.B:
+            raise ValueError(f"clean and corrupted inputs must have the same batch size; received "
+                             f"{batch_size(clean)} and {self.B}")
+        self.model, self.corrupted_inputs, self.metric = model, corrupted, metric
+        self.clean = record(model, clean)
+        self.corrupted = record(model, corrupted)
+        self.layers = self.corrupted.layers
+        for lay in self.layers:
+            a, b = self.clean["z", lay.index], self.corrupted["z", lay.index]
+            if a.shape != b.shape:
+                raise ValueError(f"clean and corrupted runs must have the same shape; layer {lay.index}'s z is "
+                                 f"{tuple(a.shape)} on clean and {tuple(b.shape)} on corrupted")
+        self.corrupted_metric = _scalar(metric(self.corrupted.logits), "on the corrupted run")
+        self._deltas: dict[int, Tensor] = {}
+        self.parents = parents_of(model)
+
+    def delta(self, layer: int) -> Tensor:
+        """Every head's clean-minus-corrupted result at `layer`: `(B, T, H, C)`, no bias."""
+        if layer not in self._deltas:
+            lay = self.layers[layer]
+            self._deltas[layer] = head_results(self.model, lay, self.clean["z", layer] - self.corrupted["z", layer])
+        return self._deltas[layer]
+
+    def last_block(self, senders: list[tuple[int, int]]) -> nn.Module:
+        """The block whose output is the final residual; refuses senders outside its stack."""
+        blocks = [block_of(self.model, lay.module, self.parents) for lay in self.layers]
+        last = blocks[-1]
+        stack = self.parents.get(id(last))
+        if last is self.model or not isinstance(stack, nn.ModuleList):
+            raise ValueError(f"receivers='logits' adds the senders' results to the final residual, the output of "
+                             f"the last block of an nn.ModuleList; {type(self.model).__name__}'s attention layers "
+                             "sit in no ModuleList")
+        off = sorted({layer for layer, _ in senders if self.parents.get(id(blocks[layer])) is not stack})
+        if off:
+            raise ValueError(f"receivers='logits': sender layer(s) {off} are not in the stack of blocks whose output "
+                             "the model's head reads (an encoder's layers reach the logits only through "
+                             "cross-attention); pick senders of the last stack")
+        return last
+
+    def metric_of(self, logits: Tensor, where: str) -> float:
+        return _scalar(self.metric(logits), where)
+
+
+def _one(runs: _Runs, senders: list[tuple[int, int]], receivers: list[tuple[int, int, str]], logits: bool) -> float:
+    """The three steps for one set of senders, on full forwards of the B rows."""
+    low = min(layer for layer, _ in senders)
+    mine = _by_layer(receivers, low)
+    if not mine and not logits:
+        return runs.corrupted_metric  # no receiver is reached: the corrupted run, exactly
+    model, B = runs.model, runs.B
+    kept: dict = {}
+    if mine:
+        step2 = _Pinned(runs.corrupted, runs.clean, [senders], mine, B, stop=max(layer for layer, _ in mine))
+        _forward(model, runs.corrupted_inputs, step2, [])
+        kept = step2.kept
+    hooks = []
+    if logits:
+        last = runs.last_block(senders)
+        delta = sum(runs.delta(layer)[:, :, h] for layer, h in senders)  # (B, T, C)
+        hooks.append((last, "post", lambda m, a, out: _with_first(out, _first(out) + delta.to(_first(out).dtype))))
+    out = _forward(model, runs.corrupted_inputs, _Received(kept, mine), hooks)
+    return runs.metric_of(out, "on the patched run")
+
+
+def path_patch(model, clean, corrupted, metric: Callable[[Tensor], Tensor], senders, receivers,
+               via: str = "q") -> float:
+    """The metric of the corrupted run with the senders' effect let through to the receivers only.
+
+    Args:
+        model: a transformers model on attn_implementation="multihead", or a module built
+            from multihead's Attention/LatentAttention.
+        clean, corrupted: inputs of the same shape (a tensor of input_ids or a mapping of
+            keyword arguments).
+        metric: logits of one run (`(B, ...)` of its B rows) -> a scalar tensor.
+        senders: (layer, head) query heads.
+        receivers: "logits" (the direct path), or (layer, head) pairs: query heads for
+            via="q", key/value heads for via="k"/"v". A sequence may also hold
+            (layer, head, "q"|"k"|"v") triples (each receiver's own input) and "logits"
+            (the senders' results added to the final residual as well): several paths at once.
+        via: the receivers' input: "q" (query), "k" (keys) or "v" (values).
+
+    Returns the metric after the three steps (see the module docstring); the corrupted metric,
+    exactly, when every sender sits at or above every receiver's layer.
+    """
+    receivers, logits = check_receivers(receivers, via)
+    pairs = check_heads(senders, "senders")
+    if not pairs:
+        raise ValueError("senders is empty; pass (layer, head) pairs of query heads")
+    runs = _Runs(model, clean, corrupted, metric)
+    _check_ranges(runs.layers, pairs, receivers)
+    return _one(runs, pairs, receivers, logits)
+
+
+# ---------------------------------------------------------------- the scan
+
+
+def _grow(x, n: int, B: int):
+    """A block input as n copies of the B rows see it: per-batch tensors repeated."""
+    if n == 1:
+        return x
+    if isinstance(x, Tensor):
+        return x.repeat(n, *([1] * (x.dim() - 1))) if x.dim() >= 2 and x.shape[0] == B else x
+    if isinstance(x, MaskMod):
+        fn = x.fn
+        return MaskMod(lambda b, h, q, k: fn(b % B, h, q, k), x.name, top_left=x.top_left, relative=x.relative)
+    if isinstance(x, tuple) and not hasattr(x, "_fields"):
+        return tuple(_grow(t, n, B) for t in x)
+    if isinstance(x, list):
+        return [_grow(t, n, B) for t in x]
+    return x
+
+
+def _one_row(x, B: int):
+    """A block input cut to one row: the block runs below every variant, its output unused."""
+    if isinstance(x, Tensor):
+        return x[:1] if x.dim() >= 2 and x.shape[0] == B else x
+    if isinstance(x, tuple) and not hasattr(x, "_fields"):
+        return tuple(_one_row(t, B) for t in x)
+    if isinstance(x, list):
+        return [_one_row(t, B) for t in x]
+    return x
+
+
+class _Join:
+    """Block pre-hooks for a forward of n variants that all start at block `start`: the
+    blocks below run on one row, `start` takes the corrupted run's cached input (n copies
+    of its B rows), the blocks above get the per-batch tensors the model hands them
+    repeated. `start=None`: every block runs on one row (the direct path's forward)."""
+
+    def __init__(self, start: nn.Module | None, cache: dict[int, tuple], n: int, B: int):
+        self.start, self.cache, self.n, self.B = start, cache, n, B
+        self.started = False
+
+    def begin(self):
+        self.started = False
+
+    def hook(self, block, args, kwargs):
+        if block is self.start:
+            self.started = True
+            cargs, ckw = self.cache[id(block)]
+            kwargs = {**kwargs, **ckw}  # the forward's own keywords (the intervention) stay
+            return tuple(_grow(a, self.n, self.B) for a in cargs), {k: _grow(v, self.n, self.B)
+                                                                    for k, v in kwargs.items()}
+        if not self.started:
+            return tuple(_one_row(a, self.B) for a in args), {k: _one_row(v, self.B) for k, v in kwargs.items()}
+        if self.n == 1:
+            return None
+        # the hidden states have n B rows already (left as they are); the model's per-batch tensors still B
+        return tuple(_grow(a, self.n, self.B) for a in args), {k: _grow(v, self.n, self.B) for k, v in kwargs.items()}
+
+    def hooks(self, model: nn.Module, blocks: list[nn.Module]) -> list[tuple[nn.Module, str, Callable]]:
+        return [(model, "pre", lambda m, a, kw: self.begin())] + [(b, "pre", self.hook) for b in blocks]
+
+
+def _stack(runs: _Runs) -> tuple[list[nn.Module], dict[int, tuple], Tensor] | None:
+    """Each layer's block, and the corrupted run's input to each, when every layer has a
+    block of its own in one ModuleList (a decoder); None otherwise (the scan then runs the
+    three steps on full forwards, sender by sender)."""
+    model = runs.model
+    blocks = [block_of(model, lay.module, runs.parents) for lay in runs.layers]
+    stack = runs.parents.get(id(blocks[0]))
+    if any(b is model for b in blocks) or len({id(b) for b in blocks}) != len(blocks) or \
+            not isinstance(stack, nn.ModuleList) or any(runs.parents.get(id(b)) is not stack for b in blocks):
+        return None
+    cache: dict[int, tuple] = {}
+
+    def keep(block, args, kwargs):
+        cache[id(block)] = (args, {k: v for k, v in kwargs.items() if k not in (KEYWORD, WEIGHTS_KEYWORD)})
+
+    handles = [b.register_forward_pre_hook(keep, with_kwargs=True) for b in blocks]
+    final: list[Tensor] = []
+    handles.append(blocks[-1].register_forward_hook(lambda m, a, out: final.append(_first(out))))
+    try:
+        with torch.no_grad():
+            logits = logits_of(_call(model, runs.corrupted_inputs))
+    finally:
+        for h in handles:
+            h.remove()
+    if logits.shape[0] != runs.B or _first(final[0]).shape[0] != runs.B:
+        return None
+    return blocks, cache, final[0]
+
+
+def path_patch_scan(model, clean, corrupted, metric: Callable[[Tensor], Tensor], receivers, via: str = "q", *,
+                    variants_per_run: int | None = None) -> Tensor:
+    """`path_patch` with every query head as the only sender: `(layers, heads)` float32.
+
+    Args as in `path_patch` (receivers the same for every sender); `variants_per_run`:
+    how many senders one forward carries (default 16 // B, at least 1). A cell is the
+    corrupted metric, exactly, where the sender sits at or above every receiver's layer;
+    NaN where a layer has fewer heads than the widest.
+    """
+    receivers, logits = check_receivers(receivers, via)
+    runs = _Runs(model, clean, corrupted, metric)
+    _check_ranges(runs.layers, [], receivers)
+    B = runs.B
+    per_run = max(1, ROWS_PER_RUN // B) if variants_per_run is None else variants_per_run
+    if isinstance(per_run, bool) or not isinstance(per_run, int) or per_run < 1:
+        raise ValueError(f"variants_per_run must be an int >= 1; received {variants_per_run!r}")
+    layers = runs.layers
+    out = torch.full((len(layers), max(lay.H for lay in layers)), math.nan)
+    if logits:
+        runs.last_block([(lay.index, 0) for lay in layers])  # refuses senders the direct path cannot take
+    laid = _stack(runs)
+    for lay in layers:
+        mine = _by_layer(receivers, lay.index)
+        if not mine and not logits:
+            out[lay.index, :lay.H] = runs.corrupted_metric
+            continue
+        for s in range(0, lay.H, per_run):
+            heads = list(range(s, min(lay.H, s + per_run)))
+            if laid is None:
+                for h in heads:
+                    out[lay.index, h] = _one(runs, [(lay.index, h)], receivers, logits)
+                continue
+            values = _chunk(runs, laid, lay.index, heads, mine, logits)
+            for h, value in zip(heads, values):
+                out[lay.index, h] = value
+    return out
+
+
+def _chunk(runs: _Runs, laid, layer: int, heads: list[int], mine: dict[tuple[int, str], list[int]],
+           logits: bool) -> list[float]:
+    """Steps 2 and 3 for senders `heads` of `layer`, each alone, in one forward each."""
+    blocks, cache, final = laid
+    model, B, n = runs.model, runs.B, len(heads)
+    kept: dict = {}
+    if mine:
+        step2 = _Pinned(runs.corrupted, runs.clean, [[(layer, h)] for h in heads], mine, B, start=layer,
+                        stop=max(i for i, _ in mine))
+        _forward(model, runs.corrupted_inputs, step2, _Join(blocks[layer], cache, n, B).hooks(model, blocks))
+        kept = step2.kept
+    join = _Join(blocks[min(i for i, _ in mine)] if mine else None, cache, n, B)
+    hooks = join.hooks(model, blocks)
+    if logits:
+        delta = torch.cat([runs.delta(layer)[:, :, h] for h in heads])  # (n B, T, C)
+        if mine:
+            def add(m, a, out):
+                x = _first(out)
+                return _with_first(out, x + delta.to(x.dtype))
+        else:
+            def add(m, a, out):  # the corrupted final residual, nothing recomputed
+                x = _first(out)
+                return _with_first(out, final.repeat(n, *([1] * (final.dim() - 1))) + delta.to(x.dtype))
+        hooks.append((blocks[-1], "post", add))
+    got = _forward(model, runs.corrupted_inputs, _Received(kept, mine), hooks)
+    if got.shape[0] != n * B:
+        raise RuntimeError(f"the scan's batch did not come out whole ({got.shape[0]} rows, expected {n * B}): "
+                           f"{type(model).__name__} reshapes its batch between blocks")
+    return [runs.metric_of(got[i * B:(i + 1) * B], f"for layer {layer} head {h}") for i, h in enumerate(heads)]
