@@ -331,7 +331,8 @@ def _check_rank(kv_rank, max_rank: int, attn: Attention, rope_dim: int = 0) -> N
         )
 
 
-def to_mla(model, kv_rank: int, *, rope_dim: int | None = None, return_report: bool = False):
+def to_mla(model, kv_rank: int, *, rope_dim: int | None = None, keep: str | None = None, calibration=None,
+           return_report: bool = False):
     """Factor an MHA/GQA layer's keys and values through a shared rank-`kv_rank` latent.
 
     `model` is one `Attention` (returns a `LatentAttention`, and with `return_report`
@@ -371,13 +372,23 @@ def to_mla(model, kv_rank: int, *, rope_dim: int | None = None, return_report: b
     with the values (the report's error is that of this NoPE K/V map). r = 0 drops RoPE
     altogether. RoPE scaling is refused (its frequencies are not a base's).
 
+    A transformers Llama-family model (Llama, Mistral, Qwen2, Qwen3) goes to
+    `multihead.interop.hf.mla.to_mla`: rope_dim is then required (a multiple of 2 * Hkv up to
+    Hkv * D, where it is exact), `keep` chooses the rotary pairs ("norm", the default, or
+    "high") and `calibration` token ids feed the "norm" choice's statistics.
+
     Returns:
         the converted layer or model, or `(new, report)` with `return_report=True`.
     """
     if _is_transformers_model(model):
-        raise TypeError(f"to_mla converts multihead.Attention layers and models built from them; received the "
-                        f"transformers model {type(model).__name__}: for a DeepSeek-V2/V3 model (already MLA) use "
-                        "multihead.interop.hf.patch; valid: a multihead.Attention or an nn.Module holding them")
+        from multihead.interop.hf.mla import to_mla as hf_to_mla
+
+        return hf_to_mla(model, kv_rank, rope_dim=rope_dim, keep="norm" if keep is None else keep,
+                         calibration=calibration, return_report=return_report)
+    if keep not in (None, "high") or calibration is not None:
+        raise ValueError(f"to_mla: a multihead layer keeps its highest-frequency rotary pairs (keep='high'); "
+                         f"keep={keep!r} and calibration= are for transformers models; valid: keep=None or 'high', "
+                         "calibration=None")
     if isinstance(model, Attention):
         return _mla_layer(model, kv_rank, return_report, rope_dim)
     bias = next((m.k_proj.bias is not None for m in model.modules() if isinstance(m, Attention)), False) \

@@ -1,0 +1,466 @@
+"""MHA/GQA -> MLA for transformers Llama-family models (Llama, Mistral, Qwen2, Qwen3).
+
+`to_mla(model, kv_rank, rope_dim=r)` (reached through `multihead.convert.to_mla`) returns
+a deep copy of the model whose attention layers run on multihead's `LatentAttention`:
+keys and values of every head come from one shared latent per token, and only that
+latent, R + r values per token and layer, sits in transformers' cache; decoding takes
+the absorbed path (W_UK folded into the query, W_UV after). `generate()` works as before.
+
+How a layer with H query heads, Hkv key/value heads of width D is converted:
+
+- Partial RoPE (MHA2MLA, Ji et al., 2025, "Towards Economical Inference: Enabling
+  DeepSeek's Multi-Head Latent Attention in Any Transformer-based LLMs"): each key/value
+  head keeps k = r / (2 Hkv) of its D/2 rotary frequency pairs rotary; those pairs of the
+  Hkv key heads, side by side, are the one decoupled RoPE key of width r (cached after
+  rotation), and each query head's same pairs sit in its group's block of its RoPE query
+  (zeros in the other blocks), so q_pe . k_pe is exactly the rotary part of the original
+  score. The angles are the model's own (its rotary module's cos/sin at those
+  frequencies, RoPE scaling included). Which pairs (`keep`):
+
+  * "norm" (MHA2MLA's 2-norm choice): the pairs whose query-key norm product
+    sum_{h in group} E||q_h^(f)|| E||k^(f)|| is largest: those carry most of the score.
+    The expectations come from `calibration` token ids run through the original model,
+    or, without them, from the weights (||W^(f)||_F, the norm under an isotropic input).
+  * "high": the k highest frequencies (MHA2MLA's S_high), as DeepSeek keeps position in
+    few fast-rotating features.
+
+  The other pairs lose their rotation and become the "nope" keys of the latent.
+- The nope keys and the values: a joint truncated SVD of M = [W_k,nope ; W_v | b_v]
+  (U_R = its first R left singular vectors): the latent is c = U_R^T [k_nope ; v] and the
+  up-projection kv_b_proj holds U_R, each query head taking its key/value head's rows.
+  For a model without q/k norms c is linear in x, so U_R^T M is the down-projection
+  kv_a_proj. The key bias of the nope part is dropped (softmax ignores a shift that is the
+  same for every key); the RoPE key's bias is kept (rotated, it is not such a shift).
+- Qwen3's per-head q/k RMSNorm before RoPE: the queries are computed as before and then
+  laid out as above (exact). The key norm divides each key head by its own RMS, a
+  nonlinear function of x, so the latent is not a linear map of x: this layer computes
+  the exact normalised keys from the kept k_proj and k_norm at cache-write time, caches
+  their rotated RoPE part, and projects [k_nope ; v] onto U_R of the SVD of
+  [diag(w_k) W_k,nope / s_j ; W_v] (s_j = ||W_k,j||_F / sqrt(D), head j's RMS under an
+  isotropic input). What is approximated is only the rank truncation (and, as for every
+  model, the dropped rotation of the nope pairs); the reported error is that of the
+  weighted map, and the per-token norm is exact.
+
+Exact (up to rounding) in the full configuration r = Hkv * D (every pair rotary: the RoPE
+key is the Hkv RoPE'd key heads side by side) and R = Hkv * Dv (the latent is the values).
+The report gives every layer's relative reconstruction error ||M - U_R U_R^T M|| / ||M||.
+
+transformers is never imported here: the model's own modules are read and replaced.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+
+import torch
+from torch import Tensor, nn
+
+from multihead._conversion import ConversionReport, LayerConversion, relative_error
+from multihead.interop.hf.registry import hf_mask
+from multihead.latent import LatentAttention
+from multihead.rope import apply_rotary
+
+__all__ = ["FAMILY", "KEEP", "LatentLlamaAttention", "mla_layers", "rope_pair_scores", "to_mla"]
+
+FAMILY = ("LlamaAttention", "MistralAttention", "Qwen2Attention", "Qwen3Attention")
+KEEP = ("norm", "high")
+
+
+def mla_layers(model: nn.Module) -> list[tuple[str, nn.Module]]:
+    """(qualified name, module) of every attention layer `to_mla` converts."""
+    return [(name, m) for name, m in model.named_modules() if type(m).__name__ in FAMILY]
+
+
+def _sizes(attn: nn.Module) -> tuple[int, int, int, int, int]:
+    """(H, Hkv, D, Dv, C) of one attention layer."""
+    D = attn.head_dim
+    C = attn.q_proj.in_features
+    return attn.q_proj.out_features // D, attn.k_proj.out_features // D, D, attn.v_proj.out_features // \
+        (attn.k_proj.out_features // D), C
+
+
+def _norm(attn: nn.Module, name: str) -> nn.Module | None:
+    return getattr(attn, name, None)
+
+
+# ------------------------------------------------------------ which pairs stay rotary
+
+
+def _pair_norms(t: Tensor) -> Tensor:
+    """(..., D) in HF's half-split layout -> (..., D/2): the norm of each rotary pair (f, f + D/2)."""
+    half = t.shape[-1] // 2
+    return (t[..., :half].square() + t[..., half:].square()).sqrt()
+
+
+def _weight_scores(attn: nn.Module) -> Tensor:
+    """(Hkv, D/2) pair scores from the weights alone: sum over the group's query heads of
+    ||W_q,h^(f)||_F ||W_k^(f)||_F (times the q/k norm's gains where there is one)."""
+    H, Hkv, D, _, C = _sizes(attn)
+
+    def norms(lin, n, norm):
+        w = lin.weight.detach().double().view(n, D, C)
+        row = w.norm(dim=-1)  # (n, D): each feature's norm under an isotropic input
+        if norm is not None:  # RMSNorm(W x) = w * W x / rms(W x): each head at rms 1, times its gains
+            row = row / (w.square().sum((1, 2)) / D).sqrt()[:, None] * norm.weight.detach().double().abs()
+        return _pair_norms(row)  # (n, D/2)
+
+    q = norms(attn.q_proj, H, _norm(attn, "q_norm")).view(Hkv, H // Hkv, D // 2).sum(1)  # (Hkv, D/2)
+    return q * norms(attn.k_proj, Hkv, _norm(attn, "k_norm"))
+
+
+def _activation_scores(attn: nn.Module, xs: list[Tensor]) -> Tensor:
+    """(Hkv, D/2) pair scores from the layer's inputs: sum over the group's query heads of
+    E_t ||q_h^(f)|| E_t ||k^(f)|| (after the q/k norms; RoPE does not change a pair's norm)."""
+    H, Hkv, D, _, _ = _sizes(attn)
+    qs, ks = [], []
+    with torch.no_grad():
+        for x in xs:
+            x = x.reshape(-1, x.shape[-1])  # (tokens, C)
+            q, k = attn.q_proj(x).view(-1, H, D), attn.k_proj(x).view(-1, Hkv, D)
+            if _norm(attn, "q_norm") is not None:
+                q, k = attn.q_norm(q), attn.k_norm(k)
+            qs.append(_pair_norms(q.double()))
+            ks.append(_pair_norms(k.double()))
+    q, k = torch.cat(qs).mean(0), torch.cat(ks).mean(0)  # (H, D/2), (Hkv, D/2)
+    return q.view(Hkv, H // Hkv, D // 2).sum(1) * k
+
+
+def _layer_inputs(model: nn.Module, layers: list[tuple[str, nn.Module]], calibration) -> dict[str, list[Tensor]]:
+    """Each attention layer's input hidden states when the model reads `calibration`."""
+    ids = _check_calibration(calibration)
+    seen: dict[str, list[Tensor]] = {name: [] for name, _ in layers}
+    handles = []
+    for name, m in layers:
+        def grab(module, args, kwargs, name=name):
+            x = kwargs.get("hidden_states", args[0] if args else None)
+            seen[name].append(x.detach())
+        handles.append(m.register_forward_pre_hook(grab, with_kwargs=True))
+    try:
+        with torch.no_grad():
+            model(input_ids=ids.to(next(model.parameters()).device), use_cache=False)
+    finally:
+        for h in handles:
+            h.remove()
+    return seen
+
+
+def _check_calibration(ids) -> Tensor:
+    """Token ids `(B, T)` (a `(T,)` one gets a batch of 1)."""
+    if not isinstance(ids, Tensor) or ids.dtype != torch.long or ids.dim() not in (1, 2) or ids.numel() == 0:
+        raise TypeError("calibration must be a non-empty LongTensor of token ids (T,) or (B, T); received "
+                        + (f"a {ids.dtype} tensor of shape {tuple(ids.shape)}" if isinstance(ids, Tensor)
+                           else type(ids).__name__))
+    return ids[None] if ids.dim() == 1 else ids
+
+
+def rope_pair_scores(model: nn.Module, *, calibration: Tensor | None = None) -> dict[str, Tensor]:
+    """The "norm" choice's score of every rotary pair: layer name -> `(Hkv, D/2)` float64,
+    pair f = features (f, f + D/2) of a head in transformers' half-split layout (f = 0 is
+    the highest frequency). From `calibration` token ids run through `model`, or from the
+    weights when None."""
+    layers = mla_layers(model)
+    if calibration is None:
+        return {name: _weight_scores(m) for name, m in layers}
+    inputs = _layer_inputs(model, layers, calibration)
+    return {name: _activation_scores(m, inputs[name]) for name, m in layers}
+
+
+def _kept_pairs(scores: Tensor | None, Hkv: int, D: int, k: int, keep: str) -> Tensor:
+    """(Hkv, k) frequency indices kept rotary in each key/value head, ascending."""
+    if keep == "high" or scores is None or k == D // 2:
+        return torch.arange(k).expand(Hkv, k).clone()
+    return scores.topk(k, dim=1).indices.sort(dim=1).values
+
+
+# ------------------------------------------------------------------ the layer
+
+
+class LatentLlamaAttention(nn.Module):
+    """What `to_mla` puts in place of a Llama-family attention layer.
+
+    Attributes:
+        mla: the `LatentAttention` that holds the projections and attends (registered:
+            its parameters are this layer's).
+        rope_pairs: `(Hkv, k)` the frequency indices each key/value head keeps rotary.
+        slot_freq: `(r/2,)` buffer, the frequency index of each pair of the RoPE key
+            (cos/sin are read from the model's angles at these columns).
+        pe_rows, nope_rows: `(r,)`, `(Hkv * (D - 2k),)` buffers, rows of the original k_proj
+            that make the RoPE key and the nope keys.
+        k_proj, v_proj, k_norm, latent_proj, q_gain: only for a layer with q/k norms (Qwen3),
+            which computes its latent from the exact normalised keys (module docstring).
+    """
+
+    def __init__(self, original: nn.Module, mla: LatentAttention, pairs: Tensor, slot_freq: Tensor,
+                 pe_rows: Tensor, nope_rows: Tensor):
+        super().__init__()
+        self.mla = mla
+        self.rope_pairs = pairs
+        self.register_buffer("slot_freq", slot_freq, persistent=False)
+        self.register_buffer("pe_rows", pe_rows, persistent=False)
+        self.register_buffer("nope_rows", nope_rows, persistent=False)
+        self.layer_idx = getattr(original, "layer_idx", None)
+        self.config = getattr(original, "config", None)
+        self.head_dim = original.head_dim
+        self.is_causal = True
+        self.k_proj = self.v_proj = self.k_norm = self.latent_proj = None
+        self.q_gain = None
+        self.q_norm_eps = 0.0
+        self.train(original.training)
+
+    def extra_repr(self) -> str:
+        m = self.mla
+        return (f"layer_idx={self.layer_idx}, kv_rank={m.kv_rank}, rope_dim={m.rope_dim}: caches "
+                f"{m.kv_rank + m.rope_dim} values per token, decodes on the absorbed path")
+
+    def _rotary(self, position_embeddings) -> tuple[Tensor, Tensor] | None:
+        """transformers' (cos, sin), each `(B, T, D)` = cat(freqs, freqs), at the kept
+        frequencies -> `(B, 1, T, r/2)` each."""
+        if not self.mla.rope_dim:
+            return None
+        if position_embeddings is None:
+            raise ValueError("LatentLlamaAttention needs the model's position_embeddings (cos, sin): call it "
+                             "from its decoder layer")
+        cos, sin = position_embeddings
+        return cos[..., self.slot_freq][:, None], sin[..., self.slot_freq][:, None]
+
+    def forward(self, hidden_states: Tensor, position_embeddings=None, attention_mask: Tensor | None = None,
+                cache=None, past_key_values=None, **kwargs) -> tuple[Tensor, None]:
+        """transformers' Llama attention signature: x `(B, T, C)` -> (out `(B, T, C)`, None)."""
+        if self.training and float(getattr(self.config, "attention_dropout", 0.0) or 0.0) > 0:
+            raise ValueError("the MLA layer has no attention dropout; set config.attention_dropout=0 to train it")
+        cache = cache if cache is not None else past_key_values
+        x = hidden_states
+        T = x.shape[1]
+        rotary = self._rotary(position_embeddings)
+        mask = hf_mask(attention_mask, x.dtype)
+
+        def store(latent: Tensor) -> Tensor:
+            """This call's latents `(B, T, R + r)` -> every cached one `(B, S, R + r)`."""
+            if cache is not None:
+                # the latent as the "keys" of one head and zero-width "values", as interop.hf.patch does
+                keys, _ = cache.update(latent[:, None], latent[:, None, :, :0], self.layer_idx, kwargs=kwargs)
+                latent = keys[:, 0]
+            if mask is None and 1 < T < latent.shape[1]:  # a static cache's prefill: the slots after T are empty
+                latent = latent[:, :T]
+            return latent
+
+        if self.k_norm is None:
+            return self.mla.forward(x, mask=mask, rotary=rotary, store=store), None
+        q_nope, q_pe = self.queries(x, rotary)
+        latent = store(self.latents(x, rotary))
+        m = self.mla
+        attend = m.attend_absorbed if m.absorb_is_cheaper(T, latent.shape[1]) else m.attend_naive
+        out, _ = attend(q_nope, q_pe, latent, mask)  # (B, H, T, Dv)
+        return m.o_proj(out.transpose(1, 2).reshape(x.shape[0], T, -1)), None
+
+    def queries(self, x: Tensor, rotary) -> tuple[Tensor, Tensor]:
+        """A q-normed layer's queries: q_nope `(B, H, T, Dn)`, rotated q_pe `(B, H, T, r)`.
+
+        The laid-out query [q_nope ; q_pe] holds each head's D features (and zeros), so
+        the RMS over those D features is the original q_norm's."""
+        m = self.mla
+        B, T, _ = x.shape
+        q = m.q_proj(x).view(B, T, m.n_heads, -1)  # (B, T, H, Dn + r)
+        dtype = q.dtype
+        q = q.float()
+        q = q * torch.rsqrt(q.square().sum(-1, keepdim=True) / self.head_dim + self.q_norm_eps)
+        q = (self.q_gain * q.to(dtype)).transpose(1, 2)  # (B, H, T, Dn + r); q_gain carries the scale ratio
+        q_nope, q_pe = q.split([m.head_dim, m.rope_dim], dim=-1)
+        if rotary is not None:
+            q_pe = apply_rotary(q_pe, *rotary)
+        return q_nope, q_pe
+
+    def latents(self, x: Tensor, rotary) -> Tensor:
+        """A k-normed layer's latents `(B, T, R + r)`: c = U_R^T [k_nope ; v] of the exact
+        normalised keys, and the rotated RoPE key."""
+        B, T, _ = x.shape
+        k = self.k_norm(self.k_proj(x).view(B, T, -1, self.head_dim)).reshape(B, T, -1)  # (B, T, Hkv*D)
+        v = self.v_proj(x)  # (B, T, Hkv*Dv)
+        c = self.latent_proj(torch.cat([k[..., self.nope_rows], v], dim=-1))  # (B, T, R)
+        k_pe = k[..., self.pe_rows]  # (B, T, r)
+        if rotary is not None:
+            k_pe = apply_rotary(k_pe[:, None], *rotary)[:, 0]
+        return torch.cat([c, k_pe], dim=-1)
+
+
+# ------------------------------------------------------------------ conversion
+
+
+def _check(model: nn.Module, kv_rank, rope_dim, keep) -> list[tuple[str, nn.Module]]:
+    name = type(model).__name__
+    layers = mla_layers(model)
+    if not layers:
+        raise TypeError(f"to_mla: {name} has no {', '.join(FAMILY)} layer; valid: Llama, Mistral, Qwen2, Qwen3 "
+                        "models (a DeepSeek-V2/V3 model is MLA already: multihead.interop.hf.patch)")
+    if keep not in KEEP:
+        raise ValueError(f"to_mla: keep must be one of {', '.join(KEEP)}; received {keep!r}")
+    H, Hkv, D, Dv, C = _sizes(layers[0][1])
+    for lname, m in layers:
+        if _sizes(m)[:4] != (H, Hkv, D, Dv):
+            raise ValueError(f"to_mla: layer {lname} has (H, Hkv, D, Dv) = {_sizes(m)[:4]}, the first layer "
+                             f"{(H, Hkv, D, Dv)}; valid: a model whose layers share one geometry")
+    valid = list(range(0, Hkv * D + 1, 2 * Hkv))
+    if isinstance(rope_dim, bool) or not isinstance(rope_dim, int) or rope_dim not in valid:
+        shown = valid if len(valid) <= 12 else valid[:5] + ["..."] + valid[-3:]
+        raise ValueError(f"to_mla: rope_dim must be a multiple of 2 * Hkv = {2 * Hkv} in 0..{Hkv * D} (each of the "
+                         f"{Hkv} key/value heads keeps rope_dim / {2 * Hkv} of its {D // 2} rotary pairs; "
+                         f"{Hkv * D} = every pair, exact); received {rope_dim!r}; valid: "
+                         f"{', '.join(map(str, shown))}")
+    rows = Hkv * (D - rope_dim // Hkv) + Hkv * Dv
+    m = layers[0][1]
+    cols = C + (m.v_proj.bias is not None and _norm(m, "k_norm") is None)  # the value bias's column
+    top = min(rows, cols)
+    if isinstance(kv_rank, bool) or not isinstance(kv_rank, int) or not 1 <= kv_rank <= top:
+        raise ValueError(f"to_mla: kv_rank must be an int in 1..{top}, the rank of the stacked [W_k,nope ; W_v] "
+                         f"({rows} rows: {Hkv} heads x ({D - rope_dim // Hkv} nope key + {Dv} value features), "
+                         f"{cols} columns) at rope_dim={rope_dim}; received {kv_rank!r}"
+                         + (f"; exact: rope_dim={Hkv * D}, kv_rank={Hkv * Dv}" if rope_dim != Hkv * D else ""))
+    return layers
+
+
+def _convert_layer(attn: nn.Module, kv_rank: int, rope_dim: int, pairs: Tensor, backend: str
+                   ) -> tuple[LatentLlamaAttention, float]:
+    H, Hkv, D, Dv, C = _sizes(attn)
+    G, half, k, R = H // Hkv, D // 2, rope_dim // (2 * Hkv), kv_rank
+    r2 = rope_dim // 2
+    Dn_live = D - 2 * k
+    Dn = max(1, Dn_live)  # LatentAttention's head_dim is >= 1: a zero feature when every pair is rotary
+    # slot s of the RoPE key: key head s // k, frequency pairs[s // k, s % k]; half-split: features s and s + r/2
+    slot_head = torch.arange(Hkv).repeat_interleave(k)  # (r/2,)
+    slot_freq = pairs.reshape(-1)  # (r/2,)
+    pe_feat = torch.cat([slot_freq, slot_freq + half])  # (r,): the feature of its head
+    pe_rows = torch.cat([slot_head, slot_head]) * D + pe_feat  # (r,) rows of k_proj
+    nope = [[i for i in range(D) if i % half not in set(pairs[j].tolist())] for j in range(Hkv)]
+    nope_rows = torch.tensor([j * D + i for j in range(Hkv) for i in nope[j]], dtype=torch.long)
+
+    # each query head's layout [nope (Dn) ; pe (r)] as source features of its D (-1: a zero)
+    src = torch.full((H, Dn + rope_dim), -1, dtype=torch.long)
+    for h in range(H):
+        j = h // G
+        src[h, :Dn_live] = torch.tensor(nope[j], dtype=torch.long)
+        mine = (slot_head == j).nonzero().flatten()
+        src[h, Dn + mine] = slot_freq[mine]
+        src[h, Dn + r2 + mine] = slot_freq[mine] + half
+    live = src >= 0  # (H, Dn + r)
+
+    def lay_out(t: Tensor) -> Tensor:
+        """(H, D, ...) per-head query rows -> (H, Dn + r, ...) in the layout, zeros where none."""
+        idx = src.clamp(min=0).view(H, -1, *([1] * (t.dim() - 2))).expand(H, Dn + rope_dim, *t.shape[2:])
+        out = t.gather(1, idx)
+        return out * live.view(H, -1, *([1] * (t.dim() - 2))).to(out.dtype)
+
+    qk_norm = _norm(attn, "k_norm") is not None
+    wk = attn.k_proj.weight.detach().double()  # (Hkv*D, C)
+    wv = attn.v_proj.weight.detach().double()  # (Hkv*Dv, C)
+    bk, bv = attn.k_proj.bias, attn.v_proj.bias
+    if qk_norm:  # the map of the exact normalised nope keys and the values (module docstring)
+        gain = attn.k_norm.weight.detach().double()  # (D,)
+        s = (wk.view(Hkv, D, C).square().sum((1, 2)) / D).sqrt()  # (Hkv,): head j's RMS, isotropic input
+        m = torch.cat([(wk.view(Hkv, D, C) * (gain[None, :, None] / s[:, None, None])).reshape(-1, C)[nope_rows],
+                       wv])  # (rows, C)
+    else:
+        m = torch.cat([wk[nope_rows], wv])  # (rows, C): the nope key bias is a shift softmax ignores
+        if bv is not None:
+            col = torch.cat([torch.zeros(len(nope_rows), dtype=torch.float64), bv.detach().double()])
+            m = torch.cat([m, col[:, None]], dim=1)  # (rows, C + 1)
+    U, S, _ = torch.linalg.svd(m, full_matrices=False)
+    up = U[:, :R]  # (rows, R), orthonormal columns
+    nk = len(nope_rows)
+    up_k = up[:nk].view(Hkv, Dn_live, R)
+    up_k = torch.cat([up_k, up_k.new_zeros(Hkv, Dn - Dn_live, R)], dim=1)  # (Hkv, Dn, R)
+    up_v = up[nk:].view(Hkv, Dv, R)
+    up_kv = torch.cat([up_k, up_v], dim=1).repeat_interleave(G, dim=0)  # (H, Dn + Dv, R)
+
+    w = attn.q_proj.weight
+    ratio = float(getattr(attn, "scaling", D ** -0.5)) * math.sqrt(Dn + rope_dim)  # to LatentAttention's scale
+    window = _sliding_window(attn)
+    has_bias = any(getattr(attn, n).bias is not None for n in ("q_proj", "k_proj", "v_proj", "o_proj"))
+    mla = LatentAttention(C, H, R, head_dim=Dn, rope_dim=rope_dim, v_head_dim=Dv, causal=True, backend=backend,
+                          latent_norm=False, bias=has_bias, rope_interleaved=False,
+                          rope_base=float(getattr(attn.config, "rope_theta", None) or 10000.0),
+                          sliding_window=window)
+    if attn.q_proj.bias is None:
+        mla.q_proj.register_parameter("bias", None)
+    if attn.o_proj.bias is None:
+        mla.o_proj.register_parameter("bias", None)
+    latent_bias = not qk_norm and (bv is not None or (bk is not None and rope_dim))
+    if not latent_bias:
+        mla.kv_a_proj.register_parameter("bias", None)
+    mla = mla.to(device=w.device, dtype=w.dtype)
+    wq = attn.q_proj.weight.detach().double().view(H, D, C)
+    q_ratio = 1.0 if qk_norm else ratio  # a q-normed layer's scale rides on its gains (the norm undoes a weight)
+    with torch.no_grad():
+        mla.q_proj.weight.copy_(lay_out(wq).reshape(-1, C) * q_ratio)
+        if attn.q_proj.bias is not None:
+            mla.q_proj.bias.copy_(lay_out(attn.q_proj.bias.detach().double().view(H, D, 1)).reshape(-1) * q_ratio)
+        mla.o_proj.load_state_dict(attn.o_proj.state_dict())
+        mla.kv_b_proj.weight.copy_(up_kv.reshape(-1, R))
+        if not qk_norm:
+            down = up.T @ m  # (R, C [+1])
+            mla.kv_a_proj.weight.copy_(torch.cat([down[:, :C], wk[pe_rows]]))  # (R + r, C)
+            if latent_bias:
+                b_lat = down[:, C] if m.shape[1] > C else torch.zeros(R, dtype=torch.float64)
+                b_pe = bk.detach().double()[pe_rows] if bk is not None else torch.zeros(rope_dim, dtype=torch.float64)
+                mla.kv_a_proj.bias.copy_(torch.cat([b_lat, b_pe]))
+    layer = LatentLlamaAttention(attn, mla, pairs, slot_freq.to(w.device), pe_rows.to(w.device),
+                                 nope_rows.to(w.device))
+    if qk_norm:
+        mla.kv_a_proj = None  # the latent comes from the kept k_proj / v_proj through latent_proj
+        layer.k_proj, layer.v_proj, layer.k_norm = attn.k_proj, attn.v_proj, attn.k_norm
+        layer.latent_proj = nn.Linear(up.shape[0], R, bias=False).to(device=w.device, dtype=w.dtype)
+        gain_q = attn.q_norm.weight.detach().double()[None, :, None].expand(H, D, 1)
+        with torch.no_grad():
+            layer.latent_proj.weight.copy_(up.T)
+            # the exact keys carry w_k and 1/rms themselves; the basis was weighted by 1/s only to choose it
+        layer.q_gain = nn.Parameter((lay_out(gain_q.contiguous())[..., 0] * ratio).to(device=w.device, dtype=w.dtype))
+        layer.q_norm_eps = float(getattr(attn.q_norm, "variance_epsilon", getattr(attn.q_norm, "eps", 1e-6)))
+        layer.train(attn.training)
+    error = relative_error(m, up @ (up.T @ m))
+    return layer, error
+
+
+def _sliding_window(attn: nn.Module) -> int | None:
+    window = getattr(attn, "sliding_window", None)
+    return int(window) if window else None
+
+
+def to_mla(model: nn.Module, kv_rank: int, *, rope_dim: int | None, keep: str = "norm",
+           calibration: Tensor | None = None, backend: str = "auto", return_report: bool = False):
+    """A copy of a Llama-family transformers model on multihead's MLA (module docstring).
+
+    Args:
+        kv_rank: R, the width of the shared latent (<= the rank of [W_k,nope ; W_v]).
+        rope_dim: r, the width of the decoupled RoPE key: a multiple of 2 * Hkv up to
+            Hkv * D (every pair rotary); required.
+        keep: "norm" (largest query-key norm product) or "high" (highest frequencies).
+        calibration: token ids for the "norm" choice's statistics (default: from the weights).
+
+    Returns:
+        the new model, or `(model, multihead.convert.ConversionReport)` with every layer's
+        relative K/V reconstruction error. The input model is untouched.
+    """
+    if rope_dim is None:
+        layers = mla_layers(model)
+        hint = ""
+        if layers:
+            _, Hkv, D, Dv, _ = _sizes(layers[0][1])
+            hint = f"; valid: a multiple of {2 * Hkv} in 0..{Hkv * D} (exact: rope_dim={Hkv * D}, kv_rank={Hkv * Dv})"
+        raise ValueError("to_mla: a transformers model has RoPE in every layer, so rope_dim (the decoupled RoPE "
+                         f"key's width) must be given; received None{hint}")
+    layers = _check(model, kv_rank, rope_dim, keep)
+    _, Hkv, D, _, _ = _sizes(layers[0][1])
+    k = rope_dim // (2 * Hkv)
+    scores = rope_pair_scores(model, calibration=calibration) if keep == "norm" and 0 < k < D // 2 else {}
+    if calibration is not None:
+        _check_calibration(calibration)  # also where no choice is left to make
+    new = copy.deepcopy(model)
+    rows = []
+    for name, attn in mla_layers(new):
+        pairs = _kept_pairs(scores.get(name), Hkv, D, k, keep)
+        layer, error = _convert_layer(attn, kv_rank, rope_dim, pairs, backend)
+        parent, _, child = name.rpartition(".")
+        setattr(new.get_submodule(parent) if parent else new, child, layer)
+        rows.append(LayerConversion(name, error))
+    report = ConversionReport(f"MLA-{kv_rank}", f"svd, rope {keep}", tuple(rows))
+    return (new, report) if return_report else new
