@@ -110,8 +110,8 @@ def test_plain_scale_leaves_the_rest_to_check_scale(scale):
     q, k, v = _qkv()
     try:
         want = check_scale(scale)
-    except ValueError as err:
-        with pytest.raises(ValueError, match=re.escape(str(err))):
+    except (TypeError, ValueError) as err:
+        with pytest.raises(type(err), match=re.escape(str(err))):
             attend(q, k, v, scale=scale)
         return
     assert torch.equal(attend(q, k, v, scale=scale)[0], attend(q, k, v, scale=want)[0])
@@ -279,11 +279,12 @@ def test_hf_decode_step_equals_attend_and_the_general_path():
     assert torch.equal(out, tensor_scale)
 
 
-@pytest.mark.parametrize("scaling", [-1.0, 0.0, float("nan"), "0.3"])
-def test_hf_decode_step_bad_scaling_names_scaling(scaling):
+@pytest.mark.parametrize("scaling, error", [(-1.0, ValueError), (0.0, ValueError), (float("nan"), ValueError),
+                                            ("0.3", TypeError)])
+def test_hf_decode_step_bad_scaling_names_scaling(scaling, error):
     hf = _hf()
     q, k, v = _qkv()
-    with pytest.raises(ValueError, match="scaling must be a positive finite number"):
+    with pytest.raises(error, match="scaling must be a positive finite number"):
         hf.attention_forward(_Layer(), q, k, v, None, scaling=scaling)
 
 

@@ -50,7 +50,7 @@ CASES = [
     ("q not a tensor", lambda: sdpa(q.numpy(), k, v), TypeError, ["q must be a torch.Tensor", "ndarray"]),
     ("integer q", lambda: sdpa(q.long(), k.long(), v.long()), TypeError, ["floating-point", "torch.int64"]),
     ("H not multiple of Hkv", lambda: sdpa(q[:, :6], k[:, :1].expand(2, 4, 7, 4), v[:, :1].expand(2, 4, 7, 3)),
-     ValueError, ["H (6)", "Hkv (4)", "valid Hkv for H=6: 1, 2, 3, 6"]),
+     ValueError, ["H (6)", "Hkv (4)", "divisible", "valid: 1, 2, 3, 6"]),
     ("batch mismatch", lambda: sdpa(q, k[:1], v[:1]), ValueError, ["batch sizes differ", "(2, 8, 5, 4)"]),
     ("head dim mismatch", lambda: sdpa(q, torch.randn(2, 2, 7, 5), v), ValueError, ["same head dim", "(2, 2, 7, 5)"]),
     ("k/v length mismatch", lambda: sdpa(q, k, v[:, :, :6]), ValueError, ["same key length", "(2, 2, 6, 3)"]),
@@ -105,7 +105,7 @@ CASES = [
     ("cache not a KVCache", lambda: _attn()(torch.randn(2, 1, 16), cache={}), TypeError, ["KVCache", "dict"]),
     ("cache max_len zero", lambda: mh.KVCache(1, 1, 0, 4), ValueError, ["max_len must be an int >= 1", "0"]),
     ("cache integer dtype", lambda: mh.KVCache(1, 1, 4, 4, dtype=torch.int8), TypeError, ["floating", "torch.int8"]),
-    ("sliding window zero", lambda: masks.sliding_window(0), ValueError, ["window", "positive", "0"]),
+    ("sliding window zero", lambda: masks.sliding_window(0), ValueError, ["window must be an int >= 1", "0"]),
     ("padding both args", lambda: masks.padding(torch.tensor([1]), keep=torch.ones(1, 2, dtype=torch.bool)),
      ValueError, ["exactly one", "lengths=set", "keep=set"]),
     ("padding float lengths", lambda: masks.padding(torch.tensor([1.5])), ValueError,
@@ -146,8 +146,8 @@ CASES = [
     ("prefix_lm per-batch wrong size", lambda: sdpa(q, k, v, masks.prefix_lm(torch.tensor([1, 2, 3]))), ValueError,
      ["prefix_len has 3 entries", "B = 2"]),
     ("prefix_lm negative", lambda: masks.prefix_lm(-1), ValueError, ["prefix_len", ">= 0", "-1"]),
-    ("chunked zero", lambda: masks.chunked(0), ValueError, ["chunk size", "positive", "0"]),
-    ("window float", lambda: masks.sliding_window(2.5), ValueError, ["window", "positive int", "2.5"]),
+    ("chunked zero", lambda: masks.chunked(0), ValueError, ["chunk size must be an int >= 1", "0"]),
+    ("window float", lambda: masks.sliding_window(2.5), TypeError, ["window must be an int >= 1", "2.5", "float"]),
     ("softcap zero", lambda: mh_softcap(0.0), ValueError, ["softcap cap", "positive", "0.0"]),
     ("alibi slopes per head", lambda: sdpa(q, k, v, score_mod=mh_alibi(4)), ValueError,
      ["alibi has 4 slopes", "H = 8"]),
@@ -155,20 +155,20 @@ CASES = [
      ["scale must be a positive finite number", "-0.5"]),
     ("scale tensor zero", lambda: sdpa(q, k, v, scale=torch.tensor(0.0)), ValueError, ["scale", "positive", "0."]),
     ("scale vector", lambda: sdpa(q, k, v, scale=torch.ones(3)), ValueError, ["scale", "tensor of shape (3)"]),
-    ("scale string", lambda: sdpa(q, k, v, scale="0.5"), ValueError, ["scale", "'0.5'", "str"]),
+    ("scale string", lambda: sdpa(q, k, v, scale="0.5"), TypeError, ["scale", "'0.5'", "str"]),
     # issue 18 (reliability, round 3)
     ("softcap cap infinite", lambda: mh_softcap(float("inf")), ValueError, ["softcap cap", "positive finite", "inf"]),
     ("softcap cap learned", lambda: mh_softcap(torch.tensor(30.0, requires_grad=True)), ValueError,
      ["softcap cap", "requires grad", "torch.tanh(s / cap)"]),
     ("window beyond int64 positions", lambda: masks.sliding_window(2**63), ValueError,
-     ["window must be a positive int", "9223372036854775808", "at most 2**62"]),
+     ["window must be at most 2**62", "9223372036854775808"]),
     ("window 10**20", lambda: masks.sliding_window(10**20), ValueError,
      ["window", "100000000000000000000", "at most 2**62"]),
     ("chunk size huge", lambda: masks.chunked(2**64), ValueError, ["chunk size", "at most 2**62"]),
     ("prefix_len huge", lambda: masks.prefix_lm(10**20), ValueError, ["prefix_len", "100000000000000000000",
                                                                        "at most 2**62"]),
     ("tile_classes zero tile", lambda: masks.tile_classes(masks.causal(), 1, 1, 4, 4, 0, 2), ValueError,
-     ["bq must be a positive int", "0"]),
+     ["bq must be an int >= 1", "0"]),
     ("learned mod on tiles", lambda: sdpa(q, k, v, backend="tiles", score_mod=_learned_mod()), ValueError,
      ["score mod", "holds tensors that require grad", "backends that can: 'chunked', 'math'"]),
     ("unprobeable mod on tiles", lambda: sdpa(q, k, v, backend="tiles", score_mod=_unprobeable_mod), ValueError,
@@ -229,3 +229,21 @@ def test_messages_are_one_line_from_our_boundary(case):
     assert "\n" not in str(info.value).strip(), f"multi-line message: {info.value!s}"
     origin = info.traceback[-1].path
     assert "multihead" in str(origin), f"raised from {origin}, not from multihead's checks"
+
+
+@pytest.mark.parametrize("d_model", ["8", 8.0, True, 0, -1])
+def test_module_and_plan_refuse_a_bad_size_alike(d_model):
+    """`plan` describes the modules argument for argument, so one bad size is one mistake:
+    the same exception type (TypeError for a wrong type, ValueError for a wrong value) and
+    the same message from `Attention`, `LatentAttention`, `AttentionGeometry` and `LatentGeometry`."""
+    from multihead import plan
+
+    raised = []
+    for build in (lambda: mh.Attention(d_model, 2), lambda: plan.AttentionGeometry(d_model, 2),
+                  lambda: mh.LatentAttention(d_model, 2, 4), lambda: plan.LatentGeometry(d_model, 2, 4)):
+        with pytest.raises((TypeError, ValueError)) as info:
+            build()
+        raised.append((type(info.value), str(info.value)))
+    want = TypeError if isinstance(d_model, (str, float, bool)) else ValueError
+    assert raised == [(want, raised[0][1])] * 4, raised
+    assert raised[0][1].startswith(f"d_model must be an int >= 1; received {d_model!r}")

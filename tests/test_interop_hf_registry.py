@@ -371,7 +371,7 @@ def test_static_prefill_slots_are_cut():
     (dict(attention_mask=object()), TypeError, "attention mask of type object"),
     (dict(attention_mask=torch.ones(2, 6, 6, dtype=torch.bool)), ValueError, "4-D"),
     (dict(softcap=-1.0), ValueError, "softcap must be a positive finite number"),
-    (dict(softcap="50"), ValueError, "softcap must be a positive finite number"),
+    (dict(softcap="50"), TypeError, "softcap must be a positive finite number"),
     (dict(s_aux=torch.zeros(3)), ValueError, r"sinks must have shape \(H,\) = \(4,\)"),
     (dict(multihead_weights=[0]), TypeError, "takes a multihead.interop.hf.WeightsRequest"),
 ])

@@ -98,9 +98,9 @@ def test_attention_geometry_defaults_mirror_the_module():
 @pytest.mark.parametrize("kwargs, error, match", [
     ({"d_model": 768, "n_heads": 12, "n_kv_heads": 5}, ValueError,
      r"n_heads \(12\) must be divisible by n_kv_heads \(5\); valid: 1, 2, 3, 4, 6, 12"),
-    ({"d_model": 768, "n_heads": 0}, ValueError, "n_heads must be >= 1; received 0"),
-    ({"d_model": -1, "n_heads": 2}, ValueError, "d_model must be >= 1; received -1"),
-    ({"d_model": 768, "n_heads": 12.0}, TypeError, "n_heads must be an int; received 12.0"),
+    ({"d_model": 768, "n_heads": 0}, ValueError, "n_heads must be an int >= 1; received 0"),
+    ({"d_model": -1, "n_heads": 2}, ValueError, "d_model must be an int >= 1; received -1"),
+    ({"d_model": 768, "n_heads": 12.0}, TypeError, r"n_heads must be an int >= 1; received 12.0 \(float\)"),
     ({"d_model": 8, "n_heads": 16}, ValueError, r"d_model \(8\) // n_heads \(16\) is 0"),
 ])  # fmt: skip
 def test_bad_geometry_says_what_is_valid(kwargs, error, match):
@@ -111,7 +111,7 @@ def test_bad_geometry_says_what_is_valid(kwargs, error, match):
 def test_latent_geometry_validation():
     with pytest.raises(ValueError, match="rope_dim must be even"):
         plan.LatentGeometry(64, 4, 16, rope_dim=3)
-    with pytest.raises(ValueError, match="kv_rank must be >= 1; received 0"):
+    with pytest.raises(ValueError, match="kv_rank must be an int >= 1; received 0"):
         plan.LatentGeometry(64, 4, 0)
 
 
@@ -121,7 +121,7 @@ def test_kv_cache_bytes_by_dtype():
         2048 * 2000 * 4, 2048 * 2000 * 2, 2048 * 2000, 2048 * 1000]
     with pytest.raises(ValueError, match="decompressed=True applies to MLA only"):
         plan.kv_cache_bytes(g, 1, decompressed=True)
-    with pytest.raises(ValueError, match="batch must be >= 1; received 0"):
+    with pytest.raises(ValueError, match="batch must be an int >= 1; received 0"):
         plan.kv_cache_bytes(g, 1, 0)
 
 

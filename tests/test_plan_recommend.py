@@ -226,13 +226,13 @@ def test_warning_weights_do_not_fit():
 
 
 @pytest.mark.parametrize("kw, error, match", [
-    ({"params": 0}, ValueError, "params must be positive; received 0"),
-    ({"params": 7e9}, TypeError, "params must be an int; received 7000000000.0"),
+    ({"params": 0}, ValueError, "params must be an int >= 1; received 0"),
+    ({"params": 7e9}, TypeError, r"params must be an int >= 1; received 7000000000.0 \(float\)"),
     ({"params": 10**9, "priority": "speed"}, ValueError,
      "priority must be one of inference, training; received 'speed'"),
     ({"params": 10**9, "variant": "flash"}, ValueError,
      "variant must be one of mha, gqa, mqa, mla; received 'flash'"),
-    ({"params": 10**9, "n_heads": 0}, ValueError, "n_heads must be positive; received 0"),
+    ({"params": 10**9, "n_heads": 0}, ValueError, "n_heads must be an int >= 1 or None; received 0"),
     ({"params": 10**9, "dtype": "fp12"}, ValueError, "unknown dtype 'fp12'"),
 ])  # fmt: skip
 def test_bad_requests(kw, error, match):

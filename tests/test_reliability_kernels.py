@@ -40,9 +40,10 @@ def test_softcap_accurate_for_any_cap_float32(cap, backend):
     assert_close(got, want, torch.float32, atol=2e-5, rtol=2e-5, what=f"softcap({cap:g}) {backend}")
 
 
-@pytest.mark.parametrize("cap", [0.0, -1.0, float("inf"), float("nan"), "50", True])
-def test_softcap_cap_range_is_validated(cap):
-    with pytest.raises(ValueError, match="softcap cap must be a positive finite number"):
+@pytest.mark.parametrize("cap, error", [(0.0, ValueError), (-1.0, ValueError), (float("inf"), ValueError),
+                                        (float("nan"), ValueError), ("50", TypeError), (True, TypeError)])
+def test_softcap_cap_range_is_validated(cap, error):
+    with pytest.raises(error, match="softcap cap must be a positive finite number"):
         score_mods.softcap(cap)
 
 
@@ -79,9 +80,9 @@ def test_predicate_integers_up_to_the_bound_are_exact(make, same):
 
 
 def test_tile_sizes_are_validated():
-    with pytest.raises(ValueError, match="bq must be a positive int"):
+    with pytest.raises(ValueError, match="bq must be an int >= 1"):
         masks.tile_classes(masks.causal(), 1, 1, 4, 4, 0, 2)
-    with pytest.raises(ValueError, match="bk must be a positive int"):
+    with pytest.raises(ValueError, match=r"bk must be at most 2\*\*62"):
         masks.tile_classes(masks.causal(), 1, 1, 4, 4, 2, 2**63)
 
 
@@ -290,16 +291,40 @@ def test_sinks_gradient_through_the_registry_equals_a_written_out_softmax():
         assert_close(a, b, what=name)
 
 
+def _three_orders(out_fn, inputs, seed=5):
+    """The gradient as is, under create_graph=True, and the gradient of a penalty (its sum of
+    squares) for `out_fn()`: None for an input the call does not reach."""
+    out = out_fn()
+    g_out = torch.randn(out.shape, generator=torch.Generator().manual_seed(seed), dtype=out.dtype)
+    plain = torch.autograd.grad(out, inputs, g_out, allow_unused=True)
+    graph = torch.autograd.grad(out_fn(), inputs, g_out, create_graph=True, allow_unused=True)
+    penalty = sum(g.square().sum() for g in graph if g is not None and g.requires_grad)
+    second = torch.autograd.grad(penalty, inputs, allow_unused=True) if torch.is_tensor(penalty) \
+        else [None] * len(inputs)
+    return plain, graph, second
+
+
 @settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(B=st.integers(1, 2), Hkv=st.integers(1, 2), G=st.sampled_from([1, 2]), T=st.integers(1, 20),
        S=st.integers(1, 20), causal=st.booleans(), mask=st.sampled_from(["none", "bias", "bias-B", "bool", "window"]),
        mod=st.sampled_from(["none", "softcap", "alibi-learned", "captured", "softcap+bias-learned"]),
-       seed=st.integers(0, 2**16))
-def test_property_every_input_that_requires_grad_gets_the_math_gradient(B, Hkv, G, T, S, causal, mask, mod, seed):
+       alias=st.sampled_from(["none", "q=k", "k=v", "q=k=v", "views"]), seed=st.integers(0, 2**16))
+def test_property_every_input_that_requires_grad_gets_the_math_gradient(B, Hkv, G, T, S, causal, mask, mod, alias,
+                                                                        seed):
     """Any backend either refuses by name or gives every input requiring grad (q, k, v, a float mask,
-    ALiBi slopes, tensors a score mod captured) the math path's gradient, as is or through create_graph."""
+    ALiBi slopes, tensors a score mod captured) the math path's gradient, as is and under
+    create_graph=True, and the math path's second-order gradient (of a gradient penalty), also
+    when q, k, v alias: one tensor in two or three slots, or k and v views of q's heads."""
+    if alias in ("q=k", "q=k=v"):
+        G, S = 1, T  # q and k one tensor: as many heads and positions
+    if alias == "views":
+        S = T
     H = Hkv * G
-    q, k, v = _qkv(B=B, H=H, Hkv=Hkv, T=T, S=S, D=4, Dv=3, seed=seed, grad=True)
+    q, k, v = _qkv(B=B, H=H, Hkv=Hkv, T=T, S=S, D=4, Dv=3 if alias in ("none", "q=k") else 4, seed=seed,
+                   grad=True)
+    slots = {"none": lambda: (q, k, v), "q=k": lambda: (q, q, v), "k=v": lambda: (q, k, k),
+             "q=k=v": lambda: (q, q, q), "views": lambda: (q, q[:, ::G], q[:, ::G])}[alias]
+    leaves = {"none": [q, k, v], "q=k": [q, v], "k=v": [q, k], "q=k=v": [q], "views": [q]}[alias]
     g = torch.Generator().manual_seed(seed + 1)
     m = {"none": None, "bias": torch.randn(1, H, T, S, generator=g, dtype=torch.float64),
          "bias-B": torch.randn(B, 1, 1, S, generator=g, dtype=torch.float64),
@@ -312,18 +337,22 @@ def test_property_every_input_that_requires_grad_gets_the_math_gradient(B, Hkv, 
     score_mod = {"none": None, "softcap": cap, "alibi-learned": score_mods.alibi(learned),
                  "captured": lambda s, b, h, qi, kv: s * learned[h],
                  "softcap+bias-learned": lambda s, b, h, qi, kv: cap(s, b, h, qi, kv) + learned[h] * (kv - qi)}[mod]
-    inputs = [q, k, v] + ([m] if isinstance(m, torch.Tensor) and m.requires_grad else []) + extra
-    want = _grads(sdpa(q, k, v, m, causal=causal, score_mod=score_mod, backend="math"), inputs)
+    inputs = leaves + ([m] if isinstance(m, torch.Tensor) and m.requires_grad else []) + extra
+    want = _three_orders(lambda: sdpa(*slots(), m, causal=causal, score_mod=score_mod, backend="math"), inputs)
     for backend in ("auto", "chunked", "tiles", "sdpa"):
         try:
-            out = sdpa(q, k, v, m, causal=causal, score_mod=score_mod, backend=backend)
+            got = _three_orders(lambda: sdpa(*slots(), m, causal=causal, score_mod=score_mod, backend=backend),
+                                inputs)
         except ValueError as e:
             assert backend in ("tiles", "sdpa") and "backends that can" in str(e)
             continue
-        got = _grads(out, inputs)
-        for i, (a, b) in enumerate(zip(got, want)):
-            assert a is not None, f"input {i} lost its gradient on {backend}"
-            assert_close(a, b, what=f"input {i} on {backend}")
+        for order, got_o, want_o in zip(("gradient", "create_graph gradient", "second-order gradient"), got, want):
+            for i, (a, b) in enumerate(zip(got_o, want_o)):
+                if b is None:
+                    assert a is None or not a.any(), f"{order} of input {i} on {backend}: math has none"
+                    continue
+                assert a is not None, f"input {i} lost its {order} on {backend} ({alias})"
+                assert_close(a, b, what=f"{order} of input {i} on {backend} ({alias})")
 
 
 # ----------------------------------------------------- rows a score mod hides entirely

@@ -71,7 +71,7 @@ def test_bad_base_is_refused_at_the_boundary(base, match):
 @pytest.mark.parametrize("kwargs, err, match", [
     (dict(kind="ntk", factor=2.0), ValueError, r"kind 'ntk' is not supported; valid: linear, dynamic, llama3, yarn"),
     (dict(kind="linear", factor=0.5), ValueError, r"factor must be >= 1; received 0.5"),
-    (dict(kind="linear", factor="2"), ValueError, "factor must be a positive finite number"),
+    (dict(kind="linear", factor="2"), TypeError, "factor must be a positive finite number"),
     (dict(kind="yarn", factor=4.0), ValueError, "needs original_max_positions"),
     (dict(kind="llama3", factor=8.0, original_max_positions=8192, low_freq_factor=4.0, high_freq_factor=1.0),
      ValueError, "high_freq_factor"),

@@ -1,9 +1,21 @@
-"""The small checks and names every floor shares, in pure Python (no torch), so the
-modules, the caches, `plan` and `lab` word them one way."""
+"""Every input check the floors share, in pure Python (no torch at module level), so the
+modules, the kernels, the caches, `plan` and `lab` word a mistake one way.
+
+One function per kind of value: a positive int, a non-negative int, a positive finite
+number, a probability in [0, 1), and one divisibility rule with its list of divisors.
+A value of the wrong type (a str, a float where an int is needed, a bool) raises
+TypeError; a value of the right type outside the range raises ValueError. Both messages
+read "<name> must be <what is valid>; received <value>", the TypeError adding the type.
+"""
 
 from __future__ import annotations
 
-__all__ = ["check_int", "divisors", "variant_name"]
+import math
+import numbers
+import operator
+
+__all__ = ["check_divisible", "check_nonnegative_int", "check_positive_int", "check_positive_number",
+           "check_probability", "divisibility_error", "divisors", "variant_name"]
 
 
 def divisors(n: int) -> list[int]:
@@ -11,11 +23,85 @@ def divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
-def check_int(name: str, value, minimum: int = 1) -> int:
-    """`value` if it is an int >= minimum (bool is not an int here); else ValueError."""
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        raise ValueError(f"{name} must be an int >= {minimum}; received {value!r}")
-    return value
+def _int_at_least(name: str, value, minimum: int, allow_none: bool) -> int | None:
+    if value is None and allow_none:
+        return None
+    valid = f"an int >= {minimum}" + (" or None" if allow_none else "")
+    if isinstance(value, bool):
+        raise TypeError(f"{name} must be {valid}; received {value!r} (bool)")
+    try:
+        n = operator.index(value)  # int, NumPy ints and integer 0-d tensors; not float or str
+    except TypeError:
+        raise TypeError(f"{name} must be {valid}; received {value!r} ({type(value).__name__})") from None
+    if n < minimum:
+        raise ValueError(f"{name} must be {valid}; received {value!r}")
+    return n
+
+
+def check_positive_int(name: str, value, *, allow_none: bool = False) -> int | None:
+    """`value` as an int if it is an int >= 1 (or None when allowed)."""
+    return _int_at_least(name, value, 1, allow_none)
+
+
+def check_nonnegative_int(name: str, value, *, allow_none: bool = False) -> int | None:
+    """`value` as an int if it is an int >= 0 (or None when allowed)."""
+    return _int_at_least(name, value, 0, allow_none)
+
+
+def _real(name: str, value, valid: str) -> float:
+    """A Python float from an int, a float, a NumPy scalar or a one-element real tensor
+    (read by duck typing, so this module needs no torch)."""
+    if isinstance(value, bool):
+        raise TypeError(f"{name} must be {valid}; received {value!r} (bool)")
+    if isinstance(value, numbers.Real):
+        return float(value)
+    shape, dtype = getattr(value, "shape", None), getattr(value, "dtype", None)
+    if shape is not None and dtype is not None and hasattr(value, "item"):  # a tensor or NumPy scalar
+        size = math.prod(shape)
+        if size != 1:
+            raise ValueError(f"{name} must be {valid}; received a tensor of shape "
+                             f"({', '.join(map(str, shape))}) {dtype}")
+        item = value.item()
+        if isinstance(item, bool) or not isinstance(item, numbers.Real):
+            raise TypeError(f"{name} must be {valid}; received a {type(value).__name__} of dtype {dtype}")
+        return float(item)
+    raise TypeError(f"{name} must be {valid}; received {value!r} ({type(value).__name__})")
+
+
+def check_positive_number(name: str, value, *, allow_none: bool = False) -> float | None:
+    """`value` as a float if it is a finite number > 0 (or None when allowed): a Python,
+    NumPy or one-element tensor scalar."""
+    if value is None and allow_none:
+        return None
+    valid = "a positive finite number" + (" or None" if allow_none else "")
+    f = _real(name, value, valid)
+    if not math.isfinite(f) or f <= 0:
+        raise ValueError(f"{name} must be {valid}; received {value!r}")
+    return f
+
+
+def check_probability(name: str, value) -> float:
+    """`value` as a float if it is a number in [0, 1) (a dropout probability)."""
+    valid = "a float in [0, 1)"
+    f = _real(name, value, valid)
+    if not 0.0 <= f < 1.0:
+        raise ValueError(f"{name} must be {valid}; received {value!r}")
+    return f
+
+
+def divisibility_error(n_name: str, n: int, d_name: str, d: int) -> str | None:
+    """The message `check_divisible` raises, or None when d divides n (for callers that
+    gather messages before raising, such as every rank of a process group)."""
+    if d != 0 and n % d == 0:
+        return None
+    return f"{n_name} ({n}) must be divisible by {d_name} ({d}); valid: {', '.join(map(str, divisors(n)))}"
+
+
+def check_divisible(n_name: str, n: int, d_name: str, d: int) -> None:
+    """ValueError unless d divides n, listing the valid d (e.g. n_heads and n_kv_heads)."""
+    error = divisibility_error(n_name, n, d_name, d)
+    if error is not None:
+        raise ValueError(error)
 
 
 def variant_name(n_heads: int, n_kv_heads: int) -> str:

@@ -9,7 +9,7 @@ import torch
 from torch import Tensor
 
 from multihead import masks as _masks
-from multihead._checks import check_int, divisors
+from multihead._checks import check_positive_int, check_positive_number, divisors
 from multihead.kernels.validation import normalize_mask
 
 __all__ = ["check_dtype", "check_window_and_softcap", "default_head_dim", "merge_heads", "split_heads",
@@ -46,20 +46,18 @@ def default_head_dim(d_model: int, n_heads: int, head_dim: int | None) -> int:
                 f"explicitly, or use n_heads in {', '.join(map(str, divisors(d_model)))}"
             )
         head_dim = d_model // n_heads
-    check_int("head_dim", head_dim)
+    check_positive_int("head_dim", head_dim)
     return head_dim
 
 
 def check_window_and_softcap(sliding_window, softcap, causal: bool) -> None:
     """The layer options both attention modules take: a causal window W >= 1, a finite cap > 0."""
     if sliding_window is not None:
-        check_int("sliding_window", sliding_window)
+        check_positive_int("sliding_window", sliding_window)
         if not causal:
             raise ValueError(f"sliding_window={sliding_window} is a causal window (query p sees keys "
                              f"p - W < j <= p); set causal=True, or pass a masks predicate as mask=")
-    if softcap is not None and (isinstance(softcap, bool) or not isinstance(softcap, (int, float))
-                                or not 0 < softcap < float("inf")):
-        raise ValueError(f"softcap must be a positive finite number or None; received {softcap!r}")
+    check_positive_number("softcap", softcap, allow_none=True)
 
 
 def with_window(mask, window: int | None, q: Tensor, k: Tensor):

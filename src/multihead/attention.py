@@ -24,9 +24,7 @@ import torch
 from torch import Tensor, nn
 
 from multihead import score_mods
-from multihead._checks import check_int as _check_int
-from multihead._checks import divisors as _divisors
-from multihead._checks import variant_name
+from multihead._checks import check_divisible, check_positive_int, check_probability, variant_name
 from multihead._layer import (
     check_dtype,
     check_window_and_softcap,
@@ -86,20 +84,15 @@ class Attention(nn.Module):
         alibi: bool = False,
     ):
         super().__init__()
-        _check_int("d_model", d_model)
-        _check_int("n_heads", n_heads)
+        check_positive_int("d_model", d_model)
+        check_positive_int("n_heads", n_heads)
         n_kv_heads = n_heads if n_kv_heads is None else n_kv_heads
-        _check_int("n_kv_heads", n_kv_heads)
-        if n_heads % n_kv_heads:
-            raise ValueError(
-                f"n_heads ({n_heads}) must be divisible by n_kv_heads ({n_kv_heads}); "
-                f"valid: {', '.join(map(str, _divisors(n_heads)))}"
-            )
+        check_positive_int("n_kv_heads", n_kv_heads)
+        check_divisible("n_heads", n_heads, "n_kv_heads", n_kv_heads)
         head_dim = default_head_dim(d_model, n_heads, head_dim)
         context_dim = d_model if context_dim is None else context_dim
-        _check_int("context_dim", context_dim)
-        if isinstance(dropout, bool) or not isinstance(dropout, (int, float)) or not 0.0 <= dropout < 1.0:
-            raise ValueError(f"dropout must be a float in [0, 1); received {dropout!r}")
+        check_positive_int("context_dim", context_dim)
+        check_probability("dropout", dropout)
         check_backend_name(backend)
         if rope is True:
             rope = RotaryEmbedding(head_dim)
@@ -159,7 +152,7 @@ class Attention(nn.Module):
         whole context (a rolling cache widens to it).
         """
         if max_len is not None:
-            _check_int("max_len", max_len)
+            check_positive_int("max_len", max_len)
         if rolling is None:
             rolling = self.sliding_window is not None and (max_len is None or max_len > self.sliding_window)
         if rolling and self.sliding_window is None:

@@ -37,7 +37,7 @@ import copy
 import torch
 from torch import Tensor
 
-from multihead._checks import check_int
+from multihead._checks import check_nonnegative_int, check_positive_int
 
 __all__ = ["KVCache", "LatentCache", "RollingKVCache"]
 
@@ -155,9 +155,9 @@ class KVCache(_StaticCache):
                  device: torch.device | str | None = None):
         for name, value in (("batch_size", batch_size), ("n_kv_heads", n_kv_heads),
                             ("max_len", max_len), ("head_dim", head_dim)):
-            check_int(name, value)
+            check_positive_int(name, value)
         v_head_dim = head_dim if v_head_dim is None else v_head_dim
-        check_int("v_head_dim", v_head_dim)
+        check_positive_int("v_head_dim", v_head_dim)
         dtype = torch.get_default_dtype() if dtype is None else dtype
         if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
             raise TypeError(f"cache dtype must be a floating torch.dtype; received {dtype!r}")
@@ -251,7 +251,7 @@ class RollingKVCache(KVCache):
     def __init__(self, batch_size: int, n_kv_heads: int, window: int, head_dim: int,
                  v_head_dim: int | None = None, *, dtype: torch.dtype | None = None,
                  device: torch.device | str | None = None):
-        check_int("window", window)
+        check_positive_int("window", window)
         super().__init__(batch_size, n_kv_heads, window, head_dim, v_head_dim, dtype=dtype, device=device)
         self._window = window
 
@@ -354,8 +354,8 @@ class LatentCache(_StaticCache):
     def __init__(self, batch_size: int, max_len: int, kv_rank: int, rope_dim: int = 0, *,
                  dtype: torch.dtype | None = None, device: torch.device | str | None = None):
         for name, value in (("batch_size", batch_size), ("max_len", max_len), ("kv_rank", kv_rank)):
-            check_int(name, value)
-        check_int("rope_dim", rope_dim, minimum=0)
+            check_positive_int(name, value)
+        check_nonnegative_int("rope_dim", rope_dim)
         dtype = torch.get_default_dtype() if dtype is None else dtype
         super().__init__(max_len, device)
         self.kv_rank = kv_rank

@@ -36,7 +36,7 @@ import torch
 from torch import Tensor, nn
 
 from multihead import score_mods
-from multihead._checks import check_int as _check_int
+from multihead._checks import check_nonnegative_int, check_positive_int
 from multihead._layer import check_dtype, check_window_and_softcap, default_head_dim, merge_heads, with_window
 from multihead.cache import LatentCache
 from multihead.functional import attend, check_backend_name
@@ -107,15 +107,15 @@ class LatentAttention(nn.Module):
         softcap: float | None = None,
     ):
         super().__init__()
-        _check_int("d_model", d_model)
-        _check_int("n_heads", n_heads)
-        _check_int("kv_rank", kv_rank)
+        check_positive_int("d_model", d_model)
+        check_positive_int("n_heads", n_heads)
+        check_positive_int("kv_rank", kv_rank)
         if q_rank is not None:
-            _check_int("q_rank", q_rank)
+            check_positive_int("q_rank", q_rank)
         head_dim = default_head_dim(d_model, n_heads, head_dim)
         v_head_dim = head_dim if v_head_dim is None else v_head_dim
-        _check_int("v_head_dim", v_head_dim)
-        _check_int("rope_dim", rope_dim, minimum=0)
+        check_positive_int("v_head_dim", v_head_dim)
+        check_nonnegative_int("rope_dim", rope_dim)
         if rope_dim % 2:
             raise ValueError(f"rope_dim must be even (RoPE rotates pairs of features); received {rope_dim}; "
                              f"valid: 0 or an even int such as {rope_dim - 1} or {rope_dim + 1}")

@@ -30,11 +30,12 @@ them here with `from_key_padding_mask` / `from_torch_attn_mask` and nowhere else
 
 from __future__ import annotations
 
-import operator
 from collections.abc import Callable
 
 import torch
 from torch import Tensor
+
+from multihead._checks import check_nonnegative_int, check_positive_int
 
 __all__ = [
     "MaskMod",
@@ -220,7 +221,7 @@ def tile_classes(mask_mod: MaskMod, B: int, H: int, T: int, S: int, bq: int, bk:
     """
     mask_mod = _as_mod(mask_mod, "tile_classes")
     for name, n in (("B", B), ("H", H), ("T", T), ("S", S), ("bq", bq), ("bk", bk)):
-        _positive_int(n, name)
+        _bounded(check_positive_int(name, n), name)
     mask_mod.check(B, H, T, S)
     any_, all_ = mask_mod.tiles(B, H, T, S, bq, bk, device)
     any_, all_ = torch.broadcast_tensors(any_, all_)
@@ -286,25 +287,12 @@ def or_masks(*mods: MaskMod | Callable) -> MaskMod:
 _MAX_INT = 2**62
 
 
-def _int_at_least(value, minimum: int, message: str) -> int:
-    """operator.index(value) (so numpy and 0-d tensor ints pass, bool does not) if it is
-    in [minimum, 2**62]; else ValueError(message, with the bound)."""
-    if isinstance(value, bool):
-        raise ValueError(message)
-    try:
-        n = operator.index(value)
-    except TypeError:
-        raise ValueError(message) from None
-    if n < minimum:
-        raise ValueError(message)
+def _bounded(n: int, name: str) -> int:
+    """A checked int that also fits the int64 position arithmetic of the predicates."""
     if n > _MAX_INT:
-        raise ValueError(f"{message}: at most 2**62 = {_MAX_INT} (positions are int64; any larger value "
-                         f"means the same mask as 2**62)")
+        raise ValueError(f"{name} must be at most 2**62 = {_MAX_INT}; received {n} (positions are int64; any "
+                         f"larger value means the same mask as 2**62)")
     return n
-
-
-def _positive_int(value, what: str) -> int:
-    return _int_at_least(value, 1, f"{what} must be a positive int; received {value!r}")
 
 
 def causal() -> MaskMod:
@@ -319,7 +307,7 @@ def causal() -> MaskMod:
 def sliding_window(window: int) -> MaskMod:
     """Causal, and at most `window` keys back including the query's own position
     (Mistral / Gemma-2 local layers): 0 <= q - kv < window."""
-    window = _positive_int(window, "window")
+    window = _bounded(check_positive_int("window", window), "window")
 
     def tiles(q_lo, q_hi, k_lo, k_hi, *_):
         # q - kv over a tile spans [q_lo - k_hi, q_hi - k_lo]; allowed: [0, window - 1]
@@ -332,7 +320,7 @@ def sliding_window(window: int) -> MaskMod:
 def chunked(size: int) -> MaskMod:
     """Local chunks (Llama 4's chunked attention): attend within the same chunk of `size`
     positions, q // size == kv // size. Not causal by itself: use `causal() & chunked(n)`."""
-    size = _positive_int(size, "chunk size")
+    size = _bounded(check_positive_int("chunk size", size), "chunk size")
 
     def tiles(q_lo, q_hi, k_lo, k_hi, *_):
         ql, qh, kl, kh = q_lo.div(size, rounding_mode="floor"), q_hi.div(size, rounding_mode="floor"), \
@@ -435,7 +423,7 @@ def prefix_lm(prefix_len: int | Tensor) -> MaskMod:
             return (k_lo < PP) | (k_lo <= q_hi), (k_hi < PP) | (k_hi <= q_lo)
 
         return MaskMod(fn, "prefix_lm(tensor)", tiles=tiles, check=check)
-    n = _int_at_least(prefix_len, 0, f"prefix_len must be an int >= 0 or a (B,) tensor; received {prefix_len!r}")
+    n = _bounded(check_nonnegative_int("prefix_len", prefix_len), "prefix_len")
 
     def tiles_int(q_lo, q_hi, k_lo, k_hi, *rest):
         return (k_lo < n) | (k_lo <= q_hi), (k_hi < n) | (k_hi <= q_lo)

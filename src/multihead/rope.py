@@ -34,20 +34,18 @@ from dataclasses import dataclass, fields
 import torch
 from torch import Tensor, nn
 
+from multihead._checks import check_positive_number
+
 __all__ = ["RopeScaling", "RotaryEmbedding", "apply_rotary"]
 
 SCALINGS = ("linear", "dynamic", "llama3", "yarn")
 
 
-def _positive(name: str, value, *, allow_none: bool = False, minimum: float | None = None) -> float | None:
-    if value is None and allow_none:
-        return None
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
-        raise ValueError(f"{name} must be a positive finite number{' or None' if allow_none else ''}; "
-                         f"received {value!r}")
-    if minimum is not None and value < minimum:
+def _at_least(name: str, value, minimum: float) -> float:
+    value = check_positive_number(name, value)
+    if value < minimum:
         raise ValueError(f"{name} must be >= {minimum:g}; received {value!r}")
-    return float(value)
+    return value
 
 
 def _yarn_mscale(factor: float, mscale: float = 1.0) -> float:
@@ -85,18 +83,18 @@ class RopeScaling:
     def __post_init__(self):
         if self.kind not in SCALINGS:
             raise ValueError(f"RoPE scaling kind {self.kind!r} is not supported; valid: {', '.join(SCALINGS)}")
-        object.__setattr__(self, "factor", _positive("RoPE scaling factor", self.factor, minimum=1.0))
+        object.__setattr__(self, "factor", _at_least("RoPE scaling factor", self.factor, 1.0))
         n = self.original_max_positions
         if n is not None and (isinstance(n, bool) or not isinstance(n, int) or n < 1):
             raise ValueError(f"original_max_positions must be a positive int or None; received {n!r}")
         if n is None and self.kind in ("llama3", "yarn", "dynamic"):
             raise ValueError(f"RoPE scaling {self.kind!r} needs original_max_positions (the training context length)")
         for name in ("low_freq_factor", "high_freq_factor", "beta_fast", "beta_slow"):
-            object.__setattr__(self, name, _positive(name, getattr(self, name)))
+            object.__setattr__(self, name, check_positive_number(name, getattr(self, name)))
         for name in ("mscale", "mscale_all_dim", "attention_factor"):
             value = getattr(self, name)
             if value is not None and value != 0:
-                object.__setattr__(self, name, _positive(name, value))
+                object.__setattr__(self, name, check_positive_number(name, value))
         if self.kind == "llama3" and self.high_freq_factor <= self.low_freq_factor:
             raise ValueError(f"llama3 RoPE needs high_freq_factor ({self.high_freq_factor:g}) > low_freq_factor "
                              f"({self.low_freq_factor:g})")

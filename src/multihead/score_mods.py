@@ -31,6 +31,7 @@ from collections.abc import Callable, Sequence
 import torch
 from torch import Tensor
 
+from multihead._checks import check_positive_number
 from multihead.kernels.common import softcap as softcap_formula
 
 __all__ = ["ScoreMod", "alibi", "alibi_slopes", "from_flex", "softcap"]
@@ -127,17 +128,7 @@ def _positive_number(x, what: str) -> float:
         raise ValueError(f"{what} is a tensor that requires grad; it is read as a fixed number and would never "
                          f"train: pass a float, or write the mod with the tensor (e.g. lambda s, b, h, q, kv: "
                          f"cap * torch.tanh(s / cap)) so autograd sees it")
-    if isinstance(x, Tensor) and x.numel() == 1 and not x.dtype == torch.bool:
-        x = x.item()
-    if isinstance(x, bool) or not isinstance(x, (int, float)) and not hasattr(x, "__float__"):
-        raise ValueError(f"{what} must be a positive finite number; received {x!r}")
-    try:
-        f = float(x)
-    except (TypeError, ValueError, OverflowError):
-        raise ValueError(f"{what} must be a positive finite number; received {x!r}") from None
-    if not math.isfinite(f) or f <= 0:
-        raise ValueError(f"{what} must be a positive finite number; received {x!r}")
-    return f
+    return check_positive_number(what, x)
 
 
 # Caps for which the fast float32 form 2 cap sigmoid(2 s / cap) - cap is accurate: its error

@@ -29,6 +29,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from multihead._checks import divisibility_error
 from multihead.distributed._group import (
     GroupRef,
     agree,
@@ -330,9 +331,9 @@ def _local_error(q, k, v, mask, causal, layout, scale, group) -> str | None:
     if k.shape[3] != D:
         return f"q and k must share the head dim D; received {_shape(q)} and {_shape(k)}"
     Hkv = k.shape[1]
-    if H % Hkv:
-        return f"query heads H ({H}) must be a multiple of key/value heads Hkv ({Hkv}); valid Hkv: " \
-               + ", ".join(str(d) for d in range(1, H + 1) if H % d == 0)
+    error = divisibility_error("query heads H", H, "key/value heads Hkv", Hkv)
+    if error is not None:
+        return error
     if not q.dtype == k.dtype == v.dtype:
         return f"q, k, v must share a dtype; received {q.dtype}, {k.dtype}, {v.dtype}"
     if not q.device == k.device == v.device:

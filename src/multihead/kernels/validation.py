@@ -9,6 +9,7 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
+from multihead._checks import check_divisible, check_positive_number, check_probability
 from multihead.masks import MaskMod
 from multihead.score_mods import ScoreMod
 from multihead.score_mods import from_flex as _score_from_flex
@@ -23,22 +24,7 @@ def shape_str(t: Tensor) -> str:
 
 def check_scale(scale) -> float | None:
     """None, or a positive finite number: a Python, NumPy or 0-d/1-element tensor scalar."""
-    if scale is None:
-        return None
-    value = scale
-    if isinstance(scale, Tensor):
-        if scale.numel() != 1 or scale.dtype == torch.bool or scale.is_complex():
-            raise ValueError(f"scale must be a positive finite number or None; received a tensor of shape "
-                             f"{shape_str(scale)} {scale.dtype}")
-        value = scale.item()
-    elif not isinstance(scale, bool) and hasattr(scale, "item") and hasattr(scale, "dtype"):
-        value = scale.item()  # NumPy scalar or 0-d array
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise ValueError(f"scale must be a positive finite number or None; received {scale!r} "
-                         f"({type(scale).__name__})")
-    if not math.isfinite(value) or value <= 0:
-        raise ValueError(f"scale must be a positive finite number or None; received {scale!r}")
-    return float(value)
+    return check_positive_number("scale", scale, allow_none=True)
 
 
 def plain_scale(scale) -> bool:
@@ -103,18 +89,12 @@ def check_inputs(q, k, v, mask, scale, dropout_p) -> Tensor | MaskMod | None:
     if k.shape[3] != D:
         raise ValueError(f"q and k must have the same head dim D; received q {shape_str(q)}, k {shape_str(k)}")
     Hkv = k.shape[1]
-    if Hkv == 0 or H % Hkv != 0:
-        valid = [d for d in range(1, H + 1) if H % d == 0]
-        raise ValueError(
-            f"query heads H ({H}) must be a multiple of key/value heads Hkv ({Hkv}); "
-            f"valid Hkv for H={H}: {', '.join(map(str, valid))}"
-        )
+    check_divisible("query heads H", H, "key/value heads Hkv", Hkv)
     if not (q.dtype == k.dtype == v.dtype):
         raise TypeError(f"q, k, v must share a dtype; received {q.dtype}, {k.dtype}, {v.dtype}")
     if not (q.device == k.device == v.device):
         raise ValueError(f"q, k, v must be on one device; received {q.device}, {k.device}, {v.device}")
-    if isinstance(dropout_p, bool) or not isinstance(dropout_p, (int, float)) or not 0.0 <= dropout_p < 1.0:
-        raise ValueError(f"dropout_p must be a float in [0, 1); received {dropout_p!r}")
+    check_probability("dropout_p", dropout_p)
     return normalize_mask(mask, q, k)
 
 

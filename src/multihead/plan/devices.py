@@ -14,9 +14,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from multihead._checks import check_positive_int
 from multihead.plan.geometry import (
     ModelGeometry,
-    check_int,
     kv_bytes_per_token,
     model_kv_cache_bytes,
     param_counts,
@@ -40,8 +40,8 @@ class Device:
     note: str = ""
 
     def __post_init__(self):
-        check_int("memory", self.memory)
-        check_int("bandwidth", self.bandwidth)
+        check_positive_int("memory", self.memory)
+        check_positive_int("bandwidth", self.bandwidth)
 
 
 DEVICES: dict[str, Device] = {
@@ -156,7 +156,7 @@ def weights_read_per_step(model: ModelGeometry, batch: int, weights_dtype="bf16"
 
 def fit(model: ModelGeometry, device: Device, context: int, batch: int = 1, kv_dtype="bf16",
         weights_dtype="bf16", n_devices: int = 1) -> Fit:
-    check_int("n_devices", n_devices)
+    check_positive_int("n_devices", n_devices)
     dtype_bits(kv_dtype), dtype_bits(weights_dtype)  # validate names early
     return Fit(
         device=device,

@@ -19,18 +19,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from multihead._checks import divisors, variant_name
+from multihead._checks import check_divisible, check_nonnegative_int, check_positive_int, variant_name
 from multihead.plan.units import bytes_for
-
-
-def check_int(name: str, value, *, allow_none: bool = False, minimum: int = 1) -> None:
-    if value is None and allow_none:
-        return
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"{name} must be an int; received {value!r}")
-    if value < minimum:
-        raise ValueError(f"{name} must be >= {minimum}; received {value}")
-
 
 # --- one attention block -----------------------------------------------------------
 
@@ -54,15 +44,12 @@ class AttentionGeometry:
     o_bias: bool | None = None
 
     def __post_init__(self):
-        check_int("d_model", self.d_model)
-        check_int("n_heads", self.n_heads)
-        check_int("n_kv_heads", self.n_kv_heads, allow_none=True)
-        check_int("head_dim", self.head_dim, allow_none=True)
-        check_int("context_dim", self.context_dim, allow_none=True)
-        if self.n_heads % self.n_kv:
-            raise ValueError(
-                f"n_heads ({self.n_heads}) must be divisible by n_kv_heads ({self.n_kv}); "
-                f"valid: {', '.join(map(str, divisors(self.n_heads)))}")
+        check_positive_int("d_model", self.d_model)
+        check_positive_int("n_heads", self.n_heads)
+        check_positive_int("n_kv_heads", self.n_kv_heads, allow_none=True)
+        check_positive_int("head_dim", self.head_dim, allow_none=True)
+        check_positive_int("context_dim", self.context_dim, allow_none=True)
+        check_divisible("n_heads", self.n_heads, "n_kv_heads", self.n_kv)
         if self.head_dim is None and self.d_model < self.n_heads:
             raise ValueError(f"d_model ({self.d_model}) // n_heads ({self.n_heads}) is 0; "
                              "give head_dim or use fewer heads")
@@ -142,13 +129,13 @@ class LatentGeometry:
     bias: bool = False
 
     def __post_init__(self):
-        check_int("d_model", self.d_model)
-        check_int("n_heads", self.n_heads)
-        check_int("kv_rank", self.kv_rank)
-        check_int("q_rank", self.q_rank, allow_none=True)
-        check_int("head_dim", self.head_dim, allow_none=True)
-        check_int("rope_dim", self.rope_dim, minimum=0)
-        check_int("v_head_dim", self.v_head_dim, allow_none=True)
+        check_positive_int("d_model", self.d_model)
+        check_positive_int("n_heads", self.n_heads)
+        check_positive_int("kv_rank", self.kv_rank)
+        check_positive_int("q_rank", self.q_rank, allow_none=True)
+        check_positive_int("head_dim", self.head_dim, allow_none=True)
+        check_nonnegative_int("rope_dim", self.rope_dim)
+        check_positive_int("v_head_dim", self.v_head_dim, allow_none=True)
         if self.rope_dim % 2:
             raise ValueError(f"rope_dim must be even (RoPE rotates pairs of features); "
                              f"received {self.rope_dim}")
@@ -239,8 +226,8 @@ def kv_cache_bytes(
     MHA/GQA/MQA, B*T*(R + rope)*itemsize for MLA's latent cache. `decompressed=True`
     gives what an MLA implementation that caches K and V would need instead.
     """
-    check_int("tokens", tokens, minimum=0)
-    check_int("batch", batch)
+    check_nonnegative_int("tokens", tokens)
+    check_positive_int("batch", batch)
     per_token = geometry.kv_elements_per_token
     if decompressed:
         if not isinstance(geometry, LatentGeometry):
@@ -262,7 +249,7 @@ class FeedForward:
     bias: bool = False
 
     def __post_init__(self):
-        check_int("d_ff", self.d_ff)
+        check_positive_int("d_ff", self.d_ff)
 
     def params(self, d_model: int) -> int:
         mats = 3 if self.gated else 2
@@ -300,16 +287,16 @@ class MixtureOfExperts:
     dense_layers: tuple[int, ...] = ()
 
     def __post_init__(self):
-        check_int("n_experts", self.n_experts)
-        check_int("top_k", self.top_k)
-        check_int("d_expert", self.d_expert)
-        check_int("n_shared", self.n_shared, minimum=0)
-        check_int("first_dense", self.first_dense, minimum=0)
-        check_int("layer_freq", self.layer_freq)
-        check_int("d_shared", self.d_shared, allow_none=True)
-        check_int("freq_offset", self.freq_offset, minimum=0)
+        check_positive_int("n_experts", self.n_experts)
+        check_positive_int("top_k", self.top_k)
+        check_positive_int("d_expert", self.d_expert)
+        check_nonnegative_int("n_shared", self.n_shared)
+        check_nonnegative_int("first_dense", self.first_dense)
+        check_positive_int("layer_freq", self.layer_freq)
+        check_positive_int("d_shared", self.d_shared, allow_none=True)
+        check_nonnegative_int("freq_offset", self.freq_offset)
         for i in self.dense_layers:
-            check_int("dense_layers[...]", i, minimum=0)
+            check_nonnegative_int("dense_layers[...]", i)
         if self.top_k > self.n_experts:
             raise ValueError(f"top_k ({self.top_k}) must be <= n_experts ({self.n_experts})")
 
@@ -398,14 +385,14 @@ class ModelGeometry:
     notes: tuple[str, ...] = ()
 
     def __post_init__(self):
-        check_int("n_layers", self.n_layers)
-        check_int("vocab_size", self.vocab_size)
-        check_int("norms_per_layer", self.norms_per_layer, minimum=0)
-        check_int("max_positions", self.max_positions, minimum=0)
-        check_int("token_types", self.token_types, minimum=0)
-        check_int("window", self.window, allow_none=True)
-        check_int("window_layers", self.window_layers, allow_none=True, minimum=0)
-        check_int("context_length", self.context_length, allow_none=True)
+        check_positive_int("n_layers", self.n_layers)
+        check_positive_int("vocab_size", self.vocab_size)
+        check_nonnegative_int("norms_per_layer", self.norms_per_layer)
+        check_nonnegative_int("max_positions", self.max_positions)
+        check_nonnegative_int("token_types", self.token_types)
+        check_positive_int("window", self.window, allow_none=True)
+        check_nonnegative_int("window_layers", self.window_layers, allow_none=True)
+        check_positive_int("context_length", self.context_length, allow_none=True)
         if self.norm not in NORMS:
             raise ValueError(f"norm must be one of {', '.join(NORMS)}; received {self.norm!r}")
         if self.window_layers is not None and self.window_layers > self.n_layers:
@@ -497,8 +484,8 @@ def model_kv_cache_bytes(model: ModelGeometry, context: int, batch: int = 1, dty
     A layer with a sliding window W needs only min(context, W) tokens (a rolling
     buffer); global layers need all of them. Encoders (causal=False) cache nothing.
     """
-    check_int("context", context)
-    check_int("batch", batch)
+    check_positive_int("context", context)
+    check_positive_int("batch", batch)
     if not model.causal:
         return 0
     return kv_cache_bytes(model.attention, _cached_tokens(model, context), batch, dtype,
@@ -546,7 +533,7 @@ def _sum_keys(context: int, window: int | None, causal: bool) -> int:
 
 
 def attention_flops(model: ModelGeometry, context: int) -> AttentionFlops:
-    check_int("context", context)
+    check_positive_int("context", context)
     a = model.attention
     proj = 2 * a.weights
     layers = [(model.n_global_layers, None), (model.n_window_layers, model.window)]
@@ -588,5 +575,5 @@ __all__ = [
     "AttentionGeometry", "LatentGeometry", "Geometry", "FeedForward", "MixtureOfExperts",
     "ModelGeometry", "ParamCounts", "AttentionFlops", "attention_params", "kv_cache_bytes",
     "param_counts", "model_params", "kv_bytes_per_token", "model_kv_cache_bytes",
-    "attention_flops", "describe", "divisors",
+    "attention_flops", "describe",
 ]

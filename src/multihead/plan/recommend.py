@@ -26,7 +26,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field, replace
 
-from multihead._checks import divisors
+from multihead._checks import check_positive_int, divisors
 from multihead.plan.devices import DEVICES, RESERVE, Device, Fit, fit, max_batch, max_context
 from multihead.plan.geometry import (
     AttentionGeometry,
@@ -82,11 +82,10 @@ class Request:
 
     def __post_init__(self):
         for name in ("params", "context", "batch", "vocab_size"):
-            _positive(name, getattr(self, name))
+            check_positive_int(name, getattr(self, name))
         for name in ("n_devices", "d_model", "n_layers", "n_heads", "n_kv_heads", "head_dim",
                      "kv_rank"):
-            if getattr(self, name) is not None:
-                _positive(name, getattr(self, name))
+            check_positive_int(name, getattr(self, name), allow_none=True)
         if self.priority not in PRIORITIES:
             raise ValueError(f"priority must be one of {', '.join(PRIORITIES)}; "
                              f"received {self.priority!r}")
@@ -95,13 +94,6 @@ class Request:
                              f"received {self.variant!r}")
         object.__setattr__(self, "dtype", dtype_name(self.dtype))
         object.__setattr__(self, "weights_dtype", dtype_name(self.weights_dtype))
-
-
-def _positive(name, value):
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"{name} must be an int; received {value!r}")
-    if value <= 0:
-        raise ValueError(f"{name} must be positive; received {value}")
 
 
 @dataclass(frozen=True)

@@ -33,7 +33,6 @@ forward keyword `multihead_weights=` asks for chosen heads of chosen modules onl
 from __future__ import annotations
 
 import functools
-import math
 from collections.abc import Sequence
 from typing import NamedTuple
 
@@ -42,6 +41,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from multihead import masks, score_mods
+from multihead._checks import check_positive_number
 from multihead.functional import attend, check_backend_name
 from multihead.kernels import common
 from multihead.kernels.validation import plain_scale
@@ -248,16 +248,6 @@ class WeightsAnswer(NamedTuple):
 # ---------------------------------------------------------- the attention function
 
 
-def _number(name: str, value) -> float | None:
-    if value is None:
-        return None
-    if isinstance(value, Tensor) and value.numel() == 1:
-        value = value.item()
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
-        raise ValueError(f"{name} must be a positive finite number or None; received {value!r}")
-    return float(value)
-
-
 def _sink_logits(sinks, B: int, H: int, T: int) -> Tensor | None:
     """Sink logits `(B|1, H, T|1, 1)` from a per-head `(H,)` parameter (GPT-OSS) or a 4-D tensor."""
     if sinks is None:
@@ -360,9 +350,9 @@ def attention_forward(module: nn.Module, query: Tensor, key: Tensor, value: Tens
         bias = position_bias.to(query.dtype)
         mask = bias if mask is None else mask + bias if mask.dtype != torch.bool \
             else bias.masked_fill(~mask, float("-inf"))
-    softcap = _number("softcap", softcap)
+    softcap = check_positive_number("softcap", softcap, allow_none=True)
     sinks = _sink_logits(s_aux if s_aux is not None else sinks, B, H, T)
-    scale = _number("scaling", scaling)
+    scale = check_positive_number("scaling", scaling, allow_none=True)
 
     config = getattr(module, "config", None)
     want_all = kwargs.get("output_attentions", getattr(config, "output_attentions", False))
