@@ -262,7 +262,7 @@ def test_head_roles_bad_input():
     cap = make(causal_uniform(3)[None, None], ["a", "b", "c"])
     with pytest.raises(ValueError, match=r"must be \(n_layers, n_heads\) = \(1, 1\); received \(2, 2\)"):
         head_roles(cap, prefix_matching=torch.zeros(2, 2))
-    with pytest.raises(TypeError, match="takes an AttentionCapture; received dict"):
+    with pytest.raises(TypeError, match="takes an AttentionCapture or HeadSummaries; received dict"):
         head_roles({})
 
 

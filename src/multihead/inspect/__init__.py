@@ -22,6 +22,8 @@ from multihead.inspect.capture import InspectError, LoadedModel, capture, load_m
 _LAZY = {
     "AttentionCapture": "multihead.inspect.capture_types",
     "HeadRole": "multihead.inspect.capture_types",
+    "HeadSummaries": "multihead.inspect.stream",
+    "summaries": "multihead.inspect.stream",
     "head_roles": "multihead.inspect.roles",
     "role_scores": "multihead.inspect.roles",
     "induction_scores": "multihead.inspect.roles",

@@ -36,14 +36,15 @@ from multihead.interop.loaders import (
 if TYPE_CHECKING:  # torch is imported where it is used, so the CLI can refuse bad input fast
     from multihead.inspect.capture_types import AttentionCapture
 
-__all__ = ["InspectError", "LoadedModel", "HFModel", "LabModel", "TruncationWarning", "capture", "load_model",
+__all__ = ["InspectError", "LoadedModel", "HFModel", "LabModel", "TruncationWarning", "capture", "encode_text",
+           "load_model", "select_indices",
            "register_loader", "resolve_model", "minilm_path", "MINILM", "MINILM_HUB_NAME"]
 
 
 # ------------------------------------------------------------------ capture
 
 
-def _indices(what: str, value, n: int) -> list[int]:
+def select_indices(what: str, value, n: int) -> list[int]:
     """None -> all; an int or ints in -n..n-1 -> sorted unique indices in 0..n-1."""
     if value is None:
         return list(range(n))
@@ -85,27 +86,10 @@ def capture(text: str, model=MINILM, layers=None, heads=None, max_tokens: int | 
 
     if not isinstance(text, str):
         raise InspectError(f"text must be a string; received {type(text).__name__}")
-    if not text.strip():
-        raise InspectError("text is empty; give a sentence, e.g. \"The cat sat on the mat.\"")
-    if max_tokens is not None and (isinstance(max_tokens, bool) or not isinstance(max_tokens, int)
-                                   or max_tokens < 1):
-        raise InspectError(f"max_tokens must be a positive int or None; received {max_tokens!r}")
     lm = load_model(model)
-    layers = _indices("layer", layers, lm.n_layers)
-    heads = _indices("head", heads, lm.n_heads)
-    limit = lm.max_positions
-    if max_tokens is not None:
-        limit = max_tokens if limit is None else min(limit, max_tokens)
-    ids = lm.encode(text)
-    meta = {**lm.meta, "text": text, "special_tokens": list(lm.special_tokens)}
-    if limit is not None and len(ids) > limit:
-        reason = "max_tokens" if max_tokens is not None and limit == max_tokens else "the model's positions"
-        warnings.warn(f"text is {len(ids)} tokens, longer than {reason} ({limit}); "
-                      f"truncated to the first {limit} tokens", TruncationWarning, stacklevel=2)
-        ids = lm.encode(text, max_length=limit)[:limit]
-        meta["truncated"] = {"tokens": len(lm.encode(text)), "kept": len(ids), "limit": limit, "reason": reason}
-    if not ids:
-        raise InspectError(f"text {text!r} gives no tokens")
+    layers = select_indices("layer", layers, lm.n_layers)
+    heads = select_indices("head", heads, lm.n_heads)
+    ids, meta = encode_text(lm, text, max_tokens)
     batch = torch.tensor([ids], dtype=torch.long)
     by_layer = lm.attention(batch, {layer: tuple(heads) for layer in layers})
     weights = torch.stack([by_layer[layer][0].float().cpu() for layer in layers])  # (L, h, T, T)
@@ -113,3 +97,57 @@ def capture(text: str, model=MINILM, layers=None, heads=None, max_tokens: int | 
         tokens=lm.tokens(ids), token_ids=list(ids), layers=layers, heads=heads, weights=weights,
         n_layers=lm.n_layers, n_heads=lm.n_heads, model=lm.name, meta=meta,
     )
+
+
+def encode_text(lm: LoadedModel, text, max_tokens: int | None = None) -> tuple[list[int], dict]:
+    """The token ids of `text` through `lm` (special tokens included) and the meta a capture
+    records. `text` is a string, or token ids (a list of ints or a 1-D tensor) taken as they
+    are. Longer than the model's positions (or max_tokens): truncated, with a
+    `TruncationWarning`, and `meta["truncated"]` says so."""
+    if max_tokens is not None and (isinstance(max_tokens, bool) or not isinstance(max_tokens, int)
+                                   or max_tokens < 1):
+        raise InspectError(f"max_tokens must be a positive int or None; received {max_tokens!r}")
+    limit = lm.max_positions
+    if max_tokens is not None:
+        limit = max_tokens if limit is None else min(limit, max_tokens)
+    reason = "max_tokens" if max_tokens is not None and limit == max_tokens else "the model's positions"
+    if isinstance(text, str):
+        if not text.strip():
+            raise InspectError("text is empty; give a sentence, e.g. \"The cat sat on the mat.\"")
+        ids = lm.encode(text)
+        meta = {**lm.meta, "text": text, "special_tokens": list(lm.special_tokens)}
+        if limit is not None and len(ids) > limit:
+            warnings.warn(f"text is {len(ids)} tokens, longer than {reason} ({limit}); "
+                          f"truncated to the first {limit} tokens", TruncationWarning, stacklevel=3)
+            total, ids = len(ids), lm.encode(text, max_length=limit)[:limit]
+            meta["truncated"] = {"tokens": total, "kept": len(ids), "limit": limit, "reason": reason}
+        if not ids:
+            raise InspectError(f"text {text!r} gives no tokens")
+        return list(ids), meta
+    ids = _token_ids(text)
+    meta = {**lm.meta, "special_tokens": list(lm.special_tokens)}
+    if limit is not None and len(ids) > limit:
+        warnings.warn(f"the ids are {len(ids)} tokens, longer than {reason} ({limit}); "
+                      f"truncated to the first {limit}", TruncationWarning, stacklevel=3)
+        meta["truncated"] = {"tokens": len(ids), "kept": limit, "limit": limit, "reason": reason}
+        ids = ids[:limit]
+    return ids, meta
+
+
+def _token_ids(value) -> list[int]:
+    """A list of ints or a 1-D integer tensor -> list[int]; anything else is refused."""
+    if hasattr(value, "tolist") and hasattr(value, "dim"):
+        if value.dim() == 2 and value.shape[0] == 1:
+            value = value[0]
+        if value.dim() != 1 or value.is_floating_point() or value.is_complex():
+            raise InspectError(f"token ids must be a 1-D integer tensor (T,) or (1, T); received a "
+                               f"{tuple(value.shape)} {value.dtype} tensor")
+        value = value.tolist()
+    if isinstance(value, (str, bytes)) or not isinstance(value, Sequence):
+        raise InspectError(f"text must be a string or a list of token ids; received {type(value).__name__}")
+    if not value:
+        raise InspectError("the token ids are empty; give at least one")
+    for i in value:
+        if isinstance(i, bool) or not isinstance(i, int) or i < 0:
+            raise InspectError(f"token ids must be non-negative ints; received {i!r}")
+    return list(value)

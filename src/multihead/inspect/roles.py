@@ -89,10 +89,12 @@ import torch
 from torch import Tensor
 
 from multihead.inspect.capture_types import AttentionCapture, HeadRole
+from multihead.inspect.rowstats import RowSums, TextContext, duplicate_token_block, induction_block
 
 __all__ = [
     "ROLES",
     "attention_entropy",
+    "capture_statistics",
     "delimiter_positions",
     "duplicate_token_pattern",
     "head_roles",
@@ -101,6 +103,7 @@ __all__ = [
     "mul_score",
     "previous_token_pattern",
     "role_scores",
+    "text_context",
     "transformer_lens_scores",
 ]
 
@@ -129,20 +132,19 @@ def previous_token_pattern(T: int) -> Tensor:
 
 def duplicate_token_pattern(ids: Tensor, causal: bool = True) -> Tensor:
     """TransformerLens' duplicate-token pattern `(T, T)`: 1 where ids[j] == ids[i], j != i,
-    j < i (also j > i when not causal)."""
+    j < i (also j > i when not causal). The definition: `rowstats.duplicate_token_block`."""
     ids = torch.as_tensor(ids).reshape(-1)
-    eq = (ids[:, None] == ids[None, :]).float()  # (T, T)
-    eq.fill_diagonal_(0)
-    return eq.tril() if causal else eq
+    T = ids.shape[0]
+    return duplicate_token_block(ids, 0, T, 0, T, causal).float()
 
 
 def induction_pattern(ids: Tensor) -> Tensor:
     """TransformerLens' induction pattern `(T, T)`: 1 where ids[j-1] == ids[i], j-1 != i,
-    1 <= j <= i (the duplicate pattern shifted one key to the right, lower triangle)."""
-    dup = duplicate_token_pattern(ids, causal=True)
-    out = torch.zeros_like(dup)
-    out[:, 1:] = dup[:, :-1]
-    return out.tril()
+    1 <= j <= i (the duplicate pattern shifted one key to the right, lower triangle).
+    The definition: `rowstats.induction_block`."""
+    ids = torch.as_tensor(ids).reshape(-1)
+    T = ids.shape[0]
+    return induction_block(ids, 0, T, 0, T).float()
 
 
 def mul_score(weights: Tensor, pattern: Tensor, *, exclude_bos: bool = True,
@@ -194,65 +196,80 @@ def _is_causal(capture: AttentionCapture) -> bool:
 
 
 def attention_entropy(weights: Tensor, causal: bool) -> Tensor:
-    """Mean normalised row entropy of weights `(..., T, T)` -> `(...)` in [0, 1]."""
+    """Mean normalised row entropy of weights `(..., T, T)` -> `(...)` in [0, 1]
+    (`rowstats`' normalized_entropy)."""
     T = weights.shape[-1]
-    p = weights.double().clamp_min(0)
-    h = -(p * torch.log(p.clamp_min(1e-300))).sum(-1)  # (..., T)
-    n = torch.arange(1, T + 1, dtype=torch.float64) if causal else torch.full((T,), float(T), dtype=torch.float64)
-    rows = n > 1
-    if not bool(rows.any()):
-        return torch.zeros(weights.shape[:-2])
-    return (h[..., rows] / torch.log(n[rows])).mean(-1).clamp(0, 1).float()
+    lead = weights.shape[:-2]
+    W = weights.reshape(-1, T, T)
+    ctx = TextContext(ids=torch.zeros(T, dtype=torch.long), plain=torch.ones(T, dtype=torch.bool),
+                      delimiter=torch.zeros(T, dtype=torch.bool), causal=bool(causal))
+    acc = RowSums(W.shape[0], ctx)
+    step = max(1, (1 << 23) // max(1, W.shape[0] * T))
+    for t0 in range(0, T, step):
+        acc.add(W[:, t0:t0 + step], t0)
+    return acc.result()["normalized_entropy"].reshape(lead)
+
+
+def text_context(tokens: list[str], token_ids, special_tokens=(), causal: bool = True) -> TextContext:
+    """The `TextContext` the row statistics read: ids, plain tokens (a special token repeated,
+    [SEP] ... [SEP], is structure, not a duplicate) and delimiter positions."""
+    special = set(special_tokens)
+    T = len(token_ids)
+    delim = torch.zeros(T, dtype=torch.bool)
+    delim[delimiter_positions(tokens, special_tokens)] = True
+    return TextContext(ids=torch.as_tensor(list(token_ids), dtype=torch.long),
+                       plain=torch.tensor([tok not in special for tok in tokens], dtype=torch.bool),
+                       delimiter=delim, causal=bool(causal))
+
+
+def _context(capture: AttentionCapture) -> TextContext:
+    return text_context(capture.tokens, capture.token_ids, capture.meta.get("special_tokens", ()),
+                        _is_causal(capture))
 
 
 # --------------------------------------------------------------------- scores
+
+
+ROLE_STATISTICS = ("previous_token", "next_token", "current_token", "first_token", "delimiter", "duplicate_token",
+                   "induction")
+
+
+def capture_statistics(capture: AttentionCapture, *, transformer_lens: bool = False) -> dict[str, Tensor]:
+    """Every `rowstats` statistic of every captured head, `(len(layers), len(heads))` each,
+    from the capture's weights, a block of rows at a time (as `summaries` does beside the
+    kernel)."""
+    W = capture.weights  # (L, h, T, T)
+    L, h, T, S = W.shape
+    ctx = _context(capture)
+    step = max(1, (1 << 23) // max(1, h * S))
+    per_layer = []
+    for li in range(L):
+        acc = RowSums(h, ctx, S, transformer_lens=transformer_lens)
+        for t0 in range(0, T, step):
+            acc.add(W[li, :, t0:t0 + step], t0)
+        per_layer.append(acc.result())
+    return {name: torch.stack([d[name] for d in per_layer]) for name in per_layer[0]}
 
 
 def role_scores(capture: AttentionCapture) -> dict[str, Tensor]:
     """Each role's score for every captured head: {role: `(len(layers), len(heads))`}.
 
     Roles that the text cannot show (no delimiter, no repeated token) are absent.
-    Formulas and sources: the module docstring.
+    Formulas and sources: the module docstring; computed by `rowstats.RowSums`.
     """
-    W = capture.weights.float()  # (L, h, T, T)
-    T = W.shape[-1]
-    causal = _is_causal(capture)
-    q0 = 1 if causal and T > 1 else 0  # rows Q
-    Q = W[..., q0:, :]
-    out: dict[str, Tensor] = {}
-    if T > 1:
-        out["previous_token"] = W.diagonal(offset=-1, dim1=-2, dim2=-1).mean(-1)
-        if not causal:
-            out["next_token"] = W.diagonal(offset=1, dim1=-2, dim2=-1).mean(-1)
-    out["current_token"] = W.diagonal(dim1=-2, dim2=-1)[..., q0:].mean(-1)
-    out["first_token"] = Q[..., 0].mean(-1)
-    delim = delimiter_positions(capture.tokens, capture.meta.get("special_tokens", ()))
-    if delim:
-        out["delimiter"] = Q[..., delim].sum(-1).mean(-1)
-    ids = torch.tensor(capture.token_ids)
-    # A special token repeated ([SEP] ... [SEP]) is structure, not a duplicate.
-    special = set(capture.meta.get("special_tokens", ()))
-    plain = torch.tensor([tok not in special for tok in capture.tokens])
-    dup = duplicate_token_pattern(ids, causal) * plain[:, None] * plain[None, :]
-    score = mul_score(W, dup)
-    if score is not None:
-        out["duplicate_token"] = score
-    ind = induction_pattern(ids) * plain[:, None]
-    score = mul_score(W, ind)
-    if score is not None:
-        out["induction"] = score
-    out["entropy"] = attention_entropy(W, causal)
+    return _role_view(capture_statistics(capture))
+
+
+def _role_view(stats: dict[str, Tensor]) -> dict[str, Tensor]:
+    """The role scores among the statistics, under their role names ("entropy" is the normalised one)."""
+    out = {name: stats[name] for name in ROLE_STATISTICS if name in stats}
+    out["entropy"] = stats["normalized_entropy"]
     return out
 
 
 def _match_rows(capture: AttentionCapture) -> dict[str, int]:
     """Query rows with a match in the duplicate-token and induction patterns (as scored)."""
-    ids = torch.tensor(capture.token_ids)
-    special = set(capture.meta.get("special_tokens", ()))
-    plain = torch.tensor([tok not in special for tok in capture.tokens])
-    dup = duplicate_token_pattern(ids, _is_causal(capture)) * plain[:, None] * plain[None, :]
-    ind = induction_pattern(ids) * plain[:, None]
-    return {"duplicate_token": int(dup.bool().any(-1).sum()), "induction": int(ind.bool().any(-1).sum())}
+    return _context(capture).match_rows()
 
 
 def transformer_lens_scores(capture: AttentionCapture, *, exclude_bos: bool = False,
@@ -288,22 +305,33 @@ def transformer_lens_scores(capture: AttentionCapture, *, exclude_bos: bool = Fa
     return out
 
 
-def head_roles(capture: AttentionCapture, *, prefix_matching: Tensor | None = None,
+def head_roles(capture, *, prefix_matching: Tensor | None = None,
                min_score: float = MIN_SCORE, transformer_lens: bool = False) -> list[HeadRole]:
     """The ranked role table: one `HeadRole` per captured head, highest score first.
 
     Args:
-        capture: from `multihead.inspect.capture`.
+        capture: an `AttentionCapture` (from `multihead.inspect.capture`) or a
+            `HeadSummaries` (from `multihead.inspect.summaries`, any length): the scores
+            are the same `rowstats` sums either way.
         prefix_matching: optional `(n_layers, n_heads)` scores from `induction_scores`
             (indexed by model layer and head), added as the "prefix_matching" role.
         min_score: below it a head has no dominant role ("broad" or "mixed").
         transformer_lens: also report TransformerLens' head-detector scores (as
             `tl_previous_token`, `tl_duplicate_token`, `tl_induction`; see
-            `transformer_lens_scores`). They are not used for the role.
+            `transformer_lens_scores`). They are not used for the role. A `HeadSummaries`
+            has them when it was made with `transformer_lens=True`.
     """
-    if not isinstance(capture, AttentionCapture):
-        raise TypeError(f"head_roles takes an AttentionCapture; received {type(capture).__name__}")
-    scores = role_scores(capture)
+    if isinstance(capture, AttentionCapture):
+        stats = capture_statistics(capture, transformer_lens=transformer_lens)
+        rows = _match_rows(capture)
+    elif hasattr(capture, "scores") and hasattr(capture, "match_rows") and hasattr(capture, "layers"):
+        stats, rows = capture.scores, capture.match_rows
+        if transformer_lens and not all(name in stats for name in TL_SCORES.values()):
+            raise ValueError("these summaries have no TransformerLens scores; make them with "
+                             "summaries(..., transformer_lens=True)")
+    else:
+        raise TypeError(f"head_roles takes an AttentionCapture or HeadSummaries; received {type(capture).__name__}")
+    scores = _role_view(stats)
     if prefix_matching is not None:
         pm = torch.as_tensor(prefix_matching)
         if tuple(pm.shape) != (capture.n_layers, capture.n_heads):
@@ -311,13 +339,10 @@ def head_roles(capture: AttentionCapture, *, prefix_matching: Tensor | None = No
                              f"{capture.n_heads}); received {tuple(pm.shape)}")
         scores["prefix_matching"] = pm[capture.layers][:, capture.heads].float()
     ranked_roles = list(ROLES)
-    rows = _match_rows(capture)
     for role in ("duplicate_token", "induction"):
         if rows[role] < MIN_MATCH_ROWS:
             ranked_roles.remove(role)
-    extra = {}
-    if transformer_lens:
-        extra = {TL_SCORES[k]: v for k, v in transformer_lens_scores(capture).items()}
+    extra = {name: stats[name] for name in TL_SCORES.values()} if transformer_lens else {}
     table = []
     for li, layer in enumerate(capture.layers):
         for hi, head in enumerate(capture.heads):

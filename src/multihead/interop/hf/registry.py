@@ -47,8 +47,8 @@ from multihead.kernels import common
 from multihead.kernels.validation import plain_scale
 from multihead.masks import MaskMod, from_flex
 
-__all__ = ["INTERVENTION_KEYWORD", "REQUEST_KEYWORD", "AttentionCall", "CaptureComplete", "WeightsAnswer",
-           "WeightsRequest", "attention_forward", "hf_mask", "register", "registered"]
+__all__ = ["INTERVENTION_KEYWORD", "OBSERVER_KEYWORD", "REQUEST_KEYWORD", "AttentionCall", "CaptureComplete",
+           "WeightsAnswer", "WeightsRequest", "attention_forward", "hf_mask", "register", "registered"]
 
 #: The forward keyword that carries a `WeightsRequest` down to the attention function.
 REQUEST_KEYWORD = "multihead_weights"
@@ -56,6 +56,12 @@ REQUEST_KEYWORD = "multihead_weights"
 #: function: an object with `inputs(module, q, k, v) -> (q, k, v)`, called before the kernel, and
 #: `output(module, out, v) -> out` on the heads' outputs `(B, H, T, Dv)`, before the output projection.
 INTERVENTION_KEYWORD = "multihead_heads"
+#: The forward keyword that carries a scores observer down to the attention function: an object with
+#: `observe(module, query, key, *, mask, causal, scale, score_mod, sinks)`, called with exactly what the
+#: kernel is given (mask, window and causality resolved, the scale a number), before the kernel runs,
+#: so it can recompute chosen probabilities block by block (`multihead.inspect.summaries`) while the
+#: kernel itself returns none. It may raise `CaptureComplete` to end the forward there.
+OBSERVER_KEYWORD = "multihead_observer"
 
 # Names transformers itself defines: registering over them would change every model that uses them.
 _RESERVED = ("eager", "sdpa", "flex_attention", "flash_attention_2", "flash_attention_3", "flash_attention_4",
@@ -316,7 +322,8 @@ def attention_forward(module: nn.Module, query: Tensor, key: Tensor, value: Tens
     """
     if attention_mask is None and query.shape[2] == 1 and position_bias is None and softcap is None \
             and s_aux is None and sinks is None and kwargs.get(INTERVENTION_KEYWORD) is None \
-            and kwargs.get(REQUEST_KEYWORD) is None and plain_scale(scaling) \
+            and kwargs.get(REQUEST_KEYWORD) is None and kwargs.get(OBSERVER_KEYWORD) is None \
+            and plain_scale(scaling) \
             and not kwargs.get("output_attentions", getattr(getattr(module, "config", None), "output_attentions",
                                                                 False)):
         # A decode step with nothing but q, k, v (every layer, every token of `generate`): what
@@ -359,6 +366,11 @@ def attention_forward(module: nn.Module, query: Tensor, key: Tensor, value: Tens
     answer = WeightsAnswer.of(module, kwargs, want_all)
     return_weights = answer.return_weights
 
+    observer = kwargs.get(OBSERVER_KEYWORD)
+    if observer is not None:
+        observer.observe(module, query, key, mask=mask, causal=causal,
+                         scale=query.shape[-1] ** -0.5 if scale is None else scale,
+                         score_mod=None if softcap is None else score_mods.softcap(softcap), sinks=sinks)
     if sinks is None:
         out, weights = attend(query, key, value, mask, causal=causal, scale=scale, dropout_p=dropout,
                               return_weights=return_weights, backend=backend,

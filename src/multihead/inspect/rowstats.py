@@ -1,0 +1,281 @@
+"""Every per-head number inspect reports, as running sums over blocks of query rows.
+
+One definition of each statistic, used two ways: `summaries` feeds it the probabilities
+it recomputes a block of rows at a time beside the fused kernel (any length, one block's
+`(h, t, w)` in memory), and `role_scores` / `head_roles` feed it the rows of a capture's
+weights. Either way a block is `P (h, t, w)`: heads h, query rows t0..t0+t, keys
+k0..k0+w, each row a probability distribution over its keys (keys outside the block have
+probability 0, which is why a caller may crop a causal or windowed block to the keys it
+can see). Sums are kept in float64; every statistic is a sum over rows of a row quantity.
+
+Positions: query row i is at position pos_i = i + S - T among the S keys (bottom-right,
+as `multihead.masks`); the role patterns need S == T (a text read once, no cache).
+
+The statistics (A = one head's weights, Q = every row for a bidirectional model, rows
+1..T-1 for a causal one; the role definitions and their sources: `multihead.inspect.roles`):
+
+- entropy:          mean over all T rows of -sum_j A[i, j] log A[i, j] (nats).
+- mean_distance:    mean over all T rows of sum_j A[i, j] (pos_i - j) (tokens back).
+- first_token_mass: mean over all T rows of A[i, 0] (the attention sink).
+- beyond_1k, beyond_4k: over the rows that have a key 1,024 (4,096) or more tokens back
+  (pos_i >= d), the mean of sum_{j <= pos_i - d} A[i, j]; None when no row has.
+- normalized_entropy: roles' "entropy", mean over rows with n_i > 1 of H(A[i]) / log n_i,
+  n_i = i + 1 when causal, else T; in [0, 1].
+- previous_token, next_token, current_token, first_token, delimiter: the positional roles.
+- duplicate_token, induction: TransformerLens' "mul" score over the rows with a match.
+- tl_previous_token, tl_duplicate_token, tl_induction (optional): TransformerLens'
+  detect_head scores over every row.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+__all__ = ["BEYOND", "RowSums", "TextContext", "duplicate_token_block", "induction_block"]
+
+#: The distances (tokens back) whose share of attention mass is reported as beyond_1k / beyond_4k.
+BEYOND = {"beyond_1k": 1024, "beyond_4k": 4096}
+
+
+# --------------------------------------------------------------------- patterns
+
+
+def _grid(t0: int, t1: int, k0: int, k1: int, device) -> tuple[Tensor, Tensor]:
+    return (torch.arange(t0, t1, device=device)[:, None], torch.arange(k0, k1, device=device)[None, :])
+
+
+def duplicate_token_block(ids: Tensor, t0: int, t1: int, k0: int, k1: int, causal: bool = True,
+                          plain: Tensor | None = None) -> Tensor:
+    """TransformerLens' duplicate-token pattern, rows t0..t1 x keys k0..k1 (bool `(t, w)`):
+    ids[j] == ids[i], j != i, and j < i when causal. With `plain` (bool `(T,)`), only
+    pairs of plain (non-special) tokens."""
+    i, j = _grid(t0, t1, k0, k1, ids.device)
+    out = (ids[t0:t1, None] == ids[None, k0:k1]) & (i != j)
+    if causal:
+        out &= j < i
+    if plain is not None:
+        out &= plain[t0:t1, None] & plain[None, k0:k1]
+    return out
+
+
+def induction_block(ids: Tensor, t0: int, t1: int, k0: int, k1: int, plain: Tensor | None = None) -> Tensor:
+    """TransformerLens' induction pattern, rows t0..t1 x keys k0..k1 (bool `(t, w)`):
+    ids[j - 1] == ids[i], 1 <= j <= i (the token after an earlier occurrence of the
+    current one; j = i counts, as in its pattern). With `plain`, only plain query tokens."""
+    i, j = _grid(t0, t1, k0, k1, ids.device)
+    prev = ids[(j - 1).clamp_min(0)]  # (1, w): the token before key j
+    out = (ids[t0:t1, None] == prev) & (j >= 1) & (j <= i)
+    if plain is not None:
+        out &= plain[t0:t1, None]
+    return out
+
+
+# --------------------------------------------------------------------- context
+
+
+@dataclass
+class TextContext:
+    """What the row statistics need of the text: token ids `(T,)`, which tokens are plain
+    (not special) and which are delimiters (bool `(T,)`), and whether the model is causal."""
+
+    ids: Tensor
+    plain: Tensor
+    delimiter: Tensor
+    causal: bool
+
+    @property
+    def T(self) -> int:
+        return int(self.ids.shape[0])
+
+    @property
+    def first_row(self) -> int:
+        """The first row of Q: row 0 of a causal model can attend only to itself."""
+        return 1 if self.causal and self.T > 1 else 0
+
+    def to(self, device) -> TextContext:
+        return TextContext(self.ids.to(device), self.plain.to(device), self.delimiter.to(device), self.causal)
+
+    def match_rows(self) -> dict[str, int]:
+        """Query rows with a match in the duplicate-token and induction patterns (as scored)."""
+        T, n = self.T, {"duplicate_token": 0, "induction": 0}
+        step = max(1, (1 << 22) // max(1, T))
+        for t0 in range(0, T, step):
+            t1 = min(T, t0 + step)
+            n["duplicate_token"] += int(duplicate_token_block(self.ids, t0, t1, 0, T, self.causal, self.plain)
+                                        .any(-1).sum())
+            n["induction"] += int(induction_block(self.ids, t0, t1, 0, T, self.plain).any(-1).sum())
+        return n
+
+
+# --------------------------------------------------------------------- sums
+
+
+class RowSums:
+    """Running sums of every statistic of `h` heads over blocks of query rows.
+
+    `add(P, t0, k0)` takes one block; `result()` gives {name: `(h,)` float32 tensor}
+    (roles the text cannot show are absent, see `result`). `top_k` > 0 also keeps each
+    row's top-k keys (`top_index` int32, `top_weight` float16, `(h, T, k)`; -1 and 0 past the
+    keys with nonzero weight); `grid` > 0
+    keeps the pattern summed over a grid x grid of row and key bins (`pattern`, float32).
+    """
+
+    def __init__(self, n_heads: int, context: TextContext, S: int | None = None, *, top_k: int = 0,
+                 grid: int = 0, transformer_lens: bool = False, device=None):
+        self.h = int(n_heads)
+        self.ctx = context if device is None else context.to(device)
+        self.T = context.T
+        self.S = self.T if S is None else int(S)
+        self.shift = self.S - self.T
+        self.transformer_lens = bool(transformer_lens)
+        dev = self.ctx.ids.device
+        self.sums: dict[str, Tensor] = {}
+        self.rows: dict[str, float] = {}  # rows each mean divides by (where it depends on the text)
+        self.top_k = int(top_k)
+        self.top_index = self.top_weight = None
+        if self.top_k:
+            self.top_index = torch.full((self.h, self.T, self.top_k), -1, dtype=torch.int32, device=dev)
+            self.top_weight = torch.zeros(self.h, self.T, self.top_k, dtype=torch.float16, device=dev)
+        self.grid = min(int(grid), self.T, self.S) if grid else 0
+        self.pattern = torch.zeros(self.h, self.grid, self.grid, device=dev) if self.grid else None
+
+    def _add(self, name: str, row_values: Tensor, rows: Tensor | None = None) -> None:
+        """Add the sum over the block's rows (those where `rows` is True) of `row_values (h, t)`."""
+        if rows is not None:
+            row_values = row_values[:, rows]
+        s = row_values.double().sum(-1)
+        self.sums[name] = self.sums[name] + s if name in self.sums else s
+
+    def add(self, P: Tensor, t0: int, k0: int = 0) -> None:
+        """Fold in one block: P `(h, t, w)`, rows t0..t0+t, keys k0..k0+w (others have 0)."""
+        h, t, w = P.shape
+        assert h == self.h and t0 + t <= self.T and k0 + w <= self.S, "block outside the attention"
+        P = P.float()
+        dev, ctx = P.device, self.ctx
+        t1, k1 = t0 + t, k0 + w
+        i = torch.arange(t0, t1, device=dev)  # query rows
+        pos = i + self.shift  # their positions among the keys
+        in_q = i >= ctx.first_row
+        r = P.sum(-1)  # (h, t): 1, or 0 for a row that may attend nothing
+
+        h_rows = -torch.special.xlogy(P, P).sum(-1)  # (h, t) nats
+        self._add("entropy", h_rows)
+        ref = int(pos[-1])  # distances from the block's last row: no cancellation in float32
+        back = (ref - torch.arange(k0, k1, device=dev)).to(P.dtype)  # (w,)
+        self._add("mean_distance", P @ back - (ref - pos).to(P.dtype) * r)
+        first = P[..., 0] if k0 == 0 else torch.zeros_like(r)
+        self._add("first_token_mass", first)
+        for name, d in BEYOND.items():
+            self._add(name, self._mass_back(P, pos, k0, d), pos >= d)
+
+        # roles (S == T: the patterns index keys by token)
+        n = (i + 1).double() if ctx.causal else torch.full((t,), float(self.T), dtype=torch.float64, device=dev)
+        rows_n = n > 1
+        self._add("normalized_entropy", h_rows.double() / torch.log(n.clamp_min(2)), rows_n)
+        self._add("previous_token", self._diagonal(P, t0, k0, -1), i >= 1)
+        if not ctx.causal:
+            self._add("next_token", self._diagonal(P, t0, k0, 1), i <= self.T - 2)
+        diag = self._diagonal(P, t0, k0, 0)
+        self._add("current_token", diag, in_q)
+        self._add("first_token", first, in_q)
+        self._add("delimiter", P @ ctx.delimiter[k0:k1].to(P.dtype), in_q)
+        # A' = A without the first key and the diagonal (TransformerLens' exclude_bos and
+        # exclude_current_token): at [0, 0] both are one weight, taken out once.
+        den = r - first - diag + torch.where(i == 0, diag, torch.zeros_like(diag))
+        _, j = _grid(t0, t1, k0, k1, dev)
+        keep = (j != i[:, None]) & (j != 0)  # (t, w): the keys of A'
+        for name, pat in (("duplicate_token", duplicate_token_block(ctx.ids, t0, t1, k0, k1, ctx.causal, ctx.plain)),
+                          ("induction", induction_block(ctx.ids, t0, t1, k0, k1, ctx.plain))):
+            rows = pat.any(-1)
+            if not bool(rows.any()):
+                continue
+            self._add(name + ":num", (P * (pat & keep)).sum(-1), rows)
+            self._add(name + ":den", den, rows)
+        if self.transformer_lens:
+            self._add("tl:den", r)
+            self._add("tl_previous_token", self._diagonal(P, t0, k0, -1), i >= 1)
+            self._add("tl_duplicate_token", (P * duplicate_token_block(ctx.ids, t0, t1, k0, k1, True)).sum(-1))
+            self._add("tl_induction", (P * induction_block(ctx.ids, t0, t1, k0, k1)).sum(-1))
+        if self.top_k:
+            self._keep_top(P, t0, k0)
+        if self.grid:
+            self._bin(P, t0, k0)
+
+    def _diagonal(self, P: Tensor, t0: int, k0: int, offset: int) -> Tensor:
+        """P[:, i, i + offset] for the block's rows `(h, t)`, 0 where that key is outside."""
+        h, t, w = P.shape
+        cols = torch.arange(t0, t0 + t, device=P.device) + offset - k0
+        inside = (cols >= 0) & (cols < w)
+        got = P.gather(-1, cols.clamp(0, max(0, w - 1)).view(1, t, 1).expand(h, t, 1))[..., 0]
+        return got * inside
+
+    @staticmethod
+    def _mass_back(P: Tensor, pos: Tensor, k0: int, d: int) -> Tensor:
+        """sum over keys j <= pos_i - d of P[:, i, j], `(h, t)`: the keys every row counts
+        summed once, the band where rows differ (at most t keys wide) under its mask."""
+        w = P.shape[-1]
+        n = (pos - d - k0 + 1).clamp(0, w)  # (t,): keys 0..n_i-1 of the block count for row i
+        lo, hi = int(n.min()), int(n.max())
+        out = P[..., :lo].sum(-1)
+        if hi > lo:
+            band = torch.arange(lo, hi, device=P.device)[None, :] < n[:, None]  # (t, hi - lo)
+            out = out + (P[..., lo:hi] * band).sum(-1)
+        return out
+
+    def _keep_top(self, P: Tensor, t0: int, k0: int) -> None:
+        h, t, w = P.shape
+        k = min(self.top_k, w)
+        vals, idx = torch.topk(P, k, dim=-1)  # (h, t, k)
+        self.top_weight[:, t0:t0 + t, :k] = vals.to(torch.float16)
+        idx = (idx + k0).to(torch.int32).masked_fill(vals == 0, -1)  # -1: no more keys with weight
+        self.top_index[:, t0:t0 + t, :k] = idx
+
+    def _bin(self, P: Tensor, t0: int, k0: int) -> None:
+        """Block sums over a grid x grid of row and key bins (bin of row i: i * grid // T)."""
+        h, t, w = P.shape
+        g = self.grid
+        key_bin = torch.arange(k0, k0 + w, device=P.device) * g // self.S
+        row_bin = torch.arange(t0, t0 + t, device=P.device) * g // self.T
+        by_key = P.new_zeros(h, t, g).index_add_(2, key_bin, P)  # (h, t, g)
+        self.pattern.index_add_(1, row_bin, by_key)
+
+    # ------------------------------------------------------------------ results
+
+    def result(self) -> dict[str, Tensor]:
+        """{name: `(h,)` float32}. Absent: next_token for a causal model, delimiter when the
+        text has none, duplicate_token / induction when no row has a match, beyond_* when no
+        row reaches that far back."""
+        ctx, T = self.ctx, self.T
+        out: dict[str, Tensor] = {}
+        s = self.sums
+        zeros = torch.zeros(self.h, dtype=torch.float64, device=ctx.ids.device)
+        for name in ("entropy", "mean_distance", "first_token_mass"):
+            out[name] = s[name] / T
+        for name, d in BEYOND.items():
+            rows = max(0, T - max(0, d - self.shift))
+            if rows:
+                out[name] = s[name] / rows
+        rows = int(((torch.arange(1, T + 1) if ctx.causal else torch.full((T,), T)) > 1).sum())
+        out["normalized_entropy"] = (s["normalized_entropy"] / rows).clamp(0, 1) if rows else zeros
+        if T > 1:
+            out["previous_token"] = s["previous_token"] / (T - 1)
+            if not ctx.causal:
+                out["next_token"] = s["next_token"] / (T - 1)
+        q = T - ctx.first_row
+        out["current_token"] = s["current_token"] / q
+        out["first_token"] = s["first_token"] / q
+        if bool(ctx.delimiter.any()):
+            out["delimiter"] = s["delimiter"] / q
+        for name in ("duplicate_token", "induction"):
+            if name + ":num" in s:
+                num, den = s[name + ":num"], s[name + ":den"]
+                out[name] = torch.where(den > 0, num / den.clamp_min(1e-300), zeros)
+        if self.transformer_lens:
+            den = s["tl:den"]
+            for name in ("tl_previous_token", "tl_duplicate_token", "tl_induction"):
+                num = s.get(name, zeros)
+                out[name] = torch.where(den > 0, num / den.clamp_min(1e-300), zeros)
+        return {k: v.float().cpu() for k, v in out.items()}

@@ -1,0 +1,371 @@
+"""Per-head summaries of every head of a model at any length, in bounded memory.
+
+`summaries(model, text)` runs the text once through the model on the fused kernel. Each
+attention layer hands its q `(B, H, T, D)` and k `(B, Hkv, S, D)` (after RoPE), its mask,
+window, causality, scale, softcap and sinks, exactly as the kernel receives them, to an
+observer (the registry's `OBSERVER_KEYWORD`). The observer recomputes that layer's
+probabilities in float32 a block of query rows at a time, with the kernels' own masked
+softmax (`kernels.common.softmax`, the mask rows of `kernels.math.rows_mask`), each block
+cropped to the keys its rows may see, and folds every block into the running sums of
+`rowstats.RowSums` before the next is made: never more than one block's `(h, t, w)`
+scores of one layer exist, whatever T is. The kernel's own output is untouched; the
+forward stops inside the last layer asked (no logits).
+
+What comes back (`HeadSummaries`): per-head arrays `(layers, heads)` of every statistic
+in `multihead.inspect.rowstats` (entropy in nats, mean distance, first-token mass,
+previous-token, duplicate-token and induction scores, the mass beyond 1K / 4K tokens back,
+...), each query's top-k keys (indices and float16 weights) and, for the heads asked, the
+pattern summed over at most 256 x 256 blocks; `to_json()` for the command's `--json`.
+`head_roles(summaries)` ranks heads from the same numbers.
+
+Models whose attention does not reach the observer (a `multihead lab` checkpoint, a
+patched DeepSeek layer) are summarised from their weights one layer at a time instead:
+the same sums, with one layer's `(h, T, S)` weights in memory.
+"""
+
+from __future__ import annotations
+
+import math
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+from torch import Tensor
+
+from multihead.inspect.capture import encode_text, load_model, select_indices
+from multihead.inspect.rowstats import BEYOND, RowSums
+from multihead.kernels.common import acc_dtype, index, softmax
+from multihead.kernels.math import rows_mask
+from multihead.masks import MaskMod
+
+__all__ = ["SUMMARY_FIELDS", "HeadSummaries", "summaries"]
+
+#: The per-head numbers of `HeadSummaries.to_json()`, in this order (None where a text cannot show one).
+SUMMARY_FIELDS = ("entropy", "mean_distance", "first_token_mass", "previous_token", "duplicate_token", "induction",
+                  *BEYOND, "normalized_entropy", "current_token", "first_token", "delimiter", "next_token")
+#: Scores in one block of query rows (float32 elements, all heads of a layer): 32 MiB.
+BLOCK_ELEMENTS = 1 << 23
+TOP_K = 8
+GRID = 256
+
+
+@dataclass(repr=False)
+class HeadSummaries:
+    """Per-head summaries of one text through one model.
+
+    Attributes:
+        tokens, token_ids: the T tokens.
+        layers, heads: the summarised layer and head indices (the same heads in every layer).
+        n_layers, n_heads: the model's geometry.
+        scores: {name: float32 `(len(layers), len(heads))`}: every statistic of
+            `multihead.inspect.rowstats` (absent where the text cannot show it).
+        match_rows: query rows with a duplicate-token / induction match (head_roles' guards).
+        top_index, top_weight: `(len(layers), len(heads), T, k)` int32 key indices and
+            float16 weights of each query's k largest weights (-1 / 0 past the keys with weight).
+        patterns: {(layer, head): float32 `(g, g)`} block sums of the weights over g x g
+            bins of rows and keys (bin of position i: i * g // T), for the heads asked.
+        model, meta: as in `AttentionCapture`.
+    """
+
+    tokens: list[str]
+    token_ids: list[int]
+    layers: list[int]
+    heads: list[int]
+    n_layers: int
+    n_heads: int
+    scores: dict[str, Tensor]
+    match_rows: dict[str, int]
+    top_index: Tensor | None = None
+    top_weight: Tensor | None = None
+    patterns: dict[tuple[int, int], Tensor] = field(default_factory=dict)
+    model: str = ""
+    meta: dict = field(default_factory=dict)
+
+    def __getattr__(self, name: str) -> Tensor:
+        """`s.entropy`, `s.induction`, ...: the `(layers, heads)` array of one statistic."""
+        if name.startswith("__") or name in ("scores",):
+            raise AttributeError(name)
+        scores = self.__dict__.get("scores", {})
+        if name in scores:
+            return scores[name]
+        if name in SUMMARY_FIELDS:
+            raise AttributeError(f"{name} is not defined for this text (e.g. no repeated token, no delimiter, "
+                                 f"or no key that far back); defined: {', '.join(scores)}")
+        raise AttributeError(f"HeadSummaries has no attribute {name!r}; per-head arrays: {', '.join(scores)}")
+
+    def __repr__(self) -> str:
+        every = len(self.layers) == self.n_layers and len(self.heads) == self.n_heads
+        what = "every head" if every else f"{len(self.layers)} layers x {len(self.heads)} heads"
+        return (f"HeadSummaries(model={self.model!r}, {len(self.tokens)} tokens, {self.n_layers} layers x "
+                f"{self.n_heads} heads; {what}: {', '.join(self.scores)})")
+
+    def head(self, layer: int, head: int) -> dict[str, float | None]:
+        """Every summary of one (layer, head), by model indices (None where undefined)."""
+        if layer not in self.layers or head not in self.heads:
+            raise ValueError(f"(layer {layer}, head {head}) was not summarised; layers {self.layers}, "
+                             f"heads {self.heads}")
+        li, hi = self.layers.index(layer), self.heads.index(head)
+        return {name: (float(self.scores[name][li, hi]) if name in self.scores else None)
+                for name in SUMMARY_FIELDS + tuple(n for n in self.scores if n not in SUMMARY_FIELDS)}
+
+    def to_json(self) -> dict:
+        """A JSON-ready dict: the model, T, and "summaries": one entry per head,
+        `{"layer", "head", "entropy", "mean_distance", "first_token_mass", ...}` (SUMMARY_FIELDS,
+        null where undefined). Top-k rows and patterns are left to the page."""
+        out = []
+        for layer in self.layers:
+            for head in self.heads:
+                entry = {"layer": layer, "head": head}
+                entry.update({k: (None if v is None or not math.isfinite(v) else round(v, 6))
+                              for k, v in self.head(layer, head).items()})
+                out.append(entry)
+        return {"model": self.model, "n_tokens": len(self.tokens), "n_layers": self.n_layers,
+                "n_heads": self.n_heads, "layers": self.layers, "heads": self.heads,
+                "match_rows": dict(self.match_rows), "summaries": out}
+
+
+# ------------------------------------------------------------------ one layer
+
+
+def layer_statistics(query: Tensor, key: Tensor, acc: RowSums, heads: list[int], *, mask=None,
+                     causal: bool = False, scale: float, score_mod=None, sinks: Tensor | None = None,
+                     block_elements: int = BLOCK_ELEMENTS) -> RowSums:
+    """Fold one attention layer's probabilities into `acc`, a block of query rows at a time.
+
+    query `(1, H, T, D)`, key `(1, Hkv, S, D)` and the rest as the kernel receives them
+    (`mask`: None, a bool or float `(1, 1|H, T|1, S)` tensor, or a MaskMod; `sinks`: logits
+    `(1, H, T|1, 1)`). Probabilities are softmax(q k^T * scale, score_mod, mask[, sink]) in
+    float32 (float64 inputs stay float64), the heads `heads` only.
+    """
+    B, H, T, _ = query.shape
+    Hkv, S = key.shape[1], key.shape[2]
+    if B != 1:
+        raise ValueError(f"summaries read one text at a time; received a batch of {B}")
+    G = H // Hkv
+    dev = query.device
+    acc_t = acc_dtype(query.dtype)
+    q = query[0, heads].to(acc_t)  # (h, T, D)
+    k = key[0, [x // G for x in heads]].to(acc_t)  # (h, S, D): each query head's K/V head
+    h = len(heads)
+    b_idx = index(1, 0, dev)
+    h_idx = torch.tensor(heads, device=dev).view(1, h, 1, 1)
+    if isinstance(mask, Tensor) and mask.dim() == 4 and mask.shape[1] == H and H > 1:
+        mask = mask[:, heads]  # (1, h, T|1, S)
+    if sinks is not None:
+        sinks = sinks[:, heads] if sinks.shape[1] == H else sinks
+    rows = max(1, block_elements // max(1, h * S))
+    with torch.no_grad():
+        for t0 in range(0, T, rows):
+            t1 = min(T, t0 + rows)
+            t = t1 - t0
+            allowed, bias = rows_mask(mask, causal, t0, t1, T, S, dev, b_idx, h_idx)
+            k0, k1 = 0, S
+            if allowed is not None:
+                allowed = allowed.reshape((1,) * (4 - allowed.dim()) + tuple(allowed.shape))
+                if bias is None or bias.shape[-1] == S:  # crop to the keys some row may see
+                    seen = allowed.reshape(-1, allowed.shape[-1]).any(0).nonzero()
+                    if allowed.shape[-1] == S and len(seen):
+                        k0, k1 = int(seen[0]), int(seen[-1]) + 1
+                allowed = allowed[..., k0:k1] if allowed.shape[-1] == S else allowed
+            if bias is not None and bias.shape[-1] == S:
+                bias = bias[..., k0:k1]
+            w = k1 - k0
+            scores = torch.matmul(q[:, t0:t1], k[:, k0:k1].transpose(-2, -1))[None] * scale  # (1, h, t, w)
+            if score_mod is not None:
+                scores = score_mod.apply(scores, b_idx, h_idx, index(t, 2, dev, t0), index(w, 3, dev, k0), S - T)
+            if sinks is None:
+                probs = softmax(scores, allowed, bias, score_mod is not None)  # (1, h, t, w)
+            else:  # one more logit per row with no value (the registry's written-out sink path)
+                if bias is not None:
+                    scores = scores + bias.to(scores.dtype)
+                if allowed is not None:
+                    scores = scores.masked_fill(~allowed, float("-inf"))
+                sink = sinks[:, :, t0:t1] if sinks.shape[2] == T else sinks
+                logits = torch.cat([scores, sink.to(scores.dtype).expand(1, h, t, 1)], dim=-1)
+                probs = softmax(logits)[..., :w]
+            del scores, allowed, bias
+            acc.add(probs[0], t0, k0)
+            del probs
+    return acc
+
+
+# ------------------------------------------------------------------ the pass
+
+
+class _Progress:
+    """'summaries: layer 12/30, 2.4 s per layer, ETA 43 s' on a terminal's stderr, replaced in place."""
+
+    def __init__(self, total: int, enabled: bool | None):
+        self.total = total
+        self.enabled = sys.stderr.isatty() if enabled is None else bool(enabled)
+        self.t0 = time.perf_counter()
+        self.done = 0
+
+    def step(self) -> None:
+        self.done += 1
+        if not self.enabled:
+            return
+        per = (time.perf_counter() - self.t0) / self.done
+        eta = per * (self.total - self.done)
+        sys.stderr.write(f"\r\033[Ksummaries: layer {self.done}/{self.total}, {per:.1f} s per layer, "
+                         f"ETA {eta:.0f} s")
+        sys.stderr.flush()
+
+    def close(self) -> None:
+        if self.enabled:
+            sys.stderr.write("\r\033[K")
+            sys.stderr.flush()
+
+
+class _Observer:
+    """Given to the registry as `multihead_observer=`: summarises each asked layer as it runs."""
+
+    def __init__(self, modules: dict[int, int], make_acc: Callable[[int], RowSums], heads: list[int],
+                 block_elements: int, progress: _Progress, stop: bool):
+        self.modules = modules  # id(module) -> position in `layers`
+        self.make_acc = make_acc
+        self.heads = heads
+        self.block_elements = block_elements
+        self.progress = progress
+        self.stop = stop
+        self.done: dict[int, RowSums] = {}
+
+    def observe(self, module, query, key, *, mask, causal, scale, score_mod, sinks) -> None:
+        li = self.modules.get(id(module))
+        if li is None or li in self.done:
+            return
+        if isinstance(mask, MaskMod):
+            mask.check(query.shape[0], query.shape[1], query.shape[2], key.shape[2])
+        self.done[li] = layer_statistics(query, key, self.make_acc(li), self.heads, mask=mask, causal=causal,
+                                         scale=scale, score_mod=score_mod, sinks=sinks,
+                                         block_elements=self.block_elements)
+        self.progress.step()
+        if self.stop and len(self.done) == len(self.modules):
+            from multihead.interop.hf import CaptureComplete
+
+            raise CaptureComplete
+
+
+def summaries(model_or_loaded="minilm", text_or_ids="", *, layers=None, heads=None, max_tokens: int | None = None,
+              top_k: int = TOP_K, patterns=None, grid: int = GRID, transformer_lens: bool = False,
+              progress: bool | None = None, block_elements: int = BLOCK_ELEMENTS) -> HeadSummaries:
+    """Per-head summaries of every head (or the layers x heads asked) on one text, streamed.
+
+    Args:
+        model_or_loaded: anything `multihead.inspect.load_model` takes ("minilm", a folder,
+            a (model, tokenizer) pair, a LoadedModel).
+        text_or_ids: a string, or token ids (list of ints, 1-D tensor) used as they are.
+        layers, heads: indices (negative from the end) or None for all.
+        max_tokens: keep at most this many tokens (longer texts are truncated, with a
+            TruncationWarning).
+        top_k: keep each query's k largest weights (0: none).
+        patterns: the (layer, head) pairs whose pattern is kept as block sums over
+            `grid` x `grid` bins (`True`: every head; costs layers x heads x grid^2 x 4 bytes).
+        transformer_lens: also TransformerLens' head-detector scores (tl_*).
+        progress: a progress line on stderr (default: when stderr is a terminal).
+        block_elements: scores per block of rows (bounds the memory beside the model).
+
+    Returns:
+        A `HeadSummaries`.
+    """
+    from multihead.interop.loaded import HFModel
+
+    lm = load_model(model_or_loaded)
+    layers = select_indices("layer", layers, lm.n_layers)
+    heads = select_indices("head", heads, lm.n_heads)
+    for name, value, lo in (("top_k", top_k, 0), ("grid", grid, 1), ("block_elements", block_elements, 1)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < lo:
+            raise ValueError(f"{name} must be an int >= {lo}; received {value!r}")
+    ids, meta = encode_text(lm, text_or_ids, max_tokens)
+    T = len(ids)
+    from multihead.inspect.roles import text_context
+
+    tokens = lm.tokens(ids)
+    ctx = text_context(tokens, ids, lm.special_tokens, lm.causal)
+    want = _pattern_heads(patterns, layers, heads)
+    batch = torch.tensor([ids], dtype=torch.long)
+    L, h = len(layers), len(heads)
+    top_index = torch.full((L, h, T, top_k), -1, dtype=torch.int32) if top_k else None
+    top_weight = torch.zeros(L, h, T, top_k, dtype=torch.float16) if top_k else None
+
+    def make_acc(li: int, device=None) -> RowSums:
+        g = grid if any((layers[li], x) in want for x in heads) else 0
+        return RowSums(h, ctx, top_k=top_k, grid=g, transformer_lens=transformer_lens, device=device)
+
+    bar = _Progress(L, progress)
+    done: dict[int, RowSums] = {}
+    from_weights = []
+    try:
+        if isinstance(lm, HFModel):
+            done = _run_hf(lm, batch, layers, heads, make_acc, block_elements, bar)
+        for li, layer in enumerate(layers):  # layers the observer did not reach: from their weights
+            if li in done:
+                continue
+            from_weights.append(layer)
+            weights = lm.attention(batch, {layer: tuple(heads)})[layer][0]  # (h, T, S)
+            acc = make_acc(li, device=weights.device)
+            rows = max(1, block_elements // max(1, h * weights.shape[-1]))
+            for t0 in range(0, T, rows):
+                acc.add(weights[:, t0:t0 + rows], t0)
+            del weights
+            done[li] = acc
+            bar.step()
+    finally:
+        bar.close()
+
+    per_layer = []
+    out_patterns: dict[tuple[int, int], Tensor] = {}
+    for li in range(L):
+        acc = done.pop(li)
+        per_layer.append(acc.result())
+        if top_k:
+            top_index[li] = acc.top_index.cpu()
+            top_weight[li] = acc.top_weight.cpu()
+        if acc.pattern is not None:
+            for hi, head in enumerate(heads):
+                if (layers[li], head) in want:
+                    out_patterns[(layers[li], head)] = acc.pattern[hi].cpu()
+    scores = {name: torch.stack([d[name] for d in per_layer]) for name in per_layer[0]}
+    meta = {**meta, "summaries": {"block_elements": block_elements, "top_k": top_k, "grid": grid,
+                                  "layers_from_weights": from_weights}}
+    return HeadSummaries(tokens=tokens, token_ids=list(ids), layers=layers, heads=heads, n_layers=lm.n_layers,
+                         n_heads=lm.n_heads, scores=scores, match_rows=ctx.match_rows(), top_index=top_index,
+                         top_weight=top_weight, patterns=out_patterns, model=lm.name, meta=meta)
+
+
+def _pattern_heads(patterns, layers: list[int], heads: list[int]) -> set[tuple[int, int]]:
+    if patterns is None or patterns is False:
+        return set()
+    if patterns is True:
+        return {(layer, head) for layer in layers for head in heads}
+    try:
+        want = {(int(a), int(b)) for a, b in patterns}
+    except (TypeError, ValueError):
+        raise TypeError(f"patterns must be True, None or (layer, head) pairs; received {patterns!r}") from None
+    missing = sorted(p for p in want if p[0] not in layers or p[1] not in heads)
+    if missing:
+        raise ValueError(f"patterns asks for {missing}, not among the summarised layers {layers} x heads {heads}")
+    return want
+
+
+def _run_hf(lm, batch: Tensor, layers: list[int], heads: list[int], make_acc, block_elements: int,
+            bar: _Progress) -> dict[int, RowSums]:
+    """One forward of `lm.model` with the observer; returns {position in layers: sums}."""
+    from multihead.interop.hf import CaptureComplete
+    from multihead.interop.hf.registry import OBSERVER_KEYWORD
+
+    device = next(lm.model.parameters()).device
+    ids = batch.to(device)
+    modules = {id(lm.layers[layer]): li for li, layer in enumerate(layers)}
+    observer = _Observer(modules, lambda li: make_acc(li, device=device), heads, block_elements, bar, stop=True)
+    inputs = {"input_ids": ids, "attention_mask": torch.ones_like(ids)}
+    if lm.encoder_decoder:  # as a capture reads it: the text on both sides
+        inputs["decoder_input_ids"] = ids
+    with torch.no_grad():
+        try:
+            lm.model(**inputs, **{OBSERVER_KEYWORD: observer})
+        except CaptureComplete:
+            pass
+    return observer.done
