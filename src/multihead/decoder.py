@@ -25,7 +25,7 @@ from dataclasses import asdict, dataclass, fields
 import torch
 from torch import Tensor, nn
 
-from multihead._checks import variant_name
+from multihead._checks import check_positive_int, variant_name
 
 __all__ = ["LabConfig", "LabTransformer"]
 
@@ -74,9 +74,7 @@ class LabConfig:
 
     def __post_init__(self):
         for name in ("vocab_size", "max_len", "d_model", "n_layers", "n_heads", "mlp_ratio"):
-            v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-                raise ValueError(f"{name} must be a positive int; received {v!r}")
+            check_positive_int(name, getattr(self, name))
         if self.attention not in _ATTENTION:
             raise ValueError(f"attention must be one of {', '.join(_ATTENTION)}; received {self.attention!r}")
         if self.norm not in _NORMS:
@@ -91,8 +89,8 @@ class LabConfig:
             if self.d_model % self.n_heads:
                 raise ValueError(f"n_heads {self.n_heads} does not divide d_model {self.d_model}; give head_dim")
             object.__setattr__(self, "head_dim", self.d_model // self.n_heads)  # an input left out, not derived
-        elif isinstance(self.head_dim, bool) or not isinstance(self.head_dim, int) or self.head_dim < 1:
-            raise ValueError(f"head_dim must be a positive int; received {self.head_dim!r}")
+        else:
+            check_positive_int("head_dim", self.head_dim)
 
     @property
     def kind(self) -> str:

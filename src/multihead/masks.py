@@ -485,8 +485,7 @@ def to_dense(mask_mod: MaskMod | Callable, B: int, H: int, T: int, S: int, devic
     """
     mask_mod = _as_mod(mask_mod, "to_dense")
     for name, n in (("B", B), ("H", H), ("T", T), ("S", S)):
-        if isinstance(n, bool) or not isinstance(n, int) or n < 1:
-            raise ValueError(f"{name} must be a positive int; received {n!r}")
+        check_positive_int(name, n)
     mask_mod.check(B, H, T, S)
     b = torch.arange(B, device=device).view(B, 1, 1, 1)
     h = torch.arange(H, device=device).view(1, H, 1, 1)

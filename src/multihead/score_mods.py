@@ -31,7 +31,7 @@ from collections.abc import Callable, Sequence
 import torch
 from torch import Tensor
 
-from multihead._checks import check_positive_number
+from multihead._checks import check_positive_int, check_positive_number
 from multihead.kernels.common import softcap as softcap_formula
 
 __all__ = ["ScoreMod", "alibi", "alibi_slopes", "from_flex", "softcap"]
@@ -174,8 +174,7 @@ def alibi_slopes(n_heads: int) -> Tensor:
     For H a power of 2: 2^(-8 h / H), h = 1..H. Otherwise the slopes of the closest
     power of 2 below H, followed by every other slope of twice that power.
     """
-    if isinstance(n_heads, bool) or not isinstance(n_heads, int) or n_heads < 1:
-        raise ValueError(f"n_heads must be a positive int; received {n_heads!r}")
+    n_heads = check_positive_int("n_heads", n_heads)
     p = 2 ** math.floor(math.log2(n_heads))
     base = 2.0 ** (-(2.0 ** -(math.log2(p) - 3)))
     slopes = [base ** i for i in range(1, p + 1)]

@@ -29,7 +29,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from multihead._checks import divisibility_error
+from multihead._checks import check_positive_number, divisibility_error
 from multihead.distributed._group import (
     GroupRef,
     agree,
@@ -349,9 +349,10 @@ def _local_error(q, k, v, mask, causal, layout, scale, group) -> str | None:
         P = dist.get_world_size(group)
         return f"layout 'zigzag' gives each rank 2 of 2P chunks, so the sequence length must be divisible " \
                f"by 2P = {2 * P}; received a shard of T = {T} (S = {S}) tokens, global length {T * P}"
-    if scale is not None and (isinstance(scale, bool) or not isinstance(scale, (int, float))
-                              or not math.isfinite(scale) or scale <= 0):
-        return f"scale must be a positive finite number or None; received {scale!r}"
+    try:
+        check_positive_number("scale", scale, allow_none=True)
+    except (TypeError, ValueError) as err:  # a message, so every rank can agree before any raises
+        return str(err)
     if mask is not None:
         if not isinstance(mask, Tensor) or mask.dtype != torch.bool:
             got = type(mask).__name__ if not isinstance(mask, Tensor) else f"a {mask.dtype} tensor"
