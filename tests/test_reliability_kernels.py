@@ -341,7 +341,7 @@ def test_property_every_input_that_requires_grad_gets_the_math_gradient(B, Hkv, 
     want = _three_orders(lambda: sdpa(*slots(), m, causal=causal, score_mod=score_mod, backend="math"), inputs)
     for backend in ("auto", "chunked", "tiles", "sdpa"):
         try:
-            got = _three_orders(lambda: sdpa(*slots(), m, causal=causal, score_mod=score_mod, backend=backend),
+            got = _three_orders(lambda b=backend: sdpa(*slots(), m, causal=causal, score_mod=score_mod, backend=b),
                                 inputs)
         except ValueError as e:
             assert backend in ("tiles", "sdpa") and "backends that can" in str(e)

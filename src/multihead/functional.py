@@ -57,6 +57,10 @@ tensors on "tiles"/"sdpa": "auto" picks "chunked" or "math"). So do second deriv
 (create_graph=True: gradient penalties): the tile engines and torch's fused kernels
 then recompute the attention with differentiable ops (`kernels.sdpa.SecondOrder`,
 `kernels.explicit_tiles.twice`); only torch's own dropout, which cannot be redrawn, refuses.
+Inputs may alias: self-attention on one tensor (q is k is v), one memory as keys and
+values, views of one tensor (a packed QKV projection), a float mask that is one of them;
+each tensor gets the sum of the partial derivatives of the slots it fills, once, at
+every order.
 
 Empty problems (B, H, T or S = 0) return empty or zero outputs of the right shape.
 """

@@ -42,16 +42,26 @@ def needs_grad(dense: Tensor | None) -> bool:
     return dense is not None and dense.is_floating_point() and dense.requires_grad and torch.is_grad_enabled()
 
 
-def twice(ctx, saved, d_out, recompute):
+def twice(needs, saved, d_out, recompute):
     """The backward when autograd records it (create_graph=True: a gradient penalty, double
     backward): the attention recomputed with differentiable ops (`Tiles.recompute`) from the
     saved inputs, and its gradient taken with the graph, so the second-order terms are exact.
-    The fast backwards write into buffers with no graph, which would drop them silently."""
-    wanted = [i for i, x in enumerate(saved) if x is not None and ctx.needs_input_grad[i]]
-    out = recompute(*saved)
+    The fast backwards write into buffers with no graph, which would drop them silently.
+
+    `needs[i]`: whether `saved[i]` (q, k, v, then a float mask) wants a gradient. Each slot is
+    recomputed from an alias of its own (a view, no copy) and differentiated with respect to
+    that alias: the partial derivative of that slot alone. Differentiating with respect to the
+    saved tensors themselves would give a tensor that fills several slots (self-attention,
+    q is k is v) its total derivative once per slot, and a slot that is computed from another
+    (k a view of q, or q * 2) the other's partial too; the result is handed back per slot and
+    summed by autograd, so those came out 3x, 2x, or mixed. The aliases keep the graph to the
+    saved inputs, so the gradient stays differentiable."""
+    wanted = [i for i, x in enumerate(saved) if x is not None and needs[i]]
+    slots = [None if x is None else x.view_as(x) for x in saved]
+    out = recompute(*slots)
     if not out.requires_grad:  # every row empty: no gradient anywhere
         return [None] * len(saved)
-    grads = torch.autograd.grad(out, [saved[i] for i in wanted], d_out, create_graph=True, allow_unused=True)
+    grads = torch.autograd.grad(out, [slots[i] for i in wanted], d_out, create_graph=True, allow_unused=True)
     result = [None] * len(saved)
     for i, g in zip(wanted, grads):
         result[i] = g
@@ -237,7 +247,7 @@ class _ExplicitTiles(torch.autograd.Function):
         q, k, v, out, lse, dense = ctx.saved_tensors
         tiles: Tiles = ctx.tiles
         if torch.is_grad_enabled():  # create_graph: differentiable recomputation (see `twice`)
-            return (*twice(ctx, (q, k, v, dense), d_out, tiles.recompute), None)
+            return (*twice(ctx.needs_input_grad, (q, k, v, dense), d_out, tiles.recompute), None)
         B, H, G, Hkv, Dv = tiles.B, tiles.H, tiles.G, tiles.Hkv, tiles.Dv
         acc, mod = tiles.acc, tiles.score_mod
         d_dense = None if dense is None else torch.zeros(dense.shape, dtype=acc, device=q.device)

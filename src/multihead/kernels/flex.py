@@ -391,7 +391,8 @@ class _FlexForwardTileBackward(torch.autograd.Function):
     """Forward: compiled flex. Backward: the tile engine recomputes the attention and its
     gradient (torch's compiled flex has no backward on the CPU), of q, k, v and of a float
     mask that requires grad. Under create_graph=True the recomputation is recorded from the
-    saved inputs themselves, so a second differentiation is exact too."""
+    saved inputs (`explicit_tiles.twice`: each slot's own partial, whatever aliases), so a
+    second differentiation is exact too."""
 
     @staticmethod
     def forward(ctx, q, k, v, dense, run, recompute):
@@ -402,13 +403,14 @@ class _FlexForwardTileBackward(torch.autograd.Function):
     @staticmethod
     def backward(ctx, d_out):
         saved = ctx.saved_tensors
-        twice = torch.is_grad_enabled()  # create_graph: differentiate through the saved inputs
+        if torch.is_grad_enabled():  # create_graph: per-slot partials through the saved inputs
+            return (*explicit_tiles.twice(ctx.needs_input_grad, saved, d_out, ctx.recompute), None, None)
         wanted = [i for i, x in enumerate(saved) if x is not None and ctx.needs_input_grad[i]]
         with torch.enable_grad():
-            leaves = list(saved) if twice else [
-                None if t is None else t.detach().requires_grad_(ctx.needs_input_grad[i]) for i, t in enumerate(saved)]
+            leaves = [None if t is None else t.detach().requires_grad_(ctx.needs_input_grad[i])
+                      for i, t in enumerate(saved)]
             out = ctx.recompute(*leaves)
-        grads = torch.autograd.grad(out, [leaves[i] for i in wanted], d_out, create_graph=twice, allow_unused=True)
+        grads = torch.autograd.grad(out, [leaves[i] for i in wanted], d_out, allow_unused=True)
         result = [None] * 6
         for i, g in zip(wanted, grads):
             result[i] = g

@@ -307,7 +307,7 @@ class _MergedFused(torch.autograd.Function):
                               explicit_tiles.EXPLICIT_TILE, 0)
                 return tiles.recompute(qq, kk, vv, fp.dense)
 
-            return (*twice(ctx, (q, k, v), d_out, recompute), None)
+            return (*twice(ctx.needs_input_grad, (q, k, v), d_out, recompute), None)
         acc = acc_dtype(q.dtype)
         d_out = d_out.to(q.dtype)
         lse_dtype = torch.float64 if q.dtype == torch.float64 else torch.float32

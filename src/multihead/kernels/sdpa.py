@@ -12,6 +12,7 @@ from torch import Tensor
 from multihead.kernels import fused_tiles
 from multihead.kernels import math as explicit_math  # weights_pass read at call time: the tests spy on it
 from multihead.kernels.common import mqa_splits
+from multihead.kernels.explicit_tiles import twice
 from multihead.masks import MaskMod
 from multihead.masks import causal as causal_mod
 
@@ -121,16 +122,14 @@ class SecondOrder(torch.autograd.Function):
             raise ValueError(f"backend 'sdpa' cannot differentiate twice (create_graph=True) with dropout "
                              f"(dropout_p={dropout_p}): torch's kernel draws its dropout inside; backends that "
                              f"can: 'tiles', 'math'")
-        mask = grad_mask if grad_mask is not None else mask
-        saved = (q, k, v, grad_mask)
-        wanted = [i for i, x in enumerate(saved) if x is not None and ctx.needs_input_grad[i + 1]]
-        out, _ = explicit_math.chunked(q, k, v, mask, causal=causal, scale=scale, dropout_p=0.0, weight_heads=None,
-                                       score_mod=score_mod)
-        grads = torch.autograd.grad(out, [saved[i] for i in wanted], d_out, create_graph=True, allow_unused=True)
-        result = [None] * 6
-        for i, g in zip(wanted, grads):
-            result[i + 1] = g
-        return tuple(result)
+
+        def recompute(qq, kk, vv, mm):
+            return explicit_math.chunked(qq, kk, vv, mask if mm is None else mm, causal=causal, scale=scale,
+                                         dropout_p=0.0, weight_heads=None, score_mod=score_mod)[0]
+
+        # per-slot partial derivatives, exact when q, k, v (or the mask) are one tensor or views of one
+        grads = twice(ctx.needs_input_grad[1:5], (q, k, v, grad_mask), d_out, recompute)
+        return (None, *grads, None)
 
 
 def twice_differentiable(out, q, k, v, mask, causal, scale, dropout_p, score_mod):
