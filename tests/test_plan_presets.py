@@ -113,3 +113,38 @@ def test_qwen25_7b_counts_equal_transformers_on_the_meta_device():
         model = transformers.AutoModelForCausalLM.from_config(config)
     total = sum(p.numel() for p in model.parameters())
     assert plan.model_params(plan.read_config("qwen2.5-7b")) == total == 7_615_616_512  # Qwen's "7.61B"
+
+
+@pytest.mark.slow
+def test_smollm2_preset_is_the_bundled_model_and_its_conversions_are_exact():
+    """plan's counts for smollm2-135m equal the loaded model's sum(p.numel()) and the bytes per
+    token of a real cache, and so do the listed conversions', measured on converted models."""
+    torch = pytest.importorskip("torch")
+    pytest.importorskip("transformers")
+    from multihead import convert
+    from multihead.interop.hf import latent_cache_bytes
+    from multihead.interop.loaders import load_model
+    from multihead.plan.conversions import conversions
+
+    model = load_model("smollm2").model.eval()
+    for key, value in PRESETS["smollm2-135m"].config.items():
+        if key not in ("rms_norm_eps", "rope_theta", "architectures"):
+            assert getattr(model.config, key) == value, key
+    geometry = plan.read_config("smollm2-135m")
+    ids = torch.randint(0, 49152, (1, 16), generator=torch.Generator().manual_seed(0))
+
+    def measured(m):
+        with torch.no_grad():
+            cache = m(ids, use_cache=True).past_key_values
+        return sum(p.numel() for p in m.parameters()), latent_cache_bytes(cache) // ids.shape[1]
+
+    fp32_per_bf16 = 2
+    params, kv = measured(model)
+    assert plan.model_params(geometry) == params == 134_515_008
+    assert plan.kv_bytes_per_token(geometry, "fp32") == kv == 30 * 2 * 3 * 64 * 4
+    rows = {r["conversion"]: r for r in conversions(geometry)}
+    assert set(rows) == {"to_gqa -> MQA", "to_mla R=128"}, rows
+    for name, converted in (("to_gqa -> MQA", convert.to_gqa(model, 1)),
+                            ("to_mla R=128", convert.to_mla(model, 128, rope_dim=0))):
+        p, b = measured(converted)
+        assert (rows[name]["params"], rows[name]["kv_bytes_per_token"] * fp32_per_bf16) == (p, b), name

@@ -186,6 +186,13 @@ PRESETS: dict[str, Preset] = {
             "patch_size": 14, "vision_use_head": False,
         },
     }),
+    "smollm2-135m": Preset("smollm2-135m", "HuggingFaceTB/SmolLM2-135M-Instruct", {
+        "model_type": "llama", "architectures": ["LlamaForCausalLM"], "attention_bias": False,
+        "head_dim": 64, "hidden_act": "silu", "hidden_size": 576, "intermediate_size": 1536,
+        "max_position_embeddings": 8192, "mlp_bias": False, "num_attention_heads": 9,
+        "num_hidden_layers": 30, "num_key_value_heads": 3, "rms_norm_eps": 1e-05,
+        "rope_theta": 100000, "tie_word_embeddings": True, "vocab_size": 49152,
+    }),
     "pythia-160m": Preset("pythia-160m", "EleutherAI/pythia-160m", {
         "model_type": "gpt_neox", "architectures": ["GPTNeoXForCausalLM"], "hidden_act": "gelu",
         "hidden_size": 768, "intermediate_size": 3072, "layer_norm_eps": 1e-05,
