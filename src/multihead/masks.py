@@ -93,6 +93,22 @@ class MaskMod:
         return self.fn(b, h, q_idx, kv_idx)
 
     @property
+    def op(self) -> str | None:
+        """"and" or "or" for a combination of predicates (`parts`), None for a leaf."""
+        return self._op
+
+    @property
+    def parts(self) -> tuple[MaskMod, ...]:
+        """The predicates a combination is made of (empty for a leaf)."""
+        return self._parts
+
+    @property
+    def segments(self) -> Callable | None:
+        """`segments(T, S) -> [(start, end), ...] or None`, when the predicate has them: runs of
+        positions that attend within themselves and nowhere else (documents)."""
+        return self._segments
+
+    @property
     def analytic(self) -> bool:
         """Whether `tiles` classifies without evaluating the predicate pair by pair (every
         leaf knows its tile classes): then planning costs O(tiles), and can be repeated."""

@@ -73,6 +73,11 @@ class ScoreMod:
     def __repr__(self) -> str:
         return f"ScoreMod({self.name})"
 
+    @property
+    def inplace(self) -> Callable | None:
+        """The mod's in-place form `inplace(x)` (see the class docstring), or None."""
+        return self._inplace
+
     def check(self, B: int, H: int, T: int, S: int) -> None:
         if self._check is not None:
             self._check(B, H, T, S)

@@ -106,8 +106,8 @@ def choose_tile(pred, B, H, T, S, G, tile, device, squares: bool = True):
 
 
 def _and_leaves(pred: MaskMod) -> list[MaskMod]:
-    if pred._op == "and":
-        return [leaf for part in pred._parts for leaf in _and_leaves(part)]
+    if pred.op == "and":
+        return [leaf for part in pred.parts for leaf in _and_leaves(part)]
     return [pred]
 
 
@@ -197,10 +197,10 @@ def _segment_squares(pred: MaskMod, B: int, H: int, T: int, S: int, device) -> d
     if T != S or T < 2:
         return {}
     leaves = _and_leaves(pred)
-    runs = [leaf for leaf in leaves if leaf._segments is not None]
+    runs = [leaf for leaf in leaves if leaf.segments is not None]
     if len(runs) != 1 or any(not (leaf.relative and not leaf.top_left) for leaf in leaves if leaf is not runs[0]):
         return {}
-    segments = runs[0]._segments(T, S)
+    segments = runs[0].segments(T, S)
     if not segments or len(segments) > max(1, T // _MIN_SEGMENT):
         return {}  # no runs, or many short documents: tiles do better than a call per document
     L = max(e - a for a, e in segments)  # over the longest document
