@@ -24,6 +24,7 @@ import pytest
 import torch
 
 from multihead import heads
+from multihead.heads import path_patching
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -59,10 +60,15 @@ def _build(name: str, layers: int = 3):
     return model, eager
 
 
-def _pair(seed: int = 1, B: int = 2, T: int = 9):
+def _pair(seed: int = 1, B: int = 2, T: int = 9, changed: int | None = None):
+    """Random clean and corrupted ids; with `changed`, corrupted is clean with that one position
+    changed (an IOI-style pair: the scan skips the shared prefix)."""
     g = torch.Generator().manual_seed(seed)
     clean = torch.randint(3, V, (B, T), generator=g)
     corrupted = torch.randint(3, V, (B, T), generator=g)
+    if changed is not None:
+        corrupted = clean.clone()
+        corrupted[:, changed] = (clean[:, changed] + 1 + torch.arange(B)) % (V - 3) + 3
     return clean, corrupted
 
 
@@ -187,7 +193,8 @@ def test_path_patch_equals_the_hand_written_three_steps_on_eager_attention(name)
     model, eager = _build(name)
     ref = _Eager(eager)
     clean, corrupted = _pair()
-    base = float(_metric(eager(corrupted).logits))
+    with torch.no_grad():
+        base = float(_metric(eager(corrupted).logits))
     moved = 0.0
     for via, senders, receivers in CASES:
         got = heads.path_patch(model, clean, corrupted, _metric, senders, receivers, via=via)
@@ -203,17 +210,30 @@ def test_path_patch_equals_the_hand_written_three_steps_on_eager_attention(name)
     assert moved > 1e-2, f"{name}: no path moved the metric ({moved:.2e}): the check could not fail"
 
 
+class _CountSkips(path_patching._Skip):
+    made = 0
+
+    def __init__(self, *args):
+        super().__init__(*args)
+        type(self).made += 1
+
+
 @pytest.mark.parametrize("name", ARCHS)
 @pytest.mark.parametrize("via, receivers", [("q", [(2, 0), (2, 3)]), ("k", [(1, 1), (2, 0)]), ("v", [(2, 1)]),
-                                            ("q", "logits")])
-def test_path_patch_scan_equals_one_hand_written_patch_per_sender(name, via, receivers):
+                                            ("q", "logits"), ("q", [(1, 2, "q"), (2, 1, "v"), "logits"])])
+@pytest.mark.parametrize("changed", [None, 5])
+def test_path_patch_scan_equals_one_hand_written_patch_per_sender(name, via, receivers, changed, monkeypatch):
+    """changed=5: one token changed, so the scan skips the shared prefix [0, 5)."""
     model, eager = _build(name)
     ref = _Eager(eager)
-    clean, corrupted = _pair(3)
+    clean, corrupted = _pair(3, changed=changed)
+    monkeypatch.setattr(path_patching, "_Skip", _CountSkips)
+    _CountSkips.made = 0
     scan = heads.path_patch_scan(model, clean, corrupted, _metric, receivers, via=via)
+    assert _CountSkips.made == (changed is not None), f"{name}: prefix skip taken {_CountSkips.made} times"
     assert scan.shape == (3, 4)
-    logits = receivers == "logits"
-    rs = [] if logits else _receivers(receivers, via)
+    logits = "logits" in receivers
+    rs = _receivers([r for r in receivers if r != "logits"] if receivers != "logits" else [], via)
     want = torch.tensor([[ref.path_patch(clean, corrupted, _metric, [(layer, h)], rs, logits=logits)
                           for h in range(4)] for layer in range(3)])
     diff = (scan - want).abs().max().item()

@@ -51,6 +51,7 @@ from multihead.heads._engine import (
     Layer,
     batch_size,
     check_model,
+    is_hf,
     logits_of,
     multihead_modules,
     parents_of,
@@ -207,13 +208,30 @@ class _Stop(Exception):
     """Step 2 has every receiver's input: the layers above are not needed."""
 
 
-class _Pinned(Handler):
+class _Step(Handler):
+    """What both steps do under the prefix skip: keys and values of positions [p, T) get the
+    corrupted run's [0, p) in front (the attention reads them as a KV cache)."""
+
+    def __init__(self, skip: _Skip | None):
+        self.skip = skip
+
+    def _full(self, lay: Layer, t: Tensor, what: str) -> Tensor:
+        sk = self.skip
+        if sk is None or t.shape[1] != sk.T - sk.p:
+            return t
+        head = sk.prefix[what, lay.index]  # (B, p, Hkv, D)
+        return torch.cat([head.to(t.dtype).repeat(t.shape[0] // head.shape[0], 1, 1, 1), t], dim=1)
+
+
+class _Pinned(_Step):
     """Step 2 for n variants (variant i in rows [i B, (i + 1) B)): from layer `start` on,
     every head's z is the corrupted run's, each variant's senders' the clean run's; the
     receivers' inputs are kept, and `stop` (a layer) ends the forward once they are."""
 
     def __init__(self, corrupted: Recording, clean: Recording, senders: list[list[tuple[int, int]]],
-                 receivers: dict[tuple[int, str], list[int]], B: int, start: int = 0, stop: int | None = None):
+                 receivers: dict[tuple[int, str], list[int]], B: int, start: int = 0, stop: int | None = None,
+                 skip: _Skip | None = None):
+        super().__init__(skip)
         self.corrupted, self.clean = corrupted, clean
         self.senders = senders
         self.receivers = receivers
@@ -223,9 +241,10 @@ class _Pinned(Handler):
     def z(self, lay, z, v):
         if lay.index < self.start:
             return z
-        B = self.B
-        new = self.corrupted["z", lay.index].to(z.dtype).repeat(z.shape[0] // B, 1, 1, 1)  # (n B, T, H, Dv)
-        clean = self.clean["z", lay.index]
+        B, t = self.B, z.shape[1]  # t: T, or T - p under the prefix skip (the positions this forward runs)
+        corrupted = self.corrupted["z", lay.index]
+        new = corrupted[:, corrupted.shape[1] - t:].to(z.dtype).repeat(z.shape[0] // B, 1, 1, 1)  # (n B, t, H, Dv)
+        clean = self.clean["z", lay.index][:, corrupted.shape[1] - t:]
         for i, heads in enumerate(self.senders):
             for layer, h in heads:
                 if layer == lay.index:
@@ -244,19 +263,21 @@ class _Pinned(Handler):
         return self._keep(lay, q, "q")
 
     def k(self, lay, k):
-        return self._keep(lay, k, "k")
+        return self._keep(lay, self._full(lay, k, "k"), "k")
 
     def v(self, lay, v):
-        return self._keep(lay, v, "v")
+        return self._keep(lay, self._full(lay, v, "v"), "v")
 
     def wants_kv(self, lay):
         return any(via != "q" for _, via in self.receivers)
 
 
-class _Received(Handler):
+class _Received(_Step):
     """Step 3: the receivers' inputs are step 2's, everything else this run's own."""
 
-    def __init__(self, kept: dict[tuple[int, str], Tensor], receivers: dict[tuple[int, str], list[int]]):
+    def __init__(self, kept: dict[tuple[int, str], Tensor], receivers: dict[tuple[int, str], list[int]],
+                 skip: _Skip | None = None):
+        super().__init__(skip)
         self.kept, self.receivers = kept, receivers
 
     def _put(self, lay: Layer, t: Tensor, via: str) -> Tensor:
@@ -271,10 +292,10 @@ class _Received(Handler):
         return self._put(lay, q, "q")
 
     def k(self, lay, k):
-        return self._put(lay, k, "k")
+        return self._put(lay, self._full(lay, k, "k"), "k")
 
     def v(self, lay, v):
-        return self._put(lay, v, "v")
+        return self._put(lay, self._full(lay, v, "v"), "v")
 
     def wants_kv(self, lay):
         return any(via != "q" for _, via in self.receivers)
@@ -433,7 +454,7 @@ def path_patch(model, clean, corrupted, metric: Callable[[Tensor], Tensor], send
     return _one(runs, pairs, receivers, logits)
 
 
-# ---------------------------------------------------------------- the scan
+# ---------------------------------------------------------------- the scan's rows
 
 
 def _grow(x, n: int, B: int):
@@ -463,47 +484,178 @@ def _one_row(x, B: int):
     return x
 
 
+class _NoCut(Exception):
+    """A T-long block input of a kind the prefix skip does not know how to cut."""
+
+
+def _cut(x, key, T: int, p: int):
+    """Positions [p, T) of one block input (`key`: its keyword, or its place among the
+    positional arguments); raises _NoCut for a T-long input of an unknown kind."""
+    if isinstance(x, Tensor):
+        if x.dim() == 0 or T not in x.shape:
+            return x
+        if key in (0, "hidden_states") and x.dim() == 3:  # (B, T, C); (n B, T - p, C) from the block below
+            return x[:, p:] if x.shape[1] == T else x
+        if x.dim() == 4 and x.shape[-2:] == (T, T):  # a mask (B, 1|H, T, S): its query rows
+            return x[..., p:, :]
+        if key == "position_ids" and x.shape[-1] == T:
+            return x[..., p:]
+        if key == "cache_position" and x.dim() == 1:
+            return x[p:]
+        raise _NoCut(key)
+    if isinstance(x, MaskMod):  # a flex-style predicate reads the row as q_idx; bottom-right it is the position
+        return MaskMod(x.fn, x.name, relative=x.relative) if x.top_left else x
+    if isinstance(x, (tuple, list)) and key == "position_embeddings":  # rotary (cos, sin), each (B|1, T, D)
+        return type(x)(t[..., p:, :] if isinstance(t, Tensor) and t.dim() >= 2 and t.shape[-2] == T else t
+                       for t in x)
+    if isinstance(x, (tuple, list, dict)):
+        if any(isinstance(t, Tensor) for t in (x.values() if isinstance(x, dict) else x)):
+            raise _NoCut(key)
+    return x
+
+
+def _cut_all(args: tuple, kwargs: dict, T: int, p: int) -> tuple[tuple, dict]:
+    return tuple(_cut(a, i, T, p) for i, a in enumerate(args)), {k: _cut(v, k, T, p) for k, v in kwargs.items()}
+
+
+def _sees_ahead(x, T: int, p: int, B: int) -> bool:
+    """Whether a mask lets a query of the prefix [0, p) see a key of [p, T) (a prefix-LM's
+    bidirectional span): the prefix is then not the corrupted run's in a variant."""
+    if isinstance(x, Tensor) and x.dim() == 4 and x.shape[-2:] == (T, T):
+        corner = x[..., :p, p:]
+        return bool(corner.any()) if corner.dtype == torch.bool else \
+            bool((corner > torch.finfo(corner.dtype).min / 2).any())
+    if isinstance(x, MaskMod):
+        b = torch.arange(B)[:, None, None, None]
+        q = torch.arange(p)[None, None, :, None]
+        kv = torch.arange(p, T)[None, None, None, :]
+        return bool(torch.as_tensor(x(b, torch.zeros_like(b), q, kv)).any())
+    return False
+
+
+def _shared_prefix(clean, corrupted) -> tuple[int, int]:
+    """(p, T): how many leading positions every input tensor of the two runs shares, and
+    their length; (0, 0) when that cannot be read off the inputs."""
+    if isinstance(clean, Tensor) and isinstance(corrupted, Tensor):
+        pairs = [(clean, corrupted)]
+    elif hasattr(clean, "keys") and hasattr(corrupted, "keys") and set(clean.keys()) == set(corrupted.keys()):
+        pairs = [(clean[k], corrupted[k]) for k in clean.keys()]
+    else:
+        return 0, 0
+    p = T = None
+    for a, b in pairs:
+        if not (isinstance(a, Tensor) and isinstance(b, Tensor)):
+            if isinstance(a, Tensor) or isinstance(b, Tensor) or (a is not b and a != b):
+                return 0, 0
+            continue
+        if a.dim() < 2 or a.shape != b.shape or (T is not None and a.shape[1] != T):
+            return 0, 0
+        T = a.shape[1]
+        differ = (a != b).reshape(a.shape[0], T, -1).any(dim=2).any(dim=0)  # (T,)
+        first = int(differ.nonzero()[0, 0]) if bool(differ.any()) else T
+        p = first if p is None else min(p, first)
+    return (0, 0) if T is None else (p, T)
+
+
+class _Skip:
+    """The prefix [0, p) clean and corrupted share, on a causal decoder: there every run of
+    the scan is the corrupted run (the senders' clean z equal the corrupted z there), so
+    the variants run positions [p, T) only, their attention reading the corrupted run's
+    keys and values of [0, p) (`prefix`), and the last block's output gets the corrupted
+    run's [0, p) back (`tail`)."""
+
+    def __init__(self, T: int, p: int, prefix: dict[tuple[str, int], Tensor], tail: Tensor):
+        self.T, self.p, self.prefix, self.tail = T, p, prefix, tail
+
+
+class _KeepPrefix(Handler):
+    """The corrupted run's keys and values on the prefix [0, p)."""
+
+    def __init__(self, p: int):
+        self.p = p
+        self.data: dict[tuple[str, int], Tensor] = {}
+
+    def k(self, lay, k):
+        self.data["k", lay.index] = k[:, :self.p].clone()
+        return k
+
+    def v(self, lay, v):
+        self.data["v", lay.index] = v[:, :self.p].clone()
+        return v
+
+
 class _Join:
     """Block pre-hooks for a forward of n variants that all start at block `start`: the
-    blocks below run on one row, `start` takes the corrupted run's cached input (n copies
-    of its B rows), the blocks above get the per-batch tensors the model hands them
-    repeated. `start=None`: every block runs on one row (the direct path's forward)."""
+    blocks below run on one row (their output unused), `start` takes the corrupted run's
+    cached input (n copies of its B rows), the blocks above get the per-batch tensors the
+    model hands them repeated (and cut to [p, T) under the prefix skip). `start=None`:
+    every block runs on one row (the direct path's forward replaces the last one's output)."""
 
-    def __init__(self, start: nn.Module | None, cache: dict[int, tuple], n: int, B: int):
-        self.start, self.cache, self.n, self.B = start, cache, n, B
+    def __init__(self, start: nn.Module | None, cache: dict[int, tuple], n: int, B: int, skip: _Skip | None):
+        self.start, self.cache, self.n, self.B, self.skip = start, cache, n, B, skip
         self.started = False
 
     def begin(self):
         self.started = False
 
     def hook(self, block, args, kwargs):
+        n, B = self.n, self.B
         if block is self.start:
             self.started = True
             cargs, ckw = self.cache[id(block)]
             kwargs = {**kwargs, **ckw}  # the forward's own keywords (the intervention) stay
-            return tuple(_grow(a, self.n, self.B) for a in cargs), {k: _grow(v, self.n, self.B)
-                                                                    for k, v in kwargs.items()}
+            return tuple(_grow(a, n, B) for a in cargs), {k: _grow(v, n, B) for k, v in kwargs.items()}
         if not self.started:
-            return tuple(_one_row(a, self.B) for a in args), {k: _one_row(v, self.B) for k, v in kwargs.items()}
-        if self.n == 1:
-            return None
+            return tuple(_one_row(a, B) for a in args), {k: _one_row(v, B) for k, v in kwargs.items()}
+        if self.skip is not None:  # the hidden states are cut already; what the model hands each block is not
+            args, kwargs = _cut_all(args, kwargs, self.skip.T, self.skip.p)
         # the hidden states have n B rows already (left as they are); the model's per-batch tensors still B
-        return tuple(_grow(a, self.n, self.B) for a in args), {k: _grow(v, self.n, self.B) for k, v in kwargs.items()}
+        return tuple(_grow(a, n, B) for a in args), {k: _grow(v, n, B) for k, v in kwargs.items()}
 
     def hooks(self, model: nn.Module, blocks: list[nn.Module]) -> list[tuple[nn.Module, str, Callable]]:
         return [(model, "pre", lambda m, a, kw: self.begin())] + [(b, "pre", self.hook) for b in blocks]
 
 
-def _stack(runs: _Runs) -> tuple[list[nn.Module], dict[int, tuple], Tensor] | None:
-    """Each layer's block, and the corrupted run's input to each, when every layer has a
-    block of its own in one ModuleList (a decoder); None otherwise (the scan then runs the
-    three steps on full forwards, sender by sender)."""
-    model = runs.model
+class _Laid:
+    """What the scan's forwards start from: each layer's block, the corrupted run's input to
+    each block (cut to [p, T) under the prefix skip) and its final residual `(B, T, C)`."""
+
+    def __init__(self, blocks: list[nn.Module], cache: dict[int, tuple], final: Tensor, skip: _Skip | None):
+        self.blocks, self.cache, self.final, self.skip = blocks, cache, final, skip
+
+    def finish(self, n: int, B: int, delta: Tensor | None, replace: bool = False):
+        """The last block's forward hook: the corrupted prefix back (prefix skip), the
+        senders' results added (direct path), or (`replace`) the corrupted final residual
+        plus those results instead of what the blocks computed."""
+        def hook(m, a, out):
+            x = _first(out)
+            if replace:
+                x = self.final.repeat(n, 1, 1)
+            elif self.skip is not None and x.shape[1] == self.skip.T - self.skip.p:
+                x = torch.cat([self.skip.tail.to(x.dtype).repeat(x.shape[0] // B, 1, 1), x], dim=1)
+            if delta is not None:
+                x = x + delta.to(x.dtype)
+            return _with_first(out, x)
+        return hook
+
+
+def _lay_out(runs: _Runs, clean) -> _Laid | None:
+    """The scan's layout when every layer has a block of its own in one ModuleList (a
+    decoder); None otherwise (the scan then runs the three steps on full forwards, sender by
+    sender). The prefix skip is taken where it is exact (see `_Skip`): a transformers decoder
+    whose every layer says `is_causal`, block inputs of kinds it can cut, both runs' z equal
+    on the prefix, no mask that lets the prefix see ahead, and the corrupted run put through
+    the skip giving back its own logits."""
+    model, B = runs.model, runs.B
     blocks = [block_of(model, lay.module, runs.parents) for lay in runs.layers]
     stack = runs.parents.get(id(blocks[0]))
     if any(b is model for b in blocks) or len({id(b) for b in blocks}) != len(blocks) or \
             not isinstance(stack, nn.ModuleList) or any(runs.parents.get(id(b)) is not stack for b in blocks):
         return None
+    p, T = _shared_prefix(clean, runs.corrupted_inputs)
+    skip_ok = 0 < p < T and is_hf(model) and not multihead_modules(model) and \
+        not getattr(model.config, "is_encoder_decoder", False) and \
+        all(getattr(lay.module, "is_causal", False) is True for lay in runs.layers)
     cache: dict[int, tuple] = {}
 
     def keep(block, args, kwargs):
@@ -512,25 +664,46 @@ def _stack(runs: _Runs) -> tuple[list[nn.Module], dict[int, tuple], Tensor] | No
     handles = [b.register_forward_pre_hook(keep, with_kwargs=True) for b in blocks]
     final: list[Tensor] = []
     handles.append(blocks[-1].register_forward_hook(lambda m, a, out: final.append(_first(out))))
+    prefix = _KeepPrefix(p)
     try:
-        with torch.no_grad():
+        with torch.no_grad(), Engine(model, prefix).installed():
             logits = logits_of(_call(model, runs.corrupted_inputs))
     finally:
         for h in handles:
             h.remove()
-    if logits.shape[0] != runs.B or _first(final[0]).shape[0] != runs.B:
+    if logits.shape[0] != B or final[0].shape[0] != B or len(cache) != len(blocks):
         return None
-    return blocks, cache, final[0]
+    laid = _Laid(blocks, cache, final[0], None)
+    if not skip_ok or not all(torch.allclose(runs.clean["z", i][:, :p], runs.corrupted["z", i][:, :p], rtol=1e-5,
+                                             atol=1e-6 * (1 + float(runs.corrupted["z", i].abs().max())))
+                              for i in range(len(blocks))):
+        return laid
+    try:
+        cut = {i: _cut_all(*inputs, T, p) for i, inputs in cache.items()}
+    except _NoCut:
+        return laid
+    if any(_sees_ahead(x, T, p, B) for args, kwargs in cache.values() for x in (*args, *kwargs.values())):
+        return laid
+    skip = _Skip(T, p, prefix.data, final[0][:, :p])
+    skipped = _Laid(blocks, cut, final[0], skip)
+    again = _forward(model, runs.corrupted_inputs, _Received({}, {}, skip),
+                     _Join(blocks[0], cut, 1, B, skip).hooks(model, blocks) +
+                     [(blocks[-1], "post", skipped.finish(1, B, None))])
+    if again.shape != logits.shape or not torch.allclose(again, logits, rtol=1e-5,
+                                                         atol=1e-5 * (1 + float(logits.abs().max()))):
+        return laid  # a block input the cut does not read right: every position runs
+    return skipped
 
 
 def path_patch_scan(model, clean, corrupted, metric: Callable[[Tensor], Tensor], receivers, via: str = "q", *,
                     variants_per_run: int | None = None) -> Tensor:
     """`path_patch` with every query head as the only sender: `(layers, heads)` float32.
 
-    Args as in `path_patch` (receivers the same for every sender); `variants_per_run`:
+    Args as in `path_patch` (the receivers the same for every sender); `variants_per_run`:
     how many senders one forward carries (default 16 // B, at least 1). A cell is the
     corrupted metric, exactly, where the sender sits at or above every receiver's layer;
-    NaN where a layer has fewer heads than the widest.
+    NaN where a layer has fewer heads than the widest. On a causal transformers decoder the
+    prefix clean and corrupted share is skipped, as in `patch_scan`.
     """
     receivers, logits = check_receivers(receivers, via)
     runs = _Runs(model, clean, corrupted, metric)
@@ -543,7 +716,7 @@ def path_patch_scan(model, clean, corrupted, metric: Callable[[Tensor], Tensor],
     out = torch.full((len(layers), max(lay.H for lay in layers)), math.nan)
     if logits:
         runs.last_block([(lay.index, 0) for lay in layers])  # refuses senders the direct path cannot take
-    laid = _stack(runs)
+    laid = _lay_out(runs, clean)
     for lay in layers:
         mine = _by_layer(receivers, lay.index)
         if not mine and not logits:
@@ -552,40 +725,28 @@ def path_patch_scan(model, clean, corrupted, metric: Callable[[Tensor], Tensor],
         for s in range(0, lay.H, per_run):
             heads = list(range(s, min(lay.H, s + per_run)))
             if laid is None:
-                for h in heads:
-                    out[lay.index, h] = _one(runs, [(lay.index, h)], receivers, logits)
-                continue
-            values = _chunk(runs, laid, lay.index, heads, mine, logits)
+                values = [_one(runs, [(lay.index, h)], receivers, logits) for h in heads]
+            else:
+                values = _chunk(runs, laid, lay.index, heads, mine, logits)
             for h, value in zip(heads, values):
                 out[lay.index, h] = value
     return out
 
 
-def _chunk(runs: _Runs, laid, layer: int, heads: list[int], mine: dict[tuple[int, str], list[int]],
+def _chunk(runs: _Runs, laid: _Laid, layer: int, heads: list[int], mine: dict[tuple[int, str], list[int]],
            logits: bool) -> list[float]:
-    """Steps 2 and 3 for senders `heads` of `layer`, each alone, in one forward each."""
-    blocks, cache, final = laid
-    model, B, n = runs.model, runs.B, len(heads)
+    """Steps 2 and 3 for senders `heads` of `layer`, each alone: one forward each."""
+    model, B, n, blocks, skip = runs.model, runs.B, len(heads), laid.blocks, laid.skip
     kept: dict = {}
     if mine:
         step2 = _Pinned(runs.corrupted, runs.clean, [[(layer, h)] for h in heads], mine, B, start=layer,
-                        stop=max(i for i, _ in mine))
-        _forward(model, runs.corrupted_inputs, step2, _Join(blocks[layer], cache, n, B).hooks(model, blocks))
+                        stop=max(i for i, _ in mine), skip=skip)
+        _forward(model, runs.corrupted_inputs, step2, _Join(blocks[layer], laid.cache, n, B, skip).hooks(model, blocks))
         kept = step2.kept
-    join = _Join(blocks[min(i for i, _ in mine)] if mine else None, cache, n, B)
-    hooks = join.hooks(model, blocks)
-    if logits:
-        delta = torch.cat([runs.delta(layer)[:, :, h] for h in heads])  # (n B, T, C)
-        if mine:
-            def add(m, a, out):
-                x = _first(out)
-                return _with_first(out, x + delta.to(x.dtype))
-        else:
-            def add(m, a, out):  # the corrupted final residual, nothing recomputed
-                x = _first(out)
-                return _with_first(out, final.repeat(n, *([1] * (final.dim() - 1))) + delta.to(x.dtype))
-        hooks.append((blocks[-1], "post", add))
-    got = _forward(model, runs.corrupted_inputs, _Received(kept, mine), hooks)
+    join = _Join(blocks[min(i for i, _ in mine)] if mine else None, laid.cache, n, B, skip)
+    delta = torch.cat([runs.delta(layer)[:, :, h] for h in heads]) if logits else None  # (n B, T, C)
+    hooks = join.hooks(model, blocks) + [(blocks[-1], "post", laid.finish(n, B, delta, replace=not mine))]
+    got = _forward(model, runs.corrupted_inputs, _Received(kept, mine, skip), hooks)
     if got.shape[0] != n * B:
         raise RuntimeError(f"the scan's batch did not come out whole ({got.shape[0]} rows, expected {n * B}): "
                            f"{type(model).__name__} reshapes its batch between blocks")
