@@ -50,12 +50,12 @@ def twice(needs, saved, d_out, recompute):
 
     `needs[i]`: whether `saved[i]` (q, k, v, then a float mask) wants a gradient. Each slot is
     recomputed from an alias of its own (a view, no copy) and differentiated with respect to
-    that alias: the partial derivative of that slot alone. Differentiating with respect to the
-    saved tensors themselves would give a tensor that fills several slots (self-attention,
-    q is k is v) its total derivative once per slot, and a slot that is computed from another
-    (k a view of q, or q * 2) the other's partial too; the result is handed back per slot and
-    summed by autograd, so those came out 3x, 2x, or mixed. The aliases keep the graph to the
-    saved inputs, so the gradient stays differentiable."""
+    that alias: the partial derivative of that slot alone, which autograd then sums over the
+    slots a tensor fills. Differentiating with respect to the saved tensors themselves would
+    give a tensor in several slots its total derivative once per slot (3x for q is k is v, 2x
+    for k is v), and a slot computed from another (k a view of q, MLA's v = k[..., :R]) the
+    other's partial as well. The aliases keep the graph to the saved inputs, so the gradient
+    stays differentiable."""
     wanted = [i for i, x in enumerate(saved) if x is not None and needs[i]]
     slots = [None if x is None else x.view_as(x) for x in saved]
     out = recompute(*slots)
