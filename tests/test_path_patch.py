@@ -370,3 +370,88 @@ def test_lab_models_scan_equals_path_patch_one_sender_at_a_time(kind):
         diff = (scan - loop).abs().max().item()
         assert diff < TOL * (1 + loop.abs().max().item()), f"{kind} via {via}: scan vs loop, max diff {diff:.2e}"
         assert (loop - loop[-1, 0]).abs().max() > 1e-4, f"{kind} via {via}: nothing moved"
+
+
+# ---------------------------------------------------------------- the command line
+
+
+WORDS = ["[UNK]", "[PAD]"] + "when mary and john went to the store gave a drink book sat on mat".split()
+CLEAN = "when mary and john went to the store john gave a drink to"
+CORRUPTED = "when mary and john went to the store mary gave a drink to"
+
+
+@pytest.fixture(scope="module")
+def llama_folder(tmp_path_factory):
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    path = tmp_path_factory.mktemp("llama")
+    cfg = transformers.LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=3, vocab_size=len(WORDS),
+                                   num_attention_heads=4, num_key_value_heads=2, head_dim=8, initializer_range=0.25,
+                                   max_position_embeddings=32, bos_token_id=None, eos_token_id=None, pad_token_id=1)
+    torch.manual_seed(0)
+    transformers.LlamaForCausalLM(cfg).save_pretrained(path)
+    tok = Tokenizer(models.WordLevel({w: i for i, w in enumerate(WORDS)}, unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    fast = transformers.PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="[UNK]", pad_token="[PAD]")
+    fast.save_pretrained(path)
+    return path
+
+
+def _cli(*argv) -> int:
+    import argparse
+
+    from multihead.heads.path_cli import add_path_arguments, run_path
+
+    parser = argparse.ArgumentParser(prog="multihead heads")
+    add_path_arguments(parser.add_subparsers(dest="heads_command"))
+    return run_path(parser.parse_args(["path", *argv]))
+
+
+@pytest.mark.parametrize("receivers, via", [("logits", "q"), ("2.1,2.3", "q"), ("1.0,2.1", "v")])
+def test_cli_path_json_equals_path_patch_scan(capsys, llama_folder, receivers, via):
+    import json
+
+    pair = ["--clean", CLEAN, "--corrupted", CORRUPTED, "--answer", "mary", "--wrong", "john"]
+    assert _cli("--model", str(llama_folder), *pair, "--receivers", receivers, "--via", via, "--json") == 0
+    r = json.loads(capsys.readouterr().out)
+    model = transformers.AutoModelForCausalLM.from_pretrained(llama_folder).eval()
+    model.set_attn_implementation("multihead")
+    tok = transformers.AutoTokenizer.from_pretrained(llama_folder)
+    clean, corrupted = tok(CLEAN, return_tensors="pt"), tok(CORRUPTED, return_tensors="pt")
+    mary, john = WORDS.index("mary"), WORDS.index("john")
+
+    def metric(logits):  # what transformers' own LM head says at the last token
+        return (logits[:, -1, mary] - logits[:, -1, john]).mean()
+    rs = "logits" if receivers == "logits" else [tuple(map(int, x.split("."))) for x in receivers.split(",")]
+    want = heads.path_patch_scan(model, clean, corrupted, metric, rs, via=via)
+    got = torch.tensor(r["table"])
+    assert (got - want).abs().max() < 1e-5, (got, want)
+    with torch.no_grad():
+        assert abs(r["metric_corrupted"] - float(metric(model(**corrupted).logits))) < 1e-5
+    assert r["top"][0]["effect"] == max((t["effect"] for t in r["top"]), key=abs)
+
+
+def test_cli_path_table_png_and_html(capsys, llama_folder, tmp_path):
+    pair = ["--clean", CLEAN, "--corrupted", CORRUPTED, "--answer", "mary", "--wrong", "john"]
+    png, html = tmp_path / "p.png", tmp_path / "p.html"
+    assert _cli("--model", str(llama_folder), *pair, "--receivers", "2.0", "--png", str(png), "--html",
+                str(html)) == 0
+    out = capsys.readouterr().out
+    assert "path to 2.0 via q" in out and "top heads" in out
+    assert png.read_bytes()[:4] == b"\x89PNG" and "<table>" in html.read_text()
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--receivers", "9-6"], "'9-6' is not layer.head"),
+    (["--receivers", "9.6"], "layer(s) [9] out of range"),
+    (["--receivers", "2.2", "--via", "k"], "receiver head 2 (via 'k') out of range"),
+    (["--receivers", "logits", "--task", "ioi"], "drop --clean"),
+    (["--receivers", "logits", "--n", "3"], "add --task ioi"),
+])
+def test_cli_path_mistakes_are_one_line_errors(llama_folder, argv, message):
+    from multihead.cli import user_message
+
+    pair = ["--clean", CLEAN, "--corrupted", CORRUPTED, "--answer", "mary", "--wrong", "john"]
+    with pytest.raises(ValueError) as info:
+        _cli("--model", str(llama_folder), *pair, *argv)
+    assert message in str(info.value) and "\n" not in user_message(info.value), str(info.value)

@@ -1,0 +1,277 @@
+"""`multihead heads path`: path patching (Wang et al., 2022) of every head to chosen receivers.
+
+Every query head in turn is the only sender; its effect reaches the corrupted run only
+through the receivers' queries, keys or values (`--via`), or directly through the
+residual stream to the logits (`--receivers logits`), and the table holds the metric
+after each such patch (`multihead.heads.path_patch_scan`). The task is Wang et al.'s IOI
+(`--task ioi`: the metric logit(IO) - logit(S) at the last token, clean prompts against
+the same prompts with the subject's second name replaced by the indirect object), or one
+pair of texts (`--clean/--corrupted/--answer/--wrong`).
+
+examples:
+  multihead heads path --task ioi --receivers logits
+  multihead heads path --task ioi --receivers 9.6,9.9 --via q --png path.png
+  multihead heads path --clean "When Mary and John went to the store, John gave a drink to" \\
+      --corrupted "When Mary and John went to the store, Mary gave a drink to" --answer Mary --wrong John \\
+      --receivers logits --json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import time
+from pathlib import Path
+
+from multihead._files import output_file
+from multihead.errors import UsageError
+
+TOP = 10
+N_PAIRS = 8
+
+
+def add_path_arguments(subparsers) -> argparse.ArgumentParser:
+    """Add the `path` subcommand to `multihead heads`' subparsers; returns its parser."""
+    p = subparsers.add_parser(
+        "path", help="path patching: each head's effect through chosen receivers only",
+        description=__doc__.split("\n\n")[1].replace("\n", " "),
+        epilog="examples:" + __doc__.split("examples:")[1], formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default="smollm2",
+                   help="a decoder language model: smollm2 (the bundled SmolLM2-135M-Instruct; default), a .gguf "
+                        "file, a local Hugging Face causal LM folder, or a `multihead lab` checkpoint folder")
+    p.add_argument("--task", choices=["ioi"],
+                   help="ioi: indirect-object pairs of Wang et al. (2022), metric logit(IO) - logit(S). Without "
+                        "it, --clean, --corrupted, --answer and --wrong give one pair")
+    p.add_argument("--n", type=int, default=N_PAIRS, help=f"--task ioi: pairs (default {N_PAIRS})")
+    p.add_argument("--seed", type=int, default=0, help="--task ioi: the draw of prompts (default 0)")
+    p.add_argument("--clean", help="the clean text (one pair)")
+    p.add_argument("--corrupted", help="the corrupted text (one pair; the same number of tokens)")
+    p.add_argument("--answer", help="the token the clean text should predict next, e.g. Mary (one token)")
+    p.add_argument("--wrong", help="the token the corrupted text points to (one token)")
+    p.add_argument("--receivers", required=True, metavar="LIST",
+                   help="'logits' (the direct path), or receiver heads as layer.head, comma-separated, e.g. "
+                        "9.6,9.9: query heads for --via q, key/value heads for --via k or v")
+    p.add_argument("--via", choices=["q", "k", "v"], default="q",
+                   help="the receivers' input the senders reach: queries (default), keys or values")
+    p.add_argument("--top", type=int, default=TOP, help=f"how many top heads to list (default {TOP})")
+    p.add_argument("--png", metavar="PATH", help="write a heat map of the table")
+    p.add_argument("--html", metavar="PATH", help="write the table as a self-contained HTML heat map")
+    p.add_argument("--json", action="store_true", help="print JSON instead of tables")
+    return p
+
+
+def parse_receivers(value: str) -> str | list[tuple[int, int]]:
+    """'logits', or 'L.H,L.H,...' -> [(L, H), ...]; UsageError naming the bad item."""
+    if value.strip() == "logits":
+        return "logits"
+    out = []
+    for item in value.split(","):
+        layer, dot, head = item.strip().partition(".")
+        if not (dot and layer.isdigit() and head.isdigit()):
+            raise UsageError(f"--receivers takes 'logits' or layer.head pairs, comma-separated, e.g. --receivers "
+                             f"9.6,9.9; received {value!r} ({item.strip()!r} is not layer.head)")
+        out.append((int(layer), int(head)))
+    return out
+
+
+def _load(spec: str):
+    from multihead.interop.loaders import load_model  # it sets the hub offline for the load only
+
+    loaded = load_model(spec)
+    hf = hasattr(loaded, "tokenizer")
+    if hf and not loaded.is_causal_lm:
+        raise UsageError(f"heads path reads next-token logits, and --model {getattr(loaded, 'name', spec)} "
+                         f"({type(loaded.model).__name__}) is not a causal language model; use a decoder LM "
+                         "(--model smollm2, the default)")
+    return loaded, hf
+
+
+def _token(loaded, hf: bool, flag: str, text: str, token: str) -> tuple[int, str]:
+    """The id and piece of `token` as the model would write it after `text` (after a word, a
+    BPE tokenizer's space-led piece: ' Mary'); UsageError unless it is one token."""
+    if not token.strip():
+        raise UsageError(f"{flag} is empty; give the token the text should continue with, e.g. {flag} Mary")
+    if not hf:
+        ids = loaded.encode(token)
+        if len(ids) != 1:
+            raise UsageError(f"{flag} {token!r} is {len(ids)} tokens for this model; give one token")
+        return ids[0], token
+    tok = loaded.tokenizer
+    piece = " " + token if text[-1:].isalnum() and not token[:1].isspace() else token
+    base = tok(text, add_special_tokens=False)["input_ids"]
+    full = tok(text + piece, add_special_tokens=False)["input_ids"]
+    new = full[len(base):] if full[:len(base)] == base else tok(piece, add_special_tokens=False)["input_ids"]
+    if len(new) != 1:
+        raise UsageError(f"{flag} {token!r} is {len(new)} tokens after the text ({piece!r} -> "
+                         f"{tok.convert_ids_to_tokens(new)}) for this model's tokenizer; give one token")
+    return new[0], tok.convert_ids_to_tokens(new)[0]
+
+
+def _one_pair(loaded, hf: bool, args):
+    import torch
+
+    missing = [f"--{k}" for k in ("clean", "corrupted", "answer", "wrong") if getattr(args, k) is None]
+    if missing:
+        raise UsageError(f"heads path needs --task ioi, or one pair: --clean, --corrupted, --answer and --wrong "
+                         f"(missing: {', '.join(missing)})")
+    enc = {}
+    for flag, text in (("--clean", args.clean), ("--corrupted", args.corrupted)):
+        if not text.strip():
+            raise UsageError(f"{flag} is empty; give a text")
+        enc[flag] = loaded.tokenizer(text, return_tensors="pt") if hf else torch.tensor([loaded.encode(text)])
+    ids = [(e["input_ids"] if hf else e)[0].tolist() for e in enc.values()]
+    if len(ids[0]) != len(ids[1]):
+        raise UsageError(f"--clean is {len(ids[0])} tokens and --corrupted {len(ids[1])} tokens; path patching "
+                         "needs the same number (change words for words of as many tokens)")
+    ans, ans_piece = _token(loaded, hf, "--answer", args.clean, args.answer)
+    wrong, wrong_piece = _token(loaded, hf, "--wrong", args.clean, args.wrong)
+    if ans == wrong:
+        raise UsageError(f"--answer {args.answer!r} and --wrong {args.wrong!r} are the same token ({ans_piece!r}); "
+                         "the metric would be 0")
+    pos = len(ids[0]) - 1
+
+    def metric(logits):
+        return (logits[:, pos, ans] - logits[:, pos, wrong]).mean()
+    info = {"task": None, "metric": f"logit({ans_piece!r}) - logit({wrong_piece!r}) at token {pos}"}
+    return enc["--clean"], enc["--corrupted"], metric, info
+
+
+def _ioi(loaded, hf: bool, args):
+    from multihead.heads import tasks
+
+    if not hf:
+        raise UsageError("--task ioi needs a model with a word-level tokenizer (a Hugging Face LM such as --model "
+                         "smollm2); a lab model's vocabulary has no names")
+    if args.n < 1:
+        raise UsageError(f"--n must be >= 1; received {args.n}")
+    try:
+        task = tasks.ioi(args.n, seed=args.seed, tokenizer=loaded.tokenizer)
+    except ValueError as err:
+        raise UsageError(f"--task ioi on this model: {err}") from None
+    info = {"task": "ioi", "n": len(task), "metric": "logit(IO) - logit(S) at the last token, mean over pairs",
+            "prompts": [{"clean": a, "corrupted": b} for a, b in zip(task.texts, task.corrupted_texts)]}
+    return task.clean, task.corrupted, task.metric, info
+
+
+def path_table(args) -> dict:
+    """The result of `multihead heads path` as a dict (what --json prints)."""
+    import torch
+
+    from multihead import heads
+
+    if args.task is None and (args.n != N_PAIRS or args.seed != 0):
+        raise UsageError("--n and --seed choose --task ioi's prompts; add --task ioi")
+    if args.task is not None:
+        given = [f"--{k}" for k in ("clean", "corrupted", "answer", "wrong") if getattr(args, k) is not None]
+        if given:
+            raise UsageError(f"--task {args.task} makes its own prompts; drop {', '.join(given)} (or drop --task to "
+                             "patch one pair)")
+    if args.top < 1:
+        raise UsageError(f"--top must be >= 1; received {args.top}")
+    receivers = parse_receivers(args.receivers)
+    loaded, hf = _load(args.model)
+    model = loaded.model
+    clean, corrupted, metric, info = _ioi(loaded, hf, args) if args.task else _one_pair(loaded, hf, args)
+    with torch.no_grad():
+        run = (lambda x: model(**x).logits) if hf else model
+        m_clean, m_corr = float(metric(run(clean))), float(metric(run(corrupted)))
+    t0 = time.perf_counter()
+    table = heads.path_patch_scan(model, clean, corrupted, metric, receivers, via=args.via)
+    seconds = time.perf_counter() - t0
+    span = m_clean - m_corr
+    cells = [(layer, h, table[layer, h].item()) for layer in range(table.shape[0]) for h in range(table.shape[1])
+             if not math.isnan(table[layer, h].item())]
+    top = [{"layer": layer, "head": h, "value": v, "effect": v - m_corr,
+            "recovered": (v - m_corr) / span if span else None}
+           for layer, h, v in sorted(cells, key=lambda c: -abs(c[2] - m_corr))[:args.top]]
+    return {"model": getattr(loaded, "name", args.model), **info,
+            "receivers": receivers if isinstance(receivers, str) else [list(r) for r in receivers],
+            "via": None if receivers == "logits" else args.via, "metric_clean": m_clean, "metric_corrupted": m_corr,
+            "table": [[None if math.isnan(x) else round(x, 6) for x in row] for row in table.tolist()],
+            "top": top, "seconds": round(seconds, 2)}
+
+
+def _title(r: dict) -> str:
+    to = "the logits (direct path)" if r["receivers"] == "logits" else \
+        f"{', '.join(f'{a}.{b}' for a, b in r['receivers'])} via {r['via']}"
+    return f"{r['model']}: each head's path to {to}"
+
+
+def _print(r: dict) -> None:
+    print(_title(r))
+    print(f"metric: {r['metric']}; clean {r['metric_clean']:.4f}, corrupted {r['metric_corrupted']:.4f}")
+    n = max(len(row) for row in r["table"])
+    print("layer " + "".join(f"{h:>9}" for h in range(n)))
+    for i, row in enumerate(r["table"]):
+        print(f"{i:>5} " + "".join(f"{'':>9}" if x is None else f"{x:>9.3f}" for x in row))
+    print("top heads (by |patched - corrupted|):")
+    for t in r["top"]:
+        rec = "" if t["recovered"] is None else f" ({100 * t['recovered']:.0f}% of clean - corrupted)"
+        print(f"  {t['layer']}.{t['head']}: {t['value']:.4f}, effect {t['effect']:+.4f}{rec}")
+
+
+def _png(path: Path, r: dict) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg", force=False)
+    import numpy as np
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    from multihead._files import atomic_path
+
+    a = np.array([[np.nan if x is None else x for x in row] for row in r["table"]], dtype=float)
+    a = a - r["metric_corrupted"]
+    lim = float(np.nanmax(np.abs(a))) or 1.0
+    fig = Figure(figsize=(1.5 + 0.45 * a.shape[1], 1 + 0.3 * a.shape[0]))
+    FigureCanvasAgg(fig)
+    ax = fig.add_subplot()
+    im = ax.imshow(a, cmap="RdBu", vmin=-lim, vmax=lim, aspect="auto")
+    ax.set_xlabel("sender head")
+    ax.set_ylabel("sender layer")
+    ax.set_title(_title(r), fontsize=8)
+    fig.colorbar(im, ax=ax, label="metric - corrupted")
+    with atomic_path(path) as tmp:
+        fig.savefig(tmp, format="png", dpi=100, bbox_inches="tight")
+
+
+def _html(path: Path, r: dict) -> None:
+    from html import escape
+
+    from multihead._files import write_text
+
+    base = r["metric_corrupted"]
+    vals = [abs(x - base) for row in r["table"] for x in row if x is not None]
+    lim = max(vals) if vals and max(vals) > 0 else 1.0
+    rows = []
+    for i, row in enumerate(r["table"]):
+        tds = []
+        for x in row:
+            if x is None:
+                tds.append("<td></td>")
+                continue
+            t = (x - base) / lim
+            color = f"rgba(178,24,43,{t:.3f})" if t > 0 else f"rgba(33,102,172,{-t:.3f})"
+            tds.append(f'<td style="background:{color}">{x:.3f}</td>')
+        rows.append(f"<tr><th>{i}</th>{''.join(tds)}</tr>")
+    head = "".join(f"<th>{h}</th>" for h in range(max(len(row) for row in r["table"])))
+    doc = (f"<!doctype html><meta charset=utf-8><title>multihead heads path</title>"
+           f"<style>td,th{{padding:3px 6px;font:12px monospace;text-align:right}}</style>"
+           f"<p>{escape(_title(r))}; metric {escape(r['metric'])}: clean {r['metric_clean']:.3f}, corrupted "
+           f"{base:.3f}</p><table><tr><th>layer \\ head</th>{head}</tr>{''.join(rows)}</table>")
+    write_text(path, doc)
+
+
+def run_path(args) -> int:
+    """Run `multihead heads path` from parsed arguments; 0 on success (mistakes raise UsageError)."""
+    png, html = output_file("--png", args.png, "path.png"), output_file("--html", args.html, "path.html")
+    r = path_table(args)
+    if png:
+        _png(png, r)
+        r["png"] = str(png)
+    if html:
+        _html(html, r)
+        r["html"] = str(html)
+    print(json.dumps(r, indent=1)) if args.json else _print(r)
+    return 0
