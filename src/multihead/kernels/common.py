@@ -1,9 +1,12 @@
 """The pieces every attention engine shares, written once: the accumulation dtype, flex's
 index tensors, the MQA split over CPU threads, the bottom-right causal triangle, the
-masked softmax over scores (with its log-sum-exp for an engine that merges blocks, and
-the log-sum-exp as a backward reads it), the log-sum-exp merge of attentions over
-disjoint key sets (FlashAttention's rescaling), and the softcap formula. The online
-softmax, a tile loop of its own, lives in its engine (explicit_tiles.py)."""
+scores and values with the G query heads of a K/V head folded (so K/V are never
+repeated), the masked softmax over scores (with attention sinks as an option, and with
+its log-sum-exp for an engine that merges blocks, and the log-sum-exp as a backward
+reads it), the attention of one block of keys with its log-sum-exp, torch's fused CPU
+kernel with its log-sum-exp, the log-sum-exp merge of attentions over disjoint key sets
+(FlashAttention's rescaling), and the softcap formula. The online softmax, a tile loop
+of its own, lives in its engine (explicit_tiles.py)."""
 
 from __future__ import annotations
 
@@ -12,8 +15,9 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
-__all__ = ["acc_dtype", "backward_lse", "causal_triangle", "index", "lse_merge", "lse_merge_into", "mqa_splits",
-           "softcap", "softmax", "softmax_lse"]
+__all__ = ["acc_dtype", "backward_lse", "block_attention", "causal_triangle", "flash_lse", "flash_lse_backward",
+           "fold_scores", "fold_values", "index", "lse_merge", "lse_merge_into", "mqa_splits", "softcap", "softmax",
+           "softmax_lse"]
 
 
 def acc_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -46,8 +50,30 @@ def causal_triangle(t0: int, t1: int, T: int, S: int, device) -> Tensor:
     return torch.arange(S, device=device)[None, :] <= q_pos  # (t, S)
 
 
+def fold_scores(q: Tensor, k: Tensor, scale: float) -> Tensor:
+    """Scores `(B, H, t, S)` in the accumulation dtype of q `(B, H, t, D)` against k
+    `(B, Hkv, S, D)`: the G = H / Hkv query heads of a K/V head are folded into the query
+    length, `(B, Hkv, G*t, D) @ (B, Hkv, D, S)`, so K is used as it is, never repeated.
+    (`.to` is free for a k already in the accumulation dtype: a caller looping over blocks
+    of queries converts it once.)"""
+    B, H, t, D = q.shape
+    Hkv, S = k.shape[1], k.shape[2]
+    acc = acc_dtype(q.dtype)
+    scores = q.to(acc).reshape(B, Hkv, (H // Hkv) * t, D) @ k.to(acc).transpose(-2, -1)  # (B, Hkv, G*t, S)
+    return scores.view(B, H, t, S) * scale
+
+
+def fold_values(probs: Tensor, v: Tensor) -> Tensor:
+    """probs `(B, H, t, S)` times v `(B, Hkv, S, Dv)` -> `(B, H, t, Dv)` in probs' dtype,
+    the G query heads folded as in `fold_scores`."""
+    B, H, t, S = probs.shape
+    Hkv, Dv = v.shape[1], v.shape[-1]
+    out = probs.view(B, Hkv, (H // Hkv) * t, S) @ v.to(probs.dtype)  # (B, Hkv, G*t, Dv)
+    return out.view(B, H, t, Dv)
+
+
 def softmax(scores: Tensor, allowed: Tensor | None = None, bias: Tensor | None = None,
-            hidden: bool = False) -> Tensor:
+            hidden: bool = False, sinks: Tensor | None = None) -> Tensor:
     """Masked softmax over the last dim; a row with nothing to attend is all zeros.
 
     `allowed`: bool, True = may attend; `bias`: added to the scores. Without the guard a
@@ -55,11 +81,16 @@ def softmax(scores: Tensor, allowed: Tensor | None = None, bias: Tensor | None =
     every gradient through the shared K and V. `hidden`: the scores may hold -inf already
     (a score mod may hide pairs too, `where(q_idx == 0, -inf, s)` hides a whole row; or
     the caller filled the hidden pairs), so rows are checked even without a mask.
+    `sinks`: attention sinks (GPT-OSS), one extra logit per row broadcastable to
+    `(.., t, 1)` in the softmax's denominator, with no value: its probability is dropped.
     """
     if bias is not None:
         scores = scores + bias.to(scores.dtype)
     if allowed is not None:
         scores = scores.masked_fill(~allowed, float("-inf"))
+    if sinks is not None:
+        logits = torch.cat([scores, sinks.to(scores.dtype).expand(*scores.shape[:-1], 1)], dim=-1)  # (.., S + 1)
+        return torch.softmax(logits, dim=-1)[..., :-1]  # never an empty row: the sink's logit is finite
     if allowed is None and bias is None and not hidden:
         return torch.softmax(scores, dim=-1)
     empty = torch.isneginf(scores).all(dim=-1, keepdim=True)
@@ -77,6 +108,40 @@ def softmax_lse(scores: Tensor, allowed: Tensor | None = None) -> tuple[Tensor, 
     lse = torch.logsumexp(scores, dim=-1)  # -inf for a row with no key
     probs = torch.exp(scores - lse.masked_fill(torch.isneginf(lse), 0.0)[..., None])
     return probs, lse
+
+
+def block_attention(q: Tensor, k: Tensor, v: Tensor, scale: float,
+                    allowed: Tensor | None = None) -> tuple[Tensor, Tensor]:
+    """Attention of q `(B, H, t, D)` over one block of keys `(B, Hkv, s, D)`, values
+    `(B, Hkv, s, Dv)`, for an engine that merges blocks: (out `(B, H, t, Dv)` and lse
+    `(B, H, t)`, both in the accumulation dtype). `allowed`: bool broadcastable to
+    `(B, H, t, s)`; a row with no key in the block is 0 with lse -inf."""
+    probs, lse = softmax_lse(fold_scores(q, k, scale), allowed)  # (B, H, t, s), (B, H, t)
+    return fold_values(probs, v), lse
+
+
+# torch's fused CPU flash kernel (absent from some builds): (out, lse) forward and a backward
+# that takes a given lse, which the public scaled_dot_product_attention does not expose.
+_CPU_FLASH = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
+_CPU_FLASH_BWD = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu_backward", None)
+
+
+def flash_lse(q: Tensor, k: Tensor, v: Tensor, *, causal: bool, scale: float, mask: Tensor | None = None,
+              empty: Tensor | None = None) -> tuple[Tensor, Tensor]:
+    """torch's fused CPU kernel with its log-sum-exp: out `(B, h, t, Dv)` and lse `(B, h, t)`
+    (float32, float64 for float64). `mask`: float, added to the scores. `empty`: bool
+    broadcastable to lse, True where a row has no key to attend: the kernel reports lse 0
+    there; it is -inf, so a merge weighs the row 0."""
+    out, lse = _CPU_FLASH(q, k, v, 0.0, causal, attn_mask=mask, scale=scale)
+    if empty is not None:
+        lse = lse.masked_fill(empty, float("-inf"))
+    return out, lse
+
+
+def flash_lse_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, *, causal: bool,
+                       scale: float, mask: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor]:
+    """`flash_lse`'s backward from a given lse (the final one of a merge): (dq, dk, dv)."""
+    return _CPU_FLASH_BWD(dout, q, k, v, out, lse, 0.0, causal, attn_mask=mask, scale=scale)
 
 
 def backward_lse(lse: Tensor) -> Tensor:

@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from multihead.kernels.common import acc_dtype, causal_triangle, index, softmax
+from multihead.kernels.common import acc_dtype, causal_triangle, fold_scores, fold_values, index, softmax
 from multihead.masks import MaskMod
 
 __all__ = ["BLOCK_ELEMENTS", "block_rows", "chunked", "explicit", "math_backend", "rows_mask", "weights_pass"]
@@ -48,36 +48,35 @@ def block_rows(B: int, H: int, S: int) -> int:
     return max(1, BLOCK_ELEMENTS // max(1, B * H * S))
 
 
-def explicit(q, k, v, mask, *, causal, scale, dropout_p, weight_heads, block_rows, score_mod=None):
+def explicit(q, k, v, mask, *, causal, scale, dropout_p, weight_heads, block_rows, score_mod=None, sinks=None):
     """matmul-softmax-matmul over blocks of `block_rows` queries (all at once for math).
 
     GQA: the G query heads that share a K/V head are folded into the query length,
-    `(B, H, t, D) -> (B, Hkv, G*t, D)`, so K/V are used as they are, never repeated.
+    `(B, H, t, D) -> (B, Hkv, G*t, D)`, so K/V are used as they are, never repeated
+    (`kernels.common.fold_scores`, `fold_values`). `sinks`: attention sinks, one logit
+    per row broadcastable to `(B, H, T, 1)` (`kernels.common.softmax`).
     """
     B, H, T, _ = q.shape
-    Hkv, S, Dv = k.shape[1], k.shape[2], v.shape[-1]
-    G = H // Hkv
+    S = k.shape[2]
     acc = acc_dtype(q.dtype)
-    kt = k.to(acc).transpose(-2, -1)  # (B, Hkv, D, S)
-    va = v.to(acc)
+    ka, va = k.to(acc), v.to(acc)  # converted once for all blocks
     b_idx, h_idx, kv_idx = index(B, 0, q.device), index(H, 1, q.device), index(S, 3, q.device)
     outs, weights = [], []
     for t0 in range(0, T, block_rows):
         t1 = min(T, t0 + block_rows)
         t = t1 - t0
-        qb = q[:, :, t0:t1].to(acc).reshape(B, Hkv, G * t, -1)  # (B, Hkv, G*t, D)
-        scores = (qb @ kt).view(B, H, t, S) * scale  # (B, H, t, S)
+        scores = fold_scores(q[:, :, t0:t1], ka, scale)  # (B, H, t, S)
         if score_mod is not None:
             scores = score_mod.apply(scores, b_idx, h_idx, index(t, 2, q.device, t0), kv_idx, S - T)
         allowed, bias = rows_mask(mask, causal, t0, t1, T, S, q.device, b_idx, h_idx)
-        probs = softmax(scores, allowed, bias, score_mod is not None)  # (B, H, t, S)
+        sink = None if sinks is None else sinks[..., t0:t1, :] if sinks.shape[-2] == T else sinks
+        probs = softmax(scores, allowed, bias, score_mod is not None, sink)  # (B, H, t, S)
         if weight_heads is not None:
             w = probs if weight_heads == tuple(range(H)) else probs[:, list(weight_heads)]
             weights.append(w.to(q.dtype))
         if dropout_p > 0:
             probs = F.dropout(probs, p=dropout_p, training=True)
-        out = probs.view(B, Hkv, G * t, S) @ va  # (B, Hkv, G*t, Dv)
-        outs.append(out.view(B, H, t, Dv).to(q.dtype))
+        outs.append(fold_values(probs, va).to(q.dtype))  # (B, H, t, Dv)
     out = outs[0] if len(outs) == 1 else torch.cat(outs, dim=2)
     if weight_heads is None:
         return out, None

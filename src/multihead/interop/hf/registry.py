@@ -37,13 +37,12 @@ from collections.abc import Sequence
 from typing import NamedTuple
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor, nn
 
 from multihead import masks, score_mods
 from multihead._checks import check_positive_number
 from multihead.functional import attend, check_backend_name
-from multihead.kernels import common
+from multihead.kernels import math as explicit_math
 from multihead.kernels.validation import plain_scale
 from multihead.masks import MaskMod, from_flex
 
@@ -270,40 +269,14 @@ def _sink_logits(sinks, B: int, H: int, T: int) -> Tensor | None:
 
 def _with_sinks(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, *, causal: bool, scale: float,
                 softcap: float | None, sinks: Tensor, dropout_p: float) -> tuple[Tensor, Tensor]:
-    """Attention written out with sinks (GPT-OSS: one extra logit per head in the
-    softmax's denominator, with no value), which the kernel does not take; with the
-    softcap too when a model has both. Returns (out `(B, H, T, Dv)`, weights
-    `(B, H, T, S)`, the probabilities before dropout).
-
-    GQA without copies: the G query heads of a K/V head are folded into the query length.
-    """
-    B, H, T, _ = q.shape
-    Hkv, S, Dv = k.shape[1], k.shape[2], v.shape[-1]
-    G = H // Hkv
-    acc = common.acc_dtype(q.dtype)
-    scores = q.to(acc).reshape(B, Hkv, G * T, -1) @ k.to(acc).transpose(-2, -1)  # (B, Hkv, G*T, S)
-    scores = scores.view(B, H, T, S) * scale
-    if softcap is not None:
-        scores = common.softcap(scores, softcap)
-    allowed = None
-    if mask is not None:
-        if mask.dtype == torch.bool:
-            allowed = mask
-        else:
-            scores = scores + mask.to(acc)
-    if causal:
-        tri = common.causal_triangle(0, T, T, S, q.device)[None, None]  # (1, 1, T, S)
-        allowed = tri if allowed is None else allowed & tri
-    if allowed is not None:
-        scores = scores.masked_fill(~allowed, float("-inf"))
-    sink = sinks.to(acc).expand(B, H, T, 1)
-    logits = torch.cat([scores, sink], dim=-1)  # (B, H, T, S + 1)
-    probs = common.softmax(logits)[..., :S]  # never an empty row: the sink's logit is finite
-    weights = probs.to(q.dtype)
-    if dropout_p > 0:
-        probs = F.dropout(probs, p=dropout_p, training=True)
-    out = probs.view(B, Hkv, G * T, S) @ v.to(acc)  # (B, Hkv, G*T, Dv)
-    return out.view(B, H, T, Dv).to(q.dtype), weights
+    """Attention with sinks (GPT-OSS: one extra logit per head in the softmax's
+    denominator, with no value), which the fused kernels do not take: the math path with
+    its `sinks` option, and the softcap too when a model has both. Returns (out
+    `(B, H, T, Dv)`, weights `(B, H, T, S)`, the probabilities before dropout)."""
+    H, T = q.shape[1], q.shape[2]
+    return explicit_math.explicit(q, k, v, mask, causal=causal, scale=scale, dropout_p=dropout_p,
+                                  weight_heads=tuple(range(H)), block_rows=max(1, T), sinks=sinks,
+                                  score_mod=None if softcap is None else score_mods.softcap(softcap))
 
 
 def attention_forward(module: nn.Module, query: Tensor, key: Tensor, value: Tensor, attention_mask,
