@@ -16,9 +16,9 @@ the whole sequence.
 
 Per-block kernel: on CPU, torch's fused `_scaled_dot_product_flash_attention_for_cpu`
 (and its backward), which returns the log-sum-exp, reads grouped K/V heads without
-copying them and accepts the backward's global lse; elsewhere an explicit path over
-blocks of queries (einsum with the G query heads of a group folded, so K/V are not
-repeated either).
+copying them and accepts the backward's global lse (`kernels.common.flash_lse`);
+elsewhere `kernels.common.block_attention` over blocks of queries (the G query heads of
+a group folded, so K/V are not repeated either).
 """
 
 from __future__ import annotations
@@ -41,13 +41,19 @@ from multihead.distributed._group import (
     layout_code,
     resolve_group,
 )
-from multihead.kernels.common import acc_dtype, backward_lse, causal_triangle, lse_merge_into, softmax_lse
+from multihead.kernels.common import (
+    acc_dtype,
+    backward_lse,
+    block_attention,
+    causal_triangle,
+    flash_lse,
+    flash_lse_backward,
+    fold_scores,
+    lse_merge_into,
+)
+from multihead.kernels.math import block_rows
 
 __all__ = ["ring_attention"]
-
-# Elements of scores held at once by the explicit per-block path (2**22 float64 = 32 MiB).
-_EXPLICIT_ELEMENTS = 1 << 22
-
 
 # ------------------------------------------------------------------ block kernels
 
@@ -69,91 +75,76 @@ def _flash_mask(keep: Tensor | None, dtype) -> Tensor | None:
 
 
 class _Flash:
-    """torch's fused CPU kernel: (out, lse) forward and a backward that takes a given lse."""
+    """torch's fused CPU kernel (`kernels.common.flash_lse`): (out, lse) forward and a
+    backward that takes a given lse."""
 
     @staticmethod
     def forward(q, k, v, keep, diag, scale):
-        out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
-            q, k, v, 0.0, diag, attn_mask=_flash_mask(keep, q.dtype), scale=scale)
         rows = _rows_with_keys(keep, diag, q.shape[2])
-        if rows is not None:  # the kernel reports lse 0 for a row with no key; it is -inf
-            lse = lse.masked_fill(~rows, float("-inf"))
-        return out, lse
+        return flash_lse(q, k, v, causal=diag, scale=scale, mask=_flash_mask(keep, q.dtype),
+                         empty=None if rows is None else ~rows)
 
     @staticmethod
     def backward(dout, q, k, v, out, lse, keep, diag, scale):
-        return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
-            dout, q, k, v, out, lse, 0.0, diag, attn_mask=_flash_mask(keep, q.dtype), scale=scale)
+        return flash_lse_backward(dout, q, k, v, out, lse, causal=diag, scale=scale, mask=_flash_mask(keep, q.dtype))
 
 
 class _Explicit:
-    """matmul-softmax-matmul over blocks of query rows, in float32 at least; each block's
-    probabilities and log-sum-exp from `kernels.common.softmax_lse`; the backward's
-    probabilities from the final lse, read through `kernels.common.backward_lse`.
-
-    GQA: q is viewed `(B, Hkv, G, t, D)` and einsum folds (G, t) into one matmul
-    dimension against `(B, Hkv, s, D)`, so K/V are never repeated per query head.
-    """
+    """The block attention of `kernels.common` (scores and values with the G query heads
+    of a K/V head folded, so K/V are never repeated; float32 at least) over blocks of
+    query rows within `kernels.math`'s budget of scores; the backward's probabilities
+    from the final lse, read through `kernels.common.backward_lse`."""
 
     @staticmethod
     def _allowed(keep, diag, t0, t1, s, device):
-        allowed = None if keep is None else keep[:, None, None, None, :]  # (B, 1, 1, 1, s)
+        allowed = None if keep is None else keep[:, None, None, :]  # (B, 1, 1, s)
         if diag:  # a square block (t == s) on the diagonal: bottom-right is top-left
             tri = causal_triangle(t0, t1, s, s, device)  # (t1 - t0, s)
             allowed = tri if allowed is None else allowed & tri  # (.., t, s)
         return allowed
 
     @staticmethod
-    def _rows(B, H, s):
-        return max(1, _EXPLICIT_ELEMENTS // max(1, B * H * s))
-
-    @staticmethod
     def forward(q, k, v, keep, diag, scale):
         B, H, t, _ = q.shape
-        Hkv, s = k.shape[1], k.shape[2]
+        s = k.shape[2]
         acc = acc_dtype(q.dtype)
-        q5 = q.to(acc).unflatten(1, (Hkv, H // Hkv))  # (B, Hkv, G, t, D)
         ka, va = k.to(acc), v.to(acc)
         outs, lses = [], []
-        step = _Explicit._rows(B, H, s)
+        step = block_rows(B, H, s)
         for t0 in range(0, t, step):
             t1 = min(t, t0 + step)
-            scores = torch.einsum("bhgtd,bhsd->bhgts", q5[:, :, :, t0:t1], ka) * scale  # (B, Hkv, G, t, s)
-            # probs (B, Hkv, G, t, s), lse (B, Hkv, G, t): -inf (probs 0) for a row with no key
-            probs, lse = softmax_lse(scores, _Explicit._allowed(keep, diag, t0, t1, s, q.device))
-            outs.append(torch.einsum("bhgts,bhsd->bhgtd", probs, va))
+            allowed = _Explicit._allowed(keep, diag, t0, t1, s, q.device)
+            out, lse = block_attention(q[:, :, t0:t1], ka, va, scale, allowed)  # (B, H, t, Dv), (B, H, t)
+            outs.append(out)
             lses.append(lse)
-        out = torch.cat(outs, dim=3).flatten(1, 2)  # (B, H, t, Dv)
-        return out.to(q.dtype), torch.cat(lses, dim=3).flatten(1, 2)
+        return torch.cat(outs, dim=2).to(q.dtype), torch.cat(lses, dim=2)
 
     @staticmethod
     def backward(dout, q, k, v, out, lse, keep, diag, scale):
         B, H, t, _ = q.shape
         Hkv, s = k.shape[1], k.shape[2]
         G, acc = H // Hkv, acc_dtype(q.dtype)
-        q5 = q.to(acc).unflatten(1, (Hkv, G))  # (B, Hkv, G, t, D)
-        do5 = dout.to(acc).unflatten(1, (Hkv, G))  # (B, Hkv, G, t, Dv)
-        o5 = out.to(acc).unflatten(1, (Hkv, G))
-        l5 = lse.to(acc).unflatten(1, (Hkv, G))  # (B, Hkv, G, t)
         ka, va = k.to(acc), v.to(acc)
-        dq = torch.empty_like(q5)
+        dq = torch.empty(q.shape, dtype=acc, device=q.device)
         dk, dv = torch.zeros_like(ka), torch.zeros_like(va)
-        step = _Explicit._rows(B, H, s)
+        step = block_rows(B, H, s)
         for t0 in range(0, t, step):
             t1 = min(t, t0 + step)
-            qb, dob = q5[:, :, :, t0:t1], do5[:, :, :, t0:t1]
-            scores = torch.einsum("bhgtd,bhsd->bhgts", qb, ka) * scale
+            n = G * (t1 - t0)
+            scores = fold_scores(q[:, :, t0:t1], ka, scale)  # (B, H, t, s)
             allowed = _Explicit._allowed(keep, diag, t0, t1, s, q.device)
             if allowed is not None:
                 scores = scores.masked_fill(~allowed, float("-inf"))
-            probs = torch.exp(scores - l5[:, :, :, t0:t1, None])  # the global probabilities
-            dv += torch.einsum("bhgts,bhgtd->bhsd", probs, dob)
-            dp = torch.einsum("bhgtd,bhsd->bhgts", dob, va)
-            delta = (dob * o5[:, :, :, t0:t1]).sum(-1, keepdim=True)  # (B, Hkv, G, t, 1)
+            probs = torch.exp(scores - lse[:, :, t0:t1, None].to(acc)).view(B, Hkv, n, s)  # the global probabilities
+            dob = dout[:, :, t0:t1].to(acc)  # (B, H, t, Dv)
+            dof = dob.reshape(B, Hkv, n, -1)  # (B, Hkv, G*t, Dv)
+            dv += probs.transpose(-2, -1) @ dof
+            dp = dof @ va.transpose(-2, -1)  # (B, Hkv, G*t, s)
+            delta = (dob * out[:, :, t0:t1].to(acc)).sum(-1, keepdim=True).reshape(B, Hkv, n, 1)
             ds = probs * (dp - delta) * scale
-            dq[:, :, :, t0:t1] = torch.einsum("bhgts,bhsd->bhgtd", ds, ka)
-            dk += torch.einsum("bhgts,bhgtd->bhsd", ds, qb)
-        return dq.flatten(1, 2), dk, dv
+            dq[:, :, t0:t1] = (ds @ ka).view(B, H, t1 - t0, -1)
+            dk += ds.transpose(-2, -1) @ q[:, :, t0:t1].to(acc).reshape(B, Hkv, n, -1)
+        return dq, dk, dv
 
 
 _FLASH_DTYPES = (torch.float64, torch.float32, torch.bfloat16, torch.float16)
