@@ -167,3 +167,86 @@ def test_the_cache_folder_is_keyed_by_size_and_content(monkeypatch, tmp_path):
     fa, fb = loaders.gguf_cache_folder(a), loaders.gguf_cache_folder(b)
     assert fa != fb and fa.parent == fb.parent == tmp_path / "cache" / "gguf"
     assert fa.name == f"m-104-{hashlib.sha256(a.read_bytes()).hexdigest()[:16]}"
+
+
+@pytest.fixture
+def fake_gguf(tmp_path, monkeypatch, fresh_session):
+    """A file that passes for GGUF and a reader that 'dequantizes' it to a tiny Llama, counting
+    its calls: the cache logic of load_model without the real model's 14 s read."""
+    monkeypatch.setenv("MULTIHEAD_CACHE", str(tmp_path / "cache"))
+    path = tmp_path / "tiny.gguf"
+    path.write_bytes(b"GGUF" + bytes(range(60)))
+    calls = []
+
+    def dequantize(transformers_, path_, name):
+        calls.append(path_)
+        return _llama(True), _tokenizer(24)
+
+    monkeypatch.setattr(loaders, "_dequantize_gguf", dequantize)
+    return path, calls
+
+
+def _logits(loaded):
+    with torch.no_grad():
+        return loaded.model(input_ids=torch.tensor([[2, 5, 7, 11, 3]])).logits
+
+
+def test_a_gguf_file_is_read_once_then_served_from_the_cache(fake_gguf, monkeypatch):
+    path, calls = fake_gguf
+    first = load_model(str(path))
+    folder = loaders.gguf_cache_folder(path)
+    assert len(calls) == 1 and (folder / "model.safetensors").is_file() and (folder / loaders.GGUF_SOURCE).is_file()
+    assert sorted(p.name for p in folder.parent.iterdir()) == [folder.name], "a temporary folder was left"
+    assert (folder.stat().st_mode & 0o777) == (0o777 & ~_umask()) and \
+        ((folder / "model.safetensors").stat().st_mode & 0o777) == (0o666 & ~_umask())
+    monkeypatch.setattr(loaders, "_LOADED", {})
+    second = load_model(str(path))
+    assert len(calls) == 1, "the cache hit read the GGUF file again"
+    assert type(second.model) is transformers.LlamaForCausalLM and second.is_causal_lm
+    assert torch.equal(_logits(second), _logits(first))
+
+
+def test_a_damaged_cache_is_rebuilt_with_a_warning(fake_gguf, monkeypatch):
+    path, calls = fake_gguf
+    first = load_model(str(path))
+    folder = loaders.gguf_cache_folder(path)
+    (folder / "model.safetensors").write_bytes(b"damaged")
+    monkeypatch.setattr(loaders, "_LOADED", {})
+    with pytest.warns(RuntimeWarning, match="cannot be read .*dequantizing tiny.gguf again"):
+        again = load_model(str(path))
+    assert len(calls) == 2 and torch.equal(_logits(again), _logits(first))
+    monkeypatch.setattr(loaders, "_LOADED", {})
+    load_model(str(path))  # the rebuilt cache is whole
+    assert len(calls) == 2
+    assert sorted(p.name for p in folder.parent.iterdir()) == [folder.name]
+
+
+def test_a_cache_that_cannot_be_written_is_a_warning_not_a_failure(fake_gguf, tmp_path, monkeypatch):
+    path, calls = fake_gguf
+    (tmp_path / "a-file").write_text("")
+    monkeypatch.setenv("MULTIHEAD_CACHE", str(tmp_path / "a-file" / "cache"))  # under a file: cannot be made
+    with pytest.warns(RuntimeWarning, match="could not keep the float32 copy of tiny.gguf"):
+        loaded = load_model(str(path))
+    assert loaded.is_causal_lm and len(calls) == 1
+
+
+def test_a_cache_another_process_published_first_is_kept(fake_gguf, monkeypatch):
+    path, _ = fake_gguf
+    folder = loaders.gguf_cache_folder(path)
+    model, tok = _llama(True), _tokenizer(24)
+    loaders._write_cache(model, tok, folder, path, replace=False)
+    marker = folder / "published-first"
+    marker.write_text("")
+    loaders._write_cache(model, tok, folder, path, replace=False)  # lost the race: keeps the other's folder
+    assert marker.exists()
+    loaders._write_cache(model, tok, folder, path, replace=True)  # a damaged folder is swapped out whole
+    assert not marker.exists() and (folder / "model.safetensors").is_file()
+    assert sorted(p.name for p in folder.parent.iterdir()) == [folder.name]
+
+
+def _umask() -> int:
+    import os
+
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask

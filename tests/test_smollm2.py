@@ -90,7 +90,7 @@ def test_prune_whole_kv_groups_save_and_stock_reload_equal_the_ablated_model(smo
     cfg = smollm2.model.config
     H, Hkv, D, C = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim, cfg.hidden_size
     G = H // Hkv
-    # one whole KV group per layer (layer 3: KV head 0, query heads 0, 1, 2), a different group from layer to layer
+    # one whole KV group per layer, a different one from layer to layer (layer 3: KV head 1, query heads 3, 4, 5)
     removed = [(layer, (layer + 1) % Hkv * G + g) for layer in range(cfg.num_hidden_layers) for g in range(G)]
     with heads.ablate(smollm2.model, removed):
         ablated = _logits(smollm2.model, ids)
