@@ -23,7 +23,7 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor, nn
 
-from multihead import score_mods
+from multihead import masks, score_mods
 from multihead._checks import check_divisible, check_positive_int, check_probability, variant_name
 from multihead._layer import (
     check_dtype,
@@ -333,11 +333,12 @@ class Attention(nn.Module):
         if self.rope is not None:
             q, k = self.rope(q, pos), self.rope(k, pos)
         k, v = cache.update_static(k, v)  # (B, Hkv, S_max, D)
-        kv_idx = torch.arange(cache.max_len, device=q.device)[None, :]
-        q_pos = pos + torch.arange(T, device=q.device)[:, None]
-        allowed = (kv_idx <= q_pos) if self.causal else (kv_idx < pos + T)  # (T, S_max)
-        if self.sliding_window is not None:
-            allowed = allowed & (q_pos - kv_idx < self.sliding_window)
+        kv_idx = torch.arange(cache.max_len, device=q.device)[None, :]  # (1, S_max)
+        q_pos = pos + torch.arange(T, device=q.device)[:, None]  # (T, 1): the new tokens' positions
+        allowed = kv_idx < pos + T  # (T, S_max): the slots written so far
+        if self.sliding_window is not None or self.causal:  # the layer's predicate at those positions
+            layer = masks.sliding_window(self.sliding_window) if self.sliding_window is not None else masks.causal()
+            allowed = allowed & layer(None, None, q_pos, kv_idx)
         allowed = allowed[None, None]
         if mask is not None:
             if isinstance(mask, MaskMod):
