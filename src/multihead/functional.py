@@ -90,7 +90,7 @@ from multihead.kernels.registry import get_backend as _get_backend
 from multihead.kernels.validation import check_inputs as _check_inputs
 from multihead.kernels.validation import check_scale as _check_scale
 from multihead.kernels.validation import check_score_mod as _check_score_mod
-from multihead.kernels.validation import plain_scale as _plain_scale
+from multihead.kernels.validation import is_plain_call as _is_plain_call
 from multihead.kernels.validation import plain_shape as _plain_shape
 from multihead.kernels.validation import weight_heads as _weight_heads
 from multihead.masks import MaskMod, and_masks
@@ -166,9 +166,8 @@ def attend(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | MaskMod | Callable | 
     """`scaled_dot_product_attention` for the library's own callers: always returns
     `(out, weights or None)`, so no caller has to ask which of the two it got."""
     impl = shape = None
-    if mask is None and score_mod is None and (return_weights is False or return_weights is None) \
-            and (type(dropout_p) is float or type(dropout_p) is int) and dropout_p == 0 \
-            and _plain_scale(scale) and (shape := _plain_shape(q, k, v)) is not None:
+    if _is_plain_call(mask, scale, dropout_p, return_weights, score_mod) \
+            and (shape := _plain_shape(q, k, v)) is not None:
         # The plain call (a decode step: no mask, no mod, no weights, no dropout), with the
         # checks the general path below would pass folded into two expressions: what it
         # resolves to is the same ("auto" is "sdpa" here), so is the result, bit for bit.

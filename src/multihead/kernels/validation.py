@@ -14,8 +14,8 @@ from multihead.masks import MaskMod
 from multihead.score_mods import ScoreMod
 from multihead.score_mods import from_flex as _score_from_flex
 
-__all__ = ["check_inputs", "check_scale", "check_score_mod", "normalize_mask", "plain_scale", "plain_shape",
-           "shape_str", "weight_heads"]
+__all__ = ["check_inputs", "check_scale", "check_score_mod", "is_plain_call", "normalize_mask", "plain_scale",
+           "plain_shape", "shape_str", "weight_heads"]
 
 
 def shape_str(t: Tensor) -> str:
@@ -25,6 +25,16 @@ def shape_str(t: Tensor) -> str:
 def check_scale(scale) -> float | None:
     """None, or a positive finite number: a Python, NumPy or 0-d/1-element tensor scalar."""
     return check_positive_number("scale", scale, allow_none=True)
+
+
+def is_plain_call(mask, scale, dropout_p, return_weights=False, score_mod=None) -> bool:
+    """Whether a call asks the kernel for nothing but softmax(q k^T scale) v: no mask, no
+    score mod, no weights, no dropout, and a plain scale (`plain_scale`). The decode step's
+    quick accept, shared by `functional.attend` and the Hugging Face registry entry; with
+    `plain_shape` for the tensors it replaces the per-argument checks, which a call it
+    refuses goes through (and they name what is wrong)."""
+    return mask is None and score_mod is None and (return_weights is False or return_weights is None) \
+        and (type(dropout_p) is float or type(dropout_p) is int) and dropout_p == 0 and plain_scale(scale)
 
 
 def plain_scale(scale) -> bool:

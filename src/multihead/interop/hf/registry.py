@@ -43,7 +43,7 @@ from multihead import masks, score_mods
 from multihead._checks import check_positive_number
 from multihead.functional import attend, check_backend_name
 from multihead.kernels import math as explicit_math
-from multihead.kernels.validation import plain_scale
+from multihead.kernels.validation import is_plain_call
 from multihead.masks import MaskMod, from_flex
 
 __all__ = ["INTERVENTION_KEYWORD", "OBSERVER_KEYWORD", "REQUEST_KEYWORD", "AttentionCall", "CaptureComplete",
@@ -279,6 +279,16 @@ def _with_sinks(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, *, causal:
                                   score_mod=None if softcap is None else score_mods.softcap(softcap))
 
 
+def _nothing_but_qkv(module: nn.Module, position_bias, softcap, s_aux, sinks, kwargs: dict) -> bool:
+    """Whether transformers asks for nothing beyond the kernel's plain call: no T5 bias, no
+    softcap, no sinks, no multihead keyword (weights request, intervention, observer) and
+    no weights (output_attentions)."""
+    return position_bias is None and softcap is None and s_aux is None and sinks is None \
+        and kwargs.get(INTERVENTION_KEYWORD) is None and kwargs.get(REQUEST_KEYWORD) is None \
+        and kwargs.get(OBSERVER_KEYWORD) is None \
+        and not kwargs.get("output_attentions", getattr(getattr(module, "config", None), "output_attentions", False))
+
+
 def attention_forward(module: nn.Module, query: Tensor, key: Tensor, value: Tensor, attention_mask,
                       dropout: float = 0.0, scaling: float | None = None, is_causal: bool | None = None,
                       sliding_window: int | None = None, softcap: float | None = None, s_aux: Tensor | None = None,
@@ -293,16 +303,12 @@ def attention_forward(module: nn.Module, query: Tensor, key: Tensor, value: Tens
     `is_causal`, and top-left when a static cache's prefill hands more key slots than
     queries (those slots are empty, so they are cut off).
     """
-    if attention_mask is None and query.shape[2] == 1 and position_bias is None and softcap is None \
-            and s_aux is None and sinks is None and kwargs.get(INTERVENTION_KEYWORD) is None \
-            and kwargs.get(REQUEST_KEYWORD) is None and kwargs.get(OBSERVER_KEYWORD) is None \
-            and plain_scale(scaling) \
-            and not kwargs.get("output_attentions", getattr(getattr(module, "config", None), "output_attentions",
-                                                                False)):
+    if query.shape[2] == 1 and is_plain_call(attention_mask, scaling, dropout) \
+            and _nothing_but_qkv(module, position_bias, softcap, s_aux, sinks, kwargs):
         # A decode step with nothing but q, k, v (every layer, every token of `generate`): what
         # the general path below does with it, without its per-keyword work. One query sees
-        # every key (no causality to apply), `attend` checks the scale and the shapes.
-        out, _ = attend(query, key, value, None, scale=scaling, dropout_p=dropout, backend=backend)
+        # every key (no causality to apply), `attend` checks the shapes.
+        out, _ = attend(query, key, value, None, scale=scaling, backend=backend)
         return out.transpose(1, 2).contiguous(), None  # (B, 1, H, Dv)
     intervention = kwargs.get(INTERVENTION_KEYWORD)
     own_keys = key.shape[2]
