@@ -70,24 +70,28 @@ def _eager(model, ids) -> list[np.ndarray]:
     return [a[0].double().numpy() for a in out.attentions]  # (H, T, T) per layer
 
 
-def _reference(A: np.ndarray, ids: np.ndarray, plain: np.ndarray) -> dict[str, np.ndarray]:
-    """The statistics written out on one layer's (H, T, T) float64 weights (causal model)."""
+def _reference(A: np.ndarray, ids: np.ndarray, plain: np.ndarray, causal: bool = True) -> dict[str, np.ndarray]:
+    """The statistics written out on one layer's (H, T, T) float64 weights."""
     H, T, _ = A.shape
     i, j = np.arange(T)[:, None], np.arange(T)[None, :]
+    q0 = 1 if causal else 0
     with np.errstate(divide="ignore", invalid="ignore"):
         plogp = np.where(A > 0, A * np.log(np.where(A > 0, A, 1)), 0.0)
     ent_rows = -plogp.sum(-1)  # (H, T)
+    n = np.arange(1, T + 1) if causal else np.full(T, T)
     out = {"entropy": ent_rows.mean(-1), "mean_distance": (A * (i - j)).sum(-1).mean(-1),
            "first_token_mass": A[..., 0].mean(-1),
            "previous_token": A[:, np.arange(1, T), np.arange(T - 1)].mean(-1),
-           "current_token": A[:, np.arange(1, T), np.arange(1, T)].mean(-1),
-           "first_token": A[:, 1:, 0].mean(-1),
-           "normalized_entropy": np.clip((ent_rows[:, 1:] / np.log(np.arange(2, T + 1))).mean(-1), 0, 1)}
+           "current_token": A[:, np.arange(q0, T), np.arange(q0, T)].mean(-1),
+           "first_token": A[:, q0:, 0].mean(-1),
+           "normalized_entropy": np.clip((ent_rows[:, n > 1] / np.log(n[n > 1])).mean(-1), 0, 1)}
+    if not causal:
+        out["next_token"] = A[:, np.arange(T - 1), np.arange(1, T)].mean(-1)
     Ap = A.copy()
     Ap[..., 0] = 0
     Ap[:, np.arange(T), np.arange(T)] = 0
     eq = ids[:, None] == ids[None, :]
-    dup = eq & (j < i) & plain[:, None] & plain[None, :]
+    dup = eq & ((j < i) if causal else (j != i)) & plain[:, None] & plain[None, :]
     prev = np.concatenate([[-1], ids[:-1]])  # token before key j
     ind = (ids[:, None] == prev[None, :]) & (j >= 1) & (j <= i) & plain[:, None]
     for name, P in (("duplicate_token", dup), ("induction", ind)):
@@ -240,3 +244,75 @@ def test_smollm2_at_2048_equals_eager_on_a_few_heads():
         i, j = np.arange(2048)[:, None], np.arange(2048)[None, :]
         beyond = (A * (j <= i - 1024)).sum(-1)[:, 1024:].mean(-1)
         assert np.abs(s.scores["beyond_1k"][li].numpy() - beyond).max() <= TOL
+
+
+def test_summaries_equal_eager_on_bidirectional_minilm():
+    from multihead.inspect.capture import load_model
+
+    lm = load_model("minilm")
+    text = "The cat sat on the mat. The cat sat on the mat again, and the dog sat on the cat."
+    got = summaries(lm, text, progress=False)
+    ids = torch.tensor([got.token_ids])
+    model = lm.model
+    model.set_attn_implementation("eager")
+    try:
+        with torch.no_grad():
+            out = model(input_ids=ids, output_attentions=True)
+    finally:
+        model.set_attn_implementation("multihead")
+    plain = np.array([tok not in set(lm.special_tokens) for tok in got.tokens])
+    for layer, att in enumerate(out.attentions):
+        ref = _reference(att[0].double().numpy(), ids[0].numpy(), plain, causal=False)
+        for stat, want in ref.items():
+            err = np.abs(got.scores[stat][layer].double().numpy() - want).max()
+            assert err <= TOL * max(1.0, np.abs(want).max()), f"layer {layer} {stat}: max diff {err:.3g}"
+
+
+# ------------------------------------------------------------------ the command
+
+
+def _cli(capsys, *argv):
+    from multihead.cli import main
+
+    code = main(["inspect", *argv])
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def test_cli_json_carries_one_summary_per_head(capsys, tmp_path):
+    from multihead.inspect.capture import load_model
+
+    lm = load_model("minilm")
+    text = "The cat sat on the mat. The cat sat on the mat again."
+    f = tmp_path / "text.txt"
+    f.write_text(text, encoding="utf-8")
+    code, out, err = _cli(capsys, "--text-file", str(f), "--json")
+    assert code == 0, err
+    data = json.loads(out)
+    entries = data["summaries"]
+    assert [(e["layer"], e["head"]) for e in entries] == [(la, h) for la in range(6) for h in range(12)]
+    want = summaries(lm, text, top_k=0, progress=False)
+    for e in entries:
+        for key in ("entropy", "mean_distance", "first_token_mass", "previous_token", "duplicate_token", "induction"):
+            assert abs(e[key] - float(want.scores[key][e["layer"], e["head"]])) < 1e-5, key
+        assert e["beyond_1k"] is None and e["beyond_4k"] is None
+    # the role table's scores are the same numbers
+    by_head = {(r["layer"], r["head"]): r["scores"] for r in data["roles"]}
+    for e in entries:
+        assert abs(by_head[(e["layer"], e["head"])]["previous_token"] - e["previous_token"]) < 1e-4
+
+
+def test_cli_text_sources(capsys, tmp_path):
+    f = tmp_path / "t.txt"
+    f.write_text("Some text.", encoding="utf-8")
+    (tmp_path / "bad.txt").write_bytes(b"ok \xff")
+    for argv, message in ((["Hello", "--text-file", str(f)], "give the text or --text-file, not both"),
+                          ([], "give a text, e.g. multihead inspect"),
+                          (["--text-file", str(tmp_path / "missing.txt")], "no such file"),
+                          (["--text-file", str(tmp_path / "bad.txt")], "is not UTF-8 (byte 0xff at offset 3)")):
+        code, _, err = _cli(capsys, *argv)
+        assert code == 2 and message in err, (argv, err)
+    code, out, _ = _cli(capsys, "--text-file", str(f), "--only-layers", "0")
+    assert code == 0
+    header = next(line for line in out.splitlines() if line.startswith("rank"))
+    assert header.split()[-3:] == ["H(nats)", "dist", "sink"]  # >1k, >4k: a short text cannot show them

@@ -1,16 +1,20 @@
 """See what every head of a real model does.
 
 Runs the text through the model (by default the bundled all-MiniLM-L6-v2) with its
-attention on multihead, captures the weights of the layers and heads asked, scores each
-head's role (previous-token, current-token, first-token sink, delimiter, duplicate-token,
-induction, prefix-matching on repeated random tokens, entropy) and prints the ranked
-table. --html writes a self-contained head view (no network), --png heatmaps.
+attention on multihead's fused kernel and summarises every head asked, a block of query
+rows at a time beside the kernel, at any length up to the model's positions (8,192 tokens
+for SmolLM2) in bounded memory: entropy (nats), mean distance, first-token (sink) mass,
+mass beyond 1K / 4K tokens back, and the role scores (previous-token, current-token,
+first-token, delimiter, duplicate-token, induction, prefix-matching on repeated random
+tokens). Prints the ranked role table with the summaries. --html writes a self-contained
+head view (no network) of the first 512 tokens, --png heatmaps.
 
 examples:
   multihead inspect "The cat sat on the mat." --html view.html
   multihead inspect "The cat sat on the mat." --only-layers 0 --only-heads 2 --png head.png
   multihead inspect "When Mary and John went to the store, John gave a drink to Mary" --roles
   multihead inspect "Some text" --model path/to/hf-model-folder --json
+  multihead inspect --text-file book.txt --model smollm2 --max-tokens 8192 --json
 """
 
 from __future__ import annotations
@@ -27,11 +31,15 @@ from multihead.interop.loaders import quiet_hub
 
 TOP = 10  # rows of the role table without --roles
 _MAX_STDIN = 16 * 2**20
+PAGE_TOKENS = 512  # the head view and the PNGs draw the weights of at most this many first tokens
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.formatter_class = argparse.RawDescriptionHelpFormatter
-    parser.add_argument("text", help='the text to look at, e.g. "The cat sat on the mat." ("-" reads stdin)')
+    parser.add_argument("text", nargs="?",
+                        help='the text to look at, e.g. "The cat sat on the mat." ("-" reads stdin)')
+    parser.add_argument("--text-file", metavar="PATH",
+                        help="read the text from this UTF-8 file instead (long texts: see --max-tokens)")
     parser.add_argument("--model", default="minilm",
                         help="minilm (the bundled sentence-transformers/all-MiniLM-L6-v2; default), a local "
                              "Hugging Face model folder, or a `multihead lab` checkpoint folder")
@@ -45,7 +53,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--layers", dest="layers", help=argparse.SUPPRESS)
     parser.add_argument("--heads", dest="heads", help=argparse.SUPPRESS)
     parser.add_argument("--max-tokens", type=int, metavar="N",
-                        help="keep at most N tokens (default: as many as the model's positions)")
+                        help="keep at most N tokens (default and limit: the model's positions, e.g. 8192 for "
+                             "smollm2); every head is summarised at any length in bounded memory")
     parser.add_argument("--html", metavar="PATH", help="write the self-contained HTML head view to PATH")
     parser.add_argument("--png", metavar="PATH",
                         help="write heatmaps to PATH: a layer x head grid, or one labelled head if one is captured")
@@ -56,7 +65,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "score over all rows, BOS included, as detect_head computes it) beside multihead's; "
                              "implies --roles")
     parser.add_argument("--json", action="store_true",
-                        help="print JSON (tokens, ranked roles with every score, files written) instead of tables")
+                        help="print JSON (tokens, ranked roles with every score, per-head summaries, files written) "
+                             "instead of tables")
 
 
 def _indices(flag: str, value: str | None) -> list[int] | None:
@@ -88,6 +98,35 @@ def _indices(flag: str, value: str | None) -> list[int] | None:
     return out
 
 
+def _text_argument(args: argparse.Namespace) -> str:
+    """The text from the positional argument, stdin ("-") or --text-file (exactly one)."""
+    if args.text_file is not None:
+        if args.text is not None:
+            raise UsageError("give the text or --text-file, not both")
+        from pathlib import Path
+
+        path = Path(args.text_file).expanduser()
+        if not path.is_file():
+            raise UsageError(f"--text-file {args.text_file!r}: no such file")
+        with path.open("rb") as f:
+            data = f.read(_MAX_STDIN + 1)
+        if len(data) > _MAX_STDIN:
+            raise UsageError(f"--text-file {args.text_file!r} is longer than {_MAX_STDIN // 2**20} MiB; the model "
+                             "reads at most its positions' worth of tokens (cut the file)")
+        try:
+            text = data.decode("utf-8")
+        except UnicodeDecodeError as err:
+            raise UsageError(f"--text-file {args.text_file!r} is not UTF-8 (byte 0x{data[err.start]:02x} at offset "
+                             f"{err.start}); give UTF-8 text") from None
+        if not text.strip():
+            raise UsageError(f"--text-file {args.text_file!r} is empty")
+        return text
+    if args.text is None:
+        raise UsageError('give a text, e.g. multihead inspect "The cat sat on the mat.", "-" for stdin, '
+                         "or --text-file PATH")
+    return _read_text(args.text)
+
+
 def _read_text(text: str) -> str:
     if text == "-":
         data = sys.stdin.buffer.read(_MAX_STDIN + 1) if hasattr(sys.stdin, "buffer") else sys.stdin.read().encode()
@@ -116,7 +155,7 @@ def main(args: argparse.Namespace) -> int:
 
 
 def _main(args: argparse.Namespace, stack: contextlib.ExitStack) -> int:
-    text = _read_text(args.text)
+    text = _text_argument(args)
     layers = _indices("--only-layers", args.layers)
     heads = _indices("--only-heads", args.heads)
     html_path = output_file("--html", args.html, "view.html")
@@ -132,17 +171,26 @@ def _main(args: argparse.Namespace, stack: contextlib.ExitStack) -> int:
         raise UsageError(str(err)) from None
     _status(f"multihead inspect: loading {args.model} (the first import of torch and transformers takes "
             "a few seconds) ...")
+    cap = None
     try:
         stack.enter_context(quiet_hub(logs=True))  # the command's noise off, put back after
         from multihead.inspect.capture import capture, load_model
         from multihead.inspect.roles import head_roles, induction_scores
+        from multihead.inspect.stream import summaries
 
         model = load_model(args.model)
         _status(f"multihead inspect: running {model.name} on {len(text):,} characters ...")
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always", TruncationWarning)
-            cap = capture(text, model=model, layers=layers, heads=heads, max_tokens=args.max_tokens)
+            summ = summaries(model, text, layers=layers, heads=heads, max_tokens=args.max_tokens,
+                             transformer_lens=args.tl_scores, progress=None)
+        _status("multihead inspect: prefix matching on repeated random tokens ...")
         prefix = induction_scores(model)
+        if html_path is not None or png_path is not None:  # the views draw weights: the first PAGE_TOKENS
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", TruncationWarning)
+                cap = capture(text, model=model, layers=layers, heads=heads,
+                              max_tokens=min(len(summ.tokens), PAGE_TOKENS))
     except InspectError as err:
         raise UsageError(str(err)) from None
     finally:
@@ -150,13 +198,13 @@ def _main(args: argparse.Namespace, stack: contextlib.ExitStack) -> int:
     for w in caught:
         if issubclass(w.category, TruncationWarning):
             print(f"multihead inspect: warning: {w.message}", file=sys.stderr)
-    roles = head_roles(cap, prefix_matching=prefix, transformer_lens=args.tl_scores)
+    roles = head_roles(summ, prefix_matching=prefix, transformer_lens=args.tl_scores)
 
     written = {}
     if html_path is not None:
         from multihead.inspect.html import render_html
 
-        render_html(cap, roles=roles, path=html_path)
+        render_html(cap, roles=roles, path=html_path, max_tokens=PAGE_TOKENS)
         written["html"] = str(html_path.resolve())
     png_error = None
     if png_path is not None:
@@ -172,17 +220,19 @@ def _main(args: argparse.Namespace, stack: contextlib.ExitStack) -> int:
             png_error = f"--png {args.png} was not written: {str(err).splitlines()[0]}"
 
     if args.json:
-        print(json.dumps(_as_json(cap, roles, written), indent=1, default=str))
+        print(json.dumps(_as_json(summ, roles, written), indent=1, default=str))
         return _png_verdict(png_error, written)
-    print(f"{cap.model}: {cap.n_layers} layers x {cap.n_heads} heads; captured {len(cap.layers)} x "
-          f"{len(cap.heads)} on {len(cap.tokens)} tokens")
-    print("tokens: " + " ".join(cap.tokens[:40]) + (f" ... (+{len(cap.tokens) - 40})" if len(cap.tokens) > 40 else ""))
+    T = len(summ.tokens)
+    print(f"{summ.model}: {summ.n_layers} layers x {summ.n_heads} heads; summarised {len(summ.layers)} x "
+          f"{len(summ.heads)} on {T:,} tokens")
+    print("tokens: " + " ".join(summ.tokens[:40]) + (f" ... (+{T - 40})" if T > 40 else ""))
     if "html" in written:
-        print(f"HTML head view: {written['html']}")
+        shown = f" (first {len(cap.tokens)} of {T:,} tokens)" if len(cap.tokens) < T else ""
+        print(f"HTML head view: {written['html']}{shown}")
     if "png" in written:
         print(f"PNG: {written['png']}")
     print()
-    print(format_roles(roles, full=args.roles or args.tl_scores))
+    print(format_roles(roles, full=args.roles or args.tl_scores, summaries=summ))
     return _png_verdict(png_error, written)
 
 
@@ -195,19 +245,20 @@ def _png_verdict(png_error: str | None, written: dict) -> int:
     raise UsageError(f"{png_error} ({made})")
 
 
-def _as_json(cap, roles, written) -> dict:
+def _as_json(summ, roles, written) -> dict:
     return {
-        "model": cap.model,
-        "n_layers": cap.n_layers,
-        "n_heads": cap.n_heads,
-        "layers": cap.layers,
-        "heads": cap.heads,
-        "tokens": cap.tokens,
-        "token_ids": cap.token_ids,
-        "meta": cap.meta,
+        "model": summ.model,
+        "n_layers": summ.n_layers,
+        "n_heads": summ.n_heads,
+        "layers": summ.layers,
+        "heads": summ.heads,
+        "tokens": summ.tokens,
+        "token_ids": summ.token_ids,
+        "meta": summ.meta,
         "roles": [{"rank": i + 1, "layer": r.layer, "head": r.head, "role": r.role, "score": r.score,
                    "runner_up": r.runner_up or None, "runner_up_score": r.runner_up_score if r.runner_up else None,
                    "scores": r.scores} for i, r in enumerate(roles)],
+        "summaries": summ.to_json()["summaries"],
         "files": written,
     }
 
@@ -230,17 +281,30 @@ def _status(text: str | None) -> None:
     sys.stderr.flush()
 
 
-def format_roles(roles, *, full: bool = False) -> str:
-    """The ranked role table as text: the top rows, or every head with every score."""
+# The summaries shown beside the roles: (name, column header, format)
+_SUMMARY_COLUMNS = (("entropy", "H(nats)", "{:>7.2f}"), ("mean_distance", "dist", "{:>7.1f}"),
+                    ("first_token_mass", "sink", "{:>6.2f}"), ("beyond_1k", ">1k", "{:>5.2f}"),
+                    ("beyond_4k", ">4k", "{:>5.2f}"))
+
+
+def format_roles(roles, *, full: bool = False, summaries=None) -> str:
+    """The ranked role table as text: the top rows, or every head with every score; with
+    `summaries` (a HeadSummaries), each head's entropy, mean distance, sink mass and mass
+    beyond 1K / 4K tokens back too (the columns a text too short to show are left out)."""
     shown = roles if full else roles[:TOP]
     cols = [c for c in _SHORT if any(c in r.scores for r in shown)] if full else []
+    sums = [c for c in _SUMMARY_COLUMNS if summaries is not None and c[0] in summaries.scores]
     head = f"{'rank':>4} {'layer':>5} {'head':>4}  {'role':<15} {'score':>5}  {'runner-up':<14}"
     head += "".join(f" {_SHORT[c]:>7}" for c in cols)
+    head += "".join(" " + f"{label:>{len(fmt.format(0.0))}}" for _, label, fmt in sums)
     lines = [head.rstrip()]
     for i, r in enumerate(shown):
         second = f"{_SHORT.get(r.runner_up, r.runner_up)}={r.runner_up_score:.2f}" if r.runner_up else "-"
         line = f"{i + 1:>4} {r.layer:>5} {r.head:>4}  {r.role:<15} {r.score:>5.2f}  {second:<14}"
         line += "".join(f" {r.scores[c]:>7.2f}" if c in r.scores else f" {'-':>7}" for c in cols)
+        if sums:
+            values = summaries.head(r.layer, r.head)
+            line += "".join(" " + fmt.format(values[name]) for name, _, fmt in sums)
         lines.append(line.rstrip())
     if not full and len(roles) > len(shown):
         lines.append(f"... {len(roles) - len(shown)} more heads (--roles shows every head and every score)")

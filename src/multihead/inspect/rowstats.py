@@ -38,6 +38,8 @@ __all__ = ["BEYOND", "RowSums", "TextContext", "duplicate_token_block", "inducti
 
 #: The distances (tokens back) whose share of attention mass is reported as beyond_1k / beyond_4k.
 BEYOND = {"beyond_1k": 1024, "beyond_4k": 4096}
+#: Token-match pairs kept for reuse across layers (two int64 each).
+PAIR_CACHE = 1 << 22
 
 
 # --------------------------------------------------------------------- patterns
@@ -96,18 +98,60 @@ class TextContext:
         return 1 if self.causal and self.T > 1 else 0
 
     def to(self, device) -> TextContext:
+        """The context on `device` (itself when it is there already, so its caches are shared)."""
+        if self.ids.device == torch.device(device):
+            return self
         return TextContext(self.ids.to(device), self.plain.to(device), self.delimiter.to(device), self.causal)
 
     def match_rows(self) -> dict[str, int]:
         """Query rows with a match in the duplicate-token and induction patterns (as scored)."""
-        T, n = self.T, {"duplicate_token": 0, "induction": 0}
+        return {name: int(rows.sum()) for name, rows in self.pattern_rows().items()}
+
+    def pattern_rows(self) -> dict[str, Tensor]:
+        """{"duplicate_token", "induction": bool `(T,)`}: the rows that have a match."""
+        cached = self.__dict__.get("_rows")
+        if cached is not None:
+            return cached
+        T, out = self.T, {"duplicate_token": [], "induction": []}
         step = max(1, (1 << 22) // max(1, T))
         for t0 in range(0, T, step):
             t1 = min(T, t0 + step)
-            n["duplicate_token"] += int(duplicate_token_block(self.ids, t0, t1, 0, T, self.causal, self.plain)
-                                        .any(-1).sum())
-            n["induction"] += int(induction_block(self.ids, t0, t1, 0, T, self.plain).any(-1).sum())
-        return n
+            out["duplicate_token"].append(
+                duplicate_token_block(self.ids, t0, t1, 0, T, self.causal, self.plain).any(-1))
+            out["induction"].append(induction_block(self.ids, t0, t1, 0, T, self.plain).any(-1))
+        rows = {k: torch.cat(v) if v else torch.zeros(0, dtype=torch.bool, device=self.ids.device)
+                for k, v in out.items()}
+        self.__dict__["_rows"] = rows
+        return rows
+
+    def pairs(self, name: str, t0: int, t1: int, k0: int, k1: int) -> tuple[Tensor, Tensor]:
+        """The (row, key) pairs, relative to the block, where pattern `name` has a 1 and A'
+        keeps the weight (not the first key, not the diagonal); the TransformerLens
+        patterns ("tl_duplicate_token", "tl_induction") keep every pair. Token matches are
+        sparse: the same block geometry recurs in every layer, so pairs are kept (up to
+        PAIR_CACHE of them in all)."""
+        key = (name, t0, t1, k0, k1)
+        cache = self.__dict__.setdefault("_pairs", {})
+        if key in cache:
+            return cache[key]
+        if name == "duplicate_token":
+            pat = duplicate_token_block(self.ids, t0, t1, k0, k1, self.causal, self.plain)
+        elif name == "induction":
+            pat = induction_block(self.ids, t0, t1, k0, k1, self.plain)
+        elif name == "tl_duplicate_token":
+            pat = duplicate_token_block(self.ids, t0, t1, k0, k1, True)
+        else:
+            pat = induction_block(self.ids, t0, t1, k0, k1)
+        if not name.startswith("tl_"):
+            i, j = _grid(t0, t1, k0, k1, pat.device)
+            pat &= (j != i) & (j != 0)
+        rows, keys = pat.nonzero(as_tuple=True)
+        out = (rows, keys)
+        held = self.__dict__.get("_held", 0)
+        if held + rows.numel() <= PAIR_CACHE:
+            cache[key] = out
+            self.__dict__["_held"] = held + rows.numel()
+        return out
 
 
 # --------------------------------------------------------------------- sums
@@ -159,46 +203,60 @@ class RowSums:
         i = torch.arange(t0, t1, device=dev)  # query rows
         pos = i + self.shift  # their positions among the keys
         in_q = i >= ctx.first_row
-        r = P.sum(-1)  # (h, t): 1, or 0 for a row that may attend nothing
+        cols = torch.arange(w, device=dev)
 
-        h_rows = -torch.special.xlogy(P, P).sum(-1)  # (h, t) nats
+        # The statistics linear in a row (sums of P against a vector of keys), in one pass:
+        # the row sum, the distance (from the block's last row: no cancellation in float32),
+        # the delimiter mass and the keys every row counts as far back (the band where rows
+        # differ, at most t keys wide, is added below).
+        ref = int(pos[-1])
+        counts = {name: (pos - d - k0 + 1).clamp(0, w) for name, d in BEYOND.items()}  # keys 0..n_i-1 count
+        lows = {name: int(n.min()) for name, n in counts.items()}
+        V = torch.stack([torch.ones(w, device=dev), (ref - k0 - cols).to(P.dtype),
+                         ctx.delimiter[k0:k1].to(P.dtype)]
+                        + [(cols < lows[name]).to(P.dtype) for name in BEYOND], dim=-1)  # (w, 3 + len(BEYOND))
+        lin = P @ V  # (h, t, 3 + len(BEYOND))
+        r = lin[..., 0]  # 1, or 0 for a row that may attend nothing
+        h_rows = torch.special.entr(P).sum(-1)  # (h, t): -sum p log p, nats
         self._add("entropy", h_rows)
-        ref = int(pos[-1])  # distances from the block's last row: no cancellation in float32
-        back = (ref - torch.arange(k0, k1, device=dev)).to(P.dtype)  # (w,)
-        self._add("mean_distance", P @ back - (ref - pos).to(P.dtype) * r)
+        self._add("mean_distance", lin[..., 1] - (ref - pos).to(P.dtype) * r)
         first = P[..., 0] if k0 == 0 else torch.zeros_like(r)
         self._add("first_token_mass", first)
-        for name, d in BEYOND.items():
-            self._add(name, self._mass_back(P, pos, k0, d), pos >= d)
+        for c, (name, d) in enumerate(BEYOND.items()):
+            mass = lin[..., 3 + c]
+            lo, hi = lows[name], int(counts[name].max())
+            if hi > lo:
+                band = torch.arange(lo, hi, device=dev)[None, :] < counts[name][:, None]  # (t, hi - lo)
+                mass = mass + (P[..., lo:hi] * band).sum(-1)
+            self._add(name, mass, pos >= d)
 
         # roles (S == T: the patterns index keys by token)
         n = (i + 1).double() if ctx.causal else torch.full((t,), float(self.T), dtype=torch.float64, device=dev)
-        rows_n = n > 1
-        self._add("normalized_entropy", h_rows.double() / torch.log(n.clamp_min(2)), rows_n)
-        self._add("previous_token", self._diagonal(P, t0, k0, -1), i >= 1)
+        self._add("normalized_entropy", h_rows.double() / torch.log(n.clamp_min(2)), n > 1)
+        prev = self._diagonal(P, t0, k0, -1)
+        self._add("previous_token", prev, i >= 1)
         if not ctx.causal:
             self._add("next_token", self._diagonal(P, t0, k0, 1), i <= self.T - 2)
         diag = self._diagonal(P, t0, k0, 0)
         self._add("current_token", diag, in_q)
         self._add("first_token", first, in_q)
-        self._add("delimiter", P @ ctx.delimiter[k0:k1].to(P.dtype), in_q)
+        self._add("delimiter", lin[..., 2], in_q)
         # A' = A without the first key and the diagonal (TransformerLens' exclude_bos and
         # exclude_current_token): at [0, 0] both are one weight, taken out once.
         den = r - first - diag + torch.where(i == 0, diag, torch.zeros_like(diag))
-        _, j = _grid(t0, t1, k0, k1, dev)
-        keep = (j != i[:, None]) & (j != 0)  # (t, w): the keys of A'
-        for name, pat in (("duplicate_token", duplicate_token_block(ctx.ids, t0, t1, k0, k1, ctx.causal, ctx.plain)),
-                          ("induction", induction_block(ctx.ids, t0, t1, k0, k1, ctx.plain))):
-            rows = pat.any(-1)
+        for name, rows in ctx.pattern_rows().items():
+            rows = rows[t0:t1]
             if not bool(rows.any()):
                 continue
-            self._add(name + ":num", (P * (pat & keep)).sum(-1), rows)
+            a, b = ctx.pairs(name, t0, t1, k0, k1)
+            self._add(name + ":num", P[:, a, b])
             self._add(name + ":den", den, rows)
         if self.transformer_lens:
             self._add("tl:den", r)
-            self._add("tl_previous_token", self._diagonal(P, t0, k0, -1), i >= 1)
-            self._add("tl_duplicate_token", (P * duplicate_token_block(ctx.ids, t0, t1, k0, k1, True)).sum(-1))
-            self._add("tl_induction", (P * induction_block(ctx.ids, t0, t1, k0, k1)).sum(-1))
+            self._add("tl_previous_token", prev, i >= 1)
+            for name in ("tl_duplicate_token", "tl_induction"):
+                a, b = ctx.pairs(name, t0, t1, k0, k1)
+                self._add(name, P[:, a, b])
         if self.top_k:
             self._keep_top(P, t0, k0)
         if self.grid:
@@ -211,19 +269,6 @@ class RowSums:
         inside = (cols >= 0) & (cols < w)
         got = P.gather(-1, cols.clamp(0, max(0, w - 1)).view(1, t, 1).expand(h, t, 1))[..., 0]
         return got * inside
-
-    @staticmethod
-    def _mass_back(P: Tensor, pos: Tensor, k0: int, d: int) -> Tensor:
-        """sum over keys j <= pos_i - d of P[:, i, j], `(h, t)`: the keys every row counts
-        summed once, the band where rows differ (at most t keys wide) under its mask."""
-        w = P.shape[-1]
-        n = (pos - d - k0 + 1).clamp(0, w)  # (t,): keys 0..n_i-1 of the block count for row i
-        lo, hi = int(n.min()), int(n.max())
-        out = P[..., :lo].sum(-1)
-        if hi > lo:
-            band = torch.arange(lo, hi, device=P.device)[None, :] < n[:, None]  # (t, hi - lo)
-            out = out + (P[..., lo:hi] * band).sum(-1)
-        return out
 
     def _keep_top(self, P: Tensor, t0: int, k0: int) -> None:
         h, t, w = P.shape
@@ -270,7 +315,8 @@ class RowSums:
         if bool(ctx.delimiter.any()):
             out["delimiter"] = s["delimiter"] / q
         for name in ("duplicate_token", "induction"):
-            if name + ":num" in s:
+            if name + ":den" in s:
+                s.setdefault(name + ":num", zeros)
                 num, den = s[name + ":num"], s[name + ":den"]
                 out[name] = torch.where(den > 0, num / den.clamp_min(1e-300), zeros)
         if self.transformer_lens:

@@ -155,26 +155,35 @@ def layer_statistics(query: Tensor, key: Tensor, acc: RowSums, heads: list[int],
         mask = mask[:, heads]  # (1, h, T|1, S)
     if sinks is not None:
         sinks = sinks[:, heads] if sinks.shape[1] == H else sinks
+    q = q * scale  # (h, T, D): the scale applied once, not on every block of scores
     rows = max(1, block_elements // max(1, h * S))
     with torch.no_grad():
         for t0 in range(0, T, rows):
             t1 = min(T, t0 + rows)
             t = t1 - t0
             allowed, bias = rows_mask(mask, causal, t0, t1, T, S, dev, b_idx, h_idx)
-            k0, k1 = 0, S
-            if allowed is not None:
+            k0, k1, runs = 0, S, None
+            if mask is None and causal:  # the triangle, analytically: keys up to the last row's position
+                k1 = min(S, t1 + S - T)
+                runs = [(t0 + S - T + 1, k1)] if t0 + S - T + 1 < k1 else []
+                allowed = allowed[..., :k1].reshape(1, 1, t, k1)
+            elif allowed is not None:
                 allowed = allowed.reshape((1,) * (4 - allowed.dim()) + tuple(allowed.shape))
-                if bias is None or bias.shape[-1] == S:  # crop to the keys some row may see
-                    seen = allowed.reshape(-1, allowed.shape[-1]).any(0).nonzero()
-                    if allowed.shape[-1] == S and len(seen):
-                        k0, k1 = int(seen[0]), int(seen[-1]) + 1
-                allowed = allowed[..., k0:k1] if allowed.shape[-1] == S else allowed
+                if allowed.shape[-1] == S and (bias is None or bias.shape[-1] == S):
+                    k0, k1, runs = _key_span(allowed)
+                    allowed = allowed[..., k0:k1]
             if bias is not None and bias.shape[-1] == S:
                 bias = bias[..., k0:k1]
             w = k1 - k0
-            scores = torch.matmul(q[:, t0:t1], k[:, k0:k1].transpose(-2, -1))[None] * scale  # (1, h, t, w)
+            scores = torch.matmul(q[:, t0:t1], k[:, k0:k1].transpose(-2, -1))[None]  # (1, h, t, w)
             if score_mod is not None:
                 scores = score_mod.apply(scores, b_idx, h_idx, index(t, 2, dev, t0), index(w, 3, dev, k0), S - T)
+            if allowed is not None and runs is not None:
+                # Every row sees a key (checked by _key_span): the hidden keys are set to -inf
+                # where some row hides them (a causal block's diagonal band), not over the block.
+                for a, b in runs:
+                    scores[..., a:b].masked_fill_(~allowed[..., a:b], float("-inf"))
+                allowed = None
             if sinks is None:
                 probs = softmax(scores, allowed, bias, score_mod is not None)  # (1, h, t, w)
             else:  # one more logit per row with no value (the registry's written-out sink path)
@@ -189,6 +198,28 @@ def layer_statistics(query: Tensor, key: Tensor, acc: RowSums, heads: list[int],
             acc.add(probs[0], t0, k0)
             del probs
     return acc
+
+
+def _key_span(allowed: Tensor) -> tuple[int, int, list[tuple[int, int]] | None]:
+    """For a bool block `(1, 1|h, t, S)`: the keys k0..k1 some row may see, and, when every
+    row sees a key, the runs (relative to k0) of keys hidden from some row (None otherwise:
+    rows with no key go through the softmax's empty-row rule)."""
+    flat = allowed.reshape(-1, allowed.shape[-1])  # (rows, S)
+    seen = flat.any(0)
+    idx = seen.nonzero()
+    if not len(idx):
+        return 0, allowed.shape[-1], None
+    k0, k1 = int(idx[0]), int(idx[-1]) + 1
+    if not bool(flat.any(1).all()):
+        return k0, k1, None
+    partial = (~flat[:, k0:k1].all(0)).nonzero()[:, 0].tolist()  # keys hidden from some row
+    runs: list[tuple[int, int]] = []
+    for c in partial:
+        if runs and runs[-1][1] == c:
+            runs[-1] = (runs[-1][0], c + 1)
+        else:
+            runs.append((c, c + 1))
+    return k0, k1, runs
 
 
 # ------------------------------------------------------------------ the pass
