@@ -319,23 +319,15 @@ class LatentAttention(nn.Module):
         return out, weights
 
     def _one_token(self, q_abs: Tensor, latent: Tensor) -> Tensor:
-        """The decode step written out: one query per head over the whole latent.
-
-        The H absorbed queries are the columns of one tall-skinny GEMM, so the latent
-        streams through once: (B, S, R + rope_dim) @ (B, R + rope_dim, H). On CPU this is
-        about twice as fast as torch's fused kernel, whose blocks are tuned for head dims
-        up to 256, not 576 (benchmarks/decode.py). Causality needs no mask: the one query
-        sits at the last position and sees every key.
+        """The decode step: one query per head over the whole latent, as one tall-skinny
+        GEMM (`kernels.common.one_query_shared_keys`). On CPU this is about twice as fast
+        as torch's fused kernel, whose blocks are tuned for head dims up to 256, not 576
+        (benchmarks/decode.py). Causality needs no mask: the one query sits at the last
+        position and sees every key; a window keeps the keys the last position sees.
         """
-        B, H, _, W = q_abs.shape
         if self.sliding_window is not None:
-            latent = latent[:, -self.sliding_window:]  # the keys the last position sees
-        scores = latent @ q_abs.view(B, H, W).transpose(1, 2) * self.scale  # (B, S, H)
-        if self.softcap is not None:
-            scores = common.softcap(scores, self.softcap)
-        probs = torch.softmax(scores, dim=1, dtype=common.acc_dtype(scores.dtype))
-        out = probs.to(latent.dtype).transpose(1, 2) @ latent[..., : self.kv_rank]  # (B, H, R)
-        return out[:, :, None]  # (B, H, 1, R)
+            latent = latent[:, -self.sliding_window:]
+        return common.one_query_shared_keys(q_abs, latent, self.kv_rank, self.scale, self.softcap)  # (B, H, 1, R)
 
     def absorb_is_cheaper(self, T: int, S: int) -> bool:
         """Whether the absorbed path needs fewer multiply-adds for T queries over S keys.

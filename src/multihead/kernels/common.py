@@ -16,8 +16,8 @@ import torch
 from torch import Tensor
 
 __all__ = ["acc_dtype", "backward_lse", "block_attention", "causal_triangle", "flash_lse", "flash_lse_backward",
-           "fold_scores", "fold_values", "index", "lse_merge", "lse_merge_into", "mqa_splits", "softcap", "softmax",
-           "softmax_lse"]
+           "fold_scores", "fold_values", "index", "lse_merge", "lse_merge_into", "mqa_splits",
+           "one_query_shared_keys", "softcap", "softmax", "softmax_lse"]
 
 
 def acc_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -118,6 +118,23 @@ def block_attention(q: Tensor, k: Tensor, v: Tensor, scale: float,
     `(B, H, t, s)`; a row with no key in the block is 0 with lse -inf."""
     probs, lse = softmax_lse(fold_scores(q, k, scale), allowed)  # (B, H, t, s), (B, H, t)
     return fold_values(probs, v), lse
+
+
+def one_query_shared_keys(q: Tensor, keys: Tensor, value_width: int, scale: float,
+                          cap: float | None = None) -> Tensor:
+    """One query per head `(B, H, 1, W)` over keys every head shares `(B, S, W)` whose first
+    `value_width` features are the values (MLA's absorbed decode step: the latent is both):
+    out `(B, H, 1, value_width)`. The H queries are the columns of one tall-skinny GEMM,
+    `(B, S, W) @ (B, W, H)`, so the keys stream through once; softmax over the S keys in
+    the accumulation dtype; `cap`: softcap on the scores. No mask: the one query sits at
+    the last position and sees every key it is given."""
+    B, H, _, W = q.shape
+    scores = keys @ q.view(B, H, W).transpose(1, 2) * scale  # (B, S, H)
+    if cap is not None:
+        scores = softcap(scores, cap)
+    probs = torch.softmax(scores, dim=1, dtype=acc_dtype(scores.dtype))  # (B, S, H)
+    out = probs.to(keys.dtype).transpose(1, 2) @ keys[..., :value_width]  # (B, H, value_width)
+    return out[:, :, None]  # (B, H, 1, value_width)
 
 
 # torch's fused CPU flash kernel (absent from some builds): (out, lse) forward and a backward
