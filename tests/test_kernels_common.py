@@ -1,7 +1,9 @@
-"""The softmax pieces of kernels/common.py (issue 20: every attention formula has one home),
-against the NumPy float64 reference: the masked softmax, the softmax of one block with its
-log-sum-exp (ring attention's block), the log-sum-exp a backward reads, and blocks merged
-by lse_merge / lse_merge_into equal to the softmax over all keys."""
+"""The pieces of kernels/common.py (every attention formula has one home), against the
+NumPy float64 reference: the masked softmax (with sinks), the softmax of one block with
+its log-sum-exp, the block attention with its lse (ring attention's block), torch's fused
+CPU kernel with its lse, the one-query step over shared keys (MLA's decode), the
+log-sum-exp a backward reads, and blocks merged by lse_merge / lse_merge_into equal to
+the softmax over all keys."""
 
 from __future__ import annotations
 
@@ -10,7 +12,16 @@ import pytest
 import torch
 
 from multihead import reference as ref
-from multihead.kernels.common import backward_lse, lse_merge, lse_merge_into, softmax, softmax_lse
+from multihead.kernels.common import (
+    backward_lse,
+    block_attention,
+    flash_lse,
+    lse_merge,
+    lse_merge_into,
+    one_query_shared_keys,
+    softmax,
+    softmax_lse,
+)
 
 TOL = {torch.float64: 1e-12, torch.float32: 1e-6}
 
@@ -107,3 +118,74 @@ def test_blocks_merged_by_their_lse_equal_attention_over_all_keys(dtype):
         err = np.abs(got.double().numpy() - want).max()
         assert err < TOL[dtype] * 10, f"max diff {err:.3g}"
     assert torch.equal(out[0, 1, 2], torch.zeros(4, dtype=dtype)) and torch.isneginf(lse[0, 1, 2])
+
+
+def _qkv(dtype, B=2, H=4, Hkv=2, T=5, S=7, D=6, Dv=3, seed=5):
+    g = torch.Generator().manual_seed(seed)
+    return tuple(torch.randn(*shape, generator=g).to(dtype) for shape in
+                 ((B, H, T, D), (B, Hkv, S, D), (B, Hkv, S, Dv)))
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+def test_softmax_with_sinks_equals_the_reference(dtype):
+    """A sink is one more logit in the denominator with no value (GPT-OSS): the reference
+    softmax over [scores, sink] with the sink's column dropped; a row with no key then
+    gives its whole mass to the sink (zeros, not NaN)."""
+    scores, allowed = _case(dtype, seed=6)
+    sinks = torch.randn(1, 3, 1, 1, generator=torch.Generator().manual_seed(7)).to(dtype)
+    got = softmax(scores, allowed, sinks=sinks)
+    x = _masked_np(scores, allowed)
+    logits = np.concatenate([x, np.broadcast_to(sinks.double().numpy(), x.shape[:-1] + (1,))], axis=-1)
+    want = ref.softmax(logits)[..., :-1]
+    err = np.abs(got.double().numpy() - want).max()
+    assert err < TOL[dtype], f"max diff {err:.3g}"
+    assert torch.equal(got[0, 1, 2], torch.zeros(7, dtype=dtype))
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+@pytest.mark.parametrize("Hkv", [1, 2, 4])
+def test_block_attention_equals_the_reference(dtype, Hkv):
+    q, k, v = _qkv(dtype, Hkv=Hkv)
+    allowed = torch.rand(2, 1, 5, 7, generator=torch.Generator().manual_seed(8)) > 0.4
+    allowed[1, 0, 3] = False  # a row with no key
+    out, lse = block_attention(q, k, v, 0.4, allowed)
+    want = ref.attention(q.numpy(), k.numpy(), v.numpy(), mask=allowed.numpy(), scale=0.4)
+    want = np.where(allowed.numpy().any(-1, keepdims=True), want, 0.0)  # the reference's empty row is NaN
+    err = np.abs(out.double().numpy() - want).max()
+    assert err < TOL[dtype] * 10, f"out: max diff {err:.3g}"
+    G = 4 // Hkv
+    scores = q.double().numpy() @ np.repeat(k.double().numpy(), G, axis=1).swapaxes(-1, -2) * 0.4
+    want_l = _np_lse(np.where(allowed.numpy(), scores, -np.inf))
+    finite = np.isfinite(want_l)
+    assert np.abs(lse.double().numpy()[finite] - want_l[finite]).max() < TOL[dtype] * 10
+    assert torch.isneginf(lse[1, :, 3]).all() and not out.isnan().any()
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+def test_flash_lse_equals_the_block_attention_and_fixes_empty_rows(dtype):
+    """torch's CPU kernel reports lse 0 for a row with no key; flash_lse makes it -inf."""
+    q, k, v = _qkv(dtype, Dv=6)
+    q, k, v = q[:, :2], k[:, :2], v[:, :2]  # the fused kernel's layout: as many K/V heads as query heads
+    keep = torch.ones(2, 7, dtype=torch.bool)
+    keep[1] = False  # batch 1: no key at all
+    mask = torch.zeros(2, 1, 1, 7, dtype=dtype).masked_fill(~keep[:, None, None], float("-inf"))
+    out, lse = flash_lse(q, k, v, causal=False, scale=0.4, mask=mask, empty=~keep.any(-1)[:, None, None])
+    want_o, want_l = block_attention(q, k, v, 0.4, keep[:, None, None])
+    assert (out[0].double() - want_o[0].double()).abs().max() < TOL[dtype] * 10
+    assert (lse[0].double() - want_l[0].double()).abs().max() < TOL[dtype] * 10
+    assert torch.isneginf(lse[1]).all()
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+def test_one_query_over_shared_keys_equals_the_reference(dtype):
+    """MLA's absorbed step: one query per head over one latent that is keys (all W
+    features) and values (its first R), with and without a softcap."""
+    g = torch.Generator().manual_seed(9)
+    q = torch.randn(2, 4, 1, 10, generator=g).to(dtype)
+    latent = torch.randn(2, 7, 10, generator=g).to(dtype)
+    for cap in (None, 2.0):
+        got = one_query_shared_keys(q, latent, 6, 0.3, cap)
+        kv = latent.double().numpy()[:, None]  # (B, 1, S, W): one K/V head
+        want = ref.attention(q.numpy(), kv, kv[..., :6], scale=0.3, softcap_cap=cap)
+        err = np.abs(got.double().numpy() - want).max()
+        assert got.shape == (2, 4, 1, 6) and err < TOL[dtype] * 10, f"cap {cap}: max diff {err:.3g}"
