@@ -17,11 +17,18 @@ Handlers work in one layout (TransformerLens' hook layout): z `(B, T, H, Dv)`, k
 `(B, S, Hkv, D)`, v `(B, S, Hkv, Dv)`, pattern `(B, H, T, S)`. Layers are numbered in
 the order their attention runs in a forward. Every hook is removed when the context
 ends, also on an exception; nothing is stored on the modules.
+
+Threads: every hook acts only in the thread that installed it (`Hooks`), so two threads
+may record, patch or scan one model at once, each seeing only its own interventions (a
+plain forward in another thread sees none). A model whose one attention module runs
+several times in a forward (ALBERT's shared layer) is refused by name: its layers cannot
+be told apart by module.
 """
 
 from __future__ import annotations
 
 import sys
+import threading
 from contextlib import contextmanager
 from dataclasses import dataclass
 
@@ -77,6 +84,50 @@ class Handler:
         pass
 
 
+# torch numbers hooks from one class-wide counter without a lock: two threads registering
+# at once could get one id and overwrite (or remove) each other's hook
+_REGISTER = threading.Lock()
+
+
+class Hooks:
+    """Forward hooks of one call: each acts only in the thread that installed it (a forward
+    of the same modules in another thread passes through untouched); `remove` takes all."""
+
+    def __init__(self):
+        self.thread = threading.get_ident()
+        self.handles: list = []
+
+    def _here(self, fn):
+        thread = self.thread
+
+        def hook(*args):
+            return fn(*args) if threading.get_ident() == thread else None
+        return hook
+
+    def pre(self, module: nn.Module, fn, with_kwargs: bool = False) -> None:
+        """fn(module, args) or, with_kwargs, fn(module, args, kwargs): torch's forward pre-hook."""
+        with _REGISTER:
+            self.handles.append(module.register_forward_pre_hook(self._here(fn), with_kwargs=with_kwargs))
+
+    def post(self, module: nn.Module, fn) -> None:
+        """fn(module, args, output): torch's forward hook."""
+        with _REGISTER:
+            self.handles.append(module.register_forward_hook(self._here(fn)))
+
+    def remove(self) -> None:
+        with _REGISTER:
+            for h in self.handles:
+                h.remove()
+        self.handles.clear()
+
+
+def _recomputing() -> bool:
+    """Whether autograd is running a backward (gradient checkpointing runs the forward of a
+    block again there: a second call of its attention that is no second layer)."""
+    task = getattr(torch._C, "_current_graph_task_id", None)  # torch's, no public spelling
+    return task is not None and task() != -1
+
+
 def parents_of(model: nn.Module) -> dict[int, nn.Module]:
     """id(child) -> its parent module, for every module of `model` (built once per call)."""
     return {id(c): m for m in model.modules() for c in m.children()}
@@ -117,6 +168,15 @@ def check_model(model) -> None:
                          "a module built from multihead.Attention / LatentAttention")
 
 
+def check_grad_mode(what: str) -> None:
+    """Tools that differentiate (importance, attribution) turn gradients on themselves, which
+    torch.inference_mode() forbids: say so instead of autograd's "does not require grad"."""
+    if torch.is_inference_mode_enabled():
+        raise ValueError(f"{what} differentiates through the model, and it was called inside torch.inference_mode(), "
+                         "where nothing can; valid: call it outside the inference_mode block (inside torch.no_grad() "
+                         "is fine: it turns gradients on itself)")
+
+
 class Engine:
     """The hooks of one context on one model, routing every layer's tensors to `handler`."""
 
@@ -126,6 +186,7 @@ class Engine:
         self.layers: dict[int, Layer] = {} if order is None else order  # id(module) -> Layer
         self._v: dict[int, Tensor] = {}  # layer index -> this call's v (for pattern z)
         self._asked: dict[int, object] = {}  # id(module) -> the caller's own return_weights
+        self._ran: set[int] = set()  # id(module) of the attention calls of this forward
         self.hf = is_hf(model)
 
     # ---------------------------------------------------------------- layers
@@ -136,6 +197,17 @@ class Engine:
             entry = self.layers[id(module)] = Layer(len(self.layers), module, kind, H, Hkv, D, Dv)
         return entry
 
+    def called(self, module: nn.Module) -> None:
+        """One attention call of this forward; a second call of the same module is refused."""
+        if id(module) in self._ran and not _recomputing():
+            lay = self.layers.get(id(module))
+            raise ValueError(
+                f"{type(self.model).__name__} runs one attention module ({type(module).__name__}"
+                f"{'' if lay is None else f', layer {lay.index}'}) more than once in a forward (its weights are shared "
+                "across layers, as in ALBERT); multihead.heads tells layers apart by module and cannot number its "
+                "calls; valid: models whose every attention layer has a module of its own")
+        self._ran.add(id(module))
+
     def ordered(self) -> list[Layer]:
         return sorted(self.layers.values(), key=lambda lay: lay.index)
 
@@ -143,22 +215,22 @@ class Engine:
 
     @contextmanager
     def installed(self):
-        handles = []
+        hooks = Hooks()
         try:
-            handles.append(self.model.register_forward_pre_hook(self._top, with_kwargs=True))
+            hooks.pre(self.model, self._top, with_kwargs=True)
             for m in multihead_modules(self.model):
-                handles += self._hook_module(m)
+                self._hook_module(hooks, m)
             for owner in self.model.modules():  # a patched DeepSeek layer: number its LatentAttention as it starts
                 if isinstance(getattr(owner, "mla", None), LatentAttention):
-                    handles.append(owner.register_forward_pre_hook(lambda mod, a: self._mh_layer(mod.mla) and None))
+                    hooks.pre(owner, lambda mod, a: self._mh_layer(mod.mla) and None)
             yield self
         finally:
-            for h in handles:
-                h.remove()
+            hooks.remove()
             self._v.clear()
             self._asked.clear()
 
     def _top(self, model, args, kwargs):
+        self._ran.clear()
         self.handler.begin()
         if not self.hf:
             return None
@@ -171,18 +243,17 @@ class Engine:
                 kwargs[WEIGHTS_KEYWORD] = _weights_request(self)
         return args, kwargs
 
-    def _hook_module(self, m: nn.Module) -> list:
+    def _hook_module(self, hooks: Hooks, m: nn.Module) -> None:
         latent = isinstance(m, LatentAttention)
-        handles = [m.register_forward_pre_hook(lambda mod, a, kw: self._mh_pre(mod, a, kw, latent), with_kwargs=True),
-                   m.register_forward_hook(lambda mod, a, out: self._mh_post(mod, out))]
+        hooks.pre(m, lambda mod, a, kw: self._mh_pre(mod, a, kw, latent), with_kwargs=True)
+        hooks.post(m, lambda mod, a, out: self._mh_post(mod, out))
         if latent:
-            handles.append(m.kv_b_proj.register_forward_hook(lambda mod, a, out: self._mla_kv(m, out)))
-            handles.append(m.kv_a_proj.register_forward_hook(lambda mod, a, out: self._mla_latent(m, out)))
+            hooks.post(m.kv_b_proj, lambda mod, a, out: self._mla_kv(m, out))
+            hooks.post(m.kv_a_proj, lambda mod, a, out: self._mla_latent(m, out))
         else:
-            handles.append(m.k_proj.register_forward_hook(lambda mod, a, out: self._mh_proj(m, out, "k")))
-            handles.append(m.v_proj.register_forward_hook(lambda mod, a, out: self._mh_proj(m, out, "v")))
-        handles.append(m.o_proj.register_forward_pre_hook(lambda mod, a: self._mh_z(m, a)))
-        return handles
+            hooks.post(m.k_proj, lambda mod, a, out: self._mh_proj(m, out, "k"))
+            hooks.post(m.v_proj, lambda mod, a, out: self._mh_proj(m, out, "v"))
+        hooks.pre(m.o_proj, lambda mod, a: self._mh_z(m, a))
 
     def _mh_layer(self, m: nn.Module) -> Layer:
         if isinstance(m, LatentAttention):
@@ -239,6 +310,7 @@ class Engine:
         return None if new is c else new.squeeze(2)
 
     def _mh_z(self, m, args):
+        self.called(m)  # o_proj runs once per attention call, on every path
         lay = self._mh_layer(m)
         x = args[0]
         B, T, width = x.shape
@@ -256,6 +328,7 @@ class _HFAdapter:
 
     def inputs(self, module, query, key, value):
         e = self.engine
+        e.called(module)
         lay = e.layer(module, "hf", query.shape[1], key.shape[1], query.shape[-1], value.shape[-1])
         k = key.transpose(1, 2)  # (B, S, Hkv, D)
         k2 = e.handler.k(lay, k)

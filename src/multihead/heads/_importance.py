@@ -16,7 +16,7 @@ from collections.abc import Callable, Iterable
 import torch
 from torch import Tensor
 
-from multihead.heads._engine import Engine, Handler, check_model
+from multihead.heads._engine import Engine, Handler, check_grad_mode, check_model
 
 
 class _HeadMask(Handler):
@@ -48,15 +48,20 @@ def importance(model, batches: Iterable, loss: Callable, normalize: bool = True)
     check_model(model)
     if not callable(loss):
         raise TypeError(f"loss must be callable(model, batch) -> scalar tensor; received {type(loss).__name__}")
+    check_grad_mode("importance")
     handler = _HeadMask()
     total: dict[int, Tensor] = {}
     n = 0
     with Engine(model, handler).installed(), torch.enable_grad():
         for batch in batches:
             value = loss(model, batch)
-            if not isinstance(value, Tensor) or value.numel() != 1:
-                raise ValueError(f"loss must return a scalar tensor; received "
-                                 f"{tuple(value.shape) if isinstance(value, Tensor) else type(value).__name__}")
+            if not isinstance(value, Tensor):
+                raise TypeError(f"loss must return a scalar tensor; received {type(value).__name__}")
+            if value.numel() != 1:
+                raise ValueError(f"loss must return a scalar tensor; received shape {tuple(value.shape)}")
+            if not value.requires_grad:
+                raise ValueError("loss(model, batch) returned a tensor without a gradient; valid: a loss computed "
+                                 "from the model's output inside loss (importance differentiates it)")
             layers = sorted(handler.xi)
             if not layers:
                 raise ValueError("loss(model, batch) ran no attention layer of the model")

@@ -15,9 +15,16 @@ HOWS = ("zero", "mean", "resample")
 
 
 def check_heads(heads, name: str = "heads") -> list[tuple[int, int]]:
-    """[(layer, head), ...] from pairs; a clear error for anything else."""
+    """[(layer, head), ...] from pairs; one pair alone (a 2-tuple, or a 1-D tensor/array of two
+    ints) is a list of one; a `(N, 2)` tensor/array is N pairs; a clear error for anything else."""
     if isinstance(heads, tuple) and len(heads) == 2 and all(isinstance(i, int) for i in heads):
         heads = [heads]
+    if hasattr(heads, "tolist") and hasattr(heads, "shape"):  # a tensor or a NumPy array
+        shape = tuple(heads.shape)
+        if shape not in ((2,),) and not (len(shape) == 2 and shape[1] == 2):
+            raise ValueError(f"{name} as a tensor must be one (layer, head) pair of shape (2,) or pairs of shape "
+                             f"(N, 2); received shape {shape}")
+        heads = [heads.tolist()] if len(shape) == 1 else heads.tolist()
     if not isinstance(heads, Iterable) or isinstance(heads, (str, bytes)):
         raise TypeError(f"{name} must be a sequence of (layer, head) pairs; received {heads!r}")
     out = []
@@ -120,9 +127,21 @@ def _installed(model, handler: _Edits, heads: list[tuple[int, int]]):
 
 
 def _same_shape(name: str, ref: Tensor, t: Tensor, lay: Layer) -> None:
-    if ref.shape[:2] != t.shape[:2] or ref.shape[-1] != t.shape[-1]:
+    if ref.dim() == t.dim() and ref.shape[2] != t.shape[2]:
+        raise ValueError(f"{name} of layer {lay.index} has {ref.shape[2]} heads (shape {tuple(ref.shape)}) but this "
+                         f"model's layer {lay.index} has {t.shape[2]} (shape {tuple(t.shape)}): record it from this "
+                         "model, or one with the same heads")
+    if ref.shape != t.shape:
         raise ValueError(f"{name} of layer {lay.index} has shape {tuple(ref.shape)} but this run's is "
                          f"{tuple(t.shape)}: batch and positions must match (record the same-shaped inputs)")
+
+
+def _same_heads(name: str, ref: Tensor, lay: Layer, t: Tensor) -> None:
+    """A mean `(H, Dv)` of the reference against this layer's z `(B, T, H, Dv)`."""
+    if ref.shape != (t.shape[2], t.shape[3]):
+        raise ValueError(f"{name} of layer {lay.index} is over {ref.shape[0]} heads of width {ref.shape[1]} but this "
+                         f"model's layer {lay.index} has {t.shape[2]} of width {t.shape[3]}: record the reference "
+                         "from this model, or one with the same heads")
 
 
 @contextmanager
@@ -168,6 +187,7 @@ def ablate(model, heads, how: str = "zero", reference: Recording | None = None):
                     means[layer] = z.flatten(0, 1).mean(0)
 
             def value(lay, t, h, _, m=means[layer]):
+                _same_heads("the reference's mean z", m, lay, t)
                 return m[h].to(t.dtype)
         else:
             ref = reference["z", layer]
@@ -208,7 +228,8 @@ def patch(model, recording: Recording, heads, positions=None, what: str = "z"):
             def value(lay, z, h, v, p=src):
                 if v is None:
                     raise ValueError(f"layer {lay.index}: no values seen in this forward to apply a pattern to")
-                if p.shape[0] != z.shape[0] or p.shape[2] != z.shape[1] or p.shape[3] != v.shape[1]:
+                if p.shape[0] != z.shape[0] or p.shape[1] != lay.H or p.shape[2] != z.shape[1] or \
+                        p.shape[3] != v.shape[1]:
                     raise ValueError(f"recorded pattern of layer {lay.index} is {tuple(p.shape)}; this run needs "
                                      f"({z.shape[0]}, {lay.H}, {z.shape[1]}, {v.shape[1]})")
                 kv = h // (lay.H // v.shape[2])

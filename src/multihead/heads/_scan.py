@@ -46,8 +46,10 @@ from multihead.heads._engine import (
     WEIGHTS_KEYWORD,
     Engine,
     Handler,
+    Hooks,
     Layer,
     batch_size,
+    check_grad_mode,
     check_model,
     is_hf,
     logits_of,
@@ -195,12 +197,15 @@ def _cut_all(args, kwargs, cut: tuple[int, int] | None):
             {k: _cut(v, k, T, p) for k, v in kwargs.items()})
 
 
-def _cut_cache(cache: dict[int, tuple], cut: tuple[int, int]) -> dict[int, tuple] | None:
-    """Every block's cached input on positions [p, T); None when one cannot be cut."""
+def _cut_cache(cache: dict[int, tuple], cut: tuple[int, int]) -> tuple[dict[int, tuple] | None, str]:
+    """(every block's cached input on positions [p, T), ""), or (None, why one cannot be cut)."""
     try:
-        return {i: _cut_all(args, kwargs, cut) for i, (args, kwargs) in cache.items()}
-    except _NoCut:
-        return None
+        return {i: _cut_all(args, kwargs, cut) for i, (args, kwargs) in cache.items()}, ""
+    except _NoCut as err:
+        where = err.args[0]
+        name = f"keyword {where!r}" if isinstance(where, str) else f"positional argument {where}"
+        return None, (f"a block takes {name}, which holds the T positions and is of no kind the skip knows how to "
+                      "cut (hidden_states, a 4-D mask, position_ids, position_embeddings, cache_position)")
 
 
 def _shared_prefix(clean, corrupted) -> tuple[int, int]:
@@ -228,19 +233,25 @@ def _shared_prefix(clean, corrupted) -> tuple[int, int]:
 
 
 def _causal_stack(model: nn.Module, layers: list[Layer], blocks: dict[int, nn.Module],
-                  parents: dict[int, nn.Module]) -> nn.ModuleList | None:
-    """The ModuleList of blocks when the prefix skip may apply (a transformers decoder, every
-    block an attention layer on multihead's function that says it is causal), else None."""
-    if not is_hf(model) or multihead_modules(model) or getattr(model.config, "is_encoder_decoder", False):
-        return None
-    if any(getattr(lay.module, "is_causal", False) is not True for lay in layers):
-        return None
+                  parents: dict[int, nn.Module]) -> tuple[nn.ModuleList | None, str]:
+    """(the ModuleList of blocks, "") when the prefix skip may apply (a transformers decoder,
+    every block an attention layer on multihead's function that says it is causal), else
+    (None, the reason)."""
+    if not is_hf(model):
+        return None, "not a transformers model (the skip reads transformers' block inputs)"
+    if multihead_modules(model):
+        return None, "its attention runs in multihead modules (a patched DeepSeek), whose keys the skip does not read"
+    if getattr(model.config, "is_encoder_decoder", False):
+        return None, "an encoder-decoder (its encoder sees every position)"
+    not_causal = [lay.index for lay in layers if getattr(lay.module, "is_causal", False) is not True]
+    if not_causal:
+        return None, f"attention layer {not_causal[0]} does not say is_causal=True"
     stacks = {id(parents.get(id(b))) for b in blocks.values()}
     stack = parents.get(id(next(iter(blocks.values()))))
-    if len(stacks) != 1 or not isinstance(stack, nn.ModuleList):
-        return None
     held = {id(b) for b in blocks.values()}
-    return stack if all(id(b) in held for b in stack) else None
+    if len(stacks) != 1 or not isinstance(stack, nn.ModuleList) or not all(id(b) in held for b in stack):
+        return None, "its attention layers are not the blocks of one nn.ModuleList"
+    return stack, ""
 
 
 _SKIP_PREFIX = True  # tests turn it off to compare the two paths
@@ -257,20 +268,23 @@ def _unskip(out, head: Tensor, B: int):
     return full if isinstance(out, Tensor) else (full, *out[1:])
 
 
-def _prefix_holds(rec: Recording, prefix: _Prefix, layers: list[Layer], cache: dict[int, tuple], T: int,
-                  p: int, B: int) -> bool:
-    """Whether the prefix skip is exact here: both runs' heads agree on the shared prefix at
-    every layer (what a causal model does; to float rounding: a mixture of experts batches
-    each expert's tokens, so its sums differ in the last bits), and no mask lets the prefix
-    see a later key."""
+def _prefix_mismatch(rec: Recording, prefix: _Prefix, layers: list[Layer], cache: dict[int, tuple], T: int,
+                     p: int, B: int) -> str:
+    """Why the prefix skip would not be exact here ("" when it is): both runs' heads must agree
+    on the shared prefix at every layer (what a causal model does; to float rounding: a mixture
+    of experts batches each expert's tokens, so its sums differ in the last bits), and no mask
+    may let the prefix see a later key."""
     for lay in layers:
         got = prefix.data.get(("z", lay.index))
         if got is None or ("k", lay.index) not in prefix.data:
-            return False
+            return f"attention layer {lay.index} handed no keys or outputs to the skip's recorder"
         want = rec["z", lay.index][:, :p]
         if not torch.allclose(got, want, rtol=1e-5, atol=1e-6 * (1 + float(want.abs().max()))):
-            return False
-    return not any(_sees_ahead(x, T, p, B) for args, kwargs in cache.values() for x in (*args, *kwargs.values()))
+            return (f"the two runs' heads differ on the shared prefix at layer {lay.index} (max "
+                    f"{float((got - want).abs().max()):.2e}): the model is not causal there")
+    if any(_sees_ahead(x, T, p, B) for args, kwargs in cache.values() for x in (*args, *kwargs.values())):
+        return "a mask lets a query of the shared prefix see a later key"
+    return ""
 
 
 def _sees_ahead(x, T: int, p: int, B: int) -> bool:
@@ -421,16 +435,17 @@ def _forward(model, corrupted, no_cache: bool, handler: Handler, grower, hooked:
              tail: list, B: int) -> Tensor:
     """One scan forward: `grower` lays out the rows, `handler` patches them; with the prefix
     skip, `last` (the last block) gets the corrupted prefix `tail[0]` back on its output."""
-    handles = [b.register_forward_pre_hook(grower.hook, with_kwargs=True) for b in hooked]
-    if last is not None:
-        handles.append(last.register_forward_hook(lambda m, a, out: _unskip(out, tail[0], B)))
-    handles.append(model.register_forward_pre_hook(lambda m, a: grower.begin()))
+    hooks = Hooks()
     try:
+        for b in hooked:
+            hooks.pre(b, grower.hook, with_kwargs=True)
+        if last is not None:
+            hooks.post(last, lambda m, a, out: _unskip(out, tail[0], B))
+        hooks.pre(model, lambda m, a: grower.begin())
         with Engine(model, handler).installed(), torch.no_grad():
             return logits_of(_call(model, corrupted, no_cache))
     finally:
-        for h in handles:
-            h.remove()
+        hooks.remove()
 
 
 def _call(model: nn.Module, inputs, no_cache: bool):
@@ -450,115 +465,192 @@ def _takes_use_cache(model: nn.Module) -> bool:
 
 
 def _scalar(value, where: str) -> float:
-    t = torch.as_tensor(value)
-    if t.numel() != 1:
-        raise ValueError(f"metric must return a scalar tensor; {where} it returned shape {tuple(t.shape)}")
-    return float(t.detach().float().reshape(()))
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        return float(value)
+    if not isinstance(value, Tensor):
+        raise TypeError(f"metric must return a scalar tensor (or a number); {where} it returned "
+                        f"{type(value).__name__}")
+    if value.numel() != 1:
+        raise ValueError(f"metric must return a scalar tensor; {where} it returned shape {tuple(value.shape)}")
+    return float(value.detach().float().reshape(()))
 
 
-def patch_scan(model, clean, corrupted, metric: Callable[[Tensor], Tensor], what: str = "z", positions=None, *,
-               variants_per_run: int | None = None) -> Tensor:
-    """The metric of the corrupted run with each head patched from the clean run, one at a time.
+def _check_pair(clean, corrupted) -> None:
+    """Clean and corrupted: one kind, the same keywords and shapes, nothing a grown batch breaks."""
+    mapping = [hasattr(x, "keys") and hasattr(x, "__getitem__") for x in (clean, corrupted)]
+    if not all(isinstance(x, Tensor) or m for x, m in zip((clean, corrupted), mapping)) or mapping[0] != mapping[1]:
+        raise TypeError(f"clean and corrupted must both be tensors (input_ids) or both mappings of keyword arguments; "
+                        f"received {type(clean).__name__} and {type(corrupted).__name__}")
+    if not mapping[0]:
+        pairs = {"input_ids": (clean, corrupted)}
+    else:
+        if set(clean.keys()) != set(corrupted.keys()):
+            raise ValueError(f"clean and corrupted must carry the same keywords; received {sorted(clean.keys())} and "
+                             f"{sorted(corrupted.keys())}")
+        pairs = {k: (clean[k], corrupted[k]) for k in clean.keys()}
+        for label, inputs in (("clean", clean), ("corrupted", corrupted)):
+            for key, bad in (("labels", lambda v: v is not None), ("use_cache", lambda v: bool(v)),
+                             ("past_key_values", lambda v: v is not None)):
+                if key in inputs.keys() and bad(inputs[key]):
+                    raise ValueError(f"{label} carries {key} ({_shown(inputs[key])}); valid: inputs without it (the "
+                                     "scan reads the logits of cache-free forwards whose batch it grows: the metric "
+                                     "sees the logits, so leave out labels, use_cache and past_key_values)")
+    for key, (a, b) in pairs.items():
+        if isinstance(a, Tensor) and isinstance(b, Tensor) and a.shape != b.shape:
+            raise ValueError(f"clean and corrupted must have the same shape (a variant is the corrupted run with "
+                             f"heads of the clean run written in, position by position); received {key} of shape "
+                             f"{tuple(a.shape)} and {tuple(b.shape)}")
 
-    Args:
-        model: a transformers model on attn_implementation="multihead", or a module built
-            from multihead's Attention/LatentAttention.
-        clean, corrupted: inputs of the same shape (a tensor of input_ids or a mapping of
-            keyword arguments).
-        metric: logits of one run (the output's `.logits`, or the output when it is a
-            tensor; `(B, ...)` of that run's B rows) -> a scalar tensor.
-        what: "z" (heads' outputs), "k", "v" (per KV head: MQA/GQA scan Hkv heads; MLA
-            modules per head through the up-projection), "pattern" (z = clean pattern @
-            this run's values) or, for MLA modules, "latent" (the shared latent, one column).
-        positions: None for all, or the positions to patch.
-        variants_per_run: how many patched copies of the batch one forward carries
-            (default: 16 // B, at least 1).
 
-    Returns `(layers, heads)` float32 (NaN where a layer has fewer heads than the widest).
-    Equal to TransformerLens' `get_act_patch_attn_head_out_all_pos` (and its k/v/pattern
-    siblings) on the same weights.
-    """
+def _shown(v) -> str:
+    return f"a tensor of shape {tuple(v.shape)}" if isinstance(v, Tensor) else repr(v) if len(repr(v)) < 40 \
+        else type(v).__name__
+
+
+def _check_scan(model, clean, corrupted, metric, what: str, positions, variants_per_run) -> tuple:
+    """Every check of patch_scan's arguments before the first forward: (positions, B, variants per run)."""
     check_model(model)
     check_what(what, SCANS)
     if not callable(metric):
         raise TypeError(f"metric must be callable(logits) -> scalar tensor; received {type(metric).__name__}")
     pos = check_positions(positions)
+    _check_pair(clean, corrupted)
     B = batch_size(corrupted)
     if batch_size(clean) != B:
         raise ValueError(f"clean and corrupted inputs must have the same batch size; received {batch_size(clean)} "
                          f"and {B}")
-    p0, T = _shared_prefix(clean, corrupted)
-    if pos is not None and T and any(not -T <= q < T for q in pos):
-        raise ValueError(f"positions must lie in [-{T}, {T}) for inputs of {T} positions; received {positions!r}")
-    skip = _SKIP_PREFIX and 0 < p0 < T and is_hf(model)
-    rec = record(model, clean, what=(what, "z") if skip and what != "z" else (what,))
-    layers = rec.layers
-    if what == "latent" and not any(lay.kind == "latent" for lay in layers):
-        raise ValueError("what='latent' patches MLA latents (multihead LatentAttention, or a DeepSeek model after "
-                         "multihead.interop.hf.patch); this model has none")
-    n_heads = [lay.Hkv if what in ("k", "v") else int(lay.kind == "latent") if what == "latent" else lay.H
-               for lay in layers]
+    if variants_per_run is not None and (isinstance(variants_per_run, bool) or not isinstance(variants_per_run, int)):
+        raise TypeError(f"variants_per_run must be an int >= 1 or None; received {variants_per_run!r}")
+    per_run = max(1, ROWS_PER_RUN // B) if variants_per_run is None else variants_per_run
+    if per_run < 1:
+        raise ValueError(f"variants_per_run must be >= 1; received {variants_per_run!r}")
+    return pos, B, per_run
+
+
+def _check_positions_fit(pos: list[int] | None, positions, rec: Recording, what: str) -> None:
+    """Positions must exist in every layer (an encoder-decoder's decoder is shorter than its encoder)."""
+    if pos is None:
+        return
+    for lay in rec.layers:
+        t = rec[what, lay.index]
+        n = t.shape[2] if what == "pattern" else t.shape[1]  # query positions of the pattern; else dim 1
+        bad = [q for q in pos if not -n <= q < n]
+        if bad:
+            shortest = min(rec[what, la.index].shape[2 if what == "pattern" else 1] for la in rec.layers)
+            raise ValueError(f"positions {bad} out of range at layer {lay.index} ({type(lay.module).__name__}), whose "
+                             f"{what} has {n} positions; valid: positions in [-{shortest}, {shortest}) (every layer "
+                             f"has them); received {positions!r}")
+
+
+def _n_heads(lay: Layer, what: str) -> int:
+    """Columns of a layer in the table: key/value heads for k/v, one latent, else query heads."""
+    return lay.Hkv if what in ("k", "v") else int(lay.kind == "latent") if what == "latent" else lay.H
+
+
+def _variant_order(layers: list[Layer], what: str) -> list[tuple[int, int]]:
     # head by head, layer by layer within: a run carries head h of consecutive layers, so
     # each block adds B rows and no block runs for nothing (measured on 2 CPU cores: one
     # layer's 8 heads per run, 32 rows, was ~25% slower per row than 4-row runs)
-    variants = sorted(((lay.index, h) for lay, n in zip(layers, n_heads) for h in range(n)),
-                      key=lambda v: (v[1], v[0]))
-    per_run = max(1, ROWS_PER_RUN // B) if variants_per_run is None else int(variants_per_run)
-    if per_run < 1:
-        raise ValueError(f"variants_per_run must be >= 1; received {variants_per_run!r}")
-    parents = parents_of(model)
-    blocks = _blocks(model, layers, parents)
-    stack = _causal_stack(model, layers, blocks, parents) if skip and what != "latent" else None
-    block_list = list({id(b): b for b in blocks.values()}.values())
-    no_cache = _takes_use_cache(model)
-    last_stack = {i for i, b in blocks.items() if b is not model}
-    cache: dict[int, tuple] = {}
-    cut_cache: dict[int, tuple] | None = None  # the same on positions [p0, T) (the prefix skip)
-    prefix = _Prefix(p0)
-    tail: list = []  # the last block's output on the prefix (the prefix skip)
-    corrupted_logits: list = []
-    if last_stack:  # the corrupted run once, keeping what each block of the last stack is handed
-        def keep(block, args, kwargs):
-            cache[id(block)] = (args, {k: v for k, v in kwargs.items() if k not in (KEYWORD, WEIGHTS_KEYWORD)})
-        handles = [b.register_forward_pre_hook(keep, with_kwargs=True) for b in block_list if b is not model]
-        if stack is not None:
-            handles.append(stack[-1].register_forward_hook(lambda m, a, out: tail.append(_first(out)[:, :p0].clone())))
-        try:
-            with torch.no_grad(), Engine(model, prefix).installed() if stack is not None else nullcontext():
-                corrupted_logits.append(logits_of(_call(model, corrupted, no_cache)))
-        finally:
-            for h in handles:
-                h.remove()
-        if stack is not None:
-            cut_cache = _cut_cache(cache, (T, p0))
-            if cut_cache is None or not _prefix_holds(rec, prefix, layers, cache, T, p0, B):
-                stack = None
-    cut = (T, p0) if stack is not None else None
-    if cut is not None:  # the corrupted run again through the skip, nothing patched: it must give its logits
-        grower = _FromCache(B, {id(stack[0]): 1}, cut_cache, cut)
-        again = _forward(model, corrupted, no_cache, _ScanHandler(what, rec, B, None, prefix.data, cut), grower,
-                         [b for b in block_list if b is not model], stack[-1], tail, B)
-        if again.shape != corrupted_logits[0].shape or not torch.allclose(
-                again, corrupted_logits[0], rtol=1e-5, atol=1e-5 * (1 + float(corrupted_logits[0].abs().max()))):
-            cut = None  # a block input the cut does not read right: the full positions run
-    # chunks of at most per_run variants, never mixing layers that join at the model's input
+    return sorted(((lay.index, h) for lay in layers for h in range(_n_heads(lay, what))), key=lambda v: (v[1], v[0]))
+
+
+def _chunks(variants: list[tuple[int, int]], per_run: int, last_stack: set[int]) -> list[list[tuple[int, int]]]:
+    """Chunks of at most per_run variants, never mixing layers that join at the model's input."""
     chunks: list[list[tuple[int, int]]] = []
     for v in variants:
         if chunks and len(chunks[-1]) < per_run and (chunks[-1][0][0] in last_stack) == (v[0] in last_stack):
             chunks[-1].append(v)
         else:
             chunks.append([v])
-    out = torch.full((len(layers), max(n_heads)), math.nan)
-    for chunk in chunks:
-        cached = chunk[0][0] in last_stack
-        handler = _ScanHandler(what, rec, B, pos, prefix.data if cut else None, cut)
+    return chunks
+
+
+class _Scan:
+    """What one patch_scan call holds: the model's blocks, the corrupted run's cached block
+    inputs and, with the prefix skip, its prefix. Made per call (two threads may scan one
+    model at once: the hooks act only in their own thread)."""
+
+    def __init__(self, model, corrupted, rec: Recording, what: str, B: int):
+        self.model, self.corrupted, self.rec, self.what, self.B = model, corrupted, rec, what, B
+        self.layers = rec.layers
+        parents = parents_of(model)
+        self.parents = parents
+        self.blocks = _blocks(model, self.layers, parents)  # layer -> where its variants join
+        self.block_list = list({id(b): b for b in self.blocks.values()}.values())
+        self.inner = [b for b in self.block_list if b is not model]
+        self.last_stack = {i for i, b in self.blocks.items() if b is not model}
+        self.no_cache = _takes_use_cache(model)
+        self.cache: dict[int, tuple] = {}  # id(block) -> the corrupted run's (args, kwargs) there
+        self.logits: Tensor | None = None  # the corrupted run's
+        # the prefix skip: the stack of blocks, the cut (T, p), the cache on [p, T), the
+        # corrupted run's keys/values/z and last block's output on [0, p)
+        self.stack: nn.ModuleList | None = None
+        self.cut: tuple[int, int] | None = None
+        self.cut_cache: dict[int, tuple] | None = None
+        self.prefix = _Prefix(0)
+        self.tail: list = []
+
+    def run_corrupted(self, p: int) -> None:
+        """The corrupted run once, keeping what each block of the last stack is handed (and,
+        when `self.stack` is set, the prefix [0, p) of every layer and of the last block)."""
+        if not self.last_stack:
+            return
+        cache, tail = self.cache, self.tail
+        self.prefix = _Prefix(p)
+
+        def keep(block, args, kwargs):
+            cache[id(block)] = (args, {k: v for k, v in kwargs.items() if k not in (KEYWORD, WEIGHTS_KEYWORD)})
+        hooks = Hooks()
+        try:
+            for b in self.inner:
+                hooks.pre(b, keep, with_kwargs=True)
+            if self.stack is not None:
+                hooks.post(self.stack[-1], lambda m, a, out: tail.append(_first(out)[:, :p].clone()))
+            recorder = Engine(self.model, self.prefix).installed() if self.stack is not None else nullcontext()
+            with torch.no_grad(), recorder:
+                self.logits = logits_of(_call(self.model, self.corrupted, self.no_cache))
+        finally:
+            hooks.remove()
+
+    def decide_prefix(self, p: int, T: int) -> str:
+        """After the corrupted run: take the skip (set `cut`, return "") or say why not."""
+        cut_cache, why = _cut_cache(self.cache, (T, p))
+        if cut_cache is None:
+            return why
+        why = _prefix_mismatch(self.rec, self.prefix, self.layers, self.cache, T, p, self.B)
+        if why:
+            return why
+        self.cut, self.cut_cache = (T, p), cut_cache
+        why = self.self_check()
+        if why:
+            self.cut = self.cut_cache = None
+        return why
+
+    def self_check(self) -> str:
+        """The corrupted run again through the skip, nothing patched: it must give its own logits."""
+        B, want = self.B, self.logits
+        grower = _FromCache(B, {id(self.stack[0]): 1}, self.cut_cache, self.cut)
+        handler = _ScanHandler(self.what, self.rec, B, None, self.prefix.data, self.cut)
+        again = _forward(self.model, self.corrupted, self.no_cache, handler, grower, self.inner, self.stack[-1],
+                         self.tail, B)
+        if again.shape != want.shape:
+            return f"the corrupted run through the skip gave logits of shape {tuple(again.shape)}, not its own"
+        if not torch.allclose(again, want, rtol=1e-5, atol=1e-5 * (1 + float(want.abs().max()))):
+            return (f"the corrupted run through the skip differs from its own logits by "
+                    f"{float((again - want).abs().max()):.2e}: a block input the cut does not read right")
+        return ""
+
+    def run_chunk(self, chunk: list[tuple[int, int]], pos: list[int] | None, metric, out: Tensor) -> None:
+        """One forward carrying the variants of `chunk`; their metrics go into `out`."""
+        B, cut = self.B, self.cut
+        cached = chunk[0][0] in self.last_stack
+        handler = _ScanHandler(self.what, self.rec, B, pos, self.prefix.data if cut else None, cut)
         per_block: dict[int, int] = {}
         first_row = 0 if cached else B
         start = first_row
         order: list[tuple[int, int]] = []
-        # rows are laid out block by block, in the order the blocks run
-        for blk in block_list:
-            mine = [(layer, h) for layer, h in chunk if blocks[layer] is blk]
+        for blk in self.block_list:  # rows are laid out block by block, in the order the blocks run
+            mine = [(layer, h) for layer, h in chunk if self.blocks[layer] is blk]
             if not mine:
                 continue
             per_block[id(blk)] = len(mine)
@@ -567,15 +659,90 @@ def patch_scan(model, clean, corrupted, metric: Callable[[Tensor], Tensor], what
                 handler.rows[layer] = (first_row, hs)
                 order += [(layer, h) for h in hs]
                 first_row += len(hs) * B
-        grower = _FromCache(B, per_block, cut_cache if cut else cache, cut) if cached else _Grower(B, per_block)
-        hooked = [b for b in block_list if b is not model] if cached else block_list
-        logits = _forward(model, corrupted, no_cache, handler, grower, hooked, stack[-1] if cut else None, tail, B)
+        if cached:
+            grower = _FromCache(B, per_block, self.cut_cache if cut else self.cache, cut)
+        else:
+            grower = _Grower(B, per_block)
+        hooked = self.inner if cached else self.block_list
+        logits = _forward(self.model, self.corrupted, self.no_cache, handler, grower, hooked,
+                          self.stack[-1] if cut else None, self.tail, B)
         if logits.shape[0] != first_row:
             raise RuntimeError(f"the scan's batch did not come out whole ({logits.shape[0]} rows, expected "
-                               f"{first_row}): {type(model).__name__} reshapes its batch between blocks")
+                               f"{first_row}): {type(self.model).__name__} reshapes its batch between blocks")
         for i, (layer, h) in enumerate(order):
             r = slice(start + i * B, start + (i + 1) * B)
             out[layer, h] = _scalar(metric(logits[r]), f"for layer {layer} head {h}")
+
+
+def _static_refusal(model, clean, corrupted, what: str) -> tuple[int, int, str]:
+    """(p, T, why not) of the prefix skip before any forward; "" when it may be tried."""
+    p, T = _shared_prefix(clean, corrupted)
+    if not _SKIP_PREFIX:
+        return p, T, "the prefix skip is turned off"
+    if T == 0:
+        return p, T, "the inputs' positions cannot be read off them (no (B, T) tensors of one length)"
+    if p == 0:
+        return p, T, "clean and corrupted differ at position 0: no shared prefix"
+    if p == T:
+        return p, T, "clean and corrupted are equal"
+    if not is_hf(model):
+        return p, T, "not a transformers model (the skip reads transformers' block inputs)"
+    if what == "latent":
+        return p, T, "what='latent' (MLA modules run every position)"
+    return p, T, ""
+
+
+def patch_scan(model, clean, corrupted, metric: Callable[[Tensor], Tensor], what: str = "z", positions=None, *,
+               variants_per_run: int | None = None, info: dict | None = None) -> Tensor:
+    """The metric of the corrupted run with each head patched from the clean run, one at a time.
+
+    Args:
+        model: a transformers model on attn_implementation="multihead", or a module built
+            from multihead's Attention/LatentAttention.
+        clean, corrupted: inputs of the same shape (a tensor of input_ids or a mapping of
+            keyword arguments; no labels, use_cache or past_key_values).
+        metric: logits of one run (the output's `.logits`, or the output when it is a
+            tensor; `(B, ...)` of that run's B rows) -> a scalar tensor (or a number).
+        what: "z" (heads' outputs), "k", "v" (per KV head: MQA/GQA scan Hkv heads; MLA
+            modules per head through the up-projection), "pattern" (z = clean pattern @
+            this run's values) or, for MLA modules, "latent" (the shared latent, one column).
+        positions: None for all, or the positions to patch (each must exist in every layer).
+        variants_per_run: how many patched copies of the batch one forward carries
+            (default: 16 // B, at least 1).
+        info: a dict to fill with how the scan ran (the table is the same either way):
+            `{"prefix": p, "skipped": bool, "reason": str}`: p the positions clean and
+            corrupted share at the start, `skipped` whether the variants ran on [p, T) only
+            (the prefix skip, module docstring), `reason` why it was declined ("" when taken).
+
+    Returns `(layers, heads)` float32 (NaN where a layer has fewer heads than the widest).
+    Equal to TransformerLens' `get_act_patch_attn_head_out_all_pos` (and its k/v/pattern
+    siblings) on the same weights.
+    """
+    pos, B, per_run = _check_scan(model, clean, corrupted, metric, what, positions, variants_per_run)
+    if info is not None and not isinstance(info, dict):
+        raise TypeError(f"info must be None or a dict to fill; received {type(info).__name__}")
+    p0, T, why = _static_refusal(model, clean, corrupted, what)
+    if pos is not None and T and any(not -T <= q < T for q in pos):
+        raise ValueError(f"positions must lie in [-{T}, {T}) for inputs of {T} positions; received {positions!r}")
+    rec = record(model, clean, what=(what, "z") if not why and what != "z" else (what,))
+    _check_positions_fit(pos, positions, rec, what)
+    if what == "latent" and not any(lay.kind == "latent" for lay in rec.layers):
+        raise ValueError("what='latent' patches MLA latents (multihead LatentAttention, or a DeepSeek model after "
+                         "multihead.interop.hf.patch); this model has none")
+    scan = _Scan(model, corrupted, rec, what, B)
+    if not why:
+        scan.stack, why = _causal_stack(model, scan.layers, scan.blocks, scan.parents)
+    scan.run_corrupted(p0 if scan.stack is not None else 0)
+    if scan.logits is not None:
+        _scalar(metric(scan.logits), "on the corrupted run")  # a metric that cannot work fails before the scan
+    if scan.stack is not None:
+        why = scan.decide_prefix(p0, T)
+    if info is not None:
+        info.update(prefix=p0, skipped=scan.cut is not None, reason=why)
+    n_heads = [_n_heads(lay, what) for lay in scan.layers]
+    out = torch.full((len(scan.layers), max(n_heads)), math.nan)
+    for chunk in _chunks(_variant_order(scan.layers, what), per_run, scan.last_stack):
+        scan.run_chunk(chunk, pos, metric, out)
     return out
 
 
@@ -614,11 +781,19 @@ def attribution_scan(model, clean, corrupted, metric: Callable[[Tensor], Tensor]
     """
     check_model(model)
     check_what(what, ("z", "k", "v"))
+    if not callable(metric):
+        raise TypeError(f"metric must be callable(logits) -> scalar tensor; received {type(metric).__name__}")
+    check_grad_mode("attribution_scan")
+    _check_pair(clean, corrupted)
     rec = record(model, clean, what=(what,))
     handler = _Attribution(what)
     with Engine(model, handler).installed(), torch.enable_grad():
         m = metric(logits_of(_call(model, corrupted, _takes_use_cache(model))))
         base = _scalar(m, "on the corrupted run")
+        if not isinstance(m, Tensor) or not m.requires_grad:
+            raise TypeError(f"metric must return a scalar tensor computed from the logits (attribution "
+                            f"differentiates it); received {type(m).__name__}"
+                            + ("" if not isinstance(m, Tensor) else " without a gradient"))
         leaves = [handler.leaves[lay.index] for lay in rec.layers]
         grads = torch.autograd.grad(m, leaves, allow_unused=True)
     n = [leaf.shape[2] for leaf in leaves]
