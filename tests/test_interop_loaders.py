@@ -109,6 +109,8 @@ def test_fresh_gives_a_copy_and_the_session_model_stays(tmp_path, fresh_session)
     with torch.no_grad():
         assert torch.equal(shared.model(input_ids=ids).logits, before)
     assert load_model(shared, fresh=True) is not shared
+    pair = (own.model, own.tokenizer)
+    assert load_model(pair, fresh=True).model is not own.model and load_model(pair).model is own.model
     with pytest.raises(TypeError, match="fresh must be True or False; received str"):
         load_model(str(tmp_path), fresh="yes")
 

@@ -190,13 +190,13 @@ def load_model(spec=MINILM, *, fresh: bool = False) -> LoadedModel:
     when one is loaded (`LoadedModel.copy()`), else a new load that is not kept; a given
     LoadedModel or (model, tokenizer) pair is copied too.
     """
+    if not isinstance(fresh, bool):
+        raise TypeError(f"fresh must be True or False; received {type(fresh).__name__}")
     if isinstance(spec, LoadedModel):
         return spec.copy() if fresh else spec
     if isinstance(spec, tuple) and len(spec) == 2:
         model, tokenizer = spec
         return _hf_model(copy.deepcopy(model) if fresh else model, tokenizer)
-    if not isinstance(fresh, bool):
-        raise TypeError(f"fresh must be True or False; received {type(fresh).__name__}")
     key, path, name, config = resolve_model(spec)
     if key in _LOADED:
         return _LOADED[key].copy() if fresh else _LOADED[key]
