@@ -28,7 +28,12 @@ on multihead's function, whose attention modules say `is_causal`, whose block in
 are all of a known kind (hidden states, 4-D masks, position ids / embeddings / cache
 positions), and whose two runs are checked equal (every layer's z, to float rounding)
 on the prefix; otherwise the full positions run. An IOI-style pair (one token changed
-in the middle) halves the work above each patched layer.
+in the middle) halves the work above each patched layer. The decision and its reason
+come back through `patch_scan(..., info={})`: the keyword names the skip knows are in
+`_cut`, the model checks in `_causal_stack`, the run checks in `_Scan.decide_prefix`.
+
+Each call holds its own state (`_Scan`) and its hooks act only in its own thread, so two
+threads may scan one model at once.
 """
 
 from __future__ import annotations
