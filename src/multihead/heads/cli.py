@@ -1,16 +1,22 @@
 """Which heads a model needs: activation patching, importance and pruning of its heads.
 
-scan: patch each head from a clean text into a corrupted one (activation patching) and
-print the logit difference of --answer over --wrong at the last token, per layer x head.
-importance: Michel et al. (2019) head importance on a task (the bundled MiniLM and other
-encoders: verse-half retrieval on the bundled King James Bible, a contrastive loss;
-causal models: next-token loss), and with --prune-curve the task's score as heads are
-removed 10% at a time, least important first. prune: remove heads and save the model
-(where its format can hold fewer heads). See docs/heads.md.
+scan: patch each head from a clean run into a corrupted one (activation patching), on a
+task (--task ioi: Wang et al.'s indirect-object pairs; --task induction: repeated random
+tokens) or on one pair of texts (--clean/--corrupted/--answer/--wrong), print the metric
+per layer x head, and check the ranking causally: the metric with the top 4 and 8 heads
+mean-ablated against as many random heads. induction: the induction heads of a decoder
+(Olsson et al., 2022): every head's induction score, the loss on the repeated half with
+the top heads ablated, and the earlier heads that feed them. importance: Michel et al.
+(2019) head importance on a task (encoders such as the bundled MiniLM: verse-half
+retrieval on the bundled King James Bible; causal models: next-token loss), and with
+--prune-curve the task's score as heads are removed 10% at a time. prune: remove heads
+and save a copy of the model (where its format can hold fewer heads). See docs/heads.md.
 
 examples:
+  multihead heads scan --task ioi --n 8
   multihead heads scan --clean "When Mary and John went to the store, John gave a drink to" \\
       --corrupted "When Mary and John went to the store, Mary gave a drink to" --answer Mary --wrong John
+  multihead heads induction --png induction.png
   multihead heads importance --prune-curve --png curve.png
   multihead heads prune --model path/to/llama --remove 0.1,0.5,1.1,1.5 --out pruned/
 """
@@ -19,6 +25,11 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import random
+import statistics
+import time
+from collections.abc import Mapping
 from pathlib import Path
 
 from multihead._files import output_file
@@ -27,28 +38,59 @@ from multihead.errors import UsageError
 TOP = 10
 HELD_OUT = 256  # verses the task's score is measured on (not the ones importance is computed on)
 STRIDE = 37  # every 37th verse: 320 verses spread over the KJV's 30,687 of 8+ words
+CHECK_KS = (4, 8)  # the causal check ablates the top k heads of a ranking ...
+CHECK_SEEDS = 5  # ... against k random heads, the median of this many draws
+N_PAIRS = 8  # --task ioi / induction: pairs or sequences (a scan's cost grows with them)
+LENGTH = 50  # --task induction: tokens per half (Olsson et al.'s sequences are longer; 50 shows the heads)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.formatter_class = argparse.RawDescriptionHelpFormatter
-    sub = parser.add_subparsers(dest="heads_command", metavar="{scan,importance,prune}")
+    sub = parser.add_subparsers(dest="heads_command", metavar="{scan,induction,importance,prune}")
     sub.required = True
-    model_help = ("minilm (the bundled sentence-transformers/all-MiniLM-L6-v2; default), a local Hugging Face "
-                  "model folder, or a `multihead lab` checkpoint folder")
+    model_help = ("minilm (the bundled sentence-transformers/all-MiniLM-L6-v2, an encoder; default), smollm2 (the "
+                  "bundled SmolLM2-135M-Instruct, a decoder LM), a .gguf file, a local Hugging Face model folder, "
+                  "or a `multihead lab` checkpoint folder")
+    lm_help = ("a decoder language model: smollm2 (the bundled SmolLM2-135M-Instruct; default), a .gguf file, a "
+               "local Hugging Face causal LM folder, or a `multihead lab` checkpoint folder")
 
-    s = sub.add_parser("scan", help="activation patching of every head (logit difference table)",
+    s = sub.add_parser("scan", help="activation patching of every head, with a causal check of the ranking",
                        description="Patch each head from the clean run into the corrupted one, one at a time, and "
-                                   "print the logit difference answer - wrong at the last token.")
-    s.add_argument("--clean", required=True, help="the clean text")
-    s.add_argument("--corrupted", required=True, help="the corrupted text (the same number of tokens)")
-    s.add_argument("--answer", required=True, help="the token the clean text should predict (one token)")
-    s.add_argument("--wrong", required=True, help="the token the corrupted text points to (one token)")
-    s.add_argument("--model", default="minilm", help=model_help)
+                                   "print the metric (IOI and one pair: logit(answer) - logit(wrong) at the last "
+                                   "token; induction: the loss on the repeated half); then ablate the top 4 and 8 "
+                                   "heads against as many random heads.")
+    s.add_argument("--task", choices=["ioi", "induction"],
+                   help="ioi: indirect-object pairs of Wang et al. (2022), metric logit(IO) - logit(S); induction: "
+                        "repeated random tokens, metric the loss on the repeated half. Without it, --clean, "
+                        "--corrupted, --answer and --wrong give one pair")
+    s.add_argument("--n", type=int, default=N_PAIRS, help=f"--task: pairs or sequences (default {N_PAIRS})")
+    s.add_argument("--length", type=int, default=LENGTH,
+                   help=f"--task induction: random tokens per half (default {LENGTH})")
+    s.add_argument("--seed", type=int, default=0, help="--task: the draw of prompts or tokens (default 0)")
+    s.add_argument("--clean", help="the clean text (one pair)")
+    s.add_argument("--corrupted", help="the corrupted text (one pair; the same number of tokens)")
+    s.add_argument("--answer", help="the token the clean text should predict next, e.g. Mary (one token: after a "
+                                    "word, the space-led piece ' Mary')")
+    s.add_argument("--wrong", help="the token the corrupted text points to (one token, read as --answer is)")
+    s.add_argument("--model", default="smollm2", help=lm_help)
     s.add_argument("--what", choices=["z", "k", "v", "pattern"], default="z",
                    help="what to patch: head outputs z (default), keys, values (per key/value head) or patterns")
     s.add_argument("--png", metavar="PATH", help="write a heat map of the table")
     s.add_argument("--html", metavar="PATH", help="write the table as a self-contained HTML heat map")
     s.add_argument("--json", action="store_true", help="print JSON instead of tables")
+
+    d = sub.add_parser("induction", help="the induction heads of a decoder, checked by ablation",
+                       description="Induction heads (Olsson et al., 2022) on random tokens repeated once: every "
+                                   "head's induction score (attention from a repeated token to the token after "
+                                   "its first occurrence), the loss on the repeated half with the top 4 and 8 "
+                                   "heads ablated against as many random heads, and the heads of earlier layers "
+                                   "whose ablation most raises it (the previous-token heads that feed them).")
+    d.add_argument("--model", default="smollm2", help=lm_help)
+    d.add_argument("--n", type=int, default=N_PAIRS, help=f"sequences (default {N_PAIRS})")
+    d.add_argument("--length", type=int, default=LENGTH, help=f"random tokens per half (default {LENGTH})")
+    d.add_argument("--seed", type=int, default=0, help="the draw of tokens (default 0)")
+    d.add_argument("--png", metavar="PATH", help="write the induction and previous-token scores as heat maps")
+    d.add_argument("--json", action="store_true", help="print JSON instead of tables")
 
     i = sub.add_parser("importance", help="Michel et al. (2019) head importance, and the pruning curve",
                        description="Head importance |dloss/dxi| summed over batches (Michel et al. 2019), "
@@ -64,12 +106,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     i.add_argument("--json", action="store_true", help="print JSON instead of tables")
 
     p = sub.add_parser("prune", help="remove heads and save the model",
-                       description="Remove heads physically and save_pretrained the result (transformers models "
-                                   "whose config carries head_dim, with the same head count left in every layer).")
+                       description="Remove heads physically from a copy of the model and save_pretrained it "
+                                   "(transformers models whose config carries head_dim, with the same head count "
+                                   "left in every layer). The model's own folder is never written; --out must be "
+                                   "new or empty unless --force.")
     p.add_argument("--model", default="minilm", help=model_help)
     p.add_argument("--remove", required=True, metavar="LIST",
                    help="heads to remove as layer.head, comma-separated, e.g. 0.1,0.5,1.1,1.5")
-    p.add_argument("--out", required=True, metavar="DIR", help="folder to save the pruned model in")
+    p.add_argument("--out", required=True, metavar="DIR", help="a new (or empty) folder to save the pruned model in")
+    p.add_argument("--force", action="store_true",
+                   help="replace --out when it already holds files (never the model's own folder)")
 
 
 def _pairs(value: str) -> list[tuple[int, int]]:
@@ -86,37 +132,98 @@ def _pairs(value: str) -> list[tuple[int, int]]:
     return out
 
 
-def _load(spec: str):
+def _load(spec: str, fresh: bool = False):
     from multihead.interop.loaders import load_model  # it sets the hub offline for the load only
 
-    loaded = load_model(spec)
+    loaded = load_model(spec, fresh=fresh)
     model = loaded.model
     if hasattr(loaded, "tokenizer"):
         return loaded, model, "hf"
     return loaded, model, "lab"
 
 
-def _encode(loaded, kind: str, text: str):
+def _language_model(spec: str, command: str):
+    """A loaded decoder LM, or a one-line refusal that says why and what to use instead."""
+    loaded, model, kind = _load(spec)
+    if kind == "hf" and not loaded.is_causal_lm:
+        name = getattr(loaded, "name", spec)
+        why = ("has no language-model head" if not loaded.has_lm_head else
+               "is an encoder-decoder" if loaded.encoder_decoder else "is a bidirectional encoder")
+        raise UsageError(f"heads {command} reads next-token logits, and --model {name} ({type(model).__name__}) "
+                         f"{why}, so there are none to read; use a decoder LM (--model smollm2, the default), or "
+                         "`multihead heads importance`, whose verse-half retrieval task is made for encoders")
+    return loaded, model, kind
+
+
+def _logits(out):
+    """The model's own logits (a lab model returns them; a transformers LM has `.logits`)."""
     import torch
 
-    if kind == "hf":
-        return loaded.tokenizer(text, return_tensors="pt")
-    return torch.tensor([loaded.encode(text)])
+    if isinstance(out, torch.Tensor):
+        return out
+    lg = getattr(out, "logits", None)
+    if not isinstance(lg, torch.Tensor):
+        raise UsageError(f"the model's output ({type(out).__name__}) holds no logits; heads scan reads a language "
+                         "model's own logits (use --model smollm2)")
+    return lg
 
 
-def _one_token(loaded, kind: str, flag: str, token: str) -> int:
+def _run(model, inputs):
+    import torch
+
+    with torch.no_grad():  # a tokenizer's BatchEncoding is a Mapping, not a dict
+        return _logits(model(**inputs) if isinstance(inputs, Mapping) else model(inputs))
+
+
+def _encode(loaded, kind: str, flag: str, text: str):
+    import torch
+
+    if not text.strip():
+        raise UsageError(f"{flag} is empty; give a text")
     if kind == "hf":
-        tok = loaded.tokenizer
-        for form in (token, " " + token, token.lower()):
-            ids = tok(form, add_special_tokens=False)["input_ids"]
-            if len(ids) == 1:
-                return ids[0]
-        raise UsageError(f"{flag} {token!r} is {len(tok(token, add_special_tokens=False)['input_ids'])} tokens for "
-                         "this model's tokenizer; give one token")
-    ids = loaded.encode(token)
-    if len(ids) != 1:
-        raise UsageError(f"{flag} {token!r} is {len(ids)} tokens for this model; give one token")
-    return ids[0]
+        enc = loaded.tokenizer(text, return_tensors="pt")
+        n = enc["input_ids"].shape[1]
+    else:
+        enc = torch.tensor([loaded.encode(text)])
+        n = enc.shape[1]
+    if n == 0:
+        raise UsageError(f"{flag} {text!r} is no tokens for this model's tokenizer; give a text")
+    limit = getattr(loaded, "max_positions", None)
+    if limit and n > limit:
+        raise UsageError(f"{flag} is {n} tokens and this model takes at most {limit} positions; give a shorter text")
+    return enc
+
+
+def _ids(loaded, kind: str, text: str) -> list[int]:
+    if kind == "hf":
+        return list(loaded.tokenizer(text, add_special_tokens=False)["input_ids"])
+    return list(loaded.encode(text))
+
+
+def next_token(loaded, kind: str, flag: str, text: str, token: str) -> tuple[int, str]:
+    """The id and piece of `token` as the model would write it right after `text`: after a
+    text that ends in a letter or digit, a BPE tokenizer's space-led piece (" Mary", not
+    "Mary", which is another token). UsageError unless that is exactly one known token."""
+    if not token.strip():
+        raise UsageError(f"{flag} is empty; give the token the text should continue with, e.g. {flag} Mary")
+    if kind != "hf":
+        ids = loaded.encode(token)
+        if len(ids) != 1:
+            raise UsageError(f"{flag} {token!r} is {len(ids)} tokens for this model; give one token")
+        return ids[0], token
+    tok = loaded.tokenizer
+    piece = " " + token if text[-1:].isalnum() and not token[:1].isspace() else token
+    base, full = _ids(loaded, kind, text), _ids(loaded, kind, text + piece)
+    new = full[len(base):] if full[:len(base)] == base else _ids(loaded, kind, piece)
+    pieces = tok.convert_ids_to_tokens(new)
+    if len(new) != 1:
+        raise UsageError(f"{flag} {token!r} is {len(new)} tokens after the text ({piece!r} -> {pieces}) for this "
+                         "model's tokenizer; give one token")
+    unk = getattr(tok, "unk_token_id", None)
+    if unk is not None and new[0] == unk and token.strip() != getattr(tok, "unk_token", None):
+        raise UsageError(f"{flag} {token!r} is not in this model's vocabulary (it would be read as "
+                         f"{tok.unk_token}); give a token it has")
+    return new[0], pieces[0]
 
 
 def _last_real(loaded, kind: str, inputs) -> int:
@@ -129,45 +236,277 @@ def _last_real(loaded, kind: str, inputs) -> int:
     return real[-1] if real else len(ids) - 1
 
 
+def _first_difference(loaded, kind: str, a: list[int], b: list[int]) -> str:
+    k = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+    if kind != "hf":
+        return f"they part at token {k}"
+    show = loaded.tokenizer.convert_ids_to_tokens
+    if k == min(len(a), len(b)):
+        longer = "--clean" if len(a) > len(b) else "--corrupted"
+        return f"{longer} goes on after token {k - 1} with {show((a if len(a) > len(b) else b)[k:k + 3])}"
+    return f"they part at token {k}: {show(a[k:k + 1])} vs {show(b[k:k + 1])}"
+
+
+def _check_count(flag: str, value: int, low: int) -> None:
+    if value < low:
+        raise UsageError(f"{flag} must be >= {low}; received {value}")
+
+
+def _one_pair(loaded, model, kind: str, args):
+    """(clean, corrupted, reference, metric, description) of --clean/--corrupted/--answer/--wrong."""
+    missing = [f"--{k}" for k in ("clean", "corrupted", "answer", "wrong") if getattr(args, k) is None]
+    if missing:
+        raise UsageError(f"heads scan needs --task ioi|induction, or one pair: --clean, --corrupted, --answer and "
+                         f"--wrong (missing: {', '.join(missing)})")
+    clean = _encode(loaded, kind, "--clean", args.clean)
+    corrupted = _encode(loaded, kind, "--corrupted", args.corrupted)
+    ids_a = (clean["input_ids"] if kind == "hf" else clean)[0].tolist()
+    ids_b = (corrupted["input_ids"] if kind == "hf" else corrupted)[0].tolist()
+    if len(ids_a) != len(ids_b):
+        raise UsageError(f"--clean is {len(ids_a)} tokens and --corrupted {len(ids_b)} tokens; patching needs the "
+                         f"same number of tokens ({_first_difference(loaded, kind, ids_a, ids_b)}; change words for "
+                         "words of as many tokens)")
+    ans, ans_piece = next_token(loaded, kind, "--answer", args.clean, args.answer)
+    wrong, wrong_piece = next_token(loaded, kind, "--wrong", args.clean, args.wrong)
+    if ans == wrong:
+        raise UsageError(f"--answer {args.answer!r} and --wrong {args.wrong!r} are the same token "
+                         f"({ans_piece!r}); the metric would be 0")
+    pos = _last_real(loaded, kind, clean)
+
+    def metric(x):
+        return (x[:, pos, ans] - x[:, pos, wrong]).mean()
+    info = {"task": None, "answer": args.answer, "wrong": args.wrong, "answer_token": ans_piece,
+            "wrong_token": wrong_piece, "position": pos,
+            "metric": f"logit({ans_piece!r}) - logit({wrong_piece!r}) at token {pos}",
+            "reference": "the corrupted text (its mean over positions)"}
+    return clean, corrupted, corrupted, metric, info
+
+
+def _task_inputs(loaded, model, kind: str, args):
+    """(clean, corrupted, reference, metric, description) of --task."""
+    from multihead.heads import tasks
+
+    _check_count("--n", args.n, 1)
+    limit = getattr(loaded, "max_positions", None)
+    if args.task == "ioi":
+        if kind != "hf":
+            raise UsageError("--task ioi needs a model with a word-level tokenizer (a Hugging Face LM such as "
+                             "--model smollm2); a lab model's vocabulary has no names")
+        try:
+            task = tasks.ioi(args.n, seed=args.seed, tokenizer=loaded.tokenizer)
+        except ValueError as err:
+            raise UsageError(f"--task ioi on this model: {err}") from None
+        info = {"task": "ioi", "n": len(task), "answer": "IO", "wrong": "S", "position": task.position.tolist(),
+                "metric": "logit(IO) - logit(S) at the last token, mean over pairs",
+                "reference": "ABC prompts (the same templates with three different names)",
+                "prompts": [{"clean": a, "corrupted": b, "order": o}
+                            for a, b, o in zip(task.texts, task.corrupted_texts, task.orders)]}
+        if limit and task.clean["input_ids"].shape[1] > limit:
+            raise UsageError(f"the IOI prompts are {task.clean['input_ids'].shape[1]} tokens and this model takes "
+                             f"at most {limit} positions")
+        return task.clean, task.corrupted, task.reference, task.metric, info
+    _check_count("--length", args.length, 2)
+    if limit and 2 * args.length > limit:
+        raise UsageError(f"--length {args.length} makes sequences of {2 * args.length} tokens and this model takes "
+                         f"at most {limit} positions; give --length <= {limit // 2}")
+    task = tasks.induction(args.n, args.length, seed=args.seed,
+                           vocab=loaded.tokenizer if kind == "hf" else len(loaded.vocab))
+    info = {"task": "induction", "n": len(task), "length": args.length, "answer": None, "wrong": None,
+            "position": None, "metric": f"loss (nats) on the repeated half of {args.length} + {args.length} "
+                                        "random tokens (lower is better)",
+            "reference": "fresh random tokens (no repeat)"}
+    return task.clean, task.corrupted, task.reference, task.metric, info
+
+
+def causal_check(model, inputs, metric, ranked: list[tuple[int, int]], candidates: list[tuple[int, int]],
+                 reference, how: str = "mean", ks=CHECK_KS, seeds: int = CHECK_SEEDS) -> dict:
+    """Does a ranking mean anything? The metric on `inputs` with the top k heads of `ranked`
+    ablated, against k heads drawn at random from the other `candidates` (the median of
+    `seeds` draws), for each k of `ks`. `how`: "mean" (each head's output replaced by its
+    mean over `reference`'s tokens) or "zero"."""
+    from multihead import heads
+
+    rec = heads.record(model, reference) if how == "mean" else None
+    kwargs = {"how": how, "reference": rec} if how == "mean" else {"how": "zero"}
+
+    def ablated(hs):
+        with heads.ablate(model, hs, **kwargs):
+            return float(metric(_run(model, inputs)))
+    rows = []
+    # at most half the heads, so the random ones are drawn from as many others
+    for k in sorted({min(k, len(ranked), len(candidates) // 2) for k in ks} - {0}):
+        top = ranked[:k]
+        others = [c for c in candidates if c not in top]
+        draws = [random.Random(seed).sample(others, min(k, len(others))) for seed in range(seeds)]
+        values = [ablated(hs) for hs in draws]
+        rows.append({"k": k, "heads": [list(h) for h in top], "ablated": ablated(top), "random": values,
+                     "random_median": statistics.median(values), "random_heads": [[list(h) for h in hs]
+                                                                               for hs in draws]})
+    return {"how": how, "metric_intact": float(metric(_run(model, inputs))), "by_k": rows}
+
+
 def _scan(args) -> dict:
     import torch
 
     from multihead import heads
 
-    loaded, model, kind = _load(args.model)
-    clean, corrupted = _encode(loaded, kind, args.clean), _encode(loaded, kind, args.corrupted)
-    n_clean = (clean["input_ids"] if kind == "hf" else clean).shape[1]
-    n_corr = (corrupted["input_ids"] if kind == "hf" else corrupted).shape[1]
-    if n_clean != n_corr:
-        raise UsageError(f"--clean is {n_clean} tokens and --corrupted {n_corr}; patching needs the same number "
-                         "of tokens (change words for words of one token each)")
-    ans, wrong = _one_token(loaded, kind, "--answer", args.answer), _one_token(loaded, kind, "--wrong", args.wrong)
-    pos = _last_real(loaded, kind, clean)
-    with torch.no_grad():
-        out = model(**clean) if kind == "hf" else model(clean)
-    if isinstance(out, torch.Tensor) or getattr(out, "logits", None) is not None:
-        def metric(x):
-            return (x[:, pos, ans] - x[:, pos, wrong]).mean()
-    else:  # a base model: last hidden states read out through the tied input embeddings
-        direction = (model.get_input_embeddings().weight[ans] - model.get_input_embeddings().weight[wrong]).detach()
-
-        def metric(x):
-            return (x[:, pos] @ direction).mean()
-    from multihead.heads._engine import logits_of
-
-    with torch.no_grad():
-        m_clean = metric(logits_of(out)).item()
-        m_corr = metric(logits_of(model(**corrupted) if kind == "hf" else model(corrupted))).item()
+    if args.task is None and (args.n != N_PAIRS or args.length != LENGTH or args.seed != 0):
+        raise UsageError("--n, --length and --seed choose a --task's prompts; add --task ioi or --task induction")
+    if args.task is not None:
+        given = [f"--{k}" for k in ("clean", "corrupted", "answer", "wrong") if getattr(args, k) is not None]
+        if given:
+            raise UsageError(f"--task {args.task} makes its own prompts; drop {', '.join(given)} (or drop --task "
+                             "to scan one pair)")
+    loaded, model, kind = _language_model(args.model, "scan")
+    if args.task is None:
+        clean, corrupted, reference, metric, info = _one_pair(loaded, model, kind, args)
+    else:
+        clean, corrupted, reference, metric, info = _task_inputs(loaded, model, kind, args)
+    m_clean, m_corr = float(metric(_run(model, clean))), float(metric(_run(model, corrupted)))
+    t0 = time.perf_counter()
     table = heads.patch_scan(model, clean, corrupted, metric, what=args.what)
+    scan_s = time.perf_counter() - t0
     span = m_clean - m_corr
     cells = [(layer, h, table[layer, h].item()) for layer in range(table.shape[0]) for h in range(table.shape[1])
              if not torch.isnan(table[layer, h])]
-    cells.sort(key=lambda c: -abs(c[2] - m_corr))
+    by_size = sorted(cells, key=lambda c: -abs(c[2] - m_corr))
     top = [{"layer": layer, "head": h, "value": v, "recovered": (v - m_corr) / span if span else None}
-           for layer, h, v in cells[:TOP]]
-    return {"model": getattr(loaded, "name", args.model), "what": args.what, "answer": args.answer,
-            "wrong": args.wrong, "position": pos, "metric_clean": m_clean, "metric_corrupted": m_corr,
-            "table": [[None if torch.isnan(x) else round(x.item(), 6) for x in row] for row in table], "top": top}
+           for layer, h, v in by_size[:TOP]]
+    result = {"model": getattr(loaded, "name", args.model), "what": args.what, **info, "metric_clean": m_clean,
+              "metric_corrupted": m_corr,
+              "table": [[None if torch.isnan(x) else round(x.item(), 6) for x in row] for row in table], "top": top}
+    t0 = time.perf_counter()
+    if args.what == "z":  # the ranking's heads are query heads, the ones ablation knocks out
+        # ranked by how far patching the head moves the corrupted run towards the clean one
+        sign = 1.0 if span >= 0 else -1.0
+        ranked = [(layer, h) for layer, h, v in sorted(cells, key=lambda c: -sign * (c[2] - m_corr))]
+        check = causal_check(model, clean, metric, ranked, [(c[0], c[1]) for c in cells], reference)
+        check["ranking"] = "heads by how far patching them moves the corrupted metric towards the clean one"
+        check["reference"] = info["reference"]
+        check["on"] = "the clean inputs"
+        result["causal_check"] = check
+    result["seconds"] = {"scan": round(scan_s, 2), "causal_check": round(time.perf_counter() - t0, 2)}
+    return result
+
+
+def induction_study(args) -> dict:
+    """`heads induction`: induction and previous-token scores of every head on repeated
+    random tokens, the causal check of the induction ranking, and the earlier heads whose
+    ablation most raises the loss on the repeated half."""
+    import torch
+
+    from multihead import heads
+    from multihead.heads import tasks
+
+    _check_count("--n", args.n, 1)
+    _check_count("--length", args.length, 2)
+    loaded, model, kind = _language_model(args.model, "induction")
+    limit = getattr(loaded, "max_positions", None)
+    if limit and 2 * args.length > limit:
+        raise UsageError(f"--length {args.length} makes sequences of {2 * args.length} tokens and this model takes "
+                         f"at most {limit} positions; give --length <= {limit // 2}")
+    task = tasks.induction(args.n, args.length, seed=args.seed,
+                           vocab=loaded.tokenizer if kind == "hf" else len(loaded.vocab))
+    t0 = time.perf_counter()
+    rec = heads.record(model, task.clean, what=("pattern",))
+    L, off, T = task.length, task.offset, task.clean.shape[1]
+    query = torch.arange(L) + off + L  # every token of the repeated half ...
+    key = torch.arange(L) + off + 1  # ... and the token after its first occurrence
+    after = torch.arange(1, T)
+    induction, previous = [], []
+    for layer in range(rec.n_layers):
+        pattern = rec["pattern", layer]  # (N, H, T, S)
+        induction.append(pattern[:, :, query, key].mean((0, 2)).tolist())  # (H,)
+        previous.append(pattern[:, :, after, after - 1].mean((0, 2)).tolist())
+    del rec
+    score_s = time.perf_counter() - t0
+    logits = _run(model, task.clean)
+    loss_first, loss_repeated = float(task.first_half_loss(logits)), float(task.metric(logits))
+    loss_unrepeated = float(task.metric(_run(model, task.corrupted)))
+    cells = [(layer, h) for layer, row in enumerate(induction) for h in range(len(row))]
+    ranked = sorted(cells, key=lambda c: -induction[c[0]][c[1]])
+    t0 = time.perf_counter()
+    checks = {how: causal_check(model, task.clean, task.metric, ranked, cells, task.reference, how=how)
+              for how in ("zero", "mean")}
+    # the heads that feed the top induction heads sit in earlier layers: ablate each of those
+    # (mean over the reference) alone and see which raise the loss on the repeated half most
+    top = ranked[:max(CHECK_KS)]
+    deepest = max(layer for layer, _ in top)
+    earlier = [c for c in cells if c[0] < deepest and c not in top]
+    ref = heads.record(model, task.reference)
+    raised = []
+    for c in earlier:
+        with heads.ablate(model, [c], how="mean", reference=ref):
+            raised.append((float(task.metric(_run(model, task.clean))) - loss_repeated, c))
+    raised.sort(key=lambda x: -x[0])
+    feeders = [{"layer": c[0], "head": c[1], "loss_raised_by": d, "previous_token_score": previous[c[0]][c[1]],
+                "induction_score": induction[c[0]][c[1]]} for d, c in raised[:TOP]]
+    return {"model": getattr(loaded, "name", args.model), "n": args.n, "length": L, "seed": args.seed,
+            "bos": None, "tokens": "uniform over the tokenizer's ordinary tokens" if kind == "hf" else
+            "uniform over the vocabulary",
+            "loss_first_half": loss_first, "loss_repeated_half": loss_repeated,
+            "loss_repeated_half_after_other_tokens": loss_unrepeated,
+            "induction_score": [[round(x, 6) for x in row] for row in induction],
+            "previous_token_score": [[round(x, 6) for x in row] for row in previous],
+            "top": [{"layer": a, "head": b, "induction_score": induction[a][b],
+                     "previous_token_score": previous[a][b]} for a, b in ranked[:TOP]],
+            "ablation": checks, "feeders": {"among": f"the {len(earlier)} other heads of layers 0-{deepest - 1} "
+                                                    f"(below the deepest of the top {len(top)} induction heads), "
+                                                    "each mean-ablated alone",
+                                           "heads": feeders},
+            "seconds": {"scores": round(score_s, 2), "ablations": round(time.perf_counter() - t0, 2)}}
+
+
+def _print_induction(r: dict) -> None:
+    print(f"{r['model']}: induction heads on {r['n']} sequences of {r['length']} random tokens repeated once")
+    print(f"loss (nats): first half {r['loss_first_half']:.3f}, repeated half {r['loss_repeated_half']:.3f} "
+          f"(the same tokens after other random ones: {r['loss_repeated_half_after_other_tokens']:.3f})")
+    print("top induction heads (attention from a repeated token to the token after its first occurrence):")
+    for t in r["top"]:
+        print(f"  L{t['layer']}H{t['head']}: induction {t['induction_score']:.3f}, previous-token "
+              f"{t['previous_token_score']:.3f}")
+    for how, c in r["ablation"].items():
+        print(f"loss on the repeated half, top induction heads {how}-ablated:")
+        for row in c["by_k"]:
+            print(f"  top {row['k']}: {row['ablated']:.3f}; {row['k']} random heads: median "
+                  f"{row['random_median']:.3f} of {len(row['random'])} draws")
+    f = r["feeders"]
+    print(f"earlier heads whose ablation most raises that loss ({f['among']}):")
+    for t in f["heads"]:
+        print(f"  L{t['layer']}H{t['head']}: +{t['loss_raised_by']:.3f} nats (previous-token score "
+              f"{t['previous_token_score']:.3f})")
+
+
+def _induction_png(path: Path, r: dict) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg", force=False)
+    import numpy as np
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+    from matplotlib.patches import Rectangle
+
+    from multihead._files import atomic_path
+
+    fig = Figure(figsize=(9, 1.5 + 0.22 * len(r["induction_score"])))
+    FigureCanvasAgg(fig)
+    marks = {"induction_score": [(t["layer"], t["head"]) for t in r["top"][:max(CHECK_KS)]],
+             "previous_token_score": [(t["layer"], t["head"]) for t in r["feeders"]["heads"][:5]]}
+    for i, (key, title) in enumerate((("induction_score", "induction score"),
+                                      ("previous_token_score", "previous-token score"))):
+        ax = fig.add_subplot(1, 2, i + 1)
+        a = np.array(r[key], dtype=float)
+        im = ax.imshow(a, cmap="viridis", vmin=0, vmax=max(1e-6, float(a.max())), aspect="auto")
+        for layer, h in marks[key]:
+            ax.add_patch(Rectangle((h - 0.5, layer - 0.5), 1, 1, fill=False, ec="red", lw=1.2))
+        ax.set_xlabel("head")
+        ax.set_ylabel("layer")
+        ax.set_title(title + (" (red: top 8)" if i == 0 else " (red: top 5 feeders by ablation)"), fontsize=9)
+        fig.colorbar(im, ax=ax, fraction=0.05)
+    fig.suptitle(f"{r['model']}: {r['n']} x ({r['length']} random tokens, repeated); repeated-half loss "
+                 f"{r['loss_repeated_half']:.2f} vs first half {r['loss_first_half']:.2f} nats", fontsize=9)
+    with atomic_path(path) as tmp:
+        fig.savefig(tmp, format="png", dpi=100, bbox_inches="tight")
 
 
 def _heat_png(path: Path, table: list[list], title: str, center: float) -> None:
@@ -217,15 +556,18 @@ def _heat_html(path: Path, result: dict) -> None:
     head = "".join(f"<th>{h}</th>" for h in range(n))
     doc = (f"<!doctype html><meta charset=utf-8><title>multihead heads scan</title>"
            f"<style>td,th{{padding:3px 6px;font:12px monospace;text-align:right}}</style>"
-           f"<p>{escape(result['model'])}: patching {escape(result['what'])}, logit difference "
-           f"{escape(result['answer'])} - {escape(result['wrong'])}; clean {result['metric_clean']:.3f}, "
+           f"<p>{escape(result['model'])}: patching {escape(result['what'])}, metric "
+           f"{escape(result['metric'])}; clean {result['metric_clean']:.3f}, "
            f"corrupted {base:.3f}</p><table><tr><th>layer \\ head</th>{head}</tr>{''.join(rows)}</table>")
     write_text(path, doc)
 
 
 def _print_scan(r: dict) -> None:
-    print(f"{r['model']}: patching {r['what']} from clean into corrupted; metric = logit({r['answer']}) - "
-          f"logit({r['wrong']}) at token {r['position']}")
+    if r.get("task"):
+        print(f"{r['model']}: patching {r['what']} from clean into corrupted, --task {r['task']} ({r['n']} "
+              f"{'pairs' if r['task'] == 'ioi' else 'sequences'}); metric = {r['metric']}")
+    else:
+        print(f"{r['model']}: patching {r['what']} from clean into corrupted; metric = {r['metric']}")
     print(f"clean {r['metric_clean']:.4f}, corrupted {r['metric_corrupted']:.4f}")
     n = max(len(row) for row in r["table"])
     print("layer " + "".join(f"{h:>9}" for h in range(n)))
@@ -235,6 +577,15 @@ def _print_scan(r: dict) -> None:
     for t in r["top"]:
         rec = "" if t["recovered"] is None else f" ({100 * t['recovered']:.0f}% of clean - corrupted)"
         print(f"  L{t['layer']}H{t['head']}: {t['value']:.4f}{rec}")
+    c = r.get("causal_check")
+    if c:
+        print(f"causal check: {c['how']} ablation (reference: {c['reference']}) on the clean inputs, metric "
+              f"{c['metric_intact']:.4f} intact")
+        for row in c["by_k"]:
+            names = " ".join(f"L{a}H{b}" for a, b in row["heads"])
+            print(f"  top {row['k']} ({names}): {row['ablated']:.4f}; {row['k']} random heads: median "
+                  f"{row['random_median']:.4f} of {len(row['random'])} draws "
+                  f"({', '.join(f'{v:.3f}' for v in row['random'])})")
 
 
 def _task(loaded, model, kind: str, args):
@@ -357,20 +708,76 @@ def _print_importance(r: dict) -> None:
             print(f"{100 * c['removed_fraction']:>6.0f}%  {c['score']:.4f}")
 
 
+def _prune_target(args) -> tuple[Path, Path]:
+    """(--out resolved, the model's own folder), refused before any load when --out is the
+    model's folder, inside it or above it, a file, or a folder that holds files (without --force)."""
+    from multihead.interop.loaders import resolve_model
+
+    out = Path(os.path.realpath(Path(args.out).expanduser()))
+    _, source, _, _ = resolve_model(args.model)
+    source = Path(os.path.realpath(source))
+    source_dir = source.parent if source.is_file() else source
+    if out == source_dir or source_dir in out.parents:
+        raise UsageError(f"--out {args.out!r} is inside the model's own folder {str(source_dir)!r}; prune never "
+                         "writes there: give another folder")
+    if out in source_dir.parents:
+        raise UsageError(f"--out {args.out!r} holds the model's own folder {str(source_dir)!r}; replacing it would "
+                         "delete the model: give another folder")
+    if out.exists() and not out.is_dir():
+        raise UsageError(f"--out {args.out!r} is a file; give a folder")
+    if out.is_dir() and any(out.iterdir()) and not args.force:
+        raise UsageError(f"--out {args.out!r} exists and is not empty ({len(list(out.iterdir()))} entries); give a "
+                         "new folder, or --force to replace it")
+    if not out.parent.is_dir():
+        raise UsageError(f"--out {args.out!r}: the folder {str(out.parent)!r} does not exist")
+    if not os.access(out.parent, os.W_OK | os.X_OK):
+        raise UsageError(f"--out {args.out!r}: cannot write in the folder {str(out.parent)!r} (permission denied)")
+    return out, source_dir
+
+
+def _save_atomically(out: Path, save) -> None:
+    """`save(folder)` into a new folder beside `out`, then renamed over it: a reader, a crash or
+    Ctrl-C sees the old folder or the whole new one, never a half-written model."""
+    import shutil
+    import tempfile
+
+    from multihead._files import usual_mode
+
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", suffix=".tmp", dir=out.parent))
+    old = None
+    try:
+        save(tmp)
+        os.chmod(tmp, usual_mode(folder=True))
+        if out.exists():
+            old = Path(tempfile.mkdtemp(prefix=f".{out.name}.", suffix=".old", dir=out.parent))
+            os.rename(out, old / "replaced")
+        os.rename(tmp, out)
+    except BaseException:
+        if old is not None and not out.exists() and (old / "replaced").exists():
+            os.rename(old / "replaced", out)  # put the user's folder back
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    finally:
+        if old is not None:
+            shutil.rmtree(old, ignore_errors=True)
+
+
 def _prune(args) -> dict:
     from multihead import heads
 
     pairs = _pairs(args.remove)
-    out = Path(args.out).expanduser()
-    if out.exists() and not out.is_dir():
-        raise UsageError(f"--out {args.out!r} is a file; give a folder")
-    loaded, model, kind = _load(args.model)
+    out, _ = _prune_target(args)
+    # a copy of its own: the session's cached model (another run, another tool) stays whole
+    loaded, model, kind = _load(args.model, fresh=True)
     if kind != "hf":
         raise UsageError("prune --out saves transformers models; a lab checkpoint's heads can be pruned in Python "
                          "with multihead.heads.prune(model, heads)")
     heads.prune(model, pairs)
-    model.save_pretrained(out)
-    loaded.tokenizer.save_pretrained(out)
+
+    def save(folder: Path) -> None:
+        model.save_pretrained(folder)
+        loaded.tokenizer.save_pretrained(folder)
+    _save_atomically(out, save)
     cfg = model.config
     return {"model": getattr(loaded, "name", args.model), "removed": [list(p) for p in pairs], "out": str(out),
             "num_attention_heads": cfg.num_attention_heads,
@@ -383,12 +790,20 @@ def main(args) -> int:
         png, html = output_file("--png", args.png, "scan.png"), output_file("--html", args.html, "scan.html")
         r = _scan(args)
         if png:
-            _heat_png(png, r["table"], f"{r['model']}: patching {r['what']}", r["metric_corrupted"])
+            _heat_png(png, r["table"], f"{r['model']}: patching {r['what']}" + (f", {r['task']}" if r.get("task")
+                                                                               else ""), r["metric_corrupted"])
             r["png"] = str(png)
         if html:
             _heat_html(html, r)
             r["html"] = str(html)
         print(json.dumps(r, indent=1)) if args.json else _print_scan(r)
+    elif cmd == "induction":
+        png = output_file("--png", args.png, "induction.png")
+        r = induction_study(args)
+        if png:
+            _induction_png(png, r)
+            r["png"] = str(png)
+        print(json.dumps(r, indent=1)) if args.json else _print_induction(r)
     elif cmd == "importance":
         png = output_file("--png", args.png, "curve.png")
         if png and not args.prune_curve:

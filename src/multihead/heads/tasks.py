@@ -1,4 +1,13 @@
-"""The tasks `multihead heads` measures heads with, on the bundled King James Bible.
+"""The tasks `multihead heads` measures heads with.
+
+- Decoders: `ioi(n, tokenizer=...)`, indirect-object identification pairs (Wang et al.,
+  2022) with the metric logit(IO) - logit(S), and `induction(n, length, vocab=...)`,
+  repeated random tokens (Olsson et al., 2022) with the loss on the repeated half. Each
+  returns a small dataclass holding clean, corrupted and reference inputs and the metric,
+  so that a scan is one line: `heads.patch_scan(model, task.clean, task.corrupted,
+  task.metric)`; `task.reference` is what a mean ablation averages over.
+
+On the bundled King James Bible:
 
 - Sentence encoders (the bundled MiniLM, any encoder without an LM head): *verse-half
   retrieval*. Verses (lines of at least 8 words, every 37th, spread over the book) are cut
@@ -18,6 +27,8 @@ trained head).
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -98,3 +109,286 @@ def logits(model, out) -> Tensor:
 
 def next_token_loss(logits_: Tensor, ids: Tensor) -> Tensor:
     return F.cross_entropy(logits_[:, :-1].flatten(0, 1), ids[:, 1:].flatten())
+
+
+# ------------------------------------------------------------------ tasks for decoders
+
+# Wang et al. (2022), "Interpretability in the wild": the IOI templates (their BABA set; an
+# ABBA prompt is the same text with the first two names swapped). {A} is the indirect
+# object, {B} the subject, who is named twice.
+IOI_TEMPLATES = (
+    "Then,{B} and{A} went to the{PLACE}.{B} gave a{OBJECT} to",
+    "Then,{B} and{A} had a lot of fun at the{PLACE}.{B} gave a{OBJECT} to",
+    "When{B} and{A} got a{OBJECT} at the{PLACE},{B} decided to give it to",
+    "When{B} and{A} went to the{PLACE},{B} gave the{OBJECT} to",
+    "After{B} and{A} went to the{PLACE},{B} gave a{OBJECT} to",
+    "While{B} and{A} were working at the{PLACE},{B} gave a{OBJECT} to",
+    "Friends{B} and{A} found a{OBJECT} at the{PLACE}.{B} gave it to",
+    "The{PLACE}{B} and{A} went to had a{OBJECT}.{B} gave it to",
+)
+IOI_PLACES = (" store", " garden", " restaurant", " school", " hospital", " office", " house", " station")
+IOI_OBJECTS = (" ring", " kiss", " bone", " basketball", " computer", " necklace", " drink", " snack")
+# Common English first names; `ioi` keeps those that are one token, with their leading space,
+# for the tokenizer at hand (SmolLM2's keeps 70 of these 80).
+IOI_NAMES = (
+    "Mary", "John", "Tom", "James", "Dan", "Sid", "Martin", "Amy", "Anna", "Laura", "Lisa", "Sarah", "Michael",
+    "David", "Robert", "Paul", "Mark", "George", "Kevin", "Jason", "Ryan", "Eric", "Peter", "Adam", "Alex",
+    "Ben", "Sam", "Max", "Jack", "Joe", "Bob", "Steve", "Frank", "Scott", "Andrew", "Richard", "Thomas", "William",
+    "Daniel", "Matthew", "Emily", "Emma", "Kate", "Jane", "Rachel", "Rose", "Grace", "Alice", "Ruth", "Helen",
+    "Linda", "Susan", "Karen", "Nancy", "Julia", "Claire", "Lucy", "Sophie", "Nina", "Eva", "Carl", "Henry",
+    "Louis", "Victor", "Simon", "Tony", "Fred", "Harry", "Ian", "Luke", "Dean", "Jeff", "Neil", "Roy", "Ray",
+    "Karl", "Leo", "Hugo", "Oscar", "Ted",
+)
+
+
+def _tokenizer_of(tokenizer):
+    """A Hugging Face tokenizer, from itself or from something that holds one (a LoadedModel)."""
+    tok = getattr(tokenizer, "tokenizer", tokenizer)
+    if not callable(tok) or not hasattr(tok, "convert_ids_to_tokens"):
+        raise TypeError(f"tokenizer must be a Hugging Face tokenizer, or a loaded model that holds one (its "
+                        f".tokenizer); received {type(tokenizer).__name__}")
+    return tok
+
+
+def _ids(tok, text: str) -> list[int]:
+    return list(tok(text, add_special_tokens=False)["input_ids"])
+
+
+def single_token_names(tokenizer, names=IOI_NAMES) -> list[tuple[str, int]]:
+    """(name, id) for the names that are one token of `tokenizer` with a leading space
+    (" Mary"): the piece a model writes after a word. Unknown pieces ([UNK]) are left out."""
+    tok = _tokenizer_of(tokenizer)
+    unk = getattr(tok, "unk_token_id", None)
+    out = []
+    for name in names:
+        ids = _ids(tok, " " + name)
+        if len(ids) == 1 and ids[0] != unk and tok.decode(ids).strip() == name:
+            out.append((name, ids[0]))
+    return out
+
+
+def _pad(rows: list[list[int]], pad: int) -> tuple[Tensor, Tensor]:
+    """Right-padded ids `(N, T)` and their attention mask: a causal model's real positions
+    never see the padding, so their logits are those of the unpadded text."""
+    T = max(len(r) for r in rows)
+    ids = torch.full((len(rows), T), pad, dtype=torch.long)
+    mask = torch.zeros((len(rows), T), dtype=torch.long)
+    for i, r in enumerate(rows):
+        ids[i, :len(r)] = torch.tensor(r)
+        mask[i, :len(r)] = 1
+    return ids, mask
+
+
+@dataclass(frozen=True, eq=False)
+class IOITask:
+    """Indirect-object identification pairs (Wang et al., 2022), ready for `patch_scan`:
+
+        table = heads.patch_scan(model, task.clean, task.corrupted, task.metric)
+
+    clean, corrupted, reference: `{"input_ids", "attention_mask"}` `(N, T)`, right-padded
+        (a pair's clean and corrupted have the same tokens but one). `reference` is Wang
+        et al.'s "ABC" distribution (three different names, same templates): the inputs a
+        mean ablation averages over.
+    answer, wrong: `(N,)` the indirect object's and the subject's name tokens (" Mary").
+    position: `(N,)` each prompt's last real token, where the metric is read.
+    """
+
+    clean: dict
+    corrupted: dict
+    reference: dict
+    answer: Tensor
+    wrong: Tensor
+    position: Tensor
+    texts: tuple[str, ...]
+    corrupted_texts: tuple[str, ...]
+    reference_texts: tuple[str, ...]
+    orders: tuple[str, ...]  # "ABBA" or "BABA", per pair
+
+    def __len__(self) -> int:
+        return len(self.texts)
+
+    def logit_diff(self, logits: Tensor) -> Tensor:
+        """Per pair `(N,)`: logit(IO) - logit(S) at the last real token."""
+        if not isinstance(logits, Tensor) or logits.dim() != 3 or logits.shape[0] != len(self):
+            shape = tuple(logits.shape) if isinstance(logits, Tensor) else type(logits).__name__
+            raise ValueError(f"the IOI metric reads logits (N={len(self)}, T, vocab) of this task's {len(self)} "
+                             f"prompts; received {shape}")
+        rows = torch.arange(len(self), device=logits.device)
+        last = logits[rows, self.position.to(logits.device)]  # (N, vocab)
+        return last[rows, self.answer.to(logits.device)] - last[rows, self.wrong.to(logits.device)]
+
+    def metric(self, logits: Tensor) -> Tensor:
+        """logit(IO) - logit(S) at the last token, averaged over the pairs (a scalar)."""
+        return self.logit_diff(logits).mean()
+
+
+def ioi(n: int, seed: int = 0, *, tokenizer, templates=IOI_TEMPLATES, names=IOI_NAMES) -> IOITask:
+    """`n` IOI prompt pairs in the style of Wang et al. (2022).
+
+    Each pair draws a template, a place, an object and two names (one token each for
+    `tokenizer`, with a leading space); half the pairs are ABBA ("When Mary and John ...,
+    John gave a drink to"), half BABA ("When John and Mary ..., John ..."). The answer is
+    the indirect object (Mary), the wrong answer the subject (John). The corrupted prompt
+    has the subject's second occurrence replaced by the indirect object ("..., Mary gave a
+    drink to": the same number of tokens, and now John is the answer), so the metric
+    logit(IO) - logit(S) is positive on clean prompts and negative on corrupted ones for a
+    model that does the task. The reference prompts name a third person there instead
+    ("ABC": no name repeats), for mean ablation.
+
+    Args:
+        n: number of pairs (>= 1).
+        seed: the draw (the same seed gives the same pairs).
+        tokenizer: a Hugging Face tokenizer, or a loaded model holding one (`.tokenizer`).
+        templates: texts with {A} (the indirect object), {B} (the subject, twice), {PLACE}
+            and {OBJECT}; each placeholder stands where a space-led word goes.
+        names: candidate names; those that are not one token are skipped.
+    """
+    import random
+
+    if isinstance(n, bool) or not isinstance(n, int):
+        raise TypeError(f"n must be an int (the number of pairs); received {type(n).__name__}")
+    if n < 1:
+        raise ValueError(f"n must be >= 1 (the number of pairs); received {n}")
+    tok = _tokenizer_of(tokenizer)
+    pool = single_token_names(tok, names)
+    if len(pool) < 3:
+        raise ValueError(f"IOI needs at least 3 names that are one token of this tokenizer (with a leading space); "
+                         f"{len(pool)} of the {len(names)} candidates are: {[p for p, _ in pool]}")
+    bad = [t for t in templates if t.count("{B}") != 2 or t.count("{A}") != 1]
+    if not templates or bad:
+        raise ValueError(f"each IOI template names {{A}} once and {{B}} twice; received {bad or list(templates)!r}")
+    rng = random.Random(seed)
+    rows: dict[str, list] = {k: [] for k in ("clean", "corrupted", "reference", "io", "s", "texts", "ctexts",
+                                              "rtexts", "orders")}
+    for i in range(n):
+        order = "ABBA" if i % 2 == 0 else "BABA"
+        for _ in range(100):  # a draw whose texts tokenize apart at the names (nearly always the first)
+            template = rng.choice(templates)
+            place, obj = rng.choice(IOI_PLACES), rng.choice(IOI_OBJECTS)
+            (a, a_id), (b, b_id), (c, _) = rng.sample(pool, 3)
+            x, y = (a, b) if order == "ABBA" else (b, a)  # the first two names; the template reads BABA
+            parts = template.replace("{PLACE}", place).replace("{OBJECT}", obj).split("{B}", 1)
+            head, tail = parts[0], parts[1]
+            base = head + "{X}" + tail.replace("{A}", "{Y}", 1).replace("{B}", "{Z}", 1)
+
+            def fill(x, y, z, base=base):
+                return base.replace("{X}", " " + x).replace("{Y}", " " + y).replace("{Z}", " " + z)
+            texts = (fill(x, y, b), fill(x, y, a), fill(x, y, c))
+            ids = [_ids(tok, t) for t in texts]
+            differ = [k for k in range(len(ids[0])) if len(ids[1]) == len(ids[0]) and ids[0][k] != ids[1][k]]
+            if (len({len(x) for x in ids}) == 1 and len(differ) == 1 and ids[0][differ[0]] == b_id
+                    and ids[1][differ[0]] == a_id):
+                break
+        else:
+            raise ValueError("could not draw IOI prompts whose clean and corrupted texts differ in one token for "
+                             "this tokenizer (names merge with their neighbours)")
+        for key, value in zip(("clean", "corrupted", "reference"), ids):
+            rows[key].append(value)
+        rows["io"].append(a_id)
+        rows["s"].append(b_id)
+        rows["texts"].append(texts[0])
+        rows["ctexts"].append(texts[1])
+        rows["rtexts"].append(texts[2])
+        rows["orders"].append(order)
+    pad = next((p for p in (getattr(tok, "pad_token_id", None), getattr(tok, "eos_token_id", None)) if p is not None),
+               0)
+    inputs = {}
+    for key in ("clean", "corrupted", "reference"):
+        ids, mask = _pad(rows[key], pad)
+        inputs[key] = {"input_ids": ids, "attention_mask": mask}
+    position = inputs["clean"]["attention_mask"].sum(1) - 1
+    return IOITask(inputs["clean"], inputs["corrupted"], inputs["reference"], torch.tensor(rows["io"]),
+                   torch.tensor(rows["s"]), position, tuple(rows["texts"]), tuple(rows["ctexts"]),
+                   tuple(rows["rtexts"]), tuple(rows["orders"]))
+
+
+@dataclass(frozen=True, eq=False)
+class InductionTask:
+    """Repeated random tokens (Olsson et al., 2022), ready for `patch_scan`:
+
+    clean: `(N, 2L)` (with a BOS column first when one is given, `(N, 2L + 1)`): L random
+        tokens, then the same L again. An induction head at a repeated token attends to
+        the token after that token's first occurrence and copies it.
+    corrupted: the same second half after a different random first half: nothing to
+        copy, so the second half is as hard as fresh text.
+    reference: fresh random tokens `(N, 2L)` with no repeat, for mean ablation.
+    metric(logits): the loss (mean next-token cross-entropy, nats) on the repeated half:
+        the predictions of its tokens 2..L from their predecessors in it, which are the
+        same in clean and corrupted. Lower is better.
+    """
+
+    clean: Tensor
+    corrupted: Tensor
+    reference: Tensor
+    length: int
+    offset: int  # 1 with a BOS column, else 0
+
+    def __len__(self) -> int:
+        return self.clean.shape[0]
+
+    def _loss(self, logits: Tensor, start: int) -> Tensor:
+        if not isinstance(logits, Tensor) or logits.dim() != 3 or logits.shape[:2] != self.clean.shape:
+            shape = tuple(logits.shape) if isinstance(logits, Tensor) else type(logits).__name__
+            raise ValueError(f"the induction metric reads logits {tuple(self.clean.shape)} + (vocab,) of this "
+                             f"task's sequences; received {shape}")
+        a = start + self.offset
+        b = a + self.length - 1
+        pred = logits[:, a:b].float()  # (N, L - 1, vocab): positions that predict tokens a+1 .. b
+        target = self.clean[:, a + 1:b + 1].to(logits.device)  # the same tokens in clean and corrupted
+        return F.cross_entropy(pred.flatten(0, 1), target.flatten())
+
+    def metric(self, logits: Tensor) -> Tensor:
+        """The mean next-token loss on the repeated (second) half, in nats."""
+        return self._loss(logits, self.length)
+
+    def first_half_loss(self, logits: Tensor) -> Tensor:
+        """The same loss on the first half of the clean sequences (nothing to copy yet)."""
+        return self._loss(logits, 0)
+
+
+def induction(n: int, length: int, seed: int = 0, *, vocab, bos: int | None = None) -> InductionTask:
+    """`n` sequences of `length` random tokens repeated once (Olsson et al., 2022).
+
+    Args:
+        n: number of sequences (>= 1).
+        length: L, tokens per half (>= 2).
+        seed: the draw.
+        vocab: where tokens are drawn from, uniformly: an int V (ids 0..V-1), a 1-D tensor
+            or list of allowed ids, or a Hugging Face tokenizer / loaded model (its ordinary
+            tokens: no special or bracketed ones such as <|im_start|> or [CLS]).
+        bos: a token id put before every sequence (None: none).
+    """
+    import re
+
+    for name, value, low in (("n", n, 1), ("length", length, 2)):
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise TypeError(f"{name} must be an int; received {type(value).__name__}")
+        if value < low:
+            raise ValueError(f"{name} must be >= {low}; received {value}")
+    if isinstance(vocab, bool):
+        raise TypeError("vocab must be an int, a list or tensor of ids, or a tokenizer; received bool")
+    if isinstance(vocab, int):
+        if vocab < 2:
+            raise ValueError(f"vocab must be >= 2 tokens; received {vocab}")
+        pool = torch.arange(vocab)
+    elif isinstance(vocab, (list, tuple, Tensor)):
+        pool = torch.as_tensor(vocab, dtype=torch.long).flatten().unique()
+    else:
+        tok = _tokenizer_of(vocab)
+        special = set(getattr(tok, "all_special_ids", ()))
+        bracketed = re.compile(r"^(\[.*\]|<.*>|<\|.*\|>)$")
+        pool = torch.tensor(sorted(i for t, i in tok.get_vocab().items() if i not in special
+                                   and not bracketed.match(t)))
+    if pool.numel() < 2:
+        raise ValueError(f"vocab must offer at least 2 token ids; received {pool.numel()}")
+    g = torch.Generator().manual_seed(seed)
+
+    def draw(rows: int, cols: int) -> Tensor:
+        return pool[torch.randint(pool.numel(), (rows, cols), generator=g)]
+    first, other, ref = draw(n, length), draw(n, length), draw(n, 2 * length)
+    clean = torch.cat([first, first], 1)  # (N, 2L)
+    corrupted = torch.cat([other, first], 1)
+    if bos is not None:
+        col = torch.full((n, 1), int(bos), dtype=torch.long)
+        clean, corrupted, ref = (torch.cat([col, x], 1) for x in (clean, corrupted, ref))
+    return InductionTask(clean, corrupted, ref, length, int(bos is not None))
