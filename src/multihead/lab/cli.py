@@ -205,6 +205,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
             p.add_argument("--d-model", type=_positive, default=None, help="model width" + d("d_model"))
             _layers(p, "blocks" + d("n_layers"))
             p.add_argument("--n-heads", type=_positive, default=None, help="heads" + d("n_heads"))
+            p.add_argument("--model", default=None, help="a Llama-family transformers model ('smollm2' or a folder) "
+                           "to convert to MQA and MLA and uptrain on the KJV instead (multihead.lab.uptrain_hf)")
+            p.add_argument("--rope-dim", type=_nonnegative, default=None, help="with --model: MLA's RoPE dims (24)")
+            p.add_argument("--resume", action="store_true", help="with --model: continue the run in --out")
 
 
 def _kv_heads(p, help_text: str) -> None:
@@ -233,7 +237,8 @@ def main(args: argparse.Namespace) -> int:
 
 
 def _run(args: argparse.Namespace, out: Path, runner, cfg) -> int:
-    stage = _prepare_out(out, args.force)  # then --out, before anything is trained
+    resume = getattr(args, "resume", False)  # lab uptrain --model --resume continues the run in --out
+    stage = None if resume else _prepare_out(out, args.force)  # then --out, before anything is trained
     import torch
 
     # One thread by default for kv (it times single decode steps), --quick (tiny models) and
@@ -376,6 +381,10 @@ def _configure(args):
         given = {k: v for k, v in common.items() if v is not None}  # --steps etc. win over --quick's smoke run
         return run_induction, build(InductionConfig, **{**geometry, "vocab": args.vocab, "seq_len": args.seq_len,
                                                         **given})
+    if args.experiment == "uptrain" and (args.model is not None or args.resume or args.rope_dim is not None):
+        from multihead.lab.uptrain_hf import configure
+
+        return configure(args, args.quick)
     if args.experiment == "uptrain":
         from multihead.lab.uptrain import UptrainConfig, run_uptrain
 

@@ -1,0 +1,661 @@
+"""`multihead lab uptrain --model smollm2` (or `--model FOLDER`): convert a real Llama-family
+transformers model to a cheaper KV cache, uptrain it, and measure what it costs.
+
+Ainslie et al. (2023) mean-pool a trained model's key/value heads into MQA/GQA and uptrain
+it with a few percent of the original compute; MHA2MLA (Ji et al., 2025) converts to MLA
+with partial RoPE and an SVD of the key/value projections. Here, on a pretrained model
+(SmolLM2-135M-Instruct by default: 30 layers, 9 query / 3 KV heads of 64):
+
+1. **Base**: the model as loaded, its held-out perplexity and the bytes per token of a
+   real `generate()` cache (every tensor of every layer, divided by the cached tokens).
+2. **Targets**: MQA by `multihead.convert.to_gqa(model, 1, init=...)` for each init
+   ("mean", "first", "random"), and MLA by `convert.to_mla(model, R, rope_dim=r)` at each
+   rank R ("svd"; rope_dim r decoupled rotary dims, MHA2MLA's norm-chosen pairs).
+3. **Uptraining**: each target trained for `steps` AdamW steps on next-token loss over
+   windows of the KJV's training split (Genesis to Acts), the same batches for every
+   target, evaluated as converted (step 0) and after each fraction of the steps (one
+   run, evaluated along the way: its schedule is that of the whole budget). One target
+   (`distill`) is trained again by distillation from the base model: KL(base || student)
+   of the next-token distributions, the base's logits computed on the same batch.
+4. **Control**: the unconverted model uptrained with the same budget, batches and
+   trainable parameters. Training on the KJV also adapts a model to its English, so a
+   target's recovery is measured against the control at the same step: the fraction of
+   the log-perplexity gap closed is (log ppl_converted - log ppl_s) / (log ppl_converted
+   - log ppl_control,s).
+
+Held-out text: Romans to Revelation (other books than the training split), in
+`eval_windows` windows of `eval_context` tokens spread evenly over it; perplexity is
+exp(mean next-token NLL) over every predicted token.
+
+What trains (`trainable="attention"`): each layer's attention module (q/k/v/o, or the MLA
+layer's projections); the token embedding (tied to the LM head), MLPs and norms are frozen.
+Frozen weights still pass gradients through, but need none of their own and no AdamW
+moments: the backward costs less and the optimiser state is a fifth of the model's. With
+`freeze_check` one target (MQA, mean) is trained once more with every parameter trainable,
+and results.json "freeze" says what the freezing costs in perplexity and saves in time.
+
+Ctrl-C stops at once and loses nothing: results.json holds every evaluation so far, and
+the training in progress is saved (its trainable weights, AdamW's moments and step) to
+`resume.pt`; `--resume` with the same --out and settings continues from there, and the
+numbers equal those of an uninterrupted run (batches are a function of the step, the
+conversions of the seed). An interrupt that arrives inside an optimiser step is held
+until the step is done, so the saved state is always that of a whole step.
+
+Writes results.json (`results.base`, `results.control`, `results.variants`,
+`results.freeze`, `summary`, `table`) and uptrain.png; no weights.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import math
+import signal
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, replace
+from pathlib import Path
+
+import torch
+
+from multihead.errors import UsageError
+from multihead.lab.devices import resolve_device
+from multihead.lab.plots import draw_plots, pyplot, save_figure
+from multihead.lab.progress import Overall, Progress
+from multihead.lab.results import new_results, write_json_atomic
+
+__all__ = ["HFUptrainConfig", "run_uptrain_hf", "split_kjv", "work_plan"]
+
+_INITS = ("mean", "first", "random")
+_TRAINABLE = ("attention", "all")
+STATE = "resume.pt"  # in --out: the training in progress at an interrupt
+# the first verse of Romans: the held-out books start here (the KJV file has one verse a line, no book names)
+_ROMANS = "Paul, a servant of Jesus Christ, called to be an apostle, separated unto the gospel of God,"
+
+
+@dataclass(frozen=True)
+class HFUptrainConfig:
+    model: str = "smollm2"  # 'smollm2' (bundled), a local Llama-family model folder, or a .gguf file
+    steps: int = 60  # uptraining steps per target
+    batch_size: int = 4
+    context: int = 64  # tokens per training window
+    lr: float = 2e-4  # AdamW peak, after `warmup` linear steps, cosine to 10% at `steps`
+    warmup: int = 5
+    fractions: tuple[float, ...] = (0.0, 0.25, 0.5, 1.0)  # evaluated after these shares of `steps`
+    eval_windows: int = 8
+    eval_context: int = 128
+    inits: tuple[str, ...] = _INITS  # MQA inits
+    ranks: tuple[int, ...] = (64, 128, 192)  # MLA kv_rank
+    rope_dim: int = 24  # MLA's decoupled RoPE width (a multiple of 2 * Hkv: SmolLM2 keeps 4 pairs per KV head)
+    distill: bool = True  # MQA (mean) also uptrained by distillation from the base model
+    trainable: str = "attention"  # "attention" (embeddings, MLPs, norms frozen) or "all"
+    freeze_check: bool = True  # MQA (mean) trained once more with every parameter trainable
+    max_train_chars: int | None = None  # the training split's first characters only (None: all of it)
+    generate_tokens: int = 8  # new tokens of the generate() whose cache is measured
+
+    @classmethod
+    def quick(cls, model: str = "smollm2") -> HFUptrainConfig:
+        """About a minute on SmolLM2 (seconds on a tiny model): the whole pipeline, tiny budgets."""
+        return cls(model=model, steps=4, batch_size=1, context=32, warmup=1, fractions=(0.0, 0.5, 1.0),
+                   eval_windows=2, eval_context=32, inits=("mean", "random"), ranks=(64,), freeze_check=False,
+                   max_train_chars=200_000, generate_tokens=2)
+
+    def __post_init__(self):
+        from multihead._checks import check_nonnegative_int, check_positive_int
+
+        for name in ("steps", "batch_size", "context", "eval_windows", "eval_context", "generate_tokens"):
+            check_positive_int(name, getattr(self, name))
+        check_nonnegative_int("rope_dim", self.rope_dim)
+        if not isinstance(self.model, str) or not self.model:
+            raise TypeError(f"model must be a non-empty str; received {self.model!r}")
+        if not (isinstance(self.lr, (int, float)) and math.isfinite(self.lr) and self.lr > 0):
+            raise ValueError(f"lr must be a positive number; received {self.lr!r}")
+        if isinstance(self.warmup, bool) or not isinstance(self.warmup, int) or not 0 <= self.warmup < self.steps:
+            raise ValueError(f"warmup must be an int in 0..{self.steps - 1} (below steps); received {self.warmup!r}")
+        bad = [f for f in self.fractions if not (isinstance(f, (int, float)) and 0 <= f <= 1)]
+        if bad or 0.0 not in self.fractions:
+            raise ValueError(f"fractions must lie in [0, 1] and include 0 (as converted); received "
+                             f"{', '.join(map(str, self.fractions))}")
+        if any(i not in _INITS for i in self.inits):
+            raise ValueError(f"inits must be some of {', '.join(_INITS)}; received {','.join(self.inits)!r}")
+        if any(isinstance(r, bool) or not isinstance(r, int) or r < 1 for r in self.ranks):
+            raise ValueError(f"ranks must be positive ints; received {', '.join(map(str, self.ranks))}")
+        if self.trainable not in _TRAINABLE:
+            raise ValueError(f"trainable must be one of {', '.join(_TRAINABLE)}; received {self.trainable!r}")
+        if self.max_train_chars is not None:
+            check_positive_int("max_train_chars", self.max_train_chars)
+
+    def eval_steps(self) -> tuple[int, ...]:
+        """The steps evaluated: 0 and each fraction of `steps` (at least 1 when above 0)."""
+        return tuple(sorted({0 if f == 0 else max(1, round(f * self.steps)) for f in self.fractions}))
+
+
+# ------------------------------------------------------------------ data
+
+
+def split_kjv(max_train_chars: int | None = None) -> tuple[str, str]:
+    """(training text: Genesis to Acts, held-out text: Romans to Revelation) of the shipped KJV."""
+    from multihead.corpus import load_corpus
+
+    text, _ = load_corpus()
+    cut = text.find(_ROMANS)
+    if cut <= 0 or text[cut - 1] != "\n":
+        raise ValueError("the shipped KJV lacks the first verse of Romans at a line start; cannot split it by books")
+    train = text[:cut]
+    return (train if max_train_chars is None else train[:max_train_chars]), text[cut:]
+
+
+class _Data:
+    """Token ids of both splits, the batch of every step and the held-out windows."""
+
+    def __init__(self, tokenizer, cfg: HFUptrainConfig, seed: int):
+        train, held_out = split_kjv(cfg.max_train_chars)
+        self.train = torch.tensor(tokenizer(train)["input_ids"], dtype=torch.long)
+        self.held_out = torch.tensor(tokenizer(held_out)["input_ids"], dtype=torch.long)
+        self.cfg, self.seed = cfg, seed
+        n = cfg.eval_context + 1
+        if len(self.held_out) < n * cfg.eval_windows or len(self.train) < cfg.context + 2:
+            raise UsageError(f"the KJV splits give {len(self.train)} training and {len(self.held_out)} held-out "
+                             f"tokens; need {cfg.context + 2} and {n * cfg.eval_windows}")
+        starts = torch.linspace(0, len(self.held_out) - n, cfg.eval_windows).long()
+        self.windows = torch.stack([self.held_out[s:s + n] for s in starts])  # (W, eval_context + 1)
+
+    def batch(self, step: int) -> torch.Tensor:
+        """(B, context + 1) token ids of training step `step` (1-based): a function of the seed
+        and the step alone, so every target and a resumed run read the same batches."""
+        gen = torch.Generator().manual_seed(self.seed * 1_000_003 + step)
+        n = self.cfg.context + 1
+        starts = torch.randint(0, len(self.train) - n + 1, (self.cfg.batch_size,), generator=gen)
+        return torch.stack([self.train[s:s + n] for s in starts])
+
+
+def _nll_sum(model, windows: torch.Tensor, device) -> tuple[float, int]:
+    total, count = 0.0, 0
+    with torch.no_grad():
+        for w in windows.split(4):
+            w = w.to(device)
+            logits = model(input_ids=w[:, :-1], use_cache=False).logits.float()
+            total += float(torch.nn.functional.cross_entropy(logits.flatten(0, 1), w[:, 1:].flatten(),
+                                                             reduction="sum"))
+            count += w[:, 1:].numel()
+    return total, count
+
+
+def held_out_ppl(model, windows: torch.Tensor, device) -> float:
+    """exp(mean next-token NLL) over every predicted token of the held-out windows."""
+    was = model.training
+    model.eval()
+    total, count = _nll_sum(model, windows, device)
+    model.train(was)
+    return math.exp(total / count)
+
+
+def kv_bytes_per_token(model, prompt: torch.Tensor, new_tokens: int) -> int:
+    """Bytes per cached token of the cache a real greedy `generate()` leaves: every key and
+    value tensor (MLA: the latent) of every layer, over the tokens it holds."""
+    from multihead.interop.hf import latent_cache_bytes
+
+    with torch.no_grad():
+        out = model.generate(prompt, max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False,
+                             use_cache=True, return_dict_in_generate=True,
+                             pad_token_id=getattr(model.config, "pad_token_id", None) or 0)
+    cache = out.past_key_values
+    tokens = cache.get_seq_length() * prompt.shape[0]
+    total = latent_cache_bytes(cache)
+    assert total % tokens == 0, (total, tokens)
+    return total // tokens
+
+
+# ------------------------------------------------------------------ the runs
+
+
+@dataclass(frozen=True)
+class _Unit:
+    """One training of the run: a target (or the control) and how it learns."""
+
+    key: str  # unique, in results.json "done"
+    target: str  # "control", "mqa", "mla-R"
+    init: str  # "mean" | "first" | "random" | "svd" | "none" (the control)
+    objective: str = "next-token"  # or "distill"
+    trainable: str = "attention"
+    role: str = "variant"  # "variant", "control", "freeze_check"
+
+
+def work_plan(cfg: HFUptrainConfig) -> list[_Unit]:
+    """Every training of a run, in order: the control first (every target is judged by it)."""
+    units = [_Unit("control", "control", "none", trainable=cfg.trainable, role="control")]
+    units += [_Unit(f"mqa/{i}", "mqa", i, trainable=cfg.trainable) for i in cfg.inits]
+    units += [_Unit(f"mla-{r}/svd", f"mla-{r}", "svd", trainable=cfg.trainable) for r in sorted(cfg.ranks)]
+    if cfg.distill:
+        units.append(_Unit("mqa/mean/distill", "mqa", "mean", objective="distill", trainable=cfg.trainable))
+    if cfg.freeze_check:
+        other = "all" if cfg.trainable == "attention" else "attention"
+        units.append(_Unit(f"mqa/mean/{other}", "mqa", "mean", trainable=other, role="freeze_check"))
+    return units
+
+
+def _convert(base, unit: _Unit, cfg: HFUptrainConfig, seed: int):
+    """The unit's model (a new one; `base` is untouched) and its per-layer K/V errors."""
+    from multihead import convert
+
+    if unit.target == "control":
+        return copy.deepcopy(base), []
+    if unit.target == "mqa":
+        gen = torch.Generator().manual_seed(seed * 1_000 + 1)  # "random": the same draw on every run
+        model, report = convert.to_gqa(base, 1, init=unit.init, generator=gen, return_report=True)
+    else:
+        rank = int(unit.target.split("-")[1])
+        model, report = convert.to_mla(base, rank, rope_dim=cfg.rope_dim, return_report=True)
+    return model, [round(e, 6) for e in report.errors]
+
+
+def _trainable(model, which: str) -> list[tuple[str, torch.nn.Parameter]]:
+    """Set requires_grad on the parameters that train (attention layers, or all) and return them."""
+    named = list(model.named_parameters())
+    for name, p in named:
+        p.requires_grad_(which == "all" or ".self_attn." in name)
+    chosen = [(n, p) for n, p in named if p.requires_grad]
+    if not chosen:
+        raise UsageError(f"no parameter of {type(model).__name__} is in an attention layer (.self_attn.); "
+                         "valid: a Llama-family model")
+    return chosen
+
+
+def _lr_at(step: int, cfg: HFUptrainConfig) -> float:
+    """Step `step` (1-based): linear warmup, then cosine decay to 10% of lr at `steps`."""
+    if cfg.warmup and step <= cfg.warmup:
+        return cfg.lr * step / cfg.warmup
+    t = (step - 1 - cfg.warmup) / max(1, cfg.steps - 1 - cfg.warmup)
+    return cfg.lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(t, 1.0))))
+
+
+@contextlib.contextmanager
+def _held_interrupt():
+    """Hold a Ctrl-C (SIGINT) that arrives inside the block until it ends, then raise it:
+    an optimiser step is never left half applied. Only the main thread can set a handler;
+    elsewhere the block runs as is."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    caught = []
+    previous = signal.signal(signal.SIGINT, lambda signum, frame: caught.append(signum))
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
+    if caught:
+        raise KeyboardInterrupt
+
+
+StepCallback = Callable[[str, int, float], None]
+
+
+class _Run:
+    def __init__(self, cfg, out: Path, res: dict, base, data: _Data, dev, seed, callback, progress, overall):
+        self.cfg, self.out, self.res, self.base, self.data = cfg, out, res, base, data
+        self.dev, self.seed, self.callback, self.progress, self.overall = dev, seed, callback, progress, overall
+        self.prompt = data.held_out[None, :8].to(dev)
+        self.t0 = time.perf_counter()
+        self.elapsed0 = float(res.get("elapsed_s", 0.0))
+
+    def save(self) -> None:
+        self.res["elapsed_s"] = self.elapsed0 + time.perf_counter() - self.t0
+        write_json_atomic(self.out / "results.json", self.res)
+
+    def ppl(self, model) -> float:
+        return held_out_ppl(model, self.data.windows, self.dev)
+
+    def record(self, unit: _Unit, entry: dict) -> None:
+        r = self.res["results"]
+        if unit.role == "control":
+            r["control"].append({"steps": entry["steps"], "val_ppl": entry["val_ppl"]})
+        elif unit.role == "freeze_check":
+            r["freeze"]["check"].append(entry)
+        else:
+            r["variants"].append(entry)
+        self.save()
+
+    def unit(self, unit: _Unit, state: dict | None) -> None:
+        cfg, r = self.cfg, self.res["results"]
+        model, errors = _convert(self.base, unit, cfg, self.seed)
+        model.to(self.dev)
+        params = _trainable(model, unit.trainable)
+        opt = torch.optim.AdamW([p for _, p in params], lr=cfg.lr, betas=(0.9, 0.95), weight_decay=0.0)
+        kv = r["base"]["kv_bytes_per_token"] if unit.target == "control" else None
+        info = {"target": unit.target, "init": unit.init, "objective": unit.objective, "trainable": unit.trainable}
+        start, seconds, losses = 0, 0.0, []
+        if state is not None:  # the interrupted training: its weights, moments and step
+            with torch.no_grad():
+                named = dict(params)
+                for name, t in state["trainable"].items():
+                    named[name].copy_(t)
+            opt.load_state_dict(state["optimizer"])
+            start, seconds, losses, kv = state["step"], state["seconds"], state["losses"], state["kv"]
+        if kv is None:
+            kv = kv_bytes_per_token(model, self.prompt, cfg.generate_tokens)
+        info["kv_bytes_per_token"] = kv
+        if unit.target != "control":
+            info["kv_reconstruction_error"] = errors
+        evals = cfg.eval_steps()
+        if start == 0:
+            same = [v for v in r["variants"] if (v["target"], v["init"], v["steps"]) == (unit.target, unit.init, 0)]
+            ppl0 = same[0]["val_ppl"] if same else self.ppl(model)  # the distilled target is one converted already
+            self.record(unit, {**info, "steps": 0, "val_ppl": ppl0, "seconds": 0.0})
+        label = self.overall.next_label(f"uptrain {unit.key}")
+        bar = Progress(cfg.steps, label, enabled=self.progress, overall=self.overall)
+        bar.update(start, losses[-1] if losses else float("nan"))
+        teacher = self.base if unit.objective == "distill" else None
+        step = start
+        t = time.perf_counter()
+        try:
+            model.train()
+            for step in range(start + 1, cfg.steps + 1):
+                batch = self.data.batch(step).to(self.dev)
+                loss = _loss(model, teacher, batch)
+                opt.zero_grad(set_to_none=True)
+                loss.backward()
+                torch.nn.utils.clip_grad_norm_([p for _, p in params], 1.0)
+                for g in opt.param_groups:
+                    g["lr"] = _lr_at(step, cfg)
+                with _held_interrupt():
+                    opt.step()
+                    losses.append(round(float(loss.detach()), 6))
+                bar.update(step, losses[-1], batch[:, :-1].numel())
+                if step in evals:
+                    model.eval()
+                    ppl = self.ppl(model)
+                    model.train()
+                    self.record(unit, {**info, "steps": step, "val_ppl": ppl,
+                                       "seconds": seconds + time.perf_counter() - t})
+                if self.callback is not None:
+                    self.callback(unit.key, step, losses[-1])
+            bar.close()
+        except KeyboardInterrupt:
+            bar.close("interrupted")
+            done = len(losses)  # steps whose update was applied (the held interrupt waits for it)
+            self._save_state(unit, params, opt, done, seconds + time.perf_counter() - t, losses, kv)
+            raise
+        model.eval()
+        seconds += time.perf_counter() - t
+        r["losses"][unit.key] = losses
+        r["seconds"][unit.key] = seconds
+        r["done"].append(unit.key)
+        if unit.role == "freeze_check" or (unit.target, unit.init, unit.objective) == ("mqa", "mean", "next-token"):
+            r["freeze"]["seconds_per_step"][unit.trainable] = seconds / cfg.steps
+            r["freeze"]["trainable_params"][unit.trainable] = sum(p.numel() for _, p in params)
+        (self.out / STATE).unlink(missing_ok=True)
+        self.save()
+
+    def _save_state(self, unit, params, opt, step, seconds, losses, kv) -> None:
+        from multihead._files import atomic_path
+
+        state = {"unit": unit.key, "step": step, "seconds": seconds, "losses": losses, "kv": kv,
+                 "trainable": {n: p.detach().cpu().clone() for n, p in params}, "optimizer": opt.state_dict()}
+        with atomic_path(self.out / STATE) as tmp:
+            torch.save(state, tmp)
+
+
+def _loss(model, teacher, batch: torch.Tensor) -> torch.Tensor:
+    """Next-token cross-entropy, or KL(teacher || model) of the next-token distributions."""
+    x, y = batch[:, :-1], batch[:, 1:]
+    logits = model(input_ids=x, use_cache=False).logits.float()  # (B, T, V)
+    if teacher is None:
+        return torch.nn.functional.cross_entropy(logits.flatten(0, 1), y.flatten())
+    with torch.no_grad():
+        target = torch.log_softmax(teacher(input_ids=x, use_cache=False).logits.float(), dim=-1)
+    return torch.nn.functional.kl_div(torch.log_softmax(logits, dim=-1).flatten(0, 1), target.flatten(0, 1),
+                                      log_target=True, reduction="batchmean")
+
+
+# ------------------------------------------------------------------ entry point
+
+
+def _load(spec: str):
+    """The base model (read only: conversions copy it) and its tokenizer, with a clear error."""
+    from multihead.interop.hf.mla import mla_layers
+    from multihead.interop.loaders import InspectError, load_model
+
+    try:
+        loaded = load_model(spec)
+    except (InspectError, ValueError, OSError) as err:
+        raise UsageError(f"--model {spec}: {err}") from None
+    model = getattr(loaded, "model", None)
+    if model is None or not getattr(loaded, "is_causal_lm", False) or not mla_layers(model):
+        raise UsageError(f"--model {spec}: not a Llama-family causal LM (Llama, Mistral, Qwen2, Qwen3); valid: "
+                         "'smollm2' or a local folder of one")
+    return model.eval(), loaded.tokenizer
+
+
+def _check_model(cfg: HFUptrainConfig, model) -> None:
+    from multihead.interop.hf.mla import mla_layers
+
+    attn = mla_layers(model)[0][1]
+    D = attn.head_dim
+    Hkv = attn.k_proj.out_features // D
+    valid = list(range(2 * Hkv, Hkv * D + 1, 2 * Hkv))
+    if cfg.rope_dim not in valid and cfg.ranks:
+        raise UsageError(f"--rope-dim {cfg.rope_dim}: the model has {Hkv} KV heads of {D}, so MLA's RoPE width must "
+                         f"be a multiple of {2 * Hkv} in {valid[0]}..{valid[-1]}; valid: "
+                         f"{', '.join(map(str, valid[:8]))}{', ...' if len(valid) > 8 else ''}")
+    top = Hkv * (D - cfg.rope_dim // Hkv) + attn.v_proj.out_features
+    bad = [r for r in cfg.ranks if r > min(top, attn.q_proj.in_features)]
+    if bad:
+        raise UsageError(f"--kv-ranks {bad[0]}: at most {min(top, attn.q_proj.in_features)} (the rank of the "
+                         f"stacked nope keys and values at rope_dim {cfg.rope_dim})")
+
+
+def _config_key(cfg: HFUptrainConfig, seed: int) -> dict:
+    return {"config": asdict(cfg), "seed": seed}
+
+
+def run_uptrain_hf(cfg: HFUptrainConfig | None = None, out_dir: str | Path = "lab-uptrain", *, seed: int = 0,
+                   device: str = "auto", callback: StepCallback | None = None, progress: bool = True,
+                   resume: bool = False) -> dict:
+    """Run (or, with `resume`, continue) the experiment into `out_dir`; return results.json's object.
+
+    Ctrl-C (KeyboardInterrupt, from the user or `callback(unit, step, loss)`) is not raised:
+    the run stops, saves what it did and returns with "interrupted": true."""
+    import json
+
+    cfg = cfg or HFUptrainConfig()
+    dev = resolve_device(device)
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    state = None
+    res = None
+    if resume and (out / "results.json").is_file():
+        res = json.loads((out / "results.json").read_text(encoding="utf-8"))
+        fresh = new_results("uptrain", cfg, seed, dev)
+        if (res.get("config"), res.get("seed")) != (fresh["config"], fresh["seed"]) or "done" not in res["results"]:
+            raise UsageError(f"--resume {out}: its results.json was written by another run (other settings or "
+                             "seed, or not an uptrain --model run); give the same flags, or a new --out")
+        if (out / STATE).is_file():
+            state = torch.load(out / STATE, weights_only=True)
+        res["interrupted"] = False
+    elif resume is False and (out / "results.json").is_file():
+        raise UsageError(f"{out} holds a run already; give --resume to continue it, or a new --out")
+    base, tokenizer = _load(cfg.model)
+    _check_model(cfg, base)
+    data = _Data(tokenizer, cfg, seed)
+    if res is None:
+        res = new_results("uptrain", cfg, seed, dev)
+        res["results"] = {
+            "model": cfg.model, "model_class": type(base).__name__,
+            "train_split": "KJV Genesis to Acts", "held_out": "KJV Romans to Revelation",
+            "train_tokens": len(data.train), "held_out_tokens": len(data.held_out),
+            "eval_tokens": int(data.windows[:, 1:].numel()), "dtype": str(next(base.parameters()).dtype),
+            "base": None, "control": [], "variants": [], "done": [], "losses": {}, "seconds": {},
+            "freeze": {"frozen": _frozen_text(cfg.trainable), "trainable_params": {}, "seconds_per_step": {},
+                       "total_params": sum(p.numel() for p in base.parameters()), "check": []},
+        }
+    units = [u for u in work_plan(cfg) if u.key not in res["results"]["done"]]
+    steps_left = sum(cfg.steps for u in units) - (state["step"] if state else 0)
+    overall = Overall(len(units), max(1, steps_left))
+    run = _Run(cfg, out, res, base, data, dev, seed, callback, progress, overall)
+    try:
+        if res["results"]["base"] is None:
+            base.to(dev)
+            res["results"]["base"] = {"val_ppl": run.ppl(base),
+                                      "kv_bytes_per_token": kv_bytes_per_token(base, run.prompt, cfg.generate_tokens),
+                                      "params": sum(p.numel() for p in base.parameters())}
+            run.save()
+        for unit in units:
+            mine = state if state is not None and state["unit"] == unit.key else None
+            run.unit(unit, mine)
+    except KeyboardInterrupt:
+        res["interrupted"] = True
+    summarise(cfg, res)
+    run.save()
+    if not res["interrupted"] and res["results"]["variants"]:
+        draw_plots(res, [lambda: plot_uptrain_hf(res, out / "uptrain.png")])
+        run.save()
+    return res
+
+
+def _frozen_text(trainable: str) -> str:
+    if trainable == "all":
+        return "nothing: every parameter trains"
+    return ("the token embedding (tied to the LM head), every MLP and every RMSNorm; each layer's attention "
+            "module trains")
+
+
+# ------------------------------------------------------------------ report
+
+
+def gap_closed(converted: float, uptrained: float, control: float) -> float | None:
+    """(log converted - log uptrained) / (log converted - log control): 1 when the target
+    reaches the control, 0 when it stays as converted; None without a gap."""
+    gap = math.log(converted) - math.log(control)
+    return None if gap <= 0 else (math.log(converted) - math.log(uptrained)) / gap
+
+
+def summarise(cfg: HFUptrainConfig, res: dict) -> None:
+    """Add each variant's gap closed, the freeze check's verdict, the table and the summary."""
+    r = res["results"]
+    control = {c["steps"]: c["val_ppl"] for c in r["control"]}
+    first: dict = {}
+    for v in r["variants"]:
+        k = (v["target"], v["init"], v["objective"])
+        first.setdefault(k, v["val_ppl"] if v["steps"] == 0 else None)
+        conv = first[k]
+        v["control_ppl"] = control.get(v["steps"])
+        v["gap_closed"] = (gap_closed(conv, v["val_ppl"], v["control_ppl"])
+                           if conv is not None and v["control_ppl"] is not None and v["steps"] else None)
+    steps = [s for s in cfg.eval_steps()]
+    head = "| target | init | objective | KV bytes/token | " + " | ".join(
+        "converted" if s == 0 else f"step {s}" for s in steps) + " | gap closed |"
+    lines = [head, "|" + ":--|" * 3 + "--:|" * (len(steps) + 2)]
+    if r["base"] is not None:
+        lines.append(f"| base | - | - | {r['base']['kv_bytes_per_token']:,} | {r['base']['val_ppl']:.2f} |"
+                     + " |" * len(steps))
+        lines.append("| control | - | next-token | " + f"{r['base']['kv_bytes_per_token']:,} | "
+                     + " | ".join(f"{control[s]:.2f}" if s in control else "-" for s in steps) + " | |")
+    grid: dict = {}
+    for v in r["variants"]:
+        grid.setdefault((v["target"], v["init"], v["objective"], v["kv_bytes_per_token"]), {})[v["steps"]] = v
+    sentences = []
+    for (target, init, objective, kv), row in grid.items():
+        last = row[max(row)]
+        closed = last.get("gap_closed")
+        lines.append(f"| {target} | {init} | {objective} | {kv:,} | "
+                     + " | ".join(f"{row[s]['val_ppl']:.2f}" if s in row else "-" for s in steps)
+                     + f" | {'-' if closed is None else f'{closed:.0%}'} |")
+        if max(row) > 0 and 0 in row:
+            sentences.append(f"{target} ({init}, {objective}): {row[0]['val_ppl']:.1f} as converted, "
+                             f"{last['val_ppl']:.1f} after {max(row)} steps against the control's "
+                             f"{last['control_ppl']:.1f}"
+                             + ("" if closed is None else f" ({closed:.0%} of the log-perplexity gap closed)"))
+    r["table"] = "\n".join(lines)
+    f = r["freeze"]
+    check = [c for c in f["check"] if c["steps"] == cfg.steps]
+    same = [v for v in r["variants"] if (v["target"], v["init"], v["objective"], v["steps"])
+            == ("mqa", "mean", "next-token", cfg.steps)]
+    if check and same and len(f["seconds_per_step"]) == 2:
+        s = f["seconds_per_step"]
+        f["verdict"] = (f"MQA (mean) after {cfg.steps} steps: {same[0]['val_ppl']:.2f} held-out perplexity training "
+                        f"the attention layers ({f['trainable_params']['attention']:,} parameters, "
+                        f"{s['attention']:.2f} s/step) against {check[0]['val_ppl']:.2f} training every parameter "
+                        f"({f['trainable_params']['all']:,}, {s['all']:.2f} s/step)")
+    if r["base"] is None:
+        r["summary"] = "interrupted before the base model was measured"
+        return
+    trains = (f"{f['frozen'].split('; ')[0]} frozen" if cfg.trainable == "attention" else "every parameter trains")
+    text = (f"Base model {r['model']}: held-out perplexity {r['base']['val_ppl']:.2f}, "
+            f"{r['base']['kv_bytes_per_token']:,} KV bytes per token ({r['dtype']}, measured from a generate() cache)"
+            f". Uptraining: {cfg.steps} steps of {cfg.batch_size} x {cfg.context} tokens ({trains})")
+    parts = [text + "."]
+    if control:
+        parts.append(f"The control (unconverted, same budget) goes {r['base']['val_ppl']:.2f} -> "
+                     f"{control[max(control)]:.2f}.")
+    parts += [s + "." for s in sentences]
+    if "verdict" in f:
+        parts.append(f["verdict"] + ".")
+    r["summary"] = " ".join(parts)
+
+
+def plot_uptrain_hf(res: dict, path: Path) -> str:
+    """Held-out perplexity (log) against uptraining steps per target, and the final
+    perplexity against measured KV bytes per token."""
+    plt = pyplot()
+    r = res["results"]
+    fig, (ax, fr) = plt.subplots(1, 2, figsize=(11, 4.2))
+    curves: dict = {}
+    for v in r["variants"]:
+        curves.setdefault((v["target"], v["init"], v["objective"]), []).append((v["steps"], v["val_ppl"],
+                                                                                v["kv_bytes_per_token"]))
+    for (target, init, objective), pts in curves.items():
+        pts.sort()
+        label = f"{target} {init}" + (" (distill)" if objective == "distill" else "")
+        line, = ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", ms=3, label=label,
+                        ls="--" if objective == "distill" else "-")
+        fr.scatter([pts[-1][2]], [pts[-1][1]], color=line.get_color(), label=label)
+        fr.scatter([pts[0][2]], [pts[0][1]], color=line.get_color(), marker="x")
+    c = sorted((x["steps"], x["val_ppl"]) for x in r["control"])
+    if c:
+        ax.plot([p[0] for p in c], [p[1] for p in c], color="black", marker="s", ms=3, label="control")
+        fr.scatter([r["base"]["kv_bytes_per_token"]], [c[-1][1]], color="black", marker="s", label="control")
+    ax.axhline(r["base"]["val_ppl"], color="grey", ls=":", label="base, as loaded")
+    fr.scatter([r["base"]["kv_bytes_per_token"]], [r["base"]["val_ppl"]], color="grey", marker="D", label="base")
+    for a in (ax, fr):
+        a.set_yscale("log")
+        a.set_ylabel("held-out perplexity (KJV Romans-Revelation)")
+    ax.set_xlabel("uptraining steps")
+    ax.set_title(f"{r['model']}: converted, then uptrained")
+    fr.set_xlabel("KV-cache bytes per token (measured, generate cache)")
+    fr.set_title("after uptraining (dots) and as converted (x)")
+    ax.legend(fontsize=7)
+    return save_figure(fig, path)
+
+
+def configure(args, quick: bool) -> tuple[Callable, HFUptrainConfig]:
+    """The CLI's runner and config for `lab uptrain --model ...` (flags the CLI parsed)."""
+    if args.model is None:
+        raise UsageError("--resume and --rope-dim go with --model (lab uptrain --model smollm2 ...); the lab "
+                         "model's uptrain neither resumes nor has a RoPE width of its own")
+    base = HFUptrainConfig.quick(args.model) if quick else HFUptrainConfig(model=args.model)
+    given = {"steps": args.steps, "batch_size": args.batch_size, "lr": args.lr, "inits": args.inits,
+             "ranks": args.ranks, "fractions": args.fractions, "rope_dim": getattr(args, "rope_dim", None)}
+    given = {k: v for k, v in given.items() if v is not None}
+    if "steps" in given and base.warmup >= given["steps"]:
+        given["warmup"] = 0
+    unused = [flag for flag, value in (("--from", args.from_checkpoint), ("--positions", args.positions),
+                                       ("--d-model", args.d_model), ("--layers", args.n_layers),
+                                       ("--n-heads", args.n_heads), ("--uptrain-lr", args.uptrain_lr),
+                                       ("--mla-rope-dims", args.mla_rope_dims)) if value is not None]
+    if args.kv_heads not in (None, (1,)):
+        unused.append("--n-kv-heads")
+    if unused:
+        raise UsageError(f"{', '.join(unused)}: flags of the lab model's uptrain; with --model the targets are MQA "
+                         "and MLA (--inits, --kv-ranks, --rope-dim, --steps, --fractions, --batch-size, --lr)")
+    try:
+        cfg = replace(base, **given)
+    except (ValueError, TypeError) as err:
+        raise UsageError(str(err)) from None
+    resume = bool(getattr(args, "resume", False))
+
+    def runner(cfg, out, *, seed, device, progress):
+        return run_uptrain_hf(cfg, out, seed=seed, device=device, progress=progress, resume=resume)
+
+    return runner, cfg
+
