@@ -92,7 +92,10 @@ def test_full_configuration_attention_layer_is_exact_in_float64():
         x = torch.randn(2, 9, C, dtype=torch.float64)
         pos = torch.arange(9)[None].expand(2, 9)
         pe = model.model.rotary_emb(x, pos)
-        causal = torch.full((9, 9), float("-inf"), dtype=torch.float64).triu(1)[None, None].expand(2, 1, 9, 9)
+        i, j = torch.arange(9)[:, None], torch.arange(9)[None]
+        window = getattr(model.config, "sliding_window", None) or 9
+        keep = (j <= i) & (j > i - window)  # what the model's own mask allows (Mistral: its window of 6)
+        causal = torch.zeros(9, 9, dtype=torch.float64).masked_fill(~keep, float("-inf"))[None, None].expand(2, 1, 9, 9)
         want, _ = model.model.layers[1].self_attn(hidden_states=x, position_embeddings=pe, attention_mask=causal)
         got, _ = new.model.layers[1].self_attn(hidden_states=x, position_embeddings=pe, attention_mask=causal)
         diff = (got - want).abs().max().item()
@@ -218,7 +221,7 @@ def test_high_keeps_the_fastest_pairs_and_norm_the_strongest():
     pn = lambda t: (t[..., :D // 2] ** 2 + t[..., D // 2:] ** 2).sqrt().mean((0, 1))  # noqa: E731
     want = pn(q).view(HKV, H // HKV, D // 2).sum(1) * pn(k)
     torch.testing.assert_close(cal, want, rtol=1e-9, atol=0)
-    with_cal = convert.to_mla(model, 8, rope_dim=4, calibration=ids)
+    with_cal = convert.to_mla(model, 8, rope_dim=4, keep="norm", calibration=ids)
     assert with_cal.model.layers[0].self_attn.rope_pairs.tolist() == want.argmax(1)[:, None].tolist()
 
 
@@ -233,7 +236,7 @@ def test_partial_rope_keeps_the_chosen_pairs_exactly_rotary():
             w = layer.self_attn.k_proj.weight.view(HKV, D, C)
             drop = [i for i in range(D) if i % (D // 2) not in keep]
             w[:, drop] = 0
-    new, report = convert.to_mla(model, 56, rope_dim=2 * len(keep) * HKV, return_report=True)  # every row
+    new, report = convert.to_mla(model, 56, rope_dim=2 * len(keep) * HKV, keep="norm", return_report=True)
     assert new.model.layers[0].self_attn.rope_pairs.tolist() == [keep, keep]
     ids = torch.randint(0, VOCAB, (2, 12))
     diff = (_logits(new, ids) - _logits(model, ids)).abs().max().item()
@@ -246,7 +249,7 @@ def test_partial_rope_keeps_the_chosen_pairs_exactly_rotary():
 def test_the_source_model_is_untouched():
     model = _model("qwen3")
     before = copy.deepcopy(model.state_dict())
-    convert.to_mla(model, 8, rope_dim=4, calibration=torch.randint(0, VOCAB, (1, 8)))
+    convert.to_mla(model, 8, rope_dim=4, keep="norm", calibration=torch.randint(0, VOCAB, (1, 8)))
     after = model.state_dict()
     assert before.keys() == after.keys() and all(torch.equal(before[k], after[k]) for k in before)
     assert not any(isinstance(m, LatentLlamaAttention) for m in model.modules())
@@ -266,9 +269,12 @@ def test_bad_arguments_give_clear_errors():
         (dict(kv_rank=61, rope_dim=4), ValueError, r"received 61"),
         (dict(kv_rank=33, rope_dim=32), ValueError, r"kv_rank must be an int in 1..32, .*received 33$"),
         (dict(kv_rank=8, rope_dim=4, keep="low"), ValueError, r"keep must be one of norm, high; received 'low'"),
-        (dict(kv_rank=8, rope_dim=4, calibration=[1, 2]), TypeError, r"calibration must be a non-empty LongTensor"
-                                                                     r" .*received list"),
-        (dict(kv_rank=8, rope_dim=4, calibration=torch.zeros(3)), TypeError, r"received a torch.float32 tensor"),
+        (dict(kv_rank=8, rope_dim=4, calibration=torch.zeros(3, dtype=torch.long)), ValueError,
+         r"calibration= feeds the keep='norm' choice's statistics; received it with keep='high'"),
+        (dict(kv_rank=8, rope_dim=4, keep="norm", calibration=[1, 2]), TypeError,
+         r"calibration must be a non-empty LongTensor .*received list"),
+        (dict(kv_rank=8, rope_dim=4, keep="norm", calibration=torch.zeros(3)), TypeError,
+         r"received a torch.float32 tensor"),
     ]
     for kw, exc, pattern in cases:
         with pytest.raises(exc, match=pattern):
@@ -308,3 +314,59 @@ def test_smollm2_full_configuration_is_exact():
     a = model.generate(ids[:, :8], max_new_tokens=12, do_sample=False)
     b = new.generate(ids[:, :8], max_new_tokens=12, do_sample=False)
     assert torch.equal(a, b)
+
+
+# ------------------------------------------------------------ DeepSeek-V2 export
+
+
+def test_export_to_deepseek_v2_loads_in_stock_transformers(tmp_path):
+    from multihead.interop.hf.deepseek_export import latent_gains, to_deepseek_v2
+
+    model = _model("llama", attn_implementation="sdpa")
+    ids = torch.randint(0, VOCAB, (2, 12), generator=torch.Generator().manual_seed(3))
+    cal = torch.randint(0, VOCAB, (2, 16), generator=torch.Generator().manual_seed(4))
+    for kv_rank, rope_dim in ((32, 32), (20, 8)):
+        mla = convert.to_mla(model, kv_rank, rope_dim=rope_dim, keep="high")
+        folder = tmp_path / f"ds-{kv_rank}-{rope_dim}"
+        to_deepseek_v2(mla, calibration=cal).save_pretrained(folder)
+        loaded = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float64,
+                                                                   attn_implementation="sdpa").eval()
+        assert type(loaded).__name__ == "DeepseekV2ForCausalLM"
+        assert all(type(layer.mlp).__name__ == "DeepseekV2MLP" for layer in loaded.model.layers)
+        gains = latent_gains(mla, cal)
+        for layer, gain in zip(loaded.model.layers, gains):
+            torch.testing.assert_close(layer.self_attn.kv_a_layernorm.weight,
+                                       torch.full((kv_rank,), gain, dtype=torch.float64))
+        # what the export changes is the latent norm: without it, DeepSeek computes the converted model
+        cost = (_logits(loaded, ids) - _logits(mla, ids)).abs().max().item()
+        assert 0 < cost < 10, cost
+        for layer in loaded.model.layers:
+            layer.self_attn.kv_a_layernorm = torch.nn.Identity()
+        diff = (_logits(loaded, ids) - _logits(mla, ids)).abs().max().item()
+        assert diff < 1e-5, f"R={kv_rank} r={rope_dim}: DeepSeek without its latent norm vs the MLA model {diff:.3g}"
+        if (kv_rank, rope_dim) == (32, 32):  # and then the original model too
+            assert (_logits(loaded, ids) - _logits(model, ids)).abs().max().item() < 1e-5
+
+
+def test_export_refuses_what_deepseek_v2_cannot_hold():
+    from multihead.interop.hf.deepseek_export import to_deepseek_v2
+
+    cal = torch.randint(0, VOCAB, (1, 8))
+    cases = [
+        (convert.to_mla(_model("qwen2"), 8, rope_dim=4), ValueError, r"query bias \(Qwen2\)"),
+        (convert.to_mla(_model("qwen3"), 8, rope_dim=4), ValueError, r"per-head key norm \(Qwen3\)"),
+        (convert.to_mla(_model("mistral"), 8, rope_dim=4), ValueError, r"sliding window of 6"),
+        (convert.to_mla(_model("llama"), 8, rope_dim=0), ValueError, r"rope_dim=0 leaves DeepSeek-V2 no rotary key"),
+        (_model("llama"), TypeError, r"received LlamaForCausalLM, which has no converted layer"),
+    ]
+    for model, exc, pattern in cases:
+        with pytest.raises(exc, match=pattern):
+            to_deepseek_v2(model, calibration=cal)
+    llama = _model("llama")
+    with torch.no_grad():  # different strongest pairs in the two layers: DeepSeek has one RoPE for all
+        llama.model.layers[0].self_attn.k_proj.weight.view(HKV, 16, C)[:, [3, 11]] *= 30
+        llama.model.layers[1].self_attn.k_proj.weight.view(HKV, 16, C)[:, [5, 13]] *= 30
+    with pytest.raises(ValueError, match=r"the layers keep different rotary pairs"):
+        to_deepseek_v2(convert.to_mla(llama, 8, rope_dim=4, keep="norm"), calibration=cal)
+    with pytest.raises(TypeError, match=r"calibration must be a non-empty LongTensor .*received list"):
+        to_deepseek_v2(convert.to_mla(_model("llama"), 8, rope_dim=4), calibration=[1, 2])

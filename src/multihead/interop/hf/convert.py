@@ -40,7 +40,7 @@ from multihead.latent import LatentAttention
 from multihead.rope import RopeScaling, RotaryEmbedding
 
 __all__ = ["convert", "from_bert", "from_deepseek", "from_gpt2", "from_llama", "rope_scaling_from_config",
-           "rotary_from_config"]
+           "rotary_from_config", "sliding_window_of"]
 
 BERT_FAMILY = ("BertSelfAttention", "RobertaSelfAttention")
 GPT2_FAMILY = ("GPT2Attention",)
@@ -180,7 +180,7 @@ def from_llama(attn_module: nn.Module, *, backend: str = "auto") -> Attention:
     H = attn_module.q_proj.out_features // D
     Hkv = attn_module.k_proj.out_features // D
     C = attn_module.q_proj.in_features
-    window = _sliding_window(attn_module, config)
+    window = sliding_window_of(attn_module)
     attn = Attention(C, H, Hkv, head_dim=D, bias=True, dropout=float(getattr(attn_module, "attention_dropout", 0.0)),
                      causal=True, rope=rotary_from_config(config, D), backend=backend, sliding_window=window)
     attn = _like(attn, attn_module, attn_module.q_proj.weight)
@@ -191,9 +191,10 @@ def from_llama(attn_module: nn.Module, *, backend: str = "auto") -> Attention:
     return attn
 
 
-def _sliding_window(attn_module: nn.Module, config) -> int | None:
-    """The layer's causal window: its own attribute, else the config's (per layer type
-    where the config lists them, as Qwen2's does)."""
+def sliding_window_of(attn_module: nn.Module) -> int | None:
+    """A transformers attention layer's causal window: its own attribute, else its config's
+    (per layer type where the config lists them, as Qwen2's does); None for none."""
+    config = getattr(attn_module, "config", None)
     window = getattr(attn_module, "sliding_window", None)
     if window is None:
         types = getattr(config, "layer_types", None)

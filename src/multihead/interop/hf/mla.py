@@ -57,6 +57,7 @@ import torch
 from torch import Tensor, nn
 
 from multihead._conversion import ConversionReport, LayerConversion, relative_error
+from multihead.interop.hf.convert import sliding_window_of
 from multihead.interop.hf.registry import hf_mask
 from multihead.latent import LatentAttention
 from multihead.rope import apply_rotary
@@ -374,7 +375,7 @@ def _convert_layer(attn: nn.Module, kv_rank: int, rope_dim: int, pairs: Tensor, 
 
     w = attn.q_proj.weight
     ratio = float(getattr(attn, "scaling", D ** -0.5)) * math.sqrt(Dn + rope_dim)  # to LatentAttention's scale
-    window = _sliding_window(attn)
+    window = sliding_window_of(attn)
     has_bias = any(getattr(attn, n).bias is not None for n in ("q_proj", "k_proj", "v_proj", "o_proj"))
     mla = LatentAttention(C, H, R, head_dim=Dn, rope_dim=rope_dim, v_head_dim=Dv, causal=True, backend=backend,
                           latent_norm=False, bias=has_bias, rope_interleaved=False,
@@ -420,12 +421,7 @@ def _convert_layer(attn: nn.Module, kv_rank: int, rope_dim: int, pairs: Tensor, 
     return layer, error
 
 
-def _sliding_window(attn: nn.Module) -> int | None:
-    window = getattr(attn, "sliding_window", None)
-    return int(window) if window else None
-
-
-def to_mla(model: nn.Module, kv_rank: int, *, rope_dim: int | None, keep: str = "norm",
+def to_mla(model: nn.Module, kv_rank: int, *, rope_dim: int | None, keep: str = "high",
            calibration: Tensor | None = None, backend: str = "auto", return_report: bool = False):
     """A copy of a Llama-family transformers model on multihead's MLA (module docstring).
 
@@ -433,7 +429,8 @@ def to_mla(model: nn.Module, kv_rank: int, *, rope_dim: int | None, keep: str = 
         kv_rank: R, the width of the shared latent (<= the rank of [W_k,nope ; W_v]).
         rope_dim: r, the width of the decoupled RoPE key: a multiple of 2 * Hkv up to
             Hkv * D (every pair rotary); required.
-        keep: "norm" (largest query-key norm product) or "high" (highest frequencies).
+        keep: "high" (the highest frequencies) or "norm" (the largest query-key norm
+            product). On SmolLM2, before any uptraining, "high" loses far less (docs/mla.md).
         calibration: token ids for the "norm" choice's statistics (default: from the weights).
 
     Returns:
@@ -453,6 +450,9 @@ def to_mla(model: nn.Module, kv_rank: int, *, rope_dim: int | None, keep: str = 
     k = rope_dim // (2 * Hkv)
     scores = rope_pair_scores(model, calibration=calibration) if keep == "norm" and 0 < k < D // 2 else {}
     if calibration is not None:
+        if keep != "norm":
+            raise ValueError(f"to_mla: calibration= feeds the keep='norm' choice's statistics; received it with "
+                             f"keep={keep!r}; valid: keep='norm', or no calibration")
         _check_calibration(calibration)  # also where no choice is left to make
     new = copy.deepcopy(model)
     rows = []

@@ -1,0 +1,173 @@
+"""A model converted by `to_mla` as a DeepSeek-V2 checkpoint that stock transformers loads.
+
+`to_deepseek_v2(mla_model, calibration=ids)` builds a transformers `DeepseekV2ForCausalLM`
+(dense MLPs in every layer: first_k_dense_replace = num_hidden_layers, no experts) with
+the converted model's weights; `save_pretrained` then writes a folder that
+`AutoModelForCausalLM.from_pretrained` loads with no multihead installed. Where the
+architecture can represent the conversion:
+
+- Llama and Mistral without a sliding window (DeepSeek-V2 has no window), RoPE of type
+  default, linear or llama3 (fixed frequencies, no attention factor). Refused by name:
+  Qwen2 (DeepSeek-V2's q_proj has no bias), Qwen3 (its per-head key norm has no place in
+  DeepSeek's latent path), a sliding window, dynamic/YaRN/LongRoPE source scaling.
+- The kept rotary pairs: DeepSeek rotates interleaved pairs (2s, 2s+1) of one shared RoPE
+  key at frequencies its rotary module computes from the config. The converted layer's
+  frequencies (each key/value head's kept pairs, side by side: repeated values, not a
+  geometric series) are written as transformers' "longrope" rope_parameters, whose
+  per-pair factors set any frequency exactly (short_factor = long_factor, factor 1,
+  attention_factor 1: no length switch, no scale); the rows are permuted to the
+  interleaved layout.
+- The latent RMSNorm (kv_a_layernorm) that DeepSeek-V2 always applies and the original
+  model does not have: RMSNorm(c) = g * c / rms(c), so the export sets its gain g to the
+  mean rms(c) of the layer's latents over `calibration` tokens (the least-squares choice
+  for c * g / rms(c) ~ c). What is left is a per-token rescaling of the nope keys and the
+  values by g / rms(c_j): approximate, measured by the caller (see docs/mla.md), and the
+  one difference between the exported and the converted model.
+
+transformers is imported only inside `to_deepseek_v2` (it builds a model of its classes).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor, nn
+
+from multihead.interop.hf.mla import LatentLlamaAttention
+
+__all__ = ["latent_gains", "to_deepseek_v2"]
+
+_STATIC_ROPE = ("default", "linear", "llama3")
+
+
+def _layers(model: nn.Module) -> list[LatentLlamaAttention]:
+    return [m for m in model.modules() if isinstance(m, LatentLlamaAttention)]
+
+
+def _check(model: nn.Module) -> list[LatentLlamaAttention]:
+    layers = _layers(model)
+    name = type(model).__name__
+    if not layers:
+        raise TypeError(f"to_deepseek_v2 takes a model converted by multihead.convert.to_mla (a Llama-family "
+                        f"transformers model); received {name}, which has no converted layer")
+    for i, layer in enumerate(layers):
+        m = layer.mla
+        if layer.k_norm is not None:
+            raise ValueError(f"to_deepseek_v2: layer {i} has a per-head key norm (Qwen3), which DeepSeek-V2's latent "
+                             "path cannot hold; valid: a converted Llama or Mistral model")
+        if m.q_proj.bias is not None:
+            raise ValueError(f"to_deepseek_v2: layer {i} has a query bias (Qwen2), and DeepSeek-V2's q_proj has none; "
+                             "valid: a converted Llama or Mistral model")
+        if m.sliding_window is not None:
+            raise ValueError(f"to_deepseek_v2: layer {i} attends within a sliding window of {m.sliding_window}, which "
+                             "DeepSeek-V2 does not have; valid: a model without sliding_window")
+        if not m.rope_dim:
+            raise ValueError("to_deepseek_v2: rope_dim=0 leaves DeepSeek-V2 no rotary key (qk_rope_head_dim 0 has no "
+                             "RoPE to run); valid: a model converted with rope_dim >= 2 * Hkv")
+    rotary = getattr(getattr(model, "model", None), "rotary_emb", None)
+    kind = getattr(rotary, "rope_type", "default")
+    if rotary is None or kind not in _STATIC_ROPE or float(getattr(rotary, "attention_scaling", 1.0)) != 1.0:
+        raise ValueError(f"to_deepseek_v2: the model's RoPE is {kind!r}; valid: {', '.join(_STATIC_ROPE)} (fixed "
+                         "frequencies, no attention factor)")
+    return layers
+
+
+def latent_gains(model: nn.Module, calibration: Tensor) -> list[float]:
+    """Each converted layer's mean rms of its latent c over `calibration` token ids `(B, T)`:
+    the gain the export gives DeepSeek's kv_a_layernorm."""
+    layers = _layers(model)
+    if not isinstance(calibration, Tensor) or calibration.dtype != torch.long or calibration.dim() != 2 \
+            or calibration.numel() == 0:
+        raise TypeError("calibration must be a non-empty LongTensor of token ids (B, T), for the latent norm's gain; "
+                        "received " + (f"a {calibration.dtype} tensor of shape {tuple(calibration.shape)}"
+                                       if isinstance(calibration, Tensor) else type(calibration).__name__))
+    sums = [[0.0, 0] for _ in layers]
+    handles = []
+    for i, layer in enumerate(layers):
+        def grab(module, args, kwargs, i=i):
+            x = kwargs.get("hidden_states", args[0] if args else None)
+            c = module.mla.kv_a_proj(x)[..., : module.mla.kv_rank].double()  # (B, T, R)
+            rms = c.square().mean(-1).sqrt()  # (B, T)
+            sums[i][0] += float(rms.sum())
+            sums[i][1] += rms.numel()
+        handles.append(layer.register_forward_pre_hook(grab, with_kwargs=True))
+    try:
+        with torch.no_grad():
+            model(input_ids=calibration.to(next(model.parameters()).device), use_cache=False)
+    finally:
+        for h in handles:
+            h.remove()
+    return [s / n for s, n in sums]
+
+
+def _interleave(rows: Tensor, r: int) -> Tensor:
+    """The last r rows of each block, half-split (s, s + r/2) -> interleaved (2s, 2s+1)."""
+    half = r // 2
+    order = torch.stack([torch.arange(half), torch.arange(half) + half], dim=1).reshape(-1)  # (r,)
+    return rows[..., order, :]
+
+
+def to_deepseek_v2(model: nn.Module, *, calibration: Tensor):
+    """A transformers `DeepseekV2ForCausalLM` with the weights of `model` (module docstring).
+
+    Args:
+        model: a Llama/Mistral model converted by `multihead.convert.to_mla`.
+        calibration: token ids `(B, T)` for the latent norm's gains (`latent_gains`).
+
+    Returns:
+        the DeepSeek-V2 model, in `model`'s dtype and in eval mode; `save_pretrained` it.
+    """
+    import transformers
+
+    layers = _check(model)
+    gains = latent_gains(model, calibration)
+    src = model.config
+    m0 = layers[0].mla
+    H, R, Dn, r, Dv = m0.n_heads, m0.kv_rank, m0.head_dim, m0.rope_dim, m0.v_head_dim
+    inv_freq = model.model.rotary_emb.inv_freq.detach().double().cpu()  # (D/2,) the original frequencies
+    freqs = inv_freq[layers[0].slot_freq.cpu()]  # (r/2,)
+    base = 10000.0
+    # longrope: inv_freq = 1 / (factor_s * base ** (2s / r)), so factor_s = 1 / (freq_s * base ** (2s / r))
+    factors = (1.0 / (freqs * base ** (torch.arange(0, r, 2, dtype=torch.float64) / r))).tolist()
+    for layer in layers[1:]:
+        if not torch.equal(layer.slot_freq, layers[0].slot_freq):
+            raise ValueError("to_deepseek_v2: the layers keep different rotary pairs, and DeepSeek-V2 has one RoPE "
+                             "for all layers; valid: a model converted with keep='high', or with pairs equal in "
+                             "every layer")
+    bias = any(m.mla.kv_a_proj.bias is not None or m.mla.o_proj.bias is not None for m in layers)
+    config = transformers.DeepseekV2Config(
+        vocab_size=src.vocab_size, hidden_size=src.hidden_size, intermediate_size=src.intermediate_size,
+        num_hidden_layers=src.num_hidden_layers, num_attention_heads=H, num_key_value_heads=H,
+        hidden_act=src.hidden_act, max_position_embeddings=src.max_position_embeddings,
+        rms_norm_eps=src.rms_norm_eps, tie_word_embeddings=bool(getattr(src, "tie_word_embeddings", False)),
+        attention_bias=bias, attention_dropout=0.0, mlp_bias=bool(getattr(src, "mlp_bias", False)),
+        kv_lora_rank=R, q_lora_rank=None, qk_nope_head_dim=Dn, qk_rope_head_dim=r, v_head_dim=Dv,
+        first_k_dense_replace=src.num_hidden_layers, n_routed_experts=1, n_shared_experts=1,
+        num_experts_per_tok=1, moe_intermediate_size=1, n_group=1, topk_group=1,
+        rope_parameters={"rope_type": "longrope", "rope_theta": base, "short_factor": factors,
+                         "long_factor": factors, "factor": 1.0, "attention_factor": 1.0,
+                         "original_max_position_embeddings": src.max_position_embeddings},
+        bos_token_id=src.bos_token_id, eos_token_id=src.eos_token_id, pad_token_id=src.pad_token_id,
+    )
+    w = m0.kv_b_proj.weight
+    out = transformers.DeepseekV2ForCausalLM(config).to(dtype=w.dtype, device=w.device).eval()
+    state = {k: v for k, v in model.state_dict().items() if ".self_attn." not in k}
+    missing, _ = out.load_state_dict(state, strict=False)
+    with torch.no_grad():
+        for i, (layer, gain) in enumerate(zip(layers, gains)):
+            m, dst = layer.mla, out.model.layers[i].self_attn
+            q = m.q_proj.weight.view(H, Dn + r, -1)
+            dst.q_proj.weight.copy_(torch.cat([q[:, :Dn], _interleave(q[:, Dn:], r)], dim=1).reshape(-1, q.shape[-1]))
+            a = m.kv_a_proj.weight
+            dst.kv_a_proj_with_mqa.weight.copy_(torch.cat([a[:R], _interleave(a[R:], r)]))
+            if dst.kv_a_proj_with_mqa.bias is not None:
+                b = m.kv_a_proj.bias
+                dst.kv_a_proj_with_mqa.bias.copy_(torch.zeros_like(dst.kv_a_proj_with_mqa.bias) if b is None else
+                                                  torch.cat([b[:R], _interleave(b[R:, None], r)[:, 0]]))
+            dst.kv_a_layernorm.weight.fill_(gain)
+            dst.kv_b_proj.weight.copy_(m.kv_b_proj.weight)
+            dst.o_proj.weight.copy_(m.o_proj.weight)
+            if dst.o_proj.bias is not None:
+                dst.o_proj.bias.copy_(torch.zeros_like(dst.o_proj.bias) if m.o_proj.bias is None else m.o_proj.bias)
+    left = [k for k in missing if ".self_attn." not in k and not (config.tie_word_embeddings and k == "lm_head.weight")]
+    assert not left, left  # every non-attention weight has its twin in the Llama model
+    return out
