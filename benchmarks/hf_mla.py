@@ -7,7 +7,7 @@ time with transformers' DynamicCache, three ways:
 - "transformers": the model as it is (sdpa);
 - "registry": attn_implementation="multihead", the model otherwise untouched (the
   attention module still decompresses every cached token's K and V each step);
-- "patched": `multihead.interop.hf.patch(model)`: LatentAttention, latent-only cache,
+- "patched": `multihead.interop.hf.use_latent_attention(model)`: LatentAttention, latent-only cache,
   absorbed decode.
 
 Reported per way: cache bytes after the run, median decode time per token (ms), and
@@ -82,7 +82,7 @@ def main(argv=None) -> int:
     registry = copy.deepcopy(base)
     registry.set_attn_implementation("multihead")
     ways["registry"] = registry
-    ways["patched"] = hf.patch(copy.deepcopy(base))
+    ways["patched"] = hf.use_latent_attention(copy.deepcopy(base))
     rows = {}
     for name, model in ways.items():
         tokens, times, cache = decode(model, ids, args.new)

@@ -419,13 +419,13 @@ def test_errors_name_what_was_received():
         heads.record(gpt2, ids)
 
 
-def test_deepseek_v2_through_patch_records_ablates_and_scans():
-    """`multihead.interop.hf.patch` swaps DeepSeek-V2's attention for LatentAttention: the
+def test_deepseek_v2_with_latent_attention_records_ablates_and_scans():
+    """`multihead.interop.hf.use_latent_attention` swaps DeepSeek-V2's attention for LatentAttention: the
     heads are reached through it (z, per-head k/v through kv_b_proj, patterns)."""
     import multihead.interop.hf as mhf
 
     model = build("deepseek_v2", lm=True)
-    mhf.patch(model)
+    mhf.use_latent_attention(model)
     eager = build("deepseek_v2", lm=True)
     eager.set_attn_implementation("eager")
     clean, corrupted = _inputs("deepseek_v2", 1, pad=False), _inputs("deepseek_v2", 2, pad=False)

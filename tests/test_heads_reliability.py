@@ -56,7 +56,7 @@ def _eager_with_zeroed_heads(name: str, removed: list[tuple[int, int]], Dv: int)
 
 def test_prune_of_a_patched_deepseek_is_what_state_dict_save_and_unpatch_give(tmp_path):
     removed = [(0, 1), (0, 3), (1, 0), (1, 2)]
-    model = mhf.patch(build("deepseek_v2", lm=True))
+    model = mhf.use_latent_attention(build("deepseek_v2", lm=True))
     ids = _ids()
     want = _eager_with_zeroed_heads("deepseek_v2", removed, model.config.v_head_dim)
     with torch.no_grad():
@@ -76,14 +76,14 @@ def test_prune_of_a_patched_deepseek_is_what_state_dict_save_and_unpatch_give(tm
     assert _max_diff(saved, want_logits) < 1e-5, f"saved pruned model vs zeroed heads: {_max_diff(saved, want_logits)}"
     for key, t in model.state_dict().items():
         assert loaded.state_dict()[key].shape == t.shape, key
-    mhf.unpatch(model)
+    mhf.restore_attention(model)
     with torch.no_grad():
         back = model(ids).logits
     assert _max_diff(back, want_logits) < 1e-5, f"unpatched vs zeroed heads: {_max_diff(back, want_logits)}"
 
 
 def test_prune_of_a_patched_deepseek_refuses_what_its_config_cannot_hold():
-    model = mhf.patch(build("deepseek_v2", lm=True))
+    model = mhf.use_latent_attention(build("deepseek_v2", lm=True))
     before = {k: v.clone() for k, v in model.state_dict().items()}
     with pytest.raises(ValueError, match=r"different head counts \[2, 3\].*same number of heads in every layer"):
         heads.prune(model, [(0, 1), (1, 0), (1, 2)])

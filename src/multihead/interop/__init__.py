@@ -2,8 +2,8 @@
 
 `multihead.interop.hf`: Hugging Face transformers. Importing it registers
 attn_implementation="multihead" (every model whose attention calls transformers'
-attention registry then runs on multihead's kernel); `patch(model)` swaps DeepSeek-V2/V3
-attention for `LatentAttention` (latent cache, absorbed decode); `from_bert`,
+attention registry then runs on multihead's kernel); `use_latent_attention(model)` swaps
+DeepSeek-V2/V3 attention for `LatentAttention` (latent cache, absorbed decode); `from_bert`,
 `from_gpt2`, `from_llama`, `from_deepseek` take one layer out as a multihead module.
 Nothing here imports transformers until one of these names is used.
 """
@@ -19,10 +19,10 @@ _LAZY = {
     "from_deepseek": "multihead.interop.hf",
     "from_gpt2": "multihead.interop.hf",
     "from_llama": "multihead.interop.hf",
-    "patch": "multihead.interop.hf",
-    "patched_layers": "multihead.interop.hf",
+    "latent_attention_layers": "multihead.interop.hf",
     "register": "multihead.interop.hf",
-    "unpatch": "multihead.interop.hf",
+    "restore_attention": "multihead.interop.hf",
+    "use_latent_attention": "multihead.interop.hf",
 }
 
 __all__ = list(_LAZY)

@@ -13,15 +13,16 @@ Three jobs, one module each:
 
 - `registry`: `register()`, the attention function, `WeightsRequest` (weights of chosen
   heads, returned by the forward) and `WeightsAnswer` (how one attention call answers
-  it, written once for the attention function and the patch).
+  it, written once for the attention function and the DeepSeek layer).
 - `convert`: one HF attention layer -> a standalone multihead module with the same
   weights (`from_bert`, `from_gpt2`, `from_llama`, `from_deepseek`, `convert`), and the
   model's RoPE settings -> `RotaryEmbedding`.
-- `patch`: the one case the registry cannot serve: DeepSeek-V2/V3 attention swapped for
-  a layer that calls `LatentAttention.forward` (transformers' angles, mask and cache
-  through its `rotary=` and `store=`), so `generate()` caches the latent and decodes on
-  the absorbed path;
-  `unpatch()` restores the model, and saving a patched model writes the original keys.
+- `deepseek`: the one case the registry cannot serve: `use_latent_attention(model)` swaps
+  DeepSeek-V2/V3 attention for a layer that calls `LatentAttention.forward`
+  (transformers' angles, mask and cache through its `rotary=` and `store=`), so
+  `generate()` caches the latent and decodes on the absorbed path;
+  `restore_attention(model)` puts the original layers back, and saving a model with
+  LatentAttention layers writes the original keys.
 """
 
 from __future__ import annotations
@@ -35,7 +36,13 @@ from multihead.interop.hf.convert import (
     rope_scaling_from_config,
     rotary_from_config,
 )
-from multihead.interop.hf.patch import is_patched, latent_cache_bytes, patch, patched_layers, unpatch
+from multihead.interop.hf.deepseek import (
+    latent_attention_layers,
+    latent_cache_bytes,
+    restore_attention,
+    use_latent_attention,
+    uses_latent_attention,
+)
 from multihead.interop.hf.registry import (
     AttentionCall,
     CaptureComplete,
@@ -57,15 +64,15 @@ __all__ = [
     "from_gpt2",
     "from_llama",
     "hf_mask",
-    "is_patched",
+    "latent_attention_layers",
     "latent_cache_bytes",
-    "patch",
-    "patched_layers",
     "register",
     "registered",
+    "restore_attention",
     "rope_scaling_from_config",
     "rotary_from_config",
-    "unpatch",
+    "use_latent_attention",
+    "uses_latent_attention",
 ]
 
 try:  # registering needs transformers; the conversions alone do not import it

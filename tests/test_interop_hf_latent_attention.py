@@ -1,9 +1,9 @@
-"""patch(): DeepSeek-V2/V3 attention as LatentAttention inside a transformers model.
+"""use_latent_attention(): DeepSeek-V2/V3 attention as LatentAttention inside a transformers model.
 
-Tiny random-weight DeepSeek models from their config classes: the patched model's
+Tiny random-weight DeepSeek models from their config classes: the swapped model's
 greedy `generate` gives transformers' tokens (left padding, batch 2), decodes on the
 absorbed path with only the latent in its cache (bytes asserted), and saves the
-original keys; `unpatch` restores the original modules. YaRN (the published
+original keys; `restore_attention` restores the original modules. YaRN (the published
 DeepSeek-V2/V3 RoPE scaling) is compared with transformers' own layer.
 """
 
@@ -64,8 +64,8 @@ GEN = dict(max_new_tokens=6, do_sample=False, output_scores=True, return_dict_in
                                                        (3, False, False)])
 def test_generate_equal_with_a_latent_cache(version, yarn, interleave, monkeypatch):
     ref = _deepseek(version, yarn=yarn, interleave=interleave)
-    model = hf.patch(copy.deepcopy(ref))
-    assert len(hf.patched_layers(model)) == L
+    model = hf.use_latent_attention(copy.deepcopy(ref))
+    assert len(hf.latent_attention_layers(model)) == L
     paths = []
     for name in ("attend_absorbed", "attend_naive"):
         real = getattr(LatentAttention, name)
@@ -91,7 +91,7 @@ def test_generate_equal_with_a_latent_cache(version, yarn, interleave, monkeypat
 def test_output_attentions_equal_eager():
     ref = _deepseek(2, yarn=True)
     ref.set_attn_implementation("eager")
-    model = hf.patch(copy.deepcopy(ref))
+    model = hf.use_latent_attention(copy.deepcopy(ref))
     ids, keep = _batch()
     with torch.no_grad():
         want = ref(input_ids=ids, attention_mask=keep, output_attentions=True)
@@ -104,16 +104,16 @@ def test_output_attentions_equal_eager():
         assert_close(a, b, atol=1e-5, rtol=0, what="logits")
 
 
-def test_a_weights_request_and_output_attentions_on_a_patched_model():
-    """The patch answers as the attention function does (registry.WeightsAnswer): the requested
+def test_a_weights_request_and_output_attentions_with_latent_attention():
+    """The swapped layer answers as the attention function does (registry.WeightsAnswer): the requested
     heads recorded, every head returned when output_attentions asks, a bad request refused."""
     ref = _deepseek(2)
     ref.set_attn_implementation("eager")
-    model = hf.patch(copy.deepcopy(ref))
+    model = hf.use_latent_attention(copy.deepcopy(ref))
     ids, keep = _batch()
     with torch.no_grad():
         want = ref(input_ids=ids, attention_mask=keep, output_attentions=True).attentions
-    layer = hf.patched_layers(model)[1]
+    layer = hf.latent_attention_layers(model)[1]
     for output_attentions in (False, True):
         request = hf.WeightsRequest({layer: [0, 3]})
         out = request.run(model, input_ids=ids, attention_mask=keep, output_attentions=output_attentions)
@@ -132,11 +132,11 @@ def test_a_weights_request_and_output_attentions_on_a_patched_model():
 
 def test_save_pretrained_writes_the_original_keys(tmp_path):
     ref = _deepseek(2, yarn=True)
-    model = hf.patch(copy.deepcopy(ref))
+    model = hf.use_latent_attention(copy.deepcopy(ref))
     assert sorted(model.state_dict()) == sorted(ref.state_dict())
     model.save_pretrained(tmp_path)
     plain = transformers.AutoModelForCausalLM.from_pretrained(tmp_path).eval()
-    assert not hf.is_patched(plain)
+    assert not hf.uses_latent_attention(plain)
     ids, keep = _batch()
     with torch.no_grad():
         a = plain(input_ids=ids, attention_mask=keep).logits
@@ -144,20 +144,20 @@ def test_save_pretrained_writes_the_original_keys(tmp_path):
     assert torch.equal(a, b), f"reloaded plain model differs by {(a - b).abs().max():.2e}"
 
 
-def test_parameters_are_shared_and_unpatch_restores():
+def test_parameters_are_shared_and_restore_attention_puts_the_layers_back():
     ref = _deepseek(2)
     model = copy.deepcopy(ref)
     originals = [layer.self_attn for layer in model.model.layers]
     n_params = sum(p.numel() for p in model.parameters())
-    hf.patch(model)
-    hf.patch(model)  # twice: a no-op
+    hf.use_latent_attention(model)
+    hf.use_latent_attention(model)  # twice: a no-op
     assert sum(p.numel() for p in model.parameters()) == n_params
-    layer = hf.patched_layers(model)[0]
+    layer = hf.latent_attention_layers(model)[0]
     assert layer.mla.kv_b_proj is originals[0].kv_b_proj  # shared, not copied
     with torch.no_grad():  # training the patched model trains the original weights
         layer.kv_b_proj.weight.mul_(1.5)
-    hf.unpatch(model)
-    assert [layer.self_attn for layer in model.model.layers] == originals and not hf.is_patched(model)
+    hf.restore_attention(model)
+    assert [layer.self_attn for layer in model.model.layers] == originals and not hf.uses_latent_attention(model)
     assert torch.equal(originals[0].kv_b_proj.weight, ref.model.layers[0].self_attn.kv_b_proj.weight * 1.5)
 
 
@@ -177,20 +177,20 @@ def test_from_deepseek_with_yarn_equals_the_transformers_layer():
     assert_close(got, want, atol=1e-5, rtol=0, what="from_deepseek (YaRN) vs DeepseekV2Attention")
 
 
-def test_patch_refuses_models_without_mla():
+def test_use_latent_attention_refuses_models_without_mla():
     llama = transformers.LlamaModel(transformers.LlamaConfig(hidden_size=32, intermediate_size=64,
                                                              num_hidden_layers=1, num_attention_heads=4, vocab_size=50))
     with pytest.raises(ValueError, match=r"LlamaModel has none\. To run any other model on multihead, use "
                                          r"model\.set_attn_implementation\('multihead'\)"):
-        hf.patch(llama)
+        hf.use_latent_attention(llama)
     with pytest.raises(TypeError, match="received str"):
-        hf.patch("deepseek")
+        hf.use_latent_attention("deepseek")
     with pytest.raises(TypeError, match="received int"):
-        hf.unpatch(3)
+        hf.restore_attention(3)
 
 
-def test_inspect_captures_a_patched_model():
-    """multihead inspect reaches the patched layers too (through the same WeightsRequest)."""
+def test_inspect_captures_a_model_with_latent_attention():
+    """multihead inspect reaches the swapped layers too (through the same WeightsRequest)."""
     from multihead.inspect import capture
     from multihead.inspect.capture import minilm_path
 
@@ -204,7 +204,7 @@ def test_inspect_captures_a_patched_model():
     torch.manual_seed(0)
     ref = t.DeepseekV2Model(cfg).eval()
     ref.set_attn_implementation("eager")
-    model = hf.patch(copy.deepcopy(ref))
+    model = hf.use_latent_attention(copy.deepcopy(ref))
     cap = capture("The cat sat on the mat.", model=(model, tok), layers=[1], heads=[0, 3])
     with torch.no_grad():
         want = ref(torch.tensor([cap.token_ids]), output_attentions=True).attentions[1][0, [0, 3]]
@@ -233,24 +233,24 @@ def test_decode_benchmark_runs(tmp_path):
 
 
 @pytest.mark.parametrize("version", [2, 3])
-def test_a_patched_model_pickles_and_loads_back_equal(version, tmp_path):
-    """torch.save of the whole patched model (a class made at patch time) loads back patched,
-    with the same outputs, sharing parameters as before, and unpatches to the original."""
+def test_a_model_with_latent_attention_pickles_and_loads_back_equal(version, tmp_path):
+    """torch.save of the whole swapped model (a class made at swap time) loads back swapped,
+    with the same outputs, sharing parameters as before, and restores to the original."""
     ref = _deepseek(version, yarn=True)
-    model = hf.patch(copy.deepcopy(ref))
+    model = hf.use_latent_attention(copy.deepcopy(ref))
     torch.save(model, tmp_path / "model.pt")
     loaded = torch.load(tmp_path / "model.pt", weights_only=False)
-    assert len(hf.patched_layers(loaded)) == L
-    layer = hf.patched_layers(loaded)[0]
+    assert len(hf.latent_attention_layers(loaded)) == L
+    layer = hf.latent_attention_layers(loaded)[0]
     assert layer.mla.kv_b_proj is layer.kv_b_proj  # still shared after the round trip
-    assert type(layer) is type(hf.patched_layers(model)[0])  # the same class, made once per process
+    assert type(layer) is type(hf.latent_attention_layers(model)[0])  # the same class, made once per process
     ids, keep = _batch()
     with torch.no_grad():
         a = loaded(input_ids=ids, attention_mask=keep).logits
         b = ref(input_ids=ids, attention_mask=keep).logits
     assert_close(a, b, atol=1e-5, rtol=0, what="reloaded patched model vs the plain one")
-    hf.unpatch(loaded)
+    hf.restore_attention(loaded)
     with torch.no_grad():
         assert torch.equal(loaded(input_ids=ids, attention_mask=keep).logits, b)
     copied = copy.deepcopy(model)  # deepcopy takes the same road
-    assert hf.patched_layers(copied)[0].mla.o_proj is hf.patched_layers(copied)[0].o_proj
+    assert hf.latent_attention_layers(copied)[0].mla.o_proj is hf.latent_attention_layers(copied)[0].o_proj

@@ -1,10 +1,10 @@
-"""`patch(model)`: DeepSeek-V2/V3 attention as multihead's `LatentAttention`, in place.
+"""`use_latent_attention(model)`: DeepSeek-V2/V3 attention as multihead's `LatentAttention`, in place.
 
 The attention registry (`registry`) runs every other model on multihead without
 touching it. MLA is the one case it cannot serve: transformers' DeepSeek attention
 decompresses the K and V of every cached token at every decode step (kv_b_proj over
 the whole cache) before calling the registry, so an attention function only ever sees
-the decompressed heads. `patch` swaps each `DeepseekV2Attention` / `DeepseekV3Attention`
+the decompressed heads. `use_latent_attention` swaps each `DeepseekV2Attention` / `DeepseekV3Attention`
 for a layer that keeps only the latent in transformers' cache, c_kv and the rotated
 shared RoPE key, R + rope_dim values per token and layer, and decodes on
 `LatentAttention`'s absorbed path (W_UK folded into the query, W_UV applied after):
@@ -16,7 +16,7 @@ Safe by construction:
   (q_a_proj, q_a_layernorm, ..., kv_b_proj, o_proj), so the parameters are shared, not
   copied, and `state_dict()` / `save_pretrained` write exactly the original keys: the
   saved folder loads as the plain transformers model and computes the same outputs;
-- `unpatch(model)` puts the original modules back (they were never changed);
+- `restore_attention(model)` puts the original modules back (they were never changed);
 - the replacement is an instance of a subclass of the replaced class, so transformers'
   `output_attentions` capture still finds it.
 
@@ -33,7 +33,8 @@ from multihead.interop.hf.convert import DEEPSEEK_FAMILY, from_deepseek
 from multihead.interop.hf.registry import AttentionCall, WeightsAnswer, hf_mask
 from multihead.latent import LatentAttention
 
-__all__ = ["LatentAttentionLayer", "is_patched", "patch", "patched_layers", "unpatch"]
+__all__ = ["LatentAttentionLayer", "latent_attention_layers", "latent_cache_bytes", "restore_attention",
+           "use_latent_attention", "uses_latent_attention"]
 
 # (LatentAttention attribute, transformers attribute): the shared submodules.
 _SHARED = (("q_proj", "q_proj"), ("q_a_proj", "q_a_proj"), ("q_a_norm", "q_a_layernorm"), ("q_b_proj", "q_b_proj"),
@@ -58,12 +59,12 @@ def _rotary(position_embeddings) -> tuple[Tensor, Tensor] | None:
 
 
 class LatentAttentionLayer(nn.Module):
-    """What `patch` puts in place of a DeepSeek attention layer (see the module docstring).
+    """What `use_latent_attention` puts in place of a DeepSeek attention layer (see the module docstring).
 
     Attributes:
         mla: the `LatentAttention` that computes the layer (sharing this layer's submodules;
             not registered, so its parameters appear once, under transformers' names).
-        original: the replaced module, which `unpatch` restores.
+        original: the replaced module, which `restore_attention` puts back.
         layer_idx: the layer's index in transformers' cache.
     """
 
@@ -93,7 +94,7 @@ class LatentAttentionLayer(nn.Module):
         self.train(original.training)
 
     def __reduce_ex__(self, protocol):
-        # The class is made at patch time (it derives from the replaced transformers class),
+        # The class is made when the layer is swapped in (it derives from the replaced transformers class),
         # so pickle cannot find it by name: it is made again from that class on load.
         return _new_replacement, (type(self).__bases__[1],), self.__getstate__()
 
@@ -109,8 +110,8 @@ class LatentAttentionLayer(nn.Module):
         `LatentAttention.forward` with transformers' angles, mask and cache."""
         mla = self.mla
         if self.training and float(getattr(self.config, "attention_dropout", 0.0) or 0.0) > 0:
-            raise ValueError("the patched DeepSeek layer has no attention dropout; set config.attention_dropout=0 "
-                             "to train it, or unpatch(model)")
+            raise ValueError("the LatentAttention DeepSeek layer has no attention dropout; set "
+                             "config.attention_dropout=0 to train it, or restore_attention(model)")
         cache = cache if cache is not None else past_key_values
         x = hidden_states
         T = x.shape[1]
@@ -165,18 +166,19 @@ def _set_child(model: nn.Module, qualified_name: str, new: nn.Module) -> None:
     setattr(parent, child, new)
 
 
-def patch(model: nn.Module, *, backend: str = "auto") -> nn.Module:
+def use_latent_attention(model: nn.Module, *, backend: str = "auto") -> nn.Module:
     """Swap, in place, every DeepSeek-V2/V3 attention layer of `model` for multihead's MLA.
 
     `generate()` then keeps only the latent per token in its cache and decodes on the
     absorbed path, with the same tokens. Parameters are shared with the replaced layers
-    (same names, same tensors); patching twice is a no-op. Returns `model`.
+    (same names, same tensors); a second call is a no-op. Returns `model`.
 
-    Other models need no patch: `model.set_attn_implementation("multihead")` (or
+    Other models need no swap: `model.set_attn_implementation("multihead")` (or
     `attn_implementation="multihead"` when loading) runs them on multihead as they are.
     """
     if not isinstance(model, nn.Module):
-        raise TypeError(f"patch takes a torch nn.Module (a loaded transformers model); received {type(model).__name__}")
+        raise TypeError(f"use_latent_attention takes a torch nn.Module (a loaded transformers model); received "
+                        f"{type(model).__name__}")
     found = 0
     for name, module in list(model.named_modules()):
         if isinstance(module, LatentAttentionLayer):
@@ -190,28 +192,29 @@ def patch(model: nn.Module, *, backend: str = "auto") -> nn.Module:
         _set_child(model, name, new)
         found += 1
     if not found:
-        raise ValueError(f"patch() swaps DeepSeek-V2/V3 attention ({', '.join(DEEPSEEK_FAMILY)}) for multihead's "
-                         f"LatentAttention; {type(model).__name__} has none. To run any other model on multihead, "
-                         "use model.set_attn_implementation('multihead') or from_pretrained(..., "
+        raise ValueError(f"use_latent_attention() swaps DeepSeek-V2/V3 attention ({', '.join(DEEPSEEK_FAMILY)}) for "
+                         f"multihead's LatentAttention; {type(model).__name__} has none. To run any other model on "
+                         "multihead, use model.set_attn_implementation('multihead') or from_pretrained(..., "
                          "attn_implementation='multihead') after importing multihead.interop.hf")
     return model
 
 
-def patched_layers(model: nn.Module) -> list[LatentAttentionLayer]:
-    """The patched layers of `model`, in module order."""
+def latent_attention_layers(model: nn.Module) -> list[LatentAttentionLayer]:
+    """The layers of `model` that `use_latent_attention` swapped in, in module order."""
     return [m for m in model.modules() if isinstance(m, LatentAttentionLayer)]
 
 
-def is_patched(model: nn.Module) -> bool:
-    """Whether `model` has layers swapped by `patch`."""
-    return bool(patched_layers(model))
+def uses_latent_attention(model: nn.Module) -> bool:
+    """Whether `model` has layers swapped in by `use_latent_attention`."""
+    return bool(latent_attention_layers(model))
 
 
-def unpatch(model: nn.Module) -> nn.Module:
-    """Put back the original transformers modules that `patch` replaced (a no-op on an
-    unpatched model). Their weights are the ones the patched model used and trained."""
+def restore_attention(model: nn.Module) -> nn.Module:
+    """Put back the original transformers modules that `use_latent_attention` replaced (a
+    no-op on a model without them). Their weights are the ones the LatentAttention layers
+    used and trained."""
     if not isinstance(model, nn.Module):
-        raise TypeError(f"unpatch takes a torch nn.Module; received {type(model).__name__}")
+        raise TypeError(f"restore_attention takes a torch nn.Module; received {type(model).__name__}")
     for name, module in list(model.named_modules()):
         if isinstance(module, LatentAttentionLayer):
             original = module.original
