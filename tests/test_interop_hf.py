@@ -4,7 +4,7 @@ The real model is all-MiniLM-L6-v2 (bundled offline); GPT-2, Llama (GQA, scaled 
 Qwen2 (q/k/v biases, no o bias) and Mistral (MQA, sliding window) are tiny random-weight
 models built from their config classes. Every check compares numbers and prints the max
 difference. (Whole models on multihead: test_interop_hf_registry.py; DeepSeek's MLA:
-test_interop_hf_patch.py.)
+test_interop_hf_latent_attention.py.)
 """
 
 from __future__ import annotations

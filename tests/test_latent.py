@@ -310,7 +310,7 @@ def test_bad_calls(case):
 
 def test_from_hf_reads_yarn_rope_scaling():
     """DeepSeek-V2's published YaRN: frequencies scaled, and mscale^2 on the softmax scale
-    (the full numeric comparison with transformers is in test_interop_hf_patch.py)."""
+    (the full numeric comparison with transformers is in test_interop_hf_latent_attention.py)."""
     _, hf = _hf_layer(None)
     cfg = hf.config
     cfg.rope_parameters = dict(cfg.rope_parameters, rope_type="yarn", factor=4.0, original_max_position_embeddings=16,
