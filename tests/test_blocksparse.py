@@ -133,10 +133,10 @@ def test_fused_engines_agree_in_float64(tile, G, monkeypatch):
     (masks.causal(), {0: 64}),
     (masks.causal() & masks.causal(), {0: 64}),
     (masks.document(torch.arange(64) // 16) & masks.causal(), {0: 16, 16: 32, 32: 48, 48: 64}),
-    (masks.chunked(16) & masks.causal(), {0: 16, 16: 32, 32: 48, 48: 64}),
+    (masks.local_chunks(16) & masks.causal(), {0: 16, 16: 32, 32: 48, 48: 64}),
     (masks.document(torch.arange(64) // 12) & masks.causal(),  # documents: wherever they start
      {0: 12, 12: 24, 24: 36, 36: 48, 48: 60, 60: 64}),
-    (masks.chunked(12) & masks.causal(), {0: 8, 24: 32, 48: 56}),  # chunks: on tile edges only
+    (masks.local_chunks(12) & masks.causal(), {0: 8, 24: 32, 48: 56}),  # chunks: on tile edges only
     (masks.sliding_window(20) & masks.causal(), {0: 16}),  # rows 0..15 see all keys before them
     (masks.sliding_window(4) & masks.causal(), {}),  # narrower than a tile: the diagonal is a band
     (masks.padding(torch.tensor([30, 64])) & masks.causal(), {0: 24}),  # batch 0's keys 30.. are hidden

@@ -77,7 +77,7 @@ def _pred_cases():
         "window&causal": (CHUNK, lambda S: masks.sliding_window(24) & masks.causal(), False),
         "window, causal=True, decode": (DECODE, lambda S: masks.sliding_window(24), True),
         "document&causal": (CHUNK, lambda S: masks.document(_doc_ids(S)) & masks.causal(), False),
-        "(prefix|chunked)&padding": (CHUNK, lambda S: (masks.prefix_lm(torch.tensor([10, 30])) | masks.chunked(16))
+        "(prefix|chunked)&padding": (CHUNK, lambda S: (masks.prefix_lm(torch.tensor([10, 30])) | masks.local_chunks(16))
                                      & masks.padding(torch.tensor([S, 0])), False),  # batch 1: no key at all
         "causal, T > S": (OVER, lambda S: None, True),
     }

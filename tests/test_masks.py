@@ -56,7 +56,7 @@ def make_mod(kind, arg):
     if kind == "window":
         return masks.sliding_window(arg)
     if kind == "chunked":
-        return masks.chunked(arg)
+        return masks.local_chunks(arg)
     if kind == "document":
         return masks.document(torch.as_tensor(arg))
     if kind == "prefix":
@@ -183,7 +183,7 @@ def test_causal_flag_with_a_predicate_and_decode(tiny_tiles):
     qp, kv = np_positions(2, 9)
     ref = R.attention(q.numpy(), k.numpy(), v.numpy(), mask=(kv <= qp) & (kv > qp - 3))
     for backend in BACKENDS:
-        out = mh.scaled_dot_product_attention(q, k, v, masks.chunked(100), causal=True, backend=backend)
+        out = mh.scaled_dot_product_attention(q, k, v, masks.local_chunks(100), causal=True, backend=backend)
         assert_close(out, R.attention(q.numpy(), k.numpy(), v.numpy(), causal=True), what=backend)
         out = mh.scaled_dot_product_attention(q, k, v, masks.sliding_window(3), backend=backend)
         assert_close(out, ref, what=backend)

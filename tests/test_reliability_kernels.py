@@ -58,7 +58,7 @@ def test_softcap_refuses_a_cap_that_requires_grad():
 _HUGE = [2**62 + 1, 2**63, 10**20, np.uint64(2**63)]
 
 
-@pytest.mark.parametrize("make", [masks.sliding_window, masks.chunked, masks.prefix_lm],
+@pytest.mark.parametrize("make", [masks.sliding_window, masks.local_chunks, masks.prefix_lm],
                          ids=["sliding_window", "chunked", "prefix_lm"])
 @pytest.mark.parametrize("n", _HUGE, ids=str)
 def test_predicate_integers_beyond_int64_positions_are_refused(make, n):
@@ -70,7 +70,7 @@ def test_predicate_integers_beyond_int64_positions_are_refused(make, n):
 
 @pytest.mark.parametrize("make, same", [(masks.sliding_window, masks.causal()),
                                         (masks.prefix_lm, lambda b, h, q, kv: kv >= 0),
-                                        (masks.chunked, lambda b, h, q, kv: kv >= 0)],
+                                        (masks.local_chunks, lambda b, h, q, kv: kv >= 0)],
                          ids=["sliding_window", "prefix_lm", "chunked"])
 def test_predicate_integers_up_to_the_bound_are_exact(make, same):
     """The largest value accepted still gives the right mask (a window past S is causal)."""

@@ -9,7 +9,7 @@ with, broadcasting over the dimensions they ignore: `causal()` becomes `(1, 1, T
 Two index conventions, and why:
 
 - multihead's own predicates (`causal`, `sliding_window`, `document`, `prefix_lm`,
-  `chunked`, `padding`) see `q_idx` as the *position* of the query among the S keys,
+  `local_chunks`, `padding`) see `q_idx` as the *position* of the query among the S keys,
   aligned bottom-right: `q_idx = i + (S - T)` for query row i. The same `causal()` is
   then right for a full forward (S == T) and for decoding over a cache (S > T), where
   the new queries are the last positions.
@@ -41,11 +41,11 @@ __all__ = [
     "MaskMod",
     "and_masks",
     "causal",
-    "chunked",
     "document",
     "from_flex",
     "from_key_padding_mask",
     "from_torch_attn_mask",
+    "local_chunks",
     "or_masks",
     "padding",
     "prefix_lm",
@@ -333,9 +333,10 @@ def sliding_window(window: int) -> MaskMod:
                    relative=True)
 
 
-def chunked(size: int) -> MaskMod:
+def local_chunks(size: int) -> MaskMod:
     """Local chunks (Llama 4's chunked attention): attend within the same chunk of `size`
-    positions, q // size == kv // size. Not causal by itself: use `causal() & chunked(n)`."""
+    positions, q // size == kv // size. Not causal by itself: use `causal() & local_chunks(n)`.
+    (Not the "chunked" backend, which computes any mask over blocks of queries.)"""
     size = _bounded(check_positive_int("chunk size", size), "chunk size")
 
     def tiles(q_lo, q_hi, k_lo, k_hi, *_):
@@ -344,7 +345,7 @@ def chunked(size: int) -> MaskMod:
         return (ql <= kh) & (kl <= qh), (ql == qh) & (kl == kh) & (ql == kl)
 
     return MaskMod(lambda b, h, q, kv: q.div(size, rounding_mode="floor") == kv.div(size, rounding_mode="floor"),
-                   f"chunked({size})", tiles=tiles)
+                   f"local_chunks({size})", tiles=tiles)
 
 
 def _int_tensor(x, what: str, shape_hint: str) -> Tensor:

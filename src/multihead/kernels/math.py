@@ -14,7 +14,7 @@ from torch import Tensor
 from multihead.kernels.common import acc_dtype, causal_triangle, fold_scores, fold_values, index, softmax
 from multihead.masks import MaskMod
 
-__all__ = ["BLOCK_ELEMENTS", "block_rows", "chunked", "explicit", "math_backend", "rows_mask", "weights_pass"]
+__all__ = ["BLOCK_ELEMENTS", "attend_rows", "block_rows", "chunked", "math_backend", "rows_mask", "weights_pass"]
 
 # Scores kept in memory at once by the block-wise paths (elements of the accumulation
 # dtype). 2**24 float32 = 64 MiB.
@@ -48,7 +48,7 @@ def block_rows(B: int, H: int, S: int) -> int:
     return max(1, BLOCK_ELEMENTS // max(1, B * H * S))
 
 
-def explicit(q, k, v, mask, *, causal, scale, dropout_p, weight_heads, block_rows, score_mod=None, sinks=None):
+def attend_rows(q, k, v, mask, *, causal, scale, dropout_p, weight_heads, block_rows, score_mod=None, sinks=None):
     """matmul-softmax-matmul over blocks of `block_rows` queries (all at once for math).
 
     GQA: the G query heads that share a K/V head are folded into the query length,
@@ -84,14 +84,14 @@ def explicit(q, k, v, mask, *, causal, scale, dropout_p, weight_heads, block_row
 
 
 def math_backend(q, k, v, mask, *, causal, scale, dropout_p, weight_heads, score_mod=None):
-    return explicit(q, k, v, mask, causal=causal, scale=scale, dropout_p=dropout_p,
-                     weight_heads=weight_heads, block_rows=max(1, q.shape[2]), score_mod=score_mod)
+    return attend_rows(q, k, v, mask, causal=causal, scale=scale, dropout_p=dropout_p,
+                       weight_heads=weight_heads, block_rows=max(1, q.shape[2]), score_mod=score_mod)
 
 
 def chunked(q, k, v, mask, *, causal, scale, dropout_p, weight_heads, score_mod=None):
     B, H, _, _ = q.shape
-    return explicit(q, k, v, mask, causal=causal, scale=scale, dropout_p=dropout_p,
-                     weight_heads=weight_heads, block_rows=block_rows(B, H, k.shape[2]), score_mod=score_mod)
+    return attend_rows(q, k, v, mask, causal=causal, scale=scale, dropout_p=dropout_p,
+                       weight_heads=weight_heads, block_rows=block_rows(B, H, k.shape[2]), score_mod=score_mod)
 
 
 def weights_pass(q, k, mask, causal, scale, heads, *, score_mod=None):

@@ -274,9 +274,9 @@ def _with_sinks(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, *, causal:
     its `sinks` option, and the softcap too when a model has both. Returns (out
     `(B, H, T, Dv)`, weights `(B, H, T, S)`, the probabilities before dropout)."""
     H, T = q.shape[1], q.shape[2]
-    return explicit_math.explicit(q, k, v, mask, causal=causal, scale=scale, dropout_p=dropout_p,
-                                  weight_heads=tuple(range(H)), block_rows=max(1, T), sinks=sinks,
-                                  score_mod=None if softcap is None else score_mods.softcap(softcap))
+    return explicit_math.attend_rows(q, k, v, mask, causal=causal, scale=scale, dropout_p=dropout_p,
+                                     weight_heads=tuple(range(H)), block_rows=max(1, T), sinks=sinks,
+                                     score_mod=None if softcap is None else score_mods.softcap(softcap))
 
 
 def _nothing_but_qkv(module: nn.Module, position_bias, softcap, s_aux, sinks, kwargs: dict) -> bool:
