@@ -143,6 +143,60 @@ def test_cli_bad_input_exits_2(tmp_path, capsys):
     assert "a `lab heads` run; valid: the folder of a `lab mla` run" in capsys.readouterr().err
 
 
+@pytest.fixture(scope="module")
+def mla_run(tmp_path_factory):
+    """A small `lab mla` run (d_model 64, wider than --quick's 32) to start uptraining from."""
+    out = tmp_path_factory.mktemp("mla-run")
+    torch.set_num_threads(1)
+    run_mla(replace(MLAConfig.quick(), ranks=(4,), kv_heads=(), steps=24, finetune_steps=1, eval_batches=2), out,
+            seed=3, progress=False)
+    return out
+
+
+def _broken_copy(src: Path, dst: Path, edit) -> Path:
+    import json
+    import shutil
+
+    shutil.copytree(src, dst)
+    res = json.loads((dst / "results.json").read_text())
+    edit(res)
+    (dst / "results.json").write_text(json.dumps(res))
+    return dst
+
+
+@pytest.mark.parametrize("edit, message", [
+    (lambda r: r["config"].update(d_model=None), "has config.d_model null; valid: a positive integer"),
+    (lambda r: r["config"].update(steps="24"), 'has config.steps "24" (str); valid: a positive integer'),
+    (lambda r: r["config"].update(n_heads=4.0), "has config.n_heads 4.0 (float); valid: a positive integer"),
+    (lambda r: r["config"].update(lr=[1]), "has config.lr [1] (list); valid: a positive number"),
+    (lambda r: r["config"].update(corpus=3), "has config.corpus 3 (int); valid: a path (a string) or null"),
+    (lambda r: r.update(config=None), "has config null; valid: the settings of the run (an object)"),
+    (lambda r: r.update(seed="3"), 'has seed "3" (str); valid: an integer'),
+])
+def test_from_a_run_with_a_null_or_mistyped_field_is_one_line_exit_2(mla_run, tmp_path, capsys, edit, message):
+    from multihead.cli import main
+
+    bad = _broken_copy(mla_run, tmp_path / "run", edit)
+    assert main(["lab", "uptrain", "--quick", "--out", str(tmp_path / "o"), "--from", str(bad)]) == 2
+    err = capsys.readouterr().err
+    assert message in err and "Traceback" not in err and len(err.strip().splitlines()) == 1, err
+
+
+def test_from_a_run_checks_the_targets_against_the_runs_width(mla_run, tmp_path, capsys):
+    """--quick's width is 32, the run's 64: --kv-ranks 40 fits the run (it is uptrained), 80
+    does not, and the message says the run's width."""
+    from multihead.cli import main
+
+    argv = ["lab", "uptrain", "--quick", "--from", str(mla_run), "--n-kv-heads", "2", "--inits", "mean",
+            "--fractions", "0", "--no-progress"]
+    assert main([*argv, "--out", str(tmp_path / "o80"), "--kv-ranks", "80"]) == 2
+    err = capsys.readouterr().err
+    assert "kv_rank must be at most d_model (64)" in err and "Traceback" not in err, err
+    assert main([*argv, "--out", str(tmp_path / "o40"), "--kv-ranks", "40"]) == 0
+    r = load_results(tmp_path / "o40")
+    assert r["config"]["d_model"] == 64 and [v["target"] for v in r["results"]["variants"]] == ["GQA-2", "MLA-40"]
+
+
 ROOT = Path(__file__).resolve().parent.parent
 
 

@@ -46,6 +46,7 @@ from __future__ import annotations
 
 import copy
 import json
+import math
 import time
 from dataclasses import replace
 from pathlib import Path
@@ -65,9 +66,22 @@ from multihead.lab.uptrain_report import plot_frontier, plot_uptrain, summarise
 
 __all__ = ["UptrainConfig", "run_uptrain", "targets"]
 
-# the settings of a `lab mla` run that define the baseline and its data
+# the settings of a `lab mla` run that define the baseline and its data, with their kinds
 _FROM_FIELDS = ("corpus", "max_chars", "d_model", "n_layers", "n_heads", "context", "steps", "batch_size", "lr",
                 "warmup", "eval_batches", "val_fraction")
+_FROM_KINDS = {"corpus": "a path (a string) or null (the bundled text)", "max_chars": "a positive integer or null",
+               "lr": "a positive number", "val_fraction": "a number in (0, 1)"}
+
+
+def _from_field_ok(name: str, value) -> bool:
+    """Whether a results.json value may stand for `name` (JSON's kinds: ints, numbers, strings, null)."""
+    if name == "corpus":
+        return value is None or isinstance(value, str)
+    if name in ("lr", "val_fraction"):
+        return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value) and value > 0
+    if name == "max_chars" and value is None:
+        return True
+    return isinstance(value, int) and not isinstance(value, bool) and value >= (0 if name == "warmup" else 1)
 
 
 def targets(cfg: UptrainConfig) -> list[tuple[str, str, int, int | None, tuple[str, ...]]]:
@@ -261,6 +275,14 @@ def _arch(cfg: UptrainConfig, vocab_size: int) -> LabConfig:
                      n_heads=cfg.n_heads, mlp=True, positions=cfg.positions)
 
 
+def _short(value) -> str:
+    """A results.json value as the file spells it, with its kind."""
+    if value is None:
+        return "null"
+    text = json.dumps(value)
+    return (text if len(text) <= 40 else text[:37] + "...") + f" ({type(value).__name__})"
+
+
 def _load_source(cfg: UptrainConfig) -> tuple[LabTransformer, UptrainConfig, int]:
     """The MHA model of a `lab mla` run, the config with that run's settings, and its seed."""
     from multihead.errors import UsageError
@@ -273,11 +295,18 @@ def _load_source(cfg: UptrainConfig) -> tuple[LabTransformer, UptrainConfig, int
                          "run (its MHA checkpoint in model/ and its settings in results.json)")
     try:
         run = json.loads(results.read_text(encoding="utf-8"))
-        original = run["config"]
-        run_seed = int(run["seed"])
-        experiment = run["experiment"]
+        original, run_seed, experiment = run["config"], run["seed"], run["experiment"]
     except (ValueError, KeyError, TypeError) as err:
         raise UsageError(f"--from {path}: {results} is not a lab results file ({err})") from None
+    if not isinstance(original, dict):
+        raise UsageError(f"--from {path}: {results} has config {_short(original)}; valid: the settings of the run "
+                         "(an object)")
+    if isinstance(run_seed, bool) or not isinstance(run_seed, int):
+        raise UsageError(f"--from {path}: {results} has seed {_short(run_seed)}; valid: an integer")
+    for name in _FROM_FIELDS:
+        if name in original and not _from_field_ok(name, original[name]):
+            valid = _FROM_KINDS.get(name, "a non-negative integer" if name == "warmup" else "a positive integer")
+            raise UsageError(f"--from {path}: {results} has config.{name} {_short(original[name])}; valid: {valid}")
     if cfg.positions != "learned":
         raise UsageError(f"--from {path}: a lab mla model has learned positions; --positions {cfg.positions} "
                          "trains its own baseline (leave out --from)")
@@ -289,7 +318,12 @@ def _load_source(cfg: UptrainConfig) -> tuple[LabTransformer, UptrainConfig, int
         raise UsageError(f"--from {path}: {err}") from None
     if model.cfg.kind != "MHA" or model.cfg.positions != "learned":
         raise UsageError(f"--from {path}: the checkpoint is {model.cfg.kind}; valid: the MHA model of a lab mla run")
-    new = replace(cfg, **{k: original[k] for k in _FROM_FIELDS if k in original})
+    try:
+        new = replace(cfg, **{k: original[k] for k in _FROM_FIELDS if k in original})
+        new.check_geometry()  # the targets against the run's own width and heads
+    except (ValueError, TypeError) as err:
+        raise UsageError(f"--from {path}: {err} (the run's d_model {original.get('d_model', cfg.d_model)}, n_heads "
+                         f"{original.get('n_heads', cfg.n_heads)})") from None
     if _arch(new, len(vocab)) != replace(model.cfg, n_kv_heads=None):
         raise UsageError(f"--from {path}: the checkpoint's architecture does not match its results.json")
     if split_corpus(new)[0] != vocab:

@@ -49,6 +49,23 @@ class UptrainConfig:
     def __post_init__(self):
         if not 0 < self.val_fraction < 1:
             raise ValueError(f"val_fraction must be in (0, 1); received {self.val_fraction}")
+        if self.from_checkpoint is None:  # else the run's own width and heads, once read (check_geometry)
+            self.check_geometry()
+        unknown = [i for i in self.inits if i not in _INITS]
+        if unknown or not self.inits:
+            raise ValueError(f"inits must be some of {', '.join(_INITS)}; received {','.join(self.inits)!r}")
+        if self.positions not in ("learned", "rope"):
+            raise ValueError(f"positions must be 'learned' or 'rope'; received {self.positions!r}")
+        if self.uptrain_lr is not None and not (math.isfinite(self.uptrain_lr) and self.uptrain_lr > 0):
+            raise ValueError(f"uptrain_lr must be a positive number; received {self.uptrain_lr!r}")
+        if any(not 0 <= f <= 1 for f in self.fractions) or 0.0 not in self.fractions:
+            raise ValueError(f"fractions must lie in [0, 1] and include 0 (the conversion alone); "
+                             f"received {', '.join(map(str, self.fractions))}")
+
+    def check_geometry(self) -> None:
+        """The targets against the baseline's width and heads: kv_heads divide n_heads, ranks at
+        most d_model, MLA rope dims within the head dim. With `from_checkpoint`, the baseline is
+        that run's, so this runs once its settings are in (`--quick` gives no width then)."""
         if self.d_model % self.n_heads:
             raise ValueError(f"n_heads {self.n_heads} does not divide d_model {self.d_model}")
         bad = [h for h in self.kv_heads if self.n_heads % h or h == self.n_heads]
@@ -56,11 +73,6 @@ class UptrainConfig:
             valid = [d for d in range(1, self.n_heads) if self.n_heads % d == 0]
             raise ValueError(f"n_kv_heads {bad[0]} is not a smaller divisor of n_heads {self.n_heads}; "
                              f"valid: {', '.join(map(str, valid))}")
-        unknown = [i for i in self.inits if i not in _INITS]
-        if unknown or not self.inits:
-            raise ValueError(f"inits must be some of {', '.join(_INITS)}; received {','.join(self.inits)!r}")
-        if self.positions not in ("learned", "rope"):
-            raise ValueError(f"positions must be 'learned' or 'rope'; received {self.positions!r}")
         D = self.d_model // self.n_heads
         if any(isinstance(p, bool) or not isinstance(p, int) or p < 0 or p % 2 or p > D for p in self.mla_rope_dims):
             raise ValueError(f"mla_rope_dims must be even ints in 0..{D} (the head dim); "
@@ -68,11 +80,6 @@ class UptrainConfig:
         if any(r > self.d_model for r in self.ranks):
             raise ValueError(f"kv_rank must be at most d_model ({self.d_model}), the rank of the stacked K/V "
                              f"projections; received {', '.join(map(str, self.ranks))}")
-        if self.uptrain_lr is not None and not (math.isfinite(self.uptrain_lr) and self.uptrain_lr > 0):
-            raise ValueError(f"uptrain_lr must be a positive number; received {self.uptrain_lr!r}")
-        if any(not 0 <= f <= 1 for f in self.fractions) or 0.0 not in self.fractions:
-            raise ValueError(f"fractions must lie in [0, 1] and include 0 (the conversion alone); "
-                             f"received {', '.join(map(str, self.fractions))}")
 
     @property
     def uptrain_peak_lr(self) -> float:
