@@ -346,6 +346,15 @@ def test_export_to_deepseek_v2_loads_in_stock_transformers(tmp_path):
         assert diff < 1e-5, f"R={kv_rank} r={rope_dim}: DeepSeek without its latent norm vs the MLA model {diff:.3g}"
         if (kv_rank, rope_dim) == (32, 32):  # and then the original model too
             assert (_logits(loaded, ids) - _logits(model, ids)).abs().max().item() < 1e-5
+    # float32, as a checkpoint is usually loaded: DeepSeek's complex view of q_pe needs an even nope width
+    model32 = _model("llama", torch.float32, attn_implementation="sdpa")
+    mla = convert.to_mla(model32, 32, rope_dim=32)
+    to_deepseek_v2(mla, calibration=cal).save_pretrained(tmp_path / "ds32")
+    loaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "ds32", dtype=torch.float32).eval()
+    assert loaded.config.qk_nope_head_dim == 2
+    for layer in loaded.model.layers:
+        layer.self_attn.kv_a_layernorm = torch.nn.Identity()
+    assert (_logits(loaded, ids) - _logits(model32, ids)).abs().max().item() < 1e-4
 
 
 def test_export_refuses_what_deepseek_v2_cannot_hold():

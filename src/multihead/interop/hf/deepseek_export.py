@@ -29,6 +29,8 @@ transformers is imported only inside `to_deepseek_v2` (it builds a model of its 
 
 from __future__ import annotations
 
+import math
+
 import torch
 from torch import Tensor, nn
 
@@ -123,6 +125,10 @@ def to_deepseek_v2(model: nn.Module, *, calibration: Tensor):
     src = model.config
     m0 = layers[0].mla
     H, R, Dn, r, Dv = m0.n_heads, m0.kv_rank, m0.head_dim, m0.rope_dim, m0.v_head_dim
+    # DeepSeek views q_pe / k_pe as complex pairs, which needs q_pe to start at an even offset:
+    # an odd nope width (1, the zero feature of a fully rotary conversion) gets one more zero
+    pad = Dn % 2
+    ratio = math.sqrt((Dn + pad + r) / (Dn + r))  # DeepSeek's scale is 1/sqrt(Dn + pad + r): undone on q
     inv_freq = model.model.rotary_emb.inv_freq.detach().double().cpu()  # (D/2,) the original frequencies
     freqs = inv_freq[layers[0].slot_freq.cpu()]  # (r/2,)
     base = 10000.0
@@ -140,7 +146,7 @@ def to_deepseek_v2(model: nn.Module, *, calibration: Tensor):
         hidden_act=src.hidden_act, max_position_embeddings=src.max_position_embeddings,
         rms_norm_eps=src.rms_norm_eps, tie_word_embeddings=bool(getattr(src, "tie_word_embeddings", False)),
         attention_bias=bias, attention_dropout=0.0, mlp_bias=bool(getattr(src, "mlp_bias", False)),
-        kv_lora_rank=R, q_lora_rank=None, qk_nope_head_dim=Dn, qk_rope_head_dim=r, v_head_dim=Dv,
+        kv_lora_rank=R, q_lora_rank=None, qk_nope_head_dim=Dn + pad, qk_rope_head_dim=r, v_head_dim=Dv,
         first_k_dense_replace=src.num_hidden_layers, n_routed_experts=1, n_shared_experts=1,
         num_experts_per_tok=1, moe_intermediate_size=1, n_group=1, topk_group=1,
         rope_parameters={"rope_type": "longrope", "rope_theta": base, "short_factor": factors,
@@ -155,8 +161,10 @@ def to_deepseek_v2(model: nn.Module, *, calibration: Tensor):
     with torch.no_grad():
         for i, (layer, gain) in enumerate(zip(layers, gains)):
             m, dst = layer.mla, out.model.layers[i].self_attn
-            q = m.q_proj.weight.view(H, Dn + r, -1)
-            dst.q_proj.weight.copy_(torch.cat([q[:, :Dn], _interleave(q[:, Dn:], r)], dim=1).reshape(-1, q.shape[-1]))
+            q = m.q_proj.weight.view(H, Dn + r, -1) * ratio
+            zeros = q.new_zeros(H, pad, q.shape[-1])
+            q = torch.cat([q[:, :Dn], zeros, _interleave(q[:, Dn:], r)], dim=1)  # (H, Dn + pad + r, C)
+            dst.q_proj.weight.copy_(q.reshape(H * (Dn + pad + r), -1))
             a = m.kv_a_proj.weight
             dst.kv_a_proj_with_mqa.weight.copy_(torch.cat([a[:R], _interleave(a[R:], r)]))
             if dst.kv_a_proj_with_mqa.bias is not None:
@@ -164,7 +172,9 @@ def to_deepseek_v2(model: nn.Module, *, calibration: Tensor):
                 dst.kv_a_proj_with_mqa.bias.copy_(torch.zeros_like(dst.kv_a_proj_with_mqa.bias) if b is None else
                                                   torch.cat([b[:R], _interleave(b[R:, None], r)[:, 0]]))
             dst.kv_a_layernorm.weight.fill_(gain)
-            dst.kv_b_proj.weight.copy_(m.kv_b_proj.weight)
+            kv = m.kv_b_proj.weight.view(H, Dn + Dv, R)
+            kv = torch.cat([kv[:, :Dn], kv.new_zeros(H, pad, R), kv[:, Dn:]], dim=1)  # (H, Dn + pad + Dv, R)
+            dst.kv_b_proj.weight.copy_(kv.reshape(-1, R))
             dst.o_proj.weight.copy_(m.o_proj.weight)
             if dst.o_proj.bias is not None:
                 dst.o_proj.bias.copy_(torch.zeros_like(dst.o_proj.bias) if m.o_proj.bias is None else m.o_proj.bias)
