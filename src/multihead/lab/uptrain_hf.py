@@ -80,7 +80,7 @@ class HFUptrainConfig:
     steps: int = 60  # uptraining steps per target
     batch_size: int = 4
     context: int = 64  # tokens per training window
-    lr: float = 2e-4  # AdamW peak, after `warmup` linear steps, cosine to 10% at `steps`
+    lr: float = 3e-4  # AdamW peak, after `warmup` linear steps, cosine to 10% at `steps`
     warmup: int = 5
     fractions: tuple[float, ...] = (0.0, 0.25, 0.5, 1.0)  # evaluated after these shares of `steps`
     eval_windows: int = 8
@@ -200,7 +200,7 @@ def kv_bytes_per_token(model, prompt: torch.Tensor, new_tokens: int) -> int:
         out = model.generate(prompt, max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False,
                              use_cache=True, return_dict_in_generate=True,
                              pad_token_id=getattr(model.config, "pad_token_id", None) or 0)
-    cache = out.past_key_values
+    cache = out["cache"] if "cache" in out else out["past_key_values"]  # transformers 5 names it cache
     tokens = cache.get_seq_length() * prompt.shape[0]
     total = latent_cache_bytes(cache)
     assert total % tokens == 0, (total, tokens)
@@ -451,8 +451,9 @@ def _config_key(cfg: HFUptrainConfig, seed: int) -> dict:
 
 def run_uptrain_hf(cfg: HFUptrainConfig | None = None, out_dir: str | Path = "lab-uptrain", *, seed: int = 0,
                    device: str = "auto", callback: StepCallback | None = None, progress: bool = True,
-                   resume: bool = False) -> dict:
-    """Run (or, with `resume`, continue) the experiment into `out_dir`; return results.json's object.
+                   resume: bool = False, plots: bool = True) -> dict:
+    """Run (or, with `resume`, continue) the experiment into `out_dir`; return results.json's object
+    (`plots=False` skips uptrain.png).
 
     Ctrl-C (KeyboardInterrupt, from the user or `callback(unit, step, loss)`) is not raised:
     the run stops, saves what it did and returns with "interrupted": true."""
@@ -507,7 +508,7 @@ def run_uptrain_hf(cfg: HFUptrainConfig | None = None, out_dir: str | Path = "la
         res["interrupted"] = True
     summarise(cfg, res)
     run.save()
-    if not res["interrupted"] and res["results"]["variants"]:
+    if plots and not res["interrupted"] and res["results"]["variants"]:
         draw_plots(res, [lambda: plot_uptrain_hf(res, out / "uptrain.png")])
         run.save()
     return res

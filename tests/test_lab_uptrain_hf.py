@@ -1,0 +1,216 @@
+"""`multihead lab uptrain --model`: a transformers Llama-family model converted to MQA and MLA,
+uptrained with a control; results.json's schema, its numbers against an independent
+recomputation (held-out perplexity by hand from the logits, KV bytes from the cache's
+shapes), the same seed giving the same numbers, and Ctrl-C + --resume equal to a run
+that was never interrupted. Fast on a tiny random Llama folder; one slow run on SmolLM2."""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+from dataclasses import replace
+
+import pytest
+import torch
+
+from multihead.errors import UsageError
+from multihead.lab.uptrain_hf import STATE, HFUptrainConfig, run_uptrain_hf, split_kjv, work_plan
+
+transformers = pytest.importorskip("transformers")
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+TIMINGS = ("seconds", "elapsed_s", "date")
+
+
+def _tokenizer(text: str):
+    """A word-level tokenizer over the commonest words of `text` (the rest map to [UNK])."""
+    from collections import Counter
+
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    words = Counter(re.findall(r"\w+|[^\w\s]", text)).most_common(300)
+    vocab = {"[UNK]": 0, "[PAD]": 1, **{w: i + 2 for i, (w, _) in enumerate(words)}}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    return transformers.PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="[UNK]", pad_token="[PAD]")
+
+
+@pytest.fixture(scope="module")
+def llama_folder(tmp_path_factory):
+    path = tmp_path_factory.mktemp("tiny-llama")
+    tok = _tokenizer(split_kjv(50_000)[0])
+    cfg = transformers.LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, vocab_size=len(tok),
+                                   num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+                                   max_position_embeddings=64, bos_token_id=None, eos_token_id=None, pad_token_id=1,
+                                   tie_word_embeddings=True)
+    torch.manual_seed(0)
+    transformers.LlamaForCausalLM(cfg).save_pretrained(path)
+    tok.save_pretrained(path)
+    return path
+
+
+def _cfg(folder, **kw) -> HFUptrainConfig:
+    base = replace(HFUptrainConfig.quick(str(folder)), steps=6, fractions=(0.0, 0.5, 1.0), rope_dim=4, ranks=(8,),
+                   inits=("mean", "first", "random"), freeze_check=True, max_train_chars=50_000, lr=3e-3)
+    return replace(base, **kw)
+
+
+def _numbers(res: dict) -> dict:
+    """results.json's object without what depends on the clock."""
+    def strip(x):
+        if isinstance(x, dict):
+            return {k: strip(v) for k, v in x.items() if k not in TIMINGS and k != "seconds_per_step"}
+        if isinstance(x, list):
+            return [strip(v) for v in x]
+        return x
+
+    r = strip(res["results"])
+    for key in ("summary", "table"):  # they quote seconds per step
+        r.pop(key, None)
+    r["freeze"].pop("verdict", None)
+    return r
+
+
+@pytest.fixture(scope="module")
+def quick(llama_folder, tmp_path_factory):
+    out = tmp_path_factory.mktemp("run")
+    return run_uptrain_hf(_cfg(llama_folder), out, progress=False), out
+
+
+def test_schema_and_every_target(quick, llama_folder):
+    from multihead.lab.results import check_results
+
+    res, out = quick
+    check_results(json.loads((out / "results.json").read_text()), out, required=["base", "control", "variants"])
+    r = res["results"]
+    assert not res["interrupted"] and res["experiment"] == "uptrain"
+    assert set(r["base"]) >= {"val_ppl", "kv_bytes_per_token"}
+    cfg = _cfg(llama_folder)
+    steps = [0, 3, 6]
+    assert [c["steps"] for c in r["control"]] == steps and r["control"][0]["val_ppl"] == r["base"]["val_ppl"]
+    got = [(v["target"], v["init"], v["objective"], v["steps"]) for v in r["variants"]]
+    want = [(t, i, "next-token", s) for t, i in (("mqa", "mean"), ("mqa", "first"), ("mqa", "random"),
+                                                  ("mla-8", "svd")) for s in steps]
+    assert got == want + [("mqa", "mean", "distill", s) for s in steps]
+    for v in r["variants"]:
+        assert v["val_ppl"] > 1 and math.isfinite(v["val_ppl"])
+        assert v["control_ppl"] == r["control"][steps.index(v["steps"])]["val_ppl"]
+        if v["steps"]:
+            conv = next(w["val_ppl"] for w in r["variants"] if (w["target"], w["init"], w["objective"], w["steps"])
+                        == (v["target"], v["init"], v["objective"], 0))
+            gap = math.log(conv) - math.log(v["control_ppl"])
+            assert v["gap_closed"] == pytest.approx((math.log(conv) - math.log(v["val_ppl"])) / gap)
+    # the distilled target starts from the same conversion
+    first = {(v["target"], v["init"], v["objective"]): v["val_ppl"] for v in r["variants"] if v["steps"] == 0}
+    assert first[("mqa", "mean", "distill")] == first[("mqa", "mean", "next-token")]
+    assert [c["steps"] for c in r["freeze"]["check"]] == steps
+    assert set(r["freeze"]["trainable_params"]) == {"attention", "all"}
+    assert r["freeze"]["trainable_params"]["attention"] < r["freeze"]["trainable_params"]["all"]
+    assert r["done"] == [u.key for u in work_plan(cfg)]
+    assert "uptrain.png" in res["plots"] and not (out / STATE).exists()
+    assert "| control |" in r["table"] and r["summary"].startswith("Base model")
+    assert not any(p.suffix in (".safetensors", ".pt", ".bin") for p in out.iterdir())  # no weights
+
+
+def test_kv_bytes_are_the_cache_shapes(quick):
+    """fp32: MHA 2 (K, V) x Hkv 2 x D 8 x 2 layers x 4 bytes; MQA one KV head; MLA-8 the latent
+    of 8 + rope 4 per layer."""
+    r = quick[0]["results"]
+    assert r["base"]["kv_bytes_per_token"] == 2 * 2 * 8 * 2 * 4
+    kv = {v["target"]: v["kv_bytes_per_token"] for v in r["variants"]}
+    assert kv == {"mqa": 2 * 1 * 8 * 2 * 4, "mla-8": (8 + 4) * 2 * 4}
+
+
+def test_held_out_ppl_is_the_models_own(quick, llama_folder):
+    """The base's perplexity recomputed here: the model's logits on the same windows, NumPy float64."""
+    import numpy as np
+
+    from multihead.lab.uptrain_hf import split_kjv as split
+
+    cfg = _cfg(llama_folder)
+    tok = transformers.AutoTokenizer.from_pretrained(llama_folder)
+    model = transformers.AutoModelForCausalLM.from_pretrained(llama_folder, attn_implementation="eager").eval()
+    ids = tok(split(cfg.max_train_chars)[1])["input_ids"]
+    n = cfg.eval_context + 1
+    nll = []
+    for s in np.linspace(0, len(ids) - n, cfg.eval_windows).astype(np.int64):
+        w = torch.tensor(ids[s:s + n])[None]
+        with torch.no_grad():
+            logits = model(w[:, :-1]).logits[0].double().numpy()
+        logp = logits - np.log(np.exp(logits - logits.max(-1, keepdims=True)).sum(-1, keepdims=True)) \
+            - logits.max(-1, keepdims=True)
+        nll += list(-logp[np.arange(n - 1), w[0, 1:].numpy()])
+    assert quick[0]["results"]["base"]["val_ppl"] == pytest.approx(math.exp(np.mean(nll)), rel=1e-5)
+
+
+def test_same_seed_same_numbers_and_another_seed_others(quick, llama_folder, tmp_path):
+    again = run_uptrain_hf(_cfg(llama_folder), tmp_path / "a", progress=False, plots=False)
+    assert _numbers(again) == _numbers(quick[0])
+    other = run_uptrain_hf(_cfg(llama_folder, inits=("mean",), ranks=(), distill=False, freeze_check=False),
+                           tmp_path / "b", seed=1, progress=False, plots=False)
+    assert other["results"]["control"][-1]["val_ppl"] != again["results"]["control"][-1]["val_ppl"]
+
+
+@pytest.mark.parametrize("where", [("mqa/random", 4), ("mqa/mean/distill", 1)])
+def test_ctrl_c_then_resume_equals_an_uninterrupted_run(quick, llama_folder, tmp_path, where):
+    def stop(unit, step, loss):
+        if (unit, step) == where:
+            raise KeyboardInterrupt
+
+    cfg = _cfg(llama_folder)
+    part = run_uptrain_hf(cfg, tmp_path, callback=stop, progress=False, plots=False)
+    assert part["interrupted"]
+    saved = json.loads((tmp_path / "results.json").read_text())
+    assert saved["interrupted"] and where[0] not in saved["results"]["done"]
+    assert (tmp_path / STATE).is_file()
+    with pytest.raises(UsageError, match="--resume"):  # never overwritten by accident
+        run_uptrain_hf(cfg, tmp_path, progress=False)
+    with pytest.raises(UsageError, match="other settings"):
+        run_uptrain_hf(replace(cfg, lr=1e-3), tmp_path, progress=False, resume=True)
+    done = run_uptrain_hf(cfg, tmp_path, progress=False, resume=True, plots=False)
+    assert not done["interrupted"] and not (tmp_path / STATE).exists()
+    assert _numbers(done) == _numbers(quick[0])
+
+
+def test_cli_runs_and_resumes(llama_folder, tmp_path, capsys):
+    from multihead.cli import main
+
+    out = tmp_path / "cli"
+    argv = ["lab", "uptrain", "--model", str(llama_folder), "--quick", "--out", str(out), "--no-progress",
+            "--rope-dim", "4", "--kv-ranks", "8", "--steps", "2", "--fractions", "0,1"]
+    assert main(argv) == 0
+    printed = capsys.readouterr().out
+    assert "| mla-8 | svd |" in printed and "results in" in printed
+    assert main(argv) == 2  # the folder holds a run: refused without --resume
+    assert "is not empty" in capsys.readouterr().err
+    assert main([*argv, "--resume"]) == 0  # a finished run resumed: nothing left to do, same numbers
+    base = ["lab", "uptrain", "--model", str(llama_folder), "--quick", "--out", str(tmp_path / "x")]
+    for bad, needle in ((["--rope-dim", "5"], "multiple of 4"), (["--rope-dim", "4", "--kv-ranks", "999"], "at most"),
+                        (["--positions", "rope"], "--positions")):
+        assert main([*base, *bad]) == 2
+        assert needle in capsys.readouterr().err
+    assert main(["lab", "uptrain", "--resume", "--out", str(tmp_path / "y")]) == 2
+    assert "go with --model" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_quick_on_smollm2(tmp_path):
+    """The documented `--quick` on the bundled SmolLM2: every target, fp32 KV bytes from a
+    real cache (30 layers: MHA 3 KV heads of 64, MQA 1, MLA-64 with 24 RoPE dims)."""
+    pytest.importorskip("gguf")
+    from multihead.interop.loaders import InspectError, smollm2_path
+
+    try:
+        smollm2_path()
+    except InspectError as err:
+        pytest.skip(str(err))
+    res = run_uptrain_hf(HFUptrainConfig.quick(), tmp_path, progress=False)
+    r = res["results"]
+    assert not res["interrupted"]
+    assert r["base"]["kv_bytes_per_token"] == 30 * 2 * 3 * 64 * 4
+    kv = {v["target"]: v["kv_bytes_per_token"] for v in r["variants"]}
+    assert kv == {"mqa": 30 * 2 * 64 * 4, "mla-64": 30 * (64 + 24) * 4}
+    conv = {(v["target"], v["init"]): v["val_ppl"] for v in r["variants"] if v["steps"] == 0}
+    # conversion without uptraining hurts a real model, random K/V most
+    assert r["base"]["val_ppl"] < conv[("mqa", "mean")] < conv[("mqa", "random")]
