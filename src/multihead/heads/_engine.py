@@ -140,7 +140,7 @@ def is_hf(model: nn.Module) -> bool:
 
 def multihead_modules(model: nn.Module) -> list[nn.Module]:
     """multihead's attention modules in module order, with the `LatentAttention` a patched
-    DeepSeek layer (`multihead.interop.hf.patch`) computes with (kept unregistered there)."""
+    DeepSeek layer (`multihead.interop.hf.use_latent_attention`) computes with (kept unregistered there)."""
     out = []
     for m in model.modules():
         if isinstance(m, (Attention, LatentAttention)):

@@ -12,11 +12,11 @@
   that leave every layer the same H' query and Hkv' key/value heads with H'/Hkv' heads
   in every group (whole KV groups, or the same number of heads of each group). The
   config is updated, so `save_pretrained` writes a model stock transformers loads.
-- a DeepSeek-V2/V3 model patched by `multihead.interop.hf.patch`: its LatentAttention
+- a DeepSeek-V2/V3 model after `multihead.interop.hf.use_latent_attention`: its LatentAttention
   shares its projections with the registered layer (what `state_dict` and
-  `save_pretrained` read) and with the transformers layer `unpatch` puts back, so the
+  `save_pretrained` read) and with the transformers layer `restore_attention` puts back, so the
   projections are narrowed in place and the config and the replaced layers take the new
-  head count: saving, loading and unpatching all give the pruned model. The config holds
+  head count: saving, loading and restoring all give the pruned model. The config holds
   one count, so every layer must keep the same number of heads.
 - lab models (`LabTransformer`): their `cfg` follows when every layer keeps the same
   heads; `save_lab_checkpoint` records per-layer counts otherwise.
@@ -165,7 +165,7 @@ def _prune_hf(model, by_layer: dict[int, set[int]]) -> None:
 
 
 def _owners(model: nn.Module) -> dict[int, nn.Module]:
-    """id(LatentAttention) -> the patched DeepSeek layer computing with it (`interop.hf.patch`)."""
+    """id(LatentAttention) -> the patched DeepSeek layer computing with it (`interop.hf.use_latent_attention`)."""
     return {id(o.mla): o for o in model.modules() if isinstance(getattr(o, "mla", None), LatentAttention)}
 
 
@@ -208,7 +208,7 @@ def _set_deepseek_heads(owners: dict[int, nn.Module], configs: list, H2: int, Hk
         c.num_attention_heads = H2
         if hasattr(c, "num_key_value_heads"):
             c.num_key_value_heads = Hkv2
-    for owner in owners.values():  # the transformers layers unpatch puts back compute with these counts
+    for owner in owners.values():  # the transformers layers restore_attention puts back compute with these counts
         original = owner.original
         original.num_heads = H2
         if hasattr(original, "num_key_value_groups"):

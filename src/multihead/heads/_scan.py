@@ -733,7 +733,7 @@ def patch_scan(model, clean, corrupted, metric: Callable[[Tensor], Tensor], what
     _check_positions_fit(pos, positions, rec, what)
     if what == "latent" and not any(lay.kind == "latent" for lay in rec.layers):
         raise ValueError("what='latent' patches MLA latents (multihead LatentAttention, or a DeepSeek model after "
-                         "multihead.interop.hf.patch); this model has none")
+                         "multihead.interop.hf.use_latent_attention); this model has none")
     scan = _Scan(model, corrupted, rec, what, B)
     if not why:
         scan.stack, why = _causal_stack(model, scan.layers, scan.blocks, scan.parents)
