@@ -167,8 +167,10 @@ def test_patch_scan_skips_the_shared_prefix_of_a_causal_model_exactly(name, monk
     calls = _count_skips(monkeypatch)
     for what, positions in [("z", None), ("k", None), ("v", None), ("pattern", None), ("z", [2, 6, -1])]:
         calls.clear()
-        scan = heads.patch_scan(model, clean, corrupted, _metric, what=what, positions=positions)
+        info = {}
+        scan = heads.patch_scan(model, clean, corrupted, _metric, what=what, positions=positions, info=info)
         assert len(calls) > 1, f"{name} {what}: the prefix skip was not taken"
+        assert info == {"prefix": 5, "skipped": True, "reason": ""}, info
         rec = heads.record(model, clean, what=(what,))
         want = torch.full_like(scan, float("nan"))
         for layer in range(scan.shape[0]):
