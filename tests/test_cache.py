@@ -230,7 +230,7 @@ def test_static_update_matches_eager_update():
     for t in (2, 1, 3):
         k, v = torch.randn(1, 2, t, 3), torch.randn(1, 2, t, 3)
         ka, _ = a.update(k, v)
-        kb, _ = b.update_static(k, v)
+        kb, _ = b.update(k, v, static=True)
         assert torch.equal(kb[:, :, : a.length], ka)
     assert a.length == b.length == 6
 

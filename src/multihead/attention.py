@@ -19,6 +19,7 @@ Hugging Face's rotary module), so there is one forward for every caller.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from contextlib import nullcontext
 
 import torch
 from torch import Tensor, nn
@@ -199,12 +200,28 @@ class Attention(nn.Module):
         Returns:
             `(B, T, d_model)`, or `(out, weights)`.
         """
+        self._check_call(x, context, cache, positions, rotary)
+        q, k, v = self._project(x, context, cache)  # (B, H, T, D), (B, Hkv, S, D) x 2 (None: a held context)
+        if cache is None:
+            if self.rope is not None:
+                q, k = self._rotate(q, k, positions, rotary, 0)
+            return self._finish(q, k, v, mask, self.causal, return_weights)
+        # A call that raises leaves the cache as it was (undone at the error). A compiled step
+        # reads no length on the host, so it takes no mark.
+        undo = nullcontext() if k is None or (torch.compiler.is_compiling() and context is None) \
+            else cache.checkpoint(k.shape[2])
+        with undo:
+            q, k, v, mask, folded = self._cache_step(q, k, v, mask, cache, context, positions, rotary,
+                                                     return_weights)
+            # folded: the mask holds causality and the window already, or the query sees every key
+            return self._finish(q, k, v, mask, self.causal and not folded, return_weights, window=not folded)
+
+    def _check_call(self, x, context, cache, positions, rotary) -> None:
+        """Every check of a call's arguments, before any projection or cache write."""
         self._check_input("x", x, self.d_model)
         check_dtype("x", x, self.q_proj.weight)
         B, T, _ = x.shape
-        D = self.head_dim
-        cross = context is not None
-        if cross:
+        if context is not None:
             self._check_input("context", context, self.context_dim)
             check_dtype("context", context, self.k_proj.weight)
             if context.shape[0] != B:
@@ -220,45 +237,40 @@ class Attention(nn.Module):
             raise ValueError("positions/rotary were given but this module has no rotary embedding (rope=None)")
         if positions is not None:
             self._check_positions(positions, B, T)
-
         if cache is not None:
             self._check_cache_fits(cache, context)
+
+    def _project(self, x: Tensor, context: Tensor | None, cache: KVCache | None):
+        """q `(B, H, T, D)`, and k, v `(B, Hkv, S, D)` of x or the context; k, v are None
+        when the cache already holds the context (it is not projected again)."""
+        D = self.head_dim
         q = split_heads(self.q_proj(x), D)  # (B, H, T, D)
-        if cross and cache is not None and cache.length > 0:
-            k, v = cache.k[:, :, : cache.length], cache.v[:, :, : cache.length]  # reuse the context
-            return self._finish(q, k, v, mask, self.causal, return_weights)
-        src = context if cross else x
-        k = split_heads(self.k_proj(src), D)  # (B, Hkv, S, D)
-        v = split_heads(self.v_proj(src), D)  # (B, Hkv, S, D)
-        if cross and cache is not None:  # the first call: the cache keeps the whole context
-            mark = cache.checkpoint(k.shape[2])
-            try:
-                k, v = cache.hold_context(k, v)  # (B, Hkv, S, D)
-                return self._finish(q, k, v, mask, self.causal, return_weights)
-            except BaseException:
-                cache.restore(mark)
-                raise
-        if cache is not None and not cross and torch.compiler.is_compiling():
+        if context is not None and cache is not None and cache.length > 0:
+            return q, None, None
+        src = x if context is None else context
+        return q, split_heads(self.k_proj(src), D), split_heads(self.v_proj(src), D)  # (B, Hkv, S, D)
+
+    def _cache_step(self, q, k, v, mask, cache: KVCache, context, positions, rotary, return_weights):
+        """This call's keys and values into the cache (RoPE at the cached positions first),
+        and what to attend: (q, k, v, mask, folded). `folded`: the mask already holds
+        causality and the window, or the one query sees every key returned."""
+        if context is not None:
+            # cross-attention: the first call holds the whole context, later ones reuse it
+            k, v = cache.cached() if k is None else cache.hold_context(k, v)  # (B, Hkv, S, D)
+            return q, k, v, mask, False
+        if torch.compiler.is_compiling():
             q, k, v, mask = self._static_cache_step(q, k, v, mask, cache)
-            # causality, the window and the unwritten slots are all in the positional mask
-            return self._finish(q, k, v, mask, False, return_weights, window=False)
+            return q, k, v, mask, True  # causality, the window and the unwritten slots: in the mask
         if self.rope is not None:
-            q, k = self._rotate(q, k, positions, rotary, cache.length if cache is not None else 0)
-        if cache is None:
-            return self._finish(q, k, v, mask, self.causal, return_weights)
-        mark = cache.checkpoint(k.shape[2])
-        try:
-            if isinstance(cache, RollingKVCache) and T == 1 and mask is None and not return_weights \
-                    and not self.alibi:
-                # one query over a rolling cache sees every cached key (the last W tokens): no
-                # mask, so the slots' order does not matter; nothing copied, no tiles planned
-                k, v = cache.update_unordered(k, v)  # (B, Hkv, min(length, W), D)
-                return self._finish(q, k, v, None, False, return_weights, window=False)
-            k, v = cache.update(k, v)  # (B, Hkv, S_cached, D)
-            return self._finish(q, k, v, mask, self.causal, return_weights)
-        except BaseException:
-            cache.restore(mark)  # a call that raises leaves the cache as it was
-            raise
+            q, k = self._rotate(q, k, positions, rotary, cache.length)
+        if isinstance(cache, RollingKVCache) and q.shape[2] == 1 and mask is None and not return_weights \
+                and not self.alibi:
+            # one query over a rolling cache sees every cached key (the last W tokens): no
+            # mask, so the slots' order does not matter; nothing copied, no tiles planned
+            k, v = cache.update(k, v, ordered=False)  # (B, Hkv, min(length, W), D)
+            return q, k, v, None, True
+        k, v = cache.update(k, v)  # (B, Hkv, S_cached, D)
+        return q, k, v, mask, False
 
     def _check_cache_fits(self, cache: KVCache, context: Tensor | None) -> None:
         """A cache made for other work gives wrong answers, not errors: a rolling cache of
@@ -332,7 +344,7 @@ class Attention(nn.Module):
         pos = cache.position.clone()  # first new token's position, read before the update
         if self.rope is not None:
             q, k = self.rope(q, pos), self.rope(k, pos)
-        k, v = cache.update_static(k, v)  # (B, Hkv, S_max, D)
+        k, v = cache.update(k, v, static=True)  # (B, Hkv, S_max, D)
         kv_idx = torch.arange(cache.max_len, device=q.device)[None, :]  # (1, S_max)
         q_pos = pos + torch.arange(T, device=q.device)[:, None]  # (T, 1): the new tokens' positions
         allowed = kv_idx < pos + T  # (T, S_max): the slots written so far

@@ -1,25 +1,28 @@
 """KV caches: static, preallocated buffers for decoding (the gpt-fast design).
 
 `KVCache` holds keys `(B, Hkv, S_max, D)` and values `(B, Hkv, S_max, Dv)`: Hkv heads,
-not H, which is the whole point of GQA and MQA. `update` writes the new tokens at the
-current length and returns views of everything cached so far. `LatentCache` holds
-MLA's compressed latent `(B, S_max, R + rope_dim)` instead.
+not H, which is the whole point of GQA and MQA. `LatentCache` holds MLA's compressed
+latent `(B, S_max, R + rope_dim)` instead. Each kind has one write method, `update`: it
+writes the new tokens at the current length and returns views of everything cached so
+far; a cross-attention context is held by `hold_context`, once, in an empty cache.
 
 Under `torch.compile`, a Python int length would be specialised and recompiled at every
 step, so the length lives in a 0-d tensor. Eager `update` reads it and returns views of
-the cached tokens (exact shapes, no wasted work); compiled code uses `update_static`,
-which writes at the tensor position and returns the whole buffers, to be masked by
-position (the gpt-fast design): one graph serves every decode step (tested). Eager code
-keeps a Python int beside the tensor, so reading the length never waits for the device
-(one sync per layer per step on a GPU otherwise).
+the cached tokens (exact shapes, no wasted work); compiled code calls
+`update(k, v, static=True)`, which writes at the tensor position and returns the whole
+buffers, to be masked by position (the gpt-fast design): one graph serves every decode
+step (tested). Eager code keeps a Python int beside the tensor, so reading the length
+never waits for the device (one sync per layer per step on a GPU otherwise).
 
 `RollingKVCache` is the sliding-window cache (Mistral's design): W slots, written
 round-robin, so memory is O(W) however long the sequence grows.
 
 State rules that callers rely on:
-- A call that raises leaves the cache as it was. The modules take a `checkpoint()`
-  before writing and `restore()` it if anything after the write fails (a bad mask, a
-  bad head index), so a corrected retry sees exactly the old cache.
+- A call that raises leaves the cache as it was. The modules write inside
+  `with cache.checkpoint(n_new):`, which restores the cache if anything in the block
+  fails (a bad mask, a bad head index), so a corrected retry sees exactly the old cache.
+  `mark = cache.checkpoint(n)` ... `cache.restore(mark)` rewinds it on purpose (a
+  benchmark repeating one step).
 - Under autograd, cached keys and values keep the graph of their writes within one
   sequence, so the latest step's output backpropagates into every earlier token's
   projections (equal to the full forward's gradient). Earlier steps' graphs are not
@@ -39,7 +42,25 @@ from torch import Tensor
 
 from multihead._checks import check_nonnegative_int, check_positive_int
 
-__all__ = ["KVCache", "LatentCache", "RollingKVCache"]
+__all__ = ["CacheMark", "KVCache", "LatentCache", "RollingKVCache"]
+
+
+class CacheMark:
+    """What `restore` needs to undo a write (from `checkpoint`); as a context manager, the
+    block's writes are undone if the block raises, and kept otherwise."""
+
+    __slots__ = ("cache", "state")
+
+    def __init__(self, cache: _StaticCache, state: tuple):
+        self.cache, self.state = cache, state
+
+    def __enter__(self) -> CacheMark:
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> bool:
+        if exc_type is not None:
+            self.cache.restore(self)
+        return False  # the error propagates
 
 
 class _StaticCache:
@@ -73,18 +94,25 @@ class _StaticCache:
         self.position.zero_()
         self._len = 0
 
-    def checkpoint(self, n_new: int) -> tuple:
-        """What `restore` needs to undo writing `n_new` tokens: the length and the slots
-        those tokens will overwrite (copies of at most `n_new` tokens per buffer)."""
+    def checkpoint(self, n_new: int) -> CacheMark:
+        """A mark to undo writing `n_new` tokens: the length and the slots those tokens will
+        overwrite (copies of at most `n_new` tokens per buffer). `with cache.checkpoint(n):`
+        restores it if the block raises; `cache.restore(mark)` restores it at any time."""
+        return CacheMark(self, self._state(n_new))
+
+    def _state(self, n_new: int) -> tuple:
         start = self.length
         slots = self._slots(start, n_new)
         saved = tuple(getattr(self, name).index_select(self._seq_dim, slots).detach().clone()
                       for name in self._buffers)
         return start, slots, saved
 
-    def restore(self, mark: tuple) -> None:
+    def restore(self, mark: CacheMark) -> None:
         """Put back the length and the contents saved by `checkpoint`."""
-        start, slots, saved = mark
+        self._put_back(mark.state)
+
+    def _put_back(self, state: tuple) -> None:
+        start, slots, saved = state
         with torch.no_grad():
             for name, old in zip(self._buffers, saved):
                 getattr(self, name).index_copy_(self._seq_dim, slots, old)
@@ -191,8 +219,16 @@ class KVCache(_StaticCache):
                              f"{k.shape[2]} and {v.shape[2]}")
         return start, end
 
-    def update(self, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
-        """Append k `(B, Hkv, T, D)`, v `(B, Hkv, T, Dv)`; return all cached `(B, Hkv, S, .)`."""
+    def update(self, k: Tensor, v: Tensor, *, static: bool = False) -> tuple[Tensor, Tensor]:
+        """Append k `(B, Hkv, T, D)`, v `(B, Hkv, T, Dv)`; return all cached `(B, Hkv, S, .)`.
+
+        `static=True` (compiled decoding): write at the tensor position and return the
+        whole buffers `(B, Hkv, S_max, .)`. No Python int is read, so shapes stay static;
+        keys at positions >= `position` are stale and must be masked by the caller.
+        Overflow is not checked then (that would need the length on the host).
+        """
+        if static:
+            return self._update_static(k, v)
         start, end = self._reserve_kv(k, v)
         self.k[:, :, start:end] = k
         self.v[:, :, start:end] = v
@@ -211,13 +247,12 @@ class KVCache(_StaticCache):
                 f"max_len {self.max_len}; make it with new_cache(batch_size, max_len={k.shape[2]})")
         return KVCache.update(self, k, v)
 
-    def update_static(self, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
-        """Write k, v at the tensor position; return the whole buffers `(B, Hkv, S_max, .)`.
+    def cached(self) -> tuple[Tensor, Tensor]:
+        """Views of every cached key and value `(B, Hkv, S, .)`, in slot order (a held
+        context: in order)."""
+        return self.k[:, :, : min(self.length, self.max_len)], self.v[:, :, : min(self.length, self.max_len)]
 
-        For compiled decoding: no Python int is read, so shapes stay static. Keys at
-        positions >= `position` are stale and must be masked by the caller. Overflow is
-        not checked here (that would need the length on the host).
-        """
+    def _update_static(self, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
         idx = self.position + torch.arange(k.shape[2], device=self.position.device)
         self.k.index_copy_(2, idx, k)
         self.v.index_copy_(2, idx, v)
@@ -276,13 +311,13 @@ class RollingKVCache(KVCache):
             self.max_len = S
         return super().hold_context(k, v)
 
-    def checkpoint(self, n_new: int) -> tuple:
+    def _state(self, n_new: int) -> tuple:
         # the buffers themselves too: hold_context may replace them by wider ones
-        return super().checkpoint(n_new), self.k, self.v, self.max_len
+        return super()._state(n_new), self.k, self.v, self.max_len
 
-    def restore(self, mark: tuple) -> None:
-        inner, self.k, self.v, self.max_len = mark
-        super().restore(inner)
+    def _put_back(self, state: tuple) -> None:
+        inner, self.k, self.v, self.max_len = state
+        super()._put_back(inner)
 
     def reset(self) -> None:
         """Forget every cached token; a cache widened for a context goes back to W slots."""
@@ -297,9 +332,23 @@ class RollingKVCache(KVCache):
         written = min(n, W)  # only the last W new tokens are kept
         return torch.arange(start + n - written, start + n, device=self.k.device) % W
 
-    def update(self, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
+    def update(self, k: Tensor, v: Tensor, *, ordered: bool = True, static: bool = False) -> tuple[Tensor, Tensor]:
         """Add k `(B, Hkv, T, D)`, v `(B, Hkv, T, Dv)`; return the visible keys and values
-        `(B, Hkv, min(length, W - 1) + T, .)` in chronological order."""
+        `(B, Hkv, min(length, W - 1) + T, .)` in chronological order.
+
+        `ordered=False`, for ONE token (T = 1): return every cached key and value
+        `(B, Hkv, min(length, W), .)` as views of the slots, in slot order, not
+        chronological. The one query sees all of them (they are the last W tokens, its own
+        included), so a mask that depends only on positions (causal, the window) allows
+        every one and their order does not change the attention: no copy, no mask.
+        Position-dependent scores (ALiBi, a caller's mask, weights a caller reads per key)
+        need the ordered keys. `static=True` is refused: a rolling cache runs eagerly.
+        """
+        if static:
+            raise ValueError("a RollingKVCache runs eagerly; under torch.compile use a static cache "
+                             "(new_cache(..., rolling=False))")
+        if not ordered:
+            return self._update_one_unordered(k, v)
         start, _ = self._reserve_kv(k, v)
         W, T = self.window, k.shape[2]
         kept = min(start, W - 1)  # old tokens that the first new query can still see
@@ -312,17 +361,9 @@ class RollingKVCache(KVCache):
         self._advance_to(start + T)
         return k_all, v_all
 
-    def update_unordered(self, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
-        """Add ONE token (k `(B, Hkv, 1, D)`); return every cached key and value
-        `(B, Hkv, min(length, W), .)` as views of the slots, in slot order, not chronological.
-
-        The one query sees all of them (they are the last W tokens, its own included), so a
-        mask that depends only on positions (causal, the window) allows every one and their
-        order does not change the attention: no copy, no mask. Position-dependent scores
-        (ALiBi, a caller's mask, weights a caller reads per key) need `update`.
-        """
-        if k.shape[2] != 1:
-            raise ValueError(f"update_unordered adds one token; received {k.shape[2]} (use update)")
+    def _update_one_unordered(self, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
+        if isinstance(k, Tensor) and k.dim() == 4 and k.shape[2] != 1:
+            raise ValueError(f"update(..., ordered=False) adds one token; received {k.shape[2]} (use ordered=True)")
         start, _ = self._reserve_kv(k, v)
         slot = start % self.window
         self.k[:, :, slot:slot + 1] = k
@@ -330,10 +371,6 @@ class RollingKVCache(KVCache):
         self._advance_to(start + 1)
         n = min(start + 1, self.window)
         return self.k[:, :, :n], self.v[:, :, :n]
-
-    def update_static(self, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
-        raise ValueError("a RollingKVCache runs eagerly; under torch.compile use a static cache "
-                         "(new_cache(..., rolling=False))")
 
     def __repr__(self) -> str:
         B, Hkv, W, D = self.k.shape

@@ -226,13 +226,9 @@ class LatentAttention(nn.Module):
             latent = store(latent)  # (B, S, R + rope_dim)
         if cache is None:
             return self._attend_and_project(q_nope, q_pe, latent, mask, return_weights, absorb)
-        mark = cache.checkpoint(T)
-        try:
+        with cache.checkpoint(T):  # a call that raises leaves the cache as it was
             latent = cache.update(latent)  # (B, S, R + rope_dim)
             return self._attend_and_project(q_nope, q_pe, latent, mask, return_weights, absorb)
-        except BaseException:
-            cache.restore(mark)  # a call that raises leaves the cache as it was
-            raise
 
     def _attend_and_project(self, q_nope, q_pe, latent, mask, return_weights, absorb):
         S = latent.shape[1]
