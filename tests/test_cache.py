@@ -68,6 +68,28 @@ def test_restore_puts_back_the_overwritten_slots_of_a_rolling_cache():
     _assert_unchanged(cache, snap)
 
 
+@pytest.mark.parametrize("make", [lambda: mh.KVCache(1, 2, 6, 3), lambda: RollingKVCache(1, 2, 3, 3),
+                                  lambda: mh.LatentCache(1, 6, 3, 2)], ids=["static", "rolling", "latent"])
+def test_a_checkpoint_block_undoes_its_writes_only_when_it_raises(make):
+    cache = make()
+
+    def write(t):
+        if isinstance(cache, mh.LatentCache):
+            return cache.update(torch.randn(1, t, 5))
+        return cache.update(torch.randn(1, 2, t, 3), torch.randn(1, 2, t, 3))
+
+    write(2)
+    snap = _snapshot(cache)
+    with pytest.raises(RuntimeError, match="after the write"):
+        with cache.checkpoint(2):
+            write(2)
+            raise RuntimeError("after the write")
+    _assert_unchanged(cache, snap)
+    with cache.checkpoint(1):
+        write(1)
+    assert cache.length == 3 and not torch.equal(_snapshot(cache)[1][0], snap[1][0])
+
+
 def test_reset_drops_the_graph_and_deepcopy_copies_values():
     attn = mh.Attention(16, 4, 2, causal=True, rope=True)
     cache = attn.new_cache(1, 8)
