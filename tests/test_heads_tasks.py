@@ -213,6 +213,17 @@ def test_scan_task_induction_and_the_induction_study(capsys, tiny_folder, tmp_pa
     want = torch.stack([a[:, :, q, q - 5].mean((0, 2)) for a in att])
     torch.testing.assert_close(score, want, rtol=1e-4, atol=1e-5)
     assert abs(r["loss_repeated_half"] - t.metric(eager(t.clean).logits).item()) < 1e-4
+    feeders = r["feeders"]["heads"]  # layer-0 heads outside the top 4, each mean-ablated alone
+    top4 = {(x["layer"], x["head"]) for x in r["top"][:4]}
+    assert {(f["layer"], f["head"]) for f in feeders} == {(0, h) for h in range(4)} - top4
+    from multihead import heads
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(tiny_folder, attn_implementation="multihead").eval()
+    f = feeders[0]
+    with torch.no_grad(), heads.ablate(model, [(f["layer"], f["head"])], how="mean",
+                                       reference=heads.record(model, t.reference)):
+        raised = t.metric(model(t.clean).logits).item() - r["loss_repeated_half"]
+    assert abs(f["loss_raised_by"] - raised) < 1e-4
     assert set(r["ablation"]) == {"zero", "mean"} and png.read_bytes()[:4] == b"\x89PNG"
 
 
@@ -228,3 +239,82 @@ def test_task_mistakes_are_one_line_exit_2(capsys, tiny_folder, argv, message):
     code, out, err = _run(capsys, *argv[:1], "--model", str(tiny_folder), *argv[1:])
     assert code == 2, err
     assert message in err and len(err.strip().splitlines()) == 1, err
+
+
+# ------------------------------------------------------------------ on SmolLM2 itself
+
+@pytest.fixture(scope="module")
+def smollm2():
+    """SmolLM2 through the loader (kept for the session, so the CLI runs below reuse it)."""
+    pytest.importorskip("gguf")
+    from multihead.interop.loaders import InspectError, load_model
+
+    try:
+        return load_model("smollm2")
+    except InspectError as err:
+        pytest.skip(str(err))
+
+
+@pytest.mark.slow
+def test_smollm2_does_ioi_clean_positive_corrupted_negative(smollm2):
+    from multihead.heads import tasks
+
+    t = tasks.ioi(8, tokenizer=smollm2)
+    with torch.no_grad():
+        clean = t.logit_diff(smollm2.model(**t.clean).logits)
+        corrupted = t.logit_diff(smollm2.model(**t.corrupted).logits)
+        reference = t.metric(smollm2.model(**t.reference).logits).item()
+    assert clean.mean() > 2 and corrupted.mean() < -2, (clean, corrupted)
+    assert (clean > corrupted).float().mean() >= 0.75  # pair by pair, not only on average
+    assert corrupted.mean() < reference < clean.mean()  # ABC: neither name is favoured by a repeat
+
+
+@pytest.mark.slow
+def test_smollm2_copies_repeated_random_tokens(smollm2):
+    from multihead.heads import tasks
+
+    t = tasks.induction(2, 40, vocab=smollm2)
+    with torch.no_grad():
+        logits = smollm2.model(t.clean).logits
+        after_other = t.metric(smollm2.model(t.corrupted).logits).item()
+    first, repeated = t.first_half_loss(logits).item(), t.metric(logits).item()
+    assert repeated < 0.4 * first and repeated < 0.4 * after_other, (first, repeated, after_other)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("argv,message", [
+    (["--clean", "When Mary and John went to the store, John gave a drink to", "--corrupted",
+      "When Mary and John went to the store, Mary gave a drink to", "--answer", "Mary Ann", "--wrong", "John"],
+     "--answer 'Mary Ann' is 2 tokens"),
+    (["--clean", "When Mary and John went out, John gave a drink to", "--corrupted",
+      "When Mary and John went out, Mariangela gave a drink to", "--answer", "Mary", "--wrong", "John"],
+     "patching needs the same number of tokens"),
+    (["--clean", "word " * 8200, "--corrupted", "word " * 8200, "--answer", "Mary", "--wrong", "John"],
+     "this model takes at most 8192 positions"),
+    (["--clean", "", "--corrupted", "x", "--answer", "Mary", "--wrong", "John"], "--clean is empty"),
+])
+def test_smollm2_scan_mistakes_exit_2(capsys, smollm2, argv, message):
+    code, out, err = _run(capsys, "scan", *argv)
+    assert code == 2, err
+    assert message in err and len(err.strip().splitlines()) == 1, err
+
+
+@pytest.mark.slow
+def test_smollm2_answer_mary_is_the_space_led_token(capsys, smollm2):
+    from multihead import heads
+
+    clean = "When Mary and John went to the store, John gave a drink to"
+    corrupted = "When Mary and John went to the store, Mary gave a drink to"
+    code, out, err = _run(capsys, "scan", "--clean", clean, "--corrupted", corrupted, "--answer", "Mary",
+                          "--wrong", "John", "--json")
+    assert code == 0, err
+    r = json.loads(out)
+    assert (r["answer_token"], r["wrong_token"]) == ("ĠMary", "ĠJohn")
+    assert r["metric_clean"] > 3 and r["metric_corrupted"] < -3
+    tok, model = smollm2.tokenizer, smollm2.model
+    mary, john = (tok(" " + w, add_special_tokens=False)["input_ids"][0] for w in ("Mary", "John"))
+
+    def metric(logits):
+        return (logits[:, -1, mary] - logits[:, -1, john]).mean()
+    want = heads.patch_scan(model, tok(clean, return_tensors="pt"), tok(corrupted, return_tensors="pt"), metric)
+    torch.testing.assert_close(torch.tensor(r["table"]), want, rtol=1e-4, atol=1e-4)

@@ -41,6 +41,8 @@ STRIDE = 37  # every 37th verse: 320 verses spread over the KJV's 30,687 of 8+ w
 CHECK_KS = (4, 8)  # the causal check ablates the top k heads of a ranking ...
 CHECK_SEEDS = 5  # ... against k random heads, the median of this many draws
 N_PAIRS = 8  # --task ioi / induction: pairs or sequences (a scan's cost grows with them)
+N_SEQUENCES = 4  # heads induction: 4 x 49 predictions on the repeated half; each ablation is a forward of them
+FEEDERS = 10  # heads induction: earlier heads shortlisted by attribution, then ablated one by one
 LENGTH = 50  # --task induction: tokens per half (Olsson et al.'s sequences are longer; 50 shows the heads)
 
 
@@ -86,7 +88,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                                    "heads ablated against as many random heads, and the heads of earlier layers "
                                    "whose ablation most raises it (the previous-token heads that feed them).")
     d.add_argument("--model", default="smollm2", help=lm_help)
-    d.add_argument("--n", type=int, default=N_PAIRS, help=f"sequences (default {N_PAIRS})")
+    d.add_argument("--n", type=int, default=N_SEQUENCES, help=f"sequences (default {N_SEQUENCES})")
     d.add_argument("--length", type=int, default=LENGTH, help=f"random tokens per half (default {LENGTH})")
     d.add_argument("--seed", type=int, default=0, help="the draw of tokens (default 0)")
     d.add_argument("--png", metavar="PATH", help="write the induction and previous-token scores as heat maps")
@@ -428,19 +430,24 @@ def induction_study(args) -> dict:
     t0 = time.perf_counter()
     checks = {how: causal_check(model, task.clean, task.metric, ranked, cells, task.reference, how=how)
               for how in ("zero", "mean")}
-    # the heads that feed the top induction heads sit in earlier layers: ablate each of those
-    # (mean over the reference) alone and see which raise the loss on the repeated half most
-    top = ranked[:max(CHECK_KS)]
+    # The heads that feed the top induction heads sit in earlier layers. Ablating each of
+    # those alone is a forward per head; attribution patching (one backward) estimates every
+    # head's effect of taking its output from fresh random text, and the FEEDERS heads it
+    # ranks highest among the earlier layers are then mean-ablated for real, one at a time.
+    top = ranked[:max(row["k"] for row in checks["mean"]["by_k"])]
     deepest = max(layer for layer, _ in top)
     earlier = [c for c in cells if c[0] < deepest and c not in top]
+    estimate = heads.attribution_scan(model, task.reference, task.clean, task.metric)
+    shortlist = sorted(earlier, key=lambda c: -float(estimate[c[0], c[1]]))[:FEEDERS]
     ref = heads.record(model, task.reference)
     raised = []
-    for c in earlier:
+    for c in shortlist:
         with heads.ablate(model, [c], how="mean", reference=ref):
             raised.append((float(task.metric(_run(model, task.clean))) - loss_repeated, c))
     raised.sort(key=lambda x: -x[0])
-    feeders = [{"layer": c[0], "head": c[1], "loss_raised_by": d, "previous_token_score": previous[c[0]][c[1]],
-                "induction_score": induction[c[0]][c[1]]} for d, c in raised[:TOP]]
+    feeders = [{"layer": c[0], "head": c[1], "loss_raised_by": d, "estimated": float(estimate[c[0], c[1]])
+                - loss_repeated, "previous_token_score": previous[c[0]][c[1]],
+                "induction_score": induction[c[0]][c[1]]} for d, c in raised]
     return {"model": getattr(loaded, "name", args.model), "n": args.n, "length": L, "seed": args.seed,
             "bos": None, "tokens": "uniform over the tokenizer's ordinary tokens" if kind == "hf" else
             "uniform over the vocabulary",
@@ -451,8 +458,9 @@ def induction_study(args) -> dict:
             "top": [{"layer": a, "head": b, "induction_score": induction[a][b],
                      "previous_token_score": previous[a][b]} for a, b in ranked[:TOP]],
             "ablation": checks, "feeders": {"among": f"the {len(earlier)} other heads of layers 0-{deepest - 1} "
-                                                    f"(below the deepest of the top {len(top)} induction heads), "
-                                                    "each mean-ablated alone",
+                                                    f"(below the deepest of the top {len(top)} induction heads)",
+                                           "how": f"the {FEEDERS} that attribution patching ranks highest, each "
+                                                  "mean-ablated alone (reference: fresh random tokens)",
                                            "heads": feeders},
             "seconds": {"scores": round(score_s, 2), "ablations": round(time.perf_counter() - t0, 2)}}
 
@@ -471,7 +479,7 @@ def _print_induction(r: dict) -> None:
             print(f"  top {row['k']}: {row['ablated']:.3f}; {row['k']} random heads: median "
                   f"{row['random_median']:.3f} of {len(row['random'])} draws")
     f = r["feeders"]
-    print(f"earlier heads whose ablation most raises that loss ({f['among']}):")
+    print(f"earlier heads whose ablation most raises that loss ({f['among']}; {f['how']}):")
     for t in f["heads"]:
         print(f"  L{t['layer']}H{t['head']}: +{t['loss_raised_by']:.3f} nats (previous-token score "
               f"{t['previous_token_score']:.3f})")
