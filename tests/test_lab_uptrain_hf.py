@@ -173,6 +173,27 @@ def test_ctrl_c_then_resume_equals_an_uninterrupted_run(quick, llama_folder, tmp
     assert _numbers(done) == _numbers(quick[0])
 
 
+def test_ctrl_c_inside_an_evaluation_then_resume(quick, llama_folder, tmp_path, monkeypatch):
+    """Interrupted while evaluating after a step: the resumed run evaluates that step first."""
+    from multihead.lab import uptrain_hf
+
+    calls, real = [], uptrain_hf.held_out_ppl
+
+    def flaky(*args):
+        calls.append(1)
+        if len(calls) == 6:  # the base, the control at 0, 3 and 6, MQA (mean) at 0, then MQA at 3
+            raise KeyboardInterrupt
+        return real(*args)
+
+    monkeypatch.setattr(uptrain_hf, "held_out_ppl", flaky)
+    cfg = _cfg(llama_folder)
+    assert run_uptrain_hf(cfg, tmp_path, progress=False, plots=False)["interrupted"]
+    assert torch.load(tmp_path / STATE, weights_only=True)["step"] == 3
+    monkeypatch.setattr(uptrain_hf, "held_out_ppl", real)
+    done = run_uptrain_hf(cfg, tmp_path, progress=False, resume=True, plots=False)
+    assert _numbers(done) == _numbers(quick[0])
+
+
 def test_cli_runs_and_resumes(llama_folder, tmp_path, capsys):
     from multihead.cli import main
 
@@ -214,3 +235,28 @@ def test_quick_on_smollm2(tmp_path):
     conv = {(v["target"], v["init"]): v["val_ppl"] for v in r["variants"] if v["steps"] == 0}
     # conversion without uptraining hurts a real model, random K/V most
     assert r["base"]["val_ppl"] < conv[("mqa", "mean")] < conv[("mqa", "random")]
+
+
+def test_the_docs_quote_the_committed_run():
+    """docs/lab.md's SmolLM2 section quotes the committed run's table and summary verbatim,
+    and the summary is what the current code writes from the committed numbers."""
+    from pathlib import Path
+
+    from multihead.lab.results import check_results
+    from multihead.lab.uptrain_hf import summarise
+
+    root = Path(__file__).resolve().parent.parent
+    committed = root / "docs" / "lab" / "uptrain-smollm2" / "results.json"
+    if not committed.is_file():
+        pytest.skip("no committed SmolLM2 run yet")
+    res = check_results(json.loads(committed.read_text(encoding="utf-8")), committed.parent,
+                        required=["base", "control", "variants", "summary", "table"])
+    doc = (root / "docs" / "lab.md").read_text(encoding="utf-8")
+    section = doc[doc.index("`multihead lab uptrain --model smollm2`"):]
+    r = res["results"]
+    assert r["table"] in section and r["summary"] in section
+    cfg_fields = {k: tuple(v) if isinstance(v, list) else v for k, v in res["config"].items()}
+    again = json.loads(json.dumps(res))
+    summarise(HFUptrainConfig(**cfg_fields), again)
+    assert (again["results"]["table"], again["results"]["summary"]) == (r["table"], r["summary"])
+    assert not res["interrupted"] and res["results"]["model"] == "smollm2"

@@ -306,6 +306,19 @@ class _Run:
     def ppl(self, model) -> float:
         return held_out_ppl(model, self.data.windows, self.dev)
 
+    def _entries(self, unit: _Unit) -> list[dict]:
+        r = self.res["results"]
+        if unit.role == "control":
+            return r["control"]
+        if unit.role == "freeze_check":
+            return r["freeze"]["check"]
+        return [v for v in r["variants"] if (v["target"], v["init"], v["objective"])
+                == (unit.target, unit.init, unit.objective)]
+
+    def recorded(self, unit: _Unit, step: int) -> bool:
+        """Whether the unit's evaluation at `step` is in the results (an interrupted run's may be)."""
+        return any(e["steps"] == step for e in self._entries(unit))
+
     def record(self, unit: _Unit, entry: dict) -> None:
         r = self.res["results"]
         if unit.role == "control":
@@ -338,13 +351,16 @@ class _Run:
         if unit.target != "control":
             info["kv_reconstruction_error"] = errors
         evals = cfg.eval_steps()
-        if start == 0:
+        if start == 0 and not self.recorded(unit, 0):
             same = [v for v in r["variants"] if (v["target"], v["init"], v["steps"]) == (unit.target, unit.init, 0)]
             ppl0 = same[0]["val_ppl"] if same else self.ppl(model)  # the distilled target is one converted already
             self.record(unit, {**info, "steps": 0, "val_ppl": ppl0, "seconds": 0.0})
+        elif start in evals and not self.recorded(unit, start):  # interrupted during this evaluation
+            self.record(unit, {**info, "steps": start, "val_ppl": self.ppl(model), "seconds": seconds})
         label = self.overall.next_label(f"uptrain {unit.key}")
         bar = Progress(cfg.steps, label, enabled=self.progress, overall=self.overall)
-        bar.update(start, losses[-1] if losses else float("nan"))
+        if start:
+            bar.update(start, losses[-1])
         teacher = self.base if unit.objective == "distill" else None
         step = start
         t = time.perf_counter()
@@ -543,15 +559,21 @@ def summarise(cfg: HFUptrainConfig, res: dict) -> None:
         v["control_ppl"] = control.get(v["steps"])
         v["gap_closed"] = (gap_closed(conv, v["val_ppl"], v["control_ppl"])
                            if conv is not None and v["control_ppl"] is not None and v["steps"] else None)
-    steps = [s for s in cfg.eval_steps()]
+    steps = list(cfg.eval_steps())
+
+    def ppl_cells(values: dict) -> str:
+        return " | ".join(f"{values[s]:.2f}" if s in values else "-" for s in steps)
+
+    def minutes(key: str) -> str:
+        return f"{r['seconds'][key] / 60:.1f}" if key in r["seconds"] else "-"
+
     head = "| target | init | objective | KV bytes/token | " + " | ".join(
-        "converted" if s == 0 else f"step {s}" for s in steps) + " | gap closed |"
-    lines = [head, "|" + ":--|" * 3 + "--:|" * (len(steps) + 2)]
+        "converted" if s == 0 else f"step {s}" for s in steps) + " | gap closed | minutes |"
+    lines = [head, "|" + ":--|" * 3 + "--:|" * (len(steps) + 3)]
     if r["base"] is not None:
-        lines.append(f"| base | - | - | {r['base']['kv_bytes_per_token']:,} | {r['base']['val_ppl']:.2f} |"
-                     + " |" * len(steps))
-        lines.append("| control | - | next-token | " + f"{r['base']['kv_bytes_per_token']:,} | "
-                     + " | ".join(f"{control[s]:.2f}" if s in control else "-" for s in steps) + " | |")
+        kv = f"{r['base']['kv_bytes_per_token']:,}"
+        lines.append(f"| base | - | - | {kv} | {r['base']['val_ppl']:.2f} |" + " |" * (len(steps) + 1))
+        lines.append(f"| control | - | next-token | {kv} | {ppl_cells(control)} | | {minutes('control')} |")
     grid: dict = {}
     for v in r["variants"]:
         grid.setdefault((v["target"], v["init"], v["objective"], v["kv_bytes_per_token"]), {})[v["steps"]] = v
@@ -559,9 +581,10 @@ def summarise(cfg: HFUptrainConfig, res: dict) -> None:
     for (target, init, objective, kv), row in grid.items():
         last = row[max(row)]
         closed = last.get("gap_closed")
+        key = f"{target}/{init}" + ("/distill" if objective == "distill" else "")
         lines.append(f"| {target} | {init} | {objective} | {kv:,} | "
-                     + " | ".join(f"{row[s]['val_ppl']:.2f}" if s in row else "-" for s in steps)
-                     + f" | {'-' if closed is None else f'{closed:.0%}'} |")
+                     + ppl_cells({s: v["val_ppl"] for s, v in row.items()})
+                     + f" | {'-' if closed is None else f'{closed:.0%}'} | {minutes(key)} |")
         if max(row) > 0 and 0 in row:
             sentences.append(f"{target} ({init}, {objective}): {row[0]['val_ppl']:.1f} as converted, "
                              f"{last['val_ppl']:.1f} after {max(row)} steps against the control's "
