@@ -109,17 +109,26 @@ def test_ctrl_c_keeps_what_finished(tmp_path):
     assert (tmp_path / "model" / "model.safetensors").is_file()
 
 
-def test_from_a_lab_mla_run(tmp_path):
-    mla_cfg = replace(MLAConfig.quick(), ranks=(4,), kv_heads=(), steps=24, finetune_steps=1, eval_batches=2)
-    mla = run_mla(mla_cfg, tmp_path / "mla", seed=3, progress=False)
+@pytest.fixture(scope="module")
+def mla_run(tmp_path_factory):
+    """A small `lab mla` run (d_model 64, wider than --quick's 32) to start uptraining from."""
+    out = tmp_path_factory.mktemp("mla-run")
+    torch.set_num_threads(1)
+    run_mla(replace(MLAConfig.quick(), ranks=(4,), kv_heads=(), steps=24, finetune_steps=1, eval_batches=2), out,
+            seed=3, progress=False)
+    return out
+
+
+def test_from_a_lab_mla_run(mla_run, tmp_path):
+    mla = load_results(mla_run)
     cfg = replace(UptrainConfig.quick(), kv_heads=(2,), inits=("mean",), ranks=(), fractions=(0.0, 0.1),
-                  from_checkpoint=str(tmp_path / "mla"))
+                  from_checkpoint=str(mla_run))
     res = run_uptrain(cfg, tmp_path / "up", progress=False)
     r = res["results"]
     # the MHA of the mla run, validated on the same held-out windows: the same number
     assert r["mha"]["val_bits_per_char"] == pytest.approx(mla["results"]["runs"][0]["val_bpc"], abs=1e-9)
-    assert r["mha"]["source"] == str(tmp_path / "mla") and res["seed"] == 3
-    assert res["config"]["d_model"] == mla_cfg.d_model and res["config"]["steps"] == 24
+    assert r["mha"]["source"] == str(mla_run) and res["seed"] == 3
+    assert res["config"]["d_model"] == mla["config"]["d_model"] == 64 and res["config"]["steps"] == 24
     assert [(v["target"], v["uptrain_steps"]) for v in r["variants"]] == [("GQA-2", 0), ("GQA-2", 2)]
     assert [s["target"] for s in r["scratch"]] == ["GQA-2"]
 
@@ -141,16 +150,6 @@ def test_cli_bad_input_exits_2(tmp_path, capsys):
     (tmp_path / "run" / "results.json").write_text('{"experiment": "heads", "config": {}, "seed": 0}')
     assert main(["lab", "uptrain", "--quick", "--out", str(tmp_path / "o2"), "--from", str(tmp_path / "run")]) == 2
     assert "a `lab heads` run; valid: the folder of a `lab mla` run" in capsys.readouterr().err
-
-
-@pytest.fixture(scope="module")
-def mla_run(tmp_path_factory):
-    """A small `lab mla` run (d_model 64, wider than --quick's 32) to start uptraining from."""
-    out = tmp_path_factory.mktemp("mla-run")
-    torch.set_num_threads(1)
-    run_mla(replace(MLAConfig.quick(), ranks=(4,), kv_heads=(), steps=24, finetune_steps=1, eval_batches=2), out,
-            seed=3, progress=False)
-    return out
 
 
 def _broken_copy(src: Path, dst: Path, edit) -> Path:
