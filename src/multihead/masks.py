@@ -351,7 +351,7 @@ def local_chunks(size: int) -> MaskMod:
 def _int_tensor(x, what: str, shape_hint: str) -> Tensor:
     if not isinstance(x, Tensor) or x.is_floating_point() or x.is_complex() or x.dtype == torch.bool:
         got = f"shape {tuple(x.shape)} {x.dtype}" if isinstance(x, Tensor) else type(x).__name__
-        raise ValueError(f"{what} must be an integer tensor {shape_hint}; received {got}")
+        raise TypeError(f"{what} must be an integer tensor {shape_hint}; received {got}")
     return x
 
 
@@ -461,11 +461,10 @@ def padding(lengths: Tensor | None = None, *, keep: Tensor | None = None) -> Mas
                          f"received lengths={'set' if lengths is not None else None}, "
                          f"keep={'set' if keep is not None else None}")
     if lengths is not None:
-        if not isinstance(lengths, Tensor) or lengths.dim() != 1 or lengths.is_floating_point() \
-                or lengths.dtype == torch.bool or lengths.is_complex():
-            got = f"shape {tuple(lengths.shape)} {lengths.dtype}" if isinstance(lengths, Tensor) \
-                else type(lengths).__name__
-            raise ValueError(f"lengths must be a 1-D integer tensor (B,); received {got}")
+        lengths = _int_tensor(lengths, "lengths", "(B,)")
+        if lengths.dim() != 1:
+            raise ValueError(f"lengths must be a 1-D integer tensor (B,); received shape {tuple(lengths.shape)} "
+                             f"{lengths.dtype}")
         if (lengths < 0).any():
             raise ValueError(f"lengths must be >= 0; received {lengths.tolist()}")
         L = lengths.view(-1, 1, 1, 1)
@@ -478,7 +477,9 @@ def padding(lengths: Tensor | None = None, *, keep: Tensor | None = None) -> Mas
                        check=_check_batch(lengths.shape[0], "padding lengths"))
     if not isinstance(keep, Tensor) or keep.dtype != torch.bool or keep.dim() != 2:
         got = f"shape {tuple(keep.shape)} {keep.dtype}" if isinstance(keep, Tensor) else type(keep).__name__
-        raise ValueError(f"keep must be a 2-D bool tensor (B, S), True = real token; received {got}")
+        wrong_type = not isinstance(keep, Tensor) or keep.dtype != torch.bool
+        raise (TypeError if wrong_type else ValueError)(
+            f"keep must be a 2-D bool tensor (B, S), True = real token; received {got}")
 
     def check(B, H, T, S):
         if keep.shape[1] != S:
@@ -520,7 +521,8 @@ def from_key_padding_mask(key_padding_mask: Tensor) -> Tensor:
     kpm = key_padding_mask
     if not isinstance(kpm, Tensor) or kpm.dim() != 2:
         got = f"shape {tuple(kpm.shape)}" if isinstance(kpm, Tensor) else type(kpm).__name__
-        raise ValueError(f"key_padding_mask must be a 2-D tensor (B, S); received {got}")
+        raise (ValueError if isinstance(kpm, Tensor) else TypeError)(
+            f"key_padding_mask must be a 2-D tensor (B, S); received {got}")
     if kpm.dtype == torch.bool:
         return (~kpm)[:, None, None, :]
     if kpm.is_floating_point():

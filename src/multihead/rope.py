@@ -29,12 +29,13 @@ square also multiplies the softmax scale (`RopeScaling.softmax_factor`).
 from __future__ import annotations
 
 import math
+import numbers
 from dataclasses import dataclass, fields
 
 import torch
 from torch import Tensor, nn
 
-from multihead._checks import check_positive_number
+from multihead._checks import check_positive_int, check_positive_number
 
 __all__ = ["RopeScaling", "RotaryEmbedding", "apply_rotary"]
 
@@ -84,9 +85,7 @@ class RopeScaling:
         if self.kind not in SCALINGS:
             raise ValueError(f"RoPE scaling kind {self.kind!r} is not supported; valid: {', '.join(SCALINGS)}")
         object.__setattr__(self, "factor", _at_least("RoPE scaling factor", self.factor, 1.0))
-        n = self.original_max_positions
-        if n is not None and (isinstance(n, bool) or not isinstance(n, int) or n < 1):
-            raise ValueError(f"original_max_positions must be a positive int or None; received {n!r}")
+        n = check_positive_int("original_max_positions", self.original_max_positions, allow_none=True)
         if n is None and self.kind in ("llama3", "yarn", "dynamic"):
             raise ValueError(f"RoPE scaling {self.kind!r} needs original_max_positions (the training context length)")
         for name in ("low_freq_factor", "high_freq_factor", "beta_fast", "beta_slow"):
@@ -202,9 +201,11 @@ class RotaryEmbedding(nn.Module):
     def __init__(self, dim: int, base: float = 10000.0, *, interleaved: bool = False,
                  scaling: RopeScaling | dict | None = None):
         super().__init__()
-        if isinstance(dim, bool) or not isinstance(dim, int) or dim < 2 or dim % 2:
-            raise ValueError(f"rotary dim must be a positive even int; received {dim!r}")
-        if isinstance(base, bool) or not isinstance(base, (int, float)) or not math.isfinite(base) or not base > 1:
+        if check_positive_int("rotary dim", dim) % 2:
+            raise ValueError(f"rotary dim must be an even int >= 2; received {dim!r}")
+        if isinstance(base, bool) or not isinstance(base, numbers.Real):
+            raise TypeError(f"rotary base must be a finite number > 1; received {base!r} ({type(base).__name__})")
+        if not math.isfinite(base) or not base > 1:
             raise ValueError(f"rotary base must be a finite number > 1; received {base!r}")
         if isinstance(scaling, dict):
             scaling = RopeScaling.from_hf(scaling)
