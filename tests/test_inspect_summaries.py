@@ -34,7 +34,7 @@ def tok():
 def _model(name: str, vocab: int):
     t = transformers
     common = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, vocab_size=vocab,
-                  max_position_embeddings=512)
+                  max_position_embeddings=1024)
     if name == "llama":
         cfg, cls = t.LlamaConfig(num_attention_heads=4, num_key_value_heads=2, **common), t.LlamaForCausalLM
     elif name == "gpt2":
@@ -316,3 +316,24 @@ def test_cli_text_sources(capsys, tmp_path):
     assert code == 0
     header = next(line for line in out.splitlines() if line.startswith("rank"))
     assert header.split()[-3:] == ["H(nats)", "dist", "sink"]  # >1k, >4k: a short text cannot show them
+
+
+def test_cli_long_text_writes_the_summaries_page(capsys, tmp_path, tok):
+    model = _model("llama", len(tok))
+    folder = tmp_path / "llama"
+    model.save_pretrained(folder)
+    tok.save_pretrained(folder)
+    words = " ".join(f"w{i % 97} x{i % 13}" for i in range(400))  # repeats: induction and duplicate rows
+    f = tmp_path / "long.txt"
+    f.write_text(words, encoding="utf-8")
+    page = tmp_path / "view.html"
+    code, out, err = _cli(capsys, "--model", str(folder), "--text-file", str(f), "--max-tokens", "600",
+                          "--html", str(page), "--json")
+    assert code == 0, err
+    data = json.loads(out)
+    assert len(data["tokens"]) == 600 and len(data["summaries"]) == 8
+    html = page.read_text(encoding="utf-8")
+    assert 'id="mh-pattern"' in html and "Every head" in html  # the summaries page, not the head view
+    block = html.split('<script id="mh-data" type="application/json">', 1)[1].split("</script>", 1)[0]
+    d = json.loads(block)
+    assert d["T"] == 600 and len(d["coarse"]["heads"]) == 8 and d["grid"] == 256

@@ -7,7 +7,9 @@ for SmolLM2) in bounded memory: entropy (nats), mean distance, first-token (sink
 mass beyond 1K / 4K tokens back, and the role scores (previous-token, current-token,
 first-token, delimiter, duplicate-token, induction, prefix-matching on repeated random
 tokens). Prints the ranked role table with the summaries. --html writes a self-contained
-head view (no network) of the first 512 tokens, --png heatmaps.
+page (no network): the head view of the weights up to 512 tokens, and past that every
+head's summaries with its pattern as block sums and each query's top keys; --png
+heatmaps of the first 512 tokens.
 
 examples:
   multihead inspect "The cat sat on the mat." --html view.html
@@ -55,7 +57,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-tokens", type=int, metavar="N",
                         help="keep at most N tokens (default and limit: the model's positions, e.g. 8192 for "
                              "smollm2); every head is summarised at any length in bounded memory")
-    parser.add_argument("--html", metavar="PATH", help="write the self-contained HTML head view to PATH")
+    parser.add_argument("--html", metavar="PATH",
+                        help="write the self-contained HTML page to PATH (the head view up to 512 tokens; past that "
+                             "the summaries page: every head, its pattern as block sums, top-k rows)")
     parser.add_argument("--png", metavar="PATH",
                         help="write heatmaps to PATH: a layer x head grid, or one labelled head if one is captured")
     parser.add_argument("--roles", action="store_true",
@@ -171,7 +175,7 @@ def _main(args: argparse.Namespace, stack: contextlib.ExitStack) -> int:
         raise UsageError(str(err)) from None
     _status(f"multihead inspect: loading {args.model} (the first import of torch and transformers takes "
             "a few seconds) ...")
-    cap = None
+    cap, long_page = None, False
     try:
         stack.enter_context(quiet_hub(logs=True))  # the command's noise off, put back after
         from multihead.inspect.capture import capture, load_model
@@ -183,10 +187,11 @@ def _main(args: argparse.Namespace, stack: contextlib.ExitStack) -> int:
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always", TruncationWarning)
             summ = summaries(model, text, layers=layers, heads=heads, max_tokens=args.max_tokens,
-                             transformer_lens=args.tl_scores, progress=None)
+                             transformer_lens=args.tl_scores, progress=None, patterns=html_path is not None)
         _status("multihead inspect: prefix matching on repeated random tokens ...")
         prefix = induction_scores(model)
-        if html_path is not None or png_path is not None:  # the views draw weights: the first PAGE_TOKENS
+        long_page = html_path is not None and len(summ.tokens) > PAGE_TOKENS
+        if (html_path is not None and not long_page) or png_path is not None:  # weights of the first PAGE_TOKENS
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore", TruncationWarning)
                 cap = capture(text, model=model, layers=layers, heads=heads,
@@ -201,7 +206,12 @@ def _main(args: argparse.Namespace, stack: contextlib.ExitStack) -> int:
     roles = head_roles(summ, prefix_matching=prefix, transformer_lens=args.tl_scores)
 
     written = {}
-    if html_path is not None:
+    if html_path is not None and long_page:  # every head's summaries, patterns as block sums, top-k rows
+        from multihead.inspect.summaries_html import render_summaries_html
+
+        render_summaries_html(summ, roles=roles, path=html_path)
+        written["html"] = str(html_path.resolve())
+    elif html_path is not None:
         from multihead.inspect.html import render_html
 
         render_html(cap, roles=roles, path=html_path, max_tokens=PAGE_TOKENS)
@@ -227,8 +237,10 @@ def _main(args: argparse.Namespace, stack: contextlib.ExitStack) -> int:
           f"{len(summ.heads)} on {T:,} tokens")
     print("tokens: " + " ".join(summ.tokens[:40]) + (f" ... (+{T - 40})" if T > 40 else ""))
     if "html" in written:
-        shown = f" (first {len(cap.tokens)} of {T:,} tokens)" if len(cap.tokens) < T else ""
-        print(f"HTML head view: {written['html']}{shown}")
+        if long_page:
+            print(f"HTML summaries page: {written['html']} (every head; its pattern as block sums, top-k rows)")
+        else:
+            print(f"HTML head view: {written['html']}")
     if "png" in written:
         print(f"PNG: {written['png']}")
     print()

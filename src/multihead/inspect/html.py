@@ -121,7 +121,7 @@ def render_html(
         "meta_short": {str(key): _cut(" ".join(_meta_text(value).split()), META_CHARS)
                        for key, value in capture.meta.items()},
     }
-    page = _page(short_title, data)
+    page = offline_page(short_title, data, _ASSETS)
     if path is not None:
         from multihead._files import write_text
 
@@ -286,8 +286,11 @@ def _asset(name: str) -> str:
     return resources.files("multihead.inspect").joinpath(name).read_text(encoding="utf-8")
 
 
-def _page(title: str, data: dict) -> str:
-    template, css, js = (_asset(name) for name in _ASSETS)
+def offline_page(title: str, data: dict, assets: tuple[str, str, str]) -> str:
+    """A page from its (template, css, js) assets in this package, `data` as JSON in a
+    script block and a Content-Security-Policy that allows no fetch and only that script
+    (by its hash). The head view and the summaries page are both built here."""
+    template, css, js = (_asset(name) for name in assets)
     assert "</script" not in js.lower() and "</style" not in css.lower(), "asset would end its own tag"
     digest = base64.b64encode(hashlib.sha256(js.encode("utf-8")).digest()).decode("ascii")
     csp = (

@@ -1,0 +1,171 @@
+"""A self-contained HTML page of `HeadSummaries`, usable at 8,192 tokens x 270 heads.
+
+The head view of `render_html` draws weights and stops being usable past a few hundred
+tokens. This page draws what `summaries` computed beside the fused kernel instead: the
+grid of every head coloured by a chosen summary (entropy, mean distance, sink mass,
+induction, ...), and for the head clicked its pattern as block sums of the exact weights
+over at most 256 x 256 blocks, with the exact top-k row of the query under the pointer
+(or typed in).
+
+What is stored, and how (all base64 in one JSON block, decoded by the page):
+
+- every head's pattern at `coarse` x `coarse` blocks (default 64; block sums of the
+  256 x 256 ones, 2 x 2 or more at a time), 8 bits each on a square-root scale against the
+  head's largest block (`q = round(255 * sqrt(x / max))`), so weak structure still shows;
+- for the `detail` heads (the top-ranked 16 by default, or those named): the pattern at
+  the full grid the same way, and each query's top-k keys, indices as uint16 (uint32 past
+  65,535 tokens; the largest value = no key) and weights as uint16 fixed point
+  (`round(w * 65535)`: to 1.5e-5).
+
+Like the head view, it needs no network (`default-src 'none'`, its script allowed by its
+hash) and token text only reaches the page through JSON and `textContent`. At 8,192 tokens
+x 270 heads with 16 detail heads the page is about 13 MB (the tests bound it by 25 MB).
+"""
+
+from __future__ import annotations
+
+import base64
+import math
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from multihead.inspect.capture_types import HeadRole
+
+__all__ = ["COARSE", "DETAIL_HEADS", "render_summaries_html"]
+
+COARSE = 64
+DETAIL_HEADS = 16
+_ASSETS = ("summaries_view.html", "summaries_view.css", "summaries_view.js")
+_FIELDS = ("entropy", "mean_distance", "first_token_mass", "previous_token", "duplicate_token", "induction",
+           "beyond_1k", "beyond_4k", "normalized_entropy", "current_token", "first_token", "delimiter", "next_token")
+
+
+def render_summaries_html(summaries, roles: list[HeadRole] | None = None, path: str | Path | None = None, *,
+                          detail: list[tuple[int, int]] | int = DETAIL_HEADS, coarse: int = COARSE,
+                          title: str | None = None) -> str | Path:
+    """The page of `summaries` (a `HeadSummaries` made with `patterns=True` or for the
+    heads to draw), or written to `path` (UTF-8) and the path returned.
+
+    Args:
+        roles: the ranked role table (`head_roles(summaries)`): role badges, and the order
+            in which detail heads are chosen.
+        detail: (layer, head) pairs that get the full-grid pattern and top-k rows, or a
+            count: that many heads, best-ranked first (among those with a pattern).
+        coarse: the grid of every head's pattern (blocks per side).
+        title: the page title; defaults to the model name and the start of the text.
+    """
+    if not (hasattr(summaries, "scores") and hasattr(summaries, "patterns")):
+        raise TypeError(f"render_summaries_html takes a HeadSummaries; received {type(summaries).__name__}")
+    if isinstance(coarse, bool) or not isinstance(coarse, int) or coarse < 1:
+        raise ValueError(f"coarse must be an int >= 1; received {coarse!r}")
+    s = summaries
+    T = len(s.tokens)
+    have = [(layer, head) for layer in s.layers for head in s.heads if (layer, head) in s.patterns]
+    order = [(r.layer, r.head) for r in roles] if roles else have
+    if isinstance(detail, int) and not isinstance(detail, bool):
+        chosen = [p for p in order if p in s.patterns][:max(0, detail)]
+    else:
+        chosen = [(int(a), int(b)) for a, b in detail]
+        missing = [p for p in chosen if p not in s.patterns]
+        if missing:
+            raise ValueError(f"detail heads {missing} have no pattern; these summaries have patterns for "
+                             f"{len(have)} heads (summaries(..., patterns=True) keeps every head's)")
+    g = next(iter(s.patterns.values())).shape[-1] if s.patterns else 0
+    c = _coarse_size(g, coarse)
+    coarse_q, coarse_max = [], []
+    for layer, head in have:
+        p = s.patterns[(layer, head)].double()
+        small = p.reshape(c, g // c, c, g // c).sum((1, 3)) if c else p
+        q, m = _quantise(small)
+        coarse_q.append(q)
+        coarse_max.append(m)
+    data = {
+        "model": s.model, "T": T, "layers": s.layers, "heads": s.heads, "tokens": list(s.tokens),
+        "fields": [f for f in _FIELDS if f in s.scores],
+        "values": {f: [[_num(s.scores[f][li, hi]) for hi in range(len(s.heads))] for li in range(len(s.layers))]
+                   for f in _FIELDS if f in s.scores},
+        "roles": {f"{r.layer},{r.head}": {"role": r.role, "score": round(r.score, 4), "rank": i + 1}
+                  for i, r in enumerate(roles or [])},
+        "grid": g, "coarse": {"g": c, "heads": [f"{a},{b}" for a, b in have],
+                              "data": _b64(np.concatenate(coarse_q)) if coarse_q else "", "max": coarse_max},
+        "detail": _detail(s, chosen, T),
+        "notes": _notes(s, have, chosen, g, c, T),
+    }
+    if title is None:
+        text = s.meta.get("text", "")
+        title = f"{s.model}: {T:,} tokens" + (f" \u2014 {text[:80]}" + ("\u2026" if len(text) > 80 else "")
+                                              if isinstance(text, str) and text else "")
+    page = _page(title, data)
+    if path is None:
+        return page
+    from multihead._files import write_text
+
+    return write_text(path, page)
+
+
+def _coarse_size(g: int, coarse: int) -> int:
+    """The largest divisor of g that is at most `coarse` (block sums of whole blocks)."""
+    if not g:
+        return 0
+    return max(d for d in range(1, min(g, coarse) + 1) if g % d == 0)
+
+
+def _quantise(p: torch.Tensor) -> tuple[np.ndarray, float]:
+    m = float(p.max()) if p.numel() else 0.0
+    if m <= 0:
+        return np.zeros(p.numel(), dtype=np.uint8), 0.0
+    q = torch.round(255 * torch.sqrt((p / m).clamp(0, 1))).to(torch.uint8)
+    return q.reshape(-1).numpy(), m
+
+
+def _num(x) -> float | None:
+    v = float(x)
+    return round(v, 6) if math.isfinite(v) else None
+
+
+def _b64(a: np.ndarray) -> str:
+    return base64.b64encode(np.ascontiguousarray(a).tobytes()).decode("ascii")
+
+
+def _detail(s, chosen: list[tuple[int, int]], T: int) -> dict:
+    wide = T >= 0xFFFF
+    none = 0xFFFFFFFF if wide else 0xFFFF
+    out = {"heads": [f"{a},{b}" for a, b in chosen], "pattern": {}, "max": {}, "k": 0,
+           "index_bytes": 4 if wide else 2, "none": none, "top_index": {}, "top_weight": {}}
+    for layer, head in chosen:
+        key = f"{layer},{head}"
+        q, m = _quantise(s.patterns[(layer, head)].double())
+        out["pattern"][key], out["max"][key] = _b64(q), m
+        if s.top_index is not None:
+            li, hi = s.layers.index(layer), s.heads.index(head)
+            idx = s.top_index[li, hi].numpy().astype(np.int64)  # (T, k)
+            out["k"] = int(idx.shape[-1])
+            idx = np.where(idx < 0, none, idx).astype("<u4" if wide else "<u2")
+            w = np.round(s.top_weight[li, hi].float().numpy().clip(0, 1) * 65535).astype("<u2")
+            out["top_index"][key], out["top_weight"][key] = _b64(idx), _b64(w)
+    return out
+
+
+def _notes(s, have, chosen, g: int, c: int, T: int) -> list[str]:
+    notes = []
+    if not have:
+        notes.append("no patterns were kept (summaries(..., patterns=True) keeps every head's): the grid only")
+    else:
+        per = T / g if g else 0
+        notes.append(f"patterns: block sums of the exact weights, {g} x {g} blocks of ~{per:.0f} tokens for the "
+                     f"{len(chosen)} detail heads, {c} x {c} for every head; square-root colour scale")
+    if chosen and s.top_index is not None:
+        notes.append(f"hover a pattern (or type a position) for the query's top {s.top_index.shape[-1]} keys and "
+                     "weights (exact to 1.5e-5; detail heads only)")
+    if "truncated" in s.meta:
+        t = s.meta["truncated"]
+        notes.append(f"the text was cut to its first {t.get('kept')} of {t.get('tokens')} tokens ({t.get('reason')})")
+    return notes
+
+
+def _page(title: str, data: dict) -> str:
+    from multihead.inspect.html import offline_page
+
+    return offline_page(title, data, _ASSETS)
