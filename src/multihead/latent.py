@@ -119,7 +119,9 @@ class LatentAttention(nn.Module):
         if rope_dim % 2:
             raise ValueError(f"rope_dim must be even (RoPE rotates pairs of features); received {rope_dim}; "
                              f"valid: 0 or an even int such as {rope_dim - 1} or {rope_dim + 1}")
-        if isinstance(rope_base, bool) or not isinstance(rope_base, (int, float)) or not rope_base > 1:
+        if isinstance(rope_base, bool) or not isinstance(rope_base, (int, float)):
+            raise TypeError(f"rope_base must be a number > 1; received {rope_base!r} ({type(rope_base).__name__})")
+        if not rope_base > 1:
             raise ValueError(f"rope_base must be a number > 1; received {rope_base!r}")
         check_backend_name(backend)
         check_window_and_softcap(sliding_window, softcap, causal)
