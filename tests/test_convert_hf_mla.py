@@ -243,6 +243,55 @@ def test_partial_rope_keeps_the_chosen_pairs_exactly_rotary():
     assert diff < 1e-6 and report.max_error < 1e-12, diff
 
 
+@pytest.mark.parametrize("kind", ["llama", "qwen2", "qwen3"])
+def test_the_activations_basis_keeps_most_of_the_features_on_its_tokens(kind):
+    model = _model(kind)
+    cal = torch.randint(0, VOCAB, (2, 40), generator=torch.Generator().manual_seed(5))
+    kv_rank, rope_dim = _full(model)
+    new, report = convert.to_mla(model, kv_rank, rope_dim=rope_dim, basis="activations", calibration=cal,
+                                 return_report=True)
+    ids = torch.randint(0, VOCAB, (2, 10))
+    assert (_logits(new, ids) - _logits(model, ids)).abs().max().item() < 1e-4  # full rank: exact either way
+    assert max(row.data_error for row in report.layers) < 1e-12
+    # each layer's features on the calibration tokens, from the original modules (independently of to_mla)
+    inputs = {}
+    hooks = [layer.self_attn.register_forward_pre_hook(
+        lambda mod, args, kw, i=i: inputs.__setitem__(i, kw["hidden_states"].reshape(-1, C)), with_kwargs=True)
+        for i, layer in enumerate(model.model.layers)]
+    with torch.no_grad():
+        model(cal)
+    for h in hooks:
+        h.remove()
+    for r in (6, 14):
+        # the same kept pairs (keep="norm" on the same tokens) under both bases
+        pca, rep_pca = convert.to_mla(model, r, rope_dim=4, keep="norm", basis="activations", calibration=cal,
+                                      return_report=True)
+        _, rep_svd_cal = convert.to_mla(model, r, rope_dim=4, keep="norm", calibration=cal, return_report=True)
+        svd, rep_svd = convert.to_mla(model, r, rope_dim=4, keep="high", return_report=True)
+        for i, (orig, conv) in enumerate(zip(model.model.layers, pca.model.layers)):
+            attn, D = orig.self_attn, orig.self_attn.head_dim
+            x = inputs[i]
+            with torch.no_grad():
+                k = attn.k_proj(x).view(len(x), HKV, D)
+                if kind == "qwen3":
+                    k = attn.k_norm(k)
+                elif attn.k_proj.bias is not None:
+                    k = k - attn.k_proj.bias.view(HKV, D)  # the nope key bias is a shift softmax ignores: not kept
+                nope = [[f for f in range(D) if f % (D // 2) not in set(p.tolist())] for p in conv.self_attn.rope_pairs]
+                f = torch.cat([torch.cat([k[:, j, nope[j]] for j in range(HKV)], dim=1), attn.v_proj(x)], dim=1)
+            mla = conv.self_attn.mla
+            G, Dn, Dv = H // HKV, mla.head_dim, mla.v_head_dim
+            up = mla.kv_b_proj.weight.detach().view(H, Dn + Dv, r)[::G]
+            up = torch.cat([up[:, :Dn].reshape(-1, r), up[:, Dn:].reshape(-1, r)])  # orthonormal columns
+            direct = ((f - f @ up @ up.T).norm() / f.norm()).item()
+            assert direct == pytest.approx(rep_pca.layers[i].data_error, rel=1e-6), (kind, r, i)
+            # the principal directions lose no more of the features than the weights' SVD does
+            assert rep_pca.layers[i].data_error <= rep_svd_cal.layers[i].data_error + 1e-12
+        assert torch.isfinite(_logits(pca, ids)).all() and torch.isfinite(_logits(svd, ids)).all()
+        assert all(row.data_error is None for row in rep_svd.layers)
+        assert "on calibration tokens" in str(rep_pca)
+
+
 # ------------------------------------------------------------ what stays as it was
 
 
@@ -270,7 +319,10 @@ def test_bad_arguments_give_clear_errors():
         (dict(kv_rank=33, rope_dim=32), ValueError, r"kv_rank must be an int in 1..32, .*received 33$"),
         (dict(kv_rank=8, rope_dim=4, keep="low"), ValueError, r"keep must be one of norm, high; received 'low'"),
         (dict(kv_rank=8, rope_dim=4, calibration=torch.zeros(3, dtype=torch.long)), ValueError,
-         r"calibration= feeds the keep='norm' choice's statistics; received it with keep='high'"),
+         r"calibration= feeds keep='norm' and basis='activations'; received it with keep='high', basis='weights'"),
+        (dict(kv_rank=8, rope_dim=4, basis="pca"), ValueError, r"basis must be one of weights, activations; "
+                                                                r"received 'pca'"),
+        (dict(kv_rank=8, rope_dim=4, basis="activations"), ValueError, r"received calibration=None"),
         (dict(kv_rank=8, rope_dim=4, keep="norm", calibration=[1, 2]), TypeError,
          r"calibration must be a non-empty LongTensor .*received list"),
         (dict(kv_rank=8, rope_dim=4, keep="norm", calibration=torch.zeros(3)), TypeError,
@@ -284,7 +336,7 @@ def test_bad_arguments_give_clear_errors():
         convert.to_mla(gpt2, 4, rope_dim=0)
     import multihead as mh
 
-    with pytest.raises(ValueError, match=r"keep='norm' and calibration= are for transformers models"):
+    with pytest.raises(ValueError, match=r"keep='norm', basis=None and calibration= are for transformers models"):
         convert.to_mla(mh.Attention(16, 4, rope=True), 4, rope_dim=2, keep="norm")
 
 
@@ -320,23 +372,30 @@ def test_smollm2_full_configuration_is_exact():
 
 
 def test_export_to_deepseek_v2_loads_in_stock_transformers(tmp_path):
-    from multihead.interop.hf.deepseek_export import latent_gains, to_deepseek_v2
+    from multihead.interop.hf.deepseek_export import latent_norm_fit, to_deepseek_v2
 
     model = _model("llama", attn_implementation="sdpa")
     ids = torch.randint(0, VOCAB, (2, 12), generator=torch.Generator().manual_seed(3))
     cal = torch.randint(0, VOCAB, (2, 16), generator=torch.Generator().manual_seed(4))
-    for kv_rank, rope_dim in ((32, 32), (20, 8)):
+    for kv_rank, rope_dim, ballast in ((32, 32, True), (20, 8, True), (20, 8, False)):
         mla = convert.to_mla(model, kv_rank, rope_dim=rope_dim, keep="high")
-        folder = tmp_path / f"ds-{kv_rank}-{rope_dim}"
-        to_deepseek_v2(mla, calibration=cal).save_pretrained(folder)
+        folder = tmp_path / f"ds-{kv_rank}-{rope_dim}-{ballast}"
+        to_deepseek_v2(mla, calibration=cal, ballast=ballast).save_pretrained(folder)
         loaded = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float64,
                                                                    attn_implementation="sdpa").eval()
         assert type(loaded).__name__ == "DeepseekV2ForCausalLM"
         assert all(type(layer.mlp).__name__ == "DeepseekV2MLP" for layer in loaded.model.layers)
-        gains = latent_gains(mla, cal)
-        for layer, gain in zip(loaded.model.layers, gains):
+        width = kv_rank + ballast + (kv_rank + ballast) % 2  # the RoPE key starts at an even offset
+        assert loaded.config.kv_lora_rank == width
+        with torch.no_grad():
+            cache = loaded(ids, use_cache=True).past_key_values
+        assert latent_cache_bytes(cache) // (2 * 12) == 2 * (width + rope_dim) * 8  # 2 layers, float64
+        for layer, (gain, rows) in zip(loaded.model.layers, latent_norm_fit(mla, cal, ballast=ballast)):
             torch.testing.assert_close(layer.self_attn.kv_a_layernorm.weight,
-                                       torch.full((kv_rank,), gain, dtype=torch.float64))
+                                       torch.full((width,), gain, dtype=torch.float64))
+            assert rows.shape == (width - kv_rank, C) and bool(rows[:1].any()) == ballast
+            torch.testing.assert_close(layer.self_attn.kv_a_proj_with_mqa.weight[kv_rank:width], rows)
+            assert not layer.self_attn.kv_b_proj.weight[:, kv_rank:].any()  # read by no head
         # what the export changes is the latent norm: without it, DeepSeek computes the converted model
         cost = (_logits(loaded, ids) - _logits(mla, ids)).abs().max().item()
         assert 0 < cost < 10, cost

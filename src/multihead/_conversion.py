@@ -24,6 +24,7 @@ class LayerConversion:
 
     name: str
     error: float
+    data_error: float | None = None  # the same on the layer's K/V features over calibration tokens, where given
 
 
 @dataclass(frozen=True)
@@ -43,8 +44,11 @@ class ConversionReport:
         return max(self.errors, default=0.0)
 
     def __str__(self) -> str:
-        rows = [f"{self.target} ({self.init}): {len(self.layers)} attention layer(s)", "layer  rel. K/V error"]
-        rows += [f"{layer.name or '(layer)'}  {layer.error:.3e}" for layer in self.layers]
+        data = any(layer.data_error is not None for layer in self.layers)
+        rows = [f"{self.target} ({self.init}): {len(self.layers)} attention layer(s)",
+                "layer  rel. K/V error" + ("  on calibration tokens" if data else "")]
+        rows += [f"{layer.name or '(layer)'}  {layer.error:.3e}"
+                 + (f"  {layer.data_error:.3e}" if layer.data_error is not None else "") for layer in self.layers]
         return "\n".join(rows)
 
 

@@ -331,8 +331,8 @@ def _check_rank(kv_rank, max_rank: int, attn: Attention, rope_dim: int = 0) -> N
         )
 
 
-def to_mla(model, kv_rank: int, *, rope_dim: int | None = None, keep: str | None = None, calibration=None,
-           return_report: bool = False):
+def to_mla(model, kv_rank: int, *, rope_dim: int | None = None, keep: str | None = None, basis: str | None = None,
+           calibration=None, return_report: bool = False):
     """Factor an MHA/GQA layer's keys and values through a shared rank-`kv_rank` latent.
 
     `model` is one `Attention` (returns a `LatentAttention`, and with `return_report`
@@ -376,7 +376,9 @@ def to_mla(model, kv_rank: int, *, rope_dim: int | None = None, keep: str | None
     `multihead.interop.hf.mla.to_mla`: rope_dim is then required (a multiple of 2 * Hkv up to
     Hkv * D, where it is exact), `keep` chooses the rotary pairs ("high", the default, or
     "norm": on SmolLM2 the highest frequencies lose less before uptraining, docs/mla.md)
-    and `calibration` token ids feed the "norm" choice's statistics.
+    and `calibration` token ids feed the "norm" choice's statistics and `basis="activations"`
+    (the latent spans the principal directions of the K/V features on those tokens instead
+    of the SVD of the weights; default basis "weights").
 
     Returns:
         the converted layer or model, or `(new, report)` with `return_report=True`.
@@ -385,10 +387,12 @@ def to_mla(model, kv_rank: int, *, rope_dim: int | None = None, keep: str | None
         from multihead.interop.hf.mla import to_mla as hf_to_mla
 
         return hf_to_mla(model, kv_rank, rope_dim=rope_dim, keep="high" if keep is None else keep,
-                         calibration=calibration, return_report=return_report)
-    if keep not in (None, "high") or calibration is not None:
-        raise ValueError(f"to_mla: a multihead layer keeps its highest-frequency rotary pairs (keep='high'); "
-                         f"keep={keep!r} and calibration= are for transformers models; valid: keep=None or 'high', "
+                         basis="weights" if basis is None else basis, calibration=calibration,
+                         return_report=return_report)
+    if keep not in (None, "high") or basis not in (None, "weights") or calibration is not None:
+        raise ValueError(f"to_mla: a multihead layer keeps its highest-frequency rotary pairs (keep='high') and "
+                         f"factors its weights (basis='weights'); keep={keep!r}, basis={basis!r} and calibration= "
+                         "are for transformers models; valid: keep=None or 'high', basis=None or 'weights', "
                          "calibration=None")
     if isinstance(model, Attention):
         return _mla_layer(model, kv_rank, return_report, rope_dim)

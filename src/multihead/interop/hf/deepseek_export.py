@@ -36,7 +36,7 @@ from torch import Tensor, nn
 
 from multihead.interop.hf.mla import LatentLlamaAttention
 
-__all__ = ["latent_gains", "to_deepseek_v2"]
+__all__ = ["latent_norm_fit", "to_deepseek_v2"]
 
 _STATIC_ROPE = ("default", "linear", "llama3")
 
@@ -73,24 +73,32 @@ def _check(model: nn.Module) -> list[LatentLlamaAttention]:
     return layers
 
 
-def latent_gains(model: nn.Module, calibration: Tensor) -> list[float]:
-    """Each converted layer's mean rms of its latent c over `calibration` token ids `(B, T)`:
-    the gain the export gives DeepSeek's kv_a_layernorm."""
+def latent_norm_fit(model: nn.Module, calibration: Tensor, *, ballast: bool = True) -> list[tuple[float, Tensor]]:
+    """For each converted layer, what the export gives DeepSeek's kv_a_layernorm: (gain g,
+    extra rows `(E, C)` of kv_a_proj after the latent's R), fitted on the layer's inputs over
+    `calibration` ids `(B, T)`. The extra rows are the ballast row b (below), then a zero row
+    where R + 1 (or R) is odd: DeepSeek views the RoPE key after the latent as complex
+    pairs, which needs it to start at an even offset.
+
+    The norm rescales each token's latent c_j by g / rms(c'_j). Without ballast c' = c; with
+    it c' = [c ; b . x], one more latent feature that kv_b_proj ignores (a zero column): its
+    direction is the layer input's most nearly constant one (b ~ Sigma^-1 mu, the largest
+    mean-to-spread ratio) and its size the one that makes rms(c') vary least over the tokens,
+    so the rescaling is closer to 1 (first tokens, whose latents are small, most of all).
+    g minimises sum_j ||c_j||^2 (g / rms(c'_j) - 1)^2, the squared change of the latents.
+    """
     layers = _layers(model)
     if not isinstance(calibration, Tensor) or calibration.dtype != torch.long or calibration.dim() != 2 \
             or calibration.numel() == 0:
         raise TypeError("calibration must be a non-empty LongTensor of token ids (B, T), for the latent norm's gain; "
                         "received " + (f"a {calibration.dtype} tensor of shape {tuple(calibration.shape)}"
                                        if isinstance(calibration, Tensor) else type(calibration).__name__))
-    sums = [[0.0, 0] for _ in layers]
+    seen: list[list[Tensor]] = [[] for _ in layers]
     handles = []
     for i, layer in enumerate(layers):
         def grab(module, args, kwargs, i=i):
             x = kwargs.get("hidden_states", args[0] if args else None)
-            c = module.mla.kv_a_proj(x)[..., : module.mla.kv_rank].double()  # (B, T, R)
-            rms = c.square().mean(-1).sqrt()  # (B, T)
-            sums[i][0] += float(rms.sum())
-            sums[i][1] += rms.numel()
+            seen[i].append(x.detach().reshape(-1, x.shape[-1]))
         handles.append(layer.register_forward_pre_hook(grab, with_kwargs=True))
     try:
         with torch.no_grad():
@@ -98,7 +106,37 @@ def latent_gains(model: nn.Module, calibration: Tensor) -> list[float]:
     finally:
         for h in handles:
             h.remove()
-    return [s / n for s, n in sums]
+    fits = []
+    for layer, xs in zip(layers, seen):
+        m = layer.mla
+        x = torch.cat(xs).double()  # (N, C)
+        with torch.no_grad():
+            c = m.kv_a_proj(torch.cat(xs))[..., : m.kv_rank].double()  # (N, R)
+        sq = c.square().sum(-1)  # (N,) ||c_j||^2
+        R = m.kv_rank
+        width = R + ballast + (R + ballast) % 2  # kv_lora_rank
+        rows = x.new_zeros(width - R, x.shape[1])
+        extra = torch.zeros_like(sq)
+        if ballast:
+            mu = x.mean(0)
+            cov = torch.cov(x.T) + 1e-6 * torch.eye(x.shape[1], dtype=torch.float64)
+            b = torch.linalg.solve(cov, mu)
+            z = x @ b
+            b = b / z.mean()  # b . x has mean 1
+            z = x @ b
+
+            def spread(alpha: float, sq=sq, z=z, n=width) -> float:
+                rho = ((sq + (alpha * z).square()) / n).sqrt()
+                return float(rho.std() / rho.mean())
+
+            scale = float(sq.mean().sqrt())
+            alpha = min((scale * 10 ** (e / 4) for e in range(-8, 17)), key=spread)
+            rows[0] = alpha * b
+            extra = (alpha * z).square()
+        rho = ((sq + extra) / width).sqrt()
+        gain = float((sq / rho).sum() / (sq / rho.square()).sum())
+        fits.append((gain, rows.to(m.kv_b_proj.weight.dtype)))
+    return fits
 
 
 def _interleave(rows: Tensor, r: int) -> Tensor:
@@ -108,12 +146,15 @@ def _interleave(rows: Tensor, r: int) -> Tensor:
     return rows[..., order, :]
 
 
-def to_deepseek_v2(model: nn.Module, *, calibration: Tensor):
+def to_deepseek_v2(model: nn.Module, *, calibration: Tensor, ballast: bool = True):
     """A transformers `DeepseekV2ForCausalLM` with the weights of `model` (module docstring).
 
     Args:
         model: a Llama/Mistral model converted by `multihead.convert.to_mla`.
-        calibration: token ids `(B, T)` for the latent norm's gains (`latent_gains`).
+        calibration: token ids `(B, T)` for the latent norm's fit (`latent_norm_fit`).
+        ballast: add the one latent feature that steadies the norm (`latent_norm_fit`): the
+            cache then holds R + 1 + r values per token and layer (one more zero where
+            that would start the RoPE key at an odd offset).
 
     Returns:
         the DeepSeek-V2 model, in `model`'s dtype and in eval mode; `save_pretrained` it.
@@ -121,7 +162,8 @@ def to_deepseek_v2(model: nn.Module, *, calibration: Tensor):
     import transformers
 
     layers = _check(model)
-    gains = latent_gains(model, calibration)
+    fits = latent_norm_fit(model, calibration, ballast=ballast)
+    extra = len(fits[0][1])  # the ballast feature and an even-offset zero
     src = model.config
     m0 = layers[0].mla
     H, R, Dn, r, Dv = m0.n_heads, m0.kv_rank, m0.head_dim, m0.rope_dim, m0.v_head_dim
@@ -146,7 +188,7 @@ def to_deepseek_v2(model: nn.Module, *, calibration: Tensor):
         hidden_act=src.hidden_act, max_position_embeddings=src.max_position_embeddings,
         rms_norm_eps=src.rms_norm_eps, tie_word_embeddings=bool(getattr(src, "tie_word_embeddings", False)),
         attention_bias=bias, attention_dropout=0.0, mlp_bias=bool(getattr(src, "mlp_bias", False)),
-        kv_lora_rank=R, q_lora_rank=None, qk_nope_head_dim=Dn + pad, qk_rope_head_dim=r, v_head_dim=Dv,
+        kv_lora_rank=R + extra, q_lora_rank=None, qk_nope_head_dim=Dn + pad, qk_rope_head_dim=r, v_head_dim=Dv,
         first_k_dense_replace=src.num_hidden_layers, n_routed_experts=1, n_shared_experts=1,
         num_experts_per_tok=1, moe_intermediate_size=1, n_group=1, topk_group=1,
         rope_parameters={"rope_type": "longrope", "rope_theta": base, "short_factor": factors,
@@ -159,22 +201,24 @@ def to_deepseek_v2(model: nn.Module, *, calibration: Tensor):
     state = {k: v for k, v in model.state_dict().items() if ".self_attn." not in k}
     missing, _ = out.load_state_dict(state, strict=False)
     with torch.no_grad():
-        for i, (layer, gain) in enumerate(zip(layers, gains)):
+        for i, (layer, (gain, more)) in enumerate(zip(layers, fits)):
             m, dst = layer.mla, out.model.layers[i].self_attn
             q = m.q_proj.weight.view(H, Dn + r, -1) * ratio
             zeros = q.new_zeros(H, pad, q.shape[-1])
             q = torch.cat([q[:, :Dn], zeros, _interleave(q[:, Dn:], r)], dim=1)  # (H, Dn + pad + r, C)
             dst.q_proj.weight.copy_(q.reshape(H * (Dn + pad + r), -1))
             a = m.kv_a_proj.weight
-            dst.kv_a_proj_with_mqa.weight.copy_(torch.cat([a[:R], _interleave(a[R:], r)]))
+            dst.kv_a_proj_with_mqa.weight.copy_(torch.cat([a[:R], more, _interleave(a[R:], r)]))  # (R + E + r, C)
             if dst.kv_a_proj_with_mqa.bias is not None:
                 b = m.kv_a_proj.bias
                 dst.kv_a_proj_with_mqa.bias.copy_(torch.zeros_like(dst.kv_a_proj_with_mqa.bias) if b is None else
-                                                  torch.cat([b[:R], _interleave(b[R:, None], r)[:, 0]]))
+                                                  torch.cat([b[:R], b.new_zeros(extra),
+                                                             _interleave(b[R:, None], r)[:, 0]]))
             dst.kv_a_layernorm.weight.fill_(gain)
             kv = m.kv_b_proj.weight.view(H, Dn + Dv, R)
             kv = torch.cat([kv[:, :Dn], kv.new_zeros(H, pad, R), kv[:, Dn:]], dim=1)  # (H, Dn + pad + Dv, R)
-            dst.kv_b_proj.weight.copy_(kv.reshape(-1, R))
+            kv = torch.cat([kv, kv.new_zeros(H, Dn + pad + Dv, extra)], dim=2)  # the extra features: zero columns
+            dst.kv_b_proj.weight.copy_(kv.reshape(-1, R + extra))
             dst.o_proj.weight.copy_(m.o_proj.weight)
             if dst.o_proj.bias is not None:
                 dst.o_proj.bias.copy_(torch.zeros_like(dst.o_proj.bias) if m.o_proj.bias is None else m.o_proj.bias)

@@ -62,10 +62,11 @@ from multihead.interop.hf.registry import hf_mask
 from multihead.latent import LatentAttention
 from multihead.rope import apply_rotary
 
-__all__ = ["FAMILY", "KEEP", "LatentLlamaAttention", "mla_layers", "rope_pair_scores", "to_mla"]
+__all__ = ["BASES", "FAMILY", "KEEP", "LatentLlamaAttention", "mla_layers", "rope_pair_scores", "to_mla"]
 
 FAMILY = ("LlamaAttention", "MistralAttention", "Qwen2Attention", "Qwen3Attention")
 KEEP = ("norm", "high")
+BASES = ("weights", "activations")
 
 
 def mla_layers(model: nn.Module) -> list[tuple[str, nn.Module]]:
@@ -320,8 +321,23 @@ def _check(model: nn.Module, kv_rank, rope_dim, keep) -> list[tuple[str, nn.Modu
     return layers
 
 
-def _convert_layer(attn: nn.Module, kv_rank: int, rope_dim: int, pairs: Tensor, backend: str
-                   ) -> tuple[LatentLlamaAttention, float]:
+def _features(attn: nn.Module, xs: list[Tensor], m: Tensor, nope_rows: Tensor, qk_norm: bool) -> Tensor:
+    """The layer's K/V features f = [k_nope ; v] `(N, rows)` float64 on its inputs `xs`: M [x ; 1]
+    (the map the SVD factors), or for a k-normed layer the exact normalised keys and values."""
+    x = torch.cat([t.reshape(-1, t.shape[-1]) for t in xs])  # (N, C)
+    if not qk_norm:
+        x = x.double()
+        if m.shape[1] > x.shape[1]:
+            x = torch.cat([x, x.new_ones(len(x), 1)], dim=1)  # (N, C + 1)
+        return x @ m.T
+    with torch.no_grad():
+        k = attn.k_norm(attn.k_proj(x).view(len(x), -1, attn.head_dim)).reshape(len(x), -1)  # (N, Hkv*D)
+        return torch.cat([k[:, nope_rows], attn.v_proj(x)], dim=1).double()
+
+
+def _convert_layer(attn: nn.Module, kv_rank: int, rope_dim: int, pairs: Tensor, backend: str,
+                   xs: list[Tensor] | None = None, basis: str = "weights"
+                   ) -> tuple[LatentLlamaAttention, float, float | None]:
     H, Hkv, D, Dv, C = _sizes(attn)
     G, half, k, R = H // Hkv, D // 2, rope_dim // (2 * Hkv), kv_rank
     r2 = rope_dim // 2
@@ -365,8 +381,13 @@ def _convert_layer(attn: nn.Module, kv_rank: int, rope_dim: int, pairs: Tensor, 
         if bv is not None:
             col = torch.cat([torch.zeros(len(nope_rows), dtype=torch.float64), bv.detach().double()])
             m = torch.cat([m, col[:, None]], dim=1)  # (rows, C + 1)
-    U, S, _ = torch.linalg.svd(m, full_matrices=False)
-    up = U[:, :R]  # (rows, R), orthonormal columns
+    f = None if xs is None else _features(attn, xs, m, nope_rows, qk_norm)  # (N, rows)
+    if basis == "activations":  # the top principal directions of the features on the calibration tokens
+        _, vecs = torch.linalg.eigh(f.T @ f)  # ascending
+        up = vecs.flip(1)[:, :R]
+    else:  # the top left singular vectors of the map
+        U, _, _ = torch.linalg.svd(m, full_matrices=False)
+        up = U[:, :R]  # (rows, R), orthonormal columns
     nk = len(nope_rows)
     up_k = up[:nk].view(Hkv, Dn_live, R)
     up_k = torch.cat([up_k, up_k.new_zeros(Hkv, Dn - Dn_live, R)], dim=1)  # (Hkv, Dn, R)
@@ -418,10 +439,11 @@ def _convert_layer(attn: nn.Module, kv_rank: int, rope_dim: int, pairs: Tensor, 
         layer.q_norm_eps = float(getattr(attn.q_norm, "variance_epsilon", getattr(attn.q_norm, "eps", 1e-6)))
         layer.train(attn.training)
     error = relative_error(m, up @ (up.T @ m))
-    return layer, error
+    data_error = None if f is None else relative_error(f, (f @ up) @ up.T)
+    return layer, error, data_error
 
 
-def to_mla(model: nn.Module, kv_rank: int, *, rope_dim: int | None, keep: str = "high",
+def to_mla(model: nn.Module, kv_rank: int, *, rope_dim: int | None, keep: str = "high", basis: str = "weights",
            calibration: Tensor | None = None, backend: str = "auto", return_report: bool = False):
     """A copy of a Llama-family transformers model on multihead's MLA (module docstring).
 
@@ -431,11 +453,18 @@ def to_mla(model: nn.Module, kv_rank: int, *, rope_dim: int | None, keep: str = 
             Hkv * D (every pair rotary); required.
         keep: "high" (the highest frequencies) or "norm" (the largest query-key norm
             product). On SmolLM2, before any uptraining, "high" loses far less (docs/mla.md).
-        calibration: token ids for the "norm" choice's statistics (default: from the weights).
+        basis: "weights", the latent spans the top left singular vectors of the map M (the
+            SVD, no data); or "activations", the top principal directions of the layer's
+            K/V features [k_nope ; v] on the calibration tokens (the rank-R subspace that
+            loses least of them: on SmolLM2 far better at reduced ranks, docs/mla.md).
+        calibration: token ids `(T,)` or `(B, T)` run through the model for the "norm"
+            choice's statistics (default: from the weights) and the "activations" basis.
 
     Returns:
         the new model, or `(model, multihead.convert.ConversionReport)` with every layer's
-        relative K/V reconstruction error. The input model is untouched.
+        relative K/V reconstruction error ||M - U_R U_R^T M|| / ||M|| and, with
+        calibration, `data_error`: that of the features on the calibration tokens. The
+        input model is untouched.
     """
     if rope_dim is None:
         layers = mla_layers(model)
@@ -448,19 +477,25 @@ def to_mla(model: nn.Module, kv_rank: int, *, rope_dim: int | None, keep: str = 
     layers = _check(model, kv_rank, rope_dim, keep)
     _, Hkv, D, _, _ = _sizes(layers[0][1])
     k = rope_dim // (2 * Hkv)
-    scores = rope_pair_scores(model, calibration=calibration) if keep == "norm" and 0 < k < D // 2 else {}
-    if calibration is not None:
-        if keep != "norm":
-            raise ValueError(f"to_mla: calibration= feeds the keep='norm' choice's statistics; received it with "
-                             f"keep={keep!r}; valid: keep='norm', or no calibration")
-        _check_calibration(calibration)  # also where no choice is left to make
+    if basis not in BASES:
+        raise ValueError(f"to_mla: basis must be one of {', '.join(BASES)}; received {basis!r}")
+    if basis == "activations" and calibration is None:
+        raise ValueError("to_mla: basis='activations' takes the principal directions of the K/V features on "
+                         "calibration tokens; received calibration=None; valid: calibration=token ids (B, T)")
+    if calibration is not None and keep != "norm" and basis != "activations":
+        raise ValueError(f"to_mla: calibration= feeds keep='norm' and basis='activations'; received it with "
+                         f"keep={keep!r}, basis={basis!r}; valid: one of those, or no calibration")
+    inputs = {} if calibration is None else _layer_inputs(model, layers, calibration)
+    scores = {}
+    if keep == "norm" and 0 < k < D // 2:
+        scores = {name: _activation_scores(m, inputs[name]) if inputs else _weight_scores(m) for name, m in layers}
     new = copy.deepcopy(model)
     rows = []
     for name, attn in mla_layers(new):
         pairs = _kept_pairs(scores.get(name), Hkv, D, k, keep)
-        layer, error = _convert_layer(attn, kv_rank, rope_dim, pairs, backend)
+        layer, error, data_error = _convert_layer(attn, kv_rank, rope_dim, pairs, backend, inputs.get(name), basis)
         parent, _, child = name.rpartition(".")
         setattr(new.get_submodule(parent) if parent else new, child, layer)
-        rows.append(LayerConversion(name, error))
-    report = ConversionReport(f"MLA-{kv_rank}", f"svd, rope {keep}", tuple(rows))
+        rows.append(LayerConversion(name, error, data_error))
+    report = ConversionReport(f"MLA-{kv_rank}", f"{'svd' if basis == 'weights' else 'pca'}, rope {keep}", tuple(rows))
     return (new, report) if return_report else new
