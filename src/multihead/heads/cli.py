@@ -496,8 +496,9 @@ def _induction_png(path: Path, r: dict) -> None:
 
     from multihead._files import atomic_path
 
-    fig = Figure(figsize=(9, 1.5 + 0.22 * len(r["induction_score"])))
+    fig = Figure(figsize=(10, 1.5 + 0.22 * len(r["induction_score"])))
     FigureCanvasAgg(fig)
+    fig.subplots_adjust(wspace=0.4)
     marks = {"induction_score": [(t["layer"], t["head"]) for t in r["top"][:max(CHECK_KS)]],
              "previous_token_score": [(t["layer"], t["head"]) for t in r["feeders"]["heads"][:5]]}
     for i, (key, title) in enumerate((("induction_score", "induction score"),
