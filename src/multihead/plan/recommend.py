@@ -157,7 +157,7 @@ def width_for(params: int) -> int:
     return min(SIZE_LADDER, key=lambda row: abs(math.log(row[0] / params)))[1]
 
 
-def default_head_dim(d_model: int) -> int:
+def usual_head_dim(d_model: int) -> int:
     """64 for d_model <= 1024 (GPT-2, BERT, Pythia), 128 above (Llama, Mistral, Qwen)."""
     return 64 if d_model <= 1024 else 128
 
@@ -185,7 +185,7 @@ def _heads(req: Request, warnings: list[str]) -> tuple[int, int, int]:
                              f"valid head_dim: {valid}")
         h = c // d
     else:
-        tried = (default_head_dim(c), *HEAD_DIMS)
+        tried = (usual_head_dim(c), *HEAD_DIMS)
         d = next((x for x in tried if c % x == 0), None)
         if d is None:
             raise ValueError(f"d_model ({c}) is not a multiple of any usual head_dim "
