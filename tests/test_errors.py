@@ -156,7 +156,7 @@ CASES = [
     ("scale tensor zero", lambda: sdpa(q, k, v, scale=torch.tensor(0.0)), ValueError, ["scale", "positive", "0."]),
     ("scale vector", lambda: sdpa(q, k, v, scale=torch.ones(3)), ValueError, ["scale", "tensor of shape (3)"]),
     ("scale string", lambda: sdpa(q, k, v, scale="0.5"), TypeError, ["scale", "'0.5'", "str"]),
-    # issue 18 (reliability, round 3)
+    # scalars at their limits, learned mods, double backward
     ("softcap cap infinite", lambda: mh_softcap(float("inf")), ValueError, ["softcap cap", "positive finite", "inf"]),
     ("softcap cap learned", lambda: mh_softcap(torch.tensor(30.0, requires_grad=True)), ValueError,
      ["softcap cap", "requires grad", "torch.tanh(s / cap)"]),

@@ -1,4 +1,4 @@
-"""plan under hostile configs (issue 18): a huge layer count answers at once, in closed
+"""plan under hostile configs: a huge layer count answers at once, in closed
 form and equal to counting layer by layer; a named pipe, socket or device is refused
 before it is opened, in one line, exit 2."""
 

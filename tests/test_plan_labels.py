@@ -1,4 +1,4 @@
-"""plan's labels say what they count (issue 21): attention-only FLOPs, max context capped at
+"""plan's labels say what they count: attention-only FLOPs, max context capped at
 the model's positions, one memory figure for the "why" and KV lines, "did you mean" for a
 device family."""
 

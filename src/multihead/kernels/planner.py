@@ -22,7 +22,7 @@ _FUSED_CANDIDATES = (64, 128, 256, 512, 1024)  # tile edges the fused engine's p
 _MIN_SEGMENT = 64  # documents shorter than this on average run as tiles, not a call each
 # The tile cost model's two constants (~20 GFLOP/s per thread, ~0.5 ms per call) were fitted
 # together at D = 64, and a pair's 4 D flops are counted at that D whatever the call's D: the
-# real D made the plan worse. Measured 2026-11-30 on the fused engine (1 thread, N = 4096,
+# real D made the plan worse. Measured on the fused engine (1 thread, N = 4096,
 # H = 8, sliding_window(256) & causal): with the real D, D = 16 and 32 chose 256-row tiles
 # over 64 and ran 26.1 vs 20.4 ms and 37.1 vs 27.5 ms; D = 128, and window 64 or plain causal
 # at every D, chose as D = 64 does. torch's CPU kernel's time per pair is about proportional

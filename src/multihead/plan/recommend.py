@@ -547,8 +547,8 @@ def init_scales(model: ModelGeometry) -> dict:
             "o": rule(a.n_heads * a.d_value, "n_heads * head_dim", depth=True)}
 
 
-# Measured 2026-11-30 on a shared 2-vCPU VM, one torch thread: the check for --params 7B
-# (scaled to 16 heads of 128) trains 800 steps at 1.1 s/step, evaluations included.
+# What CHECK_TAKES says, measured with one torch thread on a 2-vCPU VM: the check for
+# --params 7B (scaled to 16 heads of 128) trains 800 steps at 1.1 s/step, evaluations included.
 CHECK_TAKES = ("about 15 minutes on one CPU core for 16 heads of 128 (fewer or narrower heads: less); "
                "it prints its expected time after 40 steps; --quick: a smoke run of under a minute")
 
