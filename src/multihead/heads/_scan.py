@@ -62,6 +62,7 @@ from multihead.heads._engine import (
     parents_of,
 )
 from multihead.heads._interventions import check_positions
+from multihead.heads._ranks import Ranks, check_group, fingerprint
 from multihead.heads._record import Recording, check_what, record
 from multihead.masks import MaskMod
 
@@ -645,8 +646,8 @@ class _Scan:
                     f"{float((again - want).abs().max()):.2e}: a block input the cut does not read right")
         return ""
 
-    def run_chunk(self, chunk: list[tuple[int, int]], pos: list[int] | None, metric, out: Tensor) -> None:
-        """One forward carrying the variants of `chunk`; their metrics go into `out`."""
+    def run_chunk(self, chunk: list[tuple[int, int]], pos: list[int] | None, metric) -> list[tuple[tuple, float]]:
+        """One forward carrying the variants of `chunk`: [((layer, head), metric), ...]."""
         B, cut = self.B, self.cut
         cached = chunk[0][0] in self.last_stack
         handler = _ScanHandler(self.what, self.rec, B, pos, self.prefix.data if cut else None, cut)
@@ -674,9 +675,16 @@ class _Scan:
         if logits.shape[0] != first_row:
             raise RuntimeError(f"the scan's batch did not come out whole ({logits.shape[0]} rows, expected "
                                f"{first_row}): {type(self.model).__name__} reshapes its batch between blocks")
-        for i, (layer, h) in enumerate(order):
-            r = slice(start + i * B, start + (i + 1) * B)
-            out[layer, h] = _scalar(metric(logits[r]), f"for layer {layer} head {h}")
+        rows = [logits[start + i * B:start + (i + 1) * B] for i in range(len(order))]
+        return [((layer, h), _scalar(metric(r), f"for layer {layer} head {h}")) for (layer, h), r in zip(order, rows)]
+
+    def cost(self, chunk: list[tuple[int, int]], head: float) -> float:
+        """A chunk's forward in block-rows (B rows through one block): each variant runs the
+        blocks from its own upward, then the model's head (`head` blocks' worth per row)."""
+        where = {id(b): j for j, b in enumerate(self.block_list)}
+        n = len(self.block_list)
+        frac = 1.0 if self.cut is None else (self.cut[0] - self.cut[1]) / self.cut[0]
+        return sum((n - where[id(self.blocks[layer])]) * frac + head for layer, _ in chunk)
 
 
 def _static_refusal(model, clean, corrupted, what: str) -> tuple[int, int, str]:
@@ -697,8 +705,17 @@ def _static_refusal(model, clean, corrupted, what: str) -> tuple[int, int, str]:
     return p, T, ""
 
 
+def head_cost(model: nn.Module, blocks: list[nn.Module]) -> float:
+    """The output head's cost per position in blocks: its weight's size over a block's
+    parameters (both are matrix products over the same positions). 0 when unknown."""
+    get = getattr(model, "get_output_embeddings", None)
+    weight = getattr(get() if callable(get) else None, "weight", None)
+    per_block = sum(p.numel() for b in blocks for p in b.parameters()) / max(1, len(blocks))
+    return float(weight.numel()) / per_block if isinstance(weight, Tensor) and per_block else 0.0
+
+
 def patch_scan(model, clean, corrupted, metric: Callable[[Tensor], Tensor], what: str = "z", positions=None, *,
-               variants_per_run: int | None = None, info: dict | None = None) -> Tensor:
+               variants_per_run: int | None = None, info: dict | None = None, group=None) -> Tensor:
     """The metric of the corrupted run with each head patched from the clean run, one at a time.
 
     Args:
@@ -718,36 +735,56 @@ def patch_scan(model, clean, corrupted, metric: Callable[[Tensor], Tensor], what
             `{"prefix": p, "skipped": bool, "reason": str}`: p the positions clean and
             corrupted share at the start, `skipped` whether the variants ran on [p, T) only
             (the prefix skip, module docstring), `reason` why it was declined ("" when taken).
+        group: None (one process), or a torch.distributed process group whose every rank
+            makes this call with the same model, inputs and options: each rank runs a share
+            of the forwards (whole chunks of variants, the same as in one process) and every
+            rank returns the whole table, bitwise the one process's. An error on any rank
+            raises on every rank (`multihead.heads._ranks`).
 
     Returns `(layers, heads)` float32 (NaN where a layer has fewer heads than the widest).
     Equal to TransformerLens' `get_act_patch_attn_head_out_all_pos` (and its k/v/pattern
     siblings) on the same weights.
     """
-    pos, B, per_run = _check_scan(model, clean, corrupted, metric, what, positions, variants_per_run)
-    if info is not None and not isinstance(info, dict):
-        raise TypeError(f"info must be None or a dict to fill; received {type(info).__name__}")
-    p0, T, why = _static_refusal(model, clean, corrupted, what)
-    if pos is not None and T and any(not -T <= q < T for q in pos):
-        raise ValueError(f"positions must lie in [-{T}, {T}) for inputs of {T} positions; received {positions!r}")
-    rec = record(model, clean, what=(what, "z") if not why and what != "z" else (what,))
-    _check_positions_fit(pos, positions, rec, what)
-    if what == "latent" and not any(lay.kind == "latent" for lay in rec.layers):
-        raise ValueError("what='latent' patches MLA latents (multihead LatentAttention, or a DeepSeek model after "
-                         "multihead.interop.hf.use_latent_attention); this model has none")
-    scan = _Scan(model, corrupted, rec, what, B)
-    if not why:
-        scan.stack, why = _causal_stack(model, scan.layers, scan.blocks, scan.parents)
-    scan.run_corrupted(p0 if scan.stack is not None else 0)
-    if scan.logits is not None:
-        _scalar(metric(scan.logits), "on the corrupted run")  # a metric that cannot work fails before the scan
-    if scan.stack is not None:
-        why = scan.decide_prefix(p0, T)
+    check_group(group)
+    ranks = Ranks(group, "patch_scan")
+
+    def setup():
+        pos, B, per_run = _check_scan(model, clean, corrupted, metric, what, positions, variants_per_run)
+        if info is not None and not isinstance(info, dict):
+            raise TypeError(f"info must be None or a dict to fill; received {type(info).__name__}")
+        p0, T, why = _static_refusal(model, clean, corrupted, what)
+        if pos is not None and T and any(not -T <= q < T for q in pos):
+            raise ValueError(f"positions must lie in [-{T}, {T}) for inputs of {T} positions; received {positions!r}")
+        rec = record(model, clean, what=(what, "z") if not why and what != "z" else (what,))
+        _check_positions_fit(pos, positions, rec, what)
+        if what == "latent" and not any(lay.kind == "latent" for lay in rec.layers):
+            raise ValueError("what='latent' patches MLA latents (multihead LatentAttention, or a DeepSeek model after "
+                             "multihead.interop.hf.use_latent_attention); this model has none")
+        scan = _Scan(model, corrupted, rec, what, B)
+        if not why:
+            scan.stack, why = _causal_stack(model, scan.layers, scan.blocks, scan.parents)
+        scan.run_corrupted(p0 if scan.stack is not None else 0)
+        if scan.logits is not None:
+            _scalar(metric(scan.logits), "on the corrupted run")  # a metric that cannot work fails before the scan
+        if scan.stack is not None:
+            why = scan.decide_prefix(p0, T)
+        chunks = _chunks(_variant_order(scan.layers, what), per_run, scan.last_stack)
+        return scan, pos, p0, why, chunks
+
+    def agreed(done):  # what every rank must share for the tables to be one table
+        scan, pos, p0, why, chunks = done
+        return (fingerprint(model, clean, corrupted), what, pos, p0, scan.cut, chunks)
+
+    scan, pos, p0, why, chunks = ranks.run(setup, agreed)
     if info is not None:
         info.update(prefix=p0, skipped=scan.cut is not None, reason=why)
     n_heads = [_n_heads(lay, what) for lay in scan.layers]
     out = torch.full((len(scan.layers), max(n_heads)), math.nan)
-    for chunk in _chunks(_variant_order(scan.layers, what), per_run, scan.last_stack):
-        scan.run_chunk(chunk, pos, metric, out)
+    head = head_cost(model, scan.inner) if group is not None else 0.0
+    costs = [scan.cost(chunk, head) for chunk in chunks]
+    for values in ranks.map(lambda chunk: scan.run_chunk(chunk, pos, metric), chunks, costs):
+        for (layer, h), value in values:
+            out[layer, h] = value
     return out
 
 
@@ -775,7 +812,8 @@ class _Attribution(Handler):
         return self._leaf(lay, z) if self.what == "z" else z
 
 
-def attribution_scan(model, clean, corrupted, metric: Callable[[Tensor], Tensor], what: str = "z") -> Tensor:
+def attribution_scan(model, clean, corrupted, metric: Callable[[Tensor], Tensor], what: str = "z", *,
+                     group=None) -> Tensor:
     """Attribution patching: `patch_scan`'s table to first order, every head at once.
 
     metric(corrupted) + sum over batch, positions and head dims of (a_clean - a_corr) *
@@ -783,14 +821,60 @@ def attribution_scan(model, clean, corrupted, metric: Callable[[Tensor], Tensor]
     approximation: exact only where the metric is linear in the head's activation (far
     from it for heads whose patch changes the output a lot); use `patch_scan` for the
     exact table. what: "z", "k" or "v". Returns `(layers, heads)`, like `patch_scan`.
+
+    group: None (one process), or a torch.distributed process group whose every rank makes
+    this call with the same model, inputs and options. There are no variants to share: rank
+    0 records the clean run while rank 1 runs the corrupted forward and backward (at most
+    (2 forwards + 1 backward) / (1 forward + 1 backward) faster; ranks above 1 wait), the
+    two halves are exchanged and every rank computes the same table, bitwise the one
+    process's. An error on any rank raises on every rank.
     """
-    check_model(model)
-    check_what(what, ("z", "k", "v"))
-    if not callable(metric):
-        raise TypeError(f"metric must be callable(logits) -> scalar tensor; received {type(metric).__name__}")
-    check_grad_mode("attribution_scan")
-    _check_pair(clean, corrupted)
-    rec = record(model, clean, what=(what,))
+    check_group(group)
+    ranks = Ranks(group, "attribution_scan")
+    clean_rank, corrupted_rank = 0, min(1, ranks.size - 1)
+
+    def halves():
+        check_model(model)
+        check_what(what, ("z", "k", "v"))
+        if not callable(metric):
+            raise TypeError(f"metric must be callable(logits) -> scalar tensor; received {type(metric).__name__}")
+        check_grad_mode("attribution_scan")
+        _check_pair(clean, corrupted)
+        mine = {}
+        if ranks.rank == clean_rank:
+            rec = record(model, clean, what=(what,))
+            mine["clean"] = [(lay.index, rec[what, lay.index]) for lay in rec.layers]
+        if ranks.rank == corrupted_rank:
+            mine["corrupted"] = _attribution_grads(model, corrupted, metric, what)
+        return mine
+
+    if group is None:
+        got = halves()
+        return _attribution_table(got["clean"], *got["corrupted"])
+    error, mine = None, {}
+    try:
+        mine = _to(halves(), torch.device("cpu"))  # pickled by settle: CPU tensors unpickle on every rank
+    except Exception as e:  # held for settle: every rank raises together
+        error = e
+    every = ranks.settle(error, mine, fingerprint(model, clean, corrupted) + what)
+    device = next((p.device for p in model.parameters()), torch.device("cpu"))
+    got = _to({**every[clean_rank], **every[corrupted_rank]}, device)
+    return _attribution_table(got["clean"], *got["corrupted"])
+
+
+def _to(x, device: torch.device):
+    """Every tensor in nested lists, tuples and dicts moved to `device`."""
+    if isinstance(x, Tensor):
+        return x.to(device)
+    if isinstance(x, dict):
+        return {k: _to(v, device) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return type(x)(_to(v, device) for v in x)
+    return x
+
+
+def _attribution_grads(model, corrupted, metric, what: str) -> tuple[float, list[tuple[int, Tensor, Tensor | None]]]:
+    """The corrupted half: (metric, [(layer, activation, d metric / d activation or None), ...])."""
     handler = _Attribution(what)
     with Engine(model, handler).installed(), torch.enable_grad():
         m = metric(logits_of(_call(model, corrupted, _takes_use_cache(model))))
@@ -799,12 +883,18 @@ def attribution_scan(model, clean, corrupted, metric: Callable[[Tensor], Tensor]
             raise TypeError(f"metric must return a scalar tensor computed from the logits (attribution "
                             f"differentiates it); received {type(m).__name__}"
                             + ("" if not isinstance(m, Tensor) else " without a gradient"))
-        leaves = [handler.leaves[lay.index] for lay in rec.layers]
-        grads = torch.autograd.grad(m, leaves, allow_unused=True)
-    n = [leaf.shape[2] for leaf in leaves]
-    out = torch.full((len(leaves), max(n)), math.nan)
-    for lay, g in zip(rec.layers, grads):
-        delta = rec[what, lay.index] - handler.values[lay.index]  # (B, T|S, heads, Dh)
+        layers = sorted(handler.leaves)
+        grads = torch.autograd.grad(m, [handler.leaves[i] for i in layers], allow_unused=True)
+    return base, [(i, handler.values[i], g) for i, g in zip(layers, grads)]
+
+
+def _attribution_table(clean: list[tuple[int, Tensor]], base: float,
+                       corrupted: list[tuple[int, Tensor, Tensor | None]]) -> Tensor:
+    """base + sum of (clean - corrupted) * gradient per head, `(layers, heads)`."""
+    assert [i for i, _ in clean] == [i for i, _, _ in corrupted], "both halves ran the same attention layers"
+    out = torch.full((len(clean), max(a.shape[2] for _, a in clean)), math.nan)
+    for (i, a_clean), (_, a_corr, g) in zip(clean, corrupted):
+        delta = a_clean - a_corr  # (B, T|S, heads, Dh)
         contrib = torch.zeros(delta.shape[2]) if g is None else (delta * g).sum(dim=(0, 1, 3))
-        out[lay.index, :delta.shape[2]] = base + contrib.float()
+        out[i, :delta.shape[2]] = base + contrib.float()
     return out

@@ -57,8 +57,9 @@ from multihead.heads._engine import (
     parents_of,
 )
 from multihead.heads._interventions import check_heads
+from multihead.heads._ranks import Ranks, check_group, fingerprint
 from multihead.heads._record import Recording, head_results, record
-from multihead.heads._scan import ROWS_PER_RUN, block_of
+from multihead.heads._scan import ROWS_PER_RUN, block_of, head_cost
 from multihead.masks import MaskMod
 
 VIAS = ("q", "k", "v")
@@ -696,40 +697,61 @@ def _lay_out(runs: _Runs, clean) -> _Laid | None:
 
 
 def path_patch_scan(model, clean, corrupted, metric: Callable[[Tensor], Tensor], receivers, via: str = "q", *,
-                    variants_per_run: int | None = None) -> Tensor:
+                    variants_per_run: int | None = None, group=None) -> Tensor:
     """`path_patch` with every query head as the only sender: `(layers, heads)` float32.
 
     Args as in `path_patch` (the receivers the same for every sender); `variants_per_run`:
     how many senders one forward carries (default 16 // B, at least 1). A cell is the
     corrupted metric, exactly, where the sender sits at or above every receiver's layer;
     NaN where a layer has fewer heads than the widest. On a causal transformers decoder the
-    prefix clean and corrupted share is skipped, as in `patch_scan`.
+    prefix clean and corrupted share is skipped, as in `patch_scan`. `group`: None, or a
+    torch.distributed process group, as in `patch_scan` (each rank runs whole chunks of
+    senders; every rank returns the one process's table, bitwise).
     """
-    receivers, logits = check_receivers(receivers, via)
-    runs = _Runs(model, clean, corrupted, metric)
-    _check_ranges(runs.layers, [], receivers)
-    B = runs.B
-    per_run = max(1, ROWS_PER_RUN // B) if variants_per_run is None else variants_per_run
-    if isinstance(per_run, bool) or not isinstance(per_run, int) or per_run < 1:
-        raise ValueError(f"variants_per_run must be an int >= 1; received {variants_per_run!r}")
+    check_group(group)
+    ranks = Ranks(group, "path_patch_scan")
+
+    def setup():
+        rec, logits = check_receivers(receivers, via)
+        runs = _Runs(model, clean, corrupted, metric)
+        _check_ranges(runs.layers, [], rec)
+        per_run = max(1, ROWS_PER_RUN // runs.B) if variants_per_run is None else variants_per_run
+        if isinstance(per_run, bool) or not isinstance(per_run, int) or per_run < 1:
+            raise ValueError(f"variants_per_run must be an int >= 1; received {variants_per_run!r}")
+        if logits:
+            runs.last_block([(lay.index, 0) for lay in runs.layers])  # refuses senders the direct path cannot take
+        return rec, logits, runs, per_run, _lay_out(runs, clean)
+
+    def agreed(done):  # what every rank must share for the tables to be one table
+        rec, logits, runs, per_run, laid = done
+        skip = None if laid is None or laid.skip is None else (laid.skip.T, laid.skip.p)
+        return fingerprint(model, clean, corrupted), rec, logits, per_run, laid is None, skip
+
+    rec, logits, runs, per_run, laid = ranks.run(setup, agreed)
     layers = runs.layers
     out = torch.full((len(layers), max(lay.H for lay in layers)), math.nan)
-    if logits:
-        runs.last_block([(lay.index, 0) for lay in layers])  # refuses senders the direct path cannot take
-    laid = _lay_out(runs, clean)
+    units, costs = [], []
+    head = head_cost(model, laid.blocks) if laid is not None and group is not None else 0.0
     for lay in layers:
-        mine = _by_layer(receivers, lay.index)
+        mine = _by_layer(rec, lay.index)
         if not mine and not logits:
             out[lay.index, :lay.H] = runs.corrupted_metric
             continue
         for s in range(0, lay.H, per_run):
-            heads = list(range(s, min(lay.H, s + per_run)))
-            if laid is None:
-                values = [_one(runs, [(lay.index, h)], receivers, logits) for h in heads]
-            else:
-                values = _chunk(runs, laid, lay.index, heads, mine, logits)
-            for h, value in zip(heads, values):
-                out[lay.index, h] = value
+            units.append((lay.index, list(range(s, min(lay.H, s + per_run))), mine))
+            # block-rows: step 2 from the sender to the last receiver, step 3 from the first receiver up
+            blocks = (max(i for i, _ in mine) - lay.index + 1 + len(layers) - min(i for i, _ in mine)) if mine else 0
+            costs.append(len(units[-1][1]) * (blocks + head))
+
+    def run(unit) -> list[float]:
+        layer, heads, mine = unit
+        if laid is None:
+            return [_one(runs, [(layer, h)], rec, logits) for h in heads]
+        return _chunk(runs, laid, layer, heads, mine, logits)
+
+    for (layer, heads, _), values in zip(units, ranks.map(run, units, costs)):
+        for h, value in zip(heads, values):
+            out[layer, h] = value
     return out
 
 
