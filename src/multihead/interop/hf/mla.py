@@ -240,7 +240,7 @@ class LatentLlamaAttention(nn.Module):
         def store(latent: Tensor) -> Tensor:
             """This call's latents `(B, T, R + r)` -> every cached one `(B, S, R + r)`."""
             if cache is not None:
-                # the latent as the "keys" of one head and zero-width "values", as interop.hf.patch does
+                # the latent as the "keys" of one head and zero-width "values", as interop.hf.use_latent_attention does
                 keys, _ = cache.update(latent[:, None], latent[:, None, :, :0], self.layer_idx, kwargs=kwargs)
                 latent = keys[:, 0]
             if mask is None and 1 < T < latent.shape[1]:  # a static cache's prefill: the slots after T are empty
@@ -294,7 +294,7 @@ def _check(model: nn.Module, kv_rank, rope_dim, keep) -> list[tuple[str, nn.Modu
     layers = mla_layers(model)
     if not layers:
         raise TypeError(f"to_mla: {name} has no {', '.join(FAMILY)} layer; valid: Llama, Mistral, Qwen2, Qwen3 "
-                        "models (a DeepSeek-V2/V3 model is MLA already: multihead.interop.hf.patch)")
+                        "models (a DeepSeek-V2/V3 model is MLA already: multihead.interop.hf.use_latent_attention)")
     if keep not in KEEP:
         raise ValueError(f"to_mla: keep must be one of {', '.join(KEEP)}; received {keep!r}")
     H, Hkv, D, Dv, C = _sizes(layers[0][1])
