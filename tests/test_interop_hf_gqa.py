@@ -141,5 +141,5 @@ def test_bad_input():
     phi3 = transformers.Phi3ForCausalLM(transformers.Phi3Config(**COMMON))
     with pytest.raises(TypeError, match=r"fused qkv projection"):
         convert.to_gqa(phi3, 2)
-    with pytest.raises(TypeError, match=r"to_mla converts multihead.Attention layers"):
-        convert.to_mla(model, 8)
+    with pytest.raises(ValueError, match=r"to_mla: a transformers model has RoPE in every layer, so rope_dim"):
+        convert.to_mla(model, 8)  # to_mla converts Llama-family models (tests/test_convert_hf_mla.py)
