@@ -88,13 +88,13 @@ def _one(args) -> int:
     th = threading.Thread(target=sample, daemon=True)
     load0 = _load()
     th.start()
-    t0 = time.perf_counter()
+    t0, c0 = time.perf_counter(), time.process_time()
     out = call()
-    wall = time.perf_counter() - t0
+    wall, cpu = time.perf_counter() - t0, time.process_time() - c0
     done.set()
     th.join()
-    result = {"what": args.what, "N": args.one, "wall_s": wall, "peak_above_model_bytes": max(0, max(peak[0], rss())
-                                                                                               - base),
+    above = max(0, max(peak[0], rss()) - base)
+    result = {"what": args.what, "N": args.one, "wall_s": wall, "cpu_s": cpu, "peak_above_model_bytes": above,
               "model_rss_bytes": base, "load_start": load0, "load_end": _load()}
     if args.what == "summaries":
         result["heads"] = len(out.layers) * len(out.heads)

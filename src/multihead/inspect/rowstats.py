@@ -188,8 +188,8 @@ class RowSums:
 
     def _add(self, name: str, row_values: Tensor, rows: Tensor | None = None) -> None:
         """Add the sum over the block's rows (those where `rows` is True) of `row_values (h, t)`."""
-        if rows is not None:
-            row_values = row_values[:, rows]
+        if rows is not None:  # a product, not a boolean index: no host sync, no copy
+            row_values = row_values.double() * rows
         s = row_values.double().sum(-1)
         self.sums[name] = self.sums[name] + s if name in self.sums else s
 

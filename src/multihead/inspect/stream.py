@@ -161,13 +161,21 @@ def layer_statistics(query: Tensor, key: Tensor, acc: RowSums, heads: list[int],
         for t0 in range(0, T, rows):
             t1 = min(T, t0 + rows)
             t = t1 - t0
-            allowed, bias = rows_mask(mask, causal, t0, t1, T, S, dev, b_idx, h_idx)
             k0, k1, runs = 0, S, None
             if mask is None and causal:  # the triangle, analytically: keys up to the last row's position
+                allowed = bias = None
                 k1 = min(S, t1 + S - T)
-                runs = [(t0 + S - T + 1, k1)] if t0 + S - T + 1 < k1 else []
-                allowed = allowed[..., :k1].reshape(1, 1, t, k1)
-            elif allowed is not None:
+                a = t0 + S - T + 1  # keys from here on are hidden from some row: the diagonal band
+                if a < k1:
+                    runs = [(a, k1)]
+                    allowed = torch.zeros(1, 1, t, k1, dtype=torch.bool, device=dev)
+                    allowed[..., a:] = (torch.arange(a, k1, device=dev)[None, :]
+                                        <= torch.arange(t0, t1, device=dev)[:, None] + (S - T))
+                else:
+                    runs = []
+            else:
+                allowed, bias = rows_mask(mask, causal, t0, t1, T, S, dev, b_idx, h_idx)
+            if runs is None and allowed is not None:
                 allowed = allowed.reshape((1,) * (4 - allowed.dim()) + tuple(allowed.shape))
                 if allowed.shape[-1] == S and (bias is None or bias.shape[-1] == S):
                     k0, k1, runs = _key_span(allowed)
