@@ -234,3 +234,19 @@ def test_minilm_scan_is_refused_with_what_to_use_instead(capsys):
                           "--answer", "Mary", "--wrong", "John", "--json")
     assert code == 2 and len(err.strip().splitlines()) == 1, err
     assert "no language-model head" in err and "--model smollm2" in err
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["scan"], "missing: --clean, --corrupted, --answer, --wrong"),
+    (["scan", "--task", "ioi", "--n", "0"], "--n must be >= 1"),
+    (["induction", "--length", "1"], "--length must be >= 2"),
+    (["prune", "--remove", "0.1", "--out", "/no/such/folder/x", "--model", "minilm"], "does not exist"),
+])
+def test_mistakes_are_refused_before_the_model_loads(capsys, monkeypatch, argv, message):
+    import multihead.interop.loaders as loaders
+
+    def no_load(*args, **kwargs):
+        raise AssertionError("the model was loaded before the arguments were checked")
+    monkeypatch.setattr(loaders, "load_model", no_load)
+    code, out, err = _run(capsys, *argv)
+    assert code == 2 and message in err and len(err.strip().splitlines()) == 1, err

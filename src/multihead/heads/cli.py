@@ -359,6 +359,15 @@ def _scan(args) -> dict:
         if given:
             raise UsageError(f"--task {args.task} makes its own prompts; drop {', '.join(given)} (or drop --task "
                              "to scan one pair)")
+    else:
+        missing = [f"--{k}" for k in ("clean", "corrupted", "answer", "wrong") if getattr(args, k) is None]
+        if missing:  # before the model loads: a mistake costs no wait
+            raise UsageError(f"heads scan needs --task ioi|induction, or one pair: --clean, --corrupted, --answer "
+                             f"and --wrong (missing: {', '.join(missing)})")
+    if args.task is not None:
+        _check_count("--n", args.n, 1)
+        if args.task == "induction":
+            _check_count("--length", args.length, 2)
     loaded, model, kind = _language_model(args.model, "scan")
     if args.task is None:
         clean, corrupted, reference, metric, info = _one_pair(loaded, model, kind, args)
