@@ -2,6 +2,9 @@
 
 - no module imports another module's private names (`from multihead.x import _y`, or
   `x._y` through an imported module): what two modules share gets a module of its own;
+- no module reads or sets a private attribute of another module's objects (`mask._op` where
+  masks.py makes `_op`; self, cls and super() are the class's own), and the private
+  attributes of other libraries it touches are listed in `THIRD_PARTY` with the reason;
 - no circle between files (lazy imports inside functions count: they are circles too);
 - tools (plan, inspect, lab, heads) never import the CLI or each other; lab may use plan's
   and inspect's public API;
@@ -9,8 +12,8 @@
   distributed or the tools: conversions live in interop;
 - reference.py imports no torch, and plan's arithmetic needs none.
 
-`DEBT` lists the violations known when this test was written (issue 20 removes them). A
-new violation fails; so does a listed one that is gone (remove it from the list).
+`DEBT` lists known violations (none at present). A new violation fails; so does a listed
+one that is gone (remove it from the list).
 """
 
 from __future__ import annotations
@@ -26,9 +29,10 @@ LOWER = {"attention", "latent", "functional", "blocksparse", "flex", "kernels", 
          "cache", "reference", "_checks", "_files", "_layer", "_lazy", "errors", "corpus"}
 HIGHER = {"interop", "distributed", "heads", "inspect", "plan", "lab", "cli", "convert", "tour"}
 
-# Known when this test was written (issue 20, "The house"); each goes as the refactor lands.
+# Known violations, each removed when it is fixed.
 DEBT = {
     "private": set(),
+    "private_attrs": set(),
     "cycles": set(),
     "tools": set(),
     "floors": set(),
@@ -44,11 +48,14 @@ MODULES = {_name(p): p for p in sorted((SRC / "multihead").rglob("*.py"))}
 
 
 def _analyse():
-    """module -> set of multihead modules it imports; and the private names it reaches."""
+    """module -> set of multihead modules it imports; the private names it reaches; and each
+    module's syntax tree and names bound to multihead modules (for `_private_attributes`)."""
     edges: dict[str, set[str]] = {}
     private: set[tuple[str, str]] = set()
+    trees: dict[str, ast.Module] = {}
+    bound: dict[str, set[str]] = {}
     for mod, path in MODULES.items():
-        tree = ast.parse(path.read_text(), filename=str(path))
+        tree = trees[mod] = ast.parse(path.read_text(), filename=str(path))
         package = mod if path.name == "__init__.py" else mod.rpartition(".")[0]
         aliases: dict[str, str] = {}  # local name -> the multihead module it is bound to
         mine = edges.setdefault(mod, set())
@@ -81,10 +88,93 @@ def _analyse():
                     and node.attr.startswith("_") and not node.attr.startswith("__")):
                 private.add((mod, f"{aliases[node.value.id]}.{node.attr}"))
         mine.discard(mod)
-    return edges, private
+        bound[mod] = set(aliases)
+    return edges, private, trees, bound
 
 
-EDGES, PRIVATE = _analyse()
+EDGES, PRIVATE, TREES, MODULE_NAMES = _analyse()
+
+# Private attributes of torch, transformers and the standard library that multihead reads
+# (no public spelling exists); any other `obj._x` on an object multihead did not make is new.
+THIRD_PARTY = {
+    "_dynamo": "torch._dynamo.config.patch(recompile_limit=) and its exception: flex's compile limit",
+    "_ops": "torch._ops.OpOverload(Packet): the type of a torch.ops entry, keyed by identity in flex's cache",
+    "_C": "torch._C._current_graph_task_id: whether autograd is running a backward",
+    "_current_graph_task_id": "see _C",
+    "_version": "Tensor._version: the in-place version counter, so an edited tensor misses flex's cache",
+    "_scaled_dot_product_flash_attention_for_cpu": "torch's CPU flash kernel: returns the log-sum-exp",
+    "_scaled_dot_product_flash_attention_for_cpu_backward": "its backward from a given log-sum-exp",
+    "_qkv_same_embed_dim": "nn.MultiheadAttention's packed-projection flag (in_proj_weight or q/k/v_proj_weight)",
+    "_name_or_path": "transformers' PretrainedConfig: where a model was loaded from",
+    "_attn_implementation": "transformers' PretrainedConfig: the attention backend a model runs",
+    "_model_mapping": "transformers' auto classes: whether a head class has a model for a config",
+    "_tqdm_active": "transformers' logging: its progress bars without the hub's",
+    "_fields": "namedtuple's field names (public API with an underscore against field clashes)",
+}
+
+
+def _private(name: str) -> bool:
+    return name.startswith("_") and not name.startswith("__")
+
+
+def _own(node: ast.expr) -> bool:
+    """`self`, `cls` or `super()`: the object's own class hierarchy."""
+    return (isinstance(node, ast.Name) and node.id in ("self", "cls")) or (
+        isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "super")
+
+
+def _defined(tree: ast.Module) -> set[str]:
+    """The private names a module makes: its functions and classes, the names it assigns,
+    the attributes it sets on self/cls, and keywords it passes (argparse's set_defaults(_x=))."""
+    names = set()
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            names.add(node.name)
+        elif isinstance(node, ast.Name) and isinstance(node.ctx, ast.Store):
+            names.add(node.id)
+        elif isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Store) and _own(node.value):
+            names.add(node.attr)
+        elif isinstance(node, ast.keyword) and node.arg:
+            names.add(node.arg)
+    return {n for n in names if _private(n)}
+
+
+def _private_reads(tree: ast.Module, modules: set[str]):
+    """(line, name) of every `obj._x` (read or write) and `getattr(obj, "_x")` on an object
+    that is not the class's own (self, cls, super()) nor a multihead module (the import
+    check's business)."""
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Attribute) and _private(node.attr):
+            base, name = node.value, node.attr
+        elif (isinstance(node, ast.Call) and isinstance(node.func, ast.Name)
+              and node.func.id in ("getattr", "setattr", "hasattr", "delattr") and len(node.args) >= 2
+              and isinstance(node.args[1], ast.Constant) and isinstance(node.args[1].value, str)
+              and _private(node.args[1].value)):
+            base, name = node.args[0], node.args[1].value
+        else:
+            continue
+        if _own(base) or (isinstance(base, ast.Name) and base.id in modules):
+            continue
+        yield node.lineno, name
+
+
+def _private_attributes(trees: dict[str, ast.Module], bound: dict[str, set[str]]):
+    """(across, foreign): `obj._x` whose `_x` this module does not make but another multihead
+    module does, as (module, name, the modules that make it); and `_x` that no multihead
+    module makes (torch's, transformers'), as (module, name). A name made here as well as
+    elsewhere counts as this module's own."""
+    made = {mod: _defined(tree) for mod, tree in trees.items()}
+    across, foreign = set(), set()
+    for mod, tree in trees.items():
+        for _, name in _private_reads(tree, bound.get(mod, set())):
+            if name in made[mod]:
+                continue
+            makers = tuple(sorted(m for m, names in made.items() if name in names))
+            if makers:
+                across.add((mod, name, makers))
+            else:
+                foreign.add((mod, name))
+    return across, foreign
 
 
 def _inside(a: str, b: str) -> bool:
@@ -155,6 +245,32 @@ def test_the_analysis_sees_the_imports():
 
 def test_no_private_names_across_modules():
     _check("private", PRIVATE)
+
+
+def test_no_private_attributes_across_modules():
+    """No module reads or sets a private attribute another multihead module gives its objects
+    (`mask._op` where masks.py makes `_op`): what the kernels need is a public property."""
+    across, _ = _private_attributes(TREES, MODULE_NAMES)
+    _check("private_attrs", across)
+
+
+def test_private_attributes_of_other_libraries_are_listed():
+    """Every private attribute of torch, transformers or the standard library that multihead
+    touches is in THIRD_PARTY with the reason no public spelling does; a listed one no
+    longer used is removed."""
+    _, foreign = _private_attributes(TREES, MODULE_NAMES)
+    used = {name for _, name in foreign}
+    new = sorted((m, n) for m, n in foreign if n not in THIRD_PARTY)
+    assert not new, f"private attributes of another library, not in THIRD_PARTY (say why, or use a public one): {new}"
+    assert used >= set(THIRD_PARTY), f"no longer used, remove from THIRD_PARTY: {sorted(set(THIRD_PARTY) - used)}"
+
+
+def test_the_private_attribute_check_can_fail():
+    """The reader flags a kernel reading a MaskMod's private field, and nothing of its own."""
+    masks = ast.parse("class MaskMod:\n    def __init__(self, op):\n        self._op = op\n")
+    kernel = ast.parse("def key(x, self):\n    self._mine = 1\n    return x._op, self._mine, getattr(x, '_op')\n")
+    across, foreign = _private_attributes({"m.masks": masks, "m.kernel": kernel}, {})
+    assert across == {("m.kernel", "_op", ("m.masks",))} and not foreign
 
 
 def test_no_circles_between_files():

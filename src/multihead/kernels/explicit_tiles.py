@@ -90,7 +90,7 @@ class Tiles:
         self.acc = acc_dtype(q.dtype)
         self.device = q.device
         # a mod with an in-place form takes its scores times `input_scale`, folded into q
-        self.inplace = score_mod is not None and score_mod._inplace is not None
+        self.inplace = score_mod is not None and score_mod.inplace is not None
         self.q_scale = scale * (score_mod.input_scale if self.inplace else 1.0)
         self._buffers = {}
 
@@ -132,7 +132,7 @@ class Tiles:
         if self.score_mod is None:
             return s
         if self.inplace and not s.requires_grad:
-            return self.score_mod._inplace(s)
+            return self.score_mod.inplace(s)
         return self.score_mod.apply(s, *self.indices(r0, r1, c0, c1), self.S - self.T)
 
     def dense_tile(self, r0, r1, c0, c1, dense: Tensor | None = None) -> Tensor | None:

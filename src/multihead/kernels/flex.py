@@ -125,8 +125,8 @@ def _key(x, depth: int = 0):
         return ("tensor", x.untyped_storage().data_ptr(), x.storage_offset(), tuple(x.shape), x.stride(),
                 x.dtype, str(x.device), x._version)
     if isinstance(x, MaskMod):
-        if x._op is not None:
-            return ("op", x._op, tuple(_key(p, depth + 1) for p in x._parts))
+        if x.op is not None:
+            return ("op", x.op, tuple(_key(p, depth + 1) for p in x.parts))
         return ("mask", _key(x.fn, depth + 1), x.top_left)
     if isinstance(x, ScoreMod):
         return ("score", _key(x.fn, depth + 1), x.top_left)
