@@ -109,7 +109,7 @@ def figures(out: Path, r: dict, tables: dict) -> None:
     from matplotlib.figure import Figure
 
     base = r["metric_corrupted"]
-    fig = Figure(figsize=(13, 6.5))
+    fig = Figure(figsize=(15, 6.5))
     axes = fig.subplots(1, 4)
     panels = [("direct", "direct effect (receivers='logits')", r["classes"]["name_movers"] +
                r["classes"]["negative_movers"] + r["classes"]["other_direct"]),
@@ -118,8 +118,10 @@ def figures(out: Path, r: dict, tables: dict) -> None:
               ("induction_v", "via the S-inhibition heads' values", r["classes"]["induction_duplicate"])]
     for ax, (key, title, marks) in zip(axes, panels):
         im = heat(ax, tables[key], base, title, [tuple(m) for m in marks])
-        fig.colorbar(im, ax=ax, shrink=0.6, label="metric - corrupted")
-    fig.suptitle(f"{r['model']}: path patching on {r['n']} IOI pairs (boxes: the heads picked)", fontsize=10)
+        fig.colorbar(im, ax=ax, shrink=0.6)
+    fig.suptitle(f"{r['model']}: path patching on {r['n']} IOI pairs, metric - corrupted (boxes: the heads picked)",
+                 fontsize=10)
+    fig.subplots_adjust(wspace=0.45)
     fig.savefig(out / "paths.png", dpi=90, bbox_inches="tight")
 
     att = r["attention"]
