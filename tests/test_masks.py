@@ -13,7 +13,7 @@ import multihead as mh
 from conftest import assert_close
 from multihead import masks
 from multihead import reference as R
-from multihead.kernels import explicit_tiles, fused_tiles
+from multihead.kernels import common, explicit_tiles, fused_tiles
 
 BACKENDS = ["math", "chunked", "sdpa", "tiles"]
 
@@ -223,14 +223,14 @@ def test_gradients_with_predicates_equal_math(backend, Hkv, Dv, tiny_tiles):
 def _spy_fused_calls(monkeypatch):
     """Record (key length, mask shape) of every fused kernel call, whichever engine runs."""
     seen = []
-    if fused_tiles._CPU_FLASH is not None:
-        real_op = fused_tiles._CPU_FLASH
+    if common.HAS_CPU_FLASH:
+        real_op = fused_tiles.flash_lse
 
-        def spy_op(q, k, v, dropout_p=0.0, is_causal=False, *, attn_mask=None, scale=None):
-            seen.append((k.shape[2], None if attn_mask is None else tuple(attn_mask.shape)))
-            return real_op(q, k, v, dropout_p, is_causal, attn_mask=attn_mask, scale=scale)
+        def spy_op(q, k, v, *, mask=None, **kwargs):
+            seen.append((k.shape[2], None if mask is None else tuple(mask.shape)))
+            return real_op(q, k, v, mask=mask, **kwargs)
 
-        monkeypatch.setattr(fused_tiles, "_CPU_FLASH", spy_op)
+        monkeypatch.setattr(fused_tiles, "flash_lse", spy_op)
     real = fused_tiles.F.scaled_dot_product_attention
 
     def spy(q, k, v, attn_mask=None, **kw):
@@ -255,7 +255,7 @@ def test_sdpa_runs_only_the_kept_key_range(monkeypatch):
     assert_close(out, ref, torch.float32)
 
 
-@pytest.mark.skipif(fused_tiles._CPU_FLASH is None, reason="needs torch's CPU flash kernel (log-sum-exp pieces)")
+@pytest.mark.skipif(not common.HAS_CPU_FLASH, reason="needs torch's CPU flash kernel (log-sum-exp pieces)")
 def test_causal_runs_full_tiles_without_a_mask(monkeypatch):
     """Causal at T = S = 32 with tiles of 8: one call of torch's causal kernel (a causal square).
     The same triangle behind a generic predicate (not analysed for squares) runs as pieces: full

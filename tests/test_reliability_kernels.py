@@ -13,7 +13,7 @@ import multihead as mh
 from conftest import assert_close
 from multihead import masks, score_mods
 from multihead import reference as R
-from multihead.kernels import fused_tiles
+from multihead.kernels import common, fused_tiles
 
 sdpa = mh.scaled_dot_product_attention
 
@@ -420,8 +420,8 @@ def test_nan_rule_holds_whatever_the_fused_kernel_does_with_nan(kernel, mask, wh
     if kernel == "zeroing":
         monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention",
                             _zeroing_nan_rows(torch.nn.functional.scaled_dot_product_attention))
-        if fused_tiles._CPU_FLASH is not None:
-            monkeypatch.setattr(fused_tiles, "_CPU_FLASH", _zeroing_nan_rows(fused_tiles._CPU_FLASH, True))
+        if common.HAS_CPU_FLASH:
+            monkeypatch.setattr(fused_tiles, "flash_lse", _zeroing_nan_rows(fused_tiles.flash_lse, True))
     B, H, T, S = 1, 2, 20, 20
     q, k, v = _qkv(B=B, H=H, Hkv=1, T=T, S=S, dtype=torch.float32)
     m = {None: None, "causal": masks.causal(), "window": masks.sliding_window(4),

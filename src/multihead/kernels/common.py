@@ -15,8 +15,8 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
-__all__ = ["acc_dtype", "backward_lse", "block_attention", "causal_triangle", "flash_lse", "flash_lse_backward",
-           "fold_scores", "fold_values", "index", "lse_merge", "lse_merge_into", "mqa_splits",
+__all__ = ["HAS_CPU_FLASH", "acc_dtype", "backward_lse", "block_attention", "causal_triangle", "flash_lse",
+           "flash_lse_backward", "fold_scores", "fold_values", "index", "lse_merge", "lse_merge_into", "mqa_splits",
            "one_query_shared_keys", "softcap", "softmax", "softmax_lse"]
 
 
@@ -141,6 +141,7 @@ def one_query_shared_keys(q: Tensor, keys: Tensor, value_width: int, scale: floa
 # that takes a given lse, which the public scaled_dot_product_attention does not expose.
 _CPU_FLASH = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
 _CPU_FLASH_BWD = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu_backward", None)
+HAS_CPU_FLASH = _CPU_FLASH is not None and _CPU_FLASH_BWD is not None  # flash_lse and its backward both run
 
 
 def flash_lse(q: Tensor, k: Tensor, v: Tensor, *, causal: bool, scale: float, mask: Tensor | None = None,

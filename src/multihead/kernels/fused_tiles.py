@@ -14,7 +14,15 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from multihead.kernels import explicit_tiles
-from multihead.kernels.common import acc_dtype, backward_lse, lse_merge, mqa_splits
+from multihead.kernels.common import (
+    HAS_CPU_FLASH,
+    acc_dtype,
+    backward_lse,
+    flash_lse,
+    flash_lse_backward,
+    lse_merge,
+    mqa_splits,
+)
 from multihead.kernels.explicit_tiles import Tiles, needs_grad, refuse_trainable, twice
 from multihead.kernels.planner import block_mask, choose_tile, combine, fold_mask
 
@@ -68,7 +76,7 @@ def fused(q: Tensor, k: Tensor, v: Tensor, mask, *, causal: bool, scale: float, 
     pred, dense = combine(mask, causal)
     # a float mask that requires grad (T5's position bias) gets its gradient from autograd through
     # the public kernel's calls; the LSE engine's backward has no mask gradient
-    lse_engine = _CPU_FLASH is not None and q.device.type == "cpu" and dropout_p == 0 and q.shape[-1] == Dv \
+    lse_engine = HAS_CPU_FLASH and q.device.type == "cpu" and dropout_p == 0 and q.shape[-1] == Dv \
         and not torch.compiler.is_compiling() and not needs_grad(dense)
     # a square is one causal call: no room for a score mod's or a dense mask's bias
     runs_squares = dense is None and score_mod is None and (lse_engine or _public_squares(q, k))
@@ -112,12 +120,6 @@ def fused(q: Tensor, k: Tensor, v: Tensor, mask, *, causal: bool, scale: float, 
 
 
 # ------------------------------------------- fused pieces merged by log-sum-exp (CPU)
-
-_CPU_FLASH = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
-_CPU_FLASH_BWD = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu_backward", None)
-if _CPU_FLASH_BWD is None:
-    _CPU_FLASH = None
-
 
 CAUSAL = "causal"  # a piece run by torch's causal kernel as a whole (a causal square)
 
@@ -265,7 +267,7 @@ class _MergedFused(torch.autograd.Function):
         acc = acc_dtype(q.dtype)
         n = ctx.n = fp.equal_squares(q, k, v)
         if n:  # causal, or equal documents & causal: one call, the squares folded into the heads
-            o, lp = _CPU_FLASH(*fp.fold_squares(n, q, k, v), 0.0, True, scale=fp.scale)
+            o, lp = flash_lse(*fp.fold_squares(n, q, k, v), causal=True, scale=fp.scale)
             out, lse = o.view(B, H, T, Dv), lp.reshape(B, H, T).to(acc)
         else:
             out = q.new_empty(B, H, T, Dv)
@@ -275,7 +277,7 @@ class _MergedFused(torch.autograd.Function):
                 out[:, :, r0:r1] = 0
                 continue
             if pieces[0][2] is CAUSAL:
-                o, lp = _CPU_FLASH(*fp.square(q, k, v, r0, r1), 0.0, True, scale=fp.scale)
+                o, lp = flash_lse(*fp.square(q, k, v, r0, r1), causal=True, scale=fp.scale)
                 out[:, :, r0:r1] = o.reshape(B, H, r1 - r0, Dv)
                 lse[:, :, r0:r1] = lp.reshape(B, H, r1 - r0)
                 continue
@@ -284,12 +286,9 @@ class _MergedFused(torch.autograd.Function):
             parts = []
             for c0, c1, partial in pieces:
                 m, is_causal, empty = fp.piece_mask(r0, r1, c0, c1, partial)
-                o, lp = _CPU_FLASH(qf, fp.kv(k, c0, c1), fp.kv(v, c0, c1), 0.0, is_causal, attn_mask=m,
-                                   scale=fp.scale)
-                lp = lp[..., None].to(acc)  # (B, Hkv*P, G/P*t, 1)
-                if empty is not None:
-                    lp = lp.masked_fill(empty, float("-inf"))  # the kernel reports 0 for a row with no key
-                parts.append((o, lp))
+                o, lp = flash_lse(qf, fp.kv(k, c0, c1), fp.kv(v, c0, c1), causal=is_causal, scale=fp.scale,
+                                  mask=m, empty=None if empty is None else empty[..., 0])
+                parts.append((o, lp[..., None].to(acc)))  # lse (B, Hkv*P, G/P*t, 1)
             o, lp = lse_merge(parts, acc, q.dtype)
             out[:, :, r0:r1] = o.reshape(B, H, t, Dv)
             lse[:, :, r0:r1] = lp.reshape(B, H, t)
@@ -314,7 +313,7 @@ class _MergedFused(torch.autograd.Function):
         n = ctx.n
         if n:  # every row in a causal square: one backward call, no accumulators
             lf = lse.reshape(fp.B, fp.H * n, fp.T // n).to(lse_dtype)
-            gq, gk, gv = _CPU_FLASH_BWD(*fp.fold_squares(n, d_out, q, k, v, out), lf, 0.0, True, scale=fp.scale)
+            gq, gk, gv = flash_lse_backward(*fp.fold_squares(n, d_out, q, k, v, out), lf, causal=True, scale=fp.scale)
             return (gq.reshape(q.shape).to(q.dtype), gk.reshape(k.shape).to(k.dtype),
                     gv.reshape(v.shape).to(v.dtype), None)
         dq = torch.zeros(q.shape, dtype=acc, device=q.device)
@@ -326,7 +325,7 @@ class _MergedFused(torch.autograd.Function):
                 qs, ks, vs = fp.square(q, k, v, r0, r1)
                 gs, os_ = fp.square_rows(d_out, r0, r1), fp.square_rows(out, r0, r1)
                 ls = fp.square_rows(lse[..., None], r0, r1)[..., 0].to(lse_dtype)
-                gq, gk, gv = _CPU_FLASH_BWD(gs, qs, ks, vs, os_, ls, 0.0, True, scale=fp.scale)
+                gq, gk, gv = flash_lse_backward(gs, qs, ks, vs, os_, ls, causal=True, scale=fp.scale)
                 t = r1 - r0
                 dq[:, :, r0:r1] += gq.reshape(fp.B, fp.H, t, -1)
                 dk[:, :, r0:r1] += gk.sum(1).reshape(fp.B, fp.Hkv, t, -1)
@@ -337,8 +336,8 @@ class _MergedFused(torch.autograd.Function):
             lf = fp.fold(lse[:, :, r0:r1, None], t)[..., 0].to(lse_dtype)
             for c0, c1, partial in pieces:
                 m, is_causal, _ = fp.piece_mask(r0, r1, c0, c1, partial)
-                gq, gk, gv = _CPU_FLASH_BWD(gf, qf, fp.kv(k, c0, c1), fp.kv(v, c0, c1), of, lf, 0.0, is_causal,
-                                            attn_mask=m, scale=fp.scale)
+                gq, gk, gv = flash_lse_backward(gf, qf, fp.kv(k, c0, c1), fp.kv(v, c0, c1), of, lf, causal=is_causal,
+                                                scale=fp.scale, mask=m)
                 dq[:, :, r0:r1] += gq.reshape(fp.B, fp.H, t, -1)
                 dk[:, :, c0:c1] += gk.sum(1, keepdim=True) if fp.P > 1 else gk
                 dv[:, :, c0:c1] += gv.sum(1, keepdim=True) if fp.P > 1 else gv
