@@ -206,8 +206,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
             _layers(p, "blocks" + d("n_layers"))
             p.add_argument("--n-heads", type=_positive, default=None, help="heads" + d("n_heads"))
             p.add_argument("--model", default=None, help="a Llama-family transformers model ('smollm2' or a folder) "
-                           "to convert to MQA and MLA and uptrain on the KJV instead (multihead.lab.uptrain_hf)")
-            p.add_argument("--rope-dim", type=_nonnegative, default=None, help="with --model: MLA's RoPE dims (24)")
+                           "to convert to MQA and MLA and uptrain on the KJV (default: none, the lab model; "
+                           "its defaults: multihead.lab.uptrain_hf)")
+            p.add_argument("--rope-dim", type=_nonnegative, default=None,
+                           help="with --model: MLA's RoPE dims (default 24)")
             p.add_argument("--resume", action="store_true", help="with --model: continue the run in --out")
 
 

@@ -77,7 +77,7 @@ _ROMANS = "Paul, a servant of Jesus Christ, called to be an apostle, separated u
 @dataclass(frozen=True)
 class HFUptrainConfig:
     model: str = "smollm2"  # 'smollm2' (bundled), a local Llama-family model folder, or a .gguf file
-    steps: int = 60  # uptraining steps per target
+    steps: int = 48  # uptraining steps per target (9 trainings: about 25 min on a quiet 2-core VM, 80 under load)
     batch_size: int = 4
     context: int = 64  # tokens per training window
     lr: float = 3e-4  # AdamW peak, after `warmup` linear steps, cosine to 10% at `steps`
