@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from multihead.kernels.common import acc_dtype, backward_lse, index, softmax
+from multihead.kernels.common import acc_dtype, backward_lse, fold_values, index, softmax
 from multihead.kernels.planner import combine, plan, slice_dense, tile_sizes
 
 __all__ = ["EXPLICIT_TILE", "Tiles", "explicit", "needs_grad", "refuse_trainable", "twice"]
@@ -143,13 +143,15 @@ class Tiles:
         """The forward written with differentiable ops, one query block of kept tiles at a time
         (memory: one block's scores), the same dropout keeps: what autograd differentiates
         twice (see `twice`). The fast paths never run it."""
-        B, H, G, Hkv, Dv, acc = self.B, self.H, self.G, self.Hkv, self.Dv, self.acc
+        B, H, Dv, acc = self.B, self.H, self.Dv, self.acc
         outs = []
         for i, r0, r1, cols in self.tiles():
             t = r1 - r0
             if not cols:
                 outs.append(q.new_zeros(B, H, t, Dv))
                 continue
+            # scores as the fast paths compute them, one bmm per tile on the folded block: through
+            # common.fold_scores (a reshape per tile) the second derivatives round differently (1 ulp)
             qf = self.fold_q(q, r0, r1)  # (B*Hkv, G*t, D)
             parts = []
             for _, c0, c1, full in cols:
@@ -166,9 +168,8 @@ class Tiles:
             if self.dropout_p > 0:
                 p = p * torch.cat([self.keep(i, j, torch.empty(B, H, t, c1 - c0, dtype=acc, device=self.device))
                                    for j, c0, c1, _ in cols], -1)
-            vs = torch.cat([self.kv(v, c0, c1) for _, c0, c1, _ in cols], 1)  # (B*Hkv, kept keys, Dv)
-            o = torch.bmm(p.reshape(B * Hkv, G * t, -1), vs)
-            outs.append(o.view(B, H, t, Dv).to(q.dtype))
+            vs = torch.cat([v[:, :, c0:c1] for _, c0, c1, _ in cols], 2)  # (B, Hkv, kept keys, Dv)
+            outs.append(fold_values(p, vs).to(q.dtype))  # (B, H, t, Dv)
         return torch.cat(outs, 2)
 
     def hidden(self, r0, r1, c0, c1, full) -> Tensor | None:
