@@ -32,6 +32,6 @@ from __future__ import annotations
 
 from multihead.kernels.explicit_tiles import explicit, refuse_trainable
 from multihead.kernels.fused_tiles import fused
-from multihead.kernels.planner import plan, tile_sizes
+from multihead.kernels.planner import tile_plan, tile_sizes
 
-__all__ = ["explicit", "fused", "plan", "refuse_trainable", "tile_sizes"]
+__all__ = ["explicit", "fused", "refuse_trainable", "tile_plan", "tile_sizes"]

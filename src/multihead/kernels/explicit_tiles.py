@@ -13,7 +13,7 @@ import torch
 from torch import Tensor
 
 from multihead.kernels.common import acc_dtype, backward_lse, fold_values, index, softmax
-from multihead.kernels.planner import combine, plan, slice_dense, tile_sizes
+from multihead.kernels.planner import combine, slice_dense, tile_plan, tile_sizes
 
 __all__ = ["EXPLICIT_TILE", "Tiles", "explicit", "needs_grad", "refuse_trainable", "twice"]
 
@@ -86,7 +86,7 @@ class Tiles:
         self.bq, self.bk = tile_sizes(self.T, self.S, tile)
         if self.bq < tile:  # few queries (decoding): longer key tiles of the same area, fewer steps
             self.bk = min(self.S, tile * tile // self.bq)
-        self.kept, self.full = plan(pred, self.B, self.H, self.T, self.S, self.bq, self.bk, q.device)
+        self.kept, self.full = tile_plan(pred, self.B, self.H, self.T, self.S, self.bq, self.bk, q.device)
         self.acc = acc_dtype(q.dtype)
         self.device = q.device
         # a mod with an in-place form takes its scores times `input_scale`, folded into q

@@ -16,7 +16,7 @@ from multihead.kernels.common import index
 from multihead.masks import MaskMod, and_masks
 from multihead.masks import causal as causal_mod
 
-__all__ = ["block_mask", "choose_tile", "combine", "fold_mask", "plan", "slice_dense", "tile_sizes"]
+__all__ = ["block_mask", "choose_tile", "combine", "fold_mask", "slice_dense", "tile_plan", "tile_sizes"]
 
 _FUSED_CANDIDATES = (64, 128, 256, 512, 1024)  # tile edges the fused engine's plan chooses from
 _MIN_SEGMENT = 64  # documents shorter than this on average run as tiles, not a call each
@@ -44,7 +44,7 @@ def combine(mask, causal: bool) -> tuple[MaskMod | None, Tensor | None]:
     return pred, dense
 
 
-def plan(pred: MaskMod | None, B: int, H: int, T: int, S: int, bq: int, bk: int, device) -> tuple[Tensor, Tensor]:
+def tile_plan(pred: MaskMod | None, B: int, H: int, T: int, S: int, bq: int, bk: int, device) -> tuple[Tensor, Tensor]:
     """Per tile, over all batches and heads: (kept, full) bool `(nq, nk)` on the CPU.
 
     A tile is kept when some (b, h) may attend a pair in it, and full when every (b, h)
@@ -80,13 +80,13 @@ def choose_tile(pred, B, H, T, S, G, tile, device, squares: bool = True):
     segments = _segment_squares(pred, B, H, T, S, device) if pred is not None and squares else {}
     if segments or tile is not None or pred is None or not pred.analytic:
         bq, bk = tile_sizes(T, S, tile or (256 if segments else 128))
-        kept, full = plan(pred, B, H, T, S, bq, bk, device)
+        kept, full = tile_plan(pred, B, H, T, S, bq, bk, device)
         return bq, bk, kept, full, segments or find(pred, B, H, T, S, bq, bk, kept, full, device)
     best = None
     threads = max(1, torch.get_num_threads())
     for c in _FUSED_CANDIDATES if T > _FUSED_CANDIDATES[0] else (256,):  # decoding: one plan, one block
         bq, bk = tile_sizes(T, S, c)
-        kept, full = plan(pred, B, H, T, S, bq, bk, device)
+        kept, full = tile_plan(pred, B, H, T, S, bq, bk, device)
         found = find(pred, B, H, T, S, bq, bk, kept, full, device)
         in_square = torch.zeros(kept.shape[0], dtype=torch.bool)
         pairs, calls = 0.0, 0
