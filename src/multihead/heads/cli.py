@@ -4,7 +4,8 @@ scan: patch each head from a clean run into a corrupted one (activation patching
 task (--task ioi: Wang et al.'s indirect-object pairs; --task induction: repeated random
 tokens) or on one pair of texts (--clean/--corrupted/--answer/--wrong), print the metric
 per layer x head, and check the ranking causally: the metric with the top 4 and 8 heads
-mean-ablated against as many random heads. induction: the induction heads of a decoder
+mean-ablated against as many random heads. path: path patching (Wang et al., 2022), every
+head as the only sender to the receivers' queries, keys or values, or to the logits. induction: the induction heads of a decoder
 (Olsson et al., 2022): every head's induction score, the loss on the repeated half with
 the top heads ablated, and the earlier heads that feed them. importance: Michel et al.
 (2019) head importance on a task (encoders such as the bundled MiniLM: verse-half
@@ -16,6 +17,7 @@ examples:
   multihead heads scan --task ioi --n 8
   multihead heads scan --clean "When Mary and John went to the store, John gave a drink to" \\
       --corrupted "When Mary and John went to the store, Mary gave a drink to" --answer Mary --wrong John
+  multihead heads path --task ioi --receivers 23.0,23.2 --via q
   multihead heads induction --png induction.png
   multihead heads importance --prune-curve --png curve.png
   multihead heads prune --model path/to/llama --remove 0.1,0.5,1.1,1.5 --out pruned/
@@ -48,7 +50,7 @@ LENGTH = 50  # --task induction: tokens per half (Olsson et al.'s sequences are 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.formatter_class = argparse.RawDescriptionHelpFormatter
-    sub = parser.add_subparsers(dest="heads_command", metavar="{scan,induction,importance,prune}")
+    sub = parser.add_subparsers(dest="heads_command", metavar="{scan,path,induction,importance,prune}")
     sub.required = True
     model_help = ("minilm (the bundled sentence-transformers/all-MiniLM-L6-v2, an encoder; default), smollm2 (the "
                   "bundled SmolLM2-135M-Instruct, a decoder LM), a .gguf file, a local Hugging Face model folder, "
@@ -118,6 +120,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     p.add_argument("--out", required=True, metavar="DIR", help="a new (or empty) folder to save the pruned model in")
     p.add_argument("--force", action="store_true",
                    help="replace --out when it already holds files (never the model's own folder)")
+
+    from multihead.heads.path_cli import add_path_arguments
+
+    add_path_arguments(sub)
 
 
 def _pairs(value: str) -> list[tuple[int, int]]:
@@ -804,6 +810,10 @@ def _prune(args) -> dict:
 
 def main(args) -> int:
     cmd = args.heads_command
+    if cmd == "path":
+        from multihead.heads.path_cli import run_path
+
+        return run_path(args)
     if cmd == "scan":
         png, html = output_file("--png", args.png, "scan.png"), output_file("--html", args.html, "scan.html")
         r = _scan(args)
