@@ -4,7 +4,9 @@ batches) and ends with the whole table.
 
 Two rules make it safe. The units are shared out by a fixed rule (`split`: every rank
 computes the same owners from the same list), and each unit runs exactly the forward it
-runs in one process, so the table is the single-process one bit for bit. And a rank never
+runs in one process, so the table is the single-process one bit for bit (with the same
+kernels: the same device type and thread count, since a matrix product may round
+differently on another). And a rank never
 raises alone: whatever it raised is held until the next `settle`, a collective every rank
 enters, which then raises on every rank (the failing one its own exception, the others a
 RuntimeError naming it). A rank that raised while the others waited in a collective would
