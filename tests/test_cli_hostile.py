@@ -102,8 +102,8 @@ def files(tmp_path_factory) -> dict[str, str]:
                                                      "tokenizer": {"kind": "char", "tokens": 5}}))
     made["bad_lab"] = str(bad_lab)
 
-    from multihead.lab.checkpoint import Vocab, save_lab_checkpoint
-    from multihead.lab.models import LabConfig, LabTransformer
+    from multihead.checkpoint import Vocab, save_lab_checkpoint
+    from multihead.decoder import LabConfig, LabTransformer
 
     save_lab_checkpoint(d / "lab", LabTransformer(LabConfig(vocab_size=3, max_len=8, d_model=8, n_heads=2)),
                         Vocab("symbols", ("a", "b", "c")), experiment="heads")

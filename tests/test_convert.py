@@ -289,7 +289,7 @@ def test_deepcopy_of_converted_layers_works():
 
 
 def _lab_model(n_heads=4, n_kv_heads=None, n_layers=2, bias=False):
-    from multihead.lab.models import LabConfig, LabTransformer
+    from multihead.decoder import LabConfig, LabTransformer
 
     torch.manual_seed(0)
     cfg = LabConfig(vocab_size=13, max_len=12, d_model=16, n_layers=n_layers, n_heads=n_heads,
@@ -391,7 +391,7 @@ def test_first_and_random_inits():
 
 
 def test_converted_lab_model_saves_and_loads(tmp_path):
-    from multihead.lab.checkpoint import Vocab, load_lab_checkpoint, save_lab_checkpoint
+    from multihead.checkpoint import Vocab, load_lab_checkpoint, save_lab_checkpoint
 
     model = _lab_model().float()
     vocab = Vocab("char", tuple("abcdefghijklm"))

@@ -89,10 +89,10 @@ def test_png_and_checkpoint_files_get_the_usual_mode(tmp_path, umask_027):
     pytest.importorskip("matplotlib")
     import torch
 
+    from multihead.checkpoint import Vocab, save_lab_checkpoint
+    from multihead.decoder import LabConfig, LabTransformer
     from multihead.inspect.capture_types import AttentionCapture
     from multihead.inspect.png import save_head
-    from multihead.lab.checkpoint import Vocab, save_lab_checkpoint
-    from multihead.lab.models import LabConfig, LabTransformer
 
     w = torch.softmax(torch.randn(1, 1, 3, 3), -1)
     cap = AttentionCapture(tokens=["a", "b", "c"], token_ids=[0, 1, 2], layers=[0], heads=[0], weights=w,

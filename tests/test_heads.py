@@ -22,8 +22,8 @@ import torch
 from multihead import heads
 from multihead import reference as R
 from multihead.attention import Attention
+from multihead.decoder import LabConfig, LabTransformer
 from multihead.heads._engine import logits_of
-from multihead.lab.models import LabConfig, LabTransformer
 from multihead.latent import LatentAttention
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")

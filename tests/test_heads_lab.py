@@ -6,9 +6,9 @@ from __future__ import annotations
 import torch
 
 from lab_helpers import assert_png, load_results
+from multihead.decoder import LabTransformer
 from multihead.lab.ablation import ablation_check
 from multihead.lab.induction import InductionConfig, model_config, repeated_segments, run_induction
-from multihead.lab.models import LabTransformer
 
 
 def _by_hand(model, held_out, ablated):

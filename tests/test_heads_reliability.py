@@ -16,8 +16,8 @@ import torch
 
 from multihead import heads
 from multihead.attention import Attention
-from multihead.lab.checkpoint import Vocab, load_lab_checkpoint, save_lab_checkpoint
-from multihead.lab.models import LabConfig, LabTransformer
+from multihead.checkpoint import Vocab, load_lab_checkpoint, save_lab_checkpoint
+from multihead.decoder import LabConfig, LabTransformer
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 

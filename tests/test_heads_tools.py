@@ -15,7 +15,7 @@ import torch
 
 from multihead import heads
 from multihead.attention import Attention
-from multihead.lab.models import LabConfig, LabTransformer
+from multihead.decoder import LabConfig, LabTransformer
 from multihead.latent import LatentAttention
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")

@@ -178,8 +178,8 @@ def test_model_tokenizer_pair(minilm):
 
 
 def test_lab_checkpoint(tmp_path):
-    from multihead.lab.checkpoint import Vocab, save_lab_checkpoint
-    from multihead.lab.models import LabConfig, LabTransformer
+    from multihead.checkpoint import Vocab, save_lab_checkpoint
+    from multihead.decoder import LabConfig, LabTransformer
 
     torch.manual_seed(0)
     model = LabTransformer(LabConfig(vocab_size=12, max_len=8, d_model=32, n_layers=2, n_heads=4, mlp=False))

@@ -1,4 +1,4 @@
-"""The lab checkpoint format (multihead.checkpoint, re-exported by multihead.lab.checkpoint):
+"""The lab checkpoint format (multihead.checkpoint):
 save and load a lab model, and open it through multihead.inspect."""
 
 from __future__ import annotations
@@ -8,10 +8,10 @@ import torch
 
 
 def test_checkpoint_round_trip_and_inspect(tmp_path, one_torch_thread):
+    from multihead.checkpoint import Vocab, load_lab_checkpoint, save_lab_checkpoint
+    from multihead.decoder import LabConfig, LabTransformer
     from multihead.inspect import InspectError
     from multihead.inspect.capture import capture
-    from multihead.lab.checkpoint import Vocab, load_lab_checkpoint, save_lab_checkpoint
-    from multihead.lab.models import LabConfig, LabTransformer
 
     vocab = Vocab("symbols", ("a", "b", "c", "d", "SEP"))
     x = torch.tensor([vocab.encode("a b c SEP a b")])
@@ -37,11 +37,12 @@ def test_checkpoint_round_trip_and_inspect(tmp_path, one_torch_thread):
         load_lab_checkpoint(tmp_path)
 
 
-def test_the_lab_modules_re_export_the_format_and_the_model():
-    import multihead.checkpoint
-    import multihead.decoder
-    from multihead.lab import checkpoint, load_lab_checkpoint, models
+def test_each_name_has_one_home():
+    import importlib
 
-    assert checkpoint.save_lab_checkpoint is multihead.checkpoint.save_lab_checkpoint
-    assert load_lab_checkpoint is multihead.checkpoint.load_lab_checkpoint
-    assert models.LabTransformer is multihead.decoder.LabTransformer
+    import multihead.lab
+
+    for gone in ("multihead.lab.models", "multihead.lab.checkpoint"):
+        with pytest.raises(ModuleNotFoundError):
+            importlib.import_module(gone)
+    assert "load_lab_checkpoint" not in dir(multihead.lab)

@@ -285,7 +285,7 @@ def test_the_command_plan_prints_runs(tmp_path, capsys, one_torch_thread):
     g = res["results"]["geometry"]
     assert (g["variant"], g["head_dim"], g["n_heads"] // g["n_kv_heads"]) == ("GQA", 128, 8)
     assert "4 KV heads (GQA)" in g["scaled_from"]
-    from multihead.lab.checkpoint import load_lab_checkpoint
+    from multihead.checkpoint import load_lab_checkpoint
 
     model, _, _ = load_lab_checkpoint(out)
     attn = model.blocks[0].attn

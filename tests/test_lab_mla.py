@@ -11,8 +11,8 @@ import pytest
 import torch
 
 from lab_helpers import assert_png, load_results
+from multihead.decoder import LabConfig, LabTransformer
 from multihead.lab.mla import MLAConfig, convert_model, load_corpus, run_mla
-from multihead.lab.models import LabConfig, LabTransformer
 
 # Uniform over the KJV's ~60 characters is 5.9 bits/char, unigram frequencies ~4.3; the
 # quick run gets ~3.4. Below 4.0 means it learned more than character frequencies.

@@ -8,7 +8,7 @@ from multihead.lab.training import train
 
 
 def test_train_stops_cleanly_on_ctrl_c(one_torch_thread):
-    from multihead.lab.models import LabConfig, LabTransformer
+    from multihead.decoder import LabConfig, LabTransformer
 
     model = LabTransformer(LabConfig(vocab_size=8, max_len=8, d_model=16, n_heads=2))
     x = torch.randint(0, 8, (4, 8))

@@ -12,7 +12,7 @@ import torch
 
 from lab_helpers import assert_png, load_results, numbers
 from multihead import convert
-from multihead.lab.checkpoint import load_lab_checkpoint
+from multihead.checkpoint import load_lab_checkpoint
 from multihead.lab.mla import MLAConfig, load_corpus, run_mla
 from multihead.lab.uptrain import UptrainConfig, run_uptrain
 

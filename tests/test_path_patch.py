@@ -351,7 +351,7 @@ def test_errors_name_what_was_received():
 
 @pytest.mark.parametrize("kind", ["gqa", "mla"])
 def test_lab_models_scan_equals_path_patch_one_sender_at_a_time(kind):
-    from multihead.lab.models import LabConfig, LabTransformer
+    from multihead.decoder import LabConfig, LabTransformer
 
     torch.manual_seed(0)
     extra = dict(attention="mla", kv_rank=8, rope_dim=4) if kind == "mla" else dict(n_kv_heads=2, positions="rope")

@@ -1,7 +1,6 @@
 """Lab checkpoints: a folder with `model.safetensors` and a `config.json`, the format of
 the small decoders `multihead lab` trains (`multihead.decoder`). It lives below the tools:
-lab writes it, `multihead inspect` and `multihead heads` open it (`multihead.lab.checkpoint`
-re-exports these names).
+lab writes it, `multihead inspect` and `multihead heads` open it.
 
 config.json:
 

@@ -1,7 +1,6 @@
 """The small transformers the lab's experiments train, built from multihead's own modules.
 They live below the tools, with their checkpoint format (`multihead.checkpoint`), because
-three tools use them: lab trains and saves them, inspect and heads open them
-(`multihead.lab.models` re-exports these names).
+three tools use them: lab trains and saves them, inspect and heads open them.
 
 One decoder-only model covers them all: token + learned position embeddings, `n_layers`
 pre-norm blocks (attention, then an MLP unless `mlp=False`, which gives the

@@ -5,13 +5,14 @@ task (--task ioi: Wang et al.'s indirect-object pairs; --task induction: repeate
 tokens) or on one pair of texts (--clean/--corrupted/--answer/--wrong), print the metric
 per layer x head, and check the ranking causally: the metric with the top 4 and 8 heads
 mean-ablated against as many random heads. path: path patching (Wang et al., 2022), every
-head as the only sender to the receivers' queries, keys or values, or to the logits. induction: the induction heads of a decoder
-(Olsson et al., 2022): every head's induction score, the loss on the repeated half with
-the top heads ablated, and the earlier heads that feed them. importance: Michel et al.
-(2019) head importance on a task (encoders such as the bundled MiniLM: verse-half
-retrieval on the bundled King James Bible; causal models: next-token loss), and with
---prune-curve the task's score as heads are removed 10% at a time. prune: remove heads
-and save a copy of the model (where its format can hold fewer heads). See docs/heads.md.
+head as the only sender to the receivers' queries, keys or values, or to the logits.
+induction: the induction heads of a decoder (Olsson et al., 2022): every head's induction
+score, the loss on the repeated half with the top heads ablated, and the earlier heads
+that feed them. importance: Michel et al. (2019) head importance on a task (encoders such
+as the bundled MiniLM: verse-half retrieval on the bundled King James Bible; causal
+models: next-token loss), and with --prune-curve the task's score as heads are removed 10%
+at a time. prune: remove heads and save a copy of the model (where its format can hold
+fewer heads). See docs/heads.md.
 
 examples:
   multihead heads scan --task ioi --n 8

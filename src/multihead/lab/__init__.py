@@ -27,7 +27,6 @@ _LAZY = {
     "run_mla": "multihead.lab.mla", "MLAConfig": "multihead.lab.mla",
     "run_induction": "multihead.lab.induction", "InductionConfig": "multihead.lab.induction",
     "run_uptrain": "multihead.lab.uptrain", "UptrainConfig": "multihead.lab.uptrain",
-    "load_lab_checkpoint": "multihead.lab.checkpoint",
     "check_results": "multihead.lab.results",
     "scale_induction": "multihead.lab.configs",
 }

@@ -24,10 +24,10 @@ from pathlib import Path
 
 import torch
 
-from multihead.lab.checkpoint import Vocab, save_lab_checkpoint
+from multihead.checkpoint import Vocab, save_lab_checkpoint
+from multihead.decoder import LabConfig, LabTransformer
 from multihead.lab.configs import HeadsConfig
 from multihead.lab.devices import resolve_device, seed_everything
-from multihead.lab.models import LabConfig, LabTransformer
 from multihead.lab.plots import draw_plots, pyplot, save_figure
 from multihead.lab.progress import Overall
 from multihead.lab.results import finished_runs, new_results, write_json_atomic

@@ -31,11 +31,11 @@ from pathlib import Path
 
 import torch
 
+from multihead.checkpoint import Vocab, save_lab_checkpoint
+from multihead.decoder import LabConfig, LabTransformer
 from multihead.lab.ablation import ablation_check, ablation_line, plot_ablation
-from multihead.lab.checkpoint import Vocab, save_lab_checkpoint
 from multihead.lab.configs import InductionConfig
 from multihead.lab.devices import resolve_device, seed_everything
-from multihead.lab.models import LabConfig, LabTransformer
 from multihead.lab.plots import distinct_colours, draw_plots, pyplot, save_figure
 from multihead.lab.results import new_results, write_json_atomic
 from multihead.lab.training import StepCallback, diverged_entry, train

@@ -35,12 +35,12 @@ from pathlib import Path
 import torch
 
 from multihead._checks import variant_name
+from multihead.checkpoint import Vocab, save_lab_checkpoint
 from multihead.corpus import KJV, load_corpus  # noqa: F401  (KJV: lab mla's --corpus default)
-from multihead.lab.checkpoint import Vocab, save_lab_checkpoint
+from multihead.decoder import LabConfig, LabTransformer
 from multihead.lab.configs import MLAConfig
 from multihead.lab.devices import resolve_device, seed_everything
 from multihead.lab.mla_report import plot_curves, plot_tradeoff, summarise
-from multihead.lab.models import LabConfig, LabTransformer
 from multihead.lab.plots import draw_plots
 from multihead.lab.progress import Overall
 from multihead.lab.results import finished_runs, new_results, write_json_atomic

@@ -53,10 +53,10 @@ from pathlib import Path
 
 import torch
 
-from multihead.lab.checkpoint import Vocab, load_lab_checkpoint, save_lab_checkpoint
+from multihead.checkpoint import Vocab, load_lab_checkpoint, save_lab_checkpoint
+from multihead.decoder import LabConfig, LabTransformer
 from multihead.lab.devices import resolve_device, seed_everything
 from multihead.lab.mla import cache_bytes_per_token, split_corpus, val_bits_per_char, windows
-from multihead.lab.models import LabConfig, LabTransformer
 from multihead.lab.plots import draw_plots
 from multihead.lab.progress import Overall
 from multihead.lab.results import new_results, write_json_atomic
