@@ -25,7 +25,7 @@ SRC = Path(__file__).resolve().parent.parent / "src"
 TOOLS = ("plan", "inspect", "lab", "heads")
 # DESIGN: lab may use plan's and inspect's public API; heads (the library, not its CLI) is a floor below lab
 TOOL_USES = {("lab", "plan"), ("lab", "inspect"), ("lab", "heads")}
-LOWER = {"attention", "latent", "functional", "blocksparse", "flex", "kernels", "masks", "score_mods", "rope",
+LOWER = {"attention", "latent", "functional", "kernels", "masks", "score_mods", "rope",
          "cache", "reference", "_checks", "_files", "_layer", "_lazy", "errors", "corpus"}
 HIGHER = {"interop", "distributed", "heads", "inspect", "plan", "lab", "cli", "convert", "tour"}
 

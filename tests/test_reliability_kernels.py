@@ -225,13 +225,13 @@ def test_double_backward_of_a_learned_bias_and_with_dropout():
 
 
 def test_double_backward_through_the_block_sparse_engines_directly():
-    """blocksparse.fused's LSE engine and blocksparse.explicit: second order equals math's."""
-    from multihead import blocksparse
+    """The fused tiles' LSE engine and the explicit tiles: second order equals math's."""
+    from multihead.kernels import explicit_tiles, fused_tiles
 
     q, k, v = _qkv(B=1, H=2, Hkv=1, T=30, S=30, grad=True)
     scale = 8 ** -0.5
     want, want_g = _penalty("math", q, k, v, mask=masks.sliding_window(7))
-    for engine in (blocksparse.fused, blocksparse.explicit):
+    for engine in (fused_tiles.fused, explicit_tiles.explicit):
         out = engine(q, k, v, masks.sliding_window(7), causal=False, scale=scale, dropout_p=0.0, tile=8)
         (g,) = torch.autograd.grad((out * torch.linspace(-1, 1, 8, dtype=out.dtype)).sum(), q, create_graph=True)
         got = g.square().sum()
@@ -507,7 +507,7 @@ def test_flex_block_mask_cache_never_serves_a_stale_mask(case):
     object's attribute, it skipped the blocks the old mask left empty (off by 0.8). Each call must equal the math path
     with the mask as it is now."""
     pytest.importorskip("torch.nn.attention.flex_attention")
-    from multihead import flex
+    from multihead.kernels import flex
 
     flex.clear_cache()
     mask, edit = _stale_cases()[case]
@@ -540,7 +540,7 @@ def test_flex_cache_hit_is_checked_against_the_object_it_was_built_from():
     the first's list was edited since; the entry (whose mask reads the first's list) is rebuilt.
     An object the key cannot see into is not cached at all."""
     pytest.importorskip("torch.nn.attention.flex_attention")
-    from multihead import flex
+    from multihead.kernels import flex
 
     def make(widths):
         def window(b, h, q_idx, kv_idx):

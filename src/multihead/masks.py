@@ -21,7 +21,7 @@ Two index conventions, and why:
 Besides the element-wise predicate, the built-in masks know which tiles of the
 `(T, S)` score matrix they leave empty or full (`tile_classes`), so the kernel can skip
 empty tiles and run full ones without a mask, never building `(T, S)`: see
-`multihead.blocksparse`. Any other predicate is classified by evaluating it one strip of
+`multihead.kernels.planner`. Any other predicate is classified by evaluating it one strip of
 query rows at a time.
 
 nn.MultiheadAttention's masks use the opposite convention (True = ignore); convert

@@ -20,7 +20,7 @@ cache; a plain callable is read as flex reads it (top-left row index).
 
 ALiBi adds a term that does not depend on the score: it carries it as `bias`, so the
 kernel can hand it to the fused kernel as a float mask one tile at a time. A score mod
-that is not additive (softcap) runs on the explicit tile path (`multihead.blocksparse`).
+that is not additive (softcap) runs on the explicit tile path (`multihead.kernels.explicit_tiles`).
 """
 
 from __future__ import annotations

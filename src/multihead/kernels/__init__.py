@@ -16,7 +16,7 @@ house"). `multihead.functional` stays the public face: `scaled_dot_product_atten
 - `explicit_tiles`: the online-softmax tile engine ("tiles": any score mod, dropout) with
   its FlashAttention-2 backward.
 - `flex`: the opt-in "flex" backend, torch's compiled flex_attention with cached block
-  masks (`multihead.flex` re-exports its public names).
+  masks.
 - `math`: the explicit paths ("math", "chunked") and the weights pass.
 - `validation`: the checks of q, k, v, masks, scale, score mods and weight heads.
 - `common`: what every engine shares (accumulation dtype, index tensors, the MQA split,
