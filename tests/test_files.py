@@ -1,4 +1,4 @@
-"""multihead._files: every file written atomically with the usual mode; user JSON read bounded,
+"""multihead.files: every file written atomically with the usual mode; user JSON read bounded,
 with errors that name the file and the field."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ import stat
 
 import pytest
 
-from multihead._files import atomic_path, read_json, usual_mode, write_json, write_text
+from multihead.files import atomic_path, read_json, usual_mode, write_json, write_text
 
 
 @pytest.fixture

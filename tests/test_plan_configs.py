@@ -392,7 +392,7 @@ def test_deep_json_and_bad_bytes_and_endless_files(tmp_path):
     import os
     import threading
 
-    from multihead._files import read_json
+    from multihead.files import read_json
     from multihead.plan.configs import MAX_CONFIG_BYTES
 
     fifo = tmp_path / "endless.json"

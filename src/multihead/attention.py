@@ -25,8 +25,10 @@ import torch
 from torch import Tensor, nn
 
 from multihead import masks, score_mods
-from multihead._checks import check_divisible, check_positive_int, check_probability, variant_name
-from multihead._layer import (
+from multihead.cache import KVCache, RollingKVCache
+from multihead.checks import check_divisible, check_positive_int, check_probability, variant_name
+from multihead.functional import attend, check_backend_name
+from multihead.layer_parts import (
     check_dtype,
     check_window_and_softcap,
     default_head_dim,
@@ -34,8 +36,6 @@ from multihead._layer import (
     split_heads,
     with_window,
 )
-from multihead.cache import KVCache, RollingKVCache
-from multihead.functional import attend, check_backend_name
 from multihead.masks import MaskMod
 from multihead.rope import RotaryEmbedding, apply_rotary
 
@@ -319,7 +319,7 @@ class Attention(nn.Module):
         return out if weights is None else (out, weights)
 
     def _layer_mask(self, mask, q: Tensor, k: Tensor):
-        """The caller's mask combined with this layer's sliding window (`multihead._layer.with_window`)."""
+        """The caller's mask combined with this layer's sliding window (`multihead.layer_parts.with_window`)."""
         return with_window(mask, self.sliding_window, q, k)
 
     def _score_mod(self):

@@ -40,7 +40,7 @@ import copy
 import torch
 from torch import Tensor
 
-from multihead._checks import check_nonnegative_int, check_positive_int
+from multihead.checks import check_nonnegative_int, check_positive_int
 
 __all__ = ["CacheMark", "KVCache", "LatentCache", "RollingKVCache"]
 

@@ -125,7 +125,7 @@ def save_lab_checkpoint(folder: str | os.PathLike, model: LabTransformer, vocab:
     from safetensors.torch import save_file
 
     from multihead import __version__
-    from multihead._files import atomic_path, write_json
+    from multihead.files import atomic_path, write_json
 
     if len(vocab) != model.cfg.vocab_size:
         raise ValueError(f"vocab has {len(vocab)} tokens; the model has vocab_size {model.cfg.vocab_size}")
@@ -159,7 +159,7 @@ def is_lab_checkpoint(path: str | os.PathLike) -> bool:
     cfg = _config_path(p)
     if not cfg.is_file():
         return False
-    from multihead._files import read_json
+    from multihead.files import read_json
 
     try:
         obj = read_json(cfg, what="config.json")
@@ -186,7 +186,7 @@ def load_lab_checkpoint(path: str | os.PathLike, device: str | torch.device = "c
     if not is_lab_checkpoint(p):
         raise ValueError(f"{path} is not a multihead lab checkpoint (no config.json with a "
                          "'multihead_lab' section)")
-    from multihead._files import read_json
+    from multihead.files import read_json
 
     label = p / "config.json"
     meta_all = read_json(label, what="lab checkpoint config.json")

@@ -31,7 +31,8 @@ from dataclasses import dataclass, replace
 import torch
 from torch import nn
 
-from multihead._conversion import (
+from multihead.attention import Attention
+from multihead.conversion_parts import (
     GQA_INITS,
     ConversionReport,
     LayerConversion,
@@ -40,7 +41,6 @@ from multihead._conversion import (
     relative_error,
     stacked_kv,
 )
-from multihead.attention import Attention
 from multihead.interop.torch import from_torch, to_torch
 from multihead.latent import LatentAttention
 

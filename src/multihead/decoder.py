@@ -24,7 +24,7 @@ from dataclasses import asdict, dataclass, fields
 import torch
 from torch import Tensor, nn
 
-from multihead._checks import check_positive_int, variant_name
+from multihead.checks import check_positive_int, variant_name
 
 __all__ = ["LabConfig", "LabTransformer"]
 

@@ -36,11 +36,11 @@ import torch
 from torch import Tensor, nn
 
 from multihead import score_mods
-from multihead._checks import check_nonnegative_int, check_positive_int
-from multihead._layer import check_dtype, check_window_and_softcap, default_head_dim, merge_heads, with_window
 from multihead.cache import LatentCache
+from multihead.checks import check_nonnegative_int, check_positive_int
 from multihead.functional import attend, check_backend_name
 from multihead.kernels import common
+from multihead.layer_parts import check_dtype, check_window_and_softcap, default_head_dim, merge_heads, with_window
 from multihead.masks import MaskMod
 from multihead.rope import RopeScaling, RotaryEmbedding, apply_rotary
 

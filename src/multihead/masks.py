@@ -35,7 +35,7 @@ from collections.abc import Callable
 import torch
 from torch import Tensor
 
-from multihead._checks import check_nonnegative_int, check_positive_int
+from multihead.checks import check_nonnegative_int, check_positive_int
 
 __all__ = [
     "MaskMod",

@@ -35,7 +35,7 @@ from dataclasses import dataclass, fields
 import torch
 from torch import Tensor, nn
 
-from multihead._checks import check_positive_int, check_positive_number
+from multihead.checks import check_positive_int, check_positive_number
 
 __all__ = ["RopeScaling", "RotaryEmbedding", "apply_rotary"]
 

@@ -31,7 +31,7 @@ from collections.abc import Callable, Sequence
 import torch
 from torch import Tensor
 
-from multihead._checks import check_positive_int, check_positive_number
+from multihead.checks import check_positive_int, check_positive_number
 from multihead.kernels.common import softcap as softcap_formula
 
 __all__ = ["ScoreMod", "alibi", "alibi_slopes", "from_flex", "softcap"]

@@ -29,7 +29,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from multihead._checks import check_positive_number, divisibility_error
+from multihead.checks import check_positive_number, divisibility_error
 from multihead.distributed._group import (
     GroupRef,
     agree,

@@ -35,8 +35,8 @@ import time
 from collections.abc import Mapping
 from pathlib import Path
 
-from multihead._files import output_file
 from multihead.errors import UsageError
+from multihead.files import output_file
 
 TOP = 10
 HELD_OUT = 256  # verses the task's score is measured on (not the ones importance is computed on)
@@ -510,7 +510,7 @@ def _induction_png(path: Path, r: dict) -> None:
     from matplotlib.figure import Figure
     from matplotlib.patches import Rectangle
 
-    from multihead._files import atomic_path
+    from multihead.files import atomic_path
 
     fig = Figure(figsize=(10, 1.5 + 0.22 * len(r["induction_score"])))
     FigureCanvasAgg(fig)
@@ -542,7 +542,7 @@ def _heat_png(path: Path, table: list[list], title: str, center: float) -> None:
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 
-    from multihead._files import atomic_path
+    from multihead.files import atomic_path
 
     a = np.array([[np.nan if x is None else x for x in row] for row in table], dtype=float) - center
     lim = float(np.nanmax(np.abs(a))) or 1.0
@@ -561,7 +561,7 @@ def _heat_png(path: Path, table: list[list], title: str, center: float) -> None:
 def _heat_html(path: Path, result: dict) -> None:
     from html import escape
 
-    from multihead._files import write_text
+    from multihead.files import write_text
 
     base = result["metric_corrupted"]
     vals = [abs(x - base) for row in result["table"] for x in row if x is not None]
@@ -706,7 +706,7 @@ def _curve_png(path: Path, curve: list[dict], title: str) -> None:
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 
-    from multihead._files import atomic_path
+    from multihead.files import atomic_path
 
     fig = Figure(figsize=(5, 3.5))
     FigureCanvasAgg(fig)
@@ -766,7 +766,7 @@ def _save_atomically(out: Path, save) -> None:
     import shutil
     import tempfile
 
-    from multihead._files import usual_mode
+    from multihead.files import usual_mode
 
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", suffix=".tmp", dir=out.parent))
     old = None

@@ -24,8 +24,8 @@ import math
 import time
 from pathlib import Path
 
-from multihead._files import output_file
 from multihead.errors import UsageError
+from multihead.files import output_file
 
 TOP = 10
 N_PAIRS = 8
@@ -219,7 +219,7 @@ def _png(path: Path, r: dict) -> None:
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 
-    from multihead._files import atomic_path
+    from multihead.files import atomic_path
 
     a = np.array([[np.nan if x is None else x for x in row] for row in r["table"]], dtype=float)
     a = a - r["metric_corrupted"]
@@ -239,7 +239,7 @@ def _png(path: Path, r: dict) -> None:
 def _html(path: Path, r: dict) -> None:
     from html import escape
 
-    from multihead._files import write_text
+    from multihead.files import write_text
 
     base = r["metric_corrupted"]
     vals = [abs(x - base) for row in r["table"] for x in row if x is not None]

@@ -27,8 +27,8 @@ import json
 import sys
 import warnings
 
-from multihead._files import output_file
 from multihead.errors import UsageError
+from multihead.files import output_file
 from multihead.interop.loaders import quiet_hub
 
 TOP = 10  # rows of the role table without --roles

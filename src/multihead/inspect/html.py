@@ -123,7 +123,7 @@ def render_html(
     }
     page = offline_page(short_title, data, _ASSETS)
     if path is not None:
-        from multihead._files import write_text
+        from multihead.files import write_text
 
         # encoded in full before the file is touched, then moved into place: text that cannot
         # be encoded, a full disk or Ctrl-C leave an existing page as it was, never truncated

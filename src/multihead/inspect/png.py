@@ -145,7 +145,7 @@ def _label(token: str) -> str:
 def _save(fig, path: str | Path, dpi: float = _DPI) -> Path:
     """Write atomically (a temporary file moved over `path`), so a failed draw never leaves a
     truncated PNG, with the usual file mode."""
-    from multihead._files import atomic_path
+    from multihead.files import atomic_path
 
     path = Path(path)
     with atomic_path(path) as tmp:

@@ -100,7 +100,7 @@ def render_summaries_html(summaries, roles: list[HeadRole] | None = None, path: 
     page = _page(title, data)
     if path is None:
         return page
-    from multihead._files import write_text
+    from multihead.files import write_text
 
     return write_text(path, page)
 

@@ -220,7 +220,7 @@ def _read_config(path: Path, text: str) -> dict:
     cfg = path / "config.json"
     if not cfg.is_file():
         raise InspectError(f"{text!r} is not a model folder: it has no config.json. {_VALID}")
-    from multihead._files import read_json
+    from multihead.files import read_json
 
     try:  # bounded and error-naming: a huge, deep or non-UTF-8 config.json is refused, not a traceback
         config = read_json(cfg, what="config.json")
@@ -497,7 +497,7 @@ def _write_cache(model, tokenizer, folder: Path, source: Path, *, replace: bool)
 
     import transformers
 
-    from multihead._files import usual_mode, write_json
+    from multihead.files import usual_mode, write_json
 
     tmp = None
     try:

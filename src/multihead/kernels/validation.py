@@ -9,7 +9,7 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
-from multihead._checks import check_divisible, check_positive_number, check_probability
+from multihead.checks import check_divisible, check_positive_number, check_probability
 from multihead.masks import MaskMod
 from multihead.score_mods import ScoreMod
 from multihead.score_mods import from_flex as _score_from_flex

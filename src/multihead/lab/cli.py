@@ -301,7 +301,7 @@ def _prepare_out(out: Path, force: bool) -> Path | None:
         raise UsageError(f"--force needs to write beside {out} (in {out.resolve().parent}); permission denied")
     import tempfile
 
-    from multihead._files import usual_mode
+    from multihead.files import usual_mode
 
     stage = Path(tempfile.mkdtemp(prefix=f".{out.resolve().name}.new-", dir=out.resolve().parent))
     os.chmod(stage, usual_mode(folder=True))  # the mode mkdir gives, not mkdtemp's 0700

@@ -15,7 +15,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from multihead._checks import divisors, variant_name
+from multihead.checks import divisors, variant_name
 
 __all__ = ["HeadsConfig", "InductionConfig", "KVConfig", "MLAConfig", "VARIANTS", "scale_induction"]
 

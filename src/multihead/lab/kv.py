@@ -26,7 +26,7 @@ from pathlib import Path
 
 import torch
 
-from multihead._checks import variant_name
+from multihead.checks import variant_name
 from multihead.lab.configs import KVConfig
 from multihead.lab.devices import resolve_device, seed_everything
 from multihead.lab.plots import draw_plots, pyplot, save_figure

@@ -34,8 +34,8 @@ from pathlib import Path
 
 import torch
 
-from multihead._checks import variant_name
 from multihead.checkpoint import Vocab, save_lab_checkpoint
+from multihead.checks import variant_name
 from multihead.corpus import KJV, load_corpus  # noqa: F401  (KJV: lab mla's --corpus default)
 from multihead.decoder import LabConfig, LabTransformer
 from multihead.lab.configs import MLAConfig

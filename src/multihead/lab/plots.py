@@ -6,7 +6,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable
 from pathlib import Path
 
-from multihead._files import atomic_path
+from multihead.files import atomic_path
 
 __all__ = ["PlotsUnavailable", "distinct_colours", "draw_plots", "pyplot", "save_figure"]
 

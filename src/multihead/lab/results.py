@@ -30,9 +30,10 @@ from pathlib import Path
 
 import torch
 
-from multihead._files import LockHeld, pid_lock, write_text
 from multihead.errors import UsageError
+from multihead.files import write_text
 from multihead.lab.devices import machine_info
+from multihead.lab.lock import LockHeld, pid_lock
 
 __all__ = ["ResultsSchemaError", "check_results", "finished_runs", "lock_out", "new_results", "write_json_atomic"]
 

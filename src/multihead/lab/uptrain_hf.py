@@ -102,7 +102,7 @@ class HFUptrainConfig:
                    max_train_chars=200_000, generate_tokens=2)
 
     def __post_init__(self):
-        from multihead._checks import check_nonnegative_int, check_positive_int
+        from multihead.checks import check_nonnegative_int, check_positive_int
 
         for name in ("steps", "batch_size", "context", "eval_windows", "eval_context", "generate_tokens"):
             check_positive_int(name, getattr(self, name))
@@ -404,7 +404,7 @@ class _Run:
         self.save()
 
     def _save_state(self, unit, params, opt, step, seconds, losses, kv) -> None:
-        from multihead._files import atomic_path
+        from multihead.files import atomic_path
 
         state = {"unit": unit.key, "step": step, "seconds": seconds, "losses": losses, "kv": kv,
                  "trainable": {n: p.detach().cpu().clone() for n, p in params}, "optimizer": opt.state_dict()}

@@ -541,7 +541,7 @@ def _check_regular(path, label: str) -> None:
 def _load_json(path, label: str):
     """At most MAX_CONFIG_BYTES of UTF-8 JSON; every failure a ValueError naming the file
     (and the field), through the library's one bounded reader."""
-    from multihead._files import read_json
+    from multihead.files import read_json
 
     return read_json(path, what="Hugging Face config.json", max_bytes=MAX_CONFIG_BYTES)
 

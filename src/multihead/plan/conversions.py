@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from multihead._checks import divisors
+from multihead.checks import divisors
 from multihead.plan.geometry import (
     AttentionGeometry,
     LatentGeometry,

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from multihead._checks import check_positive_int
+from multihead.checks import check_positive_int
 from multihead.plan.geometry import (
     ModelGeometry,
     kv_bytes_per_token,

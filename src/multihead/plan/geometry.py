@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from multihead._checks import check_divisible, check_nonnegative_int, check_positive_int, variant_name
+from multihead.checks import check_divisible, check_nonnegative_int, check_positive_int, variant_name
 from multihead.plan.units import bytes_for
 
 # --- one attention block -----------------------------------------------------------

@@ -26,7 +26,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field, replace
 
-from multihead._checks import check_positive_int, divisors
+from multihead.checks import check_positive_int, divisors
 from multihead.plan.devices import DEVICES, RESERVE, Device, Fit, fit, max_batch, max_context
 from multihead.plan.geometry import (
     AttentionGeometry,

@@ -62,7 +62,7 @@ def _check(model: nn.Module, n_kv_heads) -> tuple[int, int]:
 
 def _shrunk(lin: nn.Linear, n_kv_heads: int, head_dim: int, init: str, generator) -> nn.Linear:
     """A Linear with n_kv_heads * D outputs: lin's heads pooled group by group."""
-    from multihead._conversion import pool_kv_heads
+    from multihead.conversion_parts import pool_kv_heads
 
     w = lin.weight
     new = nn.Linear(lin.in_features, n_kv_heads * head_dim, bias=lin.bias is not None, device=w.device,
@@ -88,7 +88,7 @@ def to_gqa(model: nn.Module, n_kv_heads: int, *, init: str = "mean", generator: 
         TypeError: a model without num_key_value_heads in its config, or without separate
             k_proj / v_proj layers.
     """
-    from multihead._conversion import GQA_INITS, ConversionReport, LayerConversion, grouped_kv_error
+    from multihead.conversion_parts import GQA_INITS, ConversionReport, LayerConversion, grouped_kv_error
 
     if init not in GQA_INITS:
         raise ValueError(f"init must be one of {', '.join(GQA_INITS)}; received {init!r}")

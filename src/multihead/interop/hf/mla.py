@@ -56,7 +56,7 @@ import math
 import torch
 from torch import Tensor, nn
 
-from multihead._conversion import ConversionReport, LayerConversion, relative_error
+from multihead.conversion_parts import ConversionReport, LayerConversion, relative_error
 from multihead.interop.hf.convert import sliding_window_of
 from multihead.interop.hf.registry import hf_mask
 from multihead.latent import LatentAttention

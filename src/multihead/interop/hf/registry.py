@@ -40,7 +40,7 @@ import torch
 from torch import Tensor, nn
 
 from multihead import masks, score_mods
-from multihead._checks import check_positive_number
+from multihead.checks import check_positive_number
 from multihead.functional import attend, check_backend_name
 from multihead.kernels import math as explicit_math
 from multihead.kernels.validation import is_plain_call

@@ -9,7 +9,7 @@ import torch
 from torch import Tensor
 
 from multihead import masks as _masks
-from multihead._checks import check_positive_int, check_positive_number, divisors
+from multihead.checks import check_positive_int, check_positive_number, divisors
 from multihead.kernels.validation import normalize_mask
 
 __all__ = ["check_dtype", "check_window_and_softcap", "default_head_dim", "merge_heads", "split_heads",
