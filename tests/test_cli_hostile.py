@@ -1,8 +1,8 @@
-"""Hostile input to the `multihead` command (issue 11): a user's mistake is one line on
+"""Hostile input to the `multihead` command: a user's mistake is one line on
 stderr and exit code 2, a bug is a traceback and exit code 1, never a traceback for a
 mistake, and nothing reads forever.
 
-The cases the issue lists are tested one by one; then hypothesis throws random argv
+The cases once found are tested one by one; then hypothesis throws random argv
 (every flag of every subcommand, read off the parser) and garbled config files at every
 subcommand. Runs are in-process (`multihead.cli.main(argv)` with captured output) except
 where the operating system matters (bytes that are not UTF-8 on the command line,

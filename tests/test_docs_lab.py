@@ -1,4 +1,4 @@
-"""docs/lab.md quotes the committed runs (issue 21): every number in its tables and every
+"""docs/lab.md quotes the committed runs: every number in its tables and every
 paragraph it says the experiment wrote are read off docs/lab/<experiment>/results.json, and
 each conclusion is what the current code writes from those numbers."""
 

@@ -1,7 +1,7 @@
 """The opt-in "flex" backend (torch.compile(flex_attention)) against the float64 NumPy reference,
 torch's own (eager) flex_attention and the "math" backend.
 
-torch compiles one kernel per (shape, mask, score mod), ~10 s each on this CPU, so the
+torch compiles one kernel per (shape, mask, score mod), ~10 s each on a CPU, so the
 tests share a few shapes (module-scoped inputs) and every test that compiles is marked
 slow: CHUNK (a block of 40 queries over 100 keys, GQA, Dv != D), DECODE (one query) and
 OVER (more queries than keys: bottom-right causal leaves rows with nothing to attend).

@@ -1,4 +1,4 @@
-"""Short REPL reprs (issue 21): a capture shows what it holds in a few lines, never the
+"""Short REPL reprs: a capture shows what it holds in a few lines, never the
 weights; render_html(path=...) returns where it wrote; plan.recommend's result is one line,
 and print() gives the text the CLI prints."""
 

@@ -1,4 +1,4 @@
-"""Named presets (issue 21): `plan --config llama-3-8b` reads the public config.json the
+"""Named presets: `plan --config llama-3-8b` reads the public config.json the
 package ships, exactly as the same JSON read from a file; `--list-configs` lists them; a
 file or folder of that name wins; an unknown name is one line with "did you mean"."""
 

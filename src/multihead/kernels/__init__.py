@@ -1,5 +1,5 @@
-"""The attention kernels, one file per backend and one home per formula (issue 20, "The
-house"). `multihead.functional` stays the public face: `scaled_dot_product_attention`,
+"""The attention kernels, one file per backend and one home per formula.
+`multihead.functional` stays the public face: `scaled_dot_product_attention`,
 `attend`, `attention_weights` and the backend registry are imported from there.
 
 - `registry`: `Backend`, `register_backend`, `available_backends`, `resolve_backend`

@@ -4,8 +4,9 @@
 kernel per (shape, mask, score mod), skipping the blocks a `BlockMask` marks empty.
 Compiling takes seconds per shape (every new T or S is a new shape), so it runs only
 when asked for: `backend="flex"`; `"auto"` never picks it and never compiles anything.
-On this CPU it measured slower than "auto" even once compiled (README, "The opt-in flex
-backend"); it is here for GPUs, and to hold multihead's masks against flex's kernels.
+On CPUs it measured slower than "auto" even once compiled (docs/kernel.md, "The opt-in
+flex backend"; revisit when torch's CPU flex kernel improves); it is here for GPUs, and
+to hold multihead's masks against flex's kernels.
 
 What this module adds on top of flex:
 

@@ -1,4 +1,4 @@
-"""Issue 18, process state: a library call changes no global state it does not restore
+"""Process state: a library call changes no global state it does not restore
 (the environment, transformers' and huggingface_hub's progress bars and verbosity)."""
 
 from __future__ import annotations

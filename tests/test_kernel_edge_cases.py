@@ -1,5 +1,5 @@
-"""Issue 18 (reliability, round 3), the kernel-side classes: every one of these failed before
-its fix. Numbers are held against the float64 NumPy reference or the float64 math path."""
+"""Kernel edge cases found by hostile passes: each of these once failed. Numbers are held
+against the float64 NumPy reference or the float64 math path."""
 
 import functools
 
