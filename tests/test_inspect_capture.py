@@ -14,9 +14,9 @@ pytest.importorskip("transformers")
 
 from conftest import assert_close  # noqa: E402
 from multihead.inspect import capture  # noqa: E402
-from multihead.inspect.capture import (  # noqa: E402
+from multihead.interop.loaded import LoadedModel  # noqa: E402
+from multihead.interop.loaders import (  # noqa: E402
     InspectError,
-    LoadedModel,
     TruncationWarning,
     load_model,
     minilm_path,

@@ -23,7 +23,7 @@ TEXT = "The cat sat on the mat."
 
 @pytest.fixture(scope="module", autouse=True)
 def minilm():
-    from multihead.inspect.capture import load_model
+    from multihead.interop.loaders import load_model
 
     return load_model("minilm")  # loaded once; main() reuses it
 

@@ -8,7 +8,6 @@ import pytest
 import torch
 
 from multihead.inspect import AttentionCapture, head_roles
-from multihead.inspect.capture import LoadedModel
 from multihead.inspect.roles import (
     attention_entropy,
     delimiter_positions,
@@ -20,6 +19,7 @@ from multihead.inspect.roles import (
     role_scores,
     transformer_lens_scores,
 )
+from multihead.interop.loaded import LoadedModel
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -304,7 +304,7 @@ def test_prefix_matching_on_a_known_induction_head():
 @pytest.fixture(scope="module")
 def minilm():
     pytest.importorskip("transformers")
-    from multihead.inspect.capture import load_model
+    from multihead.interop.loaders import load_model
 
     return load_model("minilm")
 

@@ -17,8 +17,8 @@ import torch
 transformers = pytest.importorskip("transformers")
 
 from multihead.inspect import capture, head_roles, summaries  # noqa: E402
-from multihead.inspect.capture import minilm_path  # noqa: E402
 from multihead.inspect.rowstats import RowSums, TextContext  # noqa: E402
+from multihead.interop.loaders import minilm_path  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -224,7 +224,7 @@ def test_smollm2_at_2048_equals_eager_on_a_few_heads():
     lm = _smollm2()
     text, _ = load_corpus(max_chars=20000)
     layers, heads = [0, 7, 29], [0, 4, 8]
-    from multihead.inspect.capture import TruncationWarning
+    from multihead.interop.loaders import TruncationWarning
 
     with pytest.warns(TruncationWarning, match="truncated to the first 2048 tokens"):
         s = summaries(lm, text, layers=layers, heads=heads, max_tokens=2048, progress=False)
@@ -262,7 +262,7 @@ def test_smollm2_at_2048_equals_eager_on_a_few_heads():
 
 
 def test_summaries_equal_eager_on_bidirectional_minilm():
-    from multihead.inspect.capture import load_model
+    from multihead.interop.loaders import load_model
 
     lm = load_model("minilm")
     text = "The cat sat on the mat. The cat sat on the mat again, and the dog sat on the cat."
@@ -295,7 +295,7 @@ def _cli(capsys, *argv):
 
 
 def test_cli_json_carries_one_summary_per_head(capsys, tmp_path):
-    from multihead.inspect.capture import load_model
+    from multihead.interop.loaders import load_model
 
     lm = load_model("minilm")
     text = "The cat sat on the mat. The cat sat on the mat again."

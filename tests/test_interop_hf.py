@@ -36,7 +36,7 @@ def n_params(model) -> int:
 def minilm():
     from transformers import AutoModel, AutoTokenizer
 
-    from multihead.inspect.capture import minilm_path
+    from multihead.interop.loaders import minilm_path
 
     path = str(minilm_path())
     tok = AutoTokenizer.from_pretrained(path)

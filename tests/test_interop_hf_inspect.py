@@ -15,7 +15,7 @@ transformers = pytest.importorskip("transformers")
 
 from conftest import assert_close  # noqa: E402
 from multihead.inspect import capture  # noqa: E402
-from multihead.inspect.capture import InspectError, minilm_path  # noqa: E402
+from multihead.interop.loaders import InspectError, minilm_path  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 

@@ -192,7 +192,7 @@ def test_use_latent_attention_refuses_models_without_mla():
 def test_inspect_captures_a_model_with_latent_attention():
     """multihead inspect reaches the swapped layers too (through the same WeightsRequest)."""
     from multihead.inspect import capture
-    from multihead.inspect.capture import minilm_path
+    from multihead.interop.loaders import minilm_path
 
     tok = transformers.AutoTokenizer.from_pretrained(str(minilm_path()))
     t = transformers

@@ -316,7 +316,7 @@ def test_weights_request_chosen_heads_only(monkeypatch):
 
 
 def test_minilm_equals_sdpa_and_eager():
-    from multihead.inspect.capture import minilm_path
+    from multihead.interop.loaders import minilm_path
 
     path = str(minilm_path())
     tok = transformers.AutoTokenizer.from_pretrained(path)

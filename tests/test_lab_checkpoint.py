@@ -10,8 +10,8 @@ import torch
 def test_checkpoint_round_trip_and_inspect(tmp_path, one_torch_thread):
     from multihead.checkpoint import Vocab, load_lab_checkpoint, save_lab_checkpoint
     from multihead.decoder import LabConfig, LabTransformer
-    from multihead.inspect import InspectError
     from multihead.inspect.capture import capture
+    from multihead.interop.loaders import InspectError
 
     vocab = Vocab("symbols", ("a", "b", "c", "d", "SEP"))
     x = torch.tensor([vocab.encode("a b c SEP a b")])

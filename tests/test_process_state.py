@@ -59,7 +59,7 @@ def test_loading_a_model_restores_the_process_state(bars, monkeypatch, restore_h
 
 
 def test_a_failed_load_restores_the_process_state(tmp_path, monkeypatch, restore_hf_state):
-    from multihead.inspect.capture import InspectError
+    from multihead.interop.loaders import InspectError
 
     monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
     monkeypatch.setattr(loaders, "_LOADED", {})

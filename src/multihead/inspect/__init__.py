@@ -17,7 +17,7 @@ from multihead._lazy import lazy_exports
 # Imported now, not lazily: the function `capture` shares its name with the module
 # `multihead.inspect.capture`, and importing that module later would otherwise leave the
 # module, not the function, as `multihead.inspect.capture`. The module is torch-free.
-from multihead.inspect.capture import InspectError, LoadedModel, capture, load_model
+from multihead.inspect.capture import capture
 
 _LAZY = {
     "AttentionCapture": "multihead.inspect.capture_types",
@@ -33,7 +33,7 @@ _LAZY = {
     "save_head": "multihead.inspect.png",
 }
 
-__all__ = ["InspectError", "LoadedModel", "capture", "load_model", *_LAZY]
+__all__ = ["capture", *_LAZY]
 
 
 __getattr__, __dir__ = lazy_exports(__name__, _LAZY, globals())

@@ -19,26 +19,13 @@ import warnings
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
-from multihead.interop.loaders import (
-    MINILM,
-    MINILM_HUB_NAME,
-    HFModel,
-    InspectError,
-    LabModel,
-    LoadedModel,
-    TruncationWarning,
-    load_model,
-    minilm_path,
-    register_loader,
-    resolve_model,
-)
+from multihead.interop.loaded import LoadedModel
+from multihead.interop.loaders import MINILM, InspectError, TruncationWarning, load_model
 
 if TYPE_CHECKING:  # torch is imported where it is used, so the CLI can refuse bad input fast
     from multihead.inspect.capture_types import AttentionCapture
 
-__all__ = ["InspectError", "LoadedModel", "HFModel", "LabModel", "TruncationWarning", "capture", "encode_text",
-           "load_model", "select_indices",
-           "register_loader", "resolve_model", "minilm_path", "MINILM", "MINILM_HUB_NAME"]
+__all__ = ["capture", "encode_text", "select_indices"]
 
 
 # ------------------------------------------------------------------ capture

@@ -167,7 +167,7 @@ def _main(args: argparse.Namespace, stack: contextlib.ExitStack) -> int:
     if args.max_tokens is not None and args.max_tokens < 1:
         raise UsageError(f"--max-tokens must be >= 1; received {args.max_tokens}")
 
-    from multihead.inspect.capture import InspectError, TruncationWarning, resolve_model
+    from multihead.interop.loaders import InspectError, TruncationWarning, resolve_model
 
     try:
         resolve_model(args.model)  # a bad --model is refused before anything heavy loads
@@ -178,9 +178,10 @@ def _main(args: argparse.Namespace, stack: contextlib.ExitStack) -> int:
     cap, long_page = None, False
     try:
         stack.enter_context(quiet_hub(logs=True))  # the command's noise off, put back after
-        from multihead.inspect.capture import capture, load_model
+        from multihead.inspect.capture import capture
         from multihead.inspect.roles import head_roles, induction_scores
         from multihead.inspect.stream import summaries
+        from multihead.interop.loaders import load_model
 
         model = load_model(args.model)
         _status(f"multihead inspect: running {model.name} on {len(text):,} characters ...")

@@ -34,8 +34,9 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
-from multihead.inspect.capture import encode_text, load_model, select_indices
+from multihead.inspect.capture import encode_text, select_indices
 from multihead.inspect.rowstats import BEYOND, RowSums
+from multihead.interop.loaders import load_model
 from multihead.kernels.common import acc_dtype, index, softmax
 from multihead.kernels.math import rows_mask
 from multihead.masks import MaskMod
@@ -293,7 +294,7 @@ def summaries(model_or_loaded="minilm", text_or_ids="", *, layers=None, heads=No
     """Per-head summaries of every head (or the layers x heads asked) on one text, streamed.
 
     Args:
-        model_or_loaded: anything `multihead.inspect.load_model` takes ("minilm", a folder,
+        model_or_loaded: anything `multihead.interop.loaders.load_model` takes ("minilm", "smollm2", a folder,
             a (model, tokenizer) pair, a LoadedModel).
         text_or_ids: a string, or token ids (list of ints, 1-D tensor) used as they are.
         layers, heads: indices (negative from the end) or None for all.

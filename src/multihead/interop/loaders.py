@@ -41,7 +41,7 @@ if TYPE_CHECKING:  # torch is imported where it is used, so the CLI can refuse b
     from torch import Tensor
 
 
-__all__ = ["InspectError", "LoadedModel", "HFModel", "LabModel", "TruncationWarning", "cache_dir",
+__all__ = ["InspectError", "LabModel", "TruncationWarning", "cache_dir",
            "gguf_cache_folder", "head_class", "load_model", "minilm_path", "quiet_hub", "register_loader",
            "resolve_model", "smollm2_path"]
 

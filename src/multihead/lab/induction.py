@@ -66,7 +66,7 @@ def repeated_segments(cfg: InductionConfig, batch: int, gen: torch.Generator):
 def live_model(model: LabTransformer, vocab: Vocab):
     """The model being trained, seen through multihead.inspect's `LoadedModel` interface
     (a `LabModel` that wraps the live module instead of loading a checkpoint)."""
-    from multihead.inspect.capture import LabModel
+    from multihead.interop.loaders import LabModel
 
     return LabModel(model, vocab, name="training", experiment="induction")
 
