@@ -20,14 +20,14 @@ def test_tour_checks_every_variant():
 
 
 def test_tour_numbers_match_cache_formula(capsys):
-    assert main(["tour", "--d-model", "256", "--heads", "4", "--context", "1024"]) == 0
+    assert main(["tour", "--d-model", "256", "--n-heads", "4", "--context", "1024"]) == 0
     out = capsys.readouterr().out
     # MHA, 4 kv heads of 64, bf16: 2 * 4 * 64 * 2 = 1024 bytes per token
     assert "1,024 B" in out and "1.00 MiB" in out
 
 
 def test_bad_input_exits_2_with_one_line():
-    r = run("tour", "--d-model", "100", "--heads", "7")
+    r = run("tour", "--d-model", "100", "--n-heads", "7")
     assert r.returncode == 2
     assert "Traceback" not in r.stderr
     assert "--d-model (100) must be a positive multiple of --n-heads (7)" in r.stderr

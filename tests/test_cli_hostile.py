@@ -331,7 +331,7 @@ def test_random_argv_for_plan_inspect_tour(files, data):
     commands = [p for p in FLAGS if p[0] in ("plan", "inspect", "tour")]
     argv = data.draw(argvs(files, commands))
     if argv[0] == "tour":  # the tour builds float64 modules: keep its widths small, whatever was drawn
-        argv += ["--d-model", "16", "--heads", "4", "--context", "64"]
+        argv += ["--d-model", "16", "--n-heads", "4", "--context", "64"]
     code, out, err = cli(argv, stdin=data.draw(st.sampled_from(["a b", "", "\udcff"])))
     assert_clean(argv, code, out, err)
 

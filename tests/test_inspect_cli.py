@@ -47,7 +47,7 @@ def test_default_prints_the_ranked_table(capsys):
 
 
 def test_roles_shows_every_head_and_score(capsys):
-    code, out, _ = run(capsys, TEXT, "--roles", "--layers", "0,1")
+    code, out, _ = run(capsys, TEXT, "--roles", "--only-layers", "0,1")
     assert code == 0
     lines = out.splitlines()
     header = next(line for line in lines if line.startswith("rank"))
@@ -59,7 +59,7 @@ def test_roles_shows_every_head_and_score(capsys):
 
 
 def test_json(capsys):
-    code, out, _ = run(capsys, TEXT, "--layers", "0", "--heads", "2,5", "--json")
+    code, out, _ = run(capsys, TEXT, "--only-layers", "0", "--only-heads", "2,5", "--json")
     assert code == 0
     data = json.loads(out)
     assert data["layers"] == [0] and data["heads"] == [2, 5] and len(data["tokens"]) == 9
@@ -72,18 +72,19 @@ def test_json(capsys):
 def test_html_and_png(capsys, tmp_path):
     pytest.importorskip("matplotlib")
     html, png, one = tmp_path / "view.html", tmp_path / "grid.png", tmp_path / "head.png"
-    code, out, err = run(capsys, TEXT, "--layers", "0,3", "--heads", "2,5", "--html", str(html), "--png", str(png))
+    code, out, err = run(capsys, TEXT, "--only-layers", "0,3", "--only-heads", "2,5", "--html", str(html),
+                         "--png", str(png))
     assert code == 0, err
     assert f"HTML head view: {html}" in out and f"PNG: {png}" in out
     page = html.read_text(encoding="utf-8")
     assert "<html" in page.lower() and "previous_token" in page
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-    code, out, _ = run(capsys, TEXT, "--layers", "0", "--heads", "2", "--png", str(one))
+    code, out, _ = run(capsys, TEXT, "--only-layers", "0", "--only-heads", "2", "--png", str(one))
     assert code == 0 and one.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
 def test_long_text_truncates_with_a_warning(capsys):
-    code, out, err = run(capsys, "word " * 600, "--layers", "0", "--heads", "2", "--json")
+    code, out, err = run(capsys, "word " * 600, "--only-layers", "0", "--only-heads", "2", "--json")
     assert code == 0
     assert "multihead inspect: warning: text is 602 tokens, longer than the model's positions (512); " \
            "truncated to the first 512 tokens" in err
@@ -92,15 +93,15 @@ def test_long_text_truncates_with_a_warning(capsys):
 
 @pytest.mark.parametrize("argv, message", [
     (["   "], "text is empty"),
-    ([TEXT, "--layers", "6"], "layer 6 is out of range; valid: 0..5 (the model has 6 layers)"),
-    ([TEXT, "--heads", "0,12"], "head 12 is out of range; valid: 0..11 (the model has 12 heads)"),
+    ([TEXT, "--only-layers", "6"], "layer 6 is out of range; valid: 0..5 (the model has 6 layers)"),
+    ([TEXT, "--only-heads", "0,12"], "head 12 is out of range; valid: 0..11 (the model has 12 heads)"),
     ([TEXT, "--only-heads", "two"], "--only-heads takes comma-separated integers or ranges, e.g. --only-heads "
                                     "0,3 or --only-heads 0-3,7; received 'two' ('two' is not an integer)"),
     ([TEXT, "--only-heads", "1,,2"], "received '1,,2' (an empty item)"),
     ([TEXT, "--only-heads", "1,"], "received '1,' (an empty item)"),
     ([TEXT, "--only-heads", "3-1"], "(the range '3-1' runs backwards)"),
     ([TEXT, "--only-layers", "0-x"], "('0-x' is not an integer)"),
-    ([TEXT, "--heads", "two"], "received 'two'"),  # the older spelling still parses
+    ([TEXT, "--only-heads", "two"], "received 'two'"),
     ([TEXT, "--model", "no/such/model"], "model 'no/such/model' not found: no such folder. valid: 'minilm'"),
     ([TEXT, "--html", "no/such/dir/view.html"], "--html 'no/such/dir/view.html': the folder 'no/such/dir' does"),
     ([TEXT, "--max-tokens", "0"], "--max-tokens must be >= 1; received 0"),
@@ -128,7 +129,7 @@ def cli(*argv, stdin=None):
 
 # One real process per kind of exit: the in-process cases above cover the messages.
 @pytest.mark.parametrize("argv, message", [
-    ([TEXT, "--layers", "a"], "--only-layers takes comma-separated integers"),
+    ([TEXT, "--only-layers", "a"], "--only-layers takes comma-separated integers"),
 ])
 def test_subprocess_fast_errors(argv, message):
     r = cli(*argv)
@@ -145,10 +146,10 @@ def test_subprocess_not_a_model_folder(tmp_path):
 @pytest.mark.slow  # loads MiniLM in a fresh process: 20 s on 2 busy cores
 def test_subprocess_real_model(tmp_path):
     """One real run: a head out of range fails cleanly; stdin text, truncation and JSON work."""
-    r = cli(TEXT, "--heads", "12")
+    r = cli(TEXT, "--only-heads", "12")
     assert r.returncode == 2 and "head 12 is out of range; valid: 0..11" in r.stderr
     assert "Traceback" not in r.stderr
-    r = cli("-", "--layers", "0", "--heads", "2", "--json", stdin="word " * 600)
+    r = cli("-", "--only-layers", "0", "--only-heads", "2", "--json", stdin="word " * 600)
     assert r.returncode == 0, r.stderr
     assert "truncated to the first 512 tokens" in r.stderr and "Traceback" not in r.stderr
     assert "Loading weights" not in r.stderr  # progress bars are silenced

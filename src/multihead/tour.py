@@ -10,7 +10,6 @@ import argparse
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--d-model", type=int, default=512, help="model width (default 512)")
     parser.add_argument("--n-heads", type=int, default=8, dest="heads", help="query heads (default 8)")
-    parser.add_argument("--heads", type=int, dest="heads", help=argparse.SUPPRESS)  # the older spelling
     parser.add_argument("--context", type=int, default=4096, help="context length for cache bytes (default 4096)")
 
 

@@ -46,14 +46,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="minilm (the bundled sentence-transformers/all-MiniLM-L6-v2; default), a local "
                              "Hugging Face model folder, or a `multihead lab` checkpoint folder")
     # --only-layers, not --layers: elsewhere (plan, lab) --layers N is a count of layers.
-    # The older --layers / --heads spellings still work, unlisted.
     parser.add_argument("--only-layers", metavar="LIST", dest="layers",
                         help="capture only these layers, comma-separated, ranges allowed, e.g. 0,3 or 0-2 "
                              "(default: all)")
     parser.add_argument("--only-heads", metavar="LIST", dest="heads",
                         help="capture only these heads in each layer, e.g. 2,5 or 0-3,7 (default: all)")
-    parser.add_argument("--layers", dest="layers", help=argparse.SUPPRESS)
-    parser.add_argument("--heads", dest="heads", help=argparse.SUPPRESS)
     parser.add_argument("--max-tokens", type=int, metavar="N",
                         help="keep at most N tokens (default and limit: the model's positions, e.g. 8192 for "
                              "smollm2); every head is summarised at any length in bounded memory")

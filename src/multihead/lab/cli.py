@@ -214,9 +214,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def _kv_heads(p, help_text: str) -> None:
-    """--n-kv-heads (a list here), the flag name every subcommand uses; --kv-heads still works."""
+    """--n-kv-heads (a list here), the flag name every subcommand uses."""
     p.add_argument("--n-kv-heads", type=_ints, default=None, dest="kv_heads", help=help_text)
-    p.add_argument("--kv-heads", type=_ints, default=None, dest="kv_heads", help=argparse.SUPPRESS)
 
 
 def _layers(p, help_text: str) -> None:
