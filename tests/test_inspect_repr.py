@@ -42,7 +42,7 @@ def test_recommendation_repr_is_one_line_and_str_is_the_cli_text(capsys):
     assert all(len(repr(c)) < 200 for c in rec.alternatives)
     from multihead.cli import main
 
-    assert main(["plan", "--params", "7B", "--context", "32k", "--batch", "16"]) == 0
+    assert main(["plan", "--params", "7B", "--context", "32k", "--batch-size", "16"]) == 0
     assert capsys.readouterr().out.rstrip("\n") == str(rec) == plan.recommendation_text(rec)
 
 

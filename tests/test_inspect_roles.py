@@ -355,7 +355,7 @@ def test_cli_tl_scores_beside_multiheads(capsys):
     from multihead.inspect import capture
 
     text = "The cat sat on the mat. The cat slept."
-    assert main(["inspect", text, "--layers", "0", "--tl-scores"]) == 0
+    assert main(["inspect", text, "--only-layers", "0", "--tl-scores"]) == 0
     out = capsys.readouterr().out
     header = next(line for line in out.splitlines() if line.lstrip().startswith("rank"))
     cols = header.split()
@@ -389,7 +389,7 @@ def test_cli_says_what_it_is_loading_before_importing_transformers(tmp_path):
         os.environ["HF_HUB_OFFLINE"] = "1"
         os.environ["PYTHONPATH"] = os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")])
         os.execv(sys.executable, [sys.executable, "-m", "multihead", "inspect", "The cat sat.",
-                                  "--layers", "0", "--heads", "2"])
+                                  "--only-layers", "0", "--only-heads", "2"])
     seen = b""
     try:
         while b"loading minilm" not in seen and time.monotonic() - start < 120:

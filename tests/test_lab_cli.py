@@ -170,7 +170,8 @@ def test_one_flag_name_per_concept():
         assert "--n-kv-heads" in parsers[name].format_help(), name
         assert "--kv-heads" not in parsers[name].format_help().replace("--n-kv-heads", ""), name
     for name in ("mla", "induction"):
-        assert "--layers" in parsers[name].format_help() and "--n-layers" not in parsers[name].format_help()
+        text = parsers[name].format_help()
+        assert "--n-layers" in text and "--layers" not in text.replace("--n-layers", "").replace("--only-layers", "")
     assert build_parser().parse_args(["lab", "kv", "--n-kv-heads", "4,2"]).kv_heads == (4, 2)
     with pytest.raises(SystemExit):  # no hidden alias: --kv-heads is not a flag
         build_parser().parse_args(["lab", "kv", "--kv-heads", "4,2"])
@@ -275,7 +276,7 @@ def test_scaling_mla_and_small_geometries():
 def test_the_command_plan_prints_runs(tmp_path, capsys, one_torch_thread):
     """The exact check `multihead plan --params ...` prints for a GQA geometry, with --quick."""
     out = tmp_path / "ind"
-    argv = "lab induction --layers 2 --d-model 4096 --n-heads 32 --n-kv-heads 4 --quick --no-progress".split()
+    argv = "lab induction --n-layers 2 --d-model 4096 --n-heads 32 --n-kv-heads 4 --quick --no-progress".split()
     assert main([*argv, "--out", str(out)]) == 0
     printed = capsys.readouterr().out
     assert "scaled to train in minutes on a CPU" in printed and "head_dim 128" in printed

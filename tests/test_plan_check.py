@@ -12,7 +12,7 @@ def test_the_printed_check_command_runs(capsys, tmp_path):
     """The advice works: the command plan prints runs (with --quick, and few steps to stay
     bounded) and trains the pick's head geometry, scaled to a CPU: the same head_dim and
     the same query heads per KV head."""
-    assert main(["plan", "--params", "7B", "--context", "32k", "--batch", "16", "--json"]) == 0
+    assert main(["plan", "--params", "7B", "--context", "32k", "--batch-size", "16", "--json"]) == 0
     out = capsys.readouterr().out
     command = json.loads(out)["check"]["command"]
     argv = command.split()

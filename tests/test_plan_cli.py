@@ -31,7 +31,7 @@ def run(capsys, *argv):
 
 def test_recommend_json(capsys):
     code, out, err = run(capsys, "--params", "7B", "--context", "32k", "--device", "h100-80gb",
-                         "--batch", "16", "--json")
+                         "--batch-size", "16", "--json")
     assert code == 0, err
     doc = json.loads(out)
     assert doc["schema"] == "multihead.plan.recommend/1"
@@ -58,7 +58,7 @@ def test_recommend_text_is_an_aligned_table(capsys):
     # Every column starts where its dashes start.
     starts = [i for i, ch in enumerate(rule) if ch == "-" and (i == 0 or rule[i - 1] == " ")]
     assert first[starts[1]:].startswith("MHA")
-    assert "check     multihead lab induction --variant mha --layers 2 --d-model 768 --n-heads 12\n" in out
+    assert "check     multihead lab induction --variant mha --n-layers 2 --d-model 768 --n-heads 12\n" in out
 
 
 def test_recommend_warnings_reach_the_output(capsys):
@@ -84,7 +84,7 @@ def test_custom_device_and_devices(capsys):
 
 def test_config_json(capsys, configs):
     code, out, err = run(capsys, "--config", configs["llama-3-8b"], "--context", "8k",
-                         "--batch", "4", "--device", "a100-80gb", "--json")
+                         "--batch-size", "4", "--device", "a100-80gb", "--json")
     assert code == 0, err
     doc = json.loads(out)
     assert doc["schema"] == "multihead.plan.account/1"
@@ -133,8 +133,8 @@ def test_list_devices(capsys):
     (["--params=-7B"], "parameter count must be positive; received '-7B'"),
     (["--params", "7Q"], "write it like 125M, 1.3B, 7b, 70B, 1.2T"),
     (["--params", "7B", "--n-heads", "0"], "--n-heads must be positive; received 0"),
-    (["--params", "7B", "--batch", "-2"], "--batch must be positive; received -2"),
-    (["--params", "7B", "--batch", "two"], "--batch must be a whole number; received 'two'"),
+    (["--params", "7B", "--batch-size", "-2"], "--batch-size must be positive; received -2"),
+    (["--params", "7B", "--batch-size", "two"], "--batch-size must be a whole number; received 'two'"),
     (["--params", "7B", "--context", "32kb"], "could not read context length '32kb'"),
     (["--params", "7B", "--device", "h100"],
      "unknown device 'h100' (did you mean h100-80gb or h100-pcie?); valid: h100-80gb"),

@@ -35,10 +35,11 @@ def test_flops_rows_say_attention_and_count_only_attention(capsys):
 
 
 def test_max_context_is_capped_at_the_models_positions_and_says_so(capsys):
-    code, out, _ = run(capsys, "--config", "llama-3-8b", "--device", "a100-80gb", "--context", "8k", "--batch", "4")
+    code, out, _ = run(capsys, "--config", "llama-3-8b", "--device", "a100-80gb", "--context", "8k",
+                       "--batch-size", "4")
     line = next(line for line in out.splitlines() if line.startswith("max context @ batch"))
     memory = json.loads(run(capsys, "--config", "llama-3-8b", "--device", "a100-80gb", "--context", "8k",
-                            "--batch", "4", "--json")[1])["models"][0]
+                            "--batch-size", "4", "--json")[1])["models"][0]
     longest = memory["device"]["max_context_at_batch"]
     assert longest > 8192  # memory alone would allow more than the model was built for
     assert line.split(None, 4)[4] == f"8,192 (its positions; memory: {longest:,})"
@@ -47,13 +48,13 @@ def test_max_context_is_capped_at_the_models_positions_and_says_so(capsys):
     out = run(capsys, "--config", "mistral-7b-v0.1", "--device", "a100-80gb")[1]
     assert "32,768 (its positions; memory: unbounded)" in out
     # below the positions: the plain number
-    out = run(capsys, "--config", "llama-3-8b", "--device", "t4", "--batch", "8")[1]
+    out = run(capsys, "--config", "llama-3-8b", "--device", "t4", "--batch-size", "8")[1]
     line = next(line for line in out.splitlines() if line.startswith("max context @ batch"))
     assert "positions" not in line and int(line.split()[-1].replace(",", "")) < 8192
 
 
 def test_why_and_kv_lines_quote_one_memory_figure(capsys):
-    code, out, _ = run(capsys, "--params", "7B", "--context", "32k", "--batch", "16", "--device", "h100-80gb")
+    code, out, _ = run(capsys, "--params", "7B", "--context", "32k", "--batch-size", "16", "--device", "h100-80gb")
     assert code == 0
     usable = fmt_bytes(int((1 - RESERVE) * DEVICES["h100-80gb"].memory))
     why = out[out.index("\nwhy "):out.index("\nKV cache ")]
@@ -67,7 +68,7 @@ def test_why_and_kv_lines_quote_one_memory_figure(capsys):
 
 
 def test_why_lines_are_wrapped(capsys):
-    out = run(capsys, "--params", "7B", "--context", "32k", "--batch", "16")[1]
+    out = run(capsys, "--params", "7B", "--context", "32k", "--batch-size", "16")[1]
     wrapped = [line for line in out.splitlines() if line.startswith(("why ", "biases ", " " * 10))]
     assert len(wrapped) >= 4 and max(map(len, wrapped)) <= 100, wrapped
 
@@ -82,7 +83,7 @@ def test_a_device_family_gets_did_you_mean(capsys):
 
 
 def test_the_check_says_how_long_it_takes(capsys):
-    out = run(capsys, "--params", "7B", "--context", "32k", "--batch", "16")[1]
+    out = run(capsys, "--params", "7B", "--context", "32k", "--batch-size", "16")[1]
     flat = " ".join(out.split())
     assert "about 15 minutes on one CPU core for 16 heads of 128" in flat
     data = json.loads(run(capsys, "--params", "7B", "--json")[1])

@@ -125,16 +125,16 @@ def test_check_points_at_the_induction_lab():
     # The flags of `multihead lab induction`: the variant, and the KV heads (GQA) or the
     # latent rank and RoPE dims (MLA) of the pick.
     r = rec("125M")
-    assert r.check["command"] == ("multihead lab induction --variant mha --layers 2 --d-model 768 "
+    assert r.check["command"] == ("multihead lab induction --variant mha --n-layers 2 --d-model 768 "
                                   "--n-heads 12")
     assert r.check["threshold"] == 0.95
     assert rec("7B", n_kv_heads=4).check["command"] == (
-        "multihead lab induction --variant gqa --layers 2 --d-model 4096 --n-heads 32 --n-kv-heads 4")
+        "multihead lab induction --variant gqa --n-layers 2 --d-model 4096 --n-heads 32 --n-kv-heads 4")
     assert rec("7B", variant="mqa").check["command"].startswith("multihead lab induction --variant mqa ")
     mla = rec("7B", variant="mla")
     a = mla.pick.model.attention
     assert mla.check["command"] == (
-        f"multihead lab induction --variant mla --layers 2 --d-model 4096 --n-heads 32 "
+        f"multihead lab induction --variant mla --n-layers 2 --d-model 4096 --n-heads 32 "
         f"--kv-rank {a.kv_rank} --rope-dim {a.rope_dim}") and (a.kv_rank, a.rope_dim) == (512, 64)
 
 

@@ -45,7 +45,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default="minilm",
                         help="minilm (the bundled sentence-transformers/all-MiniLM-L6-v2; default), a local "
                              "Hugging Face model folder, or a `multihead lab` checkpoint folder")
-    # --only-layers, not --layers: elsewhere (plan, lab) --layers N is a count of layers.
+    # --only-layers, a selection; --n-layers N (plan, lab) is a count of layers.
     parser.add_argument("--only-layers", metavar="LIST", dest="layers",
                         help="capture only these layers, comma-separated, ranges allowed, e.g. 0,3 or 0-2 "
                              "(default: all)")

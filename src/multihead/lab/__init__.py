@@ -13,7 +13,7 @@ safetensors checkpoint that `multihead inspect --model FOLDER` opens:
 
 torch and matplotlib are imported inside the experiments (matplotlib is optional:
 without it the plots are skipped with a note). `scale_induction` turns a real model's
-head geometry into a CPU-sized `InductionConfig` (what `multihead lab induction --layers
+head geometry into a CPU-sized `InductionConfig` (what `multihead lab induction --n-layers
 2 --d-model 4096 --n-heads 32 --n-kv-heads 4` trains).
 """
 

@@ -11,7 +11,7 @@ must be new or empty: --force replaces an earlier run's folder, and only once th
 has completed. --quick runs a small version in seconds. Ctrl-C stops cleanly: what
 finished is kept, marked "interrupted": true.
 
-  multihead lab induction --layers 2 --d-model 4096 --n-heads 32 --n-kv-heads 4 --quick
+  multihead lab induction --n-layers 2 --d-model 4096 --n-heads 32 --n-kv-heads 4 --quick
 
 trains the head geometry `multihead plan` recommends, scaled to a CPU (same head_dim and
 n_heads / n_kv_heads), and says what was scaled.
@@ -153,7 +153,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
             _kv_heads(p, "n_kv_heads to compare: MHA, GQA, ..., MQA" + d("kv_heads"))
             p.add_argument("--kv-ranks", type=_ints, default=None, dest="mla_ranks",
                            help="MLA kv_rank values" + d("mla_ranks"))
-            p.add_argument("--batch", type=_positive, default=None, help="decode batch size" + d("batch"))
+            p.add_argument("--batch-size", type=_positive, default=None, dest="batch",
+                           help="decode batch size" + d("batch"))
             p.add_argument("--decode-steps", type=_positive, default=None,
                            help="timed decode steps" + d("decode_steps"))
         elif name == "mla":
@@ -219,11 +220,9 @@ def _kv_heads(p, help_text: str) -> None:
 
 
 def _layers(p, help_text: str) -> None:
-    """--layers N (a count, as in `multihead plan`); the older --n-layers still works."""
-    p.add_argument("--layers", type=_positive_of(int, "integer", 1024), default=None, dest="n_layers",
-                   help=help_text)
+    """--n-layers N (a count, as in `multihead plan`; a selection of layers is --only-layers)."""
     p.add_argument("--n-layers", type=_positive_of(int, "integer", 1024), default=None, dest="n_layers",
-                   help=argparse.SUPPRESS)
+                   help=help_text)
 
 
 def main(args: argparse.Namespace) -> int:

@@ -5,7 +5,7 @@ default (and the `--quick` one) without importing torch. Each experiment module
 re-exports its own (`multihead.lab.heads.HeadsConfig`, ...).
 
 `scale_induction` turns a real model's head geometry (what `multihead plan` recommends:
-`--layers 2 --d-model 4096 --n-heads 32 --n-kv-heads 4`) into one that trains in minutes
+`--n-layers 2 --d-model 4096 --n-heads 32 --n-kv-heads 4`) into one that trains in minutes
 on a CPU, keeping what decides how attention works: the head dim D, the group ratio
 G = H / Hkv, and MLA's rope_dim.
 """
@@ -186,7 +186,7 @@ def scale_induction(*, variant: str | None = None, layers: int | None = None, d_
     L = base.n_layers if layers is None else layers
     C = base.d_model if d_model is None else d_model
     H = base.n_heads if n_heads is None else n_heads
-    for flag, v in (("--layers", L), ("--d-model", C), ("--n-heads", H), ("--n-kv-heads", n_kv_heads),
+    for flag, v in (("--n-layers", L), ("--d-model", C), ("--n-heads", H), ("--n-kv-heads", n_kv_heads),
                     ("--kv-rank", kv_rank)):
         if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
             raise ValueError(f"{flag} must be a positive integer; received {v!r}")

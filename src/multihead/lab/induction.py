@@ -20,7 +20,7 @@ jump in accuracy. Writes results.json, induction.png and model/.
 
 The heads can take any geometry (`n_kv_heads` for GQA/MQA, `attention="mla"` with
 `kv_rank`/`rope_dim`, a `head_dim` apart from d_model / n_heads): `multihead lab
-induction --layers 2 --d-model 4096 --n-heads 32 --n-kv-heads 4`, the check `multihead
+induction --n-layers 2 --d-model 4096 --n-heads 32 --n-kv-heads 4`, the check `multihead
 plan` prints, trains that geometry scaled to a CPU (`configs.scale_induction`).
 """
 

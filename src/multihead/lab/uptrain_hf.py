@@ -664,7 +664,7 @@ def configure(args, quick: bool) -> tuple[Callable, HFUptrainConfig]:
     if "steps" in given and base.warmup >= given["steps"]:
         given["warmup"] = 0
     unused = [flag for flag, value in (("--from", args.from_checkpoint), ("--positions", args.positions),
-                                       ("--d-model", args.d_model), ("--layers", args.n_layers),
+                                       ("--d-model", args.d_model), ("--n-layers", args.n_layers),
                                        ("--n-heads", args.n_heads), ("--uptrain-lr", args.uptrain_lr),
                                        ("--mla-rope-dims", args.mla_rope_dims)) if value is not None]
     if args.kv_heads not in (None, (1,)):

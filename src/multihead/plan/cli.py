@@ -1,6 +1,6 @@
 """Account for and recommend an attention geometry.
 
-  multihead plan --params 7B --context 32k --device h100-80gb --batch 16
+  multihead plan --params 7B --context 32k --device h100-80gb --batch-size 16
   multihead plan --config llama-3-8b --context 8k --device a100-80gb
   multihead plan --config path/to/config.json (or path/to/model-folder)
   multihead plan --compare llama-3-8b mistral-7b-v0.1 gemma-2-9b --json
@@ -40,7 +40,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     use.add_argument("--context", metavar="TOKENS",
                      help="context length (32k, 128K, 4096); default 8k when recommending, "
                           "the model's max positions for a config")
-    use.add_argument("--batch", metavar="N", default="1", help="sequences decoded at once "
+    use.add_argument("--batch-size", metavar="N", default="1", dest="batch", help="sequences decoded at once "
                      "(default 1)")
     use.add_argument("--device", metavar="NAME",
                      help="accelerator preset (default h100-80gb when recommending); "
@@ -62,7 +62,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
     shape = parser.add_argument_group("fix part of the geometry (when recommending)")
     shape.add_argument("--d-model", metavar="N", help="model width")
-    shape.add_argument("--layers", metavar="N", help="number of layers (default: fill --params)")
+    shape.add_argument("--n-layers", metavar="N", dest="layers", help="number of layers (default: fill --params)")
     shape.add_argument("--n-heads", metavar="N", help="query heads")
     shape.add_argument("--n-kv-heads", metavar="N", help="key/value heads")
     shape.add_argument("--head-dim", metavar="N", help="head dim")
@@ -141,7 +141,7 @@ def _main(args) -> int:
         raise _usage(f"--priority must be inference or training; received {args.priority!r}")
     dtype = units.dtype_name(args.dtype)
     weights_dtype = units.dtype_name(args.weights_dtype) if args.weights_dtype else dtype
-    batch = _int("--batch", args.batch)
+    batch = _int("--batch-size", args.batch)
     n_devices = _int("--devices", args.devices)
     context = units.parse_tokens(args.context) if args.context else None
 
@@ -157,7 +157,7 @@ def _main(args) -> int:
             dtype=dtype,
             weights_dtype=weights_dtype,
             d_model=_int("--d-model", args.d_model),
-            n_layers=_int("--layers", args.layers),
+            n_layers=_int("--n-layers", args.layers),
             n_heads=_int("--n-heads", args.n_heads),
             n_kv_heads=_int("--n-kv-heads", args.n_kv_heads),
             head_dim=_int("--head-dim", args.head_dim),

@@ -563,7 +563,7 @@ def induction_check(model: ModelGeometry) -> dict:
     """
     a = model.attention
     variant = a.kind.lower()
-    args = f"--variant {variant} --layers 2 --d-model {a.d_model} --n-heads {a.n_heads}"
+    args = f"--variant {variant} --n-layers 2 --d-model {a.d_model} --n-heads {a.n_heads}"
     if isinstance(a, LatentGeometry):
         args += f" --kv-rank {a.kv_rank} --rope-dim {a.rope_dim}"
     elif a.kind == "GQA":
