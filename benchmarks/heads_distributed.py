@@ -17,7 +17,9 @@ then every rank runs the scan with the group and rank 0 times it from a barrier 
 return (every rank returns after the same final collective). Reported: medians of the
 times and of the per-round ratios, and whether the tables are bitwise equal. The one-time
 work every rank repeats (the clean recording, the corrupted run, the prefix decision) is
-not shared, so the speed-up is below P.
+not shared, so the speed-up is below P. Also reported: the single process's CPU seconds
+over the busiest rank's, the speed-up the split of the work allows when each rank has a
+core of its own (on a loaded machine the wall-clock ratio says more about the other load).
 
 Writes a Markdown table to stdout and JSON to benchmarks/results/heads_distributed.json
 (or --json).
@@ -111,7 +113,7 @@ def worker(rank: int, world: int, port: int, args, results) -> None:
             dist.barrier()
             shared = scan(group)
             times = {"one process": [], f"{world} ranks": []}
-            idle_cpu = []
+            idle_cpu, cpu_times = [], {name: [] for name in times}  # this rank's CPU seconds
             ratios = []
             rng = random.Random(0)  # the same order on every rank
             for _ in range(args.rounds):
@@ -128,21 +130,26 @@ def worker(rank: int, world: int, port: int, args, results) -> None:
                     else:
                         scan(group)
                     got[name] = time.perf_counter() - t0
+                    cpu_times[name].append(time.process_time() - c0)
                     if name == "one process" and rank != 0:
                         idle_cpu.append(time.process_time() - c0)
                     times[name].append(got[name])
                 ratios.append(got["one process"] / got[f"{world} ranks"])
             cpu = [None] * world
-            dist.all_gather_object(cpu, idle_cpu)
+            dist.all_gather_object(cpu, (idle_cpu, cpu_times[f"{world} ranks"]))
+            busiest = [max(c[1][i] for c in cpu) for i in range(args.rounds)]  # the rank that worked most
+            single_cpu = cpu_times["one process"]
             if rank == 0:
                 report.append({"case": label, "equal_bitwise": _same(single, shared),
                                "results": [{"variant": k, "times_s": v, "median_s": statistics.median(v)}
                                            for k, v in times.items()],
                                "ratios": ratios, "speedup_median": statistics.median(ratios),
-                               "idle_ranks_cpu_s_while_one_process": cpu[1:]})
+                               "idle_ranks_cpu_s_while_one_process": [c[0] for c in cpu[1:]],
+                               "cpu_s_one_process": single_cpu, "cpu_s_busiest_rank": busiest,
+                               "cpu_speedup_median": statistics.median(a / b for a, b in zip(single_cpu, busiest))})
                 print(f"  {label}: {statistics.median(times['one process']):.2f} s / "
-                      f"{statistics.median(times[f'{world} ranks']):.2f} s = {statistics.median(ratios):.2f}x",
-                      flush=True)
+                      f"{statistics.median(times[f'{world} ranks']):.2f} s = {statistics.median(ratios):.2f}x; "
+                      f"CPU s one process / busiest rank = {report[-1]['cpu_speedup_median']:.2f}x", flush=True)
         if rank == 0:
             results.put(report)
     finally:
@@ -183,12 +190,12 @@ def main(argv=None) -> int:
         print(f"a rank failed: exit codes {[p.exitcode for p in procs]}")
         return 1
     meta["loadavg_end"] = list(os.getloadavg())
-    print(f"| case | 1 process s | {args.ranks} ranks s | speed-up | tables bitwise equal |")
-    print("|---|---|---|---|---|")
+    print(f"| case | 1 process s | {args.ranks} ranks s | speed-up | CPU s ratio | tables bitwise equal |")
+    print("|---|---|---|---|---|---|")
     for c in report_cases:
         r = {x["variant"]: x["median_s"] for x in c["results"]}
         print(f"| {c['case']} | {r['one process']:.2f} | {r[f'{args.ranks} ranks']:.2f} | "
-              f"{c['speedup_median']:.2f}x | {c['equal_bitwise']} |")
+              f"{c['speedup_median']:.2f}x | {c['cpu_speedup_median']:.2f}x | {c['equal_bitwise']} |")
     scans = [c for c in report_cases if "patch_scan" in c["case"]]
     report = {"meta": meta,
               "config": {"ranks": args.ranks, "rounds": args.rounds, "batch": args.batch, "quick": args.quick,
