@@ -23,7 +23,7 @@ from multihead import heads
 from multihead import reference as R
 from multihead.attention import Attention
 from multihead.decoder import LabConfig, LabTransformer
-from multihead.heads._engine import logits_of
+from multihead.heads.engine import logits_of
 from multihead.latent import LatentAttention
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -31,7 +31,7 @@ pytestmark = pytest.mark.usefixtures("one_torch_thread")
 transformers = pytest.importorskip("transformers")
 
 import multihead.interop.hf  # noqa: E402, F401  (registers "multihead")
-from multihead.heads import _scan  # noqa: E402
+from multihead.heads import scan as _scan  # noqa: E402
 from test_interop_hf_registry import DECODERS, MODELS, V, build  # noqa: E402
 
 
@@ -135,8 +135,8 @@ def test_patch_scan_equals_one_patched_forward_per_head(name):
 
 
 def test_the_engine_speaks_the_registrys_keywords():
-    """heads._engine spells the registry's keywords itself (it must not import transformers)."""
-    from multihead.heads import _engine
+    """heads.engine spells the registry's keywords itself (it must not import transformers)."""
+    from multihead.heads import engine as _engine
     from multihead.interop.hf import registry
 
     assert (_engine.KEYWORD, _engine.WEIGHTS_KEYWORD) == (registry.INTERVENTION_KEYWORD, registry.REQUEST_KEYWORD)

@@ -57,7 +57,7 @@ def run_world(fn, world: int, timeout: float = WORLD_TIMEOUT) -> list:
     ctx = mp.get_context("forkserver")
     ctx.set_forkserver_preload(["torch", "transformers", "transformers.models.gpt2.modeling_gpt2",
                                 "transformers.models.llama.modeling_llama", "multihead.interop.hf",
-                                "multihead.heads._scan", "multihead.heads.path_patching", __name__])
+                                "multihead.heads.scan", "multihead.heads.path_patching", __name__])
     out = ctx.Queue()
     env = os.environ.get("OMP_NUM_THREADS")
     os.environ["OMP_NUM_THREADS"] = "1"  # inherited by the children: one thread per rank

@@ -400,7 +400,7 @@ def test_one_pair_as_a_1d_tensor_is_one_pair(llama):
 
 
 def test_the_scan_says_whether_it_skipped_the_prefix_and_why_not(monkeypatch):
-    from multihead.heads import _scan
+    from multihead.heads import scan as _scan
 
     model = build("llama", lm=True)
     model.set_attn_implementation("multihead")

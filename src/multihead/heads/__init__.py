@@ -36,8 +36,8 @@ _LAZY = {
     "prune": "multihead.heads._prune",
     "Recording": "multihead.heads._record",
     "record": "multihead.heads._record",
-    "attribution_scan": "multihead.heads._scan",
-    "patch_scan": "multihead.heads._scan",
+    "attribution_scan": "multihead.heads.scan",
+    "patch_scan": "multihead.heads.scan",
     "path_patch": "multihead.heads.path_patching",
     "path_patch_scan": "multihead.heads.path_patching",
 }

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from torch import Tensor, nn
 
-from multihead.heads._engine import parents_of
+from multihead.heads.engine import parents_of
 
 
 def _weight_out_in(lin: nn.Module) -> Tensor:

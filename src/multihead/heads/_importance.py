@@ -16,8 +16,8 @@ from collections.abc import Callable, Iterable
 import torch
 from torch import Tensor
 
-from multihead.heads._engine import Engine, Handler, check_grad_mode, check_model
 from multihead.heads._ranks import Ranks, check_group
+from multihead.heads.engine import Engine, Handler, check_grad_mode, check_model
 
 
 class _HeadMask(Handler):

@@ -8,8 +8,8 @@ from contextlib import contextmanager
 
 from torch import Tensor
 
-from multihead.heads._engine import Engine, Handler, Layer, check_model
 from multihead.heads._record import Recording, check_what
+from multihead.heads.engine import Engine, Handler, Layer, check_model
 
 HOWS = ("zero", "mean", "resample")
 

@@ -39,8 +39,8 @@ from torch import nn
 
 from multihead.attention import Attention
 from multihead.decoder import LabConfig
-from multihead.heads._engine import is_hf, multihead_modules
 from multihead.heads._interventions import check_heads
+from multihead.heads.engine import is_hf, multihead_modules
 from multihead.latent import LatentAttention
 
 

@@ -7,7 +7,7 @@ from collections.abc import Iterable, Sequence
 import torch
 from torch import Tensor
 
-from multihead.heads._engine import Engine, Handler, Layer, batch_size, check_model, logits_of, padding_of, run
+from multihead.heads.engine import Engine, Handler, Layer, batch_size, check_model, logits_of, padding_of, run
 
 WHATS = ("z", "result", "k", "v", "pattern", "latent")
 

@@ -24,7 +24,7 @@ left as it is; when no receiver is left, the result is the corrupted metric, exa
 Where a head's query is taken: transformers models hand the attention function queries
 after RoPE (and any per-head query norm); both act on each head and position alone, so a
 query replaced there by step 2's value at the same position equals the query projection's
-slice replaced. Keys and values are the engine's (`multihead.heads._engine`).
+slice replaced. Keys and values are the engine's (`multihead.heads.engine`).
 
 `path_patch_scan` makes every head the only sender in few batched forwards, the way
 `patch_scan` does: the corrupted run's block inputs are cached once; a variant's step 2
@@ -43,7 +43,10 @@ from contextlib import contextmanager
 import torch
 from torch import Tensor, nn
 
-from multihead.heads._engine import (
+from multihead.heads._interventions import check_heads
+from multihead.heads._ranks import Ranks, check_group, fingerprint
+from multihead.heads._record import Recording, head_results, record
+from multihead.heads.engine import (
     KEYWORD,
     WEIGHTS_KEYWORD,
     Engine,
@@ -56,10 +59,7 @@ from multihead.heads._engine import (
     multihead_modules,
     parents_of,
 )
-from multihead.heads._interventions import check_heads
-from multihead.heads._ranks import Ranks, check_group, fingerprint
-from multihead.heads._record import Recording, head_results, record
-from multihead.heads._scan import ROWS_PER_RUN, block_of, head_cost
+from multihead.heads.scan import ROWS_PER_RUN, block_of, head_cost
 from multihead.masks import MaskMod
 
 VIAS = ("q", "k", "v")

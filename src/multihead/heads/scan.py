@@ -46,7 +46,10 @@ from contextlib import nullcontext
 import torch
 from torch import Tensor, nn
 
-from multihead.heads._engine import (
+from multihead.heads._interventions import check_positions
+from multihead.heads._ranks import Ranks, check_group, fingerprint
+from multihead.heads._record import Recording, check_what, record
+from multihead.heads.engine import (
     KEYWORD,
     WEIGHTS_KEYWORD,
     Engine,
@@ -61,9 +64,6 @@ from multihead.heads._engine import (
     multihead_modules,
     parents_of,
 )
-from multihead.heads._interventions import check_positions
-from multihead.heads._ranks import Ranks, check_group, fingerprint
-from multihead.heads._record import Recording, check_what, record
 from multihead.masks import MaskMod
 
 SCANS = ("z", "k", "v", "pattern", "latent")
