@@ -318,3 +318,25 @@ def test_smollm2_answer_mary_is_the_space_led_token(capsys, smollm2):
         return (logits[:, -1, mary] - logits[:, -1, john]).mean()
     want = heads.patch_scan(model, tok(clean, return_tensors="pt"), tok(corrupted, return_tensors="pt"), metric)
     torch.testing.assert_close(torch.tensor(r["table"]), want, rtol=1e-4, atol=1e-4)
+
+
+def test_embed_reads_the_hidden_states_of_a_model_with_an_lm_head():
+    # A folder is loaded with the class that keeps its head: the retrieval embedding must still be
+    # the last hidden state, never the logits the head returns first.
+    import transformers
+
+    from multihead.heads import tasks
+
+    cfg = transformers.BertConfig(vocab_size=100, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                                  intermediate_size=64)
+    torch.manual_seed(0)
+    mlm = transformers.BertForMaskedLM(cfg).eval()
+
+    def tok(texts, **kw):
+        ids = torch.tensor([[1, 5, 7, 9], [1, 4, 4, 0]])
+        return {"input_ids": ids, "attention_mask": (ids != 0).long()}
+
+    with torch.no_grad():
+        with_head, base = tasks.embed(mlm, tok, ["a", "b"]), tasks.embed(mlm.bert, tok, ["a", "b"])
+    assert with_head.shape == (2, 32)
+    torch.testing.assert_close(with_head, base, rtol=0, atol=1e-6)

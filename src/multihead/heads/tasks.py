@@ -69,8 +69,10 @@ def halves(verses: list[str]) -> tuple[list[str], list[str]]:
 def embed(model, tokenizer, texts: list[str], max_length: int = 64) -> Tensor:
     """Mean-pooled, L2-normalized last hidden states `(N, C)` (sentence-transformers' recipe)."""
     enc = tokenizer(texts, padding=True, truncation=True, max_length=max_length, return_tensors="pt")
-    out = model(**enc)
-    h = out.last_hidden_state if hasattr(out, "last_hidden_state") else out[0]  # (N, T, C)
+    out = model(**enc, output_hidden_states=True)
+    # a model with an LM head returns logits first: the embedding is its last hidden state
+    h = getattr(out, "last_hidden_state", None)
+    h = out.hidden_states[-1] if h is None else h  # (N, T, C)
     keep = enc["attention_mask"].unsqueeze(-1).to(h.dtype)
     return F.normalize((h * keep).sum(1) / keep.sum(1).clamp_min(1), dim=-1)
 
