@@ -455,3 +455,35 @@ def test_cli_path_mistakes_are_one_line_errors(llama_folder, argv, message):
     with pytest.raises(ValueError) as info:
         _cli("--model", str(llama_folder), *pair, *argv)
     assert message in str(info.value) and "\n" not in user_message(info.value), str(info.value)
+
+
+@pytest.mark.parametrize("name", ["llama", "gpt2"])
+def test_two_threads_path_scanning_one_model_get_the_tables_of_a_scan_alone(name):
+    """The path scan's hooks act only in the thread that installed them: two scans at once
+    (one with the prefix skip, one without) give exactly what each gives alone."""
+    import threading
+
+    model, _ = _build(name)
+    jobs = [(_pair(3, changed=5), [(2, 1)], "q"), (_pair(4), "logits", "q")]
+    alone = [heads.path_patch_scan(model, *pair, _metric, rec, via=via) for pair, rec, via in jobs]
+    got, errors = {}, []
+    start = threading.Barrier(2)
+
+    def scan(i):
+        pair, rec, via = jobs[i]
+        try:
+            start.wait()
+            for r in range(2):
+                got[i, r] = heads.path_patch_scan(model, *pair, _metric, rec, via=via)
+        except Exception as err:  # noqa: BLE001 (reported below)
+            errors.append(repr(err))
+
+    threads = [threading.Thread(target=scan, args=(i,)) for i in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors, errors
+    assert len(got) == 4
+    for (i, r), table in got.items():
+        assert torch.equal(table, alone[i]), f"{name}: thread {i} round {r} differs by {(table - alone[i]).abs().max()}"

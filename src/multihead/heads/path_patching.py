@@ -51,6 +51,7 @@ from multihead.heads.engine import (
     WEIGHTS_KEYWORD,
     Engine,
     Handler,
+    Hooks,
     Layer,
     batch_size,
     check_model,
@@ -176,18 +177,17 @@ class _Queries:
     @contextmanager
     def installed(self):
         model = self.engine.model
-        handles = []
+        hooks = Hooks()  # act only in this thread, as the engine's do
         try:
             if self.engine.hf:  # registered after the engine's hook, so it finds the engine's adapter
-                handles.append(model.register_forward_pre_hook(self._top, with_kwargs=True))
+                hooks.pre(model, self._top, with_kwargs=True)
             else:
                 for m in multihead_modules(model):
                     proj = m.q_proj if isinstance(getattr(m, "q_proj", None), nn.Module) else m.q_b_proj
-                    handles.append(proj.register_forward_hook(lambda mod, a, out, m=m: self._proj(m, out)))
+                    hooks.post(proj, lambda mod, a, out, m=m: self._proj(m, out))
             yield self
         finally:
-            for h in handles:
-                h.remove()
+            hooks.remove()
 
     def _top(self, model, args, kwargs):
         kwargs = dict(kwargs)
@@ -337,11 +337,13 @@ def _with_first(out, x: Tensor):
 def _forward(model: nn.Module, inputs, handler: Handler, hooks: list[tuple[nn.Module, str, Callable]]):
     """One forward with `handler` on the heads and `hooks` (module, "pre"|"post", fn) on the
     blocks; the logits, or None when step 2 stopped early."""
-    handles = []
+    installed = Hooks()
     try:
         for module, kind, fn in hooks:
-            handles.append(module.register_forward_pre_hook(fn, with_kwargs=True) if kind == "pre"
-                           else module.register_forward_hook(fn))
+            if kind == "pre":
+                installed.pre(module, fn, with_kwargs=True)
+            else:
+                installed.post(module, fn)
         engine = Engine(model, handler)
         with engine.installed(), _Queries(engine, handler.q).installed(), torch.no_grad():
             try:
@@ -349,8 +351,7 @@ def _forward(model: nn.Module, inputs, handler: Handler, hooks: list[tuple[nn.Mo
             except _Stop:
                 return None
     finally:
-        for h in handles:
-            h.remove()
+        installed.remove()
 
 
 class _Runs:
@@ -662,16 +663,17 @@ def _lay_out(runs: _Runs, clean) -> _Laid | None:
     def keep(block, args, kwargs):
         cache[id(block)] = (args, {k: v for k, v in kwargs.items() if k not in (KEYWORD, WEIGHTS_KEYWORD)})
 
-    handles = [b.register_forward_pre_hook(keep, with_kwargs=True) for b in blocks]
+    hooks = Hooks()
+    for b in blocks:
+        hooks.pre(b, keep, with_kwargs=True)
     final: list[Tensor] = []
-    handles.append(blocks[-1].register_forward_hook(lambda m, a, out: final.append(_first(out))))
+    hooks.post(blocks[-1], lambda m, a, out: final.append(_first(out)))
     prefix = _KeepPrefix(p)
     try:
         with torch.no_grad(), Engine(model, prefix).installed():
             logits = logits_of(_call(model, runs.corrupted_inputs))
     finally:
-        for h in handles:
-            h.remove()
+        hooks.remove()
     if logits.shape[0] != B or final[0].shape[0] != B or len(cache) != len(blocks):
         return None
     laid = _Laid(blocks, cache, final[0], None)
