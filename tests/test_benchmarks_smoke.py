@@ -49,7 +49,9 @@ def test_attention_benchmark_quick(tmp_path):
             assert rows["sdpa_raw"]["ratio_vs_sdpa_raw"] == 1.0
     weights = {w["variant"]: w for w in report["weights"]}
     assert set(weights) == {"weights_head0", "weights_all"}
-    assert all(w["peak_bytes"] is not None and w["peak_bytes"] > 0 for w in weights.values())
+    # measured (not an error); at --quick's sizes the allocator may serve a call from pages an
+    # earlier one freed, so no growth (0) is a valid reading there, as for the rows above
+    assert all(w["peak_bytes"] is not None and w["peak_bytes"] >= 0 for w in weights.values()), weights
     # A target is judged (True/False) exactly when the run measured what it needs, and says
     # "n/a" otherwise: --quick runs N = 256, 512 only, so the N >= 1024 targets must be n/a.
     for t in report["targets"]:
