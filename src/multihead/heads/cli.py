@@ -37,6 +37,7 @@ from pathlib import Path
 
 from multihead.errors import UsageError
 from multihead.files import output_file
+from multihead.heads.heatmap import heat_html, heat_png
 
 TOP = 10
 HELD_OUT = 256  # verses the task's score is measured on (not the ones importance is computed on)
@@ -534,59 +535,6 @@ def _induction_png(path: Path, r: dict) -> None:
         fig.savefig(tmp, format="png", dpi=100, bbox_inches="tight")
 
 
-def _heat_png(path: Path, table: list[list], title: str, center: float) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg", force=False)
-    import numpy as np
-    from matplotlib.backends.backend_agg import FigureCanvasAgg
-    from matplotlib.figure import Figure
-
-    from multihead.files import atomic_path
-
-    a = np.array([[np.nan if x is None else x for x in row] for row in table], dtype=float) - center
-    lim = float(np.nanmax(np.abs(a))) or 1.0
-    fig = Figure(figsize=(1 + 0.45 * a.shape[1], 1 + 0.4 * a.shape[0]))
-    FigureCanvasAgg(fig)
-    ax = fig.add_subplot()
-    im = ax.imshow(a, cmap="RdBu", vmin=-lim, vmax=lim)
-    ax.set_xlabel("head")
-    ax.set_ylabel("layer")
-    ax.set_title(title, fontsize=9)
-    fig.colorbar(im, ax=ax, label="metric - corrupted")
-    with atomic_path(path) as tmp:
-        fig.savefig(tmp, format="png", dpi=100, bbox_inches="tight")
-
-
-def _heat_html(path: Path, result: dict) -> None:
-    from html import escape
-
-    from multihead.files import write_text
-
-    base = result["metric_corrupted"]
-    vals = [abs(x - base) for row in result["table"] for x in row if x is not None]
-    lim = max(vals) if vals and max(vals) > 0 else 1.0
-    rows = []
-    for i, row in enumerate(result["table"]):
-        tds = []
-        for x in row:
-            if x is None:
-                tds.append("<td></td>")
-                continue
-            t = (x - base) / lim
-            color = f"rgba(178,24,43,{t:.3f})" if t > 0 else f"rgba(33,102,172,{-t:.3f})"
-            tds.append(f'<td style="background:{color}">{x:.3f}</td>')
-        rows.append(f"<tr><th>{i}</th>{''.join(tds)}</tr>")
-    n = max(len(r) for r in result["table"])
-    head = "".join(f"<th>{h}</th>" for h in range(n))
-    doc = (f"<!doctype html><meta charset=utf-8><title>multihead heads scan</title>"
-           f"<style>td,th{{padding:3px 6px;font:12px monospace;text-align:right}}</style>"
-           f"<p>{escape(result['model'])}: patching {escape(result['what'])}, metric "
-           f"{escape(result['metric'])}; clean {result['metric_clean']:.3f}, "
-           f"corrupted {base:.3f}</p><table><tr><th>layer \\ head</th>{head}</tr>{''.join(rows)}</table>")
-    write_text(path, doc)
-
-
 def _print_scan(r: dict) -> None:
     if r.get("task"):
         print(f"{r['model']}: patching {r['what']} from clean into corrupted, --task {r['task']} ({r['n']} "
@@ -819,11 +767,13 @@ def main(args) -> int:
         png, html = output_file("--png", args.png, "scan.png"), output_file("--html", args.html, "scan.html")
         r = _scan(args)
         if png:
-            _heat_png(png, r["table"], f"{r['model']}: patching {r['what']}" + (f", {r['task']}" if r.get("task")
-                                                                               else ""), r["metric_corrupted"])
+            task = f", {r['task']}" if r.get("task") else ""
+            heat_png(png, r["table"], r["metric_corrupted"], f"{r['model']}: patching {r['what']}{task}")
             r["png"] = str(png)
         if html:
-            _heat_html(html, r)
+            heat_html(html, r["table"], r["metric_corrupted"], "multihead heads scan",
+                      f"{r['model']}: patching {r['what']}, metric {r['metric']}; clean {r['metric_clean']:.3f}, "
+                      f"corrupted {r['metric_corrupted']:.3f}")
             r["html"] = str(html)
         print(json.dumps(r, indent=1)) if args.json else _print_scan(r)
     elif cmd == "induction":

@@ -22,10 +22,10 @@ import argparse
 import json
 import math
 import time
-from pathlib import Path
 
 from multihead.errors import UsageError
 from multihead.files import output_file
+from multihead.heads.heatmap import heat_html, heat_png
 
 TOP = 10
 N_PAIRS = 8
@@ -211,67 +211,17 @@ def _print(r: dict) -> None:
         print(f"  {t['layer']}.{t['head']}: {t['value']:.4f}, effect {t['effect']:+.4f}{rec}")
 
 
-def _png(path: Path, r: dict) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg", force=False)
-    import numpy as np
-    from matplotlib.backends.backend_agg import FigureCanvasAgg
-    from matplotlib.figure import Figure
-
-    from multihead.files import atomic_path
-
-    a = np.array([[np.nan if x is None else x for x in row] for row in r["table"]], dtype=float)
-    a = a - r["metric_corrupted"]
-    lim = float(np.nanmax(np.abs(a))) or 1.0
-    fig = Figure(figsize=(1.5 + 0.45 * a.shape[1], 1 + 0.3 * a.shape[0]))
-    FigureCanvasAgg(fig)
-    ax = fig.add_subplot()
-    im = ax.imshow(a, cmap="RdBu", vmin=-lim, vmax=lim, aspect="auto")
-    ax.set_xlabel("sender head")
-    ax.set_ylabel("sender layer")
-    ax.set_title(_title(r), fontsize=8)
-    fig.colorbar(im, ax=ax, label="metric - corrupted")
-    with atomic_path(path) as tmp:
-        fig.savefig(tmp, format="png", dpi=100, bbox_inches="tight")
-
-
-def _html(path: Path, r: dict) -> None:
-    from html import escape
-
-    from multihead.files import write_text
-
-    base = r["metric_corrupted"]
-    vals = [abs(x - base) for row in r["table"] for x in row if x is not None]
-    lim = max(vals) if vals and max(vals) > 0 else 1.0
-    rows = []
-    for i, row in enumerate(r["table"]):
-        tds = []
-        for x in row:
-            if x is None:
-                tds.append("<td></td>")
-                continue
-            t = (x - base) / lim
-            color = f"rgba(178,24,43,{t:.3f})" if t > 0 else f"rgba(33,102,172,{-t:.3f})"
-            tds.append(f'<td style="background:{color}">{x:.3f}</td>')
-        rows.append(f"<tr><th>{i}</th>{''.join(tds)}</tr>")
-    head = "".join(f"<th>{h}</th>" for h in range(max(len(row) for row in r["table"])))
-    doc = (f"<!doctype html><meta charset=utf-8><title>multihead heads path</title>"
-           f"<style>td,th{{padding:3px 6px;font:12px monospace;text-align:right}}</style>"
-           f"<p>{escape(_title(r))}; metric {escape(r['metric'])}: clean {r['metric_clean']:.3f}, corrupted "
-           f"{base:.3f}</p><table><tr><th>layer \\ head</th>{head}</tr>{''.join(rows)}</table>")
-    write_text(path, doc)
-
-
 def run_path(args) -> int:
     """Run `multihead heads path` from parsed arguments; 0 on success (mistakes raise UsageError)."""
     png, html = output_file("--png", args.png, "path.png"), output_file("--html", args.html, "path.html")
     r = path_table(args)
     if png:
-        _png(png, r)
+        heat_png(png, r["table"], r["metric_corrupted"], _title(r), xlabel="sender head", ylabel="sender layer")
         r["png"] = str(png)
     if html:
-        _html(html, r)
+        heat_html(html, r["table"], r["metric_corrupted"], "multihead heads path",
+                  f"{_title(r)}; metric {r['metric']}: clean {r['metric_clean']:.3f}, "
+                  f"corrupted {r['metric_corrupted']:.3f}")
         r["html"] = str(html)
     print(json.dumps(r, indent=1)) if args.json else _print(r)
     return 0
