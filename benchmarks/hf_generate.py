@@ -235,23 +235,41 @@ def main(argv=None) -> int:
     ap.add_argument("--rounds", type=int, default=7)
     ap.add_argument("--calls", type=int, default=2000, help="attention calls per timing of the per-call part")
     ap.add_argument("--threads", type=int, default=1, help="torch threads")
+    ap.add_argument("--model", default=None,
+                    help="a real model instead of the random Llama: smollm2 (the bundled SmolLM2-135M), a .gguf or "
+                         "a folder; the prompt is --prompt tokens of the King James Bible")
     ap.add_argument("--quick", action="store_true", help="2 layers, 64-token prompt, 8 new tokens, 2 rounds")
     ap.add_argument("--json", default=str(Path(__file__).resolve().parent / "results" / "hf_generate.json"))
     a = ap.parse_args(argv)
     if a.quick:
         a.layers, a.prompt, a.new_tokens, a.rounds, a.calls = 2, 64, 8, 2, 50
     torch.set_num_threads(a.threads)
-    model = build(a.layers, a.heads, a.kv_heads, a.width, a.prompt + a.new_tokens + 8)
-    prompt = torch.randint(0, model.config.vocab_size, (1, a.prompt), generator=torch.Generator().manual_seed(1))
+    if a.model:
+        from multihead.corpus import load_corpus
+        from multihead.interop.loaders import load_model
+
+        loaded = load_model(a.model, fresh=True)  # its own copy: the benchmark switches implementations
+        model, cfg = loaded.model.eval(), loaded.model.config
+        a.layers, a.heads, a.kv_heads, a.width = (cfg.num_hidden_layers, cfg.num_attention_heads,
+                                                  cfg.num_key_value_heads, cfg.hidden_size)
+        text = load_corpus(max_chars=40 * a.prompt)[0]
+        ids = loaded.tokenizer(text, return_tensors="pt")["input_ids"][:, : a.prompt]
+        prompt = ids  # (1, prompt)
+        if a.json == str(Path(__file__).resolve().parent / "results" / "hf_generate.json"):
+            a.json = str(Path(a.json).with_name("hf_generate_smollm2.json"))
+    else:
+        model = build(a.layers, a.heads, a.kv_heads, a.width, a.prompt + a.new_tokens + 8)
+        prompt = torch.randint(0, model.config.vocab_size, (1, a.prompt), generator=torch.Generator().manual_seed(1))
     gen = time_generate(model, prompt, a.new_tokens, a.rounds)
     call = per_call(model, a.prompt + a.new_tokens // 2, a.calls, max(2, a.rounds // 2))
     loop = in_loop(model, prompt, a.new_tokens, max(2, a.rounds // 2))
     report = {"meta": machine() | {"threads": a.threads, "argv": sys.argv[1:] if argv is None else list(argv)},
-              "config": {"layers": a.layers, "heads": a.heads, "kv_heads": a.kv_heads, "width": a.width,
+              "config": {"model": a.model or "random llama",
+                         "layers": a.layers, "heads": a.heads, "kv_heads": a.kv_heads, "width": a.width,
                          "prompt": a.prompt, "new_tokens": a.new_tokens, "rounds": a.rounds},
               "generate": gen, "per_call": call, "in_loop": loop}
     s = gen["seconds"]
-    print(f"greedy generate, {a.layers}-layer Llama, H={a.heads}, Hkv={a.kv_heads}, C={a.width}, "
+    print(f"greedy generate, {a.model or 'random'} {a.layers}-layer Llama, H={a.heads}, Hkv={a.kv_heads}, C={a.width}, "
           f"{a.prompt}-token prompt, {a.new_tokens} new tokens, {a.threads} thread(s), medians of {a.rounds} rounds\n")
     print("| implementation | s per generate |\n|---|---:|")
     print(f"| sdpa (transformers) | {s['sdpa']:.3f} |\n| multihead | {s['multihead']:.3f} |")
