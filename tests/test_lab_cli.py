@@ -322,3 +322,11 @@ def test_an_in_process_run_leaves_torch_threads_as_it_found_them(tmp_path, capsy
     finally:
         torch.set_num_threads(before)
     capsys.readouterr()
+
+
+def test_a_400_digit_count_is_a_usage_error_not_an_overflow(capsys):
+    # found by the random-argv pass: a huge int reached math.isfinite, which converts to float
+    with pytest.raises(SystemExit) as exit_:
+        build_parser().parse_args(["lab", "induction", "--n-layers", "9" * 400])
+    assert exit_.value.code == 2
+    assert "expected a positive integer of at most 1024" in capsys.readouterr().err

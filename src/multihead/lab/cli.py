@@ -63,7 +63,8 @@ def _positive_of(cast, what: str, maximum: float = _MAX_INT):
             v = cast(text)
         except (ValueError, OverflowError):
             raise argparse.ArgumentTypeError(f"expected a positive {what}; received {text!r}") from None
-        if not (v > 0 and math.isfinite(v)):
+        # an int is compared as an int: math.isfinite of a 400-digit int overflows a float
+        if not (v > 0 and (isinstance(v, int) or math.isfinite(v))):
             raise argparse.ArgumentTypeError(f"expected a positive {what}; received {text!r}")
         if v > maximum:
             raise argparse.ArgumentTypeError(f"expected a positive {what} of at most {maximum:g}; received {text!r}")
