@@ -238,8 +238,9 @@ def test_minilm_scan_is_refused_with_what_to_use_instead(capsys):
 
 @pytest.mark.parametrize("argv,message", [
     (["scan"], "missing: --clean, --corrupted, --answer, --wrong"),
-    (["scan", "--task", "ioi", "--n", "0"], "--n must be >= 1"),
-    (["induction", "--length", "1"], "--length must be >= 2"),
+    (["scan", "--task", "ioi", "--n", "0"], "--n must be between 1 and 100,000"),
+    (["induction", "--length", "1"], "--length must be between 2 and 100,000"),
+    (["scan", "--task", "ioi", "--n", "9" * 400], "received 999999999999... (400 digits)"),
     (["prune", "--remove", "0.1", "--out", "/no/such/folder/x", "--model", "minilm"], "does not exist"),
 ])
 def test_mistakes_are_refused_before_the_model_loads(capsys, monkeypatch, argv, message):

@@ -228,12 +228,12 @@ def test_scan_task_induction_and_the_induction_study(capsys, tiny_folder, tmp_pa
 
 
 @pytest.mark.parametrize("argv,message", [
-    (["scan", "--task", "ioi", "--n", "0"], "--n must be >= 1"),
+    (["scan", "--task", "ioi", "--n", "0"], "--n must be between 1 and 100,000"),
     (["scan", "--task", "induction", "--length", "200"], "at most 256 positions"),
     (["scan", "--task", "ioi", "--clean", "x"], "drop --clean"),
     (["scan", "--clean", "When Mary"], "missing: --corrupted, --answer, --wrong"),
     (["scan", "--n", "4", "--clean", "a", "--corrupted", "b", "--answer", "c", "--wrong", "d"], "add --task"),
-    (["induction", "--length", "1"], "--length must be >= 2"),
+    (["induction", "--length", "1"], "--length must be between 2 and 100,000"),
 ])
 def test_task_mistakes_are_one_line_exit_2(capsys, tiny_folder, argv, message):
     code, out, err = _run(capsys, *argv[:1], "--model", str(tiny_folder), *argv[1:])

@@ -257,9 +257,13 @@ def _first_difference(loaded, kind: str, a: list[int], b: list[int]) -> str:
     return f"they part at token {k}: {show(a[k:k + 1])} vs {show(b[k:k + 1])}"
 
 
+MAX_COUNT = 100_000  # pairs, sequences or tokens: beyond it a run would not end (a 400-digit --n loops)
+
+
 def _check_count(flag: str, value: int, low: int) -> None:
-    if value < low:
-        raise UsageError(f"{flag} must be >= {low}; received {value}")
+    if not low <= value <= MAX_COUNT:
+        shown = value if len(str(value)) <= 20 else f"{str(value)[:12]}... ({len(str(value))} digits)"
+        raise UsageError(f"{flag} must be between {low} and {MAX_COUNT:,}; received {shown}")
 
 
 def _one_pair(loaded, model, kind: str, args):

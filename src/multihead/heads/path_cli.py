@@ -143,8 +143,9 @@ def _ioi(loaded, hf: bool, args):
     if not hf:
         raise UsageError("--task ioi needs a model with a word-level tokenizer (a Hugging Face LM such as --model "
                          "smollm2); a lab model's vocabulary has no names")
-    if args.n < 1:
-        raise UsageError(f"--n must be >= 1; received {args.n}")
+    if not 1 <= args.n <= 100_000:  # beyond it the run would not end
+        shown = args.n if len(str(args.n)) <= 20 else f"{str(args.n)[:12]}... ({len(str(args.n))} digits)"
+        raise UsageError(f"--n must be between 1 and 100,000; received {shown}")
     try:
         task = tasks.ioi(args.n, seed=args.seed, tokenizer=loaded.tokenizer)
     except ValueError as err:
