@@ -607,6 +607,8 @@ def _task(loaded, model, kind: str, args):
 def _importance(args) -> dict:
     from multihead import heads
 
+    _check_count("--batches", args.batches, 1)
+    _check_count("--batch-size", args.batch_size, 1)
     if args.batches < 1 or args.batch_size < 2:
         raise UsageError(f"--batches must be >= 1 and --batch-size >= 2; received {args.batches} and "
                          f"{args.batch_size}")
