@@ -37,7 +37,7 @@ from pathlib import Path
 
 from multihead.errors import UsageError
 from multihead.files import output_file
-from multihead.heads.heatmap import heat_html, heat_png
+from multihead.heads.heatmap import heat_html, heat_png, text_table
 
 TOP = 10
 HELD_OUT = 256  # verses the task's score is measured on (not the ones importance is computed on)
@@ -546,10 +546,7 @@ def _print_scan(r: dict) -> None:
     else:
         print(f"{r['model']}: patching {r['what']} from clean into corrupted; metric = {r['metric']}")
     print(f"clean {r['metric_clean']:.4f}, corrupted {r['metric_corrupted']:.4f}")
-    n = max(len(row) for row in r["table"])
-    print("layer " + "".join(f"{h:>9}" for h in range(n)))
-    for i, row in enumerate(r["table"]):
-        print(f"{i:>5} " + "".join(f"{'':>9}" if x is None else f"{x:>9.3f}" for x in row))
+    print(text_table(r["table"]))
     print("top heads (by |patched - corrupted|):")
     for t in r["top"]:
         rec = "" if t["recovered"] is None else f" ({100 * t['recovered']:.0f}% of clean - corrupted)"

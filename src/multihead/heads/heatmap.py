@@ -1,6 +1,6 @@
-"""The (layers, heads) table of a scan as a heat map: a PNG (matplotlib) and a self-contained
-HTML table, coloured by each cell's distance from a baseline (the corrupted metric). One home
-for `multihead heads scan` and `multihead heads path`."""
+"""The (layers, heads) table of a scan as text, as a heat map PNG (matplotlib) and as a
+self-contained HTML table coloured by each cell's distance from a baseline (the corrupted
+metric). One home for `multihead heads scan` and `multihead heads path`."""
 
 from __future__ import annotations
 
@@ -9,7 +9,16 @@ from pathlib import Path
 
 from multihead.files import atomic_path, write_text
 
-__all__ = ["heat_html", "heat_png"]
+__all__ = ["heat_html", "heat_png", "text_table"]
+
+
+def text_table(table: list[list]) -> str:
+    """The table as aligned text: a header of head indices, one row per layer, blanks for None."""
+    n = max(len(row) for row in table)
+    lines = ["layer " + "".join(f"{h:>9}" for h in range(n))]
+    for i, row in enumerate(table):
+        lines.append(f"{i:>5} " + "".join(f"{'':>9}" if x is None else f"{x:>9.3f}" for x in row))
+    return "\n".join(lines)
 
 
 def heat_png(path: Path, table: list[list], center: float, title: str, *, xlabel: str = "head",

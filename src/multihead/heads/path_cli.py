@@ -25,7 +25,7 @@ import time
 
 from multihead.errors import UsageError
 from multihead.files import output_file
-from multihead.heads.heatmap import heat_html, heat_png
+from multihead.heads.heatmap import heat_html, heat_png, text_table
 
 TOP = 10
 N_PAIRS = 8
@@ -202,10 +202,7 @@ def _title(r: dict) -> str:
 def _print(r: dict) -> None:
     print(_title(r))
     print(f"metric: {r['metric']}; clean {r['metric_clean']:.4f}, corrupted {r['metric_corrupted']:.4f}")
-    n = max(len(row) for row in r["table"])
-    print("layer " + "".join(f"{h:>9}" for h in range(n)))
-    for i, row in enumerate(r["table"]):
-        print(f"{i:>5} " + "".join(f"{'':>9}" if x is None else f"{x:>9.3f}" for x in row))
+    print(text_table(r["table"]))
     print("top heads (by |patched - corrupted|):")
     for t in r["top"]:
         rec = "" if t["recovered"] is None else f" ({100 * t['recovered']:.0f}% of clean - corrupted)"
