@@ -20,7 +20,7 @@ from multihead.lab.uptrain_hf import STATE, HFUptrainConfig, run_uptrain_hf, spl
 transformers = pytest.importorskip("transformers")
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
-TIMINGS = ("seconds", "elapsed_s", "date")
+TIMINGS = ("seconds", "cpu_seconds", "elapsed_s", "cpu_s", "date")
 
 
 def _tokenizer(text: str):

@@ -296,11 +296,13 @@ class _Run:
         self.cfg, self.out, self.res, self.base, self.data = cfg, out, res, base, data
         self.dev, self.seed, self.callback, self.progress, self.overall = dev, seed, callback, progress, overall
         self.prompt = data.held_out[None, :8].to(dev)
-        self.t0 = time.perf_counter()
+        self.t0, self.c0 = time.perf_counter(), time.process_time()
         self.elapsed0 = float(res.get("elapsed_s", 0.0))
+        self.cpu0 = float(res.get("cpu_s", 0.0))  # CPU time: on a shared machine, what the run would take alone
 
     def save(self) -> None:
         self.res["elapsed_s"] = self.elapsed0 + time.perf_counter() - self.t0
+        self.res["cpu_s"] = self.cpu0 + time.process_time() - self.c0
         write_json_atomic(self.out / "results.json", self.res)
 
     def ppl(self, model) -> float:
@@ -337,7 +339,7 @@ class _Run:
         opt = torch.optim.AdamW([p for _, p in params], lr=cfg.lr, betas=(0.9, 0.95), weight_decay=0.0)
         kv = r["base"]["kv_bytes_per_token"] if unit.target == "control" else None
         info = {"target": unit.target, "init": unit.init, "objective": unit.objective, "trainable": unit.trainable}
-        start, seconds, losses = 0, 0.0, []
+        start, seconds, cpu, losses = 0, 0.0, 0.0, []
         if state is not None:  # the interrupted training: its weights, moments and step
             with torch.no_grad():
                 named = dict(params)
@@ -345,6 +347,7 @@ class _Run:
                     named[name].copy_(t)
             opt.load_state_dict(state["optimizer"])
             start, seconds, losses, kv = state["step"], state["seconds"], state["losses"], state["kv"]
+            cpu = state.get("cpu", 0.0)
         if kv is None:
             kv = kv_bytes_per_token(model, self.prompt, cfg.generate_tokens)
         info["kv_bytes_per_token"] = kv
@@ -363,7 +366,7 @@ class _Run:
             bar.update(start, losses[-1])
         teacher = self.base if unit.objective == "distill" else None
         step = start
-        t = time.perf_counter()
+        t, c = time.perf_counter(), time.process_time()
         try:
             model.train()
             for step in range(start + 1, cfg.steps + 1):
@@ -390,12 +393,14 @@ class _Run:
         except KeyboardInterrupt:
             bar.close("interrupted")
             done = len(losses)  # steps whose update was applied (the held interrupt waits for it)
-            self._save_state(unit, params, opt, done, seconds + time.perf_counter() - t, losses, kv)
+            self._save_state(unit, params, opt, done, seconds + time.perf_counter() - t, losses, kv,
+                             cpu + time.process_time() - c)
             raise
         model.eval()
         seconds += time.perf_counter() - t
         r["losses"][unit.key] = losses
         r["seconds"][unit.key] = seconds
+        r.setdefault("cpu_seconds", {})[unit.key] = cpu + time.process_time() - c
         r["done"].append(unit.key)
         if unit.role == "freeze_check" or (unit.target, unit.init, unit.objective) == ("mqa", "mean", "next-token"):
             r["freeze"]["seconds_per_step"][unit.trainable] = seconds / cfg.steps
@@ -403,10 +408,10 @@ class _Run:
         (self.out / STATE).unlink(missing_ok=True)
         self.save()
 
-    def _save_state(self, unit, params, opt, step, seconds, losses, kv) -> None:
+    def _save_state(self, unit, params, opt, step, seconds, losses, kv, cpu) -> None:
         from multihead.files import atomic_path
 
-        state = {"unit": unit.key, "step": step, "seconds": seconds, "losses": losses, "kv": kv,
+        state = {"unit": unit.key, "step": step, "seconds": seconds, "cpu": cpu, "losses": losses, "kv": kv,
                  "trainable": {n: p.detach().cpu().clone() for n, p in params}, "optimizer": opt.state_dict()}
         with atomic_path(self.out / STATE) as tmp:
             torch.save(state, tmp)
@@ -502,7 +507,7 @@ def run_uptrain_hf(cfg: HFUptrainConfig | None = None, out_dir: str | Path = "la
             "train_split": "KJV Genesis to Acts", "held_out": "KJV Romans to Revelation",
             "train_tokens": len(data.train), "held_out_tokens": len(data.held_out),
             "eval_tokens": int(data.windows[:, 1:].numel()), "dtype": str(next(base.parameters()).dtype),
-            "base": None, "control": [], "variants": [], "done": [], "losses": {}, "seconds": {},
+            "base": None, "control": [], "variants": [], "done": [], "losses": {}, "seconds": {}, "cpu_seconds": {},
             "freeze": {"frozen": _frozen_text(cfg.trainable), "trainable_params": {}, "seconds_per_step": {},
                        "total_params": sum(p.numel() for p in base.parameters()), "check": []},
         }
