@@ -89,7 +89,7 @@ def test_unknown_dtype_lists_the_valid_ones():
 
 def test_attention_geometry_defaults_mirror_the_module():
     g = plan.AttentionGeometry(768, 12)
-    assert (g.kind, g.n_kv, g.d_head, g.bias) == ("MHA", 12, 64, True)
+    assert (g.kind, g.n_kv_heads, g.head_dim, g.bias) == ("MHA", 12, 64, True)
     assert g.params == 4 * (768 * 768 + 768)  # GPT-2's attention block
     assert plan.AttentionGeometry(4096, 32, 8).label == "GQA-8"
     assert plan.AttentionGeometry(4544, 71, 1, head_dim=64).kind == "MQA"

@@ -207,7 +207,7 @@ def test_read_config_from_a_file(tmp_path):
 def test_gemma2_head_dim_and_local_global_layers():
     model = plan.read_config(CONFIGS["gemma-2-9b"])
     a = model.attention
-    assert (a.d_model, a.n_heads, a.d_head) == (3584, 16, 256)  # 16 * 256 = 4096 != 3584
+    assert (a.d_model, a.n_heads, a.head_dim) == (3584, 16, 256)  # 16 * 256 = 4096 != 3584
     assert (model.window, model.n_window_layers, model.n_global_layers) == (4096, 21, 21)
     # 8K context: 21 global layers hold 8192 tokens, 21 local layers only 4096;
     # each token-layer is 2 * 8 heads * 256 * 2 bytes = 8192 bytes.
@@ -235,12 +235,12 @@ def test_qwen2_sliding_window_is_off_unless_used():
 
 def test_falcon_multi_query_overrides_num_kv_heads():
     cfg = dict(CONFIGS["falcon-7b"], num_kv_heads=71)
-    assert plan.read_config(cfg).attention.n_kv == 1
+    assert plan.read_config(cfg).attention.n_kv_heads == 1
     # The new decoder architecture (Falcon-40B) trusts num_kv_heads and has two norms.
     cfg40 = dict(cfg, new_decoder_architecture=True, num_kv_heads=8, hidden_size=8192,
                  num_attention_heads=128, num_hidden_layers=60)
     m40 = plan.read_config(cfg40)
-    assert (m40.attention.n_kv, m40.norms_per_layer) == (8, 2)
+    assert (m40.attention.n_kv_heads, m40.norms_per_layer) == (8, 2)
     # Falcon-40B shape: 65024*8192 + 60*(8192*(128+16)*64 + 8192^2 + 2*8192*32768
     # + 2*2*8192) + 2*8192 = 532,676,608 + 60*679,510,016 + 16,384 (published as "40B").
     assert plan.model_params(m40) == 41_303_293_952

@@ -29,7 +29,7 @@ def test_flops_rows_say_attention_and_count_only_attention(capsys):
     model = plan.read_config("llama-3-8b")
     fl = plan.attention_flops(model, 8192)
     a = model.attention
-    scores = 32 * 2 * a.n_heads * (a.d_head + a.d_value) * (8192 * 8193 // 2)
+    scores = 32 * 2 * a.n_heads * (a.head_dim + a.v_head_dim) * (8192 * 8193 // 2)
     assert fl.prefill_total == 32 * 2 * a.weights * 8192 + scores
     assert fl.prefill_per_token < 2 * plan.model_params(model) / 2
 

@@ -18,7 +18,7 @@ def rec(params, **kw):
 
 def heads(r):
     a = r.pick.model.attention
-    return a.d_model, a.n_heads, a.n_kv, a.d_head
+    return a.d_model, a.n_heads, a.n_kv_heads, a.head_dim
 
 
 # --- rules of thumb --------------------------------------------------------------------
@@ -70,7 +70,7 @@ def test_mla_sits_between_4_and_2_kv_heads():
     assert not by_label["GQA-4"].fit.fits
     assert r.pick.label == "MLA-512"  # rank 4 * head_dim, rope head_dim / 2
     a = r.pick.model.attention
-    assert (a.kv_rank, a.rope_dim, a.d_head, a.d_value, a.q_rank) == (512, 64, 128, 128, 1536)
+    assert (a.kv_rank, a.rope_dim, a.head_dim, a.v_head_dim, a.q_rank) == (512, 64, 128, 128, 1536)
     assert r.check["command"].endswith("--d-model 4096 --n-heads 32 --kv-rank 512 --rope-dim 64")
 
 
@@ -266,12 +266,12 @@ def test_recommendation_invariants(params, context, batch, device, priority):
     r = recommend(Request(params=params, context=context, batch=batch, device=DEVICES[device],
                           priority=priority))
     a = r.pick.model.attention
-    assert a.d_model == a.n_heads * a.d_head and a.d_head in (64, 128)
+    assert a.d_model == a.n_heads * a.head_dim and a.head_dim in (64, 128)
     assert a.kind != "MLA" or params >= 10**9
     assert r.alternatives[0] is r.pick
     assert len({c.label for c in r.alternatives}) == len(r.alternatives)
     if priority == "inference" and not r.pick.fit.fits and r.pick.fit.weights_fit:
-        ladder = [c for c in r.alternatives if c.label in ("MQA", "MLA-" + str(4 * a.d_head))]
+        ladder = [c for c in r.alternatives if c.label in ("MQA", "MLA-" + str(4 * a.head_dim))]
         assert r.pick.kv_bytes <= min(c.kv_bytes for c in ladder)  # the smallest on offer
     assert recommendation_dict(r) == recommendation_dict(
         recommend(Request(params=params, context=context, batch=batch, device=DEVICES[device],

@@ -34,7 +34,7 @@ def conversions(model: ModelGeometry, dtype="bf16") -> list[dict]:
     if not isinstance(a, AttentionGeometry) or not model.causal:
         return []
     kv0, p0 = kv_bytes_per_token(model, dtype), param_counts(model).total
-    D, hkv = a.d_head, a.n_kv
+    D, hkv = a.head_dim, a.n_kv_heads
 
     def row(name: str, attention, **what) -> dict:
         m = replace(model, attention=attention)

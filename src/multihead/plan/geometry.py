@@ -25,6 +25,13 @@ from multihead.plan.units import bytes_for
 # --- one attention block -----------------------------------------------------------
 
 
+def _default_head_dim(d_model: int, n_heads: int) -> int:
+    if d_model < n_heads:
+        raise ValueError(f"d_model ({d_model}) // n_heads ({n_heads}) is 0; "
+                         "give head_dim or use fewer heads")
+    return d_model // n_heads
+
+
 @dataclass(frozen=True)
 class AttentionGeometry:
     """MHA / GQA / MQA attention of one layer, with the arguments of `multihead.Attention`.
@@ -32,7 +39,9 @@ class AttentionGeometry:
     Projections (B, T, C) -> (B, T, H*D) for q, (B, S, Cc) -> (B, S, Hkv*D) for k and v,
     (B, T, H*D) -> (B, T, C) for o, where Cc = context_dim or d_model (cross attention).
     `bias` puts a bias on q, k, v and o, like the module; `o_bias` overrides it for o
-    alone (Qwen2 has q/k/v biases and no o bias).
+    alone (Qwen2 has q/k/v biases and no o bias). Like the module, `n_kv_heads` and
+    `head_dim` hold the resolved values after construction (None gives n_heads and
+    d_model // n_heads).
     """
 
     d_model: int
@@ -49,34 +58,25 @@ class AttentionGeometry:
         check_positive_int("n_kv_heads", self.n_kv_heads, allow_none=True)
         check_positive_int("head_dim", self.head_dim, allow_none=True)
         check_positive_int("context_dim", self.context_dim, allow_none=True)
-        check_divisible("n_heads", self.n_heads, "n_kv_heads", self.n_kv)
-        if self.head_dim is None and self.d_model < self.n_heads:
-            raise ValueError(f"d_model ({self.d_model}) // n_heads ({self.n_heads}) is 0; "
-                             "give head_dim or use fewer heads")
+        if self.n_kv_heads is None:
+            object.__setattr__(self, "n_kv_heads", self.n_heads)
+        check_divisible("n_heads", self.n_heads, "n_kv_heads", self.n_kv_heads)
+        if self.head_dim is None:
+            object.__setattr__(self, "head_dim", _default_head_dim(self.d_model, self.n_heads))
 
     @property
     def kind(self) -> str:
         """'MHA' (Hkv = H), 'MQA' (Hkv = 1 < H) or 'GQA' (anything between)."""
-        return variant_name(self.n_heads, self.n_kv)
+        return variant_name(self.n_heads, self.n_kv_heads)
 
     @property
     def label(self) -> str:
-        return f"GQA-{self.n_kv}" if self.kind == "GQA" else self.kind
+        return f"GQA-{self.n_kv_heads}" if self.kind == "GQA" else self.kind
 
     @property
-    def n_kv(self) -> int:
-        """Hkv: key/value heads."""
-        return self.n_heads if self.n_kv_heads is None else self.n_kv_heads
-
-    @property
-    def d_head(self) -> int:
-        """D: query/key head dim (head_dim, else d_model // n_heads)."""
-        return self.head_dim if self.head_dim is not None else self.d_model // self.n_heads
-
-    @property
-    def d_value(self) -> int:
-        """Dv: value head dim (= D for this module)."""
-        return self.d_head
+    def v_head_dim(self) -> int:
+        """Dv: value head dim (= D for this module; LatentAttention's may differ)."""
+        return self.head_dim
 
     @property
     def has_o_bias(self) -> bool:
@@ -85,24 +85,24 @@ class AttentionGeometry:
     @property
     def kv_elements_per_token(self) -> int:
         """Cached values per token in one layer: K and V, Hkv heads of D each."""
-        return 2 * self.n_kv * self.d_head
+        return 2 * self.n_kv_heads * self.head_dim
 
     @property
     def weights(self) -> int:
         """Projection weights (no biases): what each token multiplies through."""
-        h, hkv, d, c = self.n_heads, self.n_kv, self.d_head, self.d_model
+        h, hkv, d, c = self.n_heads, self.n_kv_heads, self.head_dim, self.d_model
         cc = self.context_dim or c
         return c * h * d + 2 * cc * hkv * d + h * d * c
 
     @property
     def params(self) -> int:
-        h, hkv, d, c = self.n_heads, self.n_kv, self.d_head, self.d_model
+        h, hkv, d, c = self.n_heads, self.n_kv_heads, self.head_dim, self.d_model
         biases = (h * d + 2 * hkv * d) * self.bias + c * self.has_o_bias
         return self.weights + biases
 
     def score_flops(self, keys: int, *, decompressed: bool = False) -> int:
         """FLOPs of q.k and p.v for one query over `keys` keys (2 per multiply-add)."""
-        return 2 * self.n_heads * keys * (self.d_head + self.d_value)
+        return 2 * self.n_heads * keys * (self.head_dim + self.v_head_dim)
 
 
 @dataclass(frozen=True)
@@ -115,7 +115,8 @@ class LatentGeometry:
     so a query/key head is head_dim + rope_dim wide and a value head is v_head_dim.
     q_rank None means queries are projected directly (DeepSeek-V2-Lite). `latent_norm`
     is the RMSNorm on the kv latent (R weights); `bias` puts biases on the projections
-    that read the model width (q or q_a, kv_a) and on o, as the module does.
+    that read the model width (q or q_a, kv_a) and on o, as the module does. Like the
+    module, `head_dim` and `v_head_dim` hold the resolved values after construction.
     """
 
     d_model: int
@@ -139,9 +140,10 @@ class LatentGeometry:
         if self.rope_dim % 2:
             raise ValueError(f"rope_dim must be even (RoPE rotates pairs of features); "
                              f"received {self.rope_dim}")
-        if self.head_dim is None and self.d_model < self.n_heads:
-            raise ValueError(f"d_model ({self.d_model}) // n_heads ({self.n_heads}) is 0; "
-                             "give head_dim or use fewer heads")
+        if self.head_dim is None:
+            object.__setattr__(self, "head_dim", _default_head_dim(self.d_model, self.n_heads))
+        if self.v_head_dim is None:
+            object.__setattr__(self, "v_head_dim", self.head_dim)
 
     kind = "MLA"
 
@@ -150,23 +152,9 @@ class LatentGeometry:
         return f"MLA-{self.kv_rank}"
 
     @property
-    def n_kv(self) -> int:
-        """Every query head has its own decompressed K/V head."""
-        return self.n_heads
-
-    @property
-    def d_head(self) -> int:
-        """The no-RoPE query/key head dim (head_dim, else d_model // n_heads)."""
-        return self.head_dim if self.head_dim is not None else self.d_model // self.n_heads
-
-    @property
     def d_qk(self) -> int:
         """Full query/key head dim: no-RoPE part + RoPE part."""
-        return self.d_head + self.rope_dim
-
-    @property
-    def d_value(self) -> int:
-        return self.v_head_dim if self.v_head_dim is not None else self.d_head
+        return self.head_dim + self.rope_dim
 
     @property
     def kv_elements_per_token(self) -> int:
@@ -176,7 +164,7 @@ class LatentGeometry:
     @property
     def decompressed_kv_elements_per_token(self) -> int:
         """What a cache of decompressed K and V would hold: H*(D + rope) + H*Dv."""
-        return self.n_heads * (self.d_qk + self.d_value)
+        return self.n_heads * (self.d_qk + self.v_head_dim)
 
     @property
     def weights(self) -> int:
@@ -184,8 +172,8 @@ class LatentGeometry:
         q_out = h * self.d_qk
         q = c * q_out if self.q_rank is None else c * self.q_rank + self.q_rank * q_out
         kv_a = c * (r + self.rope_dim)
-        kv_b = r * h * (self.d_head + self.d_value)
-        o = h * self.d_value * c
+        kv_b = r * h * (self.head_dim + self.v_head_dim)
+        o = h * self.v_head_dim * c
         return q + kv_a + kv_b + o
 
     @property
@@ -205,7 +193,7 @@ class LatentGeometry:
         weighted sum over R: more FLOPs, far fewer bytes.
         """
         if decompressed:
-            return 2 * self.n_heads * keys * (self.d_qk + self.d_value)
+            return 2 * self.n_heads * keys * (self.d_qk + self.v_head_dim)
         return 2 * self.n_heads * keys * (2 * self.kv_rank + self.rope_dim)
 
 
@@ -443,7 +431,7 @@ def param_counts(model: ModelGeometry) -> ParamCounts:
     embedding = (model.vocab_size + model.max_positions + model.token_types) * c
     embedding += NORMS[model.norm] * c * model.embedding_norm
     a = model.attention
-    attn_layer = a.params + 2 * a.d_head * model.qk_norm + a.n_heads * model.sinks
+    attn_layer = a.params + 2 * a.head_dim * model.qk_norm + a.n_heads * model.sinks
     dense_layers = L - model.n_moe_layers
     ffn = dense_layers * model.ffn.params(c)
     active_ffn = ffn
@@ -561,10 +549,10 @@ def describe(model: ModelGeometry) -> str:
     """One line: 'GQA-8, 32 heads of 128, 8 KV heads, d_model 4096, 32 layers'."""
     a = model.attention
     if isinstance(a, LatentGeometry):
-        head = (f"{a.n_heads} heads of {a.d_head}+{a.rope_dim} (v {a.d_value}), "
+        head = (f"{a.n_heads} heads of {a.head_dim}+{a.rope_dim} (v {a.v_head_dim}), "
                 f"kv_rank {a.kv_rank}" + (f", q_rank {a.q_rank}" if a.q_rank else ""))
     else:
-        head = f"{a.n_heads} heads of {a.d_head}, {a.n_kv} KV head{'s' * (a.n_kv > 1)}"
+        head = f"{a.n_heads} heads of {a.head_dim}, {a.n_kv_heads} KV head{'s' * (a.n_kv_heads > 1)}"
     text = f"{a.label}, {head}, d_model {a.d_model}, {model.n_layers} layers"
     if model.window is not None:
         text += f", window {model.window} on {model.n_window_layers}/{model.n_layers} layers"

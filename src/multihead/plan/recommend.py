@@ -118,7 +118,7 @@ class Candidate:
     def __repr__(self) -> str:
         a = self.model.attention
         where = self.fit.device.name if self.fit.n_devices == 1 else f"{self.fit.n_devices} x {self.fit.device.name}"
-        return (f"Candidate({self.label}: {a.n_heads} heads of {a.d_head}, {self.model.n_layers} layers, "
+        return (f"Candidate({self.label}: {a.n_heads} heads of {a.head_dim}, {self.model.n_layers} layers, "
                 f"{fmt_count(self.params.total)} params, KV {fmt_bytes(self.kv_bytes)} at "
                 f"{fmt_tokens(self.fit.context)} x {self.fit.batch}, {'fits' if self.fit.fits else 'does not fit'} "
                 f"on {where})")
@@ -351,8 +351,8 @@ def _size(req: Request, start_attn, tied: bool, warnings: list[str],
 def _candidates(req: Request, start_attn, user_kv: int | None, mla_default: int, n_layers: int,
                 tied: bool) -> dict[str, Candidate]:
     """MHA, several GQA groupings, MQA, and (where allowed) MLA at ranks 2D, 4D, 8D, by label."""
-    c, h, d = start_attn.d_model, start_attn.n_heads, start_attn.d_head
-    kv_counts = {h, 1, start_attn.n_kv} | {k for k in (h // 2, 16, 8, 4, 2) if 1 < k < h and h % k == 0}
+    c, h, d = start_attn.d_model, start_attn.n_heads, start_attn.head_dim
+    kv_counts = {h, 1, start_attn.n_kv_heads} | {k for k in (h // 2, 16, 8, 4, 2) if 1 < k < h and h % k == 0}
     if user_kv is not None:
         kv_counts.add(user_kv)
     attns = [AttentionGeometry(c, h, k, head_dim=d, bias=False)
@@ -368,7 +368,7 @@ def _pick(req: Request, cands: dict[str, Candidate], start_label: str, start_why
     """(pick, reason): what the user forced, else the start when training (rule 4), else the
     first rung of the cache ladder that fits (rule 3)."""
     start = cands[start_label]
-    forced = _forced_label(req, start.model.attention.n_heads, user_kv, start.model.attention.n_kv,
+    forced = _forced_label(req, start.model.attention.n_heads, user_kv, start.model.attention.n_kv_heads,
                            mla_default)
     if forced is not None:
         pick = cands[forced]
@@ -492,7 +492,7 @@ def mha_warnings(model: ModelGeometry, context: int, batch: int, dtype) -> list[
     if not (model.causal and a.kind == "MHA" and a.n_heads > MHA_MAX_HEADS
             and context > LONG_CONTEXT):
         return []
-    d = a.d_head
+    d = a.head_dim
     k = _gqa8(a.n_heads)
     gqa = replace(model, attention=replace(a, n_kv_heads=k))
     mla = replace(model, attention=_mla(a.d_model, a.n_heads, d, 4 * d))
@@ -508,7 +508,7 @@ def mha_warnings(model: ModelGeometry, context: int, batch: int, dtype) -> list[
 
 def head_dim_warnings(model: ModelGeometry) -> list[str]:
     """Heads narrower than MIN_HEAD_DIM, for a real config as for a recommendation."""
-    return _head_dim_warnings(model.attention.d_model, model.attention.d_head)
+    return _head_dim_warnings(model.attention.d_model, model.attention.head_dim)
 
 
 def _head_dim_warnings(d_model: int, d: int) -> list[str]:
@@ -540,11 +540,11 @@ def init_scales(model: ModelGeometry) -> dict:
         scales = {"q": rule(a.d_model, "d_model")} if a.q_rank is None else {
             "q_a": rule(a.d_model, "d_model"), "q_b": rule(a.q_rank, "q_rank")}
         scales |= {"kv_a": rule(a.d_model, "d_model"), "kv_b": rule(a.kv_rank, "kv_rank"),
-                   "o": rule(a.n_heads * a.d_value, "n_heads * v_head_dim", depth=True)}
+                   "o": rule(a.n_heads * a.v_head_dim, "n_heads * v_head_dim", depth=True)}
         return scales
     return {"q": rule(a.d_model, "d_model"), "k": rule(a.d_model, "d_model"),
             "v": rule(a.d_model, "d_model"),
-            "o": rule(a.n_heads * a.d_value, "n_heads * head_dim", depth=True)}
+            "o": rule(a.n_heads * a.v_head_dim, "n_heads * head_dim", depth=True)}
 
 
 # What CHECK_TAKES says, measured with one torch thread on a 2-vCPU VM: the check for
@@ -567,7 +567,7 @@ def induction_check(model: ModelGeometry) -> dict:
     if isinstance(a, LatentGeometry):
         args += f" --kv-rank {a.kv_rank} --rope-dim {a.rope_dim}"
     elif a.kind == "GQA":
-        args += f" --n-kv-heads {a.n_kv}"
+        args += f" --n-kv-heads {a.n_kv_heads}"
     return {
         "command": f"multihead lab induction {args}",
         "expect": "a 2-layer model of this geometry solves A B ... A -> B at >= 95% accuracy",

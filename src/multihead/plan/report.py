@@ -39,9 +39,9 @@ def geometry_dict(model: ModelGeometry) -> dict:
         "d_model": a.d_model,
         "n_layers": model.n_layers,
         "n_heads": a.n_heads,
-        "n_kv_heads": a.n_kv if a.kind != "MLA" else None,
-        "head_dim": a.d_head,
-        "v_head_dim": a.d_value,
+        "n_kv_heads": a.n_kv_heads if a.kind != "MLA" else None,
+        "head_dim": a.head_dim,
+        "v_head_dim": a.v_head_dim,
         "mla": None,
         "moe": None,
         "window": None,
@@ -52,7 +52,7 @@ def geometry_dict(model: ModelGeometry) -> dict:
     }
     if isinstance(a, LatentGeometry):
         out["mla"] = {"kv_rank": a.kv_rank, "q_rank": a.q_rank, "rope_dim": a.rope_dim,
-                      "nope_head_dim": a.d_head, "v_head_dim": a.d_value}
+                      "nope_head_dim": a.head_dim, "v_head_dim": a.v_head_dim}
     if model.moe is not None:
         e = model.moe
         out["moe"] = {"n_experts": e.n_experts, "top_k": e.top_k, "d_expert": e.d_expert,

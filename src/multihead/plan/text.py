@@ -62,8 +62,8 @@ def recommendation_text(rec) -> str:
     for i, c in enumerate(rec.alternatives, 1):
         a = c.model.attention
         rows.append([
-            str(i), c.label, str(a.n_heads), "latent" if a.kind == "MLA" else str(a.n_kv),
-            str(a.d_head) if a.kind != "MLA" else f"{a.d_head}+{a.rope_dim}",
+            str(i), c.label, str(a.n_heads), "latent" if a.kind == "MLA" else str(a.n_kv_heads),
+            str(a.head_dim) if a.kind != "MLA" else f"{a.head_dim}+{a.rope_dim}",
             fmt_count(c.params.total), f"{c.params.attention_per_layer:,}",
             fmt_bytes(c.kv_bytes_per_token), fmt_bytes(c.kv_bytes),
             "yes" if c.fit.fits else "no", f"{c.fit.decode_s * 1e3:.2f}",
