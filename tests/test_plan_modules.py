@@ -123,6 +123,7 @@ def test_any_attention_geometry_matches_the_module(args, batch, max_len):
     with torch.device("meta"):
         module = Attention(d_model, n_heads, n_kv, **kw)
     g = plan.AttentionGeometry(d_model, n_heads, n_kv, **kw)
+    assert (g.n_kv_heads, g.head_dim) == (module.n_kv_heads, module.head_dim)
     assert plan.attention_params(g) == n_params(module)
     if max_len:
         cache = module.new_cache(batch, max_len, dtype=torch.float16, device="meta")
@@ -141,6 +142,7 @@ def test_any_latent_geometry_matches_the_module(n_heads, kv_rank, q_rank, head_d
     with torch.device("meta"):
         module = latent.LatentAttention(d_model, n_heads, kv_rank, **kw)
     g = plan.LatentGeometry(d_model, n_heads, kv_rank, **kw)
+    assert (g.head_dim, g.v_head_dim) == (module.head_dim, module.v_head_dim)
     assert plan.attention_params(g) == n_params(module)
     cache = module.new_cache(2, 5, dtype=torch.bfloat16, device="meta")
     assert plan.kv_cache_bytes(g, 5, 2, "bf16") == cache.nbytes
