@@ -118,101 +118,129 @@ def _defaults(name: str):
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """One subcommand per experiment: the flags every run takes, the training flags (all but
+    kv, which trains nothing), then the experiment's own; each help states its default."""
     parser.formatter_class = _Formatter
     sub = parser.add_subparsers(dest="experiment", metavar="EXPERIMENT")
     for name, help_text in EXPERIMENTS.items():
         d = _defaults(name)
         p = sub.add_parser(name, help=help_text, description=help_text, formatter_class=_Formatter)
-        p.add_argument("--quick", action="store_true", help="a small version that runs in seconds (for tests)")
-        p.add_argument("--out", type=Path, default=None, help=f"output folder, new or empty (default lab-{name})")
-        p.add_argument("--force", action="store_true",
-                       help="replace an earlier run's --out folder (one with results.json), once this run completes")
-        p.add_argument("--seed", type=_seed, default=0, help="random seed; same seed, same numbers (default 0)")
-        p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto",
-                       help=("where to build and time the modules" if name == "kv" else "where to train")
-                       + " (default auto: cuda when present)")
-        p.add_argument("--threads", type=_positive_of(int, "integer", 4096), default=None,
-                       help="CPU threads for torch (default: 2 with 4 or more cores, else 1; 1 for kv and "
-                            "--quick)")
-        p.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
+        _run_flags(p, name)
         if name != "kv":
-            p.add_argument("--steps", type=_positive_of(int, "integer", 10**7), default=None,
-                           help="training steps per model" + d("steps"))
-            p.add_argument("--batch-size", type=_positive_of(int, "integer", 2**16), default=None,
-                           help="sequences per step" + d("batch_size"))
-            p.add_argument("--lr", type=_positive_float, default=None, help="peak learning rate" + d("lr"))
-        if name == "heads":
-            p.add_argument("--head-counts", type=_ints, default=None, help="n_heads to compare" + d("head_counts"))
-            p.add_argument("--seeds", type=_positive_of(int, "integer", 1000), default=None, dest="n_seeds",
-                           help="seeds per head count" + d("n_seeds"))
-            p.add_argument("--d-model", type=_positive, default=None, help="model width" + d("d_model"))
-            p.add_argument("--seq-len", type=_positive, default=None, help="tokens to copy" + d("seq_len"))
-        elif name == "kv":
-            p.add_argument("--d-model", type=_positive, default=None, help="model width" + d("d_model"))
-            p.add_argument("--n-heads", type=_positive, default=None, help="query heads" + d("n_heads"))
-            p.add_argument("--context", type=_positive, default=None, help="cached tokens N" + d("context"))
-            _kv_heads(p, "n_kv_heads to compare: MHA, GQA, ..., MQA" + d("kv_heads"))
-            p.add_argument("--kv-ranks", type=_ints, default=None, dest="mla_ranks",
-                           help="MLA kv_rank values" + d("mla_ranks"))
-            p.add_argument("--batch-size", type=_positive, default=None, dest="batch",
-                           help="decode batch size" + d("batch"))
-            p.add_argument("--decode-steps", type=_positive, default=None,
-                           help="timed decode steps" + d("decode_steps"))
-        elif name == "mla":
-            p.add_argument("--corpus", type=Path, default=None,
-                           help="a UTF-8 text file (default: the King James Bible shipped with multihead)")
-            p.add_argument("--kv-ranks", type=_ints, default=None, dest="ranks",
-                           help="MLA kv_rank sweep" + d("ranks"))
-            _kv_heads(p, "GQA/MQA n_kv_heads trained beside MHA and MLA" + d("kv_heads"))
-            p.add_argument("--tolerance", type=_positive_float, default=None,
-                           help="allowed bits/char above MHA" + d("tolerance"))
-            p.add_argument("--d-model", type=_positive, default=None, help="model width" + d("d_model"))
-            _layers(p, "blocks" + d("n_layers"))
-            p.add_argument("--n-heads", type=_positive, default=None, help="heads" + d("n_heads"))
-            p.add_argument("--context", type=_positive, default=None, help="characters per sequence" + d("context"))
-        elif name == "induction":
-            g = p.add_argument_group(
-                "head geometry", "a model's heads (what `multihead plan` prints); a geometry too large for a\n"
-                "CPU is scaled down keeping head_dim = d_model / n_heads, n_heads / n_kv_heads and\n"
-                "rope_dim, and the output says what was scaled")
-            g.add_argument("--variant", choices=("mha", "gqa", "mqa", "mla"), default=None,
-                           help="attention variant (default: from --n-kv-heads / --kv-rank; mha)")
-            _layers(g, "layers" + d("n_layers"))
-            g.add_argument("--d-model", type=_positive, default=None, help="model width C" + d("d_model"))
-            g.add_argument("--n-heads", type=_positive, default=None, help="query heads per layer H" + d("n_heads"))
-            g.add_argument("--n-kv-heads", type=_positive, default=None,
-                           help="key/value heads K (GQA: 1 < K < H; MQA: 1) (default: --n-heads, MHA)")
-            g.add_argument("--kv-rank", type=_positive, default=None,
-                           help="MLA latent rank R; implies --variant mla (default: none, MHA/GQA/MQA)")
-            g.add_argument("--rope-dim", type=_nonnegative, default=None,
-                           help="MLA decoupled RoPE dims per head (default 0)")
-            p.add_argument("--vocab", type=_positive, default=None, help="random symbols" + d("vocab"))
-            p.add_argument("--seq-len", type=_positive, default=None, help="tokens per sequence" + d("seq_len"))
-        elif name == "uptrain":
-            from multihead.lab.uptrain_config import parse_fractions, parse_inits, parse_rope_dims
+            _training_flags(p, d)
+        _EXPERIMENT_FLAGS[name](p, d)
 
-            p.add_argument("--from", type=Path, default=None, dest="from_checkpoint",
-                           help="a `multihead lab mla` run folder: convert its MHA model (default: train one)")
-            _kv_heads(p, "MQA/GQA n_kv_heads to convert to" + d("kv_heads"))
-            p.add_argument("--inits", type=parse_inits, default=None, help="GQA/MQA inits" + d("inits"))
-            p.add_argument("--kv-ranks", type=_ints, default=None, dest="ranks", help="MLA kv_rank" + d("ranks"))
-            p.add_argument("--fractions", type=parse_fractions, default=None,
-                           help="uptraining, shares of --steps" + d("fractions"))
-            p.add_argument("--uptrain-lr", type=_positive_float, default=None,
-                           help="uptraining's peak learning rate (default: the baseline's last, 0.1 x --lr)")
-            p.add_argument("--positions", choices=("learned", "rope"), default=None,
-                           help="the baseline's positions (default learned)")
-            p.add_argument("--mla-rope-dims", type=parse_rope_dims, default=None,
-                           help="with --positions rope: MLA's rotary dims kept" + d("mla_rope_dims"))
-            p.add_argument("--d-model", type=_positive, default=None, help="model width" + d("d_model"))
-            _layers(p, "blocks" + d("n_layers"))
-            p.add_argument("--n-heads", type=_positive, default=None, help="heads" + d("n_heads"))
-            p.add_argument("--model", default=None, help="a Llama-family transformers model ('smollm2' or a folder) "
-                           "to convert to MQA and MLA and uptrain on the KJV (default: none, the lab model; "
-                           "its defaults: multihead.lab.uptrain_hf)")
-            p.add_argument("--rope-dim", type=_nonnegative, default=None,
-                           help="with --model: MLA's RoPE dims (default 24)")
-            p.add_argument("--resume", action="store_true", help="with --model: continue the run in --out")
+
+def _run_flags(p: argparse.ArgumentParser, name: str) -> None:
+    """Where the run goes and how it runs: --quick, --out, --force, --seed, --device, --threads."""
+    p.add_argument("--quick", action="store_true", help="a small version that runs in seconds (for tests)")
+    p.add_argument("--out", type=Path, default=None, help=f"output folder, new or empty (default lab-{name})")
+    p.add_argument("--force", action="store_true",
+                   help="replace an earlier run's --out folder (one with results.json), once this run completes")
+    p.add_argument("--seed", type=_seed, default=0, help="random seed; same seed, same numbers (default 0)")
+    p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto",
+                   help=("where to build and time the modules" if name == "kv" else "where to train")
+                   + " (default auto: cuda when present)")
+    p.add_argument("--threads", type=_positive_of(int, "integer", 4096), default=None,
+                   help="CPU threads for torch (default: 2 with 4 or more cores, else 1; 1 for kv and "
+                        "--quick)")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
+
+
+def _training_flags(p: argparse.ArgumentParser, d) -> None:
+    p.add_argument("--steps", type=_positive_of(int, "integer", 10**7), default=None,
+                   help="training steps per model" + d("steps"))
+    p.add_argument("--batch-size", type=_positive_of(int, "integer", 2**16), default=None,
+                   help="sequences per step" + d("batch_size"))
+    p.add_argument("--lr", type=_positive_float, default=None, help="peak learning rate" + d("lr"))
+
+
+def _heads_flags(p: argparse.ArgumentParser, d) -> None:
+    p.add_argument("--head-counts", type=_ints, default=None, help="n_heads to compare" + d("head_counts"))
+    p.add_argument("--seeds", type=_positive_of(int, "integer", 1000), default=None, dest="n_seeds",
+                   help="seeds per head count" + d("n_seeds"))
+    p.add_argument("--d-model", type=_positive, default=None, help="model width" + d("d_model"))
+    p.add_argument("--seq-len", type=_positive, default=None, help="tokens to copy" + d("seq_len"))
+
+
+def _kv_flags(p: argparse.ArgumentParser, d) -> None:
+    p.add_argument("--d-model", type=_positive, default=None, help="model width" + d("d_model"))
+    p.add_argument("--n-heads", type=_positive, default=None, help="query heads" + d("n_heads"))
+    p.add_argument("--context", type=_positive, default=None, help="cached tokens N" + d("context"))
+    _kv_heads(p, "n_kv_heads to compare: MHA, GQA, ..., MQA" + d("kv_heads"))
+    p.add_argument("--kv-ranks", type=_ints, default=None, dest="mla_ranks",
+                   help="MLA kv_rank values" + d("mla_ranks"))
+    p.add_argument("--batch-size", type=_positive, default=None, dest="batch",
+                   help="decode batch size" + d("batch"))
+    p.add_argument("--decode-steps", type=_positive, default=None,
+                   help="timed decode steps" + d("decode_steps"))
+
+
+def _mla_flags(p: argparse.ArgumentParser, d) -> None:
+    p.add_argument("--corpus", type=Path, default=None,
+                   help="a UTF-8 text file (default: the King James Bible shipped with multihead)")
+    p.add_argument("--kv-ranks", type=_ints, default=None, dest="ranks",
+                   help="MLA kv_rank sweep" + d("ranks"))
+    _kv_heads(p, "GQA/MQA n_kv_heads trained beside MHA and MLA" + d("kv_heads"))
+    p.add_argument("--tolerance", type=_positive_float, default=None,
+                   help="allowed bits/char above MHA" + d("tolerance"))
+    p.add_argument("--d-model", type=_positive, default=None, help="model width" + d("d_model"))
+    _layers(p, "blocks" + d("n_layers"))
+    p.add_argument("--n-heads", type=_positive, default=None, help="heads" + d("n_heads"))
+    p.add_argument("--context", type=_positive, default=None, help="characters per sequence" + d("context"))
+
+
+def _induction_flags(p: argparse.ArgumentParser, d) -> None:
+    g = p.add_argument_group(
+        "head geometry", "a model's heads (what `multihead plan` prints); a geometry too large for a\n"
+        "CPU is scaled down keeping head_dim = d_model / n_heads, n_heads / n_kv_heads and\n"
+        "rope_dim, and the output says what was scaled")
+    g.add_argument("--variant", choices=("mha", "gqa", "mqa", "mla"), default=None,
+                   help="attention variant (default: from --n-kv-heads / --kv-rank; mha)")
+    _layers(g, "layers" + d("n_layers"))
+    g.add_argument("--d-model", type=_positive, default=None, help="model width C" + d("d_model"))
+    g.add_argument("--n-heads", type=_positive, default=None, help="query heads per layer H" + d("n_heads"))
+    g.add_argument("--n-kv-heads", type=_positive, default=None,
+                   help="key/value heads K (GQA: 1 < K < H; MQA: 1) (default: --n-heads, MHA)")
+    g.add_argument("--kv-rank", type=_positive, default=None,
+                   help="MLA latent rank R; implies --variant mla (default: none, MHA/GQA/MQA)")
+    g.add_argument("--rope-dim", type=_nonnegative, default=None,
+                   help="MLA decoupled RoPE dims per head (default 0)")
+    p.add_argument("--vocab", type=_positive, default=None, help="random symbols" + d("vocab"))
+    p.add_argument("--seq-len", type=_positive, default=None, help="tokens per sequence" + d("seq_len"))
+
+
+def _uptrain_flags(p: argparse.ArgumentParser, d) -> None:
+    """The lab model's conversions (--from, --inits, ...) and, with --model, a transformers model's
+    (its options and defaults live in multihead.lab.uptrain_hf)."""
+    from multihead.lab.uptrain_config import parse_fractions, parse_inits, parse_rope_dims
+
+    p.add_argument("--from", type=Path, default=None, dest="from_checkpoint",
+                   help="a `multihead lab mla` run folder: convert its MHA model (default: train one)")
+    _kv_heads(p, "MQA/GQA n_kv_heads to convert to" + d("kv_heads"))
+    p.add_argument("--inits", type=parse_inits, default=None, help="GQA/MQA inits" + d("inits"))
+    p.add_argument("--kv-ranks", type=_ints, default=None, dest="ranks", help="MLA kv_rank" + d("ranks"))
+    p.add_argument("--fractions", type=parse_fractions, default=None,
+                   help="uptraining, shares of --steps" + d("fractions"))
+    p.add_argument("--uptrain-lr", type=_positive_float, default=None,
+                   help="uptraining's peak learning rate (default: the baseline's last, 0.1 x --lr)")
+    p.add_argument("--positions", choices=("learned", "rope"), default=None,
+                   help="the baseline's positions (default learned)")
+    p.add_argument("--mla-rope-dims", type=parse_rope_dims, default=None,
+                   help="with --positions rope: MLA's rotary dims kept" + d("mla_rope_dims"))
+    p.add_argument("--d-model", type=_positive, default=None, help="model width" + d("d_model"))
+    _layers(p, "blocks" + d("n_layers"))
+    p.add_argument("--n-heads", type=_positive, default=None, help="heads" + d("n_heads"))
+    p.add_argument("--model", default=None, help="a Llama-family transformers model ('smollm2' or a folder) "
+                   "to convert to MQA and MLA and uptrain on the KJV (default: none, the lab model; "
+                   "its defaults: multihead.lab.uptrain_hf)")
+    p.add_argument("--rope-dim", type=_nonnegative, default=None,
+                   help="with --model: MLA's RoPE dims (default 24)")
+    p.add_argument("--resume", action="store_true", help="with --model: continue the run in --out")
+
+
+_EXPERIMENT_FLAGS = {"heads": _heads_flags, "kv": _kv_flags, "mla": _mla_flags, "induction": _induction_flags,
+                     "uptrain": _uptrain_flags}
 
 
 def _kv_heads(p, help_text: str) -> None:
