@@ -103,9 +103,9 @@ def to_gqa(model, n_kv_heads: int, *, init: str = "mean", generator: torch.Gener
         raise ValueError(f"init must be one of {', '.join(GQA_INITS)}; received {init!r}")
     target = _gqa_target(model, n_kv_heads)
     if _is_transformers_model(model):
-        from multihead.interop.hf.gqa import to_gqa as hf_to_gqa
+        from multihead.interop.hf.gqa import transformers_to_gqa
 
-        return hf_to_gqa(model, n_kv_heads, init=init, generator=generator, return_report=return_report)
+        return transformers_to_gqa(model, n_kv_heads, init=init, generator=generator, return_report=return_report)
     return _convert(
         "to_gqa", model, lambda attn: _gqa_layer(attn, n_kv_heads, init, generator), target, init, return_report,
         lambda cfg: replace(cfg, n_kv_heads=n_kv_heads))

@@ -1,12 +1,13 @@
 """Change `num_key_value_heads` of a trained Hugging Face model: MHA/GQA -> GQA/MQA.
 
-`to_gqa(model, n_kv_heads, init="mean")` (also reached through `multihead.convert.to_gqa`)
-returns a deep copy of a transformers model whose attention layers have separate
-`k_proj` / `v_proj` Linear layers and whose config carries `num_key_value_heads`
-(Llama, Mistral, Qwen2, Qwen3, Gemma, Gemma2, Gemma3 text): in every such layer each
-group of key/value heads becomes one (mean-pooled, as Ainslie et al. 2023; or the first
-of the group; or drawn afresh, see `multihead.convert.to_gqa`), the Linear layers shrink
-to the new width, and the layer's `num_key_value_groups` and the model's
+`transformers_to_gqa(model, n_kv_heads, init="mean")` (what `multihead.convert.to_gqa`
+calls for a transformers model; use that) returns a deep copy of a transformers model
+whose attention layers have separate `k_proj` / `v_proj` Linear layers and whose config
+carries `num_key_value_heads` (Llama, Mistral, Qwen2, Qwen3, Gemma, Gemma2, Gemma3
+text): in every such layer each group of key/value heads becomes one (mean-pooled, as
+Ainslie et al. 2023; or the first of the group; or drawn afresh, see
+`multihead.convert.to_gqa`), the Linear layers shrink to the new width, and the layer's
+`num_key_value_groups` and the model's
 `config.num_key_value_heads` follow. The result is an ordinary transformers model:
 `save_pretrained` writes it and stock transformers loads it, eager attention included.
 
@@ -24,12 +25,12 @@ import copy
 import torch
 from torch import nn
 
-__all__ = ["kv_layers", "to_gqa"]
+__all__ = ["kv_layers", "transformers_to_gqa"]
 
 
 def kv_layers(model: nn.Module) -> list[tuple[str, nn.Module]]:
     """(qualified name, module) of every attention layer with k_proj and v_proj Linear
-    layers and a head_dim: the layers `to_gqa` converts."""
+    layers and a head_dim: the layers `transformers_to_gqa` converts."""
     return [(name, m) for name, m in model.named_modules()
             if isinstance(getattr(m, "k_proj", None), nn.Linear) and isinstance(getattr(m, "v_proj", None), nn.Linear)
             and isinstance(getattr(m, "head_dim", None), int)]
@@ -76,8 +77,8 @@ def _shrunk(lin: nn.Linear, n_kv_heads: int, head_dim: int, init: str, generator
     return new
 
 
-def to_gqa(model: nn.Module, n_kv_heads: int, *, init: str = "mean", generator: torch.Generator | None = None,
-           return_report: bool = False):
+def transformers_to_gqa(model: nn.Module, n_kv_heads: int, *, init: str = "mean",
+                        generator: torch.Generator | None = None, return_report: bool = False):
     """A copy of a transformers model with `n_kv_heads` key/value heads in every layer.
 
     Returns the model, or `(model, multihead.convert.ConversionReport)` with the relative
