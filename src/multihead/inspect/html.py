@@ -70,6 +70,25 @@ def render_html(
         The page as a string; when `path` is given, the page is written there and the path
         (a `Path`) is returned instead, so a REPL shows where it went rather than 50 KB of HTML.
     """
+    _check_arguments(capture, max_tokens, top_k)
+    T_all = len(capture.tokens)
+    T = min(T_all, max_tokens)
+    weights = _finite_weights(capture, T)  # (L, H, T, T)
+    L, H = weights.shape[:2]
+    payload, dropped = _encode(weights, _choose_k(L * H * T, T, top_k))
+    dropped["truncated_tokens"] = T_all - T
+    data = _page_data(capture, roles, title, T, payload, dropped)
+    page = offline_page(data["title"], data, _ASSETS)
+    if path is not None:
+        from multihead.files import write_text
+
+        # encoded in full before the file is touched, then moved into place: text that cannot
+        # be encoded, a full disk or Ctrl-C leave an existing page as it was, never truncated
+        return write_text(path, page)
+    return page
+
+
+def _check_arguments(capture, max_tokens, top_k) -> None:
     if not isinstance(capture, AttentionCapture):
         raise TypeError(f"capture must be an AttentionCapture, got {type(capture).__name__}")
     if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 1:
@@ -77,30 +96,34 @@ def render_html(
     if top_k is not None and (isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < 1):
         raise ValueError(f"top_k must be None or an int >= 1, got {top_k!r}")
 
-    T_all = len(capture.tokens)
-    T = min(T_all, max_tokens)
+
+def _finite_weights(capture: AttentionCapture, T: int) -> torch.Tensor:
+    """The first T queries' and keys' weights `(L, H, T, T)` in float32 on the CPU; a weight
+    that is not a finite number is named by its place."""
     weights = capture.weights.detach().to("cpu", torch.float32)[..., :T, :T]  # (L, H, T, T)
     if not torch.isfinite(weights).all():
         bad = [int(i) for i in torch.nonzero(~torch.isfinite(weights))[0]]
         value = weights[tuple(bad)].item()
         raise ValueError(f"capture.weights must be finite; got {value} at [layer, head, t, s] = {bad}")
-    L, H = weights.shape[:2]
-    k = _choose_k(L * H * T, T, top_k)
-    payload, dropped = _encode(weights, k)
+    return weights
 
+
+def _page_data(capture: AttentionCapture, roles: list[HeadRole] | None, title: str | None, T: int,
+               payload: dict, dropped: dict) -> dict:
+    """What the page's script reads (version 1): the first T tokens, the encoded weights, the
+    roles of captured heads (the top one is where the page opens), notes and metadata."""
+    T_all = len(capture.tokens)
     tokens = [str(t) for t in capture.tokens[:T]]
     if title is None:
         text = str(capture.meta.get("text") or " ".join(tokens[:12]) + (" ..." if T > 12 else ""))
         title = f"{capture.model or 'attention'}: {text}"
     title = str(title)
-    short_title = _cut(" ".join(title.split()), TITLE_CHARS)
-    dropped["truncated_tokens"] = T_all - T
     captured = {(layer, head) for layer in capture.layers for head in capture.heads}
     ranked = [r for r in roles or () if (r.layer, r.head) in captured]
     top = ranked[0] if ranked else None
-    data = {
+    return {
         "version": 1,
-        "title": short_title,
+        "title": _cut(" ".join(title.split()), TITLE_CHARS),
         "title_full": title,
         "start": ({"l": capture.layers.index(top.layer), "h": capture.heads.index(top.head)}
                   if top is not None else {"l": 0, "h": 0}),
@@ -114,21 +137,13 @@ def render_html(
         "T": T,
         "T_captured": T_all,
         **payload,
-        "roles": [_role_json(r) for r in roles or () if (r.layer, r.head) in captured],
+        "roles": [_role_json(r) for r in ranked],
         "dropped": dropped,
         "note": _notes(dropped, tokens, capture.layers, capture.heads, T, T_all),
         "meta": {str(key): _meta_text(value) for key, value in capture.meta.items()},
         "meta_short": {str(key): _cut(" ".join(_meta_text(value).split()), META_CHARS)
                        for key, value in capture.meta.items()},
     }
-    page = offline_page(short_title, data, _ASSETS)
-    if path is not None:
-        from multihead.files import write_text
-
-        # encoded in full before the file is touched, then moved into place: text that cannot
-        # be encoded, a full disk or Ctrl-C leave an existing page as it was, never truncated
-        return write_text(path, page)
-    return page
 
 
 def notebook_html(capture: AttentionCapture, roles: list[HeadRole] | None = None, *, height: int = 780,
