@@ -25,7 +25,9 @@ from multihead.plan.units import bytes_for
 # --- one attention block -----------------------------------------------------------
 
 
-def _default_head_dim(d_model: int, n_heads: int) -> int:
+def _floor_head_dim(d_model: int, n_heads: int) -> int:
+    """head_dim's default: d_model // n_heads, floored (the modules' default,
+    `layer_parts.default_head_dim`, refuses a remainder; this one does not)."""
     if d_model < n_heads:
         raise ValueError(f"d_model ({d_model}) // n_heads ({n_heads}) is 0; "
                          "give head_dim or use fewer heads")
@@ -62,7 +64,7 @@ class AttentionGeometry:
             object.__setattr__(self, "n_kv_heads", self.n_heads)
         check_divisible("n_heads", self.n_heads, "n_kv_heads", self.n_kv_heads)
         if self.head_dim is None:
-            object.__setattr__(self, "head_dim", _default_head_dim(self.d_model, self.n_heads))
+            object.__setattr__(self, "head_dim", _floor_head_dim(self.d_model, self.n_heads))
 
     @property
     def kind(self) -> str:
@@ -141,7 +143,7 @@ class LatentGeometry:
             raise ValueError(f"rope_dim must be even (RoPE rotates pairs of features); "
                              f"received {self.rope_dim}")
         if self.head_dim is None:
-            object.__setattr__(self, "head_dim", _default_head_dim(self.d_model, self.n_heads))
+            object.__setattr__(self, "head_dim", _floor_head_dim(self.d_model, self.n_heads))
         if self.v_head_dim is None:
             object.__setattr__(self, "v_head_dim", self.head_dim)
 
