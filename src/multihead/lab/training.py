@@ -57,53 +57,72 @@ def train(
         applied; "loss"/"evals" keep only the finite values before it.
     """
     opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=weight_decay, betas=(0.9, 0.98))
-
-    hist = {"steps": [], "loss": [], "evals": [], "steps_done": 0, "interrupted": False,
-            "diverged_at": None, "diverged_loss": None}
-    bar = Progress(steps, name, enabled=progress, overall=overall)
-
-    def diverged(step: int, what: str) -> None:
-        hist["diverged_at"], hist["diverged_loss"] = step, what
-        bar.close(f"diverged at step {step}")
-        if progress:
-            print(f"{name}: training diverged at step {step} ({what})", file=sys.stderr, flush=True)
-
-    start = time.perf_counter()
-    tokens = 0
+    log = _Log(name, log_every, steps, Progress(steps, name, enabled=progress, overall=overall), say=progress)
     model.train()
-    step = 0
     try:
         if evaluate is not None:
-            hist["evals"].append({"step": 0, **_eval(model, evaluate, 0)})
+            log.evals.append({"step": 0, **_eval(model, evaluate, 0)})
         for step in range(1, steps + 1):
             x, y, m = batches(step)
             value, why = _step(model, opt, x, y, m, _lr_at(step - 1, lr, warmup, steps))
+            if why is None:
+                log.step(step, value, x.numel())
+                if evaluate is not None and ((eval_every and step % eval_every == 0) or step == steps):
+                    why = log.evaluation(step, _eval(model, evaluate, step))
             if why is not None:
-                diverged(step, why)
+                log.diverged(step, why)
                 break
-            tokens += x.numel()
-            hist["steps_done"] = step
-            if step % log_every == 0 or step == steps:
-                hist["steps"].append(step)
-                hist["loss"].append(value)
-            bar.update(step, value, x.numel())
-            if evaluate is not None and ((eval_every and step % eval_every == 0) or step == steps):
-                result = _eval(model, evaluate, step)
-                if not _all_finite(result):
-                    diverged(step, "an evaluation that is not a finite number")
-                    break
-                hist["evals"].append({"step": step, **result})
             if callback is not None:
                 callback(name, step, value)
         else:
-            bar.close()
+            log.bar.close()
     except KeyboardInterrupt:
-        hist["interrupted"] = True
-        bar.close("interrupted")
+        log.interrupted()
     model.eval()
-    hist["seconds"] = time.perf_counter() - start
-    hist["tokens_per_s"] = tokens / max(hist["seconds"], 1e-9)
-    return hist
+    return log.history()
+
+
+class _Log:
+    """What `train` returns, kept as it goes (logged losses, evaluations, steps done, why it
+    stopped, tokens per second), with the progress bar and the divergence message beside it."""
+
+    def __init__(self, name: str, log_every: int, steps: int, bar: Progress, *, say: bool):
+        self.name, self.log_every, self.steps, self.bar, self.say = name, log_every, steps, bar, say
+        self.hist = {"steps": [], "loss": [], "evals": [], "steps_done": 0, "interrupted": False,
+                     "diverged_at": None, "diverged_loss": None}
+        self.evals = self.hist["evals"]
+        self.tokens = 0
+        self.start = time.perf_counter()
+
+    def step(self, step: int, loss: float, tokens: int) -> None:
+        """A step applied: counted, its loss logged every `log_every` steps and at the last."""
+        self.tokens += tokens
+        self.hist["steps_done"] = step
+        if step % self.log_every == 0 or step == self.steps:
+            self.hist["steps"].append(step)
+            self.hist["loss"].append(loss)
+        self.bar.update(step, loss, tokens)
+
+    def evaluation(self, step: int, result: dict) -> str | None:
+        """Keep a finite evaluation; otherwise what diverged (and the evaluation is not kept)."""
+        if not _all_finite(result):
+            return "an evaluation that is not a finite number"
+        self.evals.append({"step": step, **result})
+        return None
+
+    def diverged(self, step: int, what: str) -> None:
+        self.hist["diverged_at"], self.hist["diverged_loss"] = step, what
+        self.bar.close(f"diverged at step {step}")
+        if self.say:
+            print(f"{self.name}: training diverged at step {step} ({what})", file=sys.stderr, flush=True)
+
+    def interrupted(self) -> None:
+        self.hist["interrupted"] = True
+        self.bar.close("interrupted")
+
+    def history(self) -> dict:
+        seconds = time.perf_counter() - self.start
+        return {**self.hist, "seconds": seconds, "tokens_per_s": self.tokens / max(seconds, 1e-9)}
 
 
 def _lr_at(step: int, lr: float, warmup: int, steps: int) -> float:
