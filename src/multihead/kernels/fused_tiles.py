@@ -32,6 +32,8 @@ __all__ = ["CAUSAL", "FUSED_TILE", "fused"]
 # keep the key range of a local mask tight, long ones let torch's kernel use its big blocks.
 FUSED_TILE: int | None = None
 _ONE_CALL_SPAN = 512  # keys: below this a query block's pieces run as one masked call
+# query blocks: a run of fewer blocks alike (see `_FusedPlan.runs`) goes block by block
+_MIN_BAND = 2
 
 
 def _fused_call(q, k, v, m, scale, dropout_p):
@@ -81,7 +83,8 @@ def fused(q: Tensor, k: Tensor, v: Tensor, mask, *, causal: bool, scale: float, 
     # a square is one causal call: no room for a score mod's or a dense mask's bias
     runs_squares = dense is None and score_mod is None and (lse_engine or _public_squares(q, k))
     bq, bk, kept, full, squares = choose_tile(pred, B, H, T, S, q.shape[1] // k.shape[1], tile or FUSED_TILE,
-                                               q.device, squares=runs_squares)
+                                               q.device, squares=runs_squares,
+                                               bands=lse_engine and dense is None and score_mod is None)
     if lse_engine:
         fp = _FusedPlan(q, k, v, pred, dense, score_mod, scale, bq, bk, kept, full, squares)
         return _MergedFused.apply(q, k, v, fp)
@@ -185,6 +188,95 @@ class _FusedPlan:
             yield i * self.bq, min(self.T, i1 * self.bq), pieces
             i = i1
 
+    def runs(self, blocks):
+        """The plan's blocks, with runs of alike blocks as bands: ("band", r0, n, pieces) for
+        n >= `_MIN_BAND` query blocks of bq rows from r0 whose pieces sit at the same offsets
+        from their first row, pieces `(c0 - r0, c1 - r0, partial)`; ("block", r0, r1, pieces)
+        for the rest, as `blocks` gave them.
+
+        A relative mask (a function of q - kv alone: sliding windows, causal) has the same
+        mask on every block of a band, so the band runs as one call per piece with its
+        blocks in the kernel's batch (`band_view`): torch's CPU kernel splits a call over
+        batch x heads x query blocks, and one call of thousands of work items keeps every
+        thread busy where hundreds of calls of 8 heads each wait on each other at every
+        call's end.
+        """
+        can = self.pred is not None and self.pred.relative and self.score_mod is None and self.dense is None
+        pending = []  # a band in the making: [(r0, rel)]
+
+        def flush():
+            if len(pending) >= _MIN_BAND:
+                yield "band", pending[0][0], len(pending), pending[0][1]
+            else:
+                for r0, rel in pending:
+                    yield "block", r0, r0 + self.bq, [(r0 + a, r0 + e, p) for a, e, p in rel]
+            pending.clear()
+
+        for r0, r1, pieces in blocks:
+            if not can or r1 - r0 != self.bq or not pieces or pieces[0][2] is CAUSAL:
+                yield from flush()
+                yield "block", r0, r1, pieces
+                continue
+            rel = [(c0 - r0, c1 - r0, p) for c0, c1, p in pieces]
+            if pending and (rel != pending[-1][1] or r0 != pending[-1][0] + self.bq):
+                yield from flush()
+            pending.append((r0, rel))
+        yield from flush()
+
+    def band_mask(self, r0, a, e, partial):
+        """(float mask `(1, 1, bq, e - a)` or None, is_causal, rows-empty `(1, 1, bq)` or None) of
+        any block of a band: keys r0 + a .. r0 + e of rows r0 .. r0 + bq, the GQA heads unfolded."""
+        key = ("band", r0 + self.S - self.T, a, e, partial)  # relative: the same for every block
+        if key not in self._cache:
+            t, s = self.bq, e - a
+            m = block_mask(self.pred, None, None, self.B, self.H, self.T, self.S, r0, r0 + t, r0 + a, r0 + e,
+                           partial, self.dtype, self.device)
+            if m is None:
+                result = None, False, None
+            elif t == s and t > 1 and torch.equal(~torch.isneginf(m[0, 0]),
+                                                  torch.ones(t, s, dtype=torch.bool, device=self.device).tril()):
+                result = None, True, None  # a band on the diagonal: torch's own causal kernel
+            else:
+                result = m, False, torch.isneginf(m).all(-1) if partial else None
+            self._cache[key] = result
+        return self._cache[key]
+
+    def band_batches(self, *xs):
+        """The batch indices to run a band's calls over: (None,) when every tensor's batch and
+        heads are laid out one after another (one call takes them all), else each b."""
+        if self.B == 1 or all(x.stride(0) == x.shape[1] * x.stride(1) for x in xs):
+            return (None,)
+        return tuple(range(self.B))
+
+    def band_view(self, x, b, g, r0, n, width):
+        """(B, h, L, X) -> `(n, h/G, width, X)` (b None: `(n, B*h/G, width, X)`): a view of `width`
+        rows from r0 + i*bq for each block i of a band, heads g, g + G, .. (G: the GQA group for
+        queries, 1 for keys). Keys overlap from block to block: a strided view, never a copy."""
+        G = self.G if x.shape[1] == self.H else 1
+        s0, s1, s2, s3 = x.stride()
+        offset = x.storage_offset() + g * s1 + r0 * s2
+        heads = x.shape[1] // G
+        if b is None:
+            return x.as_strided((n, self.B * heads, width, x.shape[3]), (self.bq * s2, G * s1, s2, s3), offset)
+        return x.as_strided((n, heads, width, x.shape[3]), (self.bq * s2, G * s1, s2, s3), offset + b * s0)
+
+    def band(self, q, k, v, out, lse, r0, n, pieces, acc):
+        """Forward of a band (see `runs`): per GQA group position and piece one kernel call over
+        all its blocks, pieces merged by log-sum-exp, written into out and lse."""
+        lse4 = lse[..., None]  # (B, H, T, 1): viewed like out
+        for b in self.band_batches(q, k, v):
+            for g in range(self.G):
+                parts = []
+                for a, e, partial in pieces:
+                    m, is_causal, empty = self.band_mask(r0, a, e, partial)
+                    kb, vb = (self.band_view(x, b, 0, r0 + a, n, e - a) for x in (k, v))
+                    o, lp = flash_lse(self.band_view(q, b, g, r0, n, self.bq), kb, vb, causal=is_causal,
+                                      scale=self.scale, mask=m, empty=empty)
+                    parts.append((o, lp[..., None].to(acc)))  # (n, heads, bq, Dv), (n, heads, bq, 1)
+                o, lp = lse_merge(parts, acc, q.dtype)
+                self.band_view(out, b, g, r0, n, self.bq).copy_(o)
+                self.band_view(lse4, b, g, r0, n, self.bq).copy_(lp)
+
     def piece_mask(self, r0, r1, c0, c1, partial):
         """(float mask laid out for the folded queries or None, is_causal, rows-empty or None).
 
@@ -272,7 +364,10 @@ class _MergedFused(torch.autograd.Function):
         else:
             out = q.new_empty(B, H, T, Dv)
             lse = torch.full((B, H, T), float("-inf"), dtype=acc, device=q.device)
-        for r0, r1, pieces in fp.blocks() if not n else ():
+        for kind, r0, r1, pieces in fp.runs(fp.blocks()) if not n else ():
+            if kind == "band":  # r1: the band's number of blocks
+                fp.band(q, k, v, out, lse, r0, r1, pieces, acc)
+                continue
             if not pieces:
                 out[:, :, r0:r1] = 0
                 continue

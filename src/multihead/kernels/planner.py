@@ -16,10 +16,11 @@ from multihead.kernels.common import index
 from multihead.masks import MaskMod, and_masks
 from multihead.masks import causal as causal_mod
 
-__all__ = ["block_mask", "choose_tile", "combine", "fold_mask", "slice_dense", "tile_plan", "tile_sizes"]
+__all__ = ["band_rows", "block_mask", "choose_tile", "combine", "fold_mask", "slice_dense", "tile_plan", "tile_sizes"]
 
 _FUSED_CANDIDATES = (64, 128, 256, 512, 1024)  # tile edges the fused engine's plan chooses from
 _MIN_SEGMENT = 64  # documents shorter than this on average run as tiles, not a call each
+_BAND_CANDIDATE = 32  # the extra tile edge of an engine that runs bands (see `choose_tile`)
 # The tile cost model's two constants (~20 GFLOP/s per thread, ~0.5 ms per call) were fitted
 # together at D = 64, and a pair's 4 D flops are counted at that D whatever the call's D: the
 # real D made the plan worse. Measured on the fused engine (1 thread, N = 4096,
@@ -66,7 +67,24 @@ def _kernel_efficiency(rows: int) -> float:
     return 0.55 if rows < 192 else 0.8 if rows < 768 else 1.0
 
 
-def choose_tile(pred, B, H, T, S, G, tile, device, squares: bool = True):
+def band_rows(kept: Tensor, full: Tensor, T: int, bq: int) -> Tensor:
+    """(nq,) bool: query block i keeps and fills the tiles of block i - 1 shifted by one tile
+    (square tiles), so an engine that runs alike blocks of a relative mask together (a band:
+    sliding windows) runs it in the call of the block before. The last block when it is
+    short, and a block whose tiles would shift off the right edge, are not."""
+    nq = kept.shape[0]
+    out = torch.zeros(nq, dtype=torch.bool)
+    if nq < 2:
+        return out
+    alike = ~kept[1:, 0] & ~kept[:-1, -1] & (kept[1:, 1:] == kept[:-1, :-1]).all(1) \
+        & (full[1:, 1:] == full[:-1, :-1]).all(1) & kept[1:].any(1)
+    out[1:] = alike
+    if T % bq:
+        out[-1] = False
+    return out
+
+
+def choose_tile(pred, B, H, T, S, G, tile, device, squares: bool = True, bands: bool = False):
     """(bq, bk, kept, full, squares): a fixed tile, or the candidate of least estimated kernel time.
 
     Estimated time = pairs computed (rows x kept keys, tile-granular) / kernel efficiency
@@ -74,7 +92,10 @@ def choose_tile(pred, B, H, T, S, G, tile, device, squares: bool = True):
     `_causal_squares`) is one call at full efficiency over half its pairs. Only analytic
     predicates are planned more than once: planning a generic predicate evaluates it
     over all pairs. `squares=False`: the engine cannot run squares (a score mod, a dense
-    mask, or torch's math path behind it), so none are looked for or costed.
+    mask, or torch's math path behind it), so none are looked for or costed. `bands=True`:
+    the engine runs alike query blocks of a relative mask as one call (`band_rows`; the
+    GQA heads unfolded, G calls), so a band costs the calls of one block and short blocks
+    (32 rows, which waste fewest pairs at a window's edges) are worth a candidate.
     """
     find = _causal_squares if squares else lambda *args: {}
     segments = _segment_squares(pred, B, H, T, S, device) if pred is not None and squares else {}
@@ -84,7 +105,9 @@ def choose_tile(pred, B, H, T, S, G, tile, device, squares: bool = True):
         return bq, bk, kept, full, segments or find(pred, B, H, T, S, bq, bk, kept, full, device)
     best = None
     threads = max(1, torch.get_num_threads())
-    for c in _FUSED_CANDIDATES if T > _FUSED_CANDIDATES[0] else (256,):  # decoding: one plan, one block
+    bands = bands and pred.relative
+    candidates = (_BAND_CANDIDATE, *_FUSED_CANDIDATES) if bands else _FUSED_CANDIDATES
+    for c in candidates if T > _FUSED_CANDIDATES[0] else (256,):  # decoding: one plan, one block
         bq, bk = tile_sizes(T, S, c)
         kept, full = tile_plan(pred, B, H, T, S, bq, bk, device)
         found = find(pred, B, H, T, S, bq, bk, kept, full, device)
@@ -93,10 +116,12 @@ def choose_tile(pred, B, H, T, S, G, tile, device, squares: bool = True):
         for r0, r1 in found.items():
             in_square[r0 // bq:-(-r1 // bq)] = True
             pairs, calls = pairs + (r1 - r0) * (r1 - r0 + 1) / 2, calls + 1
-        rest = kept[~in_square]
+        banded = band_rows(kept, full, T, bq) & ~in_square if bands and bq == bk else in_square & False
+        solo = ~in_square & ~banded
         # seconds at ~20 GFLOP/s per thread and head, plus ~0.5 ms per call (mask, merge, dispatch)
-        pairs += float(rest.sum()) * bq * bk / _kernel_efficiency(G * bq)
-        calls += int((~in_square).sum())
+        pairs += float(kept[solo].sum()) * bq * bk / _kernel_efficiency(G * bq)
+        pairs += float(kept[banded].sum()) * bq * bk / _kernel_efficiency(bq)
+        calls += int(solo.sum()) + (G - 1) * int((banded[1:] & ~banded[:-1]).sum())  # a band's head: G calls
         cost = pairs * H * 4 * _COST_HEAD_DIM / 20e9 / threads + calls * 5e-4
         if best is None or cost < best[0] * 0.97:
             best = (cost, bq, bk, kept, full, found)
