@@ -17,8 +17,9 @@ the whole sequence.
 Per-block kernel: on CPU, torch's fused `_scaled_dot_product_flash_attention_for_cpu`
 (and its backward), which returns the log-sum-exp, reads grouped K/V heads without
 copying them and accepts the backward's global lse (`kernels.common.flash_lse`);
-elsewhere `kernels.common.block_attention` over blocks of queries (the G query heads of
-a group folded, so K/V are not repeated either).
+elsewhere, or where this torch lacks the op (`kernels.common.HAS_CPU_FLASH`),
+`kernels.common.block_attention` over blocks of queries (the G query heads of a group
+folded, so K/V are not repeated either).
 """
 
 from __future__ import annotations
@@ -42,6 +43,7 @@ from multihead.distributed._group import (
     resolve_group,
 )
 from multihead.kernels.common import (
+    HAS_CPU_FLASH,
     acc_dtype,
     backward_lse,
     block_attention,
@@ -151,7 +153,10 @@ _FLASH_DTYPES = (torch.float64, torch.float32, torch.bfloat16, torch.float16)
 
 
 def _pick_kernel(q: Tensor, kernel: str | None):
-    if kernel == "explicit" or (kernel is None and (q.device.type != "cpu" or q.dtype not in _FLASH_DTYPES)):
+    """The fused CPU kernel where this torch has both its ops (`HAS_CPU_FLASH`) and takes
+    q's dtype, the explicit blocks otherwise."""
+    flash = HAS_CPU_FLASH and q.device.type == "cpu" and q.dtype in _FLASH_DTYPES
+    if kernel == "explicit" or not flash:
         return _Explicit
     return _Flash
 
@@ -395,7 +400,7 @@ def ring_attention(
     GQA/MQA: Hkv divides H; K/V are sent and read with Hkv heads, never repeated. No
     dropout (the ring is meant for long sequences, where models train without it).
     `_kernel="explicit"` forces the explicit per-block path (for tests; default: the
-    fused CPU kernel on CPU, the explicit path elsewhere). `_agreed=True`: the caller's
+    fused CPU kernel on CPU where torch has it, the explicit path elsewhere). `_agreed=True`: the caller's
     ranks have agreed on every input shape and option already (context_parallel's layer),
     so the ranks' own agreement, one all_gather, is skipped.
     """
