@@ -12,6 +12,11 @@
   that leave every layer the same H' query and Hkv' key/value heads with H'/Hkv' heads
   in every group (whole KV groups, or the same number of heads of each group). The
   config is updated, so `save_pretrained` writes a model stock transformers loads.
+  With `pad=True` any removal is taken: the config holds one count for every layer, so
+  each layer is laid out as the widest (Hkv' = the most key/value heads any layer keeps,
+  G' = the most query heads any group keeps) and filled with inert heads, whose query
+  and key/value rows and output columns are zero: they add exactly 0 to the residual,
+  as an ablated head does. The saved model is as small as its widest layer allows.
 - a DeepSeek-V2/V3 model after `multihead.interop.hf.use_latent_attention`: its LatentAttention
   shares its projections with the registered layer (what `state_dict` and
   `save_pretrained` read) and with the transformers layer `restore_attention` puts back, so the
@@ -118,7 +123,70 @@ def _check_config(model, text, H2: int, Hkv2: int) -> None:
                           f"({str(err).splitlines()[-1].strip()})")
 
 
-def _prune_hf(model, by_layer: dict[int, set[int]]) -> None:
+def _padded(lin: nn.Linear, blocks: list[int | None], width: int, rows: bool) -> None:
+    """Lay `lin` out as `blocks` of `width` rows (or input columns): block b copies the
+    original's block `blocks[b]`, or is zero where that is None (an inert head); in place."""
+    import torch
+
+    w = lin.weight.detach()
+    n = len(blocks) * width
+    new = w.new_zeros((n, w.shape[1]) if rows else (w.shape[0], n))
+    bias = lin.bias.detach().new_zeros(n) if rows and lin.bias is not None else None
+    for b, src in enumerate(blocks):
+        if src is None:
+            continue
+        if rows:
+            new[b * width:(b + 1) * width] = w[src * width:(src + 1) * width]
+            if bias is not None:
+                bias[b * width:(b + 1) * width] = lin.bias.detach()[src * width:(src + 1) * width]
+        else:
+            new[:, b * width:(b + 1) * width] = w[:, src * width:(src + 1) * width]
+    with torch.no_grad():
+        lin.weight = nn.Parameter(new, requires_grad=lin.weight.requires_grad)
+        if bias is not None:
+            lin.bias = nn.Parameter(bias, requires_grad=lin.bias.requires_grad)
+    lin.out_features, lin.in_features = new.shape
+
+
+def _pad_layout(H: int, Hkv: int, removed: set[int], where: str) -> list[tuple[int, list[int]]]:
+    """The kept (key/value head, its kept query heads) of one layer, in order."""
+    G = H // Hkv
+    groups = [(j, [h for h in range(j * G, (j + 1) * G) if h not in removed]) for j in range(Hkv)]
+    groups = [(j, hs) for j, hs in groups if hs]
+    if not groups:
+        raise ValueError(f"pruning would remove every head of {where}; keep at least one (or drop the layer)")
+    return groups
+
+
+def _prune_hf_padded(model, mods: list[nn.Module], text, H: int, Hkv: int, D: int,
+                     by_layer: dict[int, set[int]]) -> None:
+    layouts = [_pad_layout(H, Hkv, by_layer.get(i, set()), f"layer {i}") for i in range(len(mods))]
+    Hkv2 = max(len(lay) for lay in layouts)
+    G2 = max(len(hs) for lay in layouts for _, hs in lay)
+    _check_config(model, text, Hkv2 * G2, Hkv2)
+    for m, lay in zip(mods, layouts):
+        slots = lay + [(None, [])] * (Hkv2 - len(lay))  # inert groups after the kept ones
+        kv = [j for j, _ in slots]
+        q = [hs[t] if t < len(hs) else None for _, hs in slots for t in range(G2)]
+        _padded(m.q_proj, q, D, rows=True)
+        _padded(m.k_proj, kv, D, rows=True)
+        _padded(m.v_proj, kv, D, rows=True)
+        _padded(m.o_proj, q, D, rows=False)
+        sinks = getattr(m, "sinks", None)
+        if isinstance(sinks, nn.Parameter) and sinks.shape == (H,):
+            new = sinks.detach().new_zeros(len(q))
+            for b, src in enumerate(q):
+                if src is not None:
+                    new[b] = sinks.detach()[src]
+            m.sinks = nn.Parameter(new, requires_grad=sinks.requires_grad)
+        if hasattr(m, "num_key_value_groups"):
+            m.num_key_value_groups = G2
+    text.num_attention_heads = Hkv2 * G2
+    if hasattr(text, "num_key_value_heads"):
+        text.num_key_value_heads = Hkv2
+
+
+def _prune_hf(model, by_layer: dict[int, set[int]], pad: bool = False) -> None:
     cfg = model.config
     text = cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg
     D = getattr(text, "head_dim", None)
@@ -132,12 +200,16 @@ def _prune_hf(model, by_layer: dict[int, set[int]]) -> None:
     bad = sorted(i for i in by_layer if i >= len(mods))
     if bad:
         raise ValueError(f"layer(s) {bad} out of range: this model has {len(mods)} attention layers")
+    for i, removed in by_layer.items():
+        out = sorted(h for h in removed if h >= H)
+        if out:
+            raise ValueError(f"head(s) {out} out of range in layer {i}, which has {H} query heads")
+    if pad:
+        _prune_hf_padded(model, mods, text, H, Hkv, D, by_layer)
+        return
     plans = []
     for i, m in enumerate(mods):
         removed = by_layer.get(i, set())
-        out = [h for h in removed if h >= H]
-        if out:
-            raise ValueError(f"head(s) {out} out of range in layer {i}, which has {H} query heads")
         keep, kv = _plan(H, Hkv, removed, f"layer {i}")
         if len(set(kv)) != len(kv):
             _refuse_hf(model, f"layer {i} would keep uneven groups of query heads per key/value head; remove whole "
@@ -227,13 +299,18 @@ def _follow_lab_config(model: nn.Module, mine: list) -> None:
     model.cfg = replace(cfg, n_heads=H2, n_kv_heads=None if Hkv2 == H2 or cfg.attention == "mla" else Hkv2)
 
 
-def prune(model: nn.Module, heads) -> nn.Module:
+def prune(model: nn.Module, heads, *, pad: bool = False) -> nn.Module:
     """Remove query heads `heads` ((layer, head) pairs) physically, in place; returns the model.
 
     What is left computes what `ablate(model, heads)` computes. Models that cannot hold
     the result (BERT/GPT-2, whose configs derive the head width from the head count;
-    uneven removals in transformers models) are refused with the reason.
+    uneven removals in transformers models) are refused with the reason, unless `pad`:
+    then a transformers model's layers are laid out as its widest one, filled with inert
+    (all-zero) heads, so that one head count holds for every layer (multihead modules
+    hold any removal and take no padding).
     """
+    if not isinstance(pad, bool):
+        raise TypeError(f"pad must be a bool; received {type(pad).__name__}")
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be a torch nn.Module; received {type(model).__name__}")
     pairs = check_heads(heads)
@@ -270,7 +347,7 @@ def prune(model: nn.Module, heads) -> nn.Module:
         _follow_lab_config(model, mine)
         return model
     if is_hf(model):
-        _prune_hf(model, by_layer)
+        _prune_hf(model, by_layer, pad)
         return model
     raise ValueError(f"{type(model).__name__} has no multihead Attention/LatentAttention module and is not a "
                      "transformers model; nothing to prune")

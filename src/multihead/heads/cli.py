@@ -11,8 +11,9 @@ score, the loss on the repeated half with the top heads ablated, and the earlier
 that feed them. importance: Michel et al. (2019) head importance on a task (encoders such
 as the bundled MiniLM: verse-half retrieval on the bundled King James Bible; causal
 models: next-token loss), and with --prune-curve the task's score as heads are removed 10%
-at a time. prune: remove heads and save a copy of the model (where its format can hold
-fewer heads). See docs/heads.md.
+at a time (a grouped-query transformers decoder such as SmolLM2: held-out KJV perplexity,
+in whole KV groups and by query heads, by importance and in random orders). prune: remove
+heads and save a copy of the model (where its format can hold fewer heads). See docs/heads.md.
 
 examples:
   multihead heads scan --task ioi --n 8
@@ -21,7 +22,10 @@ examples:
   multihead heads path --task ioi --receivers 23.0,23.2 --via q
   multihead heads induction --png induction.png
   multihead heads importance --prune-curve --png curve.png
+  multihead heads importance --model smollm2 --prune-curve --out docs/heads/prune-curve-smollm2
   multihead heads prune --model path/to/llama --remove 0.1,0.5,1.1,1.5 --out pruned/
+  multihead heads prune --model smollm2 --curve docs/heads/prune-curve-smollm2/results.json --at groups:0.5 \
+      --out pruned/
 """
 
 from __future__ import annotations
@@ -109,6 +113,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     i.add_argument("--prune-curve", action="store_true",
                    help="also measure the task as heads are removed 10%% at a time, least important first")
     i.add_argument("--png", metavar="PATH", help="with --prune-curve: write the curve as a plot")
+    i.add_argument("--out", metavar="DIR", help="with --prune-curve on a grouped-query decoder: write results.json "
+                                                "and curve.png in this folder")
     i.add_argument("--json", action="store_true", help="print JSON instead of tables")
 
     p = sub.add_parser("prune", help="remove heads and save the model",
@@ -117,8 +123,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                                    "left in every layer). The model's own folder is never written; --out must be "
                                    "new or empty unless --force.")
     p.add_argument("--model", default="minilm", help=model_help)
-    p.add_argument("--remove", required=True, metavar="LIST",
+    p.add_argument("--remove", metavar="LIST",
                    help="heads to remove as layer.head, comma-separated, e.g. 0.1,0.5,1.1,1.5")
+    p.add_argument("--curve", metavar="FILE", help="instead of --remove: a results.json of `heads importance "
+                                                  "--prune-curve` on this model, with --at")
+    p.add_argument("--at", metavar="UNIT:FRACTION", help="with --curve: the by-importance point to prune, e.g. "
+                                                         "groups:0.3 or heads:0.5")
+    p.add_argument("--pad", action="store_true",
+                   help="lay every layer out as the widest, with inert (all-zero) heads, so that a transformers "
+                        "config's one head count holds any removal (implied by --curve)")
     p.add_argument("--out", required=True, metavar="DIR", help="a new (or empty) folder to save the pruned model in")
     p.add_argument("--force", action="store_true",
                    help="replace --out when it already holds files (never the model's own folder)")
@@ -610,6 +623,11 @@ def _importance(args) -> dict:
         raise UsageError(f"--batches must be >= 1 and --batch-size >= 2; received {args.batches} and "
                          f"{args.batch_size}")
     loaded, model, kind = _load(args.model)
+    if args.prune_curve and _grouped_decoder(loaded, model, kind):
+        return _lm_curve(args, loaded, model)
+    if args.out:
+        raise UsageError("--out writes the perplexity pruning curve of a grouped-query decoder (--model smollm2 "
+                         "--prune-curve); for this model use --png and --json")
     batches, loss, score, what = _task(loaded, model, kind, args)
     imp = heads.importance(model, batches, loss)
     result = {"model": getattr(loaded, "name", args.model), "task": what,
@@ -617,6 +635,45 @@ def _importance(args) -> dict:
     if args.prune_curve:
         result["curve"] = prune_curve(model, batches, loss, score)
     return result
+
+
+def _grouped_decoder(loaded, model, kind: str) -> bool:
+    """A transformers causal LM with q/k/v/o projections and a head_dim: the perplexity curve's models."""
+    from multihead.heads._prune import _hf_attention_modules
+
+    cfg = getattr(model, "config", None)
+    return (kind == "hf" and bool(getattr(loaded, "is_causal_lm", False)) and bool(_hf_attention_modules(model))
+            and isinstance(getattr(cfg, "head_dim", None), int))
+
+
+def _lm_curve(args, loaded, model) -> dict:
+    import sys
+
+    from multihead.heads.prune_curve import prune_curve_lm
+    from multihead.lab.results import write_json_atomic
+
+    if args.text or args.corpus:
+        raise UsageError("--prune-curve on a grouped-query decoder measures held-out KJV perplexity (importance on "
+                         "Genesis to Acts, perplexity on Romans to Revelation); --text and --corpus are not used "
+                         "there: leave them out")
+    out = None
+    if args.out:
+        out = Path(args.out)
+        if out.exists() and not out.is_dir():
+            raise UsageError(f"--out {args.out!r} is a file; give a folder")
+        out.mkdir(parents=True, exist_ok=True)
+    load = os.getloadavg()[0] if hasattr(os, "getloadavg") else None
+    r = prune_curve_lm(model, loaded.tokenizer, say=lambda m: print(m, file=sys.stderr, flush=True))
+    r = {"model": getattr(loaded, "name", args.model), "task": r["metric"], "date": time.strftime("%Y-%m-%d %H:%M"),
+         "load_average": [load, os.getloadavg()[0] if hasattr(os, "getloadavg") else None],
+         "threads": __import__("torch").get_num_threads(), **r}
+    if out is not None:
+        from multihead.heads.prune_curve import plot_curves
+
+        write_json_atomic(out / "results.json", r)
+        plot_curves(r, out / "curve.png", f"{r['model']}: heads removed, held-out perplexity")
+        r["out"] = str(out)
+    return r
 
 
 def prune_curve(model, batches, loss, score, step: float = 0.1) -> list[dict]:
@@ -671,7 +728,21 @@ def _curve_png(path: Path, curve: list[dict], title: str) -> None:
         fig.savefig(tmp, format="png", dpi=100, bbox_inches="tight")
 
 
+def _print_lm_curve(r: dict) -> None:
+    print(f"{r['model']}: {r['task']}; {r['base_ppl']:.2f} with every head")
+    print("removed  " + "  ".join(f"{u + ' by importance':>20}  {u + ' random (median)':>22}" for u in r["curves"]))
+    for k, f in enumerate(r["fractions"]):
+        cells = [f"{c['importance'][k]['val_ppl']:>20.2f}  {c['random'][k]['val_ppl_median']:>22.2f}"
+                 for c in r["curves"].values()]
+        print(f"{100 * f:>6.0f}%  " + "  ".join(cells))
+    if "out" in r:
+        print(f"wrote {r['out']}/results.json and curve.png")
+
+
 def _print_importance(r: dict) -> None:
+    if "curves" in r:
+        _print_lm_curve(r)
+        return
     print(f"{r['model']}: head importance (Michel et al. 2019, per-layer L2-normalized) on {r['task']}")
     n = max(len(row) for row in r["importance"])
     print("layer " + "".join(f"{h:>7}" for h in range(n)))
@@ -738,17 +809,49 @@ def _save_atomically(out: Path, save) -> None:
             shutil.rmtree(old, ignore_errors=True)
 
 
+def _curve_point(args) -> list[tuple[int, int]]:
+    """The heads of `--curve FILE --at UNIT:FRACTION` (a by-importance point of the curve)."""
+    if args.remove:
+        raise UsageError("give --remove or --curve with --at, not both")
+    if not args.at:
+        raise UsageError("--curve needs --at UNIT:FRACTION, e.g. --at groups:0.3")
+    unit, _, frac = args.at.partition(":")
+    try:
+        r = json.loads(Path(args.curve).read_text(encoding="utf-8"))
+        curves = r["curves"]
+    except (OSError, ValueError, KeyError, TypeError) as err:
+        raise UsageError(f"--curve {args.curve!r}: not a results.json of `heads importance --prune-curve` on a "
+                         f"grouped-query decoder ({type(err).__name__}: {err})") from None
+    try:
+        f = float(frac)
+    except ValueError:
+        f = None
+    points = {p["fraction"]: p for p in curves.get(unit, {}).get("importance", [])}
+    if unit not in curves or f not in points:
+        valid = ", ".join(f"{u}:{p['fraction']:g}" for u in curves for p in curves[u]["importance"])
+        raise UsageError(f"--at {args.at!r} is not a point of {args.curve}; valid: {valid}")
+    return [tuple(p) for p in points[f]["removed"]]
+
+
 def _prune(args) -> dict:
     from multihead import heads
 
-    pairs = _pairs(args.remove)
+    if args.curve:
+        pairs, pad = _curve_point(args), True
+    elif args.remove:
+        pairs, pad = _pairs(args.remove), args.pad
+    else:
+        raise UsageError("give the heads to remove: --remove layer.head,... or --curve FILE --at UNIT:FRACTION")
+    if args.at and not args.curve:
+        raise UsageError("--at picks a point of --curve FILE; give --curve too")
     out, _ = _prune_target(args)
     # a copy of its own: the session's cached model (another run, another tool) stays whole
     loaded, model, kind = _load(args.model, fresh=True)
     if kind != "hf":
         raise UsageError("prune --out saves transformers models; a lab checkpoint's heads can be pruned in Python "
                          "with multihead.heads.prune(model, heads)")
-    heads.prune(model, pairs)
+    before = sum(p.numel() for p in model.parameters())
+    heads.prune(model, pairs, pad=pad)
 
     def save(folder: Path) -> None:
         model.save_pretrained(folder)
@@ -757,7 +860,8 @@ def _prune(args) -> dict:
     cfg = model.config
     return {"model": getattr(loaded, "name", args.model), "removed": [list(p) for p in pairs], "out": str(out),
             "num_attention_heads": cfg.num_attention_heads,
-            "num_key_value_heads": getattr(cfg, "num_key_value_heads", cfg.num_attention_heads)}
+            "num_key_value_heads": getattr(cfg, "num_key_value_heads", cfg.num_attention_heads),
+            "params_before": before, "params": sum(p.numel() for p in model.parameters())}
 
 
 def main(args) -> int:
@@ -791,12 +895,18 @@ def main(args) -> int:
         if png and not args.prune_curve:
             raise UsageError("--png draws the pruning curve; add --prune-curve")
         r = _importance(args)
-        if png:
+        if png and "curves" in r:
+            from multihead.heads.prune_curve import plot_curves
+
+            plot_curves(r, png, f"{r['model']}: heads removed, held-out perplexity")
+            r["png"] = str(png)
+        elif png:
             _curve_png(png, r["curve"], f"{r['model']}: {r['task']}")
             r["png"] = str(png)
         print(json.dumps(r, indent=1)) if args.json else _print_importance(r)
     else:
         r = _prune(args)
         print(f"removed {len(r['removed'])} heads; saved to {r['out']} ({r['num_attention_heads']} query / "
-              f"{r['num_key_value_heads']} key-value heads per layer)")
+              f"{r['num_key_value_heads']} key-value heads per layer; {r['params']:,} parameters, "
+              f"{r['params_before']:,} before)")
     return 0
