@@ -87,6 +87,8 @@ from multihead.kernels.registry import (
     resolve_backend,
 )
 from multihead.kernels.registry import get_backend as _get_backend
+from multihead.kernels.sdpa import plain as _sdpa_plain
+from multihead.kernels.sdpa import sdpa as _sdpa_backend
 from multihead.kernels.validation import check_inputs as _check_inputs
 from multihead.kernels.validation import check_scale as _check_scale
 from multihead.kernels.validation import check_score_mod as _check_score_mod
@@ -173,6 +175,13 @@ def attend(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | MaskMod | Callable | 
         # resolves to is the same ("auto" is "sdpa" here), so is the result, bit for bit.
         impl = BACKENDS.get("sdpa" if backend == "auto" else backend)
         weight_heads, causal = None, bool(causal)
+        if impl is not None and impl.fn is _sdpa_backend and (shape[2] == 1 or not causal) and 0 not in shape:
+            # ... and on the built-in "sdpa" with no causality to apply, its plain form
+            scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
+            out = _sdpa_plain(q, k, v, scale, causal)
+            if not torch.compiler.is_compiling() and _any_nan(q, k, v, out):
+                out, _ = _nan_rule(impl, q, k, v, None, causal, scale, 0.0, None, None)
+            return out, None
     if impl is None:
         scale = _check_scale(scale)
         mask = _check_inputs(q, k, v, mask, scale, dropout_p)
@@ -222,6 +231,7 @@ def _empty(q, k, v, weight_heads):
 
 _NAN_CHECK_ROWS = 16  # from this many queries on, the NaN check reads K and V too
 _NAN_CHECK_LIST = 64  # up to this many rows of `out`, the decode check reads their sums back as a list
+_NUMPY_DTYPES = (torch.float32, torch.float64, torch.float16)  # what NumPy reads in place (not bfloat16)
 
 
 def _any_nan(q: Tensor, k: Tensor, v: Tensor, out: Tensor) -> bool:
@@ -235,19 +245,23 @@ def _any_nan(q: Tensor, k: Tensor, v: Tensor, out: Tensor) -> bool:
     whose every score is NaN comes out of any kernel NaN or exactly zero, so one sum per
     row of `out` decides: if no row sums to NaN or to exactly zero, nothing is to do; else
     (a NaN, a row the mask leaves empty, or, rarely, a row whose values cancel) q, k, v
-    and out are summed as above. One reduction and one read-back: inside `generate`, where
-    every extra op costs 5-10 us with cold caches, the old vector_norm, amin, float cost
-    ~25 us per call and this ~15 (benchmarks/hf_generate.py); a few rows come back as a
-    Python list (a C loop finds a zero or a NaN in it), more as one amin.
+    and out are summed as above. A CPU `out` is summed by NumPy over the tensor's own
+    memory: no torch op, whose dispatch costs more than the sum inside `generate`
+    (benchmarks/hf_generate.py); other devices and bfloat16 use one torch sum. A few rows
+    come back as a Python list (a C loop finds a zero or a NaN in it), more as one amin.
     """
     if q.shape[2] < _NAN_CHECK_ROWS:
-        sums = (out.detach() if out.requires_grad else out).sum(-1)  # (B, H, T); NaN: a NaN in the row; 0: zero
-        if sums.numel() <= _NAN_CHECK_LIST:
-            rows = sums.view(-1).tolist()
+        o = out.detach() if out.requires_grad else out
+        if o.is_cpu and o.dtype in _NUMPY_DTYPES and type(o) is Tensor:
+            sums = o.numpy().sum(-1).ravel()  # (B*H*T,); NaN: a NaN in the row; 0: zero
+        else:
+            sums = o.sum(-1).view(-1)
+        if len(sums) <= _NAN_CHECK_LIST:
+            rows = sums.tolist()
             total = sum(rows)
             if total == total and 0.0 not in rows:  # no NaN (NaN != NaN), no zero
                 return False
-        elif float(sums.abs().amin()) > 0:  # (NaN > 0 is False)
+        elif float(abs(sums).min()) > 0:  # (NaN > 0 is False)
             return False
     acc = torch.promote_types(q.dtype, torch.float32)
     return bool(torch.stack([t.sum(dtype=acc) for t in (q, out, k, v)]).isnan().any())

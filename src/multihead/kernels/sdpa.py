@@ -16,7 +16,7 @@ from multihead.kernels.explicit_tiles import twice
 from multihead.masks import MaskMod
 from multihead.masks import causal as causal_mod
 
-__all__ = ["SecondOrder", "sdpa", "twice_differentiable"]
+__all__ = ["SecondOrder", "plain", "sdpa", "twice_differentiable"]
 
 
 def sdpa(q, k, v, mask, *, causal, scale, dropout_p, weight_heads, score_mod=None):
@@ -91,6 +91,30 @@ def sdpa(q, k, v, mask, *, causal, scale, dropout_p, weight_heads, score_mod=Non
     if weight_heads is not None:
         weights = explicit_math.weights_pass(q, k, mask, causal, scale, weight_heads)
     return twice_differentiable(out, q, k, v, mask, causal, scale, dropout_p, None), weights
+
+
+def plain(q: Tensor, k: Tensor, v: Tensor, scale: float, causal: bool = False) -> Tensor:
+    """`sdpa(q, k, v, None, causal=causal, scale=scale, dropout_p=0.0, weight_heads=None)[0]`
+    for the calls where causality changes nothing (one query sees every key, or `causal`
+    False), on non-empty inputs `functional.attend` has checked: the same calls of torch's
+    kernel, the same bits, without `sdpa`'s branches for masks, mods and weights. The decode
+    step runs it once per layer per token, where every Python line and torch op shows."""
+    B, H, T, D = q.shape
+    Hkv = k.shape[1]
+    if Hkv == H:
+        out = F.scaled_dot_product_attention(q, k, v, scale=scale)
+    else:
+        P = mqa_splits(B, Hkv, H // Hkv, q.device) if Hkv == 1 else 1
+        if P == 1:
+            out = F.scaled_dot_product_attention(q.reshape(B, Hkv, H // Hkv * T, D), k, v, scale=scale)
+        else:  # MQA on more threads than batch rows: see `sdpa`
+            S, Dv = k.shape[2], v.shape[-1]
+            out = F.scaled_dot_product_attention(q.reshape(B, P, H // P * T, D), k.expand(B, P, S, D),
+                                                 v.expand(B, P, S, Dv), scale=scale)
+        out = out.view(B, H, T, v.shape[-1])
+    if out.requires_grad:
+        return twice_differentiable(out, q, k, v, None, causal, scale, 0.0, None)
+    return out
 
 
 class SecondOrder(torch.autograd.Function):
