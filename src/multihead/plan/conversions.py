@@ -5,6 +5,8 @@ smaller count of key/value heads that divides the model's) and `to_mla` (latent 
 whose cache equals each of those GQA caches, up to the rank where the conversion is
 exact) give: KV-cache bytes per token and parameters, and how much each saves. The
 numbers are this package's exact accounting of the converted geometry (pure Python).
+The MLA rows have no decoupled RoPE key (rope_dim 0); the text says what a RoPE model's
+`to_mla(model, R, rope_dim=r)` adds to them (the geometry does not record RoPE).
 
 What each costs in quality is measured, at small scale, by `multihead lab uptrain`.
 """
@@ -68,6 +70,7 @@ def conversions_text(model: ModelGeometry, dtype="bf16") -> str:
         lines.append(f"  {r['conversion']:<{width}}  KV / token {fmt_bytes(r['kv_bytes_per_token']):>10} "
                      f"(-{r['kv_saved']:.0%})  params {fmt_count(r['params']):>7} "
                      f"({'-' if r['params_saved'] >= 0 else '+'}{fmt_count(abs(r['params_saved']))})")
-    lines.append("  to_mla converts layers without RoPE (multihead and lab models); a transformers model "
-                 "converts with to_gqa")
+    lines += ["  to_mla R: the latent alone (rope_dim 0), exact at the top rank for layers without RoPE; a RoPE model",
+              "  (multihead, lab or transformers Llama-family) converts with to_mla(model, R, rope_dim=r), MHA2MLA's",
+              "  partial RoPE, and caches r more values per token per layer"]
     return "\n".join(lines)
