@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 import multihead as mh
 from conftest import assert_close
 from multihead import masks
-from multihead.kernels import fused_tiles, planner
+from multihead.kernels import common, fused_tiles, planner
 
 N = 16384
 TS_BOOL_MIB = N * N / 2**20  # one (T, S) bool mask: 256 MiB
@@ -239,3 +239,103 @@ def test_document_squares_equal_the_reference(lengths, heads, tile, dtype, batch
     assert_close(got, want, dtype, what=f"out {lengths} {heads} {dtype}")
     for n, a, b in zip("qkv", grads, want_grads):
         assert_close(a, b, dtype, what=f"d{n} {lengths} {heads} {dtype}")
+
+
+def _spy_flash_calls(monkeypatch):
+    """(q shape, k shape, causal, mask shape) of every call of the CPU flash kernel, forward and backward."""
+    seen = []
+    for name in ("flash_lse", "flash_lse_backward"):
+        real = getattr(fused_tiles, name)
+
+        def spy(*args, real=real, name=name, **kw):
+            q, k = args[:2] if name == "flash_lse" else args[1:3]
+            mask = None if kw.get("mask") is None else tuple(kw["mask"].shape)
+            seen.append((name, tuple(q.shape), tuple(k.shape), kw["causal"], mask))
+            return real(*args, **kw)
+
+        monkeypatch.setattr(fused_tiles, name, spy)
+    return seen
+
+
+@pytest.mark.skipif(not common.HAS_CPU_FLASH, reason="needs torch's CPU flash kernel (log-sum-exp pieces)")
+def test_alike_blocks_of_a_window_run_as_one_band_call(monkeypatch):
+    """sliding_window(4) & causal, T = S = 64, tiles of 8: block 0 alone, blocks 1..7 (each
+    keys r0 - 8 .. r0 + 8) as one call with the 7 blocks in the batch, forward and backward."""
+    monkeypatch.setattr(fused_tiles, "FUSED_TILE", 8)
+    seen = _spy_flash_calls(monkeypatch)
+    q, k, v = (torch.randn(1, 2, 64, 4, requires_grad=True) for _ in range(3))
+    out = mh.scaled_dot_product_attention(q, k, v, masks.sliding_window(4) & masks.causal())
+    out.sum().backward()
+    assert [s for s in seen if s[1][0] == 7] == [("flash_lse", (7, 2, 8, 4), (7, 2, 16, 4), False, (1, 1, 8, 16)),
+                                                 ("flash_lse_backward", (7, 2, 8, 4), (7, 2, 16, 4), False,
+                                                  (1, 1, 8, 16))], seen
+    assert len(seen) == 4, seen  # block 0 and the band, each forward and backward
+
+
+def _layout(x, bthd):
+    """The same values with heads interleaved in memory, (B, T, H, D) transposed, as projections give them."""
+    return x.transpose(1, 2).contiguous().transpose(1, 2) if bthd else x
+
+
+@pytest.mark.skipif(not common.HAS_CPU_FLASH, reason="needs torch's CPU flash kernel (log-sum-exp pieces)")
+@pytest.mark.parametrize("heads", [(4, 4), (4, 2), (4, 1)])
+@pytest.mark.parametrize("bthd", [False, True])
+@pytest.mark.parametrize("pieces", ["one call", "pieces"])
+def test_bands_equal_the_math_path(heads, bthd, pieces, monkeypatch):
+    """Bands (blocks in the kernel's batch, GQA group positions one call each, the batch folded or
+    one call per b): outputs and gradients equal the math path in float64, for windows narrower
+    and wider than a tile, more keys than queries, and (`pieces`) bands of several pieces merged by
+    log-sum-exp (partial, full, the causal diagonal)."""
+    monkeypatch.setattr(fused_tiles, "FUSED_TILE", 8)
+    if pieces == "pieces":
+        monkeypatch.setattr(fused_tiles, "_ONE_CALL_SPAN", 0)
+    seen = _spy_flash_calls(monkeypatch)
+    H, Hkv = heads
+    g = torch.Generator().manual_seed(3)
+    for T, S, window in ((64, 64, 4), (80, 80, 21), (48, 75, 13)):
+        q = _layout(torch.randn(2, H, T, 16, generator=g, dtype=torch.float64), bthd).requires_grad_()
+        k, v = (_layout(torch.randn(2, Hkv, S, 16, generator=g, dtype=torch.float64), bthd).requires_grad_()
+                for _ in range(2))
+        pred = masks.sliding_window(window) & masks.causal()
+        seen.clear()
+        got = mh.scaled_dot_product_attention(q, k, v, pred)
+        g_out = torch.linspace(-1, 1, got.numel(), dtype=torch.float64).view_as(got)
+        grads = torch.autograd.grad(got, (q, k, v), g_out)
+        assert any(s[1][0] > 2 for s in seen), seen  # a band ran (blocks in the batch)
+        want = mh.scaled_dot_product_attention(q, k, v, pred, backend="math")
+        want_grads = torch.autograd.grad(want, (q, k, v), g_out)
+        for name, a, b in zip(["out", "dq", "dk", "dv"], (got, *grads), (want, *want_grads)):
+            assert_close(a, b, what=f"{name} T={T} S={S} window={window} heads={heads} bthd={bthd}")
+        if pieces == "pieces" and window > 8 and T == S:
+            assert any(s[3] for s in seen if s[1][0] > 2), seen  # the diagonal piece through the causal kernel
+
+
+@pytest.mark.skipif(not common.HAS_CPU_FLASH, reason="needs torch's CPU flash kernel (log-sum-exp pieces)")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_bands_in_low_precision_and_a_broadcast_gradient(dtype, monkeypatch):
+    """float32 and bfloat16 against float64's math path; out.sum()'s gradient is a stride-0 view."""
+    monkeypatch.setattr(fused_tiles, "FUSED_TILE", 16)
+    g = torch.Generator().manual_seed(4)
+    q, k, v = (torch.randn(1, 4, 96, 32, generator=g, dtype=torch.float64) for _ in range(3))
+    pred = masks.sliding_window(24) & masks.causal()
+    xs = [x.to(dtype).requires_grad_() for x in (q, k, v)]
+    got = mh.scaled_dot_product_attention(*xs, pred)
+    grads = torch.autograd.grad(got.sum(), xs)
+    x64 = [x.requires_grad_() for x in (q, k, v)]
+    want = mh.scaled_dot_product_attention(*x64, pred, backend="math")
+    want_grads = torch.autograd.grad(want.sum(), x64)
+    for name, a, b in zip(["out", "dq", "dk", "dv"], (got, *grads), (want, *want_grads)):
+        assert_close(a, b, dtype, what=f"{name} {dtype}")
+
+
+def test_band_rows_are_blocks_shifted_by_one_tile():
+    """A window's rows past its start keep the tiles of the row before, shifted: bands (row 4 is
+    the first whose window has left tile 0); causal's rows do not (each keeps one tile more), nor
+    does a short last block."""
+    w = masks.sliding_window(20) & masks.causal()
+    kept, full = planner.tile_plan(w, 1, 1, 64, 64, 8, 8, "cpu")
+    assert planner.band_rows(kept, full, 64, 8).tolist() == [False, False, False, False, True, True, True, True]
+    kept, full = planner.tile_plan(w, 1, 1, 60, 60, 8, 8, "cpu")
+    assert planner.band_rows(kept, full, 60, 8).tolist() == [False, False, False, False, True, True, True, False]
+    kept, full = planner.tile_plan(masks.causal(), 1, 1, 64, 64, 8, 8, "cpu")
+    assert not planner.band_rows(kept, full, 64, 8).any()

@@ -147,6 +147,7 @@ class _FusedPlan:
         self.bq, self.bk, self.kept, self.full = bq, bk, kept, full
         self.dtype, self.device = q.dtype, q.device
         self._cache = {}
+        self.rows_contiguous = all(x.stride(-1) == 1 for x in (q, k, v))  # the kernel reads rows of a band's views
         self.P = mqa_splits(self.B, self.Hkv, self.G, q.device)  # MQA: P stride-0 heads, one per thread
 
     def blocks(self):
@@ -201,7 +202,8 @@ class _FusedPlan:
         thread busy where hundreds of calls of 8 heads each wait on each other at every
         call's end.
         """
-        can = self.pred is not None and self.pred.relative and self.score_mod is None and self.dense is None
+        can = self.pred is not None and self.pred.relative and self.score_mod is None and self.dense is None \
+            and self.rows_contiguous
         pending = []  # a band in the making: [(r0, rel)]
 
         def flush():
@@ -276,6 +278,28 @@ class _FusedPlan:
                 o, lp = lse_merge(parts, acc, q.dtype)
                 self.band_view(out, b, g, r0, n, self.bq).copy_(o)
                 self.band_view(lse4, b, g, r0, n, self.bq).copy_(lp)
+
+    def band_backward(self, d_out, q, k, v, out, lse, dq, dk, dv, r0, n, pieces):
+        """Backward of a band (see `band`): per GQA group position and piece one backward call
+        over all its blocks with the merged out and lse. The blocks' key windows overlap, so
+        their dk, dv are added in slices of bq keys, each slice's blocks disjoint."""
+        if d_out.stride(-1) != 1:
+            d_out = d_out.contiguous()  # a broadcast gradient (out.sum()'s): the kernel reads rows
+        lse4 = lse[..., None]  # (B, H, T, 1): viewed like out
+        for b in self.band_batches(q, k, v, d_out):
+            for g in range(self.G):
+                qb, ob, gb = (self.band_view(x, b, g, r0, n, self.bq) for x in (q, out, d_out))
+                lb = self.band_view(lse4, b, g, r0, n, self.bq)[..., 0]  # (n, heads, bq)
+                for a, e, partial in pieces:
+                    m, is_causal, _ = self.band_mask(r0, a, e, partial)
+                    kb, vb = (self.band_view(x, b, 0, r0 + a, n, e - a) for x in (k, v))
+                    gq, gk, gv = flash_lse_backward(gb, qb, kb, vb, ob, lb, causal=is_causal, scale=self.scale,
+                                                    mask=m)
+                    self.band_view(dq, b, g, r0, n, self.bq).add_(gq)
+                    for j in range(a, e, self.bq):
+                        w = min(self.bq, e - j)
+                        self.band_view(dk, b, 0, r0 + j, n, w).add_(gk[:, :, j - a:j - a + w])
+                        self.band_view(dv, b, 0, r0 + j, n, w).add_(gv[:, :, j - a:j - a + w])
 
     def piece_mask(self, r0, r1, c0, c1, partial):
         """(float mask laid out for the folded queries or None, is_causal, rows-empty or None).
@@ -415,7 +439,10 @@ class _MergedFused(torch.autograd.Function):
         dk = torch.zeros(k.shape, dtype=acc, device=q.device)
         dv = torch.zeros(v.shape, dtype=acc, device=q.device)
         lse = backward_lse(lse)  # rows with no key: P = 0, no gradient
-        for r0, r1, pieces in fp.blocks():
+        for kind, r0, r1, pieces in fp.runs(fp.blocks()):
+            if kind == "band":  # r1: the band's number of blocks
+                fp.band_backward(d_out, q, k, v, out, lse.to(lse_dtype), dq, dk, dv, r0, r1, pieces)
+                continue
             if pieces and pieces[0][2] is CAUSAL:
                 qs, ks, vs = fp.square(q, k, v, r0, r1)
                 gs, os_ = fp.square_rows(d_out, r0, r1), fp.square_rows(out, r0, r1)
