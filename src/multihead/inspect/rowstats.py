@@ -38,8 +38,13 @@ __all__ = ["BEYOND", "RowSums", "TextContext", "duplicate_token_block", "inducti
 
 #: The distances (tokens back) whose share of attention mass is reported as beyond_1k / beyond_4k.
 BEYOND = {"beyond_1k": 1024, "beyond_4k": 4096}
-#: Token-match pairs kept for reuse across layers (two int64 each).
+#: Token-match pairs kept for reuse across layers (one int64 each).
 PAIR_CACHE = 1 << 22
+#: The row quantities `RowSums` sums (each `(h, t)` per block), in the order of its sums.
+ROW_VALUES = ("entropy", "distance", "first", *BEYOND, "previous", "current", "next", "delimiter", "mass",
+              "matched")
+#: Keys per chunk in the two-stage top-k (`RowSums._keep_top`).
+TOP_CHUNK = 64
 
 
 # --------------------------------------------------------------------- patterns
@@ -124,12 +129,12 @@ class TextContext:
         self.__dict__["_rows"] = rows
         return rows
 
-    def pairs(self, name: str, t0: int, t1: int, k0: int, k1: int) -> tuple[Tensor, Tensor]:
-        """The (row, key) pairs, relative to the block, where pattern `name` has a 1 and A'
-        keeps the weight (not the first key, not the diagonal); the TransformerLens
-        patterns ("tl_duplicate_token", "tl_induction") keep every pair. Token matches are
-        sparse: the same block geometry recurs in every layer, so pairs are kept (up to
-        PAIR_CACHE of them in all)."""
+    def pair_index(self, name: str, t0: int, t1: int, k0: int, k1: int) -> Tensor:
+        """The (row, key) pairs, as flat indices `row * (k1 - k0) + key` into the block, where
+        pattern `name` has a 1 and A' keeps the weight (not the first key, not the diagonal);
+        the TransformerLens patterns ("tl_duplicate_token", "tl_induction") keep every pair.
+        Token matches are sparse and the same block geometry recurs in every layer, so the
+        indices are kept (up to PAIR_CACHE of them in all)."""
         key = (name, t0, t1, k0, k1)
         cache = self.__dict__.setdefault("_pairs", {})
         if key in cache:
@@ -145,12 +150,11 @@ class TextContext:
         if not name.startswith("tl_"):
             i, j = _grid(t0, t1, k0, k1, pat.device)
             pat &= (j != i) & (j != 0)
-        rows, keys = pat.nonzero(as_tuple=True)
-        out = (rows, keys)
+        out = pat.reshape(-1).nonzero()[:, 0]  # (pairs,)
         held = self.__dict__.get("_held", 0)
-        if held + rows.numel() <= PAIR_CACHE:
+        if held + out.numel() <= PAIR_CACHE:
             cache[key] = out
-            self.__dict__["_held"] = held + rows.numel()
+            self.__dict__["_held"] = held + out.numel()
         return out
 
 
@@ -165,6 +169,12 @@ class RowSums:
     row's top-k keys (`top_index` int32, `top_weight` float16, `(h, T, k)`; -1 and 0 past the
     keys with nonzero weight); `grid` > 0
     keeps the pattern summed over a grid x grid of row and key bins (`pattern`, float32).
+
+    Every statistic but the token-match numerators is a weighted sum over rows of a row
+    quantity (`ROW_VALUES`) with a weight per row that depends only on the text (`_weights`:
+    which rows a mean runs over, 1 / log n_i for the normalized entropy), so one block's
+    sums are one `(values x h, t) @ (t, weights)` product: a few operations per block,
+    whatever the number of statistics.
     """
 
     def __init__(self, n_heads: int, context: TextContext, S: int | None = None, *, top_k: int = 0,
@@ -176,8 +186,6 @@ class RowSums:
         self.shift = self.S - self.T
         self.transformer_lens = bool(transformer_lens)
         dev = self.ctx.ids.device
-        self.sums: dict[str, Tensor] = {}
-        self.rows: dict[str, float] = {}  # rows each mean divides by (where it depends on the text)
         self.top_k = int(top_k)
         self.top_index = self.top_weight = None
         if self.top_k:
@@ -185,95 +193,118 @@ class RowSums:
             self.top_weight = torch.zeros(self.h, self.T, self.top_k, dtype=torch.float16, device=dev)
         self.grid = min(int(grid), self.T, self.S) if grid else 0
         self.pattern = torch.zeros(self.h, self.grid, self.grid, device=dev) if self.grid else None
+        self._matches = [name for name, n in self.ctx.match_rows().items() if n]  # token-match roles scored
+        self._W, self._weight_names = self._weights()  # (T, m) float64
+        self._sums = torch.zeros(len(ROW_VALUES), self.h, len(self._weight_names), dtype=torch.float64,
+                                 device=dev)  # (values, h, weights)
+        self._num = {name: torch.zeros(self.h, dtype=torch.float64, device=dev)
+                     for name in self._matches + (["tl_duplicate_token", "tl_induction"]
+                                                  if self.transformer_lens else [])}
+        self._rows = torch.arange(self.T, device=dev)
+        self._offsets = torch.tensor([-1, 0, 1], device=dev)
+        self._cols = torch.arange(self.S, device=dev)
 
-    def _add(self, name: str, row_values: Tensor, rows: Tensor | None = None) -> None:
-        """Add the sum over the block's rows (those where `rows` is True) of `row_values (h, t)`."""
-        if rows is not None:  # a product, not a boolean index: no host sync, no copy
-            row_values = row_values.double() * rows
-        s = row_values.double().sum(-1)
-        self.sums[name] = self.sums[name] + s if name in self.sums else s
+    def _weights(self) -> tuple[Tensor, list[str]]:
+        """Each row's weight in each mean, `(T, m)` float64, and the m weights' names."""
+        ctx, T, dev = self.ctx, self.T, self.ctx.ids.device
+        i = torch.arange(T, device=dev)
+        pos = i + self.shift
+        n = (i + 1).double() if ctx.causal else torch.full((T,), float(T), dtype=torch.float64, device=dev)
+        w = {"all": torch.ones(T, dtype=torch.float64, device=dev),
+             "query": (i >= ctx.first_row).double(),
+             "after_first": (i >= 1).double(),
+             "before_last": (i <= T - 2).double(),
+             "normalized": torch.where(n > 1, 1 / torch.log(n.clamp_min(2)), torch.zeros_like(n))}
+        for name, d in BEYOND.items():
+            w[name] = (pos >= d).double()
+        rows = ctx.pattern_rows()
+        for name in self._matches:
+            w[name] = rows[name].double()
+        return torch.stack(list(w.values()), dim=-1), list(w)
 
-    def add(self, P: Tensor, t0: int, k0: int = 0) -> None:
-        """Fold in one block: P `(h, t, w)`, rows t0..t0+t, keys k0..k0+w (others have 0)."""
+    def add(self, P: Tensor, t0: int, k0: int = 0, entropy: Tensor | None = None) -> None:
+        """Fold in one block: P `(h, t, w)`, rows t0..t0+t, keys k0..k0+w (others have 0).
+        `entropy`: the rows' -sum p log p `(h, t)` when the caller has it already."""
         h, t, w = P.shape
         assert h == self.h and t0 + t <= self.T and k0 + w <= self.S, "block outside the attention"
         P = P.float()
         dev, ctx = P.device, self.ctx
         t1, k1 = t0 + t, k0 + w
-        i = torch.arange(t0, t1, device=dev)  # query rows
-        pos = i + self.shift  # their positions among the keys
-        in_q = i >= ctx.first_row
-        cols = torch.arange(w, device=dev)
+        pos = self._rows[t0:t1] + self.shift  # the rows' positions among the keys
+        cols = self._cols[:w]
 
         # The statistics linear in a row (sums of P against a vector of keys), in one pass:
         # the row sum, the distance (from the block's last row: no cancellation in float32),
         # the delimiter mass and the keys every row counts as far back (the band where rows
         # differ, at most t keys wide, is added below).
-        ref = int(pos[-1])
+        ref = t1 - 1 + self.shift
         counts = {name: (pos - d - k0 + 1).clamp(0, w) for name, d in BEYOND.items()}  # keys 0..n_i-1 count
-        lows = {name: int(n.min()) for name, n in counts.items()}
-        V = torch.stack([torch.ones(w, device=dev), (ref - k0 - cols).to(P.dtype),
+        lows = {name: max(0, min(w, t0 + self.shift - d - k0 + 1)) for name, d in BEYOND.items()}
+        V = torch.stack([torch.ones(w, dtype=P.dtype, device=dev), (ref - k0 - cols).to(P.dtype),
                          ctx.delimiter[k0:k1].to(P.dtype)]
                         + [(cols < lows[name]).to(P.dtype) for name in BEYOND], dim=-1)  # (w, 3 + len(BEYOND))
         lin = P @ V  # (h, t, 3 + len(BEYOND))
         r = lin[..., 0]  # 1, or 0 for a row that may attend nothing
-        h_rows = torch.special.entr(P).sum(-1)  # (h, t): -sum p log p, nats
-        self._add("entropy", h_rows)
-        self._add("mean_distance", lin[..., 1] - (ref - pos).to(P.dtype) * r)
-        first = P[..., 0] if k0 == 0 else torch.zeros_like(r)
-        self._add("first_token_mass", first)
-        for c, (name, d) in enumerate(BEYOND.items()):
+        values = dict.fromkeys(ROW_VALUES)
+        values["entropy"] = torch.special.entr(P).sum(-1) if entropy is None else entropy.to(P.dtype)  # nats
+        values["distance"] = lin[..., 1] - (ref - pos).to(P.dtype) * r
+        values["first"] = P[..., 0] if k0 == 0 else torch.zeros_like(r)
+        for c, name in enumerate(BEYOND):
             mass = lin[..., 3 + c]
-            lo, hi = lows[name], int(counts[name].max())
+            lo, hi = lows[name], max(0, min(w, t1 - 1 + self.shift - BEYOND[name] - k0 + 1))
             if hi > lo:
-                band = torch.arange(lo, hi, device=dev)[None, :] < counts[name][:, None]  # (t, hi - lo)
+                band = cols[lo:hi][None, :] < counts[name][:, None]  # (t, hi - lo)
                 mass = mass + (P[..., lo:hi] * band).sum(-1)
-            self._add(name, mass, pos >= d)
-
-        # roles (S == T: the patterns index keys by token)
-        n = (i + 1).double() if ctx.causal else torch.full((t,), float(self.T), dtype=torch.float64, device=dev)
-        self._add("normalized_entropy", h_rows.double() / torch.log(n.clamp_min(2)), n > 1)
-        prev = self._diagonal(P, t0, k0, -1)
-        self._add("previous_token", prev, i >= 1)
-        if not ctx.causal:
-            self._add("next_token", self._diagonal(P, t0, k0, 1), i <= self.T - 2)
-        diag = self._diagonal(P, t0, k0, 0)
-        self._add("current_token", diag, in_q)
-        self._add("first_token", first, in_q)
-        self._add("delimiter", lin[..., 2], in_q)
+            values[name] = mass
+        diag = self._diagonals(P, t0, k0)  # (h, t, 3): keys i - 1, i, i + 1
+        values["previous"], values["current"], values["next"] = diag.unbind(-1)
+        values["delimiter"] = lin[..., 2]
+        values["mass"] = r
         # A' = A without the first key and the diagonal (TransformerLens' exclude_bos and
         # exclude_current_token): at [0, 0] both are one weight, taken out once.
-        den = r - first - diag + torch.where(i == 0, diag, torch.zeros_like(diag))
-        for name, rows in ctx.pattern_rows().items():
-            rows = rows[t0:t1]
-            if not bool(rows.any()):
-                continue
-            a, b = ctx.pairs(name, t0, t1, k0, k1)
-            self._add(name + ":num", P[:, a, b])
-            self._add(name + ":den", den, rows)
-        if self.transformer_lens:
-            self._add("tl:den", r)
-            self._add("tl_previous_token", prev, i >= 1)
-            for name in ("tl_duplicate_token", "tl_induction"):
-                a, b = ctx.pairs(name, t0, t1, k0, k1)
-                self._add(name, P[:, a, b])
+        values["matched"] = r - values["first"] - values["current"] + \
+            (values["current"] * (pos == self.shift)).to(P.dtype)
+        V = torch.stack(list(values.values())).double().view(len(ROW_VALUES) * h, t)  # (values x h, t)
+        self._sums += (V @ self._W[t0:t1]).view(len(ROW_VALUES), h, -1)
+        if self._num:
+            flat = P.reshape(h, t * w)
+            for name, acc in self._num.items():
+                idx = ctx.pair_index(name, t0, t1, k0, k1)
+                if idx.numel():
+                    acc += flat.index_select(1, idx).double().sum(-1)
         if self.top_k:
             self._keep_top(P, t0, k0)
         if self.grid:
             self._bin(P, t0, k0)
 
-    def _diagonal(self, P: Tensor, t0: int, k0: int, offset: int) -> Tensor:
-        """P[:, i, i + offset] for the block's rows `(h, t)`, 0 where that key is outside."""
+    def _diagonals(self, P: Tensor, t0: int, k0: int) -> Tensor:
+        """P[:, i, i + o] for the block's rows and o = -1, 0, 1: `(h, t, 3)`, 0 where that key is outside."""
         h, t, w = P.shape
-        cols = torch.arange(t0, t0 + t, device=P.device) + offset - k0
+        cols = self._rows[t0:t0 + t, None] + self._offsets - k0  # (t, 3)
         inside = (cols >= 0) & (cols < w)
-        got = P.gather(-1, cols.clamp(0, max(0, w - 1)).view(1, t, 1).expand(h, t, 1))[..., 0]
+        got = P.gather(-1, cols.clamp(0, max(0, w - 1))[None].expand(h, t, 3))
         return got * inside
 
     def _keep_top(self, P: Tensor, t0: int, k0: int) -> None:
+        """Each row's k largest weights. A row's k largest lie in the k chunks (of TOP_CHUNK keys)
+        with the largest maxima: were one outside them, those k maxima would be k larger
+        weights. So the top-k runs on k chunks (and the tail) instead of the whole row."""
         h, t, w = P.shape
         k = min(self.top_k, w)
-        vals, idx = torch.topk(P, k, dim=-1)  # (h, t, k)
+        c = TOP_CHUNK
+        n = w // c
+        if n > 4 * k:
+            body = P[..., :n * c].view(h, t, n, c)
+            chunk = body.amax(-1).topk(k, dim=-1)[1]  # (h, t, k): the chunks with the k largest maxima
+            cand = body.gather(2, chunk[..., None].expand(h, t, k, c)).view(h, t, k * c)
+            where = (chunk[..., None] * c + self._cols[:c]).view(h, t, k * c)  # their keys
+            if n * c < w:
+                cand = torch.cat([cand, P[..., n * c:]], dim=-1)
+                where = torch.cat([where, self._cols[n * c:w].expand(h, t, w - n * c)], dim=-1)
+            vals, j = torch.topk(cand, k, dim=-1)  # (h, t, k)
+            idx = where.gather(-1, j)
+        else:
+            vals, idx = torch.topk(P, k, dim=-1)  # (h, t, k)
         self.top_weight[:, t0:t0 + t, :k] = vals.to(torch.float16)
         idx = (idx + k0).to(torch.int32).masked_fill(vals == 0, -1)  # -1: no more keys with weight
         self.top_index[:, t0:t0 + t, :k] = idx
@@ -295,33 +326,37 @@ class RowSums:
         row reaches that far back."""
         ctx, T = self.ctx, self.T
         out: dict[str, Tensor] = {}
-        s = self.sums
+        v, m = ROW_VALUES.index, self._weight_names.index
+
+        def s(value: str, weight: str) -> Tensor:
+            return self._sums[v(value), :, m(weight)]
+
         zeros = torch.zeros(self.h, dtype=torch.float64, device=ctx.ids.device)
-        for name in ("entropy", "mean_distance", "first_token_mass"):
-            out[name] = s[name] / T
+        out["entropy"] = s("entropy", "all") / T
+        out["mean_distance"] = s("distance", "all") / T
+        out["first_token_mass"] = s("first", "all") / T
         for name, d in BEYOND.items():
             rows = max(0, T - max(0, d - self.shift))
             if rows:
-                out[name] = s[name] / rows
+                out[name] = s(name, name) / rows
         rows = int(((torch.arange(1, T + 1) if ctx.causal else torch.full((T,), T)) > 1).sum())
-        out["normalized_entropy"] = (s["normalized_entropy"] / rows).clamp(0, 1) if rows else zeros
+        out["normalized_entropy"] = (s("entropy", "normalized") / rows).clamp(0, 1) if rows else zeros
         if T > 1:
-            out["previous_token"] = s["previous_token"] / (T - 1)
+            out["previous_token"] = s("previous", "after_first") / (T - 1)
             if not ctx.causal:
-                out["next_token"] = s["next_token"] / (T - 1)
+                out["next_token"] = s("next", "before_last") / (T - 1)
         q = T - ctx.first_row
-        out["current_token"] = s["current_token"] / q
-        out["first_token"] = s["first_token"] / q
+        out["current_token"] = s("current", "query") / q
+        out["first_token"] = s("first", "query") / q
         if bool(ctx.delimiter.any()):
-            out["delimiter"] = s["delimiter"] / q
-        for name in ("duplicate_token", "induction"):
-            if name + ":den" in s:
-                s.setdefault(name + ":num", zeros)
-                num, den = s[name + ":num"], s[name + ":den"]
-                out[name] = torch.where(den > 0, num / den.clamp_min(1e-300), zeros)
+            out["delimiter"] = s("delimiter", "query") / q
+        for name in self._matches:
+            den = s("matched", name)
+            out[name] = torch.where(den > 0, self._num[name] / den.clamp_min(1e-300), zeros)
         if self.transformer_lens:
-            den = s["tl:den"]
-            for name in ("tl_previous_token", "tl_duplicate_token", "tl_induction"):
-                num = s.get(name, zeros)
+            den = s("mass", "all")
+            nums = {"tl_previous_token": s("previous", "after_first"), "tl_duplicate_token":
+                    self._num["tl_duplicate_token"], "tl_induction": self._num["tl_induction"]}
+            for name, num in nums.items():
                 out[name] = torch.where(den > 0, num / den.clamp_min(1e-300), zeros)
         return {k: v.float().cpu() for k, v in out.items()}

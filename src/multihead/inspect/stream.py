@@ -4,12 +4,14 @@
 attention layer hands its q `(B, H, T, D)` and k `(B, Hkv, S, D)` (after RoPE), its mask,
 window, causality, scale, softcap and sinks, exactly as the kernel receives them, to an
 observer (the registry's `OBSERVER_KEYWORD`). The observer recomputes that layer's
-probabilities in float32 a block of query rows at a time, with the kernels' own masked
-softmax (`kernels.common.softmax`, the mask rows of `kernels.math.rows_mask`), each block
+probabilities in float32 a block of query rows at a time, with the kernels' masking rules
+(the mask rows of `kernels.math.rows_mask`, the empty-row rule of `kernels.common.softmax`)
+and one log-softmax that gives both the probabilities and their entropy, each block
 cropped to the keys its rows may see, and folds every block into the running sums of
 `rowstats.RowSums` before the next is made: never more than one block's `(h, t, w)`
-scores of one layer exist, whatever T is. The kernel's own output is untouched; the
-forward stops inside the last layer asked (no logits).
+scores of one layer exist, whatever T is. Blocks are small (`BLOCK_ELEMENTS`), so the
+several passes over one block run from the CPU's cache. The kernel's own output is
+untouched; the forward stops inside the last layer asked (no logits).
 
 What comes back (`HeadSummaries`): per-head arrays `(layers, heads)` of every statistic
 in `multihead.inspect.rowstats` (entropy in nats, mean distance, first-token mass,
@@ -37,7 +39,7 @@ from torch import Tensor
 from multihead.inspect.capture import encode_text, select_indices
 from multihead.inspect.rowstats import BEYOND, RowSums
 from multihead.interop.loaders import load_model
-from multihead.kernels.common import acc_dtype, index, softmax
+from multihead.kernels.common import acc_dtype, index
 from multihead.kernels.math import rows_mask
 from multihead.masks import MaskMod
 
@@ -46,8 +48,11 @@ __all__ = ["SUMMARY_FIELDS", "HeadSummaries", "summaries"]
 #: The per-head numbers of `HeadSummaries.to_json()`, in this order (None where a text cannot show one).
 SUMMARY_FIELDS = ("entropy", "mean_distance", "first_token_mass", "previous_token", "duplicate_token", "induction",
                   *BEYOND, "normalized_entropy", "current_token", "first_token", "delimiter", "next_token")
-#: Scores in one block of query rows (float32 elements, all heads of a layer): 32 MiB.
-BLOCK_ELEMENTS = 1 << 23
+#: Scores in one block of query rows (float32 elements, all heads of a layer): 2 MiB, about
+#: what a core's L2 cache holds beside the block's probabilities.
+BLOCK_ELEMENTS = 1 << 19
+#: The score of a hidden key: finite, so that exp(NEG - max) is 0 and p log p = 0 * NEG is 0.
+NEG = -1e30
 TOP_K = 8
 GRID = 256
 
@@ -138,75 +143,127 @@ def layer_statistics(query: Tensor, key: Tensor, acc: RowSums, heads: list[int],
     query `(1, H, T, D)`, key `(1, Hkv, S, D)` and the rest as the kernel receives them
     (`mask`: None, a bool or float `(1, 1|H, T|1, S)` tensor, or a MaskMod; `sinks`: logits
     `(1, H, T|1, 1)`). Probabilities are softmax(q k^T * scale, score_mod, mask[, sink]) in
-    float32 (float64 inputs stay float64), the heads `heads` only.
+    float32 (float64 inputs stay float64), the heads `heads` only. A block holds about
+    `block_elements` scores (rows sized to the keys they see): small enough that its passes
+    (softmax, entropy, the sums, the top-k) run from the CPU's cache, not from memory.
     """
-    B, H, T, _ = query.shape
+    B, H, T, D = query.shape
     Hkv, S = key.shape[1], key.shape[2]
     if B != 1:
         raise ValueError(f"summaries read one text at a time; received a batch of {B}")
     G = H // Hkv
     dev = query.device
     acc_t = acc_dtype(query.dtype)
-    q = query[0, heads].to(acc_t)  # (h, T, D)
-    k = key[0, [x // G for x in heads]].to(acc_t)  # (h, S, D): each query head's K/V head
     h = len(heads)
+    # Every head asked: the G query heads of a K/V head are folded into the rows of one
+    # matmul (as `kernels.common.fold_scores`), K used as it is; a subset: each head's K/V head.
+    folded = G > 1 and list(heads) == list(range(H))
+    q = query[0, heads].to(acc_t) * scale  # (h, T, D): the scale applied once, not on every block
+    if folded:
+        q = q.view(Hkv, G, T, D)
+        kT = key[0].to(acc_t).transpose(-2, -1)  # (Hkv, D, S)
+    else:
+        kT = key[0, [x // G for x in heads]].to(acc_t).transpose(-2, -1)  # (h, D, S)
     b_idx = index(1, 0, dev)
     h_idx = torch.tensor(heads, device=dev).view(1, h, 1, 1)
     if isinstance(mask, Tensor) and mask.dim() == 4 and mask.shape[1] == H and H > 1:
         mask = mask[:, heads]  # (1, h, T|1, S)
     if sinks is not None:
-        sinks = sinks[:, heads] if sinks.shape[1] == H else sinks
-    q = q * scale  # (h, T, D): the scale applied once, not on every block of scores
-    rows = max(1, block_elements // max(1, h * S))
+        sinks = sinks[0, heads] if sinks.shape[1] == H else sinks[0]  # (h|1, T|1, 1)
+    triangle = mask is None and causal and S >= T  # the causal crop, analytically
     with torch.no_grad():
-        for t0 in range(0, T, rows):
-            t1 = min(T, t0 + rows)
+        t0 = 0
+        while t0 < T:
+            t1 = t0 + _block_rows(block_elements, h, t0, T, S, triangle)
             t = t1 - t0
-            k0, k1, runs = 0, S, None
-            if mask is None and causal:  # the triangle, analytically: keys up to the last row's position
-                allowed = bias = None
-                k1 = min(S, t1 + S - T)
-                a = t0 + S - T + 1  # keys from here on are hidden from some row: the diagonal band
-                if a < k1:
-                    runs = [(a, k1)]
-                    allowed = torch.zeros(1, 1, t, k1, dtype=torch.bool, device=dev)
-                    allowed[..., a:] = (torch.arange(a, k1, device=dev)[None, :]
-                                        <= torch.arange(t0, t1, device=dev)[:, None] + (S - T))
-                else:
-                    runs = []
+            k0, k1, runs, allowed, bias = 0, S, None, None, None
+            if triangle:  # keys up to the last row's position
+                k1 = t1 + S - T
+                runs = [(t0 + S - T + 1, k1)]  # the diagonal band: keys hidden from some row
             else:
                 allowed, bias = rows_mask(mask, causal, t0, t1, T, S, dev, b_idx, h_idx)
-            if runs is None and allowed is not None:
-                allowed = allowed.reshape((1,) * (4 - allowed.dim()) + tuple(allowed.shape))
-                if allowed.shape[-1] == S and (bias is None or bias.shape[-1] == S):
-                    k0, k1, runs = _key_span(allowed)
-                    allowed = allowed[..., k0:k1]
-            if bias is not None and bias.shape[-1] == S:
-                bias = bias[..., k0:k1]
-            w = k1 - k0
-            scores = torch.matmul(q[:, t0:t1], k[:, k0:k1].transpose(-2, -1))[None]  # (1, h, t, w)
-            if score_mod is not None:
-                scores = score_mod.apply(scores, b_idx, h_idx, index(t, 2, dev, t0), index(w, 3, dev, k0), S - T)
-            if allowed is not None and runs is not None:
-                # Every row sees a key (checked by _key_span): the hidden keys are set to -inf
-                # where some row hides them (a causal block's diagonal band), not over the block.
-                for a, b in runs:
-                    scores[..., a:b].masked_fill_(~allowed[..., a:b], float("-inf"))
-                allowed = None
-            if sinks is None:
-                probs = softmax(scores, allowed, bias, score_mod is not None)  # (1, h, t, w)
-            else:  # one more logit per row with no value (the registry's written-out sink path)
-                if bias is not None:
-                    scores = scores + bias.to(scores.dtype)
                 if allowed is not None:
-                    scores = scores.masked_fill(~allowed, float("-inf"))
-                sink = sinks[:, :, t0:t1] if sinks.shape[2] == T else sinks
-                logits = torch.cat([scores, sink.to(scores.dtype).expand(1, h, t, 1)], dim=-1)
-                probs = softmax(logits)[..., :w]
+                    allowed = allowed.reshape((1,) * (4 - allowed.dim()) + tuple(allowed.shape))
+                    if allowed.shape[-1] == S and (bias is None or bias.shape[-1] == S):
+                        k0, k1, runs = _key_span(allowed)
+                        allowed = allowed[..., k0:k1]
+                    allowed = allowed[0]  # (1|h, t, w)
+                if bias is not None:
+                    bias = bias.reshape((1,) * (4 - bias.dim()) + tuple(bias.shape))[0]
+                    bias = bias[..., k0:k1] if bias.shape[-1] == S else bias  # (1|h, t|1, w)
+            w = k1 - k0
+            if folded:
+                scores = torch.matmul(q[:, :, t0:t1].reshape(Hkv, G * t, D), kT[..., k0:k1]).view(h, t, w)
+            else:
+                scores = torch.matmul(q[:, t0:t1], kT[..., k0:k1])  # (h, t, w)
+            if score_mod is not None:
+                scores = score_mod.apply(scores[None], b_idx, h_idx, index(t, 2, dev, t0), index(w, 3, dev, k0),
+                                         S - T)[0]
+            if runs is not None:
+                # Every row sees a key (the triangle; checked by _key_span): the hidden keys are
+                # set to NEG where some row hides them (a causal block's diagonal band), not
+                # over the whole block, and no row needs the softmax's empty-row rule.
+                for a, b in runs:
+                    if b <= a:
+                        continue
+                    if triangle:  # band key c is hidden from block row r when c >= r
+                        hidden = torch.ones(t, b - a, dtype=torch.bool, device=dev).triu_()
+                    else:
+                        hidden = ~allowed[..., a:b]
+                    scores[..., a:b].masked_fill_(hidden, NEG)
+                allowed = None
+            sink = None
+            if sinks is not None:
+                sink = (sinks[:, t0:t1] if sinks.shape[1] == T else sinks).expand(h, t, 1)
+            probs, entropy = _probs(scores, allowed, bias, score_mod is not None, sink)
             del scores, allowed, bias
-            acc.add(probs[0], t0, k0)
+            acc.add(probs, t0, k0, entropy=entropy)
             del probs
+            t0 = t1
     return acc
+
+
+def _block_rows(block_elements: int, h: int, t0: int, T: int, S: int, triangle: bool) -> int:
+    """Rows for the block from row t0: about `block_elements` scores, counting only the keys
+    the rows see when the block is cropped to the causal triangle (rows t0..t0+t see
+    t0 + t + S - T keys)."""
+    if triangle:
+        c = t0 + S - T
+        t = int((math.sqrt(c * c + 4 * block_elements / h) - c) / 2)
+    else:
+        t = block_elements // max(1, h * S)
+    return max(1, min(t, T - t0))
+
+
+def _probs(scores: Tensor, allowed: Tensor | None, bias: Tensor | None, hidden: bool,
+           sink: Tensor | None) -> tuple[Tensor, Tensor]:
+    """Probabilities `(h, t, w)` of one block of scores and each row's entropy -sum_j p log p
+    `(h, t)`, from one log-softmax: p = exp(log p), the entropy a dot product of the two, never
+    a log of p. As `kernels.common.softmax`: `allowed` (True = may attend) and `bias` (added)
+    broadcast to the block; a row with nothing to attend is zeros (and entropy 0); `hidden`:
+    the scores may hold -inf already (a score mod); `sink`: one more logit per row `(h, t, 1)`,
+    with no value (its probability is dropped). Hidden keys become the finite NEG before the
+    softmax, so that p = 0 and p log p = 0 * NEG = 0 there, not NaN."""
+    if bias is not None:
+        scores = scores + bias.to(scores.dtype)
+    empty = None
+    if allowed is not None or bias is not None or hidden:
+        if allowed is not None:
+            scores = scores.masked_fill_(~allowed, float("-inf"))
+        if sink is None:
+            empty = torch.isneginf(scores).all(dim=-1, keepdim=True)  # (h, t, 1)
+        scores = scores.clamp_min_(NEG)
+    w = scores.shape[-1]
+    if sink is not None:
+        logp = torch.log_softmax(torch.cat([scores, sink.to(scores.dtype)], dim=-1), dim=-1)[..., :w]
+    else:
+        logp = torch.log_softmax(scores, dim=-1)
+    probs = logp.exp()
+    entropy = -torch.linalg.vecdot(probs, logp)  # (h, t)
+    if empty is not None:
+        probs.masked_fill_(empty, 0.0)
+        entropy.masked_fill_(empty[..., 0], 0.0)
+    return probs, entropy
 
 
 def _key_span(allowed: Tensor) -> tuple[int, int, list[tuple[int, int]] | None]:
