@@ -10,92 +10,26 @@ once (the survivors are killed); a world that does not finish within its bound f
 from __future__ import annotations
 
 import copy
-import multiprocessing as mp
 import os
-import queue as queue_mod
-import socket
 import time
-import traceback
-from datetime import timedelta
 
 import pytest
 import torch
 import torch.distributed as dist
 
+import dist_helpers
+
 TOL = 1e-10  # float64, every forward output and gradient
 WORLD_TIMEOUT = 120.0  # seconds a world may run before the test fails
+PG_TIMEOUT = 60  # seconds gloo waits in a collective before the waiting rank raises
 
 
 # ------------------------------------------------------------------ the harness
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _entry(name: str, rank: int, world: int, port: int, out) -> None:
-    torch.set_num_threads(1)
-    try:
-        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
-                                timeout=timedelta(seconds=60))
-        out.put((rank, "ok", globals()[name](rank, world)))
-    except BaseException:  # reported to the parent, which fails the test
-        out.put((rank, "error", traceback.format_exc()))
-    finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
-
-
 def run_world(fn, world: int, timeout: float = WORLD_TIMEOUT) -> list:
     """Run `fn(rank, world)` on `world` spawned gloo ranks; return their results by rank."""
-    # A fork server imports torch once; every rank of every world is forked from it (a
-    # fresh interpreter per rank would spend seconds importing torch each time). The
-    # server has run no torch op, so no thread pool is forked with it. (DTensor imports
-    # torch._dynamo on first use: preloaded too.)
-    ctx = mp.get_context("forkserver")
-    ctx.set_forkserver_preload(["torch", "torch._dynamo", "torch.distributed.tensor.parallel",
-                                "multihead.distributed", __name__])
-    out = ctx.Queue()
-    env = os.environ.get("OMP_NUM_THREADS")
-    os.environ["OMP_NUM_THREADS"] = "1"  # inherited by the children: one thread per rank
-    try:
-        port = _free_port()
-        procs = [ctx.Process(target=_entry, args=(fn.__name__, r, world, port, out), daemon=True)
-                 for r in range(world)]
-        for p in procs:
-            p.start()
-    finally:
-        if env is None:
-            os.environ.pop("OMP_NUM_THREADS")
-        else:
-            os.environ["OMP_NUM_THREADS"] = env
-    results: dict[int, object] = {}
-    deadline = time.monotonic() + timeout
-    try:
-        while len(results) < world:
-            if time.monotonic() > deadline:
-                pytest.fail(f"{fn.__name__}: the world of {world} did not finish within {timeout:.0f} s; "
-                            f"ranks done: {sorted(results)}")
-            try:
-                rank, status, payload = out.get(timeout=0.5)
-            except queue_mod.Empty:
-                silent = [i for i, p in enumerate(procs) if p.exitcode is not None and i not in results]
-                if silent:
-                    pytest.fail(f"{fn.__name__}: rank(s) {silent} exited (code "
-                                f"{[procs[i].exitcode for i in silent]}) without a result")
-                continue
-            if status == "error":
-                pytest.fail(f"{fn.__name__}: rank {rank} of {world} raised:\n{payload}")
-            results[rank] = payload
-    finally:
-        for p in procs:
-            if p.is_alive():
-                p.kill()
-        for p in procs:
-            p.join(10)
-    return [results[r] for r in range(world)]
+    return dist_helpers.run_world(fn, world, timeout=timeout, pg_timeout=PG_TIMEOUT)
 
 
 def assert_all_close(results: list[dict], tol: float = TOL) -> None:
@@ -498,10 +432,10 @@ def test_example_under_torchrun():
 
     root = Path(__file__).resolve().parents[1]
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port",
-           str(_free_port()), str(root / "examples" / "distributed.py"), "--steps", "3", "--seq-len", "64"]
+           str(dist_helpers.free_port()), str(root / "examples" / "distributed.py"), "--steps", "3", "--seq-len", "64"]
     env = dict(os.environ, OMP_NUM_THREADS="1")
     for _ in range(2):  # it died with SIGABRT after correct losses in 2 of 19 runs: twice, and on a new port
-        cmd[cmd.index("--master-port") + 1] = str(_free_port())
+        cmd[cmd.index("--master-port") + 1] = str(dist_helpers.free_port())
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=240, env=env, cwd=root)
         assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
         assert "terminate called" not in proc.stdout + proc.stderr and "unwaited" not in proc.stderr

@@ -12,17 +12,13 @@ not finish within WORLD_TIMEOUT fails; so does a rank that raises unexpectedly.
 
 from __future__ import annotations
 
-import multiprocessing as mp
-import os
-import queue as queue_mod
-import socket
 import time
-import traceback
-from datetime import timedelta
 
 import pytest
 import torch
 import torch.distributed as dist
+
+import dist_helpers
 
 WORLD_TIMEOUT = 90.0  # seconds a world may run before the test fails (a hang fails here)
 PG_TIMEOUT = 30  # seconds gloo waits in a collective: a rank left waiting raises instead of hanging
@@ -32,71 +28,10 @@ WHATS = ("z", "k", "v", "pattern")
 # ------------------------------------------------------------------ the harness
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _entry(name: str, rank: int, world: int, port: int, out) -> None:
-    torch.set_num_threads(1)
-    try:
-        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
-                                timeout=timedelta(seconds=PG_TIMEOUT))
-        out.put((rank, "ok", globals()[name](rank, world)))
-    except BaseException:  # reported to the parent, which fails the test
-        out.put((rank, "error", traceback.format_exc()))
-    finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
-
-
 def run_world(fn, world: int, timeout: float = WORLD_TIMEOUT) -> list:
     """`fn(rank, world)` on `world` gloo ranks forked from one server (torch and transformers
     imported once); their results by rank."""
-    ctx = mp.get_context("forkserver")
-    ctx.set_forkserver_preload(["torch", "transformers", "transformers.models.gpt2.modeling_gpt2",
-                                "transformers.models.llama.modeling_llama", "multihead.interop.hf",
-                                "multihead.heads.scan", "multihead.heads.path_patching", __name__])
-    out = ctx.Queue()
-    env = os.environ.get("OMP_NUM_THREADS")
-    os.environ["OMP_NUM_THREADS"] = "1"  # inherited by the children: one thread per rank
-    try:
-        port = _free_port()
-        procs = [ctx.Process(target=_entry, args=(fn.__name__, r, world, port, out), daemon=True)
-                 for r in range(world)]
-        for p in procs:
-            p.start()
-    finally:
-        if env is None:
-            os.environ.pop("OMP_NUM_THREADS")
-        else:
-            os.environ["OMP_NUM_THREADS"] = env
-    results: dict[int, object] = {}
-    deadline = time.monotonic() + timeout
-    try:
-        while len(results) < world:
-            if time.monotonic() > deadline:
-                pytest.fail(f"{fn.__name__}: the world of {world} did not finish within {timeout:.0f} s; "
-                            f"ranks done: {sorted(results)}")
-            try:
-                rank, status, payload = out.get(timeout=0.5)
-            except queue_mod.Empty:
-                silent = [i for i, p in enumerate(procs) if p.exitcode is not None and i not in results]
-                if silent:
-                    pytest.fail(f"{fn.__name__}: rank(s) {silent} exited (code "
-                                f"{[procs[i].exitcode for i in silent]}) without a result")
-                continue
-            if status == "error":
-                pytest.fail(f"{fn.__name__}: rank {rank} of {world} raised:\n{payload}")
-            results[rank] = payload
-    finally:
-        for p in procs:
-            if p.is_alive():
-                p.kill()
-        for p in procs:
-            p.join(10)
-    return [results[r] for r in range(world)]
+    return dist_helpers.run_world(fn, world, timeout=timeout, pg_timeout=PG_TIMEOUT)
 
 
 # ----------------------------------------------------------------------- workers
