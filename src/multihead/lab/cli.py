@@ -159,13 +159,13 @@ def _heads_flags(p: argparse.ArgumentParser, d) -> None:
     p.add_argument("--head-counts", type=_ints, default=None, help="n_heads to compare" + d("head_counts"))
     p.add_argument("--seeds", type=_positive_of(int, "integer", 1000), default=None, dest="n_seeds",
                    help="seeds per head count" + d("n_seeds"))
-    p.add_argument("--d-model", type=_positive, default=None, help="model width" + d("d_model"))
+    _d_model(p, "model width" + d("d_model"))
     p.add_argument("--seq-len", type=_positive, default=None, help="tokens to copy" + d("seq_len"))
 
 
 def _kv_flags(p: argparse.ArgumentParser, d) -> None:
-    p.add_argument("--d-model", type=_positive, default=None, help="model width" + d("d_model"))
-    p.add_argument("--n-heads", type=_positive, default=None, help="query heads" + d("n_heads"))
+    _d_model(p, "model width" + d("d_model"))
+    _n_heads(p, "query heads" + d("n_heads"))
     p.add_argument("--context", type=_positive, default=None, help="cached tokens N" + d("context"))
     _kv_heads(p, "n_kv_heads to compare: MHA, GQA, ..., MQA" + d("kv_heads"))
     p.add_argument("--kv-ranks", type=_ints, default=None, dest="mla_ranks",
@@ -184,9 +184,9 @@ def _mla_flags(p: argparse.ArgumentParser, d) -> None:
     _kv_heads(p, "GQA/MQA n_kv_heads trained beside MHA and MLA" + d("kv_heads"))
     p.add_argument("--tolerance", type=_positive_float, default=None,
                    help="allowed bits/char above MHA" + d("tolerance"))
-    p.add_argument("--d-model", type=_positive, default=None, help="model width" + d("d_model"))
+    _d_model(p, "model width" + d("d_model"))
     _layers(p, "blocks" + d("n_layers"))
-    p.add_argument("--n-heads", type=_positive, default=None, help="heads" + d("n_heads"))
+    _n_heads(p, "heads" + d("n_heads"))
     p.add_argument("--context", type=_positive, default=None, help="characters per sequence" + d("context"))
 
 
@@ -198,8 +198,8 @@ def _induction_flags(p: argparse.ArgumentParser, d) -> None:
     g.add_argument("--variant", choices=("mha", "gqa", "mqa", "mla"), default=None,
                    help="attention variant (default: from --n-kv-heads / --kv-rank; mha)")
     _layers(g, "layers" + d("n_layers"))
-    g.add_argument("--d-model", type=_positive, default=None, help="model width C" + d("d_model"))
-    g.add_argument("--n-heads", type=_positive, default=None, help="query heads per layer H" + d("n_heads"))
+    _d_model(g, "model width C" + d("d_model"))
+    _n_heads(g, "query heads per layer H" + d("n_heads"))
     g.add_argument("--n-kv-heads", type=_positive, default=None,
                    help="key/value heads K (GQA: 1 < K < H; MQA: 1) (default: --n-heads, MHA)")
     g.add_argument("--kv-rank", type=_positive, default=None,
@@ -228,9 +228,9 @@ def _uptrain_flags(p: argparse.ArgumentParser, d) -> None:
                    help="the baseline's positions (default learned)")
     p.add_argument("--mla-rope-dims", type=parse_rope_dims, default=None,
                    help="with --positions rope: MLA's rotary dims kept" + d("mla_rope_dims"))
-    p.add_argument("--d-model", type=_positive, default=None, help="model width" + d("d_model"))
+    _d_model(p, "model width" + d("d_model"))
     _layers(p, "blocks" + d("n_layers"))
-    p.add_argument("--n-heads", type=_positive, default=None, help="heads" + d("n_heads"))
+    _n_heads(p, "heads" + d("n_heads"))
     p.add_argument("--model", default=None, help="a Llama-family transformers model ('smollm2' or a folder) "
                    "to convert to MQA and MLA and uptrain on the KJV (default: none, the lab model; "
                    "its defaults: multihead.lab.uptrain_hf)")
@@ -241,6 +241,16 @@ def _uptrain_flags(p: argparse.ArgumentParser, d) -> None:
 
 _EXPERIMENT_FLAGS = {"heads": _heads_flags, "kv": _kv_flags, "mla": _mla_flags, "induction": _induction_flags,
                      "uptrain": _uptrain_flags}
+
+
+def _d_model(p, help_text: str) -> None:
+    """--d-model C, the model width, one definition for every experiment."""
+    p.add_argument("--d-model", type=_positive, default=None, help=help_text)
+
+
+def _n_heads(p, help_text: str) -> None:
+    """--n-heads H, the query heads (per layer), one definition for every experiment."""
+    p.add_argument("--n-heads", type=_positive, default=None, help=help_text)
 
 
 def _kv_heads(p, help_text: str) -> None:
