@@ -133,7 +133,7 @@ def first_layers(model, k: int):
     return model
 
 
-def setup_smollm2(args) -> Setup:
+def setup_smollm2(args, n: int) -> Setup:
     from multihead.heads.tasks import ioi
     from multihead.interop.loaders import load_model
 
@@ -141,7 +141,7 @@ def setup_smollm2(args) -> Setup:
     ours = loaded.model if args.layers in (None, len(loaded.model.model.layers)) else first_layers(loaded.model,
                                                                                                      args.layers)
     theirs = copy.deepcopy(ours)  # booting the bridge rewires the model it is given (eager attention, hooks)
-    task = ioi(args.n, seed=args.seed, tokenizer=loaded.tokenizer)
+    task = ioi(n, seed=args.seed, tokenizer=loaded.tokenizer)
     changed = (task.clean["input_ids"] != task.corrupted["input_ids"]).int().argmax(1)
 
     def bridge():
@@ -192,7 +192,7 @@ def _warm_up(args, s: Setup, bridge, fns) -> dict:
 
 def _peak(args) -> int:
     """In this (fresh) process: peak RSS bytes of one scan above the model and inputs."""
-    s = setup_smollm2(args) if args.model == "smollm2" else setup_gpt2(args, args.at)
+    s = setup_smollm2(args, args.n[0]) if args.model == "smollm2" else setup_gpt2(args, args.at)
     bridge = s.bridge() if args.peak == "tl" else None
     name = "transformer_lens" if args.peak == "tl" else "multihead"
     fn = _sides(s, bridge)[name]
@@ -218,17 +218,18 @@ def _peak(args) -> int:
     return 0
 
 
-def _peak_args(args, side: str, at: int) -> list[str]:
+def _peak_args(args, side: str, key: int) -> list[str]:
+    """The command of one side's peak-memory process; key: the changed position (gpt2), the pairs (smollm2)."""
     cmd = [sys.executable, __file__, "--peak", side, "--model", args.model, "--threads", str(args.threads)]
     if args.model == "smollm2":
-        return cmd + ["--n", str(args.n), "--seed", str(args.seed)] + (
+        return cmd + ["--n", str(key), "--seed", str(args.seed)] + (
             [] if args.layers is None else ["--layers", str(args.layers)])
     return cmd + ["--layers", str(args.layers), "--heads", str(args.heads), "--width", str(args.width),
                   "--batch", str(args.batch), "--tokens", str(args.tokens), "--vocab", str(args.vocab),
-                  "--at", str(at)]
+                  "--at", str(key)]
 
 
-def _case(args, label: str, at: int | None, s: Setup) -> dict:
+def _case(args, label: str, key: int, s: Setup) -> dict:
     """Both scans of one pair of inputs: rounds in shuffled order, then each side's peak memory."""
     bridge = s.bridge()
     fns = _sides(s, bridge)
@@ -257,13 +258,13 @@ def _case(args, label: str, at: int | None, s: Setup) -> dict:
     for side, name in (("ours", "multihead"), ("tl", "transformer_lens")):
         if args.no_peaks:
             break
-        proc = subprocess.run(_peak_args(args, side, at), capture_output=True, text=True, timeout=3600)
+        proc = subprocess.run(_peak_args(args, side, key), capture_output=True, text=True, timeout=3600)
         try:
             peaks[name] = json.loads(proc.stdout.strip().splitlines()[-1])["peak_bytes"]
         except (ValueError, IndexError, KeyError):
             peaks[name] = None
     case = {"inputs": label}
-    case.update({"changed_position": at} if args.model == "gpt2" else s.detail)
+    case.update({"changed_position": key} if args.model == "gpt2" else s.detail)
     case.update({"prefix_skip": info,
                  "results": [{"variant": name, "times_s": times[name], "median_s": statistics.median(times[name]),
                               "peak_bytes": peaks[name]} for name in fns],
@@ -284,13 +285,14 @@ def main(argv=None) -> int:
     ap.add_argument("--batch", type=int, default=4, help="gpt2 only")
     ap.add_argument("--tokens", type=int, default=256, help="gpt2 only")
     ap.add_argument("--vocab", type=int, default=1000, help="gpt2 only")
-    ap.add_argument("--n", type=int, default=8, help="smollm2: IOI pairs (default 8)")
+    ap.add_argument("--n", type=int, nargs="+", default=[8], help="smollm2: IOI pairs, one case per value "
+                                                                   "(default 8; the target is read on the first)")
     ap.add_argument("--seed", type=int, default=0, help="smollm2: the pairs' draw (tasks.ioi's seed)")
     ap.add_argument("--rounds", type=int, default=None, help="timed rounds (default: gpt2 5, smollm2 3)")
     ap.add_argument("--threads", type=int, default=1, help="torch threads")
     ap.add_argument("--no-peaks", action="store_true", help="skip the peak-memory processes (one more scan a side)")
-    ap.add_argument("--quick", action="store_true", help="gpt2: 2 layers, 4 heads, C 64, T 32, 2 rounds; "
-                                                         "smollm2: 1 pair, the first 2 layers, 2 rounds")
+    ap.add_argument("--quick", action="store_true", help="gpt2: 2 layers, 4 heads, C 64, T 32; smollm2: 1 pair, "
+                                                         "the first 2 layers unless --layers; 2 rounds unless --rounds")
     ap.add_argument("--peak", choices=["ours", "tl"], help=argparse.SUPPRESS)
     ap.add_argument("--at", type=int, default=0, help=argparse.SUPPRESS)  # the changed position (--peak runs)
     ap.add_argument("--json", default=None, help="output (default benchmarks/results/heads.json, "
@@ -299,14 +301,15 @@ def main(argv=None) -> int:
     smol = args.model == "smollm2"
     if args.quick:
         if smol:
-            args.n, args.layers, args.rounds = 1, 2, 2
+            args.n, args.layers = [1], 2 if args.layers is None else args.layers
         else:
-            args.layers, args.heads, args.width, args.tokens, args.rounds, args.vocab = 2, 4, 64, 32, 2, 101
+            args.layers, args.heads, args.width, args.tokens, args.vocab = 2, 4, 64, 32, 101
+        args.rounds = 2 if args.rounds is None else args.rounds
     if args.layers is None and not smol:
         args.layers = 6
     if args.rounds is None:
         args.rounds = 3 if smol else 5
-    if args.rounds < 1 or args.n < 1:
+    if args.rounds < 1 or min(args.n) < 1:
         ap.error(f"--rounds and --n must be >= 1; received {args.rounds} and {args.n}")
     if args.json is None:
         args.json = str(RESULTS / ("heads_smollm2.json" if smol else "heads.json"))
@@ -325,35 +328,37 @@ def main(argv=None) -> int:
         "cases": [],
     }
     if smol:
-        try:
-            s = setup_smollm2(args)
-        except Exception as err:  # noqa: BLE001  (not installed, no cache and no gguf: say so and stop)
-            from multihead.interop.loaders import InspectError
+        from multihead.interop.loaders import InspectError, load_model
 
-            if isinstance(err, (InspectError, ImportError)):
-                print(f"skipped: SmolLM2 cannot be loaded: {err}")
-                return 0
-            raise
-        d = s.detail
-        report["config"] = {"model": "smollm2", "pairs": args.n, "seed": args.seed, "layers": d["layers"],
-                            "heads": d["heads"], "kv_heads": d["kv_heads"], "width": d["width"], "what": "z",
+        try:
+            cfg = load_model("smollm2").model.config
+        except (InspectError, ImportError) as err:  # not installed; no float32 cache and no gguf
+            print(f"skipped: SmolLM2 cannot be loaded: {err}")
+            return 0
+        layers = cfg.num_hidden_layers if args.layers is None else args.layers
+        report["config"] = {"model": "smollm2", "pairs": args.n, "seed": args.seed, "layers": layers,
+                            "heads": cfg.num_attention_heads, "kv_heads": cfg.num_key_value_heads,
+                            "width": cfg.hidden_size, "what": "z",
                             "metric": "logit(IO) - logit(S) at the last token, mean over pairs",
                             "rounds": args.rounds, "threads": args.threads, "quick": args.quick}
-        cases = [(f"tasks.ioi, {args.n} pair(s)", None, s)]
-        print(f"patch_scan (z) of SmolLM2-135M, {d['layers']} x {d['heads']} heads, {args.n} IOI pair(s) "
-              f"({d['tokens'][0]} x {d['tokens'][1]} tokens), {args.threads} thread(s), {args.rounds} rounds")
+        cases = [(f"tasks.ioi, {n} pair(s)", n) for n in args.n]
+        print(f"patch_scan (z) of SmolLM2-135M, {layers} x {cfg.num_attention_heads} heads, tasks.ioi pairs, "
+              f"{args.threads} thread(s), {args.rounds} rounds")
     else:
         report["config"] = {"layers": args.layers, "heads": args.heads, "width": args.width, "batch": args.batch,
                             "tokens": args.tokens, "vocab": args.vocab, "rounds": args.rounds,
                             "threads": args.threads, "quick": args.quick}
-        cases = [(label, at, None) for label, at in (("one token changed at T/2 (IOI-style)", args.tokens // 2),
-                                                     ("first token changed", 0))]
+        cases = [("one token changed at T/2 (IOI-style)", args.tokens // 2), ("first token changed", 0)]
         print(f"patch_scan (z) of {args.layers} x {args.heads} heads, B={args.batch}, T={args.tokens}, "
               f"C={args.width}, {args.threads} thread(s), {args.rounds} rounds")
     mib = lambda b: "n/a" if b is None else f"{b / 2**20:.0f}"  # noqa: E731
     rows = []
-    for label, at, s in cases:
-        report["cases"].append(case := _case(args, label, at, s if s is not None else setup_gpt2(args, at)))
+    for label, key in cases:  # one setup at a time: each holds a second copy of the model
+        s = setup_smollm2(args, key) if smol else setup_gpt2(args, key)
+        if smol:
+            print(f"{label}: {s.detail['tokens'][0]} x {s.detail['tokens'][1]} tokens", flush=True)
+        report["cases"].append(case := _case(args, label, key, s))
+        del s
         r = {x["variant"]: x for x in case["results"]}
         rows.append(f"| {label} | {r['multihead']['median_s']:.2f} | {r['transformer_lens']['median_s']:.2f} | "
                     f"{case['speedup_median']:.2f}x | {mib(r['multihead']['peak_bytes'])} | "
@@ -365,12 +370,14 @@ def main(argv=None) -> int:
     diff = max(c["max_abs_diff"] for c in report["cases"])
     same = {"target": f"same numbers ({TOLERANCE:g})", "passed": diff <= TOLERANCE, "detail": f"max diff {diff:.2e}"}
     if smol:
-        (case,) = report["cases"]
+        case = report["cases"][0]
         report["targets"] = [
             {"target": ">= 4x faster than TransformerLens", "passed": case["speedup_median"] >= 4.0,
-             "detail": f"median ratio {case['speedup_median']:.2f} (rounds "
+             "detail": f"{case['pairs']} pair(s): median ratio {case['speedup_median']:.2f} (rounds "
                        f"{', '.join(f'{x:.2f}' for x in case['ratios'])}); prefix skip "
-                       f"{'taken' if case['prefix_skip'].get('skipped') else 'not taken'}"}, same]
+                       f"{'taken' if case['prefix_skip'].get('skipped') else 'not taken'}"
+                       + "".join(f"; {c['pairs']} pair(s): {c['speedup_median']:.2f}" for c in report["cases"][1:])},
+            same]
     else:
         ioi, worst = report["cases"]
         report["targets"] = [
