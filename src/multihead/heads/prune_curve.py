@@ -191,9 +191,12 @@ def _by_random(model, windows, L, H, Hkv, unit, fractions, seeds, say, base_ppl)
     return points
 
 
-def padded_shape(L: int, H: int, Hkv: int, removed) -> dict:
+def padded_shape(L: int, H: int, Hkv: int, removed, per_head: tuple[int, int] | None = None,
+                 params: int | None = None) -> dict:
     """What `heads.prune(model, removed, pad=True)` keeps: the widest layer's key/value heads
-    and query heads per group (every layer is laid out so), and the query heads each layer keeps."""
+    and query heads per group (every layer is laid out so), the query heads each layer keeps,
+    and with `per_head` (parameters per query head, per key/value head) and the model's
+    `params`, the parameters of the pruned model."""
     G = H // Hkv
     gone = {tuple(p) for p in removed}
     kv, per_group, kept = 0, 0, []
@@ -202,7 +205,24 @@ def padded_shape(L: int, H: int, Hkv: int, removed) -> dict:
         kv = max(kv, sum(s > 0 for s in sizes))
         per_group = max(per_group, max(sizes))
         kept.append(sum(sizes))
-    return {"num_key_value_heads": kv, "num_attention_heads": kv * per_group, "query_heads_kept_per_layer": kept}
+    out = {"num_key_value_heads": kv, "num_attention_heads": kv * per_group, "query_heads_kept_per_layer": kept}
+    if per_head is not None and params is not None:
+        out["params"] = params - L * ((H - kv * per_group) * per_head[0] + (Hkv - kv) * per_head[1])
+    return out
+
+
+def _per_head_params(model, H: int, Hkv: int) -> tuple[int, int]:
+    """(parameters of one query head: its q_proj rows and o_proj columns, of one key/value
+    head: its k_proj and v_proj rows), biases included."""
+    from multihead.heads._prune import _hf_attention_modules
+
+    m = _hf_attention_modules(model)[0]
+
+    def size(lin, n: int) -> int:
+        return sum(p.numel() for p in lin.parameters()) // n
+
+    o_cols = m.o_proj.weight.numel() // H  # the output bias does not scale with the heads
+    return size(m.q_proj, H) + o_cols, size(m.k_proj, Hkv) + size(m.v_proj, Hkv)
 
 
 def prune_curve_lm(model, tokenizer, *, units=UNITS, fractions=FRACTIONS, seeds=SEEDS, say=print) -> dict:
@@ -222,11 +242,12 @@ def prune_curve_lm(model, tokenizer, *, units=UNITS, fractions=FRACTIONS, seeds=
         base = _ppl(model, windows, set())
         say(f"base: perplexity {base:.2f}")
         first = _importance(model, batches, set())
+        per_head, params = _per_head_params(model, H, Hkv), sum(p.numel() for p in model.parameters())
         curves = {}
         for unit in units:
             imp = _by_importance(model, batches, windows, L, H, Hkv, unit, fractions, say)
             for p in imp:
-                p.update(padded_shape(L, H, Hkv, p["removed"]))
+                p.update(padded_shape(L, H, Hkv, p["removed"], per_head, params))
             rnd = _by_random(model, windows, L, H, Hkv, unit, fractions, seeds, say, base)
             curves[unit] = {"unit_heads": H // Hkv if unit == "groups" else Hkv, "importance": imp, "random": rnd}
     finally:
@@ -235,7 +256,7 @@ def prune_curve_lm(model, tokenizer, *, units=UNITS, fractions=FRACTIONS, seeds=
             "metric": f"held-out perplexity: KJV Romans to Revelation, {EVAL_WINDOWS} windows of {EVAL_LENGTH} "
                       "tokens spread evenly",
             "importance_text": f"KJV Genesis to Acts, {IMP_BATCHES} batches of {IMP_BATCH} x {IMP_LENGTH} tokens",
-            "fractions": list(fractions), "seeds": list(seeds), "base_ppl": base,
+            "fractions": list(fractions), "seeds": list(seeds), "base_ppl": base, "params": params,
             "importance": [[round(x, 6) for x in row.tolist()] for row in first], "curves": curves,
             "seconds": time.perf_counter() - t0, "cpu_seconds": time.process_time() - c0}
 
