@@ -372,70 +372,95 @@ def _remove_tree(path: Path) -> None:
 
 
 def _configure(args):
+    """(the experiment's runner, its config): --quick's or the full config with the given
+    flags in; every flag is checked here, before --out is touched."""
+    common = {} if args.experiment == "kv" else {"steps": args.steps, "batch_size": args.batch_size, "lr": args.lr}
+    configure = _EXPERIMENT_CONFIGS.get(args.experiment)
+    if configure is None:
+        raise UsageError(f"unknown experiment {args.experiment!r}; valid: {', '.join(EXPERIMENTS)}")
+    return configure(args, common)
+
+
+def _build(args, cls, **kw):
+    """cls's --quick or full config with the flags given (None: not given); a value the config
+    refuses is a usage error."""
     from dataclasses import replace
 
-    def build(cls, **kw):
-        cfg = cls.quick() if args.quick else cls()
-        kw = {k: v for k, v in kw.items() if v is not None}
-        try:
-            return replace(cfg, **kw)
-        except (ValueError, TypeError) as err:
-            raise UsageError(str(err)) from None
+    cfg = cls.quick() if args.quick else cls()
+    kw = {k: v for k, v in kw.items() if v is not None}
+    try:
+        return replace(cfg, **kw)
+    except (ValueError, TypeError) as err:
+        raise UsageError(str(err)) from None
 
-    common = {} if args.experiment == "kv" else {"steps": args.steps, "batch_size": args.batch_size, "lr": args.lr}
-    if args.experiment == "heads":
-        from multihead.lab.heads import HeadsConfig, run_heads
 
-        return run_heads, build(HeadsConfig, head_counts=args.head_counts, n_seeds=args.n_seeds,
-                                d_model=args.d_model, seq_len=args.seq_len, **common)
-    if args.experiment == "kv":
-        from multihead.lab.kv import KVConfig, run_kv
+def _configure_heads(args, common: dict):
+    from multihead.lab.heads import HeadsConfig, run_heads
 
-        return run_kv, build(KVConfig, d_model=args.d_model, n_heads=args.n_heads, context=args.context,
-                             kv_heads=args.kv_heads, mla_ranks=args.mla_ranks, batch=args.batch,
-                             decode_steps=args.decode_steps)
-    if args.experiment == "mla":
-        from multihead.lab.mla import MLAConfig, run_mla
+    return run_heads, _build(args, HeadsConfig, head_counts=args.head_counts, n_seeds=args.n_seeds,
+                             d_model=args.d_model, seq_len=args.seq_len, **common)
 
-        corpus = None
-        if args.corpus is not None:
-            if not args.corpus.exists():
-                raise UsageError(f"--corpus {args.corpus}: no such file")
-            if not args.corpus.is_file():  # a folder, or a device such as /dev/zero that reads forever
-                raise UsageError(f"--corpus {args.corpus} is not a regular file; give a UTF-8 text file")
-            corpus = str(args.corpus)
-        return run_mla, build(MLAConfig, corpus=corpus, ranks=args.ranks, kv_heads=args.kv_heads,
-                              tolerance=args.tolerance, d_model=args.d_model, n_layers=args.n_layers,
-                              n_heads=args.n_heads, context=args.context, **common)
-    if args.experiment == "induction":
-        from multihead.lab.configs import InductionConfig, scale_induction
-        from multihead.lab.induction import run_induction
 
-        base = InductionConfig.quick() if args.quick else InductionConfig()
-        geometry, notes = scale_induction(variant=args.variant, layers=args.n_layers, d_model=args.d_model,
-                                          n_heads=args.n_heads, n_kv_heads=args.n_kv_heads, kv_rank=args.kv_rank,
-                                          rope_dim=args.rope_dim, base=base, quick=args.quick)
-        for line in notes:
-            print(f"multihead lab induction: {line}", flush=True)
-        given = {k: v for k, v in common.items() if v is not None}  # --steps etc. win over --quick's smoke run
-        return run_induction, build(InductionConfig, **{**geometry, "vocab": args.vocab, "seq_len": args.seq_len,
-                                                        **given})
-    if args.experiment == "uptrain" and (args.model is not None or args.resume or args.rope_dim is not None):
+def _configure_kv(args, common: dict):
+    from multihead.lab.kv import KVConfig, run_kv
+
+    return run_kv, _build(args, KVConfig, d_model=args.d_model, n_heads=args.n_heads, context=args.context,
+                          kv_heads=args.kv_heads, mla_ranks=args.mla_ranks, batch=args.batch,
+                          decode_steps=args.decode_steps)
+
+
+def _configure_mla(args, common: dict):
+    from multihead.lab.mla import MLAConfig, run_mla
+
+    corpus = None
+    if args.corpus is not None:
+        if not args.corpus.exists():
+            raise UsageError(f"--corpus {args.corpus}: no such file")
+        if not args.corpus.is_file():  # a folder, or a device such as /dev/zero that reads forever
+            raise UsageError(f"--corpus {args.corpus} is not a regular file; give a UTF-8 text file")
+        corpus = str(args.corpus)
+    return run_mla, _build(args, MLAConfig, corpus=corpus, ranks=args.ranks, kv_heads=args.kv_heads,
+                           tolerance=args.tolerance, d_model=args.d_model, n_layers=args.n_layers,
+                           n_heads=args.n_heads, context=args.context, **common)
+
+
+def _configure_induction(args, common: dict):
+    """The head geometry asked for, scaled to a CPU (the notes printed say what was scaled)."""
+    from multihead.lab.configs import InductionConfig, scale_induction
+    from multihead.lab.induction import run_induction
+
+    base = InductionConfig.quick() if args.quick else InductionConfig()
+    geometry, notes = scale_induction(variant=args.variant, layers=args.n_layers, d_model=args.d_model,
+                                      n_heads=args.n_heads, n_kv_heads=args.n_kv_heads, kv_rank=args.kv_rank,
+                                      rope_dim=args.rope_dim, base=base, quick=args.quick)
+    for line in notes:
+        print(f"multihead lab induction: {line}", flush=True)
+    given = {k: v for k, v in common.items() if v is not None}  # --steps etc. win over --quick's smoke run
+    return run_induction, _build(args, InductionConfig, **{**geometry, "vocab": args.vocab,
+                                                           "seq_len": args.seq_len, **given})
+
+
+def _configure_uptrain(args, common: dict):
+    """The lab model's uptrain, or with --model (or its --resume, --rope-dim) a transformers
+    model's, which multihead.lab.uptrain_hf configures."""
+    if args.model is not None or args.resume or args.rope_dim is not None:
         from multihead.lab.uptrain_hf import configure
 
         return configure(args, args.quick)
-    if args.experiment == "uptrain":
-        from multihead.lab.uptrain import UptrainConfig, run_uptrain
+    from multihead.lab.uptrain import UptrainConfig, run_uptrain
 
-        src = args.from_checkpoint
-        if src is not None and not src.is_dir():
-            raise UsageError(f"--from {src}: no such folder; give the output folder of a `multihead lab mla` run")
-        return run_uptrain, build(UptrainConfig, from_checkpoint=None if src is None else str(src),
-                                  kv_heads=args.kv_heads, inits=args.inits, ranks=args.ranks,
-                                  fractions=args.fractions, uptrain_lr=args.uptrain_lr, positions=args.positions,
-                                  mla_rope_dims=args.mla_rope_dims, d_model=args.d_model,
-                                  n_layers=args.n_layers, n_heads=args.n_heads, **common)
-    raise UsageError(f"unknown experiment {args.experiment!r}; valid: {', '.join(EXPERIMENTS)}")
+    src = args.from_checkpoint
+    if src is not None and not src.is_dir():
+        raise UsageError(f"--from {src}: no such folder; give the output folder of a `multihead lab mla` run")
+    return run_uptrain, _build(args, UptrainConfig, from_checkpoint=None if src is None else str(src),
+                               kv_heads=args.kv_heads, inits=args.inits, ranks=args.ranks,
+                               fractions=args.fractions, uptrain_lr=args.uptrain_lr, positions=args.positions,
+                               mla_rope_dims=args.mla_rope_dims, d_model=args.d_model,
+                               n_layers=args.n_layers, n_heads=args.n_heads, **common)
+
+
+_EXPERIMENT_CONFIGS = {"heads": _configure_heads, "kv": _configure_kv, "mla": _configure_mla,
+                       "induction": _configure_induction, "uptrain": _configure_uptrain}
 
 
 def _report(res: dict, out: Path) -> None:
