@@ -32,6 +32,16 @@ in the middle) halves the work above each patched layer. The decision and its re
 come back through `patch_scan(..., info={})`: the keyword names the skip knows are in
 `_cut`, the model checks in `_causal_stack`, the run checks in `_Scan.decide_prefix`.
 
+The patched layer's attention is not run for its variants (`_Shortcut`): for what="z"
+and "pattern" a variant differs from the corrupted run at its own layer only in one head's
+z, and the attention output is linear in z, so its rows there are the corrupted run's
+attention output plus the head's change through its columns of the output projection.
+What is left per variant is that block's MLP and the blocks above: with nothing shared,
+every position of every block above differs, so nothing more can be skipped exactly.
+Checked on the corrupted run (output = z @ W_o.T + a constant, layer by layer) and by a
+self-check forward; declined with the reason otherwise (k, v and latent patches change
+the attention itself and keep running it).
+
 Each call holds its own state (`_Scan`) and its hooks act only in its own thread, so two
 threads may scan one model at once.
 """
@@ -48,7 +58,7 @@ from torch import Tensor, nn
 
 from multihead.heads._interventions import check_positions
 from multihead.heads._ranks import Ranks, check_group, fingerprint
-from multihead.heads._record import Recording, check_what, record
+from multihead.heads._record import Recording, check_what, out_projection, record
 from multihead.heads.engine import (
     KEYWORD,
     WEIGHTS_KEYWORD,
@@ -261,6 +271,7 @@ def _causal_stack(model: nn.Module, layers: list[Layer], blocks: dict[int, nn.Mo
 
 
 _SKIP_PREFIX = True  # tests turn it off to compare the two paths
+_SHORTCUT = True  # the same for the shortcut (`_Shortcut`)
 
 
 def _first(out) -> Tensor:
@@ -274,7 +285,7 @@ def _unskip(out, head: Tensor, B: int):
     return full if isinstance(out, Tensor) else (full, *out[1:])
 
 
-def _prefix_mismatch(rec: Recording, prefix: _Prefix, layers: list[Layer], cache: dict[int, tuple], T: int,
+def _prefix_mismatch(rec: Recording, prefix: PrefixRecorder, layers: list[Layer], cache: dict[int, tuple], T: int,
                      p: int, B: int) -> str:
     """Why the prefix skip would not be exact here ("" when it is): both runs' heads must agree
     on the shared prefix at every layer (what a causal model does; to float rounding: a mixture
@@ -308,11 +319,14 @@ def _sees_ahead(x, T: int, p: int, B: int) -> bool:
     return False
 
 
-class _Prefix(Handler):
-    """The corrupted run's keys, values and heads' outputs on the shared prefix."""
+class PrefixRecorder(Handler):
+    """The corrupted run's keys and values (and, with `z=True`, heads' outputs) on the
+    shared prefix [0, p): what the prefix skip reads in place of running those positions
+    (here and in `path_patching`)."""
 
-    def __init__(self, p: int):
+    def __init__(self, p: int, z: bool = True):
         self.p = p
+        self.keep_z = z
         self.data: dict[tuple[str, int], Tensor] = {}
 
     def k(self, lay, k):
@@ -324,8 +338,142 @@ class _Prefix(Handler):
         return v
 
     def z(self, lay, z, v):
-        self.data["z", lay.index] = z[:, :self.p].clone()
+        if self.keep_z:
+            self.data["z", lay.index] = z[:, :self.p].clone()
         return z
+
+
+class _CorruptedRun(PrefixRecorder):
+    """The corrupted run's recorder: the prefix (when `p`), and for the shortcut every
+    layer's z and the value a variant writes there (the clean z, or for what="pattern" the
+    clean pattern times this run's values, which are the variant's at its own layer)."""
+
+    def __init__(self, p: int, prefix: bool, shortcut: set[int], what: str, clean: Recording):
+        super().__init__(p)
+        self.prefix, self.shortcut, self.what, self.clean = prefix, shortcut, what, clean
+        self.z_of: dict[int, Tensor] = {}  # layer -> corrupted z (B, T, H, Dv)
+        self.src: dict[int, Tensor] = {}  # layer -> what the variants write (B, T, H, Dv)
+
+    def k(self, lay, k):
+        return super().k(lay, k) if self.prefix else k
+
+    def v(self, lay, v):
+        return super().v(lay, v) if self.prefix else v
+
+    def z(self, lay, z, v):
+        if self.prefix:
+            super().z(lay, z, v)
+        if lay.index in self.shortcut:
+            self.z_of[lay.index] = z.detach()
+            if self.what == "pattern":
+                pat = self.clean["pattern", lay.index].to(v.dtype)  # (B, H, T, S)
+                vv = v.transpose(1, 2).repeat_interleave(lay.H // v.shape[2], dim=1)  # (B, H, S, Dv)
+                self.src[lay.index] = (pat @ vv).transpose(1, 2).to(z.dtype)
+            else:
+                self.src[lay.index] = self.clean["z", lay.index]
+        return z
+
+    def wants_kv(self, lay):
+        return self.prefix or self.what == "pattern"
+
+
+def _rows(x, rows: int, keep: int):
+    """x with the batch of `rows` rows cut to its first `keep`; other things unchanged."""
+    if isinstance(x, Tensor):
+        return x[:keep] if x.dim() >= 2 and x.shape[0] == rows else x
+    if isinstance(x, tuple) and not hasattr(x, "_fields"):
+        return tuple(_rows(t, rows, keep) for t in x)
+    if isinstance(x, list):
+        return [_rows(t, rows, keep) for t in x]
+    return x
+
+
+class _Shortcut:
+    """The patched layer's attention, not run. A variant of head h at layer l enters l with
+    the corrupted run's input, so there it differs from that run only in head h's z; the
+    attention module's output is its output projection of z plus a constant (checked on
+    the corrupted run, `check`), so the variant's attention output is the corrupted run's
+    plus (written z - corrupted z) through head h's columns of the projection. The module
+    then runs on the other rows only (on one row when there are none: its output is
+    dropped), and the rows of the variants joining there get that sum.
+
+    Taken for what="z" and "pattern" (k, v and latent patches change the attention
+    itself), on layers whose variants join at their own block, one attention layer to a
+    block; declined (with the reason) where the check or the scan's self-check fails."""
+
+    def __init__(self):
+        self.layers: set[int] = set()  # the layers it is taken on
+        self.out: dict[int, Tensor] = {}  # layer -> the corrupted run's attention output (B, T, C)
+        self.W: dict[int, Tensor] = {}  # layer -> the output projection's weight (C, H * Dv)
+        self.z: dict[int, Tensor] = {}
+        self.src: dict[int, Tensor] = {}
+
+    def check(self, model, layers: list[Layer]) -> str:
+        """Keep the layers whose attention output is z @ W.T + a constant; "" or why none is."""
+        why = ""
+        for lay in layers:
+            if lay.index not in self.layers:
+                continue
+            z, out = self.z.get(lay.index), self.out.get(lay.index)
+            try:
+                W = out_projection(model, lay).detach()
+            except (ValueError, TypeError, AttributeError) as err:
+                W, why = None, f"layer {lay.index}: {err}"
+            if W is not None and (z is None or out is None or W.shape != (out.shape[-1], z.shape[2] * z.shape[3])):
+                W, why = None, (f"layer {lay.index}'s attention output is not its output projection's "
+                                f"({type(lay.module).__name__})")
+            if W is not None:
+                rest = out - z.flatten(2) @ W.t().to(z.dtype)  # a constant (the bias) when out = o_proj(z)
+                scale = 1 + float(out.abs().max())
+                if not torch.allclose(rest, rest[:1, :1].expand_as(rest), rtol=1e-5, atol=1e-5 * scale):
+                    W, why = None, (f"layer {lay.index}'s attention output is not its output projection of the "
+                                    f"heads' z ({type(lay.module).__name__} does more after it)")
+            if W is None:
+                self.layers.discard(lay.index)
+            else:
+                self.W[lay.index] = W.to(z.dtype)
+        return "" if self.layers else why or "no layer it applies to"
+
+    def hooks(self, joining: dict[int, tuple[Layer, list[int]]], B: int, positions: list[int] | None,
+              cut: tuple[int, int] | None, zero: bool = False) -> list:
+        """(module, pre, post) forward hooks for the layers in `joining` (layer -> (Layer, the
+        heads of the variants joining at its block)): they cut the module's batch and append
+        the variants' rows. `zero`: the variants write the corrupted z (the self-check)."""
+        off = 0 if cut is None else cut[1]
+        if positions is not None:
+            T = self.out[next(iter(joining))].shape[1]
+            positions = [q % T - off for q in positions if q % T >= off]
+        out = []
+        for index, (lay, hs) in joining.items():
+            state = {}
+
+            def pre(mod, args, kwargs, n=len(hs), state=state):  # noqa: B008 (bound per layer)
+                x = args[0] if args else kwargs["hidden_states"]
+                rows = x.shape[0]
+                keep = rows - n * B
+                state["keep"] = keep
+                return (tuple(_rows(a, rows, keep or 1) for a in args),
+                        {k: _rows(v, rows, keep or 1) for k, v in kwargs.items()})
+
+            def post(mod, args, result, index=index, lay=lay, hs=hs, state=state):
+                y = _first(result)
+                base = self.out[index][:, off:].to(y.dtype)
+                parts = [y[:state["keep"]]]
+                for h in hs:
+                    if zero:
+                        parts.append(base)
+                        continue
+                    sl = slice(h * lay.Dv, (h + 1) * lay.Dv)
+                    d = (self.src[index][:, off:, h] - self.z[index][:, off:, h]).to(y.dtype)  # (B, T', Dv)
+                    if positions is not None:
+                        keep_pos = torch.zeros(d.shape[1], dtype=torch.bool)
+                        keep_pos[positions] = True
+                        d = d * keep_pos[None, :, None].to(d.device)
+                    parts.append(base + d @ self.W[index][:, sl].t())
+                full = torch.cat(parts)
+                return full if isinstance(result, Tensor) else (full, *result[1:])
+            out.append((lay.module, pre, post))
+        return out
 
 
 class _FromCache:
@@ -386,7 +534,9 @@ class _ScanHandler(Handler):
         if not self._skipped(t):
             return t
         head = self.prefix[what, lay.index]
-        return torch.cat([head.repeat(t.shape[0] // self.B, 1, 1, 1).to(t.dtype), t], dim=1)
+        n = t.shape[0]  # a multiple of B, or one row (a module the shortcut runs for nothing)
+        head = head[:n] if n < self.B else head.repeat(n // self.B, 1, 1, 1)
+        return torch.cat([head.to(t.dtype), t], dim=1)
 
     def _write(self, lay: Layer, t: Tensor, v: Tensor | None = None) -> Tensor:
         entry = self.rows.get(lay.index)
@@ -438,13 +588,17 @@ class _ScanHandler(Handler):
 
 
 def _forward(model, corrupted, no_cache: bool, handler: Handler, grower, hooked: list, last: nn.Module | None,
-             tail: list, B: int) -> Tensor:
+             tail: list, B: int, extra: list = ()) -> Tensor:
     """One scan forward: `grower` lays out the rows, `handler` patches them; with the prefix
-    skip, `last` (the last block) gets the corrupted prefix `tail[0]` back on its output."""
+    skip, `last` (the last block) gets the corrupted prefix `tail[0]` back on its output;
+    `extra`: (module, pre, post) hooks (the shortcut's)."""
     hooks = Hooks()
     try:
         for b in hooked:
             hooks.pre(b, grower.hook, with_kwargs=True)
+        for module, pre, post in extra:
+            hooks.pre(module, pre, with_kwargs=True)
+            hooks.post(module, post)
         if last is not None:
             hooks.post(last, lambda m, a, out: _unskip(out, tail[0], B))
         hooks.pre(model, lambda m, a: grower.begin())
@@ -593,16 +747,24 @@ class _Scan:
         self.stack: nn.ModuleList | None = None
         self.cut: tuple[int, int] | None = None
         self.cut_cache: dict[int, tuple] | None = None
-        self.prefix = _Prefix(0)
+        self.prefix = PrefixRecorder(0)
         self.tail: list = []
+        # the shortcut: the layers it may take (what="z"/"pattern", variants joining at their
+        # own block, one attention layer to it) until the corrupted run's checks decide
+        self.shortcut = _Shortcut()
+        per_block: dict[int, int] = {}
+        for i in self.last_stack:
+            per_block[id(self.blocks[i])] = per_block.get(id(self.blocks[i]), 0) + 1
+        if _SHORTCUT and what in ("z", "pattern"):
+            self.shortcut.layers = {i for i in self.last_stack if per_block[id(self.blocks[i])] == 1}
 
     def run_corrupted(self, p: int) -> None:
         """The corrupted run once, keeping what each block of the last stack is handed (and,
         when `self.stack` is set, the prefix [0, p) of every layer and of the last block)."""
         if not self.last_stack:
             return
-        cache, tail = self.cache, self.tail
-        self.prefix = _Prefix(p)
+        cache, tail, short = self.cache, self.tail, self.shortcut
+        self.prefix = _CorruptedRun(p, self.stack is not None, short.layers, self.what, self.rec)
 
         def keep(block, args, kwargs):
             cache[id(block)] = (args, {k: v for k, v in kwargs.items() if k not in (KEYWORD, WEIGHTS_KEYWORD)})
@@ -612,11 +774,16 @@ class _Scan:
                 hooks.pre(b, keep, with_kwargs=True)
             if self.stack is not None:
                 hooks.post(self.stack[-1], lambda m, a, out: tail.append(_first(out)[:, :p].clone()))
-            recorder = Engine(self.model, self.prefix).installed() if self.stack is not None else nullcontext()
+            for lay in self.layers:
+                if lay.index in short.layers:
+                    hooks.post(lay.module, lambda m, a, out, i=lay.index: short.out.__setitem__(i, _first(out)))
+            recording = self.stack is not None or short.layers
+            recorder = Engine(self.model, self.prefix).installed() if recording else nullcontext()
             with torch.no_grad(), recorder:
                 self.logits = logits_of(_call(self.model, self.corrupted, self.no_cache))
         finally:
             hooks.remove()
+        short.z, short.src = self.prefix.z_of, self.prefix.src
 
     def decide_prefix(self, p: int, T: int) -> str:
         """After the corrupted run: take the skip (set `cut`, return "") or say why not."""
@@ -631,6 +798,37 @@ class _Scan:
         if why:
             self.cut = self.cut_cache = None
         return why
+
+    def decide_shortcut(self) -> str:
+        """After the corrupted run (and the prefix decision): keep the shortcut's layers that
+        pass its check, then run its self-check; "" when it is taken, else why not."""
+        short = self.shortcut
+        if not short.layers:
+            return f"not for what={self.what!r}" if self.what not in ("z", "pattern") else "no layer it applies to"
+        why = short.check(self.model, self.layers)
+        if not why:
+            why = self.shortcut_check()
+        if why:
+            short.layers, short.z, short.src, short.out = set(), {}, {}, {}
+        return why
+
+    def shortcut_check(self) -> str:
+        """Variants of the shortcut's last two layers writing the corrupted run's own z: every
+        one must give the corrupted run's logits (a module input the cut of its batch does not
+        read right, an output it does not rebuild right, fails here)."""
+        chunk = [(i, 0) for i in sorted(self.shortcut.layers)[-2:]]
+        try:
+            logits, start, order = self.chunk_logits(chunk, None, zero=True)
+        except (RuntimeError, ValueError, IndexError, TypeError) as err:
+            return f"the corrupted run through the shortcut failed: {type(err).__name__}: {err}"
+        want, B = self.logits, self.B
+        for i in range(len(order)):
+            got = logits[start + i * B:start + (i + 1) * B]
+            if got.shape != want.shape or not torch.allclose(got, want, rtol=1e-5,
+                                                             atol=1e-5 * (1 + float(want.abs().max()))):
+                return (f"the corrupted run through the shortcut at layer {order[i][0]} does not give its own logits "
+                        f"(a module input whose batch the shortcut does not cut right)")
+        return ""
 
     def self_check(self) -> str:
         """The corrupted run again through the skip, nothing patched: it must give its own logits."""
@@ -648,6 +846,14 @@ class _Scan:
 
     def run_chunk(self, chunk: list[tuple[int, int]], pos: list[int] | None, metric) -> list[tuple[tuple, float]]:
         """One forward carrying the variants of `chunk`: [((layer, head), metric), ...]."""
+        logits, start, order = self.chunk_logits(chunk, pos)
+        B = self.B
+        rows = [logits[start + i * B:start + (i + 1) * B] for i in range(len(order))]
+        return [((layer, h), _scalar(metric(r), f"for layer {layer} head {h}")) for (layer, h), r in zip(order, rows)]
+
+    def chunk_logits(self, chunk: list[tuple[int, int]], pos: list[int] | None,
+                     zero: bool = False) -> tuple[Tensor, int, list[tuple[int, int]]]:
+        """The forward of `chunk`: (logits, the first variant's row, the variants in row order)."""
         B, cut = self.B, self.cut
         cached = chunk[0][0] in self.last_stack
         handler = _ScanHandler(self.what, self.rec, B, pos, self.prefix.data if cut else None, cut)
@@ -655,6 +861,7 @@ class _Scan:
         first_row = 0 if cached else B
         start = first_row
         order: list[tuple[int, int]] = []
+        joining: dict[int, tuple[Layer, list[int]]] = {}  # the shortcut's layers: their variants' heads
         for blk in self.block_list:  # rows are laid out block by block, in the order the blocks run
             mine = [(layer, h) for layer, h in chunk if self.blocks[layer] is blk]
             if not mine:
@@ -662,7 +869,10 @@ class _Scan:
             per_block[id(blk)] = len(mine)
             for layer in sorted({layer for layer, _ in mine}):
                 hs = [h for lay_i, h in mine if lay_i == layer]
-                handler.rows[layer] = (first_row, hs)
+                if cached and layer in self.shortcut.layers:
+                    joining[layer] = (self.layers[layer], hs)
+                else:
+                    handler.rows[layer] = (first_row, hs)
                 order += [(layer, h) for h in hs]
                 first_row += len(hs) * B
         if cached:
@@ -670,13 +880,13 @@ class _Scan:
         else:
             grower = _Grower(B, per_block)
         hooked = self.inner if cached else self.block_list
+        extra = self.shortcut.hooks(joining, B, pos, cut, zero) if joining else []
         logits = _forward(self.model, self.corrupted, self.no_cache, handler, grower, hooked,
-                          self.stack[-1] if cut else None, self.tail, B)
+                          self.stack[-1] if cut else None, self.tail, B, extra)
         if logits.shape[0] != first_row:
             raise RuntimeError(f"the scan's batch did not come out whole ({logits.shape[0]} rows, expected "
                                f"{first_row}): {type(self.model).__name__} reshapes its batch between blocks")
-        rows = [logits[start + i * B:start + (i + 1) * B] for i in range(len(order))]
-        return [((layer, h), _scalar(metric(r), f"for layer {layer} head {h}")) for (layer, h), r in zip(order, rows)]
+        return logits, start, order
 
     def cost(self, chunk: list[tuple[int, int]], head: float) -> float:
         """A chunk's forward in block-rows (B rows through one block): each variant runs the
@@ -768,6 +978,7 @@ def patch_scan(model, clean, corrupted, metric: Callable[[Tensor], Tensor], what
             _scalar(metric(scan.logits), "on the corrupted run")  # a metric that cannot work fails before the scan
         if scan.stack is not None:
             why = scan.decide_prefix(p0, T)
+        scan.shortcut_reason = scan.decide_shortcut()
         chunks = _chunks(_variant_order(scan.layers, what), per_run, scan.last_stack)
         return scan, pos, p0, why, chunks
 
