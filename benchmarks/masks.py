@@ -5,6 +5,7 @@ dense-mask path and compiled flex_attention (CPU, fp32, B = 1, H = 8, D = 64).
     .venv/bin/python benchmarks/masks.py --n 8192 --n-train 4096 --threads 2
     .venv/bin/python benchmarks/masks.py --quick              # N = 512: smoke test
     .venv/bin/python benchmarks/masks.py --no-flex            # skip torch.compile
+    .venv/bin/python benchmarks/masks.py --scaling-only --rounds 7   # window at 1 and 2 threads vs flex only
 
 Rows (forward unless "fwd+bwd"):
 
@@ -245,6 +246,191 @@ def peak_mib(group: str, name: str, N: int, threads: int) -> float | None:
     return json.loads(run.stdout.strip().splitlines()[-1])
 
 
+# ---------------------------------------------------------- threads: scaling
+
+
+def scaling_cases(N: int, flex: bool) -> dict:
+    """`sliding_window(256) & causal` at N: multihead's engine (bands: alike query blocks in one
+    call), the same engine block by block (`fused_tiles.BANDS = False`: one call per query
+    block, as before bands) and compiled flex_attention, at this process's thread count."""
+    from multihead.kernels import fused_tiles
+
+    q, k, v = _inputs(N)
+    win = _window()
+
+    def blocks():
+        fused_tiles.BANDS = False
+        try:
+            return mh.scaled_dot_product_attention(q, k, v, win)
+        finally:
+            fused_tiles.BANDS = True
+
+    cases = {"multihead window": lambda: mh.scaled_dot_product_attention(q, k, v, win),
+             "multihead window, block by block": blocks}
+    if flex:
+        from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+        bm = create_block_mask(_flex_mods(N)["window"], 1, 1, N, N, device="cpu")
+        compiled = torch.compile(flex_attention)
+        cases["flex window"] = lambda: compiled(q, k, v, block_mask=bm)
+    return cases
+
+
+def call_profile(fn) -> dict:
+    """One call of `fn` with the fused engine's kernel calls and merges timed: how many kernel
+    calls, their (q, k, mask) shapes, and wall seconds in the kernel, in the log-sum-exp merges,
+    and in the rest (plan, masks, copies into the output, Python between calls)."""
+    from multihead.kernels import fused_tiles
+
+    calls, spent = {}, {"kernel_s": 0.0, "merge_s": 0.0}
+    real_kernel, real_merge = fused_tiles.flash_lse, fused_tiles.lse_merge
+
+    def kernel(q, k, v, **kw):
+        t0 = time.perf_counter()
+        result = real_kernel(q, k, v, **kw)
+        spent["kernel_s"] += time.perf_counter() - t0
+        mask = kw.get("mask")
+        key = f"q {tuple(q.shape)} k {tuple(k.shape)} causal={kw['causal']} " \
+              f"mask {None if mask is None else tuple(mask.shape)}"
+        calls[key] = calls.get(key, 0) + 1
+        return result
+
+    def merge(parts, *args):
+        t0 = time.perf_counter()
+        result = real_merge(parts, *args)
+        if len(parts) > 1:
+            spent["merge_s"] += time.perf_counter() - t0
+        return result
+
+    fused_tiles.flash_lse, fused_tiles.lse_merge = kernel, merge
+    try:
+        with torch.no_grad():
+            t0 = time.perf_counter()
+            fn()
+            total = time.perf_counter() - t0
+    finally:
+        fused_tiles.flash_lse, fused_tiles.lse_merge = real_kernel, real_merge
+    return {"calls": sum(calls.values()), "shapes": calls, "total_s": total, **spent,
+            "rest_s": total - spent["kernel_s"] - spent["merge_s"]}
+
+
+def scaling_worker(threads: int, N: int, flex: bool) -> int:
+    """A worker at `threads` torch threads: reads commands from stdin, one JSON line back for
+    each. "round": every case once, shuffled: {name: [wall s, process cpu s]}; "profile":
+    `call_profile` of multihead's two engines; "quit"."""
+    torch.set_num_threads(threads)
+    random.seed(threads)
+    cases = scaling_cases(N, flex)
+    with torch.no_grad(), warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        compile_s = {}
+        for name, fn in cases.items():  # warm-up; flex compiles here
+            t0 = time.perf_counter()
+            fn()
+            compile_s[name] = time.perf_counter() - t0
+        print(json.dumps({"ready": threads, "first_call_s": compile_s}), flush=True)
+        for line in sys.stdin:
+            cmd = line.strip()
+            if cmd == "round":
+                order = list(cases)
+                random.shuffle(order)
+                result = {}
+                for name in order:
+                    t0, c0 = time.perf_counter(), time.process_time()
+                    cases[name]()
+                    result[name] = [time.perf_counter() - t0, time.process_time() - c0]
+                print(json.dumps(result), flush=True)
+            elif cmd == "profile":
+                from multihead.kernels import fused_tiles
+
+                profile = {"multihead window": call_profile(cases["multihead window"])}
+                fused_tiles.BANDS = False
+                try:
+                    profile["multihead window, block by block"] = call_profile(cases["multihead window"])
+                finally:
+                    fused_tiles.BANDS = True
+                print(json.dumps(profile), flush=True)
+            else:
+                return 0
+    return 0
+
+
+def run_scaling(N: int, rounds: int, thread_counts=(1, 2), flex: bool = True) -> dict:
+    """One worker process per thread count (flex's compiled kernel keeps the thread count it
+    was compiled at), driven round by round in turn: round r runs every case at every thread
+    count before round r + 1 starts, so a drift of the machine's load hits all alike. Ratios
+    are medians of per-round ratios: multihead / flex at each thread count, and each case's
+    speed-up from 1 thread to the others."""
+    here = str(Path(__file__).resolve())
+    workers = {}
+    for t in thread_counts:
+        env = dict(os.environ, OMP_NUM_THREADS=str(t))
+        cmd = [sys.executable, here, "--scaling-worker", str(t), "--n", str(N)] + ([] if flex else ["--no-flex"])
+        workers[t] = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env)
+    try:
+        ready = {t: json.loads(w.stdout.readline()) for t, w in workers.items()}
+        times = {t: {} for t in thread_counts}
+        loads = []
+        for _ in range(rounds):
+            loads.append(os.getloadavg()[0])
+            for t, w in workers.items():
+                w.stdin.write("round\n")
+                w.stdin.flush()
+                for name, (wall, cpu) in json.loads(w.stdout.readline()).items():
+                    times[t].setdefault(name, {"wall_s": [], "cpu_s": []})
+                    times[t][name]["wall_s"].append(wall)
+                    times[t][name]["cpu_s"].append(cpu)
+        profiles = {}
+        for t, w in workers.items():
+            w.stdin.write("profile\n")
+            w.stdin.flush()
+            profiles[t] = json.loads(w.stdout.readline())
+    finally:
+        for w in workers.values():
+            if w.poll() is None:
+                w.stdin.write("quit\n")
+                w.stdin.flush()
+                w.wait(timeout=60)
+
+    def per_round(a, b):
+        return statistics.median(x / y for x, y in zip(a, b))
+
+    ratios = {}
+    names = list(times[thread_counts[0]])
+    for t in thread_counts:
+        tt = times[t]
+        for name in names:
+            if name != "flex window" and "flex window" in tt:
+                ratios[f"{name} / flex window, {t} threads"] = per_round(tt[name]["wall_s"],
+                                                                         tt["flex window"]["wall_s"])
+        if t != thread_counts[0]:
+            for name in names:
+                base = times[thread_counts[0]][name]["wall_s"]
+                ratios[f"{name}: speed-up {thread_counts[0]} -> {t} threads"] = per_round(base, tt[name]["wall_s"])
+    return {"N": N, "rounds": rounds, "threads": list(thread_counts), "loadavg_1min_per_round": loads,
+            "first_call_s": {t: r["first_call_s"] for t, r in ready.items()},
+            "times": times, "median_wall_s": {t: {n: statistics.median(v["wall_s"]) for n, v in tt.items()}
+                                              for t, tt in times.items()},
+            "ratios": ratios, "profiles": profiles}
+
+
+def print_scaling(sc: dict) -> None:
+    print(f"\nthread scaling, sliding_window({WINDOW}) & causal, N={sc['N']}, {sc['rounds']} rounds, "
+          f"load per round {', '.join(f'{x:.1f}' for x in sc['loadavg_1min_per_round'])}")
+    print("\n| case | " + " | ".join(f"{t} thr. median s" for t in sc["threads"]) + " |\n|---|"
+          + "---:|" * len(sc["threads"]))
+    for name in sc["median_wall_s"][sc["threads"][0]]:
+        print(f"| {name} | " + " | ".join(f"{sc['median_wall_s'][t][name]:.3f}" for t in sc["threads"]) + " |")
+    print("\n| ratio (median of per-round ratios) | value |\n|---|---:|")
+    for name, r in sc["ratios"].items():
+        print(f"| {name} | {r:.3f} |")
+    print("\n| profile (one call) | threads | kernel calls | kernel s | merges s | rest s |")
+    print("|---|---:|---:|---:|---:|---:|")
+    for t, prof in sc["profiles"].items():
+        for name, p in prof.items():
+            print(f"| {name} | {t} | {p['calls']} | {p['kernel_s']:.3f} | {p['merge_s']:.3f} | {p['rest_s']:.3f} |")
+
+
 # ------------------------------------------------------------------------ main
 
 
@@ -258,12 +444,30 @@ def main(argv=None) -> int:
     ap.add_argument("--no-flex", action="store_true", help="skip torch.compile(flex_attention)")
     ap.add_argument("--no-memory", action="store_true", help="skip the peak-memory processes")
     ap.add_argument("--quick", action="store_true", help="N = 512 everywhere, one round, no flex: a smoke run")
+    ap.add_argument("--scaling-threads", default="1,2",
+                    help="thread counts of the scaling rows (window at N, one process each); '' skips them")
+    ap.add_argument("--scaling-only", action="store_true",
+                    help="run only the scaling rows, written into the JSON's 'scaling' (the rest kept)")
+    ap.add_argument("--scaling-worker", type=int, default=0, help=argparse.SUPPRESS)
     ap.add_argument("--json", default=str(Path(__file__).resolve().parent / "results" / "masks.json"),
                     help="where to write the JSON results")
     args = ap.parse_args(argv)
+    if args.scaling_worker:
+        return scaling_worker(args.scaling_worker, args.n, not args.no_flex)
     if args.quick:
         args.n = args.n_softcap = args.n_train = 512
         args.rounds, args.no_flex = 1, True
+    thread_counts = tuple(int(t) for t in args.scaling_threads.split(",") if t.strip())
+    if args.scaling_only:
+        started = _dt.datetime.now(_dt.timezone.utc)
+        sc = run_scaling(args.n, args.rounds, thread_counts, not args.no_flex)
+        sc.update(date=started.isoformat(timespec="seconds"), machine=machine())
+        report = json.loads(Path(args.json).read_text()) if Path(args.json).exists() else {}
+        report["scaling"] = sc
+        path = write_json(args.json, report)
+        print_scaling(sc)
+        print(f"\nJSON: {path}")
+        return 0
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
     random.seed(0)
@@ -322,13 +526,18 @@ def main(argv=None) -> int:
         if memory.get(a) is not None and memory.get(b):
             ratios[f"memory {a} / {b}"] = memory[a] / memory[b]
 
+    scaling = None
+    if thread_counts:
+        scaling = run_scaling(args.n, args.rounds, thread_counts, not args.no_flex)
+        scaling.update(date=_dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"), machine=machine())
+
     report = {
         "meta": {"date": started.isoformat(timespec="seconds"), "machine": machine(), "B": 1, "H": H, "D": D,
                  "dtype": "float32", "N": args.n, "N_softcap": args.n_softcap, "N_train": args.n_train,
                  "rounds": args.rounds, "loadavg_start": load_start, "loadavg_end": os.getloadavg(),
                  "window": WINDOW, "documents": DOCS, "softcap": CAP},
         "times_s": {n: ts for t in (t_fwd, t_soft, t_train) for n, ts in t.items()},
-        "median_s": med, "setup_s": setup, "peak_mib": memory, "ratios": ratios,
+        "median_s": med, "setup_s": setup, "peak_mib": memory, "ratios": ratios, "scaling": scaling,
     }
     path = write_json(args.json, report)
 
@@ -346,6 +555,8 @@ def main(argv=None) -> int:
     for name, r in ratios.items():
         if r is not None:
             print(f"| {name} | {r:.3f} |")
+    if scaling is not None:
+        print_scaling(scaling)
     print(f"\nJSON: {path}")
     return 0
 

@@ -26,7 +26,7 @@ from multihead.kernels.common import (
 from multihead.kernels.explicit_tiles import Tiles, needs_grad, refuse_trainable, twice
 from multihead.kernels.planner import block_mask, choose_tile, combine, fold_mask
 
-__all__ = ["CAUSAL", "FUSED_TILE", "fused"]
+__all__ = ["BANDS", "CAUSAL", "FUSED_TILE", "fused"]
 
 # None: the fused engine picks its tile per call (`planner.choose_tile`): short query blocks
 # keep the key range of a local mask tight, long ones let torch's kernel use its big blocks.
@@ -34,6 +34,8 @@ FUSED_TILE: int | None = None
 _ONE_CALL_SPAN = 512  # keys: below this a query block's pieces run as one masked call
 # query blocks: a run of fewer blocks alike (see `_FusedPlan.runs`) goes block by block
 _MIN_BAND = 2
+# False: every query block its own calls, planned as such (benchmarks/masks.py compares the two)
+BANDS = True
 
 
 def _fused_call(q, k, v, m, scale, dropout_p):
@@ -84,7 +86,7 @@ def fused(q: Tensor, k: Tensor, v: Tensor, mask, *, causal: bool, scale: float, 
     runs_squares = dense is None and score_mod is None and (lse_engine or _public_squares(q, k))
     bq, bk, kept, full, squares = choose_tile(pred, B, H, T, S, q.shape[1] // k.shape[1], tile or FUSED_TILE,
                                                q.device, squares=runs_squares,
-                                               bands=lse_engine and dense is None and score_mod is None)
+                                               bands=BANDS and lse_engine and dense is None and score_mod is None)
     if lse_engine:
         fp = _FusedPlan(q, k, v, pred, dense, score_mod, scale, bq, bk, kept, full, squares)
         return _MergedFused.apply(q, k, v, fp)
@@ -156,6 +158,12 @@ class _FusedPlan:
         A causal square is one block with the one piece `(r0, r1, CAUSAL)`.
         """
         nq, nk = self.kept.shape
+        if not hasattr(self, "_rows"):  # Python lists once: per-row tensor ops cost more than the rows' work
+            cols = torch.arange(nk)
+            self._rows = (self.kept.tolist(), self.full.tolist(),
+                          torch.where(self.kept, cols, nk).amin(1).tolist() if nk else [0] * nq,
+                          torch.where(self.kept, cols + 1, 0).amax(1).tolist() if nk else [0] * nq)
+        kept_rows, full_rows, first, end = self._rows  # end: one past the last kept tile
         i = 0
         while i < nq:
             if i * self.bq in self.squares:
@@ -165,9 +173,9 @@ class _FusedPlan:
                     r = self.squares[r]
                 i = -(-r // self.bq)
                 continue
-            pieces, j = [], 0
-            row_kept, row_full = self.kept[i].tolist(), self.full[i].tolist()
-            while j < nk:
+            pieces, j = [], first[i]
+            row_kept, row_full = kept_rows[i], full_rows[i]
+            while j < end[i]:
                 if not row_kept[j]:
                     j += 1
                     continue
@@ -180,8 +188,8 @@ class _FusedPlan:
             i1 = i + 1
             if pieces and not any(p[2] for p in pieces) and self.score_mod is None and self.dense is None:
                 span = sum(c1 - c0 for c0, c1, _ in pieces)
-                while i1 < nq and torch.equal(self.kept[i1], self.kept[i]) \
-                        and torch.equal(self.full[i1], self.full[i]) and (i1 + 1 - i) * self.bq * span <= 1 << 22:
+                while i1 < nq and kept_rows[i1] == row_kept and full_rows[i1] == row_full \
+                        and (i1 + 1 - i) * self.bq * span <= 1 << 22:
                     i1 += 1
             if len(pieces) > 1 and pieces[-1][1] - pieces[0][0] <= _ONE_CALL_SPAN:
                 # a short range: one masked call costs less than a call per piece
@@ -202,8 +210,8 @@ class _FusedPlan:
         thread busy where hundreds of calls of 8 heads each wait on each other at every
         call's end.
         """
-        can = self.pred is not None and self.pred.relative and self.score_mod is None and self.dense is None \
-            and self.rows_contiguous
+        can = BANDS and self.pred is not None and self.pred.relative and self.score_mod is None \
+            and self.dense is None and self.rows_contiguous
         pending = []  # a band in the making: [(r0, rel)]
 
         def flush():
@@ -239,7 +247,8 @@ class _FusedPlan:
                                                   torch.ones(t, s, dtype=torch.bool, device=self.device).tril()):
                 result = None, True, None  # a band on the diagonal: torch's own causal kernel
             else:
-                result = m, False, torch.isneginf(m).all(-1) if partial else None
+                empty = torch.isneginf(m).all(-1) if partial else None
+                result = m, False, empty if empty is not None and bool(empty.any()) else None
             self._cache[key] = result
         return self._cache[key]
 
@@ -268,14 +277,16 @@ class _FusedPlan:
         lse4 = lse[..., None]  # (B, H, T, 1): viewed like out
         for b in self.band_batches(q, k, v):
             for g in range(self.G):
-                parts = []
+                parts, empties = [], False
                 for a, e, partial in pieces:
                     m, is_causal, empty = self.band_mask(r0, a, e, partial)
+                    empties |= empty is not None
                     kb, vb = (self.band_view(x, b, 0, r0 + a, n, e - a) for x in (k, v))
                     o, lp = flash_lse(self.band_view(q, b, g, r0, n, self.bq), kb, vb, causal=is_causal,
                                       scale=self.scale, mask=m, empty=empty)
                     parts.append((o, lp[..., None].to(acc)))  # (n, heads, bq, Dv), (n, heads, bq, 1)
-                o, lp = lse_merge(parts, acc, q.dtype)
+                # one piece where every row has a key: the kernel's own result (no pass to zero empty rows)
+                o, lp = parts[0] if len(parts) == 1 and not empties else lse_merge(parts, acc, q.dtype)
                 self.band_view(out, b, g, r0, n, self.bq).copy_(o)
                 self.band_view(lse4, b, g, r0, n, self.bq).copy_(lp)
 
