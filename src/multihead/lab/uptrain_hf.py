@@ -570,14 +570,17 @@ def summarise(cfg: HFUptrainConfig, res: dict) -> None:
         return " | ".join(f"{values[s]:.2f}" if s in values else "-" for s in steps)
 
     def minutes(key: str) -> str:
-        return f"{r['seconds'][key] / 60:.1f}" if key in r["seconds"] else "-"
+        cpu = r.get("cpu_seconds", {})
+        wall = f"{r['seconds'][key] / 60:.1f}" if key in r["seconds"] else "-"
+        return wall + (f" | {cpu[key] / 60:.1f}" if key in cpu else " | -") if cpu else wall
 
+    cpu_col = " CPU minutes |" if r.get("cpu_seconds") else ""  # wall time on a shared machine overstates the cost
     head = "| target | init | objective | KV bytes/token | " + " | ".join(
-        "converted" if s == 0 else f"step {s}" for s in steps) + " | gap closed | minutes |"
-    lines = [head, "|" + ":--|" * 3 + "--:|" * (len(steps) + 3)]
+        "converted" if s == 0 else f"step {s}" for s in steps) + " | gap closed | minutes |" + cpu_col
+    lines = [head, "|" + ":--|" * 3 + "--:|" * (len(steps) + 3 + bool(cpu_col))]
     if r["base"] is not None:
         kv = f"{r['base']['kv_bytes_per_token']:,}"
-        lines.append(f"| base | - | - | {kv} | {r['base']['val_ppl']:.2f} |" + " |" * (len(steps) + 1))
+        lines.append(f"| base | - | - | {kv} | {r['base']['val_ppl']:.2f} |" + " |" * (len(steps) + 1 + bool(cpu_col)))
         lines.append(f"| control | - | next-token | {kv} | {ppl_cells(control)} | | {minutes('control')} |")
     grid: dict = {}
     for v in r["variants"]:
