@@ -60,7 +60,7 @@ from multihead.heads.engine import (
     multihead_modules,
     parents_of,
 )
-from multihead.heads.scan import ROWS_PER_RUN, block_of, head_cost
+from multihead.heads.scan import ROWS_PER_RUN, PrefixRecorder, block_of, head_cost
 from multihead.masks import MaskMod
 
 VIAS = ("q", "k", "v")
@@ -570,22 +570,6 @@ class _Skip:
         self.T, self.p, self.prefix, self.tail = T, p, prefix, tail
 
 
-class _KeepPrefix(Handler):
-    """The corrupted run's keys and values on the prefix [0, p)."""
-
-    def __init__(self, p: int):
-        self.p = p
-        self.data: dict[tuple[str, int], Tensor] = {}
-
-    def k(self, lay, k):
-        self.data["k", lay.index] = k[:, :self.p].clone()
-        return k
-
-    def v(self, lay, v):
-        self.data["v", lay.index] = v[:, :self.p].clone()
-        return v
-
-
 class _Join:
     """Block pre-hooks for a forward of n variants that all start at block `start`: the
     blocks below run on one row (their output unused), `start` takes the corrupted run's
@@ -668,7 +652,7 @@ def _lay_out(runs: _Runs, clean) -> _Laid | None:
         hooks.pre(b, keep, with_kwargs=True)
     final: list[Tensor] = []
     hooks.post(blocks[-1], lambda m, a, out: final.append(_first(out)))
-    prefix = _KeepPrefix(p)
+    prefix = PrefixRecorder(p, z=False)
     try:
         with torch.no_grad(), Engine(model, prefix).installed():
             logits = logits_of(_call(model, runs.corrupted_inputs))
