@@ -192,3 +192,23 @@ def test_heads_prune_of_a_committed_curve_point_loads_in_stock_transformers(smol
     size = sum(f.stat().st_size for f in out.glob("*.safetensors"))
     whole = sum(f.stat().st_size for f in gguf_cache_folder(smollm2_path()).glob("*.safetensors"))
     assert size < whole, (size, whole)
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["--curve", "CURVE"], "needs --at"),
+    (["--curve", "CURVE", "--at", "groups:0.25"], "valid: groups:0, groups:0.5, heads:0, heads:0.5"),
+    (["--curve", "CURVE", "--at", "layers:0.5"], "is not a point of"),
+    (["--curve", "CURVE", "--at", "heads:0.5", "--remove", "0.1"], "not both"),
+    (["--remove", "0.1", "--at", "heads:0.5"], "give --curve too"),
+    (["--curve", "MISSING", "--at", "heads:0.5"], "not a results.json"),
+    ([], "give the heads to remove"),
+])
+def test_prune_curve_flags_refuse_in_one_line(capsys, tmp_path, argv, message):
+    curve = tmp_path / "results.json"
+    point = {"removed": [[0, 0]], "fraction": 0.0}
+    curve.write_text(json.dumps({"curves": {u: {"importance": [point, {**point, "fraction": 0.5}]}
+                                            for u in ("groups", "heads")}}), encoding="utf-8")
+    argv = [str(curve) if a == "CURVE" else str(tmp_path / "nothing.json") if a == "MISSING" else a for a in argv]
+    code = main(["heads", "prune", "--model", "smollm2", "--out", str(tmp_path / "out"), *argv])
+    err = capsys.readouterr().err
+    assert code == 2 and message in err and len(err.strip().splitlines()) == 1, err
