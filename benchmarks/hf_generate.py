@@ -66,6 +66,11 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from machine_info import machine, write_json  # noqa: E402
 
+# What every timing reads: wall time (the default, for a quiet machine), or with --clock cpu
+# the CPU time of this thread (one torch thread: all of the work), which a loaded machine's
+# preemptions do not inflate (its cache misses still do).
+clock = time.perf_counter
+
 
 def build(layers: int, heads: int, kv_heads: int, width: int, positions: int):
     from transformers import LlamaConfig, LlamaForCausalLM
@@ -85,11 +90,11 @@ def time_generate(model, prompt: torch.Tensor, new_tokens: int, rounds: int) -> 
         order = ("sdpa", "multihead") if r % 2 == 0 else ("multihead", "sdpa")
         for impl in order:
             model.set_attn_implementation(impl)
-            t0 = time.perf_counter()
+            t0 = clock()
             with torch.no_grad():
                 tokens[impl] = model.generate(prompt, max_new_tokens=new_tokens, min_new_tokens=new_tokens,
                                               do_sample=False)
-            seconds[impl].append(time.perf_counter() - t0)
+            seconds[impl].append(clock() - t0)
     ratios = [m / s for m, s in zip(seconds["multihead"], seconds["sdpa"])]
     return {"seconds": {k: statistics.median(v) for k, v in seconds.items()}, "rounds": seconds,
             "ratio": statistics.median(ratios), "ratios": ratios,
@@ -113,10 +118,10 @@ def per_call(model, S: int, calls: int, rounds: int) -> dict:
         for _ in range(rounds):
             for name, fn in fns.items():
                 fn(module, q, k, v, None, scaling=D ** -0.5)  # warm
-                t0 = time.perf_counter()
+                t0 = clock()
                 for _ in range(calls):
                     fn(module, q, k, v, None, scaling=D ** -0.5)
-                us[name].append((time.perf_counter() - t0) / calls * 1e6)
+                us[name].append((clock() - t0) / calls * 1e6)
         profile = cProfile.Profile()
         profile.enable()
         for _ in range(calls):
@@ -155,16 +160,16 @@ def in_loop(model, prompt: torch.Tensor, new_tokens: int, rounds: int) -> dict:
 
     def timed(key: str, f):
         def g(*a, **k):
-            t0 = time.perf_counter()
+            t0 = clock()
             out = f(*a, **k)
             if state["decode"]:
-                spent.setdefault(key, []).append(time.perf_counter() - t0)
+                spent.setdefault(key, []).append(clock() - t0)
             return out
         return g
 
     mapping = ALL_ATTENTION_FUNCTIONS._global_mapping
     saved = {"sdpa": mapping["sdpa"], "multihead": mapping["multihead"], "kernel": F.scaled_dot_product_attention,
-             "nan": mh_functional._any_nan, "attend": mh_registry.attend, "backend": mh_functional._sdpa_plain}
+             "nan": mh_functional._any_nan, "attend": mh_registry.attend, "backend": mh_functional._decode_step}
 
     def entry(impl: str):
         inner = timed(f"{impl}: attention function", saved[impl])
@@ -194,14 +199,14 @@ def in_loop(model, prompt: torch.Tensor, new_tokens: int, rounds: int) -> dict:
         F.scaled_dot_product_attention = kernel
         mh_functional._any_nan = timed("multihead: NaN-rule check", saved["nan"])
         mh_registry.attend = timed("multihead: attend", saved["attend"])
-        mh_functional._sdpa_plain = timed("multihead: sdpa backend", saved["backend"])  # the plain call's form
+        mh_functional._decode_step = timed("multihead: sdpa backend", saved["backend"])  # the plain call's form
         for r in range(rounds):  # pass 2: and their parts
             generate(r)
     finally:
         mapping["sdpa"], mapping["multihead"] = saved["sdpa"], saved["multihead"]
         F.scaled_dot_product_attention = saved["kernel"]
         mh_functional._any_nan = saved["nan"]
-        mh_registry.attend, mh_functional._sdpa_plain = saved["attend"], saved["backend"]
+        mh_registry.attend, mh_functional._decode_step = saved["attend"], saved["backend"]
     n = len(alone.get("multihead: attention function", [])) or 1
     us = {key: sum(t) / len(t) * 1e6 for key, t in sorted(spent.items())}
     part = {key.split(": ", 1)[1]: us.get(key, 0.0) for key in us if key.startswith("multihead: ")}
@@ -231,6 +236,9 @@ def main(argv=None) -> int:
     ap.add_argument("--rounds", type=int, default=7)
     ap.add_argument("--calls", type=int, default=2000, help="attention calls per timing of the per-call part")
     ap.add_argument("--threads", type=int, default=1, help="torch threads")
+    ap.add_argument("--generate-only", action="store_true", help="time generate only (no per-call parts)")
+    ap.add_argument("--clock", choices=("wall", "cpu"), default="wall",
+                    help="wall time, or this thread's CPU time (only with --threads 1): on a shared machine")
     ap.add_argument("--model", default=None,
                     help="a real model instead of the random Llama: smollm2 (the bundled SmolLM2-135M), a .gguf or "
                          "a folder; the prompt is --prompt tokens of the King James Bible")
@@ -239,6 +247,11 @@ def main(argv=None) -> int:
     a = ap.parse_args(argv)
     if a.quick:
         a.layers, a.prompt, a.new_tokens, a.rounds, a.calls = 2, 64, 8, 2, 50
+    if a.clock == "cpu":
+        if a.threads != 1:
+            ap.error("--clock cpu times one thread: use it with --threads 1")
+        global clock
+        clock = time.thread_time
     torch.set_num_threads(a.threads)
     if a.model:
         from multihead.corpus import load_corpus
@@ -256,10 +269,15 @@ def main(argv=None) -> int:
     else:
         model = build(a.layers, a.heads, a.kv_heads, a.width, a.prompt + a.new_tokens + 8)
         prompt = torch.randint(0, model.config.vocab_size, (1, a.prompt), generator=torch.Generator().manual_seed(1))
+    load_start = os.getloadavg()
     gen = time_generate(model, prompt, a.new_tokens, a.rounds)
-    call = per_call(model, a.prompt + a.new_tokens // 2, a.calls, max(2, a.rounds // 2))
-    loop = in_loop(model, prompt, a.new_tokens, max(2, a.rounds // 2))
-    report = {"meta": machine() | {"threads": a.threads, "argv": sys.argv[1:] if argv is None else list(argv)},
+    call = loop = None
+    if not a.generate_only:
+        call = per_call(model, a.prompt + a.new_tokens // 2, a.calls, max(2, a.rounds // 2))
+        loop = in_loop(model, prompt, a.new_tokens, max(2, a.rounds // 2))
+    report = {"meta": machine() | {"threads": a.threads, "clock": a.clock, "load_start": load_start,
+                                   "load_end": os.getloadavg(),
+                                   "argv": sys.argv[1:] if argv is None else list(argv)},
               "config": {"model": a.model or "random llama",
                          "layers": a.layers, "heads": a.heads, "kv_heads": a.kv_heads, "width": a.width,
                          "prompt": a.prompt, "new_tokens": a.new_tokens, "rounds": a.rounds},
@@ -271,6 +289,9 @@ def main(argv=None) -> int:
     print(f"| sdpa (transformers) | {s['sdpa']:.3f} |\n| multihead | {s['multihead']:.3f} |")
     print(f"\nratio multihead / sdpa: {gen['ratio']:.3f} (per round: "
           f"{', '.join(f'{r:.2f}' for r in gen['ratios'])}); same tokens: {gen['same_tokens']}")
+    if call is None:
+        print(f"\nwrote {write_json(a.json, report)}")
+        return 0
     u = call["us_per_call"]
     print(f"\none decode-step attention call (S={call['S']}): sdpa {u['sdpa']:.1f} us, multihead "
           f"{u['multihead']:.1f} us ({call['extra_us']:+.1f} us per layer per token)")

@@ -76,6 +76,7 @@ from torch import Tensor
 import multihead.kernels.backends  # noqa: F401  (registers the built-in backends: math, sdpa, chunked, tiles, flex)
 from multihead.kernels import math as explicit_math  # weights_pass read at call time: the tests spy on it
 from multihead.kernels.common import index
+from multihead.kernels.decode import step as _decode_step
 from multihead.kernels.math import block_rows as _block_rows
 from multihead.kernels.math import rows_mask as _rows_mask
 from multihead.kernels.registry import (
@@ -87,7 +88,6 @@ from multihead.kernels.registry import (
     resolve_backend,
 )
 from multihead.kernels.registry import get_backend as _get_backend
-from multihead.kernels.sdpa import plain as _sdpa_plain
 from multihead.kernels.sdpa import sdpa as _sdpa_backend
 from multihead.kernels.validation import check_inputs as _check_inputs
 from multihead.kernels.validation import check_scale as _check_scale
@@ -176,10 +176,11 @@ def attend(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | MaskMod | Callable | 
         impl = BACKENDS.get("sdpa" if backend == "auto" else backend)
         weight_heads, causal = None, bool(causal)
         if impl is not None and impl.fn is _sdpa_backend and (shape[2] == 1 or not causal) and 0 not in shape:
-            # ... and on the built-in "sdpa" with no causality to apply, its plain form
+            # ... and on the built-in "sdpa" with no causality to apply, its plain form, with the
+            # keys split over the threads where they would idle (`kernels.decode`)
             scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
-            out = _sdpa_plain(q, k, v, scale, causal)
-            if not torch.compiler.is_compiling() and _any_nan(q, k, v, out):
+            out, seen = _decode_step(q, k, v, scale, causal)  # seen: what holds every row the kernel made
+            if not torch.compiler.is_compiling() and _any_nan(q, k, v, seen):
                 out, _ = _nan_rule(impl, q, k, v, None, causal, scale, 0.0, None, None)
             return out, None
     if impl is None:

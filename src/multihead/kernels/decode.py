@@ -1,0 +1,85 @@
+"""The plain decode step (a few queries, no mask, score mod, weights or dropout) and its
+split over the key axis: flash-decoding (Dao, Haziza, Massa and Sizov, 2023), on the CPU.
+
+torch's CPU flash kernel runs one work item per (batch row, head): with the G query heads
+of a K/V head folded into its query length (`sdpa.plain`), a decode step has B * Hkv
+items. When the threads do not divide them (SmolLM2's 3 K/V heads on 2 threads: one
+thread runs two heads while the other idles half the step) or there are fewer items than
+threads, the keys are split into P parts: B * Hkv * P items, each part's output and
+log-sum-exp from one call of the kernel (`common.flash_lse`, the parts as a strided
+view of K and V: no copy), merged exactly by log-sum-exp (`common.lse_merge`).
+
+The split is taken only where it pays (`key_splits`): on the CPU, with more than one
+thread, batch 1, H > Hkv > 1 (MQA keeps `common.mqa_splits`, which splits its G query
+heads instead), enough keys that the merge's few small ops are worth it
+(`MIN_SPLIT_KEYS`, benchmarks/decode.py measures the crossover), and where nothing
+requires grad: the kernel's backward does not take a gradient through its log-sum-exp,
+so a step autograd records stays on the unsplit kernel (exact gradients, as before).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from multihead.kernels.common import HAS_CPU_FLASH, acc_dtype, flash_lse, lse_merge
+from multihead.kernels.sdpa import plain
+
+__all__ = ["MIN_SPLIT_KEYS", "key_splits", "split_keys", "step"]
+
+MIN_SPLIT_KEYS = 2048  # below this many keys a step stays on one kernel call (revisit with benchmarks/decode.py)
+_FLASH_DTYPES = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
+
+
+def key_splits(q: Tensor, k: Tensor, v: Tensor) -> int:
+    """Parts to split the keys of a plain step into (1: none; see the module docstring): the
+    smallest P <= threads that gives the threads equal shares of B * Hkv * P items, or the
+    most even shares (fewest items on the busiest thread per part)."""
+    B, H, _, _ = q.shape
+    Hkv, S = k.shape[1], k.shape[2]
+    if S < MIN_SPLIT_KEYS or B != 1 or Hkv == 1 or Hkv == H or not HAS_CPU_FLASH or not q.is_cpu:
+        return 1
+    threads = torch.get_num_threads()
+    if threads == 1 or Hkv % threads == 0 or q.dtype not in _FLASH_DTYPES or q.shape[-1] != v.shape[-1]:
+        return 1
+    if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
+        return 1
+    if torch.compiler.is_compiling():
+        return 1
+
+    def busiest(p: int) -> float:  # the busiest thread's items, in units of one unsplit head
+        return -(-Hkv * p // threads) / p
+
+    return min(range(1, threads + 1), key=lambda p: (busiest(p), p))
+
+
+def split_keys(q: Tensor, k: Tensor, v: Tensor, scale: float, parts: int) -> tuple[Tensor, Tensor]:
+    """Attention of q `(1, H, T, D)` over k, v `(1, Hkv, S, D)` with the keys in `parts`
+    parts: (out `(1, H, T, D)`, the parts' outputs `(parts, Hkv, G*T, D)`). The keys split
+    as `parts` equal runs of c = S // parts (a view of K and V whose batch dim is the part),
+    the last S - parts * c keys, if any, as one more call. The NaN check reads the parts'
+    outputs: a kernel that zeroes a part's row would leave a finite merged row."""
+    _, H, T, D = q.shape
+    Hkv, S = k.shape[1], k.shape[2]
+    c = S // parts
+    qf = q.reshape(1, Hkv, H // Hkv * T, D)  # (1, Hkv, G*T, D)
+    ks, vs = k.stride(), v.stride()
+    kp = k.as_strided((parts, Hkv, c, D), (c * ks[2], ks[1], ks[2], ks[3]), k.storage_offset())  # (P, Hkv, c, D)
+    vp = v.as_strided((parts, Hkv, c, D), (c * vs[2], vs[1], vs[2], vs[3]), v.storage_offset())
+    out, lse = flash_lse(qf.expand(parts, *qf.shape[1:]), kp, vp, causal=False, scale=scale)  # (P, Hkv, G*T, D)
+    pieces = list(zip(out.unbind(0), lse[..., None].unbind(0)))  # [(Hkv, G*T, D), (Hkv, G*T, 1)] per part
+    if parts * c < S:
+        o, lp = flash_lse(qf, k[:, :, parts * c:], v[:, :, parts * c:], causal=False, scale=scale)
+        pieces.append((o[0], lp[0][..., None]))
+    merged, _ = lse_merge(pieces, acc_dtype(q.dtype), q.dtype)  # (Hkv, G*T, D)
+    return merged.view(1, H, T, D), out
+
+
+def step(q: Tensor, k: Tensor, v: Tensor, scale: float, causal: bool) -> tuple[Tensor, Tensor]:
+    """The plain step: (out, what the NaN check reads: out itself, or the parts' outputs
+    of a split step). `sdpa.plain` unless `key_splits` says split."""
+    parts = key_splits(q, k, v) if q.shape[2] == 1 or not causal else 1
+    if parts == 1:
+        out = plain(q, k, v, scale, causal)
+        return out, out
+    return split_keys(q, k, v, scale, parts)

@@ -1,0 +1,179 @@
+"""The decode step split over the key axis (`kernels.decode`, flash-decoding): the parts'
+log-sum-exp merge equals the float64 reference and the math backend (GQA, MQA, MHA; key
+counts at the split's boundaries; bfloat16), `attend` takes it exactly where
+`key_splits` says it pays, falls back everywhere else (gradients, one thread, a batch,
+masks, causal blocks, few keys), and the NaN rule holds through it whatever the kernel
+does with a NaN."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from conftest import assert_close
+from multihead import reference as R
+from multihead.functional import attend
+from multihead.kernels import common, decode
+
+pytestmark = pytest.mark.skipif(not common.HAS_CPU_FLASH, reason="this torch has no CPU flash kernel with its lse")
+
+
+def _qkv(B=1, H=9, Hkv=3, T=1, S=40, D=16, dtype=torch.float32, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return tuple(torch.randn(*shape, generator=g).to(dtype) for shape in ((B, H, T, D), (B, Hkv, S, D), (B, Hkv, S, D)))
+
+
+def _reference(q, k, v, scale=None, causal=False):
+    return torch.from_numpy(R.attention(*(t.detach().double().numpy() for t in (q, k, v)), scale=scale,
+                                        causal=causal))
+
+
+@pytest.fixture
+def two_threads(monkeypatch):
+    """Two intra-op threads and a split threshold low enough for small test shapes."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(2)
+    monkeypatch.setattr(decode, "MIN_SPLIT_KEYS", 8)
+    yield
+    torch.set_num_threads(n)
+
+
+# ---------------------------------------------------------------- the merge itself
+
+
+@pytest.mark.parametrize("H, Hkv", [(9, 3), (8, 2), (32, 8), (4, 1), (6, 6)])  # GQA, MQA, MHA
+@pytest.mark.parametrize("S, parts", [(40, 2), (41, 2), (43, 4), (3, 3), (2048, 3), (16384 + 5, 2)])
+@pytest.mark.parametrize("T", [1, 3])
+def test_split_equals_the_reference_and_the_math_backend(H, Hkv, S, parts, T):
+    """Equal runs of S // parts keys, and the rest (S % parts) as one more call."""
+    q, k, v = _qkv(H=H, Hkv=Hkv, T=T, S=S, D=16 if S < 10000 else 8)
+    out, part_outs = decode.split_keys(q, k, v, 0.25, parts)
+    assert out.shape == (1, H, T, 16 if S < 10000 else 8) and part_outs.shape[0] == parts
+    want = _reference(q, k, v, scale=0.25)
+    assert_close(out, want, atol=1e-6, rtol=1e-6, what=f"split {parts} of S={S}")
+    math, _ = attend(q, k, v, scale=0.25, backend="math", return_weights=[0])
+    assert_close(out, math, atol=1e-6, rtol=1e-6, what="split vs math")
+
+
+def test_split_reads_a_cache_view():
+    """K/V as a KV cache hands them: the first S slots of a longer buffer (strided, offset)."""
+    q, k, v = _qkv(S=64)
+    buf_k, buf_v = torch.randn(1, 3, 100, 16), torch.randn(1, 3, 100, 16)
+    buf_k[:, :, 10:74], buf_v[:, :, 10:74] = k, v
+    out, _ = decode.split_keys(q, buf_k[:, :, 10:74], buf_v[:, :, 10:74], 0.25, 3)
+    assert_close(out, _reference(q, k, v, scale=0.25), atol=1e-6, rtol=1e-6, what="cache view")
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float64])
+def test_split_in_other_dtypes(dtype):
+    q, k, v = _qkv(S=300, dtype=dtype)
+    out, _ = decode.split_keys(q, k, v, 0.25, 2)
+    assert out.dtype == dtype
+    assert_close(out, _reference(q, k, v, scale=0.25), dtype, what=str(dtype))
+
+
+# ------------------------------------------------------- where attend takes it
+
+
+def _spy(monkeypatch):
+    calls = []
+    real = decode.split_keys
+
+    def spy(*a, **kw):
+        calls.append(a[4])
+        return real(*a, **kw)
+
+    monkeypatch.setattr(decode, "split_keys", spy)
+    return calls
+
+
+@pytest.mark.parametrize("causal", [False, True])  # one query sees every key either way
+def test_attend_splits_where_the_threads_would_idle(two_threads, monkeypatch, causal):
+    calls = _spy(monkeypatch)
+    q, k, v = _qkv(S=50)  # 3 K/V heads on 2 threads
+    out, w = attend(q, k, v, causal=causal)
+    assert calls == [2] and w is None
+    assert_close(out, _reference(q, k, v, causal=causal), atol=1e-6, rtol=1e-6, what="attend, split")
+    general, _ = attend(q, k, v, causal=causal, return_weights=[0])  # the general path: one kernel call
+    assert_close(out, general, atol=1e-6, rtol=1e-6, what="split vs unsplit")
+
+
+@pytest.mark.parametrize("case", ["requires grad", "one thread", "batch 2", "threads divide Hkv", "MQA", "MHA",
+                                  "few keys", "causal block", "a mask", "backend math"])
+def test_attend_does_not_split(two_threads, monkeypatch, case):
+    calls = _spy(monkeypatch)
+    shape = {"batch 2": dict(B=2), "threads divide Hkv": dict(H=8, Hkv=2), "MQA": dict(Hkv=1),
+             "MHA": dict(Hkv=9), "few keys": dict(S=7), "causal block": dict(T=4, S=50)}.get(case, {})
+    q, k, v = _qkv(**({"S": 50} | shape))
+    kw = {"causal block": dict(causal=True), "a mask": dict(mask=torch.ones(50, dtype=torch.bool)),
+          "backend math": dict(backend="math")}.get(case, {})
+    if case == "requires grad":
+        q.requires_grad_()
+    if case == "one thread":
+        torch.set_num_threads(1)
+    out, _ = attend(q, k, v, **kw)
+    assert calls == []
+    assert_close(out, _reference(q, k, v, causal=case == "causal block"), what=case)
+
+
+def test_gradients_stay_exact(two_threads):
+    """A step autograd records runs unsplit: the kernel's backward takes no gradient through
+    the log-sum-exp the merge would need."""
+    q, k, v = (t.requires_grad_() for t in _qkv(S=50))
+    got = torch.autograd.grad(attend(q, k, v)[0].square().sum(), (q, k, v))
+    want = torch.autograd.grad(attend(q, k, v, backend="math")[0].square().sum(), (q, k, v))
+    for name, a, b in zip("qkv", got, want):
+        assert_close(a, b, what=f"d{name}")
+
+
+def test_key_splits_balances_the_threads(monkeypatch):
+    monkeypatch.setattr(decode, "MIN_SPLIT_KEYS", 8)
+    n = torch.get_num_threads()
+    try:
+        for threads, Hkv, want in ((2, 3, 2), (2, 5, 2), (2, 4, 1), (4, 3, 4), (4, 2, 2), (4, 6, 2), (3, 2, 3)):
+            torch.set_num_threads(threads)
+            if torch.get_num_threads() != threads:
+                continue  # this torch caps the threads
+            q, k, v = _qkv(H=2 * Hkv, Hkv=Hkv, S=50)
+            assert decode.key_splits(q, k, v) == want, (threads, Hkv)
+    finally:
+        torch.set_num_threads(n)
+
+
+# ----------------------------------------------------------- the NaN rule, split
+
+
+def _zero_nan_rows(kernel):
+    """flash_lse that zeroes the rows of NaN queries and every row of a part whose keys all
+    hold a NaN, with a finite lse: what a kernel may do, which a merged row would hide."""
+    def wrapped(q, k, *a, **kw):
+        out, lse = kernel(q, k, *a, **kw)
+        bad = torch.isnan(q).any(-1) | torch.isnan(k).any(-1).all(-1)[..., None]  # (P, Hkv, G*T)
+        return out.masked_fill(bad[..., None], 0.0), lse.masked_fill(bad, 0.0)
+    return wrapped
+
+
+@pytest.mark.parametrize("kernel", ["as this machine's", "zeroing"])
+@pytest.mark.parametrize("where", ["query", "every key of one part", "one key", "one value"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_nan_rule_through_the_split(two_threads, monkeypatch, kernel, where, dtype):
+    if kernel == "zeroing":
+        monkeypatch.setattr(decode, "flash_lse", _zero_nan_rows(decode.flash_lse))
+    calls = _spy(monkeypatch)
+    q, k, v = _qkv(S=50, dtype=dtype)
+    if where == "query":
+        q[0, 4, 0, 1] = float("nan")
+    elif where == "every key of one part":
+        k[0, 1, :25, 3] = float("nan")  # the first of 2 parts of K/V head 1: query heads 3, 4, 5
+    elif where == "one key":
+        k[0, 2, 30, 0] = float("nan")
+    else:
+        v[0, 0, 7, 2] = float("nan")
+    out, _ = attend(q, k, v)
+    assert calls == [2]
+    kv_nan = (torch.isnan(k).any(-1).any(-1) | torch.isnan(v).any(-1).any(-1)).repeat_interleave(3, dim=1)
+    want = torch.isnan(q).any(-1) | kv_nan[..., None]  # (B, H, T)
+    assert torch.equal(torch.isnan(out).any(-1), want), torch.isnan(out).any(-1).nonzero().tolist()
+    assert torch.isnan(out[want]).all()
+    clean = ~want[..., 0]
+    assert_close(out[clean], _reference(q, k, v)[clean], dtype, what="rows without NaN")
