@@ -370,6 +370,93 @@ Reading the table:
 """
 
 
+# ------------------------------------------------------------------ the decode step's profile
+
+PROFILE_GEOMETRIES = {"GQA 32/8 x 128": (32, 8, 128), "SmolLM2 9/3 x 64": (9, 3, 64)}
+
+
+def profile_cases(L: int, H: int, Hkv: int, D: int, rotate_bytes: int) -> list[Case]:
+    """One decode step (B = 1, one query) of one geometry, done each way the profile compares:
+    multihead's public call (split over the keys where `kernels.decode.key_splits` says so),
+    the one folded flash call (`sdpa.plain`), the split forced into 2 and 4 parts, the two
+    passes as matrix products with the G query heads folded into rows (scores, softmax,
+    values), torch's `enable_gqa`; and the read rate, `sum` over as many bytes as K and V."""
+    from multihead.kernels import decode, sdpa
+
+    g = torch.Generator().manual_seed(L)
+    nbytes = 2 * Hkv * L * D * FP32
+    n = _copies(nbytes, rotate_bytes)
+    kv = [(torch.randn(1, Hkv, L, D, generator=g), torch.randn(1, Hkv, L, D, generator=g)) for _ in range(n)]
+    flat = [torch.randn(2 * Hkv * L * D, generator=g) for _ in range(n)]
+    q = torch.randn(1, H, 1, D, generator=g)
+    scale, G = D ** -0.5, H // Hkv
+    flops = 4.0 * H * L * D
+
+    def two_matmuls(k, v):
+        scores = (q.view(1, Hkv, G, D) * scale) @ k.transpose(-2, -1)  # (1, Hkv, G, L)
+        return torch.softmax(scores, dim=-1) @ v  # (1, Hkv, G, D)
+
+    ways = {"multihead": lambda k, v: scaled_dot_product_attention(q, k, v),
+            "one flash call": lambda k, v: sdpa.plain(q, k, v, scale),
+            "split 2": lambda k, v: decode.split_keys(q, k, v, scale, 2)[0],
+            "split 4": lambda k, v: decode.split_keys(q, k, v, scale, 4)[0],
+            "two matmuls": two_matmuls,
+            "torch enable_gqa": lambda k, v: F.scaled_dot_product_attention(q, k, v, enable_gqa=True)}
+    want = ways["one flash call"](*kv[0]).double()
+    for name, f in ways.items():
+        err = (f(*kv[0]).double().reshape(want.shape) - want).abs().max().item()
+        assert err < 1e-5, f"{name}: {err:.2e} from the one flash call"
+    cases = [Case(name, "profile", lambda i, f=f: f(*kv[i % n]), nbytes, flops) for name, f in ways.items()]
+    cases.append(Case("read", "profile", lambda i: flat[i % n].sum(), nbytes))
+    return cases
+
+
+def run_profile(args, log) -> dict:
+    """Each geometry at each L, at each thread count: interleaved rounds of every way."""
+    torch.manual_seed(0)
+    rows = []
+    with torch.inference_mode():
+        for label, (H, Hkv, D) in PROFILE_GEOMETRIES.items():
+            for L in args.lengths:
+                cases = profile_cases(L, H, Hkv, D, int(args.rotate_mib * MiB))
+                for threads in args.profile_threads:
+                    torch.set_num_threads(threads)
+                    for c in cases:
+                        c.times.clear()
+                    load0 = os.getloadavg()[0]
+                    time_cases(cases, args.rounds, args.min_sample_ms / 1e3, lambda m: None)
+                    by = {c.name: c for c in cases}
+                    for c in cases:
+                        if c.name == "read":
+                            continue
+                        rows.append({"geometry": label, "H": H, "Hkv": Hkv, "D": D, "L": L, "threads": threads,
+                                     "way": c.name, "median_s": statistics.median(c.times),
+                                     "pct_read": 100 / paired(c, by["read"]),
+                                     "x_torch": paired(by["torch enable_gqa"], c),
+                                     "x_one_call": paired(by["one flash call"], c),
+                                     "read_GBps": c.cache_bytes / statistics.median(by["read"].times) / 1e9,
+                                     "load": [load0, os.getloadavg()[0]], "times_s": list(c.times)})
+                    log(f"  {label} L={L} threads={threads}: load {load0:.1f} -> {os.getloadavg()[0]:.1f}")
+                del cases
+                gc.collect()
+    return {"date": _dt.datetime.now().astimezone().isoformat(timespec="seconds"), "machine": machine(),
+            "rounds": args.rounds, "rotate_mib": args.rotate_mib, "rows": rows}
+
+
+def render_profile(prof) -> str:
+    lines = [f"Decode-step profile, {prof['date']}: {prof['machine']['cpu']}, fp32, B = 1, one query; medians of "
+             f"{prof['rounds']} interleaved rounds; \"% read\": the read rate (`sum` over as many bytes as K and "
+             f"V, same round) over the step's, paired by round; \"x torch\": torch's `enable_gqa` time over this "
+             f"way's; \"x 1 call\": the one folded flash call's time over this way's.", "",
+             "| geometry | L | threads | way | ms | % read | x torch | x 1 call | load |",
+             "|---|---:|---:|---|---:|---:|---:|---:|---|"]
+    for r in prof["rows"]:
+        lines.append(f"| {r['geometry']} | {r['L']} | {r['threads']} | {r['way']} | {fmt_ms(r['median_s'])} | "
+                     f"{r['pct_read']:.0f}% | {r['x_torch']:.2f}x | {r['x_one_call']:.2f}x | "
+                     f"{r['load'][0]:.1f}-{r['load'][1]:.1f} |")
+    return "\n".join(lines) + "\n"
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -387,7 +474,20 @@ def main(argv=None) -> int:
     p.add_argument("--no-doc", dest="doc", action="store_const", const=None, help="do not write the doc page")
     p.add_argument("--render", type=Path, metavar="JSON",
                    help="run nothing: render the report of an earlier run's JSON (to --doc and --json)")
+    p.add_argument("--profile", action="store_true",
+                   help="the decode step's profile instead (GQA 32/8 x 128 and SmolLM2 9/3 x 64 at --lengths, "
+                        "each way at --profile-threads): into the JSON's 'profile' entry, the rest kept")
+    p.add_argument("--profile-threads", type=int, nargs="+", default=[1, 2], help="thread counts of --profile")
     args = p.parse_args(argv)
+    if args.profile:
+        path = args.json or ROOT / "benchmarks" / "results" / "decode.json"
+        prof = run_profile(args, lambda m: print(m, file=sys.stderr, flush=True))
+        print(render_profile(prof))
+        report = json.loads(path.read_text()) if path.exists() else {}
+        report["profile"] = prof
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(report, indent=1) + "\n")
+        return 0
     if args.quick:
         args.lengths, args.rounds = [256, 1024], 3
 

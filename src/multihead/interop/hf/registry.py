@@ -302,6 +302,11 @@ def attention_forward(module: nn.Module, query: Tensor, key: Tensor, value: Tens
     mask utilities fold it into the mask otherwise), from `is_causal` or the module's
     `is_causal`, and top-left when a static cache's prefill hands more key slots than
     queries (those slots are empty, so they are cut off).
+
+    Four jobs, in order: the decode step's quick way (nothing but q, k, v); the mask
+    (`_resolve_mask`: transformers' mask, causality, the window, T5's bias); the kernel
+    (`_attend`: sinks, softcap, the weights asked for); the answers (a request's weights,
+    an intervention's edit of the heads' outputs).
     """
     if query.shape[2] == 1 and is_plain_call(attention_mask, scaling, dropout) \
             and _nothing_but_qkv(module, position_bias, softcap, s_aux, sinks, kwargs):
@@ -314,9 +319,33 @@ def attention_forward(module: nn.Module, query: Tensor, key: Tensor, value: Tens
     own_keys = key.shape[2]
     if intervention is not None:  # multihead.heads reads or edits keys/values per KV head
         query, key, value = intervention.inputs(module, query, key, value)
+    key, value, mask, causal = _resolve_mask(module, query, key, value, attention_mask, is_causal, sliding_window,
+                                             position_bias, prepended=key.shape[2] - own_keys)
+    B, H, T, _ = query.shape
+    softcap = check_positive_number("softcap", softcap, allow_none=True)
+    sinks = _sink_logits(s_aux if s_aux is not None else sinks, B, H, T)
+    scale = check_positive_number("scaling", scaling, allow_none=True)
+    answer = WeightsAnswer.of(module, kwargs, kwargs.get("output_attentions", getattr(getattr(
+        module, "config", None), "output_attentions", False)))
+    out, weights = _attend(module, query, key, value, mask, causal, dropout, scale, softcap, sinks,
+                           answer.return_weights, backend, kwargs.get(OBSERVER_KEYWORD))
+    if answer.request is not None:  # (no AttentionCall to build on the common path)
+        answer.record(AttentionCall(module, H, key.shape[1], T, key.shape[2], query.shape[-1]), weights)
+    if intervention is not None:  # ... and the heads' outputs, before the output projection
+        out = intervention.output(module, out, value)
+    out = out.transpose(1, 2).contiguous()  # (B, T, H, Dv)
+    return out, answer.returned(weights)
+
+
+def _resolve_mask(module: nn.Module, query: Tensor, key: Tensor, value: Tensor, attention_mask, is_causal,
+                  sliding_window, position_bias, *, prepended: int) -> tuple[Tensor, Tensor, object, bool]:
+    """What the kernel is given for transformers' mask: (key, value, mask, causal). The mask
+    as multihead reads it (`hf_mask`); without one, the layer's causality (a static cache's
+    empty slots cut off, unless an intervention `prepended` keys before this call's own),
+    the sliding window as a predicate; T5's position bias added to the mask; a predicate
+    made dense where the written-out paths (bias, sinks) need a tensor."""
     B, H, T, _ = query.shape
     S = key.shape[2]
-    prepended = S - own_keys  # keys an intervention put before this call's own (a scan's cached prefix)
     mask = hf_mask(attention_mask, query.dtype)
     causal = False
     if mask is None and T > 1:
@@ -330,44 +359,40 @@ def attention_forward(module: nn.Module, query: Tensor, key: Tensor, value: Tens
             else None
         if causal and window is not None and S > window:  # no mask carries the window: apply it here
             mask, causal = masks.sliding_window(window), False  # bottom-right, a predicate (block-sparse)
-    if isinstance(mask, MaskMod) and (position_bias is not None or sinks is not None or s_aux is not None):
+    if isinstance(mask, MaskMod) and position_bias is not None:
         mask = mask.to_dense(B, H, T, S, device=query.device)  # the written-out paths take tensors
     if position_bias is not None:  # T5: a learned bias on the scores, combined with the mask
         bias = position_bias.to(query.dtype)
         mask = bias if mask is None else mask + bias if mask.dtype != torch.bool \
             else bias.masked_fill(~mask, float("-inf"))
-    softcap = check_positive_number("softcap", softcap, allow_none=True)
-    sinks = _sink_logits(s_aux if s_aux is not None else sinks, B, H, T)
-    scale = check_positive_number("scaling", scaling, allow_none=True)
+    return key, value, mask, causal
 
-    config = getattr(module, "config", None)
-    want_all = kwargs.get("output_attentions", getattr(config, "output_attentions", False))
-    answer = WeightsAnswer.of(module, kwargs, want_all)
-    return_weights = answer.return_weights
 
-    observer = kwargs.get(OBSERVER_KEYWORD)
+def _attend(module: nn.Module, query: Tensor, key: Tensor, value: Tensor, mask, causal: bool, dropout,
+            scale: float | None, softcap: float | None, sinks: Tensor | None, return_weights, backend: str,
+            observer) -> tuple[Tensor, Tensor | None]:
+    """The kernel's call, with the options checked: (out `(B, H, T, Dv)`, the weights
+    `return_weights` asks for). The softcap as a score mod, attention sinks (logits
+    `(B|1, H, T|1, 1)`) on the math path (`_with_sinks`), the observer told exactly what
+    the kernel is given, before it runs."""
+    if isinstance(mask, MaskMod) and sinks is not None:
+        B, H, T, _ = query.shape
+        mask = mask.to_dense(B, H, T, key.shape[2], device=query.device)  # the math path with sinks takes tensors
+    score_mod = None if softcap is None else score_mods.softcap(softcap)
     if observer is not None:
         observer.observe(module, query, key, mask=mask, causal=causal,
-                         scale=query.shape[-1] ** -0.5 if scale is None else scale,
-                         score_mod=None if softcap is None else score_mods.softcap(softcap), sinks=sinks)
+                         scale=query.shape[-1] ** -0.5 if scale is None else scale, score_mod=score_mod, sinks=sinks)
     if sinks is None:
-        out, weights = attend(query, key, value, mask, causal=causal, scale=scale, dropout_p=dropout,
-                              return_weights=return_weights, backend=backend,
-                              score_mod=None if softcap is None else score_mods.softcap(softcap))
-    else:
-        out, weights = _with_sinks(query, key, value, mask, causal=causal,
-                                   scale=query.shape[-1] ** -0.5 if scale is None else scale,
-                                   softcap=softcap, sinks=sinks, dropout_p=dropout)
-        if not return_weights:
-            weights = None
-        elif return_weights is not True:
-            weights = weights[:, return_weights]
-    if answer.request is not None:  # (no AttentionCall to build on the common path)
-        answer.record(AttentionCall(module, H, key.shape[1], T, S, query.shape[-1]), weights)
-    if intervention is not None:  # ... and the heads' outputs, before the output projection
-        out = intervention.output(module, out, value)
-    out = out.transpose(1, 2).contiguous()  # (B, T, H, Dv)
-    return out, answer.returned(weights)
+        return attend(query, key, value, mask, causal=causal, scale=scale, dropout_p=dropout,
+                      return_weights=return_weights, backend=backend, score_mod=score_mod)
+    out, weights = _with_sinks(query, key, value, mask, causal=causal,
+                               scale=query.shape[-1] ** -0.5 if scale is None else scale,
+                               softcap=softcap, sinks=sinks, dropout_p=dropout)
+    if not return_weights:
+        weights = None
+    elif return_weights is not True:
+        weights = weights[:, return_weights]
+    return out, weights
 
 
 # ------------------------------------------------------------------ registering
