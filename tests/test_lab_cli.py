@@ -330,3 +330,14 @@ def test_a_400_digit_count_is_a_usage_error_not_an_overflow(capsys):
         build_parser().parse_args(["lab", "induction", "--n-layers", "9" * 400])
     assert exit_.value.code == 2
     assert "expected a positive integer of at most 1024" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("flag", ["--lr", "--uptrain-lr"])
+def test_a_learning_rate_float32_cannot_step_with_is_a_usage_error(flag, capsys):
+    # 1e60 parsed as a float but overflowed the optimizer's float32 step deep inside torch
+    experiment = "uptrain" if flag == "--uptrain-lr" else "heads"
+    with pytest.raises(SystemExit) as exit_:
+        build_parser().parse_args(["lab", experiment, flag, "1e60"])
+    assert exit_.value.code == 2
+    assert "expected a positive learning rate of at most 1e+06; received '1e60'" in capsys.readouterr().err
+    assert getattr(build_parser().parse_args(["lab", experiment, flag, "3e-4"]), flag[2:].replace("-", "_")) == 3e-4

@@ -95,6 +95,9 @@ def _nonnegative(text: str) -> int:
 
 _positive = _positive_of(int, "integer")
 _positive_float = _positive_of(float, "number", maximum=1e300)
+# A learning rate's bound keeps the optimizer's float32 step finite: far above any rate that
+# trains (a too-high one is reported as a divergence), far below float32's 3.4e38.
+_learning_rate = _positive_of(float, "learning rate", maximum=1e6)
 
 
 def _shown(v) -> str:
@@ -152,7 +155,7 @@ def _training_flags(p: argparse.ArgumentParser, d) -> None:
                    help="training steps per model" + d("steps"))
     p.add_argument("--batch-size", type=_positive_of(int, "integer", 2**16), default=None,
                    help="sequences per step" + d("batch_size"))
-    p.add_argument("--lr", type=_positive_float, default=None, help="peak learning rate" + d("lr"))
+    p.add_argument("--lr", type=_learning_rate, default=None, help="peak learning rate" + d("lr"))
 
 
 def _heads_flags(p: argparse.ArgumentParser, d) -> None:
@@ -222,7 +225,7 @@ def _uptrain_flags(p: argparse.ArgumentParser, d) -> None:
     p.add_argument("--kv-ranks", type=_ints, default=None, dest="ranks", help="MLA kv_rank" + d("ranks"))
     p.add_argument("--fractions", type=parse_fractions, default=None,
                    help="uptraining, shares of --steps" + d("fractions"))
-    p.add_argument("--uptrain-lr", type=_positive_float, default=None,
+    p.add_argument("--uptrain-lr", type=_learning_rate, default=None,
                    help="uptraining's peak learning rate (default: the baseline's last, 0.1 x --lr)")
     p.add_argument("--positions", choices=("learned", "rope"), default=None,
                    help="the baseline's positions (default learned)")
