@@ -339,3 +339,28 @@ def test_band_rows_are_blocks_shifted_by_one_tile():
     assert planner.band_rows(kept, full, 60, 8).tolist() == [False, False, False, False, True, True, True, False]
     kept, full = planner.tile_plan(masks.causal(), 1, 1, 64, 64, 8, 8, "cpu")
     assert not planner.band_rows(kept, full, 64, 8).any()
+
+
+@settings(max_examples=150, deadline=None)
+@given(T=st.integers(1, 70), S=st.integers(1, 70), bq=st.integers(1, 17), square=st.booleans(),
+       bk=st.integers(1, 17), window=st.integers(1, 40), which=st.sampled_from(["causal", "window", "and", "or"]))
+def test_relative_plan_equals_the_dense_mask(T, S, bq, square, bk, window, which):
+    """The plan of a function of q - kv (one pass over the differences, square tiles laid out
+    from one vector) keeps exactly the tiles with an allowed pair and fills exactly the tiles
+    whose every pair is allowed, short last row and column included."""
+    bk = bq if square else bk
+    pred = {"causal": masks.causal(), "window": masks.sliding_window(window),
+            "and": masks.sliding_window(window) & masks.causal(),
+            "or": masks.causal() | masks.sliding_window(window)}[which]
+    assert pred.relative
+    kept, full = planner.tile_plan(pred, 2, 3, T, S, bq, bk, "cpu")
+    dense = masks.to_dense(pred, 1, 1, T, S)[0, 0]
+    nq, nk = -(-T // bq), -(-S // bk)
+    pad = torch.zeros(nq * bq, nk * bk, dtype=torch.int8)
+    pad[:T, :S] = dense.to(torch.int8)
+    real = torch.zeros_like(pad)
+    real[:T, :S] = 1
+    tiles = pad.view(nq, bq, nk, bk).sum((1, 3))  # allowed pairs per tile
+    size = real.view(nq, bq, nk, bk).sum((1, 3))  # pairs per tile (short at the edges)
+    assert torch.equal(kept, tiles > 0), (kept.int(), tiles)
+    assert torch.equal(full, tiles == size), (full.int(), tiles, size)
