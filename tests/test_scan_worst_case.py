@@ -28,8 +28,8 @@ def _decisions(monkeypatch) -> list:
     """(reason, layers taken) of every scan's shortcut decision."""
     seen, real = [], _scan._Scan.decide_shortcut
 
-    def spy(self):
-        why = real(self)
+    def spy(self, *args):
+        why = real(self, *args)
         seen.append((why, sorted(self.shortcut.layers)))
         return why
     monkeypatch.setattr(_scan._Scan, "decide_shortcut", spy)

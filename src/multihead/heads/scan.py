@@ -74,12 +74,16 @@ from multihead.heads.engine import (
     multihead_modules,
     parents_of,
 )
+from multihead.heads.progress import Progress, check_progress
 from multihead.masks import MaskMod
 
 SCANS = ("z", "k", "v", "pattern", "latent")
 # The default bound on a scan forward's rows (variants x B): bigger batches cost more per row
 # here, and memory grows with them (GPT-2-shaped, B 4, T 256: 202 MiB peak at 16 rows, 408 at 32).
 ROWS_PER_RUN = 16
+# The automatic bound on one scan forward's memory (its logits and activations; what the
+# scan holds for the whole call, the clean and corrupted runs' per-layer tensors, is apart)
+MEMORY_PER_RUN = 1 << 30
 
 
 def block_of(model: nn.Module, module: nn.Module, parents: dict[int, nn.Module]) -> nn.Module:
@@ -588,10 +592,11 @@ class _ScanHandler(Handler):
 
 
 def _forward(model, corrupted, no_cache: bool, handler: Handler, grower, hooked: list, last: nn.Module | None,
-             tail: list, B: int, extra: list = ()) -> Tensor:
+             tail: list, B: int, extra: list = (), final: list | None = None) -> Tensor:
     """One scan forward: `grower` lays out the rows, `handler` patches them; with the prefix
     skip, `last` (the last block) gets the corrupted prefix `tail[0]` back on its output;
-    `extra`: (module, pre, post) hooks (the shortcut's)."""
+    `extra`: (module, pre, post) hooks (the shortcut's); `final`: a list to which the
+    output of the last block of the blocks hooked is appended (the self-checks')."""
     hooks = Hooks()
     try:
         for b in hooked:
@@ -601,6 +606,8 @@ def _forward(model, corrupted, no_cache: bool, handler: Handler, grower, hooked:
             hooks.post(module, post)
         if last is not None:
             hooks.post(last, lambda m, a, out: _unskip(out, tail[0], B))
+        if final is not None:
+            hooks.post(hooked[-1], lambda m, a, out: final.append(_first(out)))
         hooks.pre(model, lambda m, a: grower.begin())
         with Engine(model, handler).installed(), torch.no_grad():
             return logits_of(_call(model, corrupted, no_cache))
@@ -681,10 +688,39 @@ def _check_scan(model, clean, corrupted, metric, what: str, positions, variants_
                          f"and {B}")
     if variants_per_run is not None and (isinstance(variants_per_run, bool) or not isinstance(variants_per_run, int)):
         raise TypeError(f"variants_per_run must be an int >= 1 or None; received {variants_per_run!r}")
-    per_run = max(1, ROWS_PER_RUN // B) if variants_per_run is None else variants_per_run
-    if per_run < 1:
+    if variants_per_run is not None and variants_per_run < 1:
         raise ValueError(f"variants_per_run must be >= 1; received {variants_per_run!r}")
-    return pos, B, per_run
+    return pos, B, variants_per_run
+
+
+def check_memory(max_memory) -> int | None:
+    """max_memory: None (the automatic budget) or a number of bytes >= 1 (an int, or a float such as 2e9)."""
+    if max_memory is None:
+        return None
+    if isinstance(max_memory, bool) or not isinstance(max_memory, (int, float)) or not math.isfinite(max_memory) \
+            or max_memory < 1:
+        raise ValueError(f"max_memory must be None (automatic: {MEMORY_PER_RUN / 2**30:.0f} GiB) or a number of "
+                         f"bytes >= 1 (e.g. 2e9); received {max_memory!r}")
+    return int(max_memory)
+
+
+def bytes_per_row(vocab: int, itemsize: int, blocks: list[nn.Module], width: int, positions: int) -> int:
+    """About what one row (one copy of one input) adds to a scan forward's peak: its logits
+    twice (the model's and a metric's working copy, e.g. a log-softmax) and a block's
+    activations, about two floats per position for every parameter of a block over the
+    model's width (the projections' and the MLP's outputs, the residual and its copies)."""
+    per_block = sum(p.numel() for b in blocks[:1] for p in b.parameters())
+    act = 2 * per_block // max(1, width) + 4 * width
+    return positions * itemsize * (2 * vocab + act)
+
+
+def variants_per_forward(per_row: int, B: int, max_memory: int | None) -> tuple[int, int]:
+    """(variants per forward, the budget in bytes): as many as `max_memory` (or the
+    automatic budget) holds, at least one, and without a budget given at most ROWS_PER_RUN
+    rows (bigger batches cost more per row)."""
+    budget = MEMORY_PER_RUN if max_memory is None else max_memory
+    n = max(1, budget // max(1, per_row * B))
+    return (min(n, max(1, ROWS_PER_RUN // B)) if max_memory is None else n), budget
 
 
 def _check_positions_fit(pos: list[int] | None, positions, rec: Recording, what: str) -> None:
@@ -741,7 +777,9 @@ class _Scan:
         self.last_stack = {i for i, b in self.blocks.items() if b is not model}
         self.no_cache = _takes_use_cache(model)
         self.cache: dict[int, tuple] = {}  # id(block) -> the corrupted run's (args, kwargs) there
-        self.logits: Tensor | None = None  # the corrupted run's
+        self.logits: Tensor | None = None  # the corrupted run's (dropped once the metric has read it)
+        self.final: Tensor | None = None  # its last block's output, what the self-checks compare
+        self.vocab, self.itemsize = 0, 4
         # the prefix skip: the stack of blocks, the cut (T, p), the cache on [p, T), the
         # corrupted run's keys/values/z and last block's output on [0, p)
         self.stack: nn.ModuleList | None = None
@@ -774,6 +812,7 @@ class _Scan:
                 hooks.pre(b, keep, with_kwargs=True)
             if self.stack is not None:
                 hooks.post(self.stack[-1], lambda m, a, out: tail.append(_first(out)[:, :p].clone()))
+            hooks.post(self.inner[-1], lambda m, a, out: setattr(self, "final", _first(out)))
             for lay in self.layers:
                 if lay.index in short.layers:
                     hooks.post(lay.module, lambda m, a, out, i=lay.index: short.out.__setitem__(i, _first(out)))
@@ -799,12 +838,23 @@ class _Scan:
             self.cut = self.cut_cache = None
         return why
 
-    def decide_shortcut(self) -> str:
+    def decide_shortcut(self, budget: int) -> str:
         """After the corrupted run (and the prefix decision): keep the shortcut's layers that
-        pass its check, then run its self-check; "" when it is taken, else why not."""
+        pass its check, then run its self-check; "" when it is taken, else why not. What it
+        holds (each layer's attention output and z, (B, T, C) each) must stay within a
+        quarter of the forwards' memory budget: at length on a deep model it would hold
+        much (0.6 GB for SmolLM2 at 4,096 positions) to save little (one block's attention
+        of the 15 blocks a variant runs on average there)."""
         short = self.shortcut
         if not short.layers:
             return f"not for what={self.what!r}" if self.what not in ("z", "pattern") else "no layer it applies to"
+        held = sum(t.numel() * t.element_size() for d in (short.out, short.z) for t in d.values())
+        if self.what == "pattern":
+            held += sum(t.numel() * t.element_size() for t in short.src.values())
+        if held > budget // 4:
+            short.layers, short.z, short.src, short.out = set(), {}, {}, {}
+            return (f"it would hold {held / 2**20:,.0f} MiB (each layer's attention output and z), over a quarter "
+                    f"of the memory budget ({budget / 2**20:,.0f} MiB)")
         why = short.check(self.model, self.layers)
         if not why:
             why = self.shortcut_check()
@@ -817,13 +867,14 @@ class _Scan:
         one must give the corrupted run's logits (a module input the cut of its batch does not
         read right, an output it does not rebuild right, fails here)."""
         chunk = [(i, 0) for i in sorted(self.shortcut.layers)[-2:]]
+        final: list = []
         try:
-            logits, start, order = self.chunk_logits(chunk, None, zero=True)
+            _, start, order = self.chunk_logits(chunk, None, zero=True, final=final)
         except (RuntimeError, ValueError, IndexError, TypeError) as err:
             return f"the corrupted run through the shortcut failed: {type(err).__name__}: {err}"
-        want, B = self.logits, self.B
+        want, B = self.final, self.B
         for i in range(len(order)):
-            got = logits[start + i * B:start + (i + 1) * B]
+            got = final[-1][start + i * B:start + (i + 1) * B]
             if got.shape != want.shape or not torch.allclose(got, want, rtol=1e-5,
                                                              atol=1e-5 * (1 + float(want.abs().max()))):
                 return (f"the corrupted run through the shortcut at layer {order[i][0]} does not give its own logits "
@@ -831,12 +882,14 @@ class _Scan:
         return ""
 
     def self_check(self) -> str:
-        """The corrupted run again through the skip, nothing patched: it must give its own logits."""
-        B, want = self.B, self.logits
+        """The corrupted run again through the skip, nothing patched: it must give its own logits
+        (compared before the model's head: its last block's output)."""
+        B, want, final = self.B, self.final, []
         grower = _FromCache(B, {id(self.stack[0]): 1}, self.cut_cache, self.cut)
         handler = _ScanHandler(self.what, self.rec, B, None, self.prefix.data, self.cut)
-        again = _forward(self.model, self.corrupted, self.no_cache, handler, grower, self.inner, self.stack[-1],
-                         self.tail, B)
+        _forward(self.model, self.corrupted, self.no_cache, handler, grower, self.inner, self.stack[-1],
+                 self.tail, B, final=final)
+        again = final[-1]
         if again.shape != want.shape:
             return f"the corrupted run through the skip gave logits of shape {tuple(again.shape)}, not its own"
         if not torch.allclose(again, want, rtol=1e-5, atol=1e-5 * (1 + float(want.abs().max()))):
@@ -851,8 +904,8 @@ class _Scan:
         rows = [logits[start + i * B:start + (i + 1) * B] for i in range(len(order))]
         return [((layer, h), _scalar(metric(r), f"for layer {layer} head {h}")) for (layer, h), r in zip(order, rows)]
 
-    def chunk_logits(self, chunk: list[tuple[int, int]], pos: list[int] | None,
-                     zero: bool = False) -> tuple[Tensor, int, list[tuple[int, int]]]:
+    def chunk_logits(self, chunk: list[tuple[int, int]], pos: list[int] | None, zero: bool = False,
+                     final: list | None = None) -> tuple[Tensor, int, list[tuple[int, int]]]:
         """The forward of `chunk`: (logits, the first variant's row, the variants in row order)."""
         B, cut = self.B, self.cut
         cached = chunk[0][0] in self.last_stack
@@ -882,7 +935,7 @@ class _Scan:
         hooked = self.inner if cached else self.block_list
         extra = self.shortcut.hooks(joining, B, pos, cut, zero) if joining else []
         logits = _forward(self.model, self.corrupted, self.no_cache, handler, grower, hooked,
-                          self.stack[-1] if cut else None, self.tail, B, extra)
+                          self.stack[-1] if cut else None, self.tail, B, extra, final)
         if logits.shape[0] != first_row:
             raise RuntimeError(f"the scan's batch did not come out whole ({logits.shape[0]} rows, expected "
                                f"{first_row}): {type(self.model).__name__} reshapes its batch between blocks")
@@ -925,7 +978,8 @@ def head_cost(model: nn.Module, blocks: list[nn.Module]) -> float:
 
 
 def patch_scan(model, clean, corrupted, metric: Callable[[Tensor], Tensor], what: str = "z", positions=None, *,
-               variants_per_run: int | None = None, info: dict | None = None, group=None) -> Tensor:
+               variants_per_run: int | None = None, max_memory: int | None = None, progress=None,
+               info: dict | None = None, group=None) -> Tensor:
     """The metric of the corrupted run with each head patched from the clean run, one at a time.
 
     Args:
@@ -940,7 +994,16 @@ def patch_scan(model, clean, corrupted, metric: Callable[[Tensor], Tensor], what
             this run's values) or, for MLA modules, "latent" (the shared latent, one column).
         positions: None for all, or the positions to patch (each must exist in every layer).
         variants_per_run: how many patched copies of the batch one forward carries
-            (default: 16 // B, at least 1).
+            (default: as many as `max_memory` holds, at most 16 // B, at least 1).
+        max_memory: the bytes one forward may take (its logits and activations, estimated
+            by `bytes_per_row`): None for 1 GiB. At length this sets the batch: SmolLM2 at
+            4,096 positions takes about 1.8 GB a row (its logits alone 0.8 GB), so one variant
+            a forward. What the call holds throughout is apart: the clean run's z and the
+            corrupted run's block inputs, attention outputs and z, each (B, T, C) a layer.
+        progress: None/False (silent), True (heads done, rate and ETA on stderr, only when it
+            is a terminal; the first line says the variants per forward and the memory
+            figure) or a callable(done, total, eta_s) (`multihead.heads.progress`). With
+            `group`, each rank counts its own forwards.
         info: a dict to fill with how the scan ran (the table is the same either way):
             `{"prefix": p, "skipped": bool, "reason": str}`: p the positions clean and
             corrupted share at the start, `skipped` whether the variants ran on [p, T) only
@@ -960,12 +1023,15 @@ def patch_scan(model, clean, corrupted, metric: Callable[[Tensor], Tensor], what
 
     def setup():
         pos, B, per_run = _check_scan(model, clean, corrupted, metric, what, positions, variants_per_run)
+        budget = check_memory(max_memory)
+        check_progress(progress)
         if info is not None and not isinstance(info, dict):
             raise TypeError(f"info must be None or a dict to fill; received {type(info).__name__}")
         p0, T, why = _static_refusal(model, clean, corrupted, what)
         if pos is not None and T and any(not -T <= q < T for q in pos):
             raise ValueError(f"positions must lie in [-{T}, {T}) for inputs of {T} positions; received {positions!r}")
         rec = record(model, clean, what=(what, "z") if not why and what != "z" else (what,))
+        rec.logits = None  # the scan's own recording: its logits (B, T, vocab) are not read
         _check_positions_fit(pos, positions, rec, what)
         if what == "latent" and not any(lay.kind == "latent" for lay in rec.layers):
             raise ValueError("what='latent' patches MLA latents (multihead LatentAttention, or a DeepSeek model after "
@@ -976,9 +1042,22 @@ def patch_scan(model, clean, corrupted, metric: Callable[[Tensor], Tensor], what
         scan.run_corrupted(p0 if scan.stack is not None else 0)
         if scan.logits is not None:
             _scalar(metric(scan.logits), "on the corrupted run")  # a metric that cannot work fails before the scan
+            scan.vocab = scan.logits.shape[-1] if scan.logits.dim() >= 3 else 0
+            scan.itemsize = scan.logits.element_size()
+        scan.logits = None  # (B, T, vocab): 0.8 GB at 4,096 positions of SmolLM2; the checks read `final`
         if scan.stack is not None:
             why = scan.decide_prefix(p0, T)
-        scan.shortcut_reason = scan.decide_shortcut()
+        scan.shortcut_reason = scan.decide_shortcut(MEMORY_PER_RUN if budget is None else budget)
+        width = scan.layers[0].H * scan.layers[0].Dv
+        get = getattr(model, "get_input_embeddings", None)
+        emb = getattr(get() if callable(get) else None, "weight", None)
+        if isinstance(emb, Tensor) and emb.dim() == 2:
+            width = emb.shape[1]
+        per_row = bytes_per_row(scan.vocab, scan.itemsize, scan.inner or [model], width,
+                                (T - p0 if scan.cut else T) or _positions_of(rec))
+        auto, scan.budget = variants_per_forward(per_row, B, budget)
+        scan.per_row = per_row
+        per_run = auto if per_run is None else per_run
         chunks = _chunks(_variant_order(scan.layers, what), per_run, scan.last_stack)
         return scan, pos, p0, why, chunks
 
@@ -991,12 +1070,31 @@ def patch_scan(model, clean, corrupted, metric: Callable[[Tensor], Tensor], what
         info.update(prefix=p0, skipped=scan.cut is not None, reason=why)
     n_heads = [_n_heads(lay, what) for lay in scan.layers]
     out = torch.full((len(scan.layers), max(n_heads)), math.nan)
-    head = head_cost(model, scan.inner) if group is not None else 0.0
+    head = head_cost(model, scan.inner)
     costs = [scan.cost(chunk, head) for chunk in chunks]
-    for values in ranks.map(lambda chunk: scan.run_chunk(chunk, pos, metric), chunks, costs):
+    shown = Progress(progress, sum(len(c) for c in chunks), costs, "patch_scan")
+    if shown.draw:
+        per_run = max(len(c) for c in chunks)
+        shown.note(f"patch_scan: {per_run} variant(s) of {scan.B} row(s) per forward, about "
+                   f"{per_run * scan.B * scan.per_row / 2**20:,.0f} MiB each (budget {scan.budget / 2**20:,.0f} MiB)")
+
+    def one(chunk, cost):
+        values = scan.run_chunk(chunk, pos, metric)
+        shown.step(len(chunk), cost)
+        return values
+    try:
+        results = ranks.map(lambda ic: one(*ic), list(zip(chunks, costs)), costs)
+    finally:
+        shown.close()
+    for values in results:
         for (layer, h), value in values:
             out[layer, h] = value
     return out
+
+
+def _positions_of(rec: Recording) -> int:
+    t = rec["z", rec.layers[0].index] if ("z", rec.layers[0].index) in rec else None
+    return 1 if t is None else t.shape[1]
 
 
 class _Attribution(Handler):

@@ -1,0 +1,98 @@
+"""patch_scan at length: variants batched to a memory budget (`max_memory=`), and
+`progress=` (a callable, or a line on a terminal only). Tables equal to the default run."""
+
+from __future__ import annotations
+
+import io
+
+import pytest
+import torch
+
+from multihead import heads
+from multihead.heads.progress import Progress
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+transformers = pytest.importorskip("transformers")
+
+import multihead.interop.hf  # noqa: E402, F401  (registers "multihead")
+from multihead.heads import scan as _scan  # noqa: E402
+from test_heads import _inputs, _metric, _mh  # noqa: E402
+
+
+class _Tty(io.StringIO):
+    def isatty(self):
+        return True
+
+
+def _forwards(monkeypatch) -> list:
+    sizes, real = [], _scan._Scan.chunk_logits
+    monkeypatch.setattr(_scan._Scan, "chunk_logits",
+                        lambda self, chunk, *a, **k: sizes.append(len(chunk)) or real(self, chunk, *a, **k))
+    return sizes
+
+
+def test_a_memory_budget_sets_the_variants_per_forward_and_not_the_table(monkeypatch):
+    model = _mh("llama")
+    clean, corrupted = _inputs("llama", 1), _inputs("llama", 2)
+    sizes = _forwards(monkeypatch)
+    want = heads.patch_scan(model, clean, corrupted, _metric)
+    assert max(sizes) == 16 // 2  # the automatic budget holds 16 rows of this tiny model
+    block = model.layers[0]
+    params = sum(p.numel() for p in block.parameters())
+    assert _scan.bytes_per_row(100, 4, [block], 8, 10) == 10 * 4 * (2 * 100 + 2 * params // 8 + 4 * 8)
+    for rows, expected in ((1, 1), (3 * 2, 3)):  # a budget of 1 byte still runs one variant a forward
+        sizes.clear()
+        info = {}
+        got = heads.patch_scan(model, clean, corrupted, _metric, max_memory=1 if rows == 1 else None,
+                               variants_per_run=None if rows == 1 else 3, info=info)
+        assert max(sizes[1:]) == expected, sizes  # sizes[0]: the shortcut's self-check
+        assert (got - want).abs().max() < 1e-5
+    for bad in (0, -5, float("nan"), "1GB", True):
+        with pytest.raises(ValueError, match="max_memory must be None"):
+            heads.patch_scan(model, clean, corrupted, _metric, max_memory=bad)
+
+
+def test_the_shortcut_is_declined_when_what_it_holds_is_over_a_quarter_of_the_budget(monkeypatch):
+    seen, real = [], _scan._Scan.decide_shortcut
+    monkeypatch.setattr(_scan._Scan, "decide_shortcut", lambda self, budget: seen.append(real(self, budget))
+                        or seen[-1])
+    model = _mh("llama")
+    clean, corrupted = _inputs("llama", 1), _inputs("llama", 2)
+    want = heads.patch_scan(model, clean, corrupted, _metric)
+    got = heads.patch_scan(model, clean, corrupted, _metric, max_memory=1000)
+    assert seen[0] == "" and seen[1].startswith("it would hold") and "over a quarter of the memory budget" in seen[1]
+    assert (got - want).abs().max() < 1e-5
+
+
+def test_progress_reports_every_head_to_a_callable_and_draws_only_on_a_terminal(monkeypatch):
+    model = _mh("gpt2")
+    clean, corrupted = _inputs("gpt2", 1), _inputs("gpt2", 2)
+    calls = []
+    table = heads.patch_scan(model, clean, corrupted, _metric, variants_per_run=3,
+                             progress=lambda done, total, eta: calls.append((done, total, eta)))
+    n = int((~torch.isnan(table)).sum())
+    assert [c[0] for c in calls] == sorted({min(3 * (i + 1), n) for i in range(len(calls))}) and calls[-1][:2] == (n, n)
+    assert calls[0][2] is None and calls[-1][2] == 0.0  # no ETA from the first forward alone
+    quiet = io.StringIO()
+    monkeypatch.setattr("sys.stderr", quiet)
+    heads.patch_scan(model, clean, corrupted, _metric, progress=True)
+    assert quiet.getvalue() == ""  # not a terminal: nothing
+    tty = _Tty()
+    monkeypatch.setattr("sys.stderr", tty)
+    heads.patch_scan(model, clean, corrupted, _metric, progress=True)
+    out = tty.getvalue()
+    assert "variant(s) of 2 row(s) per forward" in out and f"{n}/{n} heads" in out and "heads/s" in out, out
+    with pytest.raises(TypeError, match="progress must be None"):
+        heads.patch_scan(model, clean, corrupted, _metric, progress="yes")
+
+
+def test_the_time_left_is_priced_by_each_forwards_cost():
+    now = [0.0]
+    p = Progress(lambda *a: None, 3, [3.0, 2.0, 1.0], "x", clock=lambda: now[0])
+    now[0] = 10.0
+    p.step(1, 3.0)
+    assert p.eta(now[0]) is None
+    now[0] = 12.0
+    p.step(1, 2.0)  # 2 cost units in 2 s after the first forward: 1 unit left, 1 s
+    assert p.eta(now[0]) == pytest.approx(1.0)
