@@ -177,15 +177,17 @@ def _main(args: argparse.Namespace, stack: contextlib.ExitStack) -> int:
         stack.enter_context(quiet_hub(logs=True))  # the command's noise off, put back after
         from multihead.inspect.capture import capture
         from multihead.inspect.roles import head_roles, induction_scores
-        from multihead.inspect.stream import summaries
+        from multihead.inspect.stream import TOP_K, summaries
         from multihead.interop.loaders import load_model
 
         model = load_model(args.model)
         _status(f"multihead inspect: running {model.name} on {len(text):,} characters ...")
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always", TruncationWarning)
+            # each query's top-k keys and the block-summed patterns are for the page only
             summ = summaries(model, text, layers=layers, heads=heads, max_tokens=args.max_tokens,
-                             transformer_lens=args.tl_scores, progress=None, patterns=html_path is not None)
+                             transformer_lens=args.tl_scores, progress=None, patterns=html_path is not None,
+                             top_k=TOP_K if html_path is not None else 0)
         _status("multihead inspect: prefix matching on repeated random tokens ...")
         prefix = induction_scores(model)
         long_page = html_path is not None and len(summ.tokens) > PAGE_TOKENS

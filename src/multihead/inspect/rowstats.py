@@ -293,16 +293,16 @@ class RowSums:
         k = min(self.top_k, w)
         c = TOP_CHUNK
         n = w // c
-        if n > 4 * k:
+        if n >= 4 * k:
             body = P[..., :n * c].view(h, t, n, c)
             chunk = body.amax(-1).topk(k, dim=-1)[1]  # (h, t, k): the chunks with the k largest maxima
-            cand = body.gather(2, chunk[..., None].expand(h, t, k, c)).view(h, t, k * c)
-            where = (chunk[..., None] * c + self._cols[:c]).view(h, t, k * c)  # their keys
-            if n * c < w:
-                cand = torch.cat([cand, P[..., n * c:]], dim=-1)
-                where = torch.cat([where, self._cols[n * c:w].expand(h, t, w - n * c)], dim=-1)
+            tail = w - n * c  # the keys after the last whole chunk are candidates too
+            cand = P.new_empty(h, t, k * c + tail)
+            torch.gather(body, 2, chunk[..., None].expand(h, t, k, c), out=cand[..., :k * c].view(h, t, k, c))
+            cand[..., k * c:] = P[..., n * c:]
             vals, j = torch.topk(cand, k, dim=-1)  # (h, t, k)
-            idx = where.gather(-1, j)
+            idx = torch.where(j < k * c, chunk.gather(-1, (j // c).clamp_max(k - 1)) * c + j % c,
+                              j - k * c + n * c)  # the candidates' keys
         else:
             vals, idx = torch.topk(P, k, dim=-1)  # (h, t, k)
         self.top_weight[:, t0:t0 + t, :k] = vals.to(torch.float16)
@@ -313,9 +313,20 @@ class RowSums:
         """Block sums over a grid x grid of row and key bins (bin of row i: i * grid // T)."""
         h, t, w = P.shape
         g = self.grid
-        key_bin = torch.arange(k0, k0 + w, device=P.device) * g // self.S
-        row_bin = torch.arange(t0, t0 + t, device=P.device) * g // self.T
-        by_key = P.new_zeros(h, t, g).index_add_(2, key_bin, P)  # (h, t, g)
+        row_bin = self._rows[t0:t0 + t] * g // self.T
+        if self.S % g == 0:  # bins of equal width: whole bins by a reshape, the two cut ones by a sum
+            width, k1 = self.S // g, k0 + w
+            a, b = -(-k0 // width) * width, k1 // width * width  # the whole bins' keys: a..b
+            by_key = P.new_zeros(h, t, g)  # (h, t, g)
+            if a > k0:
+                by_key[..., k0 // width] += P[..., :min(a, k1) - k0].sum(-1)
+            if b > a:
+                by_key[..., a // width:b // width] = P[..., a - k0:b - k0].reshape(h, t, -1, width).sum(-1)
+            if k1 > max(a, b):
+                by_key[..., b // width] += P[..., b - k0:].sum(-1)
+        else:
+            key_bin = self._cols[k0:k0 + w] * g // self.S
+            by_key = P.new_zeros(h, t, g).index_add_(2, key_bin, P)  # (h, t, g)
         self.pattern.index_add_(1, row_bin, by_key)
 
     # ------------------------------------------------------------------ results

@@ -48,9 +48,9 @@ __all__ = ["SUMMARY_FIELDS", "HeadSummaries", "summaries"]
 #: The per-head numbers of `HeadSummaries.to_json()`, in this order (None where a text cannot show one).
 SUMMARY_FIELDS = ("entropy", "mean_distance", "first_token_mass", "previous_token", "duplicate_token", "induction",
                   *BEYOND, "normalized_entropy", "current_token", "first_token", "delimiter", "next_token")
-#: Scores in one block of query rows (float32 elements, all heads of a layer): 2 MiB, about
-#: what a core's L2 cache holds beside the block's probabilities.
-BLOCK_ELEMENTS = 1 << 19
+#: Scores in one block of query rows (float32 elements, all heads of a layer): 4 MiB, so that
+#: the block's passes run from the cache (smaller blocks cost more per block than they save).
+BLOCK_ELEMENTS = 1 << 20
 #: The score of a hidden key: finite, so that exp(NEG - max) is 0 and p log p = 0 * NEG is 0.
 NEG = -1e30
 TOP_K = 8
