@@ -232,7 +232,6 @@ def _empty(q, k, v, weight_heads):
 
 _NAN_CHECK_ROWS = 16  # from this many queries on, the NaN check reads K and V too
 _NAN_CHECK_LIST = 64  # up to this many rows of `out`, the decode check reads their sums back as a list
-_NUMPY_DTYPES = (torch.float32, torch.float64, torch.float16)  # what NumPy reads in place (not bfloat16)
 
 
 def _any_nan(q: Tensor, k: Tensor, v: Tensor, out: Tensor) -> bool:
@@ -246,23 +245,22 @@ def _any_nan(q: Tensor, k: Tensor, v: Tensor, out: Tensor) -> bool:
     whose every score is NaN comes out of any kernel NaN or exactly zero, so one sum per
     row of `out` decides: if no row sums to NaN or to exactly zero, nothing is to do; else
     (a NaN, a row the mask leaves empty, or, rarely, a row whose values cancel) q, k, v
-    and out are summed as above. A CPU `out` is summed by NumPy over the tensor's own
-    memory: no torch op, whose dispatch costs more than the sum inside `generate`
-    (benchmarks/hf_generate.py); other devices and bfloat16 use one torch sum. A few rows
-    come back as a Python list (a C loop finds a zero or a NaN in it), more as one amin.
+    and out are summed as above. One reduction over the rows of `out` as a 2-D tensor (the
+    same sum over the 4-D `(B, H, 1, Dv)` costs more than twice as much inside `generate`,
+    where every op runs with cold caches: benchmarks/hf_generate.py) and one read-back: a
+    few rows come back as a Python list (a C loop finds a zero or a NaN in it), more as one
+    amin.
     """
     if q.shape[2] < _NAN_CHECK_ROWS:
         o = out.detach() if out.requires_grad else out
-        if o.is_cpu and o.dtype in _NUMPY_DTYPES and type(o) is Tensor:
-            sums = o.numpy().sum(-1).ravel()  # (B*H*T,); NaN: a NaN in the row; 0: zero
-        else:
-            sums = o.sum(-1).view(-1)
+        B, H, T, Dv = o.shape
+        sums = o.reshape(B * H * T, Dv).sum(-1)  # (B*H*T,); NaN: a NaN in the row; 0: zero
         if len(sums) <= _NAN_CHECK_LIST:
             rows = sums.tolist()
             total = sum(rows)
             if total == total and 0.0 not in rows:  # no NaN (NaN != NaN), no zero
                 return False
-        elif float(abs(sums).min()) > 0:  # (NaN > 0 is False)
+        elif float(sums.abs().amin()) > 0:  # (NaN > 0 is False)
             return False
     acc = torch.promote_types(q.dtype, torch.float32)
     return bool(torch.stack([t.sum(dtype=acc) for t in (q, out, k, v)]).isnan().any())
