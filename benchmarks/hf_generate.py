@@ -3,6 +3,7 @@ and where multihead's per-layer microseconds go (fp32, CPU, B = 1).
 
     .venv/bin/python benchmarks/hf_generate.py            # 4-layer GQA Llama, 512-token prompt, 64 new tokens
     .venv/bin/python benchmarks/hf_generate.py --quick    # a smoke run
+    .venv/bin/python benchmarks/hf_generate.py --model smollm2 --rounds 7 --calls 500   # the real model
 
 One random-init Llama (--layers, --heads query heads, --kv-heads KV heads) generates
 --new-tokens tokens greedily from the same prompt under each implementation, switched
@@ -18,32 +19,17 @@ inflates every line). And the same decode calls inside `generate` (see `in_loop`
 two functions alone (medians), then their parts: torch's kernel, multihead's NaN-rule
 check, and multihead's rest layer by layer (the HF function, `attend`, the backend).
 
-Where the microseconds go (2026-12-01, this 2-core VM, load 1.3-2, the default run; in
-the loop, per decode call, per layer; the committed JSON has the run's own figures):
-- the mask: nothing. transformers hands no mask to a causal model without padding, and
-  the HF function's decode path (`attention_forward`, T = 1, nothing but q, k, v) does
-  not look for one further.
-- torch's fused kernel: ~41 us in multihead's call against ~58 in sdpa's: multihead folds
-  each K/V head's G query heads into its query length, sdpa asks the kernel to broadcast
-  K/V (`enable_gqa`).
-- the NaN rule's check: ~15 us (was ~26: vector_norm, amin and a read-back, three ops;
-  now one sum per row of `out` and one read-back of those sums as a list). Timed alone
-  it is ~4.5 us: inside the loop every extra torch op runs with cold caches (~7 us for
-  the sum, ~8 for the read-back).
-- the Python around them: ~33 us against sdpa's ~22 (37.4 and 23.3 with the timers:
-  four inside multihead's function, one inside sdpa's), in three nearly equal layers:
-  the HF function (keyword checks, its read of `config.output_attentions`, a
-  transformers property: 2.5 us alone, and the transpose), `attend` (its checks folded
-  into two expressions on this path, `validation.plain_shape` and `plain_scale`: 1.4 us
-  alone against 4.2 for `check_inputs` and `check_scale`; the backend lookup and call)
-  and the sdpa backend (the GQA fold and its views, each a dispatch: ~1 us alone).
-So a decode call costs 6-10 us more than sdpa's in the loop (82.5 against 76.1 us,
-medians, in the committed run): roughly the check's ~15, less the ~6 that the kernel's
-~17 us gain leaves after paying for the ~11 us more Python (the parts' timers blur each
-figure by a microsecond or two). Per generate that is 1.5-2.5 ms of
-~205 (256 decode calls), under the run-to-run noise: the ratio is 0.99 (per round
-0.98-1.01; 0.996, 0.991 and 0.999 in three more runs that hour). Before the decode path
-(1c4854e): 117.6 us against 76.0 per call and 1.05x per generate (1.044 rerun that hour).
+--clock cpu times this thread's CPU time instead of wall time (one torch thread does all
+the work): on a shared machine the preemptions then drop out of every figure (the cache
+misses other processes cause do not). --generate-only skips the per-call parts.
+
+What a decode step's attention costs in multihead, the parts the timers above split it into:
+the HF function's decode branch (`attention_forward`: T = 1 and nothing but q, k, v; its
+one transformers read, `config.output_attentions`, is a property behind a Python
+`__getattribute__`), `attend`'s plain call (two folded checks, `validation.plain_shape`
+and `plain_scale`) and `kernels.decode.step` (`sdpa.plain`: the G query heads folded
+into the query length, one kernel call), then the NaN rule's check, one sum over the rows
+of `out`. The committed JSON has the run's own figures; docs/benchmarks.md quotes them.
 
 Writes a Markdown report to stdout and JSON to benchmarks/results/hf_generate.json (or --json).
 """
@@ -199,7 +185,7 @@ def in_loop(model, prompt: torch.Tensor, new_tokens: int, rounds: int) -> dict:
         F.scaled_dot_product_attention = kernel
         mh_functional._any_nan = timed("multihead: NaN-rule check", saved["nan"])
         mh_registry.attend = timed("multihead: attend", saved["attend"])
-        mh_functional._decode_step = timed("multihead: sdpa backend", saved["backend"])  # the plain call's form
+        mh_functional._decode_step = timed("multihead: decode step", saved["backend"])  # kernels.decode.step
         for r in range(rounds):  # pass 2: and their parts
             generate(r)
     finally:
@@ -216,8 +202,9 @@ def in_loop(model, prompt: torch.Tensor, new_tokens: int, rounds: int) -> dict:
         "the HF attention function around attend (keyword checks, config read, transpose)":
             part["attention function"] - part["attend"],
         "attend around the backend and the check (folded checks, dispatch)":
-            part["attend"] - part["sdpa backend"] - part["NaN-rule check"],
-        "the sdpa backend around torch's kernel (GQA fold, views)": part["sdpa backend"] - part["torch's fused kernel"],
+            part["attend"] - part["decode step"] - part["NaN-rule check"],
+        "the decode step around torch's kernel (GQA fold, views, the split decision)":
+            part["decode step"] - part["torch's fused kernel"],
     }
     return {"decode_calls": n,
             "alone_us_per_call": {key: {"median": statistics.median(t) * 1e6, "mean": sum(t) / len(t) * 1e6}
