@@ -99,11 +99,12 @@ def test_attend_splits_where_the_threads_would_idle(two_threads, monkeypatch, ca
 
 
 @pytest.mark.parametrize("case", ["requires grad", "one thread", "batch 2", "threads divide Hkv", "MQA", "MHA",
-                                  "few keys", "causal block", "a mask", "backend math"])
+                                  "few keys", "causal block", "a mask", "backend math", "many queries"])
 def test_attend_does_not_split(two_threads, monkeypatch, case):
     calls = _spy(monkeypatch)
     shape = {"batch 2": dict(B=2), "threads divide Hkv": dict(H=8, Hkv=2), "MQA": dict(Hkv=1),
-             "MHA": dict(Hkv=9), "few keys": dict(S=7), "causal block": dict(T=4, S=50)}.get(case, {})
+             "MHA": dict(Hkv=9), "few keys": dict(S=7), "causal block": dict(T=4, S=50),
+             "many queries": dict(T=11)}.get(case, {})
     q, k, v = _qkv(**({"S": 50} | shape))
     kw = {"causal block": dict(causal=True), "a mask": dict(mask=torch.ones(50, dtype=torch.bool)),
           "backend math": dict(backend="math")}.get(case, {})

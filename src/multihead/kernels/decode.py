@@ -10,11 +10,12 @@ log-sum-exp from one call of the kernel (`common.flash_lse`, the parts as a stri
 view of K and V: no copy), merged exactly by log-sum-exp (`common.lse_merge`).
 
 The split is taken only where it pays (`key_splits`): on the CPU, with more than one
-thread, batch 1, H > Hkv > 1 (MQA keeps `common.mqa_splits`, which splits its G query
-heads instead), enough keys that the merge's few small ops are worth it
+thread, batch 1, at most 32 folded query rows (G * T: one block of torch's kernel),
+H > Hkv > 1 (MQA keeps `common.mqa_splits`, which splits its G query heads instead),
+enough keys that the merge's few small ops are worth it
 (`MIN_SPLIT_KEYS`, benchmarks/decode.py measures the crossover), and where nothing
 requires grad: the kernel's backward does not take a gradient through its log-sum-exp,
-so a step autograd records stays on the unsplit kernel (exact gradients, as before).
+so a step autograd records stays on the unsplit kernel, with its exact gradients.
 """
 
 from __future__ import annotations
@@ -28,6 +29,9 @@ from multihead.kernels.sdpa import plain
 __all__ = ["MIN_SPLIT_KEYS", "key_splits", "split_keys", "step"]
 
 MIN_SPLIT_KEYS = 2048  # below this many keys a step stays on one kernel call (revisit with benchmarks/decode.py)
+# folded query rows up to which torch's kernel makes one work item per head (its smallest
+# block of queries): with more, it splits the queries itself and the threads have work
+_ONE_BLOCK = 32
 _FLASH_DTYPES = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
 
 
@@ -35,9 +39,10 @@ def key_splits(q: Tensor, k: Tensor, v: Tensor) -> int:
     """Parts to split the keys of a plain step into (1: none; see the module docstring): the
     smallest P <= threads that gives the threads equal shares of B * Hkv * P items, or the
     most even shares (fewest items on the busiest thread per part)."""
-    B, H, _, _ = q.shape
+    B, H, T, _ = q.shape
     Hkv, S = k.shape[1], k.shape[2]
-    if S < MIN_SPLIT_KEYS or B != 1 or Hkv == 1 or Hkv == H or not HAS_CPU_FLASH or not q.is_cpu:
+    if S < MIN_SPLIT_KEYS or B != 1 or Hkv == 1 or Hkv == H or H // Hkv * T > _ONE_BLOCK \
+            or not HAS_CPU_FLASH or not q.is_cpu:
         return 1
     threads = torch.get_num_threads()
     if threads == 1 or Hkv % threads == 0 or q.dtype not in _FLASH_DTYPES or q.shape[-1] != v.shape[-1]:
