@@ -96,3 +96,17 @@ def test_the_time_left_is_priced_by_each_forwards_cost():
     now[0] = 12.0
     p.step(1, 2.0)  # 2 cost units in 2 s after the first forward: 1 unit left, 1 s
     assert p.eta(now[0]) == pytest.approx(1.0)
+
+
+def test_path_patch_scan_takes_the_same_budget_and_progress():
+    model = _mh("gpt2")
+    clean, corrupted = _inputs("gpt2", 1), _inputs("gpt2", 2)
+    want = heads.path_patch_scan(model, clean, corrupted, _metric, receivers="logits")
+    calls = []
+    got = heads.path_patch_scan(model, clean, corrupted, _metric, receivers="logits", max_memory=1,
+                                progress=lambda done, total, eta: calls.append((done, total)))
+    n = int((~torch.isnan(want)).sum())
+    assert [d for d, _ in calls] == list(range(1, n + 1)) and calls[-1] == (n, n)  # one sender a forward
+    assert (got - want).abs().nan_to_num().max() < 1e-5
+    with pytest.raises(ValueError, match="max_memory must be None"):
+        heads.path_patch_scan(model, clean, corrupted, _metric, receivers="logits", max_memory=0)

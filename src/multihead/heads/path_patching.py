@@ -60,7 +60,16 @@ from multihead.heads.engine import (
     multihead_modules,
     parents_of,
 )
-from multihead.heads.scan import ROWS_PER_RUN, PrefixRecorder, block_of, head_cost
+from multihead.heads.progress import Progress, check_progress
+from multihead.heads.scan import (
+    PrefixRecorder,
+    block_of,
+    bytes_per_row,
+    check_memory,
+    head_cost,
+    model_width,
+    variants_per_forward,
+)
 from multihead.masks import MaskMod
 
 VIAS = ("q", "k", "v")
@@ -376,13 +385,18 @@ class _Runs:
                 raise ValueError(f"clean and corrupted runs must have the same shape; layer {lay.index}'s z is "
                                  f"{tuple(a.shape)} on clean and {tuple(b.shape)} on corrupted")
         self.corrupted_metric = _scalar(metric(self.corrupted.logits), "on the corrupted run")
-        self._deltas: dict[int, Tensor] = {}
+        logits = self.corrupted.logits
+        self.vocab = logits.shape[-1] if logits.dim() >= 3 else 0
+        self.itemsize = logits.element_size()
+        self.clean.logits = self.corrupted.logits = None  # (B, T, vocab) each: 0.8 GB at 4,096 positions of SmolLM2
+        self._deltas: dict[int, Tensor] = {}  # one layer's (B, T, H, C): the senders come layer by layer
         self.parents = parents_of(model)
 
     def delta(self, layer: int) -> Tensor:
         """Every head's clean-minus-corrupted result at `layer`: `(B, T, H, C)`, no bias."""
         if layer not in self._deltas:
             lay = self.layers[layer]
+            self._deltas.clear()
             self._deltas[layer] = head_results(self.model, lay, self.clean["z", layer] - self.corrupted["z", layer])
         return self._deltas[layer]
 
@@ -683,11 +697,13 @@ def _lay_out(runs: _Runs, clean) -> _Laid | None:
 
 
 def path_patch_scan(model, clean, corrupted, metric: Callable[[Tensor], Tensor], receivers, via: str = "q", *,
-                    variants_per_run: int | None = None, group=None) -> Tensor:
+                    variants_per_run: int | None = None, max_memory: int | None = None, progress=None,
+                    group=None) -> Tensor:
     """`path_patch` with every query head as the only sender: `(layers, heads)` float32.
 
     Args as in `path_patch` (the receivers the same for every sender); `variants_per_run`:
-    how many senders one forward carries (default 16 // B, at least 1). A cell is the
+    how many senders one forward carries (default: as many as `max_memory` holds, at most
+    16 // B, at least 1); `max_memory` and `progress` as in `patch_scan`. A cell is the
     corrupted metric, exactly, where the sender sits at or above every receiver's layer;
     NaN where a layer has fewer heads than the widest. On a causal transformers decoder the
     prefix clean and corrupted share is skipped, as in `patch_scan`. `group`: None, or a
@@ -699,14 +715,24 @@ def path_patch_scan(model, clean, corrupted, metric: Callable[[Tensor], Tensor],
 
     def setup():
         rec, logits = check_receivers(receivers, via)
+        budget = check_memory(max_memory)
+        check_progress(progress)
+        if variants_per_run is not None and (isinstance(variants_per_run, bool) or not isinstance(variants_per_run, int)
+                                             or variants_per_run < 1):
+            raise ValueError(f"variants_per_run must be an int >= 1; received {variants_per_run!r}")
         runs = _Runs(model, clean, corrupted, metric)
         _check_ranges(runs.layers, [], rec)
-        per_run = max(1, ROWS_PER_RUN // runs.B) if variants_per_run is None else variants_per_run
-        if isinstance(per_run, bool) or not isinstance(per_run, int) or per_run < 1:
-            raise ValueError(f"variants_per_run must be an int >= 1; received {variants_per_run!r}")
         if logits:
             runs.last_block([(lay.index, 0) for lay in runs.layers])  # refuses senders the direct path cannot take
-        return rec, logits, runs, per_run, _lay_out(runs, clean)
+        laid = _lay_out(runs, clean)
+        lay0 = runs.layers[0]
+        T = runs.corrupted["z", lay0.index].shape[1]
+        if laid is not None and laid.skip is not None:
+            T -= laid.skip.p
+        per_row = bytes_per_row(runs.vocab, runs.itemsize, laid.blocks if laid is not None else [model],
+                                model_width(model, lay0.H * lay0.Dv), T)
+        per_run = variants_per_forward(per_row, runs.B, budget)[0] if variants_per_run is None else variants_per_run
+        return rec, logits, runs, per_run, laid
 
     def agreed(done):  # what every rank must share for the tables to be one table
         rec, logits, runs, per_run, laid = done
@@ -717,7 +743,7 @@ def path_patch_scan(model, clean, corrupted, metric: Callable[[Tensor], Tensor],
     layers = runs.layers
     out = torch.full((len(layers), max(lay.H for lay in layers)), math.nan)
     units, costs = [], []
-    head = head_cost(model, laid.blocks) if laid is not None and group is not None else 0.0
+    head = head_cost(model, laid.blocks) if laid is not None else 0.0
     for lay in layers:
         mine = _by_layer(rec, lay.index)
         if not mine and not logits:
@@ -735,7 +761,17 @@ def path_patch_scan(model, clean, corrupted, metric: Callable[[Tensor], Tensor],
             return [_one(runs, [(layer, h)], rec, logits) for h in heads]
         return _chunk(runs, laid, layer, heads, mine, logits)
 
-    for (layer, heads, _), values in zip(units, ranks.map(run, units, costs)):
+    shown = Progress(progress, sum(len(u[1]) for u in units), costs, "path_patch_scan")
+
+    def one(unit, cost):
+        values = run(unit)
+        shown.step(len(unit[1]), cost)
+        return values
+    try:
+        results = ranks.map(lambda uc: one(*uc), list(zip(units, costs)), costs)
+    finally:
+        shown.close()
+    for (layer, heads, _), values in zip(units, results):
         for h, value in zip(heads, values):
             out[layer, h] = value
     return out
@@ -759,3 +795,4 @@ def _chunk(runs: _Runs, laid: _Laid, layer: int, heads: list[int], mine: dict[tu
         raise RuntimeError(f"the scan's batch did not come out whole ({got.shape[0]} rows, expected {n * B}): "
                            f"{type(model).__name__} reshapes its batch between blocks")
     return [runs.metric_of(got[i * B:(i + 1) * B], f"for layer {layer} head {h}") for i, h in enumerate(heads)]
+

@@ -714,6 +714,16 @@ def bytes_per_row(vocab: int, itemsize: int, blocks: list[nn.Module], width: int
     return positions * itemsize * (2 * vocab + act)
 
 
+def model_width(model: nn.Module, default: int) -> int:
+    """The model's hidden width: its input embeddings' columns, else `default`."""
+    get = getattr(model, "get_input_embeddings", None)
+    try:
+        emb = getattr(get() if callable(get) else None, "weight", None)
+    except NotImplementedError:
+        emb = None
+    return emb.shape[1] if isinstance(emb, Tensor) and emb.dim() == 2 else default
+
+
 def variants_per_forward(per_row: int, B: int, max_memory: int | None) -> tuple[int, int]:
     """(variants per forward, the budget in bytes): as many as `max_memory` (or the
     automatic budget) holds, at least one, and without a budget given at most ROWS_PER_RUN
@@ -1048,11 +1058,7 @@ def patch_scan(model, clean, corrupted, metric: Callable[[Tensor], Tensor], what
         if scan.stack is not None:
             why = scan.decide_prefix(p0, T)
         scan.shortcut_reason = scan.decide_shortcut(MEMORY_PER_RUN if budget is None else budget)
-        width = scan.layers[0].H * scan.layers[0].Dv
-        get = getattr(model, "get_input_embeddings", None)
-        emb = getattr(get() if callable(get) else None, "weight", None)
-        if isinstance(emb, Tensor) and emb.dim() == 2:
-            width = emb.shape[1]
+        width = model_width(model, scan.layers[0].H * scan.layers[0].Dv)
         per_row = bytes_per_row(scan.vocab, scan.itemsize, scan.inner or [model], width,
                                 (T - p0 if scan.cut else T) or _positions_of(rec))
         auto, scan.budget = variants_per_forward(per_row, B, budget)
