@@ -24,7 +24,7 @@ from multihead.kernels.common import (
     mqa_splits,
 )
 from multihead.kernels.explicit_tiles import Tiles, needs_grad, refuse_trainable, twice
-from multihead.kernels.planner import block_mask, choose_tile, combine, fold_mask
+from multihead.kernels.planner import block_mask, choose_tile, combine, fold_mask, serial_ops
 
 __all__ = ["BANDS", "CAUSAL", "FUSED_TILE", "fused"]
 
@@ -160,9 +160,10 @@ class _FusedPlan:
         nq, nk = self.kept.shape
         if not hasattr(self, "_rows"):  # Python lists once: per-row tensor ops cost more than the rows' work
             cols = torch.arange(nk)
-            self._rows = (self.kept.tolist(), self.full.tolist(),
-                          torch.where(self.kept, cols, nk).amin(1).tolist() if nk else [0] * nq,
-                          torch.where(self.kept, cols + 1, 0).amax(1).tolist() if nk else [0] * nq)
+            with serial_ops():  # ops over tiles: see `serial_ops`
+                self._rows = (self.kept.tolist(), self.full.tolist(),
+                              torch.where(self.kept, cols, nk).amin(1).tolist() if nk else [0] * nq,
+                              torch.where(self.kept, cols + 1, 0).amax(1).tolist() if nk else [0] * nq)
         kept_rows, full_rows, first, end = self._rows  # end: one past the last kept tile
         i = 0
         while i < nq:

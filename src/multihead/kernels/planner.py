@@ -9,6 +9,8 @@ builds each block's small mask."""
 
 from __future__ import annotations
 
+from contextlib import contextmanager
+
 import torch
 from torch import Tensor
 
@@ -16,7 +18,8 @@ from multihead.kernels.common import index
 from multihead.masks import MaskMod, and_masks
 from multihead.masks import causal as causal_mod
 
-__all__ = ["band_rows", "block_mask", "choose_tile", "combine", "fold_mask", "slice_dense", "tile_plan", "tile_sizes"]
+__all__ = ["band_rows", "block_mask", "choose_tile", "combine", "fold_mask", "serial_ops", "slice_dense",
+           "tile_plan", "tile_sizes"]
 
 _FUSED_CANDIDATES = (64, 128, 256, 512, 1024)  # tile edges the fused engine's plan chooses from
 _MIN_SEGMENT = 64  # documents shorter than this on average run as tiles, not a call each
@@ -148,9 +151,35 @@ def choose_tile(pred, B, H, T, S, G, tile, device, squares: bool = True, bands: 
         bq, bk = tile_sizes(T, S, tile or (256 if segments else 128))
         kept, full = tile_plan(pred, B, H, T, S, bq, bk, device)
         return bq, bk, kept, full, segments or find(pred, B, H, T, S, bq, bk, kept, full, device)
-    best = None
     threads = max(1, torch.get_num_threads())
-    bands = bands and pred.relative
+    with serial_ops():
+        return _least_cost(pred, B, H, T, S, G, device, find, threads, bands and pred.relative)
+
+
+@contextmanager
+def serial_ops():
+    """Torch's ops inside run on the calling thread alone (its intra-op count set to 1, then back).
+
+    A plan's ops are over tiles, not pairs: small, and dozens per candidate. Each op over more
+    than torch's grain (32,768 elements: a 512 x 512 tile grid) is a parallel region whose end
+    waits for every thread; on a busy machine a thread that is not scheduled makes each wait
+    last a time slice (measured: 0.4 s of such waits in one call at 2 threads, load 2, against
+    0.13 s of kernel). With OpenMP (torch's CPU backend) the count is the calling thread's own.
+    """
+    n = torch.get_num_threads()
+    if n == 1:
+        yield
+        return
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(n)
+
+
+def _least_cost(pred, B, H, T, S, G, device, find, threads, bands):
+    """`choose_tile`'s search over the candidate tiles of an analytic predicate."""
+    best = None
     candidates = (_BAND_CANDIDATE, *_FUSED_CANDIDATES) if bands else _FUSED_CANDIDATES
     for c in candidates if T > _FUSED_CANDIDATES[0] else (256,):  # decoding: one plan, one block
         bq, bk = tile_sizes(T, S, c)
