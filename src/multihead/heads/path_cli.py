@@ -178,7 +178,8 @@ def path_table(args) -> dict:
         run = (lambda x: model(**x).logits) if hf else model
         m_clean, m_corr = float(metric(run(clean))), float(metric(run(corrupted)))
     t0 = time.perf_counter()
-    table = heads.path_patch_scan(model, clean, corrupted, metric, receivers, via=args.via)
+    # heads done, rate and ETA on stderr when it is a terminal (never in pipes, logs, --json's stdout)
+    table = heads.path_patch_scan(model, clean, corrupted, metric, receivers, via=args.via, progress=True)
     seconds = time.perf_counter() - t0
     span = m_clean - m_corr
     cells = [(layer, h, table[layer, h].item()) for layer in range(table.shape[0]) for h in range(table.shape[1])
