@@ -1,4 +1,4 @@
-"""multihead.interop.hf.convert: one HF attention layer as a standalone multihead.Attention.
+"""multihead.interop.hf.layers: one HF attention layer as a standalone multihead.Attention.
 
 The real model is all-MiniLM-L6-v2 (bundled offline); GPT-2, Llama (GQA, scaled RoPE),
 Qwen2 (q/k/v biases, no o bias) and Mistral (MQA, sliding window) are tiny random-weight
@@ -141,9 +141,9 @@ def test_from_llama_standalone(family):
 def test_convert_dispatch_and_errors(minilm):
     from transformers import LlamaConfig, LlamaModel
 
-    assert isinstance(hf.convert(minilm["eager"].encoder.layer[0].attention), Attention)
+    assert isinstance(hf.from_layer(minilm["eager"].encoder.layer[0].attention), Attention)
     with pytest.raises(TypeError, match="no multihead conversion for Linear"):
-        hf.convert(torch.nn.Linear(2, 2))
+        hf.from_layer(torch.nn.Linear(2, 2))
     with pytest.raises(TypeError, match="received BertSelfAttention"):
         hf.from_gpt2(minilm["eager"].encoder.layer[0].attention.self)
     cfg = LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4,

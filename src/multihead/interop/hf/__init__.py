@@ -14,9 +14,9 @@ Three jobs, one module each:
 - `registry`: `register()`, the attention function, `WeightsRequest` (weights of chosen
   heads, returned by the forward) and `WeightsAnswer` (how one attention call answers
   it, written once for the attention function and the DeepSeek layer).
-- `convert`: one HF attention layer -> a standalone multihead module with the same
-  weights (`from_bert`, `from_gpt2`, `from_llama`, `from_deepseek`, `convert`), and the
-  model's RoPE settings -> `RotaryEmbedding`.
+- `layers`: one HF attention layer -> a standalone multihead module with the same
+  weights (`from_bert`, `from_gpt2`, `from_llama`, `from_deepseek`, and `from_layer`,
+  which picks one by the layer's class), and the model's RoPE settings -> `RotaryEmbedding`.
 - `deepseek`: the one case the registry cannot serve: `use_latent_attention(model)` swaps
   DeepSeek-V2/V3 attention for a layer that calls `LatentAttention.forward`
   (transformers' angles, mask and cache through its `rotary=` and `store=`), so
@@ -27,21 +27,21 @@ Three jobs, one module each:
 
 from __future__ import annotations
 
-from multihead.interop.hf.convert import (
-    convert,
-    from_bert,
-    from_deepseek,
-    from_gpt2,
-    from_llama,
-    rope_scaling_from_config,
-    rotary_from_config,
-)
 from multihead.interop.hf.deepseek import (
     latent_attention_layers,
     latent_cache_bytes,
     restore_attention,
     use_latent_attention,
     uses_latent_attention,
+)
+from multihead.interop.hf.layers import (
+    from_bert,
+    from_deepseek,
+    from_gpt2,
+    from_layer,
+    from_llama,
+    rope_scaling_from_config,
+    rotary_from_config,
 )
 from multihead.interop.hf.registry import (
     AttentionCall,
@@ -58,10 +58,10 @@ __all__ = [
     "CaptureComplete",
     "WeightsRequest",
     "attention_forward",
-    "convert",
     "from_bert",
     "from_deepseek",
     "from_gpt2",
+    "from_layer",
     "from_llama",
     "hf_mask",
     "latent_attention_layers",

@@ -29,7 +29,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
-from multihead.interop.hf.convert import DEEPSEEK_FAMILY, from_deepseek
+from multihead.interop.hf.layers import DEEPSEEK_FAMILY, from_deepseek
 from multihead.interop.hf.registry import AttentionCall, WeightsAnswer, hf_mask
 from multihead.latent import LatentAttention
 

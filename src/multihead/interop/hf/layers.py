@@ -1,6 +1,6 @@
 """One Hugging Face attention layer -> a standalone multihead module with its weights.
 
-- `from_bert`, `from_gpt2`, `from_llama` (and `convert`, which picks one) build a
+- `from_bert`, `from_gpt2`, `from_llama` (and `from_layer`, which picks one) build a
   `multihead.Attention`:
 
   * BERT family (BertAttention / RobertaAttention): query/key/value Linear layers plus
@@ -39,7 +39,7 @@ from multihead.attention import Attention
 from multihead.latent import LatentAttention
 from multihead.rope import RopeScaling, RotaryEmbedding
 
-__all__ = ["convert", "from_bert", "from_deepseek", "from_gpt2", "from_llama", "rope_scaling_from_config",
+__all__ = ["from_bert", "from_deepseek", "from_gpt2", "from_layer", "from_llama", "rope_scaling_from_config",
            "rotary_from_config", "sliding_window_of"]
 
 BERT_FAMILY = ("BertSelfAttention", "RobertaSelfAttention")
@@ -259,7 +259,7 @@ def _deepseek_pairs(attn: LatentAttention, hf_attn: nn.Module) -> list[tuple[nn.
     return pairs
 
 
-def convert(module: nn.Module, *, backend: str = "auto") -> Attention:
+def from_layer(module: nn.Module, *, backend: str = "auto") -> Attention:
     """Any supported HF attention layer -> `Attention` / `LatentAttention` (by its class)."""
     name = _class_name(module)
     if _class_name(getattr(module, "self", None)) in BERT_FAMILY:
