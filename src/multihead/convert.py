@@ -373,7 +373,7 @@ def to_mla(model, kv_rank: int, *, rope_dim: int | None = None, keep: str | None
     altogether. RoPE scaling is refused (its frequencies are not a base's).
 
     A transformers Llama-family model (Llama, Mistral, Qwen2, Qwen3) goes to
-    `multihead.interop.hf.mla.to_mla`: rope_dim is then required (a multiple of 2 * Hkv up to
+    `multihead.interop.hf.mla.transformers_to_mla`: rope_dim is then required (a multiple of 2 * Hkv up to
     Hkv * D, where it is exact), `keep` chooses the rotary pairs ("high", the default, or
     "norm": on SmolLM2 the highest frequencies lose less before uptraining, docs/mla.md)
     and `calibration` token ids feed the "norm" choice's statistics and `basis="activations"`
@@ -384,11 +384,11 @@ def to_mla(model, kv_rank: int, *, rope_dim: int | None = None, keep: str | None
         the converted layer or model, or `(new, report)` with `return_report=True`.
     """
     if _is_transformers_model(model):
-        from multihead.interop.hf.mla import to_mla as hf_to_mla
+        from multihead.interop.hf.mla import transformers_to_mla
 
-        return hf_to_mla(model, kv_rank, rope_dim=rope_dim, keep="high" if keep is None else keep,
-                         basis="weights" if basis is None else basis, calibration=calibration,
-                         return_report=return_report)
+        return transformers_to_mla(model, kv_rank, rope_dim=rope_dim, keep="high" if keep is None else keep,
+                                   basis="weights" if basis is None else basis, calibration=calibration,
+                                   return_report=return_report)
     if keep not in (None, "high") or basis not in (None, "weights") or calibration is not None:
         raise ValueError(f"to_mla: a multihead layer keeps its highest-frequency rotary pairs (keep='high') and "
                          f"factors its weights (basis='weights'); keep={keep!r}, basis={basis!r} and calibration= "

@@ -1,10 +1,11 @@
 """MHA/GQA -> MLA for transformers Llama-family models (Llama, Mistral, Qwen2, Qwen3).
 
-`to_mla(model, kv_rank, rope_dim=r)` (reached through `multihead.convert.to_mla`) returns
-a deep copy of the model whose attention layers run on multihead's `LatentAttention`:
-keys and values of every head come from one shared latent per token, and only that
-latent, R + r values per token and layer, sits in transformers' cache; decoding takes
-the absorbed path (W_UK folded into the query, W_UV after). `generate()` works as before.
+`transformers_to_mla(model, kv_rank, rope_dim=r)` (what `multihead.convert.to_mla` calls
+for a transformers model; use that) returns a deep copy of the model whose attention
+layers run on multihead's `LatentAttention`: keys and values of every head come from one
+shared latent per token, and only that latent, R + r values per token and layer, sits in
+transformers' cache; decoding takes the absorbed path (W_UK folded into the query, W_UV
+after). `generate()` works as before.
 
 How a layer with H query heads, Hkv key/value heads of width D is converted:
 
@@ -57,12 +58,12 @@ import torch
 from torch import Tensor, nn
 
 from multihead.conversion_parts import ConversionReport, LayerConversion, relative_error
-from multihead.interop.hf.convert import sliding_window_of
+from multihead.interop.hf.layers import sliding_window_of
 from multihead.interop.hf.registry import hf_mask
 from multihead.latent import LatentAttention
 from multihead.rope import apply_rotary
 
-__all__ = ["BASES", "FAMILY", "KEEP", "LatentLlamaAttention", "mla_layers", "rope_pair_scores", "to_mla"]
+__all__ = ["BASES", "FAMILY", "KEEP", "LatentLlamaAttention", "mla_layers", "rope_pair_scores", "transformers_to_mla"]
 
 FAMILY = ("LlamaAttention", "MistralAttention", "Qwen2Attention", "Qwen3Attention")
 KEEP = ("norm", "high")
@@ -443,8 +444,9 @@ def _convert_layer(attn: nn.Module, kv_rank: int, rope_dim: int, pairs: Tensor, 
     return layer, error, data_error
 
 
-def to_mla(model: nn.Module, kv_rank: int, *, rope_dim: int | None, keep: str = "high", basis: str = "weights",
-           calibration: Tensor | None = None, backend: str = "auto", return_report: bool = False):
+def transformers_to_mla(model: nn.Module, kv_rank: int, *, rope_dim: int | None, keep: str = "high",
+                        basis: str = "weights", calibration: Tensor | None = None, backend: str = "auto",
+                        return_report: bool = False):
     """A copy of a Llama-family transformers model on multihead's MLA (module docstring).
 
     Args:
