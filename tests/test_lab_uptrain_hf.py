@@ -20,7 +20,7 @@ from multihead.lab.uptrain_hf import STATE, HFUptrainConfig, run_uptrain_hf, spl
 transformers = pytest.importorskip("transformers")
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
-TIMINGS = ("seconds", "cpu_seconds", "elapsed_s", "cpu_s", "date")
+TIMINGS = ("seconds", "cpu_seconds", "elapsed_s", "cpu_s", "date", "cpu_seconds_per_step")
 
 
 def _tokenizer(text: str):
@@ -260,3 +260,50 @@ def test_the_docs_quote_the_committed_run():
     summarise(HFUptrainConfig(**cfg_fields), again)
     assert (again["results"]["table"], again["results"]["summary"]) == (r["table"], r["summary"])
     assert not res["interrupted"] and res["results"]["model"] == "smollm2"
+
+
+def test_every_number_the_docs_quote_of_the_committed_run_is_one_of_its_results():
+    """docs/lab.md's SmolLM2 section, outside its code blocks and its table and summary
+    (checked verbatim above): each decimal and each comma-grouped integer is a number of the
+    committed results.json at the places quoted (a percentage: 100 times one; minutes: its
+    seconds / 60), so a new run that changes them fails until the page says the new ones."""
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parent.parent
+    committed = root / "docs" / "lab" / "uptrain-smollm2" / "results.json"
+    if not committed.is_file():
+        pytest.skip("no committed SmolLM2 run yet")
+    res = json.loads(committed.read_text(encoding="utf-8"))
+    r = res["results"]
+    doc = (root / "docs" / "lab.md").read_text(encoding="utf-8")
+    start = doc.index("### A real model: `multihead lab uptrain --model smollm2`")
+    end = doc.find("\n### ", start + 1)
+    section = re.sub(r"```.*?```", "", doc[start:end if end > 0 else len(doc)], flags=re.S)
+    section = section.replace(r["table"], "").replace(r["summary"], "")
+
+    def numbers(x):
+        if isinstance(x, bool) or x is None or isinstance(x, str):
+            return []
+        if isinstance(x, (int, float)):
+            return [float(x)]
+        return [n for v in (x.values() if isinstance(x, dict) else x) for n in numbers(v)]
+
+    pool = numbers(r) + [res["elapsed_s"] / 60, res["cpu_s"] / 60, res["config"]["lr"],
+                         r["freeze"]["cpu_seconds_per_step"]["all"] / r["freeze"]["cpu_seconds_per_step"]["attention"],
+                         math.sqrt(1 - 1 / 3), float(".".join(res["torch_version"].split(".")[:2]))]
+    pool += [v["kv_bytes_per_token"] / r["base"]["kv_bytes_per_token"] for v in r["variants"]]
+    cfg = res["config"]
+    pool += [cfg["steps"] * cfg["batch_size"] * cfg["context"]]  # tokens per target
+    quoted = re.findall(r"(?<![\w.])-?\d+(?:,\d{3})+(?:\.\d+)?%?|(?<![\w.])-?\d+\.\d+%?", section)
+    missing = []
+    for text in quoted:
+        pct = text.endswith("%")
+        value = float(text.rstrip("%").replace(",", ""))
+        places = len(text.rstrip("%").split(".")[1]) if "." in text else 0
+        if places == 0 and not pct:
+            hits = [x for x in pool if round(x) == value]
+        else:
+            hits = [x for x in pool if f"{(100 * x if pct else x):.{places}f}" == f"{value:.{places}f}"]
+        if not hits:
+            missing.append(text)
+    assert not missing, f"docs/lab.md quotes {missing}, which no number of the committed run rounds to"

@@ -10,7 +10,7 @@ with partial RoPE and an SVD of the key/value projections. Here, on a pretrained
    real `generate()` cache (every tensor of every layer, divided by the cached tokens).
 2. **Targets**: MQA by `multihead.convert.to_gqa(model, 1, init=...)` for each init
    ("mean", "first", "random"), and MLA by `convert.to_mla(model, R, rope_dim=r)` at each
-   rank R ("svd"; rope_dim r decoupled rotary dims, MHA2MLA's norm-chosen pairs).
+   rank R ("svd"; rope_dim r decoupled rotary dims: the highest-frequency pairs, to_mla's default).
 3. **Uptraining**: each target trained for `steps` AdamW steps on next-token loss over
    windows of the KJV's training split (Genesis to Acts), the same batches for every
    target, evaluated as converted (step 0) and after each fraction of the steps (one
@@ -77,7 +77,7 @@ _ROMANS = "Paul, a servant of Jesus Christ, called to be an apostle, separated u
 @dataclass(frozen=True)
 class HFUptrainConfig:
     model: str = "smollm2"  # 'smollm2' (bundled), a local Llama-family model folder, or a .gguf file
-    steps: int = 48  # uptraining steps per target (9 trainings: about 25 min on a quiet 2-core VM, 80 under load)
+    steps: int = 48  # uptraining steps per target (9 trainings: 19 min of CPU time on one thread, docs/lab.md)
     batch_size: int = 4
     context: int = 64  # tokens per training window
     lr: float = 3e-4  # AdamW peak, after `warmup` linear steps, cosine to 10% at `steps`
@@ -605,10 +605,19 @@ def summarise(cfg: HFUptrainConfig, res: dict) -> None:
             == ("mqa", "mean", "next-token", cfg.steps)]
     if check and same and len(f["seconds_per_step"]) == 2:
         s = f["seconds_per_step"]
+        cpu = r.get("cpu_seconds", {})
+        keys = {"attention": "mqa/mean", "all": "mqa/mean/all"} if cfg.trainable == "attention" else \
+            {"all": "mqa/mean", "attention": "mqa/mean/attention"}
+        if all(k in cpu for k in keys.values()):  # CPU time: comparable when the machine's load changes between them
+            f["cpu_seconds_per_step"] = {t: cpu[k] / cfg.steps for t, k in keys.items()}
+        c = f.get("cpu_seconds_per_step")
+
+        def rate(t: str) -> str:
+            return f"{s[t]:.2f} s/step" + (f", {c[t]:.2f} s of CPU with its evaluations" if c else "")
         f["verdict"] = (f"MQA (mean) after {cfg.steps} steps: {same[0]['val_ppl']:.2f} held-out perplexity training "
                         f"the attention layers ({f['trainable_params']['attention']:,} parameters, "
-                        f"{s['attention']:.2f} s/step) against {check[0]['val_ppl']:.2f} training every parameter "
-                        f"({f['trainable_params']['all']:,}, {s['all']:.2f} s/step)")
+                        f"{rate('attention')}) against {check[0]['val_ppl']:.2f} training every parameter "
+                        f"({f['trainable_params']['all']:,}, {rate('all')})")
     if r["base"] is None:
         r["summary"] = "interrupted before the base model was measured"
         return
