@@ -64,23 +64,23 @@ def test_never_replaces_a_folder_device_or_pipe_and_writes_through_symlinks(tmp_
     assert (tmp_path / "link.txt").is_symlink() and real.read_text() == "new"
 
 
-def test_render_html_never_truncates_an_existing_page(tmp_path):
+def test_save_html_never_truncates_an_existing_page(tmp_path):
     import torch
 
     from multihead.inspect.capture_types import AttentionCapture
-    from multihead.inspect.html import render_html
+    from multihead.inspect.html import render_html, save_html
 
     w = torch.softmax(torch.randn(1, 1, 3, 3), -1)
     good = AttentionCapture(tokens=["a", "b", "c"], token_ids=[0, 1, 2], layers=[0], heads=[0], weights=w,
                             n_layers=1, n_heads=1, model="m", meta={})
     path = tmp_path / "view.html"
-    assert render_html(good, path=path) == path.resolve()  # writing returns the path, not the page
+    assert save_html(good, path) == path.resolve()  # writing returns the path, not the page
     page = render_html(good)
     assert path.read_text(encoding="utf-8") == page and mode(path) == usual_mode()
     bad = AttentionCapture(tokens=["a", "\udcff", "c"], token_ids=[0, 1, 2], layers=[0], heads=[0], weights=w,
                            n_layers=1, n_heads=1, model="m", meta={})
     with pytest.raises(UnicodeEncodeError):
-        render_html(bad, path=path)
+        save_html(bad, path)
     assert path.read_text(encoding="utf-8") == page, "the earlier page must survive a failed write"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["view.html"]
 

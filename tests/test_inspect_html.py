@@ -17,7 +17,7 @@ import torch
 
 from inspect_synthetic import decode_indices, decode_weights, page_data, synthetic_capture
 from multihead.inspect import HeadRole
-from multihead.inspect.html import _choose_k, render_html
+from multihead.inspect.html import _choose_k, render_html, save_html
 
 STEP = 1 / 255  # the quantisation step the page promises at most half of (relative to the row max)
 
@@ -188,7 +188,7 @@ def test_roles_of_captured_heads_become_badges(tmp_path):
         HeadRole(5, 0, {"induction": 0.9}, "induction", 0.9),  # not captured: ignored
     ]
     path = tmp_path / "view.html"
-    written = render_html(cap, roles, path)  # writing returns where it wrote, not the page
+    written = save_html(cap, path, roles)  # writing returns where it wrote, not the page
     assert written == path.resolve()
     page = path.read_text(encoding="utf-8")
     assert page == render_html(cap, roles)
@@ -203,12 +203,30 @@ def test_roles_of_captured_heads_become_badges(tmp_path):
     ]
 
 
+def test_save_html_writes_the_page_render_html_returns(tmp_path):
+    cap = synthetic_capture(L=2, H=3, T=20)
+    roles = [HeadRole(1, 2, {"induction": 0.7}, "induction", 0.7)]
+    options = {"max_tokens": 12, "top_k": 3, "title": "a <title>"}
+    path = tmp_path / "view.html"
+    assert save_html(cap, str(path), roles, **options) == path.resolve()
+    assert path.read_text(encoding="utf-8") == render_html(cap, roles, **options)
+    assert page_data(path.read_text(encoding="utf-8"))["T"] == 12
+    with pytest.raises(TypeError, match="max_tokens"):  # refused before the file is touched
+        save_html(cap, tmp_path / "other.html", max_tokens=True)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["view.html"]
+    with pytest.raises(TypeError, match="path"):  # one return type: render_html never writes
+        render_html(cap, path=tmp_path / "other.html")
+
+
 @pytest.mark.parametrize(
     "kwargs, error, match",
     [
-        ({"max_tokens": 0}, ValueError, r"max_tokens must be an int >= 1, got 0"),
-        ({"top_k": 0}, ValueError, r"top_k must be None or an int >= 1, got 0"),
-        ({"top_k": 2.5}, ValueError, r"got 2.5"),
+        ({"max_tokens": 0}, ValueError, r"^max_tokens must be an int >= 1; received 0$"),
+        ({"max_tokens": True}, TypeError, r"^max_tokens must be an int >= 1; received True \(bool\)$"),
+        ({"max_tokens": 2.0}, TypeError, r"^max_tokens must be an int >= 1; received 2.0 \(float\)$"),
+        ({"top_k": 0}, ValueError, r"^top_k must be an int >= 1 or None; received 0$"),
+        ({"top_k": 2.5}, TypeError, r"^top_k must be an int >= 1 or None; received 2.5 \(float\)$"),
+        ({"top_k": "4"}, TypeError, r"^top_k must be an int >= 1 or None; received '4' \(str\)$"),
     ],
 )
 def test_bad_arguments(kwargs, error, match):
@@ -219,12 +237,12 @@ def test_bad_arguments(kwargs, error, match):
 def test_weights_must_be_finite():
     cap = synthetic_capture()
     cap.weights[1, 2, 3, 4] = float("nan")
-    with pytest.raises(ValueError, match=r"must be finite; got nan at \[layer, head, t, s\] = \[1, 2, 3, 4\]"):
+    with pytest.raises(ValueError, match=r"must be finite; received nan at \[layer, head, t, s\] = \[1, 2, 3, 4\]"):
         render_html(cap)
 
 
 def test_not_a_capture():
-    with pytest.raises(TypeError, match="capture must be an AttentionCapture, got Tensor"):
+    with pytest.raises(TypeError, match="capture must be an AttentionCapture; received Tensor"):
         render_html(torch.zeros(1, 1, 2, 2))
 
 

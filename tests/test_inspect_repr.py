@@ -1,5 +1,5 @@
 """Short REPL reprs: a capture shows what it holds in a few lines, never the
-weights; render_html(path=...) returns where it wrote; plan.recommend's result is one line,
+weights; save_html returns where it wrote; plan.recommend's result is one line,
 and print() gives the text the CLI prints."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ from __future__ import annotations
 from inspect_synthetic import synthetic_capture
 from multihead import plan
 from multihead.inspect.capture_types import AttentionCapture
-from multihead.inspect.html import render_html
+from multihead.inspect.html import render_html, save_html
 
 
 def test_capture_repr_is_short_and_says_what_is_captured():
@@ -25,9 +25,9 @@ def test_capture_repr_is_short_and_says_what_is_captured():
     assert "captured layers 0-2,5 x heads 3" in text and "meta: text" in text and len(text) < 400
 
 
-def test_render_html_with_a_path_returns_the_path_not_the_page(tmp_path):
+def test_save_html_returns_the_path_and_render_html_the_page(tmp_path):
     cap = synthetic_capture()
-    out = render_html(cap, path=tmp_path / "v.html")
+    out = save_html(cap, tmp_path / "v.html")
     assert out == (tmp_path / "v.html").resolve() and len(repr(out)) < 200
     assert (tmp_path / "v.html").read_text(encoding="utf-8") == render_html(cap)
     assert isinstance(render_html(cap), str)

@@ -1,10 +1,10 @@
 """See what every head of a real model does: capture per-head weights, score head roles,
 draw them (self-contained HTML, PNG).
 
-    from multihead.inspect import capture, head_roles, render_html
+    from multihead.inspect import capture, head_roles, save_html
     cap = capture("The cat sat on the mat.")          # bundled all-MiniLM-L6-v2
     roles = head_roles(cap)                             # ranked: layer 0 head 2 first
-    render_html(cap, roles=roles, path="view.html")
+    save_html(cap, "view.html", roles)                  # render_html(cap, roles): the page as a str
 
 Importing this package (and the `multihead` command) stays light: torch, transformers
 and matplotlib load only when a function needs them; the other names load on first use.
@@ -28,6 +28,7 @@ _LAZY = {
     "role_scores": "multihead.inspect.roles",
     "induction_scores": "multihead.inspect.roles",
     "render_html": "multihead.inspect.html",
+    "save_html": "multihead.inspect.html",
     "notebook_html": "multihead.inspect.html",
     "save_grid": "multihead.inspect.png",
     "save_head": "multihead.inspect.png",

@@ -212,9 +212,9 @@ def _main(args: argparse.Namespace, stack: contextlib.ExitStack) -> int:
         render_summaries_html(summ, roles=roles, path=html_path)
         written["html"] = str(html_path.resolve())
     elif html_path is not None:
-        from multihead.inspect.html import render_html
+        from multihead.inspect.html import save_html
 
-        render_html(cap, roles=roles, path=html_path, max_tokens=PAGE_TOKENS)
+        save_html(cap, html_path, roles, max_tokens=PAGE_TOKENS)
         written["html"] = str(html_path.resolve())
     png_error = None
     if png_path is not None:

@@ -31,6 +31,7 @@ from pathlib import Path
 
 import torch
 
+from multihead.checks import check_positive_int
 from multihead.inspect.capture_types import AttentionCapture, HeadRole
 
 # Without top_k, rows keep every weight while L*H*T*T stays under this many entries, and
@@ -46,31 +47,25 @@ META_CHARS = 80  # likewise each metadata value in the summary line
 def render_html(
     capture: AttentionCapture,
     roles: list[HeadRole] | None = None,
-    path: str | Path | None = None,
     *,
     max_tokens: int = 512,
     top_k: int | None = None,
     title: str | None = None,
-) -> str | Path:
-    """The head view + model view page of `capture`, or written to `path` when given.
+) -> str:
+    """The head view + model view page of `capture`, as a string (`save_html` writes it).
 
     Args:
         capture: the per-head weights `(L, H, T, T)` and tokens to draw.
         roles: head-role scores; shown as badges on the heads they name (roles of heads
             that were not captured are ignored).
-        path: where to write the page (UTF-8).
         max_tokens: show at most the first `max_tokens` tokens (queries and keys); the
             page says how many were cut.
         top_k: keep the top_k weights of each query row. None picks a k that bounds the
             page (every weight while L*H*T*T <= 2**21, else the largest power of two k
             with L*H*T*k <= 2**21, at least 8).
         title: the page title; defaults to the model name and the text.
-
-    Returns:
-        The page as a string; when `path` is given, the page is written there and the path
-        (a `Path`) is returned instead, so a REPL shows where it went rather than 50 KB of HTML.
     """
-    _check_arguments(capture, max_tokens, top_k)
+    max_tokens, top_k = _check_arguments(capture, max_tokens, top_k)
     T_all = len(capture.tokens)
     T = min(T_all, max_tokens)
     weights = _finite_weights(capture, T)  # (L, H, T, T)
@@ -78,23 +73,33 @@ def render_html(
     payload, dropped = _encode(weights, _choose_k(L * H * T, T, top_k))
     dropped["truncated_tokens"] = T_all - T
     data = _page_data(capture, roles, title, T, payload, dropped)
-    page = offline_page(data["title"], data, _ASSETS)
-    if path is not None:
-        from multihead.files import write_text
-
-        # encoded in full before the file is touched, then moved into place: text that cannot
-        # be encoded, a full disk or Ctrl-C leave an existing page as it was, never truncated
-        return write_text(path, page)
-    return page
+    return offline_page(data["title"], data, _ASSETS)
 
 
-def _check_arguments(capture, max_tokens, top_k) -> None:
+def save_html(
+    capture: AttentionCapture,
+    path: str | Path,
+    roles: list[HeadRole] | None = None,
+    *,
+    max_tokens: int = 512,
+    top_k: int | None = None,
+    title: str | None = None,
+) -> Path:
+    """Write the page of `render_html` (same arguments) to `path` as UTF-8; returns the path.
+
+    The page is built and encoded in full before the file is touched, then moved into
+    place: a bad argument, text that cannot be encoded, a full disk or Ctrl-C leave an
+    existing page as it was, never truncated.
+    """
+    from multihead.files import write_text
+
+    return write_text(path, render_html(capture, roles, max_tokens=max_tokens, top_k=top_k, title=title))
+
+
+def _check_arguments(capture, max_tokens, top_k) -> tuple[int, int | None]:
     if not isinstance(capture, AttentionCapture):
-        raise TypeError(f"capture must be an AttentionCapture, got {type(capture).__name__}")
-    if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 1:
-        raise ValueError(f"max_tokens must be an int >= 1, got {max_tokens!r}")
-    if top_k is not None and (isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < 1):
-        raise ValueError(f"top_k must be None or an int >= 1, got {top_k!r}")
+        raise TypeError(f"capture must be an AttentionCapture; received {type(capture).__name__}")
+    return check_positive_int("max_tokens", max_tokens), check_positive_int("top_k", top_k, allow_none=True)
 
 
 def _finite_weights(capture: AttentionCapture, T: int) -> torch.Tensor:
@@ -104,7 +109,7 @@ def _finite_weights(capture: AttentionCapture, T: int) -> torch.Tensor:
     if not torch.isfinite(weights).all():
         bad = [int(i) for i in torch.nonzero(~torch.isfinite(weights))[0]]
         value = weights[tuple(bad)].item()
-        raise ValueError(f"capture.weights must be finite; got {value} at [layer, head, t, s] = {bad}")
+        raise ValueError(f"capture.weights must be finite; received {value} at [layer, head, t, s] = {bad}")
     return weights
 
 
@@ -246,7 +251,7 @@ def _b64(t: torch.Tensor) -> str:
 
 def _b64_u16(index: torch.Tensor) -> str:
     if index.numel() and int(index.max()) > 0xFFFF:
-        raise ValueError(f"at most 65536 tokens can be drawn, got {int(index.max()) + 1}; lower max_tokens")
+        raise ValueError(f"at most 65536 tokens can be drawn; received {int(index.max()) + 1} (lower max_tokens)")
     return base64.b64encode(index.contiguous().numpy().astype("<u2").tobytes()).decode("ascii")
 
 
