@@ -189,6 +189,9 @@ def test_heads_prune_of_a_committed_curve_point_loads_in_stock_transformers(smol
     with heads.ablate(smollm2.model, [tuple(h) for h in point["removed"]]):
         ref = _logits(smollm2.model, x)
     torch.testing.assert_close(_logits(back, x), ref, atol=1e-5, rtol=0)
+    from multihead.files import usual_mode
+
+    assert {f.stat().st_mode & 0o777 for f in out.iterdir()} == {usual_mode()}  # not transformers' 0600
     size = sum(f.stat().st_size for f in out.glob("*.safetensors"))
     whole = sum(f.stat().st_size for f in gguf_cache_folder(smollm2_path()).glob("*.safetensors"))
     assert size < whole, (size, whole)

@@ -798,6 +798,9 @@ def _save_atomically(out: Path, save) -> None:
     try:
         save(tmp)
         os.chmod(tmp, usual_mode(folder=True))
+        for f in tmp.rglob("*"):  # transformers writes model.safetensors 0600 (a temporary file renamed)
+            if f.is_file():
+                os.chmod(f, usual_mode())
         if out.exists():
             old = Path(tempfile.mkdtemp(prefix=f".{out.name}.", suffix=".old", dir=out.parent))
             os.rename(out, old / "replaced")
