@@ -28,7 +28,7 @@ def main(out: Path) -> None:
     from transformers import AutoModel, AutoTokenizer
 
     from multihead.inspect import AttentionCapture
-    from multihead.inspect.html import render_html
+    from multihead.inspect.html import save_html
 
     path = get_model_path()
     tokenizer = AutoTokenizer.from_pretrained(path)
@@ -52,7 +52,7 @@ def main(out: Path) -> None:
 
     with tempfile.TemporaryDirectory() as tmp:
         page_path = Path(tmp) / "view.html"
-        render_html(capture, roles, page_path)
+        save_html(capture, page_path, roles)
         with sync_playwright() as p:
             browser = p.chromium.launch(executable_path="/usr/bin/chromium", args=ARGS, headless=True)
             page = browser.new_page(viewport={"width": 1360, "height": 860})
