@@ -28,7 +28,9 @@ from multihead.kernels.sdpa import plain
 
 __all__ = ["MIN_SPLIT_KEYS", "key_splits", "split_keys", "step"]
 
-MIN_SPLIT_KEYS = 2048  # below this many keys a step stays on one kernel call (revisit with benchmarks/decode.py)
+MIN_SPLIT_KEYS = 8192  # below this many keys a step stays on one kernel call: the merge costs ~10 small ops
+# (tens of us) against a third of a step idle on one thread (SmolLM2 at 2 threads); confirm with
+# `benchmarks/decode.py --profile` on a quiet machine
 # folded query rows up to which torch's kernel makes one work item per head (its smallest
 # block of queries): with more, it splits the queries itself and the threads have work
 _ONE_BLOCK = 32
