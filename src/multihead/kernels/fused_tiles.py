@@ -5,7 +5,10 @@ full; an additive score mod (ALiBi) rides along as that call's float mask. Causa
 run as one call of torch's causal kernel each, which skips the upper triangle itself. On
 the CPU the pieces of a block run on torch's flash kernel, which returns each piece's
 log-sum-exp, and merge exactly (`_MergedFused`, with its own backward); elsewhere
-autograd goes through the fused calls. Training memory stays O(N)."""
+autograd goes through the fused calls. There, alike query blocks of a relative mask (a
+sliding window's) run as a band: one call over all of them, the blocks in the kernel's
+batch through strided views, so that every thread has work (`_FusedPlan.runs`). Training
+memory stays O(N)."""
 
 from __future__ import annotations
 

@@ -167,7 +167,7 @@ def serial_ops():
     0.13 s of kernel). With OpenMP (torch's CPU backend) the count is the calling thread's own.
     """
     n = torch.get_num_threads()
-    if n == 1:
+    if n == 1 or torch.compiler.is_compiling():  # nothing to do; no thread-count calls in a traced graph
         yield
         return
     torch.set_num_threads(1)
