@@ -21,8 +21,9 @@ per forward (default: the automatic 1 GiB, one variant a forward at this length)
 TransformerLens (--tl): `get_act_patch_attn_head_out_all_pos` starts from
 `run_with_cache(clean)` on a TransformerBridge around a copy of the model; it runs eager
 attention and caches every hook, the attention scores and pattern of every layer among
-them (30 x 9 x T x T floats: 18 GiB at 4,096). It runs in a process capped at --tl-cap bytes
-of address space; reported is how it ends (error and seconds) or its peak.
+them (30 x 9 x T x T floats each: 18 GB each at 4,096). It runs in a process capped at
+--tl-cap bytes of address space (default 6e9: the machine has 24 GiB and is shared);
+reported is how it ends (the error and when) and its peak.
 
 The machine is shared: the load average is recorded with every measurement.
 Writes JSON to benchmarks/results/heads_long.json (or --json).
@@ -129,21 +130,21 @@ def _one(args) -> int:
     except _Enough:
         pass
     used = peak.stop()
-    setup = marks[0][0] - t0 if marks else None
+    setup = marks[0][0] - t0 if marks else None  # the recordings, the checks and the first forward
     per_head = None
     if len(marks) >= 2:
         (ta, na), (tb, nb) = marks[0], marks[-1]
         per_head = (tb - ta) / max(1, nb - na)
     L, H = model.config.num_hidden_layers, model.config.num_attention_heads
-    full = None
+    full = mean_per_head = None
     if len(marks) >= 2 and args.one == "patch":  # variants (head 0, layer i) in order, one a forward
         blocks = sum(L - i for i in range(1, len(marks)))  # those after the first forward
         per_block = (marks[-1][0] - marks[0][0]) / blocks
-        full = (setup or 0) + per_block * H * sum(L - i for i in range(L))
+        full = (setup or 0) - per_block * L + per_block * H * sum(L - i for i in range(L))
+        mean_per_head = per_block * sum(L - i for i in range(L)) / L
     print(json.dumps({"scan": args.one, "tokens": args.tokens, "changed_position": at,
-                      "full_scan_estimate_s": full,
-                      "peak_above_model_bytes": used, "setup_s": setup, "first_forward_s":
-                      None if not marks else marks[0][0] - t0 - (setup or 0),
+                      "full_scan_estimate_s": full, "mean_seconds_per_head_estimate": mean_per_head,
+                      "peak_above_model_bytes": used, "setup_and_first_forward_s": setup,
                       "marks": [(t - t0, n) for t, n in marks], "seconds_per_head": per_head,
                       "info": info, "loadavg": [load0, os.getloadavg()[0]],
                       "maxrss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}))
@@ -184,6 +185,8 @@ def _spawn(args, what: str, at: str, cap: int | None = None) -> dict:
            "--threads", str(args.threads), "--at", at]
     if args.max_memory is not None:
         cmd += ["--max-memory", str(args.max_memory)]
+    if cap:
+        cmd += ["--tl-cap", str(cap)]
 
     def limit():
         if cap:
@@ -204,7 +207,7 @@ def main(argv=None) -> int:
     ap.add_argument("--middle", action="store_true", help="also the pair with the token at T/2 changed")
     ap.add_argument("--path", action="store_true", help="also path_patch_scan (receivers='logits')")
     ap.add_argument("--tl", action="store_true", help="also TransformerLens, in a process capped at --tl-cap")
-    ap.add_argument("--tl-cap", type=float, default=12e9, help="address-space cap of the TransformerLens process")
+    ap.add_argument("--tl-cap", type=float, default=6e9, help="address-space cap of the TransformerLens process")
     ap.add_argument("--timeout", type=float, default=3000)
     ap.add_argument("--one", choices=["patch", "path", "tl"], help=argparse.SUPPRESS)
     ap.add_argument("--at", choices=["first", "middle"], default="first", help=argparse.SUPPRESS)
