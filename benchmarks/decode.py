@@ -3,6 +3,15 @@
     .venv/bin/python benchmarks/decode.py                    # L = 1024, 4096, 16384
     .venv/bin/python benchmarks/decode.py --quick            # L = 256, 1024, few rounds: smoke test
     .venv/bin/python benchmarks/decode.py --lengths 4096 --rounds 9 --no-layer
+    .venv/bin/python benchmarks/decode.py --profile --lengths 512 2048 8192 16384 --rounds 7 --rotate-mib 400
+
+--profile: the one-token step alone, each way it can be done (multihead's public call, the
+one folded flash call, the key axis split in 2 and 4 merged by log-sum-exp, the two passes
+as matrix products with the G query heads folded into rows, torch's enable_gqa), for GQA
+32/8 x 128 and SmolLM2's 9/3 x 64, at 1 and 2 threads (--profile-threads), as a share of
+the read rate of the same round; into the JSON's 'profile' entry (the rest is kept). Where
+the split pays is `kernels.decode.MIN_SPLIT_KEYS`'s evidence. --rotate-mib above the L3
+(260 MiB on the Intel VM) so every step reads its cache from memory.
 
 Geometry (DeepSeek-V2-like, B = 1): d_model 4096, 32 query heads of head_dim 128;
 MHA (32 KV heads), GQA (8 KV heads), MQA (1 KV head); MLA with kv_rank 512 and
