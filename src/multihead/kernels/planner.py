@@ -59,14 +59,14 @@ def tile_plan(pred: MaskMod | None, B: int, H: int, T: int, S: int, bq: int, bk:
         ones = torch.ones(nq, nk, dtype=torch.bool)
         return ones, ones
     if pred.relative:
-        return _relative_plan(pred, B, H, T, S, bq, bk, device)
+        return _relative_plan(T, S, bq, bk, _difference_sums(pred, B, H, T, S, device))
     any_, all_ = pred.tiles(B, H, T, S, bq, bk, device)
     any_ = any_.expand(-1, -1, nq, nk).flatten(0, 1).any(0)
     all_ = all_.expand(-1, -1, nq, nk).flatten(0, 1).all(0)
     return any_.cpu(), all_.cpu()
 
 
-def _relative_plan(pred: MaskMod, B: int, H: int, T: int, S: int, bq: int, bk: int, device) -> tuple[Tensor, Tensor]:
+def _relative_plan(T: int, S: int, bq: int, bk: int, sums: tuple[Tensor, Tensor]) -> tuple[Tensor, Tensor]:
     """`tile_plan` of a function of d = q - kv alone (causal, sliding windows): the predicate at
     each of the T + S - 1 differences once, then per tile a count of the allowed d over the
     tile's range of d (every d between its extremes is a pair of the tile), read from prefix
@@ -74,21 +74,12 @@ def _relative_plan(pred: MaskMod, B: int, H: int, T: int, S: int, bq: int, bk: i
     fewer, smaller ops in the plan, which runs before every call."""
     nq, nk = -(-T // bq), -(-S // bk)
     off = S - T
-    d_min, d_max = off - (S - 1), T - 1 + off
-    d = torch.arange(d_min, d_max + 1, device=device)
-    at = torch.full((1, 1, 1, 1), max(0, -d_min), device=device)
-    allowed = pred.evaluate(index(B, 0, device), index(H, 1, device), at + d.view(1, 1, -1, 1), at, 0)
-    allowed = allowed.reshape(-1, d.numel()).cpu()  # (B*H or 1, T + S - 1)
+    d_min = off - (S - 1)
+    n_d = T + S - 1  # sums: `_difference_sums`, shared by the candidate tiles of one plan
     r_lo = torch.arange(nq) * bq
     r_hi = torch.clamp(r_lo + bq, max=T) - 1
     c_lo = torch.arange(nk) * bk
     c_hi = torch.clamp(c_lo + bk, max=S) - 1
-    sums = []
-    for a in (allowed.any(0), allowed.all(0)):  # kept: some (b, h) some pair; full: every (b, h) every pair
-        c = torch.zeros(a.numel() + 1, dtype=torch.int64)
-        torch.cumsum(a, 0, out=c[1:])
-        sums.append(c)
-
     def classes(lo, hi):  # tiles with d from lo to hi - 1 (indices into d): (kept, full)
         return sums[0][hi] - sums[0][lo] > 0, sums[1][hi] - sums[1][lo] == hi - lo
 
@@ -99,7 +90,7 @@ def _relative_plan(pred: MaskMod, B: int, H: int, T: int, S: int, bq: int, bk: i
     # (nq, nk) grid (grid[i, j] = vec[i - j + nk - 1]: a sliding view, its columns reversed), then the
     # short last row and column, whose ranges of d are narrower, on their own
     m = torch.arange(-(nk - 1), nq)
-    n_d = d.numel()  # an m seen only by the short row or column reaches past the d's: fixed below
+    # an m seen only by the short row or column reaches past the d's (clamped): fixed below
     kept, full = classes((m * bq + (off - d_min) - (bq - 1)).clamp(0, n_d), (m * bq + (off - d_min + bq)).clamp(0, n_d))
     kept, full = (x.unfold(0, nk, 1).flip(1) for x in (kept, full))  # (nq, nk), each its own tensor
     if T % bq:
@@ -107,6 +98,23 @@ def _relative_plan(pred: MaskMod, B: int, H: int, T: int, S: int, bq: int, bk: i
     if S % bk:
         kept[:, -1], full[:, -1] = classes(r_lo - c_hi[-1] + (off - d_min), r_hi - c_lo[-1] + (off - d_min + 1))
     return kept, full
+
+
+def _difference_sums(pred: MaskMod, B: int, H: int, T: int, S: int, device) -> tuple[Tensor, Tensor]:
+    """Prefix counts `(T + S,)` over d = q - kv from -(T - 1) .. S - T + T - 1 of the d that some
+    (b, h) may attend and that every (b, h) may attend: the predicate evaluated once per d."""
+    off = S - T
+    d_min, d_max = off - (S - 1), T - 1 + off
+    d = torch.arange(d_min, d_max + 1, device=device)
+    at = torch.full((1, 1, 1, 1), max(0, -d_min), device=device)
+    allowed = pred.evaluate(index(B, 0, device), index(H, 1, device), at + d.view(1, 1, -1, 1), at, 0)
+    allowed = allowed.reshape(-1, d.numel()).cpu()  # (B*H or 1, T + S - 1)
+    sums = []
+    for a in (allowed.any(0), allowed.all(0)):  # kept: some (b, h) some pair; full: every (b, h) every pair
+        c = torch.zeros(a.numel() + 1, dtype=torch.int64)
+        torch.cumsum(a, 0, out=c[1:])
+        sums.append(c)
+    return sums[0], sums[1]
 
 
 def _kernel_efficiency(rows: int) -> float:
@@ -181,9 +189,11 @@ def _least_cost(pred, B, H, T, S, G, device, find, threads, bands):
     """`choose_tile`'s search over the candidate tiles of an analytic predicate."""
     best = None
     candidates = (_BAND_CANDIDATE, *_FUSED_CANDIDATES) if bands else _FUSED_CANDIDATES
+    sums = _difference_sums(pred, B, H, T, S, device) if pred.relative else None
     for c in candidates if T > _FUSED_CANDIDATES[0] else (256,):  # decoding: one plan, one block
         bq, bk = tile_sizes(T, S, c)
-        kept, full = tile_plan(pred, B, H, T, S, bq, bk, device)
+        kept, full = tile_plan(pred, B, H, T, S, bq, bk, device) if sums is None else \
+            _relative_plan(T, S, bq, bk, sums)
         found = find(pred, B, H, T, S, bq, bk, kept, full, device)
         in_square = torch.zeros(kept.shape[0], dtype=torch.bool)
         pairs, calls = 0.0, 0
