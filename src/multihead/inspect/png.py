@@ -130,7 +130,7 @@ def _mpl():
 
 def _check(capture) -> None:
     if not isinstance(capture, AttentionCapture):
-        raise TypeError(f"capture must be an AttentionCapture, got {type(capture).__name__}")
+        raise TypeError(f"capture must be an AttentionCapture; received {type(capture).__name__}")
     if len(capture.tokens) == 0:
         raise ValueError("capture has no tokens; nothing to draw")
 
