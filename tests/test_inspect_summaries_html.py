@@ -83,7 +83,27 @@ def test_page_at_8k_tokens_and_270_heads_stays_under_25_mb():
     size = len(page.encode("utf-8"))
     assert size <= 25e6, f"{size / 1e6:.1f} MB"
     d = _data(page)
-    assert len(d["detail"]["heads"]) == 16 and len(d["coarse"]["heads"]) == 270
+    assert len(d["coarse"]["heads"]) == 270
+    # as many best-ranked heads' top-k rows as fit (60 of 270 here), and at least 16 full patterns
+    top = d["detail"]["top_index"]
+    assert 16 <= len(top) < 270 and list(top) == [f"{la},{h}" for la in range(30) for h in range(9)][:len(top)]
+    assert len(d["detail"]["pattern"]) >= 16
+
+
+def test_every_head_gets_its_top_k_rows_when_they_fit():
+    s = _synthetic(T=1024, L=30, H=9, g=64)
+    page = render_summaries_html(s)
+    assert len(page.encode("utf-8")) <= 25e6
+    d = _data(page)
+    assert len(d["detail"]["top_index"]) == 270 and len(d["detail"]["pattern"]) == 270
+    la, h = 29, 8  # the last head's rows decode to its top-k
+    idx = _u(d["detail"]["top_index"][f"{la},{h}"], "<u2").reshape(1024, 8).astype(np.int64)
+    assert np.array_equal(np.where(idx == d["detail"]["none"], -1, idx), s.top_index[la, h].numpy())
+    assert "every head" in d["notes"][1]
+    small = render_summaries_html(s, max_bytes=1_000_000)  # too small: still 16 heads
+    assert len(_data(small)["detail"]["top_index"]) == 16
+    with pytest.raises(ValueError, match="max_bytes must be an int >= 1; received 0"):
+        render_summaries_html(s, max_bytes=0)
 
 
 def test_bad_arguments():

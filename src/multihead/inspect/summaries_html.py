@@ -33,18 +33,21 @@ import torch
 
 from multihead.inspect.capture_types import HeadRole
 
-__all__ = ["COARSE", "DETAIL_HEADS", "render_summaries_html"]
+__all__ = ["COARSE", "DETAIL_HEADS", "PAGE_BYTES", "render_summaries_html"]
 
 COARSE = 64
+#: The fewest detail heads a page gets when they are chosen by size.
 DETAIL_HEADS = 16
+#: The page's size when the detail heads are chosen by size (UTF-8 bytes).
+PAGE_BYTES = 24_000_000
 _ASSETS = ("summaries_view.html", "summaries_view.css", "summaries_view.js")
 _FIELDS = ("entropy", "mean_distance", "first_token_mass", "previous_token", "duplicate_token", "induction",
            "beyond_1k", "beyond_4k", "normalized_entropy", "current_token", "first_token", "delimiter", "next_token")
 
 
 def render_summaries_html(summaries, roles: list[HeadRole] | None = None, path: str | Path | None = None, *,
-                          detail: list[tuple[int, int]] | int = DETAIL_HEADS, coarse: int = COARSE,
-                          title: str | None = None) -> str | Path:
+                          detail: list[tuple[int, int]] | int | None = None, coarse: int = COARSE,
+                          title: str | None = None, max_bytes: int = PAGE_BYTES) -> str | Path:
     """The page of `summaries` (a `HeadSummaries` made with `patterns=True` or for the
     heads to draw), or written to `path` (UTF-8) and the path returned.
 
@@ -52,9 +55,12 @@ def render_summaries_html(summaries, roles: list[HeadRole] | None = None, path: 
         roles: the ranked role table (`head_roles(summaries)`): role badges, and the order
             in which detail heads are chosen.
         detail: (layer, head) pairs that get the full-grid pattern and top-k rows, or a
-            count: that many heads, best-ranked first (among those with a pattern).
+            count: that many heads, best-ranked first (among those with a pattern); None:
+            every head whose detail fits in `max_bytes` with the rest of the page, best-ranked
+            first, and at least DETAIL_HEADS.
         coarse: the grid of every head's pattern (blocks per side).
         title: the page title; defaults to the model name and the start of the text.
+        max_bytes: the page's size when `detail` is None (UTF-8 bytes).
     """
     if not (hasattr(summaries, "scores") and hasattr(summaries, "patterns")):
         raise TypeError(f"render_summaries_html takes a HeadSummaries; received {type(summaries).__name__}")
@@ -64,7 +70,12 @@ def render_summaries_html(summaries, roles: list[HeadRole] | None = None, path: 
     T = len(s.tokens)
     have = [(layer, head) for layer in s.layers for head in s.heads if (layer, head) in s.patterns]
     order = [(r.layer, r.head) for r in roles] if roles else have
-    if isinstance(detail, int) and not isinstance(detail, bool):
+    if isinstance(max_bytes, bool) or not isinstance(max_bytes, int) or max_bytes < 1:
+        raise ValueError(f"max_bytes must be an int >= 1; received {max_bytes!r}")
+    chosen: list[tuple[int, int]] = []
+    if detail is None:
+        pass  # chosen below, by size
+    elif isinstance(detail, int) and not isinstance(detail, bool):
         chosen = [p for p in order if p in s.patterns][:max(0, detail)]
     else:
         chosen = [(int(a), int(b)) for a, b in detail]
@@ -90,13 +101,24 @@ def render_summaries_html(summaries, roles: list[HeadRole] | None = None, path: 
                   for i, r in enumerate(roles or [])},
         "grid": g, "coarse": {"g": c, "heads": [f"{a},{b}" for a, b in have],
                               "data": _b64(np.concatenate(coarse_q)) if coarse_q else "", "max": coarse_max},
-        "detail": _detail(s, chosen, T),
-        "notes": _notes(s, have, chosen, g, c, T),
     }
     if title is None:
         text = s.meta.get("text", "")
         title = f"{s.model}: {T:,} tokens" + (f" \u2014 {text[:80]}" + ("\u2026" if len(text) > 80 else "")
                                               if isinstance(text, str) and text else "")
+    patterned = chosen
+    if detail is None:  # as many best-ranked heads as the size allows: top-k rows first, then full patterns
+        ranked = [p for p in order if p in s.patterns]
+        data["detail"], data["notes"] = _detail(s, [], [], T), _notes(s, have, [], [], g, c, T)
+        room = max_bytes - len(_page(title, data).encode("utf-8")) - 512  # 512: the notes' longer text
+        rows, pattern = _detail_bytes(s, g, T)
+        least = min(DETAIL_HEADS, len(ranked))
+        n_rows = len(ranked) if not rows else min(len(ranked), max(least, (room - least * pattern) // rows))
+        n_pattern = min(len(ranked), max(least, (room - n_rows * rows) // pattern))
+        chosen = ranked[:n_rows] if rows else []
+        patterned = ranked[:n_pattern]
+    data["detail"] = _detail(s, chosen, patterned, T)
+    data["notes"] = _notes(s, have, chosen, patterned, g, c, T)
     page = _page(title, data)
     if path is None:
         return page
@@ -129,15 +151,19 @@ def _b64(a: np.ndarray) -> str:
     return base64.b64encode(np.ascontiguousarray(a).tobytes()).decode("ascii")
 
 
-def _detail(s, chosen: list[tuple[int, int]], T: int) -> dict:
+def _detail(s, chosen: list[tuple[int, int]], patterned: list[tuple[int, int]], T: int) -> dict:
+    """The top-k rows of the heads `chosen` and the full-grid patterns of the heads `patterned`."""
     wide = T >= 0xFFFF
     none = 0xFFFFFFFF if wide else 0xFFFF
-    out = {"heads": [f"{a},{b}" for a, b in chosen], "pattern": {}, "max": {}, "k": 0,
+    heads = list(dict.fromkeys(list(chosen) + list(patterned)))
+    out = {"heads": [f"{a},{b}" for a, b in heads], "pattern": {}, "max": {}, "k": 0,
            "index_bytes": 4 if wide else 2, "none": none, "top_index": {}, "top_weight": {}}
-    for layer, head in chosen:
+    for layer, head in patterned:
         key = f"{layer},{head}"
         q, m = _quantise(s.patterns[(layer, head)].double())
         out["pattern"][key], out["max"][key] = _b64(q), m
+    for layer, head in chosen:
+        key = f"{layer},{head}"
         if s.top_index is not None:
             li, hi = s.layers.index(layer), s.heads.index(head)
             idx = s.top_index[li, hi].numpy().astype(np.int64)  # (T, k)
@@ -148,17 +174,31 @@ def _detail(s, chosen: list[tuple[int, int]], T: int) -> dict:
     return out
 
 
-def _notes(s, have, chosen, g: int, c: int, T: int) -> list[str]:
+def _detail_bytes(s, g: int, T: int) -> tuple[int, int]:
+    """One head's share of the page (base64 and JSON keys): its top-k rows (0 without
+    top-k), its full-grid pattern."""
+    b64 = lambda n: 4 * -(-n // 3)  # noqa: E731
+    rows = 0
+    if s.top_index is not None:
+        k = s.top_index.shape[-1]
+        rows = b64(T * k * (4 if T >= 0xFFFF else 2)) + b64(T * k * 2) + 80
+    return rows, b64(g * g) + 80
+
+
+def _notes(s, have, chosen, patterned, g: int, c: int, T: int) -> list[str]:
     notes = []
     if not have:
         notes.append("no patterns were kept (summaries(..., patterns=True) keeps every head's): the grid only")
     else:
         per = T / g if g else 0
-        notes.append(f"patterns: block sums of the exact weights, {g} x {g} blocks of ~{per:.0f} tokens for the "
-                     f"{len(chosen)} detail heads, {c} x {c} for every head; square-root colour scale")
+        which = "every head" if len(patterned) == len(have) else f"the {len(patterned)} best-ranked heads"
+        notes.append(f"patterns: block sums of the exact weights, {g} x {g} blocks of ~{per:.0f} tokens for "
+                     f"{which}, {c} x {c} for every head; square-root colour scale")
     if chosen and s.top_index is not None:
+        which = "every head" if len(chosen) == len(have) else \
+            f"the {len(chosen)} best-ranked heads, marked \u2022: all {len(have)} would not fit the page"
         notes.append(f"hover a pattern (or type a position) for the query's top {s.top_index.shape[-1]} keys and "
-                     "weights (exact to 1.5e-5; detail heads only)")
+                     f"weights (exact to 1.5e-5; {which})")
     if "truncated" in s.meta:
         t = s.meta["truncated"]
         notes.append(f"the text was cut to its first {t.get('kept')} of {t.get('tokens')} tokens ({t.get('reason')})")

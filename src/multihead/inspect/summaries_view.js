@@ -43,7 +43,7 @@
   for (const key of D.detail.heads) {
     const idxBytes = bytes(D.detail.top_index[key] || "");
     detail.set(key, {
-      pattern: bytes(D.detail.pattern[key]),
+      pattern: bytes(D.detail.pattern[key] || ""),
       index: idxBytes.length ? (D.detail.index_bytes === 4 ? new Uint32Array(idxBytes.buffer) : new Uint16Array(idxBytes.buffer)) : null,
       weight: D.detail.top_weight[key] ? new Uint16Array(bytes(D.detail.top_weight[key]).buffer) : null,
     });
@@ -69,7 +69,7 @@
     for (let hi = 0; hi < NH; hi++) {
       const td = el("td");
       const key = `${D.layers[li]},${D.heads[hi]}`;
-      if (detail.has(key)) td.classList.add("mh-detail");
+      if (detail.has(key) && detail.get(key).index) td.classList.add("mh-detail");
       td.addEventListener("click", () => choose(li, hi));
       tr.appendChild(td);
       cells[li].push(td);
@@ -108,7 +108,7 @@
   }
   function drawPattern() {
     let g, q;
-    if (cur.d) { g = D.grid; q = cur.d.pattern; }
+    if (cur.d && cur.d.pattern.length) { g = D.grid; q = cur.d.pattern; }
     else if (coarse.index.has(cur.key)) { g = coarse.g; const i = coarse.index.get(cur.key); q = coarse.data.subarray(i * g * g, (i + 1) * g * g); }
     if (!g) { ctx.clearRect(0, 0, canvas.width, canvas.height); return; }
     canvas.width = g; canvas.height = g;
@@ -134,7 +134,7 @@
     const top = $("mh-top");
     top.textContent = "";
     if (!cur || !cur.d || !cur.d.index) {
-      top.appendChild(el("tr")).appendChild(el("td", null, "top-k rows are kept for the detail heads (marked \u2022) only"));
+      top.appendChild(el("tr")).appendChild(el("td", null, "top-k rows are kept for the heads marked \u2022 only"));
       return;
     }
     const K = D.detail.k, hdr = el("tr");
