@@ -110,3 +110,21 @@ def test_path_patch_scan_takes_the_same_budget_and_progress():
     assert (got - want).abs().nan_to_num().max() < 1e-5
     with pytest.raises(ValueError, match="max_memory must be None"):
         heads.path_patch_scan(model, clean, corrupted, _metric, receivers="logits", max_memory=0)
+
+
+@pytest.mark.parametrize("name", ["gpt2", "qwen2", "gemma2"])
+def test_the_recording_runs_skip_their_full_logits_under_a_small_budget_and_the_table_stays(name, monkeypatch):
+    """Under a budget their logits would pass a quarter of, the clean and corrupted runs ask
+    for the last position's logits only (logits_to_keep=1); the self-checks read the last
+    block's output, so the prefix skip and the shortcut are still checked; same table."""
+    from test_interop_hf_registry import build
+
+    model = build(name, lm=True)
+    model.set_attn_implementation("multihead")
+    clean, corrupted = _inputs(name, 1), _inputs(name, 2)
+    asked, real = [], _scan._lean
+    monkeypatch.setattr(_scan, "_lean", lambda *a: asked.append(real(*a)) or asked[-1])
+    want = heads.patch_scan(model, clean, corrupted, _metric)
+    got = heads.patch_scan(model, clean, corrupted, _metric, max_memory=1000)
+    assert asked == [{}, {"logits_to_keep": 1}], asked
+    assert (got - want).abs().max() < 1e-5

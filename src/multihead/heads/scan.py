@@ -615,10 +615,10 @@ def _forward(model, corrupted, no_cache: bool, handler: Handler, grower, hooked:
         hooks.remove()
 
 
-def _call(model: nn.Module, inputs, no_cache: bool):
+def _call(model: nn.Module, inputs, no_cache: bool, **extra):
     if isinstance(inputs, Tensor):
-        return model(inputs, use_cache=False) if no_cache else model(inputs)
-    kw = {k: inputs[k] for k in inputs.keys()}
+        return model(inputs, use_cache=False, **extra) if no_cache else model(inputs, **extra)
+    kw = {**{k: inputs[k] for k in inputs.keys()}, **extra}
     if no_cache:
         kw.setdefault("use_cache", False)
     return model(**kw)
@@ -790,6 +790,7 @@ class _Scan:
         self.logits: Tensor | None = None  # the corrupted run's (dropped once the metric has read it)
         self.final: Tensor | None = None  # its last block's output, what the self-checks compare
         self.vocab, self.itemsize = 0, 4
+        self.lean: dict = {}  # {"logits_to_keep": 1} for the recording runs when their logits would be big
         # the prefix skip: the stack of blocks, the cut (T, p), the cache on [p, T), the
         # corrupted run's keys/values/z and last block's output on [0, p)
         self.stack: nn.ModuleList | None = None
@@ -829,7 +830,7 @@ class _Scan:
             recording = self.stack is not None or short.layers
             recorder = Engine(self.model, self.prefix).installed() if recording else nullcontext()
             with torch.no_grad(), recorder:
-                self.logits = logits_of(_call(self.model, self.corrupted, self.no_cache))
+                self.logits = logits_of(_call(self.model, self.corrupted, self.no_cache, **self.lean))
         finally:
             hooks.remove()
         short.z, short.src = self.prefix.z_of, self.prefix.src
@@ -1040,18 +1041,21 @@ def patch_scan(model, clean, corrupted, metric: Callable[[Tensor], Tensor], what
         p0, T, why = _static_refusal(model, clean, corrupted, what)
         if pos is not None and T and any(not -T <= q < T for q in pos):
             raise ValueError(f"positions must lie in [-{T}, {T}) for inputs of {T} positions; received {positions!r}")
-        rec = record(model, clean, what=(what, "z") if not why and what != "z" else (what,))
+        lean = _lean(model, clean, MEMORY_PER_RUN if budget is None else budget)
+        rec = record(model, _with(clean, lean), what=(what, "z") if not why and what != "z" else (what,))
         rec.logits = None  # the scan's own recording: its logits (B, T, vocab) are not read
         _check_positions_fit(pos, positions, rec, what)
         if what == "latent" and not any(lay.kind == "latent" for lay in rec.layers):
             raise ValueError("what='latent' patches MLA latents (multihead LatentAttention, or a DeepSeek model after "
                              "multihead.interop.hf.use_latent_attention); this model has none")
         scan = _Scan(model, corrupted, rec, what, B)
+        scan.lean = lean
         if not why:
             scan.stack, why = _causal_stack(model, scan.layers, scan.blocks, scan.parents)
         scan.run_corrupted(p0 if scan.stack is not None else 0)
         if scan.logits is not None:
-            _scalar(metric(scan.logits), "on the corrupted run")  # a metric that cannot work fails before the scan
+            if not lean:  # a metric that cannot work fails before the scan (else at its first forward)
+                _scalar(metric(scan.logits), "on the corrupted run")
             scan.vocab = scan.logits.shape[-1] if scan.logits.dim() >= 3 else 0
             scan.itemsize = scan.logits.element_size()
         scan.logits = None  # (B, T, vocab): 0.8 GB at 4,096 positions of SmolLM2; the checks read `final`
@@ -1096,6 +1100,34 @@ def patch_scan(model, clean, corrupted, metric: Callable[[Tensor], Tensor], what
         for (layer, h), value in values:
             out[layer, h] = value
     return out
+
+
+def _lean(model, inputs, budget: int) -> dict:
+    """{"logits_to_keep": 1} when the recording runs (clean, corrupted) may skip their full
+    logits (a transformers model that takes the keyword) and those would take over a quarter
+    of the budget (SmolLM2 at 4,096 positions: 0.8 GB a row); else {}. The scan reads
+    neither run's logits: the self-checks compare the last block's output."""
+    try:
+        takes = "logits_to_keep" in inspect.signature(model.forward).parameters
+    except (TypeError, ValueError):
+        takes = False
+    if not takes or not is_hf(model):
+        return {}
+    get = getattr(model, "get_output_embeddings", None)
+    weight = getattr(get() if callable(get) else None, "weight", None)
+    ids = inputs if isinstance(inputs, Tensor) else next(
+        (inputs[k] for k in inputs.keys() if isinstance(inputs[k], Tensor) and inputs[k].dim() == 2), None)
+    if not isinstance(weight, Tensor) or ids is None:
+        return {}
+    return {"logits_to_keep": 1} if ids.numel() * weight.shape[0] * weight.element_size() > budget // 4 else {}
+
+
+def _with(inputs, extra: dict):
+    """The inputs with `extra` keywords added (a tensor becomes {"input_ids": tensor})."""
+    if not extra:
+        return inputs
+    kw = {"input_ids": inputs} if isinstance(inputs, Tensor) else {k: inputs[k] for k in inputs.keys()}
+    return {**kw, **extra}
 
 
 def _positions_of(rec: Recording) -> int:
