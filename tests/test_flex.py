@@ -221,12 +221,12 @@ def test_weights_gqa_and_block_mask_cache(chunk, monkeypatch):
     monkeypatch.setitem(flex._flex, "attention", spy_attention)
     graphs = counters["stats"]["unique_graphs"]
     for _ in range(3):
-        out, w = mh.scaled_dot_product_attention(q, k, v, masks.sliding_window(24), causal=True,
-                                                 return_weights=[0, 3], backend="flex")
+        out, w = mh.attend(q, k, v, masks.sliding_window(24), causal=True,
+                           return_weights=[0, 3], backend="flex")
     assert built == [] and counters["stats"]["unique_graphs"] == graphs
     assert calls == [(HKV, True)] * 3  # GQA through flex's enable_gqa: K/V never repeated per query head
-    math_out, math_w = mh.scaled_dot_product_attention(q, k, v, masks.sliding_window(24), causal=True,
-                                                       return_weights=[0, 3], backend="math")
+    math_out, math_w = mh.attend(q, k, v, masks.sliding_window(24), causal=True,
+                                 return_weights=[0, 3], backend="math")
     assert_close(out, math_out, torch.float32, atol=ATOL, what="out")
     assert_close(w, math_w, torch.float32, atol=ATOL, what="weights")
     flex.clear_cache()

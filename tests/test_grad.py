@@ -32,7 +32,7 @@ def test_gradcheck_float_mask_and_weights():
     fmask = torch.randn(1, 4, 3, 5, dtype=torch.float64)
 
     def f(q, k, v):
-        out, w = mh.scaled_dot_product_attention(q, k, v, fmask, backend="math", return_weights=[0, 2])
+        out, w = mh.attend(q, k, v, fmask, backend="math", return_weights=[0, 2])
         return out, w
 
     assert torch.autograd.gradcheck(f, (q, k, v))

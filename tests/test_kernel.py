@@ -60,8 +60,8 @@ def test_backends_equal_reference_float64(p):
     ref_out, ref_w = R.attention(q.numpy(), k.numpy(), v.numpy(),
                                  mask=None if mask is None else mask.numpy(), causal=causal, return_weights=True)
     for backend in BACKENDS:
-        out, w = mh.scaled_dot_product_attention(q, k, v, mask, causal=causal, backend=backend,
-                                                 return_weights=True)
+        out, w = mh.attend(q, k, v, mask, causal=causal, backend=backend,
+                           return_weights=True)
         assert_close(out, ref_out, what=f"{backend} out {p}")
         assert_close(w, ref_w, what=f"{backend} weights {p}")
 
@@ -85,7 +85,7 @@ def test_backends_low_precision(dtype, backend, mask_kind, causal):
 def test_causal_bottom_right_with_more_keys(backend):
     # decoding: 3 new queries over 8 keys; query i sees keys j <= i + 5
     q, k, v = torch.randn(1, 2, 3, 4), torch.randn(1, 2, 8, 4), torch.randn(1, 2, 8, 4)
-    _, w = mh.scaled_dot_product_attention(q, k, v, causal=True, backend=backend, return_weights=True)
+    _, w = mh.attend(q, k, v, causal=True, backend=backend, return_weights=True)
     allowed = torch.arange(8)[None, :] <= torch.arange(3)[:, None] + 5
     assert (w[0, 0][~allowed] == 0).all()
     assert torch.allclose(w.sum(-1), torch.ones(1, 2, 3))
@@ -99,7 +99,7 @@ def test_causal_bottom_right_with_more_keys(backend):
 def test_causal_more_queries_than_keys_gives_zero_rows(backend):
     # T > S bottom-right: the first T - S queries have no key at all
     q, k, v = torch.randn(1, 2, 5, 4), torch.randn(1, 2, 3, 4), torch.randn(1, 2, 3, 4)
-    out, w = mh.scaled_dot_product_attention(q, k, v, causal=True, backend=backend, return_weights=True)
+    out, w = mh.attend(q, k, v, causal=True, backend=backend, return_weights=True)
     assert (out[:, :, :2] == 0).all() and (w[:, :, :2] == 0).all()
     ref = R.attention(q.double().numpy(), k.double().numpy(), v.double().numpy(), causal=True)
     assert_close(out, ref, what=backend)
@@ -108,9 +108,9 @@ def test_causal_more_queries_than_keys_gives_zero_rows(backend):
 def test_weights_for_a_subset_of_heads():
     q, k, v = torch.randn(2, 8, 6, 4), torch.randn(2, 2, 9, 4), torch.randn(2, 2, 9, 4)
     mask = masks.causal()
-    _, w_all = mh.scaled_dot_product_attention(q, k, v, mask, return_weights=True)
+    _, w_all = mh.attend(q, k, v, mask, return_weights=True)
     for backend in BACKENDS:
-        out, w = mh.scaled_dot_product_attention(q, k, v, mask, return_weights=[5, 1, -1], backend=backend)
+        out, w = mh.attend(q, k, v, mask, return_weights=[5, 1, -1], backend=backend)
         assert w.shape == (2, 3, 6, 9)
         assert_close(w, w_all[:, [5, 1, 7]], what=backend)
         assert_close(out, mh.scaled_dot_product_attention(q, k, v, mask), what=backend)
@@ -131,8 +131,20 @@ def test_weights_subset_does_not_compute_other_heads(monkeypatch):
 
     monkeypatch.setattr(explicit_math, "weights_pass", spy)
     q, k, v = torch.randn(1, 8, 16, 4), torch.randn(1, 8, 16, 4), torch.randn(1, 8, 16, 4)
-    mh.scaled_dot_product_attention(q, k, v, return_weights=[3])
+    mh.attend(q, k, v, return_weights=[3])
     assert seen == [(3,), (1, 1, 16, 16)]
+
+
+def test_each_kernel_function_returns_one_type():
+    q, k, v = torch.randn(1, 4, 6, 8), torch.randn(1, 2, 6, 8), torch.randn(1, 2, 6, 8)
+    out = mh.scaled_dot_product_attention(q, k, v, causal=True)
+    assert isinstance(out, torch.Tensor)
+    for asked in (False, True, [1]):
+        pair = mh.attend(q, k, v, causal=True, return_weights=asked)
+        assert type(pair) is tuple and len(pair) == 2 and torch.equal(pair[0], out)
+        assert (pair[1] is None) == (asked is False)
+    with pytest.raises(TypeError, match="return_weights"):
+        mh.scaled_dot_product_attention(q, k, v, return_weights=True)  # the weights come from attend
 
 
 def test_attention_weights_function_matches_reference():
@@ -187,7 +199,7 @@ def test_chunked_bounds_memory_by_blocks(monkeypatch):
     q, k, v = torch.randn(1, 4, 7, 8, dtype=torch.float64), torch.randn(1, 4, 16, 8, dtype=torch.float64), \
         torch.randn(1, 4, 16, 8, dtype=torch.float64)
     assert kmath.block_rows(1, 4, 16) == 2
-    out, w = mh.scaled_dot_product_attention(q, k, v, causal=True, backend="chunked", return_weights=True)
+    out, w = mh.attend(q, k, v, causal=True, backend="chunked", return_weights=True)
     ref, ref_w = R.attention(q.numpy(), k.numpy(), v.numpy(), causal=True, return_weights=True)
     assert_close(out, ref)
     assert_close(w, ref_w)
@@ -275,7 +287,7 @@ def test_empty_batch_queries_or_keys(backend, shape):
     q = torch.randn(B, H, T, 8, requires_grad=True)
     k, v = torch.randn(B, 2, S, 8, requires_grad=True), torch.randn(B, 2, S, 3, requires_grad=True)
     for mask in (None, masks.causal(), masks.sliding_window(2)):
-        out, w = mh.scaled_dot_product_attention(q, k, v, mask, causal=True, backend=backend, return_weights=True)
+        out, w = mh.attend(q, k, v, mask, causal=True, backend=backend, return_weights=True)
         assert out.shape == (B, H, T, 3) and w.shape == (B, H, T, S)
         assert (out == 0).all() and (w == 0).all()  # S = 0: no key to attend, rows are zero
         out.sum().backward()
@@ -298,9 +310,9 @@ def test_weights_carry_gradients_on_the_explicit_backends_only_as_documented():
     q = torch.randn(1, 4, 3, 8, dtype=torch.float64, requires_grad=True)
     k, v = torch.randn(1, 2, 5, 8, dtype=torch.float64), torch.randn(1, 2, 5, 8, dtype=torch.float64)
     for backend, differentiable in [("math", True), ("chunked", True), ("sdpa", False), ("auto", False)]:
-        _, w = mh.scaled_dot_product_attention(q, k, v, return_weights=True, backend=backend)
+        _, w = mh.attend(q, k, v, return_weights=True, backend=backend)
         assert w.requires_grad is differentiable, backend
-    _, w = mh.scaled_dot_product_attention(q, k, v, return_weights=True, backend="math")
+    _, w = mh.attend(q, k, v, return_weights=True, backend="math")
     (g,) = torch.autograd.grad(w[..., 0].sum(), q)
     ref = torch.softmax((q @ k.repeat_interleave(2, 1).transpose(-1, -2)) / 8 ** 0.5, -1)[..., 0].sum()
     (g_ref,) = torch.autograd.grad(ref, q)

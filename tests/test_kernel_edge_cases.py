@@ -379,7 +379,7 @@ def test_a_row_hidden_by_a_score_mod_is_zero_on_every_backend(mod, backend, T, D
     weights and gradients too; every other row equals the float64 reference."""
     q, k, v = _qkv(B=2, H=4, Hkv=2, T=T, S=T, Dv=Dv, grad=True)
     try:
-        out, w = sdpa(q, k, v, score_mod=mod, backend=backend, return_weights=True)
+        out, w = mh.attend(q, k, v, score_mod=mod, backend=backend, return_weights=True)
     except ValueError as e:
         assert backend == "sdpa" and mod is _hide_first and "'tiles'" in str(e)
         return

@@ -157,7 +157,7 @@ def test_kernel_with_predicates_equals_reference(tiny_tiles, case, heads, seed, 
     v = torch.randn(B, Hkv, S, Dv, generator=g, dtype=torch.float64)
     ref, ref_w = R.attention(q.numpy(), k.numpy(), v.numpy(), mask=ref_mask, return_weights=True)
     for backend in BACKENDS:
-        out, w = mh.scaled_dot_product_attention(q, k, v, mod, backend=backend, return_weights=[H - 1])
+        out, w = mh.attend(q, k, v, mod, backend=backend, return_weights=[H - 1])
         assert_close(out, ref, what=f"{backend} {mod} {case}")
         assert_close(w, ref_w[:, [H - 1]], what=f"{backend} weights {mod}")
 

@@ -80,8 +80,8 @@ def test_score_mods_equal_reference(kind, mask_kind, causal, T, S, Dv, tiny_tile
                              **ref_kw)
     backends = ["math", "chunked", "tiles"] + (["sdpa"] if kind == "alibi" else [])
     for backend in backends + ["auto"]:
-        out, w = mh.scaled_dot_product_attention(q, k, v, mask, causal=causal, score_mod=mod, backend=backend,
-                                                 return_weights=[0, 3])
+        out, w = mh.attend(q, k, v, mask, causal=causal, score_mod=mod, backend=backend,
+                           return_weights=[0, 3])
         assert_close(out, ref, what=f"{backend} {mod}")
         assert_close(w, ref_w[:, [0, 3]], what=f"{backend} weights {mod}")
 

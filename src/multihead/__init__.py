@@ -25,6 +25,7 @@ __version__ = "0.1.0"
 
 _LAZY = {
     "scaled_dot_product_attention": "multihead.functional",
+    "attend": "multihead.functional",
     "attention_weights": "multihead.functional",
     "available_backends": "multihead.functional",
     "register_backend": "multihead.functional",

@@ -1,4 +1,5 @@
-"""The attention kernel: `scaled_dot_product_attention` and its backend registry.
+"""The attention kernel: `scaled_dot_product_attention` (the output), `attend` (the output
+and, when asked, the weights) and their backend registry.
 
 softmax(Q K^T * scale + mask) V, for q `(B, H, T, D)` and k, v `(B, Hkv, S, D|Dv)` with
 H a multiple of Hkv (GQA; Hkv == 1 is MQA). Every backend is a plain function with one
@@ -120,10 +121,22 @@ def scaled_dot_product_attention(
     causal: bool = False,
     scale: float | None = None,
     dropout_p: float = 0.0,
-    return_weights: bool | Sequence[int] = False,
     backend: str = "auto",
     score_mod: ScoreMod | Callable | None = None,
-) -> Tensor | tuple[Tensor, Tensor]:
+) -> Tensor:
+    """Multi-head scaled dot-product attention with GQA/MQA, masks and score mods.
+
+    Returns out `(B, H, T, Dv)`, always a tensor; `attend` takes the same arguments and
+    `return_weights`, and returns `(out, weights)`. Arguments as in `attend`.
+    """
+    return attend(q, k, v, mask, causal=causal, scale=scale, dropout_p=dropout_p, backend=backend,
+                  score_mod=score_mod)[0]
+
+
+def attend(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | MaskMod | Callable | None = None, *,
+           causal: bool = False, scale: float | None = None, dropout_p: float = 0.0,
+           return_weights: bool | Sequence[int] = False, backend: str = "auto",
+           score_mod: ScoreMod | Callable | None = None) -> tuple[Tensor, Tensor | None]:
     """Multi-head scaled dot-product attention with GQA/MQA, masks, score mods and weights.
 
     Args:
@@ -152,21 +165,10 @@ def scaled_dot_product_attention(
             `multihead.score_mods` for softcap and ALiBi).
 
     Returns:
-        out `(B, H, T, Dv)`, or `(out, weights)` with weights `(B, h, T, S)` for the h
-        heads asked (the softmax probabilities before dropout). Rows with no key to
-        attend are zero in both.
+        `(out, weights)`, always a pair: out `(B, H, T, Dv)`; weights `(B, h, T, S)` for
+        the h heads asked (the softmax probabilities before dropout), None when
+        return_weights is False. Rows with no key to attend are zero in both.
     """
-    out, weights = attend(q, k, v, mask, causal=causal, scale=scale, dropout_p=dropout_p,
-                          return_weights=return_weights, backend=backend, score_mod=score_mod)
-    return out if weights is None else (out, weights)
-
-
-def attend(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | MaskMod | Callable | None = None, *,
-           causal: bool = False, scale: float | None = None, dropout_p: float = 0.0,
-           return_weights: bool | Sequence[int] = False, backend: str = "auto",
-           score_mod: ScoreMod | Callable | None = None) -> tuple[Tensor, Tensor | None]:
-    """`scaled_dot_product_attention` for the library's own callers: always returns
-    `(out, weights or None)`, so no caller has to ask which of the two it got."""
     impl = shape = None
     if _is_plain_call(mask, scale, dropout_p, return_weights, score_mod) \
             and (shape := _plain_shape(q, k, v)) is not None:
