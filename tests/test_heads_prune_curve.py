@@ -90,7 +90,7 @@ def test_prune_refuses_uneven_groups_without_pad_and_an_empty_layer_with_it():
 def _tokenizer():
     from tokenizers import Tokenizer, models, pre_tokenizers
 
-    from multihead.lab.uptrain_hf import split_kjv
+    from multihead.corpus import split_kjv
 
     words = sorted(set(split_kjv(20_000)[0].split()))[:58]
     tok = Tokenizer(models.WordLevel({"[UNK]": 0, "[PAD]": 1, **{w: i + 2 for i, w in enumerate(words)}},

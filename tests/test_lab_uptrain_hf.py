@@ -14,8 +14,9 @@ from dataclasses import replace
 import pytest
 import torch
 
+from multihead.corpus import split_kjv
 from multihead.errors import UsageError
-from multihead.lab.uptrain_hf import STATE, HFUptrainConfig, run_uptrain_hf, split_kjv, work_plan
+from multihead.lab.uptrain_hf import STATE, HFUptrainConfig, run_uptrain_hf, work_plan
 
 transformers = pytest.importorskip("transformers")
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -126,7 +127,7 @@ def test_held_out_ppl_is_the_models_own(quick, llama_folder):
     """The base's perplexity recomputed here: the model's logits on the same windows, NumPy float64."""
     import numpy as np
 
-    from multihead.lab.uptrain_hf import split_kjv as split
+    from multihead.corpus import split_kjv as split
 
     cfg = _cfg(llama_folder)
     tok = transformers.AutoTokenizer.from_pretrained(llama_folder)

@@ -8,9 +8,11 @@ import lzma
 from importlib import resources
 from pathlib import Path
 
-__all__ = ["KJV", "load_corpus"]
+__all__ = ["KJV", "load_corpus", "split_kjv"]
 
 KJV = "kjv"
+# the first verse of Romans: the held-out books start here (the KJV file has one verse a line, no book names)
+_ROMANS = "Paul, a servant of Jesus Christ, called to be an apostle, separated unto the gospel of God,"
 
 
 def load_corpus(path: str | None = None, max_chars: int | None = None) -> tuple[str, str]:
@@ -31,3 +33,13 @@ def load_corpus(path: str | None = None, max_chars: int | None = None) -> tuple[
     if max_chars is not None:
         text = text[:max_chars]
     return text, name
+
+
+def split_kjv(max_train_chars: int | None = None) -> tuple[str, str]:
+    """(training text: Genesis to Acts, held-out text: Romans to Revelation) of the shipped KJV."""
+    text, _ = load_corpus()
+    cut = text.find(_ROMANS)
+    if cut <= 0 or text[cut - 1] != "\n":
+        raise ValueError("the shipped KJV lacks the first verse of Romans at a line start; cannot split it by books")
+    train = text[:cut]
+    return (train if max_train_chars is None else train[:max_train_chars]), text[cut:]

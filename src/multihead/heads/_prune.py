@@ -99,7 +99,7 @@ def _prune_latent(m, removed: set[int], where: str) -> None:
     m.n_heads = len(keep)
 
 
-def _hf_attention_modules(model) -> list[nn.Module]:
+def hf_attention_modules(model) -> list[nn.Module]:
     return [m for m in model.modules()
             if all(isinstance(getattr(m, n, None), nn.Linear) for n in ("q_proj", "k_proj", "v_proj", "o_proj"))]
 
@@ -193,7 +193,7 @@ def _prune_hf(model, by_layer: dict[int, set[int]], pad: bool = False) -> None:
     if not isinstance(D, int):
         _refuse_hf(model, f"its config ({type(text).__name__}) carries no head_dim, so it cannot describe fewer "
                           "heads of the same width")
-    mods = _hf_attention_modules(model)
+    mods = hf_attention_modules(model)
     if not mods:
         _refuse_hf(model, "its attention has no separate q_proj/k_proj/v_proj/o_proj")
     H, Hkv = text.num_attention_heads, getattr(text, "num_key_value_heads", None) or text.num_attention_heads

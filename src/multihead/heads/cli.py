@@ -642,18 +642,18 @@ def _importance(args) -> dict:
 
 def _grouped_decoder(loaded, model, kind: str) -> bool:
     """A transformers causal LM with q/k/v/o projections and a head_dim: the perplexity curve's models."""
-    from multihead.heads._prune import _hf_attention_modules
+    from multihead.heads._prune import hf_attention_modules
 
     cfg = getattr(model, "config", None)
-    return (kind == "hf" and bool(getattr(loaded, "is_causal_lm", False)) and bool(_hf_attention_modules(model))
+    return (kind == "hf" and bool(getattr(loaded, "is_causal_lm", False)) and bool(hf_attention_modules(model))
             and isinstance(getattr(cfg, "head_dim", None), int))
 
 
 def _lm_curve(args, loaded, model) -> dict:
     import sys
 
+    from multihead.files import write_json
     from multihead.heads.prune_curve import prune_curve_lm
-    from multihead.lab.results import write_json_atomic
 
     if args.text or args.corpus:
         raise UsageError("--prune-curve on a grouped-query decoder measures held-out KJV perplexity (importance on "
@@ -673,7 +673,7 @@ def _lm_curve(args, loaded, model) -> dict:
     if out is not None:
         from multihead.heads.prune_curve import plot_curves
 
-        write_json_atomic(out / "results.json", r)
+        write_json(out / "results.json", r)
         plot_curves(r, out / "curve.png", f"{r['model']}: heads removed, held-out perplexity")
         r["out"] = str(out)
     return r

@@ -16,7 +16,7 @@ a fraction's point removes the first units of the order (so the points of one or
 nested), and the curve gives the median perplexity of the seeds.
 
 Text: importance is computed on windows of the KJV's Genesis to Acts, perplexity on
-windows of Romans to Revelation (other books; `multihead.lab.uptrain_hf.split_kjv`),
+windows of Romans to Revelation (other books; `multihead.corpus.split_kjv`),
 spread evenly over each split. Removal is zero-ablation (`heads.ablate`), which is what
 `heads.prune` computes with the heads gone.
 """
@@ -42,7 +42,7 @@ IMP_BATCHES, IMP_BATCH, IMP_LENGTH = 4, 4, 128  # importance: 4 batches of 4 x 1
 def kjv_windows(tokenizer, n: int, length: int, held_out: bool) -> torch.Tensor:
     """(n, length + 1) token ids: n windows spread evenly over the KJV's held-out books
     (Romans to Revelation) or its training books (Genesis to Acts)."""
-    from multihead.lab.uptrain_hf import split_kjv
+    from multihead.corpus import split_kjv
 
     train, held = split_kjv()
     ids = torch.tensor(tokenizer(held if held_out else train)["input_ids"], dtype=torch.long)
@@ -54,10 +54,10 @@ def kjv_windows(tokenizer, n: int, length: int, held_out: bool) -> torch.Tensor:
 
 def _geometry(model) -> tuple[int, int, int]:
     """(layers, query heads, key/value heads) of a transformers Llama-family model."""
-    from multihead.heads._prune import _hf_attention_modules
+    from multihead.heads._prune import hf_attention_modules
 
     cfg = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
-    layers = len(_hf_attention_modules(model))
+    layers = len(hf_attention_modules(model))
     H = cfg.num_attention_heads
     Hkv = getattr(cfg, "num_key_value_heads", None) or H
     if not layers or not isinstance(getattr(cfg, "head_dim", None), int):
@@ -214,9 +214,9 @@ def padded_shape(L: int, H: int, Hkv: int, removed, per_head: tuple[int, int] | 
 def _per_head_params(model, H: int, Hkv: int) -> tuple[int, int]:
     """(parameters of one query head: its q_proj rows and o_proj columns, of one key/value
     head: its k_proj and v_proj rows), biases included."""
-    from multihead.heads._prune import _hf_attention_modules
+    from multihead.heads._prune import hf_attention_modules
 
-    m = _hf_attention_modules(model)[0]
+    m = hf_attention_modules(model)[0]
 
     def size(lin, n: int) -> int:
         return sum(p.numel() for p in lin.parameters()) // n
@@ -263,11 +263,17 @@ def prune_curve_lm(model, tokenizer, *, units=UNITS, fractions=FRACTIONS, seeds=
 
 def plot_curves(r: dict, path, title: str) -> None:
     """Perplexity (log) against the share of heads removed: by importance and random, per unit."""
-    from multihead.files import atomic_path
-    from multihead.lab.plots import pyplot
+    import matplotlib
 
-    plt = pyplot()
-    fig, ax = plt.subplots(figsize=(6, 4))
+    matplotlib.use("Agg", force=False)
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    from multihead.files import atomic_path
+
+    fig = Figure(figsize=(6, 4))
+    FigureCanvasAgg(fig)
+    ax = fig.add_subplot()
     for unit, colour in zip(r["curves"], ("tab:blue", "tab:orange")):
         c = r["curves"][unit]
         ax.plot([100 * p["fraction"] for p in c["importance"]], [p["val_ppl"] for p in c["importance"]],
@@ -283,4 +289,3 @@ def plot_curves(r: dict, path, title: str) -> None:
     ax.legend(fontsize=7)
     with atomic_path(path) as tmp:
         fig.savefig(tmp, format="png", dpi=100, bbox_inches="tight")
-    plt.close(fig)

@@ -59,19 +59,18 @@ from pathlib import Path
 
 import torch
 
+from multihead.corpus import split_kjv
 from multihead.errors import UsageError
 from multihead.lab.devices import resolve_device
 from multihead.lab.plots import draw_plots, pyplot, save_figure
 from multihead.lab.progress import Overall, Progress
 from multihead.lab.results import new_results, write_json_atomic
 
-__all__ = ["HFUptrainConfig", "run_uptrain_hf", "split_kjv", "work_plan"]
+__all__ = ["HFUptrainConfig", "run_uptrain_hf", "work_plan"]
 
 _INITS = ("mean", "first", "random")
 _TRAINABLE = ("attention", "all")
 STATE = "resume.pt"  # in --out: the training in progress at an interrupt
-# the first verse of Romans: the held-out books start here (the KJV file has one verse a line, no book names)
-_ROMANS = "Paul, a servant of Jesus Christ, called to be an apostle, separated unto the gospel of God,"
 
 
 @dataclass(frozen=True)
@@ -132,18 +131,6 @@ class HFUptrainConfig:
 
 
 # ------------------------------------------------------------------ data
-
-
-def split_kjv(max_train_chars: int | None = None) -> tuple[str, str]:
-    """(training text: Genesis to Acts, held-out text: Romans to Revelation) of the shipped KJV."""
-    from multihead.corpus import load_corpus
-
-    text, _ = load_corpus()
-    cut = text.find(_ROMANS)
-    if cut <= 0 or text[cut - 1] != "\n":
-        raise ValueError("the shipped KJV lacks the first verse of Romans at a line start; cannot split it by books")
-    train = text[:cut]
-    return (train if max_train_chars is None else train[:max_train_chars]), text[cut:]
 
 
 class _Data:
