@@ -407,6 +407,7 @@ class _Shortcut:
 
     def __init__(self):
         self.layers: set[int] = set()  # the layers it is taken on
+        self.early = ""  # why it was declined before the corrupted run (its memory), or ""
         self.out: dict[int, Tensor] = {}  # layer -> the corrupted run's attention output (B, T, C)
         self.W: dict[int, Tensor] = {}  # layer -> the output projection's weight (C, H * Dv)
         self.z: dict[int, Tensor] = {}
@@ -857,6 +858,8 @@ class _Scan:
         much (0.6 GB for SmolLM2 at 4,096 positions) to save little (one block's attention
         of the 15 blocks a variant runs on average there)."""
         short = self.shortcut
+        if short.early:
+            return short.early
         if not short.layers:
             return f"not for what={self.what!r}" if self.what not in ("z", "pattern") else "no layer it applies to"
         held = sum(t.numel() * t.element_size() for d in (short.out, short.z) for t in d.values())
@@ -1050,6 +1053,7 @@ def patch_scan(model, clean, corrupted, metric: Callable[[Tensor], Tensor], what
                              "multihead.interop.hf.use_latent_attention); this model has none")
         scan = _Scan(model, corrupted, rec, what, B)
         scan.lean = lean
+        scan.shortcut.early = _shortcut_too_big(scan.shortcut, rec, MEMORY_PER_RUN if budget is None else budget)
         if not why:
             scan.stack, why = _causal_stack(model, scan.layers, scan.blocks, scan.parents)
         scan.run_corrupted(p0 if scan.stack is not None else 0)
@@ -1100,6 +1104,17 @@ def patch_scan(model, clean, corrupted, metric: Callable[[Tensor], Tensor], what
         for (layer, h), value in values:
             out[layer, h] = value
     return out
+
+
+def _shortcut_too_big(short: _Shortcut, rec: Recording, budget: int) -> str:
+    """Why the shortcut is declined before the corrupted run would hold its tensors (each
+    layer's attention output and z, about two of the clean z a layer), or ""."""
+    held = 2 * sum(rec["z", i].numel() * rec["z", i].element_size() for i in short.layers if ("z", i) in rec)
+    if held <= budget // 4:
+        return ""
+    short.layers = set()
+    return (f"it would hold {held / 2**20:,.0f} MiB (each layer's attention output and z), over a quarter "
+            f"of the memory budget ({budget / 2**20:,.0f} MiB)")
 
 
 def _lean(model, inputs, budget: int) -> dict:
