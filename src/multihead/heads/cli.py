@@ -403,7 +403,7 @@ def _scan(args) -> dict:
         clean, corrupted, reference, metric, info = _task_inputs(loaded, model, kind, args)
     m_clean, m_corr = float(metric(_run(model, clean))), float(metric(_run(model, corrupted)))
     t0 = time.perf_counter()
-    table = heads.patch_scan(model, clean, corrupted, metric, what=args.what)
+    table = heads.patch_scan(model, clean, corrupted, metric, what=args.what, progress=True)
     scan_s = time.perf_counter() - t0
     span = m_clean - m_corr
     cells = [(layer, h, table[layer, h].item()) for layer in range(table.shape[0]) for h in range(table.shape[1])
