@@ -48,12 +48,11 @@ __all__ = ["SUMMARY_FIELDS", "HeadSummaries", "summaries"]
 #: The per-head numbers of `HeadSummaries.to_json()`, in this order (None where a text cannot show one).
 SUMMARY_FIELDS = ("entropy", "mean_distance", "first_token_mass", "previous_token", "duplicate_token", "induction",
                   *BEYOND, "normalized_entropy", "current_token", "first_token", "delimiter", "next_token")
-#: Scores in one block of query rows (float32 elements, all heads of a layer): 16 MiB. Smaller
-#: blocks keep the block's passes in a core's cache (1M elements: 2.5x less time per element
-#: in one thread on a quiet machine), but each pass is a parallel region, and with two threads
-#: on a busy machine their barriers cost more than the cache saves; revisit with a sweep of
-#: benchmarks/long_context.py --block-elements on a quiet machine.
-BLOCK_ELEMENTS = 1 << 22
+#: Scores in one block of query rows (float32 elements, all heads of a layer): 4 MiB, so that
+#: the block's passes run from a core's cache (on a quiet machine, 2 threads, T = 4,096: 1.7x
+#: faster than blocks of 4M). On a machine whose cores are shared with other jobs the cache is
+#: not this process's and the barriers of small parallel passes cost more: there 4M is faster.
+BLOCK_ELEMENTS = 1 << 20
 #: The score of a hidden key: finite, so that exp(NEG - max) is 0 and p log p = 0 * NEG is 0.
 NEG = -1e30
 TOP_K = 8
