@@ -339,5 +339,5 @@ def test_a_learning_rate_float32_cannot_step_with_is_a_usage_error(flag, capsys)
     with pytest.raises(SystemExit) as exit_:
         build_parser().parse_args(["lab", experiment, flag, "1e60"])
     assert exit_.value.code == 2
-    assert "expected a positive learning rate of at most 1e+06; received '1e60'" in capsys.readouterr().err
+    assert "expected a positive learning rate of at most 1e+30; received '1e60'" in capsys.readouterr().err
     assert getattr(build_parser().parse_args(["lab", experiment, flag, "3e-4"]), flag[2:].replace("-", "_")) == 3e-4

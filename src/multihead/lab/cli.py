@@ -95,9 +95,9 @@ def _nonnegative(text: str) -> int:
 
 _positive = _positive_of(int, "integer")
 _positive_float = _positive_of(float, "number", maximum=1e300)
-# A learning rate's bound keeps the optimizer's float32 step finite: far above any rate that
-# trains (a too-high one is reported as a divergence), far below float32's 3.4e38.
-_learning_rate = _positive_of(float, "learning rate", maximum=1e6)
+# A learning rate must convert to float32 inside the optimizer (at most 3.4e38): bounded well
+# below that and far above any rate that trains (a too-high one is reported as a divergence).
+_learning_rate = _positive_of(float, "learning rate", maximum=1e30)
 
 
 def _shown(v) -> str:
