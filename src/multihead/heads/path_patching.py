@@ -35,7 +35,6 @@ receiver's block. Each forward carries up to `16 // B` variants of one sender la
 
 from __future__ import annotations
 
-import inspect
 import math
 from collections.abc import Callable, Iterable
 from contextlib import contextmanager
@@ -66,8 +65,11 @@ from multihead.heads.scan import (
     block_of,
     bytes_per_row,
     check_memory,
+    first_output,
     head_cost,
     model_width,
+    one_row,
+    takes_use_cache,
     variants_per_forward,
 )
 from multihead.masks import MaskMod
@@ -314,16 +316,9 @@ class _Received(_Step):
 # ---------------------------------------------------------------- running the model
 
 
-def _takes_use_cache(model: nn.Module) -> bool:
-    try:
-        return "use_cache" in inspect.signature(model.forward).parameters
-    except (TypeError, ValueError):
-        return False
-
-
 def _call(model: nn.Module, inputs):
     """model(inputs) without a KV cache (a scan's forwards change their batch between blocks)."""
-    no_cache = _takes_use_cache(model)
+    no_cache = takes_use_cache(model)
     if isinstance(inputs, Tensor):
         return model(inputs, use_cache=False) if no_cache else model(inputs)
     if not (hasattr(inputs, "keys") and hasattr(inputs, "__getitem__")):
@@ -333,10 +328,6 @@ def _call(model: nn.Module, inputs):
     if no_cache:
         kw.setdefault("use_cache", False)
     return model(**kw)
-
-
-def _first(out) -> Tensor:
-    return out if isinstance(out, Tensor) else out[0]
 
 
 def _with_first(out, x: Tensor):
@@ -436,7 +427,11 @@ def _one(runs: _Runs, senders: list[tuple[int, int]], receivers: list[tuple[int,
     if logits:
         last = runs.last_block(senders)
         delta = sum(runs.delta(layer)[:, :, h] for layer, h in senders)  # (B, T, C)
-        hooks.append((last, "post", lambda m, a, out: _with_first(out, _first(out) + delta.to(_first(out).dtype))))
+        def add_delta(m, a, out):
+            x = first_output(out)
+            return _with_first(out, x + delta.to(x.dtype))
+
+        hooks.append((last, "post", add_delta))
     out = _forward(model, runs.corrupted_inputs, _Received(kept, mine), hooks)
     return runs.metric_of(out, "on the patched run")
 
@@ -486,17 +481,6 @@ def _grow(x, n: int, B: int):
         return tuple(_grow(t, n, B) for t in x)
     if isinstance(x, list):
         return [_grow(t, n, B) for t in x]
-    return x
-
-
-def _one_row(x, B: int):
-    """A block input cut to one row: the block runs below every variant, its output unused."""
-    if isinstance(x, Tensor):
-        return x[:1] if x.dim() >= 2 and x.shape[0] == B else x
-    if isinstance(x, tuple) and not hasattr(x, "_fields"):
-        return tuple(_one_row(t, B) for t in x)
-    if isinstance(x, list):
-        return [_one_row(t, B) for t in x]
     return x
 
 
@@ -606,7 +590,7 @@ class _Join:
             kwargs = {**kwargs, **ckw}  # the forward's own keywords (the intervention) stay
             return tuple(_grow(a, n, B) for a in cargs), {k: _grow(v, n, B) for k, v in kwargs.items()}
         if not self.started:
-            return tuple(_one_row(a, B) for a in args), {k: _one_row(v, B) for k, v in kwargs.items()}
+            return tuple(one_row(a, B) for a in args), {k: one_row(v, B) for k, v in kwargs.items()}
         if self.skip is not None:  # the hidden states are cut already; what the model hands each block is not
             args, kwargs = _cut_all(args, kwargs, self.skip.T, self.skip.p)
         # the hidden states have n B rows already (left as they are); the model's per-batch tensors still B
@@ -628,7 +612,7 @@ class _Laid:
         senders' results added (direct path), or (`replace`) the corrupted final residual
         plus those results instead of what the blocks computed."""
         def hook(m, a, out):
-            x = _first(out)
+            x = first_output(out)
             if replace:
                 x = self.final.repeat(n, 1, 1)
             elif self.skip is not None and x.shape[1] == self.skip.T - self.skip.p:
@@ -665,7 +649,7 @@ def _lay_out(runs: _Runs, clean) -> _Laid | None:
     for b in blocks:
         hooks.pre(b, keep, with_kwargs=True)
     final: list[Tensor] = []
-    hooks.post(blocks[-1], lambda m, a, out: final.append(_first(out)))
+    hooks.post(blocks[-1], lambda m, a, out: final.append(first_output(out)))
     prefix = PrefixRecorder(p, z=False)
     try:
         with torch.no_grad(), Engine(model, prefix).installed():

@@ -151,14 +151,14 @@ class _Grower:
         return args, kwargs
 
 
-def _shrink(x, B: int):
+def one_row(x, B: int):
     """A block below every patched layer runs on one row: its result is never used."""
     if isinstance(x, Tensor):
         return x[:1] if x.dim() >= 2 and x.shape[0] == B else x
     if isinstance(x, tuple) and not hasattr(x, "_fields"):
-        return tuple(_shrink(t, B) for t in x)
+        return tuple(one_row(t, B) for t in x)
     if isinstance(x, list):
-        return [_shrink(t, B) for t in x]
+        return [one_row(t, B) for t in x]
     return x
 
 
@@ -278,13 +278,14 @@ _SKIP_PREFIX = True  # tests turn it off to compare the two paths
 _SHORTCUT = True  # the same for the shortcut (`_Shortcut`)
 
 
-def _first(out) -> Tensor:
+def first_output(out) -> Tensor:
+    """A block's or model's first output: the hidden states (a tensor, or the head of a tuple)."""
     return out if isinstance(out, Tensor) else out[0]
 
 
 def _unskip(out, head: Tensor, B: int):
     """A block's output on positions [p, T) of its rows, with the corrupted run's [0, p) put back."""
-    x = _first(out)
+    x = first_output(out)
     full = torch.cat([head.repeat(x.shape[0] // B, *([1] * (x.dim() - 1))), x], dim=1)
     return full if isinstance(out, Tensor) else (full, *out[1:])
 
@@ -461,7 +462,7 @@ class _Shortcut:
                         {k: _rows(v, rows, keep or 1) for k, v in kwargs.items()})
 
             def post(mod, args, result, index=index, lay=lay, hs=hs, state=state):
-                y = _first(result)
+                y = first_output(result)
                 base = self.out[index][:, off:].to(y.dtype)
                 parts = [y[:state["keep"]]]
                 for h in hs:
@@ -501,7 +502,7 @@ class _FromCache:
         n, B = self.per_block.get(id(block), 0), self.B
         if self.rows == 0:
             if n == 0:
-                return tuple(_shrink(a, B) for a in args), {k: _shrink(v, B) for k, v in kwargs.items()}
+                return tuple(one_row(a, B) for a in args), {k: one_row(v, B) for k, v in kwargs.items()}
             cargs, ckw = self.cache[id(block)]
             self.rows = n * B
             merged = {**_cut_all((), kwargs, self.cut)[1], **ckw}  # what the forward adds (the intervention) stays
@@ -608,7 +609,7 @@ def _forward(model, corrupted, no_cache: bool, handler: Handler, grower, hooked:
         if last is not None:
             hooks.post(last, lambda m, a, out: _unskip(out, tail[0], B))
         if final is not None:
-            hooks.post(hooked[-1], lambda m, a, out: final.append(_first(out)))
+            hooks.post(hooked[-1], lambda m, a, out: final.append(first_output(out)))
         hooks.pre(model, lambda m, a: grower.begin())
         with Engine(model, handler).installed(), torch.no_grad():
             return logits_of(_call(model, corrupted, no_cache))
@@ -625,7 +626,7 @@ def _call(model: nn.Module, inputs, no_cache: bool, **extra):
     return model(**kw)
 
 
-def _takes_use_cache(model: nn.Module) -> bool:
+def takes_use_cache(model: nn.Module) -> bool:
     try:
         return "use_cache" in inspect.signature(model.forward).parameters
     except (TypeError, ValueError):
@@ -786,7 +787,7 @@ class _Scan:
         self.block_list = list({id(b): b for b in self.blocks.values()}.values())
         self.inner = [b for b in self.block_list if b is not model]
         self.last_stack = {i for i, b in self.blocks.items() if b is not model}
-        self.no_cache = _takes_use_cache(model)
+        self.no_cache = takes_use_cache(model)
         self.cache: dict[int, tuple] = {}  # id(block) -> the corrupted run's (args, kwargs) there
         self.logits: Tensor | None = None  # the corrupted run's (dropped once the metric has read it)
         self.final: Tensor | None = None  # its last block's output, what the self-checks compare
@@ -823,11 +824,11 @@ class _Scan:
             for b in self.inner:
                 hooks.pre(b, keep, with_kwargs=True)
             if self.stack is not None:
-                hooks.post(self.stack[-1], lambda m, a, out: tail.append(_first(out)[:, :p].clone()))
-            hooks.post(self.inner[-1], lambda m, a, out: setattr(self, "final", _first(out)))
+                hooks.post(self.stack[-1], lambda m, a, out: tail.append(first_output(out)[:, :p].clone()))
+            hooks.post(self.inner[-1], lambda m, a, out: setattr(self, "final", first_output(out)))
             for lay in self.layers:
                 if lay.index in short.layers:
-                    hooks.post(lay.module, lambda m, a, out, i=lay.index: short.out.__setitem__(i, _first(out)))
+                    hooks.post(lay.module, lambda m, a, out, i=lay.index: short.out.__setitem__(i, first_output(out)))
             recording = self.stack is not None or short.layers
             recorder = Engine(self.model, self.prefix).installed() if recording else nullcontext()
             with torch.no_grad(), recorder:
@@ -1239,7 +1240,7 @@ def _attribution_grads(model, corrupted, metric, what: str) -> tuple[float, list
     """The corrupted half: (metric, [(layer, activation, d metric / d activation or None), ...])."""
     handler = _Attribution(what)
     with Engine(model, handler).installed(), torch.enable_grad():
-        m = metric(logits_of(_call(model, corrupted, _takes_use_cache(model))))
+        m = metric(logits_of(_call(model, corrupted, takes_use_cache(model))))
         base = _scalar(m, "on the corrupted run")
         if not isinstance(m, Tensor) or not m.requires_grad:
             raise TypeError(f"metric must return a scalar tensor computed from the logits (attribution "
