@@ -33,6 +33,7 @@ forward keyword `multihead_weights=` asks for chosen heads of chosen modules onl
 from __future__ import annotations
 
 import functools
+import inspect
 from collections.abc import Sequence
 from typing import NamedTuple
 
@@ -279,14 +280,60 @@ def _with_sinks(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, *, causal:
                                      score_mod=None if softcap is None else score_mods.softcap(softcap))
 
 
+def _field_getter(self):  # the body of transformers' `PreTrainedConfig.output_attentions` (transformers 5)
+    return self._output_attentions
+
+
+_FIELD_READS: dict[type, bool] = {}  # config class -> whether its output_attentions is `_field_getter`
+
+
+def _reads_the_field(cls: type) -> bool:
+    """Whether `cls.output_attentions` is a property whose getter is exactly
+    `return self._output_attentions` (bytecode and names compared) with no `attribute_map`
+    renaming either name: then the instance's `_output_attentions` is what it returns."""
+    prop = inspect.getattr_static(cls, "output_attentions", None)
+    code = getattr(getattr(prop, "fget", None), "__code__", None) if isinstance(prop, property) else None
+    renames = inspect.getattr_static(cls, "attribute_map", {})
+    return code is not None and code.co_code == _field_getter.__code__.co_code \
+        and code.co_names == _field_getter.__code__.co_names and isinstance(renames, dict) \
+        and "output_attentions" not in renames and "_output_attentions" not in renames
+
+
+def _config_output_attentions(module: nn.Module):
+    """`module.config.output_attentions` (False without a config or without the attribute).
+
+    transformers 5's configs answer every attribute read through two Python
+    `__getattribute__` overrides, and `output_attentions` is a property over
+    `_output_attentions`: about 6 us a read, once per layer per token of `generate`. Where the
+    config's class has exactly that property (`_reads_the_field`, decided once per class),
+    the field is read from the instance's `__dict__` instead; any other config (an older or
+    newer transformers, a custom class) is read as written. Per call, so a change of the
+    module's config, or of its flag, is seen at the next call."""
+    config = getattr(module, "config", None)
+    if config is None:
+        return False
+    cls = type(config)
+    direct = _FIELD_READS.get(cls)
+    if direct is None:
+        direct = _FIELD_READS[cls] = _reads_the_field(cls)
+    if direct:
+        return object.__getattribute__(config, "__dict__").get("_output_attentions", False)
+    return getattr(config, "output_attentions", False)
+
+
+def _output_attentions(module: nn.Module, kwargs: dict):
+    """Whether transformers asks for every head's weights: the `output_attentions` keyword if
+    passed, else the module's config."""
+    return kwargs["output_attentions"] if "output_attentions" in kwargs else _config_output_attentions(module)
+
+
 def _nothing_but_qkv(module: nn.Module, position_bias, softcap, s_aux, sinks, kwargs: dict) -> bool:
     """Whether transformers asks for nothing beyond the kernel's plain call: no T5 bias, no
     softcap, no sinks, no multihead keyword (weights request, intervention, observer) and
     no weights (output_attentions)."""
     return position_bias is None and softcap is None and s_aux is None and sinks is None \
         and kwargs.get(INTERVENTION_KEYWORD) is None and kwargs.get(REQUEST_KEYWORD) is None \
-        and kwargs.get(OBSERVER_KEYWORD) is None \
-        and not kwargs.get("output_attentions", getattr(getattr(module, "config", None), "output_attentions", False))
+        and kwargs.get(OBSERVER_KEYWORD) is None and not _output_attentions(module, kwargs)
 
 
 def attention_forward(module: nn.Module, query: Tensor, key: Tensor, value: Tensor, attention_mask,
@@ -325,8 +372,7 @@ def attention_forward(module: nn.Module, query: Tensor, key: Tensor, value: Tens
     softcap = check_positive_number("softcap", softcap, allow_none=True)
     sinks = _sink_logits(s_aux if s_aux is not None else sinks, B, H, T)
     scale = check_positive_number("scaling", scaling, allow_none=True)
-    answer = WeightsAnswer.of(module, kwargs, kwargs.get("output_attentions", getattr(getattr(
-        module, "config", None), "output_attentions", False)))
+    answer = WeightsAnswer.of(module, kwargs, _output_attentions(module, kwargs))
     out, weights = _attend(module, query, key, value, mask, causal, dropout, scale, softcap, sinks,
                            answer.return_weights, backend, kwargs.get(OBSERVER_KEYWORD))
     if answer.request is not None:  # (no AttentionCall to build on the common path)
