@@ -9,7 +9,6 @@ import html
 import math
 import re
 import time
-from importlib import resources
 
 import numpy as np
 import pytest
@@ -17,7 +16,7 @@ import torch
 
 from inspect_synthetic import decode_indices, decode_weights, page_data, synthetic_capture
 from multihead.inspect import HeadRole
-from multihead.inspect.html import _choose_k, render_html, save_html
+from multihead.inspect.html import _asset, _choose_k, render_html, save_html
 
 STEP = 1 / 255  # the quantisation step the page promises at most half of (relative to the row max)
 
@@ -127,11 +126,13 @@ def test_token_text_is_escaped():
     assert data["title"] == "<script>alert(4)</script>"
 
 
-def test_script_reaches_the_dom_only_through_text():
-    source = resources.files("multihead.inspect").joinpath("head_view.js").read_text(encoding="utf-8")
+@pytest.mark.parametrize("name", ["head_view.js", "summaries_view.js"])
+def test_script_reaches_the_dom_only_through_text(name):
+    source = _asset(name)  # the view's script with the shared page.js it includes
+    assert "include:" not in source
     source = re.sub(r"^\s*//.*$", "", source, flags=re.M)  # the header comment names the sinks it avoids
     for sink in ("innerHTML", "outerHTML", "insertAdjacentHTML", "document.write", "eval(", "new Function"):
-        assert sink not in source, f"head_view.js uses {sink}"
+        assert sink not in source, f"{name} uses {sink}"
 
 
 def test_page_is_self_contained():

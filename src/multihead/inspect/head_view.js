@@ -1,28 +1,14 @@
 // multihead head view + model view. Reads the JSON in #mh-data (format: multihead/inspect/html.py,
 // _encode) and draws everything with DOM/SVG/canvas APIs; token text only ever goes through
-// textContent, never innerHTML. Makes no network request.
+// textContent, never innerHTML. Makes no network request. D, $, el and bytes: page.js.
 "use strict";
 (() => {
-  const D = JSON.parse(document.getElementById("mh-data").textContent);
+  /* include: page.js */
+
   const T = D.tokens.length, K = D.k, NL = D.layers.length, NH = D.heads.length;
   const ROW = 20, SVG_W = 220;
   const IDLE_MIN = 0.05, IDLE_CAP = 3000; // lines drawn with no token hovered
   const SVG_NS = "http://www.w3.org/2000/svg";
-  const $ = (id) => document.getElementById(id);
-
-  function el(tag, cls, text) {
-    const e = document.createElement(tag);
-    if (cls) e.className = cls;
-    if (text !== undefined) e.textContent = text;
-    return e;
-  }
-
-  function bytes(b64) {
-    if (!b64) return new Uint8Array(0);
-    const s = atob(b64), out = new Uint8Array(s.length);
-    for (let i = 0; i < s.length; i++) out[i] = s.charCodeAt(i);
-    return out;
-  }
 
   // --- weights: row r = (l * NH + h) * T + t holds K entries (q, idx), scale[r] = row max.
   const Q = bytes(D.q);

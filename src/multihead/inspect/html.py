@@ -302,14 +302,30 @@ def _json_for_script(data: dict) -> str:
     return text
 
 
-def _asset(name: str) -> str:
-    return resources.files("multihead.inspect").joinpath(name).read_text(encoding="utf-8")
+# A line that is only `<!-- include: NAME -->` or `/* include: NAME */` in an asset is
+# replaced by the asset NAME, each of its lines indented as the marker is: the pages share
+# one skeleton (page_open.html, page_close.html), base styles (page.css) and script helpers
+# (page.js), and each view's files hold only what is its own.
+_INCLUDE = re.compile(r"^([ \t]*)(?:<!--|/\*) include: ([\w.-]+) (?:-->|\*/)[ \t]*\n", re.M)
+
+
+def _asset(name: str, within: tuple[str, ...] = ()) -> str:
+    """The text of the asset `name` in this package, its includes resolved."""
+    assert name not in within, f"assets include each other: {' -> '.join(within + (name,))}"
+    text = resources.files("multihead.inspect").joinpath(name).read_text(encoding="utf-8")
+
+    def include(m: re.Match) -> str:
+        indent, lines = m.group(1), _asset(m.group(2), within + (name,)).splitlines(keepends=True)
+        return "".join(indent + line if line.strip() else line for line in lines)
+
+    return _INCLUDE.sub(include, text)
 
 
 def offline_page(title: str, data: dict, assets: tuple[str, str, str]) -> str:
-    """A page from its (template, css, js) assets in this package, `data` as JSON in a
-    script block and a Content-Security-Policy that allows no fetch and only that script
-    (by its hash). The head view and the summaries page are both built here."""
+    """A page from its (template, css, js) assets in this package (includes resolved by
+    `_asset`), `data` as JSON in a script block and a Content-Security-Policy that allows no
+    fetch and only that script (by its hash). The head view and the summaries page are both
+    built here."""
     template, css, js = (_asset(name) for name in assets)
     assert "</script" not in js.lower() and "</style" not in css.lower(), "asset would end its own tag"
     digest = base64.b64encode(hashlib.sha256(js.encode("utf-8")).digest()).decode("ascii")

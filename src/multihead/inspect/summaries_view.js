@@ -1,28 +1,16 @@
 // multihead summaries page: every head's summaries as a grid, and the chosen head's pattern
 // (block sums) and top-k rows. Reads the JSON in #mh-data (format: multihead/inspect/summaries_html.py);
-// token text only ever goes through textContent. Makes no network request.
+// token text only ever goes through textContent. Makes no network request. D, $, el and bytes: page.js.
 "use strict";
 (() => {
-  const D = JSON.parse(document.getElementById("mh-data").textContent);
+  /* include: page.js */
+
   const T = D.T, NL = D.layers.length, NH = D.heads.length;
-  const $ = (id) => document.getElementById(id);
   const LABEL = {entropy: "entropy (nats)", mean_distance: "mean distance (tokens)", first_token_mass: "first-token mass",
     previous_token: "previous token", duplicate_token: "duplicate token", induction: "induction",
     beyond_1k: "mass beyond 1K back", beyond_4k: "mass beyond 4K back", normalized_entropy: "entropy / log n",
     current_token: "current token", first_token: "first token", delimiter: "delimiter", next_token: "next token"};
 
-  function el(tag, cls, text) {
-    const e = document.createElement(tag);
-    if (cls) e.className = cls;
-    if (text !== undefined) e.textContent = text;
-    return e;
-  }
-  function bytes(b64) {
-    if (!b64) return new Uint8Array(0);
-    const s = atob(b64), out = new Uint8Array(s.length);
-    for (let i = 0; i < s.length; i++) out[i] = s.charCodeAt(i);
-    return out;
-  }
   function fmt(v) {
     if (v === null || v === undefined) return "-";
     return Math.abs(v) >= 100 ? v.toFixed(0) : Math.abs(v) >= 10 ? v.toFixed(1) : v.toFixed(3);
