@@ -10,7 +10,7 @@ one folded flash call, the key axis split in 2 and 4 merged by log-sum-exp, the 
 as matrix products with the G query heads folded into rows, torch's enable_gqa), for GQA
 32/8 x 128 and SmolLM2's 9/3 x 64, at 1 and 2 threads (--profile-threads), as a share of
 the read rate of the same round; into the JSON's 'profile' entry (the rest is kept). Where
-the split pays is `kernels.decode.MIN_SPLIT_KEYS`'s evidence. --rotate-mib above the L3
+the split pays is `kernels.decode.MIN_SPLIT_BYTES`'s evidence. --rotate-mib above the L3
 (260 MiB on the Intel VM) so every step reads its cache from memory.
 
 Geometry (DeepSeek-V2-like, B = 1): d_model 4096, 32 query heads of head_dim 128;

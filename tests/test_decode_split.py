@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from conftest import assert_close
 from multihead import reference as R
@@ -30,10 +31,11 @@ def _reference(q, k, v, scale=None, causal=False):
 
 @pytest.fixture
 def two_threads(monkeypatch):
-    """Two intra-op threads and a split threshold low enough for small test shapes."""
+    """Two intra-op threads and a split threshold low enough for small test shapes: 8 keys of
+    D = Dv = 16 in float32 (fewer do not split)."""
     n = torch.get_num_threads()
     torch.set_num_threads(2)
-    monkeypatch.setattr(decode, "MIN_SPLIT_KEYS", 8)
+    monkeypatch.setattr(decode, "MIN_SPLIT_BYTES", 8 * 32 * 4)
     yield
     torch.set_num_threads(n)
 
@@ -45,10 +47,11 @@ def two_threads(monkeypatch):
 @pytest.mark.parametrize("S, parts", [(40, 2), (41, 2), (43, 4), (3, 3), (2048, 3), (16384 + 5, 2)])
 @pytest.mark.parametrize("T", [1, 3])
 def test_split_equals_the_reference_and_the_math_backend(H, Hkv, S, parts, T):
-    """Equal runs of S // parts keys, and the rest (S % parts) as one more call."""
+    """Equal runs of S // parts keys, and the rest (S % parts) as one more call, whose output
+    the NaN check reads too."""
     q, k, v = _qkv(H=H, Hkv=Hkv, T=T, S=S, D=16 if S < 10000 else 8)
     out, part_outs = decode.split_keys(q, k, v, 0.25, parts)
-    assert out.shape == (1, H, T, 16 if S < 10000 else 8) and part_outs.shape[0] == parts
+    assert out.shape == (1, H, T, 16 if S < 10000 else 8) and part_outs.shape[0] == parts + (S % parts > 0)
     want = _reference(q, k, v, scale=0.25)
     assert_close(out, want, atol=1e-6, rtol=1e-6, what=f"split {parts} of S={S}")
     math, _ = attend(q, k, v, scale=0.25, backend="math", return_weights=[0])
@@ -128,7 +131,7 @@ def test_gradients_stay_exact(two_threads):
 
 
 def test_key_splits_balances_the_threads(monkeypatch):
-    monkeypatch.setattr(decode, "MIN_SPLIT_KEYS", 8)
+    monkeypatch.setattr(decode, "MIN_SPLIT_BYTES", 8)
     n = torch.get_num_threads()
     try:
         for threads, Hkv, want in ((2, 3, 2), (2, 5, 2), (2, 4, 1), (4, 3, 4), (4, 2, 2), (4, 6, 2), (3, 2, 3)):
@@ -155,14 +158,19 @@ def _zero_nan_rows(kernel):
 
 
 @pytest.mark.parametrize("kernel", ["as this machine's", "zeroing"])
-@pytest.mark.parametrize("where", ["query", "every key of one part", "one key", "one value"])
+@pytest.mark.parametrize("where", ["query", "every key of one part", "one key", "one value",
+                                   "the remainder's one key", "the remainder's one value"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_nan_rule_through_the_split(two_threads, monkeypatch, kernel, where, dtype):
     if kernel == "zeroing":
         monkeypatch.setattr(decode, "flash_lse", _zero_nan_rows(decode.flash_lse))
     calls = _spy(monkeypatch)
-    q, k, v = _qkv(S=50, dtype=dtype)
-    if where == "query":
+    q, k, v = _qkv(S=51 if where.startswith("the remainder") else 50, dtype=dtype)
+    if where == "the remainder's one key":  # every score of that call NaN: torch's kernel zeroes its rows
+        k[0, 1, 50, 0] = float("nan")
+    elif where == "the remainder's one value":
+        v[0, 2, 50, 5] = float("nan")
+    elif where == "query":
         q[0, 4, 0, 1] = float("nan")
     elif where == "every key of one part":
         k[0, 1, :25, 3] = float("nan")  # the first of 2 parts of K/V head 1: query heads 3, 4, 5
@@ -178,3 +186,53 @@ def test_nan_rule_through_the_split(two_threads, monkeypatch, kernel, where, dty
     assert torch.isnan(out[want]).all()
     clean = ~want[..., 0]
     assert_close(out[clean], _reference(q, k, v)[clean], dtype, what="rows without NaN")
+
+
+# ------------------------------------------------------ where the split starts, what it runs
+
+
+def test_the_split_starts_at_min_split_bytes_of_k_and_v_per_head(monkeypatch):
+    """K and V bytes of one K/V head, S * (D + Dv) * element size, not keys: a head of 128
+    reaches the threshold with half the keys of a head of 64, bfloat16 with twice the keys."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        if torch.get_num_threads() != 2:
+            pytest.skip("this torch caps the threads below 2")
+        monkeypatch.setattr(decode, "MIN_SPLIT_BYTES", 64 * 128 * 4)  # 64 keys of D = Dv = 64, float32
+        for D, dtype, S_min in ((64, torch.float32, 64), (128, torch.float32, 32), (64, torch.bfloat16, 128)):
+            for S, want in ((S_min - 1, 1), (S_min, 2), (S_min + 1, 2)):
+                q, k, v = _qkv(S=S, D=D, dtype=dtype)
+                assert decode.key_splits(q, k, v) == want, (D, dtype, S)
+    finally:
+        torch.set_num_threads(n)
+
+
+class _Ops(TorchDispatchMode):
+    def __init__(self):
+        super().__init__()
+        self.ops: list[str] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.ops.append(str(func).split(".")[1])
+        return func(*args, **(kwargs or {}))
+
+
+_VIEWS = {"view", "reshape", "expand", "as_strided", "unsqueeze", "slice", "detach", "alias", "_unsafe_view"}
+
+
+@pytest.mark.parametrize("S, dtype", [(50, torch.float32), (51, torch.float32), (50, torch.bfloat16)])
+def test_a_split_step_runs_the_kernel_a_three_op_merge_and_the_nan_check(two_threads, S, dtype):
+    """Besides views: the kernel over the parts, the merge's softmax, product and sum (and for
+    bfloat16 the cast back), the NaN check's one sum; with a remainder, its call and the two
+    concatenations. No copy or read of K/V: inside a decode step each op costs tens of
+    microseconds with the caches the K/V stream has just evicted (benchmarks/decode.py)."""
+    q, k, v = _qkv(S=S, dtype=dtype)
+    with torch.no_grad(), _Ops() as seen:
+        out, _ = attend(q, k, v)
+    work = [op for op in seen.ops if op not in _VIEWS]
+    flash = "_scaled_dot_product_flash_attention_for_cpu"
+    want = [flash] + ([flash, "cat", "cat"] if S % 2 else []) + ["_softmax", "mul", "sum"] \
+        + (["_to_copy"] if dtype != torch.float32 else []) + ["sum"]
+    assert work == want, seen.ops
+    assert_close(out, _reference(q, k, v), dtype, what="split step")

@@ -7,15 +7,21 @@ items. When the threads do not divide them (SmolLM2's 3 K/V heads on 2 threads: 
 thread runs two heads while the other idles half the step) or there are fewer items than
 threads, the keys are split into P parts: B * Hkv * P items, each part's output and
 log-sum-exp from one call of the kernel (`common.flash_lse`, the parts as a strided
-view of K and V: no copy), merged exactly by log-sum-exp (`common.lse_merge`).
+view of K and V: no copy), merged exactly by log-sum-exp.
+
+The merge is three small ops (a softmax of the parts' log-sum-exps over the parts, a
+product, a sum over the parts): inside a decode step each op runs with caches the K/V
+stream has just evicted, where it costs tens of microseconds, not the few it costs warm,
+so their count, not their arithmetic, is what the split pays for.
 
 The split is taken only where it pays (`key_splits`): on the CPU, with more than one
 thread, batch 1, at most 32 folded query rows (G * T: one block of torch's kernel),
 H > Hkv > 1 (MQA keeps `common.mqa_splits`, which splits its G query heads instead),
-enough keys that the merge's few small ops are worth it
-(`MIN_SPLIT_KEYS`, benchmarks/decode.py measures the crossover), and where nothing
-requires grad: the kernel's backward does not take a gradient through its log-sum-exp,
-so a step autograd records stays on the unsplit kernel, with its exact gradients.
+enough K/V bytes per head that the idle thread's share outweighs the merge
+(`MIN_SPLIT_BYTES`; benchmarks/decode.py --profile measures the crossover), and where
+nothing requires grad: the kernel's backward does not take a gradient through its
+log-sum-exp, so a step autograd records stays on the unsplit kernel, with its exact
+gradients.
 """
 
 from __future__ import annotations
@@ -23,14 +29,16 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from multihead.kernels.common import HAS_CPU_FLASH, acc_dtype, flash_lse, lse_merge
+from multihead.kernels.common import HAS_CPU_FLASH, flash_lse
 from multihead.kernels.sdpa import plain
 
-__all__ = ["MIN_SPLIT_KEYS", "key_splits", "split_keys", "step"]
+__all__ = ["MIN_SPLIT_BYTES", "key_splits", "split_keys", "step"]
 
-MIN_SPLIT_KEYS = 8192  # below this many keys a step stays on one kernel call: the merge costs ~10 small ops
-# (tens of us) against a third of a step idle on one thread (SmolLM2 at 2 threads); confirm with
-# `benchmarks/decode.py --profile` on a quiet machine
+# K and V bytes of one K/V head (S * (D + Dv) * element size) from which a step splits: what the
+# idle thread's share of the step saves grows with them, the merge's cost (its three ops, and a
+# remainder's call, ~0.1 ms with cold caches) does not. 4 MiB: SmolLM2's 64-wide heads in float32
+# from 8,192 keys; the crossover is `benchmarks/decode.py --profile`'s, revisit on another machine
+MIN_SPLIT_BYTES = 4 << 20
 # folded query rows up to which torch's kernel makes one work item per head (its smallest
 # block of queries): with more, it splits the queries itself and the threads have work
 _ONE_BLOCK = 32
@@ -41,13 +49,13 @@ def key_splits(q: Tensor, k: Tensor, v: Tensor) -> int:
     """Parts to split the keys of a plain step into (1: none; see the module docstring): the
     smallest P <= threads that gives the threads equal shares of B * Hkv * P items, or the
     most even shares (fewest items on the busiest thread per part)."""
-    B, H, T, _ = q.shape
+    B, H, T, D = q.shape
     Hkv, S = k.shape[1], k.shape[2]
-    if S < MIN_SPLIT_KEYS or B != 1 or Hkv == 1 or Hkv == H or H // Hkv * T > _ONE_BLOCK \
-            or not HAS_CPU_FLASH or not q.is_cpu:
+    if B != 1 or Hkv == 1 or Hkv == H or H // Hkv * T > _ONE_BLOCK or not HAS_CPU_FLASH or not q.is_cpu \
+            or S * (D + v.shape[-1]) * q.element_size() < MIN_SPLIT_BYTES:
         return 1
     threads = torch.get_num_threads()
-    if threads == 1 or Hkv % threads == 0 or q.dtype not in _FLASH_DTYPES or q.shape[-1] != v.shape[-1]:
+    if threads == 1 or Hkv % threads == 0 or q.dtype not in _FLASH_DTYPES or D != v.shape[-1]:
         return 1
     if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
         return 1
@@ -62,10 +70,11 @@ def key_splits(q: Tensor, k: Tensor, v: Tensor) -> int:
 
 def split_keys(q: Tensor, k: Tensor, v: Tensor, scale: float, parts: int) -> tuple[Tensor, Tensor]:
     """Attention of q `(1, H, T, D)` over k, v `(1, Hkv, S, D)` with the keys in `parts`
-    parts: (out `(1, H, T, D)`, the parts' outputs `(parts, Hkv, G*T, D)`). The keys split
-    as `parts` equal runs of c = S // parts (a view of K and V whose batch dim is the part),
-    the last S - parts * c keys, if any, as one more call. The NaN check reads the parts'
-    outputs: a kernel that zeroes a part's row would leave a finite merged row."""
+    parts: (out `(1, H, T, D)`, every part's output `(parts or parts + 1, Hkv, G*T, D)`).
+    The keys split as `parts` equal runs of c = S // parts (a view of K and V whose batch
+    dim is the part), the last S - parts * c keys, if any, as one more call. The NaN check
+    reads every part's output, the last one's too: a kernel that zeroes a part's row (its
+    every score NaN: one NaN key is all a one-key remainder has) leaves a finite merged row."""
     _, H, T, D = q.shape
     Hkv, S = k.shape[1], k.shape[2]
     c = S // parts
@@ -74,11 +83,14 @@ def split_keys(q: Tensor, k: Tensor, v: Tensor, scale: float, parts: int) -> tup
     kp = k.as_strided((parts, Hkv, c, D), (c * ks[2], ks[1], ks[2], ks[3]), k.storage_offset())  # (P, Hkv, c, D)
     vp = v.as_strided((parts, Hkv, c, D), (c * vs[2], vs[1], vs[2], vs[3]), v.storage_offset())
     out, lse = flash_lse(qf.expand(parts, *qf.shape[1:]), kp, vp, causal=False, scale=scale)  # (P, Hkv, G*T, D)
-    pieces = list(zip(out.unbind(0), lse[..., None].unbind(0)))  # [(Hkv, G*T, D), (Hkv, G*T, 1)] per part
     if parts * c < S:
         o, lp = flash_lse(qf, k[:, :, parts * c:], v[:, :, parts * c:], causal=False, scale=scale)
-        pieces.append((o[0], lp[0][..., None]))
-    merged, _ = lse_merge(pieces, acc_dtype(q.dtype), q.dtype)  # (Hkv, G*T, D)
+        out, lse = torch.cat((out, o)), torch.cat((lse, lp))
+    # sum_p exp(lse_p - logsumexp_p lse_p) out_p, in lse's dtype (float32, or float64); a part with
+    # a NaN makes its rows NaN, which the NaN check reads in `out` anyway
+    merged = (out * torch.softmax(lse, 0).unsqueeze(-1)).sum(0)  # (Hkv, G*T, D)
+    if merged.dtype != q.dtype:
+        merged = merged.to(q.dtype)
     return merged.view(1, H, T, D), out
 
 
