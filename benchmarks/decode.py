@@ -6,10 +6,11 @@
     .venv/bin/python benchmarks/decode.py --profile --lengths 512 2048 8192 16384 --rounds 7 --rotate-mib 400
 
 --profile: the one-token step alone, each way it can be done (multihead's public call, the
-one folded flash call, the key axis split in 2 and 4 merged by log-sum-exp, the two passes
-as matrix products with the G query heads folded into rows, torch's enable_gqa), for GQA
-32/8 x 128 and SmolLM2's 9/3 x 64, at 1 and 2 threads (--profile-threads), as a share of
-the read rate of the same round; into the JSON's 'profile' entry (the rest is kept). Where
+same with the split off, the one folded flash call, the key axis split in 2 and 4 merged by
+log-sum-exp, the two passes as matrix products with the G query heads folded into rows,
+torch's enable_gqa), for GQA 32/8 x 128 and SmolLM2's 9/3 x 64 (--profile-geometries), at
+1 and 2 threads (--profile-threads), as a share of the read rate of the same round; into
+the JSON's 'profile' entry (the rest is kept). Where
 the split pays is `kernels.decode.MIN_SPLIT_BYTES`'s evidence. --rotate-mib above the L3
 (260 MiB on the Intel VM) so every step reads its cache from memory.
 
@@ -382,12 +383,16 @@ Reading the table:
 # ------------------------------------------------------------------ the decode step's profile
 
 PROFILE_GEOMETRIES = {"GQA 32/8 x 128": (32, 8, 128), "SmolLM2 9/3 x 64": (9, 3, 64)}
+PROFILE_SHORT = {"gqa": "GQA 32/8 x 128", "smollm2": "SmolLM2 9/3 x 64"}  # --profile-geometries
 
 
 def profile_cases(L: int, H: int, Hkv: int, D: int, rotate_bytes: int) -> list[Case]:
     """One decode step (B = 1, one query) of one geometry, done each way the profile compares:
     multihead's public call (split over the keys where `kernels.decode.key_splits` says so),
-    the one folded flash call (`sdpa.plain`), the split forced into 2 and 4 parts, the two
+    the same call with the split switched off (so that "multihead" against "multihead unsplit"
+    is the split's worth with the public call's fixed cost, its checks and the NaN check's
+    reduction, on both sides; the ways below are the bare kernels, without it), the one
+    folded flash call (`sdpa.plain`), the split forced into 2 and 4 parts, the two
     passes as matrix products with the G query heads folded into rows (scores, softmax,
     values), torch's `enable_gqa`; and the read rate, `sum` over as many bytes as K and V."""
     from multihead.kernels import decode, sdpa
@@ -405,7 +410,15 @@ def profile_cases(L: int, H: int, Hkv: int, D: int, rotate_bytes: int) -> list[C
         scores = (q.view(1, Hkv, G, D) * scale) @ k.transpose(-2, -1)  # (1, Hkv, G, L)
         return torch.softmax(scores, dim=-1) @ v  # (1, Hkv, G, D)
 
+    def unsplit(k, v):  # the public call with the split switched off: its fixed cost on the one call
+        saved, decode.MIN_SPLIT_BYTES = decode.MIN_SPLIT_BYTES, math.inf
+        try:
+            return scaled_dot_product_attention(q, k, v)
+        finally:
+            decode.MIN_SPLIT_BYTES = saved
+
     ways = {"multihead": lambda k, v: scaled_dot_product_attention(q, k, v),
+            "multihead unsplit": unsplit,
             "one flash call": lambda k, v: sdpa.plain(q, k, v, scale),
             "split 2": lambda k, v: decode.split_keys(q, k, v, scale, 2)[0],
             "split 4": lambda k, v: decode.split_keys(q, k, v, scale, 4)[0],
@@ -425,7 +438,8 @@ def run_profile(args, log) -> dict:
     torch.manual_seed(0)
     rows = []
     with torch.inference_mode():
-        for label, (H, Hkv, D) in PROFILE_GEOMETRIES.items():
+        for label in (PROFILE_SHORT[g] for g in args.profile_geometries):
+            H, Hkv, D = PROFILE_GEOMETRIES[label]
             for L in args.lengths:
                 cases = profile_cases(L, H, Hkv, D, int(args.rotate_mib * MiB))
                 for threads in args.profile_threads:
@@ -443,6 +457,7 @@ def run_profile(args, log) -> dict:
                                      "pct_read": 100 / paired(c, by["read"]),
                                      "x_torch": paired(by["torch enable_gqa"], c),
                                      "x_one_call": paired(by["one flash call"], c),
+                                     "x_unsplit": paired(by["multihead unsplit"], c),
                                      "read_GBps": c.cache_bytes / statistics.median(by["read"].times) / 1e9,
                                      "load": [load0, os.getloadavg()[0]], "times_s": list(c.times)})
                     log(f"  {label} L={L} threads={threads}: load {load0:.1f} -> {os.getloadavg()[0]:.1f}")
@@ -456,12 +471,14 @@ def render_profile(prof) -> str:
     lines = [f"Decode-step profile, {prof['date']}: {prof['machine']['cpu']}, fp32, B = 1, one query; medians of "
              f"{prof['rounds']} interleaved rounds; \"% read\": the read rate (`sum` over as many bytes as K and "
              f"V, same round) over the step's, paired by round; \"x torch\": torch's `enable_gqa` time over this "
-             f"way's; \"x 1 call\": the one folded flash call's time over this way's.", "",
-             "| geometry | L | threads | way | ms | % read | x torch | x 1 call | load |",
-             "|---|---:|---:|---|---:|---:|---:|---:|---|"]
+             f"way's; \"x 1 call\": the one folded flash call's time over this way's; \"x unsplit\": the public "
+             f"call's with the split off over this way's.", "",
+             "| geometry | L | threads | way | ms | % read | x torch | x 1 call | x unsplit | load |",
+             "|---|---:|---:|---|---:|---:|---:|---:|---:|---|"]
     for r in prof["rows"]:
         lines.append(f"| {r['geometry']} | {r['L']} | {r['threads']} | {r['way']} | {fmt_ms(r['median_s'])} | "
                      f"{r['pct_read']:.0f}% | {r['x_torch']:.2f}x | {r['x_one_call']:.2f}x | "
+                     f"{r['x_unsplit']:.2f}x | "
                      f"{r['load'][0]:.1f}-{r['load'][1]:.1f} |")
     return "\n".join(lines) + "\n"
 
@@ -487,6 +504,8 @@ def main(argv=None) -> int:
                    help="the decode step's profile instead (GQA 32/8 x 128 and SmolLM2 9/3 x 64 at --lengths, "
                         "each way at --profile-threads): into the JSON's 'profile' entry, the rest kept")
     p.add_argument("--profile-threads", type=int, nargs="+", default=[1, 2], help="thread counts of --profile")
+    p.add_argument("--profile-geometries", nargs="+", default=list(PROFILE_SHORT), choices=list(PROFILE_SHORT),
+                   help="geometries of --profile: " + ", ".join(f"{k} ({v})" for k, v in PROFILE_SHORT.items()))
     args = p.parse_args(argv)
     if args.profile:
         path = args.json or ROOT / "benchmarks" / "results" / "decode.json"

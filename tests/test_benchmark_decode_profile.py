@@ -12,7 +12,7 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-WAYS = {"multihead", "one flash call", "split 2", "split 4", "two matmuls", "torch enable_gqa"}
+WAYS = {"multihead", "multihead unsplit", "one flash call", "split 2", "split 4", "two matmuls", "torch enable_gqa"}
 
 
 def test_decode_profile_quick(tmp_path):
@@ -29,4 +29,5 @@ def test_decode_profile_quick(tmp_path):
     rows = report["profile"]["rows"]
     assert {(r["geometry"], r["way"]) for r in rows} == {(g, w) for g in ("GQA 32/8 x 128", "SmolLM2 9/3 x 64")
                                                          for w in WAYS}
-    assert all(r["L"] == 64 and r["threads"] == 1 and r["median_s"] > 0 and r["pct_read"] > 0 for r in rows)
+    assert all(r["L"] == 64 and r["threads"] == 1 and r["median_s"] > 0 and r["pct_read"] > 0 and r["x_unsplit"] > 0
+               for r in rows)
