@@ -1,21 +1,25 @@
-"""The summaries page (`render_summaries_html`): what it stores decodes back to the summaries
-(patterns on their square-root scale, top-k rows to 1.5e-5), token text cannot escape its
-JSON, the page stays under 25 MB at 8,192 tokens x 270 heads, and (browser, slow) it renders
-in headless Chromium without console errors or requests, clicks and hovers included."""
+"""The summaries page (`render_summaries_html`, `save_summaries_html`): what it stores decodes
+back to the summaries (patterns on their square-root scale, top-k rows to 1.5e-5), token text
+cannot escape its JSON, the page stays under 25 MB at 8,192 tokens x 270 heads, it shares its
+shell with the head view, saving is atomic, and (browser, slow) it renders in headless
+Chromium without console errors or requests, clicks and hovers included."""
 
 from __future__ import annotations
 
 import base64
 import json
 import re
+from importlib import resources
 
 import numpy as np
 import pytest
 import torch
 
+from inspect_synthetic import synthetic_capture
 from multihead.inspect import HeadRole
+from multihead.inspect.html import _asset, render_html
 from multihead.inspect.stream import HeadSummaries
-from multihead.inspect.summaries_html import render_summaries_html
+from multihead.inspect.summaries_html import render_summaries_html, save_summaries_html
 
 
 def _synthetic(T: int, L: int, H: int, g: int, k: int = 8, tokens=None, seed: int = 0) -> HeadSummaries:
@@ -116,6 +120,43 @@ def test_bad_arguments():
         render_summaries_html(s, coarse=0)
 
 
+def test_save_writes_the_page_render_returns(tmp_path):
+    s = _synthetic(T=40, L=2, H=2, g=8)
+    roles = [HeadRole(layer=1, head=0, scores={}, role="induction", score=0.9)]
+    path = tmp_path / "view.html"
+    assert save_summaries_html(s, str(path), roles, detail=1) == path.resolve()  # roles by position
+    assert path.read_text(encoding="utf-8") == render_summaries_html(s, roles, detail=1)
+    assert save_summaries_html(s, path, roles=roles, coarse=4) == path.resolve()  # or by keyword
+    assert path.read_text(encoding="utf-8") == render_summaries_html(s, roles=roles, coarse=4)
+    with pytest.raises(ValueError, match="coarse must be an int >= 1; received 0"):  # before the file is touched
+        save_summaries_html(s, path, coarse=0)
+    assert path.read_text(encoding="utf-8") == render_summaries_html(s, roles=roles, coarse=4)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["view.html"]
+    with pytest.raises(TypeError, match="path"):  # one return type: render never writes
+        render_summaries_html(s, path=tmp_path / "other.html")
+
+
+def test_both_pages_share_one_shell():
+    pages = {"head view": render_html(synthetic_capture()),
+             "summaries": render_summaries_html(_synthetic(T=8, L=1, H=2, g=8))}
+    opening, closing = _asset("page_open.html"), _asset("page_close.html")
+    for view in ("head_view", "summaries_view"):
+        template = _asset(f"{view}.html")
+        assert template.startswith(opening) and template.endswith(closing), view
+        assert _asset(f"{view}.css").startswith(_asset("page.css")), view
+        own = {ext: resources.files("multihead.inspect").joinpath(f"{view}.{ext}").read_text(encoding="utf-8")
+               for ext in ("html", "css", "js")}  # what the view's files hold themselves
+        for ext, shared in (("html", "<!DOCTYPE"), ("html", "<script"), ("css", "\nbody {"), ("css", "--ink:"),
+                            ("js", "function el("), ("js", "function bytes("), ("js", "JSON.parse(")):
+            assert shared not in own[ext], f"{view}.{ext} repeats the shared {shared!r}"
+    for name, page in pages.items():
+        assert "include:" not in page, name
+        js = re.search(r"<script>(.*?)</script>", page, re.S).group(1)
+        # page.js is inside the view's closure, indented as its marker
+        assert js.count("\n  function el(tag, cls, text) {\n") == 1 and js.count("function bytes(") == 1, name
+        assert page.count("body { margin: 0;") == 1 and page.count("<!DOCTYPE html>") == 1, name
+
+
 @pytest.mark.slow
 @pytest.mark.browser
 def test_page_renders_in_chromium(tmp_path):
@@ -131,7 +172,7 @@ def test_page_renders_in_chromium(tmp_path):
     roles = [HeadRole(layer=la, head=h, scores={}, role="induction" if h == 1 else "broad", score=0.5 + 0.01 * h)
              for la in range(6) for h in range(4)]
     roles.sort(key=lambda r: (-r.score, r.layer, r.head))  # ranked, as head_roles returns them
-    path = render_summaries_html(s, roles=roles, path=tmp_path / "view.html", detail=4)
+    path = save_summaries_html(s, tmp_path / "view.html", roles=roles, detail=4)
     errors, requests = [], []
     with sync_api.sync_playwright() as p:
         b = p.chromium.launch(executable_path=exe, args=["--headless", "--no-sandbox", "--disable-gpu"], headless=True)

@@ -207,14 +207,14 @@ def _main(args: argparse.Namespace, stack: contextlib.ExitStack) -> int:
 
     written = {}
     if html_path is not None and long_page:  # every head's summaries, patterns as block sums, top-k rows
-        from multihead.inspect.summaries_html import render_summaries_html
+        from multihead.inspect.summaries_html import save_summaries_html
 
-        render_summaries_html(summ, roles=roles, path=html_path)
+        save_summaries_html(summ, html_path, roles=roles)
         written["html"] = str(html_path.resolve())
     elif html_path is not None:
         from multihead.inspect.html import save_html
 
-        save_html(cap, html_path, roles, max_tokens=PAGE_TOKENS)
+        save_html(cap, html_path, roles=roles, max_tokens=PAGE_TOKENS)
         written["html"] = str(html_path.resolve())
     png_error = None
     if png_path is not None:

@@ -35,7 +35,7 @@ import torch
 
 from multihead.inspect.capture_types import HeadRole
 
-__all__ = ["COARSE", "DETAIL_HEADS", "PAGE_BYTES", "render_summaries_html"]
+__all__ = ["COARSE", "DETAIL_HEADS", "PAGE_BYTES", "render_summaries_html", "save_summaries_html"]
 
 COARSE = 64
 #: The fewest detail heads a page gets when they are chosen by size.
@@ -47,11 +47,11 @@ _FIELDS = ("entropy", "mean_distance", "first_token_mass", "previous_token", "du
            "beyond_1k", "beyond_4k", "normalized_entropy", "current_token", "first_token", "delimiter", "next_token")
 
 
-def render_summaries_html(summaries, roles: list[HeadRole] | None = None, path: str | Path | None = None, *,
+def render_summaries_html(summaries, roles: list[HeadRole] | None = None, *,
                           detail: list[tuple[int, int]] | int | None = None, coarse: int = COARSE,
-                          title: str | None = None, max_bytes: int = PAGE_BYTES) -> str | Path:
+                          title: str | None = None, max_bytes: int = PAGE_BYTES) -> str:
     """The page of `summaries` (a `HeadSummaries` made with `patterns=True` or for the
-    heads to draw), or written to `path` (UTF-8) and the path returned.
+    heads to draw), as a string (`save_summaries_html` writes it).
 
     Args:
         roles: the ranked role table (`head_roles(summaries)`): role badges, and the order
@@ -121,11 +121,22 @@ def render_summaries_html(summaries, roles: list[HeadRole] | None = None, path: 
         patterned = ranked[:n_pattern]
     data["detail"] = _detail(s, chosen, patterned, T)
     data["notes"] = _notes(s, have, chosen, patterned, g, c, T)
-    page = _page(title, data)
-    if path is None:
-        return page
+    return _page(title, data)
+
+
+def save_summaries_html(summaries, path: str | Path, roles: list[HeadRole] | None = None, *,
+                        detail: list[tuple[int, int]] | int | None = None, coarse: int = COARSE,
+                        title: str | None = None, max_bytes: int = PAGE_BYTES) -> Path:
+    """Write the page of `render_summaries_html` (same arguments) to `path` as UTF-8;
+    returns the path.
+
+    As with `save_html`, the page is built and encoded in full before the file is touched,
+    then moved into place: a bad argument, a full disk or Ctrl-C leave an existing page as
+    it was, never truncated.
+    """
     from multihead.files import write_text
 
+    page = render_summaries_html(summaries, roles, detail=detail, coarse=coarse, title=title, max_bytes=max_bytes)
     return write_text(path, page)
 
 
