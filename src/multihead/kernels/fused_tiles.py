@@ -12,6 +12,9 @@ memory stays O(N)."""
 
 from __future__ import annotations
 
+import threading
+from collections import OrderedDict
+
 import torch
 import torch.nn.functional as F
 from torch import Tensor
@@ -27,7 +30,7 @@ from multihead.kernels.common import (
     mqa_splits,
 )
 from multihead.kernels.explicit_tiles import Tiles, needs_grad, refuse_trainable, twice
-from multihead.kernels.planner import block_mask, choose_tile, combine, fold_mask, serial_ops
+from multihead.kernels.planner import block_mask, choose_tile, combine, fold_mask, plan_key, serial_ops
 
 __all__ = ["BANDS", "CAUSAL", "FUSED_TILE", "fused"]
 
@@ -39,6 +42,29 @@ _ONE_CALL_SPAN = 512  # keys: below this a query block's pieces run as one maske
 _MIN_BAND = 2
 # False: every query block its own calls, planned as such (benchmarks/masks.py compares the two)
 BANDS = True
+# What a kept plan's calls share (`_shared`): its blocks and runs as Python lists, its masks
+_SHARED: OrderedDict = OrderedDict()
+_SHARED_LOCK = threading.Lock()
+_SHARED_KEPT = 32
+
+
+def _shared(key) -> dict | None:
+    """The dict that every call with the plan of `planner.plan_key` `key` shares (None: none).
+
+    Walking a plan's rows in Python (512 x 512 tiles at N = 16384, tiles of 32) costs more
+    than a thread's share of the kernel at 2 threads, and ran on one thread while the other
+    waited; with a kept plan it runs once."""
+    if key is None:
+        return None
+    with _SHARED_LOCK:
+        d = _SHARED.get(key)
+        if d is None:
+            d = _SHARED[key] = {}
+            while len(_SHARED) > _SHARED_KEPT:
+                _SHARED.popitem(last=False)
+        else:
+            _SHARED.move_to_end(key)
+        return d
 
 
 def _fused_call(q, k, v, m, scale, dropout_p):
@@ -89,16 +115,23 @@ def fused(q: Tensor, k: Tensor, v: Tensor, mask, *, causal: bool, scale: float, 
     runs_squares = dense is None and score_mod is None and (lse_engine or _public_squares(q, k))
     G = q.shape[1] // k.shape[1]
     bands = BANDS and lse_engine and dense is None and score_mod is None
+    # a plan is kept only where it and its masks are a function of the key: no dense mask, no score mod
+    key = plan_key(pred, B, H, T, S, G, tile or FUSED_TILE, q.device, runs_squares, bands) \
+        if dense is None and score_mod is None else None
     bq, bk, kept, full, squares = choose_tile(pred, B, H, T, S, G, tile or FUSED_TILE, q.device,
-                                               squares=runs_squares, bands=bands)
+                                               squares=runs_squares, bands=bands, key=key)
     if lse_engine:
-        fp = _FusedPlan(q, k, v, pred, dense, score_mod, scale, bq, bk, kept, full, squares)
+        fp = _FusedPlan(q, k, v, pred, dense, score_mod, scale, bq, bk, kept, full, squares, _shared(key))
+        # the merged log-sum-exp is for the backward alone: without one, no (B, H, T) tensor to fill
+        fp.keep_lse = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
         if bands and tile is None and FUSED_TILE is None and torch.is_grad_enabled() \
                 and (q.requires_grad or k.requires_grad or v.requires_grad):
             # the backward runs block by block (see `_MergedFused.backward`): its own plan, planned as such
             def replan():
-                plan = choose_tile(pred, B, H, T, S, G, None, q.device, squares=runs_squares)
-                return _FusedPlan(q, k, v, pred, dense, score_mod, scale, *plan)
+                key = plan_key(pred, B, H, T, S, G, None, q.device, runs_squares, False) \
+                    if dense is None and score_mod is None else None
+                plan = choose_tile(pred, B, H, T, S, G, None, q.device, squares=runs_squares, key=key)
+                return _FusedPlan(q, k, v, pred, dense, score_mod, scale, *plan, _shared(key))
 
             fp.replan = replan
         return _MergedFused.apply(q, k, v, fp)
@@ -152,7 +185,7 @@ class _FusedPlan:
     the merged out and lse (FlashAttention's dS = P (dP - rowsum(dO O)) splits over keys).
     """
 
-    def __init__(self, q, k, v, pred, dense, score_mod, scale, bq, bk, kept, full, squares):
+    def __init__(self, q, k, v, pred, dense, score_mod, scale, bq, bk, kept, full, squares, shared=None):
         self.squares = squares  # {first row: end row} of the causal squares (none with a mod or dense mask)
         self.B, self.H, self.T, self.D = q.shape
         self.Hkv, self.S, self.Dv = k.shape[1], k.shape[2], v.shape[-1]
@@ -160,8 +193,11 @@ class _FusedPlan:
         self.pred, self.dense, self.score_mod, self.scale = pred, dense, score_mod, scale
         self.bq, self.bk, self.kept, self.full = bq, bk, kept, full
         self.dtype, self.device = q.dtype, q.device
-        self._cache = {}
+        # shared: None, or the dict every call with this kept plan shares (`_shared`): lists and masks
+        self.shared = shared
+        self._cache = {} if shared is None else shared.setdefault(("masks", self.dtype, str(self.device)), {})
         self.replan = None  # None, or a zero-argument callable: the plan the backward runs instead
+        self.keep_lse = True  # False: the forward fills no lse (no backward will read it)
         self.rows_contiguous = all(x.stride(-1) == 1 for x in (q, k, v))  # the kernel reads rows of a band's views
         self.P = mqa_splits(self.B, self.Hkv, self.G, q.device)  # MQA: P stride-0 heads, one per thread
 
@@ -170,6 +206,23 @@ class _FusedPlan:
 
         A causal square is one block with the one piece `(r0, r1, CAUSAL)`.
         """
+        if self.shared is None:
+            return self._blocks()
+        key = ("blocks", _ONE_CALL_SPAN)
+        if key not in self.shared:
+            self.shared[key] = list(self._blocks())
+        return self.shared[key]
+
+    def planned_runs(self):
+        """`runs(blocks())`, a list kept with the plan where there is one (`shared`)."""
+        if self.shared is None:
+            return list(self.runs(self.blocks()))
+        key = ("runs", BANDS, _MIN_BAND, _ONE_CALL_SPAN, self.rows_contiguous)
+        if key not in self.shared:
+            self.shared[key] = list(self.runs(self.blocks()))
+        return self.shared[key]
+
+    def _blocks(self):
         nq, nk = self.kept.shape
         if not hasattr(self, "_rows"):  # Python lists once: per-row tensor ops cost more than the rows' work
             cols = torch.arange(nk)
@@ -287,8 +340,8 @@ class _FusedPlan:
 
     def band(self, q, k, v, out, lse, r0, n, pieces, acc):
         """Forward of a band (see `runs`): per GQA group position and piece one kernel call over
-        all its blocks, pieces merged by log-sum-exp, written into out and lse."""
-        lse4 = lse[..., None]  # (B, H, T, 1): viewed like out
+        all its blocks, pieces merged by log-sum-exp, written into out and lse (None: not kept)."""
+        lse4 = None if lse is None else lse[..., None]  # (B, H, T, 1): viewed like out
         for b in self.band_batches(q, k, v):
             for g in range(self.G):
                 parts, empties = [], False
@@ -302,7 +355,8 @@ class _FusedPlan:
                 # one piece where every row has a key: the kernel's own result (no pass to zero empty rows)
                 o, lp = parts[0] if len(parts) == 1 and not empties else lse_merge(parts, acc, q.dtype)
                 self.band_view(out, b, g, r0, n, self.bq).copy_(o)
-                self.band_view(lse4, b, g, r0, n, self.bq).copy_(lp)
+                if lse4 is not None:
+                    self.band_view(lse4, b, g, r0, n, self.bq).copy_(lp)
 
     def piece_mask(self, r0, r1, c0, c1, partial):
         """(float mask laid out for the folded queries or None, is_causal, rows-empty or None).
@@ -387,11 +441,11 @@ class _MergedFused(torch.autograd.Function):
         n = ctx.n = fp.equal_squares(q, k, v)
         if n:  # causal, or equal documents & causal: one call, the squares folded into the heads
             o, lp = flash_lse(*fp.fold_squares(n, q, k, v), causal=True, scale=fp.scale)
-            out, lse = o.view(B, H, T, Dv), lp.reshape(B, H, T).to(acc)
+            out, lse = o.view(B, H, T, Dv), lp.reshape(B, H, T).to(acc) if fp.keep_lse else None
         else:
             out = q.new_empty(B, H, T, Dv)
-            lse = torch.full((B, H, T), float("-inf"), dtype=acc, device=q.device)
-        for kind, r0, r1, pieces in fp.runs(fp.blocks()) if not n else ():
+            lse = torch.full((B, H, T), float("-inf"), dtype=acc, device=q.device) if fp.keep_lse else None
+        for kind, r0, r1, pieces in fp.planned_runs() if not n else ():
             if kind == "band":  # r1: the band's number of blocks
                 fp.band(q, k, v, out, lse, r0, r1, pieces, acc)
                 continue
@@ -401,7 +455,8 @@ class _MergedFused(torch.autograd.Function):
             if pieces[0][2] is CAUSAL:
                 o, lp = flash_lse(*fp.square(q, k, v, r0, r1), causal=True, scale=fp.scale)
                 out[:, :, r0:r1] = o.reshape(B, H, r1 - r0, Dv)
-                lse[:, :, r0:r1] = lp.reshape(B, H, r1 - r0)
+                if lse is not None:
+                    lse[:, :, r0:r1] = lp.reshape(B, H, r1 - r0)
                 continue
             t = r1 - r0
             qf = fp.fold(q[:, :, r0:r1], t)
@@ -413,7 +468,8 @@ class _MergedFused(torch.autograd.Function):
                 parts.append((o, lp[..., None].to(acc)))  # lse (B, Hkv*P, G/P*t, 1)
             o, lp = lse_merge(parts, acc, q.dtype)
             out[:, :, r0:r1] = o.reshape(B, H, t, Dv)
-            lse[:, :, r0:r1] = lp.reshape(B, H, t)
+            if lse is not None:
+                lse[:, :, r0:r1] = lp.reshape(B, H, t)
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.fp = fp
         return out
@@ -422,6 +478,7 @@ class _MergedFused(torch.autograd.Function):
     def backward(ctx, d_out):
         q, k, v, out, lse = ctx.saved_tensors
         fp: _FusedPlan = ctx.fp
+        assert lse is not None, "the forward kept no log-sum-exp but a backward runs"
         if torch.is_grad_enabled():  # create_graph: differentiable recomputation (see `twice`)
             def recompute(qq, kk, vv):
                 tiles = Tiles(qq, kk, vv, fp.pred, fp.dense, fp.score_mod, fp.scale, 0.0,

@@ -9,6 +9,8 @@ builds each block's small mask."""
 
 from __future__ import annotations
 
+import threading
+from collections import OrderedDict
 from contextlib import contextmanager
 
 import torch
@@ -18,8 +20,8 @@ from multihead.kernels.common import index
 from multihead.masks import MaskMod, and_masks
 from multihead.masks import causal as causal_mod
 
-__all__ = ["band_rows", "block_mask", "choose_tile", "combine", "fold_mask", "serial_ops", "slice_dense",
-           "tile_plan", "tile_sizes"]
+__all__ = ["band_rows", "block_mask", "choose_tile", "combine", "fold_mask", "plan_key", "serial_ops",
+           "slice_dense", "tile_plan", "tile_sizes"]
 
 _FUSED_CANDIDATES = (64, 128, 256, 512, 1024)  # tile edges the fused engine's plan chooses from
 _MIN_SEGMENT = 64  # documents shorter than this on average run as tiles, not a call each
@@ -33,6 +35,14 @@ _BAND_CANDIDATE = 32  # the extra tile edge of an engine that runs bands (see `c
 # to D (unmasked, T = S = 1024: 0.81, 1.49, 2.31, 4.34 ns at D = 16, 32, 64, 128), so the
 # per-call term is what is off at small D; refitting both per D would let the real D in.
 _COST_HEAD_DIM = 64
+# Plans kept (`plan_key`): a model's layers and steps repeat a handful of (mask, shape)s; a plan
+# at N = 16384 holds two (512, 512) bool grids. 0: none kept, every call plans (benchmarks/masks.py)
+_PLANS_KEPT = 32
+# A relative predicate whose allowed differences change more often than this is planned each call
+_KEY_EDGES = 64
+_PLANS: OrderedDict = OrderedDict()
+_PLANS_LOCK = threading.Lock()
+_COMPUTE = object()  # choose_tile's `key` default: compute `plan_key` itself
 
 
 def tile_sizes(T: int, S: int, tile: int) -> tuple[int, int]:
@@ -100,21 +110,57 @@ def _relative_plan(T: int, S: int, bq: int, bk: int, sums: tuple[Tensor, Tensor]
     return kept, full
 
 
-def _difference_sums(pred: MaskMod, B: int, H: int, T: int, S: int, device) -> tuple[Tensor, Tensor]:
-    """Prefix counts `(T + S,)` over d = q - kv from -(T - 1) .. S - T + T - 1 of the d that some
-    (b, h) may attend and that every (b, h) may attend: the predicate evaluated once per d."""
+def _differences(pred: MaskMod, B: int, H: int, T: int, S: int, device) -> Tensor:
+    """Bool `(B*H or 1, T + S - 1)` on the CPU: `pred` (relative) at d = q - kv from -(T - 1) ..
+    S - T + T - 1, each d evaluated once."""
     off = S - T
     d_min, d_max = off - (S - 1), T - 1 + off
     d = torch.arange(d_min, d_max + 1, device=device)
     at = torch.full((1, 1, 1, 1), max(0, -d_min), device=device)
     allowed = pred.evaluate(index(B, 0, device), index(H, 1, device), at + d.view(1, 1, -1, 1), at, 0)
-    allowed = allowed.reshape(-1, d.numel()).cpu()  # (B*H or 1, T + S - 1)
+    return allowed.reshape(-1, d.numel()).cpu()
+
+
+def _difference_sums(pred: MaskMod, B: int, H: int, T: int, S: int, device) -> tuple[Tensor, Tensor]:
+    """Prefix counts `(T + S,)` over d = q - kv from -(T - 1) .. S - T + T - 1 of the d that some
+    (b, h) may attend and that every (b, h) may attend: the predicate evaluated once per d."""
+    allowed = _differences(pred, B, H, T, S, device)  # (B*H or 1, T + S - 1)
     sums = []
     for a in (allowed.any(0), allowed.all(0)):  # kept: some (b, h) some pair; full: every (b, h) every pair
         c = torch.zeros(a.numel() + 1, dtype=torch.int64)
         torch.cumsum(a, 0, out=c[1:])
         sums.append(c)
     return sums[0], sums[1]
+
+
+def plan_key(pred, B: int, H: int, T: int, S: int, G: int, tile, device, squares: bool = True,
+             bands: bool = False) -> tuple | None:
+    """A hashable key that fixes `choose_tile`'s result for these arguments, or None (the plan
+    is made afresh each call).
+
+    Only for an analytic relative predicate (causal, sliding windows: a function of q - kv
+    alone) that is the same for every batch and head: its values at the T + S - 1
+    differences d are then every pair's, and the key holds them exactly (the first value and
+    the d where they change), so two predicates built apart (a model builds its mask every
+    forward) share a plan when they allow the same pairs; the plan, its blocks and masks
+    depend on those values alone. O(T + S) work, against the plan's dozens of ops over tile
+    grids per candidate, which run on one thread (`serial_ops`) while the others wait.
+    """
+    if not _PLANS_KEPT or pred is None or not pred.relative or not pred.analytic or T < 1 or S < 1 \
+            or torch.compiler.is_compiling():
+        return None
+    # a few ops over T + S - 1 values, no `serial_ops`: changing torch's thread count costs more
+    # than they do (measured 4-20 ms for the count and back at 2 threads on a busy machine)
+    allowed = _differences(pred, B, H, T, S, device)
+    if allowed.shape[0] > 1 and not bool((allowed == allowed[:1]).all()):
+        return None  # differs by batch or head: its masks would too
+    a = allowed[0]
+    edges = torch.nonzero(a[1:] != a[:-1]).flatten()
+    if edges.numel() > _KEY_EDGES:
+        return None
+    values = (bool(a[0]), tuple(edges.tolist()))
+    return (values, B, H, T, S, G, tile, torch.device(device).type, squares, bands, torch.get_num_threads(),
+            _FUSED_CANDIDATES, _BAND_CANDIDATE)
 
 
 def _kernel_efficiency(rows: int) -> float:
@@ -140,7 +186,7 @@ def band_rows(kept: Tensor, full: Tensor, T: int, bq: int) -> Tensor:
     return out
 
 
-def choose_tile(pred, B, H, T, S, G, tile, device, squares: bool = True, bands: bool = False):
+def choose_tile(pred, B, H, T, S, G, tile, device, squares: bool = True, bands: bool = False, key=_COMPUTE):
     """(bq, bk, kept, full, squares): a fixed tile, or the candidate of least estimated kernel time.
 
     Estimated time = pairs computed (rows x kept keys, tile-granular) / kernel efficiency
@@ -152,7 +198,28 @@ def choose_tile(pred, B, H, T, S, G, tile, device, squares: bool = True, bands: 
     the engine runs alike query blocks of a relative mask as one call (`band_rows`; the
     GQA heads unfolded, G calls), so a band costs the calls of one block and short blocks
     (32 rows, which waste fewest pairs at a window's edges) are worth a candidate.
+
+    Plans with a `plan_key` (`key`: one the caller computed, else computed here) are kept,
+    the last `_PLANS_KEPT`: the same result object again, whose tensors no caller may modify.
     """
+    if key is _COMPUTE:
+        key = plan_key(pred, B, H, T, S, G, tile, device, squares, bands)
+    if key is not None:
+        with _PLANS_LOCK:
+            hit = _PLANS.get(key)
+            if hit is not None:
+                _PLANS.move_to_end(key)
+                return hit
+    result = _choose_tile(pred, B, H, T, S, G, tile, device, squares, bands)
+    if key is not None:
+        with _PLANS_LOCK:
+            _PLANS[key] = result
+            while len(_PLANS) > _PLANS_KEPT:
+                _PLANS.popitem(last=False)
+    return result
+
+
+def _choose_tile(pred, B, H, T, S, G, tile, device, squares, bands):
     find = _causal_squares if squares else lambda *args: {}
     segments = _segment_squares(pred, B, H, T, S, device) if pred is not None and squares else {}
     if segments or tile is not None or pred is None or not pred.analytic:
