@@ -118,6 +118,10 @@ def test_bad_arguments():
         render_summaries_html(s, detail=[(3, 3)])
     with pytest.raises(ValueError, match="coarse must be an int >= 1; received 0"):
         render_summaries_html(s, coarse=0)
+    with pytest.raises(TypeError, match=r"coarse must be an int >= 1; received 8.0 \(float\)"):
+        render_summaries_html(s, coarse=8.0)
+    with pytest.raises(TypeError, match=r"max_bytes must be an int >= 1; received True \(bool\)"):
+        render_summaries_html(s, max_bytes=True)
 
 
 def test_save_writes_the_page_render_returns(tmp_path):

@@ -33,6 +33,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from multihead.checks import check_positive_int
 from multihead.inspect.capture_types import HeadRole
 
 __all__ = ["COARSE", "DETAIL_HEADS", "PAGE_BYTES", "render_summaries_html", "save_summaries_html"]
@@ -66,14 +67,11 @@ def render_summaries_html(summaries, roles: list[HeadRole] | None = None, *,
     """
     if not (hasattr(summaries, "scores") and hasattr(summaries, "patterns")):
         raise TypeError(f"render_summaries_html takes a HeadSummaries; received {type(summaries).__name__}")
-    if isinstance(coarse, bool) or not isinstance(coarse, int) or coarse < 1:
-        raise ValueError(f"coarse must be an int >= 1; received {coarse!r}")
+    coarse, max_bytes = check_positive_int("coarse", coarse), check_positive_int("max_bytes", max_bytes)
     s = summaries
     T = len(s.tokens)
     have = [(layer, head) for layer in s.layers for head in s.heads if (layer, head) in s.patterns]
     order = [(r.layer, r.head) for r in roles] if roles else have
-    if isinstance(max_bytes, bool) or not isinstance(max_bytes, int) or max_bytes < 1:
-        raise ValueError(f"max_bytes must be an int >= 1; received {max_bytes!r}")
     chosen: list[tuple[int, int]] = []
     if detail is None:
         pass  # chosen below, by size
