@@ -4,6 +4,7 @@ and where multihead's per-layer microseconds go (fp32, CPU, B = 1).
     .venv/bin/python benchmarks/hf_generate.py            # 4-layer GQA Llama, 512-token prompt, 64 new tokens
     .venv/bin/python benchmarks/hf_generate.py --quick    # a smoke run
     .venv/bin/python benchmarks/hf_generate.py --model smollm2 --rounds 7 --calls 500   # the real model
+    .venv/bin/python benchmarks/hf_generate.py --model smollm2 --rounds 7 --calls 500 --clock cpu  # on a busy machine
 
 One random-init Llama (--layers, --heads query heads, --kv-heads KV heads) generates
 --new-tokens tokens greedily from the same prompt under each implementation, switched
@@ -16,7 +17,9 @@ hands them (q `(1, H, 1, D)`, k/v `(1, Hkv, S, D)`, no mask, as transformers pas
 a causal model without padding), in microseconds per call, with a cProfile breakdown of
 multihead's call by function (cumulative microseconds per call; cProfile's own cost
 inflates every line). And the same decode calls inside `generate` (see `in_loop`): the
-two functions alone (medians), then their parts: torch's kernel, multihead's NaN-rule
+two functions alone (medians), with the ratio multihead / sdpa paired per round (the
+median decode call and the mean prefill call of each round's generate, and the load
+average after each round), then their parts: torch's kernel, multihead's NaN-rule
 check, and multihead's rest layer by layer (the HF function, `attend`, the backend).
 
 --clock cpu times this thread's CPU time instead of wall time (one torch thread does all
@@ -25,8 +28,9 @@ misses other processes cause do not). --generate-only skips the per-call parts.
 
 What a decode step's attention costs in multihead, the parts the timers above split it into:
 the HF function's decode branch (`attention_forward`: T = 1 and nothing but q, k, v; its
-one transformers read, `config.output_attentions`, is a property behind a Python
-`__getattribute__`), `attend`'s plain call (two folded checks, `validation.plain_shape`
+one transformers read, `config.output_attentions`, taken from the config's field where its
+class has transformers' own property, not through the config's Python `__getattribute__`),
+`attend`'s plain call (two folded checks, `validation.plain_shape`
 and `plain_scale`) and `kernels.decode.step` (`sdpa.plain`: the G query heads folded
 into the query length, one kernel call), then the NaN rule's check, one sum over the rows
 of `out`. The committed JSON has the run's own figures; docs/benchmarks.md quotes them.
@@ -142,14 +146,14 @@ def in_loop(model, prompt: torch.Tensor, new_tokens: int, rounds: int) -> dict:
     from multihead.interop.hf import registry as mh_registry
 
     spent: dict[str, list[float]] = {}
+    prefill: dict[str, list[float]] = {}  # the attention functions' prefill calls (pass 1)
     state = {"impl": "", "decode": False}
 
     def timed(key: str, f):
         def g(*a, **k):
             t0 = clock()
             out = f(*a, **k)
-            if state["decode"]:
-                spent.setdefault(key, []).append(clock() - t0)
+            (spent if state["decode"] else prefill).setdefault(key, []).append(clock() - t0)
             return out
         return g
 
@@ -170,17 +174,28 @@ def in_loop(model, prompt: torch.Tensor, new_tokens: int, rounds: int) -> dict:
     def kernel(*a, **k):
         return kernels[state["impl"]](*a, **k)
 
+    rounds_of: dict[str, dict[str, list[float]]] = {"decode median": {}, "prefill mean": {}}
+    loads: list[float] = []
+
     def generate(r: int) -> None:
         for impl in (("sdpa", "multihead") if r % 2 else ("multihead", "sdpa")):
             model.set_attn_implementation(impl)
+            key = f"{impl}: attention function"
+            seen = len(spent.get(key, []))
+            prefill.pop(key, None)
             with torch.no_grad():
                 model.generate(prompt, max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False)
+            rounds_of["decode median"].setdefault(impl, []).append(statistics.median(spent[key][seen:]) * 1e6)
+            rounds_of["prefill mean"].setdefault(impl, []).append(statistics.mean(prefill[key]) * 1e6)
+        loads.append(os.getloadavg()[0])
 
     try:
         mapping["sdpa"], mapping["multihead"] = entry("sdpa"), entry("multihead")
         for r in range(rounds):  # pass 1: the functions alone
             generate(r)
         alone = {key: list(times) for key, times in spent.items()}
+        alone_rounds = {what: {impl: list(v) for impl, v in by.items()} for what, by in rounds_of.items()}
+        alone_loads = list(loads)
         spent.clear()
         F.scaled_dot_product_attention = kernel
         mh_functional._any_nan = timed("multihead: NaN-rule check", saved["nan"])
@@ -206,9 +221,14 @@ def in_loop(model, prompt: torch.Tensor, new_tokens: int, rounds: int) -> dict:
         "the decode step around torch's kernel (GQA fold, views, the split decision)":
             part["decode step"] - part["torch's fused kernel"],
     }
+    paired = {}  # multihead / sdpa per round of pass 1: one decode call (median) and one prefill call (mean)
+    for what, by in alone_rounds.items():
+        ratios = [m / s for m, s in zip(by["multihead"], by["sdpa"])]
+        paired[what] = {"us_per_round": by, "ratios": ratios, "ratio": statistics.median(ratios)}
     return {"decode_calls": n,
             "alone_us_per_call": {key: {"median": statistics.median(t) * 1e6, "mean": sum(t) / len(t) * 1e6}
                                   for key, t in sorted(alone.items())},
+            "alone_paired": paired, "load_per_round": alone_loads,
             "us_per_call": us, "multihead_rest_us_per_call": split}
 
 
@@ -291,6 +311,10 @@ def main(argv=None) -> int:
     print("| function | median | mean |\n|---|---:|---:|")
     for key, row in loop["alone_us_per_call"].items():
         print(f"| {key.split(':')[0]} | {row['median']:.1f} | {row['mean']:.1f} |")
+    for what, row in loop["alone_paired"].items():
+        print(f"\nmultihead / sdpa per round, one {what.replace(' ', ' call, ')} of the round: {row['ratio']:.3f} "
+              f"(per round: {', '.join(f'{r:.2f}' for r in row['ratios'])}; load "
+              f"{', '.join(f'{x:.1f}' for x in loop['load_per_round'])})")
     print("\nand their parts (means, with a timer around each part):")
     print("| part | us per call |\n|---|---:|")
     for key, us in loop["us_per_call"].items():
