@@ -105,3 +105,28 @@ def test_calls_on_a_kept_plan_equal_the_reference(threads, heads, monkeypatch):
             assert_close(a, b, what=f"{name} heads={heads} threads={threads}")
     finally:
         torch.set_num_threads(n)
+
+
+@pytest.mark.skipif(not common.HAS_CPU_FLASH, reason="needs torch's CPU flash kernel (log-sum-exp pieces)")
+def test_masks_over_the_byte_bound_are_built_per_call(monkeypatch):
+    """With no mask small enough to keep, block-by-block GQA pieces (folded masks) are built each
+    call, none kept with the plan, and the outputs still equal the reference."""
+    monkeypatch.setattr(planner, "_PLANS", type(planner._PLANS)())
+    monkeypatch.setattr(fused_tiles, "_SHARED", type(fused_tiles._SHARED)())
+    monkeypatch.setattr(fused_tiles, "BANDS", False)
+    g = torch.Generator().manual_seed(8)
+    T = 1000
+    q = torch.randn(1, 4, T, 8, generator=g, dtype=torch.float64)
+    k, v = (torch.randn(1, 2, T, 8, generator=g, dtype=torch.float64) for _ in range(2))
+    allowed = masks.to_dense(masks.sliding_window(40), 1, 1, T, T)[0, 0].numpy()
+    want = torch.from_numpy(reference.attention(q.numpy(), k.numpy(), v.numpy(), mask=allowed))
+    got = mh.scaled_dot_product_attention(q, k, v, masks.sliding_window(40))
+    kept = [m for key, ms in next(iter(fused_tiles._SHARED.values())).items() if key[0] == "masks"
+            for m in ms.values()]
+    assert kept and all(m[0] is None or m[0].numel() * 8 <= fused_tiles._KEPT_MASK_BYTES for m in kept)
+    assert_close(got, want, what="masks kept")
+    monkeypatch.setattr(fused_tiles, "_KEPT_MASK_BYTES", 0)
+    monkeypatch.setattr(fused_tiles, "_SHARED", type(fused_tiles._SHARED)())
+    for _ in range(2):
+        assert_close(mh.scaled_dot_product_attention(q, k, v, masks.sliding_window(40)), want, what="none kept")
+    assert not any(ms for key, ms in next(iter(fused_tiles._SHARED.values())).items() if key[0] == "masks")

@@ -46,6 +46,7 @@ BANDS = True
 _SHARED: OrderedDict = OrderedDict()
 _SHARED_LOCK = threading.Lock()
 _SHARED_KEPT = 32
+_KEPT_MASK_BYTES = 1 << 20  # a larger mask (a GQA-folded piece's) is built per call, never kept
 
 
 def _shared(key) -> dict | None:
@@ -195,7 +196,8 @@ class _FusedPlan:
         self.dtype, self.device = q.dtype, q.device
         # shared: None, or the dict every call with this kept plan shares (`_shared`): lists and masks
         self.shared = shared
-        self._cache = {} if shared is None else shared.setdefault(("masks", self.dtype, str(self.device)), {})
+        self._cache = {}  # masks of this call
+        self._kept = None if shared is None else shared.setdefault(("masks", self.dtype, str(self.device)), {})
         self.replan = None  # None, or a zero-argument callable: the plan the backward runs instead
         self.keep_lse = True  # False: the forward fills no lse (no backward will read it)
         self.rows_contiguous = all(x.stride(-1) == 1 for x in (q, k, v))  # the kernel reads rows of a band's views
@@ -304,20 +306,37 @@ class _FusedPlan:
         """(float mask `(1, 1, bq, e - a)` or None, is_causal, rows-empty `(1, 1, bq)` or None) of
         any block of a band: keys r0 + a .. r0 + e of rows r0 .. r0 + bq, the GQA heads unfolded."""
         key = ("band", r0 + self.S - self.T, a, e, partial)  # relative: the same for every block
-        if key not in self._cache:
-            t, s = self.bq, e - a
-            m = block_mask(self.pred, None, None, self.B, self.H, self.T, self.S, r0, r0 + t, r0 + a, r0 + e,
-                           partial, self.dtype, self.device)
-            if m is None:
-                result = None, False, None
-            elif t == s and t > 1 and torch.equal(~torch.isneginf(m[0, 0]),
-                                                  torch.ones(t, s, dtype=torch.bool, device=self.device).tril()):
-                result = None, True, None  # a band on the diagonal: torch's own causal kernel
-            else:
-                empty = torch.isneginf(m).all(-1) if partial else None
-                result = m, False, empty if empty is not None and bool(empty.any()) else None
+        found = self._recall(key)
+        if found is not None:
+            return found
+        t, s = self.bq, e - a
+        m = block_mask(self.pred, None, None, self.B, self.H, self.T, self.S, r0, r0 + t, r0 + a, r0 + e,
+                       partial, self.dtype, self.device)
+        if m is None:
+            result = None, False, None
+        elif t == s and t > 1 and torch.equal(~torch.isneginf(m[0, 0]),
+                                              torch.ones(t, s, dtype=torch.bool, device=self.device).tril()):
+            result = None, True, None  # a band on the diagonal: torch's own causal kernel
+        else:
+            empty = torch.isneginf(m).all(-1) if partial else None
+            result = m, False, empty if empty is not None and bool(empty.any()) else None
+        self._remember(key, result)
+        return result
+
+    def _recall(self, key):
+        """A mask `_remember`ed under key, of this call or kept with the plan; None if none."""
+        found = self._cache.get(key)
+        if found is None and self._kept is not None:
+            found = self._kept.get(key)
+        return found
+
+    def _remember(self, key, result):
+        """Keep a (mask, is_causal, empty) for this call, and with the plan (`shared`) when small."""
+        if len(self._cache) < 64:
             self._cache[key] = result
-        return self._cache[key]
+        size = sum(x.numel() * x.element_size() for x in (result[0], result[2]) if x is not None)
+        if self._kept is not None and size <= _KEPT_MASK_BYTES and len(self._kept) < 64:
+            self._kept[key] = result
 
     def band_batches(self, *xs):
         """The batch indices to run a band's calls over: (None,) when every tensor's batch and
@@ -367,11 +386,12 @@ class _FusedPlan:
         key = None
         if self.pred is not None and self.pred.relative and self.score_mod is None and self.dense is None:
             key = (r0 + self.S - self.T - c0, r1 - r0, c1 - c0, partial)
-            if key in self._cache:
-                return self._cache[key]
+            found = self._recall(key)
+            if found is not None:
+                return found
         result = self._piece_mask(r0, r1, c0, c1, partial)
-        if key is not None and len(self._cache) < 64:
-            self._cache[key] = result
+        if key is not None:
+            self._remember(key, result)
         return result
 
     def _piece_mask(self, r0, r1, c0, c1, partial):
