@@ -251,8 +251,11 @@ def peak_mib(group: str, name: str, N: int, threads: int) -> float | None:
 
 def scaling_cases(N: int, flex: bool) -> dict:
     """`sliding_window(256) & causal` at N: multihead's engine (bands: alike query blocks in one
-    call), the same engine block by block (`fused_tiles.BANDS = False`: one call per query
-    block, as before bands) and compiled flex_attention, at this process's thread count."""
+    call; its plan kept from call to call), the same planning every call (`planner._PLANS_KEPT =
+    0`: the tile search and the walk over the tiles, on one thread, each call), the engine block
+    by block (`fused_tiles.BANDS = False`: one call per query block, as before bands) and
+    compiled flex_attention (its block mask made once, outside the timing), at this process's
+    thread count."""
     from multihead.kernels import fused_tiles
 
     q, k, v = _inputs(N)
@@ -265,7 +268,16 @@ def scaling_cases(N: int, flex: bool) -> dict:
         finally:
             fused_tiles.BANDS = True
 
+    def plan_each_call():
+        kept = planner._PLANS_KEPT
+        planner._PLANS_KEPT = 0
+        try:
+            return mh.scaled_dot_product_attention(q, k, v, win)
+        finally:
+            planner._PLANS_KEPT = kept
+
     cases = {"multihead window": lambda: mh.scaled_dot_product_attention(q, k, v, win),
+             "multihead window, plan each call": plan_each_call,
              "multihead window, block by block": blocks}
     if flex:
         from torch.nn.attention.flex_attention import create_block_mask, flex_attention
@@ -395,7 +407,7 @@ def run_scaling(N: int, rounds: int, thread_counts=(1, 2), flex: bool = True) ->
     def per_round(a, b):
         return statistics.median(x / y for x, y in zip(a, b))
 
-    ratios = {}
+    ratios, cpu_ratios = {}, {}
     names = list(times[thread_counts[0]])
     for t in thread_counts:
         tt = times[t]
@@ -403,15 +415,23 @@ def run_scaling(N: int, rounds: int, thread_counts=(1, 2), flex: bool = True) ->
             if name != "flex window" and "flex window" in tt:
                 ratios[f"{name} / flex window, {t} threads"] = per_round(tt[name]["wall_s"],
                                                                          tt["flex window"]["wall_s"])
+                cpu_ratios[f"{name} / flex window, {t} threads"] = per_round(tt[name]["cpu_s"],
+                                                                             tt["flex window"]["cpu_s"])
         if t != thread_counts[0]:
             for name in names:
-                base = times[thread_counts[0]][name]["wall_s"]
-                ratios[f"{name}: speed-up {thread_counts[0]} -> {t} threads"] = per_round(base, tt[name]["wall_s"])
+                base = times[thread_counts[0]][name]
+                ratios[f"{name}: speed-up {thread_counts[0]} -> {t} threads"] = per_round(base["wall_s"],
+                                                                                          tt[name]["wall_s"])
+                # CPU seconds at t threads over 1 thread's: t is perfect scaling (every thread busy,
+                # no spinning); a busy machine's stolen time adds wall time but not CPU time
+                cpu_ratios[f"{name}: CPU s {t} threads / {thread_counts[0]} thread"] = per_round(
+                    tt[name]["cpu_s"], base["cpu_s"])
     return {"N": N, "rounds": rounds, "threads": list(thread_counts), "loadavg_1min_per_round": loads,
             "first_call_s": {t: r["first_call_s"] for t, r in ready.items()},
             "times": times, "median_wall_s": {t: {n: statistics.median(v["wall_s"]) for n, v in tt.items()}
                                               for t, tt in times.items()},
-            "ratios": ratios, "profiles": profiles}
+            "median_cpu_s": {t: {n: statistics.median(v["cpu_s"]) for n, v in tt.items()} for t, tt in times.items()},
+            "ratios": ratios, "cpu_ratios": cpu_ratios, "profiles": profiles}
 
 
 def print_scaling(sc: dict) -> None:
@@ -423,6 +443,9 @@ def print_scaling(sc: dict) -> None:
         print(f"| {name} | " + " | ".join(f"{sc['median_wall_s'][t][name]:.3f}" for t in sc["threads"]) + " |")
     print("\n| ratio (median of per-round ratios) | value |\n|---|---:|")
     for name, r in sc["ratios"].items():
+        print(f"| {name} | {r:.3f} |")
+    print("\n| CPU-time ratio (median of per-round ratios) | value |\n|---|---:|")
+    for name, r in sc.get("cpu_ratios", {}).items():
         print(f"| {name} | {r:.3f} |")
     print("\n| profile (one call) | threads | kernel calls | kernel s | merges s | rest s |")
     print("|---|---:|---:|---:|---:|---:|")
