@@ -96,8 +96,10 @@ def test_ioi_metric_is_the_mean_logit_difference_at_each_last_token(tokenizer, t
             want.append((last[t.answer[i]] - last[t.wrong[i]]).item())
     torch.testing.assert_close(t.logit_diff(padded), torch.tensor(want), rtol=1e-4, atol=1e-4)
     assert abs(t.metric(padded).item() - sum(want) / len(want)) < 1e-4
-    with pytest.raises(ValueError, match="N=4"):
+    with pytest.raises(ValueError, match="IOI metric reads logits .B=4"):
         t.metric(padded[:2])
+    with pytest.raises(ValueError, match="N=4"):
+        t.logit_diff(padded[:2])
 
 
 def test_ioi_refuses_bad_arguments(tokenizer):

@@ -37,10 +37,18 @@ def test_a_memory_budget_sets_the_variants_per_forward_and_not_the_table(monkeyp
     clean, corrupted = _inputs("llama", 1), _inputs("llama", 2)
     sizes = _forwards(monkeypatch)
     want = heads.patch_scan(model, clean, corrupted, _metric)
-    assert max(sizes) == 16 // 2  # the automatic budget holds 16 rows of this tiny model
+    n_variants = sum(lay.H for lay in heads.record(model, clean).layers)
+    T = clean["input_ids"].shape[1] if isinstance(clean, dict) else clean.shape[1]
+    # short rows: up to POSITIONS_PER_RUN row-positions a forward (T or fewer positions a row)
+    assert max(sizes) >= min(n_variants, _scan.POSITIONS_PER_RUN // T // 2) > 16 // 2
+    sizes.clear()
+    monkeypatch.setattr(_scan, "POSITIONS_PER_RUN", 0)
+    assert (heads.patch_scan(model, clean, corrupted, _metric) - want).abs().max() < 1e-5
+    assert max(sizes) == 16 // 2  # else the automatic budget holds 16 rows of this tiny model
     block = model.layers[0]
     params = sum(p.numel() for p in block.parameters())
     assert _scan.bytes_per_row(100, 4, [block], 8, 10) == 10 * 4 * (2 * 100 + 2 * params // 8 + 4 * 8)
+    assert _scan.bytes_per_row(100, 4, [block], 8, 10, 1) == 4 * (10 * (2 * params // 8 + 4 * 8) + 1 * 2 * 100)
     for rows, expected in ((1, 1), (3 * 2, 3)):  # a budget of 1 byte still runs one variant a forward
         sizes.clear()
         info = {}

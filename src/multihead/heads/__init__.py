@@ -19,6 +19,8 @@ pattern `(B, H, T, S)`.
   every head as the only sender
 - `importance(model, batches, loss, normalize=True)`: Michel et al. (2019) head importance
 - `prune(model, heads)`: physical removal where the model can hold it
+- `AtPositions(fn, positions)`: a metric that reads one position per row; the scans then
+  compute the model's head at those positions only
 
 See docs/heads.md.
 """
@@ -30,6 +32,7 @@ from multihead._lazy import lazy_exports
 # Loaded on first use, so that `multihead heads --help` (which imports multihead.heads.cli,
 # and with it this package) does not wait for torch.
 _LAZY = {
+    "AtPositions": "multihead.heads.metrics",
     "importance": "multihead.heads._importance",
     "ablate": "multihead.heads._interventions",
     "patch": "multihead.heads._interventions",
@@ -42,7 +45,7 @@ _LAZY = {
     "path_patch_scan": "multihead.heads.path_patching",
 }
 
-__all__ = ["Recording", "ablate", "attribution_scan", "importance", "patch", "patch_scan", "path_patch",
+__all__ = ["AtPositions", "Recording", "ablate", "attribution_scan", "importance", "patch", "patch_scan", "path_patch",
            "path_patch_scan", "prune", "record"]
 
 __getattr__, __dir__ = lazy_exports(__name__, _LAZY, globals())

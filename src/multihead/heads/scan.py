@@ -74,6 +74,7 @@ from multihead.heads.engine import (
     multihead_modules,
     parents_of,
 )
+from multihead.heads.metrics import AtPositions
 from multihead.heads.progress import Progress, check_progress
 from multihead.masks import MaskMod
 
@@ -81,6 +82,11 @@ SCANS = ("z", "k", "v", "pattern", "latent")
 # The default bound on a scan forward's rows (variants x B): bigger batches cost more per row
 # here, and memory grows with them (GPT-2-shaped, B 4, T 256: 202 MiB peak at 16 rows, 408 at 32).
 ROWS_PER_RUN = 16
+# ... unless its rows are short: then up to this many row-positions, for a forward of a few
+# positions a row is mostly per-call overhead and small matrix products (SmolLM2 on 8 IOI
+# pairs, 10 positions a row after the prefix skip: 25 variants a forward take 0.62 of the
+# CPU time of 2 a forward).
+POSITIONS_PER_RUN = 2048
 # The automatic bound on one scan forward's memory (its logits and activations; what the
 # scan holds for the whole call, the clean and corrupted runs' per-layer tensors, is apart)
 MEMORY_PER_RUN = 1 << 30
@@ -594,11 +600,12 @@ class _ScanHandler(Handler):
 
 
 def _forward(model, corrupted, no_cache: bool, handler: Handler, grower, hooked: list, last: nn.Module | None,
-             tail: list, B: int, extra: list = (), final: list | None = None) -> Tensor:
+             tail: list, B: int, extra: list = (), final: list | None = None, keep: dict | None = None) -> Tensor:
     """One scan forward: `grower` lays out the rows, `handler` patches them; with the prefix
     skip, `last` (the last block) gets the corrupted prefix `tail[0]` back on its output;
     `extra`: (module, pre, post) hooks (the shortcut's); `final`: a list to which the
-    output of the last block of the blocks hooked is appended (the self-checks')."""
+    output of the last block of the blocks hooked is appended (the self-checks'); `keep`:
+    keywords for the model's call ({"logits_to_keep": positions} for an `AtPositions` metric)."""
     hooks = Hooks()
     try:
         for b in hooked:
@@ -612,7 +619,7 @@ def _forward(model, corrupted, no_cache: bool, handler: Handler, grower, hooked:
             hooks.post(hooked[-1], lambda m, a, out: final.append(first_output(out)))
         hooks.pre(model, lambda m, a: grower.begin())
         with Engine(model, handler).installed(), torch.no_grad():
-            return logits_of(_call(model, corrupted, no_cache))
+            return logits_of(_call(model, corrupted, no_cache, **(keep or {})))
     finally:
         hooks.remove()
 
@@ -706,14 +713,17 @@ def check_memory(max_memory) -> int | None:
     return int(max_memory)
 
 
-def bytes_per_row(vocab: int, itemsize: int, blocks: list[nn.Module], width: int, positions: int) -> int:
+def bytes_per_row(vocab: int, itemsize: int, blocks: list[nn.Module], width: int, positions: int,
+                  logit_positions: int | None = None) -> int:
     """About what one row (one copy of one input) adds to a scan forward's peak: its logits
-    twice (the model's and a metric's working copy, e.g. a log-softmax) and a block's
-    activations, about two floats per position for every parameter of a block over the
-    model's width (the projections' and the MLP's outputs, the residual and its copies)."""
+    twice (the model's and a metric's working copy, e.g. a log-softmax; at `logit_positions`
+    positions when only those are computed, else at all) and a block's activations, about
+    two floats per position for every parameter of a block over the model's width (the
+    projections' and the MLP's outputs, the residual and its copies)."""
     per_block = sum(p.numel() for b in blocks[:1] for p in b.parameters())
     act = 2 * per_block // max(1, width) + 4 * width
-    return positions * itemsize * (2 * vocab + act)
+    head = positions if logit_positions is None else logit_positions
+    return itemsize * (positions * act + head * 2 * vocab)
 
 
 def model_width(model: nn.Module, default: int) -> int:
@@ -726,13 +736,15 @@ def model_width(model: nn.Module, default: int) -> int:
     return emb.shape[1] if isinstance(emb, Tensor) and emb.dim() == 2 else default
 
 
-def variants_per_forward(per_row: int, B: int, max_memory: int | None) -> tuple[int, int]:
+def variants_per_forward(per_row: int, B: int, max_memory: int | None, positions: int = 0) -> tuple[int, int]:
     """(variants per forward, the budget in bytes): as many as `max_memory` (or the
     automatic budget) holds, at least one, and without a budget given at most ROWS_PER_RUN
-    rows (bigger batches cost more per row)."""
+    rows (bigger batches cost more per row), or POSITIONS_PER_RUN row-positions when rows
+    of `positions` positions are short enough for more."""
     budget = MEMORY_PER_RUN if max_memory is None else max_memory
     n = max(1, budget // max(1, per_row * B))
-    return (min(n, max(1, ROWS_PER_RUN // B)) if max_memory is None else n), budget
+    rows = max(ROWS_PER_RUN, POSITIONS_PER_RUN // positions if positions > 0 else 0)
+    return (min(n, max(1, rows // B)) if max_memory is None else n), budget
 
 
 def _check_positions_fit(pos: list[int] | None, positions, rec: Recording, what: str) -> None:
@@ -793,6 +805,8 @@ class _Scan:
         self.final: Tensor | None = None  # its last block's output, what the self-checks compare
         self.vocab, self.itemsize = 0, 4
         self.lean: dict = {}  # {"logits_to_keep": 1} for the recording runs when their logits would be big
+        self.keep: dict = {}  # {"logits_to_keep": positions} for the scan forwards of an AtPositions metric
+        self.T = 0  # the inputs' positions (0 when they cannot be read off them)
         # the prefix skip: the stack of blocks, the cut (T, p), the cache on [p, T), the
         # corrupted run's keys/values/z and last block's output on [0, p)
         self.stack: nn.ModuleList | None = None
@@ -917,7 +931,12 @@ class _Scan:
         logits, start, order = self.chunk_logits(chunk, pos)
         B = self.B
         rows = [logits[start + i * B:start + (i + 1) * B] for i in range(len(order))]
-        return [((layer, h), _scalar(metric(r), f"for layer {layer} head {h}")) for (layer, h), r in zip(order, rows)]
+        return [((layer, h), _scalar(self.read(metric, r), f"for layer {layer} head {h}"))
+                for (layer, h), r in zip(order, rows)]
+
+    def read(self, metric, logits: Tensor):
+        """The metric of one variant's logits (those of the kept positions with `self.keep`)."""
+        return metric.kept(logits, self.keep["logits_to_keep"], self.T) if self.keep else metric(logits)
 
     def chunk_logits(self, chunk: list[tuple[int, int]], pos: list[int] | None, zero: bool = False,
                      final: list | None = None) -> tuple[Tensor, int, list[tuple[int, int]]]:
@@ -950,7 +969,7 @@ class _Scan:
         hooked = self.inner if cached else self.block_list
         extra = self.shortcut.hooks(joining, B, pos, cut, zero) if joining else []
         logits = _forward(self.model, self.corrupted, self.no_cache, handler, grower, hooked,
-                          self.stack[-1] if cut else None, self.tail, B, extra, final)
+                          self.stack[-1] if cut else None, self.tail, B, extra, final, self.keep)
         if logits.shape[0] != first_row:
             raise RuntimeError(f"the scan's batch did not come out whole ({logits.shape[0]} rows, expected "
                                f"{first_row}): {type(self.model).__name__} reshapes its batch between blocks")
@@ -1003,7 +1022,10 @@ def patch_scan(model, clean, corrupted, metric: Callable[[Tensor], Tensor], what
         clean, corrupted: inputs of the same shape (a tensor of input_ids or a mapping of
             keyword arguments; no labels, use_cache or past_key_values).
         metric: logits of one run (the output's `.logits`, or the output when it is a
-            tensor; `(B, ...)` of that run's B rows) -> a scalar tensor (or a number).
+            tensor; `(B, ...)` of that run's B rows) -> a scalar tensor (or a number). An
+            `AtPositions` metric (one position per row, e.g. `tasks.ioi(...).metric`) on a
+            transformers model has the model's head computed at those positions only
+            (SmolLM2 on 8 IOI pairs: half the scan's work); the table is the same.
         what: "z" (heads' outputs), "k", "v" (per KV head: MQA/GQA scan Hkv heads; MLA
             modules per head through the up-projection), "pattern" (z = clean pattern @
             this run's values) or, for MLA modules, "latent" (the shared latent, one column).
@@ -1054,6 +1076,7 @@ def patch_scan(model, clean, corrupted, metric: Callable[[Tensor], Tensor], what
                              "multihead.interop.hf.use_latent_attention); this model has none")
         scan = _Scan(model, corrupted, rec, what, B)
         scan.lean = lean
+        scan.T, scan.keep = T, _keep(model, metric, T, B)
         scan.shortcut.early = _shortcut_too_big(scan.shortcut, rec, MEMORY_PER_RUN if budget is None else budget)
         if not why:
             scan.stack, why = _causal_stack(model, scan.layers, scan.blocks, scan.parents)
@@ -1068,9 +1091,10 @@ def patch_scan(model, clean, corrupted, metric: Callable[[Tensor], Tensor], what
             why = scan.decide_prefix(p0, T)
         scan.shortcut_reason = scan.decide_shortcut(MEMORY_PER_RUN if budget is None else budget)
         width = model_width(model, scan.layers[0].H * scan.layers[0].Dv)
-        per_row = bytes_per_row(scan.vocab, scan.itemsize, scan.inner or [model], width,
-                                (T - p0 if scan.cut else T) or _positions_of(rec))
-        auto, scan.budget = variants_per_forward(per_row, B, budget)
+        n_pos = (T - p0 if scan.cut else T) or _positions_of(rec)
+        per_row = bytes_per_row(scan.vocab, scan.itemsize, scan.inner or [model], width, n_pos,
+                                len(scan.keep["logits_to_keep"]) if scan.keep else None)
+        auto, scan.budget = variants_per_forward(per_row, B, budget, n_pos)
         scan.per_row = per_row
         per_run = auto if per_run is None else per_run
         chunks = _chunks(_variant_order(scan.layers, what), per_run, scan.last_stack)
@@ -1118,16 +1142,34 @@ def _shortcut_too_big(short: _Shortcut, rec: Recording, budget: int) -> str:
             f"of the memory budget ({budget / 2**20:,.0f} MiB)")
 
 
+def takes_logits_to_keep(model) -> bool:
+    """Whether the model is a transformers model whose forward computes its head's logits at
+    the positions `logits_to_keep` names only."""
+    try:
+        return is_hf(model) and "logits_to_keep" in inspect.signature(model.forward).parameters
+    except (TypeError, ValueError):
+        return False
+
+
+def _keep(model, metric, T: int, B: int) -> dict:
+    """{"logits_to_keep": the positions read} for an `AtPositions` metric on a model that
+    takes the keyword (T known), else {} (the scan forwards compute every position's logits)."""
+    if not isinstance(metric, AtPositions):
+        return {}
+    if len(metric.positions) != B:
+        raise ValueError(f"the metric reads one position for each of {len(metric.positions)} rows; the inputs have "
+                         f"{B} rows (valid: an AtPositions made for these inputs)")
+    if not T or not takes_logits_to_keep(model):
+        return {}
+    return {"logits_to_keep": metric.keep(T)}
+
+
 def _lean(model, inputs, budget: int) -> dict:
     """{"logits_to_keep": 1} when the recording runs (clean, corrupted) may skip their full
     logits (a transformers model that takes the keyword) and those would take over a quarter
     of the budget (SmolLM2 at 4,096 positions: 0.8 GB a row); else {}. The scan reads
     neither run's logits: the self-checks compare the last block's output."""
-    try:
-        takes = "logits_to_keep" in inspect.signature(model.forward).parameters
-    except (TypeError, ValueError):
-        takes = False
-    if not takes or not is_hf(model):
+    if not takes_logits_to_keep(model):
         return {}
     get = getattr(model, "get_output_embeddings", None)
     weight = getattr(get() if callable(get) else None, "weight", None)

@@ -29,12 +29,14 @@ trained head).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
 from multihead.corpus import load_corpus
+from multihead.heads.metrics import AtPositions
 
 TEMPERATURE = 0.05
 POOL = 32  # candidates per retrieval
@@ -216,12 +218,22 @@ class IOITask:
             raise ValueError(f"the IOI metric reads logits (N={len(self)}, T, vocab) of this task's {len(self)} "
                              f"prompts; received {shape}")
         rows = torch.arange(len(self), device=logits.device)
-        last = logits[rows, self.position.to(logits.device)]  # (N, vocab)
-        return last[rows, self.answer.to(logits.device)] - last[rows, self.wrong.to(logits.device)]
+        return self._diff_at_last(logits[rows, self.position.to(logits.device)])
 
-    def metric(self, logits: Tensor) -> Tensor:
-        """logit(IO) - logit(S) at the last token, averaged over the pairs (a scalar)."""
-        return self.logit_diff(logits).mean()
+    def _diff_at_last(self, last: Tensor) -> Tensor:
+        """`(N,)` logit(IO) - logit(S) from `(N, vocab)` logits at each prompt's last real token."""
+        rows = torch.arange(len(self), device=last.device)
+        return last[rows, self.answer.to(last.device)] - last[rows, self.wrong.to(last.device)]
+
+    def _mean_diff_at_last(self, last: Tensor) -> Tensor:
+        return self._diff_at_last(last).mean()
+
+    @cached_property
+    def metric(self) -> AtPositions:
+        """logit(IO) - logit(S) at the last token, averaged over the pairs: a scalar of the
+        `(N, T, vocab)` logits. It reads one position per prompt (an `AtPositions`), so the
+        scans compute the model's head there only."""
+        return AtPositions(self._mean_diff_at_last, self.position, name="the IOI metric")
 
 
 def ioi(n: int, seed: int = 0, *, tokenizer, templates=IOI_TEMPLATES, names=IOI_NAMES) -> IOITask:

@@ -1,0 +1,130 @@
+"""`heads.AtPositions`: a metric of one position per row, and the scans computing the model's
+head at those positions only (transformers' `logits_to_keep`), with the same tables as the
+plain metric on full logits."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from multihead import heads
+from multihead.heads import scan as _scan
+
+transformers = pytest.importorskip("transformers")
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+
+def _lm():
+    """A random 2-layer Llama with its LM head (GQA 4/2), on attn_implementation="multihead"."""
+    import multihead.interop.hf  # noqa: F401
+
+    cfg = transformers.LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, vocab_size=96,
+                                   num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+                                   max_position_embeddings=64)
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(cfg).eval()
+    model.set_attn_implementation("multihead")
+    return model
+
+
+def _fn(last):  # (B, vocab) -> a scalar that reads several columns of every row
+    return (last[:, 3] - 0.5 * last[:, 4] + last[:, :7].square().mean(1)).mean()
+
+
+def _pairs(T=9, changed=6):
+    g = torch.Generator().manual_seed(1)
+    clean = {"input_ids": torch.randint(3, 96, (2, T), generator=g),
+             "attention_mask": torch.ones(2, T, dtype=torch.long)}
+    corrupted = {k: v.clone() for k, v in clean.items()}
+    corrupted["input_ids"][:, changed] = (clean["input_ids"][:, changed] + 5) % 90 + 3
+    return clean, corrupted
+
+
+def _read_sizes(monkeypatch) -> list:
+    seen, real = [], _scan._Scan.read
+    monkeypatch.setattr(_scan._Scan, "read",
+                        lambda self, metric, lg: seen.append(lg.shape[1]) or real(self, metric, lg))
+    return seen
+
+
+@pytest.mark.parametrize("positions", [[8, 8], [7, 5], [-1, 6]])
+def test_at_positions_equals_the_plain_metric_and_the_scan_computes_only_those_logits(monkeypatch, positions):
+    model = _lm()
+    clean, corrupted = _pairs()
+    metric = heads.AtPositions(_fn, positions)
+    rows = torch.arange(2)
+    absolute = torch.tensor([p % 9 for p in positions])
+
+    def plain(logits):
+        return _fn(logits[rows, absolute])
+
+    with torch.no_grad():
+        logits = model(**corrupted).logits
+    assert metric(logits).item() == plain(logits).item()
+    seen = _read_sizes(monkeypatch)
+    info: dict = {}
+    got = heads.patch_scan(model, clean, corrupted, metric, info=info)
+    assert set(seen) == {len(set(absolute.tolist()))}  # only the distinct positions read were computed
+    assert info["skipped"]  # the prefix skip and the kept logits go together
+    seen.clear()
+    want = heads.patch_scan(model, clean, corrupted, plain)
+    assert set(seen) == {9}
+    torch.testing.assert_close(got, want, rtol=0, atol=1e-5)
+    # the reference: each head patched by hand, the metric on the full logits
+    rec = heads.record(model, clean)
+    for layer, h in [(0, 1), (1, 3)]:
+        with torch.no_grad(), heads.patch(model, rec, [(layer, h)]):
+            by_hand = plain(model(**corrupted).logits).item()
+        assert abs(got[layer, h].item() - by_hand) < 1e-5
+
+
+def test_path_scans_and_attribution_take_it_too():
+    model = _lm()
+    clean, corrupted = _pairs()
+    metric = heads.AtPositions(_fn, [8, 7])
+    rows, at = torch.arange(2), torch.tensor([8, 7])
+
+    def plain(logits):
+        return _fn(logits[rows, at])
+
+    torch.testing.assert_close(heads.attribution_scan(model, clean, corrupted, metric),
+                               heads.attribution_scan(model, clean, corrupted, plain), rtol=0, atol=1e-6)
+    torch.testing.assert_close(heads.path_patch_scan(model, clean, corrupted, metric, [(1, 0)]),
+                               heads.path_patch_scan(model, clean, corrupted, plain, [(1, 0)]), rtol=0, atol=1e-5)
+
+
+def test_a_model_without_logits_to_keep_gets_full_logits(monkeypatch):
+    model = _lm()
+    clean, corrupted = _pairs()
+    monkeypatch.setattr(_scan, "takes_logits_to_keep", lambda m: False)
+    seen = _read_sizes(monkeypatch)
+    metric = heads.AtPositions(_fn, [8, 7])
+    got = heads.patch_scan(model, clean, corrupted, metric)
+    assert set(seen) == {9}
+    monkeypatch.undo()
+    torch.testing.assert_close(got, heads.patch_scan(model, clean, corrupted, metric), rtol=0, atol=1e-5)
+
+
+@pytest.mark.parametrize("positions, message", [
+    ([[1, 2]], "1-D tensor of integer positions"),
+    ([], "non-empty"),
+    ([0.5, 1.0], "integer positions"),
+    ("x", "integer positions"),
+    ([True, False], "integer positions"),
+])
+def test_bad_positions_are_one_line_errors(positions, message):
+    with pytest.raises(ValueError, match=message):
+        heads.AtPositions(_fn, positions)
+
+
+def test_mismatched_rows_and_positions_are_refused():
+    model = _lm()
+    clean, corrupted = _pairs()
+    with pytest.raises(ValueError, match="one position for each of 3 rows; the inputs have 2 rows"):
+        heads.patch_scan(model, clean, corrupted, heads.AtPositions(_fn, [1, 2, 3]))
+    with pytest.raises(ValueError, match=r"reads positions \[1, 9\]; the logits have 9 positions"):
+        heads.AtPositions(_fn, [1, 9])(torch.zeros(2, 9, 5))
+    with pytest.raises(ValueError, match=r"reads logits \(B=2, T, vocab\)"):
+        heads.AtPositions(_fn, [1, 2])(torch.zeros(2, 5))
+    with pytest.raises(TypeError, match="fn must be callable"):
+        heads.AtPositions(None, [1, 2])
