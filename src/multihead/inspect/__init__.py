@@ -29,6 +29,8 @@ _LAZY = {
     "induction_scores": "multihead.inspect.roles",
     "render_html": "multihead.inspect.html",
     "save_html": "multihead.inspect.html",
+    "render_summaries_html": "multihead.inspect.summaries_html",
+    "save_summaries_html": "multihead.inspect.summaries_html",
     "notebook_html": "multihead.inspect.html",
     "save_grid": "multihead.inspect.png",
     "save_head": "multihead.inspect.png",

@@ -17,7 +17,7 @@ _CMAP = "viridis"
 _DPI = 100
 
 
-def save_grid(capture: AttentionCapture, path: str | Path, *, roles: list[HeadRole] | None = None) -> Path:
+def save_grid(capture: AttentionCapture, path: str | Path, roles: list[HeadRole] | None = None) -> Path:
     """Draw every captured layer (rows) x head (columns) as a heatmap and save it as PNG.
 
     Each tile is the head's `(T, T)` weights: rows are queries, columns are keys. Heads
