@@ -44,14 +44,17 @@ def two_threads(monkeypatch):
 
 
 @pytest.mark.parametrize("H, Hkv", [(9, 3), (8, 2), (32, 8), (4, 1), (6, 6)])  # GQA, MQA, MHA
-@pytest.mark.parametrize("S, parts", [(40, 2), (41, 2), (43, 4), (3, 3), (2048, 3), (16384 + 5, 2)])
+@pytest.mark.parametrize("S, parts", [(40, 2), (41, 2), (2, 2), (3, 2), (43, 4), (3, 3), (2048, 3), (16384 + 5, 2),
+                                     (16384 + 5, 3)])
 @pytest.mark.parametrize("T", [1, 3])
 def test_split_equals_the_reference_and_the_math_backend(H, Hkv, S, parts, T):
-    """Equal runs of S // parts keys, and the rest (S % parts) as one more call, whose output
-    the NaN check reads too."""
+    """2 parts: two runs of ceil(S / 2) keys, the key both hold masked out of the second for
+    an odd S; more: equal runs of S // parts keys and the rest (S % parts) as one more call,
+    whose output the NaN check reads too."""
     q, k, v = _qkv(H=H, Hkv=Hkv, T=T, S=S, D=16 if S < 10000 else 8)
     out, part_outs = decode.split_keys(q, k, v, 0.25, parts)
-    assert out.shape == (1, H, T, 16 if S < 10000 else 8) and part_outs.shape[0] == parts + (S % parts > 0)
+    assert out.shape == (1, H, T, 16 if S < 10000 else 8)
+    assert part_outs.shape[0] == parts + (parts > 2 and S % parts > 0)
     want = _reference(q, k, v, scale=0.25)
     assert_close(out, want, atol=1e-6, rtol=1e-6, what=f"split {parts} of S={S}")
     math, _ = attend(q, k, v, scale=0.25, backend="math", return_weights=[0])
@@ -91,9 +94,10 @@ def _spy(monkeypatch):
 
 
 @pytest.mark.parametrize("causal", [False, True])  # one query sees every key either way
-def test_attend_splits_where_the_threads_would_idle(two_threads, monkeypatch, causal):
+@pytest.mark.parametrize("S", [50, 51])
+def test_attend_splits_where_the_threads_would_idle(two_threads, monkeypatch, causal, S):
     calls = _spy(monkeypatch)
-    q, k, v = _qkv(S=50)  # 3 K/V heads on 2 threads
+    q, k, v = _qkv(S=S)  # 3 K/V heads on 2 threads
     out, w = attend(q, k, v, causal=causal)
     assert calls == [2] and w is None
     assert_close(out, _reference(q, k, v, causal=causal), atol=1e-6, rtol=1e-6, what="attend, split")
@@ -159,17 +163,19 @@ def _zero_nan_rows(kernel):
 
 @pytest.mark.parametrize("kernel", ["as this machine's", "zeroing"])
 @pytest.mark.parametrize("where", ["query", "every key of one part", "one key", "one value",
-                                   "the remainder's one key", "the remainder's one value"])
+                                   "the last key, S odd", "the last value, S odd", "the key both parts hold"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_nan_rule_through_the_split(two_threads, monkeypatch, kernel, where, dtype):
     if kernel == "zeroing":
         monkeypatch.setattr(decode, "flash_lse", _zero_nan_rows(decode.flash_lse))
     calls = _spy(monkeypatch)
-    q, k, v = _qkv(S=51 if where.startswith("the remainder") else 50, dtype=dtype)
-    if where == "the remainder's one key":  # every score of that call NaN: torch's kernel zeroes its rows
+    q, k, v = _qkv(S=50 if where in ("query", "every key of one part", "one key", "one value") else 51, dtype=dtype)
+    if where == "the last key, S odd":
         k[0, 1, 50, 0] = float("nan")
-    elif where == "the remainder's one value":
+    elif where == "the last value, S odd":
         v[0, 2, 50, 5] = float("nan")
+    elif where == "the key both parts hold":  # key 25 of 51: masked out of the second part
+        k[0, 0, 25, 1] = float("nan")
     elif where == "query":
         q[0, 4, 0, 1] = float("nan")
     elif where == "every key of one part":
@@ -218,21 +224,52 @@ class _Ops(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-_VIEWS = {"view", "reshape", "expand", "as_strided", "unsqueeze", "slice", "detach", "alias", "_unsafe_view"}
+_VIEWS = {"view", "reshape", "expand", "as_strided", "unsqueeze", "select", "slice", "detach", "alias",
+          "_unsafe_view"}
+_FLASH = "_scaled_dot_product_flash_attention_for_cpu"
 
 
 @pytest.mark.parametrize("S, dtype", [(50, torch.float32), (51, torch.float32), (50, torch.bfloat16)])
-def test_a_split_step_runs_the_kernel_a_three_op_merge_and_the_nan_check(two_threads, S, dtype):
-    """Besides views: the kernel over the parts, the merge's softmax, product and sum (and for
-    bfloat16 the cast back), the NaN check's one sum; with a remainder, its call and the two
-    concatenations. No copy or read of K/V: inside a decode step each op costs tens of
-    microseconds with the caches the K/V stream has just evicted (benchmarks/decode.py)."""
+def test_a_two_part_step_runs_one_kernel_call_a_three_op_merge_and_the_nan_check(two_threads, S, dtype):
+    """Besides views, for an even or odd S: one kernel call over both parts, the merge's
+    difference, sigmoid and lerp (for bfloat16 the casts to float32 and back), the NaN
+    check's one sum. No copy or read of K/V, no mask built, no softmax (it wakes the
+    threads): inside a decode step each op costs tens of microseconds with the caches the
+    K/V stream has just evicted (benchmarks/decode.py --profile)."""
     q, k, v = _qkv(S=S, dtype=dtype)
     with torch.no_grad(), _Ops() as seen:
         out, _ = attend(q, k, v)
     work = [op for op in seen.ops if op not in _VIEWS]
-    flash = "_scaled_dot_product_flash_attention_for_cpu"
-    want = [flash] + ([flash, "cat", "cat"] if S % 2 else []) + ["_softmax", "mul", "sum"] \
-        + (["_to_copy"] if dtype != torch.float32 else []) + ["sum"]
-    assert work == want, seen.ops
+    cast = ["_to_copy"] if dtype != torch.float32 else []
+    assert work == [_FLASH, *cast, "sub", "sigmoid", "lerp", *cast, "sum"], seen.ops
     assert_close(out, _reference(q, k, v), dtype, what="split step")
+
+
+def test_more_parts_run_no_softmax(monkeypatch):
+    """4 threads over 3 K/V heads: 4 parts, the rest of S % 4 keys as one more call; the
+    weights from exp(lse - max), never torch's softmax."""
+    monkeypatch.setattr(decode, "MIN_SPLIT_BYTES", 8)
+    n = torch.get_num_threads()
+    torch.set_num_threads(4)
+    try:
+        if torch.get_num_threads() != 4:
+            pytest.skip("this torch caps the threads below 4")
+        for S in (48, 50):
+            q, k, v = _qkv(S=S)
+            assert decode.key_splits(q, k, v) == 4
+            with torch.no_grad(), _Ops() as seen:
+                out, _ = attend(q, k, v)
+            work = [op for op in seen.ops if op not in _VIEWS]
+            assert work.count(_FLASH) == 1 + (S % 4 > 0) and "_softmax" not in work, seen.ops
+            assert_close(out, _reference(q, k, v), atol=1e-6, rtol=1e-6, what=f"4 parts, S={S}")
+    finally:
+        torch.set_num_threads(n)
+
+
+def test_the_overlap_mask_is_a_view_of_one_buffer_that_grows():
+    small, big = decode._overlap_mask(3, torch.float32), decode._overlap_mask(5000, torch.float32)
+    for c, m in ((3, small), (5000, big)):
+        assert m.shape == (2, 1, 1, c)
+        assert (m[0] == 0).all() and m[1, 0, 0, 0] == float("-inf") and (m[1, 0, 0, 1:] == 0).all()
+    assert decode._overlap_mask(7, torch.float32).untyped_storage().data_ptr() == big.untyped_storage().data_ptr()
+    assert decode._overlap_mask(7, torch.bfloat16).dtype == torch.bfloat16

@@ -9,10 +9,10 @@ threads, the keys are split into P parts: B * Hkv * P items, each part's output 
 log-sum-exp from one call of the kernel (`common.flash_lse`, the parts as a strided
 view of K and V: no copy), merged exactly by log-sum-exp.
 
-The merge is three small ops (a softmax of the parts' log-sum-exps over the parts, a
-product, a sum over the parts): inside a decode step each op runs with caches the K/V
-stream has just evicted, where it costs tens of microseconds, not the few it costs warm,
-so their count, not their arithmetic, is what the split pays for.
+The merge is a few small ops (`split_keys`): inside a decode step each runs with caches the
+K/V stream has just evicted, where it costs tens of microseconds, not the few it costs
+warm, and one that wakes the intra-op threads costs more; their count, not their
+arithmetic, is what the split pays for.
 
 The split is taken only where it pays (`key_splits`): on the CPU, with more than one
 thread, batch 1, at most 32 folded query rows (G * T: one block of torch's kernel),
@@ -35,8 +35,8 @@ from multihead.kernels.sdpa import plain
 __all__ = ["MIN_SPLIT_BYTES", "key_splits", "split_keys", "step"]
 
 # K and V bytes of one K/V head (S * (D + Dv) * element size) from which a step splits: what the
-# idle thread's share of the step saves grows with them, the merge's cost (its three ops, and a
-# remainder's call, ~0.1 ms with cold caches) does not. 4 MiB: SmolLM2's 64-wide heads in float32
+# idle thread's share of the step saves grows with them, the merge's cost (a few small ops, ~0.1 ms
+# with cold caches) does not. 4 MiB: SmolLM2's 64-wide heads in float32
 # from 8,192 keys; the crossover is `benchmarks/decode.py --profile`'s, revisit on another machine
 MIN_SPLIT_BYTES = 4 << 20
 # folded query rows up to which torch's kernel makes one work item per head (its smallest
@@ -55,7 +55,7 @@ def key_splits(q: Tensor, k: Tensor, v: Tensor) -> int:
             or S * (D + v.shape[-1]) * q.element_size() < MIN_SPLIT_BYTES:
         return 1
     threads = torch.get_num_threads()
-    if threads == 1 or Hkv % threads == 0 or q.dtype not in _FLASH_DTYPES or D != v.shape[-1]:
+    if threads == 1 or Hkv % threads == 0 or S < threads or q.dtype not in _FLASH_DTYPES or D != v.shape[-1]:
         return 1
     if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
         return 1
@@ -69,29 +69,59 @@ def key_splits(q: Tensor, k: Tensor, v: Tensor) -> int:
 
 
 def split_keys(q: Tensor, k: Tensor, v: Tensor, scale: float, parts: int) -> tuple[Tensor, Tensor]:
-    """Attention of q `(1, H, T, D)` over k, v `(1, Hkv, S, D)` with the keys in `parts`
-    parts: (out `(1, H, T, D)`, every part's output `(parts or parts + 1, Hkv, G*T, D)`).
-    The keys split as `parts` equal runs of c = S // parts (a view of K and V whose batch
-    dim is the part), the last S - parts * c keys, if any, as one more call. The NaN check
-    reads every part's output, the last one's too: a kernel that zeroes a part's row (its
-    every score NaN: one NaN key is all a one-key remainder has) leaves a finite merged row."""
+    """Attention of q `(1, H, T, D)` over k, v `(1, Hkv, S >= parts, D)` with the keys in
+    `parts` parts: (out `(1, H, T, D)`, every part's output `(parts or parts + 1, Hkv, G*T, D)`,
+    which the NaN check reads: a kernel that zeroes a part's row, its every score NaN,
+    leaves a finite merged row). The parts are a view of K and V whose batch dim is the part.
+
+    2 parts (2 threads): keys [0, c) and [S - c, S), c = ceil(S / 2); for an odd S the key
+    both hold is masked out of the second (a -inf from `_overlap_mask`, a view: nothing
+    written per step), merged by `torch.lerp` with the second part's weight
+    sigmoid(lse_1 - lse_0): one kernel call and three small ops for every S. More parts:
+    equal runs of c = S // parts, the last S - parts * c keys as one more call, merged with
+    the parts' weights exp(lse_p - max_p lse_p) / their sum. No softmax: torch's CPU softmax
+    wakes the intra-op threads even for a few elements, which costs more than the merge."""
     _, H, T, D = q.shape
     Hkv, S = k.shape[1], k.shape[2]
-    c = S // parts
     qf = q.reshape(1, Hkv, H // Hkv * T, D)  # (1, Hkv, G*T, D)
     ks, vs = k.stride(), v.stride()
-    kp = k.as_strided((parts, Hkv, c, D), (c * ks[2], ks[1], ks[2], ks[3]), k.storage_offset())  # (P, Hkv, c, D)
-    vp = v.as_strided((parts, Hkv, c, D), (c * vs[2], vs[1], vs[2], vs[3]), v.storage_offset())
-    out, lse = flash_lse(qf.expand(parts, *qf.shape[1:]), kp, vp, causal=False, scale=scale)  # (P, Hkv, G*T, D)
-    if parts * c < S:
-        o, lp = flash_lse(qf, k[:, :, parts * c:], v[:, :, parts * c:], causal=False, scale=scale)
-        out, lse = torch.cat((out, o)), torch.cat((lse, lp))
-    # sum_p exp(lse_p - logsumexp_p lse_p) out_p, in lse's dtype (float32, or float64); a part with
-    # a NaN makes its rows NaN, which the NaN check reads in `out` anyway
-    merged = (out * torch.softmax(lse, 0).unsqueeze(-1)).sum(0)  # (Hkv, G*T, D)
+    c = -(-S // parts) if parts == 2 else S // parts
+    step_ = S - c if parts == 2 else c  # where part p starts: p * step_
+    kp = k.as_strided((parts, Hkv, c, D), (step_ * ks[2], ks[1], ks[2], ks[3]), k.storage_offset())  # (P, Hkv, c, D)
+    vp = v.as_strided((parts, Hkv, c, D), (step_ * vs[2], vs[1], vs[2], vs[3]), v.storage_offset())
+    mask = _overlap_mask(c, q.dtype) if parts == 2 and 2 * c > S else None
+    out, lse = flash_lse(qf.expand(parts, *qf.shape[1:]), kp, vp, causal=False, scale=scale, mask=mask)
+    acc = lse.dtype  # float32, or float64
+    if parts == 2:
+        o = out if out.dtype == acc else out.to(acc)
+        merged = torch.lerp(o[0], o[1], torch.sigmoid(lse[1] - lse[0]).unsqueeze(-1))  # (Hkv, G*T, D)
+    else:
+        if parts * c < S:
+            o, lp = flash_lse(qf, k[:, :, parts * c:], v[:, :, parts * c:], causal=False, scale=scale)
+            out, lse = torch.cat((out, o)), torch.cat((lse, lp))
+        w = torch.exp(lse - lse.amax(0))  # (P, Hkv, G*T)
+        merged = (out * w.unsqueeze(-1)).sum(0) / w.sum(0).unsqueeze(-1)
     if merged.dtype != q.dtype:
         merged = merged.to(q.dtype)
     return merged.view(1, H, T, D), out
+
+
+_MASKS: dict[torch.dtype, Tensor] = {}
+
+
+def _overlap_mask(c: int, dtype: torch.dtype) -> Tensor:
+    """`(2, 1, 1, c)`: zeros for the first part, -inf on the first key of the second (the key
+    the first part holds too), 0 elsewhere. A view of one buffer per dtype, 2N long with
+    zeros around a -inf at N (part 0 reads [N - c, N), part 1 [N, N + c)), grown by doubling;
+    a step builds nothing."""
+    buf = _MASKS.get(dtype)
+    if buf is None or buf.shape[0] // 2 < c:
+        n = 1 << max(c - 1, 1).bit_length()
+        buf = torch.zeros(2 * n, dtype=dtype)
+        buf[n] = float("-inf")
+        _MASKS[dtype] = buf
+    n = buf.shape[0] // 2
+    return buf.as_strided((2, 1, 1, c), (c, 0, 0, 1), n - c)
 
 
 def step(q: Tensor, k: Tensor, v: Tensor, scale: float, causal: bool) -> tuple[Tensor, Tensor]:
