@@ -130,3 +130,40 @@ def test_masks_over_the_byte_bound_are_built_per_call(monkeypatch):
     for _ in range(2):
         assert_close(mh.scaled_dot_product_attention(q, k, v, masks.sliding_window(40)), want, what="none kept")
     assert not any(ms for key, ms in next(iter(fused_tiles._SHARED.values())).items() if key[0] == "masks")
+
+
+@pytest.mark.skipif(not common.HAS_CPU_FLASH, reason="needs torch's CPU flash kernel (log-sum-exp pieces)")
+@pytest.mark.parametrize("heads", [(4, 4), (4, 2)])
+@pytest.mark.parametrize("pieces", ["one call", "pieces"])
+def test_a_band_in_chunks_equals_the_reference(heads, pieces, monkeypatch):
+    """A band whose output exceeds `_BAND_CHUNK_BYTES` runs as several calls of whole blocks (the
+    last one shorter), one or several pieces each, merged; outputs and gradients against the NumPy
+    reference and the math path in float64."""
+    monkeypatch.setattr(fused_tiles, "FUSED_TILE", 8)
+    if pieces == "pieces":
+        monkeypatch.setattr(fused_tiles, "_ONE_CALL_SPAN", 0)
+    H, Hkv = heads
+    B, T, D, window = 2, 100, 16, 21
+    # 3 blocks of 8 rows per call (per GQA group position)
+    monkeypatch.setattr(fused_tiles, "_BAND_CHUNK_BYTES", 3 * B * (H // (H // Hkv)) * 8 * D * 8)
+    calls = []
+    real = fused_tiles.flash_lse
+
+    def spy(q, *args, **kw):
+        calls.append(q.shape[0])
+        return real(q, *args, **kw)
+
+    monkeypatch.setattr(fused_tiles, "flash_lse", spy)
+    g = torch.Generator().manual_seed(9)
+    q = torch.randn(B, H, T, D, generator=g, dtype=torch.float64, requires_grad=True)
+    k, v = (torch.randn(B, Hkv, T, D, generator=g, dtype=torch.float64, requires_grad=True) for _ in range(2))
+    got = mh.scaled_dot_product_attention(q, k, v, masks.sliding_window(window))
+    assert max(calls[1:]) == 3 and calls.count(3) >= 3, calls  # after block 0's square: calls of <= 3 blocks
+    allowed = masks.to_dense(masks.sliding_window(window), 1, 1, T, T)[0, 0].numpy()
+    want = reference.attention(q.detach().numpy(), k.detach().numpy(), v.detach().numpy(), mask=allowed)
+    assert_close(got, torch.from_numpy(want), what=f"out heads={heads} {pieces}")
+    g_out = torch.linspace(-1, 1, got.numel(), dtype=torch.float64).view_as(got)
+    grads = torch.autograd.grad(got, (q, k, v), g_out)
+    ref = mh.scaled_dot_product_attention(q, k, v, masks.sliding_window(window), backend="math")
+    for name, a, b in zip(["dq", "dk", "dv"], grads, torch.autograd.grad(ref, (q, k, v), g_out)):
+        assert_close(a, b, what=f"{name} heads={heads} {pieces}")
