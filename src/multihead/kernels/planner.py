@@ -81,7 +81,7 @@ def _relative_plan(T: int, S: int, bq: int, bk: int, sums: tuple[Tensor, Tensor]
     each of the T + S - 1 differences once, then per tile a count of the allowed d over the
     tile's range of d (every d between its extremes is a pair of the tile), read from prefix
     sums. A handful of ops over the (nq, nk) tiles instead of each part's tile classes:
-    fewer, smaller ops in the plan, which runs before every call."""
+    fewer, smaller ops in the plan, made again for every (mask, shape) not kept (`plan_key`)."""
     nq, nk = -(-T // bq), -(-S // bk)
     off = S - T
     d_min = off - (S - 1)
