@@ -7,7 +7,9 @@ the CPU the pieces of a block run on torch's flash kernel, which returns each pi
 log-sum-exp, and merge exactly (`_MergedFused`, with its own backward); elsewhere
 autograd goes through the fused calls. There, alike query blocks of a relative mask (a
 sliding window's) run as a band: one call over all of them, the blocks in the kernel's
-batch through strided views, so that every thread has work (`_FusedPlan.runs`). Training
+batch through strided views, so that every thread has work (`_FusedPlan.runs`). The plan
+of a relative mask is kept from call to call with its blocks and masks (`planner.plan_key`),
+so the Python over tiles runs once per (mask, shape), not on one thread every call. Training
 memory stays O(N)."""
 
 from __future__ import annotations
