@@ -35,10 +35,11 @@ from multihead.kernels.sdpa import plain
 __all__ = ["MIN_SPLIT_BYTES", "key_splits", "split_keys", "step"]
 
 # K and V bytes of one K/V head (S * (D + Dv) * element size) from which a step splits: what the
-# idle thread's share of the step saves grows with them, the merge's cost (a few small ops, ~0.1 ms
-# with cold caches) does not. 4 MiB: SmolLM2's 64-wide heads in float32
-# from 8,192 keys; the crossover is `benchmarks/decode.py --profile`'s, revisit on another machine
-MIN_SPLIT_BYTES = 4 << 20
+# idle thread's share of the step saves grows with them, the merge's cost (a few small ops, tens of
+# us with cold caches) does not. The crossover (benchmarks/decode_split.py, results in
+# benchmarks/results/decode_split.json) is near 1 MiB on the 2-core VM; 2 MiB leaves a margin.
+# Revisit on another machine, and with `benchmarks/decode.py --profile` on a quiet one.
+MIN_SPLIT_BYTES = 2 << 20
 # folded query rows up to which torch's kernel makes one work item per head (its smallest
 # block of queries): with more, it splits the queries itself and the threads have work
 _ONE_BLOCK = 32
