@@ -70,9 +70,10 @@ def test_split_reads_a_cache_view():
     assert_close(out, _reference(q, k, v, scale=0.25), atol=1e-6, rtol=1e-6, what="cache view")
 
 
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float64])
-def test_split_in_other_dtypes(dtype):
-    q, k, v = _qkv(S=300, dtype=dtype)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float64])
+@pytest.mark.parametrize("S", [300, 301])  # 301: the overlap mask in the dtype
+def test_split_in_other_dtypes(dtype, S):
+    q, k, v = _qkv(S=S, dtype=dtype)
     out, _ = decode.split_keys(q, k, v, 0.25, 2)
     assert out.dtype == dtype
     assert_close(out, _reference(q, k, v, scale=0.25), dtype, what=str(dtype))
