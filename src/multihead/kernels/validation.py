@@ -59,8 +59,10 @@ def plain_shape(q, k, v) -> tuple[int, int, int, int] | None:
     B, H, T, D = qs
     Hkv, S = ks[1], ks[2]
     dtype = q.dtype
+    # (three tensors on the CPU are on one device: `is_cpu` is a flag read, `.device` builds an object per read)
     if (B == ks[0] == vs[0] and Hkv == vs[1] and Hkv != 0 and H % Hkv == 0 and S == vs[2] and D == ks[3]
-            and dtype.is_floating_point and dtype == k.dtype == v.dtype and q.device == k.device == v.device):
+            and dtype.is_floating_point and dtype == k.dtype == v.dtype
+            and ((q.is_cpu and k.is_cpu and v.is_cpu) or q.device == k.device == v.device)):
         return B, H, T, S
     return None
 
