@@ -18,7 +18,7 @@ The split is taken only where it pays (`key_splits`): on the CPU, with more than
 thread, batch 1, at most 32 folded query rows (G * T: one block of torch's kernel),
 H > Hkv > 1 (MQA keeps `common.mqa_splits`, which splits its G query heads instead),
 enough K/V bytes per head that the idle thread's share outweighs the merge
-(`MIN_SPLIT_BYTES`; benchmarks/decode.py --profile measures the crossover), and where
+(`MIN_SPLIT_BYTES`; benchmarks/decode_split.py and decode.py --profile measure it), and where
 nothing requires grad: the kernel's backward does not take a gradient through its
 log-sum-exp, so a step autograd records stays on the unsplit kernel, with its exact
 gradients.
