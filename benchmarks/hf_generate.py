@@ -12,9 +12,11 @@ with `model.set_attn_implementation` on the one model, in alternating order, for
 --rounds rounds. Reported: seconds per generate (medians), the ratio multihead / sdpa
 (median of per-round ratios) and whether both produced the same tokens.
 
-Then the per-call cost of the two attention functions alone, on the shapes a decode step
-hands them (q `(1, H, 1, D)`, k/v `(1, Hkv, S, D)`, no mask, as transformers passes for
-a causal model without padding), in microseconds per call, with a cProfile breakdown of
+Then the per-call cost of the two attention functions alone (warm: one layer's call
+repeated; and cold: `per_call_cold`, every layer in turn after its MLP, as a decode step
+leaves the caches), on the shapes a decode step hands them (q `(1, H, 1, D)`, k/v
+`(1, Hkv, S, D)`, no mask, as transformers passes for a causal model without padding),
+in microseconds per call, with a cProfile breakdown of
 multihead's call by function (cumulative microseconds per call; cProfile's own cost
 inflates every line). And the same decode calls inside `generate` (see `in_loop`): the
 two functions alone (medians), with the ratio multihead / sdpa paired per round (the
@@ -127,6 +129,47 @@ def per_call(model, S: int, calls: int, rounds: int) -> dict:
     med = {name: statistics.median(v) for name, v in us.items()}
     return {"S": S, "us_per_call": med, "extra_us": med["multihead"] - med["sdpa"],
             "profiled_breakdown": breakdown[:12]}
+
+
+def per_call_cold(model, S: int, rounds: int) -> dict:
+    """Microseconds per decode-step attention call with the caches a decode step leaves it, without
+    `generate`'s other noise: each layer of the model in turn, with its own K/V (random, S keys),
+    right after that layer's MLP on one token (for SmolLM2 ~10 MB of weights read between two
+    attention calls, as in a decode step). Per round and function: the median over the layers
+    of `layer_passes` passes; the two functions alternate in order; ratios paired per round."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    from multihead.interop.hf.registry import attention_forward
+
+    cfg = model.config
+    H, Hkv = cfg.num_attention_heads, cfg.num_key_value_heads
+    D = getattr(cfg, "head_dim", None) or cfg.hidden_size // H
+    layers = list(model.model.layers)
+    g = torch.Generator().manual_seed(0)
+    qkv = [(torch.randn(1, H, 1, D, generator=g), torch.randn(1, Hkv, S, D, generator=g),
+            torch.randn(1, Hkv, S, D, generator=g)) for _ in layers]
+    x = torch.randn(1, 1, cfg.hidden_size, generator=g)
+    extra = {"dropout": 0.0, "scaling": D ** -0.5, "position_ids": torch.arange(1)[None], "use_cache": True}
+    fns = {"sdpa": sdpa_attention_forward, "multihead": attention_forward}
+    us: dict[str, list[float]] = {name: [] for name in fns}
+    loads = []
+    layer_passes = 4
+    with torch.no_grad():
+        for r in range(rounds + 1):  # round 0 warms
+            for name in (("sdpa", "multihead") if r % 2 else ("multihead", "sdpa")):
+                fn, times = fns[name], []
+                for _ in range(layer_passes):
+                    for layer, (q, k, v) in zip(layers, qkv):
+                        layer.mlp(x)
+                        t0 = clock()
+                        fn(layer.self_attn, q, k, v, None, **extra)
+                        times.append(clock() - t0)
+                if r:
+                    us[name].append(statistics.median(times) * 1e6)
+            loads.append(os.getloadavg()[0])
+    ratios = [m / s for m, s in zip(us["multihead"], us["sdpa"])]
+    return {"S": S, "layers": len(layers), "us_per_call": {name: statistics.median(t) for name, t in us.items()},
+            "us_per_round": us, "ratios": ratios, "ratio": statistics.median(ratios), "load_per_round": loads[1:]}
 
 
 def in_loop(model, prompt: torch.Tensor, new_tokens: int, rounds: int) -> dict:
@@ -278,9 +321,10 @@ def main(argv=None) -> int:
         prompt = torch.randint(0, model.config.vocab_size, (1, a.prompt), generator=torch.Generator().manual_seed(1))
     load_start = os.getloadavg()
     gen = time_generate(model, prompt, a.new_tokens, a.rounds)
-    call = loop = None
+    call = cold = loop = None
     if not a.generate_only:
         call = per_call(model, a.prompt + a.new_tokens // 2, a.calls, max(2, a.rounds // 2))
+        cold = per_call_cold(model, a.prompt + a.new_tokens // 2, max(4, 2 * a.rounds))
         loop = in_loop(model, prompt, a.new_tokens, max(2, a.rounds // 2))
     report = {"meta": machine() | {"threads": a.threads, "clock": a.clock, "load_start": load_start,
                                    "load_end": os.getloadavg(),
@@ -288,7 +332,7 @@ def main(argv=None) -> int:
               "config": {"model": a.model or "random llama",
                          "layers": a.layers, "heads": a.heads, "kv_heads": a.kv_heads, "width": a.width,
                          "prompt": a.prompt, "new_tokens": a.new_tokens, "rounds": a.rounds},
-              "generate": gen, "per_call": call, "in_loop": loop}
+              "generate": gen, "per_call": call, "per_call_cold": cold, "in_loop": loop}
     s = gen["seconds"]
     print(f"greedy generate, {a.model or 'random'} {a.layers}-layer Llama, H={a.heads}, Hkv={a.kv_heads}, C={a.width}, "
           f"{a.prompt}-token prompt, {a.new_tokens} new tokens, {a.threads} thread(s), medians of {a.rounds} rounds\n")
@@ -302,6 +346,11 @@ def main(argv=None) -> int:
     u = call["us_per_call"]
     print(f"\none decode-step attention call (S={call['S']}): sdpa {u['sdpa']:.1f} us, multihead "
           f"{u['multihead']:.1f} us ({call['extra_us']:+.1f} us per layer per token)")
+    c = cold["us_per_call"]
+    print(f"\nthe same call after the layer's MLP, each of the {cold['layers']} layers with its own K/V (caches "
+          f"as in a decode step): sdpa {c['sdpa']:.1f} us, multihead {c['multihead']:.1f} us; "
+          f"ratio {cold['ratio']:.3f} (per round: {', '.join(f'{r:.2f}' for r in cold['ratios'])}; load "
+          f"{', '.join(f'{x:.1f}' for x in cold['load_per_round'])})")
     print("\nmultihead's call, profiled (cumulative us per call, cProfile adds its own overhead):")
     print("| function | calls per call | us per call |\n|---|---:|---:|")
     for row in call["profiled_breakdown"]:
