@@ -64,8 +64,10 @@ def test_at_positions_equals_the_plain_metric_and_the_scan_computes_only_those_l
     seen = _read_sizes(monkeypatch)
     info: dict = {}
     got = heads.patch_scan(model, clean, corrupted, metric, info=info)
-    assert set(seen) == {len(set(absolute.tolist()))}  # only the distinct positions read were computed
-    assert info["skipped"]  # the prefix skip and the kept logits go together
+    # only the distinct positions read were computed (one, T - 1, once rows are rolled to end there)
+    assert set(seen) == {1 if info["aligned"] else len(set(absolute.tolist()))}
+    assert info["aligned"] == (positions == [7, 5]), info  # rolled where the shared prefix grows
+    assert info["skipped"]
     seen.clear()
     want = heads.patch_scan(model, clean, corrupted, plain)
     assert set(seen) == {9}
@@ -128,3 +130,87 @@ def test_mismatched_rows_and_positions_are_refused():
         heads.AtPositions(_fn, [1, 2])(torch.zeros(2, 5))
     with pytest.raises(TypeError, match="fn must be callable"):
         heads.AtPositions(None, [1, 2])
+
+
+def _ragged():
+    """Right-padded pairs of different lengths, changed at different places (as tasks.ioi's)."""
+    g = torch.Generator().manual_seed(3)
+    T, lengths, changed = 12, [12, 8, 10], [5, 3, 7]
+    ids = torch.randint(3, 96, (3, T), generator=g)
+    mask = torch.zeros(3, T, dtype=torch.long)
+    for r, n in enumerate(lengths):
+        ids[r, n:] = 0
+        mask[r, :n] = 1
+    bad = ids.clone()
+    for r, c in enumerate(changed):
+        bad[r, c] = (ids[r, c] + 7) % 90 + 3
+    return {"input_ids": ids, "attention_mask": mask}, {"input_ids": bad, "attention_mask": mask.clone()}, \
+        torch.tensor(lengths) - 1
+
+
+def test_rows_rolled_to_end_where_the_metric_reads_give_the_same_table(monkeypatch):
+    from multihead.heads import _align
+
+    model = _lm()
+    clean, corrupted, last = _ragged()
+    metric = heads.AtPositions(_fn, last)
+    before = {k: v.clone() for k, v in corrupted.items()}
+    info: dict = {}
+    got = heads.patch_scan(model, clean, corrupted, metric, info=info)
+    assert info["aligned"] and info["prefix"] == 5 and info["skipped"], info  # rolled: changes at 5, 7, 9
+    assert all(torch.equal(before[k], corrupted[k]) for k in before)  # the caller's inputs are not touched
+    monkeypatch.setattr(_align, "_ALIGN", False)
+    off: dict = {}
+    want = heads.patch_scan(model, clean, corrupted, metric, info=off)
+    assert not off["aligned"] and off["prefix"] == 3
+    torch.testing.assert_close(got, want, rtol=0, atol=1e-5)
+    rec = heads.record(model, clean)  # and by hand on the rows as given
+    rows = torch.arange(3)
+    for layer, h in [(0, 0), (1, 2)]:
+        with torch.no_grad(), heads.patch(model, rec, [(layer, h)]):
+            by_hand = _fn(model(**corrupted).logits[rows, last]).item()
+        assert abs(got[layer, h].item() - by_hand) < 1e-5
+
+
+def test_rolling_is_declined_with_a_reason_where_it_cannot_be_checked_equal(monkeypatch):
+    model = _lm()
+    clean, corrupted, last = _ragged()
+    metric = heads.AtPositions(_fn, last)
+    info: dict = {}
+    heads.patch_scan(model, clean, corrupted, metric, positions=[-1], info=info)
+    assert not info["aligned"] and info["aligned_reason"] == "positions= given"
+    extra = ({**clean, "token_type_ids": torch.zeros_like(clean["input_ids"])},
+             {**corrupted, "token_type_ids": torch.zeros_like(clean["input_ids"])})
+    heads.patch_scan(model, *extra, metric, info=info)  # (Llama's forward takes and ignores them)
+    assert not info["aligned"] and "inputs other than" in info["aligned_reason"]
+
+    # GPT-2's positions are learned and absolute: rolled rows are the same only through position_ids
+    cfg = transformers.GPT2Config(n_embd=32, n_layer=2, n_head=4, n_positions=32, vocab_size=96)
+    torch.manual_seed(0)
+    gpt2 = transformers.GPT2LMHeadModel(cfg).eval()
+    gpt2.set_attn_implementation("multihead")
+    info = {}
+    got = heads.patch_scan(gpt2, clean, corrupted, metric, info=info)
+    assert info["aligned"], info
+    from multihead.heads import _align
+
+    with monkeypatch.context() as mp:
+        mp.setattr(_align, "_ALIGN", False)
+        torch.testing.assert_close(got, heads.patch_scan(gpt2, clean, corrupted, metric), rtol=0, atol=1e-5)
+
+    class Unpositioned(transformers.GPT2LMHeadModel):  # counts positions itself, whatever it is handed
+        def forward(self, input_ids=None, attention_mask=None, position_ids=None, logits_to_keep=0, use_cache=None,
+                    **kw):
+            return super().forward(input_ids=input_ids, attention_mask=attention_mask, logits_to_keep=logits_to_keep,
+                                   use_cache=use_cache, **kw)
+
+    other = Unpositioned(cfg).eval()
+    other.load_state_dict(gpt2.state_dict())
+    other.set_attn_implementation("multihead")
+    info = {}
+    got = heads.patch_scan(other, clean, corrupted, metric, info=info)
+    assert not info["aligned"] and "rolled rows' logits differ" in info["aligned_reason"], info
+    rec = heads.record(other, clean)
+    with torch.no_grad(), heads.patch(other, rec, [(1, 1)]):
+        by_hand = metric(other(**corrupted).logits).item()
+    assert abs(got[1, 1].item() - by_hand) < 1e-5

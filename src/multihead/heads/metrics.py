@@ -51,7 +51,8 @@ class AtPositions:
     def __repr__(self) -> str:
         return f"AtPositions({getattr(self.fn, '__qualname__', self.fn)!r}, positions={self.positions.tolist()})"
 
-    def _absolute(self, T: int) -> Tensor:
+    def absolute(self, T: int) -> Tensor:
+        """The positions read, counted from 0, for logits of T positions `(B,)`."""
         p = self.positions
         if bool(((p < -T) | (p >= T)).any()):
             raise ValueError(f"{self.name} reads positions {p.tolist()}; the logits have {T} positions (valid: "
@@ -67,14 +68,14 @@ class AtPositions:
 
     def __call__(self, logits: Tensor):
         rows = self._rows(logits)
-        return self.fn(logits[rows, self._absolute(logits.shape[1]).to(logits.device)])
+        return self.fn(logits[rows, self.absolute(logits.shape[1]).to(logits.device)])
 
     def keep(self, T: int) -> Tensor:
         """The distinct positions read, ascending `(P,)`: what to ask the model's head for."""
-        return torch.unique(self._absolute(T))
+        return torch.unique(self.absolute(T))
 
     def kept(self, logits: Tensor, kept: Tensor, T: int):
         """The metric from `(B, P, vocab)` logits at the positions `kept` (= `keep(T)`)."""
         rows = self._rows(logits)
-        where = torch.searchsorted(kept, self._absolute(T))
+        where = torch.searchsorted(kept, self.absolute(T))
         return self.fn(logits[rows, where.to(logits.device)])

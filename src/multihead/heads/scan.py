@@ -56,6 +56,7 @@ from contextlib import nullcontext
 import torch
 from torch import Tensor, nn
 
+from multihead.heads._align import aligned
 from multihead.heads._interventions import check_positions
 from multihead.heads._ranks import Ranks, check_group, fingerprint
 from multihead.heads._record import Recording, check_what, out_projection, record
@@ -1044,7 +1045,10 @@ def patch_scan(model, clean, corrupted, metric: Callable[[Tensor], Tensor], what
         info: a dict to fill with how the scan ran (the table is the same either way):
             `{"prefix": p, "skipped": bool, "reason": str}`: p the positions clean and
             corrupted share at the start, `skipped` whether the variants ran on [p, T) only
-            (the prefix skip, module docstring), `reason` why it was declined ("" when taken).
+            (the prefix skip, module docstring), `reason` why it was declined ("" when taken);
+            for an `AtPositions` metric also `aligned`, whether each row was rolled to end where
+            the metric reads it (p is then of the rolled rows: `multihead.heads._align`), and
+            `aligned_reason` why not where it could matter ("" otherwise).
         group: None (one process), or a torch.distributed process group whose every rank
             makes this call with the same model, inputs and options: each rank runs a share
             of the forwards (whole chunks of variants, the same as in one process) and every
@@ -1064,26 +1068,27 @@ def patch_scan(model, clean, corrupted, metric: Callable[[Tensor], Tensor], what
         check_progress(progress)
         if info is not None and not isinstance(info, dict):
             raise TypeError(f"info must be None or a dict to fill; received {type(info).__name__}")
-        p0, T, why = _static_refusal(model, clean, corrupted, what)
+        clean_, corrupted_, metric_, align_why = aligned(model, clean, corrupted, metric, pos)
+        p0, T, why = _static_refusal(model, clean_, corrupted_, what)
         if pos is not None and T and any(not -T <= q < T for q in pos):
             raise ValueError(f"positions must lie in [-{T}, {T}) for inputs of {T} positions; received {positions!r}")
-        lean = _lean(model, clean, MEMORY_PER_RUN if budget is None else budget)
-        rec = record(model, _with(clean, lean), what=(what, "z") if not why and what != "z" else (what,))
+        lean = _lean(model, clean_, MEMORY_PER_RUN if budget is None else budget)
+        rec = record(model, _with(clean_, lean), what=(what, "z") if not why and what != "z" else (what,))
         rec.logits = None  # the scan's own recording: its logits (B, T, vocab) are not read
         _check_positions_fit(pos, positions, rec, what)
         if what == "latent" and not any(lay.kind == "latent" for lay in rec.layers):
             raise ValueError("what='latent' patches MLA latents (multihead LatentAttention, or a DeepSeek model after "
                              "multihead.interop.hf.use_latent_attention); this model has none")
-        scan = _Scan(model, corrupted, rec, what, B)
-        scan.lean = lean
-        scan.T, scan.keep = T, _keep(model, metric, T, B)
+        scan = _Scan(model, corrupted_, rec, what, B)
+        scan.lean, scan.metric, scan.aligned = lean, metric_, (clean_ is not clean, align_why)
+        scan.T, scan.keep = T, _keep(model, metric_, T, B)
         scan.shortcut.early = _shortcut_too_big(scan.shortcut, rec, MEMORY_PER_RUN if budget is None else budget)
         if not why:
             scan.stack, why = _causal_stack(model, scan.layers, scan.blocks, scan.parents)
         scan.run_corrupted(p0 if scan.stack is not None else 0)
         if scan.logits is not None:
             if not lean:  # a metric that cannot work fails before the scan (else at its first forward)
-                _scalar(metric(scan.logits), "on the corrupted run")
+                _scalar(metric_(scan.logits), "on the corrupted run")
             scan.vocab = scan.logits.shape[-1] if scan.logits.dim() >= 3 else 0
             scan.itemsize = scan.logits.element_size()
         scan.logits = None  # (B, T, vocab): 0.8 GB at 4,096 positions of SmolLM2; the checks read `final`
@@ -1107,6 +1112,8 @@ def patch_scan(model, clean, corrupted, metric: Callable[[Tensor], Tensor], what
     scan, pos, p0, why, chunks = ranks.run(setup, agreed)
     if info is not None:
         info.update(prefix=p0, skipped=scan.cut is not None, reason=why)
+        if isinstance(metric, AtPositions):
+            info.update(aligned=scan.aligned[0], aligned_reason=scan.aligned[1])
     n_heads = [_n_heads(lay, what) for lay in scan.layers]
     out = torch.full((len(scan.layers), max(n_heads)), math.nan)
     head = head_cost(model, scan.inner)
@@ -1118,7 +1125,7 @@ def patch_scan(model, clean, corrupted, metric: Callable[[Tensor], Tensor], what
                    f"{per_run * scan.B * scan.per_row / 2**20:,.0f} MiB each (budget {scan.budget / 2**20:,.0f} MiB)")
 
     def one(chunk, cost):
-        values = scan.run_chunk(chunk, pos, metric)
+        values = scan.run_chunk(chunk, pos, scan.metric)
         shown.step(len(chunk), cost)
         return values
     try:

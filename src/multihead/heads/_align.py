@@ -1,0 +1,105 @@
+"""Rows moved so that every row ends where its metric reads: the prefix skip's reach per row.
+
+The prefix skip runs a variant on positions [p, T) where p is the first position at which
+clean and corrupted differ in *any* row. IOI prompts of several templates differ at
+different places and end at different places (right-padded): on 8 pairs of SmolLM2's
+`tasks.ioi`, the change is at 9-14 and the last real token at 13-18, so every row runs 10
+positions although none needs more than 6 (from its change to its last token; a causal
+model's logits there read nothing later). Rolling each row right by T - 1 - its read
+position puts every read position at T - 1 and the changes at 13-15: the skip then runs 6.
+
+The rolled rows are the same text at the same positions (explicit `position_ids`), with the
+wrapped-around tail masked out (`attention_mask` 0): a causal model gives the same logits
+at the read positions, to float rounding, which is checked on the corrupted run before the
+scan uses them. Taken only for an `AtPositions` metric on a transformers model whose forward
+takes `logits_to_keep`, `attention_mask` and `position_ids`, inputs that are a mapping of
+exactly those (B, T) tensors (and `input_ids`), and no `positions=` of the caller's (they
+would move by a different amount in each row).
+"""
+
+from __future__ import annotations
+
+import inspect
+
+import torch
+from torch import Tensor
+
+from multihead.heads.engine import is_hf
+from multihead.heads.metrics import AtPositions
+
+_KNOWN = ("input_ids", "attention_mask", "position_ids")
+_ALIGN = True  # tests turn it off to compare the two layouts
+
+
+def _takes(model, names: tuple[str, ...]) -> bool:
+    try:
+        params = inspect.signature(model.forward).parameters
+    except (TypeError, ValueError):
+        return False
+    return all(n in params for n in names)
+
+
+def _roll_rows(x: Tensor, shift: Tensor) -> Tensor:
+    """Row r of `x` (B, T, ...) rolled right by shift[r] positions."""
+    T = x.shape[1]
+    idx = (torch.arange(T)[None, :] - shift[:, None]) % T  # new position j holds old position j - shift
+    return torch.gather(x, 1, idx.to(x.device).view(*idx.shape, *([1] * (x.dim() - 2))).expand(x.shape))
+
+
+def aligned(model, clean, corrupted, metric, positions) -> tuple[object, object, object, str]:
+    """(clean, corrupted, metric, "") rolled so that each row's read position is the last, or
+    the inputs as given and why not ("" when there is nothing to gain)."""
+    if not _ALIGN:
+        return clean, corrupted, metric, "turned off"
+    if not isinstance(metric, AtPositions) or positions is not None:
+        return clean, corrupted, metric, "" if not isinstance(metric, AtPositions) else "positions= given"
+    if not (is_hf(model) and _takes(model, ("logits_to_keep", *_KNOWN))):
+        return clean, corrupted, metric, "the model's forward does not take logits_to_keep, attention_mask and " \
+            "position_ids"
+    if isinstance(clean, Tensor):
+        clean, corrupted = {"input_ids": clean}, {"input_ids": corrupted}
+    if not (hasattr(clean, "keys") and set(clean.keys()) <= set(_KNOWN) and "input_ids" in clean.keys()):
+        return clean, corrupted, metric, "inputs other than input_ids, attention_mask and position_ids"
+    ids = clean["input_ids"]
+    if not isinstance(ids, Tensor) or ids.dim() != 2 or any(
+            not isinstance(x[k], Tensor) or x[k].shape != ids.shape for x in (clean, corrupted) for k in x.keys()):
+        return clean, corrupted, metric, "inputs that are not (B, T) tensors of one shape"
+    B, T = ids.shape
+    if len(metric.positions) != B:
+        return clean, corrupted, metric, ""  # the scan refuses it in its own words
+    read = metric.absolute(T)
+    shift = T - 1 - read
+    differ = (clean["input_ids"] != corrupted["input_ids"]).to("cpu")
+    first = torch.where(differ.any(1), differ.int().argmax(1), torch.full((B,), T))
+    if not bool((shift > 0).any()) or int((first + shift).min()) <= int(first.min()):
+        return clean, corrupted, metric, ""  # the shared prefix would not grow
+    device = ids.device
+    out = []
+    for x in (clean, corrupted):
+        mask = x["attention_mask"] if "attention_mask" in x.keys() else torch.ones_like(ids)
+        pos = x["position_ids"] if "position_ids" in x.keys() else torch.arange(T, device=device).expand(B, T)
+        mask = _roll_rows(mask, shift)
+        mask = mask * (torch.arange(T)[None, :] >= shift[:, None]).to(mask.device, mask.dtype)  # the tail masked
+        out.append({"input_ids": _roll_rows(x["input_ids"], shift), "attention_mask": mask,
+                    "position_ids": _roll_rows(pos.contiguous(), shift)})
+    tail = torch.arange(T)[None, :] < shift[:, None]  # the wrapped-around positions, masked: one content in both
+    for k in out[1]:
+        out[1][k] = torch.where(tail.to(device), out[0][k], out[1][k])
+    last = AtPositions(metric.fn, torch.full((B,), T - 1), metric.name)
+    why = _same_logits(model, corrupted, out[1], read, B, T)
+    return (out[0], out[1], last, "") if not why else (clean, corrupted, metric, why)
+
+
+def _same_logits(model, given, rolled, read: Tensor, B: int, T: int) -> str:
+    """"" when the corrupted run's logits at the read positions are those of its rolled rows at T - 1."""
+    rows = torch.arange(B)
+    kw = {"use_cache": False} if _takes(model, ("use_cache",)) else {}
+    keep = torch.unique(read)
+    with torch.no_grad():
+        want = model(**given, logits_to_keep=keep, **kw).logits[rows, torch.searchsorted(keep, read)]
+        got = model(**rolled, logits_to_keep=1, **kw).logits[:, -1]
+    if got.shape != want.shape or not torch.allclose(got, want, rtol=1e-4, atol=1e-4 * (1 + float(want.abs().max()))):
+        diff = float((got - want).abs().max()) if got.shape == want.shape else float("nan")
+        return f"the rolled rows' logits differ from the given rows' by {diff:.2e} (the model reads positions " \
+            "otherwise than through position_ids and attention_mask)"
+    return ""
