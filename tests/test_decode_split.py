@@ -276,9 +276,6 @@ def test_the_overlap_mask_is_a_view_of_one_buffer_that_grows():
     assert decode._overlap_mask(7, torch.bfloat16).dtype == torch.bfloat16
 
 
-@pytest.mark.xfail(strict=True, reason="torch's kernel reports lse 0, not -inf, for a part whose every score is -inf, "
-                   "so the merge weighs it; the NaN check sees the part's zero rows but its full check looks for NaN "
-                   "only (functional._any_nan), so nothing recomputes")
 def test_a_part_whose_every_key_scores_minus_inf_weighs_nothing(two_threads, monkeypatch):
     calls = _spy(monkeypatch)
     q, k, v = _qkv(S=50)

@@ -241,8 +241,10 @@ def _any_nan(q: Tensor, k: Tensor, v: Tensor, out: Tensor) -> bool:
     kernel did with a NaN (torch's CPU kernel zeroes a row whose every score is NaN: a NaN
     query on some CPUs, a NaN in every key a row sees on all).
 
-    From 16 queries on: q, k, v and out are summed (NaN always survives a sum; a false alarm,
-    inf - inf, only costs the exact recomputation), one host sync as the output's check had.
+    From 16 queries on: q, k, v and out are summed and any sum that is not finite acts (NaN
+    always survives a sum; an infinity too, or turns into NaN: an input holding one takes
+    the exact recomputation, as a key scoring -inf must where a split kernel would weigh
+    it), one host sync as the output's check had.
     Fewer (decoding), where reading K and V would cost as much as the attention: a row
     whose every score is NaN comes out of any kernel NaN or exactly zero, so one sum per
     row of `out` decides: if no row sums to NaN or to exactly zero, nothing is to do; else
@@ -265,7 +267,7 @@ def _any_nan(q: Tensor, k: Tensor, v: Tensor, out: Tensor) -> bool:
         elif float(sums.abs().amin()) > 0:  # (NaN > 0 is False)
             return False
     acc = torch.promote_types(q.dtype, torch.float32)
-    return bool(torch.stack([t.sum(dtype=acc) for t in (q, out, k, v)]).isnan().any())
+    return not bool(torch.stack([t.sum(dtype=acc) for t in (q, out, k, v)]).isfinite().all())
 
 
 def _nan_rule(impl, q, k, v, mask, causal, scale, dropout_p, weight_heads, score_mod):
