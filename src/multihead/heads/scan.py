@@ -775,6 +775,16 @@ def _variant_order(layers: list[Layer], what: str) -> list[tuple[int, int]]:
     return sorted(((lay.index, h) for lay in layers for h in range(_n_heads(lay, what))), key=lambda v: (v[1], v[0]))
 
 
+def _even(n: int, per_run: int) -> int:
+    """At most `per_run` variants a forward, in forwards of about one size and a multiple of
+    4 of them (when there are more than one): so that 2 or 4 ranks (`group=`) get equal
+    shares, and one process makes the same forwards (the tables stay bitwise one)."""
+    forwards = -(-n // max(1, per_run))
+    if forwards > 1:
+        forwards = -(-forwards // 4) * 4
+    return max(1, -(-n // forwards))
+
+
 def _chunks(variants: list[tuple[int, int]], per_run: int, last_stack: set[int]) -> list[list[tuple[int, int]]]:
     """Chunks of at most per_run variants, never mixing layers that join at the model's input."""
     chunks: list[list[tuple[int, int]]] = []
@@ -1101,8 +1111,9 @@ def patch_scan(model, clean, corrupted, metric: Callable[[Tensor], Tensor], what
                                 len(scan.keep["logits_to_keep"]) if scan.keep else None)
         auto, scan.budget = variants_per_forward(per_row, B, budget, n_pos)
         scan.per_row = per_row
-        per_run = auto if per_run is None else per_run
-        chunks = _chunks(_variant_order(scan.layers, what), per_run, scan.last_stack)
+        order = _variant_order(scan.layers, what)
+        per_run = _even(len(order), auto) if per_run is None else per_run
+        chunks = _chunks(order, per_run, scan.last_stack)
         return scan, pos, p0, why, chunks
 
     def agreed(done):  # what every rank must share for the tables to be one table
