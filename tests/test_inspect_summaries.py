@@ -166,6 +166,40 @@ def test_summaries_block_sums_on_synthetic_weights():
     assert np.allclose(acc.top_weight.double().numpy()[:, 4:], top[:, 4:], rtol=2e-3, atol=1e-4)
 
 
+@pytest.mark.parametrize("windowed", [False, True])
+def test_blocks_shared_among_threads_give_the_same_sums(windowed):
+    """layer_statistics with its blocks on 3 threads (each its own RowSums fork, merged) = on
+    one thread, and both = float64 softmax of q k^T (entropy, first-token mass, top-k keys)."""
+    from multihead.inspect.stream import layer_statistics
+
+    T, H, Hkv, D = 300, 4, 2, 16
+    g = torch.Generator().manual_seed(3)
+    q = torch.randn(1, H, T, D, generator=g) * 2
+    k = torch.randn(1, Hkv, T, D, generator=g) * 2
+    ids = torch.randint(0, 20, (T,), generator=g)
+    ctx = TextContext(ids=ids, plain=torch.ones(T, dtype=torch.bool), delimiter=ids == 3, causal=True)
+    i, j = torch.arange(T)[:, None], torch.arange(T)[None, :]
+    allowed = (j <= i) & (j > i - 40)
+    mask = allowed[None, None] if windowed else None
+    runs = {}
+    for n in (1, 3):
+        acc = RowSums(H, ctx, top_k=4, grid=16)
+        layer_statistics(q, k, acc, list(range(H)), mask=mask, causal=not windowed, scale=D ** -0.5,
+                         block_elements=2000, workers=n)
+        runs[n] = (acc.result(), acc.top_index.clone(), acc.pattern.clone())
+    (one, idx1, pat1), (three, idx3, pat3) = runs[1], runs[3]
+    for name in one:
+        assert torch.allclose(one[name], three[name], atol=1e-6), name
+    assert torch.equal(idx1, idx3) and torch.allclose(pat1, pat3, atol=1e-6)
+    s = (q[0].double() @ k[0].double().repeat_interleave(H // Hkv, 0).transpose(-2, -1)) * D ** -0.5
+    A = torch.softmax(s.masked_fill(~(allowed if windowed else j <= i), float("-inf")), -1).numpy()
+    ent = -(A * np.log(np.where(A > 0, A, 1))).sum(-1).mean(-1)
+    assert np.abs(three["entropy"].numpy() - ent).max() < TOL * max(1.0, ent.max())
+    assert np.abs(three["first_token_mass"].numpy() - A[..., 0].mean(-1)).max() < TOL
+    top = np.argsort(-A, -1, kind="stable")[..., :1]  # each row's largest weight (ties unlikely)
+    assert (idx3[..., :1].numpy() == top).mean() > 0.999
+
+
 def test_head_roles_from_summaries_equal_roles_from_capture(tok):
     model = _model("llama", len(tok))
     ids = _ids(64, seed=2)

@@ -29,6 +29,8 @@ The statistics (A = one head's weights, Q = every row for a bidirectional model,
 
 from __future__ import annotations
 
+import copy
+import math
 from dataclasses import dataclass
 
 import torch
@@ -43,7 +45,7 @@ PAIR_CACHE = 1 << 22
 #: The row quantities `RowSums` sums (each `(h, t)` per block), in the order of its sums.
 ROW_VALUES = ("entropy", "distance", "first", *BEYOND, "previous", "current", "next", "delimiter", "mass",
               "matched")
-#: Keys per chunk in the two-stage top-k (`RowSums._keep_top`).
+#: The most keys per chunk in the two-stage top-k (`RowSums._keep_top`).
 TOP_CHUNK = 64
 
 
@@ -204,6 +206,24 @@ class RowSums:
         self._offsets = torch.tensor([-1, 0, 1], device=dev)
         self._cols = torch.arange(self.S, device=dev)
 
+    def fork(self) -> RowSums:
+        """Empty sums over the same text and geometry, for a worker folding in other blocks:
+        the top-k arrays are shared (each row is written by the one block that holds it), the
+        sums and the pattern are its own; `merge` adds them back."""
+        other = copy.copy(self)
+        other._sums = torch.zeros_like(self._sums)
+        other._num = {name: torch.zeros_like(v) for name, v in self._num.items()}
+        other.pattern = torch.zeros_like(self.pattern) if self.pattern is not None else None
+        return other
+
+    def merge(self, other: RowSums) -> None:
+        """Add the sums of a `fork` (whose blocks were not folded in here)."""
+        self._sums += other._sums
+        for name, v in other._num.items():
+            self._num[name] += v
+        if self.pattern is not None:
+            self.pattern += other.pattern
+
     def _weights(self) -> tuple[Tensor, list[str]]:
         """Each row's weight in each mean, `(T, m)` float64, and the m weights' names."""
         ctx, T, dev = self.ctx, self.T, self.ctx.ids.device
@@ -291,7 +311,9 @@ class RowSums:
         weights. So the top-k runs on k chunks (and the tail) instead of the whole row."""
         h, t, w = P.shape
         k = min(self.top_k, w)
-        c = TOP_CHUNK
+        # The work is about w / c chunk maxima plus k * c candidates per row: least near
+        # c = sqrt(w / k), as a power of two between 16 and TOP_CHUNK.
+        c = max(16, min(TOP_CHUNK, 1 << max(0, round(math.log2(max(1.0, w / k)) / 2))))
         n = w // c
         if n >= 4 * k:
             body = P[..., :n * c].view(h, t, n, c)
