@@ -260,13 +260,13 @@ def _spy_flash_calls(monkeypatch):
 @pytest.mark.skipif(not common.HAS_CPU_FLASH, reason="needs torch's CPU flash kernel (log-sum-exp pieces)")
 def test_alike_blocks_of_a_window_run_as_one_band_call(monkeypatch):
     """sliding_window(4) & causal, T = S = 64, tiles of 8: block 0 alone, blocks 1..7 (each
-    keys r0 - 8 .. r0 + 8) as one call with the 7 blocks in the batch; the backward block by block."""
+    keys r0 - 8 .. r0 + 8) as one call with the 7 blocks as the kernel's heads; the backward block by block."""
     monkeypatch.setattr(fused_tiles, "FUSED_TILE", 8)
     seen = _spy_flash_calls(monkeypatch)
     q, k, v = (torch.randn(1, 2, 64, 4, requires_grad=True) for _ in range(3))
     out = mh.scaled_dot_product_attention(q, k, v, masks.sliding_window(4) & masks.causal())
     out.sum().backward()
-    assert [s for s in seen if s[1][0] == 7] == [("flash_lse", (7, 2, 8, 4), (7, 2, 16, 4), False, (1, 1, 8, 16))]
+    assert [s for s in seen if s[1][1] == 7] == [("flash_lse", (2, 7, 8, 4), (2, 7, 16, 4), False, (1, 1, 8, 16))]
     assert len(seen) == 2 + 8, seen  # forward: block 0 and the band; backward: the 8 blocks
 
 
@@ -299,13 +299,13 @@ def test_bands_equal_the_math_path(heads, bthd, pieces, monkeypatch):
         got = mh.scaled_dot_product_attention(q, k, v, pred)
         g_out = torch.linspace(-1, 1, got.numel(), dtype=torch.float64).view_as(got)
         grads = torch.autograd.grad(got, (q, k, v), g_out)
-        assert any(s[1][0] > 2 for s in seen), seen  # a band ran (blocks in the batch)
+        assert any(s[1][1] > 4 for s in seen), seen  # a band ran (blocks as the kernel's heads)
         want = mh.scaled_dot_product_attention(q, k, v, pred, backend="math")
         want_grads = torch.autograd.grad(want, (q, k, v), g_out)
         for name, a, b in zip(["out", "dq", "dk", "dv"], (got, *grads), (want, *want_grads)):
             assert_close(a, b, what=f"{name} T={T} S={S} window={window} heads={heads} bthd={bthd}")
         if pieces == "pieces" and window > 8 and T == S:
-            assert any(s[3] for s in seen if s[1][0] > 2), seen  # the diagonal piece through the causal kernel
+            assert any(s[3] for s in seen if s[1][1] > 4), seen  # the diagonal piece through the causal kernel
 
 
 @pytest.mark.skipif(not common.HAS_CPU_FLASH, reason="needs torch's CPU flash kernel (log-sum-exp pieces)")
@@ -376,7 +376,7 @@ def test_planned_band_forward_and_replanned_backward_equal_the_math_path(monkeyp
     grads = torch.autograd.grad(got.square().sum(), (q, k, v))
     forward = [s for s in seen if s[0] == "flash_lse"]
     backward = [s for s in seen if s[0] == "flash_lse_backward"]
-    assert any(s[1][0] > 2 for s in forward) and all(s[1][0] <= 2 for s in backward), seen
+    assert any(s[1][1] > 2 for s in forward) and all(s[1][1] <= 2 for s in backward), seen
     want = mh.scaled_dot_product_attention(q, k, v, pred, backend="math")
     want_grads = torch.autograd.grad(want.square().sum(), (q, k, v))
     for name, a, b in zip(["out", "dq", "dk", "dv"], (got, *grads), (want, *want_grads)):

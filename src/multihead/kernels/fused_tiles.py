@@ -6,8 +6,8 @@ run as one call of torch's causal kernel each, which skips the upper triangle it
 the CPU the pieces of a block run on torch's flash kernel, which returns each piece's
 log-sum-exp, and merge exactly (`_MergedFused`, with its own backward); elsewhere
 autograd goes through the fused calls. There, alike query blocks of a relative mask (a
-sliding window's) run as a band: one call over all of them, the blocks in the kernel's
-batch through strided views, so that every thread has work (`_FusedPlan.runs`). The plan
+sliding window's) run as a band: one call over all of them, the blocks as the kernel's
+heads through strided views, so that every thread has work (`_FusedPlan.runs`). The plan
 of a relative mask is kept from call to call with its blocks and masks (`planner.plan_key`),
 so the Python over tiles runs once per (mask, shape), not on one thread every call. Training
 memory stays O(N)."""
@@ -282,7 +282,7 @@ class _FusedPlan:
 
         A relative mask (a function of q - kv alone: sliding windows, causal) has the same
         mask on every block of a band, so the band runs as one call per piece with its
-        blocks in the kernel's batch (`band_view`): torch's CPU kernel splits a call over
+        blocks as the kernel's heads (`band_view`): torch's CPU kernel splits a call over
         batch x heads x query blocks, and one call of thousands of work items keeps every
         thread busy where hundreds of calls of 8 heads each wait on each other at every
         call's end.
@@ -354,16 +354,21 @@ class _FusedPlan:
         return tuple(range(self.B))
 
     def band_view(self, x, b, g, r0, n, width):
-        """(B, h, L, X) -> `(n, h/G, width, X)` (b None: `(n, B*h/G, width, X)`): a view of `width`
+        """(B, h, L, X) -> `(h/G, n, width, X)` (b None: `(B*h/G, n, width, X)`): a view of `width`
         rows from r0 + i*bq for each block i of a band, heads g, g + G, .. (G: the GQA group for
-        queries, 1 for keys). Keys overlap from block to block: a strided view, never a copy."""
+        queries, 1 for keys). Keys overlap from block to block: a strided view, never a copy.
+
+        Heads in the kernel's batch, blocks as its heads: its work items run in that order, so
+        a thread's next item is the next block of the same head, whose keys are mostly the
+        ones it just read (measured 117-121 vs 135-142 ms of CPU for the band at N = 16384,
+        tiles of 32, 1 thread; 128-134 vs 144-158 at 2)."""
         G = self.G if x.shape[1] == self.H else 1
         s0, s1, s2, s3 = x.stride()
         offset = x.storage_offset() + g * s1 + r0 * s2
         heads = x.shape[1] // G
         if b is None:
-            return x.as_strided((n, self.B * heads, width, x.shape[3]), (self.bq * s2, G * s1, s2, s3), offset)
-        return x.as_strided((n, heads, width, x.shape[3]), (self.bq * s2, G * s1, s2, s3), offset + b * s0)
+            return x.as_strided((self.B * heads, n, width, x.shape[3]), (G * s1, self.bq * s2, s2, s3), offset)
+        return x.as_strided((heads, n, width, x.shape[3]), (G * s1, self.bq * s2, s2, s3), offset + b * s0)
 
     def band(self, q, k, v, out, lse, r0, n, pieces, acc):
         """Forward of a band (see `runs`): per GQA group position and piece one kernel call over
@@ -384,7 +389,7 @@ class _FusedPlan:
                         kb, vb = (self.band_view(x, b, 0, rj + a, nj, e - a) for x in (k, v))
                         o, lp = flash_lse(self.band_view(q, b, g, rj, nj, self.bq), kb, vb, causal=is_causal,
                                           scale=self.scale, mask=m, empty=empty)
-                        parts.append((o, lp[..., None].to(acc)))  # (nj, heads, bq, Dv), (nj, heads, bq, 1)
+                        parts.append((o, lp[..., None].to(acc)))  # (heads, nj, bq, Dv), (heads, nj, bq, 1)
                     # one piece where every row has a key: the kernel's own result (no pass to zero empty rows)
                     o, lp = parts[0] if len(parts) == 1 and not empties else lse_merge(parts, acc, q.dtype)
                     self.band_view(out, b, g, rj, nj, self.bq).copy_(o)
