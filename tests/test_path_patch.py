@@ -122,7 +122,7 @@ class _Eager:
                 handles.append(module.register_forward_pre_hook(fn) if kind == "pre" else
                                module.register_forward_hook(fn))
             with torch.no_grad():
-                return self.model(inputs).logits
+                return (self.model(**inputs) if isinstance(inputs, dict) else self.model(inputs)).logits
         finally:
             for h in handles:
                 h.remove()

@@ -111,6 +111,8 @@ def _token(loaded, hf: bool, flag: str, text: str, token: str) -> tuple[int, str
 def _one_pair(loaded, hf: bool, args):
     import torch
 
+    from multihead.heads.metrics import AtPositions
+
     missing = [f"--{k}" for k in ("clean", "corrupted", "answer", "wrong") if getattr(args, k) is None]
     if missing:
         raise UsageError(f"heads path needs --task ioi, or one pair: --clean, --corrupted, --answer and --wrong "
@@ -131,8 +133,9 @@ def _one_pair(loaded, hf: bool, args):
                          "the metric would be 0")
     pos = len(ids[0]) - 1
 
-    def metric(logits):
-        return (logits[:, pos, ans] - logits[:, pos, wrong]).mean()
+    def diff(last):  # (1, vocab) at the last token
+        return (last[:, ans] - last[:, wrong]).mean()
+    metric = AtPositions(diff, [pos], "the metric")  # the scan computes the LM head at that token only
     info = {"task": None, "metric": f"logit({ans_piece!r}) - logit({wrong_piece!r}) at token {pos}"}
     return enc["--clean"], enc["--corrupted"], metric, info
 

@@ -30,7 +30,13 @@ slice replaced. Keys and values are the engine's (`multihead.heads.engine`).
 `patch_scan` does: the corrupted run's block inputs are cached once; a variant's step 2
 starts at its sender's block from the cached input (the blocks below run on one row, their
 output unused) and stops after the last receiver's layer; its step 3 starts at the first
-receiver's block. Each forward carries up to `16 // B` variants of one sender layer.
+receiver's block. Each forward carries up to `16 // B` variants of one sender layer, or
+up to `POSITIONS_PER_RUN` row-positions when its rows are short (as `patch_scan`'s).
+
+A metric that says which logits it reads (`AtPositions`) gets those only: every forward
+that ends in logits (step 3) asks a transformers model for the read positions alone
+(`logits_to_keep`), and `path_patch_scan` rolls each row to end where the metric reads
+(`multihead.heads._align`), so the prefix skip reaches each row's own change.
 """
 
 from __future__ import annotations
@@ -42,6 +48,7 @@ from contextlib import contextmanager
 import torch
 from torch import Tensor, nn
 
+from multihead.heads._align import aligned
 from multihead.heads._interventions import check_heads
 from multihead.heads._ranks import Ranks, check_group, fingerprint
 from multihead.heads._record import Recording, head_results, record
@@ -59,6 +66,7 @@ from multihead.heads.engine import (
     multihead_modules,
     parents_of,
 )
+from multihead.heads.metrics import AtPositions
 from multihead.heads.progress import Progress, check_progress
 from multihead.heads.scan import (
     PrefixRecorder,
@@ -69,6 +77,7 @@ from multihead.heads.scan import (
     head_cost,
     model_width,
     one_row,
+    takes_logits_to_keep,
     takes_use_cache,
     variants_per_forward,
 )
@@ -316,15 +325,16 @@ class _Received(_Step):
 # ---------------------------------------------------------------- running the model
 
 
-def _call(model: nn.Module, inputs):
-    """model(inputs) without a KV cache (a scan's forwards change their batch between blocks)."""
+def _call(model: nn.Module, inputs, **extra):
+    """model(inputs) without a KV cache (a scan's forwards change their batch between blocks);
+    `extra`: keywords of the call (`logits_to_keep`)."""
     no_cache = takes_use_cache(model)
     if isinstance(inputs, Tensor):
-        return model(inputs, use_cache=False) if no_cache else model(inputs)
+        return model(inputs, use_cache=False, **extra) if no_cache else model(inputs, **extra)
     if not (hasattr(inputs, "keys") and hasattr(inputs, "__getitem__")):
         raise TypeError(f"inputs must be a tensor (input_ids) or a mapping of keyword arguments (a tokenizer's "
                         f"BatchEncoding); received {type(inputs).__name__}")
-    kw = {k: inputs[k] for k in inputs.keys()}
+    kw = {**{k: inputs[k] for k in inputs.keys()}, **extra}
     if no_cache:
         kw.setdefault("use_cache", False)
     return model(**kw)
@@ -334,9 +344,11 @@ def _with_first(out, x: Tensor):
     return x if isinstance(out, Tensor) else (x, *out[1:])
 
 
-def _forward(model: nn.Module, inputs, handler: Handler, hooks: list[tuple[nn.Module, str, Callable]]):
+def _forward(model: nn.Module, inputs, handler: Handler, hooks: list[tuple[nn.Module, str, Callable]],
+             keep: dict | None = None):
     """One forward with `handler` on the heads and `hooks` (module, "pre"|"post", fn) on the
-    blocks; the logits, or None when step 2 stopped early."""
+    blocks; the logits, or None when step 2 stopped early. `keep`: {"logits_to_keep": the
+    positions the metric reads} (`_Runs.keep`), or None for every position's logits."""
     installed = Hooks()
     try:
         for module, kind, fn in hooks:
@@ -347,7 +359,7 @@ def _forward(model: nn.Module, inputs, handler: Handler, hooks: list[tuple[nn.Mo
         engine = Engine(model, handler)
         with engine.installed(), _Queries(engine, handler.q).installed(), torch.no_grad():
             try:
-                return logits_of(_call(model, inputs))
+                return logits_of(_call(model, inputs, **(keep or {})))
             except _Stop:
                 return None
     finally:
@@ -380,6 +392,8 @@ class _Runs:
         self.vocab = logits.shape[-1] if logits.dim() >= 3 else 0
         self.itemsize = logits.element_size()
         self.clean.logits = self.corrupted.logits = None  # (B, T, vocab) each: 0.8 GB at 4,096 positions of SmolLM2
+        self.T = logits.shape[1] if logits.dim() >= 3 else 0
+        self.keep = _keep(model, metric, self.T, self.B)
         self._deltas: dict[int, Tensor] = {}  # one layer's (B, T, H, C): the senders come layer by layer
         self.parents = parents_of(model)
 
@@ -408,7 +422,17 @@ class _Runs:
         return last
 
     def metric_of(self, logits: Tensor, where: str) -> float:
-        return _scalar(self.metric(logits), where)
+        """The metric of one run's logits (those of the kept positions only with `self.keep`)."""
+        m = self.metric
+        return _scalar(m.kept(logits, self.keep["logits_to_keep"], self.T) if self.keep else m(logits), where)
+
+
+def _keep(model, metric, T: int, B: int) -> dict:
+    """{"logits_to_keep": the positions read} for an `AtPositions` metric of the B rows on a
+    model that takes the keyword, else {} (the forwards compute every position's logits)."""
+    if not isinstance(metric, AtPositions) or not T or len(metric.positions) != B or not takes_logits_to_keep(model):
+        return {}
+    return {"logits_to_keep": metric.keep(T)}
 
 
 def _one(runs: _Runs, senders: list[tuple[int, int]], receivers: list[tuple[int, int, str]], logits: bool) -> float:
@@ -432,7 +456,7 @@ def _one(runs: _Runs, senders: list[tuple[int, int]], receivers: list[tuple[int,
             return _with_first(out, x + delta.to(x.dtype))
 
         hooks.append((last, "post", add_delta))
-    out = _forward(model, runs.corrupted_inputs, _Received(kept, mine), hooks)
+    out = _forward(model, runs.corrupted_inputs, _Received(kept, mine), hooks, runs.keep)
     return runs.metric_of(out, "on the patched run")
 
 
@@ -687,10 +711,12 @@ def path_patch_scan(model, clean, corrupted, metric: Callable[[Tensor], Tensor],
 
     Args as in `path_patch` (the receivers the same for every sender); `variants_per_run`:
     how many senders one forward carries (default: as many as `max_memory` holds, at most
-    16 // B, at least 1); `max_memory` and `progress` as in `patch_scan`. A cell is the
-    corrupted metric, exactly, where the sender sits at or above every receiver's layer;
-    NaN where a layer has fewer heads than the widest. On a causal transformers decoder the
-    prefix clean and corrupted share is skipped, as in `patch_scan`. `group`: None, or a
+    16 // B, or more when the rows run few positions (`variants_per_forward`), at least 1);
+    `max_memory` and `progress` as in `patch_scan`. A cell is the corrupted metric,
+    exactly, where the sender sits at or above every receiver's layer; NaN where a layer
+    has fewer heads than the widest. On a causal transformers decoder the prefix clean and
+    corrupted share is skipped, as in `patch_scan`; an `AtPositions` metric's rows are
+    rolled to end where it reads first, where that is checked equal (`_align`). `group`: None, or a
     torch.distributed process group, as in `patch_scan` (each rank runs whole chunks of
     senders; every rank returns the one process's table, bitwise).
     """
@@ -704,18 +730,21 @@ def path_patch_scan(model, clean, corrupted, metric: Callable[[Tensor], Tensor],
         if variants_per_run is not None and (isinstance(variants_per_run, bool) or not isinstance(variants_per_run, int)
                                              or variants_per_run < 1):
             raise ValueError(f"variants_per_run must be an int >= 1; received {variants_per_run!r}")
-        runs = _Runs(model, clean, corrupted, metric)
+        clean_, corrupted_, metric_, _ = aligned(model, clean, corrupted, metric, None)
+        runs = _Runs(model, clean_, corrupted_, metric_)
         _check_ranges(runs.layers, [], rec)
         if logits:
             runs.last_block([(lay.index, 0) for lay in runs.layers])  # refuses senders the direct path cannot take
-        laid = _lay_out(runs, clean)
+        laid = _lay_out(runs, clean_)
         lay0 = runs.layers[0]
         T = runs.corrupted["z", lay0.index].shape[1]
         if laid is not None and laid.skip is not None:
             T -= laid.skip.p
         per_row = bytes_per_row(runs.vocab, runs.itemsize, laid.blocks if laid is not None else [model],
-                                model_width(model, lay0.H * lay0.Dv), T)
-        per_run = variants_per_forward(per_row, runs.B, budget)[0] if variants_per_run is None else variants_per_run
+                                model_width(model, lay0.H * lay0.Dv), T,
+                                len(runs.keep["logits_to_keep"]) if runs.keep else None)
+        auto = variants_per_forward(per_row, runs.B, budget, T)[0]
+        per_run = auto if variants_per_run is None else variants_per_run
         return rec, logits, runs, per_run, laid
 
     def agreed(done):  # what every rank must share for the tables to be one table
@@ -774,7 +803,7 @@ def _chunk(runs: _Runs, laid: _Laid, layer: int, heads: list[int], mine: dict[tu
     join = _Join(blocks[min(i for i, _ in mine)] if mine else None, laid.cache, n, B, skip)
     delta = torch.cat([runs.delta(layer)[:, :, h] for h in heads]) if logits else None  # (n B, T, C)
     hooks = join.hooks(model, blocks) + [(blocks[-1], "post", laid.finish(n, B, delta, replace=not mine))]
-    got = _forward(model, runs.corrupted_inputs, _Received(kept, mine, skip), hooks)
+    got = _forward(model, runs.corrupted_inputs, _Received(kept, mine, skip), hooks, runs.keep)
     if got.shape[0] != n * B:
         raise RuntimeError(f"the scan's batch did not come out whole ({got.shape[0]} rows, expected {n * B}): "
                            f"{type(model).__name__} reshapes its batch between blocks")
