@@ -5,12 +5,16 @@ and where multihead's per-layer microseconds go (fp32, CPU, B = 1).
     .venv/bin/python benchmarks/hf_generate.py --quick    # a smoke run
     .venv/bin/python benchmarks/hf_generate.py --model smollm2 --rounds 7 --calls 500   # the real model
     .venv/bin/python benchmarks/hf_generate.py --model smollm2 --rounds 7 --calls 500 --clock cpu  # on a busy machine
+    .venv/bin/python benchmarks/hf_generate.py --model smollm2 --rounds 9 --control  # with an A/A control
 
 One random-init Llama (--layers, --heads query heads, --kv-heads KV heads) generates
 --new-tokens tokens greedily from the same prompt under each implementation, switched
 with `model.set_attn_implementation` on the one model, in alternating order, for
 --rounds rounds. Reported: seconds per generate (medians), the ratio multihead / sdpa
-(median of per-round ratios) and whether both produced the same tokens.
+(median of per-round ratios) and whether both produced the same tokens. With --control,
+sdpa also runs under a second name: its ratio to sdpa is the noise floor of the ratio on
+that machine (attention is under a tenth of a SmolLM2 generate, so the two implementations'
+whole difference is about a percent of it, below what a loaded machine resolves).
 
 Then the per-call cost of the two attention functions alone (warm: one layer's call
 repeated; and cold: `per_call_cold`, every layer in turn after its MLP, as a decode step
@@ -75,22 +79,42 @@ def build(layers: int, heads: int, kv_heads: int, width: int, positions: int):
     return LlamaForCausalLM(cfg).eval()
 
 
-def time_generate(model, prompt: torch.Tensor, new_tokens: int, rounds: int) -> dict:
-    seconds: dict[str, list[float]] = {"sdpa": [], "multihead": []}
+CONTROL = "sdpa_again"  # transformers' own sdpa under a second name: what an A/A comparison reads
+
+
+def register_control() -> None:
+    """Register transformers' sdpa attention function and mask under `CONTROL`, so that a run
+    measures sdpa against itself beside multihead (the ratio an identical implementation gets)."""
+    from transformers import AttentionInterface
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+    AttentionInterface.register(CONTROL, sdpa_attention_forward)
+    AttentionMaskInterface.register(CONTROL, sdpa_mask)
+
+
+def time_generate(model, prompt: torch.Tensor, new_tokens: int, rounds: int, control: bool = False) -> dict:
+    impls = ["sdpa", "multihead"] + ([CONTROL] if control else [])
+    seconds: dict[str, list[float]] = {impl: [] for impl in impls}
     tokens = {}
-    for r in range(rounds):
-        order = ("sdpa", "multihead") if r % 2 == 0 else ("multihead", "sdpa")
+    for r in range(-1, rounds):  # round -1 warms every implementation (first calls, allocator), untimed
+        order = impls[r % len(impls):] + impls[:r % len(impls)]  # each implementation first in turn
         for impl in order:
             model.set_attn_implementation(impl)
             t0 = clock()
             with torch.no_grad():
                 tokens[impl] = model.generate(prompt, max_new_tokens=new_tokens, min_new_tokens=new_tokens,
                                               do_sample=False)
-            seconds[impl].append(clock() - t0)
+            if r >= 0:
+                seconds[impl].append(clock() - t0)
     ratios = [m / s for m, s in zip(seconds["multihead"], seconds["sdpa"])]
-    return {"seconds": {k: statistics.median(v) for k, v in seconds.items()}, "rounds": seconds,
-            "ratio": statistics.median(ratios), "ratios": ratios,
-            "same_tokens": bool(torch.equal(tokens["sdpa"], tokens["multihead"]))}
+    out = {"seconds": {k: statistics.median(v) for k, v in seconds.items()}, "rounds": seconds,
+           "ratio": statistics.median(ratios), "ratios": ratios,
+           "same_tokens": bool(torch.equal(tokens["sdpa"], tokens["multihead"]))}
+    if control:
+        again = [c / s for c, s in zip(seconds[CONTROL], seconds["sdpa"])]
+        out |= {"control_ratio": statistics.median(again), "control_ratios": again}
+    return out
 
 
 def per_call(model, S: int, calls: int, rounds: int) -> dict:
@@ -292,6 +316,9 @@ def main(argv=None) -> int:
     ap.add_argument("--model", default=None,
                     help="a real model instead of the random Llama: smollm2 (the bundled SmolLM2-135M), a .gguf or "
                          "a folder; the prompt is --prompt tokens of the King James Bible")
+    ap.add_argument("--control", action="store_true",
+                    help=f"also generate with transformers' sdpa registered as {CONTROL!r}: its ratio to sdpa is what "
+                         "an identical implementation reads on this machine (the noise floor of the ratio)")
     ap.add_argument("--quick", action="store_true", help="2 layers, 64-token prompt, 8 new tokens, 2 rounds")
     ap.add_argument("--json", default=str(Path(__file__).resolve().parent / "results" / "hf_generate.json"))
     a = ap.parse_args(argv)
@@ -320,7 +347,9 @@ def main(argv=None) -> int:
         model = build(a.layers, a.heads, a.kv_heads, a.width, a.prompt + a.new_tokens + 8)
         prompt = torch.randint(0, model.config.vocab_size, (1, a.prompt), generator=torch.Generator().manual_seed(1))
     load_start = os.getloadavg()
-    gen = time_generate(model, prompt, a.new_tokens, a.rounds)
+    if a.control:
+        register_control()
+    gen = time_generate(model, prompt, a.new_tokens, a.rounds, control=a.control)
     call = cold = loop = None
     if not a.generate_only:
         call = per_call(model, a.prompt + a.new_tokens // 2, a.calls, max(2, a.rounds // 2))
@@ -340,6 +369,9 @@ def main(argv=None) -> int:
     print(f"| sdpa (transformers) | {s['sdpa']:.3f} |\n| multihead | {s['multihead']:.3f} |")
     print(f"\nratio multihead / sdpa: {gen['ratio']:.3f} (per round: "
           f"{', '.join(f'{r:.2f}' for r in gen['ratios'])}); same tokens: {gen['same_tokens']}")
+    if a.control:
+        print(f"control, sdpa again / sdpa: {gen['control_ratio']:.3f} (per round: "
+              f"{', '.join(f'{r:.2f}' for r in gen['control_ratios'])})")
     if call is None:
         print(f"\nwrote {write_json(a.json, report)}")
         return 0
