@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 import stat
+import time
 
 import pytest
 
@@ -134,3 +135,26 @@ def test_read_json_is_bounded(tmp_path):
     ok = tmp_path / "ok.json"
     ok.write_text(json.dumps({"n": 10**29, "deep": [[[1.5]]], "s": "[{"}))  # brackets in strings do not nest
     assert read_json(ok) == {"n": 10**29, "deep": [[[1.5]]], "s": "[{"}
+
+
+def test_read_at_most_reads_exactly_n_bytes_of_a_device_and_all_of_a_pipe_in_pieces(tmp_path):
+    import threading
+
+    from multihead.files import read_at_most
+
+    assert read_at_most("/dev/zero", 70_000) == bytes(70_000)
+    fifo = tmp_path / "pipe"
+    os.mkfifo(fifo)
+
+    def writer():
+        with open(fifo, "wb", buffering=0) as w:
+            for piece in (b"In the ", b"beginning ", b"God"):
+                w.write(piece)
+                time.sleep(0.05)  # the reader sees three short reads
+
+    t = threading.Thread(target=writer)
+    t.start()
+    try:
+        assert read_at_most(fifo, 100) == b"In the beginning God"
+    finally:
+        t.join(timeout=5)

@@ -145,8 +145,7 @@ def read_json(path: str | os.PathLike, *, what: str = "JSON file", max_bytes: in
     """
     label = os.fspath(path)
     try:
-        with open(path, "rb") as f:
-            data = _read_at_most(f, max_bytes + 1)
+        data = read_at_most(path, max_bytes + 1)
     except IsADirectoryError:
         raise ValueError(f"{label} is a folder; expected a {what}") from None
     except OSError as err:
@@ -179,6 +178,13 @@ def read_json(path: str | os.PathLike, *, what: str = "JSON file", max_bytes: in
         raise ValueError(f"{label} is not a usable {what}: {str(err)[:120]}") from None
     _check_numbers(obj, label, "")
     return obj
+
+
+def read_at_most(path: str | os.PathLike, n: int) -> bytes:
+    """The first n bytes of a user's file (all of it when shorter): never more is read, so a
+    device like /dev/zero costs n bytes. OSError as open() raises it."""
+    with open(path, "rb") as f:
+        return _read_at_most(f, n)
 
 
 def _read_at_most(f, n: int) -> bytes:

@@ -109,8 +109,12 @@ def _text_argument(args: argparse.Namespace) -> str:
         path = Path(args.text_file).expanduser()
         if not path.is_file():
             raise UsageError(f"--text-file {args.text_file!r}: no such file")
-        with path.open("rb") as f:
-            data = f.read(_MAX_STDIN + 1)
+        from multihead.files import read_at_most
+
+        try:
+            data = read_at_most(path, _MAX_STDIN + 1)  # (a pipe or device may return short reads)
+        except OSError as err:
+            raise UsageError(f"--text-file {args.text_file!r}: cannot read it ({err.strerror or err})") from None
         if len(data) > _MAX_STDIN:
             raise UsageError(f"--text-file {args.text_file!r} is longer than {_MAX_STDIN // 2**20} MiB; the model "
                              "reads at most its positions' worth of tokens (cut the file)")
