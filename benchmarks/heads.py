@@ -31,7 +31,11 @@ take tokens; a causal model's last real token never sees the padding after it). 
 TransformerBridge wraps a deep copy of the model (booting it rewires the model it is
 given). `--layers K` keeps the first K layers (a smaller scan for tests). The warm-up is
 one forward of each side (TransformerLens builds its hooks there): a scan takes minutes.
-Target: >= 4x.
+Target: >= 4x. Both sides get the task's metric (`task.metric`, a `heads.AtPositions`: on
+full logits the plain metric, which TransformerLens calls); multihead then computes the
+head at the read positions only and rolls each row to end there. A third side, "multihead,
+plain metric", scans with the same metric wrapped in a plain function, so the ratio without
+those two is in the same rounds (`--no-plain` leaves it out).
 
 Writes a Markdown table to stdout and JSON to benchmarks/results/heads.json
 (heads_smollm2.json with --model smollm2; or --json).
@@ -172,9 +176,18 @@ def run_tl(bridge, clean, corrupted, metric):
         return patching.get_act_patch_attn_head_out_all_pos(bridge, corrupted, cache, metric)
 
 
-def _sides(s: Setup, bridge):
-    return {"multihead": lambda info=None: run_ours(s.ours, s.ours_clean, s.ours_corrupted, s.metric, info),
-            "transformer_lens": lambda info=None: run_tl(bridge, s.tl_clean, s.tl_corrupted, s.metric)}
+def _sides(s: Setup, bridge, plain: bool = False):
+    """The scans timed: multihead and TransformerLens on the same metric; with `plain`, also
+    multihead on that metric as a plain function (for tasks.ioi: without AtPositions' head
+    at the read positions only and rows rolled to end there)."""
+    sides = {"multihead": lambda info=None: run_ours(s.ours, s.ours_clean, s.ours_corrupted, s.metric, info),
+             "transformer_lens": lambda info=None: run_tl(bridge, s.tl_clean, s.tl_corrupted, s.metric)}
+    if plain:
+        sides[PLAIN] = lambda info=None: run_ours(s.ours, s.ours_clean, s.ours_corrupted, lambda lg: s.metric(lg))
+    return sides
+
+
+PLAIN = "multihead, plain metric"
 
 
 def _warm_up(args, s: Setup, bridge, fns) -> dict:
@@ -232,11 +245,11 @@ def _peak_args(args, side: str, key: int) -> list[str]:
 def _case(args, label: str, key: int, s: Setup) -> dict:
     """Both scans of one pair of inputs: rounds in shuffled order, then each side's peak memory."""
     bridge = s.bridge()
-    fns = _sides(s, bridge)
+    fns = _sides(s, bridge, plain=args.model == "smollm2" and not args.no_plain)
     tables = _warm_up(args, s, bridge, fns)
     diffs = [(tables["multihead"] - tables["transformer_lens"]).abs().max().item()] if tables else []
     times = {name: [] for name in fns}
-    ratios, loads, info = [], [], {}
+    ratios, plain_ratios, loads, info = [], [], [], {}
     rng = random.Random(0)
     for i in range(args.rounds):
         order = list(fns)
@@ -249,11 +262,15 @@ def _case(args, label: str, key: int, s: Setup) -> dict:
             times[name].append(got[name])
         ratios.append(got["transformer_lens"] / got["multihead"])
         diffs.append((tables["multihead"] - tables["transformer_lens"]).abs().max().item())
+        if PLAIN in got:
+            plain_ratios.append(got["transformer_lens"] / got[PLAIN])
+            diffs.append((tables[PLAIN] - tables["transformer_lens"]).abs().max().item())
         loads.append(os.getloadavg()[0])
         if args.model == "smollm2":  # a round takes minutes: say how it went
             print(f"  round {i + 1}: multihead {got['multihead']:.2f} s, TransformerLens "
-                  f"{got['transformer_lens']:.2f} s, {ratios[-1]:.2f}x, diff {diffs[-1]:.1e}, load {loads[-1]:.2f}",
-                  flush=True)
+                  f"{got['transformer_lens']:.2f} s, {ratios[-1]:.2f}x"
+                  + (f" (plain metric {got[PLAIN]:.2f} s, {plain_ratios[-1]:.2f}x)" if PLAIN in got else "")
+                  + f", diff {max(diffs[-2:]):.1e}, load {loads[-1]:.2f}", flush=True)
     peaks = {name: None for name in fns}
     for side, name in (("ours", "multihead"), ("tl", "transformer_lens")):
         if args.no_peaks:
@@ -269,6 +286,8 @@ def _case(args, label: str, key: int, s: Setup) -> dict:
                  "results": [{"variant": name, "times_s": times[name], "median_s": statistics.median(times[name]),
                               "peak_bytes": peaks[name]} for name in fns],
                  "ratios": ratios, "speedup_median": statistics.median(ratios), "loadavg_1min_per_round": loads,
+                 **({"plain_metric_ratios": plain_ratios,
+                     "plain_metric_speedup_median": statistics.median(plain_ratios)} if plain_ratios else {}),
                  "max_abs_diff": max(diffs)})
     return case
 
@@ -290,6 +309,8 @@ def main(argv=None) -> int:
     ap.add_argument("--seed", type=int, default=0, help="smollm2: the pairs' draw (tasks.ioi's seed)")
     ap.add_argument("--rounds", type=int, default=None, help="timed rounds (default: gpt2 5, smollm2 3)")
     ap.add_argument("--threads", type=int, default=1, help="torch threads")
+    ap.add_argument("--no-plain", action="store_true", help="smollm2: skip the third side, multihead on the metric "
+                    "as a plain function")
     ap.add_argument("--no-peaks", action="store_true", help="skip the peak-memory processes (one more scan a side)")
     ap.add_argument("--quick", action="store_true", help="gpt2: 2 layers, 4 heads, C 64, T 32; smollm2: 1 pair, "
                                                          "the first 2 layers unless --layers; 2 rounds unless --rounds")
@@ -376,7 +397,10 @@ def main(argv=None) -> int:
              "detail": f"{case['pairs']} pair(s): median ratio {case['speedup_median']:.2f} (rounds "
                        f"{', '.join(f'{x:.2f}' for x in case['ratios'])}); prefix skip "
                        f"{'taken' if case['prefix_skip'].get('skipped') else 'not taken'}"
-                       + "".join(f"; {c['pairs']} pair(s): {c['speedup_median']:.2f}" for c in report["cases"][1:])},
+                       + "".join(f"; {c['pairs']} pair(s): {c['speedup_median']:.2f}" for c in report["cases"][1:])
+                       + "".join(f"; {c['pairs']} pair(s), the metric as a plain function: "
+                                 f"{c['plain_metric_speedup_median']:.2f}" for c in report["cases"]
+                                 if "plain_metric_speedup_median" in c)},
             same]
     else:
         ioi, worst = report["cases"]

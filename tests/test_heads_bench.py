@@ -74,8 +74,10 @@ def test_heads_benchmark_smollm2_quick(smollm2, tmp_path):
     assert (case["pairs"], case["layers"], case["heads"]) == (1, 2, 9)
     assert case["prefix_skip"]["skipped"] and case["prefix_skip"]["prefix"] == case["changed_positions"][0]
     assert 0 <= case["max_abs_diff"] < 1e-4
-    assert [len(x["times_s"]) for x in case["results"]] == [1, 1] and case["speedup_median"] > 0
-    assert [t["passed"] for t in r["targets"]][1] is True  # the same-numbers target
+    assert [len(x["times_s"]) for x in case["results"]] == [1, 1, 1] and case["speedup_median"] > 0
+    assert [x["variant"] for x in case["results"]][2] == "multihead, plain metric"
+    assert case["plain_metric_speedup_median"] > 0 and len(case["plain_metric_ratios"]) == 1
+    assert [t["passed"] for t in r["targets"]][1] is True  # the same-numbers target (both multihead tables)
 
 
 @pytest.mark.slow
