@@ -220,7 +220,10 @@ def test_gqa_fast_path_does_not_copy_kv(monkeypatch):
     assert seen == [((2, 2, 4, 16), k.data_ptr(), (2, 2, 50, 16), v.data_ptr())]
     seen.clear()
     q = torch.randn(2, 8, 50, 16)
-    mh.scaled_dot_product_attention(q, k, v, causal=True)  # prefill: one call per group position
+    mh.scaled_dot_product_attention(q, k, v, causal=True)  # prefill: one call, torch's own GQA
+    assert seen == [((2, 8, 50, 16), k.data_ptr(), (2, 2, 50, 16), v.data_ptr())]
+    seen.clear()
+    mh.scaled_dot_product_attention(q.requires_grad_(), k, v, causal=True)  # with a graph: one per group position
     assert len(seen) == 4 and all(s[1] == k.data_ptr() and s[2] == (2, 2, 50, 16) for s in seen)
 
 
