@@ -66,7 +66,6 @@ from multihead.heads.engine import (
     multihead_modules,
     parents_of,
 )
-from multihead.heads.metrics import AtPositions
 from multihead.heads.progress import Progress, check_progress
 from multihead.heads.scan import (
     PrefixRecorder,
@@ -75,9 +74,9 @@ from multihead.heads.scan import (
     check_memory,
     first_output,
     head_cost,
+    keep_positions,
     model_width,
     one_row,
-    takes_logits_to_keep,
     takes_use_cache,
     variants_per_forward,
 )
@@ -393,7 +392,7 @@ class _Runs:
         self.itemsize = logits.element_size()
         self.clean.logits = self.corrupted.logits = None  # (B, T, vocab) each: 0.8 GB at 4,096 positions of SmolLM2
         self.T = logits.shape[1] if logits.dim() >= 3 else 0
-        self.keep = _keep(model, metric, self.T, self.B)
+        self.keep = keep_positions(model, metric, self.T, self.B)
         self._deltas: dict[int, Tensor] = {}  # one layer's (B, T, H, C): the senders come layer by layer
         self.parents = parents_of(model)
 
@@ -425,14 +424,6 @@ class _Runs:
         """The metric of one run's logits (those of the kept positions only with `self.keep`)."""
         m = self.metric
         return _scalar(m.kept(logits, self.keep["logits_to_keep"], self.T) if self.keep else m(logits), where)
-
-
-def _keep(model, metric, T: int, B: int) -> dict:
-    """{"logits_to_keep": the positions read} for an `AtPositions` metric of the B rows on a
-    model that takes the keyword, else {} (the forwards compute every position's logits)."""
-    if not isinstance(metric, AtPositions) or not T or len(metric.positions) != B or not takes_logits_to_keep(model):
-        return {}
-    return {"logits_to_keep": metric.keep(T)}
 
 
 def _one(runs: _Runs, senders: list[tuple[int, int]], receivers: list[tuple[int, int, str]], logits: bool) -> float:

@@ -1091,7 +1091,7 @@ def patch_scan(model, clean, corrupted, metric: Callable[[Tensor], Tensor], what
                              "multihead.interop.hf.use_latent_attention); this model has none")
         scan = _Scan(model, corrupted_, rec, what, B)
         scan.lean, scan.metric, scan.aligned = lean, metric_, (clean_ is not clean, align_why)
-        scan.T, scan.keep = T, _keep(model, metric_, T, B)
+        scan.T, scan.keep = T, keep_positions(model, metric_, T, B)
         scan.shortcut.early = _shortcut_too_big(scan.shortcut, rec, MEMORY_PER_RUN if budget is None else budget)
         if not why:
             scan.stack, why = _causal_stack(model, scan.layers, scan.blocks, scan.parents)
@@ -1169,7 +1169,7 @@ def takes_logits_to_keep(model) -> bool:
         return False
 
 
-def _keep(model, metric, T: int, B: int) -> dict:
+def keep_positions(model, metric, T: int, B: int) -> dict:
     """{"logits_to_keep": the positions read} for an `AtPositions` metric on a model that
     takes the keyword (T known), else {} (the scan forwards compute every position's logits)."""
     if not isinstance(metric, AtPositions):
