@@ -151,7 +151,7 @@ def test_a_model_without_logits_to_keep_gets_full_logits_and_rows_as_given(monke
     metric = heads.AtPositions(_fn, last)
     want = heads.path_patch_scan(model, clean, corrupted, metric, [(2, 0)])
     seen = _Seen(monkeypatch)
-    monkeypatch.setattr(path_patching, "takes_logits_to_keep", lambda m: False)
+    monkeypatch.setattr(_scan, "takes_logits_to_keep", lambda m: False)  # keep_positions reads it there
     monkeypatch.setattr(_align, "_takes", lambda m, names: False)
     got = heads.path_patch_scan(model, clean, corrupted, metric, [(2, 0)])
     assert not seen.aligned[0][0] and "logits_to_keep" in seen.aligned[0][1]
