@@ -152,7 +152,7 @@ def test_a_model_without_logits_to_keep_gets_full_logits_and_rows_as_given(monke
     want = heads.path_patch_scan(model, clean, corrupted, metric, [(2, 0)])
     seen = _Seen(monkeypatch)
     monkeypatch.setattr(_scan, "takes_logits_to_keep", lambda m: False)  # keep_positions reads it there
-    monkeypatch.setattr(_align, "_takes", lambda m, names: False)
+    monkeypatch.setattr(_align, "forward_takes", lambda m, *names: False)
     got = heads.path_patch_scan(model, clean, corrupted, metric, [(2, 0)])
     assert not seen.aligned[0][0] and "logits_to_keep" in seen.aligned[0][1]
     assert set(seen.logits) == {12} and seen.prefix == [3]

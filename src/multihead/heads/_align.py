@@ -19,24 +19,14 @@ would move by a different amount in each row).
 
 from __future__ import annotations
 
-import inspect
-
 import torch
 from torch import Tensor
 
-from multihead.heads.engine import is_hf
+from multihead.heads.engine import forward_takes, is_hf
 from multihead.heads.metrics import AtPositions
 
 _KNOWN = ("input_ids", "attention_mask", "position_ids")
 _ALIGN = True  # tests turn it off to compare the two layouts
-
-
-def _takes(model, names: tuple[str, ...]) -> bool:
-    try:
-        params = inspect.signature(model.forward).parameters
-    except (TypeError, ValueError):
-        return False
-    return all(n in params for n in names)
 
 
 def _roll_rows(x: Tensor, shift: Tensor) -> Tensor:
@@ -53,7 +43,7 @@ def aligned(model, clean, corrupted, metric, positions) -> tuple[object, object,
         return clean, corrupted, metric, "turned off"
     if not isinstance(metric, AtPositions) or positions is not None:
         return clean, corrupted, metric, "" if not isinstance(metric, AtPositions) else "positions= given"
-    if not (is_hf(model) and _takes(model, ("logits_to_keep", *_KNOWN))):
+    if not (is_hf(model) and forward_takes(model, "logits_to_keep", *_KNOWN)):
         return clean, corrupted, metric, "the model's forward does not take logits_to_keep, attention_mask and " \
             "position_ids"
     if isinstance(clean, Tensor):
@@ -93,7 +83,7 @@ def aligned(model, clean, corrupted, metric, positions) -> tuple[object, object,
 def _same_logits(model, given, rolled, read: Tensor, B: int, T: int) -> str:
     """"" when the corrupted run's logits at the read positions are those of its rolled rows at T - 1."""
     rows = torch.arange(B)
-    kw = {"use_cache": False} if _takes(model, ("use_cache",)) else {}
+    kw = {"use_cache": False} if forward_takes(model, "use_cache") else {}
     keep = torch.unique(read)
     with torch.no_grad():
         want = model(**given, logits_to_keep=keep, **kw).logits[rows, torch.searchsorted(keep, read)]

@@ -27,6 +27,7 @@ be told apart by module.
 
 from __future__ import annotations
 
+import inspect
 import sys
 import threading
 from contextlib import contextmanager
@@ -136,6 +137,16 @@ def parents_of(model: nn.Module) -> dict[int, nn.Module]:
 def is_hf(model: nn.Module) -> bool:
     tf = sys.modules.get("transformers")
     return tf is not None and isinstance(model, tf.PreTrainedModel)
+
+
+def forward_takes(model: nn.Module, *names: str) -> bool:
+    """Whether the model's forward names every keyword of `names` (False when its signature
+    cannot be read)."""
+    try:
+        params = inspect.signature(model.forward).parameters
+    except (TypeError, ValueError):
+        return False
+    return all(n in params for n in names)
 
 
 def multihead_modules(model: nn.Module) -> list[nn.Module]:

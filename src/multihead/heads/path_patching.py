@@ -77,6 +77,7 @@ from multihead.heads.scan import (
     keep_positions,
     model_width,
     one_row,
+    read_metric,
     takes_use_cache,
     variants_per_forward,
 )
@@ -422,8 +423,7 @@ class _Runs:
 
     def metric_of(self, logits: Tensor, where: str) -> float:
         """The metric of one run's logits (those of the kept positions only with `self.keep`)."""
-        m = self.metric
-        return _scalar(m.kept(logits, self.keep["logits_to_keep"], self.T) if self.keep else m(logits), where)
+        return _scalar(read_metric(self.metric, logits, self.keep, self.T), where)
 
 
 def _one(runs: _Runs, senders: list[tuple[int, int]], receivers: list[tuple[int, int, str]], logits: bool) -> float:

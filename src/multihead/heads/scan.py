@@ -48,7 +48,6 @@ threads may scan one model at once.
 
 from __future__ import annotations
 
-import inspect
 import math
 from collections.abc import Callable
 from contextlib import nullcontext
@@ -70,6 +69,7 @@ from multihead.heads.engine import (
     batch_size,
     check_grad_mode,
     check_model,
+    forward_takes,
     is_hf,
     logits_of,
     multihead_modules,
@@ -635,10 +635,7 @@ def _call(model: nn.Module, inputs, no_cache: bool, **extra):
 
 
 def takes_use_cache(model: nn.Module) -> bool:
-    try:
-        return "use_cache" in inspect.signature(model.forward).parameters
-    except (TypeError, ValueError):
-        return False
+    return forward_takes(model, "use_cache")
 
 
 def _scalar(value, where: str) -> float:
@@ -947,7 +944,7 @@ class _Scan:
 
     def read(self, metric, logits: Tensor):
         """The metric of one variant's logits (those of the kept positions with `self.keep`)."""
-        return metric.kept(logits, self.keep["logits_to_keep"], self.T) if self.keep else metric(logits)
+        return read_metric(metric, logits, self.keep, self.T)
 
     def chunk_logits(self, chunk: list[tuple[int, int]], pos: list[int] | None, zero: bool = False,
                      final: list | None = None) -> tuple[Tensor, int, list[tuple[int, int]]]:
@@ -1163,10 +1160,7 @@ def _shortcut_too_big(short: _Shortcut, rec: Recording, budget: int) -> str:
 def takes_logits_to_keep(model) -> bool:
     """Whether the model is a transformers model whose forward computes its head's logits at
     the positions `logits_to_keep` names only."""
-    try:
-        return is_hf(model) and "logits_to_keep" in inspect.signature(model.forward).parameters
-    except (TypeError, ValueError):
-        return False
+    return is_hf(model) and forward_takes(model, "logits_to_keep")
 
 
 def keep_positions(model, metric, T: int, B: int) -> dict:
@@ -1180,6 +1174,12 @@ def keep_positions(model, metric, T: int, B: int) -> dict:
     if not T or not takes_logits_to_keep(model):
         return {}
     return {"logits_to_keep": metric.keep(T)}
+
+
+def read_metric(metric, logits: Tensor, keep: dict, T: int):
+    """The metric of logits computed with `keep` (`keep_positions`' keywords): those of the
+    kept positions only when it holds them, else every position's."""
+    return metric.kept(logits, keep["logits_to_keep"], T) if keep else metric(logits)
 
 
 def _lean(model, inputs, budget: int) -> dict:
