@@ -59,6 +59,7 @@ from multihead.heads._align import aligned
 from multihead.heads._interventions import check_positions
 from multihead.heads._ranks import Ranks, check_group, fingerprint
 from multihead.heads._record import Recording, check_what, out_projection, record
+from multihead.heads._top import LastBlock, last_block
 from multihead.heads.engine import (
     KEYWORD,
     WEIGHTS_KEYWORD,
@@ -283,6 +284,7 @@ def _causal_stack(model: nn.Module, layers: list[Layer], blocks: dict[int, nn.Mo
 
 _SKIP_PREFIX = True  # tests turn it off to compare the two paths
 _SHORTCUT = True  # the same for the shortcut (`_Shortcut`)
+_LAST_BLOCK = True  # ... and for the last block at the read position (`multihead.heads._top`)
 
 
 def first_output(out) -> Tensor:
@@ -448,17 +450,18 @@ class _Shortcut:
         return "" if self.layers else why or "no layer it applies to"
 
     def hooks(self, joining: dict[int, tuple[Layer, list[int]]], B: int, positions: list[int] | None,
-              cut: tuple[int, int] | None, zero: bool = False) -> list:
+              cut: tuple[int, int] | None, zero: bool = False, last: int | None = None) -> list:
         """(module, pre, post) forward hooks for the layers in `joining` (layer -> (Layer, the
         heads of the variants joining at its block)): they cut the module's batch and append
-        the variants' rows. `zero`: the variants write the corrupted z (the self-check)."""
-        off = 0 if cut is None else cut[1]
-        if positions is not None:
-            T = self.out[next(iter(joining))].shape[1]
-            positions = [q % T - off for q in positions if q % T >= off]
+        the variants' rows. `zero`: the variants write the corrupted z (the self-check).
+        `last`: the layer whose block runs its output projection at the last position only
+        (`multihead.heads._top`): its variants' rows are built there only."""
         out = []
         for index, (lay, hs) in joining.items():
             state = {}
+            T = self.out[index].shape[1]
+            off = T - 1 if index == last else 0 if cut is None else cut[1]
+            kept = None if positions is None else [q % T - off for q in positions if q % T >= off]
 
             def pre(mod, args, kwargs, n=len(hs), state=state):  # noqa: B008 (bound per layer)
                 x = args[0] if args else kwargs["hidden_states"]
@@ -468,7 +471,7 @@ class _Shortcut:
                 return (tuple(_rows(a, rows, keep or 1) for a in args),
                         {k: _rows(v, rows, keep or 1) for k, v in kwargs.items()})
 
-            def post(mod, args, result, index=index, lay=lay, hs=hs, state=state):
+            def post(mod, args, result, index=index, lay=lay, hs=hs, state=state, off=off, kept=kept):
                 y = first_output(result)
                 base = self.out[index][:, off:].to(y.dtype)
                 parts = [y[:state["keep"]]]
@@ -478,9 +481,9 @@ class _Shortcut:
                         continue
                     sl = slice(h * lay.Dv, (h + 1) * lay.Dv)
                     d = (self.src[index][:, off:, h] - self.z[index][:, off:, h]).to(y.dtype)  # (B, T', Dv)
-                    if positions is not None:
+                    if kept is not None:
                         keep_pos = torch.zeros(d.shape[1], dtype=torch.bool)
-                        keep_pos[positions] = True
+                        keep_pos[kept] = True
                         d = d * keep_pos[None, :, None].to(d.device)
                     parts.append(base + d @ self.W[index][:, sl].t())
                 full = torch.cat(parts)
@@ -613,7 +616,8 @@ def _forward(model, corrupted, no_cache: bool, handler: Handler, grower, hooked:
             hooks.pre(b, grower.hook, with_kwargs=True)
         for module, pre, post in extra:
             hooks.pre(module, pre, with_kwargs=True)
-            hooks.post(module, post)
+            if post is not None:
+                hooks.post(module, post)
         if last is not None:
             hooks.post(last, lambda m, a, out: _unskip(out, tail[0], B))
         if final is not None:
@@ -811,6 +815,7 @@ class _Scan:
         self.cache: dict[int, tuple] = {}  # id(block) -> the corrupted run's (args, kwargs) there
         self.logits: Tensor | None = None  # the corrupted run's (dropped once the metric has read it)
         self.final: Tensor | None = None  # its last block's output, what the self-checks compare
+        self.last_logits: Tensor | None = None  # its logits at T - 1 (B, vocab): the last block's check
         self.vocab, self.itemsize = 0, 4
         self.lean: dict = {}  # {"logits_to_keep": 1} for the recording runs when their logits would be big
         self.keep: dict = {}  # {"logits_to_keep": positions} for the scan forwards of an AtPositions metric
@@ -830,6 +835,9 @@ class _Scan:
             per_block[id(self.blocks[i])] = per_block.get(id(self.blocks[i]), 0) + 1
         if _SHORTCUT and what in ("z", "pattern"):
             self.shortcut.layers = {i for i in self.last_stack if per_block[id(self.blocks[i])] == 1}
+        # the last block at the read position only (`multihead.heads._top`), once checked
+        self.top: LastBlock | None = None
+        self.top_reason = "not decided"
 
     def run_corrupted(self, p: int) -> None:
         """The corrupted run once, keeping what each block of the last stack is handed (and,
@@ -858,6 +866,8 @@ class _Scan:
         finally:
             hooks.remove()
         short.z, short.src = self.prefix.z_of, self.prefix.src
+        if isinstance(self.logits, Tensor) and self.logits.dim() == 3:
+            self.last_logits = self.logits[:, -1].detach().clone()
 
     def decide_prefix(self, p: int, T: int) -> str:
         """After the corrupted run: take the skip (set `cut`, return "") or say why not."""
@@ -874,12 +884,15 @@ class _Scan:
         return why
 
     def decide_shortcut(self, budget: int) -> str:
-        """After the corrupted run (and the prefix decision): keep the shortcut's layers that
-        pass its check, then run its self-check; "" when it is taken, else why not. What it
+        """After the corrupted run (and the prefix decision): first the last block's trim
+        (`decide_last_block`, which the shortcut's self-check then runs through), then keep
+        the shortcut's layers that pass its check, then run its self-check; "" when it is
+        taken, else why not. What it
         holds (each layer's attention output and z, (B, T, C) each) must stay within a
         quarter of the forwards' memory budget: at length on a deep model it would hold
         much (0.6 GB for SmolLM2 at 4,096 positions) to save little (one block's attention
         of the 15 blocks a variant runs on average there)."""
+        self.top_reason = self.decide_last_block()
         short = self.shortcut
         if short.early:
             return short.early
@@ -909,13 +922,56 @@ class _Scan:
             _, start, order = self.chunk_logits(chunk, None, zero=True, final=final)
         except (RuntimeError, ValueError, IndexError, TypeError) as err:
             return f"the corrupted run through the shortcut failed: {type(err).__name__}: {err}"
-        want, B = self.final, self.B
+        at = slice(-1, None) if self.top is not None else slice(None)  # the trimmed last block: T - 1 is right
+        want, B = self.final[:, at], self.B
         for i in range(len(order)):
-            got = final[-1][start + i * B:start + (i + 1) * B]
+            got = final[-1][start + i * B:start + (i + 1) * B, at]
             if got.shape != want.shape or not torch.allclose(got, want, rtol=1e-5,
                                                              atol=1e-5 * (1 + float(want.abs().max()))):
                 return (f"the corrupted run through the shortcut at layer {order[i][0]} does not give its own logits "
                         f"(a module input whose batch the shortcut does not cut right)")
+        return ""
+
+    def decide_last_block(self) -> str:
+        """After the corrupted run and the prefix decision: take the trim of the last block
+        (`multihead.heads._top`: its output projection and MLP at the read position only) when
+        the metric and the block allow it and its check passes; "" when taken, else why not."""
+        self.top = None
+        if not _LAST_BLOCK:
+            return "turned off"
+        if not self.inner:
+            return "the attention layers are in no block of a stack"
+        block = self.inner[-1]
+        top, why = last_block(self.model, block, [lay for lay in self.layers if self.blocks[lay.index] is block],
+                              self.parents, self.metric, self.T)
+        if top is None:
+            return why
+        self.top = top
+        why = self.last_block_check()
+        if why:
+            self.top = None
+        return why
+
+    def last_block_check(self) -> str:
+        """The corrupted run from the cached input of its last block, that block trimmed and
+        nothing patched (through the prefix skip when it is taken): its output and logits at
+        T - 1 must be the corrupted run's own, to float rounding."""
+        B, block, final = self.B, self.top.block, []
+        grower = _FromCache(B, {id(block): 1}, self.cut_cache if self.cut else self.cache, self.cut)
+        handler = _ScanHandler(self.what, self.rec, B, None, self.prefix.data if self.cut else None, self.cut)
+        try:
+            logits = _forward(self.model, self.corrupted, self.no_cache, handler, grower, self.inner,
+                              self.stack[-1] if self.cut else None, self.tail, B, self.top.hooks(), final, self.keep)
+        except (RuntimeError, ValueError, IndexError, TypeError) as err:
+            return f"the corrupted run through the trimmed last block failed: {type(err).__name__}: {err}"
+        for name, got, want in (("output", final[-1][:, -1], self.final[:, -1]),
+                                ("logits", logits[:, -1] if logits.dim() == 3 else logits, self.last_logits)):
+            if want is None or got.shape != want.shape:
+                return f"the trimmed last block's {name} cannot be compared with the corrupted run's at T - 1"
+            if not torch.allclose(got, want, rtol=1e-5, atol=1e-5 * (1 + float(want.abs().max()))):
+                return (f"the trimmed last block's {name} at T - 1 differs from the corrupted run's by "
+                        f"{float((got - want).abs().max()):.2e} ({type(block).__name__} mixes positions after its "
+                        "attention, or something after it does)")
         return ""
 
     def self_check(self) -> str:
@@ -975,7 +1031,10 @@ class _Scan:
         else:
             grower = _Grower(B, per_block)
         hooked = self.inner if cached else self.block_list
-        extra = self.shortcut.hooks(joining, B, pos, cut, zero) if joining else []
+        top = self.top
+        extra = self.shortcut.hooks(joining, B, pos, cut, zero, top.layer.index if top else None) if joining else []
+        if top is not None:
+            extra += top.hooks()
         logits = _forward(self.model, self.corrupted, self.no_cache, handler, grower, hooked,
                           self.stack[-1] if cut else None, self.tail, B, extra, final, self.keep)
         if logits.shape[0] != first_row:
@@ -1055,7 +1114,10 @@ def patch_scan(model, clean, corrupted, metric: Callable[[Tensor], Tensor], what
             (the prefix skip, module docstring), `reason` why it was declined ("" when taken);
             for an `AtPositions` metric also `aligned`, whether each row was rolled to end where
             the metric reads it (p is then of the rolled rows: `multihead.heads._align`), and
-            `aligned_reason` why not where it could matter ("" otherwise).
+            `aligned_reason` why not where it could matter ("" otherwise); always `last_block`,
+            whether the last block ran its output projection and MLP at the read position only
+            (a metric reading only the last position: `multihead.heads._top`), and
+            `last_block_reason` why not ("" when it did).
         group: None (one process), or a torch.distributed process group whose every rank
             makes this call with the same model, inputs and options: each rank runs a share
             of the forwards (whole chunks of variants, the same as in one process) and every
@@ -1119,7 +1181,8 @@ def patch_scan(model, clean, corrupted, metric: Callable[[Tensor], Tensor], what
 
     scan, pos, p0, why, chunks = ranks.run(setup, agreed)
     if info is not None:
-        info.update(prefix=p0, skipped=scan.cut is not None, reason=why)
+        info.update(prefix=p0, skipped=scan.cut is not None, reason=why, last_block=scan.top is not None,
+                    last_block_reason=scan.top_reason)
         if isinstance(metric, AtPositions):
             info.update(aligned=scan.aligned[0], aligned_reason=scan.aligned[1])
     n_heads = [_n_heads(lay, what) for lay in scan.layers]

@@ -1,0 +1,93 @@
+"""The model's last block at the read position only: what a scan's variants need of it
+when their metric reads one position.
+
+With an `AtPositions` metric whose every row reads the last position (T - 1, where
+`_align` puts it), nothing after the last block mixes positions (the final norm, the head)
+and nothing of the last block reaches the metric except its output at T - 1. Its attention
+still needs keys and values at every position, so its input runs in full up to the heads'
+outputs z; but the output projection and the MLP are needed at T - 1 only. Forward
+pre-hooks cut their inputs to the last position: the block's residual adds then broadcast
+`(rows, 1, C)` onto `(rows, T, C)`, so the block's output is right at T - 1 and nowhere
+else, and only T - 1 is read. That is about two thirds of the block's work (the MLP alone
+is over half of a GPT-2 block on CPU).
+
+`last_block` decides from the model's structure and the metric; the scan then checks the
+trimmed block against the full one on the corrupted run (its output and logits at T - 1)
+and declines, with the reason, where they differ or the forward fails.
+"""
+
+from __future__ import annotations
+
+from torch import Tensor, nn
+
+from multihead.heads._record import out_projection
+from multihead.heads.engine import Layer, is_hf, multihead_modules
+from multihead.heads.metrics import AtPositions
+
+
+def _last_position(module: nn.Module, args: tuple, kwargs: dict):
+    """A module's input `(rows, T, width)` cut to its last position `(rows, 1, width)`."""
+    if args:
+        x, rest = args[0], args[1:]
+    elif "hidden_states" in kwargs:
+        x, rest = kwargs["hidden_states"], ()
+    else:
+        raise ValueError(f"{type(module).__name__} was called without a positional input or hidden_states=")
+    if not isinstance(x, Tensor) or x.dim() != 3:
+        got = f"shape {tuple(x.shape)}" if isinstance(x, Tensor) else type(x).__name__
+        raise ValueError(f"{type(module).__name__}'s input is {got}, not (rows, T, width)")
+    cut = x[:, -1:]  # (rows, 1, width)
+    if args:
+        return (cut, *rest), kwargs
+    return args, {**kwargs, "hidden_states": cut}
+
+
+class LastBlock:
+    """The last block's output projection and MLP, to run at the last position only."""
+
+    def __init__(self, block: nn.Module, layer: Layer, projection: nn.Module, mlp: nn.Module):
+        self.block, self.layer, self.projection, self.mlp = block, layer, projection, mlp
+
+    def hooks(self) -> list:
+        """(module, pre, post) forward hooks, the scan's format: inputs cut to the last position."""
+        return [(self.projection, _last_position, None), (self.mlp, _last_position, None)]
+
+
+def _projection_module(model: nn.Module, block: nn.Module, lay: Layer) -> nn.Module | None:
+    """The module of `block` whose weight is the layer's output projection (GPT-2's Conv1D
+    stores it transposed: the same storage), or None."""
+    W = out_projection(model, lay)
+    return next((m for m in block.modules() if isinstance(getattr(m, "weight", None), Tensor)
+                 and m.weight.data_ptr() == W.data_ptr() and m.weight.numel() == W.numel()), None)
+
+
+def last_block(model: nn.Module, block: nn.Module, layers: list[Layer], parents: dict[int, nn.Module], metric,
+               T: int) -> tuple[LastBlock | None, str]:
+    """(the trim of `block`, "") when the metric reads only the last position and the block
+    is shaped for it (the last of its stack, one attention layer with an output projection
+    and an `mlp`), else (None, why not). `layers`: the attention layers in `block`."""
+    if not isinstance(metric, AtPositions):
+        return None, "the metric is a plain function (an AtPositions metric says which position it reads)"
+    if not T:
+        return None, "the inputs' positions cannot be read off them"
+    read = sorted(set(metric.absolute(T).tolist()))
+    if read != [T - 1]:
+        return None, (f"the metric reads positions {read}; the trim needs every row to read the last one ({T - 1}, "
+                      "where rows are rolled to end when they can be)")
+    if not is_hf(model) or multihead_modules(model):
+        return None, "not a transformers model on multihead's attention function"
+    stack = parents.get(id(block))
+    if not isinstance(stack, nn.ModuleList) or stack[-1] is not block:
+        return None, "the last attention layer's block is not the last block of its stack"
+    if len(layers) != 1:
+        return None, f"the last block ({type(block).__name__}) holds {len(layers)} attention layers"
+    try:
+        projection = _projection_module(model, block, layers[0])
+    except (ValueError, TypeError, AttributeError) as err:
+        return None, f"the last attention layer's output projection: {err}"
+    if projection is None:
+        return None, f"no module of the last block ({type(block).__name__}) holds its output projection"
+    mlp = getattr(block, "mlp", None)
+    if not isinstance(mlp, nn.Module):
+        return None, f"the last block ({type(block).__name__}) has no `mlp` module"
+    return LastBlock(block, layers[0], projection, mlp), ""

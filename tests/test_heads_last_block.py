@@ -1,0 +1,220 @@
+"""patch_scan's last block at the read position: with a metric that reads only the last
+position, the variants' last block runs its output projection and MLP there only (its
+attention still at every position, for the keys and values). The table must equal the
+path that runs the whole block (the trim turned off; that path is tested against one
+patched forward per head in test_heads.py) within 1e-6 of the table's scale, and one
+patched forward per head by hand, on every decoder architecture, with nothing shared and
+with the prefix skip, with and without the shortcut at the patched layer, for z, pattern,
+k, v and a subset of positions; and it must be declined, with the reason, where it would
+not be exact."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from multihead import heads
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+transformers = pytest.importorskip("transformers")
+
+import multihead.interop.hf  # noqa: E402, F401  (registers "multihead")
+from multihead.heads import _top  # noqa: E402
+from multihead.heads import scan as _scan  # noqa: E402
+from multihead.heads.engine import logits_of  # noqa: E402
+from test_heads import _inputs, _mh, _one_token_changed  # noqa: E402
+from test_interop_hf_registry import DECODERS  # noqa: E402
+
+
+def _fn(last):  # (B, vocab | C) at the read position -> a scalar that reads several columns nonlinearly
+    return (last[:, 3] - 0.5 * last[:, 4] + last[:, :7].square().mean(1)).mean()
+
+
+def _last(B: int = 2):
+    return heads.AtPositions(_fn, [-1] * B, "the test metric")
+
+
+def _both(monkeypatch, model, clean, corrupted, metric, **kw):
+    """(table, info) with the trim, then the table without it (today's whole last block)."""
+    info: dict = {}
+    monkeypatch.setattr(_scan, "_LAST_BLOCK", True)
+    fast = heads.patch_scan(model, clean, corrupted, metric, info=info, **kw)
+    monkeypatch.setattr(_scan, "_LAST_BLOCK", False)
+    slow_info: dict = {}
+    slow = heads.patch_scan(model, clean, corrupted, metric, info=slow_info, **kw)
+    monkeypatch.setattr(_scan, "_LAST_BLOCK", True)
+    assert slow_info["last_block"] is False and slow_info["last_block_reason"] == "turned off"
+    return fast, slow, info
+
+
+def _close(fast, slow, what: str) -> None:
+    scale = 1 + slow.abs().nan_to_num().max().item()
+    diff = (fast - slow).abs().nan_to_num().max().item()
+    assert diff <= 1e-6 * scale, f"{what}: max diff {diff:.2e} (scale {scale:.1f})"
+    assert (slow - slow.nan_to_num().mean()).abs().nan_to_num().max() > 1e-6, f"{what}: every head scored the same"
+
+
+def _by_hand(model, clean, corrupted, metric, cells, what: str = "z") -> list[float]:
+    """The metric with one head patched from the clean run, one full forward each (the
+    metric on the whole logits: AtPositions called as a plain metric)."""
+    rec = heads.record(model, clean, what=(what,))
+    out = []
+    for layer, h in cells:
+        with torch.no_grad(), heads.patch(model, rec, [(layer, h)], what=what):
+            out.append(float(metric(logits_of(model(**corrupted)))))
+    return out
+
+
+@pytest.mark.parametrize("name", DECODERS)
+def test_the_trimmed_last_block_gives_the_table_of_the_whole_block(name, monkeypatch):
+    model = _mh(name)
+    metric = _last()
+    for pair in ("nothing shared", "one token changed"):
+        clean, corrupted = (_inputs(name, 1), _inputs(name, 2)) if pair == "nothing shared" else \
+            _one_token_changed(name)
+        for what, positions, shortcut in [("z", None, True), ("z", None, False), ("pattern", None, True),
+                                          ("z", [2, 6, -1], True), ("z", [2, 6], True)]:
+            monkeypatch.setattr(_scan, "_SHORTCUT", shortcut)
+            fast, slow, info = _both(monkeypatch, model, clean, corrupted, metric, what=what, positions=positions)
+            assert info["last_block"] and info["last_block_reason"] == "", f"{name} {pair} {what}: {info}"
+            assert info["skipped"] == (pair == "one token changed"), info
+            _close(fast, slow, f"{name} {pair} {what} {positions} shortcut={shortcut}")
+        monkeypatch.setattr(_scan, "_SHORTCUT", True)
+    n_layers = fast.shape[0]
+    cells = [(0, 0), (n_layers - 1, 1), (n_layers - 1, 0)]  # the last layer's heads run through the trimmed block
+    want = _by_hand(model, clean, corrupted, metric, cells)
+    got = heads.patch_scan(model, clean, corrupted, metric)
+    for (layer, h), w in zip(cells, want):
+        assert abs(got[layer, h].item() - w) <= 1e-5 * (1 + abs(w)), f"{name} layer {layer} head {h}"
+
+
+@pytest.mark.parametrize("name", ["gpt2", "llama", "qwen2"])
+@pytest.mark.parametrize("what", ["k", "v"])
+def test_key_and_value_scans_through_the_trimmed_last_block(name, what, monkeypatch):
+    model = _mh(name)
+    metric = _last()
+    for clean, corrupted in [(_inputs(name, 1), _inputs(name, 2)), _one_token_changed(name)]:
+        fast, slow, info = _both(monkeypatch, model, clean, corrupted, metric, what=what)
+        assert info["last_block"], info
+        _close(fast, slow, f"{name} {what}")
+    n_layers = fast.shape[0]
+    cells = [(0, 0), (n_layers - 1, 0)]
+    for (layer, h), w in zip(cells, _by_hand(model, clean, corrupted, metric, cells, what)):
+        assert abs(fast[layer, h].item() - w) <= 1e-5 * (1 + abs(w)), f"{name} {what} layer {layer} head {h}"
+
+
+def _lm(name: str = "llama"):
+    """A random 3-layer causal LM with its head (Llama: GQA 4/2; GPT-2: 4 heads)."""
+    if name == "llama":
+        cfg = transformers.LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=3, vocab_size=96,
+                                       num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+                                       max_position_embeddings=64)
+        cls = transformers.LlamaForCausalLM
+    else:
+        cfg = transformers.GPT2Config(n_embd=32, n_layer=3, n_head=4, n_positions=64, vocab_size=96)
+        cls = transformers.GPT2LMHeadModel
+    torch.manual_seed(0)
+    model = cls(cfg).eval()
+    model.set_attn_implementation("multihead")
+    return model
+
+
+def _pairs(T=11, changed=(0, 6)):
+    g = torch.Generator().manual_seed(1)
+    clean = {"input_ids": torch.randint(3, 96, (2, T), generator=g),
+             "attention_mask": torch.ones(2, T, dtype=torch.long)}
+    corrupted = {k: v.clone() for k, v in clean.items()}
+    for at in changed:
+        corrupted["input_ids"][:, at] = (clean["input_ids"][:, at] + 5) % 90 + 3
+    return clean, corrupted
+
+
+@pytest.mark.parametrize("name", ["llama", "gpt2"])
+@pytest.mark.parametrize("positions", [[-1, -1], [7, 5]])
+def test_language_models_with_their_head_at_the_read_position(name, positions, monkeypatch):
+    """Causal LMs computing their head at the read position only (`logits_to_keep`); rows
+    that read elsewhere than T - 1 are rolled to end there first, and then trimmed."""
+    model = _lm(name)
+    metric = heads.AtPositions(_fn, positions)
+    for changed in [(0, 6), (6,)]:  # nothing shared, and the prefix skip
+        clean, corrupted = _pairs(changed=changed)
+        fast, slow, info = _both(monkeypatch, model, clean, corrupted, metric)
+        assert info["last_block"] and info["aligned"] == (positions == [7, 5]), info
+        _close(fast, slow, f"{name} {positions} {changed}")
+        cells = [(0, 1), (1, 2), (2, 0), (2, 3)]
+        for (layer, h), w in zip(cells, _by_hand(model, clean, corrupted, metric, cells)):
+            assert abs(fast[layer, h].item() - w) <= 1e-5 * (1 + abs(w)), f"{name} layer {layer} head {h}"
+
+
+def _decision(model, clean, corrupted, metric, **kw) -> dict:
+    info: dict = {}
+    heads.patch_scan(model, clean, corrupted, metric, info=info, **kw)
+    return info
+
+
+def test_the_trim_is_declined_for_metrics_that_read_elsewhere():
+    model = _lm()
+    clean, corrupted = _pairs()
+    plain = _decision(model, clean, corrupted, lambda lg: _fn(lg[:, -1]))
+    assert not plain["last_block"] and plain["last_block_reason"].startswith("the metric is a plain function")
+    # two positions read (rows rolled apart would not help: positions= keeps them in place)
+    several = _decision(model, clean, corrupted, heads.AtPositions(_fn, [7, 5]), positions=[8, 9, 10])
+    assert not several["last_block"] and "reads positions [5, 7]" in several["last_block_reason"], several
+    one_inside = _decision(model, clean, corrupted, heads.AtPositions(_fn, [8, 8]), positions=[8, 9, 10])
+    assert not one_inside["last_block"] and "reads positions [8]" in one_inside["last_block_reason"], one_inside
+
+
+def test_the_trim_is_declined_for_a_block_without_an_mlp_module():
+    """BERT's layer has its feed-forward in `intermediate` / `output`, not an `mlp`: declined,
+    and the table is the whole block's."""
+    model = _mh("bert")
+    clean, corrupted = _inputs("bert", 1), _inputs("bert", 2)
+    info = _decision(model, clean, corrupted, _last())
+    assert not info["last_block"] and "has no `mlp` module" in info["last_block_reason"], info
+
+
+def test_the_trim_is_declined_when_its_check_fails(monkeypatch):
+    """An MLP cut to the wrong position (simulated: the first instead of the last) makes the
+    check on the corrupted run fail: declined with the difference, and the table exact."""
+    model = _lm()
+    clean, corrupted = _pairs()
+    metric = heads.AtPositions(_fn, [-1, -1])
+    monkeypatch.setattr(_scan, "_LAST_BLOCK", False)
+    want = heads.patch_scan(model, clean, corrupted, metric)
+    monkeypatch.setattr(_scan, "_LAST_BLOCK", True)
+
+    def first(module, args, kwargs):
+        return (args[0][:, :1], *args[1:]), kwargs
+    monkeypatch.setattr(_top, "_last_position", first)
+    info: dict = {}
+    got = heads.patch_scan(model, clean, corrupted, metric, info=info)
+    assert not info["last_block"] and "differs from the corrupted run's by" in info["last_block_reason"], info
+    assert torch.equal(got, want)
+
+    def broken(module, args, kwargs):
+        raise ValueError("no such input")
+    monkeypatch.setattr(_top, "_last_position", broken)
+    info = {}
+    got = heads.patch_scan(model, clean, corrupted, metric, info=info)
+    assert not info["last_block"] and info["last_block_reason"].startswith(
+        "the corrupted run through the trimmed last block failed: ValueError: no such input"), info
+    assert torch.equal(got, want)
+
+
+@pytest.mark.slow
+def test_smollm2_ioi_scan_through_the_trimmed_last_block(smollm2, monkeypatch):
+    """GQA 9/3 on the real model: tasks.ioi's metric (rows rolled to end at the read position
+    where that helps, the prefix skipped), the table with the trim equal to the whole block's, and
+    one by-hand patched forward of a head of the last layer."""
+    from multihead.heads.tasks import ioi
+
+    model = smollm2.model
+    task = ioi(2, seed=0, tokenizer=smollm2.tokenizer)
+    fast, slow, info = _both(monkeypatch, model, task.clean, task.corrupted, task.metric)
+    assert info["last_block"] and info["skipped"], info
+    _close(fast, slow, "smollm2 ioi")
+    last = fast.shape[0] - 1
+    cells = [(last, 0), (last - 1, 4)]
+    for (layer, h), w in zip(cells, _by_hand(model, task.clean, task.corrupted, task.metric, cells)):
+        assert abs(fast[layer, h].item() - w) <= 1e-4 * (1 + abs(w)), f"layer {layer} head {h}: {fast[layer, h]} {w}"
