@@ -70,6 +70,7 @@ def _by_hand(model, clean, corrupted, metric, cells, what: str = "z") -> list[fl
 def test_the_trimmed_last_block_gives_the_table_of_the_whole_block(name, monkeypatch):
     model = _mh(name)
     metric = _last()
+    kernels = set()
     for pair in ("nothing shared", "one token changed"):
         clean, corrupted = (_inputs(name, 1), _inputs(name, 2)) if pair == "nothing shared" else \
             _one_token_changed(name)
@@ -77,10 +78,14 @@ def test_the_trimmed_last_block_gives_the_table_of_the_whole_block(name, monkeyp
                                           ("z", [2, 6, -1], True), ("z", [2, 6], True)]:
             monkeypatch.setattr(_scan, "_SHORTCUT", shortcut)
             fast, slow, info = _both(monkeypatch, model, clean, corrupted, metric, what=what, positions=positions)
-            assert info["last_block"] and info["last_block_reason"] == "", f"{name} {pair} {what}: {info}"
+            assert info["last_block"], f"{name} {pair} {what}: {info}"
+            kernel = info["last_block_reason"]  # "" when the kernel also ran the last query only
+            assert kernel == "" or kernel.startswith("taken; its attention kernel runs every query"), kernel
+            kernels.add(kernel)
             assert info["skipped"] == (pair == "one token changed"), info
             _close(fast, slow, f"{name} {pair} {what} {positions} shortcut={shortcut}")
         monkeypatch.setattr(_scan, "_SHORTCUT", True)
+    assert kernels == {""}, kernels  # the kernel ran the last query only
     n_layers = fast.shape[0]
     cells = [(0, 0), (n_layers - 1, 1), (n_layers - 1, 0)]  # the last layer's heads run through the trimmed block
     want = _by_hand(model, clean, corrupted, metric, cells)
@@ -147,17 +152,30 @@ def test_language_models_with_their_head_at_the_read_position(name, positions, m
             assert abs(fast[layer, h].item() - w) <= 1e-5 * (1 + abs(w)), f"{name} layer {layer} head {h}"
 
 
+def test_a_batch_of_input_ids_that_already_ends_at_the_read_position_is_not_rolled(monkeypatch):
+    """A tensor of input_ids read at T - 1 in every row: nothing to roll (info says so, the
+    scan gets the tensor as given), and the last block is trimmed."""
+    model = _lm("gpt2")
+    clean, corrupted = _pairs(changed=(0,))
+    fast, slow, info = _both(monkeypatch, model, clean["input_ids"], corrupted["input_ids"],
+                             heads.AtPositions(_fn, [-1, -1]))
+    assert info["aligned"] is False and info["aligned_reason"] == "" and info["last_block"], info
+    _close(fast, slow, "gpt2, input_ids")
+
+
 def _decision(model, clean, corrupted, metric, **kw) -> dict:
     info: dict = {}
     heads.patch_scan(model, clean, corrupted, metric, info=info, **kw)
     return info
 
 
-def test_the_trim_is_declined_for_metrics_that_read_elsewhere():
+def test_the_trim_is_declined_for_metrics_that_read_elsewhere(monkeypatch):
     model = _lm()
     clean, corrupted = _pairs()
+    seen, real = [], _scan._Scan.decide_last_block
+    monkeypatch.setattr(_scan._Scan, "decide_last_block", lambda self: seen.append(real(self)) or seen[-1])
     plain = _decision(model, clean, corrupted, lambda lg: _fn(lg[:, -1]))
-    assert not plain["last_block"] and plain["last_block_reason"].startswith("the metric is a plain function")
+    assert "last_block" not in plain and seen[0].startswith("the metric is a plain function"), (plain, seen)
     # two positions read (rows rolled apart would not help: positions= keeps them in place)
     several = _decision(model, clean, corrupted, heads.AtPositions(_fn, [7, 5]), positions=[8, 9, 10])
     assert not several["last_block"] and "reads positions [5, 7]" in several["last_block_reason"], several
@@ -183,6 +201,7 @@ def test_the_trim_is_declined_when_its_check_fails(monkeypatch):
     monkeypatch.setattr(_scan, "_LAST_BLOCK", False)
     want = heads.patch_scan(model, clean, corrupted, metric)
     monkeypatch.setattr(_scan, "_LAST_BLOCK", True)
+    real = _top._last_position
 
     def first(module, args, kwargs):
         return (args[0][:, :1], *args[1:]), kwargs
@@ -191,6 +210,18 @@ def test_the_trim_is_declined_when_its_check_fails(monkeypatch):
     got = heads.patch_scan(model, clean, corrupted, metric, info=info)
     assert not info["last_block"] and "differs from the corrupted run's by" in info["last_block_reason"], info
     assert torch.equal(got, want)
+
+    monkeypatch.setattr(_top, "_last_position", real)
+
+    def no_mask(module, args, kwargs):  # the last query alone, declined: the kernel runs every query
+        raise ValueError("no mask of that kind")
+    monkeypatch.setattr(_top, "_mask_last_query", no_mask)
+    info = {}
+    got = heads.patch_scan(model, clean, corrupted, metric, info=info)
+    assert info["last_block"] and info["last_block_reason"] == (
+        "taken; its attention kernel runs every query, for with the last one alone the corrupted run through the "
+        "trimmed last block failed: ValueError: no mask of that kind"), info
+    assert (got - want).abs().max() <= 1e-6 * (1 + want.abs().max())
 
     def broken(module, args, kwargs):
         raise ValueError("no such input")

@@ -46,23 +46,24 @@ def aligned(model, clean, corrupted, metric, positions) -> tuple[object, object,
     if not (is_hf(model) and forward_takes(model, "logits_to_keep", *_KNOWN)):
         return clean, corrupted, metric, "the model's forward does not take logits_to_keep, attention_mask and " \
             "position_ids"
+    given = clean, corrupted, metric  # what goes back unchanged (a tensor stays one: `aligned` is False then)
     if isinstance(clean, Tensor):
         clean, corrupted = {"input_ids": clean}, {"input_ids": corrupted}
     if not (hasattr(clean, "keys") and set(clean.keys()) <= set(_KNOWN) and "input_ids" in clean.keys()):
-        return clean, corrupted, metric, "inputs other than input_ids, attention_mask and position_ids"
+        return (*given, "inputs other than input_ids, attention_mask and position_ids")
     ids = clean["input_ids"]
     if not isinstance(ids, Tensor) or ids.dim() != 2 or any(
             not isinstance(x[k], Tensor) or x[k].shape != ids.shape for x in (clean, corrupted) for k in x.keys()):
-        return clean, corrupted, metric, "inputs that are not (B, T) tensors of one shape"
+        return (*given, "inputs that are not (B, T) tensors of one shape")
     B, T = ids.shape
     if len(metric.positions) != B:
-        return clean, corrupted, metric, ""  # the scan refuses it in its own words
+        return (*given, "")  # the scan refuses it in its own words
     read = metric.absolute(T)
     shift = T - 1 - read
     differ = (clean["input_ids"] != corrupted["input_ids"]).to("cpu")
     first = torch.where(differ.any(1), differ.int().argmax(1), torch.full((B,), T))
     if not bool((shift > 0).any()) or int((first + shift).min()) <= int(first.min()):
-        return clean, corrupted, metric, ""  # the shared prefix would not grow
+        return (*given, "")  # the shared prefix would not grow
     device = ids.device
     out = []
     for x in (clean, corrupted):
@@ -77,7 +78,7 @@ def aligned(model, clean, corrupted, metric, positions) -> tuple[object, object,
         out[1][k] = torch.where(tail.to(device), out[0][k], out[1][k])
     last = AtPositions(metric.fn, torch.full((B,), T - 1), metric.name)
     why = _same_logits(model, corrupted, out[1], read, B, T)
-    return (out[0], out[1], last, "") if not why else (clean, corrupted, metric, why)
+    return (out[0], out[1], last, "") if not why else (*given, why)
 
 
 def _same_logits(model, given, rolled, read: Tensor, B: int, T: int) -> str:

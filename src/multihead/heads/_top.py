@@ -9,7 +9,12 @@ outputs z; but the output projection and the MLP are needed at T - 1 only. Forwa
 pre-hooks cut their inputs to the last position: the block's residual adds then broadcast
 `(rows, 1, C)` onto `(rows, T, C)`, so the block's output is right at T - 1 and nowhere
 else, and only T - 1 is read. That is about two thirds of the block's work (the MLP alone
-is over half of a GPT-2 block on CPU).
+is over half of a GPT-2 block on CPU). The attention kernel itself needs only the last
+query: an intervention (the registry's `multihead_heads=`, ahead of the scan's own) hands
+it the query at T - 1 alone, with the mask's last row, and widens its output back to the T
+positions the module reshapes to (copies of that row: the projection reads the last only).
+Where the check fails with it (a sliding window applied to more than one query only, a
+mask of another kind) the kernel runs every query and the rest stays trimmed.
 
 `last_block` decides from the model's structure and the metric; the scan then checks the
 trimmed block against the full one on the corrupted run (its output and logits at T - 1)
@@ -21,8 +26,9 @@ from __future__ import annotations
 from torch import Tensor, nn
 
 from multihead.heads._record import out_projection
-from multihead.heads.engine import Layer, is_hf, multihead_modules
+from multihead.heads.engine import KEYWORD, Layer, is_hf, multihead_modules
 from multihead.heads.metrics import AtPositions
+from multihead.masks import MaskMod
 
 
 def _last_position(module: nn.Module, args: tuple, kwargs: dict):
@@ -42,15 +48,59 @@ def _last_position(module: nn.Module, args: tuple, kwargs: dict):
     return args, {**kwargs, "hidden_states": cut}
 
 
-class LastBlock:
-    """The last block's output projection and MLP, to run at the last position only."""
+def _mask_last_query(module: nn.Module, args: tuple, kwargs: dict):
+    """The attention module's `attention_mask` `(rows, 1|H, T, S)` cut to its last query row;
+    a predicate read bottom-right (`MaskMod`: q_idx = i + S - T, the last query's own
+    position for one query; one built top-left is for T == S, where both readings agree)."""
+    m = kwargs.get("attention_mask")
+    if m is None:
+        return None
+    if isinstance(m, MaskMod):
+        return None if not m.top_left else (args, {**kwargs, "attention_mask": MaskMod(m.fn, m.name,
+                                                                                       relative=m.relative)})
+    x = args[0] if args else kwargs.get("hidden_states")
+    T = x.shape[1] if isinstance(x, Tensor) and x.dim() == 3 else None
+    if isinstance(m, Tensor) and m.dim() == 4 and T is not None and m.shape[-2] in (1, T):
+        return None if m.shape[-2] == 1 else (args, {**kwargs, "attention_mask": m[..., -1:, :]})
+    got = f"shape {tuple(m.shape)}" if isinstance(m, Tensor) else type(m).__name__
+    raise ValueError(f"the last attention layer's mask is {got}, not (rows, 1|H, T, S) for its T = {T} queries")
 
-    def __init__(self, block: nn.Module, layer: Layer, projection: nn.Module, mlp: nn.Module):
+
+class _LastQuery:
+    """The intervention that runs one attention module's kernel for its last query only: q
+    `(rows, H, T, D)` cut to `(rows, H, 1, D)`, the output `(rows, H, 1, Dv)` widened back to
+    T positions (a broadcast view; the module's reshape and projection then run unchanged)."""
+
+    def __init__(self, module: nn.Module):
+        self.module = module
+        self.T = 0
+
+    def inputs(self, module, q, k, v):
+        if module is not self.module:
+            return q, k, v
+        self.T = q.shape[2]
+        return q[:, :, -1:], k, v
+
+    def output(self, module, out, value):
+        return out if module is not self.module else out.expand(-1, -1, self.T, -1)
+
+
+class LastBlock:
+    """The last block's output projection and MLP, to run at the last position only, and
+    with `queries` its attention kernel for the last query only."""
+
+    def __init__(self, block: nn.Module, layer: Layer, projection: nn.Module, mlp: nn.Module, queries: bool):
         self.block, self.layer, self.projection, self.mlp = block, layer, projection, mlp
+        self.queries = queries
 
     def hooks(self) -> list:
         """(module, pre, post) forward hooks, the scan's format: inputs cut to the last position."""
-        return [(self.projection, _last_position, None), (self.mlp, _last_position, None)]
+        cut = [(self.projection, _last_position, None), (self.mlp, _last_position, None)]
+        return cut + ([(self.layer.module, _mask_last_query, None)] if self.queries else [])
+
+    def keywords(self) -> dict:
+        """The model call's keywords: the last-query intervention when `queries`."""
+        return {KEYWORD: _LastQuery(self.layer.module)} if self.queries else {}
 
 
 def _projection_module(model: nn.Module, block: nn.Module, lay: Layer) -> nn.Module | None:
@@ -90,4 +140,4 @@ def last_block(model: nn.Module, block: nn.Module, layers: list[Layer], parents:
     mlp = getattr(block, "mlp", None)
     if not isinstance(mlp, nn.Module):
         return None, f"the last block ({type(block).__name__}) has no `mlp` module"
-    return LastBlock(block, layers[0], projection, mlp), ""
+    return LastBlock(block, layers[0], projection, mlp, queries=True), ""

@@ -36,11 +36,21 @@ The patched layer's attention is not run for its variants (`_Shortcut`): for wha
 and "pattern" a variant differs from the corrupted run at its own layer only in one head's
 z, and the attention output is linear in z, so its rows there are the corrupted run's
 attention output plus the head's change through its columns of the output projection.
-What is left per variant is that block's MLP and the blocks above: with nothing shared,
-every position of every block above differs, so nothing more can be skipped exactly.
-Checked on the corrupted run (output = z @ W_o.T + a constant, layer by layer) and by a
-self-check forward; declined with the reason otherwise (k, v and latent patches change
-the attention itself and keep running it).
+What is left per variant is that block's MLP and the blocks above. Checked on the
+corrupted run (output = z @ W_o.T + a constant, layer by layer) and by a self-check
+forward; declined with the reason otherwise (k, v and latent patches change the attention
+itself and keep running it).
+
+The last block runs at the read position (`multihead.heads._top`). With nothing shared,
+every position of every block between the patched layer and the last differs, and the
+last block's attention needs keys and values at every position; but a metric that reads
+one position per row, the last (an `AtPositions`, rows rolled to end there by `_align`),
+reads nothing of the last block but its output there. So the variants' last block runs
+its output projection and MLP at T - 1 only (over half of a GPT-2 block's work; about a
+quarter of the scan with nothing shared). Checked on the corrupted run (its output and
+logits at T - 1 from the trimmed block) and declined with the reason otherwise (a plain
+metric, one reading several positions or another one, a block without an `mlp` or with
+several attention layers), in `info["last_block_reason"]`.
 
 Each call holds its own state (`_Scan`) and its hooks act only in its own thread, so two
 threads may scan one model at once.
@@ -934,8 +944,10 @@ class _Scan:
 
     def decide_last_block(self) -> str:
         """After the corrupted run and the prefix decision: take the trim of the last block
-        (`multihead.heads._top`: its output projection and MLP at the read position only) when
-        the metric and the block allow it and its check passes; "" when taken, else why not."""
+        (`multihead.heads._top`: its output projection and MLP at the read position only, and
+        its attention kernel for that query only where the check passes with it) when the
+        metric and the block allow it and its check passes; "" when all of it is taken, else
+        why not (or why the kernel still runs every query)."""
         self.top = None
         if not _LAST_BLOCK:
             return "turned off"
@@ -948,6 +960,12 @@ class _Scan:
             return why
         self.top = top
         why = self.last_block_check()
+        if top.queries and why:
+            top.queries = False
+            again = self.last_block_check()
+            if not again:
+                return f"taken; its attention kernel runs every query, for with the last one alone {why}"
+            why = again
         if why:
             self.top = None
         return why
@@ -961,7 +979,8 @@ class _Scan:
         handler = _ScanHandler(self.what, self.rec, B, None, self.prefix.data if self.cut else None, self.cut)
         try:
             logits = _forward(self.model, self.corrupted, self.no_cache, handler, grower, self.inner,
-                              self.stack[-1] if self.cut else None, self.tail, B, self.top.hooks(), final, self.keep)
+                              self.stack[-1] if self.cut else None, self.tail, B, self.top.hooks(), final,
+                              {**self.keep, **self.top.keywords()})
         except (RuntimeError, ValueError, IndexError, TypeError) as err:
             return f"the corrupted run through the trimmed last block failed: {type(err).__name__}: {err}"
         for name, got, want in (("output", final[-1][:, -1], self.final[:, -1]),
@@ -1035,8 +1054,9 @@ class _Scan:
         extra = self.shortcut.hooks(joining, B, pos, cut, zero, top.layer.index if top else None) if joining else []
         if top is not None:
             extra += top.hooks()
+        keep = self.keep if top is None else {**self.keep, **top.keywords()}
         logits = _forward(self.model, self.corrupted, self.no_cache, handler, grower, hooked,
-                          self.stack[-1] if cut else None, self.tail, B, extra, final, self.keep)
+                          self.stack[-1] if cut else None, self.tail, B, extra, final, keep)
         if logits.shape[0] != first_row:
             raise RuntimeError(f"the scan's batch did not come out whole ({logits.shape[0]} rows, expected "
                                f"{first_row}): {type(self.model).__name__} reshapes its batch between blocks")
@@ -1114,10 +1134,10 @@ def patch_scan(model, clean, corrupted, metric: Callable[[Tensor], Tensor], what
             (the prefix skip, module docstring), `reason` why it was declined ("" when taken);
             for an `AtPositions` metric also `aligned`, whether each row was rolled to end where
             the metric reads it (p is then of the rolled rows: `multihead.heads._align`), and
-            `aligned_reason` why not where it could matter ("" otherwise); always `last_block`,
-            whether the last block ran its output projection and MLP at the read position only
-            (a metric reading only the last position: `multihead.heads._top`), and
-            `last_block_reason` why not ("" when it did).
+            `aligned_reason` why not where it could matter ("" otherwise), and `last_block`,
+            whether the variants' last block ran its output projection and MLP at the read
+            position only (a metric reading only the last position: `multihead.heads._top`;
+            never for a plain metric), and `last_block_reason` why not ("" when all of it did).
         group: None (one process), or a torch.distributed process group whose every rank
             makes this call with the same model, inputs and options: each rank runs a share
             of the forwards (whole chunks of variants, the same as in one process) and every
@@ -1181,10 +1201,10 @@ def patch_scan(model, clean, corrupted, metric: Callable[[Tensor], Tensor], what
 
     scan, pos, p0, why, chunks = ranks.run(setup, agreed)
     if info is not None:
-        info.update(prefix=p0, skipped=scan.cut is not None, reason=why, last_block=scan.top is not None,
-                    last_block_reason=scan.top_reason)
+        info.update(prefix=p0, skipped=scan.cut is not None, reason=why)
         if isinstance(metric, AtPositions):
-            info.update(aligned=scan.aligned[0], aligned_reason=scan.aligned[1])
+            info.update(aligned=scan.aligned[0], aligned_reason=scan.aligned[1], last_block=scan.top is not None,
+                        last_block_reason=scan.top_reason)
     n_heads = [_n_heads(lay, what) for lay in scan.layers]
     out = torch.full((len(scan.layers), max(n_heads)), math.nan)
     head = head_cost(model, scan.inner)
