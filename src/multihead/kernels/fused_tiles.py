@@ -14,6 +14,8 @@ memory stays O(N)."""
 
 from __future__ import annotations
 
+import functools
+import sys
 import threading
 from collections import OrderedDict
 
@@ -55,6 +57,14 @@ _KEPT_MASK_BYTES = 1 << 20  # a larger mask (a GQA-folded piece's) is built per 
 # its heap, reused. Few calls: on a busy machine every call's end waits for a descheduled thread
 # (at 2 threads, load 8: 0.29 s CPU per window call at 16 MiB, 0.35 at 4 MiB, 0.60 at 1 MiB)
 _BAND_CHUNK_BYTES = 16 << 20
+# False: a new output every call (benchmarks/masks.py compares the two). See `_output`
+KEEP_OUTPUT = True
+_KEPT_OUTPUTS: OrderedDict = OrderedDict()  # (shape, dtype, device, inference) -> an alias of the last output
+_KEPT_OUTPUTS_LOCK = threading.Lock()
+_KEPT_OUTPUT_SLOTS = 2
+_KEPT_OUTPUT_MIN_BYTES = 4 << 20  # below: glibc's heap hands back warm memory by itself
+_KEPT_OUTPUT_BYTES = 256 << 20  # kept in all, at most: a larger output is made new every call
+_STORAGE_USE_COUNT = getattr(torch._C, "_storage_Use_Count", None)  # None: nothing is reused
 
 
 def _shared(key) -> dict | None:
@@ -74,6 +84,59 @@ def _shared(key) -> dict | None:
         else:
             _SHARED.move_to_end(key)
         return d
+
+
+def _output(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> Tensor:
+    """An uninitialised tensor of `shape` for a forward to fill every element of: the memory of
+    the last output of this shape when nothing holds that output any more, else a new one.
+
+    A new output of 32 MiB or more is a new mapping that the copies into it fault in page by
+    page (8,192 faults, ~11 ms of CPU at N = 16384, 8 heads of 64: 7% of a sliding-window call
+    at 1 thread); a caller that has dropped its last result (a model's next layer, a loop of
+    calls) gets warm pages instead. What is kept is an alias of the output (`detach`: its own
+    tensor, not a view that would hold the output itself), so the storage's use count is 2
+    (the alias and the storage object that reads the count) when no tensor or view of the
+    caller's refers to that memory, and the storage object's own references are as many as an
+    unheld one's (`_unheld`) when the caller holds no storage object of it either (torch keeps
+    one storage object per storage: holding it adds a reference there, not to the use count).
+    Then no one can see the memory being overwritten.
+    """
+    nbytes = dtype.itemsize
+    for n in shape:
+        nbytes *= n
+    if not KEEP_OUTPUT or _STORAGE_USE_COUNT is None or device.type != "cpu" \
+            or not _KEPT_OUTPUT_MIN_BYTES <= nbytes <= _KEPT_OUTPUT_BYTES // _KEPT_OUTPUT_SLOTS:
+        return torch.empty(shape, dtype=dtype, device=device)
+    # an inference tensor (made under inference_mode) must not come back outside it, nor the reverse
+    key = (tuple(shape), dtype, device, torch.is_inference_mode_enabled())
+    with _KEPT_OUTPUTS_LOCK:
+        kept = _KEPT_OUTPUTS.pop(key, None)
+    if kept is not None and _holders(kept) == _unheld():
+        out = kept.detach()
+    else:
+        out = torch.empty(shape, dtype=dtype, device=device)
+    del kept
+    with _KEPT_OUTPUTS_LOCK:
+        _KEPT_OUTPUTS[key] = out.detach()
+        while len(_KEPT_OUTPUTS) > _KEPT_OUTPUT_SLOTS:
+            _KEPT_OUTPUTS.popitem(last=False)
+    return out
+
+
+def _holders(alias: Tensor) -> tuple[int, int]:
+    """(the storage's use count, its storage object's Python references) as read through `alias`."""
+    storage = alias.untyped_storage()
+    return _STORAGE_USE_COUNT(storage._cdata), sys.getrefcount(storage)
+
+
+@functools.cache
+def _unheld() -> tuple[int, int]:
+    """`_holders` of an alias that is all there is of its memory: what a kept output reads when
+    the caller holds nothing of it."""
+    made = torch.empty(1)
+    alias = made.detach()
+    del made
+    return _holders(alias)
 
 
 def _fused_call(q, k, v, m, scale, dropout_p):
@@ -395,6 +458,10 @@ class _FusedPlan:
                     self.band_view(out, b, g, rj, nj, self.bq).copy_(o)
                     if lse4 is not None:
                         self.band_view(lse4, b, g, rj, nj, self.bq).copy_(lp)
+                    # freed before the next call allocates its own: one chunk's block, reused from
+                    # glibc's heap; two alive at once leave a free top that glibc returns to the
+                    # system, faulted in afresh by the next call
+                    del o, lp, parts
 
     def piece_mask(self, r0, r1, c0, c1, partial):
         """(float mask laid out for the folded queries or None, is_causal, rows-empty or None).
@@ -482,7 +549,7 @@ class _MergedFused(torch.autograd.Function):
             o, lp = flash_lse(*fp.fold_squares(n, q, k, v), causal=True, scale=fp.scale)
             out, lse = o.view(B, H, T, Dv), lp.reshape(B, H, T).to(acc) if fp.keep_lse else None
         else:
-            out = q.new_empty(B, H, T, Dv)
+            out = _output((B, H, T, Dv), q.dtype, q.device)
             lse = torch.full((B, H, T), float("-inf"), dtype=acc, device=q.device) if fp.keep_lse else None
         for kind, r0, r1, pieces in fp.planned_runs() if not n else ():
             if kind == "band":  # r1: the band's number of blocks
