@@ -40,6 +40,7 @@ import datetime as _dt
 import json
 import os
 import random
+import resource
 import statistics
 import subprocess
 import sys
@@ -253,9 +254,10 @@ def scaling_cases(N: int, flex: bool) -> dict:
     """`sliding_window(256) & causal` at N: multihead's engine (bands: alike query blocks in one
     call; its plan kept from call to call), the same planning every call (`planner._PLANS_KEPT =
     0`: the tile search and the walk over the tiles, on one thread, each call), the engine block
-    by block (`fused_tiles.BANDS = False`: one call per query block, as before bands) and
-    compiled flex_attention (its block mask made once, outside the timing), at this process's
-    thread count."""
+    by block (`fused_tiles.BANDS = False`: one call per query block, as before bands), the engine
+    with a new output every call (`fused_tiles.KEEP_OUTPUT = False`: 32 MiB faulted in page by
+    page, where the kept output's pages are warm) and compiled flex_attention (its block mask
+    made once, outside the timing), at this process's thread count."""
     from multihead.kernels import fused_tiles
 
     q, k, v = _inputs(N)
@@ -276,9 +278,17 @@ def scaling_cases(N: int, flex: bool) -> dict:
         finally:
             planner._PLANS_KEPT = kept
 
+    def new_output():
+        fused_tiles.KEEP_OUTPUT = False
+        try:
+            return mh.scaled_dot_product_attention(q, k, v, win)
+        finally:
+            fused_tiles.KEEP_OUTPUT = True
+
     cases = {"multihead window": lambda: mh.scaled_dot_product_attention(q, k, v, win),
              "multihead window, plan each call": plan_each_call,
-             "multihead window, block by block": blocks}
+             "multihead window, block by block": blocks,
+             "multihead window, new output each call": new_output}
     if flex:
         from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
@@ -290,8 +300,9 @@ def scaling_cases(N: int, flex: bool) -> dict:
 
 def call_profile(fn) -> dict:
     """One call of `fn` with the fused engine's kernel calls and merges timed: how many kernel
-    calls, their (q, k, mask) shapes, and wall seconds in the kernel, in the log-sum-exp merges,
-    and in the rest (plan, masks, copies into the output, Python between calls)."""
+    calls, their (q, k, mask) shapes, wall seconds in the kernel, in the log-sum-exp merges,
+    and in the rest (plan, masks, copies into the output, the NaN check, Python between
+    calls), and the page faults of the call (`minor_faults`: 8,192 are a new 32 MiB output)."""
     from multihead.kernels import fused_tiles
 
     calls, spent = {}, {"kernel_s": 0.0, "merge_s": 0.0}
@@ -317,13 +328,15 @@ def call_profile(fn) -> dict:
     fused_tiles.flash_lse, fused_tiles.lse_merge = kernel, merge
     try:
         with torch.no_grad():
+            faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
             t0 = time.perf_counter()
             fn()
             total = time.perf_counter() - t0
+            faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faults
     finally:
         fused_tiles.flash_lse, fused_tiles.lse_merge = real_kernel, real_merge
     return {"calls": sum(calls.values()), "shapes": calls, "total_s": total, **spent,
-            "rest_s": total - spent["kernel_s"] - spent["merge_s"]}
+            "rest_s": total - spent["kernel_s"] - spent["merge_s"], "minor_faults": faults}
 
 
 def scaling_worker(threads: int, N: int, flex: bool) -> int:
@@ -361,6 +374,8 @@ def scaling_worker(threads: int, N: int, flex: bool) -> int:
                     profile["multihead window, block by block"] = call_profile(cases["multihead window"])
                 finally:
                     fused_tiles.BANDS = True
+                profile["multihead window, new output each call"] = call_profile(
+                    cases["multihead window, new output each call"])
                 print(json.dumps(profile), flush=True)
             else:
                 return 0
@@ -447,11 +462,12 @@ def print_scaling(sc: dict) -> None:
     print("\n| CPU-time ratio (median of per-round ratios) | value |\n|---|---:|")
     for name, r in sc.get("cpu_ratios", {}).items():
         print(f"| {name} | {r:.3f} |")
-    print("\n| profile (one call) | threads | kernel calls | kernel s | merges s | rest s |")
-    print("|---|---:|---:|---:|---:|---:|")
+    print("\n| profile (one call) | threads | kernel calls | kernel s | merges s | rest s | page faults |")
+    print("|---|---:|---:|---:|---:|---:|---:|")
     for t, prof in sc["profiles"].items():
         for name, p in prof.items():
-            print(f"| {name} | {t} | {p['calls']} | {p['kernel_s']:.3f} | {p['merge_s']:.3f} | {p['rest_s']:.3f} |")
+            print(f"| {name} | {t} | {p['calls']} | {p['kernel_s']:.3f} | {p['merge_s']:.3f} | {p['rest_s']:.3f} "
+                  f"| {p.get('minor_faults', '')} |")
 
 
 # ------------------------------------------------------------------------ main
