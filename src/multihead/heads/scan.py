@@ -46,8 +46,8 @@ every position of every block between the patched layer and the last differs, an
 last block's attention needs keys and values at every position; but a metric that reads
 one position per row, the last (an `AtPositions`, rows rolled to end there by `_align`),
 reads nothing of the last block but its output there. So the variants' last block runs
-its output projection and MLP at T - 1 only (over half of a GPT-2 block's work; about a
-quarter of the scan with nothing shared). Checked on the corrupted run (its output and
+its output projection and MLP at T - 1 only (over half of a GPT-2 block's work), and its
+attention kernel the query at T - 1 alone. Checked on the corrupted run (its output and
 logits at T - 1 from the trimmed block) and declined with the reason otherwise (a plain
 metric, one reading several positions or another one, a block without an `mlp` or with
 several attention layers), in `info["last_block_reason"]`.
@@ -897,11 +897,10 @@ class _Scan:
         """After the corrupted run (and the prefix decision): first the last block's trim
         (`decide_last_block`, which the shortcut's self-check then runs through), then keep
         the shortcut's layers that pass its check, then run its self-check; "" when it is
-        taken, else why not. What it
-        holds (each layer's attention output and z, (B, T, C) each) must stay within a
-        quarter of the forwards' memory budget: at length on a deep model it would hold
-        much (0.6 GB for SmolLM2 at 4,096 positions) to save little (one block's attention
-        of the 15 blocks a variant runs on average there)."""
+        taken, else why not. What it holds (each layer's attention output and z, (B, T, C)
+        each) must stay within a quarter of the forwards' memory budget: at length on a deep
+        model it would hold much (0.6 GB for SmolLM2 at 4,096 positions) to save little (one
+        block's attention of the 15 blocks a variant runs on average there)."""
         self.top_reason = self.decide_last_block()
         short = self.shortcut
         if short.early:
@@ -964,7 +963,7 @@ class _Scan:
             top.queries = False
             again = self.last_block_check()
             if not again:
-                return f"taken; its attention kernel runs every query, for with the last one alone {why}"
+                return f"taken, but its attention kernel runs every query (with the last query alone: {why})"
             why = again
         if why:
             self.top = None
