@@ -9,8 +9,9 @@ autograd goes through the fused calls. There, alike query blocks of a relative m
 sliding window's) run as a band: one call over all of them, the blocks as the kernel's
 heads through strided views, so that every thread has work (`_FusedPlan.runs`). The plan
 of a relative mask is kept from call to call with its blocks and masks (`planner.plan_key`),
-so the Python over tiles runs once per (mask, shape), not on one thread every call. Training
-memory stays O(N)."""
+so the Python over tiles runs once per (mask, shape), not on one thread every call; so is the
+memory of its last output, reused once the caller has dropped it (`_output`): a new one is
+faulted in page by page. Training memory stays O(N)."""
 
 from __future__ import annotations
 
