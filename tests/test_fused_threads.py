@@ -101,6 +101,19 @@ def test_an_output_still_held_is_never_overwritten(kept, threads, hold):
             assert_close(a, b, what=f"{name} with the output saved, threads={threads}")
 
 
+def test_a_storage_resized_before_it_was_dropped_is_not_reused(kept):
+    """A caller that freed the memory of its result (storage resized to 0, as FSDP frees its own)
+    and dropped it: the next call makes a new output of its own and equals the reference."""
+    q, k, v = _inputs(6)
+    with torch.no_grad():
+        out = _attend(q, k, v)
+        out.untyped_storage().resize_(0)
+        del out
+        again = _attend(q, k, v)
+    assert again.untyped_storage().nbytes() == again.numel() * again.element_size()
+    assert_close(again, _want(q, k, v), what="after a resized storage")
+
+
 def test_inference_outputs_stay_in_inference_mode(kept, threads):
     """Memory made under inference_mode is not handed to a call outside it (an inference tensor
     there cannot enter autograd), nor the reverse; both calls equal the reference."""

@@ -112,7 +112,8 @@ def _output(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) ->
     key = (tuple(shape), dtype, device, torch.is_inference_mode_enabled())
     with _KEPT_OUTPUTS_LOCK:
         kept = _KEPT_OUTPUTS.pop(key, None)
-    if kept is not None and _holders(kept) == _unheld():
+    # the storage still holds the whole output (a caller may have resized it before dropping it)
+    if kept is not None and _holders(kept) == _unheld() and kept.untyped_storage().nbytes() >= nbytes:
         out = kept.detach()
     else:
         out = torch.empty(shape, dtype=dtype, device=device)
