@@ -52,12 +52,14 @@ _SHARED: OrderedDict = OrderedDict()
 _SHARED_LOCK = threading.Lock()
 _SHARED_KEPT = 32
 _KEPT_MASK_BYTES = 1 << 20  # a larger mask (a GQA-folded piece's) is built per call, never kept
-# Output bytes of one band call: the kernel allocates its output each call, and glibc serves a
-# block of 32 MiB or more by a fresh mmap, faulted in page by page as the kernel writes it
-# (measured: 15 vs 6 ms of CPU to fill 31.5 MiB fresh vs reused, 1 thread), a smaller one from
-# its heap, reused. Few calls: on a busy machine every call's end waits for a descheduled thread
-# (at 2 threads, load 8: 0.29 s CPU per window call at 16 MiB, 0.35 at 4 MiB, 0.60 at 1 MiB)
-_BAND_CHUNK_BYTES = 16 << 20
+# A band call's output stays below this many bytes (the band split into equal calls): the kernel
+# allocates its output each call, and glibc serves a block of 32 MiB or more by a fresh mmap,
+# faulted in page by page as the kernel writes it (measured: 15 vs 6 ms of CPU to fill 31.5 MiB
+# fresh vs reused, 1 thread), a smaller one, once one as large was freed, from its heap, reused.
+# Few calls: every call's end waits for its slowest thread, on a busy machine a descheduled one
+# (at 2 threads, load 8: 0.29 s CPU per window call at 16 MiB, 0.35 at 4 MiB, 0.60 at 1 MiB;
+# load 5: 0.19 s in one call of 31.5 MiB, 0.20 in two of 15.75)
+_BAND_CHUNK_BYTES = 32 << 20
 # False: a new output every call (benchmarks/masks.py compares the two). See `_output`
 KEEP_OUTPUT = True
 _KEPT_OUTPUTS: OrderedDict = OrderedDict()  # (shape, dtype, device, inference) -> an alias of the last output
@@ -437,14 +439,15 @@ class _FusedPlan:
 
     def band(self, q, k, v, out, lse, r0, n, pieces, acc):
         """Forward of a band (see `runs`): per GQA group position and piece one kernel call over
-        its blocks (`_BAND_CHUNK_BYTES` of output at a time), pieces merged by log-sum-exp, written
-        into out and lse (None: not kept)."""
+        its blocks (in equal calls of less than `_BAND_CHUNK_BYTES` of output), pieces merged by
+        log-sum-exp, written into out and lse (None: not kept)."""
         lse4 = None if lse is None else lse[..., None]  # (B, H, T, 1): viewed like out
         masks = [self.band_mask(r0, a, e, partial) for a, e, partial in pieces]  # the same for every block
         empties = any(m[2] is not None for m in masks)
         batches = self.band_batches(q, k, v)
         heads = (self.B if batches == (None,) else 1) * (self.H // self.G)
-        chunk = max(1, _BAND_CHUNK_BYTES // (heads * self.bq * self.Dv * out.element_size()))  # blocks per call
+        calls = n * heads * self.bq * self.Dv * out.element_size() // _BAND_CHUNK_BYTES + 1
+        chunk = -(-n // calls)  # blocks per call
         for b in batches:
             for g in range(self.G):
                 for j in range(0, n, chunk):
