@@ -97,12 +97,11 @@ def _output(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) ->
     page (8,192 faults, ~11 ms of CPU at N = 16384, 8 heads of 64: 7% of a sliding-window call
     at 1 thread); a caller that has dropped its last result (a model's next layer, a loop of
     calls) gets warm pages instead. What is kept is an alias of the output (`detach`: its own
-    tensor, not a view that would hold the output itself), so the storage's use count is 2
-    (the alias and the storage object that reads the count) when no tensor or view of the
-    caller's refers to that memory, and the storage object's own references are as many as an
-    unheld one's (`_unheld`) when the caller holds no storage object of it either (torch keeps
-    one storage object per storage: holding it adds a reference there, not to the use count).
-    Then no one can see the memory being overwritten.
+    tensor, not a view that would hold the output itself). Every tensor or view of the memory
+    adds to its storage's use count, a storage object held adds to that object's references
+    (torch keeps one object per storage, which counts once), so both read as an unheld alias's
+    (`_unheld`) exactly when nothing but the alias refers to the memory: then no one can see
+    it being overwritten.
     """
     nbytes = dtype.itemsize
     for n in shape:
