@@ -169,13 +169,14 @@ def _zeroing(kernel):
     return wrapped
 
 
-@pytest.mark.parametrize("rows", ["a list (few rows)", "one amin (many rows)"])
+@pytest.mark.parametrize("rows", ["a list (few rows)", "the sum and the first elements (many rows)"])
 @pytest.mark.parametrize("kernel", ["as this machine's", "zeroing"])
 @pytest.mark.parametrize("where", ["query", "every key of a head", "one value"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_decode_nan_rule(rows, kernel, where, dtype, monkeypatch):
     """Both branches of the decode check (up to 64 rows of `out` read back as a list; more,
-    one amin) find a NaN row and a row the kernel zeroed."""
+    the sum of all and a count of the rows' nonzero first elements) find a NaN row and a row
+    the kernel zeroed."""
     if kernel == "zeroing":
         monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention",
                             _zeroing(torch.nn.functional.scaled_dot_product_attention))

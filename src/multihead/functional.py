@@ -41,15 +41,17 @@ one; a NaN in a key or value the mask hides has no effect (its weights: NaN when
 query or an attended key holds one). The fused kernel alone would spread a hidden
 NaN value to every row (0 * NaN), so an output with a NaN is recomputed once with the
 NaNs replaced and the rule applied row by row, whenever q, k, v or the output holds a
-NaN (or, decoding, a row of `out` is exactly zero): the rule never depends on what the
-kernel does with a NaN (torch's CPU kernel zeroes a row whose every score is NaN). Clean
-inputs pay one sum per row of `out` when decoding (fewer than 16 queries), else one sum
-of q, k, v and `out`, each with one host sync (see `_any_nan`; skipped under
-torch.compile, where it would split the graph).
+NaN (or, where `out` is read first, a row of it is exactly zero): the rule never depends
+on what the kernel does with a NaN (torch's CPU kernel zeroes a row whose every score is
+NaN). Clean inputs pay one read of `out` in the plain call below (no row is empty) and
+when decoding (fewer than 16 queries), else one sum of q, k, v and `out`, each with one
+host sync (see `_any_nan` and `_nan_or_zero_row`; skipped under torch.compile, where it
+would split the graph).
 
-The plain call (no mask, score mod, weights or dropout: every decode step of a model)
-takes a short way through `attend`: the same checks folded into two expressions
-(`validation.plain_shape`, `plain_scale`), the same backend, the same bits.
+The plain call (no mask, score mod, weights or dropout: every decode step of a model, and
+a causal prefill with as many keys as queries) takes a short way through `attend`: the
+same checks folded into two expressions (`validation.plain_shape`, `plain_scale`), the
+same backend, the same kernel calls, the same bits.
 
 Gradient rule (every backend): every tensor input that requires grad gets its exact
 gradient, a float mask (T5's position bias) and the tensors a score mod captures
@@ -89,6 +91,7 @@ from multihead.kernels.registry import (
     resolve_backend,
 )
 from multihead.kernels.registry import get_backend as _get_backend
+from multihead.kernels.sdpa import plain_applies as _plain_applies
 from multihead.kernels.sdpa import sdpa as _sdpa_backend
 from multihead.kernels.validation import check_inputs as _check_inputs
 from multihead.kernels.validation import check_scale as _check_scale
@@ -172,17 +175,19 @@ def attend(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | MaskMod | Callable | 
     impl = shape = None
     if _is_plain_call(mask, scale, dropout_p, return_weights, score_mod) \
             and (shape := _plain_shape(q, k, v)) is not None:
-        # The plain call (a decode step: no mask, no mod, no weights, no dropout), with the
-        # checks the general path below would pass folded into two expressions: what it
-        # resolves to is the same ("auto" is "sdpa" here), so is the result, bit for bit.
+        # The plain call (a decode step or a causal prefill: no mask, no mod, no weights, no
+        # dropout), with the checks the general path below would pass folded into two
+        # expressions: what it resolves to is the same ("auto" is "sdpa" here), so is the
+        # result, bit for bit.
         impl = BACKENDS.get("sdpa" if backend == "auto" else backend)
         weight_heads, causal = None, bool(causal)
-        if impl is not None and impl.fn is _sdpa_backend and (shape[2] == 1 or not causal) and 0 not in shape:
-            # ... and on the built-in "sdpa" with no causality to apply, its plain form, with the
-            # keys split over the threads where they would idle (`kernels.decode`)
+        if impl is not None and impl.fn is _sdpa_backend and 0 not in shape \
+                and (shape[2] == 1 or _plain_applies(q, k, v, causal)):  # (one query: no causality to apply)
+            # ... and on the built-in "sdpa", its plain form, with the keys split over the
+            # threads where they would idle (`kernels.decode`)
             scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
             out, seen = _decode_step(q, k, v, scale, causal)  # seen: what holds every row the kernel made
-            if not torch.compiler.is_compiling() and _any_nan(q, k, v, seen):
+            if not torch.compiler.is_compiling() and _nan_or_zero_row(seen) and _not_finite(q, k, v, seen):
                 out, _ = _nan_rule(impl, q, k, v, None, causal, scale, 0.0, None, None)
             return out, None
     if impl is None:
@@ -232,8 +237,8 @@ def _empty(q, k, v, weight_heads):
     return out, weights
 
 
-_NAN_CHECK_ROWS = 16  # from this many queries on, the NaN check reads K and V too
-_NAN_CHECK_LIST = 64  # up to this many rows of `out`, the decode check reads their sums back as a list
+_NAN_CHECK_ROWS = 16  # from this many queries on, the general path's NaN check reads K and V too
+_NAN_CHECK_LIST = 64  # up to this many rows of `out`, the row check reads their sums back as a list
 
 
 def _any_nan(q: Tensor, k: Tensor, v: Tensor, out: Tensor) -> bool:
@@ -241,31 +246,47 @@ def _any_nan(q: Tensor, k: Tensor, v: Tensor, out: Tensor) -> bool:
     kernel did with a NaN (torch's CPU kernel zeroes a row whose every score is NaN: a NaN
     query on some CPUs, a NaN in every key a row sees on all).
 
-    From 16 queries on: q, k, v and out are summed and any sum that is not finite acts (NaN
-    always survives a sum; an infinity too, or turns into NaN: an input holding one takes
-    the exact recomputation, as a key scoring -inf must where a split kernel would weigh
-    it), one host sync as the output's check had.
-    Fewer (decoding), where reading K and V would cost as much as the attention: a row
-    whose every score is NaN comes out of any kernel NaN or exactly zero, so one sum per
-    row of `out` decides: if no row sums to NaN or to exactly zero, nothing is to do; else
-    (a NaN, a row the mask leaves empty, or, rarely, a row whose values cancel) q, k, v
-    and out are summed as above. One reduction over the rows of `out` as a 2-D tensor (the
-    same sum over the 4-D `(B, H, 1, Dv)` costs more than twice as much inside `generate`,
-    where every op runs with cold caches: benchmarks/hf_generate.py) and one read-back: a
-    few rows come back as a Python list (a C loop finds a zero or a NaN in it), more as one
-    amin.
+    From 16 queries on: q, k, v and out are summed and any sum that is not finite acts
+    (`_not_finite`). Fewer (decoding, with a mask), where reading K and V would cost as much
+    as the attention: the rows of `out` first (`_nan_or_zero_row`), then, only if one is NaN
+    or zero (a NaN, a row the mask leaves empty, or, rarely, a row whose values cancel), the
+    sums. A plain call (no mask: no row is empty) reads the rows at every length.
     """
-    if q.shape[2] < _NAN_CHECK_ROWS:
-        o = out.detach() if out.requires_grad else out
-        B, H, T, Dv = o.shape
-        sums = o.reshape(B * H * T, Dv).sum(-1)  # (B*H*T,); NaN: a NaN in the row; 0: zero
-        if len(sums) <= _NAN_CHECK_LIST:
-            rows = sums.tolist()
-            total = sum(rows)
-            if total == total and 0.0 not in rows:  # no NaN (NaN != NaN), no zero
-                return False
-        elif float(sums.abs().amin()) > 0:  # (NaN > 0 is False)
-            return False
+    if q.shape[2] < _NAN_CHECK_ROWS and not _nan_or_zero_row(out):
+        return False
+    return _not_finite(q, k, v, out)
+
+
+def _nan_or_zero_row(out: Tensor) -> bool:
+    """Whether a row of `out` (along its last dim) holds a NaN or is exactly zero: a row whose
+    every score is NaN comes out of any kernel NaN or exactly zero, and a NaN survives any
+    sum, so False means the rule has nothing to do where every row may attend some key;
+    True sends the caller to `_not_finite`. Read in memory order (torch's CPU kernel writes
+    a prefill's out `(B, T, H, Dv)`), with one reduction and one read-back: up to 64 rows,
+    their sums as a Python list (a C loop finds a zero or a NaN in it; the sum over the 2-D
+    rows costs half the same sum over a 4-D view inside `generate`, where every op runs with
+    cold caches: benchmarks/hf_generate.py); more, the sum of all (a NaN anywhere) and the
+    count of nonzero first elements (a zero row has a zero first element): a reduction
+    along rows of 64 costs more than the two together."""
+    o = out.detach() if out.requires_grad else out
+    if not o.is_contiguous() and o.dim() == 4:
+        t = o.transpose(1, 2)  # the same rows, in the order they lie: a view
+        o = t if t.is_contiguous() else o
+    rows = o.flatten(0, -2)  # (rows, Dv)
+    if len(rows) <= _NAN_CHECK_LIST:
+        sums = rows.sum(-1).tolist()  # NaN: a NaN in the row; 0: zero
+        total = sum(sums)
+        return total != total or 0.0 in sums  # (NaN != NaN)
+    if rows.shape[-1] == 0:
+        return True
+    total = float(rows.sum())
+    return total != total or int(torch.count_nonzero(rows[:, 0])) < len(rows)
+
+
+def _not_finite(q: Tensor, k: Tensor, v: Tensor, out: Tensor) -> bool:
+    """Whether a sum of q, k, v or out is not finite: NaN always survives a sum; an infinity
+    too, or turns into NaN: an input holding one takes the exact recomputation, as a key
+    scoring -inf must where a split kernel would weigh it. One host sync."""
     acc = torch.promote_types(q.dtype, torch.float32)
     return not bool(torch.stack([t.sum(dtype=acc) for t in (q, out, k, v)]).isfinite().all())
 

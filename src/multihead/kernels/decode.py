@@ -127,9 +127,11 @@ def _overlap_mask(c: int, dtype: torch.dtype) -> Tensor:
 
 def step(q: Tensor, k: Tensor, v: Tensor, scale: float, causal: bool) -> tuple[Tensor, Tensor]:
     """The plain step: (out, what the NaN check reads: out itself, or the parts' outputs
-    of a split step). `sdpa.plain` unless `key_splits` says split."""
-    parts = key_splits(q, k, v) if q.shape[2] == 1 or not causal else 1
-    if parts == 1:
-        out = plain(q, k, v, scale, causal)
-        return out, out
-    return split_keys(q, k, v, scale, parts)
+    of a split step). `sdpa.plain` unless `key_splits` says split (never on one thread,
+    asked first: a decode step runs this once per layer per token, where a call shows)."""
+    if torch.get_num_threads() > 1 and (q.shape[2] == 1 or not causal):
+        parts = key_splits(q, k, v)
+        if parts > 1:
+            return split_keys(q, k, v, scale, parts)
+    out = plain(q, k, v, scale, causal)
+    return out, out

@@ -16,7 +16,7 @@ from multihead.kernels.explicit_tiles import twice
 from multihead.masks import MaskMod
 from multihead.masks import causal as causal_mod
 
-__all__ = ["SecondOrder", "plain", "sdpa", "twice_differentiable"]
+__all__ = ["SecondOrder", "plain", "plain_applies", "sdpa", "twice_differentiable"]
 
 
 def sdpa(q, k, v, mask, *, causal, scale, dropout_p, weight_heads, score_mod=None):
@@ -102,13 +102,15 @@ def sdpa(q, k, v, mask, *, causal, scale, dropout_p, weight_heads, score_mod=Non
 
 def plain(q: Tensor, k: Tensor, v: Tensor, scale: float, causal: bool = False) -> Tensor:
     """`sdpa(q, k, v, None, causal=causal, scale=scale, dropout_p=0.0, weight_heads=None)[0]`
-    for the calls where causality changes nothing (one query sees every key, or `causal`
-    False), on non-empty inputs `functional.attend` has checked: the same calls of torch's
-    kernel, the same bits, without `sdpa`'s branches for masks, mods and weights. The decode
-    step runs it once per layer per token, where every Python line and torch op shows."""
+    for the calls `plain_applies` accepts, on non-empty inputs `functional.attend` has
+    checked: the same calls of torch's kernel, the same bits, without `sdpa`'s branches for
+    masks, mods and weights. A decode step runs it once per layer per token, a prefill once
+    per layer, where every Python line and torch op shows."""
     B, H, T, D = q.shape
     Hkv = k.shape[1]
-    if Hkv == H:
+    if causal and T > 1:  # T == S: torch's top-left causality is multihead's bottom-right
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=Hkv != H)
+    elif Hkv == H:
         out = F.scaled_dot_product_attention(q, k, v, scale=scale)
     else:
         P = mqa_splits(B, Hkv, H // Hkv, q.device) if Hkv == 1 else 1
@@ -122,6 +124,18 @@ def plain(q: Tensor, k: Tensor, v: Tensor, scale: float, causal: bool = False) -
     if out.requires_grad:
         return twice_differentiable(out, q, k, v, None, causal, scale, 0.0, None)
     return out
+
+
+def plain_applies(q: Tensor, k: Tensor, v: Tensor, causal: bool) -> bool:
+    """Whether `plain` computes this call as `sdpa` would (no mask, score mod, weights or
+    dropout): causality changes nothing (`causal` False, or one query, which sees every key),
+    or T == S, where `sdpa` hands torch's kernel `is_causal` as it is, except GQA under
+    autograd, which `sdpa` runs one group position at a time for the gradients' order."""
+    T = q.shape[2]
+    if not causal or T == 1:
+        return True
+    return T == k.shape[2] and (q.shape[1] == k.shape[1] or not (
+        torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)))
 
 
 class SecondOrder(torch.autograd.Function):

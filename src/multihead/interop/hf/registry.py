@@ -44,7 +44,7 @@ from multihead import masks, score_mods
 from multihead.checks import check_positive_number
 from multihead.functional import attend, check_backend_name
 from multihead.kernels import math as explicit_math
-from multihead.kernels.validation import is_plain_call
+from multihead.kernels.validation import plain_scale
 from multihead.masks import MaskMod, from_flex
 
 __all__ = ["INTERVENTION_KEYWORD", "OBSERVER_KEYWORD", "REQUEST_KEYWORD", "AttentionCall", "CaptureComplete",
@@ -327,13 +327,9 @@ def _output_attentions(module: nn.Module, kwargs: dict):
     return kwargs["output_attentions"] if "output_attentions" in kwargs else _config_output_attentions(module)
 
 
-def _nothing_but_qkv(module: nn.Module, position_bias, softcap, s_aux, sinks, kwargs: dict) -> bool:
-    """Whether transformers asks for nothing beyond the kernel's plain call: no T5 bias, no
-    softcap, no sinks, no multihead keyword (weights request, intervention, observer) and
-    no weights (output_attentions)."""
-    return position_bias is None and softcap is None and s_aux is None and sinks is None \
-        and kwargs.get(INTERVENTION_KEYWORD) is None and kwargs.get(REQUEST_KEYWORD) is None \
-        and kwargs.get(OBSERVER_KEYWORD) is None and not _output_attentions(module, kwargs)
+# The forward keywords that ask for more than the kernel's plain call: a request, an intervention,
+# an observer, or transformers' `output_attentions`
+_ASKING = frozenset((REQUEST_KEYWORD, INTERVENTION_KEYWORD, OBSERVER_KEYWORD, "output_attentions"))
 
 
 def attention_forward(module: nn.Module, query: Tensor, key: Tensor, value: Tensor, attention_mask,
@@ -355,12 +351,13 @@ def attention_forward(module: nn.Module, query: Tensor, key: Tensor, value: Tens
     (`_attend`: sinks, softcap, the weights asked for); the answers (a request's weights,
     an intervention's edit of the heads' outputs).
     """
-    if query.shape[2] == 1 and is_plain_call(attention_mask, scaling, dropout) \
-            and _nothing_but_qkv(module, position_bias, softcap, s_aux, sinks, kwargs):
+    if attention_mask is None and query.shape[2] == 1 and plain_scale(scaling) and position_bias is None \
+            and softcap is None and s_aux is None and sinks is None and _ASKING.isdisjoint(kwargs) \
+            and not _config_output_attentions(module):
         # A decode step with nothing but q, k, v (every layer, every token of `generate`): what
         # the general path below does with it, without its per-keyword work. One query sees
-        # every key (no causality to apply), `attend` checks the shapes.
-        out, _ = attend(query, key, value, None, scale=scaling, backend=backend)
+        # every key (no causality to apply); `attend` checks the shapes and the dropout.
+        out, _ = attend(query, key, value, None, scale=scaling, dropout_p=dropout, backend=backend)
         return out.transpose(1, 2).contiguous(), None  # (B, 1, H, Dv)
     intervention = kwargs.get(INTERVENTION_KEYWORD)
     own_keys = key.shape[2]
