@@ -2,16 +2,16 @@
 when their metric reads one position.
 
 With an `AtPositions` metric whose every row reads the last position (T - 1, where
-`_align` puts it), nothing after the last block mixes positions (the final norm, the head)
-and nothing of the last block reaches the metric except its output at T - 1. Its attention
-still needs keys and values at every position, so its input runs in full up to the heads'
-outputs z; but the output projection and the MLP are needed at T - 1 only. Forward
-pre-hooks cut their inputs to the last position: the block's residual adds then broadcast
-`(rows, 1, C)` onto `(rows, T, C)`, so the block's output is right at T - 1 and nowhere
-else, and only T - 1 is read. That is about two thirds of the block's work (the MLP alone
-is over half of a GPT-2 block on CPU). The attention kernel itself needs only the last
-query: an intervention (the registry's `multihead_heads=`, ahead of the scan's own) hands
-it the query at T - 1 alone, with the mask's last row, and widens its output back to the T
+`_align` puts it), what follows the last block works position by position (the final
+norm, the head: checked), so nothing of that block reaches the metric but its output at
+T - 1. Its attention still needs keys and values at every position, so its input runs in
+full up to the heads' outputs z; but the output projection and the MLP are needed at
+T - 1 only. Forward pre-hooks cut their inputs to the last position: the block's residual
+adds then broadcast `(rows, 1, C)` onto `(rows, T, C)`, so the block's output is right at
+T - 1 and nowhere else, and only T - 1 is read. That is over half of a GPT-2 block's time
+on CPU (its MLP with the GELU). The attention kernel itself needs only the last query: an
+intervention (the registry's `multihead_heads=`, ahead of the scan's own) hands it the
+query at T - 1 alone, with the mask's last row, and widens its output back to the T
 positions the module reshapes to (copies of that row: the projection reads the last only).
 Where the check fails with it (a sliding window applied to more than one query only, a
 mask of another kind) the kernel runs every query and the rest stays trimmed.
