@@ -6,6 +6,8 @@ and where multihead's per-layer microseconds go (fp32, CPU, B = 1).
     .venv/bin/python benchmarks/hf_generate.py --model smollm2 --rounds 7 --calls 500   # the real model
     .venv/bin/python benchmarks/hf_generate.py --model smollm2 --rounds 7 --calls 500 --clock cpu  # on a busy machine
     .venv/bin/python benchmarks/hf_generate.py --model smollm2 --rounds 9 --control  # with an A/A control
+    .venv/bin/python benchmarks/hf_generate.py --model smollm2 --rounds 9 --control --generate-only  # the target
+      (whole generates and the step-by-step comparison only: about 5 minutes on a quiet 2-core machine)
 
 One random-init Llama (--layers, --heads query heads, --kv-heads KV heads) generates
 --new-tokens tokens greedily from the same prompt under each implementation, switched
@@ -14,7 +16,19 @@ with `model.set_attn_implementation` on the one model, in alternating order, for
 (median of per-round ratios) and whether both produced the same tokens. With --control,
 sdpa also runs under a second name: its ratio to sdpa is the noise floor of the ratio on
 that machine (attention is under a tenth of a SmolLM2 generate, so the two implementations'
-whole difference is about a percent of it, below what a loaded machine resolves).
+whole difference is about a percent of it, below what a loaded machine resolves). Every
+generate is timed by wall time and by the process's CPU time, with the load average after
+each round.
+
+Then the same ratio at a finer grain (`paired_steps`, skipped with --step-rounds 0): one
+implementation name whose function is chosen per forward, so the implementations take
+turns step by step inside each generate (A B B A over consecutive decode steps, every
+rotation in turn with the control; the same over forwards of the prompt for the prefill):
+two compared steps lie milliseconds apart, not seconds, so the machine's drift and load hit
+both alike, and the median over cycles resolves a fraction of a percent where whole
+generates resolve a few. Reported: the decode
+step's and the prefill's ratios, paired per cycle (wall and CPU), and the generate ratio
+they add up to, (prefill + new tokens x step) over sdpa's, beside the A/A control's.
 
 Then the per-call cost of the two attention functions alone (warm: one layer's call
 repeated; and cold: `per_call_cold`, every layer in turn after its MLP, as a decode step
@@ -38,8 +52,10 @@ one transformers read, `config.output_attentions`, taken from the config's field
 class has transformers' own property, not through the config's Python `__getattribute__`),
 `attend`'s plain call (two folded checks, `validation.plain_shape`
 and `plain_scale`) and `kernels.decode.step` (`sdpa.plain`: the G query heads folded
-into the query length, one kernel call), then the NaN rule's check, one sum over the rows
-of `out`. The committed JSON has the run's own figures; docs/benchmarks.md quotes them.
+into the query length, one kernel call), then the NaN rule's check
+(`functional._nan_or_zero_row`), one sum over the rows of `out`. A prefill (T == S, causal)
+takes the same plain call, its check one sum of `out` and a count of its rows' nonzero
+first elements. The committed JSON has the run's own figures; docs/benchmarks.md quotes them.
 
 Writes a Markdown report to stdout and JSON to benchmarks/results/hf_generate.json (or --json).
 """
@@ -94,26 +110,156 @@ def register_control() -> None:
 
 
 def time_generate(model, prompt: torch.Tensor, new_tokens: int, rounds: int, control: bool = False) -> dict:
+    """Whole generates, each implementation in turn (first in turn), `rounds` timed rounds after
+    an untimed one: seconds per generate by `clock` (medians), the process's CPU seconds beside
+    them (what preemptions by other processes do not inflate), ratios paired per round, and
+    the load average after each round."""
     impls = ["sdpa", "multihead"] + ([CONTROL] if control else [])
     seconds: dict[str, list[float]] = {impl: [] for impl in impls}
+    cpu: dict[str, list[float]] = {impl: [] for impl in impls}
+    loads: list[float] = []
     tokens = {}
     for r in range(-1, rounds):  # round -1 warms every implementation (first calls, allocator), untimed
         order = impls[r % len(impls):] + impls[:r % len(impls)]  # each implementation first in turn
         for impl in order:
             model.set_attn_implementation(impl)
-            t0 = clock()
+            t0, c0 = clock(), time.process_time()
             with torch.no_grad():
                 tokens[impl] = model.generate(prompt, max_new_tokens=new_tokens, min_new_tokens=new_tokens,
                                               do_sample=False)
             if r >= 0:
                 seconds[impl].append(clock() - t0)
+                cpu[impl].append(time.process_time() - c0)
+        if r >= 0:
+            loads.append(os.getloadavg()[0])
     ratios = [m / s for m, s in zip(seconds["multihead"], seconds["sdpa"])]
+    cpu_ratios = [m / s for m, s in zip(cpu["multihead"], cpu["sdpa"])]
     out = {"seconds": {k: statistics.median(v) for k, v in seconds.items()}, "rounds": seconds,
            "ratio": statistics.median(ratios), "ratios": ratios,
+           "cpu_seconds": {k: statistics.median(v) for k, v in cpu.items()}, "cpu_rounds": cpu,
+           "cpu_ratio": statistics.median(cpu_ratios), "cpu_ratios": cpu_ratios, "load_per_round": loads,
            "same_tokens": bool(torch.equal(tokens["sdpa"], tokens["multihead"]))}
     if control:
         again = [c / s for c, s in zip(seconds[CONTROL], seconds["sdpa"])]
-        out |= {"control_ratio": statistics.median(again), "control_ratios": again}
+        cpu_again = [c / s for c, s in zip(cpu[CONTROL], cpu["sdpa"])]
+        out |= {"control_ratio": statistics.median(again), "control_ratios": again,
+                "control_cpu_ratio": statistics.median(cpu_again), "control_cpu_ratios": cpu_again,
+                "control_same_tokens": bool(torch.equal(tokens["sdpa"], tokens[CONTROL]))}
+    return out
+
+
+SWITCH = "bench_switch"  # one implementation name whose function is chosen per forward (`paired_steps`)
+
+
+def _cycle(impls: list[str]) -> list[str]:
+    """The order of one cycle: every rotation of `impls` in turn (A B B A for two; A B C B C A
+    C A B for three), so each implementation stands once in every position (a drift that is
+    linear over a cycle adds the same time to each) and follows another one as often as the
+    others do (a step after a change of function finds its code colder)."""
+    return [impl for i in range(len(impls)) for impl in impls[i:] + impls[:i]]
+
+
+def paired_steps(model, prompt: torch.Tensor, new_tokens: int, rounds: int, control: bool = False) -> dict:
+    """The generate ratio at a finer grain: the implementations take turns step by step inside
+    one generate (A B B A over consecutive decode steps: one registered function that calls the
+    one chosen for the step), so the seconds between two compared steps are milliseconds, not
+    the seconds between two whole generates, and a change of the machine's load hits both
+    alike. Per cycle, each implementation's mean step time; the ratios to sdpa paired per
+    cycle; medians over every cycle of `rounds` generates. The prompt's forward (the prefill)
+    the same way: cycles of `model(prompt)`, `rounds` of them. Both by wall time
+    (`clock`) and the process's CPU time. From the two, the generate ratio they add up to:
+    (prefill + new_tokens x step) under multihead over the same under sdpa."""
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    impls = ["sdpa", "multihead"] + ([CONTROL] if control else [])
+    fns = {impl: ALL_ATTENTION_FUNCTIONS[impl] for impl in impls}
+    chosen = {"fn": fns["sdpa"], "impl": "sdpa", "t0": 0.0, "c0": 0.0, "decode": False}
+
+    def switch(module, *args, **kwargs):
+        return chosen["fn"](module, *args, **kwargs)
+
+    AttentionInterface.register(SWITCH, switch)
+    AttentionMaskInterface.register(SWITCH, sdpa_mask)  # what "multihead" and "sdpa" build for a causal LM
+    cycle = _cycle(impls)
+    step = {"i": 0}
+    taken: list[tuple[str, float, float]] = []  # (implementation, wall, CPU) of each decode step of a generate
+
+    def pre(_module, args, kwargs):
+        ids = kwargs.get("input_ids", args[0] if args else None)
+        chosen["decode"] = ids is not None and ids.shape[1] == 1
+        if chosen["decode"]:
+            impl = cycle[step["i"] % len(cycle)]
+            step["i"] += 1
+            chosen["impl"], chosen["fn"] = impl, fns[impl]
+        chosen["t0"], chosen["c0"] = clock(), time.process_time()
+
+    def post(_module, _args, _kwargs, _out):
+        if chosen["decode"]:
+            taken.append((chosen["impl"], clock() - chosen["t0"], time.process_time() - chosen["c0"]))
+
+    def cycles_of(rows: list[tuple[str, float, float]], which: int) -> list[dict[str, float]]:
+        """Each whole cycle's mean time per implementation (a cycle cut short is dropped)."""
+        n = len(rows) // len(cycle)
+        out = []
+        for c in range(n):
+            part = rows[c * len(cycle):(c + 1) * len(cycle)]
+            out.append({impl: statistics.mean(r[which] for r in part if r[0] == impl) for impl in impls})
+        return out
+
+    step_cycles: dict[str, list[dict[str, float]]] = {"wall": [], "cpu": []}
+    prefill_cycles: dict[str, list[dict[str, float]]] = {"wall": [], "cpu": []}
+    hooks = [model.register_forward_pre_hook(pre, with_kwargs=True),
+             model.register_forward_hook(post, with_kwargs=True)]
+    loads: list[float] = []
+    same = True
+    try:
+        model.set_attn_implementation(SWITCH)
+        with torch.no_grad():
+            for r in range(rounds + 1):  # the first generate warms, untimed
+                taken.clear()
+                step["i"] = 0
+                out = model.generate(prompt, max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False)
+                if r == 0:
+                    reference = out
+                    continue
+                same = same and torch.equal(out, reference)
+                for which, name in ((1, "wall"), (2, "cpu")):
+                    step_cycles[name] += cycles_of(taken, which)
+                loads.append(os.getloadavg()[0])
+            for r in range(rounds + 1):  # the prompt's forward, in the same cycles
+                rows = []
+                for impl in cycle:
+                    chosen["impl"], chosen["fn"] = impl, fns[impl]
+                    t0, c0 = clock(), time.process_time()
+                    model(prompt)
+                    rows.append((impl, clock() - t0, time.process_time() - c0))
+                if r:
+                    for which, name in ((1, "wall"), (2, "cpu")):
+                        prefill_cycles[name] += cycles_of(rows, which)
+    finally:
+        for h in hooks:
+            h.remove()
+        model.set_attn_implementation("sdpa")
+
+    def summary(cycles: list[dict[str, float]]) -> dict:
+        res = {"seconds": {impl: statistics.median(c[impl] for c in cycles) for impl in impls}, "cycles": len(cycles)}
+        for impl in impls[1:]:
+            ratios = [c[impl] / c["sdpa"] for c in cycles]
+            res[f"{impl}_ratio"] = statistics.median(ratios)
+            res[f"{impl}_ratio_quartiles"] = statistics.quantiles(ratios, n=4) if len(ratios) > 1 else ratios
+        return res
+
+    out = {"new_tokens": new_tokens, "rounds": rounds, "same_tokens_every_round": same, "load_per_round": loads}
+    for clock_name in ("wall", "cpu"):
+        d, p = summary(step_cycles[clock_name]), summary(prefill_cycles[clock_name])
+        est = {}
+        for impl in impls[1:]:
+            a = p["seconds"]["sdpa"] + new_tokens * d["seconds"]["sdpa"]
+            est[impl] = (p["seconds"]["sdpa"] * p[f"{impl}_ratio"] + new_tokens * d["seconds"]["sdpa"]
+                         * d[f"{impl}_ratio"]) / a
+        out[clock_name] = {"decode_step": d, "prefill": p, "generate_ratio_estimate": est}
     return out
 
 
@@ -226,7 +372,7 @@ def in_loop(model, prompt: torch.Tensor, new_tokens: int, rounds: int) -> dict:
 
     mapping = ALL_ATTENTION_FUNCTIONS._global_mapping
     saved = {"sdpa": mapping["sdpa"], "multihead": mapping["multihead"], "kernel": F.scaled_dot_product_attention,
-             "nan": mh_functional._any_nan, "attend": mh_registry.attend, "backend": mh_functional._decode_step}
+             "nan": mh_functional._nan_or_zero_row, "attend": mh_registry.attend, "backend": mh_functional._decode_step}
 
     def entry(impl: str):
         inner = timed(f"{impl}: attention function", saved[impl])
@@ -265,7 +411,7 @@ def in_loop(model, prompt: torch.Tensor, new_tokens: int, rounds: int) -> dict:
         alone_loads = list(loads)
         spent.clear()
         F.scaled_dot_product_attention = kernel
-        mh_functional._any_nan = timed("multihead: NaN-rule check", saved["nan"])
+        mh_functional._nan_or_zero_row = timed("multihead: NaN-rule check", saved["nan"])
         mh_registry.attend = timed("multihead: attend", saved["attend"])
         mh_functional._decode_step = timed("multihead: decode step", saved["backend"])  # kernels.decode.step
         for r in range(rounds):  # pass 2: and their parts
@@ -273,7 +419,7 @@ def in_loop(model, prompt: torch.Tensor, new_tokens: int, rounds: int) -> dict:
     finally:
         mapping["sdpa"], mapping["multihead"] = saved["sdpa"], saved["multihead"]
         F.scaled_dot_product_attention = saved["kernel"]
-        mh_functional._any_nan = saved["nan"]
+        mh_functional._nan_or_zero_row = saved["nan"]
         mh_registry.attend, mh_functional._decode_step = saved["attend"], saved["backend"]
     n = len(alone.get("multihead: attention function", [])) or 1
     us = {key: sum(t) / len(t) * 1e6 for key, t in sorted(spent.items())}
@@ -319,6 +465,8 @@ def main(argv=None) -> int:
     ap.add_argument("--control", action="store_true",
                     help=f"also generate with transformers' sdpa registered as {CONTROL!r}: its ratio to sdpa is what "
                          "an identical implementation reads on this machine (the noise floor of the ratio)")
+    ap.add_argument("--step-rounds", type=int, default=None,
+                    help="generates of the step-by-step comparison (`paired_steps`; default: --rounds; 0: skip it)")
     ap.add_argument("--quick", action="store_true", help="2 layers, 64-token prompt, 8 new tokens, 2 rounds")
     ap.add_argument("--json", default=str(Path(__file__).resolve().parent / "results" / "hf_generate.json"))
     a = ap.parse_args(argv)
@@ -350,6 +498,8 @@ def main(argv=None) -> int:
     if a.control:
         register_control()
     gen = time_generate(model, prompt, a.new_tokens, a.rounds, control=a.control)
+    step_rounds = a.rounds if a.step_rounds is None else a.step_rounds
+    steps = paired_steps(model, prompt, a.new_tokens, step_rounds, control=a.control) if step_rounds else None
     call = cold = loop = None
     if not a.generate_only:
         call = per_call(model, a.prompt + a.new_tokens // 2, a.calls, max(2, a.rounds // 2))
@@ -361,7 +511,7 @@ def main(argv=None) -> int:
               "config": {"model": a.model or "random llama",
                          "layers": a.layers, "heads": a.heads, "kv_heads": a.kv_heads, "width": a.width,
                          "prompt": a.prompt, "new_tokens": a.new_tokens, "rounds": a.rounds},
-              "generate": gen, "per_call": call, "per_call_cold": cold, "in_loop": loop}
+              "generate": gen, "paired_steps": steps, "per_call": call, "per_call_cold": cold, "in_loop": loop}
     s = gen["seconds"]
     print(f"greedy generate, {a.model or 'random'} {a.layers}-layer Llama, H={a.heads}, Hkv={a.kv_heads}, C={a.width}, "
           f"{a.prompt}-token prompt, {a.new_tokens} new tokens, {a.threads} thread(s), medians of {a.rounds} rounds\n")
@@ -372,6 +522,26 @@ def main(argv=None) -> int:
     if a.control:
         print(f"control, sdpa again / sdpa: {gen['control_ratio']:.3f} (per round: "
               f"{', '.join(f'{r:.2f}' for r in gen['control_ratios'])})")
+    print(f"CPU time: multihead / sdpa {gen['cpu_ratio']:.3f}"
+          + (f", sdpa again / sdpa {gen['control_cpu_ratio']:.3f}" if a.control else "")
+          + f"; load per round {', '.join(f'{x:.1f}' for x in gen['load_per_round'])}")
+    if steps is not None:
+        loads = ", ".join(f"{x:.1f}" for x in steps["load_per_round"])
+        print(f"\nstep by step inside {steps['rounds']} generates (every implementation in every position of "
+              f"a cycle of consecutive steps), medians of the ratios paired per cycle (load {loads}; same tokens "
+              f"every round: {steps['same_tokens_every_round']}):")
+        print("| clock | what | " + " | ".join(f"{i} / sdpa" for i in ("multihead", CONTROL)[:1 + a.control])
+              + " | cycles |\n|---|---|" + "---:|" * (1 + a.control) + "---:|")
+        for name in ("wall", "cpu"):
+            part = steps[name]
+            for what in ("decode_step", "prefill"):
+                row = part[what]
+                print(f"| {name} | {what.replace('_', ' ')} | "
+                      + " | ".join(f"{row[f'{i}_ratio']:.4f}" for i in ("multihead", CONTROL)[:1 + a.control])
+                      + f" | {row['cycles']} |")
+            est = part["generate_ratio_estimate"]
+            print(f"| {name} | generate (prefill + {steps['new_tokens']} steps) | "
+                  + " | ".join(f"{est[i]:.4f}" for i in ("multihead", CONTROL)[:1 + a.control]) + " | |")
     if call is None:
         print(f"\nwrote {write_json(a.json, report)}")
         return 0

@@ -27,6 +27,13 @@ def test_hf_generate_benchmark_quick(tmp_path):
     assert gen["same_tokens"] is True  # greedy decoding through multihead picks transformers' tokens
     assert len(gen["ratios"]) == report["config"]["rounds"] and gen["ratio"] > 0
     assert set(gen["seconds"]) == {"sdpa", "multihead"} and min(gen["seconds"].values()) > 0
+    assert gen["cpu_ratio"] > 0 and len(gen["cpu_ratios"]) == len(gen["load_per_round"]) == len(gen["ratios"])
+    steps = report["paired_steps"]  # the implementations in turn, step by step, inside each generate
+    assert steps["same_tokens_every_round"] is True
+    for clock in ("wall", "cpu"):
+        for what in ("decode_step", "prefill"):
+            assert steps[clock][what]["cycles"] > 0 and steps[clock][what]["multihead_ratio"] > 0
+        assert steps[clock]["generate_ratio_estimate"]["multihead"] > 0
     call = report["per_call"]
     assert call["us_per_call"]["multihead"] > 0 and call["us_per_call"]["sdpa"] > 0
     names = [row["function"] for row in call["profiled_breakdown"]]
