@@ -268,3 +268,35 @@ def test_multihead_modules_are_declined_with_the_reason():
     info = _decision(model, clean, corrupted, _last(3))
     assert not info["last_block"] and info["last_block_reason"] == \
         "not a transformers model on multihead's attention function", info
+
+
+def _w_shared(rank: int, world: int) -> dict:
+    import torch.distributed as dist
+
+    model = _lm("gpt2")
+    out = {}
+    for changed in [(0, 6), (6,)]:
+        clean, corrupted = _pairs(changed=changed)
+        info: dict = {}
+        shared = heads.patch_scan(model, clean, corrupted, heads.AtPositions(_fn, [-1, -1]), info=info,
+                                  group=dist.group.WORLD)
+        out[changed] = (shared, info)
+    return out
+
+
+@pytest.mark.distributed
+def test_ranks_share_a_trimmed_scan_and_return_the_one_process_table():
+    """Two gloo ranks (`group=`): each decides the trim the same way and the table is
+    bitwise the one process's."""
+    import dist_helpers
+
+    results = dist_helpers.run_world(_w_shared, 2, timeout=90.0, pg_timeout=30)
+    model = _lm("gpt2")
+    for changed in [(0, 6), (6,)]:
+        clean, corrupted = _pairs(changed=changed)
+        info: dict = {}
+        single = heads.patch_scan(model, clean, corrupted, heads.AtPositions(_fn, [-1, -1]), info=info)
+        assert info["last_block"], info
+        for rank in results:
+            shared, shared_info = rank[changed]
+            assert shared_info == info and torch.equal(shared.nan_to_num(), single.nan_to_num()), (changed, info)
