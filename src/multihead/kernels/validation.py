@@ -29,8 +29,8 @@ def check_scale(scale) -> float | None:
 
 def is_plain_call(mask, scale, dropout_p, return_weights=False, score_mod=None) -> bool:
     """Whether a call asks the kernel for nothing but softmax(q k^T scale) v: no mask, no
-    score mod, no weights, no dropout, and a plain scale (`plain_scale`). The decode step's
-    quick accept, shared by `functional.attend` and the Hugging Face registry entry; with
+    score mod, no weights, no dropout, and a plain scale (`plain_scale`): `functional.attend`'s
+    quick accept (the decode step's and a plain prefill's); with
     `plain_shape` for the tensors it replaces the per-argument checks, which a call it
     refuses goes through (and they name what is wrong)."""
     return mask is None and score_mod is None and (return_weights is False or return_weights is None) \
