@@ -114,6 +114,20 @@ def test_a_storage_resized_before_it_was_dropped_is_not_reused(kept):
     assert_close(again, _want(q, k, v), what="after a resized storage")
 
 
+def test_an_output_moved_to_shared_memory_is_not_reused(kept):
+    """A result moved to shared memory (sent to another process through torch.multiprocessing,
+    which maps the same pages) and then dropped here: the next call writes elsewhere."""
+    q, k, v = _inputs(7)
+    with torch.no_grad():
+        out = _attend(q, k, v)
+        out.share_memory_()
+        ptr = out.data_ptr()
+        del out
+        again = _attend(q, k, v)
+    assert again.data_ptr() != ptr
+    assert_close(again, _want(q, k, v), what="after a shared output")
+
+
 def test_inference_outputs_stay_in_inference_mode(kept, threads):
     """Memory made under inference_mode is not handed to a call outside it (an inference tensor
     there cannot enter autograd), nor the reverse; both calls equal the reference."""

@@ -99,7 +99,12 @@ EDGES, PRIVATE, TREES, MODULE_NAMES = _analyse()
 THIRD_PARTY = {
     "_dynamo": "torch._dynamo.config.patch(recompile_limit=) and its exception: flex's compile limit",
     "_ops": "torch._ops.OpOverload(Packet): the type of a torch.ops entry, keyed by identity in flex's cache",
-    "_C": "torch._C._current_graph_task_id: whether autograd is running a backward",
+    "_C": "torch._C._current_graph_task_id: whether autograd is running a backward; torch._C._storage_Use_Count: "
+          "whether anything but the fused engine's kept alias refers to an output's memory (as torch's own "
+          "cudagraph trees read liveness)",
+    "_storage_Use_Count": "torch._C._storage_Use_Count: fused_tiles._output reuses a dropped output's memory only "
+                          "when nothing else refers to it",
+    "_cdata": "UntypedStorage._cdata: the handle _storage_Use_Count reads",
     "_current_graph_task_id": "see _C",
     "_version": "Tensor._version: the in-place version counter, so an edited tensor misses flex's cache",
     "_scaled_dot_product_flash_attention_for_cpu": "torch's CPU flash kernel: returns the log-sum-exp",

@@ -114,7 +114,10 @@ def _output(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) ->
     with _KEPT_OUTPUTS_LOCK:
         kept = _KEPT_OUTPUTS.pop(key, None)
     # the storage still holds the whole output (a caller may have resized it before dropping it)
-    if kept is not None and _holders(kept) == _unheld() and kept.untyped_storage().nbytes() >= nbytes:
+    # and is this process's alone (moved to shared memory, another process may map it: it was
+    # sent through torch.multiprocessing)
+    if kept is not None and _holders(kept) == _unheld() and kept.untyped_storage().nbytes() >= nbytes \
+            and not kept.untyped_storage().is_shared():
         out = kept.detach()
     else:
         out = torch.empty(shape, dtype=dtype, device=device)
