@@ -51,6 +51,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from contextlib import contextmanager, nullcontext
+from dataclasses import dataclass
 
 import torch
 from torch import Tensor, nn
@@ -1019,6 +1020,27 @@ def head_cost(model: nn.Module, blocks: list[nn.Module]) -> float:
     return float(weight.numel()) / per_block if isinstance(weight, Tensor) and per_block else 0.0
 
 
+@dataclass(frozen=True)
+class _Prepared:
+    """patch_scan's checked arguments and the inputs it runs (`aligned`'s), before any forward
+    of its own: what each of its setup steps reads."""
+
+    pos: list[int] | None
+    B: int
+    per_run: int | None  # variants_per_run as given
+    budget: int | None  # max_memory as given (None: automatic)
+    memory: int  # the bytes a forward may take (the budget, or MEMORY_PER_RUN)
+    clean: object
+    corrupted: object
+    metric: Callable
+    align_why: str
+    p0: int  # the positions clean and corrupted share at the start
+    T: int
+    why: str  # why the prefix skip is declined before any forward ("" when it may be tried)
+    lean: dict  # keywords of the recording runs ({"logits_to_keep": 1} or {})
+    whats: tuple  # what the clean recording keeps
+
+
 def patch_scan(model, clean, corrupted, metric: Callable[[Tensor], Tensor], what: str = "z", positions=None, *,
                variants_per_run: int | None = None, max_memory: int | None = None, progress=None,
                info: dict | None = None, group=None) -> Tensor:
@@ -1073,7 +1095,7 @@ def patch_scan(model, clean, corrupted, metric: Callable[[Tensor], Tensor], what
     check_group(group)
     ranks = Ranks(group, "patch_scan")
 
-    def prepare() -> dict:
+    def prepare() -> _Prepared:
         """Every check of the arguments and the inputs the scan runs (rolled by `aligned`)."""
         pos, B, per_run = _check_scan(model, clean, corrupted, metric, what, positions, variants_per_run)
         budget = check_memory(max_memory)
@@ -1084,58 +1106,57 @@ def patch_scan(model, clean, corrupted, metric: Callable[[Tensor], Tensor], what
         p0, T, why = _static_refusal(model, clean_, corrupted_, what)
         if pos is not None and T and any(not -T <= q < T for q in pos):
             raise ValueError(f"positions must lie in [-{T}, {T}) for inputs of {T} positions; received {positions!r}")
-        budget_ = MEMORY_PER_RUN if budget is None else budget
-        return dict(pos=pos, B=B, per_run=per_run, budget=budget, budget_=budget_, clean=clean_,
-                    corrupted=corrupted_, metric=metric_, align_why=align_why, p0=p0, T=T, why=why,
-                    lean=_lean(model, clean_, budget_), whats=(what, "z") if not why and what != "z" else (what,))
+        memory = MEMORY_PER_RUN if budget is None else budget
+        return _Prepared(pos, B, per_run, budget, memory, clean_, corrupted_, metric_, align_why, p0, T, why,
+                         _lean(model, clean_, memory), (what, "z") if not why and what != "z" else (what,))
 
-    def clean_run(a: dict) -> Recording:
-        rec = record(model, _with(a["clean"], a["lean"]), what=a["whats"])
+    def clean_run(a: _Prepared) -> Recording:
+        rec = record(model, _with(a.clean, a.lean), what=a.whats)
         rec.logits = None  # the scan's own recording: its logits (B, T, vocab) are not read
         return rec
 
-    def check_rec(a: dict, rec: Recording) -> None:
-        _check_positions_fit(a["pos"], positions, rec, what)
+    def check_rec(a: _Prepared, rec: Recording) -> None:
+        _check_positions_fit(a.pos, positions, rec, what)
         if what == "latent" and not any(lay.kind == "latent" for lay in rec.layers):
             raise ValueError("what='latent' patches MLA latents (multihead LatentAttention, or a DeepSeek model after "
                              "multihead.interop.hf.use_latent_attention); this model has none")
 
-    def corrupted_run(a: dict, rec: Recording) -> tuple[_Scan, str]:
-        scan = _Scan(model, a["corrupted"], rec, what, a["B"])
-        scan.lean, scan.metric, scan.aligned = a["lean"], a["metric"], (a["clean"] is not clean, a["align_why"])
-        scan.T, scan.keep = a["T"], keep_positions(model, a["metric"], a["T"], a["B"])
-        scan.shortcut.early = _shortcut_too_big(scan.shortcut, rec, a["budget_"])
-        why = a["why"]
+    def corrupted_run(a: _Prepared, rec: Recording) -> tuple[_Scan, str]:
+        scan = _Scan(model, a.corrupted, rec, what, a.B)
+        scan.lean, scan.metric, scan.aligned = a.lean, a.metric, (a.clean is not clean, a.align_why)
+        scan.T, scan.keep = a.T, keep_positions(model, a.metric, a.T, a.B)
+        scan.shortcut.early = _shortcut_too_big(scan.shortcut, rec, a.memory)
+        why = a.why
         if not why:
             scan.stack, why = _causal_stack(model, scan.layers, scan.blocks, scan.parents)
-        scan.run_corrupted(a["p0"] if scan.stack is not None else 0)
+        scan.run_corrupted(a.p0 if scan.stack is not None else 0)
         return scan, why
 
-    def decide(a: dict, rec: Recording, scan: _Scan, why: str, deferred: list | None):
+    def decide(a: _Prepared, rec: Recording, scan: _Scan, why: str, deferred: list | None):
         """The rest of the setup; `deferred` (a list): the self-check forwards are not run but
         put there (name, the check), to be run as units of the scan (`_deferred`)."""
         if scan.logits is not None:
-            if not a["lean"]:  # a metric that cannot work fails before the scan (else at its first forward)
-                _scalar(a["metric"](scan.logits), "on the corrupted run")
+            if not a.lean:  # a metric that cannot work fails before the scan (else at its first forward)
+                _scalar(a.metric(scan.logits), "on the corrupted run")
             scan.vocab = scan.logits.shape[-1] if scan.logits.dim() >= 3 else 0
             scan.itemsize = scan.logits.element_size()
         scan.logits = None  # (B, T, vocab): 0.8 GB at 4,096 positions of SmolLM2; the checks read `final`
         with _deferred(scan, "self_check", deferred):
             if scan.stack is not None:
-                why = scan.decide_prefix(a["p0"], a["T"])
+                why = scan.decide_prefix(a.p0, a.T)
         with _deferred(scan, "shortcut_check", deferred):
-            scan.shortcut_reason = scan.decide_shortcut(a["budget_"])
-        B, T, p0 = a["B"], a["T"], a["p0"]
+            scan.shortcut_reason = scan.decide_shortcut(a.memory)
+        B, T, p0 = a.B, a.T, a.p0
         width = model_width(model, scan.layers[0].H * scan.layers[0].Dv)
         n_pos = (T - p0 if scan.cut else T) or _positions_of(rec)
         per_row = bytes_per_row(scan.vocab, scan.itemsize, scan.inner or [model], width, n_pos,
                                 len(scan.keep["logits_to_keep"]) if scan.keep else None)
-        auto, scan.budget = variants_per_forward(per_row, B, a["budget"], n_pos)
+        auto, scan.budget = variants_per_forward(per_row, B, a.budget, n_pos)
         scan.per_row = per_row
         order = _variant_order(scan.layers, what)
-        per_run = _even(len(order), auto) if a["per_run"] is None else a["per_run"]
+        per_run = _even(len(order), auto) if a.per_run is None else a.per_run
         chunks = _chunks(order, per_run, scan.last_stack)
-        return scan, a["pos"], p0, why, chunks
+        return scan, a.pos, p0, why, chunks
 
     def setup(deferred: list | None = None):
         a = prepare()
@@ -1147,7 +1168,7 @@ def patch_scan(model, clean, corrupted, metric: Callable[[Tensor], Tensor], what
     def shared_setup(deferred: list):
         """setup() with the clean run on rank 0 and the corrupted run on rank 1 at once
         (`_shared_runs`), or None when that could not be done (every rank then runs setup())."""
-        made = _shared_runs(ranks, model, what, prepare, clean_run, corrupted_run)
+        made = _shared_runs(ranks, model, prepare, clean_run, corrupted_run)
         if made is None:
             return None
         a, rec, scan, why = made
@@ -1232,7 +1253,7 @@ def _check_cost(scan: _Scan, name: str, head: float) -> float:
     return scan.cost([(scan.layers[0].index, 0)], head)
 
 
-def _shared_runs(ranks: Ranks, model, what: str, prepare, clean_run, corrupted_run):
+def _shared_runs(ranks: Ranks, model, prepare, clean_run, corrupted_run):
     """(a, rec, scan, why) of `patch_scan`'s setup with its two recording forwards on two ranks
     at once: rank 0 records the clean run, rank 1 makes the corrupted run against a stand-in
     of that recording (`_stand_in`: the clean run's layers and tensor shapes, from a one-row,
@@ -1246,7 +1267,7 @@ def _shared_runs(ranks: Ranks, model, what: str, prepare, clean_run, corrupted_r
         a = prepare()
         if ranks.rank == 0:
             mine = pack(clean_run(a), model)
-        elif ranks.rank == 1 and a["T"]:
+        elif ranks.rank == 1 and a.T:
             stand = _stand_in(model, a)
             scan, why = corrupted_run(a, stand)
             refs = _refs(a, stand)
@@ -1271,10 +1292,10 @@ def _shared_runs(ranks: Ranks, model, what: str, prepare, clean_run, corrupted_r
     return made if all(ranks.gather(ok)) else None
 
 
-def _refs(a: dict, rec: Recording) -> dict:
+def _refs(a: _Prepared, rec: Recording) -> dict:
     """What every rank holds in its own right, sent by name: the call's inputs and metric, and
     the clean recording (its stand-in on the sending rank, the clean one on arrival)."""
-    return {**{k: a[k] for k in ("clean", "corrupted", "metric")}, "rec": rec, "layers": rec.layers,
+    return {"clean": a.clean, "corrupted": a.corrupted, "metric": a.metric, "rec": rec, "layers": rec.layers,
             **{("layer", i): lay for i, lay in enumerate(rec.layers)}, **{("rec", k): t for k, t in rec.data.items()}}
 
 
@@ -1282,20 +1303,20 @@ def _layer_key(lay: Layer) -> tuple:
     return (lay.index, lay.module, lay.kind, lay.H, lay.Hkv, lay.D, lay.Dv)
 
 
-def _stand_in(model, a: dict) -> Recording:
+def _stand_in(model, a: _Prepared) -> Recording:
     """The clean recording as the corrupted run reads it before the clean run is made: its
     layers (from a forward of one row and one position) and, for every tensor it will hold, an
     empty one of its shape (B, T, ...) and dtype on the meta device (any arithmetic with it
     raises: the corrupted run may only hold it, or read its size)."""
-    inputs = a["clean"]
+    inputs = a.clean
     if isinstance(inputs, Tensor):
         tiny = inputs[:1, :1]
     else:
-        tiny = {k: (v[:1, :1] if isinstance(v, Tensor) and v.dim() >= 2 and v.shape[:2] == (a["B"], a["T"]) else v)
+        tiny = {k: (v[:1, :1] if isinstance(v, Tensor) and v.dim() >= 2 and v.shape[:2] == (a.B, a.T) else v)
                 for k, v in ((k, inputs[k]) for k in inputs.keys())}
-    small = record(model, tiny, what=a["whats"])
-    data = {k: torch.empty((a["B"], a["T"], *t.shape[2:]), dtype=t.dtype, device="meta") for k, t in small.data.items()}
-    return Recording(data, small.layers, None, None, a["B"])
+    small = record(model, tiny, what=a.whats)
+    data = {k: torch.empty((a.B, a.T, *t.shape[2:]), dtype=t.dtype, device="meta") for k, t in small.data.items()}
+    return Recording(data, small.layers, None, None, a.B)
 
 
 def _shortcut_too_big(short: _Shortcut, rec: Recording, budget: int) -> str:
