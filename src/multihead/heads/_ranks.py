@@ -170,13 +170,15 @@ def pack(obj, model: nn.Module, refs: dict | None = None) -> tuple[bytes, Tensor
     head = io.BytesIO()
     packer = _Packer(head, model, refs or {})
     packer.dump(obj)
+    devices = {device for _, device in packer.parts}
+    home = devices.pop() if len(devices) == 1 else torch.device("cpu")  # the body stays where the tensors are
     pieces, table, at = [], [], 0
     for storage, device in packer.parts:
         n = storage.nbytes()
-        pieces.append(torch.empty(0, dtype=torch.uint8, device=device).set_(storage).cpu())
+        pieces.append(torch.empty(0, dtype=torch.uint8, device=device).set_(storage).to(home))
         pad = -n % _ALIGN
         if pad:
-            pieces.append(torch.zeros(pad, dtype=torch.uint8))
+            pieces.append(torch.zeros(pad, dtype=torch.uint8, device=home))
         table.append((at, n, str(device)))
         at += n + pad
     body = torch.cat(pieces) if pieces else torch.zeros(0, dtype=torch.uint8)
@@ -185,12 +187,12 @@ def pack(obj, model: nn.Module, refs: dict | None = None) -> tuple[bytes, Tensor
 
 def unpack(packed: tuple[bytes, Tensor], model: nn.Module, refs: dict | None = None):
     """What `pack` packed, with the model's modules and parameters and `refs` this rank's own;
-    its tensors are views of the byte tensor (moved to their devices)."""
+    its tensors are views of the byte tensor (copies on their own device where it is elsewhere)."""
     head, body = packed
     obj, table = pickle.loads(head)
     storages = []
     for at, n, device in table:
-        if device == "cpu":
+        if torch.device(device) == body.device:
             storages.append((body.untyped_storage(), body.storage_offset() + at))
         else:
             storages.append((body[at:at + n].to(device).untyped_storage(), 0))
@@ -276,7 +278,7 @@ class Ranks:
             dist.broadcast(head, src=src, group=self.group)
             if n_body:
                 dist.broadcast(body, src=src, group=self.group)
-            out.append(packed if r == self.rank else (head.cpu().numpy().tobytes(), body.cpu()))
+            out.append(packed if r == self.rank else (head.cpu().numpy().tobytes(), body))
         return out
 
     def run(self, fn: Callable[[], object], signature: Callable[[object], object] = lambda result: ()):
