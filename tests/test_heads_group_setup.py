@@ -6,8 +6,9 @@ On 2 and 4 gloo ranks: every rank's table and `info` are the single-process ones
 the full-length clean recording and the corrupted run each ran on one rank only, and each
 self-check once in the whole world; a rank that fails in the shared phase makes every rank
 raise (a lasting failure) or every rank redo the setup (a passing one), within the world's
-bound; a deferred check that fails makes every rank redo the setup with its checks in line,
-and the table and `info` are still one process's. The packing itself is checked in one
+bound; a deferred check that fails, or a stand-in of the clean recording that is not its
+shape, makes every rank redo the setup itself, and the table and `info` are still one
+process's. The packing itself is checked in one
 process against the objects it packed.
 """
 
@@ -180,6 +181,33 @@ def _w_check_fails(rank: int, world: int) -> dict:
     return out
 
 
+def _w_stand_in_off(rank: int, world: int) -> dict:
+    """A stand-in whose shapes are not the clean run's (one position too many): every rank
+    must see it and run the whole setup itself; the table is still one process's."""
+    from multihead import heads
+    from multihead.heads import scan
+    from multihead.heads._record import Recording
+
+    group = dist.group.WORLD
+    models, clean, corrupted = _models()
+    real = scan._stand_in
+
+    def off(model, a):
+        good = real(model, a)
+        data = {k: torch.empty((t.shape[0], t.shape[1] + 1, *t.shape[2:]), dtype=t.dtype, device="meta")
+                for k, t in good.data.items()}
+        return Recording(data, good.layers, None, None, good.batch)
+    single = heads.patch_scan(models["gpt2"], clean, corrupted["middle"], _metric)
+    calls = _Calls()
+    scan._stand_in = off
+    try:
+        shared = heads.patch_scan(models["gpt2"], clean, corrupted["middle"], _metric, group=group)
+    finally:
+        scan._stand_in = real
+        calls.restore()
+    return {"equal": _same(single, shared), "counts": calls.take()}
+
+
 # ------------------------------------------------------------------------- tests
 
 
@@ -261,3 +289,12 @@ def test_pack_rebuilds_against_the_receivers_model_and_refs():
     assert got["empty"].shape == (0, 3) and torch.equal(got["ints"], state["ints"])
     with pytest.raises(TypeError, match="cannot send a Tensor on meta"):
         pack({"t": torch.empty(2, device="meta")}, model)
+
+
+@pytest.mark.distributed
+def test_a_stand_in_of_the_wrong_shape_makes_every_rank_run_the_setup():
+    for rank, got in enumerate(run_world(_w_stand_in_off, 2)):
+        assert got["equal"], f"rank {rank}: the table differs from one process's"
+        # rank 0's clean run of the shared phase, then every rank's own setup
+        assert got["counts"].get("record") == (2 if rank == 0 else 1), (rank, got["counts"])
+        assert got["counts"].get("run_corrupted") == (2 if rank == 1 else 1), (rank, got["counts"])
