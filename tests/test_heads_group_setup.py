@@ -25,6 +25,8 @@ import dist_helpers
 WORLD_TIMEOUT = 120.0
 PG_TIMEOUT = 30
 CASES = [(m, c, w) for m in ("gpt2", "llama") for c in ("middle", "first") for w in ("z", "k", "v")]
+# the self-check forwards patch_scan may defer (those the scan has: the last block's where it trims it)
+CHECKS = ("self_check", "shortcut_check", "last_block_check")
 
 
 def run_world(fn, world: int, timeout: float = WORLD_TIMEOUT) -> list:
@@ -63,14 +65,15 @@ def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
 
 class _Calls:
     """Counts, in this process, the full-length clean recordings, the corrupted runs and the
-    self-check forwards of patch_scan (the stand-in's one-position recording is not counted)."""
+    self-check forwards (CHECKS) of patch_scan (the stand-in's one-position recording is not
+    counted)."""
 
     def __init__(self):
         from multihead.heads import scan
 
         self.scan, self.counts = scan, {}
-        self.saved = {"record": scan.record, "run_corrupted": scan._Scan.run_corrupted,
-                      "self_check": scan._Scan.self_check, "shortcut_check": scan._Scan.shortcut_check}
+        self.methods = [n for n in ("run_corrupted", *CHECKS) if hasattr(scan._Scan, n)]
+        self.saved = {"record": scan.record, **{n: getattr(scan._Scan, n) for n in self.methods}}
 
         def record(model, inputs, *a, **kw):
             ids = inputs if isinstance(inputs, torch.Tensor) else inputs["input_ids"]
@@ -78,7 +81,7 @@ class _Calls:
                 self.counts["record"] = self.counts.get("record", 0) + 1
             return self.saved["record"](model, inputs, *a, **kw)
         scan.record = record
-        for name in ("run_corrupted", "self_check", "shortcut_check"):
+        for name in self.methods:
             setattr(scan._Scan, name, self._counted(name))
 
     def _counted(self, name):
@@ -95,7 +98,7 @@ class _Calls:
 
     def restore(self):
         self.scan.record = self.saved["record"]
-        for name in ("run_corrupted", "self_check", "shortcut_check"):
+        for name in self.methods:
             setattr(self.scan._Scan, name, self.saved[name])
 
 
@@ -120,6 +123,18 @@ def _w_shared(rank: int, world: int) -> dict:
                                       group=group)
             out[name] = {"equal": _same(single, shared), "info": (info_one, info_all), "one": one,
                          "shared": calls.take()}
+    # a metric of one position a row (a lambda: it never travels, each rank holds its own):
+    # the rows rolled to end where it reads (`aligned`), the recordings' logits trimmed
+    from multihead.heads.metrics import AtPositions
+
+    at = AtPositions(lambda logits: (logits[:, 3] - logits[:, 4]).mean(), [5, 6])
+    for mname in models:
+        name = f"{mname} middle z AtPositions"
+        info_one, info_all = {}, {}
+        single = heads.patch_scan(models[mname], clean, corrupted["middle"], at, info=info_one)
+        one = calls.take()
+        shared = heads.patch_scan(models[mname], clean, corrupted["middle"], at, info=info_all, group=group)
+        out[name] = {"equal": _same(single, shared), "info": (info_one, info_all), "one": one, "shared": calls.take()}
     calls.restore()
     return out
 
@@ -226,8 +241,9 @@ def test_the_setup_is_shared_and_the_tables_are_one_process(world):
         # the full-length clean recording on rank 0 only, the corrupted run on rank 1 only
         assert [s.get("record", 0) for s in shared] == [1] + [0] * (world - 1), (name, shared)
         assert [s.get("run_corrupted", 0) for s in shared] == [0, 1] + [0] * (world - 2), (name, shared)
-        for check in ("self_check", "shortcut_check"):  # each check once in the world, as in one process
+        for check in CHECKS:  # each check once in the world, as in one process
             assert sum(s.get(check, 0) for s in shared) == one.get(check, 0), (name, check, one, shared)
+    assert all(results[0][f"{m} middle z AtPositions"]["info"][0]["aligned"] for m in ("gpt2", "llama")), results[0]
     ran = {name: results[0][name]["one"] for name in results[0]}
     assert any(r.get("self_check") for r in ran.values()) and any(r.get("shortcut_check") for r in ran.values())
 

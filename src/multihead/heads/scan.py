@@ -1144,7 +1144,8 @@ def patch_scan(model, clean, corrupted, metric: Callable[[Tensor], Tensor], what
         with _deferred(scan, "self_check", deferred):
             if scan.stack is not None:
                 why = scan.decide_prefix(a.p0, a.T)
-        with _deferred(scan, "shortcut_check", deferred):
+        # the shortcut's check, and the last block's trim check where the scan makes one
+        with _deferred(scan, "shortcut_check", deferred), _deferred(scan, "last_block_check", deferred):
             scan.shortcut_reason = scan.decide_shortcut(a.memory)
         B, T, p0 = a.B, a.T, a.p0
         width = model_width(model, scan.layers[0].H * scan.layers[0].Dv)
@@ -1247,9 +1248,12 @@ def _deferred(scan: _Scan, name: str, into: list | None):
 
 def _check_cost(scan: _Scan, name: str, head: float) -> float:
     """A deferred check's forward in `_Scan.cost`'s units: the self-check runs every block (one
-    variant at the first layer's cost), the shortcut's check two variants at its last layers."""
+    variant at the first layer's cost), the shortcut's check two variants at its last layers,
+    the last block's check that block alone."""
     if name == "shortcut_check" and scan.shortcut.layers:
         return scan.cost([(i, 0) for i in sorted(scan.shortcut.layers)[-2:]], head)
+    if name == "last_block_check":  # one variant's last block and head
+        return scan.cost([(scan.layers[-1].index, 0)], head)
     return scan.cost([(scan.layers[0].index, 0)], head)
 
 
