@@ -15,11 +15,14 @@ the same way on every rank, rank 0 times the single-process scan while the other
 in a barrier (their CPU time during it is reported: ~0 means they left both cores to it),
 then every rank runs the scan with the group and rank 0 times it from a barrier to its
 return (every rank returns after the same final collective). Reported: medians of the
-times and of the per-round ratios, and whether the tables are bitwise equal. The one-time
-work every rank repeats (the clean recording, the corrupted run, the prefix decision) is
-not shared, so the speed-up is below P. Also reported: the single process's CPU seconds
-over the busiest rank's, the speed-up the split of the work allows when each rank has a
-core of its own (on a loaded machine the wall-clock ratio says more about the other load).
+times and of the per-round ratios, and whether the tables are bitwise equal. patch_scan
+shares its setup (rank 0 records the clean run while rank 1 makes the corrupted run; each
+self-check forward runs on one rank); what every rank still repeats is the argument checks,
+the decisions on what the runs made, and for an `AtPositions` metric (SmolLM2's IOI)
+`aligned`'s two check forwards, so the speed-up stays below P. Also reported: the single
+process's CPU seconds over the busiest rank's, the speed-up the split of the work allows
+when each rank has a core of its own (on a loaded machine the wall-clock ratio says more
+about the other load), and the load average at the start and end of every case.
 
 Writes a Markdown table to stdout and JSON to benchmarks/results/heads_distributed.json
 (or --json).
@@ -109,6 +112,7 @@ def worker(rank: int, world: int, port: int, args, results) -> None:
     report = []
     try:
         for label, scan in cases(args):
+            load_start = list(os.getloadavg())
             single = scan(None) if rank == 0 else None  # warm-up, and the tables
             dist.barrier()
             shared = scan(group)
@@ -141,6 +145,7 @@ def worker(rank: int, world: int, port: int, args, results) -> None:
             single_cpu = cpu_times["one process"]
             if rank == 0:
                 report.append({"case": label, "equal_bitwise": _same(single, shared),
+                               "loadavg_start": load_start, "loadavg_end": list(os.getloadavg()),
                                "results": [{"variant": k, "times_s": v, "median_s": statistics.median(v)}
                                            for k, v in times.items()],
                                "ratios": ratios, "speedup_median": statistics.median(ratios),
@@ -149,7 +154,8 @@ def worker(rank: int, world: int, port: int, args, results) -> None:
                                "cpu_speedup_median": statistics.median(a / b for a, b in zip(single_cpu, busiest))})
                 print(f"  {label}: {statistics.median(times['one process']):.2f} s / "
                       f"{statistics.median(times[f'{world} ranks']):.2f} s = {statistics.median(ratios):.2f}x; "
-                      f"CPU s one process / busiest rank = {report[-1]['cpu_speedup_median']:.2f}x", flush=True)
+                      f"CPU s one process / busiest rank = {report[-1]['cpu_speedup_median']:.2f}x; load "
+                      f"{load_start[0]:.1f} -> {report[-1]['loadavg_end'][0]:.1f}", flush=True)
         if rank == 0:
             results.put(report)
     finally:

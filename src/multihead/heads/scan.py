@@ -60,14 +60,15 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from contextlib import nullcontext
+from contextlib import contextmanager, nullcontext
+from dataclasses import dataclass
 
 import torch
 from torch import Tensor, nn
 
 from multihead.heads._align import aligned
 from multihead.heads._interventions import check_positions
-from multihead.heads._ranks import Ranks, check_group, fingerprint
+from multihead.heads._ranks import Ranks, check_group, fingerprint, pack, unpack
 from multihead.heads._record import Recording, check_what, out_projection, record
 from multihead.heads._top import LastBlock, last_block
 from multihead.heads.engine import (
@@ -1097,6 +1098,27 @@ def head_cost(model: nn.Module, blocks: list[nn.Module]) -> float:
     return float(weight.numel()) / per_block if isinstance(weight, Tensor) and per_block else 0.0
 
 
+@dataclass(frozen=True)
+class _Prepared:
+    """patch_scan's checked arguments and the inputs it runs (`aligned`'s), before any forward
+    of its own: what each of its setup steps reads."""
+
+    pos: list[int] | None
+    B: int
+    per_run: int | None  # variants_per_run as given
+    budget: int | None  # max_memory as given (None: automatic)
+    memory: int  # the bytes a forward may take (the budget, or MEMORY_PER_RUN)
+    clean: object
+    corrupted: object
+    metric: Callable
+    align_why: str
+    p0: int  # the positions clean and corrupted share at the start
+    T: int
+    why: str  # why the prefix skip is declined before any forward ("" when it may be tried)
+    lean: dict  # keywords of the recording runs ({"logits_to_keep": 1} or {})
+    whats: tuple  # what the clean recording keeps
+
+
 def patch_scan(model, clean, corrupted, metric: Callable[[Tensor], Tensor], what: str = "z", positions=None, *,
                variants_per_run: int | None = None, max_memory: int | None = None, progress=None,
                info: dict | None = None, group=None) -> Tensor:
@@ -1140,7 +1162,11 @@ def patch_scan(model, clean, corrupted, metric: Callable[[Tensor], Tensor], what
         group: None (one process), or a torch.distributed process group whose every rank
             makes this call with the same model, inputs and options: each rank runs a share
             of the forwards (whole chunks of variants, the same as in one process) and every
-            rank returns the whole table, bitwise the one process's. An error on any rank
+            rank returns the whole table, bitwise the one process's. The setup is shared too:
+            rank 0 records the clean run while rank 1 makes the corrupted run (then each sends
+            the other ranks what it made), and each self-check forward runs on one rank while
+            the others start on the variants (not for what="pattern", whose corrupted run
+            reads the clean pattern: every rank makes both runs there). An error on any rank
             raises on every rank (`multihead.heads._ranks`).
 
     Returns `(layers, heads)` float32 (NaN where a layer has fewer heads than the widest).
@@ -1150,7 +1176,8 @@ def patch_scan(model, clean, corrupted, metric: Callable[[Tensor], Tensor], what
     check_group(group)
     ranks = Ranks(group, "patch_scan")
 
-    def setup():
+    def prepare() -> _Prepared:
+        """Every check of the arguments and the inputs the scan runs (rolled by `aligned`)."""
         pos, B, per_run = _check_scan(model, clean, corrupted, metric, what, positions, variants_per_run)
         budget = check_memory(max_memory)
         check_progress(progress)
@@ -1160,52 +1187,87 @@ def patch_scan(model, clean, corrupted, metric: Callable[[Tensor], Tensor], what
         p0, T, why = _static_refusal(model, clean_, corrupted_, what)
         if pos is not None and T and any(not -T <= q < T for q in pos):
             raise ValueError(f"positions must lie in [-{T}, {T}) for inputs of {T} positions; received {positions!r}")
-        lean = _lean(model, clean_, MEMORY_PER_RUN if budget is None else budget)
-        rec = record(model, _with(clean_, lean), what=(what, "z") if not why and what != "z" else (what,))
+        memory = MEMORY_PER_RUN if budget is None else budget
+        return _Prepared(pos, B, per_run, budget, memory, clean_, corrupted_, metric_, align_why, p0, T, why,
+                         _lean(model, clean_, memory), (what, "z") if not why and what != "z" else (what,))
+
+    def clean_run(a: _Prepared) -> Recording:
+        rec = record(model, _with(a.clean, a.lean), what=a.whats)
         rec.logits = None  # the scan's own recording: its logits (B, T, vocab) are not read
-        _check_positions_fit(pos, positions, rec, what)
+        return rec
+
+    def check_rec(a: _Prepared, rec: Recording) -> None:
+        _check_positions_fit(a.pos, positions, rec, what)
         if what == "latent" and not any(lay.kind == "latent" for lay in rec.layers):
             raise ValueError("what='latent' patches MLA latents (multihead LatentAttention, or a DeepSeek model after "
                              "multihead.interop.hf.use_latent_attention); this model has none")
-        scan = _Scan(model, corrupted_, rec, what, B)
-        scan.lean, scan.metric, scan.aligned = lean, metric_, (clean_ is not clean, align_why)
-        scan.T, scan.keep = T, keep_positions(model, metric_, T, B)
-        scan.shortcut.early = _shortcut_too_big(scan.shortcut, rec, MEMORY_PER_RUN if budget is None else budget)
+
+    def corrupted_run(a: _Prepared, rec: Recording) -> tuple[_Scan, str]:
+        scan = _Scan(model, a.corrupted, rec, what, a.B)
+        scan.lean, scan.metric, scan.aligned = a.lean, a.metric, (a.clean is not clean, a.align_why)
+        scan.T, scan.keep = a.T, keep_positions(model, a.metric, a.T, a.B)
+        scan.shortcut.early = _shortcut_too_big(scan.shortcut, rec, a.memory)
+        why = a.why
         if not why:
             scan.stack, why = _causal_stack(model, scan.layers, scan.blocks, scan.parents)
-        scan.run_corrupted(p0 if scan.stack is not None else 0)
+        scan.run_corrupted(a.p0 if scan.stack is not None else 0)
+        return scan, why
+
+    def decide(a: _Prepared, rec: Recording, scan: _Scan, why: str, deferred: list | None):
+        """The rest of the setup; `deferred` (a list): the self-check forwards are not run but
+        put there (name, the check), to be run as units of the scan (`_deferred`)."""
         if scan.logits is not None:
-            if not lean:  # a metric that cannot work fails before the scan (else at its first forward)
-                _scalar(metric_(scan.logits), "on the corrupted run")
+            if not a.lean:  # a metric that cannot work fails before the scan (else at its first forward)
+                _scalar(a.metric(scan.logits), "on the corrupted run")
             scan.vocab = scan.logits.shape[-1] if scan.logits.dim() >= 3 else 0
             scan.itemsize = scan.logits.element_size()
         scan.logits = None  # (B, T, vocab): 0.8 GB at 4,096 positions of SmolLM2; the checks read `final`
-        if scan.stack is not None:
-            why = scan.decide_prefix(p0, T)
-        scan.shortcut_reason = scan.decide_shortcut(MEMORY_PER_RUN if budget is None else budget)
+        with _deferred(scan, "self_check", deferred):
+            if scan.stack is not None:
+                why = scan.decide_prefix(a.p0, a.T)
+        # the shortcut's check, and the last block's trim check where the scan makes one
+        with _deferred(scan, "shortcut_check", deferred), _deferred(scan, "last_block_check", deferred):
+            scan.shortcut_reason = scan.decide_shortcut(a.memory)
+        B, T, p0 = a.B, a.T, a.p0
         width = model_width(model, scan.layers[0].H * scan.layers[0].Dv)
         n_pos = (T - p0 if scan.cut else T) or _positions_of(rec)
         per_row = bytes_per_row(scan.vocab, scan.itemsize, scan.inner or [model], width, n_pos,
                                 len(scan.keep["logits_to_keep"]) if scan.keep else None)
-        auto, scan.budget = variants_per_forward(per_row, B, budget, n_pos)
+        auto, scan.budget = variants_per_forward(per_row, B, a.budget, n_pos)
         scan.per_row = per_row
         order = _variant_order(scan.layers, what)
-        per_run = _even(len(order), auto) if per_run is None else per_run
+        per_run = _even(len(order), auto) if a.per_run is None else a.per_run
         chunks = _chunks(order, per_run, scan.last_stack)
-        return scan, pos, p0, why, chunks
+        return scan, a.pos, p0, why, chunks
+
+    def setup(deferred: list | None = None):
+        a = prepare()
+        rec = clean_run(a)
+        check_rec(a, rec)
+        scan, why = corrupted_run(a, rec)
+        return decide(a, rec, scan, why, deferred)
+
+    def shared_setup(deferred: list):
+        """setup() with the clean run on rank 0 and the corrupted run on rank 1 at once
+        (`_shared_runs`), or None when that could not be done (every rank then runs setup())."""
+        made = _shared_runs(ranks, model, prepare, clean_run, corrupted_run)
+        if made is None:
+            return None
+        a, rec, scan, why = made
+        check_rec(a, rec)
+        return decide(a, rec, scan, why, deferred)
 
     def agreed(done):  # what every rank must share for the tables to be one table
         scan, pos, p0, why, chunks = done
         return (fingerprint(model, clean, corrupted), what, pos, p0, scan.cut, chunks)
 
-    scan, pos, p0, why, chunks = ranks.run(setup, agreed)
-    if info is not None:
-        info.update(prefix=p0, skipped=scan.cut is not None, reason=why)
-        if isinstance(metric, AtPositions):
-            info.update(aligned=scan.aligned[0], aligned_reason=scan.aligned[1], last_block=scan.top is not None,
-                        last_block_reason=scan.top_reason)
-    n_heads = [_n_heads(lay, what) for lay in scan.layers]
-    out = torch.full((len(scan.layers), max(n_heads)), math.nan)
+    deferred: list | None = [] if ranks.size > 1 else None
+    done = None
+    if deferred is not None and what != "pattern":
+        done = ranks.run(lambda: shared_setup(deferred), lambda d: () if d is None else agreed(d))
+    if done is None:
+        done = ranks.run(lambda: setup(deferred), agreed)
+    scan, pos, p0, why, chunks = done
     head = head_cost(model, scan.inner)
     costs = [scan.cost(chunk, head) for chunk in chunks]
     shown = Progress(progress, sum(len(c) for c in chunks), costs, "patch_scan")
@@ -1214,18 +1276,133 @@ def patch_scan(model, clean, corrupted, metric: Callable[[Tensor], Tensor], what
         shown.note(f"patch_scan: {per_run} variant(s) of {scan.B} row(s) per forward, about "
                    f"{per_run * scan.B * scan.per_row / 2**20:,.0f} MiB each (budget {scan.budget / 2**20:,.0f} MiB)")
 
-    def one(chunk, cost):
-        values = scan.run_chunk(chunk, pos, scan.metric)
-        shown.step(len(chunk), cost)
+    def one(unit, cost):
+        if not isinstance(unit, list):  # a deferred check: (name, check) -> why it failed, or ""
+            return unit[1]()
+        values = scan.run_chunk(unit, pos, scan.metric)
+        shown.step(len(unit), cost)
         return values
     try:
-        results = ranks.map(lambda ic: one(*ic), list(zip(chunks, costs)), costs)
+        checks = [(c, _check_cost(scan, c[0], head)) for c in deferred or ()]
+        units = [*checks, *zip(chunks, costs)]
+        results = ranks.map(lambda uc: one(*uc), units, [c for _, c in units])
+        if any(results[:len(checks)]):
+            # a check the other ranks took as passed failed: the whole setup again, its checks in line
+            scan, pos, p0, why, chunks = ranks.run(setup, agreed)
+            results = ranks.map(lambda c: scan.run_chunk(c, pos, scan.metric), chunks,
+                                [scan.cost(c, head) for c in chunks])
+        else:
+            results = results[len(checks):]
     finally:
         shown.close()
+    if info is not None:
+        info.update(prefix=p0, skipped=scan.cut is not None, reason=why)
+        if isinstance(metric, AtPositions):
+            info.update(aligned=scan.aligned[0], aligned_reason=scan.aligned[1], last_block=scan.top is not None,
+                        last_block_reason=scan.top_reason)
+    n_heads = [_n_heads(lay, what) for lay in scan.layers]
+    out = torch.full((len(scan.layers), max(n_heads)), math.nan)
     for values in results:
         for (layer, h), value in values:
             out[layer, h] = value
     return out
+
+
+@contextmanager
+def _deferred(scan: _Scan, name: str, into: list | None):
+    """Within: `scan.<name>()` (a self-check forward) passes without running; the real check is
+    appended to `into` as (name, check) to run later, on one rank of the group, while the others
+    run variants. A check that then fails makes every rank redo the setup with it in line, so
+    the table is one process's either way. `into` None (one process): nothing deferred."""
+    real = getattr(scan, name, None) if into is not None else None
+    if real is None:
+        yield
+        return
+    ran: list = []
+    setattr(scan, name, lambda: ran.append(True) or "")
+    try:
+        yield
+    finally:
+        delattr(scan, name)  # the class's method again
+    if ran:
+        into.append((name, real))
+
+
+def _check_cost(scan: _Scan, name: str, head: float) -> float:
+    """A deferred check's forward in `_Scan.cost`'s units: the self-check runs every block (one
+    variant at the first layer's cost), the shortcut's check two variants at its last layers,
+    the last block's check that block alone."""
+    if name == "shortcut_check" and scan.shortcut.layers:
+        return scan.cost([(i, 0) for i in sorted(scan.shortcut.layers)[-2:]], head)
+    if name == "last_block_check":  # one variant's last block and head
+        return scan.cost([(scan.layers[-1].index, 0)], head)
+    return scan.cost([(scan.layers[0].index, 0)], head)
+
+
+def _shared_runs(ranks: Ranks, model, prepare, clean_run, corrupted_run):
+    """(a, rec, scan, why) of `patch_scan`'s setup with its two recording forwards on two ranks
+    at once: rank 0 records the clean run, rank 1 makes the corrupted run against a stand-in
+    of that recording (`_stand_in`: the clean run's layers and tensor shapes, from a one-row,
+    one-position forward), then each sends what it made (`_ranks.pack`) and every rank rebuilds
+    the same state from those bytes, with the stand-in's tensors replaced by the clean ones.
+    None (every rank then runs the setup itself) when a rank failed, the stand-in was not
+    the clean run's shape, or what the corrupted run made does not travel: an error is then
+    raised by that setup, in its own words, on every rank."""
+    a = mine = None
+    try:
+        a = prepare()
+        if ranks.rank == 0:
+            mine = pack(clean_run(a), model)
+        elif ranks.rank == 1 and a.T:
+            stand = _stand_in(model, a)
+            scan, why = corrupted_run(a, stand)
+            refs = _refs(a, stand)
+            shapes = [(k, tuple(t.shape), t.dtype) for k, t in stand.data.items()]
+            mine = pack((vars(scan), why, shapes, [_layer_key(lay) for lay in stand.layers]), model, refs)
+    except Exception:  # the setup on every rank raises it (or passes: then this was only the stand-in)
+        mine = None
+    parts = ranks.share(mine)
+    made, ok = None, a is not None and parts[0] is not None and parts[1] is not None
+    if ok:
+        try:
+            rec = unpack(parts[0], model)
+            state, why, shapes, layers = unpack(parts[1], model, _refs(a, rec))
+            ok = layers == [_layer_key(lay) for lay in rec.layers] and all(
+                k in rec and tuple(rec[k].shape) == s and rec[k].dtype == d for k, s, d in shapes)
+            if ok:
+                scan = _Scan.__new__(_Scan)
+                scan.__dict__.update(state)
+                made = (a, rec, scan, why)
+        except Exception:  # a key or module name the receiver lacks: it runs the setup itself
+            ok = False
+    return made if all(ranks.gather(ok)) else None
+
+
+def _refs(a: _Prepared, rec: Recording) -> dict:
+    """What every rank holds in its own right, sent by name: the call's inputs and metric, and
+    the clean recording (its stand-in on the sending rank, the clean one on arrival)."""
+    return {"clean": a.clean, "corrupted": a.corrupted, "metric": a.metric, "rec": rec, "layers": rec.layers,
+            **{("layer", i): lay for i, lay in enumerate(rec.layers)}, **{("rec", k): t for k, t in rec.data.items()}}
+
+
+def _layer_key(lay: Layer) -> tuple:
+    return (lay.index, lay.module, lay.kind, lay.H, lay.Hkv, lay.D, lay.Dv)
+
+
+def _stand_in(model, a: _Prepared) -> Recording:
+    """The clean recording as the corrupted run reads it before the clean run is made: its
+    layers (from a forward of one row and one position) and, for every tensor it will hold, an
+    empty one of its shape (B, T, ...) and dtype on the meta device (any arithmetic with it
+    raises: the corrupted run may only hold it, or read its size)."""
+    inputs = a.clean
+    if isinstance(inputs, Tensor):
+        tiny = inputs[:1, :1]
+    else:
+        tiny = {k: (v[:1, :1] if isinstance(v, Tensor) and v.dim() >= 2 and v.shape[:2] == (a.B, a.T) else v)
+                for k, v in ((k, inputs[k]) for k in inputs.keys())}
+    small = record(model, tiny, what=a.whats)
+    data = {k: torch.empty((a.B, a.T, *t.shape[2:]), dtype=t.dtype, device="meta") for k, t in small.data.items()}
+    return Recording(data, small.layers, None, None, a.B)
 
 
 def _shortcut_too_big(short: _Shortcut, rec: Recording, budget: int) -> str:
