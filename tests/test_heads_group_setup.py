@@ -196,6 +196,52 @@ def _w_check_fails(rank: int, world: int) -> dict:
     return out
 
 
+def _w_align_check(rank: int, world: int) -> dict:
+    """The rolled rows' check (two forwards of the corrupted rows): run once in the world while
+    the other ranks begin their share; when it fails, every rank redoes the setup with the rows
+    as given, and the table and info are one process's."""
+    from multihead import heads
+    from multihead.heads import _align
+    from multihead.heads.metrics import AtPositions
+
+    group = dist.group.WORLD
+    models, clean, corrupted = _models()
+    at = AtPositions(lambda logits: (logits[:, 3] - logits[:, 4]).mean(), [5, 6])
+    real, ran = _align._same_logits, []
+    out = {}
+    for failing in (False, True):
+        def check(*args, failing=failing):
+            ran.append(1)
+            return "failed on purpose" if failing else real(*args)
+        _align._same_logits = check
+        try:
+            info_one, info_all = {}, {}
+            single = heads.patch_scan(models["llama"], clean, corrupted["middle"], at, info=info_one)
+            one, ran[:] = len(ran), []
+            shared = heads.patch_scan(models["llama"], clean, corrupted["middle"], at, info=info_all, group=group)
+            out[failing] = (_same(single, shared), info_one, info_all, one, len(ran))
+            ran[:] = []
+        finally:
+            _align._same_logits = real
+    return out
+
+
+@pytest.mark.distributed
+def test_the_rolled_rows_check_runs_once_in_the_world_and_a_failure_gives_the_single_process_table():
+    got = run_world(_w_align_check, 2)
+    for failing in (False, True):
+        for rank in range(2):
+            equal, info_one, info_all, one, _ = got[rank][failing]
+            assert equal, f"rank {rank}, check failing={failing}: the table differs from one process's"
+            assert info_one == info_all, (rank, failing, info_one, info_all)
+            assert one == 1
+        assert got[0][failing][1]["aligned"] is (not failing), got[0][failing][1]
+    assert got[0][True][1]["aligned_reason"] == "failed on purpose"
+    assert sum(got[rank][False][4] for rank in range(2)) == 1  # once in the world, on one rank
+    # failing: once deferred, then once more on every rank when the setup is redone in line
+    assert sum(got[rank][True][4] for rank in range(2)) == 1 + 2
+
+
 def _w_stand_in_off(rank: int, world: int) -> dict:
     """A stand-in whose shapes are not the clean run's (one position too many): every rank
     must see it and run the whole setup itself; the table is still one process's."""

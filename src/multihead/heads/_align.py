@@ -19,6 +19,8 @@ would move by a different amount in each row).
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 from torch import Tensor
 
@@ -39,31 +41,42 @@ def _roll_rows(x: Tensor, shift: Tensor) -> Tensor:
 def aligned(model, clean, corrupted, metric, positions) -> tuple[object, object, object, str]:
     """(clean, corrupted, metric, "") rolled so that each row's read position is the last, or
     the inputs as given and why not ("" when there is nothing to gain)."""
+    *made, check = unchecked(model, clean, corrupted, metric, positions)
+    why = check() if check is not None else ""
+    return (*made,) if not why else (clean, corrupted, metric, why)
+
+
+def unchecked(model, clean, corrupted, metric, positions) -> tuple[object, object, object, str, Callable | None]:
+    """`aligned` without its check: (clean, corrupted, metric, why, check), check None or, where
+    rows were rolled, the check to run before the rolled rows' results are used: `check()` is
+    "" when they hold, else why not (then the inputs as given are to be used with that reason).
+    Two forwards of the corrupted rows: a scan across processes runs it on one rank while the
+    others begin their share."""
     if not _ALIGN:
-        return clean, corrupted, metric, "turned off"
+        return clean, corrupted, metric, "turned off", None
     if not isinstance(metric, AtPositions) or positions is not None:
-        return clean, corrupted, metric, "" if not isinstance(metric, AtPositions) else "positions= given"
+        return clean, corrupted, metric, "" if not isinstance(metric, AtPositions) else "positions= given", None
     if not (is_hf(model) and forward_takes(model, "logits_to_keep", *_KNOWN)):
         return clean, corrupted, metric, "the model's forward does not take logits_to_keep, attention_mask and " \
-            "position_ids"
+            "position_ids", None
     given = clean, corrupted, metric  # what goes back unchanged (a tensor stays one: `aligned` is False then)
     if isinstance(clean, Tensor):
         clean, corrupted = {"input_ids": clean}, {"input_ids": corrupted}
     if not (hasattr(clean, "keys") and set(clean.keys()) <= set(_KNOWN) and "input_ids" in clean.keys()):
-        return (*given, "inputs other than input_ids, attention_mask and position_ids")
+        return (*given, "inputs other than input_ids, attention_mask and position_ids", None)
     ids = clean["input_ids"]
     if not isinstance(ids, Tensor) or ids.dim() != 2 or any(
             not isinstance(x[k], Tensor) or x[k].shape != ids.shape for x in (clean, corrupted) for k in x.keys()):
-        return (*given, "inputs that are not (B, T) tensors of one shape")
+        return (*given, "inputs that are not (B, T) tensors of one shape", None)
     B, T = ids.shape
     if len(metric.positions) != B:
-        return (*given, "")  # the scan refuses it in its own words
+        return (*given, "", None)  # the scan refuses it in its own words
     read = metric.absolute(T)
     shift = T - 1 - read
     differ = (clean["input_ids"] != corrupted["input_ids"]).to("cpu")
     first = torch.where(differ.any(1), differ.int().argmax(1), torch.full((B,), T))
     if not bool((shift > 0).any()) or int((first + shift).min()) <= int(first.min()):
-        return (*given, "")  # the shared prefix would not grow
+        return (*given, "", None)  # the shared prefix would not grow
     device = ids.device
     out = []
     for x in (clean, corrupted):
@@ -77,8 +90,8 @@ def aligned(model, clean, corrupted, metric, positions) -> tuple[object, object,
     for k in out[1]:
         out[1][k] = torch.where(tail.to(device), out[0][k], out[1][k])
     last = AtPositions(metric.fn, torch.full((B,), T - 1), metric.name)
-    why = _same_logits(model, corrupted, out[1], read, B, T)
-    return (out[0], out[1], last, "") if not why else (*given, why)
+    given_corrupted, rolled = corrupted, out[1]
+    return out[0], out[1], last, "", lambda: _same_logits(model, given_corrupted, rolled, read, B, T)
 
 
 def _same_logits(model, given, rolled, read: Tensor, B: int, T: int) -> str:

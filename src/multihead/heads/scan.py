@@ -66,7 +66,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor, nn
 
-from multihead.heads._align import aligned
+from multihead.heads._align import aligned, unchecked
 from multihead.heads._interventions import check_positions
 from multihead.heads._ranks import Ranks, check_group, fingerprint, pack, unpack
 from multihead.heads._record import Recording, check_what, out_projection, record
@@ -1117,6 +1117,7 @@ class _Prepared:
     why: str  # why the prefix skip is declined before any forward ("" when it may be tried)
     lean: dict  # keywords of the recording runs ({"logits_to_keep": 1} or {})
     whats: tuple  # what the clean recording keeps
+    align_check: Callable | None = None  # `_align.unchecked`'s check, not yet run (None: none, or run)
 
 
 def patch_scan(model, clean, corrupted, metric: Callable[[Tensor], Tensor], what: str = "z", positions=None, *,
@@ -1176,20 +1177,25 @@ def patch_scan(model, clean, corrupted, metric: Callable[[Tensor], Tensor], what
     check_group(group)
     ranks = Ranks(group, "patch_scan")
 
-    def prepare() -> _Prepared:
-        """Every check of the arguments and the inputs the scan runs (rolled by `aligned`)."""
+    def prepare(defer: bool = False) -> _Prepared:
+        """Every check of the arguments and the inputs the scan runs (rolled by `aligned`); with
+        `defer`, the rolled rows' check is not run but kept (`_Prepared.align_check`)."""
         pos, B, per_run = _check_scan(model, clean, corrupted, metric, what, positions, variants_per_run)
         budget = check_memory(max_memory)
         check_progress(progress)
         if info is not None and not isinstance(info, dict):
             raise TypeError(f"info must be None or a dict to fill; received {type(info).__name__}")
-        clean_, corrupted_, metric_, align_why = aligned(model, clean, corrupted, metric, pos)
+        if defer:
+            clean_, corrupted_, metric_, align_why, align_check = unchecked(model, clean, corrupted, metric, pos)
+        else:
+            (clean_, corrupted_, metric_, align_why), align_check = aligned(model, clean, corrupted, metric, pos), None
         p0, T, why = _static_refusal(model, clean_, corrupted_, what)
         if pos is not None and T and any(not -T <= q < T for q in pos):
             raise ValueError(f"positions must lie in [-{T}, {T}) for inputs of {T} positions; received {positions!r}")
         memory = MEMORY_PER_RUN if budget is None else budget
         return _Prepared(pos, B, per_run, budget, memory, clean_, corrupted_, metric_, align_why, p0, T, why,
-                         _lean(model, clean_, memory), (what, "z") if not why and what != "z" else (what,))
+                         _lean(model, clean_, memory), (what, "z") if not why and what != "z" else (what,),
+                         align_check)
 
     def clean_run(a: _Prepared) -> Recording:
         rec = record(model, _with(a.clean, a.lean), what=a.whats)
@@ -1250,11 +1256,13 @@ def patch_scan(model, clean, corrupted, metric: Callable[[Tensor], Tensor], what
     def shared_setup(deferred: list):
         """setup() with the clean run on rank 0 and the corrupted run on rank 1 at once
         (`_shared_runs`), or None when that could not be done (every rank then runs setup())."""
-        made = _shared_runs(ranks, model, prepare, clean_run, corrupted_run)
+        made = _shared_runs(ranks, model, lambda: prepare(defer=True), clean_run, corrupted_run)
         if made is None:
             return None
         a, rec, scan, why = made
         check_rec(a, rec)
+        if a.align_check is not None:  # the rolled rows' check (two forwards), on one rank
+            deferred.append(("align_check", a.align_check))
         return decide(a, rec, scan, why, deferred)
 
     def agreed(done):  # what every rank must share for the tables to be one table
@@ -1336,6 +1344,8 @@ def _check_cost(scan: _Scan, name: str, head: float) -> float:
         return scan.cost([(i, 0) for i in sorted(scan.shortcut.layers)[-2:]], head)
     if name == "last_block_check":  # one variant's last block and head
         return scan.cost([(scan.layers[-1].index, 0)], head)
+    if name == "align_check":  # two forwards of the corrupted rows, every block
+        return 2 * scan.cost([(scan.layers[0].index, 0)], head)
     return scan.cost([(scan.layers[0].index, 0)], head)
 
 
