@@ -239,16 +239,6 @@ class Ranks:
                              f"(weights), inputs and options")
         return [p for _, _, p in every]
 
-    def gather(self, payload) -> list:
-        """Every rank's (small, picklable) payload, by rank; nothing is raised."""
-        if self.group is None:
-            return [payload]
-        import torch.distributed as dist
-
-        every: list = [None] * self.size
-        dist.all_gather_object(every, payload, group=self.group)
-        return every
-
     def share(self, packed: tuple[bytes, Tensor] | None) -> list:
         """Every rank's `pack`ed payload (or None), by rank: the bytes move as tensors (a
         broadcast from each rank that has one), not through pickle, so tens of MiB take

@@ -1385,7 +1385,7 @@ def _shared_runs(ranks: Ranks, model, prepare, clean_run, corrupted_run):
                 made = (a, rec, scan, why)
         except Exception:  # a key or module name the receiver lacks: it runs the setup itself
             ok = False
-    return made if all(ranks.gather(ok)) else None
+    return made if all(ranks.settle(None, ok)) else None
 
 
 def _refs(a: _Prepared, rec: Recording) -> dict:
