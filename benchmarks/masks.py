@@ -263,32 +263,21 @@ def scaling_cases(N: int, flex: bool) -> dict:
     q, k, v = _inputs(N)
     win = _window()
 
-    def blocks():
-        fused_tiles.BANDS = False
-        try:
-            return mh.scaled_dot_product_attention(q, k, v, win)
-        finally:
-            fused_tiles.BANDS = True
-
-    def plan_each_call():
-        kept = planner._PLANS_KEPT
-        planner._PLANS_KEPT = 0
-        try:
-            return mh.scaled_dot_product_attention(q, k, v, win)
-        finally:
-            planner._PLANS_KEPT = kept
-
-    def new_output():
-        fused_tiles.KEEP_OUTPUT = False
-        try:
-            return mh.scaled_dot_product_attention(q, k, v, win)
-        finally:
-            fused_tiles.KEEP_OUTPUT = True
+    def window_with(module, name: str, value):
+        """The window call with `module.<name>` set to `value` for its duration (then as it was)."""
+        def call():
+            kept = getattr(module, name)
+            setattr(module, name, value)
+            try:
+                return mh.scaled_dot_product_attention(q, k, v, win)
+            finally:
+                setattr(module, name, kept)
+        return call
 
     cases = {"multihead window": lambda: mh.scaled_dot_product_attention(q, k, v, win),
-             "multihead window, plan each call": plan_each_call,
-             "multihead window, block by block": blocks,
-             "multihead window, new output each call": new_output}
+             "multihead window, plan each call": window_with(planner, "_PLANS_KEPT", 0),
+             "multihead window, block by block": window_with(fused_tiles, "BANDS", False),
+             "multihead window, new output each call": window_with(fused_tiles, "KEEP_OUTPUT", False)}
     if flex:
         from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
@@ -366,16 +355,8 @@ def scaling_worker(threads: int, N: int, flex: bool) -> int:
                     result[name] = [time.perf_counter() - t0, time.process_time() - c0]
                 print(json.dumps(result), flush=True)
             elif cmd == "profile":
-                from multihead.kernels import fused_tiles
-
-                profile = {"multihead window": call_profile(cases["multihead window"])}
-                fused_tiles.BANDS = False
-                try:
-                    profile["multihead window, block by block"] = call_profile(cases["multihead window"])
-                finally:
-                    fused_tiles.BANDS = True
-                profile["multihead window, new output each call"] = call_profile(
-                    cases["multihead window, new output each call"])
+                profile = {name: call_profile(cases[name]) for name in (
+                    "multihead window", "multihead window, block by block", "multihead window, new output each call")}
                 print(json.dumps(profile), flush=True)
             else:
                 return 0
