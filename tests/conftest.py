@@ -4,6 +4,7 @@ import sys
 import numpy as np
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
@@ -18,6 +19,23 @@ TOL = {
     torch.bfloat16: (2e-2, 2e-2),
     torch.float16: (2e-3, 2e-3),
 }
+
+
+class AtenOps(TorchDispatchMode):
+    """Every aten op run inside the block, by its full name (`ops`: "aten.sum.dim_IntList") and
+    its op's name (`names`: "sum"): the op counts a hot path's microseconds come from."""
+
+    def __init__(self):
+        super().__init__()
+        self.ops: list[str] = []
+
+    @property
+    def names(self) -> list[str]:
+        return [op.split(".")[1] for op in self.ops]
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.ops.append(str(func))
+        return func(*args, **(kwargs or {}))
 
 
 def assert_close(actual, expected, dtype=None, *, atol=None, rtol=None, what=""):

@@ -105,3 +105,36 @@ def _collect(name: str, procs: list, out, world: int, timeout: float) -> dict[in
             pytest.fail(f"{name}: rank {rank} of {world} raised:\n{payload}")
         results[rank] = payload
     return results
+
+
+# ------------------------------------------------- the heads scans' worlds
+
+
+def scan_models():
+    """A small random GPT-2 (MHA) and Llama (GQA, RoPE) on multihead's attention, the same on
+    every rank, and their inputs: ({"gpt2", "llama"}, clean (2, 8), {"middle": one token
+    changed at 4 (a shared prefix: the prefix skip and its self-check), "first": the first
+    token changed (nothing shared)})."""
+    import transformers
+
+    import multihead.interop.hf  # noqa: F401  (registers "multihead")
+
+    torch.manual_seed(0)
+    gpt2 = transformers.GPT2LMHeadModel(transformers.GPT2Config(
+        n_embd=32, n_layer=3, n_head=4, n_positions=16, vocab_size=61, bos_token_id=0, eos_token_id=0)).eval()
+    llama = transformers.LlamaForCausalLM(transformers.LlamaConfig(
+        hidden_size=32, intermediate_size=48, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2,
+        vocab_size=61, max_position_embeddings=16, bos_token_id=0, eos_token_id=0)).eval()
+    for m in (gpt2, llama):
+        m.set_attn_implementation("multihead")
+    g = torch.Generator().manual_seed(1)
+    clean = torch.randint(0, 61, (2, 8), generator=g)
+    middle, first = clean.clone(), clean.clone()
+    middle[:, 4] = (clean[:, 4] + 1) % 61
+    first[:, 0] = (clean[:, 0] + 1) % 61
+    return {"gpt2": gpt2, "llama": llama}, clean, {"middle": middle, "first": first}
+
+
+def last_token_metric(logits):
+    """The scans' metric: logit 3 - logit 4 at the last position, averaged."""
+    return (logits[:, -1, 3] - logits[:, -1, 4]).mean()

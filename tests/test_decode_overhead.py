@@ -10,10 +10,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 
 import multihead.functional as functional
-from conftest import assert_close
+from conftest import AtenOps, assert_close
 from multihead import reference as R
 from multihead.functional import attend
 from multihead.kernels.sdpa import plain_applies
@@ -174,18 +173,6 @@ def test_zero_rows_and_zero_first_elements_are_not_nan(rows):
 # ------------------------------------------------------------- what a prefill runs
 
 
-class _Ops(TorchDispatchMode):
-    """Every aten op run inside the block."""
-
-    def __init__(self):
-        super().__init__()
-        self.ops: list[str] = []
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.ops.append(str(func))
-        return func(*args, **(kwargs or {}))
-
-
 _METADATA = ("aten.view", "aten.transpose", "aten._unsafe_view", "aten.reshape", "aten.expand", "aten.detach",
              "aten.alias", "aten.as_strided", "aten.select", "aten.slice", "aten._local_scalar_dense")
 
@@ -195,7 +182,7 @@ def test_a_prefill_reads_out_once_and_never_q_k_v():
     rows' first elements; no copy of `out` into another layout, no sum of q, k or v (the
     four sums cost a tenth of a SmolLM2 prefill call inside `generate`)."""
     q, k, v = _qkv(T=96)  # 768 rows
-    with torch.no_grad(), _Ops() as seen:
+    with torch.no_grad(), AtenOps() as seen:
         out, _ = attend(q, k, v, causal=True)
     work = [op for op in seen.ops if not op.startswith(_METADATA)]
     assert len(work) == 3 and "scaled_dot_product" in work[0], seen.ops

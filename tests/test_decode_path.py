@@ -12,9 +12,8 @@ import re
 import numpy as np
 import pytest
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 
-from conftest import assert_close
+from conftest import AtenOps, assert_close
 from multihead import reference as R
 from multihead.functional import attend
 from multihead.kernels.validation import check_inputs, check_scale, plain_scale, plain_shape
@@ -211,18 +210,6 @@ def test_decode_rows_that_are_zero_or_sum_to_zero_are_not_nan():
 # ----------------------------------------------------- what a decode step runs
 
 
-class _Ops(TorchDispatchMode):
-    """Every aten op run inside the block."""
-
-    def __init__(self):
-        super().__init__()
-        self.ops: list[str] = []
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.ops.append(str(func))
-        return func(*args, **(kwargs or {}))
-
-
 _METADATA = ("aten.view", "aten.transpose", "aten._unsafe_view", "aten.reshape", "aten.expand", "aten.detach",
              "aten.alias", "aten.as_strided")
 
@@ -240,7 +227,7 @@ def test_a_decode_step_runs_the_kernel_and_one_reduction(dtype):
         is_causal = True
 
     q, k, v = _qkv(B=1, S=30, D=32, dtype=dtype)
-    with torch.no_grad(), _Ops() as seen:
+    with torch.no_grad(), AtenOps() as seen:
         out, w = attention_forward(Layer(), q, k, v, None, scaling=32 ** -0.5)
     work = [op for op in seen.ops if not op.startswith(_METADATA)]
     assert len(work) == 2 and "scaled_dot_product" in work[0] and work[1].startswith("aten.sum"), seen.ops

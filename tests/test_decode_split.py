@@ -9,9 +9,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 
-from conftest import assert_close
+from conftest import AtenOps, assert_close
 from multihead import reference as R
 from multihead.functional import attend
 from multihead.kernels import common, decode
@@ -215,16 +214,6 @@ def test_the_split_starts_at_min_split_bytes_of_k_and_v_per_head(monkeypatch):
         torch.set_num_threads(n)
 
 
-class _Ops(TorchDispatchMode):
-    def __init__(self):
-        super().__init__()
-        self.ops: list[str] = []
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.ops.append(str(func).split(".")[1])
-        return func(*args, **(kwargs or {}))
-
-
 _VIEWS = {"view", "reshape", "expand", "as_strided", "unsqueeze", "select", "slice", "detach", "alias",
           "_unsafe_view"}
 _FLASH = "_scaled_dot_product_flash_attention_for_cpu"
@@ -238,9 +227,9 @@ def test_a_two_part_step_runs_one_kernel_call_a_three_op_merge_and_the_nan_check
     threads): inside a decode step each op costs tens of microseconds with the caches the
     K/V stream has just evicted (benchmarks/decode.py --profile)."""
     q, k, v = _qkv(S=S, dtype=dtype)
-    with torch.no_grad(), _Ops() as seen:
+    with torch.no_grad(), AtenOps() as seen:
         out, _ = attend(q, k, v)
-    work = [op for op in seen.ops if op not in _VIEWS]
+    work = [op for op in seen.names if op not in _VIEWS]
     cast = ["_to_copy"] if dtype != torch.float32 else []
     assert work == [_FLASH, *cast, "sub", "sigmoid", "lerp", *cast, "sum"], seen.ops
     assert_close(out, _reference(q, k, v), dtype, what="split step")
@@ -258,9 +247,9 @@ def test_more_parts_run_no_softmax(monkeypatch):
         for S in (48, 50):
             q, k, v = _qkv(S=S)
             assert decode.key_splits(q, k, v) == 4
-            with torch.no_grad(), _Ops() as seen:
+            with torch.no_grad(), AtenOps() as seen:
                 out, _ = attend(q, k, v)
-            work = [op for op in seen.ops if op not in _VIEWS]
+            work = [op for op in seen.names if op not in _VIEWS]
             assert work.count(_FLASH) == 1 + (S % 4 > 0) and "_softmax" not in work, seen.ops
             assert_close(out, _reference(q, k, v), atol=1e-6, rtol=1e-6, what=f"4 parts, S={S}")
     finally:

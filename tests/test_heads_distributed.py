@@ -19,6 +19,7 @@ import torch
 import torch.distributed as dist
 
 import dist_helpers
+from dist_helpers import last_token_metric as _metric
 
 WORLD_TIMEOUT = 90.0  # seconds a world may run before the test fails (a hang fails here)
 PG_TIMEOUT = 30  # seconds gloo waits in a collective: a rank left waiting raises instead of hanging
@@ -35,32 +36,6 @@ def run_world(fn, world: int, timeout: float = WORLD_TIMEOUT) -> list:
 
 
 # ----------------------------------------------------------------------- workers
-
-
-def _models():
-    """A small random GPT-2 (MHA) and Llama (GQA, RoPE) on multihead's attention, the same on every rank."""
-    import transformers
-
-    import multihead.interop.hf  # noqa: F401  (registers "multihead")
-
-    torch.manual_seed(0)
-    gpt2 = transformers.GPT2LMHeadModel(transformers.GPT2Config(
-        n_embd=32, n_layer=3, n_head=4, n_positions=16, vocab_size=61, bos_token_id=0, eos_token_id=0)).eval()
-    llama = transformers.LlamaForCausalLM(transformers.LlamaConfig(
-        hidden_size=32, intermediate_size=48, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2,
-        vocab_size=61, max_position_embeddings=16, bos_token_id=0, eos_token_id=0)).eval()
-    for m in (gpt2, llama):
-        m.set_attn_implementation("multihead")
-    g = torch.Generator().manual_seed(1)
-    clean = torch.randint(0, 61, (2, 8), generator=g)
-    middle, first = clean.clone(), clean.clone()
-    middle[:, 4] = (clean[:, 4] + 1) % 61  # a shared prefix: the scans skip it
-    first[:, 0] = (clean[:, 0] + 1) % 61  # nothing shared
-    return {"gpt2": gpt2, "llama": llama}, clean, {"middle": middle, "first": first}
-
-
-def _metric(logits):
-    return (logits[:, -1, 3] - logits[:, -1, 4]).mean()
 
 
 class _Counting:
@@ -88,7 +63,7 @@ def _w_tables(rank: int, world: int) -> dict:
     from multihead import heads
 
     group = dist.group.WORLD
-    models, clean, corrupted = _models()
+    models, clean, corrupted = dist_helpers.scan_models()
     report: dict = {"unequal": [], "calls": {}, "info": {}}
 
     def check(name, single, shared):
@@ -152,7 +127,7 @@ def _w_errors(rank: int, world: int) -> dict:
     from multihead import heads
 
     group = dist.group.WORLD
-    models, clean, corrupted = _models()
+    models, clean, corrupted = dist_helpers.scan_models()
     model, corr = models["llama"], corrupted["middle"]
     got: dict[str, str | None] = {}
 

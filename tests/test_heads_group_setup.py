@@ -21,6 +21,7 @@ import torch
 import torch.distributed as dist
 
 import dist_helpers
+from dist_helpers import last_token_metric as _metric
 
 WORLD_TIMEOUT = 120.0
 PG_TIMEOUT = 30
@@ -31,32 +32,6 @@ CHECKS = ("self_check", "shortcut_check", "last_block_check")
 
 def run_world(fn, world: int, timeout: float = WORLD_TIMEOUT) -> list:
     return dist_helpers.run_world(fn, world, timeout=timeout, pg_timeout=PG_TIMEOUT)
-
-
-def _models():
-    """A small random GPT-2 (MHA) and Llama (GQA, RoPE) on multihead's attention, the same on every rank."""
-    import transformers
-
-    import multihead.interop.hf  # noqa: F401  (registers "multihead")
-
-    torch.manual_seed(0)
-    gpt2 = transformers.GPT2LMHeadModel(transformers.GPT2Config(
-        n_embd=32, n_layer=3, n_head=4, n_positions=16, vocab_size=61, bos_token_id=0, eos_token_id=0)).eval()
-    llama = transformers.LlamaForCausalLM(transformers.LlamaConfig(
-        hidden_size=32, intermediate_size=48, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2,
-        vocab_size=61, max_position_embeddings=16, bos_token_id=0, eos_token_id=0)).eval()
-    for m in (gpt2, llama):
-        m.set_attn_implementation("multihead")
-    g = torch.Generator().manual_seed(1)
-    clean = torch.randint(0, 61, (2, 8), generator=g)
-    middle, first = clean.clone(), clean.clone()
-    middle[:, 4] = (clean[:, 4] + 1) % 61  # a shared prefix: the prefix skip and its self-check
-    first[:, 0] = (clean[:, 0] + 1) % 61  # nothing shared
-    return {"gpt2": gpt2, "llama": llama}, clean, {"middle": middle, "first": first}
-
-
-def _metric(logits):
-    return (logits[:, -1, 3] - logits[:, -1, 4]).mean()
 
 
 def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -109,7 +84,7 @@ def _w_shared(rank: int, world: int) -> dict:
     from multihead import heads
 
     group = dist.group.WORLD
-    models, clean, corrupted = _models()
+    models, clean, corrupted = dist_helpers.scan_models()
     calls = _Calls()
     out: dict = {}
     for mname, cname, what in CASES:
@@ -145,7 +120,7 @@ def _w_failing(rank: int, world: int) -> dict:
     from multihead import heads
 
     group = dist.group.WORLD
-    models, clean, corrupted = _models()
+    models, clean, corrupted = dist_helpers.scan_models()
     model, corr = models["llama"], corrupted["middle"]
     single = heads.patch_scan(model, clean, corr, _metric)
     got: dict = {}
@@ -179,7 +154,7 @@ def _w_check_fails(rank: int, world: int) -> dict:
     from multihead.heads import scan
 
     group = dist.group.WORLD
-    models, clean, corrupted = _models()
+    models, clean, corrupted = dist_helpers.scan_models()
     out = {}
     for name in ("self_check", "shortcut_check"):
         real = getattr(scan._Scan, name)
@@ -205,7 +180,7 @@ def _w_align_check(rank: int, world: int) -> dict:
     from multihead.heads.metrics import AtPositions
 
     group = dist.group.WORLD
-    models, clean, corrupted = _models()
+    models, clean, corrupted = dist_helpers.scan_models()
     at = AtPositions(lambda logits: (logits[:, 3] - logits[:, 4]).mean(), [5, 6])
     real, ran = _align._same_logits, []
     out = {}
@@ -250,7 +225,7 @@ def _w_stand_in_off(rank: int, world: int) -> dict:
     from multihead.heads._record import Recording
 
     group = dist.group.WORLD
-    models, clean, corrupted = _models()
+    models, clean, corrupted = dist_helpers.scan_models()
     real = scan._stand_in
 
     def off(model, a):
