@@ -1,0 +1,104 @@
+"""GPT-2's tanh GELU in place, inside the head tools' own forwards.
+
+transformers' `NewGELUActivation` (activation "gelu_new": GPT-2, GPT-J, GPT-Neo, CodeGen,
+Phi-1/2) is eight tensor ops, each writing a fresh `(rows, T, 4C)` tensor. In a scan's
+forward of 16 rows at T = 256 (GPT-2-shaped, C 512) each of them is 32 MiB: glibc maps
+blocks that large afresh on every request and the kernel zero-fills them page by page, so
+the GELU took 187 ms a call where the same eight ops in place take 79 ms (on 2 CPU cores:
+the scan's worst case ran ~10% faster). The in-place form is the model's arithmetic
+exactly: the same ops on the same values in the same order, save the operands of a
+product or a sum swapped (exact in IEEE arithmetic), so its output is bitwise the model's.
+
+It runs only where nothing differentiates (`torch.is_grad_enabled()` false: in-place ops
+would need a graph of their own) and only in a thread inside `lean_activations`: a forward
+of the same model in another thread, or after the block, runs the model's own code. The
+module gets an instance `forward` for the block (the only way into its computation; hooks
+see inputs and outputs only), removed when the last block using it ends, also on errors; a
+module whose `forward` was already replaced on the instance is left as it is.
+"""
+
+from __future__ import annotations
+
+import math
+import sys
+import threading
+from contextlib import contextmanager
+
+import torch
+from torch import Tensor, nn
+
+# the switch (benchmarks and tests compare with and without)
+LEAN = True
+
+_SQRT_2_OVER_PI = math.sqrt(2.0 / math.pi)
+_LOCK = threading.Lock()
+_THREADS: dict[int, int] = {}  # thread id -> how many lean blocks it is inside
+_USERS: dict[int, int] = {}  # id(module) -> how many lean blocks hold its forward
+
+
+def new_gelu_in_place(x: Tensor) -> Tensor:
+    """`0.5 * x * (1 + tanh(sqrt(2 / pi) * (x + 0.044715 * x ** 3)))`, as transformers'
+    NewGELUActivation computes it, in two fresh tensors instead of eight; `x` is only read."""
+    a = torch.pow(x, 3.0)
+    a.mul_(0.044715)
+    a.add_(x)
+    a.mul_(_SQRT_2_OVER_PI)
+    a.tanh_()
+    a.add_(1.0)
+    return a.mul_(x * 0.5)
+
+
+class _LeanForward:
+    """The instance forward of a NewGELUActivation inside `lean_activations`."""
+
+    __slots__ = ("module",)
+
+    def __init__(self, module: nn.Module):
+        self.module = module
+
+    def __call__(self, *args, **kwargs):
+        if (len(args) == 1 and not kwargs and isinstance(x := args[0], Tensor) and x.is_floating_point()
+                and threading.get_ident() in _THREADS and not torch.is_grad_enabled()):
+            return new_gelu_in_place(x)
+        return type(self.module).forward(self.module, *args, **kwargs)
+
+
+def _new_gelu_class():
+    acts = sys.modules.get("transformers.activations")  # not loaded: no model of it exists
+    return getattr(acts, "NewGELUActivation", None) if acts is not None else None
+
+
+@contextmanager
+def lean_activations(model: nn.Module):
+    """Within the block, the calling thread's no-grad forwards of `model` run its
+    NewGELUActivation modules in place (bitwise the same outputs); nothing otherwise."""
+    cls = _new_gelu_class()
+    mods = [m for m in model.modules() if type(m) is cls] if LEAN and cls is not None else []
+    if not mods:
+        yield
+        return
+    me = threading.get_ident()
+    held: list[nn.Module] = []
+    with _LOCK:
+        for m in mods:
+            own = vars(m).get("forward")
+            if own is None:
+                vars(m)["forward"] = _LeanForward(m)
+            elif not isinstance(own, _LeanForward):
+                continue  # replaced by someone else: theirs runs
+            _USERS[id(m)] = _USERS.get(id(m), 0) + 1
+            held.append(m)
+        _THREADS[me] = _THREADS.get(me, 0) + 1
+    try:
+        yield
+    finally:
+        with _LOCK:
+            _THREADS[me] -= 1
+            if not _THREADS[me]:
+                del _THREADS[me]
+            for m in held:
+                _USERS[id(m)] -= 1
+                if not _USERS[id(m)]:
+                    del _USERS[id(m)]
+                    if isinstance(vars(m).get("forward"), _LeanForward):
+                        del vars(m)["forward"]
