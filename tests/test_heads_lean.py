@@ -15,11 +15,12 @@ from multihead import heads
 
 transformers = pytest.importorskip("transformers")
 
+from transformers.activations import NewGELUActivation  # noqa: E402
+
 import multihead.interop.hf  # noqa: E402, F401  (registers "multihead")
 from conftest import AtenOps  # noqa: E402
 from multihead.heads import _lean  # noqa: E402
 from test_heads import _mh, _one_token_changed  # noqa: E402
-from transformers.activations import NewGELUActivation  # noqa: E402
 
 
 def _same(a, b):
