@@ -182,3 +182,31 @@ def test_numpy_reference_is_independent():
     p = np.exp(s - s.max(-1, keepdims=True))
     p /= p.sum(-1, keepdims=True)
     np.testing.assert_allclose(want, p @ v.numpy(), atol=1e-12)
+
+
+def test_clear_caches_gives_back_dropped_outputs_and_plans_and_leaves_held_ones(kept, monkeypatch):
+    """`multihead.clear_caches()` drops the kept plans and outputs: the bytes of a dropped output
+    come back, a held one stays the caller's, unchanged by the calls after it; every call after
+    it plans afresh and still equals the reference."""
+    import sys
+
+    from multihead.kernels import planner
+
+    monkeypatch.setattr(planner, "_PLANS", type(planner._PLANS)())
+    monkeypatch.setattr(fused_tiles, "_SHARED", type(fused_tiles._SHARED)())
+    flex_loaded = "multihead.kernels.flex" in sys.modules
+    q, k, v = _inputs(0)
+    out = _attend(q, k, v)
+    nbytes = out.untyped_storage().nbytes()
+    del out  # dropped: the engine's alias is all that is left of it
+    assert mh.clear_caches() == {"plans": 1, "outputs": 1, "output_bytes": nbytes}
+    assert not kept and not planner._PLANS and not fused_tiles._SHARED
+    assert mh.clear_caches() == {"plans": 0, "outputs": 0, "output_bytes": 0}
+    held = _attend(q, k, v)  # planned afresh
+    assert_close(held, _want(q, k, v))
+    snapshot = held.clone()
+    assert mh.clear_caches() == {"plans": 1, "outputs": 1, "output_bytes": 0}  # held: nothing given back
+    q2, k2, v2 = _inputs(1)
+    assert_close(_attend(q2, k2, v2), _want(q2, k2, v2))
+    assert torch.equal(held, snapshot)
+    assert ("multihead.kernels.flex" in sys.modules) == flex_loaded  # clearing imports nothing

@@ -27,6 +27,7 @@ _LAZY = {
     "scaled_dot_product_attention": "multihead.functional",
     "attend": "multihead.functional",
     "attention_weights": "multihead.functional",
+    "clear_caches": "multihead.functional",
     "available_backends": "multihead.functional",
     "register_backend": "multihead.functional",
     "resolve_backend": "multihead.functional",

@@ -109,10 +109,33 @@ __all__ = [
     "attention_weights",
     "available_backends",
     "check_backend_name",
+    "clear_caches",
     "register_backend",
     "resolve_backend",
     "scaled_dot_product_attention",
 ]
+
+
+def clear_caches() -> dict:
+    """Drop what the engines keep from call to call, for memory or a clean timing: the block-sparse
+    engine's plans, their masks and the memory of its last outputs (up to 2 of 4-128 MiB, reused
+    by the next call of their shape once the caller has dropped them), and the "flex" backend's
+    block masks and score functions (its compiled kernels stay in torch's cache). Nothing a caller
+    holds is touched: an output still referenced stays the caller's.
+
+    Returns `{"plans": n, "outputs": n, "output_bytes": bytes given back now}`; the next calls
+    plan and allocate afresh (the first call of a long sliding window plans for ~20 ms).
+    """
+    import sys
+
+    from multihead.kernels import fused_tiles, planner
+
+    outputs, freed = fused_tiles.clear()
+    plans = planner.clear_plans()
+    flex = sys.modules.get("multihead.kernels.flex")  # not imported: nothing of it is kept
+    if flex is not None:
+        flex.clear_cache()
+    return {"plans": plans, "outputs": outputs, "output_bytes": freed}
 
 
 def scaled_dot_product_attention(

@@ -37,7 +37,7 @@ from multihead.kernels.common import (
 from multihead.kernels.explicit_tiles import Tiles, needs_grad, refuse_trainable, twice
 from multihead.kernels.planner import block_mask, choose_tile, combine, fold_mask, plan_key, serial_ops
 
-__all__ = ["BANDS", "CAUSAL", "FUSED_TILE", "fused"]
+__all__ = ["BANDS", "CAUSAL", "FUSED_TILE", "clear", "fused"]
 
 # None: the fused engine picks its tile per call (`planner.choose_tile`): short query blocks
 # keep the key range of a local mask tight, long ones let torch's kernel use its big blocks.
@@ -127,6 +127,19 @@ def _output(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) ->
         while len(_KEPT_OUTPUTS) > _KEPT_OUTPUT_SLOTS:
             _KEPT_OUTPUTS.popitem(last=False)
     return out
+
+
+def clear() -> tuple[int, int]:
+    """Drop what the engine keeps between calls: its plans' blocks and masks (`_shared`) and the
+    memory of its last outputs (`_output`). Returns (outputs dropped, the bytes of those that
+    nothing else held: given back now)."""
+    with _SHARED_LOCK:
+        _SHARED.clear()
+    with _KEPT_OUTPUTS_LOCK:
+        kept = list(_KEPT_OUTPUTS.values())
+        _KEPT_OUTPUTS.clear()
+    freed = sum(t.untyped_storage().nbytes() for t in kept if _holders(t) == _unheld())
+    return len(kept), freed
 
 
 def _holders(alias: Tensor) -> tuple[int, int]:

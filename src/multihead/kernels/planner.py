@@ -20,7 +20,7 @@ from multihead.kernels.common import index
 from multihead.masks import MaskMod, and_masks
 from multihead.masks import causal as causal_mod
 
-__all__ = ["band_rows", "block_mask", "choose_tile", "combine", "fold_mask", "plan_key", "serial_ops",
+__all__ = ["band_rows", "block_mask", "choose_tile", "clear_plans", "combine", "fold_mask", "plan_key", "serial_ops",
            "slice_dense", "tile_plan", "tile_sizes"]
 
 _FUSED_CANDIDATES = (64, 128, 256, 512, 1024)  # tile edges the fused engine's plan chooses from
@@ -217,6 +217,14 @@ def choose_tile(pred, B, H, T, S, G, tile, device, squares: bool = True, bands: 
             while len(_PLANS) > _PLANS_KEPT:
                 _PLANS.popitem(last=False)
     return result
+
+
+def clear_plans() -> int:
+    """Forget the kept plans (`choose_tile`); returns how many there were."""
+    with _PLANS_LOCK:
+        n = len(_PLANS)
+        _PLANS.clear()
+    return n
 
 
 def _choose_tile(pred, B, H, T, S, G, tile, device, squares, bands):
