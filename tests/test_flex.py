@@ -335,6 +335,25 @@ def test_compiler_failures_become_clear_errors(monkeypatch):
     with pytest.raises(RuntimeError, match=r"more than 64 distinct.*decoding.*'auto'"):
         mh.scaled_dot_product_attention(q, k, v, backend="flex")
 
+    class BackendCompilerFailed(Exception):  # dynamo's wrapper: a bare heading, inductor's error as its cause
+        pass
+
+    class CppCompileError(Exception):
+        pass
+
+    def wrapped(cause):
+        def call(*args, **kwargs):
+            raise BackendCompilerFailed("backend='inductor' raised:\n") from cause
+        return call
+    monkeypatch.setattr(flex.shutil, "which", lambda name: "/usr/bin/g++")
+    monkeypatch.setitem(flex._flex, "attention", wrapped(CppCompileError("g++: internal compiler error")))
+    with pytest.raises(RuntimeError, match=r"failed on this machine: BackendCompilerFailed: backend='inductor' "
+                                           r"raised: \(CppCompileError: g\+\+: internal compiler error\)"):
+        mh.scaled_dot_product_attention(q, k, v, backend="flex")  # the machine's, read through the wrapper
+    monkeypatch.setitem(flex._flex, "attention", wrapped(RuntimeError("")))
+    with pytest.raises(ValueError, match=r"could not compile.*raised: \(RuntimeError: no message\)"):
+        mh.scaled_dot_product_attention(q, k, v, backend="flex")
+
 
 def test_untraceable_mods_raise_value_errors(monkeypatch):
     """A mask or score mod that runs eagerly but cannot be vmapped or compiled (a Python

@@ -290,7 +290,7 @@ def _create(fn, Bm, Hm, T: int, Sp: int, device, name: str):
     try:
         return _load()[1](fn, Bm, Hm, T, Sp, device=device)
     except (RuntimeError, TypeError, IndexError) as e:
-        first = next((line for line in str(e).splitlines() if line.strip()), type(e).__name__)[:300]
+        first = _first_line(e)
         raise ValueError(f"backend 'flex': flex's create_block_mask could not evaluate the mask {name}: "
                          f"{type(e).__name__}: {first}. It runs the predicate under torch.vmap: element-wise "
                          f"tensor code only (no Python branching on tensor values, no .item()); {_INSTEAD}, "
@@ -362,7 +362,7 @@ def _call(q: Tensor, k: Tensor, v: Tensor, block_mask, score_fn, scale: float, w
         kind = _failure_kind(e)
         if kind is None:
             raise
-        first = next((line for line in str(e).splitlines() if line.strip()), type(e).__name__)[:300]
+        first = _first_line(e)
         if kind == "machine":
             cxx = shutil.which("g++") or shutil.which("c++") or shutil.which("clang++")
             hint = "" if q.device.type != "cpu" or cxx else " (no C++ compiler on PATH: inductor needs one on the CPU)"
@@ -374,11 +374,36 @@ def _call(q: Tensor, k: Tensor, v: Tensor, block_mask, score_fn, scale: float, w
                          f"eagerly on whole tiles") from None
 
 
+def _chain(e: BaseException) -> list[BaseException]:
+    """e and what it wraps, outermost first: dynamo's BackendCompilerFailed carries inductor's
+    error (a C++ compiler's among them) as its cause, its own text often a bare heading."""
+    out: list[BaseException] = []
+    while e is not None and all(e is not x for x in out) and len(out) < 8:
+        out.append(e)
+        e = e.__cause__ or getattr(e, "inner_exception", None)
+    return out
+
+
+def _first_line(e: BaseException) -> str:
+    """The outermost error's first line, and the innermost's where it wraps one (dynamo's reads
+    "backend='inductor' raised:" and no more)."""
+    def line(x):
+        return next((ln.strip() for ln in str(x).splitlines() if ln.strip()), "")
+    chain = _chain(e)
+    text = line(e) or type(e).__name__
+    inner = chain[-1]
+    if inner is not e:
+        text += f" ({type(inner).__name__}: {line(inner) or 'no message'})"
+    return text[:400]
+
+
 def _failure_kind(e: Exception) -> str | None:
-    """What a compilation failure says: "machine" (no or a broken C++ toolchain), "mods" (what
-    the mask or score mod does cannot be traced or lowered), None (not one: re-raised as is)."""
-    names = {c.__name__ for c in type(e).__mro__}
-    text = str(e)[:2000]
+    """What a compilation failure says, read through what it wraps: "machine" (no or a broken
+    C++ toolchain), "mods" (what the mask or score mod does cannot be traced or lowered), None
+    (not one: re-raised as is)."""
+    chain = _chain(e)
+    names = {c.__name__ for x in chain for c in type(x).__mro__}
+    text = " ".join(str(x)[:2000] for x in chain)
     if names & {"CppCompileError", "InvalidCxxCompiler"} or "CppCompileError" in text \
             or "InvalidCxxCompiler" in text:
         return "machine"
