@@ -49,8 +49,8 @@ import torch
 from torch import Tensor, nn
 
 from multihead.heads._align import aligned
+from multihead.heads._in_place import in_place_activations
 from multihead.heads._interventions import check_heads
-from multihead.heads._lean import lean_activations
 from multihead.heads._ranks import Ranks, check_group, fingerprint
 from multihead.heads._record import Recording, head_results, record
 from multihead.heads.engine import (
@@ -358,7 +358,7 @@ def _forward(model: nn.Module, inputs, handler: Handler, hooks: list[tuple[nn.Mo
             else:
                 installed.post(module, fn)
         engine = Engine(model, handler)
-        with engine.installed(), _Queries(engine, handler.q).installed(), torch.no_grad(), lean_activations(model):
+        with engine.installed(), _Queries(engine, handler.q).installed(), torch.no_grad(), in_place_activations(model):
             try:
                 return logits_of(_call(model, inputs, **(keep or {})))
             except _Stop:

@@ -67,8 +67,8 @@ import torch
 from torch import Tensor, nn
 
 from multihead.heads._align import aligned, unchecked
+from multihead.heads._in_place import in_place_activations
 from multihead.heads._interventions import check_positions
-from multihead.heads._lean import lean_activations
 from multihead.heads._ranks import Ranks, check_group, fingerprint, pack, unpack
 from multihead.heads._record import Recording, check_what, out_projection, record
 from multihead.heads._top import LastBlock, last_block
@@ -635,7 +635,7 @@ def _forward(model, corrupted, no_cache: bool, handler: Handler, grower, hooked:
         if final is not None:
             hooks.post(hooked[-1], lambda m, a, out: final.append(first_output(out)))
         hooks.pre(model, lambda m, a: grower.begin())
-        with Engine(model, handler).installed(), torch.no_grad(), lean_activations(model):
+        with Engine(model, handler).installed(), torch.no_grad(), in_place_activations(model):
             return logits_of(_call(model, corrupted, no_cache, **(keep or {})))
     finally:
         hooks.remove()

@@ -10,7 +10,7 @@ exactly: the same ops on the same values in the same order, save the operands of
 product or a sum swapped (exact in IEEE arithmetic), so its output is bitwise the model's.
 
 It runs only where nothing differentiates (`torch.is_grad_enabled()` false: in-place ops
-would need a graph of their own) and only in a thread inside `lean_activations`: a forward
+would need a graph of their own) and only in a thread inside `in_place_activations`: a forward
 of the same model in another thread, or after the block, runs the model's own code. The
 module gets an instance `forward` for the block (the only way into its computation; hooks
 see inputs and outputs only), removed when the last block using it ends, also on errors; a
@@ -28,12 +28,12 @@ import torch
 from torch import Tensor, nn
 
 # the switch (benchmarks and tests compare with and without)
-LEAN = True
+IN_PLACE = True
 
 _SQRT_2_OVER_PI = math.sqrt(2.0 / math.pi)
 _LOCK = threading.Lock()
-_THREADS: dict[int, int] = {}  # thread id -> how many lean blocks it is inside
-_USERS: dict[int, int] = {}  # id(module) -> how many lean blocks hold its forward
+_THREADS: dict[int, int] = {}  # thread id -> how many in-place blocks it is inside
+_USERS: dict[int, int] = {}  # id(module) -> how many in-place blocks hold its forward
 
 
 def new_gelu_in_place(x: Tensor) -> Tensor:
@@ -48,8 +48,8 @@ def new_gelu_in_place(x: Tensor) -> Tensor:
     return a.mul_(x * 0.5)
 
 
-class _LeanForward:
-    """The instance forward of a NewGELUActivation inside `lean_activations`."""
+class _InPlaceForward:
+    """The instance forward of a NewGELUActivation inside `in_place_activations`."""
 
     __slots__ = ("module",)
 
@@ -69,11 +69,11 @@ def _new_gelu_class():
 
 
 @contextmanager
-def lean_activations(model: nn.Module):
+def in_place_activations(model: nn.Module):
     """Within the block, the calling thread's no-grad forwards of `model` run its
     NewGELUActivation modules in place (bitwise the same outputs); nothing otherwise."""
     cls = _new_gelu_class()
-    mods = [m for m in model.modules() if type(m) is cls] if LEAN and cls is not None else []
+    mods = [m for m in model.modules() if type(m) is cls] if IN_PLACE and cls is not None else []
     if not mods:
         yield
         return
@@ -83,8 +83,8 @@ def lean_activations(model: nn.Module):
         for m in mods:
             own = vars(m).get("forward")
             if own is None:
-                vars(m)["forward"] = _LeanForward(m)
-            elif not isinstance(own, _LeanForward):
+                vars(m)["forward"] = _InPlaceForward(m)
+            elif not isinstance(own, _InPlaceForward):
                 continue  # replaced by someone else: theirs runs
             _USERS[id(m)] = _USERS.get(id(m), 0) + 1
             held.append(m)
@@ -100,5 +100,5 @@ def lean_activations(model: nn.Module):
                 _USERS[id(m)] -= 1
                 if not _USERS[id(m)]:
                     del _USERS[id(m)]
-                    if isinstance(vars(m).get("forward"), _LeanForward):
+                    if isinstance(vars(m).get("forward"), _InPlaceForward):
                         del vars(m)["forward"]

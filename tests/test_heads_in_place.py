@@ -19,7 +19,7 @@ from transformers.activations import NewGELUActivation  # noqa: E402
 
 import multihead.interop.hf  # noqa: E402, F401  (registers "multihead")
 from conftest import AtenOps  # noqa: E402
-from multihead.heads import _lean  # noqa: E402
+from multihead.heads import _in_place  # noqa: E402
 from test_heads import _mh, _one_token_changed  # noqa: E402
 
 
@@ -41,10 +41,10 @@ def test_in_place_form_is_bitwise_the_module(dtype, threads):
             x.view(-1)[:3] = torch.tensor([float("inf"), -float("inf"), float("nan")], dtype=dtype)
             x.view(-1)[3:5] = torch.tensor([1e4, -1e4], dtype=dtype)
             keep = x.clone()
-            _same(_lean.new_gelu_in_place(x), act(x))
+            _same(_in_place.new_gelu_in_place(x), act(x))
             _same(x, keep)  # the input is only read
             strided = x.transpose(-1, -2)  # a non-contiguous input
-            _same(_lean.new_gelu_in_place(strided), act(strided))
+            _same(_in_place.new_gelu_in_place(strided), act(strided))
     finally:
         torch.set_num_threads(before)
 
@@ -68,9 +68,9 @@ def test_only_inside_the_block_without_grad_and_in_this_thread():
     x = torch.randn(2, 5, 64, requires_grad=True)
     want = NewGELUActivation.forward(act, x.detach())
     assert "forward" not in vars(act)
-    with _lean.lean_activations(act):
+    with _in_place.in_place_activations(act):
         with torch.no_grad():
-            assert "tanh_" in _ops(lambda: _same(act(x), want))  # lean here
+            assert "tanh_" in _ops(lambda: _same(act(x), want))  # in place here
         y = act(x)  # autograd on: the module's own code, differentiable
         assert y.requires_grad and "tanh_" not in _ops(lambda: act(x.detach()))
         grad, = torch.autograd.grad(y.sum(), x)
@@ -96,16 +96,16 @@ def test_nested_errors_and_foreign_forwards_leave_modules_as_they_were():
     theirs = lambda x: x + 1  # noqa: E731  (a user's instance forward)
     acts[1].forward = theirs
     with pytest.raises(RuntimeError, match="inside"):
-        with _lean.lean_activations(model):
-            assert isinstance(vars(acts[0])["forward"], _lean._LeanForward)
-            with _lean.lean_activations(model):
+        with _in_place.in_place_activations(model):
+            assert isinstance(vars(acts[0])["forward"], _in_place._InPlaceForward)
+            with _in_place.in_place_activations(model):
                 pass
-            assert isinstance(vars(acts[0])["forward"], _lean._LeanForward)  # the outer block still holds it
+            assert isinstance(vars(acts[0])["forward"], _in_place._InPlaceForward)  # the outer block still holds it
             with torch.no_grad():
                 _same(acts[1](torch.zeros(2)), torch.ones(2))  # theirs still runs
             raise RuntimeError("inside")
     assert "forward" not in vars(acts[0]) and vars(acts[1])["forward"] is theirs
-    assert not _lean._THREADS and not _lean._USERS
+    assert not _in_place._THREADS and not _in_place._USERS
 
 
 def test_two_threads_in_blocks_over_one_model():
@@ -113,17 +113,17 @@ def test_two_threads_in_blocks_over_one_model():
     inside, release = threading.Barrier(2), threading.Event()
 
     def scan_like():
-        with _lean.lean_activations(model):
+        with _in_place.in_place_activations(model):
             inside.wait()
             release.wait(10)
     t = threading.Thread(target=scan_like)
     t.start()
-    with _lean.lean_activations(model):
+    with _in_place.in_place_activations(model):
         inside.wait()
-    assert isinstance(vars(acts[0])["forward"], _lean._LeanForward)  # the other thread's block still holds it
+    assert isinstance(vars(acts[0])["forward"], _in_place._InPlaceForward)  # the other thread's block still holds it
     release.set()
     t.join()
-    assert all("forward" not in vars(m) for m in acts) and not _lean._THREADS
+    assert all("forward" not in vars(m) for m in acts) and not _in_place._THREADS
 
 
 @pytest.mark.usefixtures("one_torch_thread")
@@ -132,15 +132,15 @@ def test_tables_bitwise_unchanged(monkeypatch, what):
     model, acts = _gpt2()
     clean, corrupted = _one_token_changed("gpt2")
     metric = lambda lg: (lg[:, -1, 3] - lg[:, -1, 4]).mean()  # noqa: E731
-    monkeypatch.setattr(_lean, "LEAN", False)
+    monkeypatch.setattr(_in_place, "IN_PLACE", False)
     want = heads.patch_scan(model, clean, corrupted, metric, what=what)
     want_path = heads.path_patch_scan(model, clean, corrupted, metric, receivers=[(1, 0)])
-    monkeypatch.setattr(_lean, "LEAN", True)
+    monkeypatch.setattr(_in_place, "IN_PLACE", True)
     calls = []
-    real = _lean.new_gelu_in_place
-    monkeypatch.setattr(_lean, "new_gelu_in_place", lambda x: calls.append(1) or real(x))
+    real = _in_place.new_gelu_in_place
+    monkeypatch.setattr(_in_place, "new_gelu_in_place", lambda x: calls.append(1) or real(x))
     assert torch.equal(heads.patch_scan(model, clean, corrupted, metric, what=what), want)
-    assert calls, "the scan's forwards ran the lean GELU"
+    assert calls, "the scan's forwards ran the in-place GELU"
     n = len(calls)
     assert torch.equal(heads.path_patch_scan(model, clean, corrupted, metric, receivers=[(1, 0)]), want_path)
     assert len(calls) > n
@@ -160,4 +160,4 @@ def test_a_raising_metric_leaves_the_model_as_it_was():
         return lg[:, -1, 3].mean()
     with pytest.raises(ValueError, match="metric failed"):
         heads.patch_scan(model, clean, corrupted, metric)
-    assert all("forward" not in vars(m) for m in acts) and not _lean._THREADS and not _lean._USERS
+    assert all("forward" not in vars(m) for m in acts) and not _in_place._THREADS and not _in_place._USERS
