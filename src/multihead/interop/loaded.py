@@ -176,8 +176,8 @@ class HFModel(LoadedModel):
                                f"({type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''})") from None
         calls = request.calls
         if not calls:
-            raise ModelError(f"{self.name!r} ({type(self.model).__name__}): its attention does not call "
-                               "transformers' attention registry, so multihead can neither run nor capture it; "
+            raise ModelError(f"{self.name!r} ({type(self.model).__name__}): its attention does not go "
+                               "through the attention registry, so multihead can neither run nor capture it; "
                                + _REACHES)
         if len({id(c.module) for c in calls}) != len(calls):
             raise ModelError(f"{self.name!r}: one attention module runs several times per forward (layers "
