@@ -59,9 +59,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     sub = parser.add_subparsers(dest="heads_command", metavar="{scan,path,induction,importance,prune}")
     sub.required = True
     model_help = ("minilm (the bundled sentence-transformers/all-MiniLM-L6-v2, an encoder; default), smollm2 (the "
-                  "bundled SmolLM2-135M-Instruct, a decoder LM), a .gguf file, a local Hugging Face model folder, "
+                  "bundled SmolLM2-135M-Instruct, a decoder LM), gemma3 (the bundled gemma-3-270m), a .gguf file, "
+                  "a local Hugging Face model folder, "
                   "or a `multihead lab` checkpoint folder")
-    lm_help = ("a decoder language model: smollm2 (the bundled SmolLM2-135M-Instruct; default), a .gguf file, a "
+    lm_help = ("a decoder language model: smollm2 (the bundled SmolLM2-135M-Instruct; default), gemma3 (the bundled "
+               "gemma-3-270m), a .gguf file, a "
                "local Hugging Face causal LM folder, or a `multihead lab` checkpoint folder")
 
     s = sub.add_parser("scan", help="activation patching of every head, with a causal check of the ranking",

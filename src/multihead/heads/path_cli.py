@@ -38,7 +38,8 @@ def add_path_arguments(subparsers) -> argparse.ArgumentParser:
         description=__doc__.split("\n\n")[1].replace("\n", " "),
         epilog="examples:" + __doc__.split("examples:")[1], formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default="smollm2",
-                   help="a decoder language model: smollm2 (the bundled SmolLM2-135M-Instruct; default), a .gguf "
+                   help="a decoder language model: smollm2 (the bundled SmolLM2-135M-Instruct; default), gemma3 (the "
+                        "bundled gemma-3-270m), a .gguf "
                         "file, a local Hugging Face causal LM folder, or a `multihead lab` checkpoint folder")
     p.add_argument("--task", choices=["ioi"],
                    help="ioi: indirect-object pairs of Wang et al. (2022), metric logit(IO) - logit(S). Without "
