@@ -11,7 +11,7 @@ text" (an --answer or --wrong) that `heads scan` and `heads path` share.
 
 from __future__ import annotations
 
-__all__ = ["check_ids_fit", "next_token", "pieces", "prefix"]
+__all__ = ["check_ids_fit", "next_token", "pieces", "prefix", "windows"]
 
 _PROBE = "a"  # any ordinary text: what the tokenizer adds around it is what it adds around every text
 
@@ -76,3 +76,15 @@ def check_ids_fit(model, inputs, what: str = "the inputs") -> None:
     if top >= rows:
         raise ValueError(f"{what} hold token id {top}, and the model's vocabulary has {rows} ids (0-{rows - 1}): "
                          "the folder's tokenizer does not belong to this model")
+
+
+def windows(start: list[int], body, offsets, n: int):
+    """`(len(offsets), n)` token ids cut from a long token stream `body` (a 1-D tensor of its
+    pieces): each row the tokenizer's prefix `start` (its BOS, if any) then
+    `body[o : o + n - len(start)]`, so a window read mid-stream begins as every text does
+    for the model. With no prefix it is the plain cut."""
+    import torch
+
+    k = n - len(start)
+    head = torch.tensor(start, dtype=torch.long)
+    return torch.stack([torch.cat([head, body[int(o):int(o) + k]]) for o in offsets])
