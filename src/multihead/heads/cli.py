@@ -59,9 +59,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     sub = parser.add_subparsers(dest="heads_command", metavar="{scan,path,induction,importance,prune}")
     sub.required = True
     model_help = ("minilm (the bundled sentence-transformers/all-MiniLM-L6-v2, an encoder; default), smollm2 (the "
-                  "bundled SmolLM2-135M-Instruct, a decoder LM), a .gguf file, a local Hugging Face model folder, "
+                  "bundled SmolLM2-135M-Instruct, a decoder LM), gemma3 (the bundled gemma-3-270m), a .gguf file, "
+                  "a local Hugging Face model folder, "
                   "or a `multihead lab` checkpoint folder")
-    lm_help = ("a decoder language model: smollm2 (the bundled SmolLM2-135M-Instruct; default), a .gguf file, a "
+    lm_help = ("a decoder language model: smollm2 (the bundled SmolLM2-135M-Instruct; default), gemma3 (the bundled "
+               "gemma-3-270m), a .gguf file, a "
                "local Hugging Face causal LM folder, or a `multihead lab` checkpoint folder")
 
     s = sub.add_parser("scan", help="activation patching of every head, with a causal check of the ranking",
@@ -220,36 +222,33 @@ def _encode(loaded, kind: str, flag: str, text: str):
     return enc
 
 
-def _ids(loaded, kind: str, text: str) -> list[int]:
-    if kind == "hf":
-        return list(loaded.tokenizer(text, add_special_tokens=False)["input_ids"])
-    return list(loaded.encode(text))
-
-
 def next_token(loaded, kind: str, flag: str, text: str, token: str) -> tuple[int, str]:
-    """The id and piece of `token` as the model would write it right after `text`: after a
-    text that ends in a letter or digit, a BPE tokenizer's space-led piece (" Mary", not
-    "Mary", which is another token). UsageError unless that is exactly one known token."""
-    if not token.strip():
-        raise UsageError(f"{flag} is empty; give the token the text should continue with, e.g. {flag} Mary")
-    if kind != "hf":
-        ids = loaded.encode(token)
-        if len(ids) != 1:
-            raise UsageError(f"{flag} {token!r} is {len(ids)} tokens for this model; give one token")
-        return ids[0], token
-    tok = loaded.tokenizer
-    piece = " " + token if text[-1:].isalnum() and not token[:1].isspace() else token
-    base, full = _ids(loaded, kind, text), _ids(loaded, kind, text + piece)
-    new = full[len(base):] if full[:len(base)] == base else _ids(loaded, kind, piece)
-    pieces = tok.convert_ids_to_tokens(new)
-    if len(new) != 1:
-        raise UsageError(f"{flag} {token!r} is {len(new)} tokens after the text ({piece!r} -> {pieces}) for this "
-                         "model's tokenizer; give one token")
-    unk = getattr(tok, "unk_token_id", None)
-    if unk is not None and new[0] == unk and token.strip() != getattr(tok, "unk_token", None):
-        raise UsageError(f"{flag} {token!r} is not in this model's vocabulary (it would be read as "
-                         f"{tok.unk_token}); give a token it has")
-    return new[0], pieces[0]
+    """The id and piece of `token` as the model would write it right after `text`
+    (`multihead.heads.tokens.next_token`, which `heads path` reads too); UsageError unless
+    that is exactly one known token. `kind` is kept for callers; the model tells."""
+    from multihead.heads.tokens import next_token as read
+
+    try:
+        return read(loaded, flag, text, token)
+    except ValueError as err:
+        raise UsageError(str(err)) from None
+
+
+def _check_fit(model, *inputs) -> None:
+    """A one-line refusal when the inputs hold ids beyond the model's vocabulary."""
+    from multihead.heads.tokens import check_ids_fit
+
+    try:
+        for x in inputs:
+            check_ids_fit(model, x)
+    except ValueError as err:
+        raise UsageError(f"--model: {err}") from None
+
+
+def _as_ids(ids: list[int]):
+    import torch
+
+    return torch.tensor(ids)
 
 
 def _last_real(loaded, kind: str, inputs) -> int:
@@ -298,6 +297,7 @@ def _one_pair(loaded, model, kind: str, args):
                          "words of as many tokens)")
     ans, ans_piece = next_token(loaded, kind, "--answer", args.clean, args.answer)
     wrong, wrong_piece = next_token(loaded, kind, "--wrong", args.clean, args.wrong)
+    _check_fit(model, _as_ids([ans, wrong]))
     if ans == wrong:
         raise UsageError(f"--answer {args.answer!r} and --wrong {args.wrong!r} are the same token "
                          f"({ans_piece!r}); the metric would be 0")
@@ -401,6 +401,7 @@ def _scan(args) -> dict:
         clean, corrupted, reference, metric, info = _one_pair(loaded, model, kind, args)
     else:
         clean, corrupted, reference, metric, info = _task_inputs(loaded, model, kind, args)
+    _check_fit(model, clean, corrupted, reference)
     m_clean, m_corr = float(metric(_run(model, clean))), float(metric(_run(model, corrupted)))
     t0 = time.perf_counter()
     table = heads.patch_scan(model, clean, corrupted, metric, what=args.what, progress=True)
@@ -446,6 +447,7 @@ def induction_study(args) -> dict:
                          f"at most {limit} positions; give --length <= {limit // 2}")
     task = tasks.induction(args.n, args.length, seed=args.seed,
                            vocab=loaded.tokenizer if kind == "hf" else len(loaded.vocab))
+    _check_fit(model, task.clean, task.corrupted, task.reference)
     t0 = time.perf_counter()
     rec = heads.record(model, task.clean, what=("pattern",))
     L, off, T = task.length, task.offset, task.clean.shape[1]

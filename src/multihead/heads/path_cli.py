@@ -38,7 +38,8 @@ def add_path_arguments(subparsers) -> argparse.ArgumentParser:
         description=__doc__.split("\n\n")[1].replace("\n", " "),
         epilog="examples:" + __doc__.split("examples:")[1], formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default="smollm2",
-                   help="a decoder language model: smollm2 (the bundled SmolLM2-135M-Instruct; default), a .gguf "
+                   help="a decoder language model: smollm2 (the bundled SmolLM2-135M-Instruct; default), gemma3 (the "
+                        "bundled gemma-3-270m), a .gguf "
                         "file, a local Hugging Face causal LM folder, or a `multihead lab` checkpoint folder")
     p.add_argument("--task", choices=["ioi"],
                    help="ioi: indirect-object pairs of Wang et al. (2022), metric logit(IO) - logit(S). Without "
@@ -87,25 +88,25 @@ def _load(spec: str):
     return loaded, hf
 
 
-def _token(loaded, hf: bool, flag: str, text: str, token: str) -> tuple[int, str]:
-    """The id and piece of `token` as the model would write it after `text` (after a word, a
-    BPE tokenizer's space-led piece: ' Mary'); UsageError unless it is one token."""
-    if not token.strip():
-        raise UsageError(f"{flag} is empty; give the token the text should continue with, e.g. {flag} Mary")
-    if not hf:
-        ids = loaded.encode(token)
-        if len(ids) != 1:
-            raise UsageError(f"{flag} {token!r} is {len(ids)} tokens for this model; give one token")
-        return ids[0], token
-    tok = loaded.tokenizer
-    piece = " " + token if text[-1:].isalnum() and not token[:1].isspace() else token
-    base = tok(text, add_special_tokens=False)["input_ids"]
-    full = tok(text + piece, add_special_tokens=False)["input_ids"]
-    new = full[len(base):] if full[:len(base)] == base else tok(piece, add_special_tokens=False)["input_ids"]
-    if len(new) != 1:
-        raise UsageError(f"{flag} {token!r} is {len(new)} tokens after the text ({piece!r} -> "
-                         f"{tok.convert_ids_to_tokens(new)}) for this model's tokenizer; give one token")
-    return new[0], tok.convert_ids_to_tokens(new)[0]
+def _token(loaded, flag: str, text: str, token: str) -> tuple[int, str]:
+    """The id and piece of `token` as the model would write it after `text`, read as `heads
+    scan` reads it (`multihead.heads.tokens.next_token`); UsageError unless it is one known token."""
+    from multihead.heads.tokens import next_token
+
+    try:
+        return next_token(loaded, flag, text, token)
+    except ValueError as err:
+        raise UsageError(str(err)) from None
+
+
+def _check_fit(model, *inputs) -> None:
+    from multihead.heads.tokens import check_ids_fit
+
+    try:
+        for x in inputs:
+            check_ids_fit(model, x)
+    except ValueError as err:
+        raise UsageError(f"--model: {err}") from None
 
 
 def _one_pair(loaded, hf: bool, args):
@@ -126,8 +127,9 @@ def _one_pair(loaded, hf: bool, args):
     if len(ids[0]) != len(ids[1]):
         raise UsageError(f"--clean is {len(ids[0])} tokens and --corrupted {len(ids[1])} tokens; path patching "
                          "needs the same number (change words for words of as many tokens)")
-    ans, ans_piece = _token(loaded, hf, "--answer", args.clean, args.answer)
-    wrong, wrong_piece = _token(loaded, hf, "--wrong", args.clean, args.wrong)
+    ans, ans_piece = _token(loaded, "--answer", args.clean, args.answer)
+    wrong, wrong_piece = _token(loaded, "--wrong", args.clean, args.wrong)
+    _check_fit(loaded.model, torch.tensor([ans, wrong]))
     if ans == wrong:
         raise UsageError(f"--answer {args.answer!r} and --wrong {args.wrong!r} are the same token ({ans_piece!r}); "
                          "the metric would be 0")
@@ -177,6 +179,7 @@ def path_table(args) -> dict:
     loaded, hf = _load(args.model)
     model = loaded.model
     clean, corrupted, metric, info = _ioi(loaded, hf, args) if args.task else _one_pair(loaded, hf, args)
+    _check_fit(model, clean, corrupted)
     with torch.no_grad():
         run = (lambda x: model(**x).logits) if hf else model
         m_clean, m_corr = float(metric(run(clean))), float(metric(run(corrupted)))

@@ -41,15 +41,18 @@ IMP_BATCHES, IMP_BATCH, IMP_LENGTH = 4, 4, 128  # importance: 4 batches of 4 x 1
 
 def kjv_windows(tokenizer, n: int, length: int, held_out: bool) -> torch.Tensor:
     """(n, length + 1) token ids: n windows spread evenly over the KJV's held-out books
-    (Romans to Revelation) or its training books (Genesis to Acts)."""
+    (Romans to Revelation) or its training books (Genesis to Acts), each after the
+    tokenizer's own prefix (its BOS, where it puts one)."""
     from multihead.corpus import split_kjv
+    from multihead.heads.tokens import pieces, prefix, windows
 
     train, held = split_kjv()
-    ids = torch.tensor(tokenizer(held if held_out else train)["input_ids"], dtype=torch.long)
+    ids = torch.tensor(pieces(tokenizer, held if held_out else train), dtype=torch.long)
     if len(ids) < n * (length + 1):
         raise ValueError(f"the KJV split has {len(ids)} tokens; {n} windows of {length + 1} need more")
-    starts = torch.linspace(0, len(ids) - length - 1, n).long()
-    return torch.stack([ids[s:s + length + 1] for s in starts])
+    start = prefix(tokenizer)  # each window begins as a text does for the model (Gemma: <bos>)
+    starts = torch.linspace(0, len(ids) - length - 1 + len(start), n).long()
+    return windows(start, ids, starts, length + 1)
 
 
 def _geometry(model) -> tuple[int, int, int]:

@@ -37,9 +37,11 @@ from torch import Tensor
 
 from multihead.corpus import load_corpus
 from multihead.heads.metrics import AtPositions
+from multihead.heads.tokens import pieces, prefix
 
 TEMPERATURE = 0.05
 POOL = 32  # candidates per retrieval
+MAX_COUNT = 100_000  # pairs or sequences: beyond it a task would not finish being drawn
 
 
 def kjv_verses(n: int, start: int = 0, min_words: int = 8, path: str | None = None, stride: int = 1) -> list[str]:
@@ -154,8 +156,17 @@ def _tokenizer_of(tokenizer):
     return tok
 
 
-def _ids(tok, text: str) -> list[int]:
-    return list(tok(text, add_special_tokens=False)["input_ids"])
+def _check_count(name: str, value, low: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{name} must be an int; received {type(value).__name__}")
+    if not low <= value <= MAX_COUNT:
+        shown = value if len(str(value)) <= 20 else f"{str(value)[:12]}... ({len(str(value))} digits)"
+        raise ValueError(f"{name} must be between {low} and {MAX_COUNT:,}; received {shown}")
+
+
+def _check_seed(seed) -> None:
+    if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
+        raise TypeError(f"seed must be an int, or None for a fresh draw; received {type(seed).__name__}")
 
 
 def single_token_names(tokenizer, names=IOI_NAMES) -> list[tuple[str, int]]:
@@ -165,7 +176,7 @@ def single_token_names(tokenizer, names=IOI_NAMES) -> list[tuple[str, int]]:
     unk = getattr(tok, "unk_token_id", None)
     out = []
     for name in names:
-        ids = _ids(tok, " " + name)
+        ids = pieces(tok, " " + name)
         if len(ids) == 1 and ids[0] != unk and tok.decode(ids).strip() == name:
             out.append((name, ids[0]))
     return out
@@ -183,6 +194,16 @@ def _pad(rows: list[list[int]], pad: int) -> tuple[Tensor, Tensor]:
     return ids, mask
 
 
+def _refuse_unknown(tok, text: str, ids: list[int]) -> None:
+    """A prompt the tokenizer reads partly as its unknown token is not the task: refused."""
+    unk = getattr(tok, "unk_token_id", None)
+    if unk is not None and unk in ids:
+        unknown = sum(i == unk for i in ids)
+        raise ValueError(f"this tokenizer reads {unknown} of the {len(ids)} tokens of the IOI prompt {text!r} as "
+                         f"its unknown token {getattr(tok, 'unk_token', unk)!r}; IOI needs a tokenizer that knows "
+                         "ordinary English words (a language model's own)")
+
+
 @dataclass(frozen=True, eq=False)
 class IOITask:
     """Indirect-object identification pairs (Wang et al., 2022), ready for `patch_scan`:
@@ -190,7 +211,8 @@ class IOITask:
         table = heads.patch_scan(model, task.clean, task.corrupted, task.metric)
 
     clean, corrupted, reference: `{"input_ids", "attention_mask"}` `(N, T)`, right-padded
-        (a pair's clean and corrupted have the same tokens but one). `reference` is Wang
+        (a pair's clean and corrupted have the same tokens but one), each prompt as the
+        tokenizer reads it by default: after its BOS where it puts one (Gemma's `<bos>`). `reference` is Wang
         et al.'s "ABC" distribution (three different names, same templates): the inputs a
         mean ablation averages over.
     answer, wrong: `(N,)` the indirect object's and the subject's name tokens (" Mary").
@@ -247,11 +269,13 @@ def ioi(n: int, seed: int = 0, *, tokenizer, templates=IOI_TEMPLATES, names=IOI_
     drink to": the same number of tokens, and now John is the answer), so the metric
     logit(IO) - logit(S) is positive on clean prompts and negative on corrupted ones for a
     model that does the task. The reference prompts name a third person there instead
-    ("ABC": no name repeats), for mean ablation.
+    ("ABC": no name repeats), for mean ablation. Every prompt starts with the special
+    tokens the tokenizer puts before a text (Gemma's `<bos>`; none for SmolLM2), as the
+    model was trained; a prompt the tokenizer reads partly as its unknown token is refused.
 
     Args:
-        n: number of pairs (>= 1).
-        seed: the draw (the same seed gives the same pairs).
+        n: number of pairs (1 to 100,000).
+        seed: the draw (the same seed gives the same pairs; None: a fresh one).
         tokenizer: a Hugging Face tokenizer, or a loaded model holding one (`.tokenizer`).
         templates: texts with {A} (the indirect object), {B} (the subject, twice), {PLACE}
             and {OBJECT}; each placeholder stands where a space-led word goes.
@@ -259,11 +283,10 @@ def ioi(n: int, seed: int = 0, *, tokenizer, templates=IOI_TEMPLATES, names=IOI_
     """
     import random
 
-    if isinstance(n, bool) or not isinstance(n, int):
-        raise TypeError(f"n must be an int (the number of pairs); received {type(n).__name__}")
-    if n < 1:
-        raise ValueError(f"n must be >= 1 (the number of pairs); received {n}")
+    _check_count("n (the number of pairs)", n, 1)
+    _check_seed(seed)
     tok = _tokenizer_of(tokenizer)
+    start = prefix(tok)  # the tokenizer's own BOS, if it adds one: the model was trained with it
     pool = single_token_names(tok, names)
     if len(pool) < 3:
         raise ValueError(f"IOI needs at least 3 names that are one token of this tokenizer (with a leading space); "
@@ -288,7 +311,7 @@ def ioi(n: int, seed: int = 0, *, tokenizer, templates=IOI_TEMPLATES, names=IOI_
             def fill(x, y, z, base=base):
                 return base.replace("{X}", " " + x).replace("{Y}", " " + y).replace("{Z}", " " + z)
             texts = (fill(x, y, b), fill(x, y, a), fill(x, y, c))
-            ids = [_ids(tok, t) for t in texts]
+            ids = [start + pieces(tok, t) for t in texts]
             differ = [k for k in range(len(ids[0])) if len(ids[1]) == len(ids[0]) and ids[0][k] != ids[1][k]]
             if (len({len(x) for x in ids}) == 1 and len(differ) == 1 and ids[0][differ[0]] == b_id
                     and ids[1][differ[0]] == a_id):
@@ -296,6 +319,7 @@ def ioi(n: int, seed: int = 0, *, tokenizer, templates=IOI_TEMPLATES, names=IOI_
         else:
             raise ValueError("could not draw IOI prompts whose clean and corrupted texts differ in one token for "
                              "this tokenizer (names merge with their neighbours)")
+        _refuse_unknown(tok, texts[0], ids[0])
         for key, value in zip(("clean", "corrupted", "reference"), ids):
             rows[key].append(value)
         rows["io"].append(a_id)
@@ -320,7 +344,7 @@ def ioi(n: int, seed: int = 0, *, tokenizer, templates=IOI_TEMPLATES, names=IOI_
 class InductionTask:
     """Repeated random tokens (Olsson et al., 2022), ready for `patch_scan`:
 
-    clean: `(N, 2L)` (with a BOS column first when one is given, `(N, 2L + 1)`): L random
+    clean: `(N, 2L)` (after a BOS column where there is one, `(N, 2L + 1)`): L random
         tokens, then the same L again. An induction head at a repeated token attends to
         the token after that token's first occurrence and copies it.
     corrupted: the same second half after a different random first half: nothing to
@@ -335,7 +359,7 @@ class InductionTask:
     corrupted: Tensor
     reference: Tensor
     length: int
-    offset: int  # 1 with a BOS column, else 0
+    offset: int  # the BOS columns before the first half (the tokenizer's own, or `bos`): 0 or 1
 
     def __len__(self) -> int:
         return self.clean.shape[0]
@@ -360,49 +384,82 @@ class InductionTask:
         return self._loss(logits, 0)
 
 
-def induction(n: int, length: int, seed: int = 0, *, vocab, bos: int | None = None) -> InductionTask:
+def induction(n: int, length: int, seed: int | None = 0, *, vocab, bos: int | None | str = "auto") -> InductionTask:
     """`n` sequences of `length` random tokens repeated once (Olsson et al., 2022).
 
     Args:
-        n: number of sequences (>= 1).
-        length: L, tokens per half (>= 2).
-        seed: the draw.
+        n: number of sequences (1 to 100,000).
+        length: L, tokens per half (2 to 100,000).
+        seed: the draw (None: a fresh one).
         vocab: where tokens are drawn from, uniformly: an int V (ids 0..V-1), a 1-D tensor
-            or list of allowed ids, or a Hugging Face tokenizer / loaded model (its ordinary
-            tokens: no special or bracketed ones such as <|im_start|> or [CLS]).
-        bos: a token id put before every sequence (None: none).
+            or list of allowed ids (integers >= 0), or a Hugging Face tokenizer / loaded
+            model (its ordinary tokens: no special or bracketed ones such as <|im_start|>).
+        bos: a token id put before every sequence, None for none, or "auto" (the default):
+            the special tokens a tokenizer `vocab` puts before every text (Gemma's <bos>;
+            none for SmolLM2), none for ids.
     """
-    import re
-
-    for name, value, low in (("n", n, 1), ("length", length, 2)):
-        if isinstance(value, bool) or not isinstance(value, int):
-            raise TypeError(f"{name} must be an int; received {type(value).__name__}")
-        if value < low:
-            raise ValueError(f"{name} must be >= {low}; received {value}")
-    if isinstance(vocab, bool):
-        raise TypeError("vocab must be an int, a list or tensor of ids, or a tokenizer; received bool")
-    if isinstance(vocab, int):
-        if vocab < 2:
-            raise ValueError(f"vocab must be >= 2 tokens; received {vocab}")
-        pool = torch.arange(vocab)
-    elif isinstance(vocab, (list, tuple, Tensor)):
-        pool = torch.as_tensor(vocab, dtype=torch.long).flatten().unique()
-    else:
-        tok = _tokenizer_of(vocab)
-        special = set(getattr(tok, "all_special_ids", ()))
-        bracketed = re.compile(r"^(\[.*\]|<.*>|<\|.*\|>)$")
-        pool = torch.tensor(sorted(i for t, i in tok.get_vocab().items() if i not in special
-                                   and not bracketed.match(t)))
-    if pool.numel() < 2:
-        raise ValueError(f"vocab must offer at least 2 token ids; received {pool.numel()}")
-    g = torch.Generator().manual_seed(seed)
+    _check_count("n", n, 1)
+    _check_count("length", length, 2)
+    _check_seed(seed)
+    pool, tok = _induction_pool(vocab)
+    start = _induction_prefix(bos, tok, vocab)
+    g = torch.Generator()
+    g.manual_seed(seed) if seed is not None else g.seed()
 
     def draw(rows: int, cols: int) -> Tensor:
         return pool[torch.randint(pool.numel(), (rows, cols), generator=g)]
     first, other, ref = draw(n, length), draw(n, length), draw(n, 2 * length)
     clean = torch.cat([first, first], 1)  # (N, 2L)
     corrupted = torch.cat([other, first], 1)
-    if bos is not None:
-        col = torch.full((n, 1), int(bos), dtype=torch.long)
-        clean, corrupted, ref = (torch.cat([col, x], 1) for x in (clean, corrupted, ref))
-    return InductionTask(clean, corrupted, ref, length, int(bos is not None))
+    if start:
+        cols = torch.tensor([start], dtype=torch.long).expand(n, len(start))
+        clean, corrupted, ref = (torch.cat([cols, x], 1) for x in (clean, corrupted, ref))
+    return InductionTask(clean, corrupted, ref, length, len(start))
+
+
+def _induction_pool(vocab) -> tuple[Tensor, object]:
+    """(the ids to draw from, the tokenizer or None), refusing ids that are not token ids."""
+    import re
+
+    if isinstance(vocab, bool):
+        raise TypeError("vocab must be an int, a list or tensor of ids, or a tokenizer; received bool")
+    if isinstance(vocab, int):
+        if vocab < 2:
+            raise ValueError(f"vocab must be >= 2 tokens; received {vocab}")
+        return torch.arange(vocab), None
+    if isinstance(vocab, (list, tuple, Tensor)):
+        items = vocab.flatten().tolist() if isinstance(vocab, Tensor) else list(vocab)
+        bad = next((x for x in items if isinstance(x, bool) or not isinstance(x, int)), None)
+        if bad is not None or (isinstance(vocab, Tensor) and (vocab.is_floating_point() or vocab.is_complex()
+                                                               or vocab.dtype == torch.bool)):
+            raise TypeError(f"vocab's ids must be integers; received {bad!r} ({type(bad).__name__})"
+                            if bad is not None else f"vocab's ids must be integers; received a {vocab.dtype} tensor")
+        if any(x < 0 for x in items):
+            raise ValueError(f"vocab's ids must be >= 0; received {min(items)}")
+        pool = torch.tensor(items, dtype=torch.long).unique()
+    else:
+        tok = _tokenizer_of(vocab)
+        special = set(getattr(tok, "all_special_ids", ()))
+        bracketed = re.compile(r"^(\[.*\]|<.*>|<\|.*\|>)$")
+        pool = torch.tensor(sorted(i for t, i in tok.get_vocab().items() if i not in special
+                                   and not bracketed.match(t)))
+        if pool.numel() >= 2:
+            return pool, tok
+    if pool.numel() < 2:
+        raise ValueError(f"vocab must offer at least 2 token ids; received {pool.numel()}")
+    return pool, None
+
+
+def _induction_prefix(bos, tok, vocab) -> list[int]:
+    """The ids before every sequence: the tokenizer's own for "auto", else `bos` checked."""
+    if isinstance(bos, str) and bos == "auto":
+        return prefix(tok) if tok is not None else []
+    if bos is None:
+        return []
+    if isinstance(bos, bool) or not isinstance(bos, int):
+        raise TypeError(f"bos must be a token id (an int), None or 'auto'; received {bos!r}")
+    size = vocab if isinstance(vocab, int) else len(tok) if tok is not None else None
+    if bos < 0 or (size is not None and bos >= size):
+        valid = f"0 to {size - 1}" if size is not None else ">= 0"
+        raise ValueError(f"bos must be a token id ({valid}); received {bos}")
+    return [bos]

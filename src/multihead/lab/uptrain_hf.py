@@ -61,6 +61,7 @@ import torch
 
 from multihead.corpus import split_kjv
 from multihead.errors import UsageError
+from multihead.heads.tokens import pieces, prefix, windows
 from multihead.lab.devices import resolve_device
 from multihead.lab.plots import draw_plots, pyplot, save_figure
 from multihead.lab.progress import Overall, Progress
@@ -138,23 +139,24 @@ class _Data:
 
     def __init__(self, tokenizer, cfg: HFUptrainConfig, seed: int):
         train, held_out = split_kjv(cfg.max_train_chars)
-        self.train = torch.tensor(tokenizer(train)["input_ids"], dtype=torch.long)
-        self.held_out = torch.tensor(tokenizer(held_out)["input_ids"], dtype=torch.long)
+        self.train = torch.tensor(pieces(tokenizer, train), dtype=torch.long)
+        self.held_out = torch.tensor(pieces(tokenizer, held_out), dtype=torch.long)
+        self.start = prefix(tokenizer)  # every window begins as a text does for the model (Gemma: <bos>)
         self.cfg, self.seed = cfg, seed
         n = cfg.eval_context + 1
         if len(self.held_out) < n * cfg.eval_windows or len(self.train) < cfg.context + 2:
             raise UsageError(f"the KJV splits give {len(self.train)} training and {len(self.held_out)} held-out "
                              f"tokens; need {cfg.context + 2} and {n * cfg.eval_windows}")
-        starts = torch.linspace(0, len(self.held_out) - n, cfg.eval_windows).long()
-        self.windows = torch.stack([self.held_out[s:s + n] for s in starts])  # (W, eval_context + 1)
+        starts = torch.linspace(0, len(self.held_out) - n + len(self.start), cfg.eval_windows).long()
+        self.windows = windows(self.start, self.held_out, starts, n)  # (W, eval_context + 1)
 
     def batch(self, step: int) -> torch.Tensor:
         """(B, context + 1) token ids of training step `step` (1-based): a function of the seed
         and the step alone, so every target and a resumed run read the same batches."""
         gen = torch.Generator().manual_seed(self.seed * 1_000_003 + step)
         n = self.cfg.context + 1
-        starts = torch.randint(0, len(self.train) - n + 1, (self.cfg.batch_size,), generator=gen)
-        return torch.stack([self.train[s:s + n] for s in starts])
+        starts = torch.randint(0, len(self.train) - n + len(self.start) + 1, (self.cfg.batch_size,), generator=gen)
+        return windows(self.start, self.train, starts, n)
 
 
 def _nll_sum(model, windows: torch.Tensor, device) -> tuple[float, int]:
@@ -282,7 +284,7 @@ class _Run:
     def __init__(self, cfg, out: Path, res: dict, base, data: _Data, dev, seed, callback, progress, overall):
         self.cfg, self.out, self.res, self.base, self.data = cfg, out, res, base, data
         self.dev, self.seed, self.callback, self.progress, self.overall = dev, seed, callback, progress, overall
-        self.prompt = data.held_out[None, :8].to(dev)
+        self.prompt = data.windows[:1, :8].to(dev)  # the first held-out window's start, BOS included
         self.t0, self.c0 = time.perf_counter(), time.process_time()
         self.elapsed0 = float(res.get("elapsed_s", 0.0))
         self.cpu0 = float(res.get("cpu_s", 0.0))  # CPU time: on a shared machine, what the run would take alone
