@@ -150,15 +150,16 @@ def forward_takes(model: nn.Module, *names: str) -> bool:
 
 
 def multihead_modules(model: nn.Module) -> list[nn.Module]:
-    """multihead's attention modules in module order, with the `LatentAttention` a patched
-    DeepSeek layer (`multihead.interop.hf.use_latent_attention`) computes with (kept unregistered there)."""
-    out = []
+    """multihead's attention modules in module order, each once, with the `LatentAttention` a
+    layer holds as `.mla` (a patched DeepSeek layer keeps it unregistered; `convert.to_mla`'s
+    transformers layer registers it, so it is met twice)."""
+    out: dict[int, nn.Module] = {}
     for m in model.modules():
         if isinstance(m, (Attention, LatentAttention)):
-            out.append(m)
+            out.setdefault(id(m), m)
         elif isinstance(getattr(m, "mla", None), LatentAttention):
-            out.append(m.mla)
-    return out
+            out.setdefault(id(m.mla), m.mla)
+    return list(out.values())
 
 
 def check_model(model) -> None:
@@ -258,6 +259,12 @@ class Engine:
         latent = isinstance(m, LatentAttention)
         hooks.pre(m, lambda mod, a, kw: self._mh_pre(mod, a, kw, latent), with_kwargs=True)
         hooks.post(m, lambda mod, a, out: self._mh_post(mod, out))
+        if latent and m.kv_a_proj is None:
+            raise ValueError(f"{type(self.model).__name__} holds a LatentAttention without kv_a_proj (the layer that "
+                             "holds it computes its latent from per-head normed keys, as convert.to_mla makes for a "
+                             "model with q/k norms such as Qwen3), whose keys, values and latent multihead.heads "
+                             "cannot see; valid: a model converted from a family without q/k norms (Llama, Mistral, "
+                             "Qwen2), or the model before conversion")
         if latent:
             hooks.post(m.kv_b_proj, lambda mod, a, out: self._mla_kv(m, out))
             hooks.post(m.kv_a_proj, lambda mod, a, out: self._mla_latent(m, out))

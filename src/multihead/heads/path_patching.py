@@ -50,6 +50,7 @@ from torch import Tensor, nn
 
 from multihead.heads._align import aligned
 from multihead.heads._in_place import in_place_activations
+from multihead.heads._inputs import call, check_inputs, check_variants_per_run, scalar, takes_use_cache
 from multihead.heads._interventions import check_heads
 from multihead.heads._ranks import Ranks, check_group, fingerprint
 from multihead.heads._record import Recording, head_results, record
@@ -60,8 +61,6 @@ from multihead.heads.engine import (
     Handler,
     Hooks,
     Layer,
-    batch_size,
-    check_model,
     is_hf,
     logits_of,
     multihead_modules,
@@ -79,7 +78,6 @@ from multihead.heads.scan import (
     model_width,
     one_row,
     read_metric,
-    takes_use_cache,
     variants_per_forward,
 )
 from multihead.masks import MaskMod
@@ -160,13 +158,6 @@ def _by_layer(receivers: list[tuple[int, int, str]], above: int) -> dict[tuple[i
     return out
 
 
-def _scalar(value, where: str) -> float:
-    t = torch.as_tensor(value)
-    if t.numel() != 1:
-        raise ValueError(f"metric must return a scalar tensor; {where} it returned shape {tuple(t.shape)}")
-    return float(t.detach().float().reshape(()))
-
-
 # ---------------------------------------------------------------- queries
 
 
@@ -202,10 +193,9 @@ class _Queries:
         try:
             if self.engine.hf:  # registered after the engine's hook, so it finds the engine's adapter
                 hooks.pre(model, self._top, with_kwargs=True)
-            else:
-                for m in multihead_modules(model):
-                    proj = m.q_proj if isinstance(getattr(m, "q_proj", None), nn.Module) else m.q_b_proj
-                    hooks.post(proj, lambda mod, a, out, m=m: self._proj(m, out))
+            for m in multihead_modules(model):  # also in a transformers model (to_mla's layers, a patched DeepSeek)
+                proj = m.q_proj if isinstance(getattr(m, "q_proj", None), nn.Module) else m.q_b_proj
+                hooks.post(proj, lambda mod, a, out, m=m: self._proj(m, out))
             yield self
         finally:
             hooks.remove()
@@ -329,16 +319,7 @@ class _Received(_Step):
 def _call(model: nn.Module, inputs, **extra):
     """model(inputs) without a KV cache (a scan's forwards change their batch between blocks);
     `extra`: keywords of the call (`logits_to_keep`)."""
-    no_cache = takes_use_cache(model)
-    if isinstance(inputs, Tensor):
-        return model(inputs, use_cache=False, **extra) if no_cache else model(inputs, **extra)
-    if not (hasattr(inputs, "keys") and hasattr(inputs, "__getitem__")):
-        raise TypeError(f"inputs must be a tensor (input_ids) or a mapping of keyword arguments (a tokenizer's "
-                        f"BatchEncoding); received {type(inputs).__name__}")
-    kw = {**{k: inputs[k] for k in inputs.keys()}, **extra}
-    if no_cache:
-        kw.setdefault("use_cache", False)
-    return model(**kw)
+    return call(model, inputs, takes_use_cache(model), **extra)
 
 
 def _with_first(out, x: Tensor):
@@ -372,13 +353,7 @@ class _Runs:
     corrupted logits and metric, the layers, and each head's clean-minus-corrupted result."""
 
     def __init__(self, model, clean, corrupted, metric):
-        check_model(model)
-        if not callable(metric):
-            raise TypeError(f"metric must be callable(logits) -> scalar tensor; received {type(metric).__name__}")
-        self.B = batch_size(corrupted)
-        if batch_size(clean) != self.B:
-            raise ValueError(f"clean and corrupted inputs must have the same batch size; received "
-                             f"{batch_size(clean)} and {self.B}")
+        self.B = check_inputs(model, clean, corrupted, metric)
         self.model, self.corrupted_inputs, self.metric = model, corrupted, metric
         self.clean = record(model, clean)
         self.corrupted = record(model, corrupted)
@@ -388,7 +363,7 @@ class _Runs:
             if a.shape != b.shape:
                 raise ValueError(f"clean and corrupted runs must have the same shape; layer {lay.index}'s z is "
                                  f"{tuple(a.shape)} on clean and {tuple(b.shape)} on corrupted")
-        self.corrupted_metric = _scalar(metric(self.corrupted.logits), "on the corrupted run")
+        self.corrupted_metric = scalar(metric(self.corrupted.logits), "on the corrupted run")
         logits = self.corrupted.logits
         self.vocab = logits.shape[-1] if logits.dim() >= 3 else 0
         self.itemsize = logits.element_size()
@@ -424,7 +399,7 @@ class _Runs:
 
     def metric_of(self, logits: Tensor, where: str) -> float:
         """The metric of one run's logits (those of the kept positions only with `self.keep`)."""
-        return _scalar(read_metric(self.metric, logits, self.keep, self.T), where)
+        return scalar(read_metric(self.metric, logits, self.keep, self.T), where)
 
 
 def _one(runs: _Runs, senders: list[tuple[int, int]], receivers: list[tuple[int, int, str]], logits: bool) -> float:
@@ -719,9 +694,7 @@ def path_patch_scan(model, clean, corrupted, metric: Callable[[Tensor], Tensor],
         rec, logits = check_receivers(receivers, via)
         budget = check_memory(max_memory)
         check_progress(progress)
-        if variants_per_run is not None and (isinstance(variants_per_run, bool) or not isinstance(variants_per_run, int)
-                                             or variants_per_run < 1):
-            raise ValueError(f"variants_per_run must be an int >= 1; received {variants_per_run!r}")
+        check_variants_per_run(variants_per_run)
         clean_, corrupted_, metric_, _ = aligned(model, clean, corrupted, metric, None)
         runs = _Runs(model, clean_, corrupted_, metric_)
         _check_ranges(runs.layers, [], rec)

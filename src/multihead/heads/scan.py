@@ -68,6 +68,15 @@ from torch import Tensor, nn
 
 from multihead.heads._align import aligned, unchecked
 from multihead.heads._in_place import in_place_activations
+from multihead.heads._inputs import (
+    call,
+    check_inputs,
+    check_metric,
+    check_variants_per_run,
+    scalar,
+    takes_use_cache,
+    with_keywords,
+)
 from multihead.heads._interventions import check_positions
 from multihead.heads._ranks import Ranks, check_group, fingerprint, pack, unpack
 from multihead.heads._record import Recording, check_what, out_projection, record
@@ -79,7 +88,6 @@ from multihead.heads.engine import (
     Handler,
     Hooks,
     Layer,
-    batch_size,
     check_grad_mode,
     check_model,
     forward_takes,
@@ -636,84 +644,19 @@ def _forward(model, corrupted, no_cache: bool, handler: Handler, grower, hooked:
             hooks.post(hooked[-1], lambda m, a, out: final.append(first_output(out)))
         hooks.pre(model, lambda m, a: grower.begin())
         with Engine(model, handler).installed(), torch.no_grad(), in_place_activations(model):
-            return logits_of(_call(model, corrupted, no_cache, **(keep or {})))
+            return logits_of(call(model, corrupted, no_cache, **(keep or {})))
     finally:
         hooks.remove()
-
-
-def _call(model: nn.Module, inputs, no_cache: bool, **extra):
-    if isinstance(inputs, Tensor):
-        return model(inputs, use_cache=False, **extra) if no_cache else model(inputs, **extra)
-    kw = {**{k: inputs[k] for k in inputs.keys()}, **extra}
-    if no_cache:
-        kw.setdefault("use_cache", False)
-    return model(**kw)
-
-
-def takes_use_cache(model: nn.Module) -> bool:
-    return forward_takes(model, "use_cache")
-
-
-def _scalar(value, where: str) -> float:
-    if isinstance(value, (int, float)) and not isinstance(value, bool):
-        return float(value)
-    if not isinstance(value, Tensor):
-        raise TypeError(f"metric must return a scalar tensor (or a number); {where} it returned "
-                        f"{type(value).__name__}")
-    if value.numel() != 1:
-        raise ValueError(f"metric must return a scalar tensor; {where} it returned shape {tuple(value.shape)}")
-    return float(value.detach().float().reshape(()))
-
-
-def _check_pair(clean, corrupted) -> None:
-    """Clean and corrupted: one kind, the same keywords and shapes, nothing a grown batch breaks."""
-    mapping = [hasattr(x, "keys") and hasattr(x, "__getitem__") for x in (clean, corrupted)]
-    if not all(isinstance(x, Tensor) or m for x, m in zip((clean, corrupted), mapping)) or mapping[0] != mapping[1]:
-        raise TypeError(f"clean and corrupted must both be tensors (input_ids) or both mappings of keyword arguments; "
-                        f"received {type(clean).__name__} and {type(corrupted).__name__}")
-    if not mapping[0]:
-        pairs = {"input_ids": (clean, corrupted)}
-    else:
-        if set(clean.keys()) != set(corrupted.keys()):
-            raise ValueError(f"clean and corrupted must carry the same keywords; received {sorted(clean.keys())} and "
-                             f"{sorted(corrupted.keys())}")
-        pairs = {k: (clean[k], corrupted[k]) for k in clean.keys()}
-        for label, inputs in (("clean", clean), ("corrupted", corrupted)):
-            for key, bad in (("labels", lambda v: v is not None), ("use_cache", lambda v: bool(v)),
-                             ("past_key_values", lambda v: v is not None)):
-                if key in inputs.keys() and bad(inputs[key]):
-                    raise ValueError(f"{label} carries {key} ({_shown(inputs[key])}); valid: inputs without it (the "
-                                     "scan reads the logits of cache-free forwards whose batch it grows: the metric "
-                                     "sees the logits, so leave out labels, use_cache and past_key_values)")
-    for key, (a, b) in pairs.items():
-        if isinstance(a, Tensor) and isinstance(b, Tensor) and a.shape != b.shape:
-            raise ValueError(f"clean and corrupted must have the same shape (a variant is the corrupted run with "
-                             f"heads of the clean run written in, position by position); received {key} of shape "
-                             f"{tuple(a.shape)} and {tuple(b.shape)}")
-
-
-def _shown(v) -> str:
-    return f"a tensor of shape {tuple(v.shape)}" if isinstance(v, Tensor) else repr(v) if len(repr(v)) < 40 \
-        else type(v).__name__
 
 
 def _check_scan(model, clean, corrupted, metric, what: str, positions, variants_per_run) -> tuple:
     """Every check of patch_scan's arguments before the first forward: (positions, B, variants per run)."""
     check_model(model)
     check_what(what, SCANS)
-    if not callable(metric):
-        raise TypeError(f"metric must be callable(logits) -> scalar tensor; received {type(metric).__name__}")
+    check_metric(metric)
     pos = check_positions(positions)
-    _check_pair(clean, corrupted)
-    B = batch_size(corrupted)
-    if batch_size(clean) != B:
-        raise ValueError(f"clean and corrupted inputs must have the same batch size; received {batch_size(clean)} "
-                         f"and {B}")
-    if variants_per_run is not None and (isinstance(variants_per_run, bool) or not isinstance(variants_per_run, int)):
-        raise TypeError(f"variants_per_run must be an int >= 1 or None; received {variants_per_run!r}")
-    if variants_per_run is not None and variants_per_run < 1:
-        raise ValueError(f"variants_per_run must be >= 1; received {variants_per_run!r}")
-    return pos, B, variants_per_run
+    B = check_inputs(model, clean, corrupted, metric)
+    return pos, B, check_variants_per_run(variants_per_run)
 
 
 def check_memory(max_memory) -> int | None:
@@ -874,7 +817,7 @@ class _Scan:
             recording = self.stack is not None or short.layers
             recorder = Engine(self.model, self.prefix).installed() if recording else nullcontext()
             with torch.no_grad(), recorder:
-                self.logits = logits_of(_call(self.model, self.corrupted, self.no_cache, **self.lean))
+                self.logits = logits_of(call(self.model, self.corrupted, self.no_cache, **self.lean))
         finally:
             hooks.remove()
         short.z, short.src = self.prefix.z_of, self.prefix.src
@@ -1015,7 +958,7 @@ class _Scan:
         logits, start, order = self.chunk_logits(chunk, pos)
         B = self.B
         rows = [logits[start + i * B:start + (i + 1) * B] for i in range(len(order))]
-        return [((layer, h), _scalar(self.read(metric, r), f"for layer {layer} head {h}"))
+        return [((layer, h), scalar(self.read(metric, r), f"for layer {layer} head {h}"))
                 for (layer, h), r in zip(order, rows)]
 
     def read(self, metric, logits: Tensor):
@@ -1199,7 +1142,7 @@ def patch_scan(model, clean, corrupted, metric: Callable[[Tensor], Tensor], what
                          align_check)
 
     def clean_run(a: _Prepared) -> Recording:
-        rec = record(model, _with(a.clean, a.lean), what=a.whats)
+        rec = record(model, with_keywords(a.clean, a.lean), what=a.whats)
         rec.logits = None  # the scan's own recording: its logits (B, T, vocab) are not read
         return rec
 
@@ -1225,7 +1168,7 @@ def patch_scan(model, clean, corrupted, metric: Callable[[Tensor], Tensor], what
         put there (name, the check), to be run as units of the scan (`_deferred`)."""
         if scan.logits is not None:
             if not a.lean:  # a metric that cannot work fails before the scan (else at its first forward)
-                _scalar(a.metric(scan.logits), "on the corrupted run")
+                scalar(a.metric(scan.logits), "on the corrupted run")
             scan.vocab = scan.logits.shape[-1] if scan.logits.dim() >= 3 else 0
             scan.itemsize = scan.logits.element_size()
         scan.logits = None  # (B, T, vocab): 0.8 GB at 4,096 positions of SmolLM2; the checks read `final`
@@ -1468,14 +1411,6 @@ def _lean(model, inputs, budget: int) -> dict:
     return {"logits_to_keep": 1} if ids.numel() * weight.shape[0] * weight.element_size() > budget // 4 else {}
 
 
-def _with(inputs, extra: dict):
-    """The inputs with `extra` keywords added (a tensor becomes {"input_ids": tensor})."""
-    if not extra:
-        return inputs
-    kw = {"input_ids": inputs} if isinstance(inputs, Tensor) else {k: inputs[k] for k in inputs.keys()}
-    return {**kw, **extra}
-
-
 def _positions_of(rec: Recording) -> int:
     t = rec["z", rec.layers[0].index] if ("z", rec.layers[0].index) in rec else None
     return 1 if t is None else t.shape[1]
@@ -1529,10 +1464,8 @@ def attribution_scan(model, clean, corrupted, metric: Callable[[Tensor], Tensor]
     def halves():
         check_model(model)
         check_what(what, ("z", "k", "v"))
-        if not callable(metric):
-            raise TypeError(f"metric must be callable(logits) -> scalar tensor; received {type(metric).__name__}")
+        check_inputs(model, clean, corrupted, metric)
         check_grad_mode("attribution_scan")
-        _check_pair(clean, corrupted)
         mine = {}
         if ranks.rank == clean_rank:
             rec = record(model, clean, what=(what,))
@@ -1570,8 +1503,8 @@ def _attribution_grads(model, corrupted, metric, what: str) -> tuple[float, list
     """The corrupted half: (metric, [(layer, activation, d metric / d activation or None), ...])."""
     handler = _Attribution(what)
     with Engine(model, handler).installed(), torch.enable_grad():
-        m = metric(logits_of(_call(model, corrupted, takes_use_cache(model))))
-        base = _scalar(m, "on the corrupted run")
+        m = metric(logits_of(call(model, corrupted, takes_use_cache(model))))
+        base = scalar(m, "on the corrupted run")
         if not isinstance(m, Tensor) or not m.requires_grad:
             raise TypeError(f"metric must return a scalar tensor computed from the logits (attribution "
                             f"differentiates it); received {type(m).__name__}"
