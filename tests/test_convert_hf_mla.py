@@ -416,6 +416,23 @@ def test_export_to_deepseek_v2_loads_in_stock_transformers(tmp_path):
     assert (_logits(loaded, ids) - _logits(model32, ids)).abs().max().item() < 1e-4
 
 
+def test_save_pretrained_of_a_converted_model_refuses_and_names_the_export(tmp_path):
+    """A converted model saved as its original class reloads in stock transformers with its
+    attention re-initialised (logits off by whole units): saving refuses before writing, and
+    names the DeepSeek-V2 export, which reloads as the converted model (test above)."""
+    model = _model("llama")
+    mla = convert.to_mla(model, 8, rope_dim=4)
+    for m in (mla, copy.deepcopy(mla)):
+        with pytest.raises(ValueError, match=r"LatentLlamaAttention .*to_deepseek_v2\(model, calibration=ids\)"):
+            m.save_pretrained(tmp_path / "llama")
+        assert not (tmp_path / "llama").exists()
+    model.save_pretrained(tmp_path / "original")  # the source model is untouched and saves as before
+    ids = torch.randint(0, VOCAB, (1, 9))
+    again = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "original", dtype=torch.float64,
+                                                              attn_implementation="eager").eval()
+    torch.testing.assert_close(_logits(again, ids), _logits(model, ids), rtol=0, atol=1e-12)  # float64 rounding
+
+
 def test_export_refuses_what_deepseek_v2_cannot_hold():
     from multihead.interop.hf.deepseek_export import to_deepseek_v2
 

@@ -216,6 +216,49 @@ def test_cli_runs_and_resumes(llama_folder, tmp_path, capsys):
     assert "go with --model" in capsys.readouterr().err
 
 
+def test_force_never_replaces_a_folder_that_holds_the_input(llama_folder, tmp_path, capsys):
+    """--out RUN --force with the model in RUN/model (or RUN itself the model, or --out
+    inside it) is refused before anything runs: replacing RUN would delete the model."""
+    import shutil
+
+    from multihead.cli import main
+
+    run = tmp_path / "run"
+    shutil.copytree(llama_folder, run / "model")
+    (run / "results.json").write_text("{}", encoding="utf-8")  # an earlier run's folder, which --force replaces
+    before = sorted(p.name for p in (run / "model").iterdir())
+    flags = ["--quick", "--no-progress", "--rope-dim", "4", "--kv-ranks", "8", "--steps", "1", "--fractions", "0"]
+    for model, out, needle in ((run / "model", run, "holds the model's own folder"),
+                               (run, run, "holds the model's own folder"),  # a lab run's folder: its model/
+                               (run / "model", run / "model", "is inside the model's own folder"),
+                               (run / "model", run / "model" / "sub", "is inside the model's own folder")):
+        assert main(["lab", "uptrain", "--model", str(model), "--out", str(out), "--force", *flags]) == 2
+        assert needle in capsys.readouterr().err
+        assert sorted(p.name for p in (run / "model").iterdir()) == before
+    assert not (run / "model" / "sub").exists()
+    # the lab model's uptrain reads --from RUN: the same rule
+    assert main(["lab", "uptrain", "--from", str(run), "--out", str(run), "--force", "--quick"]) == 2
+    assert "the --from run's own folder" in capsys.readouterr().err
+    assert (run / "model" / "config.json").is_file()
+
+
+def test_a_failed_start_leaves_no_output_folder(llama_folder, tmp_path, capsys):
+    """A model that is not there, or one that loads but cannot be converted as asked,
+    stops the run before --out is made."""
+    from multihead.cli import main
+
+    cases = ((["--model", str(tmp_path / "nonexistent")], "not found"),
+             (["--model", str(llama_folder), "--rope-dim", "4", "--kv-ranks", "999"], "at most"))
+    for flags, needle in cases:
+        out = tmp_path / "new"
+        assert main(["lab", "uptrain", *flags, "--quick", "--out", str(out), "--no-progress"]) == 2
+        assert needle in capsys.readouterr().err
+        assert not out.exists()
+    with pytest.raises(UsageError, match="at most"):
+        run_uptrain_hf(_cfg(llama_folder, ranks=(999,)), tmp_path / "direct", progress=False)
+    assert not (tmp_path / "direct").exists()
+
+
 @pytest.mark.slow
 def test_quick_on_smollm2(tmp_path):
     """The documented `--quick` on the bundled SmolLM2: every target, fp32 KV bytes from a

@@ -26,8 +26,8 @@ import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
-__all__ = ["MAX_JSON_BYTES", "atomic_path", "output_file", "read_json", "usual_mode", "writable_target",
-           "write_bytes", "write_json", "write_text"]
+__all__ = ["MAX_JSON_BYTES", "atomic_path", "check_out_apart", "output_file", "read_json", "usual_mode",
+           "writable_target", "write_bytes", "write_json", "write_text"]
 
 MAX_JSON_BYTES = 16 * 2**20  # a config.json is a few KB; the largest tokenizer configs are a few MB
 _MAX_DEPTH = 64  # configs nest a few levels; deeper is not a config (and would exhaust the stack)
@@ -108,6 +108,27 @@ def output_file(flag: str, value: str | None, example: str) -> Path | None:
     if path.exists() and not os.access(path, os.W_OK):
         raise UsageError(f"{flag} {value!r}: the file exists and is read-only")
     return path
+
+
+def check_out_apart(flag: str, out: str | os.PathLike, source: str | os.PathLike, *, tool: str,
+                    what: str = "the model") -> tuple[Path, Path]:
+    """(out, the input's folder), both resolved, after refusing an output folder that is the
+    input's folder, inside it, or holds it: a tool that writes there could overwrite its
+    input, and one that replaces the folder (`--force`) would delete it. `source` is a
+    folder or a file (its folder is what is protected). Errors are `UsageError`s naming
+    `flag`, `tool` and `what` the input is."""
+    from multihead.errors import UsageError
+
+    resolved = Path(os.path.realpath(Path(out).expanduser()))
+    src = Path(os.path.realpath(Path(source).expanduser()))
+    folder = src.parent if src.is_file() else src
+    if resolved == folder or folder in resolved.parents:
+        raise UsageError(f"{flag} {str(out)!r} is inside {what}'s own folder {str(folder)!r}; {tool} never "
+                         "writes there: give another folder")
+    if resolved in folder.parents:
+        raise UsageError(f"{flag} {str(out)!r} holds {what}'s own folder {str(folder)!r}; replacing it would "
+                         f"delete {what}: give another folder")
+    return resolved, folder
 
 
 def write_bytes(path: str | os.PathLike, data: bytes) -> Path:

@@ -763,18 +763,11 @@ def _print_importance(r: dict) -> None:
 def _prune_target(args) -> tuple[Path, Path]:
     """(--out resolved, the model's own folder), refused before any load when --out is the
     model's folder, inside it or above it, a file, or a folder that holds files (without --force)."""
+    from multihead.files import check_out_apart
     from multihead.interop.loaders import resolve_model
 
-    out = Path(os.path.realpath(Path(args.out).expanduser()))
     _, source, _, _ = resolve_model(args.model)
-    source = Path(os.path.realpath(source))
-    source_dir = source.parent if source.is_file() else source
-    if out == source_dir or source_dir in out.parents:
-        raise UsageError(f"--out {args.out!r} is inside the model's own folder {str(source_dir)!r}; prune never "
-                         "writes there: give another folder")
-    if out in source_dir.parents:
-        raise UsageError(f"--out {args.out!r} holds the model's own folder {str(source_dir)!r}; replacing it would "
-                         "delete the model: give another folder")
+    out, source_dir = check_out_apart("--out", args.out, source, tool="prune")
     if out.exists() and not out.is_dir():
         raise UsageError(f"--out {args.out!r} is a file; give a folder")
     if out.is_dir() and any(out.iterdir()) and not args.force:

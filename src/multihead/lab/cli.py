@@ -272,6 +272,7 @@ def main(args: argparse.Namespace) -> int:
         raise UsageError(f"choose an experiment: {', '.join(EXPERIMENTS)} (multihead lab --help)")
     out = args.out or Path(f"lab-{args.experiment}")
     runner, cfg = _configure(args)  # every flag checked first
+    _check_inputs_apart(args, out)  # --force replaces --out when the run ends: never a folder the run reads
     from multihead.lab.results import lock_out
 
     with lock_out(out):  # one run per --out at a time: a second one stops here (exit 2)
@@ -311,6 +312,32 @@ def _run(args: argparse.Namespace, out: Path, runner, cfg) -> int:
                          f"lr {getattr(cfg, 'lr', '?'):g} is too high: try a smaller --lr. "
                          f"{shown}/results.json records it")
     return 130 if res["interrupted"] else 0
+
+
+def _inputs(args: argparse.Namespace) -> list[tuple[str, Path]]:
+    """(what, file or folder) of everything the run reads from disk: --model (resolved as the
+    loaders do: 'smollm2' is its cached file, a lab run's folder its model/), --from, --corpus."""
+    found = []
+    if getattr(args, "model", None) is not None:
+        from multihead.interop.loaders import resolve_model
+
+        try:
+            _, source, _, _ = resolve_model(args.model)
+        except (ValueError, OSError) as err:
+            raise UsageError(f"--model {args.model}: {err}") from None
+        found.append(("the model", source))
+    for flag, what in (("from_checkpoint", "the --from run"), ("corpus", "the corpus")):
+        value = getattr(args, flag, None)
+        if value is not None and Path(value).exists():
+            found.append((what, Path(value)))
+    return found
+
+
+def _check_inputs_apart(args: argparse.Namespace, out: Path) -> None:
+    from multihead.files import check_out_apart
+
+    for what, source in _inputs(args):
+        check_out_apart("--out", out, source, tool=f"lab {args.experiment}", what=what)
 
 
 def _prepare_out(out: Path, force: bool) -> Path | None:

@@ -472,7 +472,6 @@ def run_uptrain_hf(cfg: HFUptrainConfig | None = None, out_dir: str | Path = "la
     cfg = cfg or HFUptrainConfig()
     dev = resolve_device(device)
     out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
     state = None
     res = None
     if resume and (out / "results.json").is_file():
@@ -489,6 +488,7 @@ def run_uptrain_hf(cfg: HFUptrainConfig | None = None, out_dir: str | Path = "la
     base, tokenizer = _load(cfg.model)
     _check_model(cfg, base)
     data = _Data(tokenizer, cfg, seed)
+    out.mkdir(parents=True, exist_ok=True)  # only now: a model or data that fails to load leaves no folder
     if res is None:
         res = new_results("uptrain", cfg, seed, dev)
         res["results"] = {

@@ -500,4 +500,25 @@ def transformers_to_mla(model: nn.Module, kv_rank: int, *, rope_dim: int | None,
         setattr(new.get_submodule(parent) if parent else new, child, layer)
         rows.append(LayerConversion(name, error, data_error))
     report = ConversionReport(f"MLA-{kv_rank}", f"{'svd' if basis == 'weights' else 'pca'}, rope {keep}", tuple(rows))
+    _refuse_save_pretrained(new)
     return (new, report) if return_report else new
+
+
+def _refuse_save_pretrained(model: nn.Module) -> None:
+    """Make the converted model's `save_pretrained` (and push_to_hub, which calls it) refuse:
+    it would write a folder labelled with the original class (LlamaForCausalLM) whose
+    attention weights stock transformers does not know, so a reload re-initialises every
+    attention layer at random. The way out is named in the error."""
+    import types
+
+    name = type(model).__name__
+
+    def refuse(self, *args, **kwargs):
+        raise ValueError(
+            f"save_pretrained: this {name} runs multihead's LatentLlamaAttention (convert.to_mla), which stock "
+            f"transformers cannot load as a {name}: it would re-initialise every attention layer. Save it as "
+            "DeepSeek-V2, which transformers loads: multihead.interop.hf.deepseek_export.to_deepseek_v2(model, "
+            "calibration=ids).save_pretrained(folder) (its latent norm is fitted, see docs/mla.md); or keep the "
+            "weights with torch.save(model.state_dict(), path) and convert again before loading them")
+
+    model.save_pretrained = types.MethodType(refuse, model)
