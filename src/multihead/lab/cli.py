@@ -337,7 +337,8 @@ def _check_inputs_apart(args: argparse.Namespace, out: Path) -> None:
     from multihead.files import check_out_apart
 
     for what, source in _inputs(args):
-        check_out_apart("--out", out, source, tool=f"lab {args.experiment}", what=what)
+        check_out_apart("--out", out, source, tool=f"lab {args.experiment}", what=what,
+                        file_alone=what == "the corpus")
 
 
 def _prepare_out(out: Path, force: bool) -> Path | None:
