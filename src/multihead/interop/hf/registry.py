@@ -34,7 +34,6 @@ from __future__ import annotations
 
 import functools
 import inspect
-import sys
 from collections.abc import Sequence
 from typing import NamedTuple
 
@@ -150,7 +149,8 @@ def _built_for_generate(depth: int = 8) -> bool:
     the forward as `attention_mask`, and transformers' mask preparation there takes a tensor or
     a BlockMask only (a predicate fails on its `.ndim`). Read from the few frames above the
     builder (mask builder <- create_*_mask <- create_masks_for_generate, with decorators)."""
-    frame = sys._getframe(2)
+    frame = inspect.currentframe()
+    frame = frame.f_back.f_back if frame is not None and frame.f_back is not None else None  # the builder's caller
     for _ in range(depth):
         if frame is None:
             return False
