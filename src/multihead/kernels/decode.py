@@ -129,7 +129,7 @@ def step(q: Tensor, k: Tensor, v: Tensor, scale: float, causal: bool) -> tuple[T
     """The plain step: (out, what the NaN check reads: out itself, or the parts' outputs
     of a split step). `sdpa.plain` unless `key_splits` says split (never on one thread,
     asked first: a decode step runs this once per layer per token, where a call shows)."""
-    if torch.get_num_threads() > 1 and (q.shape[2] == 1 or not causal):
+    if not torch.compiler.is_compiling() and torch.get_num_threads() > 1 and (q.shape[2] == 1 or not causal):
         parts = key_splits(q, k, v)
         if parts > 1:
             return split_keys(q, k, v, scale, parts)

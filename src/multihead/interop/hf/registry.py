@@ -116,11 +116,16 @@ def multihead_mask(batch_size: int, q_length: int, kv_length: int, q_offset=0, k
     chunked layers (`local_size`): those get transformers' own mask function, padding
     included, as a `multihead.masks` predicate, so the kernel evaluates it tile by tile
     and skips the tiles outside the window instead of attending through a dense mask.
+    Two exceptions keep transformers' tensor: inside torch.compile (the block-sparse engine
+    plans its tiles in Python per call, which dynamo cannot trace), and a mask `generate`
+    builds ahead of the forward for a static cache (`_built_for_generate`), which it hands
+    back to the forward as `attention_mask`, where transformers reads it as a tensor.
     """
     from transformers.masking_utils import and_masks, padding_mask_function, prepare_padding_mask, sdpa_mask
 
     index_based = not use_vmap and not isinstance(q_offset, Tensor) and not isinstance(kv_offset, Tensor)
-    if local_size is None or q_length == 1 or kv_length <= local_size or not index_based or mask_function is None:
+    if local_size is None or q_length == 1 or kv_length <= local_size or not index_based or mask_function is None \
+            or torch.compiler.is_compiling() or _built_for_generate():
         return sdpa_mask(batch_size=batch_size, q_length=q_length, kv_length=kv_length, q_offset=q_offset,
                          kv_offset=kv_offset, mask_function=mask_function, attention_mask=attention_mask,
                          local_size=local_size, use_vmap=use_vmap, **kwargs)
@@ -132,6 +137,27 @@ def multihead_mask(batch_size: int, q_length: int, kv_length: int, q_offset=0, k
         return fn(b, h, q_idx + q0, kv_idx + kv0)
 
     return from_flex(predicate, f"transformers local attention ({local_size})")
+
+
+# transformers' function that builds a model's masks ahead of its forward, for `generate` with a
+# static cache (the general one in masking_utils, or a model's own method of that name)
+_AHEAD_OF_FORWARD = "create_masks_for_generate"
+
+
+def _built_for_generate(depth: int = 8) -> bool:
+    """Whether the mask being built is `generate`'s, made ahead of the forward: it comes back to
+    the forward as `attention_mask`, and transformers' mask preparation there takes a tensor or
+    a BlockMask only (a predicate fails on its `.ndim`). Read from the few frames above the
+    builder (mask builder <- create_*_mask <- create_masks_for_generate, with decorators)."""
+    frame = inspect.currentframe()
+    frame = frame.f_back.f_back if frame is not None and frame.f_back is not None else None  # the builder's caller
+    for _ in range(depth):
+        if frame is None:
+            return False
+        if frame.f_code.co_name == _AHEAD_OF_FORWARD:
+            return True
+        frame = frame.f_back
+    return False
 
 
 # ----------------------------------------------------------- weights on request
@@ -312,6 +338,8 @@ def _config_output_attentions(module: nn.Module):
     config = getattr(module, "config", None)
     if config is None:
         return False
+    if torch.compiler.is_compiling():
+        return getattr(config, "output_attentions", False)
     cls = type(config)
     direct = _FIELD_READS.get(cls)
     if direct is None:
@@ -330,6 +358,22 @@ def _output_attentions(module: nn.Module, kwargs: dict):
 # The forward keywords that ask for more than the kernel's plain call: a request, an intervention,
 # an observer, or transformers' `output_attentions`
 _ASKING = frozenset((REQUEST_KEYWORD, INTERVENTION_KEYWORD, OBSERVER_KEYWORD, "output_attentions"))
+# What each of multihead's own keywords is, for the refusal of a compiled forward that carries one
+_HOOKS = {REQUEST_KEYWORD: "a WeightsRequest", INTERVENTION_KEYWORD: "multihead.heads' hooks",
+          OBSERVER_KEYWORD: "multihead.inspect's observer"}
+
+
+def _refuse_compiled(module: nn.Module, kwargs: dict) -> None:
+    """Inside torch.compile, refuse multihead's own keywords: each forward of a tool brings a
+    new Python object whose methods (and what they record) a compiled graph would have to be
+    retraced for, at every call, until dynamo's recompile limit fails the call."""
+    asked = [name for name in _HOOKS if kwargs.get(name) is not None]
+    if asked:
+        what = ", ".join(f"{name}= ({_HOOKS[name]})" for name in asked)
+        raise ValueError(f"{what} cannot run inside torch.compile; received a compiled forward of "
+                         f"{type(module).__name__}; valid: run the tool on the uncompiled model (`del model.forward` "
+                         "after `model.forward = torch.compile(model.forward)`, or `compiled._orig_mod`), or ask "
+                         "for output_attentions=True, which compiles")
 
 
 def attention_forward(module: nn.Module, query: Tensor, key: Tensor, value: Tensor, attention_mask,
@@ -359,6 +403,8 @@ def attention_forward(module: nn.Module, query: Tensor, key: Tensor, value: Tens
         # every key (no causality to apply); `attend` checks the shapes and the dropout.
         out, _ = attend(query, key, value, None, scale=scaling, dropout_p=dropout, backend=backend)
         return out.transpose(1, 2).contiguous(), None  # (B, 1, H, Dv)
+    if torch.compiler.is_compiling():
+        _refuse_compiled(module, kwargs)
     intervention = kwargs.get(INTERVENTION_KEYWORD)
     own_keys = key.shape[2]
     if intervention is not None:  # multihead.heads reads or edits keys/values per KV head
@@ -402,8 +448,10 @@ def _resolve_mask(module: nn.Module, query: Tensor, key: Tensor, value: Tensor, 
             else None
         if causal and window is not None and S > window:  # no mask carries the window: apply it here
             mask, causal = masks.sliding_window(window), False  # bottom-right, a predicate (block-sparse)
-    if isinstance(mask, MaskMod) and position_bias is not None:
-        mask = mask.to_dense(B, H, T, S, device=query.device)  # the written-out paths take tensors
+    if isinstance(mask, MaskMod) and (position_bias is not None or torch.compiler.is_compiling()):
+        # the written-out paths take tensors; so does a compiled model (the block-sparse engine
+        # plans its tiles in Python per call, which dynamo cannot trace)
+        mask = mask.to_dense(B, H, T, S, device=query.device)
     if position_bias is not None:  # T5: a learned bias on the scores, combined with the mask
         bias = position_bias.to(query.dtype)
         mask = bias if mask is None else mask + bias if mask.dtype != torch.bool \
