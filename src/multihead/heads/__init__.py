@@ -19,6 +19,9 @@ pattern `(B, H, T, S)`.
   every head as the only sender
 - `importance(model, batches, loss, normalize=True)`: Michel et al. (2019) head importance
 - `prune(model, heads)`: physical removal where the model can hold it
+- `edges(model)`, `edge_patch(model, clean, corrupted, metric, keep)` -> float,
+  `edge_scores(..., method="eap-ig", steps=5)` -> `EdgeScores`, `faithfulness_curve(...)`:
+  circuits of edges (EAP, EAP-IG, exact edge patching; docs/heads-circuits-auto.md)
 - `AtPositions(fn, positions)`: a metric that reads one position per row; the scans then
   compute the model's head at those positions only
 
@@ -43,9 +46,15 @@ _LAZY = {
     "patch_scan": "multihead.heads.scan",
     "path_patch": "multihead.heads.path_patching",
     "path_patch_scan": "multihead.heads.path_patching",
+    "edges": "multihead.heads.edge_patching",
+    "edge_patch": "multihead.heads.edge_patching",
+    "EdgeScores": "multihead.heads.edge_attribution",
+    "edge_scores": "multihead.heads.edge_attribution",
+    "faithfulness_curve": "multihead.heads.faithfulness",
 }
 
 __all__ = ["AtPositions", "Recording", "ablate", "attribution_scan", "importance", "patch", "patch_scan", "path_patch",
            "path_patch_scan", "prune", "record"]
+__all__ += ["EdgeScores", "edge_patch", "edge_scores", "edges", "faithfulness_curve"]
 
 __getattr__, __dir__ = lazy_exports(__name__, _LAZY, globals())

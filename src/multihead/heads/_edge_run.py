@@ -1,0 +1,222 @@
+"""The residual-decomposed forward behind `edge_patch`, `edge_scores` and `faithfulness_curve`.
+
+Every receiver reads its own copy of the residual stream. In a patched run, receiver r's
+copy is built from one of two bases, whichever needs fewer terms: the corrupted run's
+residual at r plus the kept senders' differences, or this run's residual minus the
+non-kept senders' differences, where a sender's difference is its output in this run
+minus its output in the reference run (the corrupted inputs, or the mean over reference
+inputs). Both are a `(receivers, senders)` matrix times the stack of differences, one
+matmul per receiver group. Keeping no edge leaves every copy equal to the corrupted run's
+residual and keeping all edges equal to this run's: the two ends are the corrupted and
+the clean forward themselves, not sums that round differently.
+
+Heads are batched: a layer's query receivers are one `(H, B, T, C)` tensor normalized and
+projected head by head in one einsum (its own slice of the projection each), the KV
+receivers likewise per KV head (GQA: a query head reads KV head h // G).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from multihead.heads._edge_model import Block, EdgeModel
+from multihead.heads.metrics import AtPositions
+
+GroupHook = Callable[[int, Tensor], None]  # (receiver group, its copies (n, B, T, C)) in a gradient run
+
+
+@dataclass
+class Plan:
+    """Per receiver group (layer by layer: its attention receivers, its MLP; then the logits):
+    `coef` `(n, prefix)` over the senders' differences (None: no term) and `corrupted_base`
+    `(n,)`, or None where the group reads this run's residual unchanged."""
+
+    groups: list[tuple[Tensor | None, Tensor] | None]
+
+
+@dataclass
+class Reference:
+    """The run the non-kept edges read: every sender's output `(N_s, B, T, C)` (or `(N_s, 1, 1, C)`
+    for a mean) and the residual each receiver group read `[(B, T, C)]`, one per group."""
+
+    out: Tensor
+    resid: list[Tensor]
+
+
+def group_slices(em: EdgeModel) -> list[tuple[int, int, int]]:
+    """Per receiver group: (first receiver, receivers, senders read)."""
+    g, out, r = em.graph, [], 0
+    n_attn = g.n_heads + 2 * g.n_kv_heads
+    for layer in range(g.n_layers):
+        out.append((r, n_attn, g.first_sender(layer)))
+        out.append((r + n_attn, 1, g.first_sender(layer) + g.n_heads))
+        r += n_attn + 1
+    return out + [(r, 1, len(g.senders))]
+
+
+def make_plan(em: EdgeModel, keep: Tensor) -> Plan:
+    """A plan from a kept-edge mask `(N_r, N_s)` (only each receiver's prefix is read)."""
+    groups: list = []
+    dtype, device = em.dtype, em.device
+    for r0, n, p in group_slices(em):
+        k = keep[r0:r0 + n, :p]
+        if bool(k.all()):
+            groups.append(None)
+            continue
+        corrupted_base = k.sum(1) * 2 <= p  # the fewer terms: the kept senders on the corrupted base
+        coef = torch.where(corrupted_base[:, None], k.to(dtype), -(~k).to(dtype))
+        # no term at all (nothing kept on the corrupted base): the copy is the corrupted residual itself
+        nothing = bool(corrupted_base.all()) and not bool(k.any())
+        groups.append((None if nothing else coef.to(device), corrupted_base.to(device)))
+    return Plan(groups)
+
+
+def rotate_half(x: Tensor) -> Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+def allowed_keys(T: int, mask: Tensor | None, window: int | None, device) -> Tensor:
+    """(B or 1, 1, 1, T, S) True where a query may attend: causal, the key not padding, within the window."""
+    i = torch.arange(T, device=device)
+    ok = i[None, :] <= i[:, None]
+    if window is not None:
+        ok = ok & (i[:, None] - i[None, :] < window)
+    ok = ok[None, None, None]
+    return ok if mask is None else ok & mask[:, None, None, None, :]
+
+
+class Run:
+    """One forward of the decomposed model over one chunk of rows."""
+
+    def __init__(self, em: EdgeModel, mask: Tensor | None, T: int, plan: Plan | None = None,
+                 ref: Reference | None = None, record: bool = False, hook: GroupHook | None = None):
+        self.em, self.plan, self.ref, self.hook = em, plan, ref, hook
+        self.mask, self.T = mask, T
+        self.record = record or plan is not None
+        self.stack: Tensor | None = None  # this run's outputs (record) or differences from ref (plan)
+        self.resid: list[Tensor] = []
+        self.rope = None
+
+    def _store(self, i: int, out: Tensor) -> None:
+        if not self.record:
+            return
+        out = out.detach()  # a gradient run records values, not a graph
+        if self.plan is not None:
+            self.stack[i:i + out.shape[0]] = out - self.ref.out[i:i + out.shape[0]]
+        else:
+            self.stack[i:i + out.shape[0]] = out
+
+    def _copies(self, group: int, n: int, p: int, resid: Tensor) -> Tensor:
+        """The receivers' copies of the residual `(n, B, T, C)`."""
+        entry = None if self.plan is None else self.plan.groups[group]
+        if entry is None:
+            x = resid.unsqueeze(0).expand(n, *resid.shape)
+        else:
+            coef, corrupted_base = entry
+            if coef is None:  # every copy is the reference's residual
+                x = self.ref.resid[group].expand(n, *resid.shape)
+            else:
+                base = torch.where(corrupted_base[:, None, None, None], self.ref.resid[group], resid)
+                x = base + (coef @ self.stack[:p].flatten(1)).view(n, *resid.shape)
+        if self.record and self.plan is None:
+            self.resid.append(resid)
+        if self.hook is not None:
+            self.hook(group, x)
+        return x
+
+    def forward(self, emb: Tensor) -> Tensor:
+        """The final residual (the logits receiver's copy) `(B, T, C)` from the input embedding."""
+        em, g = self.em, self.em.graph
+        B, T, C = emb.shape
+        if self.record:
+            self.stack = emb.new_empty(len(g.senders), B, T, C)
+        self._store(0, emb[None])
+        if em.rotary is not None:
+            self.rope = em.rotary(emb, torch.arange(T, device=emb.device)[None])
+        resid = emb
+        slices = group_slices(em)
+        for layer, block in enumerate(em.blocks):
+            r0, n, p = slices[2 * layer]
+            x = self._copies(2 * layer, n, p, resid)
+            heads = self._attention(block, x)  # (H, B, T, C)
+            self._store(p, heads)
+            resid = resid + heads.sum(0) + (0 if block.bo is None else block.bo)
+            r0, n, p = slices[2 * layer + 1]
+            x = self._copies(2 * layer + 1, 1, p, resid)
+            out = block.mlp(block.ln2(x[0]))
+            self._store(p, out[None])
+            resid = resid + out
+        r0, n, p = slices[-1]
+        return self._copies(len(slices) - 1, 1, p, resid)[0]
+
+    def _attention(self, b: Block, x: Tensor) -> Tensor:
+        """Each query head's output `(H, B, T, C)` from the receivers' copies `(H + 2 Hkv, B, T, C)`."""
+        H, Hkv = b.wq.shape[0], b.wk.shape[0]
+        n = b.ln1(x)
+        q = torch.einsum("hbtc,hdc->bhtd", n[:H], b.wq)
+        k = torch.einsum("gbtc,gdc->bgtd", n[H:H + Hkv], b.wk)
+        v = torch.einsum("gbtc,gdc->bgtd", n[H + Hkv:], b.wv)
+        if b.bq is not None:
+            q, k, v = q + b.bq[None, :, None], k + b.bk[None, :, None], v + b.bv[None, :, None]
+        if b.q_norm is not None:
+            q, k = b.q_norm(q), b.k_norm(k)
+        if self.rope is not None:
+            cos, sin = (t.unsqueeze(1) for t in self.rope)  # (1, 1, T, D)
+            q, k = q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin
+        B, _, T, D = q.shape
+        qg = q.view(B, Hkv, H // Hkv, T, D)
+        scores = (qg @ k.unsqueeze(2).transpose(-1, -2)) * b.scaling  # (B, Hkv, G, T, S)
+        ok = allowed_keys(T, self.mask, b.window, q.device)
+        scores = scores.masked_fill(~ok, torch.finfo(scores.dtype).min)
+        # a row that may attend to no key (left padding) gives zeros, never NaN
+        exact = torch.promote_types(q.dtype, torch.float32)  # transformers' eager softmax: float32 at least
+        pattern = torch.softmax(scores, dim=-1, dtype=exact).to(q.dtype) * ok
+        z = (pattern @ v.unsqueeze(2)).view(B, H, T, -1)  # (B, H, T, Dv)
+        return torch.einsum("bhtd,hcd->hbtc", z, b.wo)
+
+
+class Readout:
+    """What the metric reads from the final residual: the logits at its positions (an
+    `AtPositions`, `(B, V)`), else all of them `(B, T, V)`."""
+
+    def __init__(self, em: EdgeModel, metric, T: int):
+        self.em, self.metric = em, metric
+        self.positions = metric.absolute(T) if isinstance(metric, AtPositions) else None
+
+    def logits(self, x: Tensor, rows: slice) -> Tensor:
+        if self.positions is not None:
+            pos = self.positions[rows].to(x.device)
+            x = x[torch.arange(x.shape[0], device=x.device), pos]  # (B, C)
+        out = self.em.final_norm(x) @ self.em.unembed.t()
+        return out if self.em.unembed_bias is None else out + self.em.unembed_bias
+
+    def value(self, logits: Tensor):
+        """The metric of the whole batch's readout, unchecked."""
+        if self.positions is not None:
+            return self.metric.fn(logits)
+        return self.metric(logits)
+
+
+def scalar(value, where: str, grad: bool = False) -> Tensor | float:
+    """The metric's value as a float (or the 0-d tensor, for a gradient); errors name what came back."""
+    if value is None:
+        raise TypeError(f"the metric returned None {where}; it must return a scalar (a 0-d tensor or a number)")
+    if isinstance(value, Tensor):
+        if value.numel() != 1:
+            raise ValueError(f"the metric returned a tensor of shape {tuple(value.shape)} {where}; it must return "
+                             "a scalar (reduce over the batch, e.g. .mean())")
+        if grad and not value.requires_grad:
+            raise ValueError(f"the metric's value {where} does not depend on the logits it was given (no gradient); "
+                             "edge scores need a metric computed from them with torch operations")
+        return value.reshape(()) if grad else float(value)
+    if grad:
+        raise TypeError(f"the metric returned {type(value).__name__} {where}; edge scores need a 0-d tensor "
+                        "computed from the logits (gradients flow through it)")
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise TypeError(f"the metric returned {type(value).__name__} {where}; it must return a scalar")
+    return float(value)

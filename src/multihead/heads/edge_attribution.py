@@ -1,0 +1,179 @@
+"""Edge attribution: EAP (Syed et al., 2023) and EAP-IG (Hanna et al., 2024, "Have Faith in Faithfulness").
+
+EAP's score of edge u -> r is the sum over rows and positions of (u's output on corrupted -
+u's output on clean) . dm/dx_r on clean, where x_r is receiver r's own copy of the residual
+stream: a first-order estimate of what patching that one edge to corrupted does to the
+metric. EAP-IG averages dm/dx_r over `steps` runs whose input embeddings are interpolated
+from corrupted to clean (alpha = k / steps, k = 1..steps; `steps=1` is EAP). One backward
+per step gives every receiver's gradient (each copy's own, through its norm and its slice
+of the projection); the scores of a receiver group are one matmul of the stacked sender
+differences with those gradients, done as the backward reaches the group.
+
+The metric may read the whole batch (a mean over rows): when the rows do not fit one
+chunk, a first pass without gradients computes every step's logits and dm/dlogits, and
+each chunk's backward starts from its rows of that gradient.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import torch
+from torch import Tensor
+
+from multihead.heads._edge_common import (
+    Inputs,
+    check_batch_size,
+    chunks,
+    held,
+    read_pair,
+    reference_run,
+    rows_per_chunk,
+)
+from multihead.heads._edge_model import EdgeModel
+from multihead.heads._edge_run import Readout, Run, group_slices, scalar
+from multihead.heads.edge_graph import Graph, edge_name, parse_edge
+
+METHODS = ("eap", "eap-ig")
+
+
+class EdgeScores(Mapping):
+    """edge -> score, for every edge of the graph (keys: `(sender, receiver)` pairs; names work too).
+
+    `top(k)`: the k edges of largest |score|, as `[(edge, score)]`; `to_json()`: a JSON-ready dict
+    with the names (`"a0.h1->a2.h0<q>"`); `matrix`: `(receivers, senders)` float64, each receiver's
+    prefix of senders filled (see `multihead.heads.edge_graph.Graph`).
+    """
+
+    def __init__(self, graph: Graph, matrix: Tensor, method: str, steps: int):
+        self.graph, self.matrix, self.method, self.steps = graph, matrix, method, steps
+
+    def __getitem__(self, edge) -> float:
+        where = self.graph.edge_index.get(parse_edge(edge))
+        if where is None:
+            raise KeyError(edge)
+        return float(self.matrix[where])
+
+    def __iter__(self):
+        return iter(self.graph.edges)
+
+    def __len__(self) -> int:
+        return len(self.graph)
+
+    def __repr__(self) -> str:
+        return f"EdgeScores({self.method}, steps={self.steps}, {len(self)} edges)"
+
+    def vector(self) -> Tensor:
+        """The scores in `graph.edges` order `(E,)`."""
+        rows = torch.repeat_interleave(torch.arange(len(self.graph.receivers)), torch.tensor(self.graph.prefix))
+        cols = torch.cat([torch.arange(n) for n in self.graph.prefix])
+        return self.matrix[rows, cols]
+
+    def top(self, k: int) -> list[tuple[tuple, float]]:
+        if isinstance(k, bool) or not isinstance(k, int) or k < 0:
+            raise ValueError(f"k must be a non-negative int; received {k!r}")
+        v = self.vector()
+        order = torch.argsort(v.abs(), descending=True, stable=True)[:k]
+        return [(self.graph.edges[i], float(v[i])) for i in order.tolist()]
+
+    def to_json(self) -> dict:
+        g = self.graph
+        return {"method": self.method, "steps": self.steps,
+                "graph": {"n_layers": g.n_layers, "n_heads": g.n_heads, "n_kv_heads": g.n_kv_heads},
+                "scores": {edge_name(e): s for e, s in zip(g.edges, self.vector().tolist())}}
+
+
+def _check(method, steps) -> int:
+    if method not in METHODS:
+        raise ValueError(f"method must be one of {METHODS}; received {method!r}")
+    if method == "eap":
+        return 1
+    if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
+        raise ValueError(f"steps must be a positive int (EAP-IG's interpolation steps); received {steps!r}")
+    return steps
+
+
+def _embeddings(em: EdgeModel, clean: Inputs, corrupted: Inputs, steps: int, k: int) -> Tensor:
+    """The input embedding of step k: corrupted + (k / steps) (clean - corrupted); clean itself at k = steps."""
+    pos = torch.arange(clean.ids.shape[1], device=clean.ids.device)
+    e = em.embed(clean.ids, pos)
+    if k == steps:
+        return e
+    c = em.embed(corrupted.ids, pos)
+    return c + (k / steps) * (e - c)
+
+
+def _metric_grads(em, clean, corrupted, readout, steps, size) -> list[Tensor]:
+    """dm/dlogits of each step `[(B, ...)]`, from a pass without gradients over all chunks."""
+    out = []
+    for k in range(1, steps + 1):
+        parts = []
+        with torch.no_grad():
+            for sl in chunks(len(clean), size):
+                x = clean.rows(sl)
+                parts.append(readout.logits(Run(em, x.mask, x.ids.shape[1]).forward(
+                    _embeddings(em, x, corrupted.rows(sl), steps, k)), sl))
+        logits = torch.cat(parts).requires_grad_(True)
+        with torch.enable_grad():
+            m = scalar(readout.value(logits), f"at step {k} of {steps}", grad=True)
+            (g,) = torch.autograd.grad(m, logits)
+        out.append(g)
+    return out
+
+
+def _chunk_scores(em, clean, corrupted, readout, steps, sl, grads, scores) -> None:
+    """Add one chunk's sum over steps of D . dm/dx_r to `scores` (float64, `(N_r, N_s)`)."""
+    x, xc = clean.rows(sl), corrupted.rows(sl)
+    T = x.ids.shape[1]
+    with torch.no_grad():
+        ref, _ = reference_run(em, xc, readout, sl)
+    diff = ref.out  # corrupted outputs now; minus clean once the clean run has recorded
+    slices = group_slices(em)
+
+    def hook(group: int, copies: Tensor) -> None:
+        r0, n, p = slices[group]
+
+        def add(grad: Tensor) -> None:
+            scores[r0:r0 + n, :p] += (grad.flatten(1) @ diff[:p].flatten(1).t()).double()
+        copies.register_hook(add)
+
+    for k in range(steps, 0, -1):  # clean first: its recorded outputs make the differences
+        run = Run(em, x.mask, T, record=k == steps, hook=hook)
+        with torch.no_grad():
+            emb = _embeddings(em, x, xc, steps, k)
+        with torch.enable_grad():
+            final = run.forward(emb.requires_grad_(True))
+            if k == steps:
+                diff = diff - run.stack
+            logits = readout.logits(final, sl)
+            if grads is None:
+                m = scalar(readout.value(logits), f"at step {k} of {steps}", grad=True)
+                m.backward()
+            else:
+                logits.backward(grads[k - 1][sl])
+
+
+def edge_scores(model, clean, corrupted, metric, method: str = "eap-ig", steps: int = 5, *,
+                batch_size: int | None = None) -> EdgeScores:
+    """EAP or EAP-IG scores of every edge of the model's graph (see the module's docstring).
+
+    Args:
+        model: a transformers decoder LM (Llama, Mistral, Qwen2, Qwen3, GPT-2).
+        clean, corrupted: `(B, T)` ids or `{"input_ids", "attention_mask"}`, the same shape.
+        metric: `callable(logits) -> 0-d tensor`, differentiable; an `AtPositions` gets the logits
+            at its positions only.
+        method: "eap" or "eap-ig"; steps: EAP-IG's interpolation steps (`steps=1` equals EAP).
+        batch_size: rows per chunk (None: what keeps a chunk's graph near 1 GiB).
+    """
+    steps = _check(method, steps)
+    em = EdgeModel.of(model)
+    a, b = read_pair(em, clean, corrupted, metric)
+    size = rows_per_chunk(em, a.ids.shape[1], check_batch_size(batch_size), True)
+    g = em.graph
+    scores = torch.zeros(len(g.receivers), len(g.senders), dtype=torch.float64, device=em.device)
+    with held(model):
+        readout = Readout(em, metric, a.ids.shape[1])
+        grads = None if size >= len(a) else _metric_grads(em, a, b, readout, steps, size)
+        for sl in chunks(len(a), size):
+            _chunk_scores(em, a, b, readout, steps, sl, grads, scores)
+    return EdgeScores(g, (scores / steps).cpu(), method, steps)

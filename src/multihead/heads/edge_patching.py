@@ -1,0 +1,132 @@
+"""Exact edge patching: the model on clean inputs with only chosen edges of the graph carrying clean values.
+
+`edge_patch(model, clean, corrupted, metric, keep)` runs the model on clean where every
+receiver's input (its own copy of the residual stream) takes, for each of its edges, the
+sender's output in this same patched run if the edge is in `keep`, else the sender's
+output in the corrupted run (`ablation="mean"`: the sender's mean output over
+`reference=` inputs, every row and real position). Keeping every edge gives the clean
+metric, keeping none the corrupted one. The graph and its names: `multihead.heads.edge_graph`;
+the forward: `multihead.heads._edge_run` (one matmul per receiver group, rows in chunks).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+from torch import Tensor
+
+from multihead.heads._edge_common import (
+    Inputs,
+    check_batch_size,
+    chunks,
+    held,
+    mean_reference,
+    read_inputs,
+    read_pair,
+    reference_run,
+    rows_per_chunk,
+)
+from multihead.heads._edge_model import EdgeModel
+from multihead.heads._edge_run import Readout, Run, make_plan, scalar
+from multihead.heads.edge_graph import Graph, edge_name, parse_edge
+
+ABLATIONS = ("corrupted", "mean")
+
+
+def edges(model) -> list[tuple]:
+    """Every `(sender, receiver)` edge of the model's graph (see `multihead.heads.edge_graph`)."""
+    return list(EdgeModel.of(model).graph.edges)
+
+
+def keep_mask(graph: Graph, keep) -> Tensor:
+    """The kept-edge mask `(N_r, N_s)` of `keep` (edges as pairs or names); errors name unknown edges."""
+    if isinstance(keep, Tensor) and keep.dtype == torch.bool:
+        want = (len(graph.receivers), len(graph.senders))
+        if tuple(keep.shape) != want:
+            raise ValueError(f"a keep mask must be (receivers, senders) = {want}; received {tuple(keep.shape)}")
+        return keep.cpu()
+    if isinstance(keep, (str, bytes)) or not isinstance(keep, Iterable):
+        hint = " (wrap one name in a list)" if isinstance(keep, str) else ""
+        raise TypeError(f"keep must be a collection of edges ((sender, receiver) pairs or 'sender->receiver' names); "
+                        f"received {type(keep).__name__}{hint}")
+    mask = torch.zeros(len(graph.receivers), len(graph.senders), dtype=torch.bool)
+    unknown = []
+    for e in keep:
+        try:
+            edge = parse_edge(e)
+        except (ValueError, TypeError) as err:
+            raise type(err)(f"keep: {err}") from None
+        where = graph.edge_index.get(edge)
+        if where is None:
+            unknown.append(e)
+            continue
+        mask[where] = True
+    if unknown:
+        shown = ", ".join(repr(u) for u in unknown[:5]) + (f" and {len(unknown) - 5} more" if len(unknown) > 5 else "")
+        raise ValueError(f"keep holds {len(unknown)} edge(s) not in this model's graph ({graph.n_layers} layers, "
+                         f"{graph.n_heads} heads, {graph.n_kv_heads} KV heads): {shown}; an edge runs from a sender "
+                         f"to a later receiver, e.g. {edge_name(graph.edges[len(graph.edges) // 2])!r}")
+    return mask
+
+
+def patched_logits(em: EdgeModel, clean: Inputs, corrupted: Inputs | None, readout: Readout, masks: list[Tensor],
+                   ablation: str, reference: Inputs | None, batch_size: int | None, ends: bool = False):
+    """The readouts of the patched runs, one per mask `[(B, ...)]`, and (`ends`) of the reference run
+    (the corrupted inputs, or the means) and of the clean run, all over chunks of rows."""
+    T = clean.ids.shape[1]
+    plans = [make_plan(em, m) for m in masks]
+    mean = mean_reference(em, reference, batch_size) if ablation == "mean" else None
+    outs: list[list[Tensor]] = [[] for _ in plans]
+    both: list[list[Tensor]] = [[], []]
+    with torch.no_grad():
+        for sl in chunks(len(clean), rows_per_chunk(em, T, batch_size, False)):
+            x = clean.rows(sl)
+            emb = em.embed(x.ids, torch.arange(T, device=x.ids.device))
+            if mean is None:
+                ref, none = reference_run(em, corrupted.rows(sl), readout, sl)
+            else:
+                ref, none = mean, None
+                if ends:
+                    nothing = make_plan(em, torch.zeros(len(em.graph.receivers), len(em.graph.senders), dtype=bool))
+                    none = readout.logits(Run(em, x.mask, T, nothing, ref).forward(emb), sl)
+            if ends:
+                both[0].append(none)
+                both[1].append(readout.logits(Run(em, x.mask, T).forward(emb), sl))
+            for plan, out in zip(plans, outs):
+                out.append(readout.logits(Run(em, x.mask, T, plan, ref).forward(emb), sl))
+    return [torch.cat(o) for o in outs], [torch.cat(e) for e in both] if ends else None
+
+
+def check_ablation(ablation, corrupted, reference) -> None:
+    if ablation not in ABLATIONS:
+        raise ValueError(f"ablation must be one of {ABLATIONS}; received {ablation!r}")
+    if ablation == "mean" and reference is None:
+        raise ValueError("ablation='mean' averages each sender's output over reference= inputs; give reference=")
+    if ablation == "corrupted" and corrupted is None:
+        raise ValueError("ablation='corrupted' needs the corrupted inputs; received None")
+
+
+def edge_patch(model, clean, corrupted, metric, keep, ablation: str = "corrupted", *, reference=None,
+               batch_size: int | None = None) -> float:
+    """The metric of the model on `clean` with only the edges in `keep` carrying this run's values.
+
+    Args:
+        model: a transformers decoder LM (Llama, Mistral, Qwen2, Qwen3, GPT-2).
+        clean, corrupted: `(B, T)` ids or `{"input_ids", "attention_mask"}`, the same shape.
+        metric: `callable(logits) -> scalar`; an `AtPositions` gets the logits at its positions only.
+        keep: edges (`(sender, receiver)` pairs or `"a0.h1->a2.h0<q>"` names; see `edges(model)`).
+        ablation: "corrupted" (the non-kept edges carry the sender's corrupted output) or "mean"
+            (its mean output over `reference`'s rows and real positions; `corrupted` is unused).
+        batch_size: rows per chunk (None: what keeps a chunk near 1 GiB).
+    """
+    check_ablation(ablation, corrupted, reference)
+    em = EdgeModel.of(model)
+    a, b = read_pair(em, clean, corrupted if ablation == "corrupted" else None, metric)
+    ref = read_inputs(reference, "reference", em.device) if ablation == "mean" else None
+    mask = keep_mask(em.graph, keep)
+    batch_size = check_batch_size(batch_size)
+    with held(model):
+        readout = Readout(em, metric, a.ids.shape[1])
+        (out,), _ = patched_logits(em, a, b, readout, [mask], ablation, ref, batch_size)
+        return scalar(readout.value(out), "on the patched run")
