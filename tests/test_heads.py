@@ -31,6 +31,7 @@ pytestmark = pytest.mark.usefixtures("one_torch_thread")
 transformers = pytest.importorskip("transformers")
 
 import multihead.interop.hf  # noqa: E402, F401  (registers "multihead")
+from multihead.heads import _prefix, _scan_state  # noqa: E402
 from multihead.heads import scan as _scan  # noqa: E402
 from test_interop_hf_registry import DECODERS, MODELS, V, build  # noqa: E402
 
@@ -153,8 +154,8 @@ def _one_token_changed(name: str, at: int = 5):
 
 def _count_skips(monkeypatch) -> list:
     """Calls of the prefix skip's last-block hook: one for its check run, one per scan forward."""
-    calls, real = [], _scan._unskip
-    monkeypatch.setattr(_scan, "_unskip", lambda *a: calls.append(1) or real(*a))
+    calls, real = [], _scan_state.unskip
+    monkeypatch.setattr(_scan_state, "unskip", lambda *a: calls.append(1) or real(*a))
     return calls
 
 
@@ -196,9 +197,9 @@ def test_the_prefix_skip_is_refused_where_it_would_not_be_exact(monkeypatch):
     clean, corrupted = _one_token_changed("mistral")
     right = heads.patch_scan(model, clean, corrupted, _metric)
     assert len(calls) > 1
-    real_cut = _scan._cut
-    monkeypatch.setattr(_scan, "_cut",
-                        lambda x, key, T, p: x if isinstance(x, _scan.MaskMod) else real_cut(x, key, T, p))
+    real_cut = _prefix.cut
+    monkeypatch.setattr(_prefix, "cut",
+                        lambda x, key, T, p: x if isinstance(x, _prefix.MaskMod) else real_cut(x, key, T, p))
     calls.clear()
     fallback = heads.patch_scan(model, clean, corrupted, _metric)
     assert len(calls) == 1, "the check run should have refused the skip"
@@ -216,10 +217,10 @@ def test_the_prefix_skip_is_refused_where_a_mask_lets_the_prefix_see_ahead(monke
     clean, corrupted = _one_token_changed("llama")
     T = clean["input_ids"].shape[1]
     allowed = torch.ones(T, T).tril().bool()
-    assert not _scan._sees_ahead(torch.zeros(2, 1, T, T).masked_fill(~allowed, float("-inf")), T, 5, 2)
+    assert not _prefix.sees_ahead(torch.zeros(2, 1, T, T).masked_fill(~allowed, float("-inf")), T, 5, 2)
     allowed[1, 7] = True
     mask = torch.zeros(2, 1, T, T).masked_fill(~allowed, float("-inf"))
-    assert _scan._sees_ahead(mask, T, 5, 2) and _scan._sees_ahead(allowed.expand(2, 1, T, T), T, 5, 2)
+    assert _prefix.sees_ahead(mask, T, 5, 2) and _prefix.sees_ahead(allowed.expand(2, 1, T, T), T, 5, 2)
     clean, corrupted = ({"input_ids": x["input_ids"], "attention_mask": mask} for x in (clean, corrupted))
     calls = _count_skips(monkeypatch)
     got = heads.patch_scan(model, clean, corrupted, _metric)

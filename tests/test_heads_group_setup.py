@@ -44,11 +44,11 @@ class _Calls:
     counted)."""
 
     def __init__(self):
-        from multihead.heads import scan
+        from multihead.heads import _scan_state, scan
 
-        self.scan, self.counts = scan, {}
-        self.methods = [n for n in ("run_corrupted", *CHECKS) if hasattr(scan._Scan, n)]
-        self.saved = {"record": scan.record, **{n: getattr(scan._Scan, n) for n in self.methods}}
+        self.scan, self.state, self.counts = scan, _scan_state, {}
+        self.methods = [n for n in ("run_corrupted", *CHECKS) if hasattr(_scan_state.ScanState, n)]
+        self.saved = {"record": scan.record, **{n: getattr(_scan_state.ScanState, n) for n in self.methods}}
 
         def record(model, inputs, *a, **kw):
             ids = inputs if isinstance(inputs, torch.Tensor) else inputs["input_ids"]
@@ -57,7 +57,7 @@ class _Calls:
             return self.saved["record"](model, inputs, *a, **kw)
         scan.record = record
         for name in self.methods:
-            setattr(scan._Scan, name, self._counted(name))
+            setattr(_scan_state.ScanState, name, self._counted(name))
 
     def _counted(self, name):
         real = self.saved[name]
@@ -74,7 +74,7 @@ class _Calls:
     def restore(self):
         self.scan.record = self.saved["record"]
         for name in self.methods:
-            setattr(self.scan._Scan, name, self.saved[name])
+            setattr(self.state.ScanState, name, self.saved[name])
 
 
 # ----------------------------------------------------------------------- workers
@@ -151,14 +151,14 @@ def _w_check_fails(rank: int, world: int) -> dict:
     """A self-check that fails (on every rank, as a model would): the ranks that took it as
     passed redo the setup, and the table and info are one process's."""
     from multihead import heads
-    from multihead.heads import scan
+    from multihead.heads import _scan_state
 
     group = dist.group.WORLD
     models, clean, corrupted = dist_helpers.scan_models()
     out = {}
     for name in ("self_check", "shortcut_check"):
-        real = getattr(scan._Scan, name)
-        setattr(scan._Scan, name, lambda self: "failed on purpose")
+        real = getattr(_scan_state.ScanState, name)
+        setattr(_scan_state.ScanState, name, lambda self: "failed on purpose")
         try:
             for mname in ("gpt2", "llama"):
                 info_one, info_all = {}, {}
@@ -167,7 +167,7 @@ def _w_check_fails(rank: int, world: int) -> dict:
                                           group=group)
                 out[f"{name} {mname}"] = (_same(single, shared), info_one, info_all)
         finally:
-            setattr(scan._Scan, name, real)
+            setattr(_scan_state.ScanState, name, real)
     return out
 
 

@@ -20,7 +20,7 @@ pytestmark = pytest.mark.usefixtures("one_torch_thread")
 transformers = pytest.importorskip("transformers")
 
 import multihead.interop.hf  # noqa: E402, F401  (registers "multihead")
-from multihead.heads import _top  # noqa: E402
+from multihead.heads import _scan_state, _top  # noqa: E402
 from multihead.heads import scan as _scan  # noqa: E402
 from multihead.heads.engine import logits_of  # noqa: E402
 from test_heads import _inputs, _mh, _one_token_changed  # noqa: E402
@@ -172,8 +172,8 @@ def _decision(model, clean, corrupted, metric, **kw) -> dict:
 def test_the_trim_is_declined_for_metrics_that_read_elsewhere(monkeypatch):
     model = _lm()
     clean, corrupted = _pairs()
-    seen, real = [], _scan._Scan.decide_last_block
-    monkeypatch.setattr(_scan._Scan, "decide_last_block", lambda self: seen.append(real(self)) or seen[-1])
+    seen, real = [], _scan_state.ScanState.decide_last_block
+    monkeypatch.setattr(_scan_state.ScanState, "decide_last_block", lambda self: seen.append(real(self)) or seen[-1])
     plain = _decision(model, clean, corrupted, lambda lg: _fn(lg[:, -1]))
     assert "last_block" not in plain and seen[0].startswith("the metric is a plain function"), (plain, seen)
     # two positions read (rows rolled apart would not help: positions= keeps them in place)

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from multihead import heads
-from multihead.heads import scan as _scan
+from multihead.heads import _budget, _scan_state
 
 transformers = pytest.importorskip("transformers")
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -41,8 +41,8 @@ def _pairs(T=9, changed=6):
 
 
 def _read_sizes(monkeypatch) -> list:
-    seen, real = [], _scan._Scan.read
-    monkeypatch.setattr(_scan._Scan, "read",
+    seen, real = [], _scan_state.ScanState.read
+    monkeypatch.setattr(_scan_state.ScanState, "read",
                         lambda self, metric, lg: seen.append(lg.shape[1]) or real(self, metric, lg))
     return seen
 
@@ -98,7 +98,7 @@ def test_path_scans_and_attribution_take_it_too():
 def test_a_model_without_logits_to_keep_gets_full_logits(monkeypatch):
     model = _lm()
     clean, corrupted = _pairs()
-    monkeypatch.setattr(_scan, "takes_logits_to_keep", lambda m: False)
+    monkeypatch.setattr(_budget, "takes_logits_to_keep", lambda m: False)
     seen = _read_sizes(monkeypatch)
     metric = heads.AtPositions(_fn, [8, 7])
     got = heads.patch_scan(model, clean, corrupted, metric)

@@ -400,6 +400,7 @@ def test_one_pair_as_a_1d_tensor_is_one_pair(llama):
 
 
 def test_the_scan_says_whether_it_skipped_the_prefix_and_why_not(monkeypatch):
+    from multihead.heads import _prefix
     from multihead.heads import scan as _scan
 
     model = build("llama", lm=True)
@@ -427,9 +428,9 @@ def test_the_scan_says_whether_it_skipped_the_prefix_and_why_not(monkeypatch):
     mistral.set_attn_implementation("multihead")
     right = heads.patch_scan(mistral, clean, corrupted, _metric, info=info)
     assert info["skipped"] is True
-    real_cut = _scan._cut
-    monkeypatch.setattr(_scan, "_cut",
-                        lambda x, key, T, p: x if isinstance(x, _scan.MaskMod) else real_cut(x, key, T, p))
+    real_cut = _prefix.cut
+    monkeypatch.setattr(_prefix, "cut",
+                        lambda x, key, T, p: x if isinstance(x, _prefix.MaskMod) else real_cut(x, key, T, p))
     fallback = heads.patch_scan(mistral, clean, corrupted, _metric, info=info)
     assert info["skipped"] is False and info["reason"].startswith("the corrupted run through the skip differs from "
                                                                   "its own logits by")
@@ -437,9 +438,9 @@ def test_the_scan_says_whether_it_skipped_the_prefix_and_why_not(monkeypatch):
 
     def no_cut(x, key, T, p):
         if key == "position_ids":
-            raise _scan._NoCut(key)
+            raise _prefix.NoCut(key)
         return real_cut(x, key, T, p)
-    monkeypatch.setattr(_scan, "_cut", no_cut)
+    monkeypatch.setattr(_prefix, "cut", no_cut)
     heads.patch_scan(model, clean, corrupted, _metric, info=info)
     assert info["skipped"] is False and info["reason"].startswith("a block takes keyword 'position_ids', which holds")
     with pytest.raises(TypeError, match="info must be None or a dict to fill; received list"):

@@ -11,8 +11,7 @@ import pytest
 import torch
 
 from multihead import heads
-from multihead.heads import _align, path_patching
-from multihead.heads import scan as _scan
+from multihead.heads import _align, _budget, path_patching
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -111,7 +110,7 @@ def test_path_patch_scan_at_positions_equals_the_plain_metric_and_the_rows_as_gi
     torch.testing.assert_close(got, want, rtol=0, atol=TOL * (1 + float(want.abs().max())))
     seen.clear()
     monkeypatch.setattr(_align, "_ALIGN", False)
-    monkeypatch.setattr(_scan, "POSITIONS_PER_RUN", 0)  # and the rows' bound alone: 16 // B variants
+    monkeypatch.setattr(_budget, "POSITIONS_PER_RUN", 0)  # and the rows' bound alone: 16 // B variants
     unrolled = heads.path_patch_scan(model, clean, corrupted, metric, receivers, via=via)
     assert seen.aligned == [(False, "turned off")] and seen.prefix == [3] and set(seen.per_forward) == {2}
     assert set(seen.logits) - {12} == {len(set(last.tolist()))}  # the read positions, as given
@@ -151,7 +150,7 @@ def test_a_model_without_logits_to_keep_gets_full_logits_and_rows_as_given(monke
     metric = heads.AtPositions(_fn, last)
     want = heads.path_patch_scan(model, clean, corrupted, metric, [(2, 0)])
     seen = _Seen(monkeypatch)
-    monkeypatch.setattr(_scan, "takes_logits_to_keep", lambda m: False)  # keep_positions reads it there
+    monkeypatch.setattr(_budget, "takes_logits_to_keep", lambda m: False)  # keep_positions reads it there
     monkeypatch.setattr(_align, "forward_takes", lambda m, *names: False)
     got = heads.path_patch_scan(model, clean, corrupted, metric, [(2, 0)])
     assert not seen.aligned[0][0] and "logits_to_keep" in seen.aligned[0][1]

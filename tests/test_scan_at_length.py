@@ -16,6 +16,7 @@ pytestmark = pytest.mark.usefixtures("one_torch_thread")
 transformers = pytest.importorskip("transformers")
 
 import multihead.interop.hf  # noqa: E402, F401  (registers "multihead")
+from multihead.heads import _budget, _scan_state  # noqa: E402
 from multihead.heads import scan as _scan  # noqa: E402
 from test_heads import _inputs, _metric, _mh  # noqa: E402
 
@@ -26,8 +27,8 @@ class _Tty(io.StringIO):
 
 
 def _forwards(monkeypatch) -> list:
-    sizes, real = [], _scan._Scan.chunk_logits
-    monkeypatch.setattr(_scan._Scan, "chunk_logits",
+    sizes, real = [], _scan_state.ScanState.chunk_logits
+    monkeypatch.setattr(_scan_state.ScanState, "chunk_logits",
                         lambda self, chunk, *a, **k: sizes.append(len(chunk)) or real(self, chunk, *a, **k))
     return sizes
 
@@ -40,17 +41,17 @@ def test_a_memory_budget_sets_the_variants_per_forward_and_not_the_table(monkeyp
     n_variants = sum(lay.H for lay in heads.record(model, clean).layers)
     T = clean["input_ids"].shape[1] if isinstance(clean, dict) else clean.shape[1]
     # short rows: up to POSITIONS_PER_RUN row-positions a forward (T or fewer positions a row)
-    assert max(sizes) >= min(n_variants, _scan.POSITIONS_PER_RUN // T // 2) > 16 // 2
+    assert max(sizes) >= min(n_variants, _budget.POSITIONS_PER_RUN // T // 2) > 16 // 2
     sizes.clear()
-    monkeypatch.setattr(_scan, "POSITIONS_PER_RUN", 0)
+    monkeypatch.setattr(_budget, "POSITIONS_PER_RUN", 0)
     assert (heads.patch_scan(model, clean, corrupted, _metric) - want).abs().max() < 1e-5
     # else the automatic budget holds 16 rows of this tiny model, in forwards of one size
     assert max(sizes) == _scan._even(n_variants, 16 // 2) == -(-n_variants // 4)
     assert _scan._even(48, 4) == 4 and _scan._even(270, 42) == 34 and _scan._even(5, 8) == 5
     block = model.layers[0]
     params = sum(p.numel() for p in block.parameters())
-    assert _scan.bytes_per_row(100, 4, [block], 8, 10) == 10 * 4 * (2 * 100 + 2 * params // 8 + 4 * 8)
-    assert _scan.bytes_per_row(100, 4, [block], 8, 10, 1) == 4 * (10 * (2 * params // 8 + 4 * 8) + 1 * 2 * 100)
+    assert _budget.bytes_per_row(100, 4, [block], 8, 10) == 10 * 4 * (2 * 100 + 2 * params // 8 + 4 * 8)
+    assert _budget.bytes_per_row(100, 4, [block], 8, 10, 1) == 4 * (10 * (2 * params // 8 + 4 * 8) + 1 * 2 * 100)
     for rows, expected in ((1, 1), (3 * 2, 3)):  # a budget of 1 byte still runs one variant a forward
         sizes.clear()
         info = {}
@@ -64,8 +65,8 @@ def test_a_memory_budget_sets_the_variants_per_forward_and_not_the_table(monkeyp
 
 
 def test_the_shortcut_is_declined_when_what_it_holds_is_over_a_quarter_of_the_budget(monkeypatch):
-    seen, real = [], _scan._Scan.decide_shortcut
-    monkeypatch.setattr(_scan._Scan, "decide_shortcut", lambda self, budget: seen.append(real(self, budget))
+    seen, real = [], _scan_state.ScanState.decide_shortcut
+    monkeypatch.setattr(_scan_state.ScanState, "decide_shortcut", lambda self, budget: seen.append(real(self, budget))
                         or seen[-1])
     model = _mh("llama")
     clean, corrupted = _inputs("llama", 1), _inputs("llama", 2)

@@ -19,6 +19,7 @@ pytestmark = pytest.mark.usefixtures("one_torch_thread")
 transformers = pytest.importorskip("transformers")
 
 import multihead.interop.hf  # noqa: E402, F401  (registers "multihead")
+from multihead.heads import _scan_state, _shortcut  # noqa: E402
 from multihead.heads import scan as _scan  # noqa: E402
 from test_heads import _inputs, _metric, _mh, _one_token_changed  # noqa: E402
 from test_interop_hf_registry import DECODERS  # noqa: E402
@@ -26,13 +27,13 @@ from test_interop_hf_registry import DECODERS  # noqa: E402
 
 def _decisions(monkeypatch) -> list:
     """(reason, layers taken) of every scan's shortcut decision."""
-    seen, real = [], _scan._Scan.decide_shortcut
+    seen, real = [], _scan_state.ScanState.decide_shortcut
 
     def spy(self, *args):
         why = real(self, *args)
         seen.append((why, sorted(self.shortcut.layers)))
         return why
-    monkeypatch.setattr(_scan._Scan, "decide_shortcut", spy)
+    monkeypatch.setattr(_scan_state.ScanState, "decide_shortcut", spy)
     return seen
 
 
@@ -89,8 +90,8 @@ def test_the_shortcut_is_declined_when_its_self_check_fails(monkeypatch):
     model = _mh("llama")
     clean, corrupted = _inputs("llama", 1), _inputs("llama", 2)
     want = heads.patch_scan(model, clean, corrupted, _metric)
-    real = _scan._rows
-    monkeypatch.setattr(_scan, "_rows", lambda x, rows, keep: x if isinstance(x, torch.Tensor) and x.dim() == 4
+    real = _shortcut.keep_rows
+    monkeypatch.setattr(_shortcut, "keep_rows", lambda x, rows, keep: x if isinstance(x, torch.Tensor) and x.dim() == 4
                         else real(x, rows, keep))
     seen.clear()
     got = heads.patch_scan(model, clean, corrupted, _metric)

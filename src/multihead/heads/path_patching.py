@@ -41,7 +41,6 @@ that ends in logits (step 3) asks a transformers model for the read positions al
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable, Iterable
 from contextlib import contextmanager
 
@@ -49,14 +48,25 @@ import torch
 from torch import Tensor, nn
 
 from multihead.heads._align import aligned
+from multihead.heads._batch import block_of, check_whole, first_output, grow, keep_inputs, one_row, with_first
+from multihead.heads._budget import (
+    bytes_per_row,
+    check_memory,
+    head_cost,
+    keep_positions,
+    model_width,
+    read_metric,
+    variants_per_forward,
+)
 from multihead.heads._in_place import in_place_activations
 from multihead.heads._inputs import call, check_inputs, check_variants_per_run, scalar, takes_use_cache
 from multihead.heads._interventions import check_heads
+from multihead.heads._prefix import PrefixRecorder, cut_all, cut_cache, sees_ahead, shared_prefix
 from multihead.heads._ranks import Ranks, check_group, fingerprint
 from multihead.heads._record import Recording, head_results, record
+from multihead.heads._runner import run_units, table
 from multihead.heads.engine import (
     KEYWORD,
-    WEIGHTS_KEYWORD,
     Engine,
     Handler,
     Hooks,
@@ -66,21 +76,7 @@ from multihead.heads.engine import (
     multihead_modules,
     parents_of,
 )
-from multihead.heads.progress import Progress, check_progress
-from multihead.heads.scan import (
-    PrefixRecorder,
-    block_of,
-    bytes_per_row,
-    check_memory,
-    first_output,
-    head_cost,
-    keep_positions,
-    model_width,
-    one_row,
-    read_metric,
-    variants_per_forward,
-)
-from multihead.masks import MaskMod
+from multihead.heads.progress import check_progress
 
 VIAS = ("q", "k", "v")
 LOGITS = "logits"
@@ -322,10 +318,6 @@ def _call(model: nn.Module, inputs, **extra):
     return call(model, inputs, takes_use_cache(model), **extra)
 
 
-def _with_first(out, x: Tensor):
-    return x if isinstance(out, Tensor) else (x, *out[1:])
-
-
 def _forward(model: nn.Module, inputs, handler: Handler, hooks: list[tuple[nn.Module, str, Callable]],
              keep: dict | None = None):
     """One forward with `handler` on the heads and `hooks` (module, "pre"|"post", fn) on the
@@ -420,7 +412,7 @@ def _one(runs: _Runs, senders: list[tuple[int, int]], receivers: list[tuple[int,
         delta = sum(runs.delta(layer)[:, :, h] for layer, h in senders)  # (B, T, C)
         def add_delta(m, a, out):
             x = first_output(out)
-            return _with_first(out, x + delta.to(x.dtype))
+            return with_first(out, x + delta.to(x.dtype))
 
         hooks.append((last, "post", add_delta))
     out = _forward(model, runs.corrupted_inputs, _Received(kept, mine), hooks, runs.keep)
@@ -459,95 +451,6 @@ def path_patch(model, clean, corrupted, metric: Callable[[Tensor], Tensor], send
 # ---------------------------------------------------------------- the scan's rows
 
 
-def _grow(x, n: int, B: int):
-    """A block input as n copies of the B rows see it: per-batch tensors repeated."""
-    if n == 1:
-        return x
-    if isinstance(x, Tensor):
-        return x.repeat(n, *([1] * (x.dim() - 1))) if x.dim() >= 2 and x.shape[0] == B else x
-    if isinstance(x, MaskMod):
-        fn = x.fn
-        return MaskMod(lambda b, h, q, k: fn(b % B, h, q, k), x.name, top_left=x.top_left, relative=x.relative)
-    if isinstance(x, tuple) and not hasattr(x, "_fields"):
-        return tuple(_grow(t, n, B) for t in x)
-    if isinstance(x, list):
-        return [_grow(t, n, B) for t in x]
-    return x
-
-
-class _NoCut(Exception):
-    """A T-long block input of a kind the prefix skip does not know how to cut."""
-
-
-def _cut(x, key, T: int, p: int):
-    """Positions [p, T) of one block input (`key`: its keyword, or its place among the
-    positional arguments); raises _NoCut for a T-long input of an unknown kind."""
-    if isinstance(x, Tensor):
-        if x.dim() == 0 or T not in x.shape:
-            return x
-        if key in (0, "hidden_states") and x.dim() == 3:  # (B, T, C); (n B, T - p, C) from the block below
-            return x[:, p:] if x.shape[1] == T else x
-        if x.dim() == 4 and x.shape[-2:] == (T, T):  # a mask (B, 1|H, T, S): its query rows
-            return x[..., p:, :]
-        if key == "position_ids" and x.shape[-1] == T:
-            return x[..., p:]
-        if key == "cache_position" and x.dim() == 1:
-            return x[p:]
-        raise _NoCut(key)
-    if isinstance(x, MaskMod):  # a flex-style predicate reads the row as q_idx; bottom-right it is the position
-        return MaskMod(x.fn, x.name, relative=x.relative) if x.top_left else x
-    if isinstance(x, (tuple, list)) and key == "position_embeddings":  # rotary (cos, sin), each (B|1, T, D)
-        return type(x)(t[..., p:, :] if isinstance(t, Tensor) and t.dim() >= 2 and t.shape[-2] == T else t
-                       for t in x)
-    if isinstance(x, (tuple, list, dict)):
-        if any(isinstance(t, Tensor) for t in (x.values() if isinstance(x, dict) else x)):
-            raise _NoCut(key)
-    return x
-
-
-def _cut_all(args: tuple, kwargs: dict, T: int, p: int) -> tuple[tuple, dict]:
-    return tuple(_cut(a, i, T, p) for i, a in enumerate(args)), {k: _cut(v, k, T, p) for k, v in kwargs.items()}
-
-
-def _sees_ahead(x, T: int, p: int, B: int) -> bool:
-    """Whether a mask lets a query of the prefix [0, p) see a key of [p, T) (a prefix-LM's
-    bidirectional span): the prefix is then not the corrupted run's in a variant."""
-    if isinstance(x, Tensor) and x.dim() == 4 and x.shape[-2:] == (T, T):
-        corner = x[..., :p, p:]
-        return bool(corner.any()) if corner.dtype == torch.bool else \
-            bool((corner > torch.finfo(corner.dtype).min / 2).any())
-    if isinstance(x, MaskMod):
-        b = torch.arange(B)[:, None, None, None]
-        q = torch.arange(p)[None, None, :, None]
-        kv = torch.arange(p, T)[None, None, None, :]
-        return bool(torch.as_tensor(x(b, torch.zeros_like(b), q, kv)).any())
-    return False
-
-
-def _shared_prefix(clean, corrupted) -> tuple[int, int]:
-    """(p, T): how many leading positions every input tensor of the two runs shares, and
-    their length; (0, 0) when that cannot be read off the inputs."""
-    if isinstance(clean, Tensor) and isinstance(corrupted, Tensor):
-        pairs = [(clean, corrupted)]
-    elif hasattr(clean, "keys") and hasattr(corrupted, "keys") and set(clean.keys()) == set(corrupted.keys()):
-        pairs = [(clean[k], corrupted[k]) for k in clean.keys()]
-    else:
-        return 0, 0
-    p = T = None
-    for a, b in pairs:
-        if not (isinstance(a, Tensor) and isinstance(b, Tensor)):
-            if isinstance(a, Tensor) or isinstance(b, Tensor) or (a is not b and a != b):
-                return 0, 0
-            continue
-        if a.dim() < 2 or a.shape != b.shape or (T is not None and a.shape[1] != T):
-            return 0, 0
-        T = a.shape[1]
-        differ = (a != b).reshape(a.shape[0], T, -1).any(dim=2).any(dim=0)  # (T,)
-        first = int(differ.nonzero()[0, 0]) if bool(differ.any()) else T
-        p = first if p is None else min(p, first)
-    return (0, 0) if T is None else (p, T)
-
-
 class _Skip:
     """The prefix [0, p) clean and corrupted share, on a causal decoder: there every run of
     the scan is the corrupted run (the senders' clean z equal the corrupted z there), so
@@ -579,13 +482,13 @@ class _Join:
             self.started = True
             cargs, ckw = self.cache[id(block)]
             kwargs = {**kwargs, **ckw}  # the forward's own keywords (the intervention) stay
-            return tuple(_grow(a, n, B) for a in cargs), {k: _grow(v, n, B) for k, v in kwargs.items()}
+            return tuple(grow(a, B, n * B, B) for a in cargs), {k: grow(v, B, n * B, B) for k, v in kwargs.items()}
         if not self.started:
             return tuple(one_row(a, B) for a in args), {k: one_row(v, B) for k, v in kwargs.items()}
         if self.skip is not None:  # the hidden states are cut already; what the model hands each block is not
-            args, kwargs = _cut_all(args, kwargs, self.skip.T, self.skip.p)
+            args, kwargs = cut_all(args, kwargs, (self.skip.T, self.skip.p))
         # the hidden states have n B rows already (left as they are); the model's per-batch tensors still B
-        return tuple(_grow(a, n, B) for a in args), {k: _grow(v, n, B) for k, v in kwargs.items()}
+        return tuple(grow(a, B, n * B, B) for a in args), {k: grow(v, B, n * B, B) for k, v in kwargs.items()}
 
     def hooks(self, model: nn.Module, blocks: list[nn.Module]) -> list[tuple[nn.Module, str, Callable]]:
         return [(model, "pre", lambda m, a, kw: self.begin())] + [(b, "pre", self.hook) for b in blocks]
@@ -610,7 +513,7 @@ class _Laid:
                 x = torch.cat([self.skip.tail.to(x.dtype).repeat(x.shape[0] // B, 1, 1), x], dim=1)
             if delta is not None:
                 x = x + delta.to(x.dtype)
-            return _with_first(out, x)
+            return with_first(out, x)
         return hook
 
 
@@ -627,18 +530,14 @@ def _lay_out(runs: _Runs, clean) -> _Laid | None:
     if any(b is model for b in blocks) or len({id(b) for b in blocks}) != len(blocks) or \
             not isinstance(stack, nn.ModuleList) or any(runs.parents.get(id(b)) is not stack for b in blocks):
         return None
-    p, T = _shared_prefix(clean, runs.corrupted_inputs)
+    p, T = shared_prefix(clean, runs.corrupted_inputs)
     skip_ok = 0 < p < T and is_hf(model) and not multihead_modules(model) and \
         not getattr(model.config, "is_encoder_decoder", False) and \
         all(getattr(lay.module, "is_causal", False) is True for lay in runs.layers)
     cache: dict[int, tuple] = {}
-
-    def keep(block, args, kwargs):
-        cache[id(block)] = (args, {k: v for k, v in kwargs.items() if k not in (KEYWORD, WEIGHTS_KEYWORD)})
-
     hooks = Hooks()
     for b in blocks:
-        hooks.pre(b, keep, with_kwargs=True)
+        hooks.pre(b, keep_inputs(cache), with_kwargs=True)
     final: list[Tensor] = []
     hooks.post(blocks[-1], lambda m, a, out: final.append(first_output(out)))
     prefix = PrefixRecorder(p, z=False)
@@ -654,11 +553,10 @@ def _lay_out(runs: _Runs, clean) -> _Laid | None:
                                              atol=1e-6 * (1 + float(runs.corrupted["z", i].abs().max())))
                               for i in range(len(blocks))):
         return laid
-    try:
-        cut = {i: _cut_all(*inputs, T, p) for i, inputs in cache.items()}
-    except _NoCut:
+    cut, _ = cut_cache(cache, (T, p))
+    if cut is None:
         return laid
-    if any(_sees_ahead(x, T, p, B) for args, kwargs in cache.values() for x in (*args, *kwargs.values())):
+    if any(sees_ahead(x, T, p, B) for args, kwargs in cache.values() for x in (*args, *kwargs.values())):
         return laid
     skip = _Skip(T, p, prefix.data, final[0][:, :p])
     skipped = _Laid(blocks, cut, final[0], skip)
@@ -669,6 +567,49 @@ def _lay_out(runs: _Runs, clean) -> _Laid | None:
                                                          atol=1e-5 * (1 + float(logits.abs().max()))):
         return laid  # a block input the cut does not read right: every position runs
     return skipped
+
+
+def _scan_setup(model, clean, corrupted, metric, receivers, via: str, variants_per_run, max_memory, progress):
+    """path_patch_scan's checks, both runs and its layout: (receivers, logits, runs, per_run, laid)."""
+    rec, logits = check_receivers(receivers, via)
+    budget = check_memory(max_memory)
+    check_progress(progress)
+    check_variants_per_run(variants_per_run)
+    clean_, corrupted_, metric_, _ = aligned(model, clean, corrupted, metric, None)
+    runs = _Runs(model, clean_, corrupted_, metric_)
+    _check_ranges(runs.layers, [], rec)
+    if logits:
+        runs.last_block([(lay.index, 0) for lay in runs.layers])  # refuses senders the direct path cannot take
+    laid = _lay_out(runs, clean_)
+    lay0 = runs.layers[0]
+    T = runs.corrupted["z", lay0.index].shape[1]
+    if laid is not None and laid.skip is not None:
+        T -= laid.skip.p
+    per_row = bytes_per_row(runs.vocab, runs.itemsize, laid.blocks if laid is not None else [model],
+                            model_width(model, lay0.H * lay0.Dv), T,
+                            len(runs.keep["logits_to_keep"]) if runs.keep else None)
+    auto = variants_per_forward(per_row, runs.B, budget, T)[0]
+    per_run = auto if variants_per_run is None else variants_per_run
+    return rec, logits, runs, per_run, laid
+
+
+def _scan_units(runs: _Runs, laid: _Laid | None, rec, logits: bool, per_run: int) -> tuple[list, list, list]:
+    """(units (sender layer, its heads, the receivers above it by layer), their costs in
+    block-rows, the cells that need no forward: the corrupted metric where no receiver is reached)."""
+    layers = runs.layers
+    units, costs, cells = [], [], []
+    head = head_cost(runs.model, laid.blocks) if laid is not None else 0.0
+    for lay in layers:
+        mine = _by_layer(rec, lay.index)
+        if not mine and not logits:
+            cells += [((lay.index, h), runs.corrupted_metric) for h in range(lay.H)]
+            continue
+        for s in range(0, lay.H, per_run):
+            units.append((lay.index, list(range(s, min(lay.H, s + per_run))), mine))
+            # block-rows: step 2 from the sender to the last receiver, step 3 from the first receiver up
+            blocks = (max(i for i, _ in mine) - lay.index + 1 + len(layers) - min(i for i, _ in mine)) if mine else 0
+            costs.append(len(units[-1][1]) * (blocks + head))
+    return units, costs, cells
 
 
 def path_patch_scan(model, clean, corrupted, metric: Callable[[Tensor], Tensor], receivers, via: str = "q", *,
@@ -690,48 +631,14 @@ def path_patch_scan(model, clean, corrupted, metric: Callable[[Tensor], Tensor],
     check_group(group)
     ranks = Ranks(group, "path_patch_scan")
 
-    def setup():
-        rec, logits = check_receivers(receivers, via)
-        budget = check_memory(max_memory)
-        check_progress(progress)
-        check_variants_per_run(variants_per_run)
-        clean_, corrupted_, metric_, _ = aligned(model, clean, corrupted, metric, None)
-        runs = _Runs(model, clean_, corrupted_, metric_)
-        _check_ranges(runs.layers, [], rec)
-        if logits:
-            runs.last_block([(lay.index, 0) for lay in runs.layers])  # refuses senders the direct path cannot take
-        laid = _lay_out(runs, clean_)
-        lay0 = runs.layers[0]
-        T = runs.corrupted["z", lay0.index].shape[1]
-        if laid is not None and laid.skip is not None:
-            T -= laid.skip.p
-        per_row = bytes_per_row(runs.vocab, runs.itemsize, laid.blocks if laid is not None else [model],
-                                model_width(model, lay0.H * lay0.Dv), T,
-                                len(runs.keep["logits_to_keep"]) if runs.keep else None)
-        auto = variants_per_forward(per_row, runs.B, budget, T)[0]
-        per_run = auto if variants_per_run is None else variants_per_run
-        return rec, logits, runs, per_run, laid
-
     def agreed(done):  # what every rank must share for the tables to be one table
         rec, logits, runs, per_run, laid = done
         skip = None if laid is None or laid.skip is None else (laid.skip.T, laid.skip.p)
         return fingerprint(model, clean, corrupted), rec, logits, per_run, laid is None, skip
 
-    rec, logits, runs, per_run, laid = ranks.run(setup, agreed)
-    layers = runs.layers
-    out = torch.full((len(layers), max(lay.H for lay in layers)), math.nan)
-    units, costs = [], []
-    head = head_cost(model, laid.blocks) if laid is not None else 0.0
-    for lay in layers:
-        mine = _by_layer(rec, lay.index)
-        if not mine and not logits:
-            out[lay.index, :lay.H] = runs.corrupted_metric
-            continue
-        for s in range(0, lay.H, per_run):
-            units.append((lay.index, list(range(s, min(lay.H, s + per_run))), mine))
-            # block-rows: step 2 from the sender to the last receiver, step 3 from the first receiver up
-            blocks = (max(i for i, _ in mine) - lay.index + 1 + len(layers) - min(i for i, _ in mine)) if mine else 0
-            costs.append(len(units[-1][1]) * (blocks + head))
+    rec, logits, runs, per_run, laid = ranks.run(lambda: _scan_setup(model, clean, corrupted, metric, receivers, via,
+                                                                    variants_per_run, max_memory, progress), agreed)
+    units, costs, cells = _scan_units(runs, laid, rec, logits, per_run)
 
     def run(unit) -> list[float]:
         layer, heads, mine = unit
@@ -739,20 +646,10 @@ def path_patch_scan(model, clean, corrupted, metric: Callable[[Tensor], Tensor],
             return [_one(runs, [(layer, h)], rec, logits) for h in heads]
         return _chunk(runs, laid, layer, heads, mine, logits)
 
-    shown = Progress(progress, sum(len(u[1]) for u in units), costs, "path_patch_scan")
-
-    def one(unit, cost):
-        values = run(unit)
-        shown.step(len(unit[1]), cost)
-        return values
-    try:
-        results = ranks.map(lambda uc: one(*uc), list(zip(units, costs)), costs)
-    finally:
-        shown.close()
-    for (layer, heads, _), values in zip(units, results):
-        for h, value in zip(heads, values):
-            out[layer, h] = value
-    return out
+    results, _ = run_units(ranks, units, costs, run, progress, "path_patch_scan", size=lambda unit: len(unit[1]))
+    cells += [((layer, h), value) for (layer, heads, _), values in zip(units, results)
+              for h, value in zip(heads, values)]
+    return table([lay.H for lay in runs.layers], cells)
 
 
 def _chunk(runs: _Runs, laid: _Laid, layer: int, heads: list[int], mine: dict[tuple[int, str], list[int]],
@@ -769,8 +666,6 @@ def _chunk(runs: _Runs, laid: _Laid, layer: int, heads: list[int], mine: dict[tu
     delta = torch.cat([runs.delta(layer)[:, :, h] for h in heads]) if logits else None  # (n B, T, C)
     hooks = join.hooks(model, blocks) + [(blocks[-1], "post", laid.finish(n, B, delta, replace=not mine))]
     got = _forward(model, runs.corrupted_inputs, _Received(kept, mine, skip), hooks, runs.keep)
-    if got.shape[0] != n * B:
-        raise RuntimeError(f"the scan's batch did not come out whole ({got.shape[0]} rows, expected {n * B}): "
-                           f"{type(model).__name__} reshapes its batch between blocks")
+    check_whole(got, n * B, model)
     return [runs.metric_of(got[i * B:(i + 1) * B], f"for layer {layer} head {h}") for i, h in enumerate(heads)]
 

@@ -14,7 +14,6 @@ from multihead._lazy import lazy_exports
 
 _LAZY = {
     "WeightsRequest": "multihead.interop.hf",
-    "convert": "multihead.interop.hf",
     "from_bert": "multihead.interop.hf",
     "from_deepseek": "multihead.interop.hf",
     "from_gpt2": "multihead.interop.hf",
