@@ -430,7 +430,7 @@ def test_to_mla_keeps_window_and_softcap_and_refuses_alibi():
 
 
 def test_whole_model_bad_input():
-    with pytest.raises(ValueError, match=r"init must be one of mean, first, random; received 'avg'"):
+    with pytest.raises(ValueError, match=r"init must be one of mean, first, random, aligned; received 'avg'"):
         convert.to_gqa(_lab_model(), 2, init="avg")
     with pytest.raises(ValueError, match=r"to_gqa: Linear holds no multihead.Attention layer"):
         convert.to_gqa(nn.Linear(3, 3), 1)

@@ -317,10 +317,11 @@ def test_bad_arguments_give_clear_errors():
                                                   r"rope_dim=32, kv_rank=32"),
         (dict(kv_rank=61, rope_dim=4), ValueError, r"received 61"),
         (dict(kv_rank=33, rope_dim=32), ValueError, r"kv_rank must be an int in 1..32, .*received 33$"),
-        (dict(kv_rank=8, rope_dim=4, keep="low"), ValueError, r"keep must be one of norm, high; received 'low'"),
-        (dict(kv_rank=8, rope_dim=4, calibration=torch.zeros(3, dtype=torch.long)), ValueError,
-         r"calibration= feeds keep='norm' and basis='activations'; received it with keep='high', basis='weights'"),
-        (dict(kv_rank=8, rope_dim=4, basis="pca"), ValueError, r"basis must be one of weights, activations; "
+        (dict(kv_rank=8, rope_dim=4, keep="low"), ValueError,
+         r"keep must be one of rotation, norm, high; received 'low'"),
+        (dict(kv_rank=8, rope_dim=4, keep="high", basis="weights", calibration=torch.zeros(3, dtype=torch.long)),
+         ValueError, r"calibration= feeds the data-aware choices; received it with keep='high', basis='weights'"),
+        (dict(kv_rank=8, rope_dim=4, basis="pca"), ValueError, r"basis must be one of output, weights, activations; "
                                                                 r"received 'pca'"),
         (dict(kv_rank=8, rope_dim=4, basis="activations"), ValueError, r"received calibration=None"),
         (dict(kv_rank=8, rope_dim=4, keep="norm", calibration=[1, 2]), TypeError,

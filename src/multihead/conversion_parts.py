@@ -11,7 +11,7 @@ import torch
 __all__ = ["GQA_INITS", "ConversionReport", "LayerConversion", "grouped_kv_error", "pool_kv_heads", "relative_error",
            "stacked_kv"]
 
-GQA_INITS = ("mean", "first", "random")
+GQA_INITS = ("mean", "first", "random", "aligned")  # aligned: transformers models, from calibration
 
 
 @dataclass(frozen=True)
@@ -25,6 +25,7 @@ class LayerConversion:
     name: str
     error: float
     data_error: float | None = None  # the same on the layer's K/V features over calibration tokens, where given
+    rope_pairs: tuple[tuple[int, ...], ...] | None = None  # MLA: each KV head's pairs kept rotary (0: the fastest)
 
 
 @dataclass(frozen=True)

@@ -71,8 +71,8 @@ def _match_biases(dst: nn.Module, src: nn.Module, names: tuple[str, ...]) -> Non
 # ------------------------------------------------------------------------ GQA
 
 
-def to_gqa(model, n_kv_heads: int, *, init: str = "mean", generator: torch.Generator | None = None,
-           return_report: bool = False):
+def to_gqa(model, n_kv_heads: int, *, init: str | None = None, generator: torch.Generator | None = None,
+           calibration=None, tokenizer=None, return_report: bool = False):
     """A copy of `model` with `n_kv_heads` key/value heads in every attention layer.
 
     `model` is one `Attention`, a model holding `Attention` layers (a lab model's `cfg`
@@ -99,7 +99,7 @@ def to_gqa(model, n_kv_heads: int, *, init: str = "mean", generator: torch.Gener
             a model without attention layers.
         TypeError: neither an `Attention` nor an `nn.Module`.
     """
-    if init not in GQA_INITS:
+    if init is not None and init not in GQA_INITS:
         raise ValueError(f"init must be one of {', '.join(GQA_INITS)}; received {init!r}")
     target = _gqa_target(model, n_kv_heads)
     if _is_transformers_model(model):
@@ -107,7 +107,14 @@ def to_gqa(model, n_kv_heads: int, *, init: str = "mean", generator: torch.Gener
 
         _refuse_regrouping_mqa(model, n_kv_heads)
 
-        return transformers_to_gqa(model, n_kv_heads, init=init, generator=generator, return_report=return_report)
+        return transformers_to_gqa(model, n_kv_heads, init=init, generator=generator, calibration=calibration,
+                                   tokenizer=tokenizer, return_report=return_report)
+    init = "mean" if init is None else init
+    if init == "aligned" or calibration is not None or tokenizer is not None:
+        raise ValueError(f"to_gqa: init='aligned' and calibration= are for transformers models (their attention "
+                         f"statistics are read on calibration tokens); received init={init!r}"
+                         + (", calibration=" if calibration is not None else "") + "; valid: init='mean', "
+                         "'first' or 'random', calibration=None")
     return _convert(
         "to_gqa", model, lambda attn: _gqa_layer(attn, n_kv_heads, init, generator), target, init, return_report,
         lambda cfg: replace(cfg, n_kv_heads=n_kv_heads))
@@ -357,7 +364,7 @@ def _check_rank(kv_rank, max_rank: int, attn: Attention, rope_dim: int = 0) -> N
 
 
 def to_mla(model, kv_rank: int, *, rope_dim: int | None = None, keep: str | None = None, basis: str | None = None,
-           calibration=None, return_report: bool = False):
+           calibration=None, tokenizer=None, return_report: bool = False):
     """Factor an MHA/GQA layer's keys and values through a shared rank-`kv_rank` latent.
 
     `model` is one `Attention` (returns a `LatentAttention`, and with `return_report`
@@ -413,10 +420,9 @@ def to_mla(model, kv_rank: int, *, rope_dim: int | None = None, keep: str | None
 
         _refuse_qk_norm(model)
 
-        return transformers_to_mla(model, kv_rank, rope_dim=rope_dim, keep="high" if keep is None else keep,
-                                   basis="weights" if basis is None else basis, calibration=calibration,
-                                   return_report=return_report)
-    if keep not in (None, "high") or basis not in (None, "weights") or calibration is not None:
+        return transformers_to_mla(model, kv_rank, rope_dim=rope_dim, keep=keep, basis=basis, calibration=calibration,
+                                   tokenizer=tokenizer, return_report=return_report)
+    if keep not in (None, "high") or basis not in (None, "weights") or calibration is not None or tokenizer is not None:
         raise ValueError(f"to_mla: a multihead layer keeps its highest-frequency rotary pairs (keep='high') and "
                          f"factors its weights (basis='weights'); keep={keep!r}, basis={basis!r} and calibration= "
                          "are for transformers models; valid: keep=None or 'high', basis=None or 'weights', "

@@ -58,6 +58,7 @@ import torch
 from torch import Tensor, nn
 
 from multihead.conversion_parts import ConversionReport, LayerConversion, relative_error
+from multihead.interop.hf.calibrated import calibration_ids, layer_stats, turn_pairs
 from multihead.interop.hf.layers import sliding_window_of
 from multihead.interop.hf.registry import hf_mask
 from multihead.latent import LatentAttention
@@ -66,8 +67,8 @@ from multihead.rope import apply_rotary
 __all__ = ["BASES", "FAMILY", "KEEP", "LatentLlamaAttention", "mla_layers", "rope_pair_scores", "transformers_to_mla"]
 
 FAMILY = ("LlamaAttention", "MistralAttention", "Qwen2Attention", "Qwen3Attention")
-KEEP = ("norm", "high")
-BASES = ("weights", "activations")
+KEEP = ("rotation", "norm", "high")
+BASES = ("output", "weights", "activations")
 
 
 def mla_layers(model: nn.Module) -> list[tuple[str, nn.Module]]:
@@ -167,6 +168,18 @@ def rope_pair_scores(model: nn.Module, *, calibration: Tensor | None = None) -> 
         return {name: _weight_scores(m) for name, m in layers}
     inputs = _layer_inputs(model, layers, calibration)
     return {name: _activation_scores(m, inputs[name]) for name, m in layers}
+
+
+def _rotation_scores(st) -> Tensor:
+    """(Hkv, D/2) the "rotation" choice's score of every pair: what dropping its rotation
+    costs, sum over the group's query heads of value_scale_h E||q_h^(f)||^2 E||k^(f)||^2
+    (1 - |phasor_hf|^2) (calibrated.py: the score variance left once the rotation is
+    replaced by its mean under the attention)."""
+    H, Hkv, half = st.q2.shape[0], st.k2.shape[0], st.q2.shape[1] // 2
+    q = (st.q2[:, :half] + st.q2[:, half:]) * st.value_scale[:, None]  # (H, D/2)
+    q = q * (1 - st.phasor.abs().square()).clamp(min=0)
+    k = st.k2[:, :half] + st.k2[:, half:]  # (Hkv, D/2)
+    return q.view(Hkv, H // Hkv, half).sum(1) * k
 
 
 def _kept_pairs(scores: Tensor | None, Hkv: int, D: int, k: int, keep: str) -> Tensor:
@@ -336,8 +349,38 @@ def _features(attn: nn.Module, xs: list[Tensor], m: Tensor, nope_rows: Tensor, q
         return torch.cat([k[:, nope_rows], attn.v_proj(x)], dim=1).double()
 
 
+def _output_maps(attn: nn.Module, st, f: Tensor, q_nope: Tensor, R: int) -> tuple[Tensor, Tensor]:
+    """The "output" basis: (proj `(R, rows)`, up `(rows, R)`), latent c = proj f, f ~ up c.
+
+    The rank-R subspace is the top principal one of the features f = [k_nope ; v] `(N, rows)`
+    measured in the metric of what the attention output sees: a key error dk of group j
+    moves head h's score by scaling q_h . dk and its output by about value_scale_h times that,
+    so the key block is sum_h value_scale_h scaling^2 E[q_h q_h^T] over the group's queries
+    `q_nope` `(N, H, Dn)`; a value error dv moves the output by W_o,h dv, so the value block is
+    sum_h W_o,h^T W_o,h. The up-projection is the least-squares one given c (the best in any
+    metric, as it is unconstrained)."""
+    H, Hkv, D, Dv, C = _sizes(attn)
+    G, N = H // Hkv, len(f)
+    scale2 = float(getattr(attn, "scaling", D ** -0.5)) ** 2
+    wo = attn.o_proj.weight.detach().double().view(C, H, Dv).transpose(0, 1)  # (H, C, Dv)
+    blocks = []
+    for j in range(Hkv):
+        qs = q_nope[:, j * G:(j + 1) * G]  # (N, G, Dn)
+        blocks.append(torch.einsum("g,nga,ngb->ab", st.value_scale[j * G:(j + 1) * G], qs, qs) * scale2 / N)
+    blocks += [torch.einsum("gca,gcb->ab", wo[j * G:(j + 1) * G], wo[j * G:(j + 1) * G]) for j in range(Hkv)]
+    blocks = [b + 1e-9 * float(b.diagonal().mean().clamp(min=1e-30)) * torch.eye(len(b), dtype=b.dtype)
+              for b in blocks]
+    chol = torch.block_diag(*[torch.linalg.cholesky(b) for b in blocks])  # (rows, rows), metric = L L^T
+    g = f @ chol  # (N, rows): ||g|| is the error in the metric
+    _, vecs = torch.linalg.eigh(g.T @ g)  # ascending
+    proj = (chol @ vecs.flip(1)[:, :R]).T  # (R, rows)
+    c = f @ proj.T  # (N, R)
+    up = torch.linalg.lstsq(c, f).solution.T  # (rows, R)
+    return proj, up
+
+
 def _convert_layer(attn: nn.Module, kv_rank: int, rope_dim: int, pairs: Tensor, backend: str,
-                   xs: list[Tensor] | None = None, basis: str = "weights"
+                   xs: list[Tensor] | None = None, basis: str = "weights", stats=None
                    ) -> tuple[LatentLlamaAttention, float, float | None]:
     H, Hkv, D, Dv, C = _sizes(attn)
     G, half, k, R = H // Hkv, D // 2, rope_dim // (2 * Hkv), kv_rank
@@ -383,12 +426,31 @@ def _convert_layer(attn: nn.Module, kv_rank: int, rope_dim: int, pairs: Tensor, 
             col = torch.cat([torch.zeros(len(nope_rows), dtype=torch.float64), bv.detach().double()])
             m = torch.cat([m, col[:, None]], dim=1)  # (rows, C + 1)
     f = None if xs is None else _features(attn, xs, m, nope_rows, qk_norm)  # (N, rows)
-    if basis == "activations":  # the top principal directions of the features on the calibration tokens
+    wq = attn.q_proj.weight.detach().double().view(H, D, C)
+    bq = None if attn.q_proj.bias is None else attn.q_proj.bias.detach().double().view(H, D, 1)
+    if basis == "output" and not qk_norm:  # the dropped pairs' queries take their mean rotation
+        dropped = torch.ones(H, half, dtype=torch.bool)
+        for h in range(H):
+            dropped[h, pairs[h // G]] = False
+        a = torch.where(dropped, stats.phasor, torch.ones_like(stats.phasor)).to(wq.device)  # (H, D/2)
+        wq = turn_pairs(wq, a)  # q' . k = E[q . R(theta (i - j)) k] under the attention (calibrated.py)
+        bq = None if bq is None else turn_pairs(bq, a)
+    if basis == "output":
+        with torch.no_grad():
+            x = stats.x.to(attn.q_proj.weight.dtype)
+            q = (x.double() @ wq.reshape(H * D, C).T + (0 if bq is None else bq.reshape(-1))).view(-1, H, D)
+            if qk_norm:
+                q = attn.q_norm(attn.q_proj(x).view(len(x), H, D)).double()
+        q_nope = torch.stack([q[:, h, nope[h // G]] for h in range(H)], dim=1)  # (N, H, Dn_live)
+        proj, up = _output_maps(attn, stats, f, q_nope, R)
+    elif basis == "activations":  # the top principal directions of the features on the calibration tokens
         _, vecs = torch.linalg.eigh(f.T @ f)  # ascending
         up = vecs.flip(1)[:, :R]
+        proj = up.T
     else:  # the top left singular vectors of the map
         U, _, _ = torch.linalg.svd(m, full_matrices=False)
         up = U[:, :R]  # (rows, R), orthonormal columns
+        proj = up.T
     nk = len(nope_rows)
     up_k = up[:nk].view(Hkv, Dn_live, R)
     up_k = torch.cat([up_k, up_k.new_zeros(Hkv, Dn - Dn_live, R)], dim=1)  # (Hkv, Dn, R)
@@ -411,16 +473,15 @@ def _convert_layer(attn: nn.Module, kv_rank: int, rope_dim: int, pairs: Tensor, 
     if not latent_bias:
         mla.kv_a_proj.register_parameter("bias", None)
     mla = mla.to(device=w.device, dtype=w.dtype)
-    wq = attn.q_proj.weight.detach().double().view(H, D, C)
     q_ratio = 1.0 if qk_norm else ratio  # a q-normed layer's scale rides on its gains (the norm undoes a weight)
     with torch.no_grad():
         mla.q_proj.weight.copy_(lay_out(wq).reshape(-1, C) * q_ratio)
-        if attn.q_proj.bias is not None:
-            mla.q_proj.bias.copy_(lay_out(attn.q_proj.bias.detach().double().view(H, D, 1)).reshape(-1) * q_ratio)
+        if bq is not None:
+            mla.q_proj.bias.copy_(lay_out(bq).reshape(-1) * q_ratio)
         mla.o_proj.load_state_dict(attn.o_proj.state_dict())
         mla.kv_b_proj.weight.copy_(up_kv.reshape(-1, R))
         if not qk_norm:
-            down = up.T @ m  # (R, C [+1])
+            down = proj @ m  # (R, C [+1])
             mla.kv_a_proj.weight.copy_(torch.cat([down[:, :C], wk[pe_rows]]))  # (R + r, C)
             if latent_bias:
                 b_lat = down[:, C] if m.shape[1] > C else torch.zeros(R, dtype=torch.float64)
@@ -434,18 +495,18 @@ def _convert_layer(attn: nn.Module, kv_rank: int, rope_dim: int, pairs: Tensor, 
         layer.latent_proj = nn.Linear(up.shape[0], R, bias=False).to(device=w.device, dtype=w.dtype)
         gain_q = attn.q_norm.weight.detach().double()[None, :, None].expand(H, D, 1)
         with torch.no_grad():
-            layer.latent_proj.weight.copy_(up.T)
+            layer.latent_proj.weight.copy_(proj)
             # the exact keys carry w_k and 1/rms themselves; the basis was weighted by 1/s only to choose it
         layer.q_gain = nn.Parameter((lay_out(gain_q.contiguous())[..., 0] * ratio).to(device=w.device, dtype=w.dtype))
         layer.q_norm_eps = float(getattr(attn.q_norm, "variance_epsilon", getattr(attn.q_norm, "eps", 1e-6)))
         layer.train(attn.training)
-    error = relative_error(m, up @ (up.T @ m))
-    data_error = None if f is None else relative_error(f, (f @ up) @ up.T)
+    error = relative_error(m, up @ (proj @ m))
+    data_error = None if f is None else relative_error(f, (f @ proj.T) @ up.T)
     return layer, error, data_error
 
 
-def transformers_to_mla(model: nn.Module, kv_rank: int, *, rope_dim: int | None, keep: str = "high",
-                        basis: str = "weights", calibration: Tensor | None = None, backend: str = "auto",
+def transformers_to_mla(model: nn.Module, kv_rank: int, *, rope_dim: int | None, keep: str | None = None,
+                        basis: str | None = None, calibration=None, tokenizer=None, backend: str = "auto",
                         return_report: bool = False):
     """A copy of a Llama-family transformers model on multihead's MLA (module docstring).
 
@@ -453,20 +514,24 @@ def transformers_to_mla(model: nn.Module, kv_rank: int, *, rope_dim: int | None,
         kv_rank: R, the width of the shared latent (<= the rank of [W_k,nope ; W_v]).
         rope_dim: r, the width of the decoupled RoPE key: a multiple of 2 * Hkv up to
             Hkv * D (every pair rotary); required.
-        keep: "high" (the highest frequencies) or "norm" (the largest query-key norm
-            product). On SmolLM2, before any uptraining, "high" loses far less (docs/mla.md).
-        basis: "weights", the latent spans the top left singular vectors of the map M (the
-            SVD, no data); or "activations", the top principal directions of the layer's
-            K/V features [k_nope ; v] on the calibration tokens (the rank-R subspace that
-            loses least of them: on SmolLM2 far better at reduced ranks, docs/mla.md).
-        calibration: token ids `(T,)` or `(B, T)` run through the model for the "norm"
-            choice's statistics (default: from the weights) and the "activations" basis.
+        keep: which rotary pairs stay rotary: "rotation" (the default with calibration: the
+            pairs whose rotation costs most to drop, module docstring), "norm" (MHA2MLA's
+            query-key norm product) or "high" (the highest frequencies; the default without).
+        basis: "output" (the default with calibration: the principal subspace of the K/V
+            features in the metric of the attention output, the dropped pairs' queries
+            turned by their mean rotation), "activations" (the principal directions of the
+            K/V features [k_nope ; v] on the calibration tokens), or "weights" (the SVD of
+            the map, no data; the default without calibration).
+        calibration: text (a str, with `tokenizer`) or token ids `(T,)` / `(B, T)` run through
+            the model for the data-aware choices; a few thousand tokens are enough.
+        tokenizer: the model's tokenizer, to read calibration text.
 
     Returns:
         the new model, or `(model, multihead.convert.ConversionReport)` with every layer's
-        relative K/V reconstruction error ||M - U_R U_R^T M|| / ||M|| and, with
-        calibration, `data_error`: that of the features on the calibration tokens. The
-        input model is untouched.
+        relative K/V reconstruction error ||M - M'|| / ||M|| and, with calibration,
+        `data_error`: that of the features on the calibration tokens; the report's `init`
+        names the basis and the rotary rule, and `rope_pairs` the pairs each layer kept.
+        The input model is untouched.
     """
     if rope_dim is None:
         layers = mla_layers(model)
@@ -476,30 +541,40 @@ def transformers_to_mla(model: nn.Module, kv_rank: int, *, rope_dim: int | None,
             hint = f"; valid: a multiple of {2 * Hkv} in 0..{Hkv * D} (exact: rope_dim={Hkv * D}, kv_rank={Hkv * Dv})"
         raise ValueError("to_mla: a transformers model has RoPE in every layer, so rope_dim (the decoupled RoPE "
                          f"key's width) must be given; received None{hint}")
+    data = calibration is not None
+    keep = keep if keep is not None else ("rotation" if data else "high")
+    basis = basis if basis is not None else ("output" if data else "weights")
     layers = _check(model, kv_rank, rope_dim, keep)
     _, Hkv, D, _, _ = _sizes(layers[0][1])
     k = rope_dim // (2 * Hkv)
     if basis not in BASES:
         raise ValueError(f"to_mla: basis must be one of {', '.join(BASES)}; received {basis!r}")
-    if basis == "activations" and calibration is None:
-        raise ValueError("to_mla: basis='activations' takes the principal directions of the K/V features on "
-                         "calibration tokens; received calibration=None; valid: calibration=token ids (B, T)")
-    if calibration is not None and keep != "norm" and basis != "activations":
-        raise ValueError(f"to_mla: calibration= feeds keep='norm' and basis='activations'; received it with "
-                         f"keep={keep!r}, basis={basis!r}; valid: one of those, or no calibration")
-    inputs = {} if calibration is None else _layer_inputs(model, layers, calibration)
+    needs = [f"{n}={v!r}" for n, v in (("basis", basis), ("keep", keep)) if v in ("activations", "output", "rotation")]
+    if needs and calibration is None:
+        raise ValueError(f"to_mla: {', '.join(needs)} reads the layers on calibration tokens; received "
+                         "calibration=None; valid: calibration=text (with tokenizer=) or token ids (B, T)")
+    if calibration is not None and keep == "high" and basis == "weights":
+        raise ValueError(f"to_mla: calibration= feeds the data-aware choices; received it with keep={keep!r}, "
+                         f"basis={basis!r}, which read no data; valid: keep='rotation' or 'norm', or basis='output' "
+                         "or 'activations' (the defaults with calibration), or no calibration")
+    stats = {} if calibration is None else layer_stats(model, layers, calibration_ids(calibration, tokenizer))
+    inputs = {name: [st.x] for name, st in stats.items()}
     scores = {}
-    if keep == "norm" and 0 < k < D // 2:
-        scores = {name: _activation_scores(m, inputs[name]) if inputs else _weight_scores(m) for name, m in layers}
+    if keep != "high" and 0 < k < D // 2:
+        pick = {"rotation": lambda name, m: _rotation_scores(stats[name]),
+                "norm": lambda name, m: _activation_scores(m, inputs[name]) if inputs else _weight_scores(m)}[keep]
+        scores = {name: pick(name, m) for name, m in layers}
     new = copy.deepcopy(model)
     rows = []
     for name, attn in mla_layers(new):
         pairs = _kept_pairs(scores.get(name), Hkv, D, k, keep)
-        layer, error, data_error = _convert_layer(attn, kv_rank, rope_dim, pairs, backend, inputs.get(name), basis)
+        layer, error, data_error = _convert_layer(attn, kv_rank, rope_dim, pairs, backend, inputs.get(name), basis,
+                                                  stats.get(name))
         parent, _, child = name.rpartition(".")
         setattr(new.get_submodule(parent) if parent else new, child, layer)
-        rows.append(LayerConversion(name, error, data_error))
-    report = ConversionReport(f"MLA-{kv_rank}", f"{'svd' if basis == 'weights' else 'pca'}, rope {keep}", tuple(rows))
+        rows.append(LayerConversion(name, error, data_error, tuple(tuple(p) for p in pairs.tolist())))
+    names = {"weights": "svd", "activations": "pca", "output": "output-pca"}
+    report = ConversionReport(f"MLA-{kv_rank}", f"{names[basis]}, rope {keep}", tuple(rows))
     _refuse_save_pretrained(new)
     return (new, report) if return_report else new
 

@@ -1,0 +1,161 @@
+"""What the data-aware conversions read from a transformers model on calibration tokens.
+
+`to_mla(..., calibration=...)` and `to_gqa(..., calibration=...)` (multihead.convert) run
+the original model once over the calibration ids and, for every Llama-family attention
+layer, keep its inputs and a few statistics of its queries, keys and attention:
+
+- `q2`, `k2`: the mean square of every query / key feature (after a q/k norm, before RoPE:
+  a rotation keeps each rotary pair's norm);
+- `phasor[h, f]`: the mean over the layer's attention of e^{-i theta_f (i - j)}, query i
+  attending to key j with the weights head h gives them (theta_f: pair f's frequency).
+  A pair whose rotation is dropped scores q . R(theta_f (i - j)) k; replacing R by its
+  mean under the attention, the 2 x 2 rotation-and-shrink `phasor`, is the best fixed map
+  in the mean-square sense, and 1 - |phasor|^2 is what that still loses (the variance of
+  the phasor): near 0 for slow pairs, which barely turn over the distances attended, near
+  1 for fast ones;
+- `value_scale[h]`: tr(W_o,h Cov(v) W_o,h^T), how far head h's output moves when its
+  attention moves: an error in a score of head h costs about that much, an error in a
+  value through W_o,h directly, which is how key and value errors are weighed together.
+
+transformers is never imported here: the model's own modules are read.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor, nn
+
+__all__ = ["CALIBRATION_WINDOW", "LayerStats", "calibration_ids", "layer_stats", "turn_pairs"]
+
+CALIBRATION_WINDOW = 256  # tokens per calibration window made from text: the attention statistics need context
+
+
+@dataclass(frozen=True)
+class LayerStats:
+    """One attention layer on the calibration tokens (module docstring)."""
+
+    x: Tensor  # (N, C) the layer's inputs, in the model's dtype
+    q2: Tensor  # (H, D) float64
+    k2: Tensor  # (Hkv, D) float64
+    phasor: Tensor  # (H, D/2) complex128
+    value_scale: Tensor  # (H,) float64
+
+
+def calibration_ids(calibration, tokenizer=None, *, fn: str = "to_mla") -> Tensor:
+    """Token ids `(B, T)` from ids `(T,)` / `(B, T)` or from text (a str, read with
+    `tokenizer`, in windows of CALIBRATION_WINDOW tokens; a shorter text is one window)."""
+    if isinstance(calibration, str):
+        if tokenizer is None or not callable(tokenizer):
+            raise TypeError(f"{fn}: calibration text needs the model's tokenizer to become token ids; received "
+                            f"tokenizer={type(tokenizer).__name__ if tokenizer is not None else None}; valid: "
+                            "tokenizer=the model's tokenizer, or calibration=token ids (B, T)")
+        ids = torch.tensor(tokenizer(calibration)["input_ids"], dtype=torch.long)
+        if ids.numel() < 2:
+            raise ValueError(f"{fn}: the calibration text gives {ids.numel()} token(s); valid: a text of at least "
+                             "2 tokens (a few thousand convert well)")
+        n = CALIBRATION_WINDOW
+        return ids[None] if len(ids) < n else ids[: len(ids) // n * n].view(-1, n)
+    if not isinstance(calibration, Tensor) or calibration.dtype != torch.long or calibration.dim() not in (1, 2) \
+            or calibration.numel() == 0:
+        raise TypeError("calibration must be a non-empty LongTensor of token ids (T,) or (B, T), or text (a str); "
+                        "received " + (f"a {calibration.dtype} tensor of shape {tuple(calibration.shape)}"
+                                       if isinstance(calibration, Tensor) else type(calibration).__name__))
+    return calibration[None] if calibration.dim() == 1 else calibration
+
+
+def turn_pairs(w: Tensor, a: Tensor) -> Tensor:
+    """Rows `(H, D, ...)` of queries with every rotary pair f (features f and f + D/2 in
+    transformers' half-split layout, the complex number q_f + i q_{f + D/2}) multiplied by
+    conj(a[h, f]) (`a` `(H, D/2)` complex): then q' . k = Re(conj(q) a k), the score
+    of q against the key k turned and scaled by a. RoPE turns every pair by a complex
+    phase, which commutes with this: the product holds at every position."""
+    half = w.shape[1] // 2
+    shape = (*a.shape, *([1] * (w.dim() - 2)))
+    ar, ai = a.real.reshape(shape).to(w.dtype), a.imag.reshape(shape).to(w.dtype)
+    x1, x2 = w[:, :half], w[:, half:]
+    return torch.cat([ar * x1 + ai * x2, ar * x2 - ai * x1], dim=1)
+
+
+def _sizes(attn: nn.Module) -> tuple[int, int, int]:
+    D = attn.head_dim
+    return attn.q_proj.out_features // D, attn.k_proj.out_features // D, D
+
+
+def _rotate(t: Tensor, angles: Tensor) -> Tensor:
+    """transformers' half-split RoPE of `t` `(B, n, T, D)` at `angles` `(T, D/2)`."""
+    cos, sin = angles.cos(), angles.sin()
+    cos, sin = torch.cat([cos, cos], -1), torch.cat([sin, sin], -1)  # (T, D)
+    half = t.shape[-1] // 2
+    turned = torch.cat([-t[..., half:], t[..., :half]], dim=-1)
+    return t * cos + turned * sin
+
+
+def _distance_weights(p: Tensor) -> Tensor:
+    """(B, H, T, T) attention weights -> (H, T): the mean weight per query at each distance i - j."""
+    T = p.shape[-1]
+    return torch.stack([torch.diagonal(p, offset=-d, dim1=-2, dim2=-1).sum(-1) for d in range(T)], -1
+                       ).sum(0) / (p.shape[0] * T)  # (H, T)
+
+
+def _one_layer(attn: nn.Module, x: Tensor, inv_freq: Tensor, window: int | None) -> LayerStats:
+    """x `(B, T, C)`: the layer's inputs on the calibration windows."""
+    H, Hkv, D = _sizes(attn)
+    B, T, C = x.shape
+    q = attn.q_proj(x).view(B, T, H, D)
+    k = attn.k_proj(x).view(B, T, Hkv, D)
+    if getattr(attn, "q_norm", None) is not None:
+        q, k = attn.q_norm(q), attn.k_norm(k)
+    q, k = q.double().transpose(1, 2), k.double().transpose(1, 2)  # (B, H, T, D), (B, Hkv, T, D)
+    v = attn.v_proj(x).double()  # (B, T, Hkv*Dv)
+    angles = torch.arange(T, dtype=torch.float64)[:, None] * inv_freq[None]  # (T, D/2)
+    qr, kr = _rotate(q, angles), _rotate(k, angles).repeat_interleave(H // Hkv, dim=1)
+    scores = qr @ kr.transpose(-1, -2) * float(getattr(attn, "scaling", D ** -0.5))  # (B, H, T, T)
+    i = torch.arange(T)
+    allowed = i[:, None] >= i[None, :]
+    if window is not None:
+        allowed &= i[:, None] - i[None, :] < window
+    p = scores.masked_fill(~allowed, -math.inf).softmax(-1)
+    w = _distance_weights(p)  # (H, T)
+    turn = torch.exp(-1j * torch.arange(T, dtype=torch.float64)[:, None] * inv_freq[None])  # (T, D/2)
+    phasor = w.to(torch.complex128) @ turn  # (H, D/2)
+    Dv = v.shape[-1] // Hkv
+    v = v.view(-1, Hkv, Dv)
+    cov = torch.einsum("nja,njb->jab", v - v.mean(0), v - v.mean(0)) / len(v)  # (Hkv, Dv, Dv)
+    wo = attn.o_proj.weight.detach().double().view(C, H, Dv).transpose(0, 1)  # (H, C, Dv)
+    cov_h = cov.repeat_interleave(H // Hkv, dim=0)  # (H, Dv, Dv)
+    value_scale = torch.einsum("hca,hab,hcb->h", wo, cov_h, wo)
+    return LayerStats(x.reshape(-1, C).detach(), q.square().mean((0, 2)), k.square().mean((0, 2)), phasor,
+                      value_scale)
+
+
+def layer_stats(model: nn.Module, layers: list[tuple[str, nn.Module]], ids: Tensor) -> dict[str, LayerStats]:
+    """Each layer's `LayerStats` when `model` reads `ids` `(B, T)` (one forward pass)."""
+    from multihead.interop.hf.layers import sliding_window_of
+
+    seen: dict[str, Tensor] = {}
+    handles = []
+    for name, m in layers:
+        def grab(module, args, kwargs, name=name):
+            x = kwargs.get("hidden_states", args[0] if args else None)
+            seen[name] = x.detach()
+        handles.append(m.register_forward_pre_hook(grab, with_kwargs=True))
+    try:
+        with torch.no_grad():
+            model(input_ids=ids.to(next(model.parameters()).device), use_cache=False)
+    finally:
+        for h in handles:
+            h.remove()
+    rotary = getattr(getattr(model, "model", None), "rotary_emb", None)
+    inv_freq = getattr(rotary, "inv_freq", None)
+    out = {}
+    with torch.no_grad():
+        for name, m in layers:
+            D = m.head_dim
+            f = (inv_freq.detach().double().cpu() if inv_freq is not None and inv_freq.numel() == D // 2 else
+                 1.0 / float(getattr(m.config, "rope_theta", None) or 10000.0)
+                 ** (torch.arange(0, D, 2, dtype=torch.float64) / D))
+            out[name] = _one_layer(m, seen[name], f.to(seen[name].device), sliding_window_of(m))
+    return out

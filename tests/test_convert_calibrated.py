@@ -1,0 +1,190 @@
+"""The data-aware conversions (calibration=): to_mla's keep="rotation" / basis="output" and
+to_gqa's init="aligned" on small random transformers models, against independent
+computations: the mean rotation of a dropped pair against the scores it averages, the
+attention statistics against transformers' own eager attention weights, exactness where
+nothing is merged or truncated, and the merge never worse than the mean in the metric it fits."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from multihead import convert
+from multihead.interop.hf.calibrated import calibration_ids, layer_stats, turn_pairs
+from multihead.interop.hf.mla import mla_layers
+
+transformers = pytest.importorskip("transformers")
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+VOCAB, C, H, HKV, D = 97, 64, 4, 2, 16
+
+
+def _llama(kind: str = "llama", seed: int = 0, **kw):
+    torch.manual_seed(seed)
+    common = dict(vocab_size=VOCAB, hidden_size=C, intermediate_size=96, num_hidden_layers=2, num_attention_heads=H,
+                  num_key_value_heads=HKV, max_position_embeddings=128, attn_implementation="eager", head_dim=D)
+    common.update(kw)
+    cfg_cls, model_cls = {"llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM),
+                          "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM),
+                          "qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM)}[kind]
+    model = model_cls(cfg_cls(**common)).double().eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("bias"):
+                p.normal_(0, 0.5)
+    return model
+
+
+def _cal(seed: int = 1, shape=(3, 24)) -> torch.Tensor:
+    return torch.randint(0, VOCAB, shape, generator=torch.Generator().manual_seed(seed))
+
+
+def _logits(model, ids):
+    with torch.no_grad():
+        return model(ids).logits
+
+
+def test_turn_pairs_is_the_mean_rotation_of_the_scores():
+    """sum_d w_d q . R(theta d) k over distances d (RoPE written out with cos/sin per pair)
+    equals turn_pairs(q, a) . k for a = sum_d w_d e^{-i theta d}."""
+    g = torch.Generator().manual_seed(0)
+    q, k = torch.randn(D, generator=g, dtype=torch.float64), torch.randn(D, generator=g, dtype=torch.float64)
+    theta = 1.0 / 10000 ** (torch.arange(0, D, 2, dtype=torch.float64) / D)  # (D/2,)
+    w = torch.rand(20, generator=g, dtype=torch.float64)
+    w /= w.sum()
+
+    def rope(x, pos):  # half-split: pair f is (f, f + D/2)
+        c, s = torch.cos(pos * theta), torch.sin(pos * theta)
+        x1, x2 = x[: D // 2], x[D // 2:]
+        return torch.cat([x1 * c - x2 * s, x2 * c + x1 * s])
+
+    want = sum(float(w[d]) * float(rope(q, 30 + d) @ rope(k, 30)) for d in range(20))  # query d after the key
+    a = (w.to(torch.complex128)[:, None] * torch.exp(-1j * torch.arange(20)[:, None] * theta[None])).sum(0)
+    got = float(turn_pairs(q.view(1, D), a.view(1, -1)).view(-1) @ k)
+    assert got == pytest.approx(want, rel=1e-12, abs=1e-12)
+
+
+def test_layer_stats_against_transformers_eager_attention():
+    """The attention-weighted phasors and the query/key moments from transformers' own
+    eager attention weights and projections (output_attentions=True)."""
+    model = _llama()
+    ids = _cal()
+    layers = mla_layers(model)
+    stats = layer_stats(model, layers, ids)
+    with torch.no_grad():
+        out = model(ids, output_attentions=True)
+    T = ids.shape[1]
+    theta = model.model.rotary_emb.inv_freq.double()
+    turn = torch.exp(-1j * torch.arange(T, dtype=torch.float64)[:, None] * theta[None])  # (T, D/2)
+    for (name, attn), p in zip(layers, out.attentions):
+        st = stats[name]
+        dist = torch.zeros(H, T, dtype=torch.float64)
+        for i in range(T):
+            for j in range(i + 1):
+                dist[:, i - j] += p[:, :, i, j].sum(0)
+        want = (dist / (ids.shape[0] * T)).to(torch.complex128) @ turn
+        # transformers' eager softmax runs in float32 (even for a float64 model): its rounding, ~1e-7
+        torch.testing.assert_close(st.phasor, want, rtol=0, atol=1e-6)
+        x = st.x
+        q = attn.q_proj(x).view(-1, H, D)
+        torch.testing.assert_close(st.q2, q.square().mean(0), rtol=1e-10, atol=0)
+        assert st.value_scale.shape == (H,) and bool((st.value_scale > 0).all())
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen2", "qwen3"])
+def test_full_configuration_is_exact_with_calibration(kind):
+    """Every pair rotary and the full rank: the output basis loses nothing (float64; sdpa, as
+    eager attention takes its softmax in float32)."""
+    model = _llama(kind, attn_implementation="sdpa")
+    cal = _cal()
+    new, report = convert.to_mla(model, HKV * D, rope_dim=HKV * D, calibration=cal, return_report=True)
+    assert report.init == "output-pca, rope rotation"
+    ids = _cal(7, (2, 11))
+    tol = 1e-6 if kind == "qwen3" else 1e-9  # the MLA layer takes Qwen3's q norm in float32, as RMSNorm does
+    torch.testing.assert_close(_logits(new, ids), _logits(model, ids), rtol=0, atol=tol)
+
+
+def test_the_report_names_the_pairs_kept_and_they_carry_most_rotation():
+    model = _llama()
+    cal = _cal()
+    new, report = convert.to_mla(model, 12, rope_dim=8, calibration=cal, return_report=True)
+    stats = layer_stats(model, mla_layers(model), cal)
+    for row, layer, (name, _) in zip(report.layers, new.model.layers, mla_layers(model)):
+        assert row.rope_pairs == tuple(tuple(p) for p in layer.self_attn.rope_pairs.tolist())
+        st = stats[name]
+        half = D // 2
+        for j, kept in enumerate(row.rope_pairs):  # independent of _rotation_scores: per pair, written out
+            score = []
+            for f in range(half):
+                s = 0.0
+                for h in range(j * (H // HKV), (j + 1) * (H // HKV)):
+                    qn = float(st.q2[h, f] + st.q2[h, f + half])
+                    s += float(st.value_scale[h]) * qn * (1 - abs(complex(st.phasor[h, f])) ** 2)
+                score.append(s * float(st.k2[j, f] + st.k2[j, f + half]))
+            assert set(kept) == set(sorted(range(half), key=lambda f: -score[f])[: len(kept)])
+    assert math.isfinite(_logits(new, _cal(3, (1, 9))).sum().item())
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen2", "qwen3"])
+def test_aligned_merge_keeping_every_head_is_exact(kind):
+    model = _llama(kind, num_key_value_heads=H, attn_implementation="sdpa")  # float64 throughout
+    new = convert.to_gqa(model, H, calibration=_cal())
+    ids = _cal(5, (2, 10))
+    torch.testing.assert_close(_logits(new, ids), _logits(model, ids), rtol=0, atol=1e-9)
+
+
+def _value_error(model, new, ids) -> float:
+    """Sum over layers of E||o_proj(values per query head) - original||^2 on `ids` with the
+    attention weights held at the original's: the metric the value merge minimises."""
+    caught = {}
+    hooks = [layer.self_attn.register_forward_pre_hook(
+        lambda mod, args, kw, i=i: caught.__setitem__(i, kw["hidden_states"]), with_kwargs=True)
+        for i, layer in enumerate(model.model.layers)]
+    with torch.no_grad():
+        model(ids)
+    for h in hooks:
+        h.remove()
+    total = 0.0
+    for i, (a, b) in enumerate(zip(model.model.layers, new.model.layers)):
+        x = caught[i]
+        a, b = a.self_attn, b.self_attn
+
+        def per_head(attn, x=x):
+            v = attn.v_proj(x).view(*x.shape[:2], -1, D)  # (B, T, Hkv, D)
+            v = v.repeat_interleave(H // v.shape[2], dim=2)  # (B, T, H, D)
+            wo = attn.o_proj.weight.view(C, H, D)
+            return torch.einsum("chd,bthd->bthc", wo, v)
+
+        with torch.no_grad():
+            total += float((per_head(a) - per_head(b)).square().sum())
+    return total
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen2"])
+def test_aligned_mqa_values_lose_less_than_the_mean(kind):
+    model = _llama(kind)
+    cal = _cal(shape=(4, 32))
+    ids = cal
+    aligned, report = convert.to_gqa(model, 1, calibration=cal, return_report=True)
+    mean = convert.to_gqa(model, 1)
+    assert report.init == "aligned" and all(0 < e < 1.5 for e in report.errors)
+    assert _value_error(model, aligned, ids) < _value_error(model, mean, ids)
+    assert aligned.config.num_key_value_heads == 1 and torch.isfinite(_logits(aligned, ids)).all()
+
+
+def test_calibration_text_needs_the_tokenizer_and_bad_calibration_is_named():
+    with pytest.raises(TypeError, match=r"calibration text needs the model's tokenizer"):
+        calibration_ids("In the beginning", None)
+    ids = calibration_ids("a b " * 300, lambda text: {"input_ids": list(range(len(text.split())))})
+    assert ids.shape == (2, 256)
+    model = _llama()
+    with pytest.raises(ValueError, match=r"init='aligned' fits the merge on calibration tokens"):
+        convert.to_gqa(model, 1, init="aligned")
+    with pytest.raises(ValueError, match=r"received init='mean' with calibration=given"):
+        convert.to_gqa(model, 1, init="mean", calibration=_cal())
+    with pytest.raises(ValueError, match=r"keep='rotation' reads the layers on calibration tokens"):
+        convert.to_mla(model, 8, rope_dim=4, keep="rotation")
+    with pytest.raises(TypeError, match=r"received a torch.float32 tensor"):
+        convert.to_gqa(model, 1, calibration=torch.zeros(4))
