@@ -11,6 +11,15 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 # Under pytest-xdist every worker is a process of its own: one torch thread each, or the
 # workers fight over the 2 cores (measured 2.3x slower for the model tests).
 torch.set_num_threads(1 if os.environ.get("PYTEST_XDIST_WORKER") else max(1, min(2, torch.get_num_threads())))
+# Each worker compiles (torch.compile: flex attention) into an inductor cache of its own: two
+# workers compiling into one cold cache at once failed a first CI run. The name is stable
+# (gw0, gw1), so a warm machine keeps each worker's cache between runs.
+if os.environ.get("PYTEST_XDIST_WORKER") and "TORCHINDUCTOR_CACHE_DIR" not in os.environ:
+    import getpass
+    import tempfile
+
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = os.path.join(
+        tempfile.gettempdir(), f"torchinductor_{getpass.getuser()}_{os.environ['PYTEST_XDIST_WORKER']}")
 
 # One tolerance table per dtype: (atol, rtol) against the float64 NumPy reference.
 TOL = {

@@ -16,16 +16,18 @@ here), which returns a `LoadedModel`.
 from __future__ import annotations
 
 import warnings
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from typing import TYPE_CHECKING
 
 from multihead.interop.loaded import LoadedModel
 from multihead.interop.loaders import MINILM, InspectError, TruncationWarning, load_model
+from multihead.model_state import kept_state
 
 if TYPE_CHECKING:  # torch is imported where it is used, so the CLI can refuse bad input fast
     from multihead.inspect.capture_types import AttentionCapture
 
-__all__ = ["capture", "encode_text", "select_indices"]
+__all__ = ["capture", "encode_text", "model_for_run", "select_indices"]
 
 
 # ------------------------------------------------------------------ capture
@@ -50,13 +52,32 @@ def select_indices(what: str, value, n: int) -> list[int]:
     return sorted(set(out))
 
 
+@contextmanager
+def model_for_run(model) -> Iterator[LoadedModel]:
+    """`load_model(model)` in eval mode for the run; on the way out (when the call raises
+    too) a model handed in, as a (model, tokenizer) pair or a LoadedModel, gets back its
+    train/eval flags, requires_grad and attention implementation (`kept_state`)."""
+    if isinstance(model, tuple) and len(model) == 2:
+        handed = model[0]
+    else:
+        handed = getattr(model, "model", None) if isinstance(model, LoadedModel) else None
+    with kept_state(handed):
+        lm = load_model(model)
+        inner = getattr(lm, "model", None)
+        with kept_state(inner):
+            if callable(getattr(inner, "eval", None)):
+                inner.eval()  # no dropout in the weights a tool reports
+            yield lm
+
+
 def capture(text: str, model=MINILM, layers=None, heads=None, max_tokens: int | None = None) -> AttentionCapture:
     """The attention weights of `text` through `model`, for the layers x heads asked.
 
     Args:
         text: the input text (not empty).
         model: "minilm" (default), a local Hugging Face model folder, a `multihead lab`
-            checkpoint folder, a (model, tokenizer) pair (patched in place) or a LoadedModel.
+            checkpoint folder, a (model, tokenizer) pair or a LoadedModel (run in eval mode on
+            multihead's attention, and left as it came: `model_for_run`).
         layers, heads: an index or a list of indices (negative counts from the end);
             None for all. The same heads are captured in every captured layer.
         max_tokens: keep at most this many tokens (special tokens included).
@@ -73,15 +94,16 @@ def capture(text: str, model=MINILM, layers=None, heads=None, max_tokens: int | 
 
     if not isinstance(text, str):
         raise InspectError(f"text must be a string; received {type(text).__name__}")
-    lm = load_model(model)
-    layers = select_indices("layer", layers, lm.n_layers)
-    heads = select_indices("head", heads, lm.n_heads)
-    ids, meta = encode_text(lm, text, max_tokens)
-    batch = torch.tensor([ids], dtype=torch.long)
-    by_layer = lm.attention(batch, {layer: tuple(heads) for layer in layers})
-    weights = torch.stack([by_layer[layer][0].float().cpu() for layer in layers])  # (L, h, T, T)
+    with model_for_run(model) as lm:
+        layers = select_indices("layer", layers, lm.n_layers)
+        heads = select_indices("head", heads, lm.n_heads)
+        ids, meta = encode_text(lm, text, max_tokens)
+        batch = torch.tensor([ids], dtype=torch.long)
+        by_layer = lm.attention(batch, {layer: tuple(heads) for layer in layers})
+        weights = torch.stack([by_layer[layer][0].float().cpu() for layer in layers])  # (L, h, T, T)
+        tokens = lm.tokens(ids)
     return AttentionCapture(
-        tokens=lm.tokens(ids), token_ids=list(ids), layers=layers, heads=heads, weights=weights,
+        tokens=tokens, token_ids=list(ids), layers=layers, heads=heads, weights=weights,
         n_layers=lm.n_layers, n_heads=lm.n_heads, model=lm.name, meta=meta,
     )
 

@@ -107,8 +107,11 @@ def _text_argument(args: argparse.Namespace) -> str:
         from pathlib import Path
 
         path = Path(args.text_file).expanduser()
-        if not path.is_file():
+        if path.is_dir():
+            raise UsageError(f"--text-file {args.text_file!r} is a directory; give a UTF-8 text file")
+        if not path.exists():
             raise UsageError(f"--text-file {args.text_file!r}: no such file")
+        # anything else that exists (a file, a pipe, a device such as /dev/zero) is read up to the limit
         from multihead.files import read_at_most
 
         try:

@@ -396,29 +396,30 @@ def induction_scores(model="minilm", seq_len: int | None = None, seed: int = 0, 
     this token last time" scores high. `model` is anything `capture` takes. Same seed,
     same tokens. seq_len defaults to 50, or less where the model's positions need it.
     """
-    from multihead.interop.loaders import InspectError, load_model
+    from multihead.inspect.capture import model_for_run
+    from multihead.interop.loaders import InspectError
 
-    lm = load_model(model)
-    if seq_len is None:
-        extra = len(lm.wrap([0, 0])[0]) - 2  # special tokens around a text
-        room = None if lm.max_positions is None else (lm.max_positions - extra) // 2
-        seq_len = 50 if room is None else max(2, min(50, room))
-    for name, v, lo in (("seq_len", seq_len, 2), ("batch", batch, 1)):
-        if isinstance(v, bool) or not isinstance(v, int) or v < lo:
-            raise InspectError(f"{name} must be an int >= {lo}; received {v!r}")
-    gen = torch.Generator().manual_seed(int(seed))
-    rows, offset = [], 0
-    for _ in range(batch):
-        r = _distinct(lm.random_ids((4 * seq_len,), gen).tolist(), seq_len)
-        ids, offset = lm.wrap(r + r)
-        rows.append(ids)
-    total = len(rows[0])
-    if lm.max_positions is not None and total > lm.max_positions:
-        raise InspectError(f"seq_len {seq_len} gives {total} tokens, more than the model's {lm.max_positions} "
-                           f"positions; use seq_len <= {(lm.max_positions - (total - 2 * seq_len)) // 2}")
-    ids = torch.tensor(rows, dtype=torch.long)  # (B, T)
-    heads = tuple(range(lm.n_heads))
-    weights = lm.attention(ids, {layer: heads for layer in range(lm.n_layers)})
+    with model_for_run(model) as lm:
+        if seq_len is None:
+            extra = len(lm.wrap([0, 0])[0]) - 2  # special tokens around a text
+            room = None if lm.max_positions is None else (lm.max_positions - extra) // 2
+            seq_len = 50 if room is None else max(2, min(50, room))
+        for name, v, lo in (("seq_len", seq_len, 2), ("batch", batch, 1)):
+            if isinstance(v, bool) or not isinstance(v, int) or v < lo:
+                raise InspectError(f"{name} must be an int >= {lo}; received {v!r}")
+        gen = torch.Generator().manual_seed(int(seed))
+        rows, offset = [], 0
+        for _ in range(batch):
+            r = _distinct(lm.random_ids((4 * seq_len,), gen).tolist(), seq_len)
+            ids, offset = lm.wrap(r + r)
+            rows.append(ids)
+        total = len(rows[0])
+        if lm.max_positions is not None and total > lm.max_positions:
+            raise InspectError(f"seq_len {seq_len} gives {total} tokens, more than the model's {lm.max_positions} "
+                               f"positions; use seq_len <= {(lm.max_positions - (total - 2 * seq_len)) // 2}")
+        ids = torch.tensor(rows, dtype=torch.long)  # (B, T)
+        heads = tuple(range(lm.n_heads))
+        weights = lm.attention(ids, {layer: heads for layer in range(lm.n_layers)})
     k = torch.arange(seq_len)
     q_pos, k_pos = offset + seq_len + k, offset + k + 1
     out = torch.empty(lm.n_layers, lm.n_heads)

@@ -37,9 +37,8 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
-from multihead.inspect.capture import encode_text, select_indices
+from multihead.inspect.capture import encode_text, model_for_run, select_indices
 from multihead.inspect.rowstats import BEYOND, RowSums
-from multihead.interop.loaders import load_model
 from multihead.kernels.common import acc_dtype, index
 from multihead.kernels.math import rows_mask
 from multihead.kernels.planner import serial_ops
@@ -454,10 +453,20 @@ def summaries(model_or_loaded="minilm", text_or_ids="", *, layers=None, heads=No
 
     Returns:
         A `HeadSummaries`.
+
+    A model handed in comes back as it came (its train/eval flags, requires_grad and
+    attention implementation), when the call raises too: `capture.model_for_run`.
     """
+    with model_for_run(model_or_loaded) as lm:
+        return _summarise(lm, text_or_ids, layers=layers, heads=heads, max_tokens=max_tokens, top_k=top_k,
+                          patterns=patterns, grid=grid, transformer_lens=transformer_lens, progress=progress,
+                          block_elements=block_elements)
+
+
+def _summarise(lm, text_or_ids, *, layers, heads, max_tokens, top_k, patterns, grid, transformer_lens, progress,
+               block_elements) -> HeadSummaries:
     from multihead.interop.loaded import HFModel
 
-    lm = load_model(model_or_loaded)
     layers = select_indices("layer", layers, lm.n_layers)
     heads = select_indices("head", heads, lm.n_heads)
     for name, value, lo in (("top_k", top_k, 0), ("grid", grid, 1), ("block_elements", block_elements, 1)):
