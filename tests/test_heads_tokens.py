@@ -154,3 +154,12 @@ def test_a_tokenizer_with_ids_beyond_the_models_vocabulary_is_one_line_exit_2(ca
     assert code == 2, (out, err)
     assert "the model's vocabulary has 3 ids (0-2)" in err and "does not belong to this model" in err, err
     assert len(err.strip().splitlines()) == 1 and "Traceback" not in err, err
+
+
+def test_windows_cut_from_a_stream_begin_as_a_text_does():
+    from multihead.heads.tokens import windows
+
+    body = torch.arange(100, 200)
+    assert windows([2], body, [0, 10], 5).tolist() == [[2, 100, 101, 102, 103], [2, 110, 111, 112, 113]]
+    assert windows([], body, [0, 95], 5).tolist() == [[100, 101, 102, 103, 104], [195, 196, 197, 198, 199]]
+    # the prune curve's and lab uptrain's windows on the real models: tests/test_gemma3_tokens.py
