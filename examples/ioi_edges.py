@@ -67,11 +67,47 @@ def curve(model, task, scores, label: str, log: dict) -> dict:
     return c
 
 
+def plot(folder: Path) -> None:
+    """curves.png from results.json: the three curves and the hand circuit."""
+    import matplotlib
+
+    matplotlib.use("Agg", force=False)
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    from multihead.files import atomic_path, read_json
+
+    res = read_json(folder / "results.json")
+    fig = Figure(figsize=(7, 4.5))
+    FigureCanvasAgg(fig)
+    ax = fig.add_subplot()
+    for key, label in (("eap-ig", "EAP-IG (5 steps)"), ("eap", "EAP"), ("random", "random")):
+        if key in res:
+            c = res[key]["curve"]
+            ax.plot(c["fractions"], c["faithfulness"], "o-", label=f"{label}: CPR {c['cpr']:.3f}, CMD {c['cmd']:.3f}")
+    for key, marker, label in (("hand", "*", "hand circuit (8 heads)"), ("hand_wide", "P", "hand + input + MLPs")):
+        if key in res:
+            ax.plot([res[key]["fraction"]], [res[key]["faithfulness"]], marker, ms=12, label=label)
+    ax.set_xscale("log")
+    ax.axhline(1, color="gray", lw=0.5)
+    ax.axhline(0, color="gray", lw=0.5)
+    ax.set_xlabel("fraction of edges kept (largest |score| first)")
+    ax.set_ylabel("faithfulness (m - m_corrupted) / (m_clean - m_corrupted)")
+    ax.set_title(f"SmolLM2-135M-Instruct, IOI, {res['n']} pairs, {res['edges_total']} edges", fontsize=9)
+    ax.legend(fontsize=7)
+    with atomic_path(folder / "curves.png") as tmp:
+        fig.savefig(tmp, format="png", dpi=100, bbox_inches="tight")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--n", type=int, default=100)
     ap.add_argument("--out", type=Path, default=OUT)
+    ap.add_argument("--plot", action="store_true", help="only draw curves.png from the saved results.json")
     args = ap.parse_args()
+    if args.plot:
+        plot(args.out)
+        return
     args.out.mkdir(parents=True, exist_ok=True)
     lm = load_model("smollm2")
     model = lm.model
@@ -105,6 +141,7 @@ def main() -> None:
         res["hand" + ("_wide" if wide else "")] = {"edges": len(keep), "fraction": len(keep) / len(E), "metric": m,
                                                     "faithfulness": f, "seconds": round(time.perf_counter() - t, 1)}
         save()
+    plot(args.out)
     print(json.dumps({k: v for k, v in res.items() if k not in ("eap", "eap-ig")}, indent=1))
 
 
