@@ -12,7 +12,8 @@ last token, mean over pairs):
 3. the hand circuit of docs/heads-circuit.md (its 8 heads) as edges: those among its heads
    (a head to a later circuit head's query, or to the key/value head a later circuit head
    reads) and from its heads to the logits; also with every edge from the input and into
-   and out of the MLPs added. Its faithfulness, and where EAP-IG's curve reaches it.
+   and out of the MLPs added. Its faithfulness, and where EAP-IG's curve reaches it; and which
+   senders (heads, MLPs) the top EAP-IG edges hold where the curve rises.
 
 Results are saved after each step, so a run cut short keeps what it finished.
 """
@@ -29,15 +30,16 @@ import torch
 from multihead import heads
 from multihead.files import write_json
 from multihead.heads import tasks
-from multihead.heads.edge_graph import edge_name
+from multihead.heads.edge_graph import Graph, edge_name, node_name
 from multihead.interop.loaders import load_model
 
 HAND = [(23, 3), (29, 1), (23, 0), (23, 2), (24, 4), (29, 0), (20, 0), (17, 4)]
 OUT = Path(__file__).resolve().parent.parent / "docs" / "heads-circuits-auto"
 
 
-def hand_edges(edges: list[tuple], G: int, wide: bool) -> list[tuple]:
-    """The hand circuit's edges; `wide`: with the input's and the MLPs' edges too."""
+def hand_edges(edges: list[tuple], G: int, wide: bool, fed: bool = False) -> list[tuple]:
+    """The hand circuit's edges; `fed`: with the input's edges into its receivers; `wide`: with
+    every edge from the input and into and out of the MLPs too."""
     hs = set(HAND)
     reads = {(h[0], h[1] // G) for h in HAND}  # (layer, KV head) a circuit head reads
 
@@ -51,9 +53,36 @@ def hand_edges(edges: list[tuple], G: int, wide: bool) -> list[tuple]:
     out = []
     for s, r in edges:
         mlp = (s != "input" and s[0] == "mlp") or (r != "logits" and r[0] == "mlp")
-        if (s in hs or (wide and (s == "input" or mlp))) and (inside(r) or (wide and mlp)):
+        if (s in hs or ((wide or fed) and s == "input") or (wide and mlp)) and (inside(r) or (wide and mlp)):
             out.append((s, r))
     return out
+
+
+def hand(model, task, E, G, res: dict, save, folder: Path) -> None:
+    """The hand circuit's faithfulness (three readings of it), and which heads the top edges hold."""
+    c = res["eap-ig"]["curve"]
+    for key, wide, fed in (("hand", False, False), ("hand_input", False, True), ("hand_wide", True, False)):
+        keep = hand_edges(E, G, wide, fed)
+        t = time.perf_counter()
+        m = heads.edge_patch(model, task.clean, task.corrupted, task.metric, keep)
+        f = (m - c["metric_corrupted"]) / (c["metric_clean"] - c["metric_corrupted"])
+        res[key] = {"edges": len(keep), "fraction": len(keep) / len(E), "metric": m, "faithfulness": f,
+                    "seconds": round(time.perf_counter() - t, 1)}
+        save()
+    cfg = model.config
+    graph = Graph(cfg.num_hidden_layers, cfg.num_attention_heads, cfg.num_key_value_heads)
+    scores = heads.EdgeScores(graph, torch.load(folder / "scores_eap-ig.pt"), "eap-ig", 5)
+    res["senders_in_top"] = {}
+    for k in c["edges_kept"][2:5]:  # where the curve rises
+        weight: dict = {}
+        for (snd, _), v in scores.top(k):
+            weight[node_name(snd)] = weight.get(node_name(snd), 0.0) + abs(v)
+        ranked = sorted(weight.items(), key=lambda kv: -kv[1])
+        res["senders_in_top"][str(k)] = {
+            "top": [[n, round(v, 4)] for n, v in ranked[:15]],
+            "hand_heads_missing": [f"a{h[0]}.h{h[1]}" for h in HAND if f"a{h[0]}.h{h[1]}" not in weight],
+            "heads": sum(1 for n in weight if n.startswith("a")), "mlps": sum(1 for n in weight if n.startswith("m"))}
+    save()
 
 
 def curve(model, task, scores, label: str, log: dict) -> dict:
@@ -104,8 +133,20 @@ def main() -> None:
     ap.add_argument("--n", type=int, default=100)
     ap.add_argument("--out", type=Path, default=OUT)
     ap.add_argument("--plot", action="store_true", help="only draw curves.png from the saved results.json")
+    ap.add_argument("--hand", action="store_true", help="only (re)compute the hand circuit's entries of results.json")
     args = ap.parse_args()
     if args.plot:
+        plot(args.out)
+        return
+    if args.hand:
+        from multihead.files import read_json
+
+        lm = load_model("smollm2")
+        res = read_json(args.out / "results.json")
+        task = tasks.ioi(res["n"], seed=0, tokenizer=lm.tokenizer)
+        G = lm.model.config.num_attention_heads // lm.model.config.num_key_value_heads
+        path = args.out / "results.json"
+        hand(lm.model, task, heads.edges(lm.model), G, res, lambda: write_json(path, res), args.out)
         plot(args.out)
         return
     args.out.mkdir(parents=True, exist_ok=True)
@@ -132,15 +173,7 @@ def main() -> None:
     rand = dict(zip(E, torch.randn(len(E), generator=g, dtype=torch.float64).abs().tolist()))
     res["random"] = {"curve": curve(model, task, rand, "random", res["seconds"])}
     save()
-    for wide in (False, True):
-        keep = hand_edges(E, G, wide)
-        t = time.perf_counter()
-        m = heads.edge_patch(model, task.clean, task.corrupted, task.metric, keep)
-        c = res["eap-ig"]["curve"]
-        f = (m - c["metric_corrupted"]) / (c["metric_clean"] - c["metric_corrupted"])
-        res["hand" + ("_wide" if wide else "")] = {"edges": len(keep), "fraction": len(keep) / len(E), "metric": m,
-                                                    "faithfulness": f, "seconds": round(time.perf_counter() - t, 1)}
-        save()
+    hand(model, task, E, G, res, save, args.out)
     plot(args.out)
     print(json.dumps({k: v for k, v in res.items() if k not in ("eap", "eap-ig")}, indent=1))
 
