@@ -56,7 +56,7 @@ LENGTH = 50  # --task induction: tokens per half (Olsson et al.'s sequences are 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.formatter_class = argparse.RawDescriptionHelpFormatter
-    sub = parser.add_subparsers(dest="heads_command", metavar="{scan,path,induction,importance,prune}")
+    sub = parser.add_subparsers(dest="heads_command", metavar="{scan,path,circuit,induction,importance,prune}")
     sub.required = True
     model_help = ("minilm (the bundled sentence-transformers/all-MiniLM-L6-v2, an encoder; default), smollm2 (the "
                   "bundled SmolLM2-135M-Instruct, a decoder LM), gemma3 (the bundled gemma-3-270m), a .gguf file, "
@@ -144,6 +144,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     from multihead.heads.path_cli import add_path_arguments
 
     add_path_arguments(sub)
+
+    from multihead.heads.circuit_cli import add_circuit_arguments
+
+    add_circuit_arguments(sub)
 
 
 def _pairs(value: str) -> list[tuple[int, int]]:
@@ -871,6 +875,10 @@ def main(args) -> int:
         from multihead.heads.path_cli import run_path
 
         return run_path(args)
+    if cmd == "circuit":
+        from multihead.heads.circuit_cli import run_circuit
+
+        return run_circuit(args)
     if cmd == "scan":
         png, html = output_file("--png", args.png, "scan.png"), output_file("--html", args.html, "scan.html")
         r = _scan(args)

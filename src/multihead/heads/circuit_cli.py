@@ -1,0 +1,211 @@
+"""`multihead heads circuit`: a circuit of edges found automatically (EAP or EAP-IG) and its faithfulness.
+
+Every edge of the model's graph (the input, each head and each MLP sending to each later
+head's query, key and value, each MLP and the logits) is scored by edge attribution
+patching (`--method eap`, Syed et al., 2023) or its integrated-gradients form (`--method
+eap-ig`, Hanna et al., 2024); then the top edges at each fraction of the graph are patched
+exactly (every other edge carrying its corrupted value) for the faithfulness curve, and
+its areas CPR and CMD (the Mechanistic Interpretability Benchmark's scores). The task is
+Wang et al.'s IOI: logit(IO) - logit(S) at the last token.
+
+examples:
+  multihead heads circuit --task ioi --n 20 --method eap
+  multihead heads circuit --model smollm2 --task ioi --n 100 --method eap-ig --steps 5 --png circuit.png --json
+"""
+
+from __future__ import annotations
+
+import argparse
+import html
+import json
+import time
+
+from multihead.errors import UsageError
+from multihead.files import atomic_path, output_file, write_text
+
+N_PAIRS = 20
+TOP = 20
+DRAWN = 40
+
+
+def add_circuit_arguments(subparsers) -> argparse.ArgumentParser:
+    """Add the `circuit` subcommand to `multihead heads`' subparsers; returns its parser."""
+    p = subparsers.add_parser(
+        "circuit", help="a circuit of edges by EAP / EAP-IG, and its faithfulness curve (CPR, CMD)",
+        description=__doc__.split("\n\n")[1].replace("\n", " "),
+        epilog="examples:" + __doc__.split("examples:")[1], formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default="smollm2",
+                   help="a transformers decoder LM: smollm2 (the bundled SmolLM2-135M-Instruct; default), a .gguf "
+                        "file or a local Hugging Face causal LM folder (Llama, Mistral, Qwen2, Qwen3, GPT-2)")
+    p.add_argument("--task", choices=["ioi"], default="ioi",
+                   help="ioi: indirect-object pairs of Wang et al. (2022), metric logit(IO) - logit(S) (default)")
+    p.add_argument("--n", type=int, default=N_PAIRS, help=f"prompt pairs (default {N_PAIRS})")
+    p.add_argument("--seed", type=int, default=0, help="the draw of prompts (default 0)")
+    p.add_argument("--method", choices=["eap", "eap-ig"], default="eap-ig", help="edge scores (default eap-ig)")
+    p.add_argument("--steps", type=int, default=5, help="--method eap-ig: interpolation steps (default 5)")
+    p.add_argument("--top", type=int, default=TOP, help=f"how many top edges to list (default {TOP})")
+    p.add_argument("--edges", type=int, default=DRAWN, help=f"edges in the drawn circuit (default {DRAWN})")
+    p.add_argument("--png", metavar="PATH", help="write the circuit (nodes by layer) and the curve as a PNG")
+    p.add_argument("--html", metavar="PATH", help="write the circuit and the curve as a self-contained HTML page")
+    p.add_argument("--json", action="store_true", help="print JSON instead of text")
+    return p
+
+
+def _check(args) -> None:
+    if not 1 <= args.n <= 100_000:
+        raise UsageError(f"--n must be between 1 and 100,000; received {args.n}")
+    if args.steps < 1 or args.steps > 1000:
+        raise UsageError(f"--steps must be between 1 and 1000; received {args.steps}")
+    for flag in ("top", "edges"):
+        if getattr(args, flag) < 1:
+            raise UsageError(f"--{flag} must be >= 1; received {getattr(args, flag)}")
+
+
+def circuit_result(args) -> dict:
+    """The result of `multihead heads circuit` as a dict (what --json prints)."""
+    from multihead import heads
+    from multihead.heads import tasks
+    from multihead.heads.edge_graph import edge_name
+    from multihead.interop.loaders import load_model
+
+    _check(args)
+    loaded = load_model(args.model)
+    if not hasattr(loaded, "tokenizer") or not getattr(loaded, "is_causal_lm", False):
+        raise UsageError(f"heads circuit reads next-token logits; --model {args.model} is not a transformers causal "
+                         "LM (use --model smollm2, the default)")
+    try:
+        heads.edges(loaded.model)
+    except (TypeError, ValueError) as err:
+        raise UsageError(f"--model {args.model}: {err}") from None
+    try:
+        task = tasks.ioi(args.n, seed=args.seed, tokenizer=loaded.tokenizer)
+    except ValueError as err:
+        raise UsageError(f"--task ioi on this model: {err}") from None
+    t0 = time.perf_counter()
+    scores = heads.edge_scores(loaded.model, task.clean, task.corrupted, task.metric, method=args.method,
+                               steps=args.steps)
+    t1 = time.perf_counter()
+    curve = heads.faithfulness_curve(loaded.model, task.clean, task.corrupted, task.metric, scores)
+    t2 = time.perf_counter()
+    top = scores.top(max(args.top, args.edges))
+    return {"model": getattr(loaded, "name", args.model), "task": "ioi", "n": len(task),
+            "metric": "logit(IO) - logit(S) at the last token, mean over pairs", "method": args.method,
+            "steps": scores.steps, "edges_total": len(scores),
+            "top": [{"edge": edge_name(e), "score": s} for e, s in top[:args.top]],
+            "drawn": [{"edge": edge_name(e), "score": s} for e, s in top[:args.edges]],
+            "curve": curve, "seconds": {"scores": round(t1 - t0, 2), "curve": round(t2 - t1, 2)}}
+
+
+def _layout(drawn: list[dict]) -> tuple[dict, list]:
+    """Node -> (x, y) with y the layer (input at the bottom, logits at the top), and the edges."""
+    from multihead.heads.edge_graph import parse_edge
+
+    def key(node):
+        if node == "input":
+            return (-1, 0, "input")
+        if node == "logits":
+            return (10 ** 6, 0, "logits")
+        if node[0] == "mlp":
+            return (node[1], 2, f"m{node[1]}")
+        if len(node) == 2:
+            return (node[0], 0, f"a{node[0]}.h{node[1]}")
+        return (node[0], 1, f"a{node[0]}.h{node[1]}" if node[2] == "q" else f"a{node[0]}.g{node[1]}")
+    edges, nodes = [], {}
+    for d in drawn:
+        s, r = parse_edge(d["edge"])
+        ks, kr = key(s), key(r)
+        nodes[ks[2]], nodes[kr[2]] = ks, kr
+        edges.append((ks[2], kr[2], d["score"], r[2] if isinstance(r, tuple) and len(r) == 3 else ""))
+    levels = sorted({k[0] for k in nodes.values()})
+    pos = {}
+    for y, level in enumerate(levels):
+        row = sorted((k for k in nodes.values() if k[0] == level), key=lambda k: (k[1], k[2]))
+        for x, k in enumerate(row):
+            pos[k[2]] = (x - (len(row) - 1) / 2, y)
+    return pos, edges
+
+
+def _png(path, r: dict) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg", force=False)
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    pos, edges = _layout(r["drawn"])
+    fig = Figure(figsize=(13, 7))
+    FigureCanvasAgg(fig)
+    ax, cx = fig.add_subplot(1, 2, 1), fig.add_subplot(1, 2, 2)
+    lim = max(abs(e[2]) for e in edges) or 1.0
+    for a, b, s, _via in edges:
+        (x0, y0), (x1, y1) = pos[a], pos[b]
+        ax.annotate("", (x1, y1), (x0, y0), arrowprops={"arrowstyle": "->", "color": "tab:red" if s > 0 else
+                                                         "tab:blue", "lw": 0.5 + 3 * abs(s) / lim, "alpha": 0.7})
+    for name, (x, y) in pos.items():
+        ax.text(x, y, name, ha="center", va="center", fontsize=7, bbox={"boxstyle": "round", "fc": "white"})
+    ax.set_xlim(min(p[0] for p in pos.values()) - 1, max(p[0] for p in pos.values()) + 1)
+    ax.set_ylim(-0.5, max(p[1] for p in pos.values()) + 0.5)
+    ax.axis("off")
+    ax.set_title(f"{r['model']}: top {len(edges)} edges by {r['method']} (red raises the metric)", fontsize=9)
+    c = r["curve"]
+    cx.plot(c["fractions"], c["faithfulness"], "o-")
+    cx.set_xscale("log")
+    cx.axhline(1, color="gray", lw=0.5)
+    cx.set_xlabel("fraction of edges kept")
+    cx.set_ylabel("faithfulness")
+    cx.set_title(f"CPR {c['cpr']:.3f}, CMD {c['cmd']:.3f} ({r['n']} pairs)", fontsize=9)
+    with atomic_path(path) as tmp:
+        fig.savefig(tmp, format="png", dpi=100, bbox_inches="tight")
+
+
+def _html(path, r: dict) -> None:
+    pos, edges = _layout(r["drawn"])
+    xs = [p[0] for p in pos.values()]
+    lo, ys = min(xs), max(p[1] for p in pos.values())
+    sx, sy = 90, 60
+
+    def at(name):
+        x, y = pos[name]
+        return 40 + (x - lo) * sx, 30 + (ys - y) * sy
+    lim = max(abs(e[2]) for e in edges) or 1.0
+    lines = [f'<line x1="{at(a)[0]:.0f}" y1="{at(a)[1]:.0f}" x2="{at(b)[0]:.0f}" y2="{at(b)[1]:.0f}" '
+             f'stroke="{"#c33" if s > 0 else "#36c"}" stroke-width="{0.5 + 3 * abs(s) / lim:.2f}" opacity="0.7">'
+             f'<title>{html.escape(a)}->{html.escape(b)}{html.escape(f"<{via}>") if via else ""}: {s:.4g}</title>'
+             f'</line>' for a, b, s, via in edges]
+    labels = [f'<text x="{at(n)[0]:.0f}" y="{at(n)[1]:.0f}" font-size="10" text-anchor="middle">{html.escape(n)}'
+              '</text>' for n in pos]
+    w, h = 80 + (max(xs) - lo) * sx, 60 + ys * sy
+    c = r["curve"]
+    rows = "".join(f"<tr><td>{p}</td><td>{k}</td><td>{f:.4f}</td></tr>"
+                   for p, k, f in zip(c["fractions"], c["edges_kept"], c["faithfulness"]))
+    title = html.escape(f"{r['model']}: {r['method']} circuit, {r['n']} IOI pairs")
+    write_text(path, f"<!doctype html><meta charset='utf-8'><title>{title}</title><h1>{title}</h1>"
+                     f"<p>CPR {c['cpr']:.4f}, CMD {c['cmd']:.4f}; top {len(edges)} edges drawn (red raises the "
+                     f"metric)</p><svg width='{w:.0f}' height='{h:.0f}'>{''.join(lines)}{''.join(labels)}</svg>"
+                     f"<table><tr><th>fraction</th><th>edges</th><th>faithfulness</th></tr>{rows}</table>")
+
+
+def run_circuit(args) -> int:
+    """Run `multihead heads circuit` from parsed arguments; 0 on success (mistakes raise UsageError)."""
+    png, page = output_file("--png", args.png, "circuit.png"), output_file("--html", args.html, "circuit.html")
+    r = circuit_result(args)
+    if png:
+        _png(png, r)
+        r["png"] = str(png)
+    if page:
+        _html(page, r)
+        r["html"] = str(page)
+    if args.json:
+        print(json.dumps(r, indent=1))
+        return 0
+    c = r["curve"]
+    print(f"{r['model']}: {r['method']} edge scores on {r['n']} IOI pairs ({r['edges_total']} edges); "
+          f"clean {c['metric_clean']:.4f}, corrupted {c['metric_corrupted']:.4f}")
+    print("top edges:")
+    for t in r["top"]:
+        print(f"  {t['edge']}: {t['score']:+.4f}")
+    print("faithfulness curve:")
+    for p, k, f in zip(c["fractions"], c["edges_kept"], c["faithfulness"]):
+        print(f"  {p:>6g} ({k} edges): {f:.4f}")
+    print(f"CPR {c['cpr']:.4f}, CMD {c['cmd']:.4f}; {r['seconds']['scores']} s scores, {r['seconds']['curve']} s curve")
+    return 0
