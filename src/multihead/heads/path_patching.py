@@ -190,8 +190,7 @@ class _Queries:
             if self.engine.hf:  # registered after the engine's hook, so it finds the engine's adapter
                 hooks.pre(model, self._top, with_kwargs=True)
             for m in multihead_modules(model):  # also in a transformers model (to_mla's layers, a patched DeepSeek)
-                proj = m.q_proj if isinstance(getattr(m, "q_proj", None), nn.Module) else m.q_b_proj
-                hooks.post(proj, lambda mod, a, out, m=m: self._proj(m, out))
+                hooks.post(m.head_access().q, lambda mod, a, out, m=m: self._proj(m, out))
             yield self
         finally:
             hooks.remove()
