@@ -99,3 +99,32 @@ def test_the_built_in_modules_implement_the_protocol():
     assert ha.q is a.q_proj and ha.k is a.k_proj and ha.v is a.v_proj and ha.o is a.o_proj
     assert (hm.kind, hm.H, hm.Hkv, hm.D, hm.Dv) == ("latent", H, H, 4, m.v_head_dim)
     assert hm.kv is m.kv_b_proj and hm.latent is m.kv_a_proj and hm.o is m.o_proj and hm.q is m.q_proj
+
+
+class Uncalled(Tiny):
+    """Blocks held as nn.ModuleDicts its forward never calls (it calls what they hold)."""
+
+    def __init__(self):
+        super().__init__(WrittenOut)
+        self.blocks = nn.ModuleList(nn.ModuleDict({"norm": nn.LayerNorm(C), "attn": WrittenOut()}) for _ in range(2))
+
+    def forward(self, ids):
+        x = self.emb(ids)
+        for b in self.blocks:
+            x = x + b["attn"](b["norm"](x))
+        return self.head(x)
+
+
+def test_blocks_the_forward_never_calls_are_refused_by_name():
+    """patch_scan names them (its variants' rows would never join the batch); path_patch_scan
+    runs the three steps sender by sender, equal to the same weights in called blocks."""
+    clean, corrupted = _pair()
+    torch.manual_seed(0)
+    model = Uncalled().eval()
+    with pytest.raises(ValueError, match="never calls \\(ModuleDict"):
+        heads.patch_scan(model, clean, corrupted, _metric)
+    called = Tiny(WrittenOut).eval()
+    called.load_state_dict(model.state_dict())
+    got = heads.path_patch_scan(model, clean, corrupted, _metric, [(1, 0)])
+    want = heads.path_patch_scan(called, clean, corrupted, _metric, [(1, 0)])
+    assert (got - want).abs().max() < 1e-5 * (1 + float(want.abs().max()))

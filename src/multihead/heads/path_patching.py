@@ -519,7 +519,7 @@ def _lay_out(runs: _Runs, clean) -> _Laid | None:
             logits = logits_of(_call(model, runs.corrupted_inputs))
     finally:
         hooks.remove()
-    if logits.shape[0] != B or final[0].shape[0] != B or len(cache) != len(blocks):
+    if len(cache) != len(blocks) or not final or logits.shape[0] != B or final[0].shape[0] != B:
         return None
     laid = _Laid(blocks, cache, final[0], None)
     if not skip_ok or not all(torch.allclose(runs.clean["z", i][:, :p], runs.corrupted["z", i][:, :p], rtol=1e-5,
