@@ -134,9 +134,8 @@ def attend(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | MaskMod | Callable | 
         score_mod: `score_mod(score, b, h, q_idx, kv_idx) -> score` applied to the scaled
             scores before the mask (flex_attention's signature; see
             `multihead.score_mods` for softcap and ALiBi).
-        sinks: attention sinks (GPT-OSS): one extra logit per row in the softmax's
-            denominator, with no value; `(H,)` (one per head) or broadcastable to
-            `(B, H, T, 1)`. A backend capability ("math", "chunked"; "auto" picks "math").
+        sinks: attention sinks (GPT-OSS): one more logit per row, with no value; `(H,)` or
+            broadcastable to `(B, H, T, 1)`; on "math" and "chunked" ("auto": "math").
 
     Returns:
         `(out, weights)`, always a pair: out `(B, H, T, Dv)`; weights `(B, h, T, S)` for
@@ -146,10 +145,9 @@ def attend(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | MaskMod | Callable | 
     impl = shape = None
     if sinks is None and _is_plain_call(mask, scale, dropout_p, return_weights, score_mod) \
             and (shape := _plain_shape(q, k, v)) is not None:
-        # The plain call (a decode step or a causal prefill: no mask, no mod, no weights, no
-        # dropout), with the checks the general path below would pass folded into two
-        # expressions: what it resolves to is the same ("auto" is "sdpa" here), so is the
-        # result, bit for bit.
+        # The plain call (a decode step or a causal prefill: no mask, mod, weights, dropout or
+        # sinks), the general path's checks folded into two expressions: what it resolves to
+        # is the same ("auto" is "sdpa" here), so is the result, bit for bit.
         impl = BACKENDS.get("sdpa" if backend == "auto" else backend)
         weight_heads, causal = None, bool(causal)
         if impl is not None and impl.fn is _sdpa_backend and 0 not in shape \
