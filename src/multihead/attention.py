@@ -28,6 +28,7 @@ from multihead import masks, score_mods
 from multihead.cache import KVCache, RollingKVCache
 from multihead.checks import check_divisible, check_positive_int, check_probability, variant_name
 from multihead.functional import attend, check_backend_name
+from multihead.head_access import HeadAccess
 from multihead.layer_parts import (
     check_dtype,
     check_window_and_softcap,
@@ -131,6 +132,13 @@ class Attention(nn.Module):
     def n_groups(self) -> int:
         """G = H // Hkv, query heads per key/value head."""
         return self.n_heads // self.n_kv_heads
+
+    def head_access(self) -> HeadAccess:
+        """What the head tools hook (`multihead.head_access`); head counts from the projections'
+        widths, which a pruned module has narrowed."""
+        D = self.head_dim
+        return HeadAccess("attention", self.o_proj.in_features // D, self.k_proj.out_features // D, D, D,
+                          q=self.q_proj, o=self.o_proj, k=self.k_proj, v=self.v_proj)
 
     def extra_repr(self) -> str:
         kind = variant_name(self.n_heads, self.n_kv_heads)

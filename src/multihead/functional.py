@@ -3,69 +3,13 @@ and, when asked, the weights) and their backend registry.
 
 softmax(Q K^T * scale + mask) V, for q `(B, H, T, D)` and k, v `(B, Hkv, S, D|Dv)` with
 H a multiple of Hkv (GQA; Hkv == 1 is MQA). Every backend is a plain function with one
-signature (see `Backend`), so the explicit path and the fused path sit side by side and
-the tests can hold one against the other:
-
-- "math":    matmul, softmax, matmul, written out. Materialises `(B, H, T, S)`; softmax in
-             float32 for half inputs; returns weights; supports dropout and double
-             backward. The readable one (`kernels/math.py`).
-- "sdpa":    torch's fused `F.scaled_dot_product_attention`. Weights, when asked, come
-             from a separate memory-bounded pass over the requested heads only
-             (`kernels/sdpa.py`).
-- "chunked": the explicit path run over blocks of queries, so memory stays bounded by a
-             block of scores; returns weights for the requested heads in the same pass
-             (`kernels/math.py`).
-- "tiles":   the explicit path over tiles with a FlashAttention-2 style backward
-             (`kernels/explicit_tiles.py`): any score mod, dropout, O(N) training memory.
-- "flex":    opt-in, torch's compiled flex_attention (`kernels/flex.py`); never "auto".
-
-This module is their public face: the input checks, "auto", empty inputs and the NaN
-rule; the backends are registered by `kernels/backends.py`.
-
-A mask predicate (`multihead.masks`, or a flex_attention `mask_mod` callable) is never
-materialised as `(T, S)` by "sdpa": the tile planner (`kernels/planner.py`) classifies
-the tiles of the score matrix as empty (skipped), full (no mask) or partial (a small
-dense mask) and runs the fused kernel over the kept tiles only. A score mod (`multihead.score_mods`, or
-a flex `score_mod` callable) runs on "sdpa" when it is an additive bias (ALiBi), and on
-the explicit paths otherwise.
-
-Conventions the backends share (and the tests check): a bool mask means True = may
-attend, a float mask is added to the scores; `causal=True` with S != T is aligned
-bottom-right; a query row with no key to attend yields zeros (output, weights and
-gradients), never NaN. GQA never copies K/V per query head: each group's query heads
-are folded into the query length, so every K/V head is read once.
-
-NaN rule (every backend): a query row that may attend no key is zero. Otherwise its
-output is NaN exactly when its query holds a NaN or a key or value it may attend holds
-one; a NaN in a key or value the mask hides has no effect (its weights: NaN when the
-query or an attended key holds one). The fused kernel alone would spread a hidden
-NaN value to every row (0 * NaN), so an output with a NaN is recomputed once with the
-NaNs replaced and the rule applied row by row, whenever q, k, v or the output holds a
-NaN (or, where `out` is read first, a row of it is exactly zero): the rule never depends
-on what the kernel does with a NaN (torch's CPU kernel zeroes a row whose every score is
-NaN). Clean inputs pay one read of `out` in the plain call below (no row is empty) and
-when decoding (fewer than 16 queries), else one sum of q, k, v and `out`, each with one
-host sync (see `_any_nan` and `_nan_or_zero_row`; skipped under torch.compile, where it
-would split the graph).
-
-The plain call (no mask, score mod, weights or dropout: every decode step of a model, and
-a causal prefill with as many keys as queries) takes a short way through `attend`: the
-same checks folded into two expressions (`validation.plain_shape`, `plain_scale`), the
-same backend, the same kernel calls, the same bits.
-
-Gradient rule (every backend): every tensor input that requires grad gets its exact
-gradient, a float mask (T5's position bias) and the tensors a score mod captures
-(learned ALiBi slopes) included, or the backend refuses by name (a mod holding such
-tensors on "tiles"/"sdpa": "auto" picks "chunked" or "math"). So do second derivatives
-(create_graph=True: gradient penalties): the tile engines and torch's fused kernels
-then recompute the attention with differentiable ops (`kernels.sdpa.SecondOrder`,
-`kernels.explicit_tiles.twice`); only torch's own dropout, which cannot be redrawn, refuses.
-Inputs may alias: self-attention on one tensor (q is k is v), one memory as keys and
-values, views of one tensor (a packed QKV projection), a float mask that is one of them;
-each tensor gets the sum of the partial derivatives of the slots it fills, once, at
-every order.
-
-Empty problems (B, H, T or S = 0) return empty or zero outputs of the right shape.
+signature (`kernels.registry.Backend`): "math" (written out, `kernels/math.py`), "sdpa"
+(torch's fused kernel, block-sparse for predicates), "chunked" (math over blocks of
+queries), "tiles" (FlashAttention-2 style, any score mod, O(N) memory) and the opt-in
+"flex". This module is their public face: the input checks, "auto", empty inputs, the
+plain call's short way and the NaN rule; the backends are registered by
+`kernels/backends.py`. The rules every backend keeps (masks, the NaN rule, the gradient
+rule, aliasing, empty problems): docs/kernel.md, "The rules every backend keeps".
 """
 
 from __future__ import annotations
@@ -162,7 +106,8 @@ def scaled_dot_product_attention(
 def attend(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | MaskMod | Callable | None = None, *,
            causal: bool = False, scale: float | None = None, dropout_p: float = 0.0,
            return_weights: bool | Sequence[int] = False, backend: str = "auto",
-           score_mod: ScoreMod | Callable | None = None) -> tuple[Tensor, Tensor | None]:
+           score_mod: ScoreMod | Callable | None = None,
+           sinks: Tensor | None = None) -> tuple[Tensor, Tensor | None]:
     """Multi-head scaled dot-product attention with GQA/MQA, masks, score mods and weights.
 
     Args:
@@ -189,6 +134,8 @@ def attend(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | MaskMod | Callable | 
         score_mod: `score_mod(score, b, h, q_idx, kv_idx) -> score` applied to the scaled
             scores before the mask (flex_attention's signature; see
             `multihead.score_mods` for softcap and ALiBi).
+        sinks: attention sinks (GPT-OSS): one more logit per row, with no value; `(H,)` or
+            broadcastable to `(B, H, T, 1)`; on "math" and "chunked" ("auto": "math").
 
     Returns:
         `(out, weights)`, always a pair: out `(B, H, T, Dv)`; weights `(B, h, T, S)` for
@@ -196,12 +143,11 @@ def attend(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | MaskMod | Callable | 
         return_weights is False. Rows with no key to attend are zero in both.
     """
     impl = shape = None
-    if _is_plain_call(mask, scale, dropout_p, return_weights, score_mod) \
+    if sinks is None and _is_plain_call(mask, scale, dropout_p, return_weights, score_mod) \
             and (shape := _plain_shape(q, k, v)) is not None:
-        # The plain call (a decode step or a causal prefill: no mask, no mod, no weights, no
-        # dropout), with the checks the general path below would pass folded into two
-        # expressions: what it resolves to is the same ("auto" is "sdpa" here), so is the
-        # result, bit for bit.
+        # The plain call (a decode step or a causal prefill: no mask, mod, weights, dropout or
+        # sinks), the general path's checks folded into two expressions: what it resolves to
+        # is the same ("auto" is "sdpa" here), so is the result, bit for bit.
         impl = BACKENDS.get("sdpa" if backend == "auto" else backend)
         weight_heads, causal = None, bool(causal)
         if impl is not None and impl.fn is _sdpa_backend and 0 not in shape \
@@ -217,6 +163,7 @@ def attend(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | MaskMod | Callable | 
         scale = _check_scale(scale)
         mask = _check_inputs(q, k, v, mask, scale, dropout_p)
         score_mod = _check_score_mod(score_mod, q, k)
+        sinks = _check_sinks(sinks, q)
         weight_heads = _weight_heads(return_weights, q.shape[1])
         causal = bool(causal)
         if isinstance(mask, MaskMod) and causal:
@@ -225,25 +172,43 @@ def attend(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | MaskMod | Callable | 
         name = backend
         if backend == "auto":
             name = resolve_backend(want_weights=weight_heads is not None, dropout_p=dropout_p, score_mod=score_mod,
-                                   device=q.device, queries=q.shape[2], shape=shape)
-        impl = _get_backend(name, want_weights=weight_heads is not None, dropout_p=dropout_p, score_mod=score_mod)
+                                   device=q.device, queries=q.shape[2], shape=shape, sinks=sinks is not None)
+        impl = _get_backend(name, want_weights=weight_heads is not None, dropout_p=dropout_p, score_mod=score_mod,
+                            sinks=sinks is not None)
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
     if 0 in shape:
         out, weights = _empty(q, k, v, weight_heads)
     else:
-        out, weights = _run(impl, q, k, v, mask, causal, scale, dropout_p, weight_heads, score_mod)
+        out, weights = _run(impl, q, k, v, mask, causal, scale, dropout_p, weight_heads, score_mod, sinks)
         if not torch.compiler.is_compiling() and _any_nan(q, k, v, out):
-            out, weights = _nan_rule(impl, q, k, v, mask, causal, scale, dropout_p, weight_heads, score_mod)
+            out, weights = _nan_rule(impl, q, k, v, mask, causal, scale, dropout_p, weight_heads, score_mod, sinks)
     return out, weights
 
 
-def _run(impl: Backend, q, k, v, mask, causal, scale, dropout_p, weight_heads, score_mod):
+def _run(impl: Backend, q, k, v, mask, causal, scale, dropout_p, weight_heads, score_mod, sinks=None):
     """Call a backend with only the keywords it declared."""
     if isinstance(mask, MaskMod) and not impl.predicates:
         B, H, T, _ = q.shape
         mask = mask.to_dense(B, H, T, k.shape[2], device=q.device)
     kw = {} if impl.score_mods == "none" else {"score_mod": score_mod}
+    if sinks is not None:
+        kw["sinks"] = sinks
     return impl.fn(q, k, v, mask, causal=causal, scale=scale, dropout_p=dropout_p, weight_heads=weight_heads, **kw)
+
+
+def _check_sinks(sinks, q: Tensor) -> Tensor | None:
+    """Sink logits broadcastable to `(B, H, T, 1)`: a per-head `(H,)` (GPT-OSS) or a 4-D tensor."""
+    if sinks is None:
+        return None
+    B, H, T, _ = q.shape
+    if not isinstance(sinks, Tensor):
+        raise TypeError(f"sinks must be a tensor (H,) or (B, H, T, 1); received {type(sinks).__name__}")
+    if sinks.dim() == 1 and sinks.shape[0] == H:
+        return sinks.view(1, H, 1, 1)
+    if sinks.dim() == 4 and sinks.shape[-1] == 1 and all(n in (1, m) for n, m in zip(sinks.shape[:3], (B, H, T))):
+        return sinks
+    raise ValueError(f"sinks must have shape (H,) = ({H},) or broadcast to (B, H, T, 1) = ({B}, {H}, {T}, 1); "
+                     f"received {tuple(sinks.shape)}")
 
 
 def _empty(q, k, v, weight_heads):
@@ -314,7 +279,7 @@ def _not_finite(q: Tensor, k: Tensor, v: Tensor, out: Tensor) -> bool:
     return not bool(torch.stack([t.sum(dtype=acc) for t in (q, out, k, v)]).isfinite().all())
 
 
-def _nan_rule(impl, q, k, v, mask, causal, scale, dropout_p, weight_heads, score_mod):
+def _nan_rule(impl, q, k, v, mask, causal, scale, dropout_p, weight_heads, score_mod, sinks=None):
     """Recompute with NaNs replaced by 0, then make NaN exactly the rows the rule names.
 
     Rows (b, h, t) that may attend some key and whose query, or an attended key (or, for
@@ -327,7 +292,7 @@ def _nan_rule(impl, q, k, v, mask, causal, scale, dropout_p, weight_heads, score
     nan_k = torch.isnan(k).any(-1).repeat_interleave(G, dim=1)  # (B, H, S)
     nan_v = torch.isnan(v).any(-1).repeat_interleave(G, dim=1)
     clean = [torch.where(torch.isnan(t), 0.0, t) for t in (q, k, v)]
-    out, weights = _run(impl, *clean, mask, causal, scale, dropout_p, weight_heads, score_mod)
+    out, weights = _run(impl, *clean, mask, causal, scale, dropout_p, weight_heads, score_mod, sinks)
     sees_k = torch.zeros(B, H, T, dtype=torch.bool, device=q.device)
     sees_v, sees_any = sees_k.clone(), sees_k.clone()
     rows = _block_rows(B, H, S)

@@ -39,6 +39,7 @@ from multihead import score_mods
 from multihead.cache import LatentCache
 from multihead.checks import check_nonnegative_int, check_positive_int
 from multihead.functional import attend, check_backend_name
+from multihead.head_access import HeadAccess
 from multihead.kernels import common
 from multihead.layer_parts import check_dtype, check_window_and_softcap, default_head_dim, merge_heads, with_window
 from multihead.masks import MaskMod
@@ -153,6 +154,13 @@ class LatentAttention(nn.Module):
             raise ValueError("rope_scaling was given but rope_dim is 0 (no rotary features to scale)")
         self.rope = RotaryEmbedding(rope_dim, rope_base, interleaved=rope_interleaved,
                                     scaling=rope_scaling) if rope_dim else None
+
+    def head_access(self) -> HeadAccess:
+        """What the head tools hook (`multihead.head_access`): per-head keys and values through
+        the up-projection `kv_b_proj`, the latent from `kv_a_proj`."""
+        return HeadAccess("latent", self.n_heads, self.n_heads, self.head_dim, self.v_head_dim,
+                          q=self.q_proj if self.q_rank is None else self.q_b_proj, o=self.o_proj, kv=self.kv_b_proj,
+                          latent=self.kv_a_proj)
 
     @property
     def scale(self) -> float:

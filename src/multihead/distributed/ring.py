@@ -52,6 +52,7 @@ from multihead.kernels.common import (
     flash_lse_backward,
     fold_scores,
     lse_merge_into,
+    masked_scores,
 )
 from multihead.kernels.math import block_rows
 
@@ -135,8 +136,7 @@ class _Explicit:
             n = G * (t1 - t0)
             scores = fold_scores(q[:, :, t0:t1], ka, scale)  # (B, H, t, s)
             allowed = _Explicit._allowed(keep, diag, t0, t1, s, q.device)
-            if allowed is not None:
-                scores = scores.masked_fill(~allowed, float("-inf"))
+            scores = masked_scores(scores, allowed)
             probs = torch.exp(scores - lse[:, :, t0:t1, None].to(acc)).view(B, Hkv, n, s)  # the global probabilities
             dob = dout[:, :, t0:t1].to(acc)  # (B, H, t, Dv)
             dof = dob.reshape(B, Hkv, n, -1)  # (B, Hkv, G*t, Dv)

@@ -1,20 +1,15 @@
 """Rows moved so that every row ends where its metric reads: the prefix skip's reach per row.
 
 The prefix skip runs a variant on positions [p, T) where p is the first position at which
-clean and corrupted differ in *any* row. IOI prompts of several templates differ at
-different places and end at different places (right-padded): on 8 pairs of SmolLM2's
-`tasks.ioi`, the change is at 9-14 and the last real token at 13-18, so every row runs 10
-positions although none needs more than 6 (from its change to its last token; a causal
-model's logits there read nothing later). Rolling each row right by T - 1 - its read
-position puts every read position at T - 1 and the changes at 13-15: the skip then runs 6.
-
-The rolled rows are the same text at the same positions (explicit `position_ids`), with the
-wrapped-around tail masked out (`attention_mask` 0): a causal model gives the same logits
-at the read positions, to float rounding, which is checked on the corrupted run before the
-scan uses them. Taken only for an `AtPositions` metric on a transformers model whose forward
-takes `logits_to_keep`, `attention_mask` and `position_ids`, inputs that are a mapping of
-exactly those (B, T) tensors (and `input_ids`), and no `positions=` of the caller's (they
-would move by a different amount in each row).
+clean and corrupted differ in *any* row; IOI prompts of several templates differ and end
+at different places. Rolling each row right by T - 1 - its read position puts every read
+position at T - 1, so the skip starts at each row's own change (docs/heads.md). The rolled
+rows are the same text at the same positions (explicit `position_ids`), the wrapped-around
+tail masked out (`attention_mask` 0): a causal model gives the same logits at the read
+positions, to float rounding, checked on the corrupted run before the scan uses them.
+Taken only for an `AtPositions` metric on a transformers model whose forward takes
+`logits_to_keep`, `attention_mask` and `position_ids`, inputs that are a mapping of exactly
+those (B, T) tensors (and `input_ids`), and no `positions=` of the caller's.
 """
 
 from __future__ import annotations

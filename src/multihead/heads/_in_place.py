@@ -1,19 +1,14 @@
 """GPT-2's tanh GELU in place, inside the head tools' own forwards.
 
 transformers' `NewGELUActivation` (activation "gelu_new": GPT-2, GPT-J, GPT-Neo, CodeGen,
-Phi-1/2) is eight tensor ops, each writing a fresh `(rows, T, 4C)` tensor. In a scan's
-forward of 16 rows at T = 256 (GPT-2-shaped, C 512) each of them is 32 MiB: glibc maps
-blocks that large afresh on every request and the kernel zero-fills them page by page, so
-the GELU took 187 ms a call where the same eight ops in place take 79 ms (on 2 CPU cores:
-the scan's worst case ran ~10% faster). The in-place form is the model's arithmetic
-exactly: the same ops on the same values in the same order, save the operands of a
-product or a sum swapped (exact in IEEE arithmetic), so its output is bitwise the model's.
-
-It runs only where nothing differentiates (`torch.is_grad_enabled()` false: in-place ops
-would need a graph of their own) and only in a thread inside `in_place_activations`: a forward
-of the same model in another thread, or after the block, runs the model's own code. The
-module gets an instance `forward` for the block (the only way into its computation; hooks
-see inputs and outputs only), removed when the last block using it ends, also on errors; a
+Phi-1/2) is eight tensor ops, each writing a fresh `(rows, T, 4C)` tensor, which at a
+scan's batch sizes glibc maps afresh and the kernel zero-fills page by page (measured in
+docs/heads.md). The in-place form is the model's arithmetic exactly: the same ops on the
+same values in the same order, save the operands of a product or a sum swapped (exact in
+IEEE arithmetic), so its output is bitwise the model's. It runs only where nothing
+differentiates and only in a thread inside `in_place_activations` (another thread's
+forward, or one after the block, runs the model's own code): the module gets an instance
+`forward` for the block, removed when the last block using it ends, also on errors; a
 module whose `forward` was already replaced on the instance is left as it is.
 """
 

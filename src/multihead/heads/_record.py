@@ -163,7 +163,7 @@ def out_projection(model, lay: Layer) -> Tensor:
     """The output projection's weight `(C, H * Dv)` of a layer (what turns z into the output)."""
     m = lay.module
     if lay.kind != "hf":
-        return m.o_proj.weight
+        return m.head_access().o.weight
     from multihead.heads._hf import hf_out_projection
 
     return hf_out_projection(model, m)

@@ -292,6 +292,11 @@ class ScanState:
                 self.logits = logits_of(call(self.model, self.corrupted, self.no_cache, **self.lean))
         finally:
             hooks.remove()
+        never = sorted({type(b).__name__ for b in self.inner if id(b) not in cache})
+        if never:  # its variants' rows would never join the batch
+            raise ValueError(f"{type(self.model).__name__}'s attention layers sit in items of an nn.ModuleList that "
+                             f"its forward never calls ({', '.join(never)}: it calls what they hold instead); valid: "
+                             "a model whose ModuleList items are the blocks it calls, one layer's block each")
         short.z, short.src = self.prefix.z_of, self.prefix.src
         if isinstance(self.logits, Tensor) and self.logits.dim() == 3:
             self.last_logits = self.logits[:, -1].detach().clone()

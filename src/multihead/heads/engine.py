@@ -1,28 +1,16 @@
 """The one place where `multihead.heads` meets a model: hooks that see every attention
 layer's per-head tensors in a forward and let a handler read or rewrite them.
 
-Two kinds of attention layer, one interface:
-
-- a transformers model running `attn_implementation="multihead"`: a forward pre-hook on
-  the top model adds the keyword `multihead_heads=` (the registry's `INTERVENTION_KEYWORD`),
-  which transformers hands down to the attention function; there the adapter sees q/k/v
-  `(B, H|Hkv, T|S, D)` (after RoPE) and the heads' outputs before the output projection;
-- multihead's own `Attention` / `LatentAttention` (lab models included): torch hooks on
-  `k_proj`/`v_proj` (keys and values, before RoPE: equal for patching whole positions,
-  since RoPE acts position by position), on MLA's `kv_b_proj` (per-head keys and values
-  through the up-projection; the naive path is forced while such a hook is needed) and a
-  pre-hook on `o_proj` (the heads' outputs z).
-
-Handlers work in one layout (TransformerLens' hook layout): z `(B, T, H, Dv)`, k
-`(B, S, Hkv, D)`, v `(B, S, Hkv, Dv)`, pattern `(B, H, T, S)`. Layers are numbered in
-the order their attention runs in a forward. Every hook is removed when the context
-ends, also on an exception; nothing is stored on the modules.
-
-Threads: every hook acts only in the thread that installed it (`Hooks`), so two threads
-may record, patch or scan one model at once, each seeing only its own interventions (a
-plain forward in another thread sees none). A model whose one attention module runs
-several times in a forward (ALBERT's shared layer) is refused by name: its layers cannot
-be told apart by module.
+Two ways in, one interface: a transformers model on `attn_implementation="multihead"` gets
+the keyword `multihead_heads=` (the registry's `INTERVENTION_KEYWORD`), which transformers
+hands to the attention function, where the adapter sees q/k/v after RoPE and the heads'
+outputs; a module that implements `multihead.head_access` (`Attention`, `LatentAttention`)
+gets torch hooks on the projections it names (keys and values before RoPE: equal for
+patching whole positions). Handlers work in TransformerLens' hook layout: z `(B, T, H, Dv)`,
+k `(B, S, Hkv, D)`, v `(B, S, Hkv, Dv)`, pattern `(B, H, T, S)`; layers are numbered in the
+order their attention runs. Every hook is removed when the context ends, also on an
+exception, and acts only in the thread that installed it (`Hooks`). A model whose one
+attention module runs several times in a forward (ALBERT's shared layer) is refused by name.
 """
 
 from __future__ import annotations
@@ -36,8 +24,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor, nn
 
-from multihead.attention import Attention
-from multihead.latent import LatentAttention
+from multihead.head_access import has_heads
 
 KEYWORD = "multihead_heads"  # = multihead.interop.hf.registry.INTERVENTION_KEYWORD (not imported: no transformers)
 WEIGHTS_KEYWORD = "multihead_weights"  # = its REQUEST_KEYWORD
@@ -150,14 +137,15 @@ def forward_takes(model: nn.Module, *names: str) -> bool:
 
 
 def multihead_modules(model: nn.Module) -> list[nn.Module]:
-    """multihead's attention modules in module order, each once, with the `LatentAttention` a
-    layer holds as `.mla` (a patched DeepSeek layer keeps it unregistered; `convert.to_mla`'s
-    transformers layer registers it, so it is met twice)."""
+    """The attention modules the tools understand (`multihead.head_access`: multihead's
+    `Attention` and `LatentAttention`) in module order, each once, with the one a layer holds
+    as `.mla` (a patched DeepSeek layer keeps it unregistered; `convert.to_mla`'s transformers
+    layer registers it, so it is met twice)."""
     out: dict[int, nn.Module] = {}
     for m in model.modules():
-        if isinstance(m, (Attention, LatentAttention)):
+        if has_heads(m):
             out.setdefault(id(m), m)
-        elif isinstance(getattr(m, "mla", None), LatentAttention):
+        elif has_heads(getattr(m, "mla", None)):
             out.setdefault(id(m.mla), m.mla)
     return list(out.values())
 
@@ -233,7 +221,7 @@ class Engine:
             for m in multihead_modules(self.model):
                 self._hook_module(hooks, m)
             for owner in self.model.modules():  # a patched DeepSeek layer: number its LatentAttention as it starts
-                if isinstance(getattr(owner, "mla", None), LatentAttention):
+                if has_heads(getattr(owner, "mla", None)):
                     hooks.pre(owner, lambda mod, a: self._mh_layer(mod.mla) and None)
             yield self
         finally:
@@ -256,28 +244,30 @@ class Engine:
         return args, kwargs
 
     def _hook_module(self, hooks: Hooks, m: nn.Module) -> None:
-        latent = isinstance(m, LatentAttention)
+        heads = m.head_access()
+        latent = heads.kind == "latent"
         hooks.pre(m, lambda mod, a, kw: self._mh_pre(mod, a, kw, latent), with_kwargs=True)
         hooks.post(m, lambda mod, a, out: self._mh_post(mod, out))
-        if latent and m.kv_a_proj is None:
+        if latent and heads.latent is None:
             raise ValueError(f"{type(self.model).__name__} holds a LatentAttention without kv_a_proj (the layer that "
                              "holds it computes its latent from per-head normed keys, as convert.to_mla makes for a "
                              "model with q/k norms such as Qwen3), whose keys, values and latent multihead.heads "
                              "cannot see; valid: a model converted from a family without q/k norms (Llama, Mistral, "
                              "Qwen2), or the model before conversion")
         if latent:
-            hooks.post(m.kv_b_proj, lambda mod, a, out: self._mla_kv(m, out))
-            hooks.post(m.kv_a_proj, lambda mod, a, out: self._mla_latent(m, out))
+            hooks.post(heads.kv, lambda mod, a, out: self._mla_kv(m, out))
+            hooks.post(heads.latent, lambda mod, a, out: self._mla_latent(m, out))
         else:
-            hooks.post(m.k_proj, lambda mod, a, out: self._mh_proj(m, out, "k"))
-            hooks.post(m.v_proj, lambda mod, a, out: self._mh_proj(m, out, "v"))
-        hooks.pre(m.o_proj, lambda mod, a: self._mh_z(m, a))
+            hooks.post(heads.k, lambda mod, a, out: self._mh_proj(m, out, "k"))
+            hooks.post(heads.v, lambda mod, a, out: self._mh_proj(m, out, "v"))
+        hooks.pre(heads.o, lambda mod, a: self._mh_z(m, a))
 
     def _mh_layer(self, m: nn.Module) -> Layer:
-        if isinstance(m, LatentAttention):
-            return self.layer(m, "latent", m.n_heads, m.n_heads, m.head_dim, m.v_head_dim)
-        D = m.head_dim
-        return self.layer(m, "attention", m.o_proj.in_features // D, m.k_proj.out_features // D, D, D)
+        entry = self.layers.get(id(m))
+        if entry is not None:
+            return entry
+        a = m.head_access()
+        return self.layer(m, a.kind, a.H, a.Hkv, a.D, a.Dv)
 
     def _mh_pre(self, m, args, kwargs, latent: bool):
         lay = self._mh_layer(m)
@@ -383,7 +373,7 @@ class _Chain:
 def _key(module) -> int:
     """A patched DeepSeek layer asks for weights as itself; its LatentAttention is the layer."""
     mla = getattr(module, "mla", None)
-    return id(mla) if isinstance(mla, LatentAttention) else id(module)
+    return id(mla) if has_heads(mla) else id(module)
 
 
 def _weights_request(engine: Engine):

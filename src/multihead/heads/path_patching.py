@@ -1,42 +1,16 @@
 """Path patching: what one head does to another head's input, or to the logits directly.
 
 Wang et al. (2022), "Interpretability in the Wild: a Circuit for Indirect Object
-Identification in GPT-2 small", section 3.1. Activation patching (`patch_scan`) says
-which heads matter; path patching says through which path. For senders (query heads)
-and receivers, three steps:
-
-1. record every head's z (the output projection's input, per head) on clean and on
-   corrupted;
-2. run corrupted with every head's z pinned to its corrupted value except the senders',
-   pinned to their clean value (MLPs, norms and everything else recompute), and keep each
-   receiver's input: via "q" the receiver's query, via "k"/"v" its key/value head's keys
-   or values;
-3. run corrupted with only the receivers' inputs replaced by step 2's (everything else
-   recomputes) and read the metric.
-
-The receiver "logits" is the direct path: step 3's final residual (the last block's
-output, the final norm's input) plus the senders' clean-minus-corrupted results (z through
-their slice of the output projection, no bias). Alone it is the corrupted run's final
-residual plus those results, nothing recomputed. A receiver at or below the lowest
-sender's layer has no path from any sender (step 2 gives it its corrupted input), so it is
-left as it is; when no receiver is left, the result is the corrupted metric, exactly.
-
-Where a head's query is taken: transformers models hand the attention function queries
-after RoPE (and any per-head query norm); both act on each head and position alone, so a
-query replaced there by step 2's value at the same position equals the query projection's
-slice replaced. Keys and values are the engine's (`multihead.heads.engine`).
-
-`path_patch_scan` makes every head the only sender in few batched forwards, the way
-`patch_scan` does: the corrupted run's block inputs are cached once; a variant's step 2
-starts at its sender's block from the cached input (the blocks below run on one row, their
-output unused) and stops after the last receiver's layer; its step 3 starts at the first
-receiver's block. Each forward carries up to `16 // B` variants of one sender layer, or
-up to `POSITIONS_PER_RUN` row-positions when its rows are short (as `patch_scan`'s).
-
-A metric that says which logits it reads (`AtPositions`) gets those only: every forward
-that ends in logits (step 3) asks a transformers model for the read positions alone
-(`logits_to_keep`), and `path_patch_scan` rolls each row to end where the metric reads
-(`multihead.heads._align`), so the prefix skip reaches each row's own change.
+Identification in GPT-2 small", section 3.1. For senders (query heads) and receivers:
+1. record every head's z (the output projection's input, per head) on clean and corrupted;
+2. run corrupted with every head's z pinned to its corrupted value, the senders' to their
+   clean value (everything else recomputes), and keep each receiver's input (its query,
+   or its key/value head's keys or values);
+3. run corrupted with only the receivers' inputs replaced by step 2's and read the metric.
+The receiver "logits" is the direct path: step 3's final residual plus the senders'
+clean-minus-corrupted results. `path_patch_scan` makes every head the only sender in few
+batched forwards on the scans' shared parts (`_batch`, `_prefix`, `_budget`, `_runner`).
+Where queries are taken, the prefix skip and the batching: docs/heads-circuit.md.
 """
 
 from __future__ import annotations
@@ -190,8 +164,7 @@ class _Queries:
             if self.engine.hf:  # registered after the engine's hook, so it finds the engine's adapter
                 hooks.pre(model, self._top, with_kwargs=True)
             for m in multihead_modules(model):  # also in a transformers model (to_mla's layers, a patched DeepSeek)
-                proj = m.q_proj if isinstance(getattr(m, "q_proj", None), nn.Module) else m.q_b_proj
-                hooks.post(proj, lambda mod, a, out, m=m: self._proj(m, out))
+                hooks.post(m.head_access().q, lambda mod, a, out, m=m: self._proj(m, out))
             yield self
         finally:
             hooks.remove()
@@ -546,7 +519,7 @@ def _lay_out(runs: _Runs, clean) -> _Laid | None:
             logits = logits_of(_call(model, runs.corrupted_inputs))
     finally:
         hooks.remove()
-    if logits.shape[0] != B or final[0].shape[0] != B or len(cache) != len(blocks):
+    if len(cache) != len(blocks) or not final or logits.shape[0] != B or final[0].shape[0] != B:
         return None
     laid = _Laid(blocks, cache, final[0], None)
     if not skip_ok or not all(torch.allclose(runs.clean["z", i][:, :p], runs.corrupted["z", i][:, :p], rtol=1e-5,

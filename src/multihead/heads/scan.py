@@ -91,8 +91,8 @@ def _n_heads(lay: Layer, what: str) -> int:
 
 def _variant_order(layers: list[Layer], what: str) -> list[tuple[int, int]]:
     # head by head, layer by layer within: a run carries head h of consecutive layers, so
-    # each block adds B rows and no block runs for nothing (measured on 2 CPU cores: one
-    # layer's 8 heads per run, 32 rows, was ~25% slower per row than 4-row runs)
+    # each block adds B rows and no block runs for nothing (bigger batches of one layer's
+    # heads cost more per row: docs/heads.md)
     return sorted(((lay.index, h) for lay in layers for h in range(_n_heads(lay, what))), key=lambda v: (v[1], v[0]))
 
 

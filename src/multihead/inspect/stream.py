@@ -39,7 +39,7 @@ from torch import Tensor
 
 from multihead.inspect.capture import encode_text, model_for_run, select_indices
 from multihead.inspect.rowstats import BEYOND, RowSums
-from multihead.kernels.common import acc_dtype, index
+from multihead.kernels.common import acc_dtype, index, masked_scores, with_sinks
 from multihead.kernels.math import rows_mask
 from multihead.kernels.planner import serial_ops
 from multihead.masks import MaskMod
@@ -293,17 +293,16 @@ def _probs(scores: Tensor, allowed: Tensor | None, bias: Tensor | None, hidden: 
     with no value (its probability is dropped). Hidden keys become the finite NEG before the
     softmax, so that p = 0 and p log p = 0 * NEG = 0 there, not NaN."""
     if bias is not None:
-        scores = scores + bias.to(scores.dtype)
+        scores = scores + bias.to(scores.dtype)  # a new buffer: the caller's scores stay as they are
     empty = None
     if allowed is not None or bias is not None or hidden:
-        if allowed is not None:
-            scores = scores.masked_fill_(~allowed, float("-inf"))
+        scores = masked_scores(scores, allowed, inplace=True)
         if sink is None:
             empty = torch.isneginf(scores).all(dim=-1, keepdim=True)  # (h, t, 1)
         scores = scores.clamp_min_(NEG)
     w = scores.shape[-1]
     if sink is not None:
-        logp = torch.log_softmax(torch.cat([scores, sink.to(scores.dtype)], dim=-1), dim=-1)[..., :w]
+        logp = torch.log_softmax(with_sinks(scores, sink), dim=-1)[..., :w]
     else:
         logp = torch.log_softmax(scores, dim=-1)
     probs = logp.exp()

@@ -31,10 +31,12 @@ def flex(q, k, v, mask, **kw):
 
 
 register_backend("math", explicit_math.math_backend, weights=True, dropout=True, weights_with_dropout=True,
-                 predicates=True, score_mods="any", doc="explicit matmul-softmax-matmul; materialises (B, H, T, S)")
+                 predicates=True, score_mods="any", sinks=True,
+                 doc="explicit matmul-softmax-matmul; materialises (B, H, T, S)")
 register_backend("sdpa", sdpa, weights=True, dropout=True, predicates=True, score_mods="additive",
                  doc="torch's fused kernel, block-sparse for predicates; weights from a memory-bounded pass")
 register_backend("chunked", explicit_math.chunked, weights=True, dropout=False, predicates=True, score_mods="any",
+                 sinks=True,
                  doc="explicit path over blocks of queries; memory bounded by one block of scores")
 register_backend("tiles", tiles, weights=True, dropout=True, predicates=True, score_mods="any",
                  doc="explicit path over kept tiles, FlashAttention-2 backward: score mods and dropout in O(N) memory")

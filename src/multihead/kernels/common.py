@@ -1,4 +1,5 @@
-"""The pieces every attention engine shares, written once: the accumulation dtype, flex's
+"""The pieces every attention engine shares, written once (`eager` is the formula itself, the
+readable twin every backend is tested against): the accumulation dtype, flex's
 index tensors, the MQA split over CPU threads, the bottom-right causal triangle, the
 scores and values with the G query heads of a K/V head folded (so K/V are never
 repeated), the masked softmax over scores (with attention sinks as an option, and with
@@ -15,9 +16,10 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
-__all__ = ["HAS_CPU_FLASH", "acc_dtype", "backward_lse", "block_attention", "causal_triangle", "flash_lse",
-           "flash_lse_backward", "fold_scores", "fold_values", "index", "lse_merge", "lse_merge_into", "mqa_splits",
-           "one_query_shared_keys", "softcap", "softmax", "softmax_lse"]
+__all__ = ["HAS_CPU_FLASH", "acc_dtype", "backward_lse", "block_attention", "causal_triangle", "eager", "flash_lse",
+           "flash_lse_backward", "fold_scores", "fold_values", "index", "lse_merge", "lse_merge_into",
+           "masked_scores", "mqa_splits", "one_query_shared_keys", "softcap", "softmax", "softmax_lse",
+           "with_sinks"]
 
 
 def acc_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -72,6 +74,41 @@ def fold_values(probs: Tensor, v: Tensor) -> Tensor:
     return out.view(B, H, t, Dv)
 
 
+def masked_scores(scores: Tensor, allowed: Tensor | None = None, bias: Tensor | None = None, *,
+                  inplace: bool = False) -> Tensor:
+    """The scores a softmax reads: `bias` added (a float mask, T5's position bias), -inf where
+    `allowed` (bool, True = may attend) is False; every engine's masked softmax starts here.
+    `inplace`: `scores` is the caller's own buffer, written over."""
+    if bias is not None:
+        scores = scores.add_(bias.to(scores.dtype)) if inplace else scores + bias.to(scores.dtype)
+    if allowed is not None:
+        scores = scores.masked_fill_(~allowed, float("-inf")) if inplace else \
+            scores.masked_fill(~allowed, float("-inf"))
+    return scores
+
+
+def with_sinks(scores: Tensor, sinks: Tensor) -> Tensor:
+    """The logits of a softmax with attention sinks: one more column, the sink's logit (no value)."""
+    return torch.cat([scores, sinks.to(scores.dtype).expand(*scores.shape[:-1], 1)], dim=-1)  # (.., S + 1)
+
+
+def eager(q: Tensor, k: Tensor, v: Tensor, scale: float, allowed: Tensor | None = None, bias: Tensor | None = None,
+          sinks: Tensor | None = None) -> tuple[Tensor, Tensor]:
+    """The formula, written out once: what every backend computes (HF's `eager_attention_forward`).
+
+    q `(B, H, T, D)`, k `(B, Hkv, S, D)`, v `(B, Hkv, S, Dv)`; `allowed` bool and `bias`
+    float broadcastable to `(B, H, T, S)`; `sinks` `(.., T|1, 1)`. Returns (out `(B, H, T, Dv)`,
+    probs `(B, H, T, S)`), a row with nothing to attend all zeros in both."""
+    scores = fold_scores(q, k, scale)  # (B, H, T, S): q k^T * scale, each K/V head read by its G query heads
+    scores = masked_scores(scores, allowed, bias)  # + bias, -inf where not allowed
+    if sinks is not None:
+        probs = torch.softmax(with_sinks(scores, sinks), dim=-1)[..., :-1]  # the sink's share dropped
+    else:
+        empty = torch.isneginf(scores).all(dim=-1, keepdim=True)  # rows with no key: 0, not NaN
+        probs = torch.softmax(scores.masked_fill(empty, 0.0), dim=-1).masked_fill(empty, 0.0)
+    return fold_values(probs, v).to(q.dtype), probs.to(q.dtype)  # probs @ v, (B, H, T, Dv)
+
+
 def softmax(scores: Tensor, allowed: Tensor | None = None, bias: Tensor | None = None,
             hidden: bool = False, sinks: Tensor | None = None) -> Tensor:
     """Masked softmax over the last dim; a row with nothing to attend is all zeros.
@@ -84,13 +121,9 @@ def softmax(scores: Tensor, allowed: Tensor | None = None, bias: Tensor | None =
     `sinks`: attention sinks (GPT-OSS), one extra logit per row broadcastable to
     `(.., t, 1)` in the softmax's denominator, with no value: its probability is dropped.
     """
-    if bias is not None:
-        scores = scores + bias.to(scores.dtype)
-    if allowed is not None:
-        scores = scores.masked_fill(~allowed, float("-inf"))
+    scores = masked_scores(scores, allowed, bias)
     if sinks is not None:
-        logits = torch.cat([scores, sinks.to(scores.dtype).expand(*scores.shape[:-1], 1)], dim=-1)  # (.., S + 1)
-        return torch.softmax(logits, dim=-1)[..., :-1]  # never an empty row: the sink's logit is finite
+        return torch.softmax(with_sinks(scores, sinks), dim=-1)[..., :-1]  # never an empty row: the sink is finite
     if allowed is None and bias is None and not hidden:
         return torch.softmax(scores, dim=-1)
     empty = torch.isneginf(scores).all(dim=-1, keepdim=True)
@@ -103,8 +136,7 @@ def softmax_lse(scores: Tensor, allowed: Tensor | None = None) -> tuple[Tensor, 
     merges blocks (`lse_merge`, `lse_merge_into`): probs = exp(scores - lse), lse `(..)`
     without the trailing 1. A row with nothing to attend in the block has zeros and lse
     -inf (so a merge weighs it 0)."""
-    if allowed is not None:
-        scores = scores.masked_fill(~allowed, float("-inf"))
+    scores = masked_scores(scores, allowed)
     lse = torch.logsumexp(scores, dim=-1)  # -inf for a row with no key
     probs = torch.exp(scores - lse.masked_fill(torch.isneginf(lse), 0.0)[..., None])
     return probs, lse

@@ -54,11 +54,9 @@ _SHARED_KEPT = 32
 _KEPT_MASK_BYTES = 1 << 20  # a larger mask (a GQA-folded piece's) is built per call, never kept
 # A band call's output stays below this many bytes (the band split into equal calls): the kernel
 # allocates its output each call, and glibc serves a block of 32 MiB or more by a fresh mmap,
-# faulted in page by page as the kernel writes it (measured: 15 vs 6 ms of CPU to fill 31.5 MiB
-# fresh vs reused, 1 thread), a smaller one, once one as large was freed, from its heap, reused.
-# Few calls: every call's end waits for its slowest thread, on a busy machine a descheduled one
-# (at 2 threads, load 8: 0.29 s CPU per window call at 16 MiB, 0.35 at 4 MiB, 0.60 at 1 MiB;
-# load 5: 0.19 s in one call of 31.5 MiB, 0.20 in two of 15.75)
+# faulted in page by page as the kernel writes it (more CPU than filling a reused block), a
+# smaller one, once one as large was freed, from its heap, reused. Few calls: every call's end
+# waits for its slowest thread, on a busy machine a descheduled one.
 _BAND_CHUNK_BYTES = 32 << 20
 # False: a new output every call (benchmarks/masks.py compares the two). See `_output`
 KEEP_OUTPUT = True
@@ -626,8 +624,8 @@ class _MergedFused(torch.autograd.Function):
         dv = torch.zeros(v.shape, dtype=acc, device=q.device)
         lse = backward_lse(lse)  # rows with no key: P = 0, no gradient
         # block by block, also where the forward ran bands: a band's backward call returns dk, dv per
-        # block, (window + bq) / bq times the size of dk (9x at tiles of 32 under a window of 256: 0.3 GB
-        # at N = 16384, H = 8, D = 64), and measured 1.4-1.6x slower than these calls at 1 thread
+        # block, (window + bq) / bq times the size of dk (9x at tiles of 32 under a window of 256), and
+        # ran slower than these calls
         if fp.replan is not None:
             fp = fp.replan()
         for r0, r1, pieces in fp.blocks():

@@ -83,15 +83,16 @@ def attend_rows(q, k, v, mask, *, causal, scale, dropout_p, weight_heads, block_
     return out, weights[0] if len(weights) == 1 else torch.cat(weights, dim=2)
 
 
-def math_backend(q, k, v, mask, *, causal, scale, dropout_p, weight_heads, score_mod=None):
+def math_backend(q, k, v, mask, *, causal, scale, dropout_p, weight_heads, score_mod=None, sinks=None):
     return attend_rows(q, k, v, mask, causal=causal, scale=scale, dropout_p=dropout_p,
-                       weight_heads=weight_heads, block_rows=max(1, q.shape[2]), score_mod=score_mod)
+                       weight_heads=weight_heads, block_rows=max(1, q.shape[2]), score_mod=score_mod, sinks=sinks)
 
 
-def chunked(q, k, v, mask, *, causal, scale, dropout_p, weight_heads, score_mod=None):
+def chunked(q, k, v, mask, *, causal, scale, dropout_p, weight_heads, score_mod=None, sinks=None):
     B, H, _, _ = q.shape
     return attend_rows(q, k, v, mask, causal=causal, scale=scale, dropout_p=dropout_p,
-                       weight_heads=weight_heads, block_rows=block_rows(B, H, k.shape[2]), score_mod=score_mod)
+                       weight_heads=weight_heads, block_rows=block_rows(B, H, k.shape[2]), score_mod=score_mod,
+                       sinks=sinks)
 
 
 def weights_pass(q, k, mask, causal, scale, heads, *, score_mod=None):

@@ -28,12 +28,9 @@ _MIN_SEGMENT = 64  # documents shorter than this on average run as tiles, not a 
 _BAND_CANDIDATE = 32  # the extra tile edge of an engine that runs bands (see `choose_tile`)
 # The tile cost model's two constants (~20 GFLOP/s per thread, ~0.5 ms per call) were fitted
 # together at D = 64, and a pair's 4 D flops are counted at that D whatever the call's D: the
-# real D made the plan worse. Measured on the fused engine (1 thread, N = 4096,
-# H = 8, sliding_window(256) & causal): with the real D, D = 16 and 32 chose 256-row tiles
-# over 64 and ran 26.1 vs 20.4 ms and 37.1 vs 27.5 ms; D = 128, and window 64 or plain causal
-# at every D, chose as D = 64 does. torch's CPU kernel's time per pair is about proportional
-# to D (unmasked, T = S = 1024: 0.81, 1.49, 2.31, 4.34 ns at D = 16, 32, 64, 128), so the
-# per-call term is what is off at small D; refitting both per D would let the real D in.
+# real D made the plan worse (at D = 16 and 32 it chose 256-row tiles over 64, which ran
+# slower). torch's CPU kernel's time per pair is about proportional to D, so the per-call
+# term is what is off at small D; refitting both per D would let the real D in.
 _COST_HEAD_DIM = 64
 # Plans kept (`plan_key`): a model's layers and steps repeat a handful of (mask, shape)s; a plan
 # at N = 16384 holds two (512, 512) bool grids. 0: none kept, every call plans (benchmarks/masks.py)
@@ -149,8 +146,8 @@ def plan_key(pred, B: int, H: int, T: int, S: int, G: int, tile, device, squares
     if not _PLANS_KEPT or pred is None or not pred.relative or not pred.analytic or T < 1 or S < 1 \
             or torch.compiler.is_compiling():
         return None
-    # a few ops over T + S - 1 values, no `serial_ops`: changing torch's thread count costs more
-    # than they do (measured 4-20 ms for the count and back at 2 threads on a busy machine)
+    # a few ops over T + S - 1 values, no `serial_ops`: changing torch's thread count and back
+    # costs more than they do
     allowed = _differences(pred, B, H, T, S, device)
     if allowed.shape[0] > 1 and not bool((allowed == allowed[:1]).all()):
         return None  # differs by batch or head: its masks would too

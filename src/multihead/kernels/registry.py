@@ -40,6 +40,7 @@ class Backend:
     doc: str = ""
     predicates: bool = False  # takes a MaskMod as is (no (T, S) materialisation)
     score_mods: str = "none"  # "none", "additive" (bias-only mods such as ALiBi) or "any"
+    sinks: bool = False  # takes `sinks=` (one extra logit per row, with no value: GPT-OSS)
 
 
 BACKENDS: dict[str, Backend] = {}
@@ -55,13 +56,14 @@ def register_backend(
     doc: str = "",
     predicates: bool = False,
     score_mods: str = "none",
+    sinks: bool = False,
 ) -> None:
     """Add a kernel to the registry (the signature is documented on `Backend`)."""
     if not isinstance(name, str) or not name or name == "auto":
         raise ValueError(f"backend name must be a non-empty string other than 'auto'; received {name!r}")
     if score_mods not in ("none", "additive", "any"):
         raise ValueError(f"score_mods must be 'none', 'additive' or 'any'; received {score_mods!r}")
-    BACKENDS[name] = Backend(name, fn, weights, dropout, weights_with_dropout, doc, predicates, score_mods)
+    BACKENDS[name] = Backend(name, fn, weights, dropout, weights_with_dropout, doc, predicates, score_mods, sinks)
 
 
 def available_backends() -> dict[str, Backend]:
@@ -71,7 +73,7 @@ def available_backends() -> dict[str, Backend]:
 
 def resolve_backend(*, want_weights: bool, dropout_p: float, score_mod: ScoreMod | Callable | None = None,
                     device: torch.device | str | None = None, queries: int | None = None,
-                    shape: Sequence[int] | None = None) -> str:
+                    shape: Sequence[int] | None = None, sinks: bool = False) -> str:
     """Resolve "auto" to a backend name, at call time.
 
     The fused kernel serves everything it can, predicate masks included (block-sparse);
@@ -87,9 +89,10 @@ def resolve_backend(*, want_weights: bool, dropout_p: float, score_mod: ScoreMod
     "chunked": one small block of scores beats the tile loop's per-tile steps (measured
     2x at T = 1 over 1,100 keys). `shape` = (B, H, T, S), when known, is where a mod is
     probed for captured tensors that require grad (a mod the probe cannot run counts as
-    one: the autograd backends are exact for any mod). Never compiles.
+    one: the autograd backends are exact for any mod). Attention sinks run on "math", the
+    one path whose softmax takes them. Never compiles.
     """
-    if want_weights and dropout_p > 0:
+    if sinks or want_weights and dropout_p > 0:
         return "math"
     if isinstance(score_mod, ScoreMod) and torch.is_grad_enabled() \
             and score_mod.trainable(device, shape, None if shape is None else shape[3]) is not False:
@@ -110,10 +113,13 @@ def check_backend_name(name: str) -> None:
         )
 
 
-def get_backend(name: str, *, want_weights: bool, dropout_p: float, score_mod: ScoreMod | None = None) -> Backend:
+def get_backend(name: str, *, want_weights: bool, dropout_p: float, score_mod: ScoreMod | None = None,
+                sinks: bool = False) -> Backend:
     check_backend_name(name)
     impl = BACKENDS[name]
     needs = []
+    if sinks and not impl.sinks:
+        needs.append(("take attention sinks", lambda b: b.sinks))
     if score_mod is not None and impl.score_mods != "any":
         if score_mod.bias is None:
             needs.append((f"apply the score mod {score_mod.name} (not an additive bias)",

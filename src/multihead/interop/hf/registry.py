@@ -40,10 +40,9 @@ from typing import NamedTuple
 import torch
 from torch import Tensor, nn
 
-from multihead import masks, score_mods
+from multihead import functional, masks, score_mods
 from multihead.checks import check_positive_number
 from multihead.functional import attend, check_backend_name
-from multihead.kernels import math as explicit_math
 from multihead.kernels.validation import plain_scale
 from multihead.masks import MaskMod, from_flex
 
@@ -297,13 +296,12 @@ def _sink_logits(sinks, B: int, H: int, T: int) -> Tensor | None:
 def _with_sinks(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, *, causal: bool, scale: float,
                 softcap: float | None, sinks: Tensor, dropout_p: float) -> tuple[Tensor, Tensor]:
     """Attention with sinks (GPT-OSS: one extra logit per head in the softmax's
-    denominator, with no value), which the fused kernels do not take: the math path with
-    its `sinks` option, and the softcap too when a model has both. Returns (out
+    denominator, with no value), which the fused kernels do not take: `attend`'s `sinks=`
+    (a backend capability: "auto" picks the math path), and the softcap too when a model has
+    both. Returns (out
     `(B, H, T, Dv)`, weights `(B, H, T, S)`, the probabilities before dropout)."""
-    H, T = q.shape[1], q.shape[2]
-    return explicit_math.attend_rows(q, k, v, mask, causal=causal, scale=scale, dropout_p=dropout_p,
-                                     weight_heads=tuple(range(H)), block_rows=max(1, T), sinks=sinks,
-                                     score_mod=None if softcap is None else score_mods.softcap(softcap))
+    return functional.attend(q, k, v, mask, causal=causal, scale=scale, dropout_p=dropout_p, return_weights=True,
+                             score_mod=None if softcap is None else score_mods.softcap(softcap), sinks=sinks)
 
 
 def _field_getter(self):  # the body of transformers' `PreTrainedConfig.output_attentions` (transformers 5)
