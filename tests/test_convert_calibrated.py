@@ -188,3 +188,21 @@ def test_calibration_text_needs_the_tokenizer_and_bad_calibration_is_named():
         convert.to_mla(model, 8, rope_dim=4, keep="rotation")
     with pytest.raises(TypeError, match=r"received a torch.float32 tensor"):
         convert.to_gqa(model, 1, calibration=torch.zeros(4))
+
+
+def test_gemma3_is_refused_by_name():
+    """Gemma 3: to_mla explains its QK-norm and two RoPE bases; to_gqa of a one-KV-head model
+    (Gemma 3 270M's geometry) says there is nothing to merge."""
+    cfg = transformers.Gemma3TextConfig(vocab_size=VOCAB, hidden_size=C, intermediate_size=96, num_hidden_layers=2,
+                                        num_attention_heads=H, num_key_value_heads=1, head_dim=D, sliding_window=5,
+                                        query_pre_attn_scalar=D, max_position_embeddings=64)
+    torch.manual_seed(0)
+    gemma = transformers.Gemma3ForCausalLM(cfg).eval()
+    with pytest.raises(ValueError, match=r"Gemma 3, which is not converted to MLA: it normalises every query and "
+                                         r"key head \(QK-norm"):
+        convert.to_mla(gemma, 8, rope_dim=4)
+    with pytest.raises(ValueError, match=r"has one key/value head already .*Gemma 3 270M is built so.*no heads to "
+                                         r"merge"):
+        convert.to_gqa(gemma, 1)
+    with pytest.raises(ValueError, match=r"has one key/value head already"):
+        convert.to_gqa(gemma, 1, calibration=_cal())

@@ -92,7 +92,7 @@ def test_schema_and_every_target(quick, llama_folder):
     assert [c["steps"] for c in r["control"]] == steps and r["control"][0]["val_ppl"] == r["base"]["val_ppl"]
     got = [(v["target"], v["init"], v["objective"], v["steps"]) for v in r["variants"]]
     want = [(t, i, "next-token", s) for t, i in (("mqa", "mean"), ("mqa", "first"), ("mqa", "random"),
-                                                  ("mla-8", "svd")) for s in steps]
+                                                  ("mla-8", "calibrated")) for s in steps]
     assert got == want + [("mqa", "mean", "distill", s) for s in steps]
     for v in r["variants"]:
         assert v["val_ppl"] > 1 and math.isfinite(v["val_ppl"])
@@ -101,7 +101,10 @@ def test_schema_and_every_target(quick, llama_folder):
             conv = next(w["val_ppl"] for w in r["variants"] if (w["target"], w["init"], w["objective"], w["steps"])
                         == (v["target"], v["init"], v["objective"], 0))
             gap = math.log(conv) - math.log(v["control_ppl"])
-            assert v["gap_closed"] == pytest.approx((math.log(conv) - math.log(v["val_ppl"])) / gap)
+            if gap <= 0:  # converted no worse than the control: no gap to close
+                assert v["gap_closed"] is None
+            else:
+                assert v["gap_closed"] == pytest.approx((math.log(conv) - math.log(v["val_ppl"])) / gap)
     # the distilled target starts from the same conversion
     first = {(v["target"], v["init"], v["objective"]): v["val_ppl"] for v in r["variants"] if v["steps"] == 0}
     assert first[("mqa", "mean", "distill")] == first[("mqa", "mean", "next-token")]
@@ -109,6 +112,13 @@ def test_schema_and_every_target(quick, llama_folder):
     assert set(r["freeze"]["trainable_params"]) == {"attention", "all"}
     assert r["freeze"]["trainable_params"]["attention"] < r["freeze"]["trainable_params"]["all"]
     assert r["done"] == [u.key for u in work_plan(cfg)]
+    from multihead.lab.uptrain_lr import PROBE_FACTORS
+
+    for key in r["done"]:  # every training's peak rate was chosen by the probe among lr x PROBE_FACTORS
+        probe = r["lr"][key]
+        assert any(probe["chosen"] == pytest.approx(cfg.lr * f) for f in PROBE_FACTORS), probe
+        assert len(probe["candidates"]) == len(PROBE_FACTORS) and math.isfinite(probe["start"])
+    assert r["worse_than_converted"] == [] and not res["diverged"]
     assert "uptrain.png" in res["plots"] and not (out / STATE).exists()
     assert "| control |" in r["table"] and r["summary"].startswith("Base model")
     assert not any(p.suffix in (".safetensors", ".pt", ".bin") for p in out.iterdir())  # no weights
@@ -203,7 +213,7 @@ def test_cli_runs_and_resumes(llama_folder, tmp_path, capsys):
             "--rope-dim", "4", "--kv-ranks", "8", "--steps", "2", "--fractions", "0,1"]
     assert main(argv) == 0
     printed = capsys.readouterr().out
-    assert "| mla-8 | svd |" in printed and "results in" in printed
+    assert "| mla-8 | calibrated |" in printed and "results in" in printed
     assert main(argv) == 2  # the folder holds a run: refused without --resume
     assert "is not empty" in capsys.readouterr().err
     assert main([*argv, "--resume"]) == 0  # a finished run resumed: nothing left to do, same numbers
@@ -214,6 +224,58 @@ def test_cli_runs_and_resumes(llama_folder, tmp_path, capsys):
         assert needle in capsys.readouterr().err
     assert main(["lab", "uptrain", "--resume", "--out", str(tmp_path / "y")]) == 2
     assert "go with --model" in capsys.readouterr().err
+
+
+def test_the_rate_probe_takes_the_best_rate_and_restores_the_weights():
+    """On a quadratic whose steps overshoot at the largest rate, the probe picks a smaller one
+    (the best check loss among the candidates, independently recomputed) and leaves the
+    parameters as they were; when no rate helps it takes the smallest."""
+    from multihead.lab.uptrain_lr import PROBE_FACTORS, choose_lr
+
+    target = torch.tensor([3.0, -2.0])
+    w = torch.nn.Parameter(torch.zeros(2))
+
+    def loss_fn(batch):
+        return ((w - target) ** 2).sum() * batch.float().mean()
+
+    batches, check = [torch.ones(1)] * 3, torch.ones(1)
+    chosen, probe = choose_lr([w], loss_fn, batches, check, 10.0)
+    assert torch.equal(w.detach(), torch.zeros(2)) and w.grad is None
+    losses = {}
+    for f in PROBE_FACTORS:  # AdamW written out: after clipping, each step moves each weight by about the rate
+        v = torch.nn.Parameter(torch.zeros(2))
+        opt = torch.optim.AdamW([v], lr=10.0 * f, betas=(0.9, 0.95), weight_decay=0.0)
+        for _ in range(3):
+            opt.zero_grad()
+            ((v - target) ** 2).sum().backward()
+            torch.nn.utils.clip_grad_norm_([v], 1.0)
+            opt.step()
+        losses[10.0 * f] = float(((v - target) ** 2).sum())
+    assert chosen == min(losses, key=losses.get) and chosen < 10.0, (chosen, losses)
+    assert probe["start"] == pytest.approx(13.0) and probe["chosen"] == chosen
+    w2 = torch.nn.Parameter(target.clone())  # at the minimum already: nothing lowers the loss
+    chosen, _ = choose_lr([w2], lambda b: ((w2 - target) ** 2).sum(), batches, check, 1.0)
+    assert chosen == pytest.approx(min(PROBE_FACTORS))
+
+
+def test_a_training_worse_than_its_conversion_is_marked():
+    from multihead.lab.uptrain_hf import summarise
+
+    cfg = HFUptrainConfig(model="x", steps=4, fractions=(0.0, 1.0), warmup=1)
+    entry = {"init": "calibrated", "objective": "next-token", "kv_bytes_per_token": 8}
+    res = {"results": {"model": "x", "base": {"val_ppl": 10.0, "kv_bytes_per_token": 16}, "dtype": "float32",
+                       "control": [{"steps": 0, "val_ppl": 10.0}, {"steps": 4, "val_ppl": 9.0}],
+                       "variants": [{**entry, "target": "mla-8", "steps": 0, "val_ppl": 50.0},
+                                    {**entry, "target": "mla-8", "steps": 4, "val_ppl": 70.0},
+                                    {**entry, "target": "mla-4", "steps": 0, "val_ppl": 50.0},
+                                    {**entry, "target": "mla-4", "steps": 4, "val_ppl": 20.0}],
+                       "seconds": {}, "freeze": {"frozen": "x", "check": [], "seconds_per_step": {}}}}
+    summarise(cfg, res)
+    r = res["results"]
+    assert r["worse_than_converted"] == ["mla-8/calibrated"]
+    assert [v.get("worse_than_converted", False) for v in r["variants"]] == [False, True, False, False]
+    assert ("Worse than as converted at an evaluated step (marked worse_than_converted): mla-8/calibrated."
+            in r["summary"])
 
 
 def test_force_never_replaces_a_folder_that_holds_the_input(llama_folder, tmp_path, capsys):

@@ -116,8 +116,9 @@ def parse_rope_dims(text: str) -> tuple[int, ...]:
 
 
 def parse_inits(text: str) -> tuple[str, ...]:
-    """argparse type of --inits: some of mean, first, random."""
+    """argparse type of --inits: some of mean, first, random, aligned (aligned: with --model,
+    a transformers model's merge fitted on calibration tokens; the lab model's config refuses it)."""
     values = tuple(dict.fromkeys(v.strip() for v in text.split(",") if v.strip()))
-    if not values or any(v not in _INITS for v in values):
-        raise argparse.ArgumentTypeError(f"expected some of {','.join(_INITS)}; received {text!r}")
+    if not values or any(v not in (*_INITS, "aligned") for v in values):
+        raise argparse.ArgumentTypeError(f"expected some of {','.join(_INITS)},aligned; received {text!r}")
     return values

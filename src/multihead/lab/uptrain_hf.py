@@ -69,7 +69,7 @@ from multihead.lab.results import new_results, write_json_atomic
 
 __all__ = ["HFUptrainConfig", "run_uptrain_hf", "work_plan"]
 
-_INITS = ("mean", "first", "random")
+_INITS = ("aligned", "mean", "first", "random")
 _TRAINABLE = ("attention", "all")
 STATE = "resume.pt"  # in --out: the training in progress at an interrupt
 
@@ -93,12 +93,15 @@ class HFUptrainConfig:
     freeze_check: bool = True  # MQA (mean) trained once more with every parameter trainable
     max_train_chars: int | None = None  # the training split's first characters only (None: all of it)
     generate_tokens: int = 8  # new tokens of the generate() whose cache is measured
+    calibration_tokens: int = 4096  # of the training split, for the data-aware conversions (0: weights only)
+    probe_steps: int = 3  # steps per candidate rate of the learning-rate probe (0: train at lr; uptrain_lr.py)
 
     @classmethod
     def quick(cls, model: str = "smollm2") -> HFUptrainConfig:
         """About a minute on SmolLM2 (seconds on a tiny model): the whole pipeline, tiny budgets."""
         return cls(model=model, steps=4, batch_size=1, context=32, warmup=1, fractions=(0.0, 0.5, 1.0),
-                   eval_windows=2, eval_context=32, inits=("mean", "random"), ranks=(64,), freeze_check=False,
+                   eval_windows=2, eval_context=32, inits=("aligned", "mean", "random"), ranks=(64,),
+                   freeze_check=False, calibration_tokens=1024, probe_steps=1,
                    max_train_chars=200_000, generate_tokens=2)
 
     def __post_init__(self):
@@ -106,6 +109,10 @@ class HFUptrainConfig:
 
         for name in ("steps", "batch_size", "context", "eval_windows", "eval_context", "generate_tokens"):
             check_positive_int(name, getattr(self, name))
+        check_nonnegative_int("calibration_tokens", self.calibration_tokens)
+        check_nonnegative_int("probe_steps", self.probe_steps)
+        if "aligned" in self.inits and not self.calibration_tokens:
+            raise ValueError("inits 'aligned' fits the merge on calibration tokens; calibration_tokens is 0")
         check_nonnegative_int("rope_dim", self.rope_dim)
         if not isinstance(self.model, str) or not self.model:
             raise TypeError(f"model must be a non-empty str; received {self.model!r}")
@@ -158,6 +165,21 @@ class _Data:
         starts = torch.randint(0, len(self.train) - n + len(self.start) + 1, (self.cfg.batch_size,), generator=gen)
         return windows(self.start, self.train, starts, n)
 
+    def probe(self) -> tuple[list[torch.Tensor], torch.Tensor]:
+        """The learning-rate probe's batches and its check batch: from the training split, at
+        steps no training reads (0, -1, -2, ...)."""
+        return [self.batch(-k) for k in range(self.cfg.probe_steps)], self.batch(-self.cfg.probe_steps)
+
+    def calibration(self) -> torch.Tensor | None:
+        """`(B, 256)` token ids spread evenly over the training split for the data-aware
+        conversions (about calibration_tokens of them), or None."""
+        if not self.cfg.calibration_tokens:
+            return None
+        width = min(256, len(self.train) + len(self.start))
+        starts = torch.linspace(0, len(self.train) - width + len(self.start),
+                                max(1, self.cfg.calibration_tokens // width)).long()
+        return windows(self.start, self.train, starts, width)  # each begins as a text does (Gemma: <bos>)
+
 
 def _nll_sum(model, windows: torch.Tensor, device) -> tuple[float, int]:
     total, count = 0.0, 0
@@ -205,7 +227,7 @@ class _Unit:
 
     key: str  # unique, in results.json "done"
     target: str  # "control", "mqa", "mla-R"
-    init: str  # "mean" | "first" | "random" | "svd" | "none" (the control)
+    init: str  # "aligned" | "mean" | "first" | "random" | "calibrated" | "svd" | "none" (the control)
     objective: str = "next-token"  # or "distill"
     trainable: str = "attention"
     role: str = "variant"  # "variant", "control", "freeze_check"
@@ -215,7 +237,8 @@ def work_plan(cfg: HFUptrainConfig) -> list[_Unit]:
     """Every training of a run, in order: the control first (every target is judged by it)."""
     units = [_Unit("control", "control", "none", trainable=cfg.trainable, role="control")]
     units += [_Unit(f"mqa/{i}", "mqa", i, trainable=cfg.trainable) for i in cfg.inits]
-    units += [_Unit(f"mla-{r}/svd", f"mla-{r}", "svd", trainable=cfg.trainable) for r in sorted(cfg.ranks)]
+    mla = "calibrated" if cfg.calibration_tokens else "svd"
+    units += [_Unit(f"mla-{r}/{mla}", f"mla-{r}", mla, trainable=cfg.trainable) for r in sorted(cfg.ranks)]
     if cfg.distill:
         units.append(_Unit("mqa/mean/distill", "mqa", "mean", objective="distill", trainable=cfg.trainable))
     if cfg.freeze_check:
@@ -224,7 +247,7 @@ def work_plan(cfg: HFUptrainConfig) -> list[_Unit]:
     return units
 
 
-def _convert(base, unit: _Unit, cfg: HFUptrainConfig, seed: int):
+def _convert(base, unit: _Unit, cfg: HFUptrainConfig, seed: int, calibration: torch.Tensor | None):
     """The unit's model (a new one; `base` is untouched) and its per-layer K/V errors."""
     from multihead import convert
 
@@ -232,10 +255,12 @@ def _convert(base, unit: _Unit, cfg: HFUptrainConfig, seed: int):
         return copy.deepcopy(base), []
     if unit.target == "mqa":
         gen = torch.Generator().manual_seed(seed * 1_000 + 1)  # "random": the same draw on every run
-        model, report = convert.to_gqa(base, 1, init=unit.init, generator=gen, return_report=True)
-    else:
+        model, report = convert.to_gqa(base, 1, init=unit.init, generator=gen, return_report=True,
+                                       calibration=calibration if unit.init == "aligned" else None)
+    else:  # "calibrated": to_mla's data-aware default on the calibration tokens; "svd": the weights only
         rank = int(unit.target.split("-")[1])
-        model, report = convert.to_mla(base, rank, rope_dim=cfg.rope_dim, return_report=True)
+        model, report = convert.to_mla(base, rank, rope_dim=cfg.rope_dim, return_report=True,
+                                       calibration=calibration if unit.init == "calibrated" else None)
     return model, [round(e, 6) for e in report.errors]
 
 
@@ -251,12 +276,14 @@ def _trainable(model, which: str) -> list[tuple[str, torch.nn.Parameter]]:
     return chosen
 
 
-def _lr_at(step: int, cfg: HFUptrainConfig) -> float:
-    """Step `step` (1-based): linear warmup, then cosine decay to 10% of lr at `steps`."""
+def _lr_at(step: int, cfg: HFUptrainConfig, peak: float | None = None) -> float:
+    """Step `step` (1-based): linear warmup, then cosine decay to 10% of the peak (lr, or the
+    probe's choice) at `steps`."""
+    peak = cfg.lr if peak is None else peak
     if cfg.warmup and step <= cfg.warmup:
-        return cfg.lr * step / cfg.warmup
+        return peak * step / cfg.warmup
     t = (step - 1 - cfg.warmup) / max(1, cfg.steps - 1 - cfg.warmup)
-    return cfg.lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(t, 1.0))))
+    return peak * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(t, 1.0))))
 
 
 @contextlib.contextmanager
@@ -285,6 +312,7 @@ class _Run:
         self.cfg, self.out, self.res, self.base, self.data = cfg, out, res, base, data
         self.dev, self.seed, self.callback, self.progress, self.overall = dev, seed, callback, progress, overall
         self.prompt = data.windows[:1, :8].to(dev)  # the first held-out window's start, BOS included
+        self.calibration = data.calibration()
         self.t0, self.c0 = time.perf_counter(), time.process_time()
         self.elapsed0 = float(res.get("elapsed_s", 0.0))
         self.cpu0 = float(res.get("cpu_s", 0.0))  # CPU time: on a shared machine, what the run would take alone
@@ -322,7 +350,7 @@ class _Run:
 
     def unit(self, unit: _Unit, state: dict | None) -> None:
         cfg, r = self.cfg, self.res["results"]
-        model, errors = _convert(self.base, unit, cfg, self.seed)
+        model, errors = _convert(self.base, unit, cfg, self.seed, self.calibration)
         model.to(self.dev)
         params = _trainable(model, unit.trainable)
         opt = torch.optim.AdamW([p for _, p in params], lr=cfg.lr, betas=(0.9, 0.95), weight_decay=0.0)
@@ -354,6 +382,7 @@ class _Run:
         if start:
             bar.update(start, losses[-1])
         teacher = self.base if unit.objective == "distill" else None
+        peak = self._peak_lr(unit, model, params, teacher)
         step = start
         t, c = time.perf_counter(), time.process_time()
         try:
@@ -361,11 +390,14 @@ class _Run:
             for step in range(start + 1, cfg.steps + 1):
                 batch = self.data.batch(step).to(self.dev)
                 loss = _loss(model, teacher, batch)
+                if not math.isfinite(float(loss)):  # recorded, and this training stops: its numbers so far stay
+                    self.res["diverged"].append({"run": unit.key, "step": step, "reason": f"loss {float(loss)}"})
+                    break
                 opt.zero_grad(set_to_none=True)
                 loss.backward()
                 torch.nn.utils.clip_grad_norm_([p for _, p in params], 1.0)
                 for g in opt.param_groups:
-                    g["lr"] = _lr_at(step, cfg)
+                    g["lr"] = _lr_at(step, cfg, peak)
                 with _held_interrupt():
                     opt.step()
                     losses.append(round(float(loss.detach()), 6))
@@ -396,6 +428,25 @@ class _Run:
             r["freeze"]["trainable_params"][unit.trainable] = sum(p.numel() for _, p in params)
         (self.out / STATE).unlink(missing_ok=True)
         self.save()
+
+    def _peak_lr(self, unit: _Unit, model, params, teacher) -> float:
+        """The unit's peak learning rate: chosen by the probe (uptrain_lr.py) before its first
+        step and kept in results.json "lr", so a resumed training reads the same one."""
+        from multihead.lab.uptrain_lr import choose_lr
+
+        kept = self.res["results"].setdefault("lr", {})
+        if unit.key in kept:
+            return kept[unit.key]["chosen"]
+        if not self.cfg.probe_steps:
+            kept[unit.key] = {"chosen": self.cfg.lr}
+            return self.cfg.lr
+        batches, check = self.data.probe()
+        model.train()
+        chosen, probe = choose_lr([p for _, p in params], lambda b: _loss(model, teacher, b.to(self.dev)), batches,
+                                  check, self.cfg.lr)
+        kept[unit.key] = probe
+        self.save()
+        return chosen
 
     def _save_state(self, unit, params, opt, step, seconds, losses, kv, cpu) -> None:
         from multihead.files import atomic_path
@@ -553,6 +604,12 @@ def summarise(cfg: HFUptrainConfig, res: dict) -> None:
         v["control_ppl"] = control.get(v["steps"])
         v["gap_closed"] = (gap_closed(conv, v["val_ppl"], v["control_ppl"])
                            if conv is not None and v["control_ppl"] is not None and v["steps"] else None)
+        v.pop("worse_than_converted", None)
+        if conv is not None and v["steps"] and v["val_ppl"] > conv:  # uptraining must never do this: marked
+            v["worse_than_converted"] = True
+    r["worse_than_converted"] = sorted({f"{v['target']}/{v['init']}" + ("/distill" if v["objective"] == "distill"
+                                                                        else "")
+                                        for v in r["variants"] if v.get("worse_than_converted")})
     steps = list(cfg.eval_steps())
 
     def ppl_cells(values: dict) -> str:
@@ -619,6 +676,9 @@ def summarise(cfg: HFUptrainConfig, res: dict) -> None:
         parts.append(f"The control (unconverted, same budget) goes {r['base']['val_ppl']:.2f} -> "
                      f"{control[max(control)]:.2f}.")
     parts += [s + "." for s in sentences]
+    if r["worse_than_converted"]:
+        parts.append(f"Worse than as converted at an evaluated step (marked worse_than_converted): "
+                     f"{', '.join(r['worse_than_converted'])}.")
     if "verdict" in f:
         parts.append(f["verdict"] + ".")
     r["summary"] = " ".join(parts)

@@ -45,6 +45,10 @@ def _check(model: nn.Module, n_kv_heads) -> tuple[int, int]:
         raise TypeError(f"to_gqa: {name}'s config has no num_attention_heads / num_key_value_heads (a model whose "
                         "config nests them, such as a vision-language model, is not converted); valid: Llama, "
                         "Mistral, Qwen2, Qwen3, Gemma, Gemma2, Gemma3 text models")
+    if old == 1:
+        raise ValueError(f"to_gqa: {name} has one key/value head already (config.num_key_value_heads = 1, MQA"
+                         + (": Gemma 3 270M is built so" if "Gemma3" in name else "")
+                         + "); there are no heads to merge; valid: a model with more than one key/value head")
     if isinstance(n_kv_heads, bool) or not isinstance(n_kv_heads, int) or n_kv_heads < 1 or old % n_kv_heads:
         valid = [d for d in range(1, old + 1) if old % d == 0]
         raise ValueError(f"n_kv_heads must divide the model's {old} key/value heads (config.num_key_value_heads); "

@@ -306,6 +306,14 @@ class LatentLlamaAttention(nn.Module):
 def _check(model: nn.Module, kv_rank, rope_dim, keep) -> list[tuple[str, nn.Module]]:
     name = type(model).__name__
     layers = mla_layers(model)
+    if any(type(m).__name__.startswith("Gemma3") for m in model.modules()) and not layers:
+        raise ValueError(
+            f"to_mla: {name} is Gemma 3, which is not converted to MLA: it normalises every query and key head "
+            "(QK-norm, RMSNorm with Gemma's 1 + w gains) before RoPE, so its keys are not a linear function of the "
+            "input that one shared latent's down-projection could produce, and its layers alternate a sliding "
+            "window with RoPE base 10,000 and global layers with base 1,000,000, which one decoupled RoPE key "
+            "does not hold. valid: Llama, Mistral, Qwen2 models (Qwen3's QK-norm is kept exact by recomputing "
+            "its normalised keys); Gemma 3's own cache is already one key/value head (MQA)")
     if not layers:
         raise TypeError(f"to_mla: {name} has no {', '.join(FAMILY)} layer; valid: Llama, Mistral, Qwen2, Qwen3 "
                         "models (a DeepSeek-V2/V3 model is MLA already: multihead.interop.hf.use_latent_attention)")
