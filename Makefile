@@ -11,13 +11,16 @@ setup: $(VENV)/.installed
 $(VENV)/.installed: pyproject.toml constraints.txt scripts/setup.sh
 	bash scripts/setup.sh
 
-TEXT ?= The cat sat on the mat. Then the cat slept on the mat.
+TEXT ?= The old lighthouse keeper climbed the stairs every night to light the lamp. The old lighthouse keeper climbed the stairs every night to light the lamp.
+ARGS ?=
 
-# The main job: every head of a real model (all-MiniLM-L6-v2, bundled offline), its
-# role table, a self-contained HTML head view and a PNG grid under out/.
+# The main job: every head of a real decoder (SmolLM2-135M, bundled offline) on a text with
+# a repeated passage: a summary of the roles, the induction heads and their causal check
+# (ablated against as many random heads), a self-contained HTML head view, a PNG grid and
+# the full table (out/heads.json; on the terminal too with `make run ARGS=--all`).
 run: setup
 	@mkdir -p out
-	$(PY) -m multihead inspect "$(TEXT)" --roles --html out/head_view.html --png out/heads.png
+	$(PY) -m multihead inspect "$(TEXT)" --model smollm2 --html out/head_view.html --png out/heads.png --table out/heads.json $(ARGS)
 
 tour: setup
 	$(PY) -m multihead tour

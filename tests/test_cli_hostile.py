@@ -208,7 +208,7 @@ def test_inspect_png_without_matplotlib_is_one_line_and_keeps_the_rest(files, tm
     assert len(lines) == 3 and all(line.startswith("multihead inspect: error: --png") for line in lines[:2]), r.stderr
     assert all("matplotlib" in line and "HTML view were produced" in line for line in lines[:2])
     table, as_json = r.stdout.split("=====\n")
-    assert "rank layer head" in table and "HTML head view" in table
+    assert "roles of the" in table and "HTML head view" in table
     assert json.loads(as_json)["files"] == {"html": str(html.resolve())}
     assert Path(str(html) + ".first").is_file() and html.is_file() and not png.exists()
 

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import subprocess
 import sys
 
@@ -34,16 +33,27 @@ def run(capsys, *argv):
     return code, out, err
 
 
-def test_default_prints_the_ranked_table(capsys):
+def test_default_prints_the_summary(capsys):
+    """Per role its count and strongest heads, in at most 30 lines; MiniLM, an encoder, has no
+    causal check and no induction head, and says so; --all puts the full table before it."""
     code, out, err = run(capsys, TEXT)
     assert code == 0, err
     lines = out.splitlines()
+    assert len(lines) <= 30 and not any(line.startswith("rank") for line in lines), out
     assert lines[0].startswith("minilm (sentence-transformers/all-MiniLM-L6-v2): 6 layers x 12 heads")
     assert "tokens: [CLS] the cat sat on the mat . [SEP]" in out
-    header = next(i for i, line in enumerate(lines) if line.startswith("rank"))
-    assert lines[header + 1].split()[:5] == ["1", "0", "2", "previous_token", "1.00"]
-    assert lines[header].split()[5] == "runner-up" and re.fullmatch(r"\w+=[01]\.\d\d", lines[header + 1].split()[5])
-    assert len(lines) - header - 2 == 10 and "62 more heads" in lines[-1]
+    rows = {line.split()[0]: line.split() for line in lines
+            if line.startswith("  ") and not line.startswith("  top ") and line.split()[1].isdigit()}
+    assert rows["previous_token"][1:4] == ["1", "L0H2", "1.00"], rows
+    assert sum(int(r[1]) for r in rows.values()) == 72  # every head has one role
+    assert "causal check: needs a decoder LM's next-token loss (this model is an encoder)" in out
+    assert "induction heads (prefix matching on random tokens repeated once): none" in out
+    assert lines[-1].startswith("next: multihead inspect")
+    code, full, _ = run(capsys, TEXT, "--all")
+    assert code == 0 and full.endswith(out)
+    table = full[:-len(out)].splitlines()
+    assert table[0].split()[:4] == ["rank", "layer", "head", "role"]
+    assert len([r for r in table if r[:4].strip().isdigit()]) == 72
 
 
 def test_roles_shows_every_head_and_score(capsys):
@@ -75,7 +85,7 @@ def test_html_and_png(capsys, tmp_path):
     code, out, err = run(capsys, TEXT, "--only-layers", "0,3", "--only-heads", "2,5", "--html", str(html),
                          "--png", str(png))
     assert code == 0, err
-    assert f"HTML head view: {html}" in out and f"PNG: {png}" in out
+    assert f"HTML head view: {html}" in out and f"PNG grid: {png}" in out
     page = html.read_text(encoding="utf-8")
     assert "<html" in page.lower() and "previous_token" in page
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

@@ -361,7 +361,7 @@ def test_cli_text_sources(capsys, tmp_path):
                           (["--text-file", str(tmp_path / "bad.txt")], "is not UTF-8 (byte 0xff at offset 3)")):
         code, _, err = _cli(capsys, *argv)
         assert code == 2 and message in err, (argv, err)
-    code, out, _ = _cli(capsys, "--text-file", str(f), "--only-layers", "0")
+    code, out, _ = _cli(capsys, "--text-file", str(f), "--only-layers", "0", "--all")
     assert code == 0
     header = next(line for line in out.splitlines() if line.startswith("rank"))
     assert header.split()[-3:] == ["H(nats)", "dist", "sink"]  # >1k, >4k: a short text cannot show them

@@ -59,8 +59,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "the summaries page: every head, its pattern as block sums, top-k rows)")
     parser.add_argument("--png", metavar="PATH",
                         help="write heatmaps to PATH: a layer x head grid, or one labelled head if one is captured")
+    parser.add_argument("--all", action="store_true", dest="all_heads",
+                        help="also print the full table: every head with all its role scores and summaries "
+                             "(default: the summary, per role its top heads)")
     parser.add_argument("--roles", action="store_true",
-                        help=f"show every head with all its role scores (default: the top {TOP}, strongest role)")
+                        help="the same as --all (the full table; kept for scripts that use it)")
+    parser.add_argument("--table", metavar="PATH",
+                        help="write the full table (every head: its role, every score, its summaries) as JSON to "
+                             "PATH, with the causal check where there is one")
     parser.add_argument("--tl-scores", action="store_true",
                         help="also show TransformerLens' head-detector scores (tl_prev, tl_dup, tl_ind: its \"mul\" "
                              "score over all rows, BOS included, as detect_head computes it) beside multihead's; "
@@ -168,6 +174,7 @@ def _main(args: argparse.Namespace, stack: contextlib.ExitStack) -> int:
     heads = _indices("--only-heads", args.heads)
     html_path = output_file("--html", args.html, "view.html")
     png_path = output_file("--png", args.png, "heads.png")
+    table_path = output_file("--table", args.table, "heads.json")
     if args.max_tokens is not None and args.max_tokens < 1:
         raise UsageError(f"--max-tokens must be >= 1; received {args.max_tokens}")
 
@@ -211,6 +218,7 @@ def _main(args: argparse.Namespace, stack: contextlib.ExitStack) -> int:
         if issubclass(w.category, TruncationWarning):
             print(f"multihead inspect: warning: {w.message}", file=sys.stderr)
     roles = head_roles(summ, prefix_matching=prefix, transformer_lens=args.tl_scores)
+    check = _causal_check(args, model, prefix, summ)
 
     written = {}
     if html_path is not None and long_page:  # every head's summaries, patterns as block sums, top-k rows
@@ -236,23 +244,39 @@ def _main(args: argparse.Namespace, stack: contextlib.ExitStack) -> int:
         except ImportError as err:  # no matplotlib: the rest of the run still stands
             png_error = f"--png {args.png} was not written: {str(err).splitlines()[0]}"
 
+    if table_path is not None:
+        from multihead.files import write_json
+
+        written["table"] = str(table_path.resolve())
+        write_json(table_path, _as_json(summ, roles, written, check), indent=1)
     if args.json:
-        print(json.dumps(_as_json(summ, roles, written), indent=1, default=str))
+        print(json.dumps(_as_json(summ, roles, written, check), indent=1, default=str))
         return _png_verdict(png_error, written)
-    T = len(summ.tokens)
-    print(f"{summ.model}: {summ.n_layers} layers x {summ.n_heads} heads; summarised {len(summ.layers)} x "
-          f"{len(summ.heads)} on {T:,} tokens")
-    print("tokens: " + " ".join(summ.tokens[:40]) + (f" ... (+{T - 40})" if T > 40 else ""))
-    if "html" in written:
-        if long_page:
-            print(f"HTML summaries page: {written['html']} (every head; its pattern as block sums, top-k rows)")
-        else:
-            print(f"HTML head view: {written['html']}")
-    if "png" in written:
-        print(f"PNG: {written['png']}")
-    print()
-    print(format_roles(roles, full=args.roles or args.tl_scores, summaries=summ))
+    if args.all_heads or args.roles or args.tl_scores:
+        print(format_roles(roles, full=True, summaries=summ))
+        print()
+    from multihead.inspect.summary import format_summary
+
+    print(format_summary(summ, roles, written, check=check, long_page=long_page, model_arg=args.model))
     return _png_verdict(png_error, written)
+
+
+def _causal_check(args: argparse.Namespace, model, prefix, summ) -> dict | None:
+    """The induction heads' causal check, on a decoder LM, when the `multihead` command handed
+    inspect one (`args.induction_check`: heads' ablations, which inspect, a tool of its own,
+    does not import): the top heads by prefix matching ablated against as many random heads.
+    None on an encoder, a subset of heads, or without a check."""
+    check = getattr(args, "induction_check", None)
+    full = len(summ.layers) == summ.n_layers and len(summ.heads) == summ.n_heads
+    if check is None or not full or not getattr(model, "is_causal_lm", getattr(model, "causal", False)):
+        return None
+    _status("multihead inspect: the causal check (the induction heads ablated) ...")
+    try:
+        ranked = sorted(((layer, h) for layer in summ.layers for h in summ.heads),
+                        key=lambda c: -float(prefix[c[0], c[1]]))
+        return check(model, ranked)
+    finally:
+        _status(None)
 
 
 def _png_verdict(png_error: str | None, written: dict) -> int:
@@ -264,7 +288,7 @@ def _png_verdict(png_error: str | None, written: dict) -> int:
     raise UsageError(f"{png_error} ({made})")
 
 
-def _as_json(summ, roles, written) -> dict:
+def _as_json(summ, roles, written, check=None) -> dict:
     return {
         "model": summ.model,
         "n_layers": summ.n_layers,
@@ -278,6 +302,7 @@ def _as_json(summ, roles, written) -> dict:
                    "runner_up": r.runner_up or None, "runner_up_score": r.runner_up_score if r.runner_up else None,
                    "scores": r.scores} for i, r in enumerate(roles)],
         "summaries": summ.to_json()["summaries"],
+        "causal_check": check,
         "files": written,
     }
 
