@@ -16,33 +16,36 @@ _COMMON = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, vocab
                pad_token_id=0, bos_token_id=1, eos_token_id=2)
 
 
-def config(name: str):
+def config(name: str, layers: int = 2):
     """(config, causal-LM class) of a tiny model."""
     import transformers as t
 
+    common = dict(_COMMON, num_hidden_layers=layers)
+
     if name == "llama":
-        return t.LlamaConfig(num_attention_heads=8, num_key_value_heads=2, **_COMMON), t.LlamaForCausalLM
+        return t.LlamaConfig(num_attention_heads=8, num_key_value_heads=2, **common), t.LlamaForCausalLM
     if name == "qwen2":
-        return t.Qwen2Config(num_attention_heads=4, num_key_value_heads=2, **_COMMON), t.Qwen2ForCausalLM
+        return t.Qwen2Config(num_attention_heads=4, num_key_value_heads=2, **common), t.Qwen2ForCausalLM
     if name == "mistral":
-        return (t.MistralConfig(num_attention_heads=4, num_key_value_heads=1, sliding_window=WINDOW, **_COMMON),
+        return (t.MistralConfig(num_attention_heads=4, num_key_value_heads=1, sliding_window=WINDOW, **common),
                 t.MistralForCausalLM)
     if name == "gpt2":  # no dropout, so that training-mode forwards compare
-        return (t.GPT2Config(n_embd=64, n_layer=2, n_head=4, n_positions=64, vocab_size=V, resid_pdrop=0.0,
+        return (t.GPT2Config(n_embd=64, n_layer=layers, n_head=4, n_positions=64, vocab_size=V, resid_pdrop=0.0,
                              embd_pdrop=0.0, attn_pdrop=0.0, scale_attn_by_inverse_layer_idx=True, bos_token_id=1,
                              eos_token_id=2, pad_token_id=0), t.GPT2LMHeadModel)
     if name == "gemma3":  # the sliding layer first: a window, then a global layer
         return (t.Gemma3TextConfig(num_attention_heads=4, num_key_value_heads=2, head_dim=16, sliding_window=WINDOW,
-                                   layer_types=["sliding_attention", "full_attention"], **_COMMON),
+                                   layer_types=["sliding_attention", "full_attention"] * (layers // 2)
+                                   + ["sliding_attention"] * (layers % 2), **common),
                 t.Gemma3ForCausalLM)
     raise KeyError(name)
 
 
-def build(name: str, impl: str = "multihead"):
+def build(name: str, impl: str = "multihead", layers: int = 2):
     """The tiny model in eval mode, random biases (a dropped one shows), on `impl`."""
     import multihead.interop.hf  # noqa: F401  (registers "multihead")
 
-    cfg, cls = config(name)
+    cfg, cls = config(name, layers)
     torch.manual_seed(0)
     model = cls(cfg).eval()
     g = torch.Generator().manual_seed(3)
