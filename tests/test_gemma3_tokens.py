@@ -121,3 +121,15 @@ def test_ioi_clean_is_positive_and_corrupted_negative(loaded):
         corrupted = t.logit_diff(loaded.model(**t.corrupted).logits)
     assert clean.mean() > 1 and corrupted.mean() < -1, (clean, corrupted)
     assert (clean > corrupted).float().mean() >= 0.75, (clean, corrupted)  # pair by pair, not only on average
+
+
+def test_induction_length_counts_the_bos_within_the_positions(loaded, capsys):
+    from multihead.heads.tokens import prefix
+
+    model = "smollm2" if "smollm2" in loaded.name.lower() else "gemma3"
+    start, limit = len(prefix(loaded.tokenizer)), loaded.max_positions
+    length = (limit - start) // 2 + 1  # one past what fits: 2 * 16384 + <bos> is 32,769 on Gemma's 32,768
+    code = main(["heads", "induction", "--model", model, "--length", str(length)])
+    err = capsys.readouterr().err
+    assert code == 2 and f"makes sequences of {2 * length + start} tokens" in err, err
+    assert f"give --length <= {(limit - start) // 2}" in err, err

@@ -285,6 +285,16 @@ def _check_count(flag: str, value: int, low: int) -> None:
         raise UsageError(f"{flag} must be between {low} and {MAX_COUNT:,}; received {shown}")
 
 
+def _check_length(loaded, kind: str, length: int, limit: int | None) -> None:
+    """--length L makes 2L tokens after the tokenizer's prefix (Gemma's <bos>): within the positions."""
+    from multihead.heads.tokens import prefix
+
+    start = len(prefix(loaded.tokenizer)) if kind == "hf" else 0
+    if limit and 2 * length + start > limit:
+        raise UsageError(f"--length {length} makes sequences of {2 * length + start} tokens and this model takes "
+                         f"at most {limit} positions; give --length <= {(limit - start) // 2}")
+
+
 def _one_pair(loaded, model, kind: str, args):
     """(clean, corrupted, reference, metric, description) of --clean/--corrupted/--answer/--wrong."""
     missing = [f"--{k}" for k in ("clean", "corrupted", "answer", "wrong") if getattr(args, k) is None]
@@ -340,9 +350,7 @@ def _task_inputs(loaded, model, kind: str, args):
                              f"at most {limit} positions")
         return task.clean, task.corrupted, task.reference, task.metric, info
     _check_count("--length", args.length, 2)
-    if limit and 2 * args.length > limit:
-        raise UsageError(f"--length {args.length} makes sequences of {2 * args.length} tokens and this model takes "
-                         f"at most {limit} positions; give --length <= {limit // 2}")
+    _check_length(loaded, kind, args.length, limit)
     task = tasks.induction(args.n, args.length, seed=args.seed,
                            vocab=loaded.tokenizer if kind == "hf" else len(loaded.vocab))
     info = {"task": "induction", "n": len(task), "length": args.length, "answer": None, "wrong": None,
@@ -446,9 +454,7 @@ def induction_study(args) -> dict:
     _check_count("--length", args.length, 2)
     loaded, model, kind = _language_model(args.model, "induction")
     limit = getattr(loaded, "max_positions", None)
-    if limit and 2 * args.length > limit:
-        raise UsageError(f"--length {args.length} makes sequences of {2 * args.length} tokens and this model takes "
-                         f"at most {limit} positions; give --length <= {limit // 2}")
+    _check_length(loaded, kind, args.length, limit)
     task = tasks.induction(args.n, args.length, seed=args.seed,
                            vocab=loaded.tokenizer if kind == "hf" else len(loaded.vocab))
     _check_fit(model, task.clean, task.corrupted, task.reference)
