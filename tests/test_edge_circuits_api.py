@@ -177,3 +177,23 @@ def test_cli_circuit_on_smollm2(capsys, tmp_path):
     task = tasks.ioi(2, seed=0, tokenizer=lm.tokenizer)
     s = heads.edge_scores(lm.model, task.clean, task.corrupted, task.metric, method="eap")
     assert [t["edge"] for t in r["top"]] == [edge_name(e) for e, _ in s.top(5)]
+
+
+def test_qwen3_query_and_key_norms_are_inside_the_receivers():
+    """Qwen3 normalizes each head's query and key after the projection: keeping every edge is the
+    model's own forward, keeping none its corrupted forward."""
+    torch.manual_seed(0)
+    cfg = transformers.Qwen3Config(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                                   num_key_value_heads=2, head_dim=8, vocab_size=50)
+    model = transformers.Qwen3ForCausalLM(cfg).double().eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.add_(0.3 * torch.randn_like(p))
+    clean = torch.randint(0, 50, (2, 6))
+    corrupted = clean.clone()
+    corrupted[:, 2] = (corrupted[:, 2] + 1) % 50
+    with torch.no_grad():
+        want, base = float(metric(model(clean).logits)), float(metric(model(corrupted).logits))
+    assert heads.edge_patch(model, clean, corrupted, metric, heads.edges(model)) == pytest.approx(want, rel=1e-6)
+    assert heads.edge_patch(model, clean, corrupted, metric, []) == pytest.approx(base, rel=1e-6)
