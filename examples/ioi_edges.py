@@ -72,6 +72,11 @@ def hand(model, task, E, G, res: dict, save, folder: Path) -> None:
     cfg = model.config
     graph = Graph(cfg.num_hidden_layers, cfg.num_attention_heads, cfg.num_key_value_heads)
     scores = heads.EdgeScores(graph, torch.load(folder / "scores_eap-ig.pt"), "eap-ig", 5)
+    res["input->m0"] = {}  # the edge whose two scores differ most in rank (the text of the docs)
+    for method in ("eap", "eap-ig"):
+        s = heads.EdgeScores(graph, torch.load(folder / f"scores_{method}.pt"), method, 1)
+        names = [edge_name(e) for e, _ in s.top(len(s))]
+        res["input->m0"][method] = {"score": s["input->m0"], "rank": names.index("input->m0") + 1}
     res["senders_in_top"] = {}
     for k in c["edges_kept"][2:5]:  # where the curve rises
         weight: dict = {}

@@ -277,7 +277,7 @@ def test_edge_patch_all_none_single_and_random(setup):
     _, corr_out = ref.outputs(corrupted)
     rng = random.Random(0)
     singles = [("input", "logits"), ((0, 1), (2, 1, "k")), (("mlp", 1), (2, 3, "q")), ((2, 0), ("mlp", 2))]
-    subsets = [set(rng.sample(E, k)) for k in (3, len(E) // 3, len(E) // 2 + 5, len(E) - 4)]
+    subsets = [set(rng.sample(E, k)) for k in (3, len(E) // 2 + 5, len(E) - 4)]  # bases: corrupted, mixed, patched
     for keep in [{e} for e in singles] + subsets:
         with torch.no_grad():
             want = float(metric(ref.run(clean, ref.input_of(clean), corr_out, keep)[0]))
@@ -288,8 +288,8 @@ def test_edge_patch_all_none_single_and_random(setup):
 @pytest.mark.parametrize("steps", [1, 3])
 def test_edge_scores_equal_the_reference(setup, steps):
     kind, model, ref = setup
-    if kind == "mistral" and steps == 3:
-        pytest.skip("one step covers the window")
+    if kind in ("mistral", "qwen2") and steps == 3:
+        pytest.skip("steps are the same code on every model: GPT-2 and Llama cover them (keeps the suite lean)")
     clean, corrupted = pair(2)
     want = ref.scores(clean, corrupted, steps)
     for batch_size in (None, 2):  # one chunk; chunks with the metric's gradient from a first pass

@@ -149,3 +149,51 @@ def test_edge_scores_mapping(llama):
     assert j["method"] == "eap" and j["scores"][edge_name(e)] == v and len(j["scores"]) == len(E)
     with pytest.raises(KeyError):
         s[((2, 0), (1, 0, "q"))]  # layer 2 does not reach layer 1
+
+
+@pytest.mark.slow
+def test_cli_circuit_on_smollm2(capsys, tmp_path):
+    """`multihead heads circuit --json` on 2 IOI pairs: its curve ends at the clean metric and its
+    top edges are `edge_scores`' own."""
+    import argparse
+    import json
+
+    from multihead.heads.circuit_cli import add_circuit_arguments, run_circuit
+
+    parser = argparse.ArgumentParser(prog="multihead heads")
+    add_circuit_arguments(parser.add_subparsers(dest="heads_command"))
+    png, page = tmp_path / "c.png", tmp_path / "c.html"
+    args = parser.parse_args(["circuit", "--n", "2", "--method", "eap", "--top", "5", "--json", "--png", str(png),
+                              "--html", str(page)])
+    assert run_circuit(args) == 0
+    r = json.loads(capsys.readouterr().out)
+    c = r["curve"]
+    assert c["faithfulness"][-1] == pytest.approx(1.0, abs=1e-5) and len(r["top"]) == 5
+    assert r["edges_total"] == 70651 and png.read_bytes()[:4] == b"\x89PNG" and "<svg" in page.read_text()
+    from multihead.heads import tasks
+    from multihead.interop.loaders import load_model
+
+    lm = load_model("smollm2")
+    task = tasks.ioi(2, seed=0, tokenizer=lm.tokenizer)
+    s = heads.edge_scores(lm.model, task.clean, task.corrupted, task.metric, method="eap")
+    assert [t["edge"] for t in r["top"]] == [edge_name(e) for e, _ in s.top(5)]
+
+
+def test_qwen3_query_and_key_norms_are_inside_the_receivers():
+    """Qwen3 normalizes each head's query and key after the projection: keeping every edge is the
+    model's own forward, keeping none its corrupted forward."""
+    torch.manual_seed(0)
+    cfg = transformers.Qwen3Config(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                                   num_key_value_heads=2, head_dim=8, vocab_size=50)
+    model = transformers.Qwen3ForCausalLM(cfg).double().eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.add_(0.3 * torch.randn_like(p))
+    clean = torch.randint(0, 50, (2, 6))
+    corrupted = clean.clone()
+    corrupted[:, 2] = (corrupted[:, 2] + 1) % 50
+    with torch.no_grad():
+        want, base = float(metric(model(clean).logits)), float(metric(model(corrupted).logits))
+    assert heads.edge_patch(model, clean, corrupted, metric, heads.edges(model)) == pytest.approx(want, rel=1e-6)
+    assert heads.edge_patch(model, clean, corrupted, metric, []) == pytest.approx(base, rel=1e-6)
