@@ -2,24 +2,13 @@
 al., 2023, "Ring Attention with Blockwise Transformers for Near-Infinite Context").
 
 Each rank keeps its shard of the queries and passes its shard of K/V to the next rank
-P - 1 times, so every query meets every key block once. The transfer of the next block
-(`batch_isend_irecv`) runs while the block in hand is computed. Each block yields a
-partial output and the log-sum-exp of its scores, merged exactly:
-
-    lse = logaddexp(lse_a, lse_b),  out = out_a * exp(lse_a - lse) + out_b * exp(lse_b - lse)
-
-The backward recomputes each block's probabilities from the final lse (as the flash
-attention backward does), adds to dQ locally, and sends dK/dV around the ring with
-their block, so each rank gets back the gradient of its own keys and values. Memory
-per rank holds a few blocks of (B, H|Hkv, N/P, D): O(N/P), never a score matrix over
-the whole sequence.
-
-Per-block kernel: on CPU, torch's fused `_scaled_dot_product_flash_attention_for_cpu`
-(and its backward), which returns the log-sum-exp, reads grouped K/V heads without
-copying them and accepts the backward's global lse (`kernels.common.flash_lse`);
-elsewhere, or where this torch lacks the op (`kernels.common.HAS_CPU_FLASH`),
-`kernels.common.block_attention` over blocks of queries (the G query heads of a group
-folded, so K/V are not repeated either).
+P - 1 times, the next block's transfer overlapping the block in hand; each block's partial
+output and log-sum-exp are merged exactly (`kernels.common.lse_merge_into`). The backward
+recomputes each block's probabilities from the final lse and sends dK/dV around the ring
+with their block. Memory per rank is O(N/P), never a score matrix over the whole sequence.
+The per-block kernel: torch's fused CPU flash kernel with its log-sum-exp
+(`kernels.common.flash_lse`) where it exists, else `kernels.common.block_attention`.
+The method in full: docs/distributed.md, "How ring attention works".
 """
 
 from __future__ import annotations

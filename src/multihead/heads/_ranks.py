@@ -2,24 +2,12 @@
 share of a scan's independent units (a patch scan's chunks of variants, importance's
 batches) and ends with the whole table.
 
-Two rules make it safe. The units are shared out by a fixed rule (`split`: every rank
-computes the same owners from the same list), and each unit runs exactly the forward it
-runs in one process, so the table is the single-process one bit for bit (with the same
-kernels: the same device type and thread count, since a matrix product may round
-differently on another). And a rank never
-raises alone: whatever it raised is held until the next `settle`, a collective every rank
-enters, which then raises on every rank (the failing one its own exception, the others a
-RuntimeError naming it). A rank that raised while the others waited in a collective would
-leave them hanging for the group's timeout (30 minutes by default).
-
-`settle` uses `all_gather_object` (pickle): the payloads are small (tables, per-head
-vectors, a signature). Under NCCL it moves them through the current CUDA device, which
-each rank must have set (`torch.cuda.set_device`), as torch requires.
-
-What one rank made for all (a scan's recordings, made by two ranks at once) moves as
-`pack`/`unpack` through `share`: the model's modules, parameters and the call's own
-objects (its inputs, its metric) travel as names and are the receiver's own on arrival, so
-only what the forwards made is copied, bit for bit.
+The units are shared out by a fixed rule (`split`), and each runs exactly the forward it
+runs in one process, so the table is the single-process one bit for bit; a rank never
+raises alone: what it raised is held until the next `settle`, a collective every rank
+enters, which then raises on every rank. What one rank made for all moves as `pack` /
+`unpack` through `share` (the model's modules and the call's own objects travel as names).
+In full: docs/heads.md, "Scans across processes".
 """
 
 from __future__ import annotations

@@ -2,23 +2,13 @@
 when their metric reads one position.
 
 With an `AtPositions` metric whose every row reads the last position (T - 1, where
-`_align` puts it), what follows the last block works position by position (the final
-norm, the head: checked), so nothing of that block reaches the metric but its output at
-T - 1. Its attention still needs keys and values at every position, so its input runs in
-full up to the heads' outputs z; but the output projection and the MLP are needed at
-T - 1 only. Forward pre-hooks cut their inputs to the last position: the block's residual
-adds then broadcast `(rows, 1, C)` onto `(rows, T, C)`, so the block's output is right at
-T - 1 and nowhere else, and only T - 1 is read. That is over half of a GPT-2 block's time
-on CPU (its MLP with the GELU). The attention kernel itself needs only the last query: an
-intervention (the registry's `multihead_heads=`, ahead of the scan's own) hands it the
-query at T - 1 alone, with the mask's last row, and widens its output back to the T
-positions the module reshapes to (copies of that row: the projection reads the last only).
-Where the check fails with it (a sliding window applied to more than one query only, a
-mask of another kind) the kernel runs every query and the rest stays trimmed.
-
-`last_block` decides from the model's structure and the metric; the scan then checks the
-trimmed block against the full one on the corrupted run (its output and logits at T - 1)
-and declines, with the reason, where they differ or the forward fails.
+`_align` puts it), nothing of the last block reaches the metric but its output at T - 1:
+forward pre-hooks cut the output projection's and the MLP's inputs to that position (the
+residual adds broadcast it), and an intervention hands the attention kernel the last query
+alone where its check passes. `last_block` decides from the model's structure and the
+metric; the scan then checks the trimmed block against the full one on the corrupted run
+(its output and logits at T - 1) and declines, with the reason, where they differ or the
+forward fails. In full: docs/heads.md, "The last block at the read position".
 """
 
 from __future__ import annotations

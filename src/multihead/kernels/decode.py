@@ -1,27 +1,14 @@
 """The plain decode step (a few queries, no mask, score mod, weights or dropout) and its
 split over the key axis: flash-decoding (Dao, Haziza, Massa and Sizov, 2023), on the CPU.
 
-torch's CPU flash kernel runs one work item per (batch row, head): with the G query heads
-of a K/V head folded into its query length (`sdpa.plain`), a decode step has B * Hkv
-items. When the threads do not divide them (SmolLM2's 3 K/V heads on 2 threads: one
-thread runs two heads while the other idles half the step) or there are fewer items than
-threads, the keys are split into P parts: B * Hkv * P items, each part's output and
-log-sum-exp from one call of the kernel (`common.flash_lse`, the parts as a strided
-view of K and V: no copy), merged exactly by log-sum-exp.
-
-The merge is a few small ops (`split_keys`): inside a decode step each runs with caches the
-K/V stream has just evicted, where it costs tens of microseconds, not the few it costs
-warm, and one that wakes the intra-op threads costs more; their count, not their
-arithmetic, is what the split pays for.
-
-The split is taken only where it pays (`key_splits`): on the CPU, with more than one
-thread, batch 1, at most 32 folded query rows (G * T: one block of torch's kernel),
-H > Hkv > 1 (MQA keeps `common.mqa_splits`, which splits its G query heads instead),
-enough K/V bytes per head that the idle thread's share outweighs the merge
-(`MIN_SPLIT_BYTES`; benchmarks/decode_split.py and decode.py --profile measure it), and where
-nothing requires grad: the kernel's backward does not take a gradient through its
-log-sum-exp, so a step autograd records stays on the unsplit kernel, with its exact
-gradients.
+torch's CPU flash kernel runs one work item per (batch row, head); with the G query heads
+of a K/V head folded into its query length a decode step has B * Hkv items, and when the
+threads do not divide them the keys are split into P parts, each part's output and
+log-sum-exp from one kernel call on a strided view of K and V, merged exactly by
+log-sum-exp (`split_keys`). Taken only where it pays (`key_splits`: the CPU, several
+threads, batch 1, few folded query rows, H > Hkv > 1, enough K/V bytes per head, nothing
+requiring grad). The method and its measurements: docs/benchmarks-decode.md, "How the
+decode split works".
 """
 
 from __future__ import annotations
