@@ -206,3 +206,48 @@ def test_gemma3_is_refused_by_name():
         convert.to_gqa(gemma, 1)
     with pytest.raises(ValueError, match=r"has one key/value head already"):
         convert.to_gqa(gemma, 1, calibration=_cal())
+
+
+def test_the_docs_quote_the_committed_conversion_table():
+    """docs/mla.md quotes the table benchmarks/convert_smollm2.py wrote (docs/lab/uptrain-smollm2/
+    conversion.json) verbatim, the table is what the script's code makes of the rows, every
+    other number of the section is one of the file's, and the data-aware rows meet the
+    targets: MLA at 25,920 B/token within 2x the base, at 10,560 within 5x, MQA within 10x."""
+    import importlib.util
+    import json
+    import re
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parent.parent
+    committed = root / "docs" / "lab" / "uptrain-smollm2" / "conversion.json"
+    if not committed.is_file():
+        pytest.skip("no committed conversion table yet")
+    res = json.loads(committed.read_text(encoding="utf-8"))
+    spec = importlib.util.spec_from_file_location("convert_smollm2", root / "benchmarks" / "convert_smollm2.py")
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    assert script.table(res) == res["table"]
+    doc = (root / "docs" / "mla.md").read_text(encoding="utf-8")
+    start = doc.index("### With calibration text")
+    section = doc[start:doc.index("\n### ", start + 1)]
+    assert res["table"] in section
+    best = {}
+    for row in res["rows"]:
+        assert row["kv_bytes_per_token"] <= row["budget"], row
+        if row["method"] == "multihead":
+            best[row["budget"]] = min(best.get(row["budget"], math.inf), row["ratio_to_base"])
+    assert best[25_920] <= 2 and best[10_560] <= 5 and best[15_360] <= 10, best
+
+    def numbers(x):
+        if isinstance(x, bool) or x is None or isinstance(x, str):
+            return []
+        if isinstance(x, (int, float)):
+            return [float(x)]
+        return [n for v in (x.values() if isinstance(x, dict) else x) for n in numbers(v)]
+
+    pool = numbers(res)
+    rest = re.sub(r"```.*?```", "", section.replace(res["table"], ""), flags=re.S)
+    for text in re.findall(r"(?<![\w.])-?\d+(?:,\d{3})+(?:\.\d+)?|(?<![\w.])-?\d+\.\d+", rest):
+        value = float(text.replace(",", ""))
+        places = len(text.split(".")[1]) if "." in text else 0
+        assert any(abs(value - p) <= 0.5 * 10 ** -places for p in pool), f"docs/mla.md quotes {text}, not in the file"

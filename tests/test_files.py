@@ -160,7 +160,7 @@ def test_read_at_most_reads_exactly_n_bytes_of_a_device_and_all_of_a_pipe_in_pie
         t.join(timeout=5)
 
 
-def test_check_out_apart_protects_a_models_folder_and_a_corpus_file_alone(tmp_path):
+def test_check_out_apart_protects_a_models_folder_and_only_a_corpus_file(tmp_path):
     from multihead.errors import UsageError
     from multihead.files import check_out_apart
 
@@ -174,8 +174,8 @@ def test_check_out_apart_protects_a_models_folder_and_a_corpus_file_alone(tmp_pa
         with pytest.raises(UsageError, match="--out"):
             check_out_apart("--out", out, model / "weights.gguf", tool="t")
     # A run folder beside a corpus file is harmless; the file itself and the folders above it are not.
-    assert check_out_apart("--out", corpus.parent / "run", corpus, tool="t", file_alone=True)[0] == \
+    assert check_out_apart("--out", corpus.parent / "run", corpus, tool="t", file_only=True)[0] == \
         (corpus.parent / "run").resolve()
     for out in (corpus, corpus.parent, tmp_path):
         with pytest.raises(UsageError, match="holds the corpus"):
-            check_out_apart("--out", out, corpus, tool="t", file_alone=True, what="the corpus")
+            check_out_apart("--out", out, corpus, tool="t", file_only=True, what="the corpus")

@@ -304,6 +304,24 @@ def test_force_never_replaces_a_folder_that_holds_the_input(llama_folder, tmp_pa
     assert (run / "model" / "config.json").is_file()
 
 
+def test_the_shared_check_protects_a_model_folder_and_a_text_file(tmp_path):
+    """files.check_out_apart (heads prune and every lab run): a model's folder is protected
+    whole, a text file (lab mla --corpus) only itself, so an --out beside it is fine."""
+    from multihead.files import check_out_apart
+
+    (tmp_path / "data").mkdir()
+    text = tmp_path / "data" / "bible.txt"
+    text.write_text("x", encoding="utf-8")
+    out, folder = check_out_apart("--out", tmp_path / "data" / "run", text, tool="lab mla", what="the corpus",
+                                  file_only=True)
+    assert out == (tmp_path / "data" / "run").resolve() and folder == (tmp_path / "data").resolve()
+    for bad in (tmp_path / "data", tmp_path):
+        with pytest.raises(UsageError, match=r"holds the corpus .*bible.txt'; replacing it would delete"):
+            check_out_apart("--out", bad, text, tool="lab mla", what="the corpus", file_only=True)
+    with pytest.raises(UsageError, match=r"is inside the model's own folder .*; lab uptrain never writes there"):
+        check_out_apart("--out", tmp_path / "data" / "run", text, tool="lab uptrain")
+
+
 def test_a_failed_start_leaves_no_output_folder(llama_folder, tmp_path, capsys):
     """A model that is not there, or one that loads but cannot be converted as asked,
     stops the run before --out is made."""

@@ -111,23 +111,22 @@ def output_file(flag: str, value: str | None, example: str) -> Path | None:
 
 
 def check_out_apart(flag: str, out: str | os.PathLike, source: str | os.PathLike, *, tool: str,
-                    what: str = "the model", file_alone: bool = False) -> tuple[Path, Path]:
+                    what: str = "the model", file_only: bool = False) -> tuple[Path, Path]:
     """(out, the input's folder), both resolved, after refusing an output folder that is the
     input's folder, inside it, or holds it: a tool that writes there could overwrite its
     input, and one that replaces the folder (`--force`) would delete it. `source` is a
-    folder or a file (its folder is what is protected: a model file's folder holds its
-    tokenizer and config). `file_alone=True` protects only the file itself (a text corpus:
-    a run folder beside it is harmless). Errors are `UsageError`s naming `flag`, `tool`
-    and `what` the input is."""
+    folder or a file (its folder is what is protected: a model's files belong together;
+    with `file_only`, as for a text file, only the file, so --out may sit beside it).
+    Errors are `UsageError`s naming `flag`, `tool` and `what` the input is."""
     from multihead.errors import UsageError
 
     resolved = Path(os.path.realpath(Path(out).expanduser()))
     src = Path(os.path.realpath(Path(source).expanduser()))
     folder = src.parent if src.is_file() else src
-    if file_alone and src.is_file():
+    if file_only and src.is_file():
         if resolved == src or resolved in src.parents:
-            raise UsageError(f"{flag} {str(out)!r} holds {what} {str(src)!r}; replacing it would delete "
-                             f"{what}: give another folder")
+            raise UsageError(f"{flag} {str(out)!r} holds {what} {str(src)!r}; replacing it would delete {what}: "
+                             "give another folder")
         return resolved, folder
     if resolved == folder or folder in resolved.parents:
         raise UsageError(f"{flag} {str(out)!r} is inside {what}'s own folder {str(folder)!r}; {tool} never "

@@ -314,10 +314,10 @@ def _run(args: argparse.Namespace, out: Path, runner, cfg) -> int:
     return 130 if res["interrupted"] else 0
 
 
-def _inputs(args: argparse.Namespace) -> list[tuple[str, Path]]:
+def _inputs(args: argparse.Namespace) -> list[tuple[str, Path, bool]]:
     """(what, file or folder) of everything the run reads from disk: --model (resolved as the
     loaders do: 'smollm2' is its cached file, a lab run's folder its model/), --from, --corpus."""
-    found = []
+    found = []  # (what, path, whether only the file itself is protected)
     if getattr(args, "model", None) is not None:
         from multihead.interop.loaders import resolve_model
 
@@ -325,20 +325,19 @@ def _inputs(args: argparse.Namespace) -> list[tuple[str, Path]]:
             _, source, _, _ = resolve_model(args.model)
         except (ValueError, OSError) as err:
             raise UsageError(f"--model {args.model}: {err}") from None
-        found.append(("the model", source))
-    for flag, what in (("from_checkpoint", "the --from run"), ("corpus", "the corpus")):
+        found.append(("the model", source, False))
+    for flag, what, file_only in (("from_checkpoint", "the --from run", False), ("corpus", "the corpus", True)):
         value = getattr(args, flag, None)
         if value is not None and Path(value).exists():
-            found.append((what, Path(value)))
+            found.append((what, Path(value), file_only))
     return found
 
 
 def _check_inputs_apart(args: argparse.Namespace, out: Path) -> None:
     from multihead.files import check_out_apart
 
-    for what, source in _inputs(args):
-        check_out_apart("--out", out, source, tool=f"lab {args.experiment}", what=what,
-                        file_alone=what == "the corpus")
+    for what, source, file_only in _inputs(args):
+        check_out_apart("--out", out, source, tool=f"lab {args.experiment}", what=what, file_only=file_only)
 
 
 def _prepare_out(out: Path, force: bool) -> Path | None:
