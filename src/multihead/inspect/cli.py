@@ -220,6 +220,22 @@ def _main(args: argparse.Namespace, stack: contextlib.ExitStack) -> int:
     roles = head_roles(summ, prefix_matching=prefix, transformer_lens=args.tl_scores)
     check = _causal_check(args, model, prefix, summ)
 
+    written, png_error = _write_files(args, summ, roles, cap, check, long_page, (html_path, png_path, table_path))
+    if args.json:
+        print(json.dumps(_as_json(summ, roles, written, check), indent=1, default=str))
+        return _png_verdict(png_error, written)
+    if args.all_heads or args.roles or args.tl_scores:
+        print(format_roles(roles, full=True, summaries=summ))
+        print()
+    from multihead.inspect.summary import format_summary
+
+    print(format_summary(summ, roles, written, check=check, long_page=long_page, model_arg=args.model))
+    return _png_verdict(png_error, written)
+
+
+def _write_files(args: argparse.Namespace, summ, roles, cap, check, long_page: bool, paths) -> tuple[dict, str | None]:
+    """The page, the PNG and the table asked for: ({kind: path written}, the PNG's error or None)."""
+    html_path, png_path, table_path = paths
     written = {}
     if html_path is not None and long_page:  # every head's summaries, patterns as block sums, top-k rows
         from multihead.inspect.summaries_html import save_summaries_html
@@ -245,30 +261,24 @@ def _main(args: argparse.Namespace, stack: contextlib.ExitStack) -> int:
             png_error = f"--png {args.png} was not written: {str(err).splitlines()[0]}"
 
     if table_path is not None:
-        from multihead.files import write_json
+        from multihead.files import write_text
 
         written["table"] = str(table_path.resolve())
-        write_json(table_path, _as_json(summ, roles, written, check), indent=1)
-    if args.json:
-        print(json.dumps(_as_json(summ, roles, written, check), indent=1, default=str))
-        return _png_verdict(png_error, written)
-    if args.all_heads or args.roles or args.tl_scores:
-        print(format_roles(roles, full=True, summaries=summ))
-        print()
-    from multihead.inspect.summary import format_summary
-
-    print(format_summary(summ, roles, written, check=check, long_page=long_page, model_arg=args.model))
-    return _png_verdict(png_error, written)
+        write_text(table_path, json.dumps(_as_json(summ, roles, written, check), indent=1, default=str) + "\n")
+    return written, png_error
 
 
-def _causal_check(args: argparse.Namespace, model, prefix, summ) -> dict | None:
+def _causal_check(args: argparse.Namespace, model, prefix, summ) -> dict | str | None:
     """The induction heads' causal check, on a decoder LM, when the `multihead` command handed
     inspect one (`args.induction_check`: heads' ablations, which inspect, a tool of its own,
     does not import): the top heads by prefix matching ablated against as many random heads.
-    None on an encoder, a subset of heads, or without a check."""
+    None on a model without next-token logits or without a check; a str: why it did not run."""
     check = getattr(args, "induction_check", None)
-    full = len(summ.layers) == summ.n_layers and len(summ.heads) == summ.n_heads
-    if check is None or not full or not getattr(model, "is_causal_lm", getattr(model, "causal", False)):
+    if not getattr(model, "is_causal_lm", getattr(model, "causal", False)):
+        return None
+    if len(summ.layers) < summ.n_layers or len(summ.heads) < summ.n_heads:
+        return "it ranks every head: run without --only-layers / --only-heads"
+    if check is None:
         return None
     _status("multihead inspect: the causal check (the induction heads ablated) ...")
     try:
@@ -302,7 +312,7 @@ def _as_json(summ, roles, written, check=None) -> dict:
                    "runner_up": r.runner_up or None, "runner_up_score": r.runner_up_score if r.runner_up else None,
                    "scores": r.scores} for i, r in enumerate(roles)],
         "summaries": summ.to_json()["summaries"],
-        "causal_check": check,
+        "causal_check": check if isinstance(check, dict) else None,
         "files": written,
     }
 

@@ -24,11 +24,11 @@ def _cell(layer: int, head: int) -> str:
     return f"L{layer}H{head}"
 
 
-def format_summary(summ, roles, written: dict, *, check: dict | None = None, long_page: bool = False,
+def format_summary(summ, roles, written: dict, *, check: dict | str | None = None, long_page: bool = False,
                    model_arg: str = "minilm") -> str:
     """The summary as text (at most MAX_LINES lines). `summ` is the HeadSummaries, `roles`
     the ranked HeadRoles, `written` the files made ({"html", "png", "table": path}),
-    `check` the causal check of the induction heads (None: not run)."""
+    `check` the causal check of the induction heads (None: not run; a str: why not)."""
     T = len(summ.tokens)
     lines = [f"{summ.model}: {summ.n_layers} layers x {summ.n_heads} heads; summarised {len(summ.layers)} x "
              f"{len(summ.heads)} on {T:,} tokens",
@@ -54,11 +54,13 @@ def _induction_lines(roles, check: dict | None, causal: bool) -> list[str]:
     scored = sorted((r for r in roles if "prefix_matching" in r.scores), key=lambda r: -r.scores["prefix_matching"])
     if not scored:
         return []
-    shown = scored[:INDUCTION] if check is not None else [r for r in scored[:INDUCTION]
+    shown = scored[:INDUCTION] if isinstance(check, dict) else [r for r in scored[:INDUCTION]
                                                             if r.scores["prefix_matching"] >= SHOWN]
     heads = ", ".join(f"{_cell(r.layer, r.head)} {r.scores['prefix_matching']:.2f}" for r in shown) or \
         f"none (the best, {_cell(scored[0].layer, scored[0].head)}, scores {scored[0].scores['prefix_matching']:.2f})"
     out = [f"induction heads (prefix matching on random tokens repeated once): {heads}"]
+    if isinstance(check, str):
+        return out + [f"  causal check: {check}"]
     if check is None:
         why = "needs a decoder LM's next-token loss" + ("" if causal else " (this model is an encoder)")
         return out + [f"  causal check: {why}; try --model smollm2"]
@@ -71,7 +73,7 @@ def _induction_lines(roles, check: dict | None, causal: bool) -> list[str]:
     return out
 
 
-def _next_command(check: dict | None, model_arg: str) -> str:
+def _next_command(check: dict | str | None, model_arg: str) -> str:
     if check is not None:
         return (f"next: multihead heads scan --task ioi --model {model_arg}   (the heads that carry the indirect "
                 "object, by patching; --all prints every head's row)")
