@@ -98,17 +98,14 @@ def test_static_cache_generate_compiled_gives_sdpa_tokens(name):
 
 
 @pytest.mark.slow
-def test_inductor_forward_and_generate_equal_sdpa():
-    """One case through inductor's code generation (slow on a CPU: a C++ compile per graph)."""
+def test_inductor_static_cache_generate_equals_sdpa():
+    """One case through inductor's code generation (slow on a CPU: a C++ compile for each of
+    the prefill's and the decode step's graphs), against compiled sdpa."""
     inputs = batch()
-    keep = inputs["attention_mask"]
-    model = compiled(build("llama"), backend="inductor")
-    ref = build("llama", "sdpa")
-    with torch.no_grad():
-        assert_close(real_rows(model(**inputs).logits, keep), real_rows(ref(**inputs).logits, keep), atol=ATOL,
-                     rtol=0, what="inductor logits vs sdpa")
-    got, want = _generate(model, inputs), _generate(ref, inputs)
+    got = _generate(compiled(build("llama"), backend="inductor"), inputs)
+    want = _generate(compiled(build("llama", "sdpa"), backend="inductor"), inputs)
     assert torch.equal(got.sequences, want.sequences), f"{got.sequences} vs {want.sequences}"
+    assert_close(torch.stack(got.logits), torch.stack(want.logits), atol=ATOL, rtol=0, what="inductor logits")
 
 
 @pytest.mark.parametrize("name", ["llama", "gemma3"])
@@ -141,16 +138,16 @@ def _breaking_attend(*args, **kwargs):
 _real_attend = registry.attend
 
 
-@pytest.mark.parametrize("breaker", ["config read", "graph_break"])
-def test_a_graph_break_in_the_attention_function_fails(breaker, monkeypatch):
-    if breaker == "config read":
-        monkeypatch.setattr(registry, "_config_output_attentions", _old_read)
-    else:
-        monkeypatch.setattr(registry, "attend", _breaking_attend)
+def test_a_graph_break_in_the_attention_function_fails(monkeypatch):
+    """The config read this file was written after, put back: explain counts its breaks. Any
+    other break (`torch._dynamo.graph_break()` in the kernel's call): a whole compile raises."""
     inputs = {"input_ids": batch()["input_ids"]}
-    breaks, reasons, _ = explained(build("llama", layers=1), **inputs)
-    assert breaks >= 1, f"{breaker}: {breaks} graph breaks ({reasons}); the check above would not fail"
+    with monkeypatch.context() as m:
+        m.setattr(registry, "_config_output_attentions", _old_read)
+        breaks, reasons, _ = explained(build("llama", layers=1), **inputs)
+    assert breaks >= 1, f"old config read: {breaks} graph breaks ({reasons}); the check above would not fail"
     torch._dynamo.reset()
+    monkeypatch.setattr(registry, "attend", _breaking_attend)
     with pytest.raises(torch._dynamo.exc.Unsupported), torch.no_grad():
         compiled(build("llama", layers=1))(**inputs)
 
@@ -175,6 +172,7 @@ def test_multihead_keywords_refused_inside_a_whole_compile():
         model(**inputs)  # the same compiled model, asked nothing of multihead's: runs
 
 
+@pytest.mark.slow
 def test_multihead_keywords_run_uncompiled_where_dynamo_falls_back(monkeypatch):
     """Without fullgraph, dynamo runs the refused frame eagerly: the tools' answers are the
     uncompiled model's (and stay so past dynamo's recompile limit, lowered to 2 here)."""

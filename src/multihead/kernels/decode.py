@@ -115,7 +115,9 @@ def _overlap_mask(c: int, dtype: torch.dtype) -> Tensor:
 def step(q: Tensor, k: Tensor, v: Tensor, scale: float, causal: bool) -> tuple[Tensor, Tensor]:
     """The plain step: (out, what the NaN check reads: out itself, or the parts' outputs
     of a split step). `sdpa.plain` unless `key_splits` says split (never on one thread,
-    asked first: a decode step runs this once per layer per token, where a call shows)."""
+    asked first: a decode step runs this once per layer per token, where a call shows; and
+    never inside torch.compile, where the thread count cannot be traced and inductor's graph
+    holds the one kernel call)."""
     if not torch.compiler.is_compiling() and torch.get_num_threads() > 1 and (q.shape[2] == 1 or not causal):
         parts = key_splits(q, k, v)
         if parts > 1:

@@ -28,6 +28,9 @@ predicate, so the kernel skips the tiles outside the window (block-sparse).
 asking for them never moves the output to a slow path. A `WeightsRequest` passed as the
 forward keyword `multihead_weights=` asks for chosen heads of chosen modules only (what
 `multihead inspect` does); the weights come back in it, not in attributes of the modules.
+Under `torch.compile(model.forward, fullgraph=True)` the forward is one graph (windows as
+transformers' dense masks, the config read plainly); multihead's own keywords are refused
+there by name (docs/hf-compile.md).
 """
 
 from __future__ import annotations
@@ -332,7 +335,9 @@ def _config_output_attentions(module: nn.Module):
     config's class has exactly that property (`_reads_the_field`, decided once per class),
     the field is read from the instance's `__dict__` instead; any other config (an older or
     newer transformers, a custom class) is read as written. Per call, so a change of the
-    module's config, or of its flag, is seen at the next call."""
+    module's config, or of its flag, is seen at the next call. Inside torch.compile it is read
+    as written too: dynamo traces the config's `__getattribute__` overrides, not a read of the
+    instance's `__dict__` through `object.__getattribute__` (a graph break in every layer)."""
     config = getattr(module, "config", None)
     if config is None:
         return False
