@@ -65,3 +65,11 @@ def test_the_timing_table_is_the_benchmark():
     for key, value in r["ratios"].items():
         num, den = key.split(" / ")
         assert abs(r["seconds"][num] / r["seconds"][den] - value) < 1e-3
+
+
+def test_the_peer_paragraph_is_the_peer_run():
+    r = json.loads((ROOT / "benchmarks" / "results" / "circuits_peer.json").read_text())
+    text = PAGE.read_text()
+    for key in ("seconds_multihead", "seconds_peer", "speedup"):
+        assert f"{r[key]}" in text, key
+    assert f"{r['max_relative_difference']:.3e}" in text and r["max_relative_difference"] < 1e-4
