@@ -54,3 +54,22 @@ def test_the_table_is_the_results():
             assert cells[1] == f"{c['cpr']:.3f} ({c['cpr_interval'][0]:.3f}, {c['cpr_interval'][1]:.3f})"
             assert cells[2] == f"{c['cmd']:.3f} ({c['cmd_interval'][0]:.3f}, {c['cmd_interval'][1]:.3f})"
             assert cells[3:] == [f"{c['faithfulness'][i]:.3f}" for i in (0, 2, 3, 6)]
+
+
+def test_the_timing_table_is_the_benchmark():
+    r = json.loads((ROOT / "benchmarks" / "results" / "circuits.json").read_text())
+    text = PAGE.read_text()
+    section = text[text.index("## How fast"):text.index("<!-- results -->")]
+    for key, value in {**r["seconds"], **r["ratios"]}.items():
+        assert f"| {value} |" in section or f"| {value} x" in section, (key, value)
+    for key, value in r["ratios"].items():
+        num, den = key.split(" / ")
+        assert abs(r["seconds"][num] / r["seconds"][den] - value) < 1e-3
+
+
+def test_the_peer_paragraph_is_the_peer_run():
+    r = json.loads((ROOT / "benchmarks" / "results" / "circuits_peer.json").read_text())
+    text = PAGE.read_text()
+    for key in ("seconds_multihead", "seconds_peer", "speedup"):
+        assert f"{r[key]}" in text, key
+    assert f"{r['max_relative_difference']:.3e}" in text and r["max_relative_difference"] < 1e-4
