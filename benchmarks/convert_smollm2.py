@@ -66,7 +66,12 @@ def main(argv=None) -> int:
     p.add_argument("--context", type=int, default=256, help="tokens per held-out window (default 256)")
     p.add_argument("--calibration-tokens", type=int, default=4096, help="calibration tokens (default 4,096)")
     p.add_argument("--out", type=Path, default=OUT, help=f"the JSON written (default {OUT.relative_to(ROOT)})")
+    p.add_argument("--rows", default=None, help="only these rows of ROWS, e.g. 0-6 (to run parts side by side)")
+    p.add_argument("--merge", type=Path, nargs="+", default=None,
+                   help="combine the JSON files of --rows parts (same settings) into --out, in ROWS order")
     args = p.parse_args(argv)
+    if args.merge:
+        return _merge(args.merge, args.out)
     if args.quick:
         args.windows, args.calibration_tokens = 2, 1024
     from multihead import convert
@@ -100,6 +105,9 @@ def main(argv=None) -> int:
     res["base"] = {"val_ppl": held_out_ppl(model, windows, dev),
                    "kv_bytes_per_token": kv_bytes_per_token(model, prompt, 8)}
     rows = ROWS[:2] if args.quick else ROWS
+    if args.rows is not None:
+        lo, _, hi = args.rows.partition("-")
+        rows = ROWS[int(lo):int(hi or lo) + 1]
     for target, budget, method, kind, size, rope_dim, options in rows:
         kw = {k: (cal if k == "calibration" else v) for k, v in options.items()}
         t = time.perf_counter()
@@ -125,6 +133,27 @@ def main(argv=None) -> int:
               f"{res['base']['val_ppl']:.2f}), {seconds:.0f} s", flush=True)
     res["table"] = table(res)
     write_json(args.out, res)
+    print(res["table"])
+    return 0
+
+
+def _merge(parts: list[Path], out: Path) -> int:
+    import json
+
+    from multihead.files import write_json
+
+    loaded = [json.loads(p.read_text(encoding="utf-8")) for p in parts]
+    keep = ("windows", "context", "calibration_tokens", "model")
+    if any({k: r[k] for k in keep} != {k: loaded[0][k] for k in keep} for r in loaded):
+        raise SystemExit("--merge: the parts were run with different settings")
+    res = dict(loaded[0])
+    res["parts"] = [{"base": r["base"], "rows": len(r["rows"]), "elapsed_s": r.get("elapsed_s")} for r in loaded]
+    order = {(t, b, m, size, rope): i for i, (t, b, m, _, size, rope, _) in enumerate(ROWS)}
+    rows = [row for r in loaded for row in r["rows"]]
+    res["rows"] = sorted(rows, key=lambda row: order[(row["target"], row["budget"], row["method"],
+                                                      row["kv_rank"] or row["n_kv_heads"], row["rope_dim"])])
+    res["table"] = table(res)
+    write_json(out, res)
     print(res["table"])
     return 0
 

@@ -85,7 +85,12 @@ def to_gqa(model, n_kv_heads: int, *, init: str | None = None, generator: torch.
     - "mean": their mean, weights and biases alike (Ainslie et al., 2023);
     - "first": head j*m's, the first of its group;
     - "random": drawn afresh from N(0, std of the layer's own K (V) weights), zero biases
-      (`generator` makes it reproducible): the no-knowledge baseline of the paper.
+      (`generator` makes it reproducible): the no-knowledge baseline of the paper;
+    - "aligned" (transformers models, the default when `calibration` text or token ids are
+      given): fitted on them, per rotary pair a complex rank-1 merge of the keys (a scale and
+      a turn per old head, which commute with RoPE, go into the queries) and the values'
+      principal subspace in the output's metric (the per-head maps go into o_proj);
+      `multihead.interop.hf.gqa`.
 
     Queries, output, RoPE, window, softcap, ALiBi, causality and the rest are copied
     unchanged; with n_kv_heads == n_kv_heads_old and init "mean" or "first" the result
@@ -406,11 +411,13 @@ def to_mla(model, kv_rank: int, *, rope_dim: int | None = None, keep: str | None
 
     A transformers Llama-family model (Llama, Mistral, Qwen2, Qwen3) goes to
     `multihead.interop.hf.mla.transformers_to_mla`: rope_dim is then required (a multiple of 2 * Hkv up to
-    Hkv * D, where it is exact), `keep` chooses the rotary pairs ("high", the default, or
-    "norm": on SmolLM2 the highest frequencies lose less before uptraining, docs/mla.md)
-    and `calibration` token ids feed the "norm" choice's statistics and `basis="activations"`
-    (the latent spans the principal directions of the K/V features on those tokens instead
-    of the SVD of the weights; default basis "weights").
+    Hkv * D, where it is exact). With `calibration` (text with `tokenizer=`, or token ids) the
+    default is data-aware: keep="rotation" (the pairs whose rotation costs most to drop under
+    the layer's attention) and basis="output" (the dropped pairs' queries turned by their mean
+    rotation, the latent the principal subspace of the K/V features in the attention output's
+    metric); without, keep="high" and basis="weights" (the SVD). keep="norm" (MHA2MLA's
+    norm product) and basis="activations" (plain PCA of the features) stay by name
+    (docs/mla.md, "With calibration text", compares them on SmolLM2).
 
     Returns:
         the converted layer or model, or `(new, report)` with `return_report=True`.

@@ -9,14 +9,19 @@ with partial RoPE and an SVD of the key/value projections. Here, on a pretrained
 1. **Base**: the model as loaded, its held-out perplexity and the bytes per token of a
    real `generate()` cache (every tensor of every layer, divided by the cached tokens).
 2. **Targets**: MQA by `multihead.convert.to_gqa(model, 1, init=...)` for each init
-   ("mean", "first", "random"), and MLA by `convert.to_mla(model, R, rope_dim=r)` at each
-   rank R ("svd"; rope_dim r decoupled rotary dims: the highest-frequency pairs, to_mla's default).
+   ("aligned", fitted on `calibration_tokens` of the training split; "mean", "first",
+   "random"), and MLA by `convert.to_mla(model, R, rope_dim=r)` at each rank R
+   ("calibrated": to_mla's data-aware default on those tokens; "svd" with
+   calibration_tokens=0, the weights only).
 3. **Uptraining**: each target trained for `steps` AdamW steps on next-token loss over
    windows of the KJV's training split (Genesis to Acts), the same batches for every
    target, evaluated as converted (step 0) and after each fraction of the steps (one
    run, evaluated along the way: its schedule is that of the whole budget). One target
    (`distill`) is trained again by distillation from the base model: KL(base || student)
    of the next-token distributions, the base's logits computed on the same batch.
+   Each training's peak rate is chosen first on a few probe steps (`probe_steps`,
+   multihead.lab.uptrain_lr); a non-finite loss stops it ("diverged"), and an evaluation
+   worse than the conversion is marked `worse_than_converted`.
 4. **Control**: the unconverted model uptrained with the same budget, batches and
    trainable parameters. Training on the KJV also adapts a model to its English, so a
    target's recovery is measured against the control at the same step: the fraction of
@@ -592,6 +597,19 @@ def gap_closed(converted: float, uptrained: float, control: float) -> float | No
     return None if gap <= 0 else (math.log(converted) - math.log(uptrained)) / gap
 
 
+def _mark_worse(r: dict, first: dict) -> None:
+    """Mark every evaluation worse than the conversion it started from (uptraining must never
+    do that) and list those trainings in r["worse_than_converted"]."""
+    for v in r["variants"]:
+        conv = first.get((v["target"], v["init"], v["objective"]))
+        v.pop("worse_than_converted", None)
+        if conv is not None and v["steps"] and v["val_ppl"] > conv:
+            v["worse_than_converted"] = True
+    r["worse_than_converted"] = sorted({f"{v['target']}/{v['init']}" + ("/distill" if v["objective"] == "distill"
+                                                                        else "")
+                                        for v in r["variants"] if v.get("worse_than_converted")})
+
+
 def summarise(cfg: HFUptrainConfig, res: dict) -> None:
     """Add each variant's gap closed, the freeze check's verdict, the table and the summary."""
     r = res["results"]
@@ -604,12 +622,7 @@ def summarise(cfg: HFUptrainConfig, res: dict) -> None:
         v["control_ppl"] = control.get(v["steps"])
         v["gap_closed"] = (gap_closed(conv, v["val_ppl"], v["control_ppl"])
                            if conv is not None and v["control_ppl"] is not None and v["steps"] else None)
-        v.pop("worse_than_converted", None)
-        if conv is not None and v["steps"] and v["val_ppl"] > conv:  # uptraining must never do this: marked
-            v["worse_than_converted"] = True
-    r["worse_than_converted"] = sorted({f"{v['target']}/{v['init']}" + ("/distill" if v["objective"] == "distill"
-                                                                        else "")
-                                        for v in r["variants"] if v.get("worse_than_converted")})
+    _mark_worse(r, first)
     steps = list(cfg.eval_steps())
 
     def ppl_cells(values: dict) -> str:

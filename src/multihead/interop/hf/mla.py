@@ -24,6 +24,10 @@ How a layer with H query heads, Hkv key/value heads of width D is converted:
     or, without them, from the weights (||W^(f)||_F, the norm under an isotropic input).
   * "high": the k highest frequencies (MHA2MLA's S_high), as DeepSeek keeps position in
     few fast-rotating features.
+  * "rotation" (the default with calibration): the pairs whose rotation costs most to
+    drop, the norm product weighted by 1 - |a|^2, a the mean rotation of the pair under the
+    layer's own attention (interop/hf/calibrated.py); basis="output" then turns each dropped
+    pair's queries by conj(a) and takes the latent in the metric of the attention output.
 
   The other pairs lose their rotation and become the "nope" keys of the latent.
 - The nope keys and the values: a joint truncated SVD of M = [W_k,nope ; W_v | b_v]
