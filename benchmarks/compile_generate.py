@@ -43,7 +43,7 @@ import torch
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from machine_info import machine, write_json  # noqa: E402
+from machine_info import finish, machine, write_json  # noqa: E402
 
 IMPLS = ("sdpa", "multihead")
 
@@ -253,7 +253,7 @@ def main(argv=None) -> dict:
         print(f"| {w} | {c['call_us'][w]:.2f} (fastest {c['call_us_fastest'][w]:.2f}) | {c['read_us'][w]:.3f} "
               f"(fastest {c['read_us_fastest'][w]:.3f}) |")
     if not a.quick or a.json:
-        write_json(out, report)
+        write_json(out, finish(report))
     return report
 
 

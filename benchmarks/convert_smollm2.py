@@ -132,7 +132,8 @@ def main(argv=None) -> int:
         print(f"{target} {budget:,} {method} R={size} r={rope_dim}: {ppl:.2f} ({row['ratio_to_base']:.2f}x base "
               f"{res['base']['val_ppl']:.2f}), {seconds:.0f} s", flush=True)
     res["table"] = table(res)
-    write_json(args.out, res)
+    from machine_info import finish  # benchmarks/ is on sys.path when run as a script
+    write_json(args.out, finish(res))
     print(res["table"])
     return 0
 

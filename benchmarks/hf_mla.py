@@ -106,6 +106,8 @@ def main(argv=None) -> int:
                   "rows": {k: {kk: vv for kk, vv in v.items() if kk != "tokens"} | {"tokens_equal": v["tokens"] == ref}
                            for k, v in rows.items()},
                   "decompressed_bytes": decompressed}
+        from machine_info import finish  # benchmarks/ is on sys.path when run as a script
+        finish(result)
         with open(args.json + ".tmp", "w", encoding="utf-8") as f:
             json.dump(result, f, indent=2)
         os.chmod(args.json + ".tmp", 0o644)

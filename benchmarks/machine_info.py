@@ -1,5 +1,12 @@
-"""What machine a benchmark ran on (CPU model from lscpu, cores, torch threads, memory,
-versions), and how a benchmark writes its JSON (atomically, mode 0644)."""
+"""What machine a benchmark ran on, and how a benchmark writes its JSON (atomically, mode 0644).
+
+`machine()`: CPU model and vendor (lscpu), cores, the vector flags that matter to torch's CPU
+kernels (avx2, avx512f, amx), the L2 and L3 sizes of cpu0 (sysfs, as the kernels read them),
+the kernels' machine plan (`multihead.kernels.machine_plan`), torch's thread count, memory,
+versions, and the load average twice: `loadavg_start` when this module was imported (a
+benchmark imports it first) and `loadavg_end` when `machine()` is called; a benchmark calls
+it when it writes its report, so that the two frame the run. `finish(report)` does that for
+a report that took its `machine()` at the start."""
 
 from __future__ import annotations
 
@@ -12,17 +19,32 @@ from pathlib import Path
 
 import torch
 
+LOADAVG_START = os.getloadavg() if hasattr(os, "getloadavg") else None
+_FLAGS = ("avx2", "avx512f", "avx512_bf16", "amx_tile")
 
-def machine() -> dict:
-    model = platform.processor() or platform.machine()
+
+def _lscpu() -> dict:
     try:
         out = subprocess.run(["lscpu"], capture_output=True, text=True, timeout=10).stdout
-        for line in out.splitlines():
-            if line.startswith("Model name:"):
-                model = line.split(":", 1)[1].strip()
-                break
     except (OSError, subprocess.SubprocessError):
-        pass
+        return {}
+    return {k.strip(): v.strip() for k, _, v in (line.partition(":") for line in out.splitlines()) if v}
+
+
+def _caches() -> dict:
+    try:
+        from multihead.kernels.machine import machine_plan, read_caches
+    except ImportError:  # run without src on the path: no plan to report
+        return {}
+    found = read_caches()
+    return {"l2_bytes": found[0] if found else None, "l3_bytes": found[1] if found else None,
+            "kernel_plan": machine_plan().as_dict()}
+
+
+def machine() -> dict:
+    info = _lscpu()
+    model = info.get("Model name") or platform.processor() or platform.machine()
+    flags = set(info.get("Flags", "").split())
     mem_total = None
     try:
         with open("/proc/meminfo") as f:
@@ -31,8 +53,23 @@ def machine() -> dict:
                     mem_total = int(line.split()[1]) * 1024
     except OSError:
         pass
-    return {"cpu": model, "cores": os.cpu_count(), "threads": torch.get_num_threads(),
-            "mem_total_bytes": mem_total, "torch": torch.__version__, "python": platform.python_version()}
+    end = os.getloadavg() if hasattr(os, "getloadavg") else None
+    return {"cpu": model, "vendor": info.get("Vendor ID"), "cores": os.cpu_count(), "threads": torch.get_num_threads(),
+            "flags": [f for f in _FLAGS if f in flags], **_caches(), "lscpu_l2": info.get("L2 cache"),
+            "lscpu_l3": info.get("L3 cache"), "mem_total_bytes": mem_total, "torch": torch.__version__,
+            "python": platform.python_version(), "loadavg_start": LOADAVG_START, "loadavg_end": end}
+
+
+def finish(report: dict) -> dict:
+    """`report` with its machine (at "machine", or "meta" when that holds the machine's keys)
+    taken again now, so that its `loadavg_end` is the run's end; returns `report`."""
+    if isinstance(report.get("machine"), dict):
+        report["machine"].update(machine())  # keys a benchmark added (a library's version) stay
+    elif isinstance(report.get("meta"), dict) and "cpu" in report["meta"]:
+        report["meta"].update(machine())
+    else:
+        report["machine"] = machine()
+    return report
 
 
 def write_json(path: str | os.PathLike, report: dict) -> Path:

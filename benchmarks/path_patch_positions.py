@@ -92,6 +92,8 @@ def main(argv=None) -> dict:
                              "max_table_diff_to_on": diff}
         print(json.dumps(out["cases"][key]), flush=True)
     if args.out:
+        from machine_info import finish  # benchmarks/ is on sys.path when run as a script
+        finish(out)
         with open(args.out, "w") as f:
             json.dump(out, f, indent=1)
     return out

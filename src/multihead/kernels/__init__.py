@@ -10,5 +10,11 @@
 - `validation`: the checks of q, k, v, masks, scale, score mods and weight heads;
 - `common`: what every engine shares: `eager` (the formula written out), the masked
   scores and softmax (with sinks), a block's attention with its log-sum-exp, the
-  log-sum-exp merge, whole or running, and the CPU flash kernel with its log-sum-exp.
+  log-sum-exp merge, whole or running, and the CPU flash kernel with its log-sum-exp;
+- `machine`: what the CPU kernels choose from the machine (its cache sizes, read once per
+  process): `machine_plan()` shows it, `set_machine_plan` replaces it.
 """
+
+from multihead.kernels.machine import MachinePlan, machine_plan, set_machine_plan
+
+__all__ = ["MachinePlan", "machine_plan", "set_machine_plan"]

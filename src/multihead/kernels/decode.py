@@ -17,20 +17,23 @@ import torch
 from torch import Tensor
 
 from multihead.kernels.common import HAS_CPU_FLASH, flash_lse
+from multihead.kernels.machine import machine_plan
 from multihead.kernels.sdpa import plain
 
-__all__ = ["MIN_SPLIT_BYTES", "key_splits", "split_keys", "step"]
+__all__ = ["MIN_SPLIT_BYTES", "key_splits", "split_bytes", "split_keys", "step"]
 
-# K and V bytes of one K/V head (S * (D + Dv) * element size) from which a step splits: what the
-# idle thread's share of the step saves grows with them, the merge's cost (a few small ops, tens of
-# us with cold caches) does not. The crossover (benchmarks/decode_split.py, results in
-# benchmarks/results/decode_split.json) is near 1 MiB on the 2-core VM; 2 MiB leaves a margin.
-# Revisit on another machine, and with `benchmarks/decode.py --profile` on a quiet one.
-MIN_SPLIT_BYTES = 2 << 20
+# K and V bytes of one K/V head (S * (D + Dv) * element size) from which a step splits; None: the
+# machine's (`MachinePlan.min_split_bytes`, one core's L2, and why). An int here overrides it.
+MIN_SPLIT_BYTES: int | None = None
 # folded query rows up to which torch's kernel makes one work item per head (its smallest
 # block of queries): with more, it splits the queries itself and the threads have work
 _ONE_BLOCK = 32
 _FLASH_DTYPES = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
+
+
+def split_bytes() -> int:
+    """The K/V bytes per head from which a step splits: `MIN_SPLIT_BYTES`, else the machine plan's."""
+    return machine_plan().min_split_bytes if MIN_SPLIT_BYTES is None else MIN_SPLIT_BYTES
 
 
 def key_splits(q: Tensor, k: Tensor, v: Tensor) -> int:
@@ -40,7 +43,7 @@ def key_splits(q: Tensor, k: Tensor, v: Tensor) -> int:
     B, H, T, D = q.shape
     Hkv, S = k.shape[1], k.shape[2]
     if B != 1 or Hkv == 1 or Hkv == H or H // Hkv * T > _ONE_BLOCK or not HAS_CPU_FLASH or not q.is_cpu \
-            or S * (D + v.shape[-1]) * q.element_size() < MIN_SPLIT_BYTES:
+            or S * (D + v.shape[-1]) * q.element_size() < split_bytes():
         return 1
     threads = torch.get_num_threads()
     if threads == 1 or Hkv % threads == 0 or S < threads or q.dtype not in _FLASH_DTYPES or D != v.shape[-1]:

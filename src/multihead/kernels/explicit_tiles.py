@@ -13,12 +13,19 @@ import torch
 from torch import Tensor
 
 from multihead.kernels.common import acc_dtype, backward_lse, fold_values, index, softmax
+from multihead.kernels.machine import machine_plan
 from multihead.kernels.planner import combine, slice_dense, tile_plan, tile_sizes
 
-__all__ = ["EXPLICIT_TILE", "Tiles", "explicit", "needs_grad", "refuse_trainable", "twice"]
+__all__ = ["EXPLICIT_TILE", "Tiles", "default_tile", "explicit", "needs_grad", "refuse_trainable", "twice"]
 
-# 256: the fastest edge for softcap at length, its (B, H, 256, 256) temporaries staying in cache.
-EXPLICIT_TILE = 256
+# None: the machine's edge (`MachinePlan.explicit_tile`: 256 on a 2 MiB L2, the fastest edge for
+# softcap at length there, its (B, H, t, t) temporaries staying in cache). An int here overrides it.
+EXPLICIT_TILE: int | None = None
+
+
+def default_tile() -> int:
+    """The explicit engine's tile edge: `EXPLICIT_TILE`, else the machine plan's."""
+    return machine_plan().explicit_tile if EXPLICIT_TILE is None else EXPLICIT_TILE
 
 
 def refuse_trainable(score_mod, q: Tensor, S: int, engine: str) -> None:
@@ -316,5 +323,5 @@ def explicit(q: Tensor, k: Tensor, v: Tensor, mask, *, causal: bool, scale: floa
         refuse_trainable(score_mod, q, k.shape[2], "the 'tiles' backend's recomputing backward")
     pred, dense = combine(mask, causal)
     seed = int(torch.randint(0, 2 ** 62, (1,)).item()) if dropout_p > 0 else 0
-    tiles = Tiles(q, k, v, pred, dense, score_mod, scale, dropout_p, tile or EXPLICIT_TILE, seed)
+    tiles = Tiles(q, k, v, pred, dense, score_mod, scale, dropout_p, tile or default_tile(), seed)
     return _ExplicitTiles.apply(q, k, v, dense if needs_grad(dense) else None, tiles)

@@ -606,7 +606,7 @@ class _MergedFused(torch.autograd.Function):
         if torch.is_grad_enabled():  # create_graph: differentiable recomputation (see `twice`)
             def recompute(qq, kk, vv):
                 tiles = Tiles(qq, kk, vv, fp.pred, fp.dense, fp.score_mod, fp.scale, 0.0,
-                              explicit_tiles.EXPLICIT_TILE, 0)
+                              explicit_tiles.default_tile(), 0)
                 return tiles.recompute(qq, kk, vv, fp.dense)
 
             return (*twice(ctx.needs_input_grad, (q, k, v), d_out, recompute), None)

@@ -17,6 +17,7 @@ import torch
 from torch import Tensor
 
 from multihead.kernels.common import index
+from multihead.kernels.machine import machine_plan
 from multihead.masks import MaskMod, and_masks
 from multihead.masks import causal as causal_mod
 
@@ -26,7 +27,8 @@ __all__ = ["band_rows", "block_mask", "choose_tile", "clear_plans", "combine", "
 _FUSED_CANDIDATES = (64, 128, 256, 512, 1024)  # tile edges the fused engine's plan chooses from
 _MIN_SEGMENT = 64  # documents shorter than this on average run as tiles, not a call each
 _BAND_CANDIDATE = 32  # the extra tile edge of an engine that runs bands (see `choose_tile`)
-# The tile cost model's two constants (~20 GFLOP/s per thread, ~0.5 ms per call) were fitted
+# The tile cost model's two constants (`MachinePlan.flops_per_thread`, ~20 GFLOP/s per thread, and
+# `.call_seconds`, ~0.5 ms per call; visible and replaceable there) were fitted
 # together at D = 64, and a pair's 4 D flops are counted at that D whatever the call's D: the
 # real D made the plan worse (at D = 16 and 32 it chose 256-row tiles over 64, which ran
 # slower). torch's CPU kernel's time per pair is about proportional to D, so the per-call
@@ -157,7 +159,7 @@ def plan_key(pred, B: int, H: int, T: int, S: int, G: int, tile, device, squares
         return None
     values = (bool(a[0]), tuple(edges.tolist()))
     return (values, B, H, T, S, G, tile, torch.device(device).type, squares, bands, torch.get_num_threads(),
-            _FUSED_CANDIDATES, _BAND_CANDIDATE)
+            _FUSED_CANDIDATES, _BAND_CANDIDATE, machine_plan())
 
 
 def _kernel_efficiency(rows: int) -> float:
@@ -259,7 +261,7 @@ def serial_ops():
 
 def _least_cost(pred, B, H, T, S, G, device, find, threads, bands):
     """`choose_tile`'s search over the candidate tiles of an analytic predicate."""
-    best = None
+    best, plan = None, machine_plan()
     candidates = (_BAND_CANDIDATE, *_FUSED_CANDIDATES) if bands else _FUSED_CANDIDATES
     sums = _difference_sums(pred, B, H, T, S, device) if pred.relative else None
     for c in candidates if T > _FUSED_CANDIDATES[0] else (256,):  # decoding: one plan, one block
@@ -274,11 +276,11 @@ def _least_cost(pred, B, H, T, S, G, device, find, threads, bands):
             pairs, calls = pairs + (r1 - r0) * (r1 - r0 + 1) / 2, calls + 1
         banded = band_rows(kept, full, T, bq) & ~in_square if bands and bq == bk else in_square & False
         solo = ~in_square & ~banded
-        # seconds at ~20 GFLOP/s per thread and head, plus ~0.5 ms per call (mask, merge, dispatch)
+        # seconds at the plan's flop rate per thread and head, plus its seconds per call (mask, merge, dispatch)
         pairs += float(kept[solo].sum()) * bq * bk / _kernel_efficiency(G * bq)
         pairs += float(kept[banded].sum()) * bq * bk / _kernel_efficiency(bq)
         calls += int(solo.sum()) + (G - 1) * int((banded[1:] & ~banded[:-1]).sum())  # a band's head: G calls
-        cost = pairs * H * 4 * _COST_HEAD_DIM / 20e9 / threads + calls * 5e-4
+        cost = pairs * H * 4 * _COST_HEAD_DIM / plan.flops_per_thread / threads + calls * plan.call_seconds
         if best is None or cost < best[0] * 0.97:
             best = (cost, bq, bk, kept, full, found)
         if bq == T and bk == S or bool(in_square.all()):  # all causal squares: the tile no longer matters

@@ -1,0 +1,164 @@
+"""What the CPU kernels choose from the machine they run on: one frozen `MachinePlan` per
+process, derived from the cache sizes the OS reports (Linux sysfs), visible as
+`machine_plan()` and replaced by `set_machine_plan` (a plan, or None: read the OS again).
+
+Each choice is a rule over the cache sizes, written so that a core with a 2 MiB L2 (the
+Xeons since Sapphire Rapids, where the kernels' constants were measured) gets exactly the
+constant that was tuned there; another machine gets the same rule's value, not that
+constant. What is not a property of the caches (the tile cost model's rates) is carried
+as a field with its measured default, so that it is visible and can be replaced too.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+
+__all__ = ["MachinePlan", "machine_plan", "read_caches", "set_machine_plan"]
+
+CACHE_ROOT = Path("/sys/devices/system/cpu/cpu0/cache")
+# what a machine whose caches cannot be read is taken to have: the caches the constants were tuned
+# on, so that such a machine keeps today's choices
+DEFAULT_L2 = 2 << 20
+DEFAULT_L3 = 32 << 20
+
+
+@dataclass(frozen=True)
+class MachinePlan:
+    """The machine-dependent choices of the CPU kernels, and the cache sizes they come from.
+
+    l2_bytes, l3_bytes: one instance of the L2 and L3 that cpu0 uses, as the OS reports it
+    (not divided among the CPUs that share it: a kernel thread sees the whole cache);
+    source: "sysfs", "default" (nothing readable) or "set" (given to `set_machine_plan`).
+    The derived choices are properties, so that they never disagree with the sizes; a field
+    of the same name given to `with_choices` overrides one (see `overrides`).
+    """
+
+    l2_bytes: int = DEFAULT_L2
+    l3_bytes: int = DEFAULT_L3
+    source: str = "default"
+    # the tile cost model (`planner._least_cost`): per-thread flop rate and per-call seconds, fitted
+    # together at D = 64; a rate, not a cache size, so no rule over the caches gives it
+    flops_per_thread: float = 20e9
+    call_seconds: float = 5e-4
+    overrides: tuple[tuple[str, int], ...] = ()
+
+    def __post_init__(self):
+        for name in ("l2_bytes", "l3_bytes"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int):
+                raise TypeError(f"MachinePlan.{name} must be an int, got {type(value).__name__}")
+            if value <= 0:
+                raise ValueError(f"MachinePlan.{name} must be positive, got {value}")
+        for name, value in self.overrides:
+            if name not in _CHOICES:
+                raise ValueError(f"MachinePlan override {name!r} is not a choice; valid: {', '.join(_CHOICES)}")
+            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+                raise ValueError(f"MachinePlan override {name}={value!r} must be a positive int")
+
+    @property
+    def min_split_bytes(self) -> int:
+        """K and V bytes of one K/V head from which a decode step splits its keys over the
+        threads (`decode.key_splits`): one core's L2. Below it a head's K/V stays in the L2
+        from step to step, the step is short and the split's merge (a few small ops, a fixed
+        cost) takes more than the idle thread saves; above it the step streams K/V from L3 or
+        memory and the saving grows with the bytes. On a 2 MiB L2: 2 MiB, twice the crossover
+        measured there (benchmarks/decode_split.py)."""
+        return self._chosen("min_split_bytes", self.l2_bytes)
+
+    @property
+    def explicit_tile(self) -> int:
+        """The explicit tile engine's tile edge t (`explicit_tiles`): the largest power of two
+        in [64, 512] whose float32 (t, t) scores for 8 heads fit one core's L2 (t^2 * 4 * 8 <=
+        L2). Its softcap path makes several (B, H, t, t) temporaries per tile; kept in L2, a
+        tile's passes over them do not go to L3. On a 2 MiB L2: 256, the fastest edge there."""
+        t = 64
+        while t < 512 and (2 * t) ** 2 * 4 * 8 <= self.l2_bytes:
+            t *= 2
+        return self._chosen("explicit_tile", t)
+
+    def _chosen(self, name: str, derived: int) -> int:
+        for n, value in self.overrides:
+            if n == name:
+                return value
+        return derived
+
+    def with_choices(self, **choices: int) -> MachinePlan:
+        """This plan with some derived choices fixed (`min_split_bytes=`, `explicit_tile=`)."""
+        kept = tuple((n, v) for n, v in self.overrides if n not in choices)
+        return dataclasses.replace(self, overrides=kept + tuple(sorted(choices.items())), source="set")
+
+    def as_dict(self) -> dict:
+        """The sizes, the rates and every choice, for a benchmark's JSON."""
+        d = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "overrides"}
+        d.update({name: getattr(self, name) for name in _CHOICES})
+        d["overridden"] = [n for n, _ in self.overrides]
+        return d
+
+
+_CHOICES = ("min_split_bytes", "explicit_tile")
+
+
+def _size(text: str) -> int:
+    """sysfs's cache size ("1024K", "32M", "512") in bytes."""
+    text = text.strip().upper()
+    mult = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}.get(text[-1:], 1)
+    return int(text[:-1] if mult > 1 else text) * mult
+
+
+def read_caches(root: str | os.PathLike | None = None) -> tuple[int, int] | None:
+    """(L2 bytes, L3 bytes) of cpu0 from `root` (default `CACHE_ROOT`, sysfs's cpu0/cache: index*/level, type,
+    size), None where no L2 is there (not Linux, a container hiding sysfs). A machine with no
+    L3 (some ARM cores) reports its L2 as its last level too."""
+    found: dict[int, int] = {}
+    try:
+        for index in sorted(Path(CACHE_ROOT if root is None else root).glob("index*")):
+            try:
+                level = int((index / "level").read_text())
+                kind = (index / "type").read_text().strip()
+                size = _size((index / "size").read_text())
+            except (OSError, ValueError):
+                continue
+            if kind in ("Unified", "Data") and level in (2, 3):
+                found[level] = max(found.get(level, 0), size)
+    except OSError:
+        return None
+    if 2 not in found or found[2] <= 0:
+        return None
+    return found[2], found.get(3, found[2])
+
+
+_LOCK = threading.Lock()
+_PLAN: MachinePlan | None = None
+
+
+def machine_plan() -> MachinePlan:
+    """The process's plan: read from the OS on the first call and kept (a decode step asks
+    once per layer per token)."""
+    plan = _PLAN
+    if plan is not None:
+        return plan
+    return _read_plan()
+
+
+def _read_plan() -> MachinePlan:
+    global _PLAN
+    with _LOCK:
+        if _PLAN is None:
+            caches = read_caches()
+            _PLAN = MachinePlan() if caches is None else MachinePlan(caches[0], caches[1], "sysfs")
+        return _PLAN
+
+
+def set_machine_plan(plan: MachinePlan | None) -> MachinePlan | None:
+    """Use `plan` from now on in this process (None: read the OS again at the next call);
+    returns the plan in use before, or None if none was read yet, to put back."""
+    global _PLAN
+    if plan is not None and not isinstance(plan, MachinePlan):
+        raise TypeError(f"set_machine_plan takes a MachinePlan or None, got {type(plan).__name__}")
+    with _LOCK:
+        before, _PLAN = _PLAN, plan
+    return before

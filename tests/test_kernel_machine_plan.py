@@ -1,0 +1,154 @@
+"""The kernels' machine plan: read from sysfs (a fake tree here), its rules giving the tuned
+constants on a 2 MiB L2, replaceable and put back, and the kernels exact under every plan
+(against a float64 softmax written out, not against another kernel)."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+import multihead.kernels as kernels
+from multihead.functional import scaled_dot_product_attention
+from multihead.kernels import decode, explicit_tiles
+from multihead.kernels.machine import MachinePlan, read_caches
+from multihead.masks import causal, sliding_window
+from multihead.score_mods import softcap
+
+
+def _fake_cpu0(root, caches):
+    for i, (level, kind, size) in enumerate(caches):
+        d = root / f"index{i}"
+        d.mkdir(parents=True)
+        (d / "level").write_text(f"{level}\n")
+        (d / "type").write_text(f"{kind}\n")
+        (d / "size").write_text(f"{size}\n")
+    return root
+
+
+@pytest.fixture
+def restore_plan():
+    before = kernels.set_machine_plan(None)
+    yield
+    kernels.set_machine_plan(before)
+
+
+def test_read_caches_from_sysfs(tmp_path):
+    amd = _fake_cpu0(tmp_path / "amd", [(1, "Data", "32K"), (1, "Instruction", "32K"), (2, "Unified", "1024K"),
+                                        (3, "Unified", "32768K")])
+    assert read_caches(amd) == (1 << 20, 32 << 20)
+    no_l3 = _fake_cpu0(tmp_path / "arm", [(1, "Data", "64K"), (2, "Unified", "4M")])
+    assert read_caches(no_l3) == (4 << 20, 4 << 20)
+    assert read_caches(tmp_path / "absent") is None
+    broken = _fake_cpu0(tmp_path / "broken", [(2, "Unified", "lots")])
+    assert read_caches(broken) is None
+
+
+def test_machine_plan_reads_the_os_once(tmp_path, monkeypatch, restore_plan):
+    from multihead.kernels import machine
+    monkeypatch.setattr(machine, "CACHE_ROOT", _fake_cpu0(tmp_path, [(2, "Unified", "512K"), (3, "Unified", "8M")]))
+    kernels.set_machine_plan(None)
+    plan = kernels.machine_plan()
+    assert (plan.l2_bytes, plan.l3_bytes, plan.source) == (512 << 10, 8 << 20, "sysfs")
+    assert kernels.machine_plan() is plan  # kept for the process
+    monkeypatch.setattr(machine, "CACHE_ROOT", tmp_path / "absent")
+    kernels.set_machine_plan(None)
+    assert kernels.machine_plan() == MachinePlan()  # unreadable: the tuned machine's caches
+    assert kernels.machine_plan().source == "default"
+
+
+@pytest.mark.parametrize("l2, split, tile", [(2 << 20, 2 << 20, 256), (1 << 20, 1 << 20, 128),
+                                             (512 << 10, 512 << 10, 128), (256 << 10, 256 << 10, 64),
+                                             (32 << 20, 32 << 20, 512),
+                                             (3 << 20, 3 << 20, 256)])
+def test_rules_give_the_tuned_constants_on_a_2_mib_l2(l2, split, tile):
+    plan = MachinePlan(l2, 260 << 20, "sysfs")
+    assert plan.min_split_bytes == split
+    assert plan.explicit_tile == tile
+    assert tile ** 2 * 4 * 8 <= l2 or tile == 64  # the rule: 8 heads of (t, t) float32 scores in one L2
+
+
+def test_overrides_and_errors(restore_plan):
+    plan = MachinePlan(1 << 20, 32 << 20, "sysfs").with_choices(explicit_tile=48)
+    assert (plan.explicit_tile, plan.min_split_bytes, plan.source) == (48, 1 << 20, "set")
+    assert plan.as_dict()["overridden"] == ["explicit_tile"]
+    before = kernels.set_machine_plan(plan)
+    assert kernels.machine_plan() is plan and explicit_tiles.default_tile() == 48
+    assert kernels.set_machine_plan(before) is plan
+    with pytest.raises(ValueError, match="not a choice; valid: min_split_bytes, explicit_tile"):
+        MachinePlan().with_choices(tile=3)
+    with pytest.raises(ValueError, match="must be positive, got 0"):
+        MachinePlan(l2_bytes=0)
+    with pytest.raises(TypeError, match="must be an int, got float"):
+        MachinePlan(l2_bytes=1.5)
+    with pytest.raises(TypeError, match="takes a MachinePlan or None, got dict"):
+        kernels.set_machine_plan({"l2_bytes": 1})
+
+
+def _reference(q, k, v, allowed=None, cap=None):
+    """softmax(q k^T / sqrt(D) [softcapped] [masked]) v in float64, K/V heads repeated for GQA."""
+    G = q.shape[1] // k.shape[1]
+    k, v = (t.double().repeat_interleave(G, 1) for t in (k, v))
+    s = q.double() @ k.transpose(-1, -2) / math.sqrt(q.shape[-1])
+    if cap is not None:
+        s = cap * torch.tanh(s / cap)
+    if allowed is not None:
+        s = s.masked_fill(~allowed, float("-inf"))
+    return torch.softmax(s, -1) @ v
+
+
+def test_decode_split_exact_under_every_plan(restore_plan):
+    torch.manual_seed(0)
+    q, k, v = torch.randn(1, 8, 1, 32), torch.randn(1, 2, 301, 32), torch.randn(1, 2, 301, 32)
+    ref = _reference(q, k, v)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(3)  # 2 K/V heads on 3 threads: the split is worth it when the bytes are
+    try:
+        for split in (1, 64 << 20):  # every step splits / none does
+            kernels.set_machine_plan(MachinePlan(1 << 20, 32 << 20).with_choices(min_split_bytes=split))
+            assert decode.split_bytes() == split
+            assert (decode.key_splits(q, k, v) > 1) == (split == 1)
+            out = scaled_dot_product_attention(q, k, v)
+            torch.testing.assert_close(out.double(), ref, rtol=0, atol=1e-5)
+    finally:
+        torch.set_num_threads(threads)
+
+
+@pytest.mark.parametrize("l2", [256 << 10, 1 << 20, 2 << 20, 32 << 20])
+def test_block_sparse_exact_under_every_plan(l2, restore_plan):
+    kernels.set_machine_plan(MachinePlan(l2, 32 << 20, "set", flops_per_thread=1e9 if l2 < 1 << 20 else 20e9))
+    torch.manual_seed(1)
+    N = 300
+    q, k, v = torch.randn(1, 4, N, 16), torch.randn(1, 2, N, 16), torch.randn(1, 2, N, 16)
+    i = torch.arange(N)
+    allowed = (i[:, None] >= i[None, :]) & (i[:, None] - i[None, :] < 64)
+    out = scaled_dot_product_attention(q, k, v, mask=sliding_window(64) & causal(), backend="tiles")
+    torch.testing.assert_close(out.double(), _reference(q, k, v, allowed), rtol=0, atol=1e-5)
+    capped = scaled_dot_product_attention(q, k, v, causal=True, score_mod=softcap(20.0), backend="tiles")
+    torch.testing.assert_close(capped.double(), _reference(q, k, v, i[:, None] >= i[None, :], 20.0),
+                               rtol=0, atol=1e-5)
+
+
+def test_decode_profile_records_the_machine(tmp_path):
+    """benchmarks/decode_profile.py --quick runs (it asserts the step against a float64 softmax),
+    and its JSON says which machine: the cache sizes the kernels read, the plan, the load at
+    its start and end. Not a timing assertion."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parent.parent
+    out = tmp_path / "profile.json"
+    proc = subprocess.run([sys.executable, str(root / "benchmarks" / "decode_profile.py"), "--quick", "--threads", "1",
+                           "--json", str(out)], capture_output=True, text=True, timeout=300, cwd=root)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    report = json.loads(out.read_text())
+    m = report["machine"]
+    assert (m["l2_bytes"], m["l3_bytes"]) == (read_caches() or (None, None))
+    assert m["kernel_plan"] == kernels.machine_plan().as_dict()
+    assert len(m["loadavg_start"]) == 3 and len(m["loadavg_end"]) == 3 and m["threads"] == 1
+    assert [r["part"] for r in report["rows"]] == ["K pass", "softmax", "V pass", "flash call", "multihead step",
+                                                  "region"]
+    assert abs(sum(r["share_cpu"] for r in report["rows"][:3]) - 1) < 1e-9
