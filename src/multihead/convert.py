@@ -110,8 +110,6 @@ def to_gqa(model, n_kv_heads: int, *, init: str | None = None, generator: torch.
     if _is_transformers_model(model):
         from multihead.interop.hf.gqa import transformers_to_gqa
 
-        _refuse_regrouping_mqa(model, n_kv_heads)
-
         return transformers_to_gqa(model, n_kv_heads, init=init, generator=generator, calibration=calibration,
                                    tokenizer=tokenizer, return_report=return_report)
     init = "mean" if init is None else init
@@ -123,29 +121,6 @@ def to_gqa(model, n_kv_heads: int, *, init: str | None = None, generator: torch.
     return _convert(
         "to_gqa", model, lambda attn: _gqa_layer(attn, n_kv_heads, init, generator), target, init, return_report,
         lambda cfg: replace(cfg, n_kv_heads=n_kv_heads))
-
-
-def _refuse_regrouping_mqa(model, n_kv_heads) -> None:
-    """A model with one key/value head (MQA, e.g. Gemma 3 270M) has nothing left to group."""
-    cfg = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
-    if getattr(cfg, "num_key_value_heads", None) == 1 and n_kv_heads != 1:
-        raise ValueError(f"to_gqa: {type(model).__name__} has one key/value head already (MQA: every query head "
-                         f"reads it), so there is nothing to group into {n_kv_heads!r}; valid: n_kv_heads=1 (an "
-                         "identical copy)")
-
-
-def _refuse_qk_norm(model) -> None:
-    """QK-norm outside the layouts `transformers_to_mla` converts exactly (Qwen3's): refused by name."""
-    from multihead.interop.hf.mla import FAMILY
-
-    for m in model.modules():
-        if type(m).__name__.endswith("Attention") and type(m).__name__ not in FAMILY and \
-                isinstance(getattr(m, "q_norm", None), nn.Module) and isinstance(getattr(m, "k_norm", None), nn.Module):
-            raise ValueError(f"to_mla: {type(model).__name__}'s {type(m).__name__} normalises every query and key "
-                             "head (QK-norm: an RMSNorm after q_proj and k_proj), so a key is not a linear map of a "
-                             "shared latent and TransMLA's / MHA2MLA's factorisation does not hold as it stands; "
-                             "multihead converts QK-norm exactly only in Qwen3's layout. Valid: Llama, Mistral, "
-                             "Qwen2, Qwen3 models")
 
 
 def _gqa_target(model, n_kv_heads) -> str:
@@ -424,8 +399,6 @@ def to_mla(model, kv_rank: int, *, rope_dim: int | None = None, keep: str | None
     """
     if _is_transformers_model(model):
         from multihead.interop.hf.mla import transformers_to_mla
-
-        _refuse_qk_norm(model)
 
         return transformers_to_mla(model, kv_rank, rope_dim=rope_dim, keep=keep, basis=basis, calibration=calibration,
                                    tokenizer=tokenizer, return_report=return_report)
