@@ -154,6 +154,12 @@ def check_model(model) -> None:
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be a torch nn.Module (a transformers model or one built from multihead's "
                         f"Attention/LatentAttention); received {type(model).__name__}")
+    if compiled(model):
+        # The tools hook every attention call and change their handlers on each call: inside a compiled
+        # forward every call recompiles until dynamo's limit, so they refuse up front instead.
+        raise ValueError(f"{type(model).__name__} is compiled (torch.compile); multihead.heads hooks its attention "
+                         "calls, which a compiled forward cannot take call after call; valid: the uncompiled "
+                         "model (for torch.compile(model): its ._orig_mod)")
     if is_hf(model):
         impl = getattr(model.config, "_attn_implementation", None)
         from multihead.interop.hf import registered  # registers "multihead" (transformers is already imported)
@@ -166,6 +172,14 @@ def check_model(model) -> None:
         raise ValueError(f"{type(model).__name__} has no multihead Attention/LatentAttention module and is not a "
                          "transformers model; valid: a transformers model on attn_implementation='multihead', or "
                          "a module built from multihead.Attention / LatentAttention")
+
+
+def compiled(model: nn.Module) -> bool:
+    """Whether `model` runs through torch.compile: an OptimizedModule (`torch.compile(model)`),
+    `model.compile()`, or a compiled function put on `model.forward`."""
+    forward = model.__dict__.get("forward")
+    return (hasattr(model, "_orig_mod") or getattr(model, "_compiled_call_impl", None) is not None
+            or (forward is not None and hasattr(forward, "_torchdynamo_orig_callable")))
 
 
 def check_grad_mode(what: str) -> None:
