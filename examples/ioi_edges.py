@@ -1,6 +1,7 @@
 """SmolLM2's IOI circuit found automatically: EAP, EAP-IG and random edge scores, their faithfulness curves.
 
     python examples/ioi_edges.py --n 100      # writes docs/heads-circuits-auto/results.json and figures
+    python examples/ioi_edges.py --hand-n 8 100   # adds the hand circuit on 8 and 100 pairs
 
 Steps (`multihead.heads`, prompts `tasks.ioi(n, seed=0)`, metric logit(IO) - logit(S) at the
 last token, mean over pairs):
@@ -90,6 +91,20 @@ def hand(model, task, E, G, res: dict, save, folder: Path) -> None:
     save()
 
 
+def hand_at(model, lm, n: int) -> dict:
+    """The hand circuit's three readings on n pairs (no scores needed: edge patching only)."""
+    task = tasks.ioi(n, seed=0, tokenizer=lm.tokenizer)
+    E = heads.edges(model)
+    G = model.config.num_attention_heads // model.config.num_key_value_heads
+    with torch.no_grad():
+        hi, lo = float(task.metric(model(**task.clean).logits)), float(task.metric(model(**task.corrupted).logits))
+    out = {"n": n, "metric_clean": hi, "metric_corrupted": lo}
+    for key, wide, fed in (("hand", False, False), ("hand_input", False, True), ("hand_wide", True, False)):
+        m = heads.edge_patch(model, task.clean, task.corrupted, task.metric, hand_edges(E, G, wide, fed))
+        out[key] = {"metric": m, "faithfulness": (m - lo) / (hi - lo)}
+    return out
+
+
 def curve(model, task, scores, label: str, log: dict) -> dict:
     def per_row(last):  # (N, vocab) at each prompt's last token
         rows = torch.arange(last.shape[0])
@@ -139,7 +154,20 @@ def main() -> None:
     ap.add_argument("--out", type=Path, default=OUT)
     ap.add_argument("--plot", action="store_true", help="only draw curves.png from the saved results.json")
     ap.add_argument("--hand", action="store_true", help="only (re)compute the hand circuit's entries of results.json")
+    ap.add_argument("--hand-n", type=int, nargs="*", help="only add the hand circuit's faithfulness on these "
+                                                          "numbers of pairs to results.json")
     args = ap.parse_args()
+    if args.hand_n:
+        from multihead.files import read_json
+
+        lm = load_model("smollm2")
+        res = read_json(args.out / "results.json")
+        res.setdefault("hand_at_n", {})
+        for n in args.hand_n:
+            res["hand_at_n"][str(n)] = hand_at(lm.model, lm, n)
+            write_json(args.out / "results.json", res)
+            print(json.dumps(res["hand_at_n"][str(n)]), flush=True)
+        return
     if args.plot:
         plot(args.out)
         return
