@@ -2,11 +2,12 @@
 process, derived from the cache sizes the OS reports (Linux sysfs), visible as
 `machine_plan()` and replaced by `set_machine_plan` (a plan, or None: read the OS again).
 
-Each choice is a rule over the cache sizes, written so that a core with a 2 MiB L2 (the
-Xeons since Sapphire Rapids, where the kernels' constants were measured) gets exactly the
-constant that was tuned there; another machine gets the same rule's value, not that
-constant. What is not a property of the caches (the tile cost model's rates) is carried
-as a field with its measured default, so that it is visible and can be replaced too.
+A choice that follows the caches is a rule over their sizes, written so that a core with a
+2 MiB L2 (a Xeon's since Sapphire Rapids, the kind of machine the constants were measured
+on) gets exactly the constant tuned there, and another machine the rule's value. What does
+not follow them (the tile cost model's rates, the explicit engine's tile edge, measured
+best on a 1 MiB L2 as on a 2 MiB one) is a field with its measured default, so that it is
+visible and can be replaced too.
 """
 
 from __future__ import annotations
@@ -33,8 +34,8 @@ class MachinePlan:
     l2_bytes, l3_bytes: one instance of the L2 and L3 that cpu0 uses, as the OS reports it
     (not divided among the CPUs that share it: a kernel thread sees the whole cache);
     source: "sysfs", "default" (nothing readable) or "set" (given to `set_machine_plan`).
-    The derived choices are properties, so that they never disagree with the sizes; a field
-    of the same name given to `with_choices` overrides one (see `overrides`).
+    The derived choices are properties, so that they never disagree with the sizes;
+    `with_choices` fixes one (kept in `overrides`) or replaces a field.
     """
 
     l2_bytes: int = DEFAULT_L2
@@ -44,10 +45,14 @@ class MachinePlan:
     # together at D = 64; a rate, not a cache size, so no rule over the caches gives it
     flops_per_thread: float = 20e9
     call_seconds: float = 5e-4
+    # the explicit tile engine's tile edge (`explicit_tiles`): 256 was the fastest for softcap at
+    # length on the 2 MiB L2 and on a 1 MiB L2 too (128 and 512 slower on both), so no cache rule:
+    # a tile's Python and dispatch, not its (t, t) temporaries' cache, is what the edge trades
+    explicit_tile: int = 256
     overrides: tuple[tuple[str, int], ...] = ()
 
     def __post_init__(self):
-        for name in ("l2_bytes", "l3_bytes"):
+        for name in ("l2_bytes", "l3_bytes", "explicit_tile"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int):
                 raise TypeError(f"MachinePlan.{name} must be an int, got {type(value).__name__}")
@@ -69,27 +74,23 @@ class MachinePlan:
         measured there (benchmarks/decode_split.py)."""
         return self._chosen("min_split_bytes", self.l2_bytes)
 
-    @property
-    def explicit_tile(self) -> int:
-        """The explicit tile engine's tile edge t (`explicit_tiles`): the largest power of two
-        in [64, 512] whose float32 (t, t) scores for 8 heads fit one core's L2 (t^2 * 4 * 8 <=
-        L2). Its softcap path makes several (B, H, t, t) temporaries per tile; kept in L2, a
-        tile's passes over them do not go to L3. On a 2 MiB L2: 256, the fastest edge there."""
-        t = 64
-        while t < 512 and (2 * t) ** 2 * 4 * 8 <= self.l2_bytes:
-            t *= 2
-        return self._chosen("explicit_tile", t)
-
     def _chosen(self, name: str, derived: int) -> int:
         for n, value in self.overrides:
             if n == name:
                 return value
         return derived
 
-    def with_choices(self, **choices: int) -> MachinePlan:
-        """This plan with some derived choices fixed (`min_split_bytes=`, `explicit_tile=`)."""
-        kept = tuple((n, v) for n, v in self.overrides if n not in choices)
-        return dataclasses.replace(self, overrides=kept + tuple(sorted(choices.items())), source="set")
+    def with_choices(self, **choices) -> MachinePlan:
+        """This plan with some choices fixed: a derived one (`min_split_bytes=`) or a field
+        (`explicit_tile=`, `flops_per_thread=`, `call_seconds=`)."""
+        valid = (*_CHOICES, *_FIELDS)
+        for name in choices:
+            if name not in valid:
+                raise ValueError(f"MachinePlan choice {name!r} is not one; valid: {', '.join(valid)}")
+        derived = {n: v for n, v in choices.items() if n in _CHOICES}
+        kept = tuple((n, v) for n, v in self.overrides if n not in derived)
+        fields = {n: v for n, v in choices.items() if n in _FIELDS}
+        return dataclasses.replace(self, **fields, overrides=kept + tuple(sorted(derived.items())), source="set")
 
     def as_dict(self) -> dict:
         """The sizes, the rates and every choice, for a benchmark's JSON."""
@@ -99,7 +100,8 @@ class MachinePlan:
         return d
 
 
-_CHOICES = ("min_split_bytes", "explicit_tile")
+_CHOICES = ("min_split_bytes",)  # derived from the caches (properties)
+_FIELDS = ("explicit_tile", "flops_per_thread", "call_seconds")  # carried with their measured defaults
 
 
 def _size(text: str) -> int:
