@@ -97,6 +97,9 @@ EDGES, PRIVATE, TREES, MODULE_NAMES = _analyse()
 # Private attributes of torch, transformers and the standard library that multihead reads
 # (no public spelling exists); any other `obj._x` on an object multihead did not make is new.
 THIRD_PARTY = {
+    "_orig_mod": "torch.compile(model)'s OptimizedModule: the heads tools refuse a compiled model by name",
+    "_compiled_call_impl": "nn.Module.compile() sets it: the heads tools refuse a compiled model by name",
+    "_torchdynamo_orig_callable": "marks a torch.compile'd function put on model.forward: refused as above",
     "_dynamo": "torch._dynamo.config.patch(recompile_limit=) and its exception: flex's compile limit",
     "_ops": "torch._ops.OpOverload(Packet): the type of a torch.ops entry, keyed by identity in flex's cache",
     "_C": "torch._C._current_graph_task_id: whether autograd is running a backward; torch._C._storage_Use_Count: "
