@@ -104,6 +104,7 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=5)
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
+    from machine_info import finish  # now: it takes the load at the start (benchmarks/ is on sys.path)
     lm = load_model("smollm2")
     model = lm.model
     task = tasks.ioi(args.n, seed=0, tokenizer=lm.tokenizer)
@@ -128,7 +129,6 @@ def main() -> None:
            "threads": torch.get_num_threads()}
     print(json.dumps(res, indent=1))
     if args.out:
-        from machine_info import finish  # benchmarks/ is on sys.path when run as a script
         write_json(args.out, finish(res))
 
 

@@ -70,6 +70,7 @@ def main(argv=None) -> int:
     p.add_argument("--merge", type=Path, nargs="+", default=None,
                    help="combine the JSON files of --rows parts (same settings) into --out, in ROWS order")
     args = p.parse_args(argv)
+    from machine_info import finish  # now: it takes the load at the start (benchmarks/ is on sys.path)
     if args.merge:
         return _merge(args.merge, args.out)
     if args.quick:
@@ -132,7 +133,6 @@ def main(argv=None) -> int:
         print(f"{target} {budget:,} {method} R={size} r={rope_dim}: {ppl:.2f} ({row['ratio_to_base']:.2f}x base "
               f"{res['base']['val_ppl']:.2f}), {seconds:.0f} s", flush=True)
     res["table"] = table(res)
-    from machine_info import finish  # benchmarks/ is on sys.path when run as a script
     write_json(args.out, finish(res))
     print(res["table"])
     return 0

@@ -1,5 +1,6 @@
-"""Where the decode step's split over the key axis pays (`kernels.decode.MIN_SPLIT_BYTES`),
-measured in a way a loaded machine does not distort: the calling thread's CPU time.
+"""Where the decode step's split over the key axis pays (`MachinePlan.min_split_bytes`, one
+core's L2; `kernels.decode.MIN_SPLIT_BYTES` overrides it), measured in a way a loaded machine
+does not distort: the calling thread's CPU time.
 
     .venv/bin/python benchmarks/decode_split.py                      # 9/3 x 64 and 9/3 x 128, 2 threads
     .venv/bin/python benchmarks/decode_split.py --lengths 1024 4096 --rounds 20
