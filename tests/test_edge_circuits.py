@@ -86,6 +86,11 @@ def make_gemma(kind: str):
         if type(m).__name__.endswith("RMSNorm"):
             parent, _, child = name.rpartition(".")
             setattr(model.get_submodule(parent), child, GemmaNorm(m))
+    if kind == "gemma2":  # scores of order 1 (no query/key norm there), so that the softcap of 2 bends them
+        with torch.no_grad():
+            for layer in model.model.layers:
+                layer.self_attn.q_proj.weight.mul_(10)
+                layer.self_attn.k_proj.weight.mul_(10)
     return model
 
 
