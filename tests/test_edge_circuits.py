@@ -7,6 +7,12 @@ a layer's heads run in the model's own eager attention, with forward hooks repla
 query/key/value head's slice of the projection by that of its own input, and a pre-hook on
 the output projection reading z (each head's output: its z through its slice of the output
 projection). The input sender is read at the first block's input.
+
+Gemma 2 and 3 (a norm after the attention and after the MLP): a head's output is its share
+of the normed sum, (1 + w) * o_h / rms(sum of the layer's o_h) with the rms of the same run,
+checked here to sum to what the model's own post-attention norm returns. Their tiny configs
+have a window shorter than the input, mixed layer types, query_pre_attn_scalar unlike the
+head dim, and (Gemma 2) both softcaps small enough to bend the values.
 """
 
 from __future__ import annotations
@@ -34,12 +40,25 @@ class RMSNorm(torch.nn.Module):
         return self.weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps))
 
 
+class GemmaNorm(torch.nn.Module):
+    """Gemma's RMSNorm, (1 + w) * x / rms(x), in the input's dtype (theirs computes in float32)."""
+
+    def __init__(self, norm):
+        super().__init__()
+        self.weight, self.eps = norm.weight, norm.eps
+
+    def forward(self, x):
+        return (1 + self.weight) * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps))
+
+
 def eager64(module, query, key, value, attention_mask, scaling, dropout=0.0, **kwargs):
     """transformers' eager_attention_forward of the Llama family with the softmax in the inputs' dtype
     (theirs takes it in float32, which would bound a float64 comparison at float32's scale)."""
     G = query.shape[1] // key.shape[1]
     key, value = key.repeat_interleave(G, dim=1), value.repeat_interleave(G, dim=1)
     scores = query @ key.transpose(2, 3) * scaling
+    if kwargs.get("softcap") is not None:  # Gemma 2 hands its softcap over; Gemma 3 does not
+        scores = torch.tanh(scores / kwargs["softcap"]) * kwargs["softcap"]
     if attention_mask is None:  # no mask handed over: causal (and, for Mistral, the window) as eager's
         raise AssertionError("eager64 expects its mask from the model")
     mask = attention_mask[:, :, :, : key.shape[-2]]
@@ -52,9 +71,34 @@ transformers.AttentionInterface.register("eager64", eager64)
 transformers.AttentionMaskInterface.register("eager64", transformers.masking_utils.eager_mask)
 
 
+def make_gemma(kind: str):
+    common = dict(hidden_size=24, intermediate_size=32, num_hidden_layers=3, num_attention_heads=4,
+                  num_key_value_heads=2, head_dim=8, query_pre_attn_scalar=10, sliding_window=3,
+                  layer_types=["sliding_attention", "full_attention", "sliding_attention"], vocab_size=V,
+                  bos_token_id=0, eos_token_id=0, pad_token_id=0, attn_implementation="eager64")
+    if kind == "gemma2":
+        cfg = transformers.Gemma2Config(attn_logit_softcapping=2.0, final_logit_softcapping=3.0, **common)
+        model = transformers.Gemma2ForCausalLM(cfg)
+    else:
+        model = transformers.Gemma3ForCausalLM(transformers.Gemma3TextConfig(**common))
+    model = model.double().eval()
+    for name, m in list(model.named_modules()):
+        if type(m).__name__.endswith("RMSNorm"):
+            parent, _, child = name.rpartition(".")
+            setattr(model.get_submodule(parent), child, GemmaNorm(m))
+    if kind == "gemma2":  # scores of order 1 (no query/key norm there), so that the softcap of 2 bends them
+        with torch.no_grad():
+            for layer in model.model.layers:
+                layer.self_attn.q_proj.weight.mul_(10)
+                layer.self_attn.k_proj.weight.mul_(10)
+    return model
+
+
 def make(kind: str):
-    torch.manual_seed({"gpt2": 0, "llama": 1, "qwen2": 2, "mistral": 3}[kind])
-    if kind == "gpt2":
+    torch.manual_seed({"gpt2": 0, "llama": 1, "qwen2": 2, "mistral": 3, "gemma2": 4, "gemma3": 5}[kind])
+    if kind.startswith("gemma"):
+        model = make_gemma(kind)
+    elif kind == "gpt2":
         cfg = transformers.GPT2Config(n_embd=16, n_layer=3, n_head=4, n_positions=16, vocab_size=V, bos_token_id=0,
                                       eos_token_id=0, attn_implementation="eager")
         model = transformers.GPT2LMHeadModel(cfg)
@@ -68,7 +112,7 @@ def make(kind: str):
                      attn_implementation="eager64", **extra)
         model = cls[1](cfg)
     model = model.double().eval()
-    if kind != "gpt2":
+    if kind in ("llama", "qwen2", "mistral"):
         for layer in model.model.layers:
             layer.input_layernorm = RMSNorm(layer.input_layernorm)
             layer.post_attention_layernorm = RMSNorm(layer.post_attention_layernorm)
@@ -99,6 +143,7 @@ class Reference:
     def __init__(self, model):
         self.model = model
         self.gpt2 = model.config.model_type == "gpt2"
+        self.gemma = model.config.model_type.startswith("gemma")
         self.layers = model.transformer.h if self.gpt2 else model.model.layers
         cfg = model.config
         self.H = cfg.n_head if self.gpt2 else cfg.num_attention_heads
@@ -109,6 +154,9 @@ class Reference:
         lay = self.layers[layer]
         if self.gpt2:
             return lay.ln_1, lay.attn.c_proj, lay.ln_2, lay.mlp
+        if self.gemma:  # the MLP's output as the residual receives it: after its post-feedforward norm
+            return (lay.input_layernorm, lay.self_attn.o_proj, lay.pre_feedforward_layernorm,
+                    lambda x: lay.post_feedforward_layernorm(lay.mlp(x)))
         return lay.input_layernorm, lay.self_attn.o_proj, lay.post_attention_layernorm, lay.mlp
 
     def input_of(self, ids):
@@ -171,7 +219,15 @@ class Reference:
                 h.remove()
         z = got["z"]  # (B, T, H * D)
         W = o_proj.weight.t() if self.gpt2 else o_proj.weight  # (C, H * D)
-        return [z[..., h * D:(h + 1) * D] @ W[:, h * D:(h + 1) * D].t() for h in range(self.H)]
+        out = [z[..., h * D:(h + 1) * D] @ W[:, h * D:(h + 1) * D].t() for h in range(self.H)]
+        if not self.gemma:
+            return out
+        # each head's share of the post-attention norm of the layer's sum, that sum's rms in this run
+        norm = self.layers[layer].post_attention_layernorm
+        total = o_proj(z)
+        shares = [(1 + norm.weight) * o * torch.rsqrt(total.pow(2).mean(-1, keepdim=True) + norm.eps) for o in out]
+        torch.testing.assert_close(sum(shares), norm(total), rtol=1e-12, atol=1e-12)  # what the block adds
+        return shares
 
     def run(self, ids, emb, corrupted=None, keep=None, weight=None, deltas=None):
         """Logits of the decomposed run; non-kept edges read `corrupted` (sender -> output).
@@ -204,7 +260,9 @@ class Reference:
             _, _, ln2, mlp = self.parts(layer)
             out[("mlp", layer)] = mlp(ln2(x_of(("mlp", layer))))
         final = self.model.transformer.ln_f if self.gpt2 else self.model.model.norm
-        return self.model.lm_head(final(x_of("logits"))), out
+        logits = self.model.lm_head(final(x_of("logits")))
+        cap = getattr(self.model.config, "final_logit_softcapping", None)
+        return (logits if cap is None else torch.tanh(logits / cap) * cap), out
 
     def outputs(self, ids):
         with torch.no_grad():
@@ -230,7 +288,7 @@ class Reference:
 KINDS = ["gpt2", "llama", "qwen2"]
 
 
-@pytest.fixture(scope="module", params=KINDS + ["mistral"])
+@pytest.fixture(scope="module", params=KINDS + ["mistral", "gemma2", "gemma3"])
 def setup(request):
     model = make(request.param)
     model.requires_grad_(False)
@@ -288,7 +346,7 @@ def test_edge_patch_all_none_single_and_random(setup):
 @pytest.mark.parametrize("steps", [1, 3])
 def test_edge_scores_equal_the_reference(setup, steps):
     kind, model, ref = setup
-    if kind in ("mistral", "qwen2") and steps == 3:
+    if kind in ("mistral", "qwen2", "gemma2") and steps == 3:
         pytest.skip("steps are the same code on every model: GPT-2 and Llama cover them (keeps the suite lean)")
     clean, corrupted = pair(2)
     want = ref.scores(clean, corrupted, steps)

@@ -5,16 +5,18 @@ every receiver applies its norm and its projection to its own copy of the residu
 stream. What that forward needs of a model is here: the embedding (with GPT-2's position
 embedding), per layer its input norm, the per-head query/key/value projections `(H, D, C)`
 with their biases, the per-head slices of the output projection `(H, C, Dv)`, the query
-and key norms where the model has them (Qwen3), RoPE, the sliding window, the MLP's norm
-and the MLP; then the final norm and the LM head. The norms and MLPs are the model's own
+and key norms where the model has them (Qwen3, Gemma 3), RoPE, the sliding window, the MLP's
+norm and the MLP; then the final norm and the LM head. The norms and MLPs are the model's own
 modules, called on the copies.
 
 Architectures: Llama, Mistral, Qwen2, Qwen3 (and others laid out as Llama is: `model.layers[i]`
 with `self_attn.{q,k,v,o}_proj`, `input_layernorm`, `post_attention_layernorm`, `mlp`) and
 GPT-2 (fused `c_attn`, biases, learned positions). Models whose attention and MLP read one
 input in parallel (GPT-J, GPT-NeoX with its parallel residual, Phi, Falcon, Cohere) have no
-such graph and are refused by name, and so are those with a norm after the attention
-(Gemma 2 and 3: the norm of the heads' sum is not a sum of per-head outputs).
+such graph and are refused by name. Gemma 2 and 3 normalize the attention's output and the
+MLP's before adding them: a head's output there is its share of the normed sum, `PostNorm`
+(the definition: `multihead.heads.edge_graph`). OLMo 2 (norms after the blocks only, and a
+query/key norm over all heads at once) is refused by name.
 """
 
 from __future__ import annotations
@@ -29,7 +31,8 @@ from multihead.heads.edge_graph import Graph
 
 PARALLEL = {"gptj": "GPT-J", "phi": "Phi", "falcon": "Falcon", "cohere": "Cohere", "gpt_neox": "GPT-NeoX",
             "codegen": "CodeGen", "phi3": None}
-POST_NORM = {"gemma2", "gemma3", "gemma3_text", "olmo2"}
+REFUSED_POST_NORM = {"olmo2": "OLMo 2", "olmo3": "OLMo 3"}
+GEMMA = {"gemma2", "gemma3", "gemma3_text"}
 LLAMA_LIKE = {"llama", "mistral", "qwen2", "qwen3", "granite", "smollm3"}
 
 
@@ -51,7 +54,26 @@ class Block:
     scaling: float
     window: int | None
     ln2: Callable
-    mlp: Callable
+    mlp: Callable  # the MLP's output as the residual receives it (Gemma: after its post-feedforward norm)
+    post_norm: PostNorm | None = None  # Gemma: the norm after the attention
+    softcap: float | None = None  # Gemma 2: scores -> cap * tanh(scores / cap) before the mask
+    rope_type: str | None = None  # Gemma 3: the RoPE of this layer's type (local or global frequencies)
+
+
+class PostNorm:
+    """Gemma's norm after the attention, split over the heads: head h's share of the block's output is
+    `(1 + w) * o_h / rms(sum_h' o_h')`, in float32 at least and cast back as Gemma's RMSNorm does, so the
+    shares sum to what the norm returns (to rounding); the rms is that of this same run's sum."""
+
+    def __init__(self, norm):
+        self.weight, self.eps = norm.weight.detach(), float(norm.eps)
+
+    def __call__(self, heads: Tensor) -> Tensor:
+        """Each head's share `(H, B, T, C)` from each head's output through its slice of o_proj `(H, B, T, C)`."""
+        dt = torch.promote_types(heads.dtype, torch.float32)
+        total = heads.sum(0).to(dt)  # (B, T, C): what o_proj returns
+        scale = torch.rsqrt(total.pow(2).mean(-1, keepdim=True) + self.eps) * (1.0 + self.weight.to(dt))
+        return (heads.to(dt) * scale).to(heads.dtype)
 
 
 @dataclass
@@ -65,6 +87,7 @@ class EdgeModel:
     final_norm: Callable
     unembed: Tensor  # (V, C)
     unembed_bias: Tensor | None
+    final_softcap: float | None = None  # Gemma 2: logits -> cap * tanh(logits / cap)
 
     @property
     def graph(self) -> Graph:
@@ -96,9 +119,12 @@ class EdgeModel:
         if kind in PARALLEL or getattr(cfg, "use_parallel_residual", False) or getattr(cfg, "parallel_attn", False):
             raise ValueError(f"{name} ({kind}) runs attention and MLP in parallel on one input: the edge graph "
                              "(a head of layer l reaching that layer's MLP) does not exist there")
-        if kind in POST_NORM:
-            raise ValueError(f"{name} ({kind}) normalizes the sum of its heads after the attention: a head's output is "
-                             "not a term of the residual stream, so the edge graph cannot be exact there")
+        if kind in REFUSED_POST_NORM:
+            raise ValueError(f"{name} ({kind}) has no norm before its attention and normalizes its queries and keys "
+                             "over all heads at once: its receivers have no per-head input, so the edge graph is not "
+                             "defined there; supported post-norm models: Gemma 2 and 3")
+        if kind in GEMMA:
+            return _gemma(model, kind)
         if kind == "gpt2":
             return _gpt2(model)
         if kind in LLAMA_LIKE or _llama_layout(model):
@@ -145,10 +171,42 @@ def _llama(model, kind: str) -> EdgeModel:
         blocks.append(Block(layer.input_layernorm, wq, bq, wk, bk, wv, bv, wo, bo, getattr(a, "q_norm", None),
                             getattr(a, "k_norm", None), float(getattr(a, "scaling", wq.shape[1] ** -0.5)),
                             int(window) if window else None, layer.post_attention_layernorm, layer.mlp))
-    emb = inner.embed_tokens
+    emb, rotary = inner.embed_tokens, inner.rotary_emb
     head = model.get_output_embeddings()
-    return EdgeModel(kind, blocks, lambda ids, pos: emb(ids), inner.rotary_emb, inner.norm, head.weight.detach(),
-                     None if getattr(head, "bias", None) is None else head.bias.detach())
+    return EdgeModel(kind, blocks, lambda ids, pos: emb(ids), lambda x, p, t: rotary(x, p), inner.norm,
+                     head.weight.detach(), None if getattr(head, "bias", None) is None else head.bias.detach())
+
+
+def _gemma(model, kind: str) -> EdgeModel:
+    """Gemma 2 / 3: the Llama layout with a norm after the attention and after the MLP, the embedding scaled
+    by sqrt(C) in its module ("input" is the scaled embedding), Gemma 2's softcaps, Gemma 3's RoPE per layer type."""
+    cfg = model.config
+    name = type(model).__name__
+    inner = getattr(model, "model", None)
+    if not isinstance(getattr(inner, "layers", None), nn.ModuleList):
+        raise ValueError(f"{name} ({kind}) is not a causal LM with model.layers (for Gemma 3 with vision, load "
+                         "Gemma3ForCausalLM on its text weights)")
+    if getattr(cfg, "use_bidirectional_attention", False):
+        raise ValueError(f"{name} has use_bidirectional_attention=True: its queries read later positions, so a head "
+                         "of layer l would send to positions before it; the edge forward is causal only")
+    base = _llama(model, kind)
+    blocks = []
+    for layer, block in zip(inner.layers, base.blocks):
+        a = layer.self_attn
+        if a.o_proj.bias is not None:
+            raise ValueError(f"{name} has attention_bias=True: the output projection's bias sits inside the norm after "
+                             "the attention, so it is no constant of the residual stream; the edge graph refuses it")
+        mlp, post = layer.mlp, layer.post_feedforward_layernorm
+        block.ln2, block.mlp = layer.pre_feedforward_layernorm, (lambda x, mlp=mlp, post=post: post(mlp(x)))
+        block.post_norm = PostNorm(layer.post_attention_layernorm)
+        # Gemma 3's attention hands no softcap to its kernel (the config's value is unused); Gemma 2's does
+        block.softcap = getattr(a, "attn_logit_softcapping", None) if kind == "gemma2" else None
+        block.rope_type = getattr(a, "layer_type", None) if kind != "gemma2" else None
+        blocks.append(block)
+    rotary = inner.rotary_emb
+    rope = (lambda x, p, t: rotary(x, p)) if kind == "gemma2" else (lambda x, p, t: rotary(x, p, t))
+    return EdgeModel(kind, blocks, base.embed, rope, inner.norm, base.unembed, base.unembed_bias,
+                     getattr(cfg, "final_logit_softcapping", None))
 
 
 def _gpt2(model) -> EdgeModel:

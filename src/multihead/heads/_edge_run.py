@@ -100,7 +100,7 @@ class Run:
         self.record = record or plan is not None
         self.stack: Tensor | None = None  # this run's outputs (record) or differences from ref (plan)
         self.resid: list[Tensor] = []
-        self.rope = None
+        self.ropes: dict = {}  # layer type -> (cos, sin) (1, T, D)
 
     def _store(self, i: int, out: Tensor) -> None:
         if not self.record:
@@ -136,14 +136,15 @@ class Run:
         if self.record:
             self.stack = emb.new_empty(len(g.senders), B, T, C)
         self._store(0, emb[None])
-        if em.rotary is not None:
-            self.rope = em.rotary(emb, torch.arange(T, device=emb.device)[None])
+        self.emb = emb
         resid = emb
         slices = group_slices(em)
         for layer, block in enumerate(em.blocks):
             r0, n, p = slices[2 * layer]
             x = self._copies(2 * layer, n, p, resid)
             heads = self._attention(block, x)  # (H, B, T, C)
+            if block.post_norm is not None:  # each head's share of the normed sum (see edge_graph)
+                heads = block.post_norm(heads)
             self._store(p, heads)
             resid = resid + heads.sum(0) + (0 if block.bo is None else block.bo)
             r0, n, p = slices[2 * layer + 1]
@@ -153,6 +154,14 @@ class Run:
             resid = resid + out
         r0, n, p = slices[-1]
         return self._copies(len(slices) - 1, 1, p, resid)[0]
+
+    def _rope(self, b: Block):
+        if self.em.rotary is None:
+            return None
+        if b.rope_type not in self.ropes:
+            pos = torch.arange(self.T, device=self.emb.device)[None]
+            self.ropes[b.rope_type] = self.em.rotary(self.emb, pos, b.rope_type)
+        return self.ropes[b.rope_type]
 
     def _attention(self, b: Block, x: Tensor) -> Tensor:
         """Each query head's output `(H, B, T, C)` from the receivers' copies `(H + 2 Hkv, B, T, C)`."""
@@ -165,12 +174,15 @@ class Run:
             q, k, v = q + b.bq[None, :, None], k + b.bk[None, :, None], v + b.bv[None, :, None]
         if b.q_norm is not None:
             q, k = b.q_norm(q), b.k_norm(k)
-        if self.rope is not None:
-            cos, sin = (t.unsqueeze(1) for t in self.rope)  # (1, 1, T, D)
+        rope = self._rope(b)
+        if rope is not None:
+            cos, sin = (t.unsqueeze(1) for t in rope)  # (1, 1, T, D)
             q, k = q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin
         B, _, T, D = q.shape
         qg = q.view(B, Hkv, H // Hkv, T, D)
         scores = (qg @ k.unsqueeze(2).transpose(-1, -2)) * b.scaling  # (B, Hkv, G, T, S)
+        if b.softcap is not None:
+            scores = torch.tanh(scores / b.softcap) * b.softcap
         ok = allowed_keys(T, self.mask, b.window, q.device)
         scores = scores.masked_fill(~ok, torch.finfo(scores.dtype).min)
         # a row that may attend to no key (left padding) gives zeros, never NaN
@@ -193,7 +205,9 @@ class Readout:
             pos = self.positions[rows].to(x.device)
             x = x[torch.arange(x.shape[0], device=x.device), pos]  # (B, C)
         out = self.em.final_norm(x) @ self.em.unembed.t()
-        return out if self.em.unembed_bias is None else out + self.em.unembed_bias
+        out = out if self.em.unembed_bias is None else out + self.em.unembed_bias
+        cap = self.em.final_softcap
+        return out if cap is None else torch.tanh(out / cap) * cap
 
     def value(self, logits: Tensor):
         """The metric of the whole batch's readout, unchecked."""
