@@ -145,3 +145,36 @@ def test_the_parser_class_refuses_prefixes_by_itself():
     with pytest.raises(SystemExit), contextlib.redirect_stderr(io.StringIO()) as err:
         p.parse_args(["--cont", "1"])
     assert "did you mean --context?" in err.getvalue()
+
+
+def test_heads_prune_prints_json(tmp_path):
+    transformers = pytest.importorskip("transformers")
+    import json
+
+    import torch
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    words = ["[UNK]", "[PAD]", "the", "cat", "sat"]
+    tok = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    cfg = transformers.LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, vocab_size=len(words),
+                                   num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+                                   max_position_embeddings=16, bos_token_id=None, eos_token_id=None, pad_token_id=1)
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(cfg)
+    model.save_pretrained(tmp_path / "llama")
+    transformers.PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="[UNK]", pad_token="[PAD]").save_pretrained(
+        tmp_path / "llama")
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(io.StringIO()):
+        code = main(["heads", "prune", "--model", str(tmp_path / "llama"), "--remove", "0.2,0.3,1.0,1.1", "--out",
+                     str(tmp_path / "pruned"), "--json"])
+    assert code == 0
+    r = json.loads(out.getvalue())
+    back = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "pruned")
+    assert r["removed"] == [[0, 2], [0, 3], [1, 0], [1, 1]] and r["out"] == str(tmp_path / "pruned")
+    assert (r["num_attention_heads"], r["num_key_value_heads"]) == (2, 1)
+    assert r["params_before"] == sum(p.numel() for p in model.parameters())
+    assert r["params"] == sum(p.numel() for p in back.parameters())
+    # 2 of 4 query heads (8 dims each) go from q and o, 1 of 2 key/value heads from k and v, in 2 layers
+    assert r["params_before"] - r["params"] == 2 * (2 * 2 * 8 * 32 + 2 * 1 * 8 * 32)

@@ -137,6 +137,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_out(p, "a new (or empty) folder to save the pruned model in", required=True)
     p.add_argument("--force", action="store_true",
                    help="replace --out when it already holds files (never the model's own folder)")
+    add_json(p, help="print the result as JSON (heads removed, head counts, parameters, --out) instead of a line")
 
     from multihead.heads.path_cli import add_path_arguments
 
@@ -918,6 +919,9 @@ def main(args) -> int:
         print(json.dumps(r, indent=1)) if args.json else _print_importance(r)
     else:
         r = _prune(args)
+        if args.json:
+            print(json.dumps(r, indent=1))
+            return 0
         print(f"removed {len(r['removed'])} heads; saved to {r['out']} ({r['num_attention_heads']} query / "
               f"{r['num_key_value_heads']} key-value heads per layer; {r['params']:,} parameters, "
               f"{r['params_before']:,} before)")
