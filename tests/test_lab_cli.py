@@ -158,7 +158,7 @@ def test_help_shows_every_default():
 
     # the numbers are the config dataclasses' own defaults (and --quick's)
     assert help_of("heads", "--steps").endswith("(default 400; --quick 120)")
-    for flag, default in (("--batch-size", "32"), ("--lr", "0.001"), ("--seq-len", "24")):
+    for flag, default in (("--batch-size", "32"), ("--lr", "0.001"), ("--context", "24")):
         assert f"(default {default}" in help_of("heads", flag), flag
     assert "(default 32" in help_of("kv", "--decode-steps") and "(default 2048" in help_of("kv", "--context")
     assert "(default 64" in help_of("mla", "--context")

@@ -26,6 +26,7 @@ import os
 import sys
 import traceback
 
+from multihead.cli_args import Parser
 from multihead.errors import UsageError
 
 __all__ = ["UsageError", "build_parser", "induction_check", "main", "user_message"]
@@ -41,7 +42,7 @@ SUBCOMMANDS = {
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = Parser(  # flags spelled in full, in every subcommand (its subparsers are Parsers)
         prog="multihead",
         description="Multi-head attention: modules, inspection, planning and experiments.",
     )
@@ -53,7 +54,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     for name, (module_path, help_text) in SUBCOMMANDS.items():
         module = importlib.import_module(module_path)
-        p = sub.add_parser(name, help=help_text, description=(module.__doc__ or "").strip())
+        p = sub.add_parser(name, help=help_text, description=(module.__doc__ or "").strip(), allow_abbrev=False)
         module.add_arguments(p)
         p.set_defaults(_main=module.main)
     # inspect, a tool of its own, imports no other tool; the command that holds both hands it

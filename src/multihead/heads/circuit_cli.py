@@ -33,7 +33,8 @@ def add_circuit_arguments(subparsers) -> argparse.ArgumentParser:
     p = subparsers.add_parser(
         "circuit", help="a circuit of edges by EAP / EAP-IG, and its faithfulness curve (CPR, CMD)",
         description=__doc__.split("\n\n")[1].replace("\n", " "),
-        epilog="examples:" + __doc__.split("examples:")[1], formatter_class=argparse.RawDescriptionHelpFormatter)
+        epilog="examples:" + __doc__.split("examples:")[1], formatter_class=argparse.RawDescriptionHelpFormatter,
+        allow_abbrev=False)
     p.add_argument("--model", default="smollm2",
                    help="a transformers decoder LM: smollm2 (the bundled SmolLM2-135M-Instruct; default), a .gguf "
                         "file or a local Hugging Face causal LM folder (Llama, Mistral, Qwen2, Qwen3, GPT-2)")

@@ -39,6 +39,7 @@ import time
 from collections.abc import Mapping
 from pathlib import Path
 
+from multihead.cli_args import add_json, add_model, add_out, add_seed
 from multihead.errors import UsageError
 from multihead.files import output_file
 from multihead.heads.heatmap import heat_html, heat_png, text_table
@@ -58,15 +59,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.formatter_class = argparse.RawDescriptionHelpFormatter
     sub = parser.add_subparsers(dest="heads_command", metavar="{scan,path,circuit,induction,importance,prune}")
     sub.required = True
-    model_help = ("minilm (the bundled sentence-transformers/all-MiniLM-L6-v2, an encoder; default), smollm2 (the "
-                  "bundled SmolLM2-135M-Instruct, a decoder LM), gemma3 (the bundled gemma-3-270m), a .gguf file, "
-                  "a local Hugging Face model folder, "
-                  "or a `multihead lab` checkpoint folder")
-    lm_help = ("a decoder language model: smollm2 (the bundled SmolLM2-135M-Instruct; default), gemma3 (the bundled "
-               "gemma-3-270m), a .gguf file, a "
-               "local Hugging Face causal LM folder, or a `multihead lab` checkpoint folder")
 
     s = sub.add_parser("scan", help="activation patching of every head, with a causal check of the ranking",
+                       allow_abbrev=False,
                        description="Patch each head from the clean run into the corrupted one, one at a time, and "
                                    "print the metric (IOI and one pair: logit(answer) - logit(wrong) at the last "
                                    "token; induction: the loss on the repeated half); then ablate the top 4 and 8 "
@@ -78,36 +73,38 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     s.add_argument("--n", type=int, default=N_PAIRS, help=f"--task: pairs or sequences (default {N_PAIRS})")
     s.add_argument("--length", type=int, default=LENGTH,
                    help=f"--task induction: random tokens per half (default {LENGTH})")
-    s.add_argument("--seed", type=int, default=0, help="--task: the draw of prompts or tokens (default 0)")
+    add_seed(s, "--task: the draw of prompts or tokens (default 0)")
     s.add_argument("--clean", help="the clean text (one pair)")
     s.add_argument("--corrupted", help="the corrupted text (one pair; the same number of tokens)")
     s.add_argument("--answer", help="the token the clean text should predict next, e.g. Mary (one token: after a "
                                     "word, the space-led piece ' Mary')")
     s.add_argument("--wrong", help="the token the corrupted text points to (one token, read as --answer is)")
-    s.add_argument("--model", default="smollm2", help=lm_help)
+    add_model(s, "smollm2", decoder=True)
     s.add_argument("--what", choices=["z", "k", "v", "pattern"], default="z",
                    help="what to patch: head outputs z (default), keys, values (per key/value head) or patterns")
     s.add_argument("--png", metavar="PATH", help="write a heat map of the table")
     s.add_argument("--html", metavar="PATH", help="write the table as a self-contained HTML heat map")
-    s.add_argument("--json", action="store_true", help="print JSON instead of tables")
+    add_json(s)
 
     d = sub.add_parser("induction", help="the induction heads of a decoder, checked by ablation",
+                       allow_abbrev=False,
                        description="Induction heads (Olsson et al., 2022) on random tokens repeated once: every "
                                    "head's induction score (attention from a repeated token to the token after "
                                    "its first occurrence), the loss on the repeated half with the top 4 and 8 "
                                    "heads ablated against as many random heads, and the heads of earlier layers "
                                    "whose ablation most raises it (the previous-token heads that feed them).")
-    d.add_argument("--model", default="smollm2", help=lm_help)
+    add_model(d, "smollm2", decoder=True)
     d.add_argument("--n", type=int, default=N_SEQUENCES, help=f"sequences (default {N_SEQUENCES})")
     d.add_argument("--length", type=int, default=LENGTH, help=f"random tokens per half (default {LENGTH})")
-    d.add_argument("--seed", type=int, default=0, help="the draw of tokens (default 0)")
+    add_seed(d, "the draw of tokens (default 0)")
     d.add_argument("--png", metavar="PATH", help="write the induction and previous-token scores as heat maps")
-    d.add_argument("--json", action="store_true", help="print JSON instead of tables")
+    add_json(d)
 
     i = sub.add_parser("importance", help="Michel et al. (2019) head importance, and the pruning curve",
+                       allow_abbrev=False,
                        description="Head importance |dloss/dxi| summed over batches (Michel et al. 2019), "
                                    "normalized per layer.")
-    i.add_argument("--model", default="minilm", help=model_help)
+    add_model(i, "minilm")
     i.add_argument("--text", action="append", help="a text to score on (repeatable; default: the bundled KJV)")
     i.add_argument("--corpus", metavar="FILE", help="a UTF-8 text file: its lines of 8+ words are the batches")
     i.add_argument("--batches", type=int, default=4, help="batches of --batch-size verses (default 4)")
@@ -118,16 +115,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "KV groups and by query heads, by importance and in 3 random orders; see "
                         "docs/heads/prune-curve-smollm2)")
     i.add_argument("--png", metavar="PATH", help="with --prune-curve: write the curve as a plot")
-    i.add_argument("--out", metavar="DIR", help="with --prune-curve on a grouped-query decoder: write results.json "
-                                                "and curve.png in this folder")
-    i.add_argument("--json", action="store_true", help="print JSON instead of tables")
+    add_out(i, "with --prune-curve on a grouped-query decoder: write results.json and curve.png in this folder")
+    add_json(i)
 
     p = sub.add_parser("prune", help="remove heads and save the model",
+                       allow_abbrev=False,
                        description="Remove heads physically from a copy of the model and save_pretrained it "
                                    "(transformers models whose config carries head_dim, with the same head count "
                                    "left in every layer). The model's own folder is never written; --out must be "
                                    "new or empty unless --force.")
-    p.add_argument("--model", default="minilm", help=model_help)
+    add_model(p, "minilm")
     p.add_argument("--remove", metavar="LIST",
                    help="heads to remove as layer.head, comma-separated, e.g. 0.1,0.5,1.1,1.5")
     p.add_argument("--curve", metavar="FILE", help="instead of --remove: a results.json of `heads importance "
@@ -137,9 +134,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     p.add_argument("--pad", action="store_true",
                    help="lay every layer out as the widest, with inert (all-zero) heads, so that a transformers "
                         "config's one head count holds any removal (implied by --curve)")
-    p.add_argument("--out", required=True, metavar="DIR", help="a new (or empty) folder to save the pruned model in")
+    add_out(p, "a new (or empty) folder to save the pruned model in", required=True)
     p.add_argument("--force", action="store_true",
                    help="replace --out when it already holds files (never the model's own folder)")
+    add_json(p, help="print the result as JSON (heads removed, head counts, parameters, --out) instead of a line")
 
     from multihead.heads.path_cli import add_path_arguments
 
@@ -921,6 +919,9 @@ def main(args) -> int:
         print(json.dumps(r, indent=1)) if args.json else _print_importance(r)
     else:
         r = _prune(args)
+        if args.json:
+            print(json.dumps(r, indent=1))
+            return 0
         print(f"removed {len(r['removed'])} heads; saved to {r['out']} ({r['num_attention_heads']} query / "
               f"{r['num_key_value_heads']} key-value heads per layer; {r['params']:,} parameters, "
               f"{r['params_before']:,} before)")

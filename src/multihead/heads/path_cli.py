@@ -23,6 +23,7 @@ import json
 import math
 import time
 
+from multihead.cli_args import add_json, add_model, add_seed
 from multihead.errors import UsageError
 from multihead.files import output_file
 from multihead.heads.heatmap import heat_html, heat_png, text_table
@@ -36,16 +37,14 @@ def add_path_arguments(subparsers) -> argparse.ArgumentParser:
     p = subparsers.add_parser(
         "path", help="path patching: each head's effect through chosen receivers only",
         description=__doc__.split("\n\n")[1].replace("\n", " "),
-        epilog="examples:" + __doc__.split("examples:")[1], formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", default="smollm2",
-                   help="a decoder language model: smollm2 (the bundled SmolLM2-135M-Instruct; default), gemma3 (the "
-                        "bundled gemma-3-270m), a .gguf "
-                        "file, a local Hugging Face causal LM folder, or a `multihead lab` checkpoint folder")
+        epilog="examples:" + __doc__.split("examples:")[1], formatter_class=argparse.RawDescriptionHelpFormatter,
+        allow_abbrev=False)
+    add_model(p, "smollm2", decoder=True)
     p.add_argument("--task", choices=["ioi"],
                    help="ioi: indirect-object pairs of Wang et al. (2022), metric logit(IO) - logit(S). Without "
                         "it, --clean, --corrupted, --answer and --wrong give one pair")
     p.add_argument("--n", type=int, default=N_PAIRS, help=f"--task ioi: pairs (default {N_PAIRS})")
-    p.add_argument("--seed", type=int, default=0, help="--task ioi: the draw of prompts (default 0)")
+    add_seed(p, "--task ioi: the draw of prompts (default 0)")
     p.add_argument("--clean", help="the clean text (one pair)")
     p.add_argument("--corrupted", help="the corrupted text (one pair; the same number of tokens)")
     p.add_argument("--answer", help="the token the clean text should predict next, e.g. Mary (one token)")
@@ -58,7 +57,7 @@ def add_path_arguments(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--top", type=int, default=TOP, help=f"how many top heads to list (default {TOP})")
     p.add_argument("--png", metavar="PATH", help="write a heat map of the table")
     p.add_argument("--html", metavar="PATH", help="write the table as a self-contained HTML heat map")
-    p.add_argument("--json", action="store_true", help="print JSON instead of tables")
+    add_json(p)
     return p
 
 

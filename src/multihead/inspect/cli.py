@@ -27,6 +27,7 @@ import json
 import sys
 import warnings
 
+from multihead.cli_args import add_json, add_model
 from multihead.errors import UsageError
 from multihead.files import output_file
 from multihead.interop.loaders import quiet_hub
@@ -42,9 +43,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help='the text to look at, e.g. "The cat sat on the mat." ("-" reads stdin)')
     parser.add_argument("--text-file", metavar="PATH",
                         help="read the text from this UTF-8 file instead (long texts: see --max-tokens)")
-    parser.add_argument("--model", default="minilm",
-                        help="minilm (the bundled sentence-transformers/all-MiniLM-L6-v2; default), a local "
-                             "Hugging Face model folder, or a `multihead lab` checkpoint folder")
+    add_model(parser, "minilm")
     # --only-layers, a selection; --n-layers N (plan, lab) is a count of layers.
     parser.add_argument("--only-layers", metavar="LIST", dest="layers",
                         help="capture only these layers, comma-separated, ranges allowed, e.g. 0,3 or 0-2 "
@@ -71,9 +70,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="also show TransformerLens' head-detector scores (tl_prev, tl_dup, tl_ind: its \"mul\" "
                              "score over all rows, BOS included, as detect_head computes it) beside multihead's; "
                              "implies --roles")
-    parser.add_argument("--json", action="store_true",
-                        help="print JSON (tokens, ranked roles with every score, per-head summaries, files written) "
-                             "instead of tables")
+    add_json(parser,
+             help="print JSON (tokens, ranked roles with every score, per-head summaries, files written) "
+             "instead of tables")
 
 
 def _indices(flag: str, value: str | None) -> list[int] | None:

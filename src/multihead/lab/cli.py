@@ -26,6 +26,7 @@ import sys
 import time
 from pathlib import Path
 
+from multihead.cli_args import add_out, add_seed, add_threads, renamed
 from multihead.errors import UsageError
 
 EXPERIMENTS = {
@@ -73,16 +74,6 @@ def _positive_of(cast, what: str, maximum: float = _MAX_INT):
     return parse
 
 
-def _seed(text: str) -> int:
-    try:
-        v = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer seed >= 0; received {text!r}") from None
-    if not 0 <= v < 2**63:
-        raise argparse.ArgumentTypeError(f"expected a seed in 0 .. 2**63 - 1; received {text!r}")
-    return v
-
-
 def _nonnegative(text: str) -> int:
     try:
         v = int(text)
@@ -127,7 +118,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     sub = parser.add_subparsers(dest="experiment", metavar="EXPERIMENT")
     for name, help_text in EXPERIMENTS.items():
         d = _defaults(name)
-        p = sub.add_parser(name, help=help_text, description=help_text, formatter_class=_Formatter)
+        p = sub.add_parser(name, help=help_text, description=help_text, formatter_class=_Formatter, allow_abbrev=False)
         _run_flags(p, name)
         if name != "kv":
             _training_flags(p, d)
@@ -137,16 +128,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def _run_flags(p: argparse.ArgumentParser, name: str) -> None:
     """Where the run goes and how it runs: --quick, --out, --force, --seed, --device, --threads."""
     p.add_argument("--quick", action="store_true", help="a small version that runs in seconds (for tests)")
-    p.add_argument("--out", type=Path, default=None, help=f"output folder, new or empty (default lab-{name})")
+    add_out(p, f"output folder, new or empty (default lab-{name})", type=Path, default=None)
     p.add_argument("--force", action="store_true",
                    help="replace an earlier run's --out folder (one with results.json), once this run completes")
-    p.add_argument("--seed", type=_seed, default=0, help="random seed; same seed, same numbers (default 0)")
+    add_seed(p, "random seed; same seed, same numbers (default 0)")
     p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto",
                    help=("where to build and time the modules" if name == "kv" else "where to train")
                    + " (default auto: cuda when present)")
-    p.add_argument("--threads", type=_positive_of(int, "integer", 4096), default=None,
-                   help="CPU threads for torch (default: 2 with 4 or more cores, else 1; 1 for kv and "
-                        "--quick)")
+    add_threads(p, "CPU threads for torch (default: 2 with 4 or more cores, else 1; 1 for kv and --quick)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
 
 
@@ -163,7 +152,7 @@ def _heads_flags(p: argparse.ArgumentParser, d) -> None:
     p.add_argument("--seeds", type=_positive_of(int, "integer", 1000), default=None, dest="n_seeds",
                    help="seeds per head count" + d("n_seeds"))
     _d_model(p, "model width" + d("d_model"))
-    p.add_argument("--seq-len", type=_positive, default=None, help="tokens to copy" + d("seq_len"))
+    _context(p, "tokens to copy" + d("seq_len"))
 
 
 def _kv_flags(p: argparse.ArgumentParser, d) -> None:
@@ -210,7 +199,7 @@ def _induction_flags(p: argparse.ArgumentParser, d) -> None:
     g.add_argument("--rope-dim", type=_nonnegative, default=None,
                    help="MLA decoupled RoPE dims per head (default 0)")
     p.add_argument("--vocab", type=_positive, default=None, help="random symbols" + d("vocab"))
-    p.add_argument("--seq-len", type=_positive, default=None, help="tokens per sequence" + d("seq_len"))
+    _context(p, "tokens per sequence" + d("seq_len"))
 
 
 def _uptrain_flags(p: argparse.ArgumentParser, d) -> None:
@@ -244,6 +233,12 @@ def _uptrain_flags(p: argparse.ArgumentParser, d) -> None:
 
 _EXPERIMENT_FLAGS = {"heads": _heads_flags, "kv": _kv_flags, "mla": _mla_flags, "induction": _induction_flags,
                      "uptrain": _uptrain_flags}
+
+
+def _context(p, help_text: str) -> None:
+    """--context N, the sequence length, as kv, mla, plan and tour spell it (the old --seq-len refused)."""
+    p.add_argument("--context", type=_positive, default=None, dest="seq_len", metavar="TOKENS", help=help_text)
+    renamed(p, "--seq-len", "--context")
 
 
 def _d_model(p, help_text: str) -> None:

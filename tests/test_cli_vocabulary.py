@@ -1,0 +1,180 @@
+"""One CLI vocabulary: flags spelled in full in every subcommand (an abbreviation is refused
+with the flag it abbreviates), the shared flags defined once (multihead.cli_args), and an old
+spelling refused with the new one named."""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import io
+
+import pytest
+
+from multihead import cli_args
+from multihead.cli import build_parser, main
+
+
+def _parsers(parser: argparse.ArgumentParser, path: tuple[str, ...] = ()):
+    """(path, parser) for the parser and every subparser below it."""
+    yield path, parser
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for name, sub in action.choices.items():
+                yield from _parsers(sub, path + (name,))
+
+
+PARSERS = dict(_parsers(build_parser()))
+LEAVES = {path: p for path, p in PARSERS.items()
+          if not any(isinstance(a, argparse._SubParsersAction) for a in p._actions)}
+
+
+def run(argv: list[str]) -> tuple[int, str]:
+    err = io.StringIO()
+    with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(err):
+        code = main(argv)
+    return code, err.getvalue()
+
+
+def test_the_tree_is_every_subcommand():
+    # the walk is not vacuous: every tool and every experiment and heads subcommand is reached
+    assert {("plan",), ("inspect",), ("tour",), ("heads", "scan"), ("heads", "path"), ("heads", "circuit"),
+            ("heads", "induction"), ("heads", "importance"), ("heads", "prune"), ("lab", "heads"), ("lab", "kv"),
+            ("lab", "mla"), ("lab", "induction"), ("lab", "uptrain")} <= set(LEAVES)
+
+
+@pytest.mark.parametrize("path", sorted(PARSERS), ids=lambda p: " ".join(p) or "multihead")
+def test_no_parser_matches_prefixes(path):
+    assert PARSERS[path].allow_abbrev is False
+
+
+def _abbreviation(parser) -> tuple[str, str]:
+    """A long flag of the parser and a prefix of it that is no flag of its own."""
+    flags = set(parser._option_string_actions)
+    for action in parser._actions:
+        for flag in action.option_strings:
+            if flag.startswith("--") and len(flag) > 5 and flag != "--help" and action.help != argparse.SUPPRESS:
+                prefix = flag[:-2]
+                if prefix not in flags:
+                    return flag, prefix
+    raise AssertionError(f"no long flag in {parser.prog}")
+
+
+def _required(parser) -> list[str]:
+    return [x for a in parser._actions if a.required and a.option_strings for x in (a.option_strings[0], "x")]
+
+
+@pytest.mark.parametrize("path", sorted(LEAVES), ids=" ".join)
+def test_an_abbreviation_is_refused_with_the_full_flag(path):
+    parser = LEAVES[path]
+    flag, prefix = _abbreviation(parser)
+    code, err = run([*path, *_required(parser), prefix, "1"])
+    assert code == 2, err
+    line = err.strip().splitlines()[-1]
+    assert line.startswith(f"multihead {' '.join(path)}: error: {prefix} is not a flag"), line
+    assert flag in line, line
+
+
+def test_the_abbreviations_the_issue_measured():
+    code, err = run(["plan", "--conf", "llama-3-8b", "--cont", "8k"])
+    assert code == 2 and "--conf is not a flag" in err and "did you mean --config?" in err
+    code, err = run(["plan", "--config", "llama-3-8b", "--cont", "8k"])
+    assert code == 2 and "did you mean --context?" in err
+    # an ambiguous one names every flag it could abbreviate
+    code, err = run(["lab", "heads", "--see", "1"])
+    assert code == 2 and "did you mean --seed or --seeds?" in err
+    # the full spelling, with = too, still works
+    assert build_parser().parse_args(["plan", "--config=llama-3-8b", "--context", "8k"]).context == "8k"
+
+
+@pytest.mark.parametrize("experiment", ["heads", "induction"])
+def test_seq_len_is_now_context(experiment):
+    code, err = run(["lab", experiment, "--quick", "--seq-len", "8"])
+    assert code == 2
+    assert err.strip().splitlines()[-1] == f"multihead lab {experiment}: error: --seq-len is now --context"
+    assert build_parser().parse_args(["lab", experiment, "--context", "8"]).seq_len == 8
+    assert "--seq-len" not in LEAVES[("lab", experiment)].format_help()
+
+
+def _model_actions():
+    for path, parser in LEAVES.items():
+        for action in parser._actions:
+            if "--model" in action.option_strings:
+                yield path, action
+
+
+def test_one_model_help():
+    texts = {}
+    for path, action in _model_actions():
+        texts.setdefault(action.help, []).append(" ".join(path))
+    # circuit (transformers decoders only) and lab uptrain (a model to convert) load fewer kinds
+    own = {("heads", "circuit"), ("lab", "uptrain")}
+    shared = {p for p, a in _model_actions() if p not in own}
+    assert len(shared) >= 6, shared  # inspect and the five heads commands that load any model
+    for path, action in _model_actions():
+        if path in own:
+            continue
+        assert action.help in (cli_args.model_help(action.default), cli_args.model_help(action.default, True)), path
+        assert action.default in action.help
+    for word in ("minilm", "smollm2", "gemma3", ".gguf", "folder", "`multihead lab` checkpoint"):
+        assert word in cli_args.model_help("minilm"), word
+    assert "minilm" not in cli_args.model_help("smollm2", decoder=True)
+
+
+def test_shared_flags_mean_the_same_everywhere():
+    seen = {"--seed": 0, "--json": 0, "--out": 0}
+    for path, parser in LEAVES.items():
+        for action in parser._actions:
+            if "--seed" in action.option_strings and path != ("heads", "circuit"):  # its own int, for now
+                seen["--seed"] += 1
+                assert action.type is cli_args.seed and action.default == 0, path
+            if "--json" in action.option_strings:
+                seen["--json"] += 1
+                assert isinstance(action, argparse._StoreTrueAction), path
+            if "--out" in action.option_strings:
+                seen["--out"] += 1
+                assert action.metavar == "DIR", path
+    assert seen["--seed"] >= 8 and seen["--json"] >= 7 and seen["--out"] >= 7, seen
+    code, err = run(["heads", "scan", "--seed", "-1"])
+    assert code == 2 and "expected a seed in 0 .. 2**63 - 1" in err
+
+
+def test_the_parser_class_refuses_prefixes_by_itself():
+    p = cli_args.Parser(prog="x", allow_abbrev=True)  # the class wins over a caller's allow_abbrev
+    p.add_argument("--context")
+    assert p.parse_args(["--context", "1"]).context == "1"
+    with pytest.raises(SystemExit), contextlib.redirect_stderr(io.StringIO()) as err:
+        p.parse_args(["--cont", "1"])
+    assert "did you mean --context?" in err.getvalue()
+
+
+def test_heads_prune_prints_json(tmp_path):
+    transformers = pytest.importorskip("transformers")
+    import json
+
+    import torch
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    words = ["[UNK]", "[PAD]", "the", "cat", "sat"]
+    tok = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    cfg = transformers.LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, vocab_size=len(words),
+                                   num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+                                   max_position_embeddings=16, bos_token_id=None, eos_token_id=None, pad_token_id=1)
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(cfg)
+    model.save_pretrained(tmp_path / "llama")
+    transformers.PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="[UNK]", pad_token="[PAD]").save_pretrained(
+        tmp_path / "llama")
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(io.StringIO()):
+        code = main(["heads", "prune", "--model", str(tmp_path / "llama"), "--remove", "0.2,0.3,1.0,1.1", "--out",
+                     str(tmp_path / "pruned"), "--json"])
+    assert code == 0
+    r = json.loads(out.getvalue())
+    back = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "pruned")
+    assert r["removed"] == [[0, 2], [0, 3], [1, 0], [1, 1]] and r["out"] == str(tmp_path / "pruned")
+    assert (r["num_attention_heads"], r["num_key_value_heads"]) == (2, 1)
+    assert r["params_before"] == sum(p.numel() for p in model.parameters())
+    assert r["params"] == sum(p.numel() for p in back.parameters())
+    # 2 of 4 query heads (8 dims each) go from q and o, 1 of 2 key/value heads from k and v, in 2 layers
+    assert r["params_before"] - r["params"] == 2 * (2 * 2 * 8 * 32 + 2 * 1 * 8 * 32)
