@@ -96,6 +96,19 @@ def test_models_without_the_graph_are_refused_by_name():
         heads.edges(torch.nn.Linear(2, 2))
 
 
+@pytest.mark.parametrize("extra, words", [({"attention_bias": True}, "attention_bias=True"),
+                                          ({"use_bidirectional_attention": True}, "bidirectional")])
+def test_gemma_layouts_off_the_graph_are_refused_by_name(extra, words):
+    cfg = transformers.Gemma3TextConfig(hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                                        num_attention_heads=2, num_key_value_heads=1, head_dim=8, vocab_size=20,
+                                        sliding_window=4, **extra)
+    with pytest.raises(ValueError, match=words):
+        heads.edges(transformers.Gemma3ForCausalLM(cfg))
+    assert len(heads.edges(transformers.Gemma3ForCausalLM(transformers.Gemma3TextConfig(
+        hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1,
+        head_dim=8, vocab_size=20)))) == 4 + 3 + 4  # 2 q, 1 k, 1 v from input; m0 from input, 2 heads; logits from 4
+
+
 def test_hostile_inputs_name_the_mistake_and_leave_the_model_as_it_was(llama):
     clean, corrupted = pair(9)
     E = heads.edges(llama)
