@@ -352,8 +352,8 @@ def test_edge_scores_equal_the_reference(setup, steps):
     want = ref.scores(clean, corrupted, steps)
     for batch_size in (None, 2):  # one chunk; chunks with the metric's gradient from a first pass
         got = heads.edge_scores(model, clean, corrupted, metric, method="eap-ig", steps=steps, batch_size=batch_size)
-        a = torch.tensor([got[e] for e in want])
-        b = torch.tensor(list(want.values()))
+        a = torch.tensor([got[e] for e in want], dtype=torch.float64)
+        b = torch.tensor(list(want.values()), dtype=torch.float64)
         err = float((a - b).abs().max() / b.abs().max())
         assert err < 1e-6, (kind, steps, batch_size, err)
     if steps == 1:

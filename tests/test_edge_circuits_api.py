@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 import pytest
 import torch
 import transformers
@@ -94,6 +97,19 @@ def test_models_without_the_graph_are_refused_by_name():
         heads.edges(transformers.GPTNeoXForCausalLM(cfg))
     with pytest.raises(TypeError, match="transformers decoder"):
         heads.edges(torch.nn.Linear(2, 2))
+
+
+@pytest.mark.parametrize("extra, words", [({"attention_bias": True}, "attention_bias=True"),
+                                          ({"use_bidirectional_attention": True}, "bidirectional")])
+def test_gemma_layouts_off_the_graph_are_refused_by_name(extra, words):
+    cfg = transformers.Gemma3TextConfig(hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                                        num_attention_heads=2, num_key_value_heads=1, head_dim=8, vocab_size=20,
+                                        sliding_window=4, **extra)
+    with pytest.raises(ValueError, match=words):
+        heads.edges(transformers.Gemma3ForCausalLM(cfg))
+    assert len(heads.edges(transformers.Gemma3ForCausalLM(transformers.Gemma3TextConfig(
+        hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1,
+        head_dim=8, vocab_size=20)))) == 4 + 3 + 4  # 2 q, 1 k, 1 v from input; m0 from input, 2 heads; logits from 4
 
 
 def test_hostile_inputs_name_the_mistake_and_leave_the_model_as_it_was(llama):
@@ -197,3 +213,18 @@ def test_qwen3_query_and_key_norms_are_inside_the_receivers():
         want, base = float(metric(model(clean).logits)), float(metric(model(corrupted).logits))
     assert heads.edge_patch(model, clean, corrupted, metric, heads.edges(model)) == pytest.approx(want, rel=1e-6)
     assert heads.edge_patch(model, clean, corrupted, metric, []) == pytest.approx(base, rel=1e-6)
+
+
+def test_the_gemma_section_quotes_its_run():
+    root = Path(__file__).resolve().parent.parent
+    run = json.loads((root / "docs" / "heads-circuits-auto" / "gemma3-ioi-n10-eap-ig.json").read_text())
+    text = (root / "docs" / "heads-circuits-auto.md").read_text()
+    section = text[text.index("## Gemma 3 270M on IOI"):]
+    assert f"--n {run['n']} --method {run['method']} --steps {run['steps']}" in section
+    assert f"**n = {run['n']}**" in section and f"{run['edges_total']:,} edges" in section
+    c = run["curve"]
+    for value in (c["cpr"], c["cmd"], c["metric_clean"], c["metric_corrupted"], *c["faithfulness"][:8],
+                  *(t["score"] for t in run["top"][:5])):
+        assert f"{value:.3f}" in section, value
+    for t in run["top"][:5]:
+        assert f"`{t['edge']}` ({t['score']:.3f})" in section, t

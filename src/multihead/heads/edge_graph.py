@@ -14,6 +14,12 @@ Senders are numbered input, then per layer its heads and its MLP; every receiver
 prefix of that order (`Graph.prefix`), which is what makes a set of edges a
 `(receivers, senders)` mask. JSON names: `input`, `a{l}.h{h}`, `m{l}`, `a{l}.h{h}<q>`,
 `a{l}.g{g}<k>`, `a{l}.g{g}<v>`, `logits`; an edge is `"{sender}->{receiver}"`.
+
+Gemma 2/3 add `post_norm(sum_h o_h)` after the attention (o_h: head h's z through its slice
+of o_proj). There head h's output is its share `(1 + w) * o_h / rms(sum_h' o_h')`, w and eps
+those of the post-attention norm, in its dtype rules, the rms of that same run's sum (so the
+shares sum to what the block adds, and patching one head rescales the others of its layer);
+an MLP's output is its output after the post-feedforward norm. docs/heads-circuits-auto.md.
 """
 
 from __future__ import annotations
