@@ -173,16 +173,17 @@ def test_multihead_keywords_refused_inside_a_whole_compile():
 
 
 @pytest.mark.slow
-def test_multihead_keywords_run_uncompiled_where_dynamo_falls_back(monkeypatch):
+def test_multihead_keywords_run_uncompiled_where_dynamo_falls_back():
     """Without fullgraph, dynamo runs the refused frame eagerly: a WeightsRequest's answer is the
     uncompiled model's (and stays so past dynamo's recompile limit, lowered to 2 here); the head
     tools refuse the compiled model by name up front."""
     from multihead import heads
 
-    monkeypatch.setattr(torch._dynamo.config, "recompile_limit", 2)
     inputs = batch()
     plain = build("llama")
-    with torch.no_grad():
+    # dynamo's own patch, not monkeypatch: monkeypatch's undo deletes a config entry (the config
+    # module keeps its values outside its __dict__), and every later compile then fails.
+    with torch.no_grad(), torch._dynamo.config.patch(recompile_limit=2):
         req = _request(plain)
         req.run(plain, **inputs)
         model = build("llama")
