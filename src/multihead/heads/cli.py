@@ -43,6 +43,7 @@ from multihead.cli_args import add_json, add_model, add_out, add_seed
 from multihead.errors import UsageError
 from multihead.files import output_file
 from multihead.heads.heatmap import heat_html, heat_png, text_table
+from multihead.heads.path_cli import check_fit, token_after
 
 TOP = 10
 HELD_OUT = 256  # verses the task's score is measured on (not the ones importance is computed on)
@@ -224,29 +225,6 @@ def _encode(loaded, kind: str, flag: str, text: str):
     return enc
 
 
-def next_token(loaded, kind: str, flag: str, text: str, token: str) -> tuple[int, str]:
-    """The id and piece of `token` as the model would write it right after `text`
-    (`multihead.heads.tokens.next_token`, which `heads path` reads too); UsageError unless
-    that is exactly one known token. `kind` is kept for callers; the model tells."""
-    from multihead.heads.tokens import next_token as read
-
-    try:
-        return read(loaded, flag, text, token)
-    except ValueError as err:
-        raise UsageError(str(err)) from None
-
-
-def _check_fit(model, *inputs) -> None:
-    """A one-line refusal when the inputs hold ids beyond the model's vocabulary."""
-    from multihead.heads.tokens import check_ids_fit
-
-    try:
-        for x in inputs:
-            check_ids_fit(model, x)
-    except ValueError as err:
-        raise UsageError(f"--model: {err}") from None
-
-
 def _as_ids(ids: list[int]):
     import torch
 
@@ -307,9 +285,9 @@ def _one_pair(loaded, model, kind: str, args):
         raise UsageError(f"--clean is {len(ids_a)} tokens and --corrupted {len(ids_b)} tokens; patching needs the "
                          f"same number of tokens ({_first_difference(loaded, kind, ids_a, ids_b)}; change words for "
                          "words of as many tokens)")
-    ans, ans_piece = next_token(loaded, kind, "--answer", args.clean, args.answer)
-    wrong, wrong_piece = next_token(loaded, kind, "--wrong", args.clean, args.wrong)
-    _check_fit(model, _as_ids([ans, wrong]))
+    ans, ans_piece = token_after(loaded, "--answer", args.clean, args.answer)
+    wrong, wrong_piece = token_after(loaded, "--wrong", args.clean, args.wrong)
+    check_fit(model, _as_ids([ans, wrong]))
     if ans == wrong:
         raise UsageError(f"--answer {args.answer!r} and --wrong {args.wrong!r} are the same token "
                          f"({ans_piece!r}); the metric would be 0")
@@ -411,7 +389,7 @@ def _scan(args) -> dict:
         clean, corrupted, reference, metric, info = _one_pair(loaded, model, kind, args)
     else:
         clean, corrupted, reference, metric, info = _task_inputs(loaded, model, kind, args)
-    _check_fit(model, clean, corrupted, reference)
+    check_fit(model, clean, corrupted, reference)
     m_clean, m_corr = float(metric(_run(model, clean))), float(metric(_run(model, corrupted)))
     t0 = time.perf_counter()
     table = heads.patch_scan(model, clean, corrupted, metric, what=args.what, progress=True)
@@ -455,7 +433,7 @@ def induction_study(args) -> dict:
     _check_length(loaded, kind, args.length, limit)
     task = tasks.induction(args.n, args.length, seed=args.seed,
                            vocab=loaded.tokenizer if kind == "hf" else len(loaded.vocab))
-    _check_fit(model, task.clean, task.corrupted, task.reference)
+    check_fit(model, task.clean, task.corrupted, task.reference)
     t0 = time.perf_counter()
     rec = heads.record(model, task.clean, what=("pattern",))
     L, off, T = task.length, task.offset, task.clean.shape[1]

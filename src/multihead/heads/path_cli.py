@@ -87,9 +87,10 @@ def _load(spec: str):
     return loaded, hf
 
 
-def _token(loaded, flag: str, text: str, token: str) -> tuple[int, str]:
-    """The id and piece of `token` as the model would write it after `text`, read as `heads
-    scan` reads it (`multihead.heads.tokens.next_token`); UsageError unless it is one known token."""
+def token_after(loaded, flag: str, text: str, token: str) -> tuple[int, str]:
+    """The id and piece of `token` as the model would write it after `text`
+    (`multihead.heads.tokens.next_token`, for `heads scan` and `heads path` alike); UsageError
+    unless it is one known token."""
     from multihead.heads.tokens import next_token
 
     try:
@@ -98,7 +99,8 @@ def _token(loaded, flag: str, text: str, token: str) -> tuple[int, str]:
         raise UsageError(str(err)) from None
 
 
-def _check_fit(model, *inputs) -> None:
+def check_fit(model, *inputs) -> None:
+    """A one-line refusal (UsageError) when the inputs hold ids beyond the model's vocabulary."""
     from multihead.heads.tokens import check_ids_fit
 
     try:
@@ -126,9 +128,9 @@ def _one_pair(loaded, hf: bool, args):
     if len(ids[0]) != len(ids[1]):
         raise UsageError(f"--clean is {len(ids[0])} tokens and --corrupted {len(ids[1])} tokens; path patching "
                          "needs the same number (change words for words of as many tokens)")
-    ans, ans_piece = _token(loaded, "--answer", args.clean, args.answer)
-    wrong, wrong_piece = _token(loaded, "--wrong", args.clean, args.wrong)
-    _check_fit(loaded.model, torch.tensor([ans, wrong]))
+    ans, ans_piece = token_after(loaded, "--answer", args.clean, args.answer)
+    wrong, wrong_piece = token_after(loaded, "--wrong", args.clean, args.wrong)
+    check_fit(loaded.model, torch.tensor([ans, wrong]))
     if ans == wrong:
         raise UsageError(f"--answer {args.answer!r} and --wrong {args.wrong!r} are the same token ({ans_piece!r}); "
                          "the metric would be 0")
@@ -178,7 +180,7 @@ def path_table(args) -> dict:
     loaded, hf = _load(args.model)
     model = loaded.model
     clean, corrupted, metric, info = _ioi(loaded, hf, args) if args.task else _one_pair(loaded, hf, args)
-    _check_fit(model, clean, corrupted)
+    check_fit(model, clean, corrupted)
     with torch.no_grad():
         run = (lambda x: model(**x).logits) if hf else model
         m_clean, m_corr = float(metric(run(clean))), float(metric(run(corrupted)))
