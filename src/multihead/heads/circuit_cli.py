@@ -36,8 +36,9 @@ def add_circuit_arguments(subparsers) -> argparse.ArgumentParser:
         epilog="examples:" + __doc__.split("examples:")[1], formatter_class=argparse.RawDescriptionHelpFormatter,
         allow_abbrev=False)
     p.add_argument("--model", default="smollm2",
-                   help="a transformers decoder LM: smollm2 (the bundled SmolLM2-135M-Instruct; default), a .gguf "
-                        "file or a local Hugging Face causal LM folder (Llama, Mistral, Qwen2, Qwen3, GPT-2)")
+                   help="a transformers decoder LM: smollm2 (the bundled SmolLM2-135M-Instruct; default), gemma3 "
+                        "(Gemma 3 270M, if installed), a .gguf file or a local Hugging Face causal LM folder (Llama, "
+                        "Mistral, Qwen2, Qwen3, GPT-2, Gemma 2/3)")
     p.add_argument("--task", choices=["ioi"], default="ioi",
                    help="ioi: indirect-object pairs of Wang et al. (2022), metric logit(IO) - logit(S) (default)")
     p.add_argument("--n", type=int, default=N_PAIRS, help=f"prompt pairs (default {N_PAIRS})")
