@@ -13,7 +13,7 @@ import torch
 
 from multihead import convert
 from multihead.interop.hf.calibrated import calibration_ids, layer_stats, turn_pairs
-from multihead.interop.hf.mla import mla_layers
+from multihead.interop.hf.mla import mla_layers, rope_pair_scores
 
 transformers = pytest.importorskip("transformers")
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -188,6 +188,24 @@ def test_calibration_text_needs_the_tokenizer_and_bad_calibration_is_named():
         convert.to_mla(model, 8, rope_dim=4, keep="rotation")
     with pytest.raises(TypeError, match=r"received a torch.float32 tensor"):
         convert.to_gqa(model, 1, calibration=torch.zeros(4))
+
+
+@pytest.mark.parametrize("bad", [-1, VOCAB])
+def test_calibration_ids_outside_the_vocabulary_are_refused_by_name(bad):
+    """An id past the embedding raised torch's IndexError from inside the model's forward."""
+    model = _llama()
+    ids = _cal()
+    ids[1, 5] = bad
+    want = rf"calibration holds token id {bad}, outside the model's vocabulary; valid: ids in \[0, {VOCAB - 1}\]"
+    for call in (lambda: convert.to_gqa(model, 1, calibration=ids),
+                 lambda: convert.to_mla(model, 8, rope_dim=4, calibration=ids),
+                 lambda: rope_pair_scores(model, calibration=ids),
+                 lambda: convert.to_mla(model, 8, rope_dim=4, calibration="a b c", tokenizer=lambda text: {
+                     "input_ids": [0, bad, 2]})):
+        with pytest.raises(ValueError, match=want):
+            call()
+    new = convert.to_gqa(model, 1, calibration=ids.clamp(0, VOCAB - 1))
+    assert new.config.num_key_value_heads == 1
 
 
 def test_gemma3_is_refused_by_name():

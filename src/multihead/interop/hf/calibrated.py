@@ -44,9 +44,11 @@ class LayerStats:
     value_scale: Tensor  # (H,) float64
 
 
-def calibration_ids(calibration, tokenizer=None, *, fn: str = "to_mla") -> Tensor:
+def calibration_ids(calibration, tokenizer=None, *, fn: str = "to_mla", vocab: int | None = None) -> Tensor:
     """Token ids `(B, T)` from ids `(T,)` / `(B, T)` or from text (a str, read with
-    `tokenizer`, in windows of CALIBRATION_WINDOW tokens; a shorter text is one window)."""
+    `tokenizer`, in windows of CALIBRATION_WINDOW tokens; a shorter text is one window).
+    With `vocab` (the model's embedding rows) every id must lie in [0, vocab): an id outside
+    would index past the embedding."""
     if isinstance(calibration, str):
         if tokenizer is None or not callable(tokenizer):
             raise TypeError(f"{fn}: calibration text needs the model's tokenizer to become token ids; received "
@@ -56,6 +58,7 @@ def calibration_ids(calibration, tokenizer=None, *, fn: str = "to_mla") -> Tenso
         if ids.numel() < 2:
             raise ValueError(f"{fn}: the calibration text gives {ids.numel()} token(s); valid: a text of at least "
                              "2 tokens (a few thousand convert well)")
+        _check_id_range(ids, vocab, fn)
         n = CALIBRATION_WINDOW
         return ids[None] if len(ids) < n else ids[: len(ids) // n * n].view(-1, n)
     if not isinstance(calibration, Tensor) or calibration.dtype != torch.long or calibration.dim() not in (1, 2) \
@@ -63,7 +66,18 @@ def calibration_ids(calibration, tokenizer=None, *, fn: str = "to_mla") -> Tenso
         raise TypeError("calibration must be a non-empty LongTensor of token ids (T,) or (B, T), or text (a str); "
                         "received " + (f"a {calibration.dtype} tensor of shape {tuple(calibration.shape)}"
                                        if isinstance(calibration, Tensor) else type(calibration).__name__))
+    _check_id_range(calibration, vocab, fn)
     return calibration[None] if calibration.dim() == 1 else calibration
+
+
+def _check_id_range(ids: Tensor, vocab: int | None, fn: str) -> None:
+    if vocab is None:
+        return
+    lo, hi = int(ids.min()), int(ids.max())
+    if lo < 0 or hi >= vocab:
+        bad = lo if lo < 0 else hi
+        raise ValueError(f"{fn}: calibration holds token id {bad}, outside the model's vocabulary; valid: ids in "
+                         f"[0, {vocab - 1}]")
 
 
 def turn_pairs(w: Tensor, a: Tensor) -> Tensor:

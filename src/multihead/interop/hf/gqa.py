@@ -107,7 +107,7 @@ def transformers_to_gqa(model: nn.Module, n_kv_heads: int, *, init: str | None =
                          "or no calibration")
     H, old = _check(model, n_kv_heads)
     stats = {} if calibration is None else layer_stats(model, kv_layers(model), calibration_ids(
-        calibration, tokenizer, fn="to_gqa"))
+        calibration, tokenizer, fn="to_gqa", vocab=model.get_input_embeddings().num_embeddings))
     new = copy.deepcopy(model)
     rows = []
     for name, attn in kv_layers(new):

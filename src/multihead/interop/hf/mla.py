@@ -136,7 +136,7 @@ def _activation_scores(attn: nn.Module, xs: list[Tensor]) -> Tensor:
 
 def _layer_inputs(model: nn.Module, layers: list[tuple[str, nn.Module]], calibration) -> dict[str, list[Tensor]]:
     """Each attention layer's input hidden states when the model reads `calibration`."""
-    ids = _check_calibration(calibration)
+    ids = calibration_ids(calibration, fn="rope_pair_scores", vocab=model.get_input_embeddings().num_embeddings)
     seen: dict[str, list[Tensor]] = {name: [] for name, _ in layers}
     handles = []
     for name, m in layers:
@@ -151,15 +151,6 @@ def _layer_inputs(model: nn.Module, layers: list[tuple[str, nn.Module]], calibra
         for h in handles:
             h.remove()
     return seen
-
-
-def _check_calibration(ids) -> Tensor:
-    """Token ids `(B, T)` (a `(T,)` one gets a batch of 1)."""
-    if not isinstance(ids, Tensor) or ids.dtype != torch.long or ids.dim() not in (1, 2) or ids.numel() == 0:
-        raise TypeError("calibration must be a non-empty LongTensor of token ids (T,) or (B, T); received "
-                        + (f"a {ids.dtype} tensor of shape {tuple(ids.shape)}" if isinstance(ids, Tensor)
-                           else type(ids).__name__))
-    return ids[None] if ids.dim() == 1 else ids
 
 
 def rope_pair_scores(model: nn.Module, *, calibration: Tensor | None = None) -> dict[str, Tensor]:
@@ -569,7 +560,8 @@ def transformers_to_mla(model: nn.Module, kv_rank: int, *, rope_dim: int | None,
         raise ValueError(f"to_mla: calibration= feeds the data-aware choices; received it with keep={keep!r}, "
                          f"basis={basis!r}, which read no data; valid: keep='rotation' or 'norm', or basis='output' "
                          "or 'activations' (the defaults with calibration), or no calibration")
-    stats = {} if calibration is None else layer_stats(model, layers, calibration_ids(calibration, tokenizer))
+    stats = {} if calibration is None else layer_stats(model, layers, calibration_ids(
+        calibration, tokenizer, vocab=model.get_input_embeddings().num_embeddings))
     inputs = {name: [st.x] for name, st in stats.items()}
     scores = {}
     if keep != "high" and 0 < k < D // 2:
