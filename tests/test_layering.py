@@ -1,4 +1,4 @@
-"""The layering rules of DESIGN.md, read from the source (no imports run):
+"""The layering rules of docs/development.md, read from the source (no imports run):
 
 - no module imports another module's private names (`from multihead.x import _y`, or
   `x._y` through an imported module): what two modules share gets a module of its own;
@@ -240,7 +240,7 @@ def _floor(mod: str) -> str | None:
 def _check(kind: str, found: set) -> None:
     known = DEBT[kind]
     new, gone = sorted(found - known), sorted(known - found)
-    assert not new, f"new {kind} violation(s) of DESIGN.md's layering: {new}"
+    assert not new, f"new {kind} violation(s) of the layering in docs/development.md: {new}"
     assert not gone, f"fixed, so remove from DEBT[{kind!r}] in tests/test_layering.py: {gone}"
 
 
@@ -313,4 +313,4 @@ def test_reference_and_plan_need_no_torch():
                 names = [a.name for a in node.names] if isinstance(node, ast.Import) else \
                     [node.module or ""] if isinstance(node, ast.ImportFrom) else []
                 offenders += [(mod, n) for n in names if n.split(".")[0] == "torch"]
-    assert not offenders, f"torch imported where DESIGN.md says none is needed: {offenders}"
+    assert not offenders, f"torch imported where docs/development.md says none is needed: {offenders}"
