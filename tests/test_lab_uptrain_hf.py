@@ -339,6 +339,26 @@ def test_a_failed_start_leaves_no_output_folder(llama_folder, tmp_path, capsys):
     assert not (tmp_path / "direct").exists()
 
 
+def test_a_gemma3_folder_is_refused_with_the_converters_reasons(llama_folder, tmp_path, capsys):
+    """Gemma 3 loads as a causal LM, but neither conversion applies (QK-norm for MLA, one KV
+    head already for MQA): the refusal gives those reasons, not "not a Llama-family model"."""
+    from multihead.cli import main
+
+    folder = tmp_path / "tiny-gemma3"
+    cfg = transformers.Gemma3TextConfig(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+                                        num_attention_heads=4, num_key_value_heads=1, head_dim=8,
+                                        max_position_embeddings=64)
+    torch.manual_seed(0)
+    transformers.Gemma3ForCausalLM(cfg).save_pretrained(folder)
+    transformers.AutoTokenizer.from_pretrained(llama_folder).save_pretrained(folder)
+    out = tmp_path / "new"
+    assert main(["lab", "uptrain", "--model", str(folder), "--quick", "--out", str(out), "--no-progress"]) == 2
+    err = capsys.readouterr().err
+    assert "lab uptrain converts the model to MQA and to MLA" in err
+    assert "QK-norm" in err and "has one key/value head already" in err
+    assert not out.exists()
+
+
 @pytest.mark.slow
 def test_quick_on_smollm2(tmp_path):
     """The documented `--quick` on the bundled SmolLM2: every target, fp32 KV bytes from a

@@ -487,10 +487,30 @@ def _load(spec: str):
     except (InspectError, ValueError, OSError) as err:
         raise UsageError(f"--model {spec}: {err}") from None
     model = getattr(loaded, "model", None)
-    if model is None or not getattr(loaded, "is_causal_lm", False) or not mla_layers(model):
+    if model is None or not getattr(loaded, "is_causal_lm", False):
         raise UsageError(f"--model {spec}: not a Llama-family causal LM (Llama, Mistral, Qwen2, Qwen3); valid: "
                          "'smollm2' or a local folder of one")
+    if not mla_layers(model):
+        raise UsageError(f"--model {spec}: lab uptrain converts the model to MQA and to MLA; "
+                         f"{_refusals(model) or 'not a Llama-family causal LM (Llama, Mistral, Qwen2, Qwen3)'}; "
+                         "valid: 'smollm2' or a local folder of a Llama, Mistral, Qwen2 or Qwen3 model")
     return model.eval(), loaded.tokenizer
+
+
+def _refusals(model) -> str:
+    """The converters' own reasons for refusing `model` (they check before copying it), or ''
+    where they give none but the family's."""
+    from multihead import convert
+
+    reasons = []
+    for convert_it in (lambda: convert.to_mla(model, 1, rope_dim=0), lambda: convert.to_gqa(model, 1)):
+        try:
+            convert_it()
+        except ValueError as err:
+            reasons.append(str(err))
+        except TypeError:
+            pass
+    return "; ".join(reasons)
 
 
 def _check_model(cfg: HFUptrainConfig, model) -> None:
