@@ -75,6 +75,60 @@ def test_padded_prune_equals_ablation_and_reloads_in_stock_transformers(kind, re
     assert saved == 3 * (48 * 8 * (2 * (6 - Hkv2 * G2) + 2 * (3 - Hkv2)) + bias)  # q, o per head; k, v per group
 
 
+def _gemma3(hidden: int):
+    """Gemma 3's attention: one K/V head (MQA), QK-norm, sliding and global layers, post-norms
+    (their gains random, so that a wrong head's weights would show)."""
+    from multihead.interop.hf.registry import register
+
+    register()
+    cfg = transformers.Gemma3TextConfig(vocab_size=60, hidden_size=hidden, intermediate_size=48, num_hidden_layers=3,
+                                        num_attention_heads=4, num_key_value_heads=1, head_dim=8,
+                                        max_position_embeddings=64, sliding_window=4,
+                                        layer_types=["sliding_attention", "sliding_attention", "full_attention"])
+    torch.manual_seed(0)
+    m = transformers.Gemma3ForCausalLM(cfg).double().eval()
+    m.set_attn_implementation("multihead")
+    with torch.no_grad():
+        for name, p in m.named_parameters():
+            if "norm" in name:
+                p.normal_(0, 0.3)
+    return m
+
+
+def test_gemma3_pruned_equals_ablated_and_reloads_in_stock_transformers(tmp_path):
+    m = _gemma3(hidden=48)
+    x = torch.randint(0, 60, (2, 9), generator=torch.Generator().manual_seed(1))  # longer than the window
+    removed = [(0, 1), (1, 0), (1, 3), (2, 2)]
+    with heads.ablate(m, removed):
+        ref = _logits(m, x)
+    assert (ref - _logits(m, x)).abs().max() > 0.1  # the removed heads matter
+    orig = copy.deepcopy(m)
+    heads.prune(m, removed, pad=True)
+    assert (m.config.num_attention_heads, m.config.num_key_value_heads) == (3, 1)
+    torch.testing.assert_close(_logits(m, x), ref, atol=1e-12, rtol=0)  # float64: equal but for rounding
+    # a reloaded Gemma 3 computes its RoPE frequencies in float32 (m's were cast to float64 with
+    # the model): the reloaded pruned model is compared with the reloaded unpruned one, ablated
+    orig.save_pretrained(tmp_path / "orig")
+    m.save_pretrained(tmp_path / "pruned")
+    back, orig_back = (transformers.AutoModelForCausalLM.from_pretrained(tmp_path / name, dtype=torch.float64).eval()
+                       for name in ("pruned", "orig"))
+    assert type(back).__name__ == "Gemma3ForCausalLM" and back.config._attn_implementation != "multihead"
+    orig_back.set_attn_implementation("multihead")
+    with heads.ablate(orig_back, removed):
+        ref_back = _logits(orig_back, x)
+    torch.testing.assert_close(_logits(back, x), ref_back, atol=1e-12, rtol=0)
+
+
+def test_gemma3_head_count_that_its_config_refuses_is_named():
+    """Gemma 3 270M's width 640 holds 1, 2 or 4 heads but not 3: transformers' config refuses it."""
+    m = _gemma3(hidden=32)
+    before = copy.deepcopy(m.state_dict())
+    with pytest.raises(ValueError, match=r"would not hold 3 query / 1 key-value heads .*use multihead.heads.ablate"):
+        heads.prune(m, [(0, 1), (1, 0), (2, 2)], pad=True)
+    assert m.config.num_attention_heads == 4
+    assert all(torch.equal(before[k], v) for k, v in m.state_dict().items())  # a refusal leaves the model as it was
+
+
 def test_prune_refuses_uneven_groups_without_pad_and_an_empty_layer_with_it():
     m = _model()
     with pytest.raises(ValueError, match="uneven groups"):
