@@ -1,6 +1,7 @@
 """heads.path_patch / path_patch_scan against a hand-written three-step patch on
 transformers' *eager* attention (the same weights), on small random GPT-2 (its fused qkv
-Conv1D), Llama (GQA), Mistral and Qwen2 (GQA, biases on q/k/v):
+Conv1D), Llama (GQA), Mistral and Qwen2 (GQA, biases on q/k/v), Gemma 2 and 3 (a norm after
+the attention, softcaps, QK-norm, window and global layers):
 
 1. forward pre-hooks on the output projection read every head's z (its slice of the
    projection's input) on clean and on corrupted;
@@ -8,7 +9,8 @@ Conv1D), Llama (GQA), Mistral and Qwen2 (GQA, biases on q/k/v):
    forward hooks on the q/k/v projections read the receivers' slices of their outputs;
 3. forward hooks put those slices into the corrupted run; the direct path ("logits") adds
    the senders' clean-minus-corrupted results, computed from the output projection's
-   weights by hand, to the final norm's input.
+   weights by hand (Gemma: the change of the post-attention norm's output), to the final
+   norm's input; and, with no formula, the run with every other path held.
 
 Also: the scan against one reference patch per head; a sender at or above every receiver
 gives the corrupted metric exactly; in a model whose MLPs are zeroed, one sender's paths to
@@ -33,7 +35,7 @@ transformers = pytest.importorskip("transformers")
 import multihead.interop.hf  # noqa: E402, F401  (registers "multihead")
 
 V = 40
-ARCHS = ["gpt2", "llama", "mistral", "qwen2"]
+ARCHS = ["gpt2", "llama", "mistral", "qwen2", "gemma2", "gemma3"]
 TOL = 1e-5
 
 
@@ -51,8 +53,20 @@ def _build(name: str, layers: int = 3):
             model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**common))
         elif name == "mistral":
             model = transformers.MistralForCausalLM(transformers.MistralConfig(**common, sliding_window=6))
-        else:
+        elif name == "qwen2":
             model = transformers.Qwen2ForCausalLM(transformers.Qwen2Config(**common))
+        elif name == "gemma2":  # post-norms, attention and final softcaps, window on every other layer
+            model = transformers.Gemma2ForCausalLM(transformers.Gemma2Config(
+                **common, sliding_window=6, attn_logit_softcapping=5.0, final_logit_softcapping=8.0))
+        else:  # gemma3: post-norms, QK-norm, sliding and global layers with their own RoPE
+            layer_types = ["sliding_attention", "full_attention"] * layers
+            model = transformers.Gemma3ForCausalLM(transformers.Gemma3TextConfig(
+                **common, sliding_window=6, layer_types=layer_types[:layers]))
+        if name.startswith("gemma"):  # norms' gains start at 1 + 0: random ones show a norm misapplied
+            with torch.no_grad():
+                for pname, p in model.named_parameters():
+                    if "norm" in pname:
+                        p.normal_(0, 0.5)
     model = model.eval()
     eager = copy.deepcopy(model)
     eager.set_attn_implementation("eager")
@@ -94,6 +108,11 @@ class _Eager:
             self.attn = [layer.self_attn for layer in model.model.layers]
             self.final_norm = model.model.norm
             self.H, self.Hkv, self.D = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+        blocks = model.transformer.h if self.gpt2 else model.model.layers
+        self.mlps = [b.mlp for b in blocks]
+        # Gemma 2/3 normalise the attention's output before the residual sum
+        self.post_norms = [getattr(b, "post_attention_layernorm", None) if hasattr(b, "post_feedforward_layernorm")
+                           else None for b in blocks]
 
     def out_proj(self, layer):
         a = self.attn[layer]
@@ -164,8 +183,43 @@ class _Eager:
             module, sl = self.proj(r[0], r[2], r[1])
             hooks.append((module, "post", lambda m, a, out, r=r, sl=sl: put(m, a, out, r, sl)))
         if logits:
-            delta = sum(self.result(layer, h, zc[layer]) - self.result(layer, h, zx[layer]) for layer, h in senders)
+            delta = sum(self.direct(layer, [h for i, h in senders if i == layer], zc[layer], zx[layer])
+                        for layer in {i for i, _ in senders})
             hooks.append((self.final_norm, "pre", lambda m, a: (a[0] + delta,)))
+        return float(metric(self.run(corrupted, hooks)))
+
+    def direct(self, layer, hs, zc, zx):
+        """What a layer's senders `hs`, their z clean, add to the corrupted residual stream: the
+        output projection's change, or for a post-norm block its norm's (the heads together)."""
+        norm = self.post_norms[layer]
+        if norm is None:
+            return sum(self.result(layer, h, zc) - self.result(layer, h, zx) for h in hs)
+        mixed, D = zx.clone(), self.D
+        for h in hs:
+            mixed[..., h * D:(h + 1) * D] = zc[..., h * D:(h + 1) * D]
+        with torch.no_grad():
+            o = self.out_proj(layer)
+            return norm(o(mixed)) - norm(o(zx))
+
+    def direct_by_holding(self, clean, corrupted, metric, senders):
+        """The direct path by its definition, with no formula: the corrupted run with every
+        head's z held at its corrupted value but the senders' (clean) and every MLP's output
+        held at the corrupted run's, so the senders reach the logits through the residual
+        stream only."""
+        zc, zx = self.zs(clean), self.zs(corrupted)
+        mlp = {}
+        self.run(corrupted, [(m, "post", lambda m, a, out, i=i: mlp.__setitem__(i, out.clone()))
+                             for i, m in enumerate(self.mlps)])
+        D = self.D
+
+        def pin(i):
+            x = zx[i].clone()
+            for layer, h in senders:
+                if layer == i:
+                    x[..., h * D:(h + 1) * D] = zc[i][..., h * D:(h + 1) * D]
+            return (x,)
+        hooks = [(self.out_proj(i), "pre", lambda m, a, i=i: pin(i)) for i in range(len(self.attn))]
+        hooks += [(m, "post", lambda m, a, out, i=i: mlp[i]) for i, m in enumerate(self.mlps)]
         return float(metric(self.run(corrupted, hooks)))
 
 
@@ -208,6 +262,31 @@ def test_path_patch_equals_the_hand_written_three_steps_on_eager_attention(name)
                                                         f"{got} vs eager {want} ({abs(got - want):.2e})"
         moved = max(moved, abs(want - base))
     assert moved > 1e-2, f"{name}: no path moved the metric ({moved:.2e}): the check could not fail"
+
+
+@pytest.mark.parametrize("name", ARCHS)
+def test_the_direct_path_is_the_run_with_every_other_path_held(name):
+    """On pre-norm and post-norm (Gemma 2/3) blocks alike: the senders' direct path equals the
+    corrupted run in which every other head's z and every MLP's output are held at their
+    corrupted values. Two heads of one layer together are not the sum of each alone where a
+    norm follows the attention."""
+    model, eager = _build(name)
+    ref = _Eager(eager)
+    clean, corrupted = _pair(7)
+    with torch.no_grad():
+        base = float(_metric(eager(corrupted).logits))
+    moved = 0.0
+    for senders in ([(1, 2)], [(0, 1), (2, 3)], [(1, 0), (1, 2)]):
+        got = heads.path_patch(model, clean, corrupted, _metric, senders, "logits")
+        want = ref.direct_by_holding(clean, corrupted, _metric, senders)
+        assert abs(got - want) < TOL * (1 + abs(want)), f"{name} {senders}: {got} vs held {want}"
+        moved = max(moved, abs(want - base))
+    assert moved > 1e-2, f"{name}: no direct path moved the metric ({moved:.2e}): the check could not fail"
+    scan = heads.path_patch_scan(model, clean, corrupted, _metric, "logits")
+    want = torch.tensor([[ref.direct_by_holding(clean, corrupted, _metric, [(layer, h)]) for h in range(4)]
+                         for layer in range(3)])
+    diff = (scan - want).abs().max().item()
+    assert diff < TOL * (1 + want.abs().max().item()), f"{name}: scan vs held, max diff {diff:.2e}"
 
 
 class _CountSkips(path_patching._Skip):

@@ -8,8 +8,9 @@ Identification in GPT-2 small", section 3.1. For senders (query heads) and recei
    or its key/value head's keys or values);
 3. run corrupted with only the receivers' inputs replaced by step 2's and read the metric.
 The receiver "logits" is the direct path: step 3's final residual plus the senders'
-clean-minus-corrupted results. `path_patch_scan` makes every head the only sender in few
-batched forwards on the scans' shared parts (`_batch`, `_prefix`, `_budget`, `_runner`).
+clean-minus-corrupted results (after the norm that follows the attention in Gemma 2/3).
+`path_patch_scan` makes every head the only sender in few batched forwards on the scans'
+shared parts (`_batch`, `_prefix`, `_budget`, `_runner`).
 Where queries are taken, the prefix skip and the batching: docs/heads-circuit.md.
 """
 
@@ -313,6 +314,14 @@ def _forward(model: nn.Module, inputs, handler: Handler, hooks: list[tuple[nn.Mo
         installed.remove()
 
 
+def _post_norm(block: nn.Module) -> nn.Module | None:
+    """The norm a post-norm block applies to its attention's output before the residual sum
+    (transformers' Gemma 2/3 and OLMo 2 name it post_attention_layernorm, beside a
+    post_feedforward_layernorm; in Llama the same name is the MLP's pre-norm), or None."""
+    norm = getattr(block, "post_attention_layernorm", None)
+    return norm if isinstance(norm, nn.Module) and hasattr(block, "post_feedforward_layernorm") else None
+
+
 class _Runs:
     """What every path patch of one (clean, corrupted) pair shares: both runs' z, the
     corrupted logits and metric, the layers, and each head's clean-minus-corrupted result."""
@@ -339,12 +348,44 @@ class _Runs:
         self.parents = parents_of(model)
 
     def delta(self, layer: int) -> Tensor:
-        """Every head's clean-minus-corrupted result at `layer`: `(B, T, H, C)`, no bias."""
+        """What each head of `layer` alone, its z clean, adds to the residual stream of the
+        corrupted run: `(B, T, H, C)` (see `direct`)."""
         if layer not in self._deltas:
-            lay = self.layers[layer]
             self._deltas.clear()
-            self._deltas[layer] = head_results(self.model, lay, self.clean["z", layer] - self.corrupted["z", layer])
+            lay = self.layers[layer]
+            d = head_results(self.model, lay, self.clean["z", layer] - self.corrupted["z", layer])  # (B, T, H, C)
+            self._deltas[layer] = self._normed(layer, d, 2)
         return self._deltas[layer]
+
+    def direct(self, senders: list[tuple[int, int]]) -> Tensor:
+        """What the senders, their z clean, add to the residual stream of the corrupted run
+        with every later layer's output held: `(B, T, C)`. A pre-norm block adds the output
+        projection's change; a post-norm block (Gemma 2/3, OLMo 2) adds the change of its norm's
+        output, the senders of one layer together (the norm couples the heads of a layer)."""
+        total = 0
+        for layer in sorted({layer for layer, _ in senders}):
+            hs = [h for i, h in senders if i == layer]
+            d = head_results(self.model, self.layers[layer], self.clean["z", layer] - self.corrupted["z", layer])
+            total = total + self._normed(layer, d[:, :, hs].sum(2), None)  # (B, T, C)
+        return total
+
+    def _normed(self, layer: int, d: Tensor, at: int | None) -> Tensor:
+        """`d`, a change of layer's attention output (a head axis at `at`, or none), as the
+        change it makes to the residual stream: itself, or post_norm(out + d) - post_norm(out)
+        where a norm follows the attention (out: the corrupted run's attention output)."""
+        norm = _post_norm(block_of(self.model, self.layers[layer].module, self.parents))
+        if norm is None:
+            return d
+        lay = self.layers[layer]
+        z = self.corrupted["z", layer]
+        out = head_results(self.model, lay, z).sum(2)  # (B, T, C)
+        bias = getattr(getattr(lay.module, "o_proj", None), "bias", None)
+        if bias is not None:
+            out = out + bias.detach().to(out.dtype)
+        if at is not None:
+            out = out.unsqueeze(at)
+        with torch.no_grad():
+            return norm(out + d) - norm(out)
 
     def last_block(self, senders: list[tuple[int, int]]) -> nn.Module:
         """The block whose output is the final residual; refuses senders outside its stack."""
@@ -382,7 +423,7 @@ def _one(runs: _Runs, senders: list[tuple[int, int]], receivers: list[tuple[int,
     hooks = []
     if logits:
         last = runs.last_block(senders)
-        delta = sum(runs.delta(layer)[:, :, h] for layer, h in senders)  # (B, T, C)
+        delta = runs.direct(senders)  # (B, T, C)
         def add_delta(m, a, out):
             x = first_output(out)
             return with_first(out, x + delta.to(x.dtype))
