@@ -191,3 +191,11 @@ def test_hooks_the_edge_forward_would_skip_are_refused_and_called_ones_kept():
         want = float(metric(model(clean).logits))
     assert heads.edge_patch(model, clean, corrupted, metric, E) == pytest.approx(want, rel=1e-10)
     h.remove()
+
+
+def test_scores_that_are_not_finite_are_refused_not_returned(llama):
+    """A metric whose gradient is infinite (as a float16 model's overflowing backward gives) made every
+    score NaN or inf: faithfulness_curve then refused them and to_json wrote NaN, which is not JSON."""
+    clean, corrupted = pair(1)
+    with pytest.raises(ValueError, match=r"\d+ of 190 edge scores are not finite: .* torch\.float64"):
+        heads.edge_scores(llama, clean, corrupted, lambda lg: lg[:, -1, 3].mean() * float("inf"), method="eap")

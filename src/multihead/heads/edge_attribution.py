@@ -177,4 +177,9 @@ def edge_scores(model, clean, corrupted, metric, method: str = "eap-ig", steps: 
         grads = None if size >= len(a) else _metric_grads(em, a, b, readout, steps, size)
         for sl in chunks(len(a), size):
             _chunk_scores(em, a, b, readout, steps, sl, grads, scores)
+    bad = int((~torch.isfinite(scores)).sum())
+    if bad:  # a NaN or inf score orders nothing, and to_json would write what JSON cannot read
+        raise ValueError(f"{bad} of {len(g)} edge scores are not finite: the metric or its gradient overflowed in "
+                         f"the model's {em.dtype}; valid: a model whose forward and backward stay finite (float32 "
+                         "or bfloat16 for a float16 one)")
     return EdgeScores(g, (scores / steps).cpu(), method, steps)
