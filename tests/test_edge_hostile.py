@@ -10,7 +10,7 @@ import torch
 import transformers
 
 from multihead import heads
-from multihead.heads.edge_graph import edge_name
+from multihead.heads.edge_graph import Graph, edge_name
 from test_edge_circuits import make, metric, pair
 
 V = 40
@@ -199,3 +199,19 @@ def test_scores_that_are_not_finite_are_refused_not_returned(llama):
     clean, corrupted = pair(1)
     with pytest.raises(ValueError, match=r"\d+ of 190 edge scores are not finite: .* torch\.float64"):
         heads.edge_scores(llama, clean, corrupted, lambda lg: lg[:, -1, 3].mean() * float("inf"), method="eap")
+
+
+def test_a_keep_mask_with_entries_off_the_graph_is_refused(llama):
+    """A True where a receiver reads no such sender (a later layer's) was ignored: the edge does not exist."""
+    clean, corrupted = pair(2)
+    g = Graph(3, 4, 2)
+    assert g.edges == heads.edges(llama)
+    mask = torch.zeros(len(g.receivers), len(g.senders), dtype=torch.bool)
+    mask[0, -1] = True  # a0.h0<q> from the last MLP
+    with pytest.raises(ValueError, match=r"marks 1 \(receiver, sender\) pair\(s\) that are no edge .*receiver 0 "):
+        heads.edge_patch(llama, clean, corrupted, metric, mask)
+    full = torch.zeros_like(mask)
+    for r, n in enumerate(g.prefix):
+        full[r, :n] = True
+    assert heads.edge_patch(llama, clean, corrupted, metric, full) == heads.edge_patch(llama, clean, corrupted, metric,
+                                                                                       heads.edges(llama))

@@ -45,7 +45,15 @@ def keep_mask(graph: Graph, keep) -> Tensor:
         want = (len(graph.receivers), len(graph.senders))
         if tuple(keep.shape) != want:
             raise ValueError(f"a keep mask must be (receivers, senders) = {want}; received {tuple(keep.shape)}")
-        return keep.cpu()
+        keep = keep.cpu()
+        # receiver r reads only its prefix of senders: a True past it is no edge, as an unknown name is not
+        off = keep & (torch.arange(want[1])[None, :] >= torch.tensor(graph.prefix)[:, None])
+        if bool(off.any()):
+            r, s = off.nonzero()[0].tolist()
+            raise ValueError(f"the keep mask marks {int(off.sum())} (receiver, sender) pair(s) that are no edge of "
+                             f"this model's graph, e.g. receiver {r} ({graph.receivers[r]!r}) from sender {s} "
+                             f"({graph.senders[s]!r}), which runs after it")
+        return keep
     if isinstance(keep, (str, bytes)) or not isinstance(keep, Iterable):
         hint = " (wrap one name in a list)" if isinstance(keep, str) else ""
         raise TypeError(f"keep must be a collection of edges ((sender, receiver) pairs or 'sender->receiver' names); "
