@@ -215,3 +215,23 @@ def test_a_keep_mask_with_entries_off_the_graph_is_refused(llama):
         full[r, :n] = True
     assert heads.edge_patch(llama, clean, corrupted, metric, full) == heads.edge_patch(llama, clean, corrupted, metric,
                                                                                        heads.edges(llama))
+
+
+def test_a_model_converted_to_mla_is_refused_and_one_converted_to_gqa_runs():
+    """to_mla's latent attention has no per-head k/v projections: edges() raised AttributeError
+    ('no attribute q_proj'). to_gqa's model is a stock Llama: all edges give its clean logits."""
+    from multihead import convert
+
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(transformers.LlamaConfig(
+        hidden_size=32, intermediate_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+        vocab_size=V, head_dim=8)).double().eval()
+    with pytest.raises(ValueError, match=r"layer 0's attention \(LatentLlamaAttention\) has no q_proj"):
+        heads.edges(convert.to_mla(model, 8, rope_dim=4))
+    mqa = convert.to_gqa(model, 1)
+    clean, corrupted = pair(3)
+    with torch.no_grad():
+        want = float(metric(mqa(clean).logits))
+    # the stock RMSNorm rounds through float32 (6e-8) and the two forwards sum heads in different orders:
+    # a few float32 roundings over 2 layers, far under 1e-6
+    assert heads.edge_patch(mqa, clean, corrupted, metric, heads.edges(mqa)) == pytest.approx(want, rel=1e-6)

@@ -198,8 +198,13 @@ def _out_heads(w_out_in: Tensor, n: int) -> Tensor:
 def _llama(model, kind: str) -> EdgeModel:
     cfg, inner = model.config, model.model
     blocks = []
-    for layer in inner.layers:
+    for i, layer in enumerate(inner.layers):
         a = layer.self_attn
+        if not all(isinstance(getattr(a, n, None), nn.Linear) for n in ("q_proj", "k_proj", "v_proj", "o_proj")):
+            raise ValueError(f"{type(model).__name__}: layer {i}'s attention ({type(a).__name__}) has no q_proj, "
+                             "k_proj, v_proj and o_proj Linear layers (a convert.to_mla model's latent attention has "
+                             "none): the edge graph's receivers are each head's query, key and value inputs; valid: "
+                             "a model with them, e.g. the model before to_mla")
         H, Hkv = cfg.num_attention_heads, getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
         wq, bq = _heads(a.q_proj, H)
         wk, bk = _heads(a.k_proj, Hkv)
