@@ -7,6 +7,7 @@ nothing is merged or truncated, and the merge never worse than the mean in the m
 from __future__ import annotations
 
 import math
+import re
 
 import pytest
 import torch
@@ -269,3 +270,41 @@ def test_the_docs_quote_the_committed_conversion_table():
         value = float(text.replace(",", ""))
         places = len(text.split(".")[1]) if "." in text else 0
         assert any(abs(value - p) <= 0.5 * 10 ** -places for p in pool), f"docs/mla.md quotes {text}, not in the file"
+
+
+def test_what_a_tokenizer_returns_is_read_as_one_row_of_integer_ids_or_refused_by_name():
+    """A tokenizer returning a (1, T) batch gave a 3-D calibration (transformers' unpacking error from
+    inside the forward); float ids were truncated to ints; None raised 'not subscriptable'."""
+    model = _llama()
+    ids = _cal(shape=(24,))
+    want = convert.to_gqa(model, 1, calibration=ids)
+    for returned in ({"input_ids": ids[None]}, {"input_ids": ids.tolist()}, {"input_ids": [ids.tolist()]}):
+        got = convert.to_gqa(model, 1, calibration="a text", tokenizer=lambda text, r=returned: r)
+        # the same ids: the same conversion (to rounding: its eigensolver need not sum in one order twice)
+        assert all(torch.allclose(a, b, rtol=0, atol=1e-12) for a, b in zip(got.state_dict().values(),
+                                                                               want.state_dict().values()))
+    cases = [
+        (TypeError, r"to_gqa: the tokenizer returned input_ids of torch\.float32; valid: integer token ids",
+         {"input_ids": [1.5, 2.0, 3.0]}),
+        (TypeError, r"to_gqa: the tokenizer returned NoneType; valid: a mapping with input_ids", None),
+        (ValueError, r"to_gqa: the tokenizer returned input_ids of shape \(2, 3\) for one text",
+         {"input_ids": [[1, 2, 3], [4, 5, 6]]}),
+    ]
+    for exc, words, returned in cases:
+        with pytest.raises(exc, match=words):
+            convert.to_gqa(model, 1, calibration="a text", tokenizer=lambda text, r=returned: r)
+
+
+@pytest.mark.parametrize("shape", [(1, 3, 8), (), (2, 0), (1,), (3, 1)])
+def test_calibration_ids_of_a_wrong_shape_are_a_value_error_naming_it(shape):
+    """A rank or a length is a value (ValueError); one position has no distance to attend over, as
+    a one-token text (refused already) has none."""
+    model = _llama()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    ids = torch.zeros(shape, dtype=torch.long)
+    want = f"calibration must be token ids (T,) or (B, T) with T >= 2; received shape {tuple(shape)}"
+    for fn, call in (("to_gqa", lambda: convert.to_gqa(model, 1, calibration=ids)),
+                     ("to_mla", lambda: convert.to_mla(model, 8, rope_dim=4, calibration=ids))):
+        with pytest.raises(ValueError, match=re.escape(f"{fn}: {want}")):
+            call()
+    assert all(torch.equal(v, model.state_dict()[k]) for k, v in before.items())

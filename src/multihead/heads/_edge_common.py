@@ -3,6 +3,7 @@ the model's state kept as it was, and the reference runs (corrupted, or the mean
 
 from __future__ import annotations
 
+import numbers
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -15,6 +16,7 @@ from multihead.heads._edge_run import Readout, Reference, Run, group_slices
 from multihead.heads.metrics import AtPositions
 
 BUDGET = 1 << 30  # bytes a chunk of rows may hold (its stacks of sender outputs and, for scores, its graph)
+# keywords refused when set (None, and use_cache=False, say what the edge forward does anyway)
 REFUSED = {"past_key_values": "a cache would skip the positions the edges run through",
            "use_cache": "the edge forward keeps no cache"}
 
@@ -38,9 +40,10 @@ def read_inputs(inputs, name: str, device) -> Inputs:
     mask = None
     if isinstance(inputs, Mapping):
         for key in inputs:
-            if key in REFUSED:
-                raise ValueError(f"{name} holds {key!r}: {REFUSED[key]}; pass input_ids and attention_mask only")
-        extra = sorted(set(inputs) - {"input_ids", "attention_mask"})
+            if key in REFUSED and inputs[key] is not None and inputs[key] is not False:
+                raise ValueError(f"{name} holds {key!r} ({type(inputs[key]).__name__}): {REFUSED[key]}; pass "
+                                 "input_ids and attention_mask only")
+        extra = sorted(set(inputs) - {"input_ids", "attention_mask"} - set(REFUSED))
         if extra or "input_ids" not in inputs:
             raise ValueError(f"{name} takes input_ids and attention_mask; received keys {sorted(inputs)}")
         ids, mask = inputs["input_ids"], inputs.get("attention_mask")
@@ -62,6 +65,18 @@ def read_inputs(inputs, name: str, device) -> Inputs:
     return Inputs(ids.to(device).long(), mask)
 
 
+def check_ids(em: EdgeModel, x: Inputs, name: str) -> None:
+    """Token ids inside the embedding, and no more positions than the model has (GPT-2's learned ones)."""
+    vocab = em.unembed.shape[0]
+    lo, hi = int(x.ids.min()), int(x.ids.max())
+    if lo < 0 or hi >= vocab:
+        raise ValueError(f"{name} holds token ids outside [0, {vocab}) (min {lo}, max {hi})")
+    T = x.ids.shape[1]
+    if em.max_positions is not None and T > em.max_positions:
+        raise ValueError(f"{name} has {T} positions; this model has learned position embeddings for "
+                         f"{em.max_positions}: give at most {em.max_positions} tokens per row")
+
+
 def read_pair(em: EdgeModel, clean, corrupted, metric) -> tuple[Inputs, Inputs | None]:
     a = read_inputs(clean, "clean", em.device)
     b = None if corrupted is None else read_inputs(corrupted, "corrupted", em.device)
@@ -73,20 +88,36 @@ def read_pair(em: EdgeModel, clean, corrupted, metric) -> tuple[Inputs, Inputs |
     if isinstance(metric, AtPositions) and len(metric.positions) != len(a):
         raise ValueError(f"the metric reads {len(metric.positions)} rows and clean has {len(a)}; give one position "
                          "per row")
-    vocab = em.unembed.shape[0]
     for x, name in ((a, "clean"), (b, "corrupted")):
-        if x is not None and (int(x.ids.min()) < 0 or int(x.ids.max()) >= vocab):
-            raise ValueError(f"{name} holds token ids outside [0, {vocab}) (min {int(x.ids.min())}, max "
-                             f"{int(x.ids.max())})")
+        if x is not None:
+            check_ids(em, x, name)
     return a, b
+
+
+def read_reference(em: EdgeModel, reference) -> Inputs:
+    """The inputs a mean ablation averages over: checked as clean is, with at least one real position."""
+    ref = read_inputs(reference, "reference", em.device)
+    check_ids(em, ref, "reference")
+    if ref.mask is not None and not bool(ref.mask.any()):
+        raise ValueError("reference's attention_mask marks every position as padding; a mean ablation averages "
+                         "over real positions: give at least one")
+    return ref
+
+
+def check_int(name: str, value, minimum: int, what: str) -> int:
+    """An int (a Python or NumPy integer, never a bool) of at least `minimum`: TypeError for another type,
+    ValueError below it."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise TypeError(f"{name} must be an int >= {minimum} ({what}); received {value!r} ({type(value).__name__})")
+    if value < minimum:
+        raise ValueError(f"{name} must be an int >= {minimum} ({what}); received {value!r}")
+    return int(value)
 
 
 def check_batch_size(batch_size) -> int | None:
     if batch_size is None:
         return None
-    if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
-        raise ValueError(f"batch_size must be a positive int (rows per chunk) or None; received {batch_size!r}")
-    return batch_size
+    return check_int("batch_size", batch_size, 1, "rows per chunk, or None")
 
 
 def rows_per_chunk(em: EdgeModel, T: int, batch_size: int | None, grad: bool) -> int:

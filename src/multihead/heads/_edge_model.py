@@ -88,6 +88,7 @@ class EdgeModel:
     unembed: Tensor  # (V, C)
     unembed_bias: Tensor | None
     final_softcap: float | None = None  # Gemma 2: logits -> cap * tanh(logits / cap)
+    max_positions: int | None = None  # GPT-2: the learned positions (None: RoPE, any length)
 
     @property
     def graph(self) -> Graph:
@@ -109,6 +110,9 @@ class EdgeModel:
             import transformers
         except ImportError:  # pragma: no cover - transformers is a dependency of the head tools
             transformers = None
+        # the edge forward reads the weights and calls the norms and MLPs, never the model's forward:
+        # torch.compile(model) changes nothing it reads
+        model = getattr(model, "_orig_mod", model)
         if transformers is None or not isinstance(model, transformers.PreTrainedModel):
             raise TypeError(f"the edge graph is built for transformers decoder LMs (Llama, Mistral, Qwen2, Qwen3, "
                             f"GPT-2); received {type(model).__name__} (multihead's own decoders are not supported "
@@ -123,14 +127,50 @@ class EdgeModel:
             raise ValueError(f"{name} ({kind}) has no norm before its attention and normalizes its queries and keys "
                              "over all heads at once: its receivers have no per-head input, so the edge graph is not "
                              "defined there; supported post-norm models: Gemma 2 and 3")
+        head = model.get_output_embeddings()
+        if not isinstance(getattr(head, "weight", None), Tensor):
+            raise TypeError(f"{name} has no LM head (get_output_embeddings() is {type(head).__name__}): the edge "
+                            "graph ends at the logits; give the causal LM (e.g. LlamaForCausalLM, not LlamaModel "
+                            "or a sequence classifier)")
         if kind in GEMMA:
-            return _gemma(model, kind)
-        if kind == "gpt2":
-            return _gpt2(model)
-        if kind in LLAMA_LIKE or _llama_layout(model):
-            return _llama(model, kind)
-        raise ValueError(f"{name} ({kind!r}) has a layout the edge graph does not know; supported: Llama, Mistral, "
-                         "Qwen2, Qwen3 (model.layers with self_attn.q/k/v/o_proj) and GPT-2")
+            em = _gemma(model, kind)
+        elif kind == "gpt2":
+            em = _gpt2(model)
+        elif kind in LLAMA_LIKE or _llama_layout(model):
+            em = _llama(model, kind)
+        else:
+            raise ValueError(f"{name} ({kind!r}) has a layout the edge graph does not know; supported: Llama, "
+                             "Mistral, Qwen2, Qwen3 (model.layers with self_attn.q/k/v/o_proj) and GPT-2")
+        if not em.blocks:
+            raise ValueError(f"{name} has no layers: the edge graph has no head to score")
+        H, Hkv = em.blocks[0].wq.shape[0], em.blocks[0].wk.shape[0]
+        if H % Hkv:
+            raise ValueError(f"{name} has {H} query heads and {Hkv} key/value heads: the query heads must be a "
+                             "multiple of the key/value heads (config.num_key_value_heads)")
+        _check_hooks(model, em)
+        return em
+
+
+def _check_hooks(model, em: EdgeModel) -> None:
+    """Refuse forward hooks on modules the edge forward never calls (the attention and its projections, the
+    layers, the model itself): they would change the model's own output and not the edge tools'. The norms,
+    MLPs, embeddings and rotary embeddings it calls keep theirs."""
+    runs = [em.final_norm] + [f for b in em.blocks for f in (b.ln1, b.ln2, b.mlp, b.q_norm, b.k_norm)]
+    inner = getattr(model, "model", None) or getattr(model, "transformer", None)
+    runs += [getattr(inner, part, None) for part in ("embed_tokens", "rotary_emb", "wte", "wpe")]
+    for layer in getattr(inner, "layers", None) or []:  # Gemma: its MLP sender is a lambda over these two
+        runs += [getattr(layer, "mlp", None), getattr(layer, "post_feedforward_layernorm", None)]
+    called = {id(m) for f in runs for m in _modules_of(f)}
+    for name, m in model.named_modules():
+        if id(m) not in called and (m._forward_hooks or m._forward_pre_hooks):
+            raise ValueError(f"{type(model).__name__} has a forward hook on {name or 'the model'} "
+                             f"({type(m).__name__}); the edge tools read that module's weights without calling it, "
+                             "so the hook would change the model's output and not theirs: remove it first")
+
+
+def _modules_of(f) -> list:
+    """The modules a callable runs: a module and its submodules (a lambda over a module: none known)."""
+    return list(f.modules()) if isinstance(f, nn.Module) else []
 
 
 def _llama_layout(model) -> bool:
@@ -158,8 +198,13 @@ def _out_heads(w_out_in: Tensor, n: int) -> Tensor:
 def _llama(model, kind: str) -> EdgeModel:
     cfg, inner = model.config, model.model
     blocks = []
-    for layer in inner.layers:
+    for i, layer in enumerate(inner.layers):
         a = layer.self_attn
+        if not all(isinstance(getattr(a, n, None), nn.Linear) for n in ("q_proj", "k_proj", "v_proj", "o_proj")):
+            raise ValueError(f"{type(model).__name__}: layer {i}'s attention ({type(a).__name__}) has no q_proj, "
+                             "k_proj, v_proj and o_proj Linear layers (a convert.to_mla model's latent attention has "
+                             "none): the edge graph's receivers are each head's query, key and value inputs; valid: "
+                             "a model with them, e.g. the model before to_mla")
         H, Hkv = cfg.num_attention_heads, getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
         wq, bq = _heads(a.q_proj, H)
         wk, bk = _heads(a.k_proj, Hkv)
@@ -234,4 +279,5 @@ def _gpt2(model) -> EdgeModel:
     def embed(ids, pos):  # the token and the learned position embedding: one sender, "input"
         return tr.wte(ids) + tr.wpe(pos)[None]
     return EdgeModel("gpt2", blocks, embed, None, tr.ln_f, head.weight.detach(),
-                     None if getattr(head, "bias", None) is None else head.bias.detach())
+                     None if getattr(head, "bias", None) is None else head.bias.detach(),
+                     max_positions=tr.wpe.num_embeddings)

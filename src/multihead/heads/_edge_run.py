@@ -221,6 +221,9 @@ def scalar(value, where: str, grad: bool = False) -> Tensor | float:
     if value is None:
         raise TypeError(f"the metric returned None {where}; it must return a scalar (a 0-d tensor or a number)")
     if isinstance(value, Tensor):
+        if value.is_complex() or value.dtype == torch.bool:
+            raise TypeError(f"the metric returned a {value.dtype} tensor {where}; it must return a real scalar "
+                            "(a 0-d float tensor or a number)")
         if value.numel() != 1:
             raise ValueError(f"the metric returned a tensor of shape {tuple(value.shape)} {where}; it must return "
                              "a scalar (reduce over the batch, e.g. .mean())")

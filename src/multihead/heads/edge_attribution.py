@@ -24,6 +24,7 @@ from torch import Tensor
 from multihead.heads._edge_common import (
     Inputs,
     check_batch_size,
+    check_int,
     chunks,
     held,
     read_pair,
@@ -49,7 +50,10 @@ class EdgeScores(Mapping):
         self.graph, self.matrix, self.method, self.steps = graph, matrix, method, steps
 
     def __getitem__(self, edge) -> float:
-        where = self.graph.edge_index.get(parse_edge(edge))
+        try:
+            where = self.graph.edge_index.get(parse_edge(edge))
+        except (TypeError, ValueError) as err:  # not an edge at all: a missing key, as a mapping says it
+            raise KeyError(f"{edge!r:.80}: {err}") from None
         if where is None:
             raise KeyError(edge)
         return float(self.matrix[where])
@@ -70,8 +74,7 @@ class EdgeScores(Mapping):
         return self.matrix[rows, cols]
 
     def top(self, k: int) -> list[tuple[tuple, float]]:
-        if isinstance(k, bool) or not isinstance(k, int) or k < 0:
-            raise ValueError(f"k must be a non-negative int; received {k!r}")
+        k = check_int("k", k, 0, "how many edges")
         v = self.vector()
         order = torch.argsort(v.abs(), descending=True, stable=True)[:k]
         return [(self.graph.edges[i], float(v[i])) for i in order.tolist()]
@@ -88,9 +91,7 @@ def _check(method, steps) -> int:
         raise ValueError(f"method must be one of {METHODS}; received {method!r}")
     if method == "eap":
         return 1
-    if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
-        raise ValueError(f"steps must be a positive int (EAP-IG's interpolation steps); received {steps!r}")
-    return steps
+    return check_int("steps", steps, 1, "EAP-IG's interpolation steps")
 
 
 def _embeddings(em: EdgeModel, clean: Inputs, corrupted: Inputs, steps: int, k: int) -> Tensor:
@@ -176,4 +177,9 @@ def edge_scores(model, clean, corrupted, metric, method: str = "eap-ig", steps: 
         grads = None if size >= len(a) else _metric_grads(em, a, b, readout, steps, size)
         for sl in chunks(len(a), size):
             _chunk_scores(em, a, b, readout, steps, sl, grads, scores)
+    bad = int((~torch.isfinite(scores)).sum())
+    if bad:  # a NaN or inf score orders nothing, and to_json would write what JSON cannot read
+        raise ValueError(f"{bad} of {len(g)} edge scores are not finite: the metric or its gradient overflowed in "
+                         f"the model's {em.dtype}; valid: a model whose forward and backward stay finite (float32 "
+                         "or bfloat16 for a float16 one)")
     return EdgeScores(g, (scores / steps).cpu(), method, steps)

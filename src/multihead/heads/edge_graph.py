@@ -24,6 +24,7 @@ an MLP's output is its output after the post-feedforward norm. docs/heads-circui
 
 from __future__ import annotations
 
+import numbers
 import re
 from dataclasses import dataclass
 from functools import cached_property
@@ -115,7 +116,7 @@ def edge_name(edge: Edge) -> str:
     return f"{node_name(edge[0])}->{node_name(edge[1])}"
 
 
-_NODE = re.compile(r"^(?:(input|logits)|m(\d+)|a(\d+)\.h(\d+)(?:<(q)>)?|a(\d+)\.g(\d+)<([kv])>)$")
+_NODE = re.compile(r"^(?:(input|logits)|m(\d+)|a(\d+)\.h(\d+)(?:<(q)>)?|a(\d+)\.g(\d+)<([kv])>)$", re.ASCII)
 
 
 def parse_node(name: str) -> Node:
@@ -142,11 +143,28 @@ def parse_edge(edge) -> Edge:
         s, r = edge.split("->", 1)
         return parse_node(s), parse_node(r)
     if isinstance(edge, tuple) and len(edge) == 2:
-        return tuple(parse_node(n) if isinstance(n, str) and n not in ("input", "logits") else _node_tuple(n)
-                     for n in edge)
+        return tuple(parse_node(n) if isinstance(n, str) else _node_tuple(n) for n in edge)
     raise TypeError(f"an edge is a (sender, receiver) pair or a 'sender->receiver' name; received "
                     f"{type(edge).__name__} {edge!r:.80}")
 
 
 def _node_tuple(n):
-    return tuple(n) if isinstance(n, list) else n
+    """A node given as a tuple (or list): `("mlp", l)`, `(l, h)` or `(l, i, "q" | "k" | "v")`, its indices ints
+    (a float or a bool is refused, not rounded); TypeError naming the forms."""
+    t = tuple(n) if isinstance(n, list) else n
+    forms = "'input', 'logits', ('mlp', layer), (layer, head) or (layer, head, 'q' | 'k' | 'v') with int indices"
+    if not isinstance(t, tuple) or len(t) not in (2, 3):
+        raise TypeError(f"a node is {forms}; received {type(n).__name__} {n!r:.80}")
+    # the positions that hold a word, and the words valid there
+    words = {0: ("mlp",)} if len(t) == 2 and t[0] == "mlp" else {2: ("q", "k", "v")} if len(t) == 3 else {}
+    out = []
+    for i, x in enumerate(t):
+        if i in words:
+            if not isinstance(x, str) or x not in words[i]:
+                raise TypeError(f"a node is {forms}; received {n!r:.80}")
+            out.append(x)
+        elif isinstance(x, bool) or not isinstance(x, numbers.Integral):
+            raise TypeError(f"a node is {forms}; received {n!r:.80} (index {x!r} is {type(x).__name__})")
+        else:
+            out.append(int(x))
+    return tuple(out)

@@ -22,8 +22,8 @@ from multihead.heads._edge_common import (
     chunks,
     held,
     mean_reference,
-    read_inputs,
     read_pair,
+    read_reference,
     reference_run,
     rows_per_chunk,
 )
@@ -45,11 +45,21 @@ def keep_mask(graph: Graph, keep) -> Tensor:
         want = (len(graph.receivers), len(graph.senders))
         if tuple(keep.shape) != want:
             raise ValueError(f"a keep mask must be (receivers, senders) = {want}; received {tuple(keep.shape)}")
-        return keep.cpu()
+        keep = keep.cpu()
+        # receiver r reads only its prefix of senders: a True past it is no edge, as an unknown name is not
+        off = keep & (torch.arange(want[1])[None, :] >= torch.tensor(graph.prefix)[:, None])
+        if bool(off.any()):
+            r, s = off.nonzero()[0].tolist()
+            raise ValueError(f"the keep mask marks {int(off.sum())} (receiver, sender) pair(s) that are no edge of "
+                             f"this model's graph, e.g. receiver {r} ({graph.receivers[r]!r}) from sender {s} "
+                             f"({graph.senders[s]!r}), which runs after it")
+        return keep
     if isinstance(keep, (str, bytes)) or not isinstance(keep, Iterable):
         hint = " (wrap one name in a list)" if isinstance(keep, str) else ""
         raise TypeError(f"keep must be a collection of edges ((sender, receiver) pairs or 'sender->receiver' names); "
                         f"received {type(keep).__name__}{hint}")
+    if isinstance(keep, tuple) and len(keep) == 2 and _one_edge(graph, keep):
+        raise TypeError(f"keep must be a collection of edges; received the one edge {keep!r} (wrap it in a list)")
     mask = torch.zeros(len(graph.receivers), len(graph.senders), dtype=torch.bool)
     unknown = []
     for e in keep:
@@ -68,6 +78,14 @@ def keep_mask(graph: Graph, keep) -> Tensor:
                          f"{graph.n_heads} heads, {graph.n_kv_heads} KV heads): {shown}; an edge runs from a sender "
                          f"to a later receiver, e.g. {edge_name(graph.edges[len(graph.edges) // 2])!r}")
     return mask
+
+
+def _one_edge(graph: Graph, keep: tuple) -> bool:
+    """Whether a pair given as `keep` is itself one edge (its items iterated would be nodes, not edges)."""
+    try:
+        return parse_edge(keep) in graph.edge_index
+    except (TypeError, ValueError):
+        return False
 
 
 def patched_logits(em: EdgeModel, clean: Inputs, corrupted: Inputs | None, readout: Readout, masks: list[Tensor],
@@ -123,7 +141,7 @@ def edge_patch(model, clean, corrupted, metric, keep, ablation: str = "corrupted
     check_ablation(ablation, corrupted, reference)
     em = EdgeModel.of(model)
     a, b = read_pair(em, clean, corrupted if ablation == "corrupted" else None, metric)
-    ref = read_inputs(reference, "reference", em.device) if ablation == "mean" else None
+    ref = read_reference(em, reference) if ablation == "mean" else None
     mask = keep_mask(em.graph, keep)
     batch_size = check_batch_size(batch_size)
     with held(model):

@@ -11,14 +11,16 @@ those given).
 
 from __future__ import annotations
 
+import numbers
 from collections.abc import Mapping
 
 import torch
 
-from multihead.heads._edge_common import check_batch_size, held, read_pair
+from multihead.heads._edge_common import check_batch_size, check_int, held, read_pair
 from multihead.heads._edge_model import EdgeModel
 from multihead.heads._edge_run import Readout, scalar
 from multihead.heads.edge_attribution import EdgeScores
+from multihead.heads.edge_graph import parse_edge
 from multihead.heads.edge_patching import keep_mask, patched_logits
 
 FRACTIONS = (0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0)
@@ -26,9 +28,13 @@ FRACTIONS = (0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0)
 
 def _fractions(fractions) -> list[float]:
     try:
-        out = [float(p) for p in fractions]
-    except (TypeError, ValueError):
+        given = list(fractions)
+    except TypeError:
         raise TypeError(f"fractions must be numbers in (0, 1]; received {fractions!r:.80}") from None
+    wrong = [p for p in given if isinstance(p, bool) or not isinstance(p, numbers.Real)]
+    if wrong:  # a str or a bool is no fraction, though float() would take it
+        raise TypeError(f"fractions must be numbers in (0, 1]; received {wrong[0]!r} ({type(wrong[0]).__name__})")
+    out = [float(p) for p in given]
     if not out or any(not 0 < p <= 1 for p in out) or out != sorted(set(out)):
         raise ValueError(f"fractions must be increasing, distinct, in (0, 1]; received {out}")
     return out
@@ -37,14 +43,50 @@ def _fractions(fractions) -> list[float]:
 def ranked(graph, scores) -> list[tuple]:
     """The graph's edges by |score|, largest first (ties in the graph's order)."""
     if isinstance(scores, EdgeScores):
+        if scores.graph != graph:
+            raise ValueError(f"scores are of another graph ({scores.graph}) than this model's ({graph}); score this "
+                             "model's edges")
         v = scores.vector()
     elif isinstance(scores, Mapping):
-        v = torch.tensor([float(scores.get(e, 0.0)) for e in graph.edges], dtype=torch.float64)
+        v = torch.tensor([_score(value) for value in _by_edge(graph, scores)], dtype=torch.float64)
     else:
         raise TypeError(f"scores must be EdgeScores or a mapping edge -> score; received {type(scores).__name__}")
     if bool(torch.isnan(v).any()):
         raise ValueError("scores hold NaN; a curve needs an order of the edges")
     return [graph.edges[i] for i in torch.argsort(v.abs(), descending=True, stable=True).tolist()]
+
+
+def _by_edge(graph, scores: Mapping) -> list:
+    """The mapping's values in `graph.edges` order (0 where an edge is missing); its keys pairs or names, each
+    an edge of this graph, once."""
+    values: dict = {}
+    unknown = []
+    for key, value in scores.items():
+        try:
+            edge = parse_edge(key)
+        except (TypeError, ValueError) as err:
+            raise type(err)(f"scores: {err}") from None
+        if edge not in graph.edge_index:
+            unknown.append(key)
+        elif edge in values:
+            raise ValueError(f"scores gives the edge {key!r} twice (as a pair and as a name)")
+        values[edge] = value
+    if unknown:
+        raise ValueError(f"scores holds {len(unknown)} edge(s) not in this model's graph, e.g. {unknown[0]!r}: "
+                         "scores of another model, or a misspelt name")
+    if not values:
+        raise ValueError("scores holds no edge; give a score per edge (edge_scores' EdgeScores, or a mapping)")
+    return [values.get(e, 0.0) for e in graph.edges]
+
+
+def _score(value) -> float:
+    if isinstance(value, torch.Tensor) and value.numel() == 1 and not value.is_complex() \
+            and value.dtype != torch.bool:
+        return float(value)
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise TypeError(f"scores must map each edge to a real number; received {value!r:.40} "
+                        f"({type(value).__name__})")
+    return float(value)
 
 
 def areas(fractions: list[float], faith: list[float]) -> tuple[float, float]:
@@ -77,7 +119,7 @@ def _bootstrap(per_row, kept, none, full, fractions, n: int, seed: int) -> dict:
 
 
 def faithfulness_curve(model, clean, corrupted, metric, scores, fractions=FRACTIONS, *, bootstrap: int = 0,
-                       per_row=None, seed: int = 0, batch_size: int | None = None) -> dict:
+                       per_row=None, seed: int | None = 0, batch_size: int | None = None) -> dict:
     """The faithfulness of the top edges by |score| at each fraction of the graph, with CPR and CMD.
 
     Args:
@@ -91,8 +133,12 @@ def faithfulness_curve(model, clean, corrupted, metric, scores, fractions=FRACTI
     "metric_corrupted"}` (and `"cpr_interval"`, `"cmd_interval"` with `bootstrap=n`).
     """
     fr = _fractions(fractions)
-    if isinstance(bootstrap, bool) or not isinstance(bootstrap, int) or bootstrap < 0:
-        raise ValueError(f"bootstrap must be a non-negative int (resamples); received {bootstrap!r}")
+    bootstrap = check_int("bootstrap", bootstrap, 0, "resamples")
+    # seed=None: a fresh draw each call, as tasks' seed=None
+    if seed is not None and (isinstance(seed, bool) or not isinstance(seed, numbers.Integral)):
+        raise TypeError(f"seed must be an int or None (the resampling's seed); received {seed!r} "
+                        f"({type(seed).__name__})")
+    seed = torch.Generator().seed() if seed is None else int(seed)
     if bootstrap and not callable(per_row):
         raise ValueError("bootstrap resamples prompts through per_row(readout) -> (B,), each row's value of the "
                          "metric; give per_row=")

@@ -54,20 +54,42 @@ def calibration_ids(calibration, tokenizer=None, *, fn: str = "to_mla", vocab: i
             raise TypeError(f"{fn}: calibration text needs the model's tokenizer to become token ids; received "
                             f"tokenizer={type(tokenizer).__name__ if tokenizer is not None else None}; valid: "
                             "tokenizer=the model's tokenizer, or calibration=token ids (B, T)")
-        ids = torch.tensor(tokenizer(calibration)["input_ids"], dtype=torch.long)
+        ids = _tokenized(tokenizer(calibration), fn)
         if ids.numel() < 2:
             raise ValueError(f"{fn}: the calibration text gives {ids.numel()} token(s); valid: a text of at least "
                              "2 tokens (a few thousand convert well)")
         _check_id_range(ids, vocab, fn)
         n = CALIBRATION_WINDOW
         return ids[None] if len(ids) < n else ids[: len(ids) // n * n].view(-1, n)
-    if not isinstance(calibration, Tensor) or calibration.dtype != torch.long or calibration.dim() not in (1, 2) \
-            or calibration.numel() == 0:
+    if not isinstance(calibration, Tensor) or calibration.dtype != torch.long:
         raise TypeError("calibration must be a non-empty LongTensor of token ids (T,) or (B, T), or text (a str); "
                         "received " + (f"a {calibration.dtype} tensor of shape {tuple(calibration.shape)}"
                                        if isinstance(calibration, Tensor) else type(calibration).__name__))
+    if calibration.dim() not in (1, 2) or calibration.shape[-1] < 2:
+        # one position has no distance to attend over: the attention statistics need two
+        raise ValueError(f"{fn}: calibration must be token ids (T,) or (B, T) with T >= 2; received shape "
+                         f"{tuple(calibration.shape)}")
     _check_id_range(calibration, vocab, fn)
     return calibration[None] if calibration.dim() == 1 else calibration
+
+
+def _tokenized(out, fn: str) -> Tensor:
+    """The ids `(T,)` a tokenizer returned for one text: its `input_ids`, integers, one row."""
+    if not hasattr(out, "keys") or "input_ids" not in out.keys():
+        raise TypeError(f"{fn}: the tokenizer returned {type(out).__name__}; valid: a mapping with input_ids, as a "
+                        "transformers tokenizer returns")
+    ids = out["input_ids"]
+    ids = ids.detach().cpu() if isinstance(ids, Tensor) else torch.tensor(ids)
+    if ids.numel() == 0:  # no token: torch.tensor([]) is float32, and the caller names the count
+        return ids.long().reshape(0)
+    if ids.dtype.is_floating_point or ids.dtype.is_complex or ids.dtype == torch.bool:
+        raise TypeError(f"{fn}: the tokenizer returned input_ids of {ids.dtype}; valid: integer token ids")
+    if ids.dim() == 2 and ids.shape[0] == 1:  # a batch of the one text
+        ids = ids[0]
+    if ids.dim() != 1:
+        raise ValueError(f"{fn}: the tokenizer returned input_ids of shape {tuple(ids.shape)} for one text; valid: "
+                         "one row of ids")
+    return ids.long()
 
 
 def _check_id_range(ids: Tensor, vocab: int | None, fn: str) -> None:
