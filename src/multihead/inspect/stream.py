@@ -187,21 +187,10 @@ def layer_statistics(query: Tensor, key: Tensor, acc: RowSums, heads: list[int],
     def fold(part: RowSums, share: list[tuple[int, int]]) -> None:
         for t0, t1 in share:
             t = t1 - t0
-            k0, k1, runs, allowed, bias = 0, S, None, None, None
-            if triangle:  # keys up to the last row's position
-                k1 = t1 + S - T
-                runs = [(t0 + S - T + 1, k1)]  # the diagonal band: keys hidden from some row
+            if triangle:  # keys up to the last row's position; the diagonal band: keys hidden from some row
+                k0, k1, runs, allowed, bias = 0, t1 + S - T, [(t0 + S - T + 1, t1 + S - T)], None, None
             else:
-                allowed, bias = rows_mask(mask, causal, t0, t1, T, S, dev, b_idx, h_idx)
-                if allowed is not None:
-                    allowed = allowed.reshape((1,) * (4 - allowed.dim()) + tuple(allowed.shape))
-                    if allowed.shape[-1] == S and (bias is None or bias.shape[-1] == S):
-                        k0, k1, runs = _key_span(allowed)
-                        allowed = allowed[..., k0:k1]
-                    allowed = allowed[0]  # (1|h, t, w)
-                if bias is not None:
-                    bias = bias.reshape((1,) * (4 - bias.dim()) + tuple(bias.shape))[0]
-                    bias = bias[..., k0:k1] if bias.shape[-1] == S else bias  # (1|h, t|1, w)
+                k0, k1, runs, allowed, bias = _block_mask(mask, causal, t0, t1, T, S, b_idx, h_idx)
             w = k1 - k0
             if folded:
                 scores = torch.matmul(q[:, :, t0:t1].reshape(Hkv, G * t, D), kT[..., k0:k1]).view(h, t, w)
@@ -211,17 +200,7 @@ def layer_statistics(query: Tensor, key: Tensor, acc: RowSums, heads: list[int],
                 scores = score_mod.apply(scores[None], b_idx, h_idx, index(t, 2, dev, t0), index(w, 3, dev, k0),
                                          S - T)[0]
             if runs is not None:
-                # Every row sees a key (the triangle; checked by _key_span): the hidden keys are
-                # set to NEG where some row hides them (a causal block's diagonal band), not
-                # over the whole block, and no row needs the softmax's empty-row rule.
-                for a, b in runs:
-                    if b <= a:
-                        continue
-                    if triangle:  # band key c is hidden from block row r when c >= r
-                        hidden = torch.ones(t, b - a, dtype=torch.bool, device=dev).triu_()
-                    else:
-                        hidden = ~allowed[..., a:b]
-                    scores[..., a:b].masked_fill_(hidden, NEG)
+                _hide_runs(scores, runs, None if triangle else allowed)
                 allowed = None
             sink = None
             if sinks is not None:
@@ -237,6 +216,42 @@ def layer_statistics(query: Tensor, key: Tensor, acc: RowSums, heads: list[int],
     for part in parts[1:]:
         acc.merge(part)
     return acc
+
+
+def _block_mask(mask, causal: bool, t0: int, t1: int, T: int, S: int, b_idx: Tensor, h_idx: Tensor):
+    """(k0, k1, runs, allowed, bias) of the block of rows t0..t1: the keys k0..k1 it is cropped to,
+    the runs of keys hidden from some row (`_key_span`; None: mask through the softmax), and the
+    block's bool mask `(1|h, t, w)` and float bias `(1|h, t|1, w)` cropped to those keys."""
+    k0, k1, runs = 0, S, None
+    allowed, bias = rows_mask(mask, causal, t0, t1, T, S, h_idx.device, b_idx, h_idx)
+    if allowed is not None:
+        allowed = allowed.reshape((1,) * (4 - allowed.dim()) + tuple(allowed.shape))
+        if allowed.shape[-1] == S and (bias is None or bias.shape[-1] == S):
+            k0, k1, runs = _key_span(allowed)
+            allowed = allowed[..., k0:k1]
+        allowed = allowed[0]  # (1|h, t, w)
+    if bias is not None:
+        bias = bias.reshape((1,) * (4 - bias.dim()) + tuple(bias.shape))[0]
+        bias = bias[..., k0:k1] if bias.shape[-1] == S else bias  # (1|h, t|1, w)
+    return k0, k1, runs, allowed, bias
+
+
+def _hide_runs(scores: Tensor, runs: list[tuple[int, int]], allowed: Tensor | None) -> None:
+    """Set to NEG, in place, the keys of `scores` `(h, t, w)` hidden from some row, run by run.
+
+    Every row sees a key (the triangle; checked by _key_span), so the hidden keys are set where
+    some row hides them (a causal block's diagonal band), not over the whole block, and no row
+    needs the softmax's empty-row rule. `allowed` None: the causal triangle, where band key c is
+    hidden from block row r when c >= r."""
+    t = scores.shape[-2]
+    for a, b in runs:
+        if b <= a:
+            continue
+        if allowed is None:
+            hidden = torch.ones(t, b - a, dtype=torch.bool, device=scores.device).triu_()
+        else:
+            hidden = ~allowed[..., a:b]
+        scores[..., a:b].masked_fill_(hidden, NEG)
 
 
 def _workers(device, blocks: int, workers: int | None) -> int:
