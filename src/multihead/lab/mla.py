@@ -40,7 +40,7 @@ from multihead.corpus import KJV, load_corpus  # noqa: F401  (KJV: lab mla's --c
 from multihead.decoder import LabConfig, LabTransformer
 from multihead.lab.configs import MLAConfig
 from multihead.lab.devices import resolve_device, seed_everything
-from multihead.lab.mla_report import plot_curves, plot_tradeoff, summarise
+from multihead.lab.mla_report import plot_curves, plot_tradeoff, summarise_mla
 from multihead.lab.plots import draw_plots
 from multihead.lab.progress import Overall
 from multihead.lab.results import finished_runs, new_results, write_json_atomic
@@ -128,7 +128,7 @@ def run_mla(cfg: MLAConfig | None = None, out_dir: str | Path = "lab-mla", *, se
             _conversions(session, models["MHA"])
     except KeyboardInterrupt:
         res["interrupted"] = True
-    summarise(cfg, res)
+    summarise_mla(cfg, res)
     runs = res["results"]["runs"]
     if "MHA" in models and not runs[0]["interrupted"]:
         _save_checkpoints(out, models, vocab, res)

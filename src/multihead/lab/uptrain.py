@@ -62,7 +62,7 @@ from multihead.lab.progress import Overall
 from multihead.lab.results import new_results, write_json_atomic
 from multihead.lab.training import StepCallback, diverged_entry, train
 from multihead.lab.uptrain_config import UptrainConfig
-from multihead.lab.uptrain_report import plot_frontier, plot_uptrain, summarise
+from multihead.lab.uptrain_report import plot_frontier, plot_uptrain, summarise_uptrain
 
 __all__ = ["UptrainConfig", "run_uptrain", "targets"]
 
@@ -131,7 +131,7 @@ def run_uptrain(cfg: UptrainConfig | None = None, out_dir: str | Path = "lab-upt
             _scratch(ctx, name, kind, size, rope_dim, len(vocab))
     except KeyboardInterrupt:
         res["interrupted"] = True
-    summarise(cfg, res)
+    summarise_uptrain(cfg, res)
     if mha is not None:
         save_lab_checkpoint(out / "model", mha, vocab, experiment="uptrain", extra={"variant": "MHA"})
         res["checkpoint"] = "model"

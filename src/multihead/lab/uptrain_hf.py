@@ -572,7 +572,7 @@ def run_uptrain_hf(cfg: HFUptrainConfig | None = None, out_dir: str | Path = "la
             run.unit(unit, mine)
     except KeyboardInterrupt:
         res["interrupted"] = True
-    summarise(cfg, res)
+    summarise_uptrain_hf(cfg, res)
     run.save()
     if plots and not res["interrupted"] and res["results"]["variants"]:
         draw_plots(res, [lambda: plot_uptrain_hf(res, out / "uptrain.png")])
@@ -610,7 +610,7 @@ def _mark_worse(r: dict, first: dict) -> None:
                                         for v in r["variants"] if v.get("worse_than_converted")})
 
 
-def summarise(cfg: HFUptrainConfig, res: dict) -> None:
+def summarise_uptrain_hf(cfg: HFUptrainConfig, res: dict) -> None:
     """Add each variant's gap closed, the freeze check's verdict, the table and the summary."""
     r = res["results"]
     control = {c["steps"]: c["val_ppl"] for c in r["control"]}
@@ -623,6 +623,31 @@ def summarise(cfg: HFUptrainConfig, res: dict) -> None:
         v["gap_closed"] = (gap_closed(conv, v["val_ppl"], v["control_ppl"])
                            if conv is not None and v["control_ppl"] is not None and v["steps"] else None)
     _mark_worse(r, first)
+    r["table"], sentences = _table(cfg, r, control)
+    f = r["freeze"]
+    _freeze_verdict(cfg, r, f)
+    if r["base"] is None:
+        r["summary"] = "interrupted before the base model was measured"
+        return
+    trains = (f"{f['frozen'].split('; ')[0]} frozen" if cfg.trainable == "attention" else "every parameter trains")
+    text = (f"Base model {r['model']}: held-out perplexity {r['base']['val_ppl']:.2f}, "
+            f"{r['base']['kv_bytes_per_token']:,} KV bytes per token ({r['dtype']}, measured from a generate() cache)"
+            f". Uptraining: {cfg.steps} steps of {cfg.batch_size} x {cfg.context} tokens ({trains})")
+    parts = [text + "."]
+    if control:
+        parts.append(f"The control (unconverted, same budget) goes {r['base']['val_ppl']:.2f} -> "
+                     f"{control[max(control)]:.2f}.")
+    parts += [s + "." for s in sentences]
+    if r["worse_than_converted"]:
+        parts.append(f"Worse than as converted at an evaluated step (marked worse_than_converted): "
+                     f"{', '.join(r['worse_than_converted'])}.")
+    if "verdict" in f:
+        parts.append(f["verdict"] + ".")
+    r["summary"] = " ".join(parts)
+
+
+def _table(cfg: HFUptrainConfig, r: dict, control: dict) -> tuple[str, list[str]]:
+    """The markdown table of every variant's perplexity by step, and one sentence per variant."""
     steps = list(cfg.eval_steps())
 
     def ppl_cells(values: dict) -> str:
@@ -657,44 +682,31 @@ def summarise(cfg: HFUptrainConfig, res: dict) -> None:
                              f"{last['val_ppl']:.1f} after {max(row)} steps against the control's "
                              f"{last['control_ppl']:.1f}"
                              + ("" if closed is None else f" ({closed:.0%} of the log-perplexity gap closed)"))
-    r["table"] = "\n".join(lines)
-    f = r["freeze"]
+    return "\n".join(lines), sentences
+
+
+def _freeze_verdict(cfg: HFUptrainConfig, r: dict, f: dict) -> None:
+    """The freeze check's verdict in `f` (r["freeze"]): MQA (mean) training the attention layers
+    against training every parameter, when both ran to the end."""
     check = [c for c in f["check"] if c["steps"] == cfg.steps]
     same = [v for v in r["variants"] if (v["target"], v["init"], v["objective"], v["steps"])
             == ("mqa", "mean", "next-token", cfg.steps)]
-    if check and same and len(f["seconds_per_step"]) == 2:
-        s = f["seconds_per_step"]
-        cpu = r.get("cpu_seconds", {})
-        keys = {"attention": "mqa/mean", "all": "mqa/mean/all"} if cfg.trainable == "attention" else \
-            {"all": "mqa/mean", "attention": "mqa/mean/attention"}
-        if all(k in cpu for k in keys.values()):  # CPU time: comparable when the machine's load changes between them
-            f["cpu_seconds_per_step"] = {t: cpu[k] / cfg.steps for t, k in keys.items()}
-        c = f.get("cpu_seconds_per_step")
-
-        def rate(t: str) -> str:
-            return f"{s[t]:.2f} s/step" + (f", {c[t]:.2f} s of CPU with its evaluations" if c else "")
-        f["verdict"] = (f"MQA (mean) after {cfg.steps} steps: {same[0]['val_ppl']:.2f} held-out perplexity training "
-                        f"the attention layers ({f['trainable_params']['attention']:,} parameters, "
-                        f"{rate('attention')}) against {check[0]['val_ppl']:.2f} training every parameter "
-                        f"({f['trainable_params']['all']:,}, {rate('all')})")
-    if r["base"] is None:
-        r["summary"] = "interrupted before the base model was measured"
+    if not (check and same and len(f["seconds_per_step"]) == 2):
         return
-    trains = (f"{f['frozen'].split('; ')[0]} frozen" if cfg.trainable == "attention" else "every parameter trains")
-    text = (f"Base model {r['model']}: held-out perplexity {r['base']['val_ppl']:.2f}, "
-            f"{r['base']['kv_bytes_per_token']:,} KV bytes per token ({r['dtype']}, measured from a generate() cache)"
-            f". Uptraining: {cfg.steps} steps of {cfg.batch_size} x {cfg.context} tokens ({trains})")
-    parts = [text + "."]
-    if control:
-        parts.append(f"The control (unconverted, same budget) goes {r['base']['val_ppl']:.2f} -> "
-                     f"{control[max(control)]:.2f}.")
-    parts += [s + "." for s in sentences]
-    if r["worse_than_converted"]:
-        parts.append(f"Worse than as converted at an evaluated step (marked worse_than_converted): "
-                     f"{', '.join(r['worse_than_converted'])}.")
-    if "verdict" in f:
-        parts.append(f["verdict"] + ".")
-    r["summary"] = " ".join(parts)
+    s = f["seconds_per_step"]
+    cpu = r.get("cpu_seconds", {})
+    keys = {"attention": "mqa/mean", "all": "mqa/mean/all"} if cfg.trainable == "attention" else \
+        {"all": "mqa/mean", "attention": "mqa/mean/attention"}
+    if all(k in cpu for k in keys.values()):  # CPU time: comparable when the machine's load changes between them
+        f["cpu_seconds_per_step"] = {t: cpu[k] / cfg.steps for t, k in keys.items()}
+    c = f.get("cpu_seconds_per_step")
+
+    def rate(t: str) -> str:
+        return f"{s[t]:.2f} s/step" + (f", {c[t]:.2f} s of CPU with its evaluations" if c else "")
+    f["verdict"] = (f"MQA (mean) after {cfg.steps} steps: {same[0]['val_ppl']:.2f} held-out perplexity training "
+                    f"the attention layers ({f['trainable_params']['attention']:,} parameters, "
+                    f"{rate('attention')}) against {check[0]['val_ppl']:.2f} training every parameter "
+                    f"({f['trainable_params']['all']:,}, {rate('all')})")
 
 
 def plot_uptrain_hf(res: dict, path: Path) -> str:
