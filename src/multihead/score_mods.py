@@ -32,7 +32,7 @@ import torch
 from torch import Tensor
 
 from multihead.checks import check_positive_int, check_positive_number
-from multihead.kernels.common import softcap as softcap_formula
+from multihead.kernels.common import cap_scores
 
 __all__ = ["ScoreMod", "alibi", "alibi_slopes", "from_flex", "softcap"]
 
@@ -152,7 +152,7 @@ def softcap(cap: float) -> ScoreMod:
     cap = _positive_number(cap, "softcap cap")
 
     def fn(score, b, h, q, kv):
-        return softcap_formula(score, cap)
+        return cap_scores(score, cap)
 
     def inplace_grad(z, ds):  # d(cap tanh(s / cap))/ds = 1 - (z / cap)^2
         return ds.addcmul_(ds, z.div_(cap).square_(), value=-1)

@@ -353,7 +353,7 @@ def _key_span(allowed: Tensor) -> tuple[int, int, list[tuple[int, int]] | None]:
 # ------------------------------------------------------------------ the pass
 
 
-class _Progress:
+class _LayerProgress:
     """'summaries: layer 12/30, 2.4 s per layer, ETA 43 s' on a terminal's stderr, replaced in place."""
 
     def __init__(self, total: int, enabled: bool | None):
@@ -382,7 +382,7 @@ class _Observer:
     """Given to the registry as `multihead_observer=`: summarises each asked layer as it runs."""
 
     def __init__(self, modules: dict[int, int], make_acc: Callable[[int], RowSums], heads: list[int],
-                 block_elements: int, progress: _Progress, stop: bool):
+                 block_elements: int, progress: _LayerProgress, stop: bool):
         self.modules = modules  # id(module) -> position in `layers`
         self.make_acc = make_acc
         self.heads = heads
@@ -502,7 +502,7 @@ def _summarise(lm, text_or_ids, *, layers, heads, max_tokens, top_k, patterns, g
         g = grid if any((layers[li], x) in want for x in heads) else 0
         return RowSums(h, ctx, top_k=top_k, grid=g, transformer_lens=transformer_lens, device=device)
 
-    bar = _Progress(L, progress)
+    bar = _LayerProgress(L, progress)
     done: dict[int, RowSums] = {}
     from_weights = []
     try:
@@ -559,7 +559,7 @@ def _pattern_heads(patterns, layers: list[int], heads: list[int]) -> set[tuple[i
 
 
 def _run_hf(lm, batch: Tensor, layers: list[int], heads: list[int], make_acc, block_elements: int,
-            bar: _Progress) -> dict[int, RowSums]:
+            bar: _LayerProgress) -> dict[int, RowSums]:
     """One forward of `lm.model` with the observer; returns {position in layers: sums}."""
     from multihead.interop.hf import CaptureComplete
     from multihead.interop.hf.registry import OBSERVER_KEYWORD
