@@ -1,28 +1,11 @@
 """Per-head summaries of every head of a model at any length, in bounded memory.
 
-`summaries(model, text)` runs the text once through the model on the fused kernel. Each
-attention layer hands its q `(B, H, T, D)` and k `(B, Hkv, S, D)` (after RoPE), its mask,
-window, causality, scale, softcap and sinks, exactly as the kernel receives them, to an
-observer (the registry's `OBSERVER_KEYWORD`). The observer recomputes that layer's
-probabilities in float32 a block of query rows at a time, with the kernels' masking rules
-(the mask rows of `kernels.math.rows_mask`, the empty-row rule of `kernels.common.softmax`)
-and one log-softmax that gives both the probabilities and their entropy, each block
-cropped to the keys its rows may see, and folds every block into the running sums of
-`rowstats.RowSums` before the next is made: never more than one block's `(h, t, w)`
-scores of one layer exist, whatever T is. Blocks are small (`BLOCK_ELEMENTS`), so the
-several passes over one block run from the CPU's cache. The kernel's own output is
-untouched; the forward stops inside the last layer asked (no logits).
-
-What comes back (`HeadSummaries`): per-head arrays `(layers, heads)` of every statistic
-in `multihead.inspect.rowstats` (entropy in nats, mean distance, first-token mass,
-previous-token, duplicate-token and induction scores, the mass beyond 1K / 4K tokens back,
-...), each query's top-k keys (indices and float16 weights) and, for the heads asked, the
-pattern summed over at most 256 x 256 blocks; `to_json()` for the command's `--json`.
+`summaries(model, text)` runs the text once on the fused kernel; an observer recomputes
+each layer's probabilities a block of query rows at a time and folds them into
+`rowstats.RowSums`, so never more than one block's scores exist, whatever T is.
 `head_roles(summaries)` ranks heads from the same numbers.
 
-Models whose attention does not reach the observer (a `multihead lab` checkpoint, a
-patched DeepSeek layer) are summarised from their weights one layer at a time instead:
-the same sums, with one layer's `(h, T, S)` weights in memory.
+Details: docs/inspect.md, "How `summaries` streams a model".
 """
 
 from __future__ import annotations
@@ -50,8 +33,7 @@ __all__ = ["SUMMARY_FIELDS", "HeadSummaries", "summaries"]
 SUMMARY_FIELDS = ("entropy", "mean_distance", "first_token_mass", "previous_token", "duplicate_token", "induction",
                   *BEYOND, "normalized_entropy", "current_token", "first_token", "delimiter", "next_token")
 #: Scores in one block of query rows (float32 elements, all heads of a layer): 4 MiB, so that
-#: the block's passes run from a core's cache (one layer of SmolLM2 at T = 8,192 on one core:
-#: 1.15x faster than blocks of 4M, 1.6x than blocks of 256K, on a shared machine).
+#: the block's passes run from a core's cache (the sizes tried: docs/inspect.md).
 BLOCK_ELEMENTS = 1 << 20
 #: The score of a hidden key: finite, so that exp(NEG - max) is 0 and p log p = 0 * NEG is 0.
 NEG = -1e30

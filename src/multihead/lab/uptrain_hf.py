@@ -6,48 +6,10 @@ it with a few percent of the original compute; MHA2MLA (Ji et al., 2025) convert
 with partial RoPE and an SVD of the key/value projections. Here, on a pretrained model
 (SmolLM2-135M-Instruct by default: 30 layers, 9 query / 3 KV heads of 64):
 
-1. **Base**: the model as loaded, its held-out perplexity and the bytes per token of a
-   real `generate()` cache (every tensor of every layer, divided by the cached tokens).
-2. **Targets**: MQA by `multihead.convert.to_gqa(model, 1, init=...)` for each init
-   ("aligned", fitted on `calibration_tokens` of the training split; "mean", "first",
-   "random"), and MLA by `convert.to_mla(model, R, rope_dim=r)` at each rank R
-   ("calibrated": to_mla's data-aware default on those tokens; "svd" with
-   calibration_tokens=0, the weights only).
-3. **Uptraining**: each target trained for `steps` AdamW steps on next-token loss over
-   windows of the KJV's training split (Genesis to Acts), the same batches for every
-   target, evaluated as converted (step 0) and after each fraction of the steps (one
-   run, evaluated along the way: its schedule is that of the whole budget). One target
-   (`distill`) is trained again by distillation from the base model: KL(base || student)
-   of the next-token distributions, the base's logits computed on the same batch.
-   Each training's peak rate is chosen first on a few probe steps (`probe_steps`,
-   multihead.lab.uptrain_lr); a non-finite loss stops it ("diverged"), and an evaluation
-   worse than the conversion is marked `worse_than_converted`.
-4. **Control**: the unconverted model uptrained with the same budget, batches and
-   trainable parameters. Training on the KJV also adapts a model to its English, so a
-   target's recovery is measured against the control at the same step: the fraction of
-   the log-perplexity gap closed is (log ppl_converted - log ppl_s) / (log ppl_converted
-   - log ppl_control,s).
+Base, targets, uptraining, the control, the held-out text, what trains and how Ctrl-C
+resumes, and what it writes:
 
-Held-out text: Romans to Revelation (other books than the training split), in
-`eval_windows` windows of `eval_context` tokens spread evenly over it; perplexity is
-exp(mean next-token NLL) over every predicted token.
-
-What trains (`trainable="attention"`): each layer's attention module (q/k/v/o, or the MLA
-layer's projections); the token embedding (tied to the LM head), MLPs and norms are frozen.
-Frozen weights still pass gradients through, but need none of their own and no AdamW
-moments: the backward costs less and the optimiser state is a fifth of the model's. With
-`freeze_check` one target (MQA, mean) is trained once more with every parameter trainable,
-and results.json "freeze" says what the freezing costs in perplexity and saves in time.
-
-Ctrl-C stops at once and loses nothing: results.json holds every evaluation so far, and
-the training in progress is saved (its trainable weights, AdamW's moments and step) to
-`resume.pt`; `--resume` with the same --out and settings continues from there, and the
-numbers equal those of an uninterrupted run (batches are a function of the step, the
-conversions of the seed). An interrupt that arrives inside an optimiser step is held
-until the step is done, so the saved state is always that of a whole step.
-
-Writes results.json (`results.base`, `results.control`, `results.variants`,
-`results.freeze`, `summary`, `table`) and uptrain.png; no weights.
+Details: docs/lab.md, "How `lab uptrain --model` runs".
 """
 
 from __future__ import annotations

@@ -7,50 +7,12 @@ shared latent per token, and only that latent, R + r values per token and layer,
 transformers' cache; decoding takes the absorbed path (W_UK folded into the query, W_UV
 after). `generate()` works as before.
 
-How a layer with H query heads, Hkv key/value heads of width D is converted:
+Partial RoPE after MHA2MLA (Ji et al., 2025, "Towards Economical Inference: Enabling
+DeepSeek's Multi-Head Latent Attention in Any Transformer-based LLMs"), the latent from a joint
+truncated SVD of the nope keys and the values. transformers is never imported here: the model's
+own modules are read and replaced.
 
-- Partial RoPE (MHA2MLA, Ji et al., 2025, "Towards Economical Inference: Enabling
-  DeepSeek's Multi-Head Latent Attention in Any Transformer-based LLMs"): each key/value
-  head keeps k = r / (2 Hkv) of its D/2 rotary frequency pairs rotary; those pairs of the
-  Hkv key heads, side by side, are the one decoupled RoPE key of width r (cached after
-  rotation), and each query head's same pairs sit in its group's block of its RoPE query
-  (zeros in the other blocks), so q_pe . k_pe is exactly the rotary part of the original
-  score. The angles are the model's own (its rotary module's cos/sin at those
-  frequencies, RoPE scaling included). Which pairs (`keep`):
-
-  * "norm" (MHA2MLA's 2-norm choice): the pairs whose query-key norm product
-    sum_{h in group} E||q_h^(f)|| E||k^(f)|| is largest: those carry most of the score.
-    The expectations come from `calibration` token ids run through the original model,
-    or, without them, from the weights (||W^(f)||_F, the norm under an isotropic input).
-  * "high": the k highest frequencies (MHA2MLA's S_high), as DeepSeek keeps position in
-    few fast-rotating features.
-  * "rotation" (the default with calibration): the pairs whose rotation costs most to
-    drop, the norm product weighted by 1 - |a|^2, a the mean rotation of the pair under the
-    layer's own attention (interop/hf/calibrated.py); basis="output" then turns each dropped
-    pair's queries by conj(a) and takes the latent in the metric of the attention output.
-
-  The other pairs lose their rotation and become the "nope" keys of the latent.
-- The nope keys and the values: a joint truncated SVD of M = [W_k,nope ; W_v | b_v]
-  (U_R = its first R left singular vectors): the latent is c = U_R^T [k_nope ; v] and the
-  up-projection kv_b_proj holds U_R, each query head taking its key/value head's rows.
-  For a model without q/k norms c is linear in x, so U_R^T M is the down-projection
-  kv_a_proj. The key bias of the nope part is dropped (softmax ignores a shift that is the
-  same for every key); the RoPE key's bias is kept (rotated, it is not such a shift).
-- Qwen3's per-head q/k RMSNorm before RoPE: the queries are computed as before and then
-  laid out as above (exact). The key norm divides each key head by its own RMS, a
-  nonlinear function of x, so the latent is not a linear map of x: this layer computes
-  the exact normalised keys from the kept k_proj and k_norm at cache-write time, caches
-  their rotated RoPE part, and projects [k_nope ; v] onto U_R of the SVD of
-  [diag(w_k) W_k,nope / s_j ; W_v] (s_j = ||W_k,j||_F / sqrt(D), head j's RMS under an
-  isotropic input). What is approximated is only the rank truncation (and, as for every
-  model, the dropped rotation of the nope pairs); the reported error is that of the
-  weighted map, and the per-token norm is exact.
-
-Exact (up to rounding) in the full configuration r = Hkv * D (every pair rotary: the RoPE
-key is the Hkv RoPE'd key heads side by side) and R = Hkv * Dv (the latent is the values).
-The report gives every layer's relative reconstruction error ||M - U_R U_R^T M|| / ||M||.
-
-transformers is never imported here: the model's own modules are read and replaced.
+Details: docs/mla.md, "How `transformers_to_mla` converts a layer".
 """
 
 from __future__ import annotations
@@ -199,7 +161,7 @@ class LatentLlamaAttention(nn.Module):
         pe_rows, nope_rows: `(r,)`, `(Hkv * (D - 2k),)` buffers, rows of the original k_proj
             that make the RoPE key and the nope keys.
         k_proj, v_proj, k_norm, latent_proj, q_gain: only for a layer with q/k norms (Qwen3),
-            which computes its latent from the exact normalised keys (module docstring).
+            which computes its latent from the exact normalised keys (docs/mla.md).
     """
 
     def __init__(self, original: nn.Module, mla: LatentAttention, pairs: Tensor, slot_freq: Tensor,
@@ -420,7 +382,7 @@ class _Layout:
 
 def _kv_map(attn: nn.Module, nope_rows: Tensor, qk_norm: bool) -> Tensor:
     """M, the map `(rows, C [+1])` from x (and a bias column) to the features [k_nope ; v] the latent
-    stores; for a k-normed layer, that of the exact normalised nope keys and the values (module docstring)."""
+    stores; for a k-normed layer, that of the exact normalised nope keys and the values (docs/mla.md)."""
     _, Hkv, D, _, C = _sizes(attn)
     wk = attn.k_proj.weight.detach().double()  # (Hkv*D, C)
     wv = attn.v_proj.weight.detach().double()  # (Hkv*Dv, C)
@@ -551,14 +513,14 @@ def _convert_layer(attn: nn.Module, kv_rank: int, rope_dim: int, pairs: Tensor, 
 def transformers_to_mla(model: nn.Module, kv_rank: int, *, rope_dim: int | None, keep: str | None = None,
                         basis: str | None = None, calibration=None, tokenizer=None, backend: str = "auto",
                         return_report: bool = False):
-    """A copy of a Llama-family transformers model on multihead's MLA (module docstring).
+    """A copy of a Llama-family transformers model on multihead's MLA (docs/mla.md).
 
     Args:
         kv_rank: R, the width of the shared latent (<= the rank of [W_k,nope ; W_v]).
         rope_dim: r, the width of the decoupled RoPE key: a multiple of 2 * Hkv up to
             Hkv * D (every pair rotary); required.
         keep: which rotary pairs stay rotary: "rotation" (the default with calibration: the
-            pairs whose rotation costs most to drop, module docstring), "norm" (MHA2MLA's
+            pairs whose rotation costs most to drop, docs/mla.md), "norm" (MHA2MLA's
             query-key norm product) or "high" (the highest frequencies; the default without).
         basis: "output" (the default with calibration: the principal subspace of the K/V
             features in the metric of the attention output, the dropped pairs' queries
