@@ -8,8 +8,8 @@ On CPUs it measured slower than "auto" even once compiled (docs/kernel.md, "The 
 flex backend"; revisit when torch's CPU flex kernel improves); it is here for GPUs, and
 to hold multihead's masks against flex's kernels.
 
-What it adds (index conventions, dense masks, the block-mask cache, key padding, the
-CPU backward, errors that name what failed):
+On top of flex: index conventions, dense masks, a block-mask cache, key padding, the CPU
+backward, and errors that name what failed.
 
 Details: docs/kernel.md, "What the flex backend adds on top of flex_attention".
 """

@@ -5,9 +5,8 @@ Ainslie et al., 2023 ("GQA: Training Generalized Multi-Query Transformer Models 
 Multi-Head Checkpoints") turn a trained multi-head model into GQA or MQA by mean-pooling
 each group's key and value heads, then "uptrain" it for ~5% of the original steps. This
 experiment repeats that on a character-level LM of the King James Bible (the `lab mla`
-model, same defaults):
-
-The four steps (baseline, conversions, uptraining, from scratch), RoPE and what it writes:
+model, same defaults): the baseline, its conversions, their uptraining, and each target
+geometry trained from scratch.
 
 Details: docs/lab.md, "How `lab uptrain` runs on the lab's model".
 """

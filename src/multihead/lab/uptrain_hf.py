@@ -4,10 +4,9 @@ transformers model to a cheaper KV cache, uptrain it, and measure what it costs.
 Ainslie et al. (2023) mean-pool a trained model's key/value heads into MQA/GQA and uptrain
 it with a few percent of the original compute; MHA2MLA (Ji et al., 2025) converts to MLA
 with partial RoPE and an SVD of the key/value projections. Here, on a pretrained model
-(SmolLM2-135M-Instruct by default: 30 layers, 9 query / 3 KV heads of 64):
-
-Base, targets, uptraining, the control, the held-out text, what trains and how Ctrl-C
-resumes, and what it writes:
+(SmolLM2-135M-Instruct by default: 30 layers, 9 query / 3 KV heads of 64), each target
+is converted, uptrained and measured against the base and an unconverted control trained
+with the same budget; Ctrl-C stops at once and `--resume` continues.
 
 Details: docs/lab.md, "How `lab uptrain --model` runs".
 """

@@ -3,7 +3,7 @@
 Reading is bounded and never trusts the file (a regular file only, at most
 MAX_CONFIG_BYTES, closed-form layer counts; bad UTF-8, deep JSON, huge numbers and wrong
 types are each a ValueError naming the file and the field). The traps each family sets for
-a naive calculator (fused projections, windows, MoE, MLA, ...):
+a naive calculator (fused projections, windows, MoE, MLA, ...) are listed in the docs.
 
 Details: docs/plan.md, "The traps of each config family".
 """
