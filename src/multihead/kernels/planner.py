@@ -27,12 +27,11 @@ __all__ = ["band_rows", "block_mask", "choose_tile", "clear_plans", "combine", "
 _FUSED_CANDIDATES = (64, 128, 256, 512, 1024)  # tile edges the fused engine's plan chooses from
 _MIN_SEGMENT = 64  # documents shorter than this on average run as tiles, not a call each
 _BAND_CANDIDATE = 32  # the extra tile edge of an engine that runs bands (see `choose_tile`)
-# The tile cost model's two constants (`MachinePlan.flops_per_thread`, ~20 GFLOP/s per thread, and
-# `.call_seconds`, ~0.5 ms per call; visible and replaceable there) were fitted
-# together at D = 64, and a pair's 4 D flops are counted at that D whatever the call's D: the
-# real D made the plan worse (at D = 16 and 32 it chose 256-row tiles over 64, which ran
-# slower). torch's CPU kernel's time per pair is about proportional to D, so the per-call
-# term is what is off at small D; refitting both per D would let the real D in.
+# The tile cost model's two constants (`MachinePlan.flops_per_thread` and `.call_seconds`,
+# visible and replaceable there) were fitted together at D = 64, so a pair's 4 D flops are
+# counted at that D whatever the call's D: the real D made the plan pick slower tiles at small
+# D (docs/kernel.md). torch's CPU kernel's time per pair is about proportional to D, so the
+# per-call term is what is off at small D; refitting both per D would let the real D in.
 _COST_HEAD_DIM = 64
 # Plans kept (`plan_key`): a model's layers and steps repeat a handful of (mask, shape)s; a plan
 # at N = 16384 holds two (512, 512) bool grids. 0: none kept, every call plans (benchmarks/masks.py)
