@@ -96,7 +96,7 @@ def test_each_conclusion_is_what_the_current_code_writes_from_the_committed_numb
 
     res = results("mla")
     again = {"results": {"runs": res["results"]["runs"], "conversions": res["results"]["conversions"]}}
-    mla_report.summarise(cfg_of(MLAConfig, res), again)
+    mla_report.summarise_mla(cfg_of(MLAConfig, res), again)
     assert again["results"]["summary"] == res["results"]["summary"]
     res = results("heads")
     assert heads.conclusion(cfg_of(HeadsConfig, res), res["results"]["by_heads"]) == res["results"]["conclusion"]

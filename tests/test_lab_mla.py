@@ -107,12 +107,12 @@ def _run(name, kind, cache, bpc, rank=None):
 
 def test_conclusion_gives_the_unit_and_the_margin():
     from multihead.lab.configs import MLAConfig
-    from multihead.lab.mla_report import summarise
+    from multihead.lab.mla_report import summarise_mla
 
     cfg = MLAConfig()  # tolerance 1 bit/char, budget 1/8
     runs = [_run("MHA", "MHA", 1024, 2.000), _run("MLA-16", "MLA", 64, 2.350, 16), _run("MLA-32", "MLA", 96, 2.100, 32)]
     res = {"results": {"runs": runs, "conversions": []}}
-    summarise(cfg, res)
+    summarise_mla(cfg, res)
     text = res["results"]["summary"]
     assert "validation loss within 1 bit/char of MHA's is kv_rank = 16" in text, text
     assert "at 2.350 bits/char, 0.350 bits/char above MHA, a margin of 0.650 bits/char to the tolerance" in text
@@ -121,6 +121,6 @@ def test_conclusion_gives_the_unit_and_the_margin():
     # none within tolerance: how far past it the closest is
     runs = [_run("MHA", "MHA", 1024, 2.0), _run("MLA-16", "MLA", 64, 3.25, 16)]
     res = {"results": {"runs": runs, "conversions": []}}
-    summarise(cfg, res)
+    summarise_mla(cfg, res)
     assert "the closest, kv_rank 16, is 1.250 bits/char above MHA, 0.250 bits/char past the tolerance" in \
         res["results"]["summary"]

@@ -259,7 +259,7 @@ def test_the_rate_probe_takes_the_best_rate_and_restores_the_weights():
 
 
 def test_a_training_worse_than_its_conversion_is_marked():
-    from multihead.lab.uptrain_hf import summarise
+    from multihead.lab.uptrain_hf import summarise_uptrain_hf
 
     cfg = HFUptrainConfig(model="x", steps=4, fractions=(0.0, 1.0), warmup=1)
     entry = {"init": "calibrated", "objective": "next-token", "kv_bytes_per_token": 8}
@@ -270,7 +270,7 @@ def test_a_training_worse_than_its_conversion_is_marked():
                                     {**entry, "target": "mla-4", "steps": 0, "val_ppl": 50.0},
                                     {**entry, "target": "mla-4", "steps": 4, "val_ppl": 20.0}],
                        "seconds": {}, "freeze": {"frozen": "x", "check": [], "seconds_per_step": {}}}}
-    summarise(cfg, res)
+    summarise_uptrain_hf(cfg, res)
     r = res["results"]
     assert r["worse_than_converted"] == ["mla-8/calibrated"]
     assert [v.get("worse_than_converted", False) for v in r["variants"]] == [False, True, False, False]
@@ -387,7 +387,7 @@ def test_the_docs_quote_the_committed_run():
     from pathlib import Path
 
     from multihead.lab.results import check_results
-    from multihead.lab.uptrain_hf import summarise
+    from multihead.lab.uptrain_hf import summarise_uptrain_hf
 
     root = Path(__file__).resolve().parent.parent
     committed = root / "docs" / "lab" / "uptrain-smollm2" / "results.json"
@@ -401,7 +401,7 @@ def test_the_docs_quote_the_committed_run():
     assert r["table"] in section and r["summary"] in section
     cfg_fields = {k: tuple(v) if isinstance(v, list) else v for k, v in res["config"].items()}
     again = json.loads(json.dumps(res))
-    summarise(HFUptrainConfig(**cfg_fields), again)
+    summarise_uptrain_hf(HFUptrainConfig(**cfg_fields), again)
     assert (again["results"]["table"], again["results"]["summary"]) == (r["table"], r["summary"])
     assert not res["interrupted"] and res["results"]["model"] == "smollm2"
 

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from multihead import heads
-from multihead.heads.progress import Progress
+from multihead.heads.progress import ScanProgress
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -100,7 +100,7 @@ def test_progress_reports_every_head_to_a_callable_and_draws_only_on_a_terminal(
 
 def test_the_time_left_is_priced_by_each_forwards_cost():
     now = [0.0]
-    p = Progress(lambda *a: None, 3, [3.0, 2.0, 1.0], "x", clock=lambda: now[0])
+    p = ScanProgress(lambda *a: None, 3, [3.0, 2.0, 1.0], "x", clock=lambda: now[0])
     now[0] = 10.0
     p.step(1, 3.0)
     assert p.eta(now[0]) is None

@@ -11,10 +11,8 @@ Shape glossary (used in every comment and docstring of the package):
 Modules take and return batch-first `(B, T, C)`; kernels work on `(B, H, T, D)`.
 A boolean mask means True = may attend; a float mask is added to the scores.
 Causal attention with S > T is aligned bottom-right (query i sees keys j <= i + S - T).
-A query row with no key to attend gives zeros, never NaN.
-
-The torch-backed names below are imported on first use, so `import multihead` and the
-pure-Python `multihead.plan` do not pay for importing torch.
+A query row with no key to attend gives zeros, never NaN. The torch-backed names below
+are imported on first use: `import multihead` and `multihead.plan` do not import torch.
 """
 
 from __future__ import annotations

@@ -6,8 +6,7 @@ causal, dropout, rotary positions and a KV cache (Vaswani et al., 2017; Shazeer,
 One module does projections, RoPE and the cache; the kernel is a function picked by
 name from `multihead.functional`. Modules take and return `(B, T, C)`; inside, the
 layout is `(B, H, T, D)`. The head count is read back from the projection outputs
-(width // D), so tensor parallelism that splits q/k/v column-wise and o
-row-wise (torch.distributed.tensor.parallel) works on the module unchanged.
+(width // D), so tensor parallelism (q/k/v column-wise, o row-wise) works unchanged.
 
 The kernel call goes through one method, `_attend`, so a wrapper that runs attention
 another way (ring attention over a sequence split across processes) overrides that

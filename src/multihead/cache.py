@@ -6,31 +6,7 @@ latent `(B, S_max, R + rope_dim)` instead. Each kind has one write method, `upda
 writes the new tokens at the current length and returns views of everything cached so
 far; a cross-attention context is held by `hold_context`, once, in an empty cache.
 
-Under `torch.compile`, a Python int length would be specialised and recompiled at every
-step, so the length lives in a 0-d tensor. Eager `update` reads it and returns views of
-the cached tokens (exact shapes, no wasted work); compiled code calls
-`update(k, v, static=True)`, which writes at the tensor position and returns the whole
-buffers, to be masked by position (the gpt-fast design): one graph serves every decode
-step (tested). Eager code keeps a Python int beside the tensor, so reading the length
-never waits for the device (one sync per layer per step on a GPU otherwise).
-
-`RollingKVCache` is the sliding-window cache (Mistral's design): W slots, written
-round-robin, so memory is O(W) however long the sequence grows.
-
-State rules that callers rely on:
-- A call that raises leaves the cache as it was. The modules write inside
-  `with cache.checkpoint(n_new):`, which restores the cache if anything in the block
-  fails (a bad mask, a bad head index), so a corrected retry sees exactly the old cache.
-  `mark = cache.checkpoint(n)` ... `cache.restore(mark)` rewinds it on purpose (a
-  benchmark repeating one step).
-- Under autograd, cached keys and values keep the graph of their writes within one
-  sequence, so the latest step's output backpropagates into every earlier token's
-  projections (equal to the full forward's gradient). Earlier steps' graphs are not
-  kept valid: each write is in place (O(L) memory, no copies), so a loss summed over
-  several cached steps makes torch report a tensor "modified by an inplace operation".
-  To train on whole sequences, run them without a cache (one causal forward computes
-  every step). Decode under `torch.no_grad()`. `reset()` drops the graph, so nothing
-  of a previous sequence survives it, and `copy.deepcopy` copies values, never a graph.
+Details: docs/kernel.md, "KV caches: the compiled path and the state rules".
 """
 
 from __future__ import annotations

@@ -2,21 +2,10 @@
 the small decoders `multihead lab` trains (`multihead.decoder`). It lives below the tools:
 lab writes it, `multihead inspect` and `multihead heads` open it.
 
-config.json:
+The key `multihead_lab` is how `multihead inspect --model FOLDER` tells a lab checkpoint
+from a Hugging Face folder; a pruned model's per-layer head counts are kept.
 
-    {"multihead_lab": {"experiment": "induction", "architecture": {LabConfig fields...},
-                       "multihead_version": "0.1.0"},
-     "tokenizer": {"kind": "symbols" | "char", "tokens": ["0", "1", ...]}}
-
-The architecture is read off the model's layers, not only its `cfg`: a model pruned by
-`multihead.heads.prune` to the same heads in every layer is written with those counts,
-and one whose layers keep different counts gets `"layer_heads": [[H, Hkv], ...]` (one
-pair per block; Hkv is H for MLA) in its `multihead_lab` section, which loading applies.
-
-"char" tokenizers split text into characters (the MLA language model); "symbols"
-tokenizers split on whitespace (the synthetic tasks: "3 17 SEP 3 17"). The key
-`multihead_lab` is how `multihead inspect --model FOLDER` tells a lab checkpoint from a
-Hugging Face folder.
+Details: docs/lab.md, "The lab checkpoint's config.json".
 """
 
 from __future__ import annotations

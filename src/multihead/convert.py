@@ -1,24 +1,10 @@
 """Conversions of trained attention layers between head layouts.
 
-- `from_torch` / `to_torch`: nn.MultiheadAttention <-> `Attention`, exact (they live in
-  `multihead.interop.torch`, re-exported here so that every conversion has one address).
-- `to_gqa`: MHA (or GQA) -> GQA with fewer key/value heads by mean-pooling the K and V
-  projection heads of each group (Ainslie et al., 2023, "GQA: Training Generalized
-  Multi-Query Transformer Models from Multi-Head Checkpoints"), or keeping the first
-  head of each group, or drawing the K/V projections afresh (the paper's ablation).
-  Approximate; meant to be followed by a little uptraining, as in the paper.
-- `to_mla`: MHA (or GQA) -> `LatentAttention` by a truncated SVD of the stacked key and
-  value projections [W_k ; W_v]: the right factor becomes the shared down-projection
-  to a rank-R latent, the left factor the per-head up-projections. Exact at full rank;
-  `MLAReport` gives the relative reconstruction error at every rank. Layers with RoPE
-  convert approximately with `rope_dim=` (MHA2MLA's partial RoPE, see `to_mla`).
+`from_torch` / `to_torch` (exact), `to_gqa` (mean-pooling, Ainslie et al., 2023, "GQA")
+and `to_mla` (a truncated SVD of the stacked K/V projections; partial RoPE after MHA2MLA),
+on one `Attention` layer or a whole model.
 
-Both take one `Attention` layer or a whole model (any `nn.Module`): a model is deep-copied
-and every `Attention` in it converted (a lab model's `cfg` follows; a Hugging Face model
-with `num_key_value_heads` in its config goes to `multihead.interop.hf.gqa`), and
-`return_report=True` adds a `ConversionReport`, the relative K/V reconstruction error of
-every layer. All return ordinary multihead modules (with their own caches) and leave the
-input untouched.
+Details: docs/mla.md, "`multihead.convert`: the conversions and what they take".
 """
 
 from __future__ import annotations

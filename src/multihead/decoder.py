@@ -7,13 +7,9 @@ pre-norm blocks (attention, then an MLP unless `mlp=False`, which gives the
 attention-only models of Elhage et al., 2021, "A Mathematical Framework for Transformer
 Circuits"), a final norm and an unembedding. The attention of each block is a
 `multihead.Attention` (MHA, GQA or MQA by `n_kv_heads`) or a `multihead.LatentAttention`
-(MLA by `kv_rank`), always causal.
-
-Positions are learned absolute embeddings by default: the lab converts trained MHA
-layers to MLA (`multihead.convert.to_mla`), which factors the K and V projections, and
-absolute positions keep that conversion exact at full rank. `positions="rope"` rotates
-queries and keys instead (relative positions, which make a previous-token head a
-one-parameter pattern; the induction experiment uses it).
+(MLA by `kv_rank`), always causal. Positions are learned absolute embeddings by default
+(they keep the lab's MHA -> MLA conversion exact at full rank); `positions="rope"` rotates
+queries and keys instead (the induction experiment uses it).
 """
 
 from __future__ import annotations

@@ -8,23 +8,11 @@ rotation does not commute with the up-projection), so a few extra features carry
 a decoupled RoPE key k_pe of width rope_dim, shared by every head and cached beside
 c_kv, and a RoPE part q_pe of each head's query.
 
-    q_h   = [q_nope_h ; RoPE(q_pe_h)]                          (D + rope_dim)
-    k_h,j = [W_UK_h c_j ; RoPE(k_pe_j)]                        (D + rope_dim)
-    v_h,j = W_UV_h c_j                                         (Dv)
-    out   = W_O concat_h softmax_j(q_h . k_h,j / sqrt(D + rope_dim)) v_h,j
+Two paths compute it with equal outputs: naive (decompress K and V, then MHA) and
+absorbed (W_UK folded into the query, attention over the latent itself). The layout and
+weight names follow DeepSeek-V2 (and transformers' DeepseekV2Attention).
 
-Two paths compute it, with equal outputs:
-
-- naive: decompress K and V of every cached token, then ordinary MHA. What a reader
-  expects, and what a long prefill should do.
-- absorbed: q_nope_h . (W_UK_h c_j) = (W_UK_h^T q_nope_h) . c_j, so the key
-  up-projection is folded into the query and every head attends over the latent
-  [c_kv ; k_pe] itself: one key/value "head" shared by all H query heads (MQA with
-  head dim R + rope_dim). Values are c_kv; W_UV_h is applied to the result. Decoding
-  then reads the small latent cache once per step instead of decompressing it.
-
-The layout and the weight names follow DeepSeek-V2 (and transformers'
-DeepseekV2Attention): RoPE rotates interleaved pairs (2f, 2f + 1) of q_pe and k_pe.
+Details: docs/kernel.md, "Multi-head latent attention: the formula and its two paths".
 """
 
 from __future__ import annotations

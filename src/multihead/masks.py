@@ -6,26 +6,11 @@ A mask is a function `mask_mod(b, h, q_idx, kv_idx) -> bool tensor`, True where 
 with, broadcasting over the dimensions they ignore: `causal()` becomes `(1, 1, T, S)`,
 `padding(lengths)` becomes `(B, 1, 1, S)`.
 
-Two index conventions, and why:
+multihead's own predicates read `q_idx` bottom-right aligned (the query's position among
+the S keys); a plain flex callable is read top-left, as flex reads it. nn.MultiheadAttention's
+masks (True = ignore) are converted here and nowhere else.
 
-- multihead's own predicates (`causal`, `sliding_window`, `document`, `prefix_lm`,
-  `local_chunks`, `padding`) see `q_idx` as the *position* of the query among the S keys,
-  aligned bottom-right: `q_idx = i + (S - T)` for query row i. The same `causal()` is
-  then right for a full forward (S == T) and for decoding over a cache (S > T), where
-  the new queries are the last positions.
-- A plain callable (a flex_attention `mask_mod`) is called as flex calls it, with the
-  row index from the top-left: `q_idx = i`. Then the same callable gives the same
-  answer in `torch.nn.attention.flex_attention` and in multihead. Wrap it with
-  `from_flex` to combine it with the predicates above. For S == T the two agree.
-
-Besides the element-wise predicate, the built-in masks know which tiles of the
-`(T, S)` score matrix they leave empty or full (`tile_classes`), so the kernel can skip
-empty tiles and run full ones without a mask, never building `(T, S)`: see
-`multihead.kernels.planner`. Any other predicate is classified by evaluating it one strip of
-query rows at a time.
-
-nn.MultiheadAttention's masks use the opposite convention (True = ignore); convert
-them here with `from_key_padding_mask` / `from_torch_attn_mask` and nowhere else.
+Details: docs/kernel.md, "Masks: two index conventions, and the tiles".
 """
 
 from __future__ import annotations

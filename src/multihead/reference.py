@@ -20,6 +20,7 @@ __all__ = [
     "alibi_bias",
     "alibi_slopes",
     "attention",
+    "cap_scores",
     "combine_heads",
     "cross_attention",
     "gqa_forward",
@@ -27,7 +28,6 @@ __all__ = [
     "mla_forward",
     "rms_norm",
     "rope",
-    "softcap",
     "softmax",
     "split_heads",
 ]
@@ -63,7 +63,7 @@ def causal_mask(T: int, S: int) -> np.ndarray:
     return np.arange(S)[None, :] <= np.arange(T)[:, None] + (S - T)
 
 
-def softcap(scores: np.ndarray, cap: float) -> np.ndarray:
+def cap_scores(scores: np.ndarray, cap: float) -> np.ndarray:
     """cap * tanh(scores / cap): Gemma 2's logit soft-capping of the scaled scores."""
     return cap * np.tanh(np.asarray(scores, dtype=np.float64) / cap)
 
@@ -108,7 +108,7 @@ def attention(q, k, v, mask=None, causal=False, scale=None, return_weights=False
     scores = q @ np.swapaxes(k, -1, -2) * scale  # (..., H, T, S)
     T, S = scores.shape[-2:]
     if softcap_cap is not None:
-        scores = softcap(scores, softcap_cap)
+        scores = cap_scores(scores, softcap_cap)
     if alibi is not None:
         scores = scores + alibi_bias(alibi, T, S)
     if mask is not None:

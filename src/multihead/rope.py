@@ -2,28 +2,11 @@
 Rotary Position Embedding"), with the context-extension scalings models ship with.
 
 Each pair of features of a query or key is rotated by an angle proportional to its
-position, so that q_i . k_j depends on i - j only. Two pairings are in use:
+position, so that q_i . k_j depends on i - j only. Two pairings (half-split and
+interleaved), never guessed; angles in float64; `RopeScaling` holds transformers' linear,
+dynamic, llama3 and yarn scalings (Peng et al., 2023, "YaRN").
 
-- half-split (Llama, GPT-NeoX, HF `rotate_half`): feature f pairs with f + d/2;
-- interleaved (GPT-J, the original paper, Meta's reference Llama, DeepSeek): 2f pairs
-  with 2f + 1.
-
-The same weights give different models under the two layouts, so the layout is a
-choice, never a guess. `offset` is the position of the first token, which is how
-decoding with a cache lines up with the full forward.
-
-Angles are computed in float64 (position times frequency, then cos and sin) and cast
-once: at position 1e5 a float32 product is off by ~1e-3 rad, which a float64 model
-would inherit and a float32 one need not (its cos/sin are then as close to exact as
-float32 allows). The rotation itself runs in the input's dtype, at least float32.
-
-`RopeScaling` holds the four scalings of transformers' `rope_parameters` that stretch a
-model past its training length: "linear" (positions / factor), "dynamic" (NTK: the
-base grows with the sequence, Reddit /u/emozilla 2023), "llama3" (Meta, 2024: low
-frequencies / factor, high ones kept, a smooth ramp between) and "yarn" (Peng et al.,
-2023, "YaRN": a per-frequency ramp between interpolation and extrapolation, and an
-attention factor on cos and sin). DeepSeek-V2/V3 use YaRN with `mscale_all_dim`, whose
-square also multiplies the softmax scale (`RopeScaling.softmax_factor`).
+Details: docs/kernel.md, "RoPE: layouts, float64 angles and the scalings".
 """
 
 from __future__ import annotations

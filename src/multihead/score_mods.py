@@ -6,21 +6,10 @@ scores `q . k * scale` before the mask and the softmax, exactly where
 broadcastable index tensors (b `(B, 1, 1, 1)`, h `(1, H, 1, 1)`, q_idx `(1, 1, t, 1)`,
 kv_idx `(1, 1, 1, s)`), so an element-wise definition written for flex works unchanged.
 
-The mods shipped here, with their float64 NumPy twins in `multihead.reference`:
+Shipped: `softcap(cap)` (Gemma 2 report, 2024) and `alibi(slopes)` (Press et al., 2022,
+"Train Short, Test Long"), with their float64 NumPy twins in `multihead.reference`.
 
-- `softcap(cap)`: cap * tanh(score / cap), Gemma-2's attention logit soft-capping
-  (Gemma 2 report, 2024: cap 50 on the scaled scores).
-- `alibi(slopes)`: score + slope_h * (kv - q), ALiBi (Press et al., 2022, "Train Short,
-  Test Long") as BLOOM, MPT and Falcon use it; `alibi_slopes(n_heads)` is their slope
-  schedule, including the interleaving for a head count that is not a power of 2.
-
-As with `multihead.masks`, the ScoreMods made here read `q_idx` as the bottom-right
-aligned position (`i + S - T`), so ALiBi's distances stay right when decoding over a
-cache; a plain callable is read as flex reads it (top-left row index).
-
-ALiBi adds a term that does not depend on the score: it carries it as `bias`, so the
-kernel can hand it to the fused kernel as a float mask one tile at a time. A score mod
-that is not additive (softcap) runs on the explicit tile path (`multihead.kernels.explicit_tiles`).
+Details: docs/kernel.md, "The score mods shipped, and how the kernel runs them".
 """
 
 from __future__ import annotations
@@ -32,7 +21,7 @@ import torch
 from torch import Tensor
 
 from multihead.checks import check_positive_int, check_positive_number
-from multihead.kernels.common import softcap as softcap_formula
+from multihead.kernels.common import cap_scores
 
 __all__ = ["ScoreMod", "alibi", "alibi_slopes", "from_flex", "softcap"]
 
@@ -152,7 +141,7 @@ def softcap(cap: float) -> ScoreMod:
     cap = _positive_number(cap, "softcap cap")
 
     def fn(score, b, h, q, kv):
-        return softcap_formula(score, cap)
+        return cap_scores(score, cap)
 
     def inplace_grad(z, ds):  # d(cap tanh(s / cap))/ds = 1 - (z / cap)^2
         return ds.addcmul_(ds, z.div_(cap).square_(), value=-1)
@@ -166,8 +155,8 @@ def softcap(cap: float) -> ScoreMod:
     def inplace(x):  # x = score * 2 / cap
         if x.dtype == torch.float64:
             return x.mul_(0.5).tanh_().mul_(cap)
-        # cap tanh(y) = 2 cap sigmoid(2y) - cap: torch's sigmoid is ~3x faster than its tanh on
-        # the CPU; the float32 error on the score stays below 2 cap * 2^-24 (6e-6 at cap 50)
+        # cap tanh(y) = 2 cap sigmoid(2y) - cap: torch's CPU sigmoid is faster than its tanh
+        # (docs/kernel.md); the float32 error on the score stays below 2 cap * 2^-24 (6e-6 at cap 50)
         return x.sigmoid_().mul_(2 * cap).sub_(cap)
 
     return ScoreMod(fn, f"softcap({cap:g})", inplace=inplace, input_scale=2 / cap, inplace_grad=inplace_grad)

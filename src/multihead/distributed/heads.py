@@ -7,18 +7,7 @@ whose partial sums one all-reduce adds). The input x is replicated; its gradient
 all-reduced by ColwiseParallel's backward. The modules read the local head count back
 from the projection outputs (`view(B, T, -1, D)`), so their forward runs unchanged.
 
-GQA with fewer KV heads than ranks (Hkv < P, P a multiple of Hkv): rank r's H/P query
-heads all belong to KV head r // (P / Hkv), so P / Hkv ranks share each KV head. The
-k/v projections are then kept whole on every rank (replicated; they are small, since
-Hkv < P) and each rank computes only its one KV head; their weight gradients and
-their share of x's gradient are summed across ranks in the backward.
-
-MLA (`LatentAttention`): the query heads (q_proj, or q_b_proj after the replicated
-low-rank q_a_proj/q_a_norm), the up-projection kv_b_proj (rows of whole heads) and o
-are split; the down-projection kv_a_proj, its norm and therefore the latent and the
-latent cache are replicated: every rank stores the whole (B, S, R + rope_dim) cache,
-which does not shrink with P (it is already H (D + Dv) / (R + rope_dim) times smaller
-than MHA's). The latent's gradient is summed across ranks once, where it is made.
+Details: docs/distributed.md, "Tensor parallelism over heads: GQA with Hkv < P, and MLA".
 """
 
 from __future__ import annotations

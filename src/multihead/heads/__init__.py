@@ -8,24 +8,11 @@ pairs of query heads unless a function says otherwise. Per-head tensors use
 TransformerLens' layout: z `(B, T, H, Dv)`, k `(B, S, Hkv, D)`, v `(B, S, Hkv, Dv)`,
 pattern `(B, H, T, S)`.
 
-- `record(model, inputs, what=("z",), layers=None)` -> `Recording`
-- `ablate(model, heads, how="zero"|"mean"|"resample", reference=None)`: a context manager
-- `patch(model, recording, heads, positions=None, what="z")`: a context manager
-- `patch_scan(model, clean, corrupted, metric, what="z"|"k"|"v"|"pattern")` -> (layers, heads)
-- `attribution_scan(...)`: the same table by a first-order (gradient) approximation
-- `path_patch(model, clean, corrupted, metric, senders, receivers, via="q"|"k"|"v")` -> float:
-  the senders' effect let through to the receivers' queries/keys/values (or "logits") only
-- `path_patch_scan(model, clean, corrupted, metric, receivers, via="q")` -> (layers, heads):
-  every head as the only sender
-- `importance(model, batches, loss, normalize=True)`: Michel et al. (2019) head importance
-- `prune(model, heads)`: physical removal where the model can hold it
-- `edges(model)`, `edge_patch(model, clean, corrupted, metric, keep)` -> float,
-  `edge_scores(..., method="eap-ig", steps=5)` -> `EdgeScores`, `faithfulness_curve(...)`:
-  circuits of edges (EAP, EAP-IG, exact edge patching; docs/heads-circuits-auto.md)
-- `AtPositions(fn, positions)`: a metric that reads one position per row; the scans then
-  compute the model's head at those positions only
+record, ablate, patch, patch_scan, attribution_scan, path_patch, path_patch_scan,
+importance, prune, the edge tools (edges, edge_patch, edge_scores, faithfulness_curve) and
+AtPositions: docs/heads.md.
 
-See docs/heads.md.
+Details: docs/heads.md, "The functions of `multihead.heads` at a glance".
 """
 
 from __future__ import annotations

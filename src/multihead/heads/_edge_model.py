@@ -2,21 +2,10 @@
 
 The circuits tools run their own forward of the model's weights (`_edge_run`), in which
 every receiver applies its norm and its projection to its own copy of the residual
-stream. What that forward needs of a model is here: the embedding (with GPT-2's position
-embedding), per layer its input norm, the per-head query/key/value projections `(H, D, C)`
-with their biases, the per-head slices of the output projection `(H, C, Dv)`, the query
-and key norms where the model has them (Qwen3, Gemma 3), RoPE, the sliding window, the MLP's
-norm and the MLP; then the final norm and the LM head. The norms and MLPs are the model's own
-modules, called on the copies.
+stream; this module lays out what that forward needs. Llama-like and GPT-2 layouts; models
+with a parallel residual, and OLMo 2, are refused by name.
 
-Architectures: Llama, Mistral, Qwen2, Qwen3 (and others laid out as Llama is: `model.layers[i]`
-with `self_attn.{q,k,v,o}_proj`, `input_layernorm`, `post_attention_layernorm`, `mlp`) and
-GPT-2 (fused `c_attn`, biases, learned positions). Models whose attention and MLP read one
-input in parallel (GPT-J, GPT-NeoX with its parallel residual, Phi, Falcon, Cohere) have no
-such graph and are refused by name. Gemma 2 and 3 normalize the attention's output and the
-MLP's before adding them: a head's output there is its share of the normed sum, `PostNorm`
-(the definition: `multihead.heads.edge_graph`). OLMo 2 (norms after the blocks only, and a
-query/key norm over all heads at once) is refused by name.
+Details: docs/heads-circuits-auto.md, "What the edge forward needs of a model, and the architectures".
 """
 
 from __future__ import annotations

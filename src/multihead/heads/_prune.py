@@ -1,36 +1,10 @@
 """`prune`: remove heads physically, where the model can hold what is left.
 
-- multihead `Attention`: any set of query heads. A key/value head goes when all its
-  query heads go. When the groups left are uneven (GQA with some heads of a group gone),
-  the key/value heads are repeated so every group has G' = gcd(group sizes) query heads:
-  the same function, in the module's one-G layout.
-- multihead `LatentAttention`: query heads with their rows of the query projection and
-  of the up-projection `kv_b_proj` ([W_UK_h ; W_UV_h]) and their columns of `o_proj`;
-  the latent is shared and stays.
-- transformers models whose config carries `head_dim` and whose attention has
-  q_proj/k_proj/v_proj/o_proj (Llama, Mistral, Qwen2/3, Gemma, GPT-OSS, ...): removals
-  that leave every layer the same H' query and Hkv' key/value heads with H'/Hkv' heads
-  in every group (whole KV groups, or the same number of heads of each group). The
-  config is updated, so `save_pretrained` writes a model stock transformers loads.
-  With `pad=True` any removal is taken: the config holds one count for every layer, so
-  each layer is laid out as the widest (Hkv' = the most key/value heads any layer keeps,
-  G' = the most query heads any group keeps) and filled with inert heads, whose query
-  and key/value rows and output columns are zero: they add exactly 0 to the residual,
-  as an ablated head does. The saved model is as small as its widest layer allows.
-- a DeepSeek-V2/V3 model after `multihead.interop.hf.use_latent_attention`: its LatentAttention
-  shares its projections with the registered layer (what `state_dict` and
-  `save_pretrained` read) and with the transformers layer `restore_attention` puts back, so the
-  projections are narrowed in place and the config and the replaced layers take the new
-  head count: saving, loading and restoring all give the pruned model. The config holds
-  one count, so every layer must keep the same number of heads.
-- lab models (`LabTransformer`): their `cfg` follows when every layer keeps the same
-  heads; `save_lab_checkpoint` records per-layer counts otherwise.
-
 Every projection is narrowed in place (the module stays the same object: hooks and every
-holder of it see the pruned weights), and each parameter keeps its `requires_grad`.
+holder of it see the pruned weights), and each parameter keeps its `requires_grad`. Layers
+are numbered in module order (`model.modules()`).
 
-Layers are numbered in module order (`model.modules()`), the order they run in for the
-models this applies to.
+Details: docs/heads.md, "What `prune` can remove, model by model".
 """
 
 from __future__ import annotations

@@ -16,7 +16,7 @@ import torch
 from torch import Tensor
 
 from multihead.heads._ranks import Ranks
-from multihead.heads.progress import Progress
+from multihead.heads.progress import ScanProgress
 
 
 def run_units(ranks: Ranks, units: Sequence, costs: Sequence[float], work: Callable[[object], list],
@@ -29,7 +29,7 @@ def run_units(ranks: Ranks, units: Sequence, costs: Sequence[float], work: Calla
     any one unit (the ranks' shares and the ETA read them). `note`: the line progress shows
     first. `checks`: (check, cost) pairs run first as units of their own, each on one rank
     while the others start on the units: a check returns "" or why it failed."""
-    shown = Progress(progress, sum(size(u) for u in units), list(costs), label)
+    shown = ScanProgress(progress, sum(size(u) for u in units), list(costs), label)
     if shown.draw and note is not None:
         shown.note(note())
 

@@ -1,25 +1,11 @@
 """The edge graph of the circuits tools, and its names (as Hanna et al.'s EAP-IG code names them).
 
-Senders: `"input"` (the token embedding, plus the position embedding where the model has
-one), every query head's output `(layer, head)` (its z through its slice of the output
-projection, no bias), every MLP's output `("mlp", layer)`. Receivers: every query head's
-query input `(layer, head, "q")`, every key/value head's inputs `(layer, kv_head, "k")` and
-`(layer, kv_head, "v")`, every MLP's input `("mlp", layer)`, and `"logits"` (the final norm's
-input). An edge `(sender, receiver)` exists when the sender runs before the receiver reads:
-`"input"` to every receiver, a head of layer l to the receivers of later layers, to
-`("mlp", l)` and to `"logits"`, an MLP of layer l to the receivers of later layers and to
-`"logits"`.
+Senders: the input, every head's output and every MLP's output; receivers: every head's
+q/k/v inputs, every MLP's input and the logits; an edge exists when the sender runs
+before the receiver reads. Gemma 2/3's post-attention norm makes a head's output its
+share of the normed sum.
 
-Senders are numbered input, then per layer its heads and its MLP; every receiver reads a
-prefix of that order (`Graph.prefix`), which is what makes a set of edges a
-`(receivers, senders)` mask. JSON names: `input`, `a{l}.h{h}`, `m{l}`, `a{l}.h{h}<q>`,
-`a{l}.g{g}<k>`, `a{l}.g{g}<v>`, `logits`; an edge is `"{sender}->{receiver}"`.
-
-Gemma 2/3 add `post_norm(sum_h o_h)` after the attention (o_h: head h's z through its slice
-of o_proj). There head h's output is its share `(1 + w) * o_h / rms(sum_h' o_h')`, w and eps
-those of the post-attention norm, in its dtype rules, the rms of that same run's sum (so the
-shares sum to what the block adds, and patching one head rescales the others of its layer);
-an MLP's output is its output after the post-feedforward norm. docs/heads-circuits-auto.md.
+Details: docs/heads-circuits-auto.md, "The edge graph's senders, receivers and names".
 """
 
 from __future__ import annotations

@@ -24,7 +24,7 @@ def check_progress(progress, name: str = "progress"):
                     f"{type(progress).__name__}")
 
 
-class Progress:
+class ScanProgress:
     """Reports the end of each of a list of forwards (each carrying some items)."""
 
     def __init__(self, progress, total: int, costs: list[float], label: str, *, stream=None,

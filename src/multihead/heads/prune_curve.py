@@ -1,24 +1,10 @@
 """Michel, Levy & Neubig (2019)'s pruning curve on a decoder language model: held-out
 perplexity as 0 to 50% of the heads go, least important first against random orders.
 
-Heads go in units a grouped-query model can hold:
+Heads go in units a grouped-query model can hold (whole groups, or the same count from
+every group), by re-estimated importance or in seeded random orders.
 
-- "groups": whole key/value groups (a KV head and its G query heads), at least one
-  group kept per layer;
-- "heads": query heads with the same count from every group of a layer (a unit is one
-  head of each group, the least important one left there), at least one head kept
-  per group.
-
-By importance, the scores (`heads.importance`, normalized per layer) are re-estimated
-before each 10% step with the heads removed so far ablated, and a unit's score is the
-sum of its heads'. Each random order draws the units with a seeded `random.Random`;
-a fraction's point removes the first units of the order (so the points of one order are
-nested), and the curve gives the median perplexity of the seeds.
-
-Text: importance is computed on windows of the KJV's Genesis to Acts, perplexity on
-windows of Romans to Revelation (other books; `multihead.corpus.split_kjv`),
-spread evenly over each split. Removal is zero-ablation (`heads.ablate`), which is what
-`heads.prune` computes with the heads gone.
+Details: docs/heads.md, "The pruning curve: units, orders and text".
 """
 
 from __future__ import annotations

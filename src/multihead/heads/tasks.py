@@ -1,29 +1,10 @@
 """The tasks `multihead heads` measures heads with.
 
-- Decoders: `ioi(n, tokenizer=...)`, indirect-object identification pairs (Wang et al.,
-  2022) with the metric logit(IO) - logit(S), and `induction(n, length, vocab=...)`,
-  repeated random tokens (Olsson et al., 2022) with the loss on the repeated half. Each
-  returns a small dataclass holding clean, corrupted and reference inputs and the metric,
-  so that a scan is one line: `heads.patch_scan(model, task.clean, task.corrupted,
-  task.metric)`; `task.reference` is what a mean ablation averages over.
+Decoders: IOI pairs (Wang et al., 2022) and repeated random tokens (Olsson et al.,
+2022); sentence encoders: verse-half retrieval on the bundled King James Bible
+(InfoNCE, van den Oord et al., 2018); causal LMs: next-token loss on the verses.
 
-On the bundled King James Bible:
-
-- Sentence encoders (the bundled MiniLM, any encoder without an LM head): *verse-half
-  retrieval*. Verses (lines of at least 8 words, every 37th, spread over the book) are cut
-  in two at their middle word; a half is embedded as the mean of the last hidden states over its real
-  tokens, L2-normalized. The loss is InfoNCE (van den Oord et al., 2018): cross-entropy of
-  the first halves' cosine similarities to every second half in the batch, temperature
-  0.05, the right partner being the target; accuracy is top-1 retrieval of the partner
-  among 32 second halves (held-out verses, 32 at a time). It asks what a sentence embedding is for: that related
-  text lands close.
-- Causal language models (lab checkpoints, HF causal LMs): next-token cross-entropy and
-  top-1 accuracy on the verses.
-
-`logits(model, out)` is what a scan's logit difference reads: the output's `.logits`,
-else (a base model) the last hidden states times the input embeddings (the tied
-unembedding; for a sentence encoder, a token-similarity read-out rather than a
-trained head).
+Details: docs/heads.md, "The tasks: IOI, induction, verse retrieval".
 """
 
 from __future__ import annotations

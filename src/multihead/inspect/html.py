@@ -6,16 +6,7 @@ The page needs no network: script, styles and data are inlined and a Content-Sec
 Policy (`default-src 'none'`, the script allowed by its hash) forbids every fetch. Token
 text only ever reaches the page through JSON and `textContent`.
 
-To stay usable at 512 tokens x 72 heads the weights are stored compactly (the format is
-in `_encode`): each query row keeps its top-k weights, quantised to 8 bits against the
-row's largest weight. The page states what was dropped, with the kept mass measured on
-the float weights.
-
-A long text does not push the views off the first screen: the title and each metadata
-value are cut to a line (TITLE_CHARS, META_CHARS) and the full text is one click away.
-The page opens on the top-ranked head (its layer in the head view, its heatmap in
-focus). `notebook_html` wraps the same page in an iframe for Jupyter
-(`AttentionCapture._repr_html_`).
+Details: docs/inspect.md, "The attention page: no network, compact weights".
 """
 
 from __future__ import annotations

@@ -1,84 +1,11 @@
 """Head roles: what each captured head attends to, as scores in [0, 1].
 
-Notation: A is one head's `(T, T)` weights, A[i, j] the attention of query i to key j,
-rows summing to 1. Q is the set of query rows a score averages over: every row for a
-bidirectional model, rows 1..T-1 for a causal one (row 0 of a causal model can only
-attend to itself, so it carries no information about the head).
+Each role is a mean of attention mass on the keys it names (previous, next, current
+and first token, delimiters: Clark et al., 2019; Xiao et al., 2023), TransformerLens'
+duplicate-token and induction patterns, Olsson et al.'s (2022) prefix matching, and the
+normalised entropy; `head_roles` ranks heads by them.
 
-Positional roles (each the mean, over the rows where it is defined, of the attention
-mass on the keys the role names):
-
-- previous_token:  mean over i >= 1 of A[i, i-1].
-- next_token:      mean over i <= T-2 of A[i, i+1] (bidirectional models only: a causal
-                   head cannot see the next token, so the role is absent there).
-- current_token:   mean over i in Q of A[i, i].
-- first_token:     mean over i in Q of A[i, 0]: the [CLS] / BOS "attention sink"
-                   (Xiao et al., 2023, "Efficient Streaming Language Models with
-                   Attention Sinks"; Clark et al., 2019, "What Does BERT Look At?").
-- delimiter:       mean over i in Q of sum_{j in delim} A[i, j], delim = positions j >= 1
-                   holding a special token ([SEP], </s>, ...) or punctuation only
-                   (Clark et al., 2019, who found BERT heads that attend to [SEP] and to
-                   periods and commas). Absent when the text has no delimiter.
-
-Token-matching roles use TransformerLens' detection patterns and its "mul" score
-(transformer_lens/head_detector.py: `get_duplicate_token_head_detection_pattern`,
-`get_induction_head_detection_pattern`, `compute_head_attention_similarity_score`):
-a 0/1 pattern P and
-
-    mul(A, P) = sum(A' * P) / sum(A'),
-
-A' = A with the BOS column (key 0) and the diagonal set to zero (its `exclude_bos` and
-`exclude_current_token` options, both on here, since sink and self attention say
-nothing about token matching). One change: the sums run over the query rows where P
-has a 1; TransformerLens sums over every row, which caps the score at the fraction of
-rows that have a match, small for natural text. The roles are absent when no row has.
-
-- duplicate_token: P[i, j] = 1 where ids[j] == ids[i], j != i and j < i (TransformerLens'
-                   lower triangle). In a bidirectional model a later duplicate is as
-                   visible as an earlier one, so there j > i counts too.
-- induction:       P[i, j] = 1 where ids[j-1] == ids[i], j - 1 != i, 1 <= j <= i: the
-                   token after an earlier occurrence of the current token.
-
-Prefix matching (Olsson et al., 2022, "In-context Learning and Induction Heads"),
-measured by `induction_scores` on sequences of random tokens repeated twice,
-`[specials] r_0 .. r_{n-1} r_0 .. r_{n-1} [specials]`: for the query at the k-th token of
-the second copy, the attention to the token after the first copy's r_k,
-
-    prefix_matching = mean over sequences and k of A[o + n + k, o + k + 1]   (o = offset).
-
-Entropy (broad vs sharp): mean over i in Q of H(A[i]) / log(n_i), with
-H(p) = -sum p log p and n_i the keys row i may attend (T, or i + 1 when causal): 0 is
-one key, 1 is uniform.
-
-Ranking (`head_roles`): a head's role is its highest-scoring role among the ones
-above (except entropy); if that score is below `min_score` (MIN_SCORE = 0.4) the head
-has no dominant role: "broad" (score = entropy) when its entropy is at least
-BROAD_ENTROPY = 0.75 (its rows spread over most keys), else "mixed" (score = its best
-role score: attention split between several roles, none reaching 0.4). Heads are
-ranked by score, highest first.
-
-Induction and prefix matching are one mechanism measured twice: when prefix_matching
-scores highest and induction passes its guards below and reaches min_score, the label
-is induction (so a head is not called induction on one text and prefix_matching on the
-next). Every head also carries its runner-up: the next role in this order (for "broad"
-and "mixed", the best role, below the bar), so a close call shows.
-
-Two guards keep the token-matching roles honest. `induction` (and `duplicate_token`)
-can only name a head when at least MIN_MATCH_ROWS = 2 query rows have a match: one
-repeated word ("the" in "The cat sat on the mat.") is one row, and a head that happens
-to look at the word after the first "the" from the second is not evidence of induction.
-And when prefix-matching scores are given, `induction` names a head only if its
-prefix_matching is at least MIN_PREFIX = 0.1: a head that does not copy on random
-repeated tokens is not an induction head, whatever one sentence suggests. The scores
-themselves are still reported.
-
-TransformerLens' own numbers (`transformer_lens_scores`, `head_roles(...,
-transformer_lens=True)`, `multihead inspect --tl-scores`): its detection patterns for
-previous-token, duplicate-token and induction heads and its "mul" score exactly as
-`transformer_lens.head_detector.detect_head` computes them by default: over every query
-row, with `exclude_bos=False` and `exclude_current_token=False` (the first token, BOS
-or [CLS], is part of the pattern and of the denominator), so the numbers can be compared
-with published TransformerLens results. They are reported, never used for ranking.
+Details: docs/inspect.md, "Head roles: the formulas and the ranking".
 """
 
 from __future__ import annotations
@@ -255,7 +182,7 @@ def role_scores(capture: AttentionCapture) -> dict[str, Tensor]:
     """Each role's score for every captured head: {role: `(len(layers), len(heads))`}.
 
     Roles that the text cannot show (no delimiter, no repeated token) are absent.
-    Formulas and sources: the module docstring; computed by `rowstats.RowSums`.
+    Formulas and sources: docs/inspect.md; computed by `rowstats.RowSums`.
     """
     return _role_view(capture_statistics(capture))
 

@@ -11,20 +11,7 @@ can see). Sums are kept in float64; every statistic is a sum over rows of a row 
 Positions: query row i is at position pos_i = i + S - T among the S keys (bottom-right,
 as `multihead.masks`); the role patterns need S == T (a text read once, no cache).
 
-The statistics (A = one head's weights, Q = every row for a bidirectional model, rows
-1..T-1 for a causal one; the role definitions and their sources: `multihead.inspect.roles`):
-
-- entropy:          mean over all T rows of -sum_j A[i, j] log A[i, j] (nats).
-- mean_distance:    mean over all T rows of sum_j A[i, j] (pos_i - j) (tokens back).
-- first_token_mass: mean over all T rows of A[i, 0] (the attention sink).
-- beyond_1k, beyond_4k: over the rows that have a key 1,024 (4,096) or more tokens back
-  (pos_i >= d), the mean of sum_{j <= pos_i - d} A[i, j]; None when no row has.
-- normalized_entropy: roles' "entropy", mean over rows with n_i > 1 of H(A[i]) / log n_i,
-  n_i = i + 1 when causal, else T; in [0, 1].
-- previous_token, next_token, current_token, first_token, delimiter: the positional roles.
-- duplicate_token, induction: TransformerLens' "mul" score over the rows with a match.
-- tl_previous_token, tl_duplicate_token, tl_induction (optional): TransformerLens'
-  detect_head scores over every row.
+Details: docs/inspect.md, "The statistics `rowstats` sums".
 """
 
 from __future__ import annotations

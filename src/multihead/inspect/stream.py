@@ -1,28 +1,11 @@
 """Per-head summaries of every head of a model at any length, in bounded memory.
 
-`summaries(model, text)` runs the text once through the model on the fused kernel. Each
-attention layer hands its q `(B, H, T, D)` and k `(B, Hkv, S, D)` (after RoPE), its mask,
-window, causality, scale, softcap and sinks, exactly as the kernel receives them, to an
-observer (the registry's `OBSERVER_KEYWORD`). The observer recomputes that layer's
-probabilities in float32 a block of query rows at a time, with the kernels' masking rules
-(the mask rows of `kernels.math.rows_mask`, the empty-row rule of `kernels.common.softmax`)
-and one log-softmax that gives both the probabilities and their entropy, each block
-cropped to the keys its rows may see, and folds every block into the running sums of
-`rowstats.RowSums` before the next is made: never more than one block's `(h, t, w)`
-scores of one layer exist, whatever T is. Blocks are small (`BLOCK_ELEMENTS`), so the
-several passes over one block run from the CPU's cache. The kernel's own output is
-untouched; the forward stops inside the last layer asked (no logits).
-
-What comes back (`HeadSummaries`): per-head arrays `(layers, heads)` of every statistic
-in `multihead.inspect.rowstats` (entropy in nats, mean distance, first-token mass,
-previous-token, duplicate-token and induction scores, the mass beyond 1K / 4K tokens back,
-...), each query's top-k keys (indices and float16 weights) and, for the heads asked, the
-pattern summed over at most 256 x 256 blocks; `to_json()` for the command's `--json`.
+`summaries(model, text)` runs the text once on the fused kernel; an observer recomputes
+each layer's probabilities a block of query rows at a time and folds them into
+`rowstats.RowSums`, so never more than one block's scores exist, whatever T is.
 `head_roles(summaries)` ranks heads from the same numbers.
 
-Models whose attention does not reach the observer (a `multihead lab` checkpoint, a
-patched DeepSeek layer) are summarised from their weights one layer at a time instead:
-the same sums, with one layer's `(h, T, S)` weights in memory.
+Details: docs/inspect.md, "How `summaries` streams a model".
 """
 
 from __future__ import annotations
@@ -50,8 +33,7 @@ __all__ = ["SUMMARY_FIELDS", "HeadSummaries", "summaries"]
 SUMMARY_FIELDS = ("entropy", "mean_distance", "first_token_mass", "previous_token", "duplicate_token", "induction",
                   *BEYOND, "normalized_entropy", "current_token", "first_token", "delimiter", "next_token")
 #: Scores in one block of query rows (float32 elements, all heads of a layer): 4 MiB, so that
-#: the block's passes run from a core's cache (one layer of SmolLM2 at T = 8,192 on one core:
-#: 1.15x faster than blocks of 4M, 1.6x than blocks of 256K, on a shared machine).
+#: the block's passes run from a core's cache (the sizes tried: docs/inspect.md).
 BLOCK_ELEMENTS = 1 << 20
 #: The score of a hidden key: finite, so that exp(NEG - max) is 0 and p log p = 0 * NEG is 0.
 NEG = -1e30
@@ -187,21 +169,10 @@ def layer_statistics(query: Tensor, key: Tensor, acc: RowSums, heads: list[int],
     def fold(part: RowSums, share: list[tuple[int, int]]) -> None:
         for t0, t1 in share:
             t = t1 - t0
-            k0, k1, runs, allowed, bias = 0, S, None, None, None
-            if triangle:  # keys up to the last row's position
-                k1 = t1 + S - T
-                runs = [(t0 + S - T + 1, k1)]  # the diagonal band: keys hidden from some row
+            if triangle:  # keys up to the last row's position; the diagonal band: keys hidden from some row
+                k0, k1, runs, allowed, bias = 0, t1 + S - T, [(t0 + S - T + 1, t1 + S - T)], None, None
             else:
-                allowed, bias = rows_mask(mask, causal, t0, t1, T, S, dev, b_idx, h_idx)
-                if allowed is not None:
-                    allowed = allowed.reshape((1,) * (4 - allowed.dim()) + tuple(allowed.shape))
-                    if allowed.shape[-1] == S and (bias is None or bias.shape[-1] == S):
-                        k0, k1, runs = _key_span(allowed)
-                        allowed = allowed[..., k0:k1]
-                    allowed = allowed[0]  # (1|h, t, w)
-                if bias is not None:
-                    bias = bias.reshape((1,) * (4 - bias.dim()) + tuple(bias.shape))[0]
-                    bias = bias[..., k0:k1] if bias.shape[-1] == S else bias  # (1|h, t|1, w)
+                k0, k1, runs, allowed, bias = _block_mask(mask, causal, t0, t1, T, S, b_idx, h_idx)
             w = k1 - k0
             if folded:
                 scores = torch.matmul(q[:, :, t0:t1].reshape(Hkv, G * t, D), kT[..., k0:k1]).view(h, t, w)
@@ -211,17 +182,7 @@ def layer_statistics(query: Tensor, key: Tensor, acc: RowSums, heads: list[int],
                 scores = score_mod.apply(scores[None], b_idx, h_idx, index(t, 2, dev, t0), index(w, 3, dev, k0),
                                          S - T)[0]
             if runs is not None:
-                # Every row sees a key (the triangle; checked by _key_span): the hidden keys are
-                # set to NEG where some row hides them (a causal block's diagonal band), not
-                # over the whole block, and no row needs the softmax's empty-row rule.
-                for a, b in runs:
-                    if b <= a:
-                        continue
-                    if triangle:  # band key c is hidden from block row r when c >= r
-                        hidden = torch.ones(t, b - a, dtype=torch.bool, device=dev).triu_()
-                    else:
-                        hidden = ~allowed[..., a:b]
-                    scores[..., a:b].masked_fill_(hidden, NEG)
+                _hide_runs(scores, runs, None if triangle else allowed)
                 allowed = None
             sink = None
             if sinks is not None:
@@ -237,6 +198,42 @@ def layer_statistics(query: Tensor, key: Tensor, acc: RowSums, heads: list[int],
     for part in parts[1:]:
         acc.merge(part)
     return acc
+
+
+def _block_mask(mask, causal: bool, t0: int, t1: int, T: int, S: int, b_idx: Tensor, h_idx: Tensor):
+    """(k0, k1, runs, allowed, bias) of the block of rows t0..t1: the keys k0..k1 it is cropped to,
+    the runs of keys hidden from some row (`_key_span`; None: mask through the softmax), and the
+    block's bool mask `(1|h, t, w)` and float bias `(1|h, t|1, w)` cropped to those keys."""
+    k0, k1, runs = 0, S, None
+    allowed, bias = rows_mask(mask, causal, t0, t1, T, S, h_idx.device, b_idx, h_idx)
+    if allowed is not None:
+        allowed = allowed.reshape((1,) * (4 - allowed.dim()) + tuple(allowed.shape))
+        if allowed.shape[-1] == S and (bias is None or bias.shape[-1] == S):
+            k0, k1, runs = _key_span(allowed)
+            allowed = allowed[..., k0:k1]
+        allowed = allowed[0]  # (1|h, t, w)
+    if bias is not None:
+        bias = bias.reshape((1,) * (4 - bias.dim()) + tuple(bias.shape))[0]
+        bias = bias[..., k0:k1] if bias.shape[-1] == S else bias  # (1|h, t|1, w)
+    return k0, k1, runs, allowed, bias
+
+
+def _hide_runs(scores: Tensor, runs: list[tuple[int, int]], allowed: Tensor | None) -> None:
+    """Set to NEG, in place, the keys of `scores` `(h, t, w)` hidden from some row, run by run.
+
+    Every row sees a key (the triangle; checked by _key_span), so the hidden keys are set where
+    some row hides them (a causal block's diagonal band), not over the whole block, and no row
+    needs the softmax's empty-row rule. `allowed` None: the causal triangle, where band key c is
+    hidden from block row r when c >= r."""
+    t = scores.shape[-2]
+    for a, b in runs:
+        if b <= a:
+            continue
+        if allowed is None:
+            hidden = torch.ones(t, b - a, dtype=torch.bool, device=scores.device).triu_()
+        else:
+            hidden = ~allowed[..., a:b]
+        scores[..., a:b].masked_fill_(hidden, NEG)
 
 
 def _workers(device, blocks: int, workers: int | None) -> int:
@@ -338,7 +335,7 @@ def _key_span(allowed: Tensor) -> tuple[int, int, list[tuple[int, int]] | None]:
 # ------------------------------------------------------------------ the pass
 
 
-class _Progress:
+class _LayerProgress:
     """'summaries: layer 12/30, 2.4 s per layer, ETA 43 s' on a terminal's stderr, replaced in place."""
 
     def __init__(self, total: int, enabled: bool | None):
@@ -367,7 +364,7 @@ class _Observer:
     """Given to the registry as `multihead_observer=`: summarises each asked layer as it runs."""
 
     def __init__(self, modules: dict[int, int], make_acc: Callable[[int], RowSums], heads: list[int],
-                 block_elements: int, progress: _Progress, stop: bool):
+                 block_elements: int, progress: _LayerProgress, stop: bool):
         self.modules = modules  # id(module) -> position in `layers`
         self.make_acc = make_acc
         self.heads = heads
@@ -487,7 +484,7 @@ def _summarise(lm, text_or_ids, *, layers, heads, max_tokens, top_k, patterns, g
         g = grid if any((layers[li], x) in want for x in heads) else 0
         return RowSums(h, ctx, top_k=top_k, grid=g, transformer_lens=transformer_lens, device=device)
 
-    bar = _Progress(L, progress)
+    bar = _LayerProgress(L, progress)
     done: dict[int, RowSums] = {}
     from_weights = []
     try:
@@ -544,7 +541,7 @@ def _pattern_heads(patterns, layers: list[int], heads: list[int]) -> set[tuple[i
 
 
 def _run_hf(lm, batch: Tensor, layers: list[int], heads: list[int], make_acc, block_elements: int,
-            bar: _Progress) -> dict[int, RowSums]:
+            bar: _LayerProgress) -> dict[int, RowSums]:
     """One forward of `lm.model` with the observer; returns {position in layers: sums}."""
     from multihead.interop.hf import CaptureComplete
     from multihead.interop.hf.registry import OBSERVER_KEYWORD

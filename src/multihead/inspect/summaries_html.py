@@ -7,21 +7,7 @@ induction, ...), and for the head clicked its pattern as block sums of the exact
 over at most 256 x 256 blocks, with the exact top-k row of the query under the pointer
 (or typed in).
 
-What is stored, and how (all base64 in one JSON block, decoded by the page):
-
-- every head's pattern at `coarse` x `coarse` blocks (default 64; block sums of the
-  256 x 256 ones, 2 x 2 or more at a time), 8 bits each on a square-root scale against the
-  head's largest block (`q = round(255 * sqrt(x / max))`), so weak structure still shows;
-- each query's top-k keys, indices as uint16 (uint32 past 65,535 tokens; the largest
-  value = no key) and weights as uint16 fixed point (`round(w * 65535)`: to 1.5e-5), and
-  the pattern at the full grid the same way as the coarse one, for the `detail` heads: by
-  default as many best-ranked heads as fit `max_bytes` (24 MB), top-k rows first (every
-  head up to about 1,500 tokens x 270 heads; 60 of them at 8,192 tokens), then full-grid
-  patterns with the room left, at least DETAIL_HEADS (16) of each; or the heads named.
-
-Like the head view, it needs no network (`default-src 'none'`, its script allowed by its
-hash) and token text only reaches the page through JSON and `textContent`. The tests bound
-the page at 8,192 tokens x 270 heads by 25 MB.
+Details: docs/inspect.md, "What the summaries page stores".
 """
 
 from __future__ import annotations

@@ -2,27 +2,11 @@
 `load_model(spec)` returns a `LoadedModel` (`multihead.interop.loaded`, one floor below the
 tools): a small interface (encode, tokens, attention) that every model source implements.
 
-Sources: the bundled MiniLM ("minilm", a sentence encoder), the bundled SmolLM2
-("smollm2", SmolLM2-135M-Instruct, a decoder language model: `smollm2_path()`), the
-bundled Gemma 3 ("gemma3", gemma-3-270m in Q4_K_M, under the Gemma Terms of Use:
-`gemma3_path()`, the file assembled once from its four chunk packages), any GGUF
-file transformers can read ("PATH.gguf"), a local Hugging Face model folder (loaded with
-the class that keeps its head: a causal LM as `AutoModelForCausalLM`, a masked LM as
-`AutoModelForMaskedLM`, a base model as `AutoModel`; run on attn_implementation="multihead"),
-a (model, tokenizer) pair, and a `multihead lab` checkpoint (a folder whose config.json has
-a "multihead_lab" section, written by `multihead.checkpoint.save_lab_checkpoint`, the format
-one floor below the tools, so no tool imports another; `LabModel` runs it). Any other
-source can be plugged in with `register_loader`.
+Sources: the bundled MiniLM, SmolLM2 and Gemma 3, GGUF files (dequantized once, cached),
+Hugging Face folders, (model, tokenizer) pairs and `multihead lab` checkpoints;
+`register_loader` adds one. Loaded models are shared: `fresh=True` gives one to change.
 
-A GGUF file is dequantized once to an ordinary float32 model (it saves with
-`save_pretrained` and reloads with stock transformers, no gguf needed) and kept in the
-user's cache folder (`cache_dir()`: $MULTIHEAD_CACHE, else $XDG_CACHE_HOME/multihead, else
-~/.cache/multihead) as safetensors + config + tokenizer, keyed by the file's size and
-SHA-256, so later loads skip the dequantization.
-
-Loaded models are kept for the session and shared: `load_model(spec)` returns the same
-object to every caller, to be read, never changed. A tool that changes a model (prune,
-convert, ablate in place) asks for its own: `load_model(spec, fresh=True)` or `.copy()`.
+Details: docs/inspect.md, "Where the tools get their models".
 """
 
 

@@ -18,7 +18,7 @@ from torch import Tensor
 
 __all__ = ["HAS_CPU_FLASH", "acc_dtype", "backward_lse", "block_attention", "causal_triangle", "eager", "flash_lse",
            "flash_lse_backward", "fold_scores", "fold_values", "index", "lse_merge", "lse_merge_into",
-           "masked_scores", "mqa_splits", "one_query_shared_keys", "softcap", "softmax", "softmax_lse",
+           "masked_scores", "mqa_splits", "one_query_shared_keys", "cap_scores", "softmax", "softmax_lse",
            "with_sinks"]
 
 
@@ -163,7 +163,7 @@ def one_query_shared_keys(q: Tensor, keys: Tensor, value_width: int, scale: floa
     B, H, _, W = q.shape
     scores = keys @ q.view(B, H, W).transpose(1, 2) * scale  # (B, S, H)
     if cap is not None:
-        scores = softcap(scores, cap)
+        scores = cap_scores(scores, cap)
     probs = torch.softmax(scores, dim=1, dtype=acc_dtype(scores.dtype))  # (B, S, H)
     out = probs.to(keys.dtype).transpose(1, 2) @ keys[..., :value_width]  # (B, H, value_width)
     return out[:, :, None]  # (B, H, 1, value_width)
@@ -225,6 +225,6 @@ def lse_merge_into(out: Tensor, lse: Tensor, out_b: Tensor, lse_b: Tensor) -> No
     lse.copy_(new)
 
 
-def softcap(scores: Tensor, cap: float) -> Tensor:
+def cap_scores(scores: Tensor, cap: float) -> Tensor:
     """cap * tanh(scores / cap): Gemma 2's logit soft-capping (scores squashed into (-cap, cap))."""
     return torch.tanh(scores / cap) * cap

@@ -8,38 +8,10 @@ On CPUs it measured slower than "auto" even once compiled (docs/kernel.md, "The 
 flex backend"; revisit when torch's CPU flex kernel improves); it is here for GPUs, and
 to hold multihead's masks against flex's kernels.
 
-What this module adds on top of flex:
+On top of flex: index conventions, dense masks, a block-mask cache, key padding, the CPU
+backward, and errors that name what failed.
 
-- Index conventions. multihead's predicates read `q_idx` bottom-right aligned
-  (`i + S - T`), flex's callables top-left (`i`). The mask_mod handed to flex is
-  `pred.evaluate(b, h, q_idx, kv_idx, S - T)`, which converts each leaf of an `&`/`|`
-  combination to its own convention, so `causal()` stays right for T=1 decoding and for
-  chunks of queries over a longer cache. Score mods likewise (`ScoreMod.apply`).
-- Dense masks: a bool tensor becomes a mask_mod that indexes it; a float one a score
-  mod that adds it plus a mask_mod hiding its -inf entries (so fully hidden blocks are
-  skipped and a row with nothing to attend is 0, not NaN). They are accepted so that
-  backend="flex" is a drop-in for the modules, which may pass dense masks.
-- Block masks are cached (a small LRU) by the *structure* of the predicate: the code of
-  each leaf function, the values it captured and the globals it names (ints by value,
-  tensors by memory and version, containers, partials and callable objects by their
-  current contents; what cannot be keyed is not cached; see `_key`). The kernel builds
-  a fresh `and_masks(mask, causal())` on every call; the cache sees through that, so
-  every layer and every step reuses one `BlockMask`, and hands torch.compile the same
-  function objects, whose guards then pass without a recompilation. A hit is checked against the entry's own predicate
-  as it is now, so an edit after caching (a tensor changed in place) rebuilds it.
-- Key padding. torch 2.13's CPU flex kernel gives wrong values when the last KV block
-  is 8 mod 16 keys long (see `_padded`), so on the CPU K/V are padded to a multiple of
-  128 with zero keys the mask hides (one copy of K/V, never one per query head, when S
-  is not a multiple of 128).
-- Backward. torch 2.13's compiled flex is inference-only on the CPU ("torch.compile
-  on CPU only supports inference"), and returns no log-sum-exp there. On the CPU the
-  forward is flex's and the backward recomputes the attention on multihead's tile
-  engine (`explicit_tiles.explicit`, FlashAttention-2's recomputing backward, O(N) memory).
-  On other devices flex's own autograd runs.
-- Errors that name what failed and what to use instead: float64 on the CPU (flex's CPU
-  kernel takes float32, float16, bfloat16), dropout (flex has none), a mask or score
-  mod flex cannot vmap or compile (ValueError), a missing flex_attention or C++
-  compiler, too many compiled variants (RuntimeError).
+Details: docs/kernel.md, "What the flex backend adds on top of flex_attention".
 """
 
 from __future__ import annotations

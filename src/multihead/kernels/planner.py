@@ -27,12 +27,11 @@ __all__ = ["band_rows", "block_mask", "choose_tile", "clear_plans", "combine", "
 _FUSED_CANDIDATES = (64, 128, 256, 512, 1024)  # tile edges the fused engine's plan chooses from
 _MIN_SEGMENT = 64  # documents shorter than this on average run as tiles, not a call each
 _BAND_CANDIDATE = 32  # the extra tile edge of an engine that runs bands (see `choose_tile`)
-# The tile cost model's two constants (`MachinePlan.flops_per_thread`, ~20 GFLOP/s per thread, and
-# `.call_seconds`, ~0.5 ms per call; visible and replaceable there) were fitted
-# together at D = 64, and a pair's 4 D flops are counted at that D whatever the call's D: the
-# real D made the plan worse (at D = 16 and 32 it chose 256-row tiles over 64, which ran
-# slower). torch's CPU kernel's time per pair is about proportional to D, so the per-call
-# term is what is off at small D; refitting both per D would let the real D in.
+# The tile cost model's two constants (`MachinePlan.flops_per_thread` and `.call_seconds`,
+# visible and replaceable there) were fitted together at D = 64, so a pair's 4 D flops are
+# counted at that D whatever the call's D: the real D made the plan pick slower tiles at small
+# D (docs/kernel.md). torch's CPU kernel's time per pair is about proportional to D, so the
+# per-call term is what is off at small D; refitting both per D would let the real D in.
 _COST_HEAD_DIM = 64
 # Plans kept (`plan_key`): a model's layers and steps repeat a handful of (mask, shape)s; a plan
 # at N = 16384 holds two (512, 512) bool grids. 0: none kept, every call plans (benchmarks/masks.py)
@@ -421,7 +420,7 @@ def block_mask(pred, dense, score_mod, B, H, T, S, r0, r1, c0, c1, need_pred, dt
     if bias is None:
         if allowed is None:
             return None
-        # torch's CPU kernel runs a float mask faster than a bool one (measured 1.3-1.6x)
+        # a float mask, not a bool one: torch's CPU kernel runs it faster (docs/kernel.md)
         bias = torch.zeros((), dtype=dtype, device=device).expand(allowed.shape)
     bias = bias.to(dtype)
     return bias if allowed is None else bias.masked_fill(~allowed, float("-inf"))

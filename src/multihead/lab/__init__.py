@@ -11,10 +11,8 @@ safetensors checkpoint that `multihead inspect --model FOLDER` opens:
 - `run_uptrain`: what does converting a trained MHA model to GQA/MQA/MLA cost, and how
   much does a little uptraining win back? (Ainslie et al., 2023)
 
-torch and matplotlib are imported inside the experiments (matplotlib is optional:
-without it the plots are skipped with a note). `scale_induction` turns a real model's
-head geometry into a CPU-sized `InductionConfig` (what `multihead lab induction --n-layers
-2 --d-model 4096 --n-heads 32 --n-kv-heads 4` trains).
+torch and matplotlib (optional) are imported inside the experiments. `scale_induction`
+turns a real model's head geometry into a CPU-sized `InductionConfig`.
 """
 
 from __future__ import annotations

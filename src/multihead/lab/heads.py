@@ -11,9 +11,7 @@ trade at n_heads in {1, 2, 4, 8, 16}, over several seeds, and writes
   steps to reach the threshold; per head count their mean and spread; and a
   conclusion paragraph generated from those numbers;
 - model/: the checkpoint of the best head count's first seed.
-
-A run whose training diverges (a learning rate far too high) is listed in results.json
-"diverged" and left out of the summary; the others go on.
+A run whose training diverges is listed in results.json "diverged" and left out.
 """
 
 from __future__ import annotations

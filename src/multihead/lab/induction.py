@@ -7,21 +7,10 @@ offset solves it): once the model has seen `A B` it can predict `B` after the se
 `A` only by looking back for the earlier `A` and copying what followed it. The loss
 counts the second occurrence, the only predictable tokens.
 
-Over training it measures
-- the accuracy on the `A B ... A -> B` predictions (held-out sequences; chance is about
-  1 / vocab);
-- each head's role scores from `multihead.inspect`: previous-token (from
-  `inspect.roles.role_scores` on a capture) and induction, Olsson et al.'s prefix
-  matching on repeated random tokens (`inspect.roles.induction_scores`);
+It measures the accuracy on those predictions and each head's previous-token,
+induction and prefix-matching scores, and names the step of the phase change.
 
-and names the previous-token head (layer 0) and the induction head (layer 1) with the
-step at which the induction score jumps: the phase change, which coincides with the
-jump in accuracy. Writes results.json, induction.png and model/.
-
-The heads can take any geometry (`n_kv_heads` for GQA/MQA, `attention="mla"` with
-`kv_rank`/`rope_dim`, a `head_dim` apart from d_model / n_heads): `multihead lab
-induction --n-layers 2 --d-model 4096 --n-heads 32 --n-kv-heads 4`, the check `multihead
-plan` prints, trains that geometry scaled to a CPU (`configs.scale_induction`).
+Details: docs/lab.md, "How `lab induction` runs".
 """
 
 from __future__ import annotations

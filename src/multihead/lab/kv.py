@@ -4,18 +4,10 @@ At one geometry (default d_model 512, 8 heads of 64, a cache of N = 2048 tokens)
 MHA, GQA at several groupings, MQA and MLA at a few latent ranks, it measures on the
 real modules and caches:
 
-- parameters: `sum(p.numel())` of the attention module, asserted equal to
-  `multihead.plan.attention_params` of the same geometry;
-- KV-cache bytes: the `nbytes` of `module.new_cache(batch, N)` in float32 and bfloat16,
-  asserted equal to `multihead.plan.kv_cache_bytes`;
-- decode time per token on this machine: one-token forwards over a cache filled to
-  about N tokens (float32, the median of `decode_steps` steps after a warm-up). MLA is
-  timed both absorbed (attending over the latent) and naive (decompressing K and V).
-  On the CPU the times are taken on the threads torch has; `multihead lab kv` uses one
-  by default (a 0.2 ms step timed on 2 threads of a loaded 2-core machine read 40 ms),
-  and the summary says how many.
+parameters, KV-cache bytes (each asserted equal to `multihead.plan`) and decode time per
+token, MLA timed absorbed and naive. Nothing is trained: results.json and kv.png.
 
-Nothing is trained, so this experiment writes no checkpoint; results.json and kv.png.
+Details: docs/lab.md, "What `lab kv` measures".
 """
 
 from __future__ import annotations

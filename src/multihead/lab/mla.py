@@ -4,24 +4,10 @@ A small character-level language model learns a real corpus: the King James Bibl
 (public domain, shipped with multihead, see `multihead/data/KJV_PROVENANCE.md`) or any
 UTF-8 text (`corpus=`). The same model is trained with
 
-- MHA (the baseline), caching 2 * H * D values per token per layer;
-- MLA (`multihead.LatentAttention`) at a sweep of kv_rank values, caching R;
-- GQA and MQA with caches of the same sizes as some of the ranks;
+MHA, MLA at a sweep of kv_rank values, GQA and MQA, each one's bits per character set
+against its KV-cache bytes per token; then the MHA model converted with `to_mla`.
 
-and each one's validation bits per character is set against its KV-cache bytes per
-token. The report names the smallest rank whose cache is below 1/8 of MHA's while its
-log2-perplexity (= bits per character) stays within `tolerance` bits of MHA's (1 bit by
-default, as the classic exercise has it). Finally the trained MHA model is converted
-layer by layer with `multihead.convert.to_mla` (truncated SVD of the stacked K/V
-projections) at each rank and evaluated as converted and after a short fine-tune.
-
-Writes results.json, mla.png (bits/char vs cache), curves.png (validation during
-training), model/ (the MHA baseline's checkpoint) and model-mla/ (the checkpoint of the
-MLA model trained at the smallest rank within tolerance, when one is; results.json
-"mla_checkpoint" names it): `multihead inspect --model OUT/model-mla` opens it.
-
-A model whose training diverges is listed in results.json "diverged" and left out of
-the comparison; the others go on.
+Details: docs/lab.md, "How `lab mla` runs".
 """
 
 from __future__ import annotations
@@ -40,7 +26,7 @@ from multihead.corpus import KJV, load_corpus  # noqa: F401  (KJV: lab mla's --c
 from multihead.decoder import LabConfig, LabTransformer
 from multihead.lab.configs import MLAConfig
 from multihead.lab.devices import resolve_device, seed_everything
-from multihead.lab.mla_report import plot_curves, plot_tradeoff, summarise
+from multihead.lab.mla_report import plot_curves, plot_tradeoff, summarise_mla
 from multihead.lab.plots import draw_plots
 from multihead.lab.progress import Overall
 from multihead.lab.results import finished_runs, new_results, write_json_atomic
@@ -128,7 +114,7 @@ def run_mla(cfg: MLAConfig | None = None, out_dir: str | Path = "lab-mla", *, se
             _conversions(session, models["MHA"])
     except KeyboardInterrupt:
         res["interrupted"] = True
-    summarise(cfg, res)
+    summarise_mla(cfg, res)
     runs = res["results"]["runs"]
     if "MHA" in models and not runs[0]["interrupted"]:
         _save_checkpoints(out, models, vocab, res)

@@ -10,10 +10,10 @@ from multihead.lab.configs import MLAConfig
 from multihead.lab.plots import pyplot, save_figure
 from multihead.lab.results import finished_runs
 
-__all__ = ["plot_curves", "plot_tradeoff", "summarise"]
+__all__ = ["plot_curves", "plot_tradeoff", "summarise_mla"]
 
 
-def summarise(cfg: MLAConfig, res: dict) -> None:
+def summarise_mla(cfg: MLAConfig, res: dict) -> None:
     r = res["results"]
     runs = finished_runs(r["runs"])
     mha = next((x for x in runs if x["kind"] == "MHA"), None)

@@ -1,20 +1,11 @@
 """The results.json every lab experiment writes: its skeleton, its atomic write and the
 schema it is checked against.
 
-A results file is one JSON object:
+One JSON object (experiment, versions, date, machine, device, seed, config, results,
+plots, checkpoint, diverged, notes), replaced in one `os.replace`: a reader sees the old
+file or the new one, never half of one.
 
-    {"experiment": "heads", "multihead_version": "0.1.0", "torch_version": "...",
-     "date": "2025-...Z", "machine": {...}, "device": "cpu", "seed": 0,
-     "config": {...every knob...}, "interrupted": false, "elapsed_s": 12.3,
-     "results": {...every number...}, "plots": ["loss.png"], "checkpoint": "model/",
-     "diverged": [{"run": "heads H=4 seed 0", "step": 2, "reason": "loss nan"}], "notes": [...]}
-
-"diverged" lists the trainings whose loss (or gradient, or an evaluation) stopped being
-a finite number, at the step it happened; they stop there and are left out of the
-summaries. "notes" holds one-line remarks such as plots skipped for want of matplotlib.
-
-It is replaced in one `os.replace`, so a reader sees the old file or the new one, never
-half of one; an interrupted run writes what it finished with `"interrupted": true`.
+Details: docs/lab.md, "results.json: the keys and the write".
 """
 
 from __future__ import annotations
@@ -136,7 +127,7 @@ def check_results(obj: dict, folder: str | os.PathLike | None = None,
                   required: Iterable[str] = ()) -> dict:
     """Check a results object (or the results.json in `folder`) against the schema.
 
-    Every top-level key of the module docstring with its type; `results` holds the
+    Every top-level key of results.json (docs/lab.md) with its type; `results` holds the
     `required` keys; every number anywhere is finite; with `folder`, every plot and the
     checkpoint it names exist there. Returns the object; raises ResultsSchemaError.
     """

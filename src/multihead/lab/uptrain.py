@@ -5,41 +5,10 @@ Ainslie et al., 2023 ("GQA: Training Generalized Multi-Query Transformer Models 
 Multi-Head Checkpoints") turn a trained multi-head model into GQA or MQA by mean-pooling
 each group's key and value heads, then "uptrain" it for ~5% of the original steps. This
 experiment repeats that on a character-level LM of the King James Bible (the `lab mla`
-model, same defaults):
+model, same defaults): the baseline, its conversions, their uptraining, and each target
+geometry trained from scratch.
 
-1. the MHA baseline: trained here for `steps`, or taken `--from` a `lab mla` run (its
-   MHA checkpoint, with that run's corpus, split, seed and optimiser settings);
-2. converted whole, every layer (`multihead.convert.to_gqa` / `to_mla`), to MQA and GQA
-   at each `kv_heads`, with each init: "mean" (the paper), "first" (the first head of
-   each group) and "random" (fresh K/V projections), and to MLA at each `ranks` by a
-   truncated SVD of each layer's stacked [W_k ; W_v] ("svd");
-3. each conversion evaluated as converted (fraction 0) and after uptraining for each
-   fraction of the original steps; uptraining continues the baseline's data stream
-   (steps N+1, N+2, ... of the same seeded sequence, the same batches for every
-   variant) with the baseline's optimiser (AdamW, its betas, weight decay and gradient
-   clipping) and its schedule's shape (warmup as the same share of the run, then cosine
-   decay to 10%), starting from the learning rate where the baseline's schedule ended
-   (0.1 x its peak; `uptrain_lr` to choose another): the run continued. AdamW's moments
-   start afresh (a checkpoint keeps weights only), which is why the rate matters: at the
-   baseline's peak, the first steps of a fresh AdamW move every weight by about the
-   learning rate and undo much of the training (measured: +0.5 bits/char after 2 steps
-   of a 100-step model);
-4. each target geometry trained from scratch for the baseline's steps, on the
-   baseline's batches, from the baseline's seed.
-
-RoPE: the lab's language model uses learned absolute positions (as `lab mla` does), so
-no rotary part sits between W_k and the scores and the SVD conversion is exact at full
-rank. `positions="rope"` trains a baseline with rotary positions instead (every head dim
-rotary, no position embedding) and converts it to MLA at each rank and each
-`mla_rope_dims` r by `to_mla(..., rope_dim=r)`: MHA2MLA's partial RoPE, the r/2
-highest-frequency pairs kept rotary in MLA's shared decoupled key (the heads' mean), the
-rest unrotated through the SVD (r = 0: RoPE dropped). Its MLA from scratch has learned
-positions and RoPE in its rope_dim dims, as every lab MLA model.
-
-Writes results.json (`results.mha`, `results.variants`, `results.scratch`, `claims`,
-`summary`), uptrain.png (bits/char against uptraining per target and init), frontier.png
-(bits/char against KV bytes per token, converted and from scratch) and model/ (the MHA
-baseline's checkpoint).
+Details: docs/lab.md, "How `lab uptrain` runs on the lab's model".
 """
 
 from __future__ import annotations
@@ -62,7 +31,7 @@ from multihead.lab.progress import Overall
 from multihead.lab.results import new_results, write_json_atomic
 from multihead.lab.training import StepCallback, diverged_entry, train
 from multihead.lab.uptrain_config import UptrainConfig
-from multihead.lab.uptrain_report import plot_frontier, plot_uptrain, summarise
+from multihead.lab.uptrain_report import plot_frontier, plot_uptrain, summarise_uptrain
 
 __all__ = ["UptrainConfig", "run_uptrain", "targets"]
 
@@ -131,7 +100,7 @@ def run_uptrain(cfg: UptrainConfig | None = None, out_dir: str | Path = "lab-upt
             _scratch(ctx, name, kind, size, rope_dim, len(vocab))
     except KeyboardInterrupt:
         res["interrupted"] = True
-    summarise(cfg, res)
+    summarise_uptrain(cfg, res)
     if mha is not None:
         save_lab_checkpoint(out / "model", mha, vocab, experiment="uptrain", extra={"variant": "MHA"})
         res["checkpoint"] = "model"

@@ -4,50 +4,11 @@ transformers model to a cheaper KV cache, uptrain it, and measure what it costs.
 Ainslie et al. (2023) mean-pool a trained model's key/value heads into MQA/GQA and uptrain
 it with a few percent of the original compute; MHA2MLA (Ji et al., 2025) converts to MLA
 with partial RoPE and an SVD of the key/value projections. Here, on a pretrained model
-(SmolLM2-135M-Instruct by default: 30 layers, 9 query / 3 KV heads of 64):
+(SmolLM2-135M-Instruct by default: 30 layers, 9 query / 3 KV heads of 64), each target
+is converted, uptrained and measured against the base and an unconverted control trained
+with the same budget; Ctrl-C stops at once and `--resume` continues.
 
-1. **Base**: the model as loaded, its held-out perplexity and the bytes per token of a
-   real `generate()` cache (every tensor of every layer, divided by the cached tokens).
-2. **Targets**: MQA by `multihead.convert.to_gqa(model, 1, init=...)` for each init
-   ("aligned", fitted on `calibration_tokens` of the training split; "mean", "first",
-   "random"), and MLA by `convert.to_mla(model, R, rope_dim=r)` at each rank R
-   ("calibrated": to_mla's data-aware default on those tokens; "svd" with
-   calibration_tokens=0, the weights only).
-3. **Uptraining**: each target trained for `steps` AdamW steps on next-token loss over
-   windows of the KJV's training split (Genesis to Acts), the same batches for every
-   target, evaluated as converted (step 0) and after each fraction of the steps (one
-   run, evaluated along the way: its schedule is that of the whole budget). One target
-   (`distill`) is trained again by distillation from the base model: KL(base || student)
-   of the next-token distributions, the base's logits computed on the same batch.
-   Each training's peak rate is chosen first on a few probe steps (`probe_steps`,
-   multihead.lab.uptrain_lr); a non-finite loss stops it ("diverged"), and an evaluation
-   worse than the conversion is marked `worse_than_converted`.
-4. **Control**: the unconverted model uptrained with the same budget, batches and
-   trainable parameters. Training on the KJV also adapts a model to its English, so a
-   target's recovery is measured against the control at the same step: the fraction of
-   the log-perplexity gap closed is (log ppl_converted - log ppl_s) / (log ppl_converted
-   - log ppl_control,s).
-
-Held-out text: Romans to Revelation (other books than the training split), in
-`eval_windows` windows of `eval_context` tokens spread evenly over it; perplexity is
-exp(mean next-token NLL) over every predicted token.
-
-What trains (`trainable="attention"`): each layer's attention module (q/k/v/o, or the MLA
-layer's projections); the token embedding (tied to the LM head), MLPs and norms are frozen.
-Frozen weights still pass gradients through, but need none of their own and no AdamW
-moments: the backward costs less and the optimiser state is a fifth of the model's. With
-`freeze_check` one target (MQA, mean) is trained once more with every parameter trainable,
-and results.json "freeze" says what the freezing costs in perplexity and saves in time.
-
-Ctrl-C stops at once and loses nothing: results.json holds every evaluation so far, and
-the training in progress is saved (its trainable weights, AdamW's moments and step) to
-`resume.pt`; `--resume` with the same --out and settings continues from there, and the
-numbers equal those of an uninterrupted run (batches are a function of the step, the
-conversions of the seed). An interrupt that arrives inside an optimiser step is held
-until the step is done, so the saved state is always that of a whole step.
-
-Writes results.json (`results.base`, `results.control`, `results.variants`,
-`results.freeze`, `summary`, `table`) and uptrain.png; no weights.
+Details: docs/lab.md, "How `lab uptrain --model` runs".
 """
 
 from __future__ import annotations
@@ -592,7 +553,7 @@ def run_uptrain_hf(cfg: HFUptrainConfig | None = None, out_dir: str | Path = "la
             run.unit(unit, mine)
     except KeyboardInterrupt:
         res["interrupted"] = True
-    summarise(cfg, res)
+    summarise_uptrain_hf(cfg, res)
     run.save()
     if plots and not res["interrupted"] and res["results"]["variants"]:
         draw_plots(res, [lambda: plot_uptrain_hf(res, out / "uptrain.png")])
@@ -630,7 +591,7 @@ def _mark_worse(r: dict, first: dict) -> None:
                                         for v in r["variants"] if v.get("worse_than_converted")})
 
 
-def summarise(cfg: HFUptrainConfig, res: dict) -> None:
+def summarise_uptrain_hf(cfg: HFUptrainConfig, res: dict) -> None:
     """Add each variant's gap closed, the freeze check's verdict, the table and the summary."""
     r = res["results"]
     control = {c["steps"]: c["val_ppl"] for c in r["control"]}
@@ -643,6 +604,31 @@ def summarise(cfg: HFUptrainConfig, res: dict) -> None:
         v["gap_closed"] = (gap_closed(conv, v["val_ppl"], v["control_ppl"])
                            if conv is not None and v["control_ppl"] is not None and v["steps"] else None)
     _mark_worse(r, first)
+    r["table"], sentences = _table(cfg, r, control)
+    f = r["freeze"]
+    _freeze_verdict(cfg, r, f)
+    if r["base"] is None:
+        r["summary"] = "interrupted before the base model was measured"
+        return
+    trains = (f"{f['frozen'].split('; ')[0]} frozen" if cfg.trainable == "attention" else "every parameter trains")
+    text = (f"Base model {r['model']}: held-out perplexity {r['base']['val_ppl']:.2f}, "
+            f"{r['base']['kv_bytes_per_token']:,} KV bytes per token ({r['dtype']}, measured from a generate() cache)"
+            f". Uptraining: {cfg.steps} steps of {cfg.batch_size} x {cfg.context} tokens ({trains})")
+    parts = [text + "."]
+    if control:
+        parts.append(f"The control (unconverted, same budget) goes {r['base']['val_ppl']:.2f} -> "
+                     f"{control[max(control)]:.2f}.")
+    parts += [s + "." for s in sentences]
+    if r["worse_than_converted"]:
+        parts.append(f"Worse than as converted at an evaluated step (marked worse_than_converted): "
+                     f"{', '.join(r['worse_than_converted'])}.")
+    if "verdict" in f:
+        parts.append(f["verdict"] + ".")
+    r["summary"] = " ".join(parts)
+
+
+def _table(cfg: HFUptrainConfig, r: dict, control: dict) -> tuple[str, list[str]]:
+    """The markdown table of every variant's perplexity by step, and one sentence per variant."""
     steps = list(cfg.eval_steps())
 
     def ppl_cells(values: dict) -> str:
@@ -677,44 +663,31 @@ def summarise(cfg: HFUptrainConfig, res: dict) -> None:
                              f"{last['val_ppl']:.1f} after {max(row)} steps against the control's "
                              f"{last['control_ppl']:.1f}"
                              + ("" if closed is None else f" ({closed:.0%} of the log-perplexity gap closed)"))
-    r["table"] = "\n".join(lines)
-    f = r["freeze"]
+    return "\n".join(lines), sentences
+
+
+def _freeze_verdict(cfg: HFUptrainConfig, r: dict, f: dict) -> None:
+    """The freeze check's verdict in `f` (r["freeze"]): MQA (mean) training the attention layers
+    against training every parameter, when both ran to the end."""
     check = [c for c in f["check"] if c["steps"] == cfg.steps]
     same = [v for v in r["variants"] if (v["target"], v["init"], v["objective"], v["steps"])
             == ("mqa", "mean", "next-token", cfg.steps)]
-    if check and same and len(f["seconds_per_step"]) == 2:
-        s = f["seconds_per_step"]
-        cpu = r.get("cpu_seconds", {})
-        keys = {"attention": "mqa/mean", "all": "mqa/mean/all"} if cfg.trainable == "attention" else \
-            {"all": "mqa/mean", "attention": "mqa/mean/attention"}
-        if all(k in cpu for k in keys.values()):  # CPU time: comparable when the machine's load changes between them
-            f["cpu_seconds_per_step"] = {t: cpu[k] / cfg.steps for t, k in keys.items()}
-        c = f.get("cpu_seconds_per_step")
-
-        def rate(t: str) -> str:
-            return f"{s[t]:.2f} s/step" + (f", {c[t]:.2f} s of CPU with its evaluations" if c else "")
-        f["verdict"] = (f"MQA (mean) after {cfg.steps} steps: {same[0]['val_ppl']:.2f} held-out perplexity training "
-                        f"the attention layers ({f['trainable_params']['attention']:,} parameters, "
-                        f"{rate('attention')}) against {check[0]['val_ppl']:.2f} training every parameter "
-                        f"({f['trainable_params']['all']:,}, {rate('all')})")
-    if r["base"] is None:
-        r["summary"] = "interrupted before the base model was measured"
+    if not (check and same and len(f["seconds_per_step"]) == 2):
         return
-    trains = (f"{f['frozen'].split('; ')[0]} frozen" if cfg.trainable == "attention" else "every parameter trains")
-    text = (f"Base model {r['model']}: held-out perplexity {r['base']['val_ppl']:.2f}, "
-            f"{r['base']['kv_bytes_per_token']:,} KV bytes per token ({r['dtype']}, measured from a generate() cache)"
-            f". Uptraining: {cfg.steps} steps of {cfg.batch_size} x {cfg.context} tokens ({trains})")
-    parts = [text + "."]
-    if control:
-        parts.append(f"The control (unconverted, same budget) goes {r['base']['val_ppl']:.2f} -> "
-                     f"{control[max(control)]:.2f}.")
-    parts += [s + "." for s in sentences]
-    if r["worse_than_converted"]:
-        parts.append(f"Worse than as converted at an evaluated step (marked worse_than_converted): "
-                     f"{', '.join(r['worse_than_converted'])}.")
-    if "verdict" in f:
-        parts.append(f["verdict"] + ".")
-    r["summary"] = " ".join(parts)
+    s = f["seconds_per_step"]
+    cpu = r.get("cpu_seconds", {})
+    keys = {"attention": "mqa/mean", "all": "mqa/mean/all"} if cfg.trainable == "attention" else \
+        {"all": "mqa/mean", "attention": "mqa/mean/attention"}
+    if all(k in cpu for k in keys.values()):  # CPU time: comparable when the machine's load changes between them
+        f["cpu_seconds_per_step"] = {t: cpu[k] / cfg.steps for t, k in keys.items()}
+    c = f.get("cpu_seconds_per_step")
+
+    def rate(t: str) -> str:
+        return f"{s[t]:.2f} s/step" + (f", {c[t]:.2f} s of CPU with its evaluations" if c else "")
+    f["verdict"] = (f"MQA (mean) after {cfg.steps} steps: {same[0]['val_ppl']:.2f} held-out perplexity training "
+                    f"the attention layers ({f['trainable_params']['attention']:,} parameters, "
+                    f"{rate('attention')}) against {check[0]['val_ppl']:.2f} training every parameter "
+                    f"({f['trainable_params']['all']:,}, {rate('all')})")
 
 
 def plot_uptrain_hf(res: dict, path: Path) -> str:

@@ -10,7 +10,7 @@ from pathlib import Path
 from multihead.lab.plots import pyplot, save_figure
 from multihead.lab.uptrain_config import UptrainConfig
 
-__all__ = ["claims", "plot_frontier", "plot_uptrain", "summarise"]
+__all__ = ["claims", "plot_frontier", "plot_uptrain", "summarise_uptrain"]
 
 # "most of the gap": the share of the conversion's loss in bits/char that uptraining must win back
 MOST = 0.5
@@ -93,7 +93,7 @@ def claims(res: dict) -> dict:
             "gqa_recovers_more_than_mqa": c3}
 
 
-def summarise(cfg: UptrainConfig, res: dict) -> None:
+def summarise_uptrain(cfg: UptrainConfig, res: dict) -> None:
     r = res["results"]
     if r["mha"] is None:
         r["claims"], r["table"] = {}, ""

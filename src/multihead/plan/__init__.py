@@ -6,21 +6,10 @@ FLOPs, and device fit for a model's shape; a reader for Hugging Face config.json
 gemma3, falcon, phi3, gpt_neox, gpt_oss, deepseek_v2/v3; MoE with total and active
 parameters); and a deterministic recommender of heads, KV heads and attention variant.
 
-    >>> from multihead import plan
-    >>> g = plan.AttentionGeometry(4096, 32, 8, bias=False)   # Llama-3-8B's attention
-    >>> plan.attention_params(g)
-    41943040
-    >>> plan.kv_cache_bytes(g, tokens=1, dtype="bf16") * 32   # per token, 32 layers
-    131072
+`recommend(Request(...))` returns a `Recommendation`; `read_config` takes a path, a dict
+or a preset name. The numbers equal the library's modules (tested).
 
-`recommend(Request(...))` returns a `Recommendation` (one-line repr; `print(rec)` or
-`recommendation_text(rec)` is the text `multihead plan` prints); `account_text([account(m)])`
-is the table of `multihead plan --config`. `read_config` takes a path, a dict or a preset
-name (`"llama-3-8b"`; `multihead.plan.presets.PRESETS` lists them).
-
-The numbers equal the library's modules: `attention_params(AttentionGeometry(*args))`
-is the parameter count of `multihead.Attention(*args)`, and `kv_cache_bytes` is the
-`nbytes` of its cache; likewise `LatentGeometry` and `multihead.LatentAttention`.
+Details: docs/plan.md, "`multihead.plan` from Python, in short".
 """
 
 from multihead.plan.configs import SUPPORTED, read_config

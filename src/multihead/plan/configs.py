@@ -1,45 +1,11 @@
 """Read a Hugging Face `config.json` into a `ModelGeometry`, traps included.
 
-The traps each family sets for a naive calculator:
-- gpt2: K/V/Q fused in one Conv1D (c_attn, 3C wide) with biases; FFN width n_inner or 4C.
-- bert: an encoder (no KV cache); token-type table, embedding LayerNorm and pooler.
-- llama / mistral: `head_dim` may differ from hidden_size / heads (Mistral-Nemo);
-  Mistral-7B-v0.1's 4096-token sliding window on every layer.
-- qwen2: q/k/v biases and no o bias; `sliding_window` is set but off unless
-  `use_sliding_window`, and then only from layer `max_window_layers` on.
-- gemma / gemma2: head_dim 256 whatever hidden_size says (Gemma-2-9B: 16 x 256 = 4096 vs
-  d_model 3584); Gemma-2 alternates local (sliding window) and global layers and has four
-  norms per block; embeddings tied.
-- falcon: `multi_query` means one KV head whatever `num_kv_heads` says, unless
-  `new_decoder_architecture`; one LayerNorm per parallel block; `bias` on every Linear.
-- phi3: fused qkv_proj and gate_up_proj (same counts as separate ones).
-- deepseek_v2 / deepseek_v3: MLA, so `num_key_value_heads` says nothing about the cache
-  (the latent does: kv_lora_rank + qk_rope_head_dim per token per layer); MoE with
-  shared experts and leading dense layers; V3's router score-correction bias.
-- mixtral: every FFN is 8 experts (num_local_experts) of intermediate_size, top 2; a
-  reader that takes it for Mistral counts one expert and misses 39B parameters.
-- qwen2_moe: 60-64 experts of moe_intermediate_size plus ONE shared MLP of
-  shared_expert_intermediate_size behind a Linear(C, 1) gate; decoder_sparse_step
-  counts from layer 1; mlp_only_layers stay dense. qwen3_moe: the same without the
-  shared MLP, and with Qwen3's q/k RMSNorms.
-- qwen3: head_dim 128 set explicitly, q_norm and k_norm (2*D per layer), no biases.
-- gemma3_text: Gemma-2's four norms, q/k norms, 5 local layers (sliding_window, e.g.
-  512 or 1024) per global one (`sliding_window_pattern` 6, or `layer_types`).
-  gemma3 (multimodal, 4B and up): the language model is in `text_config`, which the
-  published configs write sparsely, relying on transformers' Gemma3TextConfig
-  defaults (8 heads, 4 KV heads, head_dim 256, vocab 262208); the vision tower is not
-  counted.
-- gpt_neox (Pythia, GPT-NeoX-20B): fused query_key_value with biases, a non-gated MLP
-  with biases, two LayerNorms per block, untied embed_in / embed_out.
-- gpt_oss: MoE (num_local_experts, gated experts WITH biases, a router with a bias),
-  attention biases on q/k/v/o, a learned sink logit per head, and sliding-window
-  (128) layers alternating with full ones (`layer_types`).
+Reading is bounded and never trusts the file (a regular file only, at most
+MAX_CONFIG_BYTES, closed-form layer counts; bad UTF-8, deep JSON, huge numbers and wrong
+types are each a ValueError naming the file and the field). The traps each family sets for
+a naive calculator (fused projections, windows, MoE, MLA, ...) are listed in the docs.
 
-Reading is bounded and never trusts the file: only a regular file is opened (a named pipe
-nobody writes to would block forever), at most MAX_CONFIG_BYTES are read, layer counts
-are closed-form (a config may say 2**40 layers), and
-bad UTF-8, JSON nested too deeply, huge numbers and fields of the wrong type are each a
-ValueError naming the file and the field.
+Details: docs/plan.md, "The traps of each config family".
 """
 
 from __future__ import annotations

@@ -1,24 +1,10 @@
 """Recommend an attention geometry for a parameter budget, a context, a batch and a device.
 
-The recommender is a short list of deterministic rules, each stated where it is applied:
+The recommender is a short list of deterministic rules (width from size, the starting
+variant, inference and training priorities, what the user fixes), each stated where it is
+applied.
 
-1. Width from size (`SIZE_LADDER`): the d_model of production models of that size
-   (125M: 768; ~1B: 2048; 7B: 4096; 70B: 8192), head_dim 64 up to d_model 1024 and 128
-   above, n_heads = d_model / head_dim; layers fill the parameter budget.
-2. Starting variant (`start_variant`): MHA below 1B parameters when it has at most 16
-   heads (GPT-2, BERT, Pythia: the cache is small and every head keeps its own K/V);
-   otherwise GQA with 8 KV heads, the default of production models since 2024 (Llama 3,
-   Mistral, Gemma 2: about MHA's quality at H/8 of its cache).
-3. Inference (`priority="inference"`): if the start's KV cache at context x batch does
-   not fit beside the weights, step down the ladder of smaller caches (fewer KV heads,
-   MLA at rank 4*head_dim, MQA) to the first that fits. MLA is never picked below 1B
-   parameters unless asked for (its latent saves little there and costs complexity).
-4. Training (`priority="training"`): no cache is held while training, so the start
-   stands; the cache it would need to serve is still priced and flagged.
-5. Anything the user fixes (--variant, --n-kv-heads, --kv-rank, --n-heads, --head-dim)
-   is kept, with a warning where it breaks a rule.
-The ranked table puts the pick first, then the other candidates that fit (largest cache,
-i.e. most expressive, first), then those that do not (smallest cache first).
+Details: docs/plan.md, "How it recommends".
 """
 
 from __future__ import annotations
@@ -274,7 +260,7 @@ def _kv_elements(c: Candidate) -> int:
 
 
 def recommend(req: Request) -> Recommendation:
-    """Apply the rules in the module docstring; deterministic for a given request."""
+    """Apply the rules of docs/plan.md ("How it recommends"); deterministic for a given request."""
     warnings: list[str] = []
     notes: list[str] = []
     if req.params < TINY_PARAMS:
@@ -547,8 +533,7 @@ def init_scales(model: ModelGeometry) -> dict:
             "o": rule(a.n_heads * a.v_head_dim, "n_heads * head_dim", depth=True)}
 
 
-# What CHECK_TAKES says, measured with one torch thread on a 2-vCPU VM: the check for
-# --params 7B (scaled to 16 heads of 128) trains 800 steps at 1.1 s/step, evaluations included.
+# What CHECK_TAKES says comes from a timed run of the check (docs/plan.md, "The check's time").
 CHECK_TAKES = ("about 15 minutes on one CPU core for 16 heads of 128 (fewer or narrower heads: less); "
                "it prints its expected time after 40 steps; --quick: a smoke run of under a minute")
 

@@ -9,20 +9,10 @@ implementation (see `registry`), so
 runs every model whose attention goes through transformers' attention registry on
 multihead's kernel, with nothing else of the model changed.
 
-Three jobs, one module each:
+Three modules: `registry` (the attention function, `WeightsRequest`), `layers` (one HF
+layer as a multihead module) and `deepseek` (`use_latent_attention`).
 
-- `registry`: `register()`, the attention function, `WeightsRequest` (weights of chosen
-  heads, returned by the forward) and `WeightsAnswer` (how one attention call answers
-  it, written once for the attention function and the DeepSeek layer).
-- `layers`: one HF attention layer -> a standalone multihead module with the same
-  weights (`from_bert`, `from_gpt2`, `from_llama`, `from_deepseek`, and `from_layer`,
-  which picks one by the layer's class), and the model's RoPE settings -> `RotaryEmbedding`.
-- `deepseek`: the one case the registry cannot serve: `use_latent_attention(model)` swaps
-  DeepSeek-V2/V3 attention for a layer that calls `LatentAttention.forward`
-  (transformers' angles, mask and cache through its `rotary=` and `store=`), so
-  `generate()` caches the latent and decodes on the absorbed path;
-  `restore_attention(model)` puts the original layers back, and saving a model with
-  LatentAttention layers writes the original keys.
+Details: docs/inspect.md, "`multihead.interop.hf`: three jobs".
 """
 
 from __future__ import annotations

@@ -4,20 +4,10 @@
 the original model once over the calibration ids and, for every Llama-family attention
 layer, keep its inputs and a few statistics of its queries, keys and attention:
 
-- `q2`, `k2`: the mean square of every query / key feature (after a q/k norm, before RoPE:
-  a rotation keeps each rotary pair's norm);
-- `phasor[h, f]`: the mean over the layer's attention of e^{-i theta_f (i - j)}, query i
-  attending to key j with the weights head h gives them (theta_f: pair f's frequency).
-  A pair whose rotation is dropped scores q . R(theta_f (i - j)) k; replacing R by its
-  mean under the attention, the 2 x 2 rotation-and-shrink `phasor`, is the best fixed map
-  in the mean-square sense, and 1 - |phasor|^2 is what that still loses (the variance of
-  the phasor): near 0 for slow pairs, which barely turn over the distances attended, near
-  1 for fast ones;
-- `value_scale[h]`: tr(W_o,h Cov(v) W_o,h^T), how far head h's output moves when its
-  attention moves: an error in a score of head h costs about that much, an error in a
-  value through W_o,h directly, which is how key and value errors are weighed together.
-
+The statistics (`q2`, `k2`, `phasor`, `value_scale`) and why each is read.
 transformers is never imported here: the model's own modules are read.
+
+Details: docs/mla.md, "What calibration reads from each layer".
 """
 
 from __future__ import annotations

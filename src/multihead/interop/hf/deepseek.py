@@ -10,18 +10,7 @@ shared RoPE key, R + rope_dim values per token and layer, and decodes on
 `LatentAttention`'s absorbed path (W_UK folded into the query, W_UV applied after):
 each step reads the latent once and decompresses nothing.
 
-Safe by construction:
-
-- the replacement owns the replaced layer's own submodules, under their own names
-  (q_a_proj, q_a_layernorm, ..., kv_b_proj, o_proj), so the parameters are shared, not
-  copied, and `state_dict()` / `save_pretrained` write exactly the original keys: the
-  saved folder loads as the plain transformers model and computes the same outputs;
-- `restore_attention(model)` puts the original modules back (they were never changed);
-- the replacement is an instance of a subclass of the replaced class, so transformers'
-  `output_attentions` capture still finds it.
-
-RoPE comes from the model (its rotary module's angles, YaRN included, at the positions
-transformers computed, left padding included); masks are transformers' own.
+Details: docs/mla.md, "How `use_latent_attention` swaps a layer, safely".
 """
 
 from __future__ import annotations

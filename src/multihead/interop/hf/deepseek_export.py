@@ -6,25 +6,11 @@ the converted model's weights; `save_pretrained` then writes a folder that
 `AutoModelForCausalLM.from_pretrained` loads with no multihead installed. Where the
 architecture can represent the conversion:
 
-- Llama and Mistral without a sliding window (DeepSeek-V2 has no window), RoPE of type
-  default, linear or llama3 (fixed frequencies, no attention factor). Refused by name:
-  Qwen2 (DeepSeek-V2's q_proj has no bias), Qwen3 (its per-head key norm has no place in
-  DeepSeek's latent path), a sliding window, dynamic/YaRN/LongRoPE source scaling.
-- The kept rotary pairs: DeepSeek rotates interleaved pairs (2s, 2s+1) of one shared RoPE
-  key at frequencies its rotary module computes from the config. The converted layer's
-  frequencies (each key/value head's kept pairs, side by side: repeated values, not a
-  geometric series) are written as transformers' "longrope" rope_parameters, whose
-  per-pair factors set any frequency exactly (short_factor = long_factor, factor 1,
-  attention_factor 1: no length switch, no scale); the rows are permuted to the
-  interleaved layout.
-- The latent RMSNorm (kv_a_layernorm) that DeepSeek-V2 always applies and the original
-  model does not have: RMSNorm(c) = g * c / rms(c), so the export sets its gain g to the
-  mean rms(c) of the layer's latents over `calibration` tokens (the least-squares choice
-  for c * g / rms(c) ~ c). What is left is a per-token rescaling of the nope keys and the
-  values by g / rms(c_j): approximate, measured by the caller (see docs/mla.md), and the
-  one difference between the exported and the converted model.
-
+Llama and Mistral without a sliding window; the kept rotary pairs as "longrope" factors;
+the latent RMSNorm's gain fitted on calibration tokens (the one approximation).
 transformers is imported only inside `to_deepseek_v2` (it builds a model of its classes).
+
+Details: docs/mla.md, "What the DeepSeek-V2 export can represent".
 """
 
 from __future__ import annotations

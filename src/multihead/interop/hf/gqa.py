@@ -11,11 +11,7 @@ Ainslie et al. 2023; or the first of the group; or drawn afresh, see
 `config.num_key_value_heads` follow. The result is an ordinary transformers model:
 `save_pretrained` writes it and stock transformers loads it, eager attention included.
 
-Everything else (queries, output projections, Qwen3/Gemma3's per-head q/k norms, which
-act on each head's D dims and are shared by all heads) is copied unchanged. Importing
-this module registers attn_implementation="multihead" (the package does, on import).
-
-transformers is never imported here: the model's own classes are used.
+Details: docs/mla.md, "How `transformers_to_gqa` changes a model".
 """
 
 from __future__ import annotations

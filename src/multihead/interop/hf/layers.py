@@ -1,31 +1,12 @@
 """One Hugging Face attention layer -> a standalone multihead module with its weights.
 
-- `from_bert`, `from_gpt2`, `from_llama` (and `from_layer`, which picks one) build a
-  `multihead.Attention`:
+`from_bert`, `from_gpt2`, `from_llama` (and `from_layer`, which picks one) build a
+`multihead.Attention`; `from_deepseek` a `multihead.LatentAttention`; `rotary_from_config`
+reads a config's RoPE settings. To run a whole model on multihead, use
+attn_implementation="multihead" (`registry`); these conversions take one layer out.
+transformers is never imported here.
 
-  * BERT family (BertAttention / RobertaAttention): query/key/value Linear layers plus
-    the `output.dense` Linear of BertSelfOutput as o_proj. The dropout, residual and
-    LayerNorm after that dense stay HF's.
-  * GPT-2 (GPT2Attention): the fused, transposed Conv1D `c_attn` (y = x @ W + b,
-    W `(C, 3C)`) is split into q/k/v and transposed; `c_proj` becomes o_proj; causal.
-  * Llama family (Llama, Mistral, Qwen2): GQA with the model's key/value heads, RoPE in
-    the half-split layout with the model's rope_theta and RoPE scaling (linear,
-    dynamic, llama3, yarn), Mistral's sliding window, and biases exactly where the
-    model has them (Qwen2: q/k/v biases, no o bias; o_proj.bias is then None, so
-    parameter counts stay honest).
-
-  A layer whose score scale is not 1/sqrt(D) (GPT-2's scale_attn_by_inverse_layer_idx or
-  scale_attn_weights=False) gets the ratio folded into q_proj, so the module computes the
-  same scores with its default scale.
-
-- `from_deepseek` builds a `multihead.LatentAttention` (MLA) from a DeepSeek-V2/V3
-  attention layer, with its YaRN RoPE scaling and the softmax scale that comes with it.
-
-- `rotary_from_config` reads a config's RoPE settings into a `RotaryEmbedding`.
-
-To run a whole model on multihead, use attn_implementation="multihead" (`registry`);
-these conversions are for taking one layer out. transformers is never imported here:
-the functions read the modules and configs they are given.
+Details: docs/inspect.md, "One HF layer as a multihead module".
 """
 
 from __future__ import annotations

@@ -7,50 +7,12 @@ shared latent per token, and only that latent, R + r values per token and layer,
 transformers' cache; decoding takes the absorbed path (W_UK folded into the query, W_UV
 after). `generate()` works as before.
 
-How a layer with H query heads, Hkv key/value heads of width D is converted:
+Partial RoPE after MHA2MLA (Ji et al., 2025, "Towards Economical Inference: Enabling
+DeepSeek's Multi-Head Latent Attention in Any Transformer-based LLMs"), the latent from a joint
+truncated SVD of the nope keys and the values. transformers is never imported here: the model's
+own modules are read and replaced.
 
-- Partial RoPE (MHA2MLA, Ji et al., 2025, "Towards Economical Inference: Enabling
-  DeepSeek's Multi-Head Latent Attention in Any Transformer-based LLMs"): each key/value
-  head keeps k = r / (2 Hkv) of its D/2 rotary frequency pairs rotary; those pairs of the
-  Hkv key heads, side by side, are the one decoupled RoPE key of width r (cached after
-  rotation), and each query head's same pairs sit in its group's block of its RoPE query
-  (zeros in the other blocks), so q_pe . k_pe is exactly the rotary part of the original
-  score. The angles are the model's own (its rotary module's cos/sin at those
-  frequencies, RoPE scaling included). Which pairs (`keep`):
-
-  * "norm" (MHA2MLA's 2-norm choice): the pairs whose query-key norm product
-    sum_{h in group} E||q_h^(f)|| E||k^(f)|| is largest: those carry most of the score.
-    The expectations come from `calibration` token ids run through the original model,
-    or, without them, from the weights (||W^(f)||_F, the norm under an isotropic input).
-  * "high": the k highest frequencies (MHA2MLA's S_high), as DeepSeek keeps position in
-    few fast-rotating features.
-  * "rotation" (the default with calibration): the pairs whose rotation costs most to
-    drop, the norm product weighted by 1 - |a|^2, a the mean rotation of the pair under the
-    layer's own attention (interop/hf/calibrated.py); basis="output" then turns each dropped
-    pair's queries by conj(a) and takes the latent in the metric of the attention output.
-
-  The other pairs lose their rotation and become the "nope" keys of the latent.
-- The nope keys and the values: a joint truncated SVD of M = [W_k,nope ; W_v | b_v]
-  (U_R = its first R left singular vectors): the latent is c = U_R^T [k_nope ; v] and the
-  up-projection kv_b_proj holds U_R, each query head taking its key/value head's rows.
-  For a model without q/k norms c is linear in x, so U_R^T M is the down-projection
-  kv_a_proj. The key bias of the nope part is dropped (softmax ignores a shift that is the
-  same for every key); the RoPE key's bias is kept (rotated, it is not such a shift).
-- Qwen3's per-head q/k RMSNorm before RoPE: the queries are computed as before and then
-  laid out as above (exact). The key norm divides each key head by its own RMS, a
-  nonlinear function of x, so the latent is not a linear map of x: this layer computes
-  the exact normalised keys from the kept k_proj and k_norm at cache-write time, caches
-  their rotated RoPE part, and projects [k_nope ; v] onto U_R of the SVD of
-  [diag(w_k) W_k,nope / s_j ; W_v] (s_j = ||W_k,j||_F / sqrt(D), head j's RMS under an
-  isotropic input). What is approximated is only the rank truncation (and, as for every
-  model, the dropped rotation of the nope pairs); the reported error is that of the
-  weighted map, and the per-token norm is exact.
-
-Exact (up to rounding) in the full configuration r = Hkv * D (every pair rotary: the RoPE
-key is the Hkv RoPE'd key heads side by side) and R = Hkv * Dv (the latent is the values).
-The report gives every layer's relative reconstruction error ||M - U_R U_R^T M|| / ||M||.
-
-transformers is never imported here: the model's own modules are read and replaced.
+Details: docs/mla.md, "How `transformers_to_mla` converts a layer".
 """
 
 from __future__ import annotations
@@ -199,7 +161,7 @@ class LatentLlamaAttention(nn.Module):
         pe_rows, nope_rows: `(r,)`, `(Hkv * (D - 2k),)` buffers, rows of the original k_proj
             that make the RoPE key and the nope keys.
         k_proj, v_proj, k_norm, latent_proj, q_gain: only for a layer with q/k norms (Qwen3),
-            which computes its latent from the exact normalised keys (module docstring).
+            which computes its latent from the exact normalised keys (docs/mla.md).
     """
 
     def __init__(self, original: nn.Module, mla: LatentAttention, pairs: Tensor, slot_freq: Tensor,
@@ -382,116 +344,156 @@ def _output_maps(attn: nn.Module, st, f: Tensor, q_nope: Tensor, R: int) -> tupl
     return proj, up
 
 
-def _convert_layer(attn: nn.Module, kv_rank: int, rope_dim: int, pairs: Tensor, backend: str,
-                   xs: list[Tensor] | None = None, basis: str = "weights", stats=None
-                   ) -> tuple[LatentLlamaAttention, float, float | None]:
-    H, Hkv, D, Dv, C = _sizes(attn)
-    G, half, k, R = H // Hkv, D // 2, rope_dim // (2 * Hkv), kv_rank
-    r2 = rope_dim // 2
-    Dn_live = D - 2 * k
-    Dn = max(1, Dn_live)  # LatentAttention's head_dim is >= 1: a zero feature when every pair is rotary
-    # slot s of the RoPE key: key head s // k, frequency pairs[s // k, s % k]; half-split: features s and s + r/2
-    slot_head = torch.arange(Hkv).repeat_interleave(k)  # (r/2,)
-    slot_freq = pairs.reshape(-1)  # (r/2,)
-    pe_feat = torch.cat([slot_freq, slot_freq + half])  # (r,): the feature of its head
-    pe_rows = torch.cat([slot_head, slot_head]) * D + pe_feat  # (r,) rows of k_proj
-    nope = [[i for i in range(D) if i % half not in set(pairs[j].tolist())] for j in range(Hkv)]
-    nope_rows = torch.tensor([j * D + i for j in range(Hkv) for i in nope[j]], dtype=torch.long)
+class _Layout:
+    """Where each query head's features go in the latent layer: `[nope (Dn) ; pe (r)]`.
 
-    # each query head's layout [nope (Dn) ; pe (r)] as source features of its D (-1: a zero)
-    src = torch.full((H, Dn + rope_dim), -1, dtype=torch.long)
-    for h in range(H):
-        j = h // G
-        src[h, :Dn_live] = torch.tensor(nope[j], dtype=torch.long)
-        mine = (slot_head == j).nonzero().flatten()
-        src[h, Dn + mine] = slot_freq[mine]
-        src[h, Dn + r2 + mine] = slot_freq[mine] + half
-    live = src >= 0  # (H, Dn + r)
+    Slot s of the RoPE key is key head s // k at frequency pairs[s // k, s % k]; half-split:
+    features s and s + r/2. `src[h]` names, for each of head h's Dn + r features, the source
+    feature of its D (-1: a zero)."""
 
-    def lay_out(t: Tensor) -> Tensor:
+    def __init__(self, pairs: Tensor, H: int, Hkv: int, D: int, rope_dim: int):
+        G, half, k = H // Hkv, D // 2, rope_dim // (2 * Hkv)
+        r2 = rope_dim // 2
+        self.H, self.rope_dim = H, rope_dim
+        self.Dn_live = D - 2 * k
+        # LatentAttention's head_dim is >= 1: a zero feature when every pair is rotary
+        self.Dn = Dn = max(1, self.Dn_live)
+        slot_head = torch.arange(Hkv).repeat_interleave(k)  # (r/2,)
+        self.slot_freq = slot_freq = pairs.reshape(-1)  # (r/2,)
+        pe_feat = torch.cat([slot_freq, slot_freq + half])  # (r,): the feature of its head
+        self.pe_rows = torch.cat([slot_head, slot_head]) * D + pe_feat  # (r,) rows of k_proj
+        self.nope = [[i for i in range(D) if i % half not in set(pairs[j].tolist())] for j in range(Hkv)]
+        self.nope_rows = torch.tensor([j * D + i for j in range(Hkv) for i in self.nope[j]], dtype=torch.long)
+        src = torch.full((H, Dn + rope_dim), -1, dtype=torch.long)
+        for h in range(H):
+            j = h // G
+            src[h, :self.Dn_live] = torch.tensor(self.nope[j], dtype=torch.long)
+            mine = (slot_head == j).nonzero().flatten()
+            src[h, Dn + mine] = slot_freq[mine]
+            src[h, Dn + r2 + mine] = slot_freq[mine] + half
+        self.src, self.live = src, src >= 0  # (H, Dn + r)
+
+    def __call__(self, t: Tensor) -> Tensor:
         """(H, D, ...) per-head query rows -> (H, Dn + r, ...) in the layout, zeros where none."""
-        idx = src.clamp(min=0).view(H, -1, *([1] * (t.dim() - 2))).expand(H, Dn + rope_dim, *t.shape[2:])
-        out = t.gather(1, idx)
-        return out * live.view(H, -1, *([1] * (t.dim() - 2))).to(out.dtype)
+        H, width, tail = self.H, self.Dn + self.rope_dim, [1] * (t.dim() - 2)
+        out = t.gather(1, self.src.clamp(min=0).view(H, -1, *tail).expand(H, width, *t.shape[2:]))
+        return out * self.live.view(H, -1, *tail).to(out.dtype)
 
-    qk_norm = _norm(attn, "k_norm") is not None
+
+def _kv_map(attn: nn.Module, nope_rows: Tensor, qk_norm: bool) -> Tensor:
+    """M, the map `(rows, C [+1])` from x (and a bias column) to the features [k_nope ; v] the latent
+    stores; for a k-normed layer, that of the exact normalised nope keys and the values (docs/mla.md)."""
+    _, Hkv, D, _, C = _sizes(attn)
     wk = attn.k_proj.weight.detach().double()  # (Hkv*D, C)
     wv = attn.v_proj.weight.detach().double()  # (Hkv*Dv, C)
-    bk, bv = attn.k_proj.bias, attn.v_proj.bias
-    if qk_norm:  # the map of the exact normalised nope keys and the values (module docstring)
+    if qk_norm:
         gain = attn.k_norm.weight.detach().double()  # (D,)
         s = (wk.view(Hkv, D, C).square().sum((1, 2)) / D).sqrt()  # (Hkv,): head j's RMS, isotropic input
-        m = torch.cat([(wk.view(Hkv, D, C) * (gain[None, :, None] / s[:, None, None])).reshape(-1, C)[nope_rows],
-                       wv])  # (rows, C)
-    else:
-        m = torch.cat([wk[nope_rows], wv])  # (rows, C): the nope key bias is a shift softmax ignores
-        if bv is not None:
-            col = torch.cat([torch.zeros(len(nope_rows), dtype=torch.float64), bv.detach().double()])
-            m = torch.cat([m, col[:, None]], dim=1)  # (rows, C + 1)
-    f = None if xs is None else _features(attn, xs, m, nope_rows, qk_norm)  # (N, rows)
+        return torch.cat([(wk.view(Hkv, D, C) * (gain[None, :, None] / s[:, None, None])).reshape(-1, C)[nope_rows],
+                          wv])  # (rows, C)
+    m = torch.cat([wk[nope_rows], wv])  # (rows, C): the nope key bias is a shift softmax ignores
+    bv = attn.v_proj.bias
+    if bv is not None:
+        col = torch.cat([torch.zeros(len(nope_rows), dtype=torch.float64), bv.detach().double()])
+        m = torch.cat([m, col[:, None]], dim=1)  # (rows, C + 1)
+    return m
+
+
+def _query_map(attn: nn.Module, pairs: Tensor, basis: str, qk_norm: bool, stats) -> tuple[Tensor, Tensor | None]:
+    """The query weight `(H, D, C)` and bias `(H, D, 1)` float64; under the "output" basis the dropped
+    pairs' queries take their mean rotation: q' . k = E[q . R(theta (i - j)) k] under the attention."""
+    H, Hkv, D, _, C = _sizes(attn)
     wq = attn.q_proj.weight.detach().double().view(H, D, C)
     bq = None if attn.q_proj.bias is None else attn.q_proj.bias.detach().double().view(H, D, 1)
-    if basis == "output" and not qk_norm:  # the dropped pairs' queries take their mean rotation
-        dropped = torch.ones(H, half, dtype=torch.bool)
+    if basis == "output" and not qk_norm:
+        dropped = torch.ones(H, D // 2, dtype=torch.bool)
         for h in range(H):
-            dropped[h, pairs[h // G]] = False
+            dropped[h, pairs[h // (H // Hkv)]] = False
         a = torch.where(dropped, stats.phasor, torch.ones_like(stats.phasor)).to(wq.device)  # (H, D/2)
-        wq = turn_pairs(wq, a)  # q' . k = E[q . R(theta (i - j)) k] under the attention (calibrated.py)
+        wq = turn_pairs(wq, a)  # (calibrated.py)
         bq = None if bq is None else turn_pairs(bq, a)
+    return wq, bq
+
+
+def _latent_basis(attn: nn.Module, basis: str, m: Tensor, f: Tensor | None, wq: Tensor, bq: Tensor | None,
+                  lay: _Layout, qk_norm: bool, stats, R: int) -> tuple[Tensor, Tensor]:
+    """(proj `(R, rows)`, up `(rows, R)`): the latent is c = proj f and f ~ up c, by `basis`."""
     if basis == "output":
+        H, Hkv, D, _, C = _sizes(attn)
         with torch.no_grad():
             x = stats.x.to(attn.q_proj.weight.dtype)
             q = (x.double() @ wq.reshape(H * D, C).T + (0 if bq is None else bq.reshape(-1))).view(-1, H, D)
             if qk_norm:
                 q = attn.q_norm(attn.q_proj(x).view(len(x), H, D)).double()
-        q_nope = torch.stack([q[:, h, nope[h // G]] for h in range(H)], dim=1)  # (N, H, Dn_live)
-        proj, up = _output_maps(attn, stats, f, q_nope, R)
-    elif basis == "activations":  # the top principal directions of the features on the calibration tokens
+        q_nope = torch.stack([q[:, h, lay.nope[h // (H // Hkv)]] for h in range(H)], dim=1)  # (N, H, Dn_live)
+        return _output_maps(attn, stats, f, q_nope, R)
+    if basis == "activations":  # the top principal directions of the features on the calibration tokens
         _, vecs = torch.linalg.eigh(f.T @ f)  # ascending
         up = vecs.flip(1)[:, :R]
-        proj = up.T
-    else:  # the top left singular vectors of the map
-        U, _, _ = torch.linalg.svd(m, full_matrices=False)
-        up = U[:, :R]  # (rows, R), orthonormal columns
-        proj = up.T
-    nk = len(nope_rows)
-    up_k = up[:nk].view(Hkv, Dn_live, R)
-    up_k = torch.cat([up_k, up_k.new_zeros(Hkv, Dn - Dn_live, R)], dim=1)  # (Hkv, Dn, R)
-    up_v = up[nk:].view(Hkv, Dv, R)
-    up_kv = torch.cat([up_k, up_v], dim=1).repeat_interleave(G, dim=0)  # (H, Dn + Dv, R)
+        return up.T, up
+    U, _, _ = torch.linalg.svd(m, full_matrices=False)  # the top left singular vectors of the map
+    up = U[:, :R]  # (rows, R), orthonormal columns
+    return up.T, up
 
-    w = attn.q_proj.weight
-    ratio = float(getattr(attn, "scaling", D ** -0.5)) * math.sqrt(Dn + rope_dim)  # to LatentAttention's scale
-    window = sliding_window_of(attn)
+
+def _latent_attention(attn: nn.Module, lay: _Layout, R: int, backend: str, latent_bias: bool) -> LatentAttention:
+    """An empty `LatentAttention` shaped like `attn`'s conversion, on its device and dtype."""
+    H, _, D, Dv, C = _sizes(attn)
     has_bias = any(getattr(attn, n).bias is not None for n in ("q_proj", "k_proj", "v_proj", "o_proj"))
-    mla = LatentAttention(C, H, R, head_dim=Dn, rope_dim=rope_dim, v_head_dim=Dv, causal=True, backend=backend,
-                          latent_norm=False, bias=has_bias, rope_interleaved=False,
+    mla = LatentAttention(C, H, R, head_dim=lay.Dn, rope_dim=lay.rope_dim, v_head_dim=Dv, causal=True,
+                          backend=backend, latent_norm=False, bias=has_bias, rope_interleaved=False,
                           rope_base=float(getattr(attn.config, "rope_theta", None) or 10000.0),
-                          sliding_window=window)
+                          sliding_window=sliding_window_of(attn))
     if attn.q_proj.bias is None:
         mla.q_proj.register_parameter("bias", None)
     if attn.o_proj.bias is None:
         mla.o_proj.register_parameter("bias", None)
-    latent_bias = not qk_norm and (bv is not None or (bk is not None and rope_dim))
     if not latent_bias:
         mla.kv_a_proj.register_parameter("bias", None)
-    mla = mla.to(device=w.device, dtype=w.dtype)
+    w = attn.q_proj.weight
+    return mla.to(device=w.device, dtype=w.dtype)
+
+
+def _convert_layer(attn: nn.Module, kv_rank: int, rope_dim: int, pairs: Tensor, backend: str,
+                   xs: list[Tensor] | None = None, basis: str = "weights", stats=None
+                   ) -> tuple[LatentLlamaAttention, float, float | None]:
+    H, Hkv, D, Dv, C = _sizes(attn)
+    G, R = H // Hkv, kv_rank
+    lay = _Layout(pairs, H, Hkv, D, rope_dim)
+    qk_norm = _norm(attn, "k_norm") is not None
+    bk = attn.k_proj.bias
+    m = _kv_map(attn, lay.nope_rows, qk_norm)  # (rows, C [+1])
+    f = None if xs is None else _features(attn, xs, m, lay.nope_rows, qk_norm)  # (N, rows)
+    wq, bq = _query_map(attn, pairs, basis, qk_norm, stats)
+    proj, up = _latent_basis(attn, basis, m, f, wq, bq, lay, qk_norm, stats, R)
+    nk = len(lay.nope_rows)
+    up_k = up[:nk].view(Hkv, lay.Dn_live, R)
+    up_k = torch.cat([up_k, up_k.new_zeros(Hkv, lay.Dn - lay.Dn_live, R)], dim=1)  # (Hkv, Dn, R)
+    up_v = up[nk:].view(Hkv, Dv, R)
+    up_kv = torch.cat([up_k, up_v], dim=1).repeat_interleave(G, dim=0)  # (H, Dn + Dv, R)
+
+    w = attn.q_proj.weight
+    ratio = float(getattr(attn, "scaling", D ** -0.5)) * math.sqrt(lay.Dn + rope_dim)  # to LatentAttention's scale
+    latent_bias = not qk_norm and (attn.v_proj.bias is not None or (bk is not None and rope_dim))
+    mla = _latent_attention(attn, lay, R, backend, latent_bias)
     q_ratio = 1.0 if qk_norm else ratio  # a q-normed layer's scale rides on its gains (the norm undoes a weight)
     with torch.no_grad():
-        mla.q_proj.weight.copy_(lay_out(wq).reshape(-1, C) * q_ratio)
+        mla.q_proj.weight.copy_(lay(wq).reshape(-1, C) * q_ratio)
         if bq is not None:
-            mla.q_proj.bias.copy_(lay_out(bq).reshape(-1) * q_ratio)
+            mla.q_proj.bias.copy_(lay(bq).reshape(-1) * q_ratio)
         mla.o_proj.load_state_dict(attn.o_proj.state_dict())
         mla.kv_b_proj.weight.copy_(up_kv.reshape(-1, R))
         if not qk_norm:
             down = proj @ m  # (R, C [+1])
-            mla.kv_a_proj.weight.copy_(torch.cat([down[:, :C], wk[pe_rows]]))  # (R + r, C)
+            wk = attn.k_proj.weight.detach().double()  # (Hkv*D, C)
+            mla.kv_a_proj.weight.copy_(torch.cat([down[:, :C], wk[lay.pe_rows]]))  # (R + r, C)
             if latent_bias:
                 b_lat = down[:, C] if m.shape[1] > C else torch.zeros(R, dtype=torch.float64)
-                b_pe = bk.detach().double()[pe_rows] if bk is not None else torch.zeros(rope_dim, dtype=torch.float64)
+                b_pe = (bk.detach().double()[lay.pe_rows] if bk is not None
+                        else torch.zeros(rope_dim, dtype=torch.float64))
                 mla.kv_a_proj.bias.copy_(torch.cat([b_lat, b_pe]))
-    layer = LatentLlamaAttention(attn, mla, pairs, slot_freq.to(w.device), pe_rows.to(w.device),
-                                 nope_rows.to(w.device))
+    layer = LatentLlamaAttention(attn, mla, pairs, lay.slot_freq.to(w.device), lay.pe_rows.to(w.device),
+                                 lay.nope_rows.to(w.device))
     if qk_norm:
         mla.kv_a_proj = None  # the latent comes from the kept k_proj / v_proj through latent_proj
         layer.k_proj, layer.v_proj, layer.k_norm = attn.k_proj, attn.v_proj, attn.k_norm
@@ -500,7 +502,7 @@ def _convert_layer(attn: nn.Module, kv_rank: int, rope_dim: int, pairs: Tensor, 
         with torch.no_grad():
             layer.latent_proj.weight.copy_(proj)
             # the exact keys carry w_k and 1/rms themselves; the basis was weighted by 1/s only to choose it
-        layer.q_gain = nn.Parameter((lay_out(gain_q.contiguous())[..., 0] * ratio).to(device=w.device, dtype=w.dtype))
+        layer.q_gain = nn.Parameter((lay(gain_q.contiguous())[..., 0] * ratio).to(device=w.device, dtype=w.dtype))
         layer.q_norm_eps = float(getattr(attn.q_norm, "variance_epsilon", getattr(attn.q_norm, "eps", 1e-6)))
         layer.train(attn.training)
     error = relative_error(m, up @ (proj @ m))
@@ -511,14 +513,14 @@ def _convert_layer(attn: nn.Module, kv_rank: int, rope_dim: int, pairs: Tensor, 
 def transformers_to_mla(model: nn.Module, kv_rank: int, *, rope_dim: int | None, keep: str | None = None,
                         basis: str | None = None, calibration=None, tokenizer=None, backend: str = "auto",
                         return_report: bool = False):
-    """A copy of a Llama-family transformers model on multihead's MLA (module docstring).
+    """A copy of a Llama-family transformers model on multihead's MLA (docs/mla.md).
 
     Args:
         kv_rank: R, the width of the shared latent (<= the rank of [W_k,nope ; W_v]).
         rope_dim: r, the width of the decoupled RoPE key: a multiple of 2 * Hkv up to
             Hkv * D (every pair rotary); required.
         keep: which rotary pairs stay rotary: "rotation" (the default with calibration: the
-            pairs whose rotation costs most to drop, module docstring), "norm" (MHA2MLA's
+            pairs whose rotation costs most to drop, docs/mla.md), "norm" (MHA2MLA's
             query-key norm product) or "high" (the highest frequencies; the default without).
         basis: "output" (the default with calibration: the principal subspace of the K/V
             features in the metric of the attention output, the dropped pairs' queries

@@ -1,13 +1,7 @@
 """`attn_implementation="multihead"`: transformers' own attention registry, run on multihead.
 
-transformers picks the kernel of every attention module by name from its
-`AttentionInterface` (`ALL_ATTENTION_FUNCTIONS`): a module that calls
-`ALL_ATTENTION_FUNCTIONS.get_interface(config._attn_implementation, ...)` hands the
-function registered under that name its projected, rotated and cached q `(B, H, T, D)`,
-k, v `(B, Hkv, S, D|Dv)` and the mask its mask utilities built. `register()` puts
-`attention_forward` there under "multihead", and transformers' boolean mask builder (its
-sdpa masks: True = may attend, None where plain causality or nothing is needed) under the
-same name in `AttentionMaskInterface`, so
+`register()` puts `attention_forward` in transformers' `AttentionInterface` under
+"multihead" (and its boolean mask builder in `AttentionMaskInterface`), so
 
     import multihead.interop.hf  # registers "multihead"
     model = AutoModel.from_pretrained(path, attn_implementation="multihead")
@@ -17,20 +11,7 @@ runs every such model on `multihead.scaled_dot_product_attention`. Nothing of th
 changes: its modules, weights, caches and state dict stay transformers' own, so saving,
 reloading and generate need nothing from multihead.
 
-The keywords transformers passes are honoured: the mask (bool or additive float,
-`(B, 1|H, T, S)`), `scaling`, `dropout`, `is_causal`, `sliding_window` (applied when no
-mask carries it), `softcap` (Gemma-2, as the kernel's `score_mods.softcap`), attention
-sinks (`s_aux` of GPT-OSS, `sinks`) and T5's `position_bias`. GQA goes to the kernel as
-`Hkv < H`, without copies of K/V. Sliding-window (and chunked) layers get, instead of a
-dense `(B, 1, T, S)` mask, transformers' own mask predicate as a `multihead.masks`
-predicate, so the kernel skips the tiles outside the window (block-sparse).
-`output_attentions=True` returns the weights from the kernel's weights-on-demand pass, so
-asking for them never moves the output to a slow path. A `WeightsRequest` passed as the
-forward keyword `multihead_weights=` asks for chosen heads of chosen modules only (what
-`multihead inspect` does); the weights come back in it, not in attributes of the modules.
-Under `torch.compile(model.forward, fullgraph=True)` the forward is one graph (windows as
-transformers' dense masks, the config read plainly); multihead's own keywords are refused
-there by name (docs/hf-compile.md).
+Details: docs/inspect.md, "How the registry runs a transformers model on multihead".
 """
 
 from __future__ import annotations
