@@ -92,3 +92,27 @@ def test_check_same_dtype_device():
         check_same_dtype_device(q=a, k=b.half(), v=a)
     with pytest.raises(ValueError, match=r"^q, k must be on one device; received q cpu, k meta$"):
         check_same_dtype_device(q=a, k=torch.zeros(2, device="meta"))
+
+
+def test_register_backend_refuses_a_bad_name_by_class():
+    from multihead.kernels.registry import register_backend
+
+    def fn(*args, **kwargs):
+        raise AssertionError("never called")
+
+    with pytest.raises(TypeError, match=r"^backend name must be a non-empty string other than 'auto'; "
+                                        r"received 3 \(int\)$"):
+        register_backend(3, fn, weights=False, dropout=False)
+    with pytest.raises(ValueError, match=r"^backend name must be a non-empty string other than 'auto'; "
+                                         r"received 'auto'$"):
+        register_backend("auto", fn, weights=False, dropout=False)
+
+
+def test_attend_and_ring_share_the_qkv_check():
+    """`ring_attention` calls `check_qkv`; `attend` raises its TypeError for two dtypes."""
+    import multihead as mh
+
+    q = torch.zeros(1, 2, 3, 4)
+    with pytest.raises(TypeError, match=r"^q, k, v must share a dtype; received q torch.float32, "
+                                        r"k torch.float64, v torch.float32$"):
+        mh.scaled_dot_product_attention(q, q.double(), q, mask=torch.ones(3, 3, dtype=torch.bool))
