@@ -103,7 +103,7 @@ def to_gqa(model, n_kv_heads: int, *, init: str | None = None, generator: torch.
     Raises:
         ValueError: n_kv_heads does not divide a layer's key/value heads; an unknown init;
             a model without attention layers.
-        TypeError: neither an `Attention` nor an `nn.Module`.
+        TypeError: neither an `Attention` nor an `nn.Module`; n_kv_heads not an int.
     """
     if init is not None and init not in GQA_INITS:
         raise ValueError(f"init must be one of {', '.join(GQA_INITS)}; received {init!r}")
