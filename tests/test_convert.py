@@ -240,10 +240,12 @@ def _bad_cases():
     mha = mh.Attention(16, 4)
     return [
         ("to_gqa not dividing", lambda: convert.to_gqa(mha, 3), ValueError,
-         "n_kv_heads must divide the layer's 4 key/value heads; received 3; valid: 1, 2, 4"),
-        ("to_gqa zero", lambda: convert.to_gqa(mha, 0), ValueError, "received 0; valid: 1, 2, 4"),
+         "the layer's key/value heads (4) must be divisible by n_kv_heads (3); valid: 1, 2, 4"),
+        ("to_gqa zero", lambda: convert.to_gqa(mha, 0), ValueError, "n_kv_heads must be an int >= 1; received 0"),
+        ("to_gqa float", lambda: convert.to_gqa(mha, 2.0), TypeError,
+         "n_kv_heads must be an int >= 1; received 2.0 (float)"),
         ("to_gqa more heads", lambda: convert.to_gqa(mh.Attention(16, 4, 2), 4), ValueError,
-         "divide the layer's 2 key/value heads; received 4; valid: 1, 2"),
+         "the layer's key/value heads (2) must be divisible by n_kv_heads (4); valid: 1, 2"),
         ("to_gqa nn.MHA", lambda: convert.to_gqa(nn.MultiheadAttention(16, 4), 2), TypeError,
          "to_gqa takes a multihead.Attention; received MultiheadAttention (use multihead.convert.from_torch"),
         ("to_mla rank 0", lambda: convert.to_mla(mha, 0), ValueError,
@@ -252,7 +254,8 @@ def _bad_cases():
         ("to_mla rank negative", lambda: convert.to_mla(mha, -3), ValueError, "received -3"),
         ("to_mla rank above max", lambda: convert.to_mla(mh.Attention(16, 4, bias=False), 17), ValueError,
          "kv_rank must be an int in 1..16"),
-        ("to_mla rank float", lambda: convert.to_mla(mha, 8.0), ValueError, "received 8.0"),
+        ("to_mla rank float", lambda: convert.to_mla(mha, 8.0), TypeError,
+         "kv_rank must be an int; received 8.0 (float)"),
         ("to_mla rope", lambda: convert.to_mla(mh.Attention(16, 4, rope=True), 8), ValueError,
          "to_mla: the layer has rotary embeddings"),
         ("to_mla cross", lambda: convert.to_mla(mh.Attention(16, 4, context_dim=8), 8), ValueError,
@@ -438,10 +441,10 @@ def test_whole_model_bad_input():
         convert.to_gqa(nn.Sequential(nn.MultiheadAttention(16, 4)), 1)
     with pytest.raises(TypeError, match=r"received str"):
         convert.to_gqa("model", 1)
-    with pytest.raises(ValueError, match=r"layer blocks.0.attn: n_kv_heads must divide the layer's 4 key/value "
-                                         r"heads; received 3; valid: 1, 2, 4"):
+    with pytest.raises(ValueError, match=r"layer blocks.0.attn: the layer's key/value heads \(4\) must be divisible "
+                                         r"by n_kv_heads \(3\); valid: 1, 2, 4$"):
         convert.to_gqa(_lab_model(), 3)
-    with pytest.raises(ValueError, match=r"n_kv_heads must be a positive int; received 0"):
+    with pytest.raises(ValueError, match=r"^n_kv_heads must be an int >= 1; received 0$"):
         convert.to_gqa(_lab_model(), 0)
 
 
@@ -518,10 +521,12 @@ def test_partial_rope_keeps_the_highest_frequencies_and_drops_the_rest():
 
 def test_partial_rope_bad_input():
     attn = _rope_layer(2, mh.RotaryEmbedding(8))
-    for bad in (3, 10, -2, 2.0):
+    for bad in (3, 10, -2):
         with pytest.raises(ValueError, match=r"rope_dim must be an even int in 0..8 \(the layer's rotary dim\); "
                                              r"received .*; valid: 0, 2, 4, 6, 8"):
             convert.to_mla(attn, 8, rope_dim=bad)
+    with pytest.raises(TypeError, match=r"^to_mla: rope_dim must be an int; received 2.0 \(float\)$"):
+        convert.to_mla(attn, 8, rope_dim=2.0)
     with pytest.raises(ValueError, match=r"rope_dim must be an even int in 0..0"):
         convert.to_mla(mh.Attention(32, 4), 8, rope_dim=2)
     scaled = _rope_layer(2, mh.RotaryEmbedding(8, scaling=mh.rope.RopeScaling("linear", 2.0)))

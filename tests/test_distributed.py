@@ -243,6 +243,8 @@ def _w_errors_2(rank, world):
     expect("heads not divisible", lambda: shard_heads(Attention(24, 3), mesh))
     expect("kv heads", lambda: shard_heads(Attention(24, 6, 3, head_dim=4), mesh))
     expect("layout", lambda: ring_attention(y, y, y, layout="striped"))
+    # the class and the message `attend` gives (TypeError); any other class fails this rank
+    expect("ring dtype", lambda: ring_attention(y, y.float(), y), TypeError)
     dist.barrier()
     return messages
 
@@ -378,7 +380,7 @@ def test_one_rank_wrong_raises_on_every_rank_without_waiting():
         assert "rank" in a and "rank" in b, f"{name}: {a!r} / {b!r}"
     m0, m1 = results[0][0], results[1][0]
     assert "ranks disagree on (dim, ndim" in m0["shard ndim"] and "rank 1: (1, 2, 4" in m0["shard ndim"]
-    assert "dim must be an int in [-2, 1]" in m1["shard dim out of range"]
+    assert "dim of a 2-D tensor must be an int in [-2, 1]; received 2" in m1["shard dim out of range"]
     assert "rank(s) 1" in m0["shard dim out of range"]
     assert "'striped'" in m1["shard layout"] and "rank(s) 1" in m0["shard layout"]
     assert "received list" in m1["shard not a tensor"]
@@ -403,13 +405,18 @@ def test_bad_input_raises_on_every_rank():
     for rank, messages in enumerate(results):
         for name, msg in messages.items():
             assert msg is not None, f"rank {rank}: {name} did not raise"
-        assert "divisible by 4" in messages["zigzag length"] and "(6)" in messages["zigzag length"]
+        assert messages["zigzag length"].endswith("the length along dim 2 (6) must be divisible by 2P (4); "
+                                                  "valid: 1, 2, 3, 6")
         assert "2P = 4" in messages["zigzag odd shard"]
         assert "disagree" in messages["ranks disagree"] and "rank 1: (1, 2, 6" in messages["ranks disagree"]
-        assert "n_heads (3)" in messages["heads not divisible"] and "valid rank counts: 1, 3" in \
-            messages["heads not divisible"]
-        assert "n_kv_heads (3)" in messages["kv heads"]
+        assert messages["heads not divisible"].endswith("n_heads (3) must be divisible by the number of ranks (2); "
+                                                        "valid: 1, 3")
+        assert messages["kv heads"].endswith("n_kv_heads (3) must be divisible by the number of ranks (2), or "
+                                             "divide it (then each KV head is replicated on P / Hkv ranks); "
+                                             "valid: 1, 3, 6")
         assert "'striped'" in messages["layout"]
+        assert messages["ring dtype"].endswith(": q, k, v must share a dtype; received q torch.float64, "
+                                               "k torch.float32, v torch.float64")
     assert "received str" in results[1]["one rank bad"]
     assert "rank(s) 1" in results[0]["one rank bad"]
 

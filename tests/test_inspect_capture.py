@@ -109,21 +109,22 @@ def test_truncation_warns_and_records(minilm):
     assert short.tokens == ["[CLS]", "the", "cat", "sat", "[SEP]"]
 
 
-@pytest.mark.parametrize("kwargs, message", [
-    ({"text": ""}, "text is empty"),
-    ({"text": "   \n"}, "text is empty"),
-    ({"text": None}, "text must be a string; received NoneType"),
-    ({"layers": [6]}, r"layer 6 is out of range; valid: 0..5 \(the model has 6 layers\)"),
-    ({"layers": [-7]}, r"layer -7 is out of range; valid: 0..5"),
-    ({"heads": [12]}, r"head 12 is out of range; valid: 0..11 \(the model has 12 heads\)"),
-    ({"heads": []}, r"heads is empty; valid: 0..11"),
-    ({"heads": "2"}, "heads must be an int or a list of ints"),
-    ({"layers": [1.0]}, "layer indices must be ints; received 1.0"),
-    ({"max_tokens": 0}, "max_tokens must be a positive int"),
+@pytest.mark.parametrize("kwargs, error, message", [
+    ({"text": ""}, InspectError, "text is empty"),
+    ({"text": "   \n"}, InspectError, "text is empty"),
+    ({"text": None}, TypeError, "^text must be a string; received NoneType$"),
+    ({"layers": [6]}, InspectError, r"layer 6 is out of range; valid: 0..5 \(the model has 6 layers\)"),
+    ({"layers": [-7]}, InspectError, r"layer -7 is out of range; valid: 0..5"),
+    ({"heads": [12]}, InspectError, r"head 12 is out of range; valid: 0..11 \(the model has 12 heads\)"),
+    ({"heads": []}, InspectError, r"heads is empty; valid: 0..11"),
+    ({"heads": "2"}, TypeError, "^heads must be an int or a list of ints; received '2'$"),
+    ({"layers": [1.0]}, TypeError, r"^a layer index must be an int; received 1.0 \(float\)$"),
+    ({"max_tokens": 0}, ValueError, "^max_tokens must be an int >= 1 or None; received 0$"),
+    ({"max_tokens": 2.5}, TypeError, r"^max_tokens must be an int >= 1 or None; received 2.5 \(float\)$"),
 ])
-def test_bad_input(minilm, kwargs, message):
+def test_bad_input(minilm, kwargs, error, message):
     args = {"text": TEXT, **kwargs}
-    with pytest.raises(InspectError, match=message):
+    with pytest.raises(error, match=message):
         capture(args.pop("text"), **args)
 
 

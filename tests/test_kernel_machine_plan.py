@@ -75,14 +75,16 @@ def test_overrides_and_errors(restore_plan):
     assert kernels.set_machine_plan(before) is plan
     with pytest.raises(ValueError, match="is not one; valid: min_split_bytes, explicit_tile, flops_per_thread"):
         MachinePlan().with_choices(tile=3)
-    with pytest.raises(ValueError, match="must be positive, got 0"):
+    with pytest.raises(ValueError, match=r"^MachinePlan.explicit_tile must be an int >= 1; received 0$"):
         MachinePlan().with_choices(explicit_tile=0)
     split = MachinePlan(1 << 20).with_choices(min_split_bytes=5).with_choices(min_split_bytes=7)
     assert split.min_split_bytes == 7 and split.overrides == (("min_split_bytes", 7),)
-    with pytest.raises(ValueError, match="must be positive, got 0"):
+    with pytest.raises(ValueError, match=r"^MachinePlan.l2_bytes must be an int >= 1; received 0$"):
         MachinePlan(l2_bytes=0)
-    with pytest.raises(TypeError, match="must be an int, got float"):
+    with pytest.raises(TypeError, match=r"^MachinePlan.l2_bytes must be an int >= 1; received 1.5 \(float\)$"):
         MachinePlan(l2_bytes=1.5)
+    with pytest.raises(TypeError, match=r"^MachinePlan override min_split_bytes must be an int >= 1; received 2.5"):
+        MachinePlan(overrides=(("min_split_bytes", 2.5),))
     with pytest.raises(TypeError, match="takes a MachinePlan or None, got dict"):
         kernels.set_machine_plan({"l2_bytes": 1})
 

@@ -264,10 +264,15 @@ def test_scaling_mla_and_small_geometries():
     assert scale_induction() == ({}, [])
     small, notes = scale_induction(d_model=64, n_heads=8, n_kv_heads=2)
     assert notes == [] and small["n_heads"] == 8 and small["n_kv_heads"] == 2  # fits a CPU: trained as asked
-    for kw, message in (({"variant": "gqa"}, "needs --n-kv-heads"), ({"n_kv_heads": 3}, "must divide"),
+    for kw, message in (({"variant": "gqa"}, "needs --n-kv-heads"),
+                        ({"n_kv_heads": 3},
+                         r"^--n-heads \(4\) must be divisible by --n-kv-heads \(3\); valid: 1, 2, 4$"),
                         ({"variant": "mla"}, "needs --kv-rank"), ({"kv_rank": 8, "n_kv_heads": 2}, "MLA caches"),
                         ({"variant": "mqa", "n_kv_heads": 2}, "has 1 KV head"),
-                        ({"rope_dim": 4}, "MLA's"), ({"d_model": 100, "n_heads": 7}, "must divide")):
+                        ({"rope_dim": 4}, "MLA's"),
+                        ({"d_model": 100, "n_heads": 7},
+                         r"^--d-model \(100\) must be divisible by --n-heads \(7\); "
+                         r"valid: 1, 2, 4, 5, 10, 20, 25, 50, 100$")):
         with pytest.raises(ValueError, match=message):
             scale_induction(**kw)
 
@@ -307,7 +312,7 @@ def test_cli_bad_input_exits_2(tmp_path, capsys):
     assert main(["lab", "heads", "--head-counts", "1,x"]) == 2  # argparse's own error, returned
     assert "expected comma-separated integers" in capsys.readouterr().err
     assert main(["lab", "heads", "--quick", "--head-counts", "3", "--out", str(tmp_path / "h")]) == 2
-    assert "does not divide" in capsys.readouterr().err
+    assert "d_model (64) must be divisible by n_heads (3); valid: 1, 2, 4, 8, 16, 32, 64" in capsys.readouterr().err
 
 
 def test_an_in_process_run_leaves_torch_threads_as_it_found_them(tmp_path, capsys):

@@ -44,7 +44,7 @@ def test_ctrl_c_keeps_measured_rows(tmp_path, one_torch_thread):
 
 
 def test_bad_geometry():
-    with pytest.raises(ValueError, match="does not divide"):
+    with pytest.raises(ValueError, match=r"^n_heads \(4\) must be divisible by kv_heads \(3\); valid: 1, 2, 4$"):
         run_kv(replace(KVConfig.quick(), kv_heads=(3,)), "/nonexistent-never-written", progress=False)
 
 

@@ -140,7 +140,8 @@ def test_cli_bad_input_exits_2(tmp_path, capsys):
             (["--from", str(tmp_path / "nothing")], "--from"),
             (["--fractions", "0,2"], "fractions in [0, 1]"),
             (["--inits", "mean,avg"], "expected some of mean,first,random"),
-            (["--n-kv-heads", "3"], "n_kv_heads 3 is not a smaller divisor of n_heads 4; valid: 1, 2"),
+            (["--n-kv-heads", "3"], "n_heads (4) must be divisible by n_kv_heads (3), a count below n_heads; "
+                                    "valid: 1, 2"),
             (["--kv-ranks", "64"], "kv_rank must be at most d_model (32)"),
     ):
         assert main(["lab", "uptrain", "--quick", "--out", str(tmp_path / "o"), *argv]) == 2, argv

@@ -251,7 +251,8 @@ BAD_CONSTRUCTION = [
     (dict(kv_rank=8.0), TypeError, "received 8.0 (float)"),
     (dict(rope_dim=3), ValueError, "rope_dim must be even"),
     (dict(rope_dim=-2), ValueError, "rope_dim must be an int >= 0; received -2"),
-    (dict(n_heads=5), ValueError, "d_model (32) is not divisible by n_heads (5)"),
+    (dict(n_heads=5), ValueError, "d_model (32) must be divisible by n_heads (5); valid: 1, 2, 4, 8, 16, 32; "
+                                  "or pass head_dim explicitly"),
     (dict(n_heads=0), ValueError, "n_heads must be an int >= 1; received 0"),
     (dict(q_rank=0), ValueError, "q_rank must be an int >= 1; received 0"),
     (dict(head_dim=0), ValueError, "head_dim must be an int >= 1; received 0"),

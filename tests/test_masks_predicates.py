@@ -1,5 +1,6 @@
 """Mask predicates materialised densely, and nn.MultiheadAttention mask conversions, against hand-written masks."""
 
+import pytest
 import torch
 
 from multihead import masks
@@ -38,3 +39,7 @@ def test_torch_mask_conversions_invert_bool_keep_float():
     assert masks.from_torch_attn_mask(am)[0, 0].tolist() == [[True, False], [True, True]]
     am3 = torch.zeros(6, 2, 2, dtype=torch.bool)
     assert masks.from_torch_attn_mask(am3, n_heads=3).shape == (2, 3, 2, 2)
+    for n_heads in (4, None):
+        with pytest.raises(ValueError, match=r"^a 3-D attn_mask \(6, 2, 2\) is \(B \* n_heads, T, S\): its dim 0 "
+                                             rf"\(6\) must be divisible by n_heads \({n_heads}\); valid: 1, 2, 3, 6$"):
+            masks.from_torch_attn_mask(am3, n_heads=n_heads)

@@ -69,7 +69,8 @@ def test_recommend_warnings_reach_the_output(capsys):
     code, out, _ = run(capsys, "--params", "7B", "--context", "64k", "--variant", "MHA")
     assert "warning: MHA with 32 heads at 64K context" in out
     code, out, _ = run(capsys, "--params", "125M", "--n-kv-heads", "5", "--json")
-    assert any("does not divide" in w for w in json.loads(out)["warnings"])
+    assert "n_heads (12) must be divisible by n_kv_heads (5); valid: 1, 2, 3, 4, 6, 12; using 4 (every KV head " \
+           "serves the same number of query heads)" in json.loads(out)["warnings"]
 
 
 def test_custom_device_and_devices(capsys):

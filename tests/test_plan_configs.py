@@ -324,7 +324,8 @@ def test_bad_field_types_and_values():
         plan.read_config(dict(CONFIGS["llama-3-8b"], num_hidden_layers="32"))
     with pytest.raises(ValueError, match=r"'num_attention_heads'.*>= 1; received 0"):
         plan.read_config(dict(CONFIGS["llama-3-8b"], num_attention_heads=0))
-    with pytest.raises(ValueError, match=r"not divisible by num_key_value_heads \(5\)"):
+    with pytest.raises(ValueError, match=r"^config: num_attention_heads \(32\) must be divisible by "
+                                         r"num_key_value_heads \(5\); valid: 1, 2, 4, 8, 16, 32$"):
         plan.read_config(dict(CONFIGS["llama-3-8b"], num_key_value_heads=5))
 
 

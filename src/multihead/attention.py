@@ -25,7 +25,7 @@ from torch import Tensor, nn
 
 from multihead import masks, score_mods
 from multihead.cache import KVCache, RollingKVCache
-from multihead.checks import check_divisible, check_positive_int, check_probability, variant_name
+from multihead.checks import check_kv_heads, check_positive_int, check_probability, variant_name
 from multihead.functional import attend, check_backend_name
 from multihead.head_access import HeadAccess
 from multihead.layer_parts import (
@@ -86,10 +86,7 @@ class Attention(nn.Module):
     ):
         super().__init__()
         check_positive_int("d_model", d_model)
-        check_positive_int("n_heads", n_heads)
-        n_kv_heads = n_heads if n_kv_heads is None else n_kv_heads
-        check_positive_int("n_kv_heads", n_kv_heads)
-        check_divisible("n_heads", n_heads, "n_kv_heads", n_kv_heads)
+        n_kv_heads = check_kv_heads(n_heads, n_kv_heads)
         head_dim = default_head_dim(d_model, n_heads, head_dim)
         context_dim = d_model if context_dim is None else context_dim
         check_positive_int("context_dim", context_dim)

@@ -183,6 +183,7 @@ def load_lab_checkpoint(path: str | os.PathLike, device: str | torch.device = "c
         meta = meta_all["multihead_lab"]
         cfg = LabConfig.from_dict(meta["architecture"])
         tok = meta_all["tokenizer"]
+        # ValueError, not TypeError: a wrong type here is a bad file, reported as one below
         if not isinstance(tok.get("tokens"), list) or not all(isinstance(t, str) for t in tok["tokens"]):
             raise ValueError("'tokenizer.tokens' must be a list of strings")
         vocab = Vocab.from_dict(tok)

@@ -1,11 +1,13 @@
 """Every input check the floors share, in pure Python (no torch at module level), so the
 modules, the kernels, the caches, `plan` and `lab` word a mistake one way.
 
-One function per kind of value: a positive int, a non-negative int, a positive finite
-number, a probability in [0, 1), and one divisibility rule with its list of divisors.
-A value of the wrong type (a str, a float where an int is needed, a bool) raises
-TypeError; a value of the right type outside the range raises ValueError. Both messages
-read "<name> must be <what is valid>; received <value>", the TypeError adding the type.
+One function per kind of value: an int in a range (`check_int`), a positive finite
+number, a probability in [0, 1), one divisibility rule with its list of divisors (and
+`check_kv_heads` for the head counts), and one check that tensors share a dtype and a
+device. A value of the wrong type (a str, a float where an int is needed, a bool, tensors
+of two dtypes) raises TypeError; a value of the right type outside the range raises
+ValueError. Both messages read "<name> must be <what is valid>; received <value>", the
+TypeError adding the type.
 """
 
 from __future__ import annotations
@@ -14,8 +16,9 @@ import math
 import numbers
 import operator
 
-__all__ = ["check_divisible", "check_nonnegative_int", "check_positive_int", "check_positive_number",
-           "check_probability", "divisibility_error", "divisors", "variant_name"]
+__all__ = ["check_divisible", "check_int", "check_kv_heads", "check_nonnegative_int", "check_positive_int",
+           "check_positive_number", "check_probability", "check_same_dtype_device", "divisibility_error",
+           "divisors", "variant_name"]
 
 
 def divisors(n: int) -> list[int]:
@@ -23,29 +26,48 @@ def divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
-def _int_at_least(name: str, value, minimum: int, allow_none: bool) -> int | None:
+def check_int(name: str, value, *, minimum: int | None = None, maximum: int | None = None,
+              allow_none: bool = False) -> int | None:
+    """`value` as an int if it is an int in [minimum, maximum] (either bound optional), or
+    None when allowed. A Python int, a NumPy int or an integer 0-d tensor is an int; a bool,
+    a float or a str is not (TypeError). Out of range: ValueError.
+
+    >>> check_int("batch_size", 8, minimum=1)
+    8
+    >>> check_int("layer", 12, minimum=0, maximum=11)
+    Traceback (most recent call last):
+    ValueError: layer must be an int in [0, 11]; received 12
+    """
     if value is None and allow_none:
         return None
-    valid = f"an int >= {minimum}" + (" or None" if allow_none else "")
+    if minimum is not None and maximum is not None:
+        valid = f"an int in [{minimum}, {maximum}]"
+    elif minimum is not None:
+        valid = f"an int >= {minimum}"
+    elif maximum is not None:
+        valid = f"an int <= {maximum}"
+    else:
+        valid = "an int"
+    valid += " or None" if allow_none else ""
     if isinstance(value, bool):
         raise TypeError(f"{name} must be {valid}; received {value!r} (bool)")
     try:
         n = operator.index(value)  # int, NumPy ints and integer 0-d tensors; not float or str
     except TypeError:
         raise TypeError(f"{name} must be {valid}; received {value!r} ({type(value).__name__})") from None
-    if n < minimum:
+    if (minimum is not None and n < minimum) or (maximum is not None and n > maximum):
         raise ValueError(f"{name} must be {valid}; received {value!r}")
     return n
 
 
 def check_positive_int(name: str, value, *, allow_none: bool = False) -> int | None:
     """`value` as an int if it is an int >= 1 (or None when allowed)."""
-    return _int_at_least(name, value, 1, allow_none)
+    return check_int(name, value, minimum=1, allow_none=allow_none)
 
 
 def check_nonnegative_int(name: str, value, *, allow_none: bool = False) -> int | None:
     """`value` as an int if it is an int >= 0 (or None when allowed)."""
-    return _int_at_least(name, value, 0, allow_none)
+    return check_int(name, value, minimum=0, allow_none=allow_none)
 
 
 def _real(name: str, value, valid: str) -> float:
@@ -102,6 +124,46 @@ def check_divisible(n_name: str, n: int, d_name: str, d: int) -> None:
     error = divisibility_error(n_name, n, d_name, d)
     if error is not None:
         raise ValueError(error)
+
+
+def check_kv_heads(n_heads, n_kv_heads, *, n_heads_name: str = "n_heads",
+                   n_kv_heads_name: str = "n_kv_heads") -> int:
+    """The number of key/value heads, checked: both counts positive ints and n_kv_heads a
+    divisor of n_heads (MHA, GQA or MQA); None means n_heads (MHA). The names are the
+    caller's spelling (a CLI passes "--n-heads").
+
+    >>> check_kv_heads(12, 5)
+    Traceback (most recent call last):
+    ValueError: n_heads (12) must be divisible by n_kv_heads (5); valid: 1, 2, 3, 4, 6, 12
+    """
+    n_heads = check_int(n_heads_name, n_heads, minimum=1)
+    n_kv_heads = check_int(n_kv_heads_name, n_kv_heads, minimum=1, allow_none=True)
+    if n_kv_heads is None:
+        return n_heads
+    check_divisible(n_heads_name, n_heads, n_kv_heads_name, n_kv_heads)
+    return n_kv_heads
+
+
+def check_same_dtype_device(**tensors) -> None:
+    """TypeError unless the named tensors share one dtype, ValueError unless they sit on one
+    device; both messages name each tensor's. Read by duck typing (`.dtype`, `.device`), so
+    this module needs no torch. A caller on a per-token path compares first and calls this
+    only on a mismatch, for the message.
+
+    >>> import torch
+    >>> check_same_dtype_device(q=torch.ones(1), k=torch.ones(1, dtype=torch.float16))
+    Traceback (most recent call last):
+    TypeError: q, k must share a dtype; received q torch.float32, k torch.float16
+    """
+    names = ", ".join(tensors)
+    dtypes = [t.dtype for t in tensors.values()]
+    if any(d != dtypes[0] for d in dtypes):
+        got = ", ".join(f"{n} {t.dtype}" for n, t in tensors.items())
+        raise TypeError(f"{names} must share a dtype; received {got}")
+    devices = [t.device for t in tensors.values()]
+    if any(d != devices[0] for d in devices):
+        got = ", ".join(f"{n} {t.device}" for n, t in tensors.items())
+        raise ValueError(f"{names} must be on one device; received {got}")
 
 
 def variant_name(n_heads: int, n_kv_heads: int) -> str:

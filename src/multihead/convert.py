@@ -18,6 +18,7 @@ import torch
 from torch import nn
 
 from multihead.attention import Attention
+from multihead.checks import check_divisible, check_int, check_positive_int
 from multihead.conversion_parts import (
     GQA_INITS,
     ConversionReport,
@@ -88,7 +89,7 @@ def to_gqa(model, n_kv_heads: int, *, init: str | None = None, generator: torch.
     Raises:
         ValueError: n_kv_heads does not divide a layer's key/value heads; an unknown init;
             a model without attention layers.
-        TypeError: neither an `Attention` nor an `nn.Module`.
+        TypeError: neither an `Attention` nor an `nn.Module`; n_kv_heads not an int.
     """
     if init is not None and init not in GQA_INITS:
         raise ValueError(f"init must be one of {', '.join(GQA_INITS)}; received {init!r}")
@@ -110,19 +111,15 @@ def to_gqa(model, n_kv_heads: int, *, init: str | None = None, generator: torch.
 
 
 def _gqa_target(model, n_kv_heads) -> str:
+    check_positive_int("n_kv_heads", n_kv_heads)
     if isinstance(model, Attention):
         _check_kv_heads(model, n_kv_heads)
-    elif isinstance(n_kv_heads, bool) or not isinstance(n_kv_heads, int) or n_kv_heads < 1:
-        raise ValueError(f"n_kv_heads must be a positive int; received {n_kv_heads!r}")
     return "MQA" if n_kv_heads == 1 else f"GQA-{n_kv_heads}"
 
 
 def _check_kv_heads(attn: Attention, n_kv_heads) -> None:
-    old = attn.n_kv_heads
-    if isinstance(n_kv_heads, bool) or not isinstance(n_kv_heads, int) or n_kv_heads < 1 or old % n_kv_heads:
-        valid = [d for d in range(1, old + 1) if old % d == 0]
-        raise ValueError(f"n_kv_heads must divide the layer's {old} key/value heads; received {n_kv_heads!r}; "
-                         f"valid: {', '.join(map(str, valid))}")
+    check_positive_int("n_kv_heads", n_kv_heads)
+    check_divisible("the layer's key/value heads", attn.n_kv_heads, "n_kv_heads", n_kv_heads)
 
 
 def _gqa_layer(attn: Attention, n_kv_heads: int, init: str, generator: torch.Generator | None
@@ -184,8 +181,8 @@ def _convert(fn: str, model, layer_fn, target: str, init: str, return_report: bo
     for name in names:
         try:
             converted, error = layer_fn(new.get_submodule(name))
-        except ValueError as err:
-            raise ValueError(f"{fn}: layer {name}: {err}") from None
+        except (TypeError, ValueError) as err:  # the same class, naming the layer
+            raise type(err)(f"{fn}: layer {name}: {err}") from None
         parent, _, child = name.rpartition(".")
         setattr(new.get_submodule(parent) if parent else new, child, converted)
         rows.append(LayerConversion(name, error))
@@ -278,7 +275,8 @@ def _check_mla_source(fn: str, attn, rope_dim=None) -> None:
         )
     if rope_dim is not None:
         top = _max_rope_dim(attn)
-        if isinstance(rope_dim, bool) or not isinstance(rope_dim, int) or rope_dim % 2 or not 0 <= rope_dim <= top:
+        check_int(f"{fn}: rope_dim", rope_dim)
+        if rope_dim % 2 or not 0 <= rope_dim <= top:
             rotary = 0 if attn.rope is None else attn.rope.dim
             why = "the layer's rotary dim" if top == rotary else \
                 f"the layer's rotary dim {rotary}, less one non-rotary feature per head of {attn.head_dim}"
@@ -320,7 +318,8 @@ def mla_report(attn: Attention, kv_rank: int | None = None) -> MLAReport:
 
 
 def _check_rank(kv_rank, max_rank: int, attn: Attention, rope_dim: int = 0) -> None:
-    if isinstance(kv_rank, bool) or not isinstance(kv_rank, int) or not 1 <= kv_rank <= max_rank:
+    check_int("kv_rank", kv_rank)
+    if not 1 <= kv_rank <= max_rank:  # not check_int's range message: this one says where the maximum comes from
         rows = attn.n_kv_heads * (2 * attn.head_dim - rope_dim)
         cols = attn.d_model + (attn.v_proj.bias is not None or _kept_key_bias(attn) is not None)
         raise ValueError(

@@ -20,7 +20,7 @@ from dataclasses import asdict, dataclass, fields
 import torch
 from torch import Tensor, nn
 
-from multihead.checks import check_positive_int, variant_name
+from multihead.checks import check_positive_int, divisibility_error, variant_name
 
 __all__ = ["LabConfig", "LabTransformer"]
 
@@ -81,8 +81,9 @@ class LabConfig:
         if self.attention == "mla" and self.kv_rank is None:
             raise ValueError("attention='mla' needs kv_rank")
         if self.head_dim is None:
-            if self.d_model % self.n_heads:
-                raise ValueError(f"n_heads {self.n_heads} does not divide d_model {self.d_model}; give head_dim")
+            error = divisibility_error("d_model", self.d_model, "n_heads", self.n_heads)
+            if error is not None:
+                raise ValueError(f"{error}; or give head_dim")
             object.__setattr__(self, "head_dim", self.d_model // self.n_heads)  # an input left out, not derived
         else:
             check_positive_int("head_dim", self.head_dim)

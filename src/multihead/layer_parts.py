@@ -9,7 +9,7 @@ import torch
 from torch import Tensor
 
 from multihead import masks as _masks
-from multihead.checks import check_positive_int, check_positive_number, divisors
+from multihead.checks import check_positive_int, check_positive_number, divisibility_error
 from multihead.kernels.validation import normalize_mask
 
 __all__ = ["check_dtype", "check_window_and_softcap", "default_head_dim", "merge_heads", "split_heads",
@@ -40,11 +40,9 @@ def check_dtype(name: str, t: Tensor, weight: Tensor) -> None:
 def default_head_dim(d_model: int, n_heads: int, head_dim: int | None) -> int:
     """head_dim as given (checked), else d_model // n_heads when that divides evenly."""
     if head_dim is None:
-        if d_model % n_heads:
-            raise ValueError(
-                f"d_model ({d_model}) is not divisible by n_heads ({n_heads}); pass head_dim "
-                f"explicitly, or use n_heads in {', '.join(map(str, divisors(d_model)))}"
-            )
+        error = divisibility_error("d_model", d_model, "n_heads", n_heads)
+        if error is not None:
+            raise ValueError(f"{error}; or pass head_dim explicitly")
         head_dim = d_model // n_heads
     check_positive_int("head_dim", head_dim)
     return head_dim

@@ -20,7 +20,7 @@ from collections.abc import Callable
 import torch
 from torch import Tensor
 
-from multihead.checks import check_nonnegative_int, check_positive_int
+from multihead.checks import check_nonnegative_int, check_positive_int, divisors
 
 __all__ = [
     "MaskMod",
@@ -532,7 +532,8 @@ def from_torch_attn_mask(attn_mask: Tensor, n_heads: int | None = None) -> Tenso
         return m[None, None]
     if m.dim() == 3:
         if n_heads is None or m.shape[0] % n_heads:
-            raise ValueError(f"a 3-D attn_mask {tuple(m.shape)} is (B * n_heads, T, S); pass n_heads "
-                             f"dividing {m.shape[0]}; received n_heads={n_heads}")
+            raise ValueError(f"a 3-D attn_mask {tuple(m.shape)} is (B * n_heads, T, S): its dim 0 ({m.shape[0]}) "
+                             f"must be divisible by n_heads ({n_heads}); valid: "
+                             f"{', '.join(map(str, divisors(m.shape[0])))}")
         return m.view(m.shape[0] // n_heads, n_heads, *m.shape[1:])
     raise ValueError(f"attn_mask must be 2-D (T, S) or 3-D (B * n_heads, T, S); received {tuple(m.shape)}")

@@ -16,6 +16,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from multihead.checks import check_divisible
+
 __all__ = [
     "alibi_bias",
     "alibi_slopes",
@@ -46,8 +48,7 @@ def softmax(x: np.ndarray, axis: int = -1) -> np.ndarray:
 def split_heads(x: np.ndarray, n_heads: int) -> np.ndarray:
     """(..., T, H * D) -> (..., H, T, D)."""
     *lead, T, width = x.shape
-    if width % n_heads:
-        raise ValueError(f"width {width} is not divisible by n_heads {n_heads}")
+    check_divisible("width", width, "n_heads", n_heads)
     x = x.reshape(*lead, T, n_heads, width // n_heads)  # (..., T, H, D)
     return np.swapaxes(x, -2, -3)  # (..., H, T, D)
 
@@ -100,8 +101,7 @@ def attention(q, k, v, mask=None, causal=False, scale=None, return_weights=False
     """
     q, k, v = (np.asarray(a, dtype=np.float64) for a in (q, k, v))
     H, Hkv = q.shape[-3], k.shape[-3]
-    if H % Hkv:
-        raise ValueError(f"H ({H}) must be a multiple of Hkv ({Hkv})")
+    check_divisible("query heads H", H, "key/value heads Hkv", Hkv)
     k = np.repeat(k, H // Hkv, axis=-3)  # (..., H, S, D): the textbook copies, the kernel does not
     v = np.repeat(v, H // Hkv, axis=-3)
     scale = 1.0 / np.sqrt(q.shape[-1]) if scale is None else scale

@@ -20,6 +20,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from multihead.attention import Attention
+from multihead.checks import check_divisible
 from multihead.distributed._group import GroupRef, agree_on, float_code, tensor_code
 from multihead.latent import LatentAttention
 
@@ -183,10 +184,6 @@ def _swap_class(module: nn.Module, mixin: type) -> None:
     module.__class__ = _CLASSES[cls]
 
 
-def _divisors(n: int) -> str:
-    return ", ".join(str(d) for d in range(1, n + 1) if n % d == 0)
-
-
 def _broadcast(parts: list[nn.Module], mesh) -> None:
     with torch.no_grad():
         for part in parts:
@@ -225,9 +222,7 @@ def _check_module(module, mesh) -> None:
         raise TypeError(f"shard_heads takes a multihead Attention or LatentAttention; received "
                         f"{type(module).__name__}")
     P, H = mesh.size(), module.n_heads
-    if H % P:
-        raise ValueError(f"n_heads ({H}) must be divisible by the number of ranks ({P}); valid rank "
-                         f"counts: {_divisors(H)}")
+    check_divisible("n_heads", H, "the number of ranks", P)
     device = next(module.parameters()).device
     if device.type != mesh.device_type:
         raise ValueError(f"the module is on {device.type} but the mesh is for {mesh.device_type}; "
@@ -235,14 +230,10 @@ def _check_module(module, mesh) -> None:
     if isinstance(module, Attention):
         Hkv = module.n_kv_heads
         valid = ", ".join(str(p) for p in range(1, H + 1) if H % p == 0 and (Hkv % p == 0 or p % Hkv == 0))
-        if Hkv >= P and Hkv % P:
+        # not `check_divisible`: either way round works (P < Hkv shares heads, P > Hkv replicates them)
+        if Hkv % P and P % Hkv:
             raise ValueError(f"n_kv_heads ({Hkv}) must be divisible by the number of ranks ({P}), or divide "
-                             f"it (then each KV head is replicated on P / Hkv ranks); valid rank counts: "
-                             f"{valid}")
-        if Hkv < P and P % Hkv:
-            raise ValueError(f"n_kv_heads ({Hkv}) < ranks ({P}) needs ranks to be a multiple of n_kv_heads "
-                             f"so that each rank's query heads share one KV head; valid rank counts: "
-                             f"{valid}")
+                             f"it (then each KV head is replicated on P / Hkv ranks); valid: {valid}")
 
 
 def shard_heads(module: Attention | LatentAttention, mesh) -> Attention | LatentAttention:

@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from multihead.checks import check_positive_number, divisibility_error
+from multihead.checks import check_positive_number
 from multihead.distributed._group import (
     GroupRef,
     agree,
@@ -44,6 +44,7 @@ from multihead.kernels.common import (
     masked_scores,
 )
 from multihead.kernels.math import block_rows
+from multihead.kernels.validation import check_qkv
 
 __all__ = ["ring_attention"]
 
@@ -300,57 +301,36 @@ def _shape(t: Tensor) -> str:
     return "(" + ", ".join(map(str, t.shape)) + ")"
 
 
-def _local_error(q, k, v, mask, causal, layout, scale, group) -> str | None:
-    """What is wrong with this rank's input, or None (checked before the ranks agree)."""
-    for name, t, lay in (("q", q, "(B, H, T, D)"), ("k", k, "(B, Hkv, S, D)"), ("v", v, "(B, Hkv, S, Dv)")):
-        if not isinstance(t, Tensor):
-            return f"{name} must be a torch.Tensor {lay}; received {type(t).__name__}"
-        if t.dim() != 4:
-            return f"{name} must be 4-D {lay}; received shape {_shape(t)}"
-        if not t.is_floating_point():
-            return f"{name} must be floating point; received dtype {t.dtype}"
+def _check_local(q, k, v, mask, causal, layout, scale, group) -> None:
+    """Raise for what is wrong with this rank's input (the caller catches it, so that the
+    ranks agree before any raises): TypeError for a wrong type, ValueError for a wrong value."""
+    check_qkv(q, k, v)  # the checks `attend` makes, with its messages and exception classes
     B, H, T, D = q.shape
-    if k.shape[0] != B or v.shape[0] != B or k.shape[1] != v.shape[1] or k.shape[2] != v.shape[2]:
-        return f"q, k, v must be (B, H, T, D), (B, Hkv, S, D), (B, Hkv, S, Dv); received {_shape(q)}, " \
-               f"{_shape(k)}, {_shape(v)}"
-    if k.shape[3] != D:
-        return f"q and k must share the head dim D; received {_shape(q)} and {_shape(k)}"
-    Hkv = k.shape[1]
-    error = divisibility_error("query heads H", H, "key/value heads Hkv", Hkv)
-    if error is not None:
-        return error
-    if not q.dtype == k.dtype == v.dtype:
-        return f"q, k, v must share a dtype; received {q.dtype}, {k.dtype}, {v.dtype}"
-    if not q.device == k.device == v.device:
-        return f"q, k, v must be on one device; received {q.device}, {k.device}, {v.device}"
     error = check_device(group, q, "q")
     if error:
-        return error
+        raise ValueError(error)
     S = k.shape[2]
     if causal and S != T:
-        return f"causal ring attention needs this rank's keys to be the same shard as its queries " \
-               f"(S == T); received T = {T}, S = {S}"
+        raise ValueError(f"causal ring attention needs this rank's keys to be the same shard as its queries "
+                         f"(S == T); received T = {T}, S = {S}")
     if layout == "zigzag" and (T % 2 or S % 2):
         P = dist.get_world_size(group)
-        return f"layout 'zigzag' gives each rank 2 of 2P chunks, so the sequence length must be divisible " \
-               f"by 2P = {2 * P}; received a shard of T = {T} (S = {S}) tokens, global length {T * P}"
-    try:
-        check_positive_number("scale", scale, allow_none=True)
-    except (TypeError, ValueError) as err:  # a message, so every rank can agree before any raises
-        return str(err)
+        raise ValueError(f"layout 'zigzag' gives each rank 2 of 2P chunks, so the sequence length must be "
+                         f"divisible by 2P = {2 * P}; received a shard of T = {T} (S = {S}) tokens, global "
+                         f"length {T * P}")
+    check_positive_number("scale", scale, allow_none=True)
     if mask is not None:
         if not isinstance(mask, Tensor) or mask.dtype != torch.bool:
             got = type(mask).__name__ if not isinstance(mask, Tensor) else f"a {mask.dtype} tensor"
-            return f"mask must be a bool key-padding mask (B, S) of this rank's keys (True = may attend) " \
-                   f"or None; received {got}"
+            raise TypeError(f"mask must be a bool key-padding mask (B, S) of this rank's keys (True = may "
+                            f"attend) or None; received {got}")
         if mask.dim() == 4 and mask.shape[1:3] == (1, 1):
             mask = mask[:, 0, 0]
         if mask.dim() != 2 or mask.shape[1] != S or mask.shape[0] not in (1, B):
-            return f"mask must be (B, S) = ({B}, {S}) or (B, 1, 1, S): this rank's keys in the order of " \
-                   f"shard_sequence; received {_shape(mask)}"
+            raise ValueError(f"mask must be (B, S) = ({B}, {S}) or (B, 1, 1, S): this rank's keys in the order "
+                             f"of shard_sequence; received {_shape(mask)}")
         if mask.device != q.device:
-            return f"mask is on {mask.device} but q is on {q.device}"
-    return None
+            raise ValueError(f"mask is on {mask.device} but q is on {q.device}")
 
 
 def ring_attention(
@@ -394,18 +374,19 @@ def ring_attention(
     so the ranks' own agreement, one all_gather, is skipped.
     """
     group = resolve_group(group, "ring_attention")
+    error = None
     try:
         check_layout(layout)
-        error = _local_error(q, k, v, mask, causal, layout, scale, group)
-    except ValueError as e:
-        error = str(e)
+        _check_local(q, k, v, mask, causal, layout, scale, group)
+    except (TypeError, ValueError) as e:  # kept, so that every rank can agree before any raises
+        error = e
     shapes, scale_code = [0] * 8, 0
     if error is None:
         shapes = [*q.shape, k.shape[1], k.shape[2], v.shape[3], dtype_code(q.dtype)]
         scale_code = float_code(scale)
     if _agreed:  # the caller's ranks agreed on every shape already: an error here is on every rank
         if error:
-            raise ValueError(f"ring_attention: {error}")
+            raise type(error)(f"ring_attention: {error}") from error
     else:
         agree(group, "ring_attention", error, [*shapes, int(bool(causal)), layout_code(layout), mask is not None,
                                                scale_code],

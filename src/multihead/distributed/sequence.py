@@ -17,6 +17,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from multihead.checks import check_divisible, check_int
 from multihead.distributed._group import (
     GroupRef,
     agree_on,
@@ -36,10 +37,7 @@ _MAX_DIMS = 8  # of a tensor gather_sequence describes to the other ranks (a fix
 def _check_dim(x, dim) -> int:
     if not isinstance(x, Tensor):
         raise TypeError(f"x must be a torch.Tensor; received {type(x).__name__}")
-    if isinstance(dim, bool) or not isinstance(dim, int) or not -x.dim() <= dim < x.dim():
-        raise ValueError(f"dim must be an int in [{-x.dim()}, {x.dim() - 1}] for a {x.dim()}-D tensor; "
-                         f"received {dim!r}")
-    return dim % x.dim()
+    return check_int(f"dim of a {x.dim()}-D tensor", dim, minimum=-x.dim(), maximum=x.dim() - 1) % x.dim()
 
 
 def _local(x: Tensor, dim: int, rank: int, size: int, layout: str) -> Tensor:
@@ -102,9 +100,8 @@ def shard_sequence(x: Tensor, dim: int, layout: str = "contiguous", group=None) 
         error = check_device(group, x, "x")
         if error:
             raise ValueError(error)
-        if x.shape[d] % pieces:
-            raise ValueError(f"the length along dim {d} ({x.shape[d]}) must be divisible by {pieces} "
-                             f"({'2P, P' if layout == 'zigzag' else 'P'} = {size} ranks, layout {layout!r})")
+        check_divisible(f"the length along dim {d}", x.shape[d],
+                        "2P" if layout == "zigzag" else "the number of ranks P", pieces)
         return [d, x.dim(), x.shape[d], layout_code(layout)]
 
     dim = agree_on(group, "shard_sequence", check, 4, "(dim, ndim, length, layout)")[0]

@@ -20,6 +20,7 @@ from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from typing import TYPE_CHECKING
 
+from multihead.checks import check_int, check_nonnegative_int, check_positive_int
 from multihead.interop.loaded import LoadedModel
 from multihead.interop.loaders import MINILM, InspectError, TruncationWarning, load_model
 from multihead.model_state import kept_state
@@ -39,13 +40,12 @@ def select_indices(what: str, value, n: int) -> list[int]:
         return list(range(n))
     items = [value] if isinstance(value, int) and not isinstance(value, bool) else value
     if isinstance(items, (str, bytes)) or not isinstance(items, Sequence):
-        raise InspectError(f"{what}s must be an int or a list of ints; received {value!r}")
+        raise TypeError(f"{what}s must be an int or a list of ints; received {value!r}")
     if not items:
         raise InspectError(f"{what}s is empty; valid: 0..{n - 1}, or None for all {n}")
     out = []
     for i in items:
-        if isinstance(i, bool) or not isinstance(i, int):
-            raise InspectError(f"{what} indices must be ints; received {i!r}")
+        i = check_int(f"a {what} index", i)
         if not -n <= i < n:
             raise InspectError(f"{what} {i} is out of range; valid: 0..{n - 1} (the model has {n} {what}s)")
         out.append(i % n)
@@ -93,7 +93,7 @@ def capture(text: str, model=MINILM, layers=None, heads=None, max_tokens: int | 
     from multihead.inspect.capture_types import AttentionCapture
 
     if not isinstance(text, str):
-        raise InspectError(f"text must be a string; received {type(text).__name__}")
+        raise TypeError(f"text must be a string; received {type(text).__name__}")
     with model_for_run(model) as lm:
         layers = select_indices("layer", layers, lm.n_layers)
         heads = select_indices("head", heads, lm.n_heads)
@@ -113,9 +113,7 @@ def encode_text(lm: LoadedModel, text, max_tokens: int | None = None) -> tuple[l
     records. `text` is a string, or token ids (a list of ints or a 1-D tensor) taken as they
     are. Longer than the model's positions (or max_tokens): truncated, with a
     `TruncationWarning`, and `meta["truncated"]` says so."""
-    if max_tokens is not None and (isinstance(max_tokens, bool) or not isinstance(max_tokens, int)
-                                   or max_tokens < 1):
-        raise InspectError(f"max_tokens must be a positive int or None; received {max_tokens!r}")
+    max_tokens = check_positive_int("max_tokens", max_tokens, allow_none=True)
     limit = lm.max_positions
     if max_tokens is not None:
         limit = max_tokens if limit is None else min(limit, max_tokens)
@@ -148,15 +146,15 @@ def _token_ids(value) -> list[int]:
     if hasattr(value, "tolist") and hasattr(value, "dim"):
         if value.dim() == 2 and value.shape[0] == 1:
             value = value[0]
-        if value.dim() != 1 or value.is_floating_point() or value.is_complex():
-            raise InspectError(f"token ids must be a 1-D integer tensor (T,) or (1, T); received a "
-                               f"{tuple(value.shape)} {value.dtype} tensor")
+        wrong = f"token ids must be a 1-D integer tensor (T,) or (1, T); received a {tuple(value.shape)} " \
+                f"{value.dtype} tensor"
+        if value.is_floating_point() or value.is_complex():
+            raise TypeError(wrong)
+        if value.dim() != 1:
+            raise InspectError(wrong)
         value = value.tolist()
     if isinstance(value, (str, bytes)) or not isinstance(value, Sequence):
-        raise InspectError(f"text must be a string or a list of token ids; received {type(value).__name__}")
+        raise TypeError(f"text must be a string or a list of token ids; received {type(value).__name__}")
     if not value:
         raise InspectError("the token ids are empty; give at least one")
-    for i in value:
-        if isinstance(i, bool) or not isinstance(i, int) or i < 0:
-            raise InspectError(f"token ids must be non-negative ints; received {i!r}")
-    return list(value)
+    return [check_nonnegative_int("a token id", i) for i in value]

@@ -15,6 +15,7 @@ import string
 import torch
 from torch import Tensor
 
+from multihead.checks import check_int
 from multihead.inspect.capture_types import AttentionCapture, HeadRole
 from multihead.inspect.rowstats import RowSums, TextContext, duplicate_token_block, induction_block
 
@@ -332,8 +333,7 @@ def induction_scores(model="minilm", seq_len: int | None = None, seed: int = 0, 
             room = None if lm.max_positions is None else (lm.max_positions - extra) // 2
             seq_len = 50 if room is None else max(2, min(50, room))
         for name, v, lo in (("seq_len", seq_len, 2), ("batch", batch, 1)):
-            if isinstance(v, bool) or not isinstance(v, int) or v < lo:
-                raise InspectError(f"{name} must be an int >= {lo}; received {v!r}")
+            check_int(name, v, minimum=lo)
         gen = torch.Generator().manual_seed(int(seed))
         rows, offset = [], 0
         for _ in range(batch):

@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
+from multihead.checks import check_int
 from multihead.inspect.capture import encode_text, model_for_run, select_indices
 from multihead.inspect.rowstats import BEYOND, RowSums
 from multihead.kernels.common import acc_dtype, index, masked_scores, with_sinks
@@ -241,8 +242,7 @@ def _workers(device, blocks: int, workers: int | None) -> int:
     accelerator, whose ops are queued, not run, by the calling thread)."""
     if workers is None:
         workers = torch.get_num_threads() if torch.device(device).type == "cpu" else 1
-    if isinstance(workers, bool) or not isinstance(workers, int) or workers < 1:
-        raise ValueError(f"workers must be an int >= 1 or None; received {workers!r}")
+    workers = check_int("workers", workers, minimum=1, allow_none=True)  # the message says None is valid too
     return max(1, min(workers, blocks))
 
 
@@ -466,8 +466,7 @@ def _summarise(lm, text_or_ids, *, layers, heads, max_tokens, top_k, patterns, g
     layers = select_indices("layer", layers, lm.n_layers)
     heads = select_indices("head", heads, lm.n_heads)
     for name, value, lo in (("top_k", top_k, 0), ("grid", grid, 1), ("block_elements", block_elements, 1)):
-        if isinstance(value, bool) or not isinstance(value, int) or value < lo:
-            raise ValueError(f"{name} must be an int >= {lo}; received {value!r}")
+        check_int(name, value, minimum=lo)
     ids, meta = encode_text(lm, text_or_ids, max_tokens)
     T = len(ids)
     from multihead.inspect.roles import text_context

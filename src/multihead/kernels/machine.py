@@ -18,6 +18,8 @@ import threading
 from dataclasses import dataclass
 from pathlib import Path
 
+from multihead.checks import check_positive_int
+
 __all__ = ["MachinePlan", "machine_plan", "read_caches", "set_machine_plan"]
 
 CACHE_ROOT = Path("/sys/devices/system/cpu/cpu0/cache")
@@ -53,16 +55,11 @@ class MachinePlan:
 
     def __post_init__(self):
         for name in ("l2_bytes", "l3_bytes", "explicit_tile"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int):
-                raise TypeError(f"MachinePlan.{name} must be an int, got {type(value).__name__}")
-            if value <= 0:
-                raise ValueError(f"MachinePlan.{name} must be positive, got {value}")
+            check_positive_int(f"MachinePlan.{name}", getattr(self, name))
         for name, value in self.overrides:
             if name not in _CHOICES:
                 raise ValueError(f"MachinePlan override {name!r} is not a choice; valid: {', '.join(_CHOICES)}")
-            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-                raise ValueError(f"MachinePlan override {name}={value!r} must be a positive int")
+            check_positive_int(f"MachinePlan override {name}", value)
 
     @property
     def min_split_bytes(self) -> int:

@@ -59,7 +59,10 @@ def register_backend(
     sinks: bool = False,
 ) -> None:
     """Add a kernel to the registry (the signature is documented on `Backend`)."""
-    if not isinstance(name, str) or not name or name == "auto":
+    if not isinstance(name, str):
+        raise TypeError(f"backend name must be a non-empty string other than 'auto'; received {name!r} "
+                        f"({type(name).__name__})")
+    if not name or name == "auto":
         raise ValueError(f"backend name must be a non-empty string other than 'auto'; received {name!r}")
     if score_mods not in ("none", "additive", "any"):
         raise ValueError(f"score_mods must be 'none', 'additive' or 'any'; received {score_mods!r}")

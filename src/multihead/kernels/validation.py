@@ -9,13 +9,13 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
-from multihead.checks import check_divisible, check_positive_number, check_probability
+from multihead.checks import check_divisible, check_positive_number, check_probability, check_same_dtype_device
 from multihead.masks import MaskMod
 from multihead.score_mods import ScoreMod
 from multihead.score_mods import from_flex as _score_from_flex
 
-__all__ = ["check_inputs", "check_scale", "check_score_mod", "is_plain_call", "normalize_mask", "plain_scale",
-           "plain_shape", "shape_str", "weight_heads"]
+__all__ = ["check_inputs", "check_qkv", "check_scale", "check_score_mod", "is_plain_call", "normalize_mask",
+           "plain_scale", "plain_shape", "shape_str", "weight_heads"]
 
 
 def shape_str(t: Tensor) -> str:
@@ -78,6 +78,15 @@ def check_score_mod(score_mod, q: Tensor, k: Tensor) -> ScoreMod | None:
 def check_inputs(q, k, v, mask, scale, dropout_p) -> Tensor | MaskMod | None:
     """Validate user input; return the mask as None, a 4-D tensor or a checked predicate.
     `v` is None where no values are involved (`attention_weights`)."""
+    check_qkv(q, k, v)
+    check_probability("dropout_p", dropout_p)
+    return normalize_mask(mask, q, k)
+
+
+def check_qkv(q, k, v) -> None:
+    """q `(B, H, T, D)`, k `(B, Hkv, S, D)`, v `(B, Hkv, S, Dv)` (or None): floating tensors
+    of one dtype on one device, Hkv dividing H. Every engine that takes q, k, v (`attend`,
+    `ring_attention`) checks them here, so a mistake raises one exception with one message."""
     named = [("q", q, "(B, H, T, D)"), ("k", k, "(B, Hkv, S, D)")]
     if v is not None:
         named.append(("v", v, "(B, Hkv, S, Dv)"))
@@ -102,12 +111,9 @@ def check_inputs(q, k, v, mask, scale, dropout_p) -> Tensor | MaskMod | None:
         raise ValueError(f"q and k must have the same head dim D; received q {shape_str(q)}, k {shape_str(k)}")
     Hkv = k.shape[1]
     check_divisible("query heads H", H, "key/value heads Hkv", Hkv)
-    if not (q.dtype == k.dtype == v.dtype):
-        raise TypeError(f"q, k, v must share a dtype; received {q.dtype}, {k.dtype}, {v.dtype}")
-    if not (q.device == k.device == v.device):
-        raise ValueError(f"q, k, v must be on one device; received {q.device}, {k.device}, {v.device}")
-    check_probability("dropout_p", dropout_p)
-    return normalize_mask(mask, q, k)
+    # compared here first: the shared check builds its message, which a good call never needs
+    if not (q.dtype == k.dtype == v.dtype and q.device == k.device == v.device):
+        check_same_dtype_device(q=q, k=k, **({} if v is k else {"v": v}))
 
 
 def normalize_mask(mask, q: Tensor, k: Tensor) -> Tensor | None:

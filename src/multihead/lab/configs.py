@@ -15,7 +15,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from multihead.checks import divisors, variant_name
+from multihead.checks import check_divisible, check_kv_heads, check_nonnegative_int, check_positive_int, variant_name
 
 __all__ = ["HeadsConfig", "InductionConfig", "KVConfig", "MLAConfig", "VARIANTS", "scale_induction"]
 
@@ -91,8 +91,7 @@ class MLAConfig:
     def __post_init__(self):
         if not 0 < self.val_fraction < 1:
             raise ValueError(f"val_fraction must be in (0, 1); received {self.val_fraction}")
-        if self.d_model % self.n_heads:
-            raise ValueError(f"n_heads {self.n_heads} does not divide d_model {self.d_model}")
+        check_divisible("d_model", self.d_model, "n_heads", self.n_heads)
 
 
 @dataclass(frozen=True)
@@ -132,14 +131,13 @@ class InductionConfig:
         if self.seg_max >= self.vocab:
             raise ValueError(f"seg_max ({self.seg_max}) must be below vocab ({self.vocab}): segment tokens are "
                              "distinct, so each A has one B")
-        if self.head_dim is None and self.d_model % self.n_heads:
-            raise ValueError(f"n_heads {self.n_heads} does not divide d_model {self.d_model}")
+        if self.head_dim is None:
+            check_divisible("d_model", self.d_model, "n_heads", self.n_heads)
         if self.attention not in ("mha", "mla"):
             raise ValueError(f"attention must be 'mha' or 'mla'; received {self.attention!r}")
         if self.attention == "mla" and self.kv_rank is None:
             raise ValueError("attention='mla' needs kv_rank")
-        if self.n_kv_heads is not None and self.n_heads % self.n_kv_heads:
-            raise ValueError(f"n_kv_heads {self.n_kv_heads} does not divide n_heads {self.n_heads}")
+        check_kv_heads(self.n_heads, self.n_kv_heads)
         D = self.head_dim or self.d_model // self.n_heads
         if self.attention == "mha" and self.positions == "rope" and D % 2:
             raise ValueError(f"head_dim {D} is odd, and rotary positions turn pairs of dims; choose n_heads so that "
@@ -188,16 +186,14 @@ def scale_induction(*, variant: str | None = None, layers: int | None = None, d_
     H = base.n_heads if n_heads is None else n_heads
     for flag, v in (("--n-layers", L), ("--d-model", C), ("--n-heads", H), ("--n-kv-heads", n_kv_heads),
                     ("--kv-rank", kv_rank)):
-        if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
-            raise ValueError(f"{flag} must be a positive integer; received {v!r}")
-    if rope_dim is not None and (isinstance(rope_dim, bool) or not isinstance(rope_dim, int) or rope_dim < 0):
-        raise ValueError(f"--rope-dim must be an integer >= 0; received {rope_dim!r}")
+        if v is not None:
+            check_positive_int(flag, v)
+    if rope_dim is not None:
+        check_nonnegative_int("--rope-dim", rope_dim)
     if variant is not None and variant not in VARIANTS:
         raise ValueError(f"--variant must be one of {', '.join(VARIANTS)}; received {variant!r}")
     variant, n_kv_heads = _checked_variant(variant, H, n_kv_heads, kv_rank, rope_dim)
-    if C % H:
-        valid = [d for d in divisors(C) if d <= 4096]
-        raise ValueError(f"--n-heads ({H}) must divide --d-model ({C}); valid: {', '.join(map(str, valid[:24]))}")
+    check_divisible("--d-model", C, "--n-heads", H)
     D = C // H
     P = rope_dim or 0
     fields = dict(n_layers=L, d_model=C, n_heads=H, head_dim=D)
@@ -231,9 +227,7 @@ def _checked_variant(variant: str | None, H: int, n_kv_heads: int | None, kv_ran
             raise ValueError(f"--variant {variant} has {want} KV head{'s' if want > 1 else ''}; "
                              f"received --n-kv-heads {n_kv_heads}")
         n_kv_heads = want if n_kv_heads is None else n_kv_heads
-        if H % n_kv_heads:
-            raise ValueError(f"--n-kv-heads ({n_kv_heads}) must divide --n-heads ({H}); valid: "
-                             f"{', '.join(map(str, divisors(H)))}")
+        check_kv_heads(H, n_kv_heads, n_heads_name="--n-heads", n_kv_heads_name="--n-kv-heads")
         if variant == "gqa" and n_kv_heads in (1, H):
             raise ValueError(f"--variant gqa needs 1 < --n-kv-heads < --n-heads ({H}); received {n_kv_heads} "
                              f"(that is {'MQA' if n_kv_heads == 1 else 'MHA'})")

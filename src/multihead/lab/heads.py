@@ -23,6 +23,7 @@ from pathlib import Path
 import torch
 
 from multihead.checkpoint import Vocab, save_lab_checkpoint
+from multihead.checks import check_divisible
 from multihead.decoder import LabConfig, LabTransformer
 from multihead.lab.configs import HeadsConfig
 from multihead.lab.devices import resolve_device, seed_everything
@@ -72,8 +73,7 @@ def run_heads(cfg: HeadsConfig | None = None, out_dir: str | Path = "lab-heads",
     """Run the experiment; write results.json, loss.png and model/ to `out_dir`; return the results."""
     cfg = cfg or HeadsConfig()
     for h in cfg.head_counts:
-        if cfg.d_model % h:
-            raise ValueError(f"n_heads {h} does not divide d_model {cfg.d_model}")
+        check_divisible("d_model", cfg.d_model, "n_heads", h)
     dev = resolve_device(device)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import torch
 
-from multihead.checks import variant_name
+from multihead.checks import check_divisible, check_kv_heads, variant_name
 from multihead.lab.configs import KVConfig
 from multihead.lab.devices import resolve_device, seed_everything
 from multihead.lab.plots import draw_plots, pyplot, save_figure
@@ -34,8 +34,7 @@ def _variants(cfg: KVConfig):
 
     out = []
     for hkv in cfg.kv_heads:
-        if cfg.n_heads % hkv:
-            raise ValueError(f"kv_heads {hkv} does not divide n_heads {cfg.n_heads}")
+        check_kv_heads(cfg.n_heads, hkv, n_kv_heads_name="kv_heads")
         kind = variant_name(cfg.n_heads, hkv)
         name = kind if kind != "GQA" else f"GQA-{hkv}"
         out.append((name, kind, hkv, None,
@@ -55,8 +54,7 @@ def run_kv(cfg: KVConfig | None = None, out_dir: str | Path = "lab-kv", *, seed:
     from multihead import plan
 
     cfg = cfg or KVConfig()
-    if cfg.d_model % cfg.n_heads:
-        raise ValueError(f"n_heads {cfg.n_heads} does not divide d_model {cfg.d_model}")
+    check_divisible("d_model", cfg.d_model, "n_heads", cfg.n_heads)
     dev = resolve_device(device)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)

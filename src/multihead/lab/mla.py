@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 
 from multihead.checkpoint import Vocab, save_lab_checkpoint
-from multihead.checks import variant_name
+from multihead.checks import check_kv_heads, variant_name
 from multihead.corpus import KJV, load_corpus  # noqa: F401  (KJV: lab mla's --corpus default)
 from multihead.decoder import LabConfig, LabTransformer
 from multihead.lab.configs import MLAConfig
@@ -38,8 +38,7 @@ def _variants(cfg: MLAConfig) -> list[tuple[str, LabConfig]]:
     base = dict(d_model=cfg.d_model, n_layers=cfg.n_layers, n_heads=cfg.n_heads, mlp=True)
     out = [("MHA", base)]
     for hkv in cfg.kv_heads:
-        if cfg.n_heads % hkv:
-            raise ValueError(f"kv_heads {hkv} does not divide n_heads {cfg.n_heads}")
+        check_kv_heads(cfg.n_heads, hkv, n_kv_heads_name="kv_heads")
         if hkv == cfg.n_heads:
             continue
         kind = variant_name(cfg.n_heads, hkv)

@@ -267,6 +267,7 @@ def _load_source(cfg: UptrainConfig) -> tuple[LabTransformer, UptrainConfig, int
         original, run_seed, experiment = run["config"], run["seed"], run["experiment"]
     except (ValueError, KeyError, TypeError) as err:
         raise UsageError(f"--from {path}: {results} is not a lab results file ({err})") from None
+    # UsageError (a ValueError), not TypeError: a wrong type here is a bad results file, not a bad argument
     if not isinstance(original, dict):
         raise UsageError(f"--from {path}: {results} has config {_short(original)}; valid: the settings of the run "
                          "(an object)")

@@ -13,6 +13,8 @@ import argparse
 import math
 from dataclasses import dataclass
 
+from multihead.checks import check_divisible, check_int, check_positive_int, check_positive_number, divisors
+
 __all__ = ["UptrainConfig", "parse_fractions", "parse_inits", "parse_rope_dims"]
 
 _INITS = ("mean", "first", "random")
@@ -56,8 +58,7 @@ class UptrainConfig:
             raise ValueError(f"inits must be some of {', '.join(_INITS)}; received {','.join(self.inits)!r}")
         if self.positions not in ("learned", "rope"):
             raise ValueError(f"positions must be 'learned' or 'rope'; received {self.positions!r}")
-        if self.uptrain_lr is not None and not (math.isfinite(self.uptrain_lr) and self.uptrain_lr > 0):
-            raise ValueError(f"uptrain_lr must be a positive number; received {self.uptrain_lr!r}")
+        check_positive_number("uptrain_lr", self.uptrain_lr, allow_none=True)
         if any(not 0 <= f <= 1 for f in self.fractions) or 0.0 not in self.fractions:
             raise ValueError(f"fractions must lie in [0, 1] and include 0 (the conversion alone); "
                              f"received {', '.join(map(str, self.fractions))}")
@@ -66,15 +67,18 @@ class UptrainConfig:
         """The targets against the baseline's width and heads: kv_heads divide n_heads, ranks at
         most d_model, MLA rope dims within the head dim. With `from_checkpoint`, the baseline is
         that run's, so this runs once its settings are in (`--quick` gives no width then)."""
-        if self.d_model % self.n_heads:
-            raise ValueError(f"n_heads {self.n_heads} does not divide d_model {self.d_model}")
+        check_divisible("d_model", self.d_model, "n_heads", self.n_heads)
+        for h in self.kv_heads:
+            check_positive_int("n_kv_heads", h)
         bad = [h for h in self.kv_heads if self.n_heads % h or h == self.n_heads]
-        if bad:
-            valid = [d for d in range(1, self.n_heads) if self.n_heads % d == 0]
-            raise ValueError(f"n_kv_heads {bad[0]} is not a smaller divisor of n_heads {self.n_heads}; "
-                             f"valid: {', '.join(map(str, valid))}")
+        if bad:  # not check_kv_heads: n_heads itself is the MHA baseline, not a target
+            valid = [d for d in divisors(self.n_heads) if d < self.n_heads]
+            raise ValueError(f"n_heads ({self.n_heads}) must be divisible by n_kv_heads ({bad[0]}), a count below "
+                             f"n_heads; valid: {', '.join(map(str, valid))}")
         D = self.d_model // self.n_heads
-        if any(isinstance(p, bool) or not isinstance(p, int) or p < 0 or p % 2 or p > D for p in self.mla_rope_dims):
+        for p in self.mla_rope_dims:
+            check_int("mla_rope_dims", p)
+        if any(p < 0 or p % 2 or p > D for p in self.mla_rope_dims):
             raise ValueError(f"mla_rope_dims must be even ints in 0..{D} (the head dim); "
                              f"received {', '.join(map(str, self.mla_rope_dims))}")
         if any(r > self.d_model for r in self.ranks):

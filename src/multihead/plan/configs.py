@@ -13,6 +13,7 @@ from __future__ import annotations
 import os
 from collections.abc import Callable, Mapping
 
+from multihead.checks import divisibility_error
 from multihead.plan.geometry import (
     AttentionGeometry,
     FeedForward,
@@ -69,9 +70,9 @@ class _Fields:
     def head_dim(self, d_model: int, n_heads: int) -> int | None:
         """`head_dim` when the config sets it (None = d_model // n_heads)."""
         hd = self.int("head_dim", default=None, allow_none=True)
-        if hd is None and d_model % n_heads:
-            self._fail(f"hidden_size ({d_model}) is not divisible by num_attention_heads "
-                       f"({n_heads}) and there is no 'head_dim'")
+        error = None if hd is not None else divisibility_error("hidden_size", d_model, "num_attention_heads", n_heads)
+        if error is not None:
+            self._fail(f"{error}; the config sets no 'head_dim'")
         return hd
 
     def window_layers(self, n_layers: int) -> int | None:
@@ -156,8 +157,9 @@ def _llama_like(f: _Fields, *, qkv_bias: bool | None = None, o_bias: bool | None
     c = f.int("hidden_size")
     h = f.int("num_attention_heads")
     hkv = f.int("num_key_value_heads", default=h, allow_none=True) or h
-    if h % hkv:
-        f._fail(f"num_attention_heads ({h}) is not divisible by num_key_value_heads ({hkv})")
+    error = divisibility_error("num_attention_heads", h, "num_key_value_heads", hkv)
+    if error is not None:
+        f._fail(error)
     bias = f.bool("attention_bias", False) if qkv_bias is None else qkv_bias
     return ModelGeometry(
         attention=AttentionGeometry(c, h, hkv, head_dim=f.head_dim(c, h), bias=bias,
@@ -349,8 +351,9 @@ def _falcon(f: _Fields) -> ModelGeometry:
     else:
         hkv = f.int("num_kv_heads", default=h, allow_none=True) or h
         norms = 1 if f.bool("parallel_attn", True) else 2
-    if h % hkv:
-        f._fail(f"num_attention_heads ({h}) is not divisible by num_kv_heads ({hkv})")
+    error = divisibility_error("num_attention_heads", h, "num_kv_heads", hkv)
+    if error is not None:
+        f._fail(error)
     bias = f.bool("bias", False)
     d_ff = f.int("ffn_hidden_size", default=None, allow_none=True) or 4 * c
     return ModelGeometry(
@@ -463,6 +466,7 @@ def read_config(source, name: str | None = None) -> ModelGeometry:
         data = _load_json(source, label)
     else:
         raise TypeError(f"read_config takes a path or a dict; received {type(source).__name__}")
+    # ValueError, not TypeError, for the wrong JSON types below: the file is the bad value
     if not isinstance(data, Mapping):
         raise ValueError(f"{label} is not a model config: expected a JSON object, received "
                          f"a {type(data).__name__}")

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from multihead.checks import check_divisible, check_nonnegative_int, check_positive_int, variant_name
+from multihead.checks import check_kv_heads, check_nonnegative_int, check_positive_int, variant_name
 from multihead.plan.units import bytes_for
 
 # --- one attention block -----------------------------------------------------------
@@ -56,13 +56,10 @@ class AttentionGeometry:
 
     def __post_init__(self):
         check_positive_int("d_model", self.d_model)
-        check_positive_int("n_heads", self.n_heads)
-        check_positive_int("n_kv_heads", self.n_kv_heads, allow_none=True)
+        n_kv_heads = check_kv_heads(self.n_heads, self.n_kv_heads)
         check_positive_int("head_dim", self.head_dim, allow_none=True)
         check_positive_int("context_dim", self.context_dim, allow_none=True)
-        if self.n_kv_heads is None:
-            object.__setattr__(self, "n_kv_heads", self.n_heads)
-        check_divisible("n_heads", self.n_heads, "n_kv_heads", self.n_kv_heads)
+        object.__setattr__(self, "n_kv_heads", n_kv_heads)
         if self.head_dim is None:
             object.__setattr__(self, "head_dim", _floor_head_dim(self.d_model, self.n_heads))
 
@@ -220,6 +217,7 @@ def kv_cache_bytes(
     check_positive_int("batch", batch)
     per_token = geometry.kv_elements_per_token
     if decompressed:
+        # ValueError: the geometry is a valid argument; the option is what does not apply to it
         if not isinstance(geometry, LatentGeometry):
             raise ValueError(f"decompressed=True applies to MLA only; received a "
                              f"{geometry.kind} geometry")

@@ -12,7 +12,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field, replace
 
-from multihead.checks import check_positive_int, divisors
+from multihead.checks import check_divisible, check_positive_int, divisibility_error, divisors
 from multihead.plan.devices import DEVICES, RESERVE, Device, Fit, fit, max_batch, max_context
 from multihead.plan.geometry import (
     AttentionGeometry,
@@ -160,12 +160,10 @@ def _heads(req: Request, warnings: list[str]) -> tuple[int, int, int]:
             raise ValueError(f"when recommending, d_model must equal n_heads * head_dim; "
                              f"received d_model {c}, n_heads {h}, head_dim {d} (= {h * d})")
     elif h is not None:
-        if c % h:
-            raise ValueError(f"d_model ({c}) must be divisible by n_heads ({h}); valid "
-                             f"n_heads: {', '.join(map(str, divisors(c)[:12]))}, ...")
+        check_divisible("d_model", c, "n_heads", h)
         d = c // h
     elif d is not None:
-        if c % d:
+        if c % d:  # not check_divisible: the valid list is the usual head dims, not every divisor
             valid = ", ".join(str(x) for x in HEAD_DIMS if c % x == 0) or "a divisor of d_model"
             raise ValueError(f"d_model ({c}) must be divisible by head_dim ({d}); "
                              f"valid head_dim: {valid}")
@@ -307,9 +305,8 @@ def _valid_user_kv(req: Request, h: int, warnings: list[str]) -> tuple[int | Non
     fixed = max(k for k in valid if k <= user_kv)
     why = (f"KV heads must divide the {h} query heads" if user_kv <= h
            else f"there are only {h} query heads")
-    warnings.append(
-        f"n_kv_heads {user_kv} does not divide n_heads {h} (every KV head must serve the "
-        f"same number of query heads); valid: {', '.join(map(str, valid))}; using {fixed}")
+    warnings.append(f"{divisibility_error('n_heads', h, 'n_kv_heads', user_kv)}; using {fixed} (every KV head "
+                    f"serves the same number of query heads)")
     return fixed, f"{fixed} KV heads, not {user_kv}: {why}"
 
 
