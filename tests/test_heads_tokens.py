@@ -94,6 +94,34 @@ def test_induction_refuses_ids_that_are_not_token_ids():
         tasks.induction(2, 3, vocab=10, seed=1.5)
 
 
+def test_induction_takes_numpy_ints_ranges_and_sets_as_ids():
+    """NumPy integers are token ids (bos, vocab); a range, a set or an array of ids is a vocab,
+    not a tokenizer; NumPy floats and bools are refused as Python's are."""
+    import numpy as np
+
+    from multihead.heads import tasks
+
+    task = tasks.induction(3, 4, vocab=np.int64(10), bos=np.int64(2), seed=1)
+    assert (task.clean[:, 0] == 2).all() and task.clean[:, 1:].max() < 10
+    for vocab in (range(5, 10), {5, 6, 7, 8, 9}, np.arange(5, 10), torch.arange(5, 10)):
+        drawn = tasks.induction(3, 4, vocab=vocab, bos=None, seed=1).clean
+        assert set(drawn.flatten().tolist()) <= set(range(5, 10)), vocab
+    with pytest.raises(TypeError, match="integers; received 1.5"):
+        tasks.induction(2, 3, vocab=np.array([1.5, 2.5]))
+    with pytest.raises(TypeError, match="bos must be a token id"):
+        tasks.induction(2, 3, vocab=10, bos=np.bool_(True))
+    with pytest.raises(ValueError, match=r"bos must be a token id \(0 to 9\)"):
+        tasks.induction(2, 3, vocab=np.int64(10), bos=np.int64(10))
+
+
+def test_prefix_names_what_is_no_tokenizer():
+    from multihead.heads.tokens import prefix
+
+    for bad in (None, "gpt2"):
+        with pytest.raises(TypeError, match=f"prefix reads a Hugging Face tokenizer; received {type(bad).__name__}"):
+            prefix(bad)
+
+
 def test_seed_none_is_a_fresh_draw_in_both_tasks():
     from multihead.heads import tasks
 

@@ -9,6 +9,7 @@ Details: docs/heads.md, "The tasks: IOI, induction, verse retrieval".
 
 from __future__ import annotations
 
+import operator
 from dataclasses import dataclass
 from functools import cached_property
 
@@ -404,20 +405,22 @@ def _induction_pool(vocab) -> tuple[Tensor, object]:
 
     if isinstance(vocab, bool):
         raise TypeError("vocab must be an int, a list or tensor of ids, or a tokenizer; received bool")
-    if isinstance(vocab, int):
+    if _is_integer(vocab):
         if vocab < 2:
             raise ValueError(f"vocab must be >= 2 tokens; received {vocab}")
-        return torch.arange(vocab), None
-    if isinstance(vocab, (list, tuple, Tensor)):
+        return torch.arange(operator.index(vocab)), None
+    if type(vocab).__module__ == "numpy":  # an array of ids: its items as Python numbers
+        vocab = vocab.ravel().tolist()
+    if isinstance(vocab, (list, tuple, range, set, frozenset, Tensor)):
         items = vocab.flatten().tolist() if isinstance(vocab, Tensor) else list(vocab)
-        bad = next((x for x in items if isinstance(x, bool) or not isinstance(x, int)), None)
+        bad = next((x for x in items if not _is_integer(x)), None)
         if bad is not None or (isinstance(vocab, Tensor) and (vocab.is_floating_point() or vocab.is_complex()
                                                                or vocab.dtype == torch.bool)):
             raise TypeError(f"vocab's ids must be integers; received {bad!r} ({type(bad).__name__})"
                             if bad is not None else f"vocab's ids must be integers; received a {vocab.dtype} tensor")
         if any(x < 0 for x in items):
             raise ValueError(f"vocab's ids must be >= 0; received {min(items)}")
-        pool = torch.tensor(items, dtype=torch.long).unique()
+        pool = torch.tensor([operator.index(x) for x in items], dtype=torch.long).unique()
     else:
         tok = _tokenizer_of(vocab)
         special = set(getattr(tok, "all_special_ids", ()))
@@ -431,15 +434,27 @@ def _induction_pool(vocab) -> tuple[Tensor, object]:
     return pool, None
 
 
+def _is_integer(x) -> bool:
+    """An int or a NumPy integer (what `operator.index` takes), never a bool or a float."""
+    if isinstance(x, bool) or type(x).__name__ == "bool_":
+        return False
+    try:
+        operator.index(x)
+    except TypeError:
+        return False
+    return True
+
+
 def _induction_prefix(bos, tok, vocab) -> list[int]:
     """The ids before every sequence: the tokenizer's own for "auto", else `bos` checked."""
     if isinstance(bos, str) and bos == "auto":
         return prefix(tok) if tok is not None else []
     if bos is None:
         return []
-    if isinstance(bos, bool) or not isinstance(bos, int):
+    if not _is_integer(bos):
         raise TypeError(f"bos must be a token id (an int), None or 'auto'; received {bos!r}")
-    size = vocab if isinstance(vocab, int) else len(tok) if tok is not None else None
+    bos = operator.index(bos)
+    size = operator.index(vocab) if _is_integer(vocab) else len(tok) if tok is not None else None
     if bos < 0 or (size is not None and bos >= size):
         valid = f"0 to {size - 1}" if size is not None else ">= 0"
         raise ValueError(f"bos must be a token id ({valid}); received {bos}")

@@ -25,6 +25,8 @@ def prefix(tokenizer) -> list[int]:
     """The ids `tokenizer` puts before every text by default (Gemma's `<bos>`; none for
     SmolLM2 or GPT-2), read from the tokenizer itself rather than from `bos_token_id`,
     which many tokenizers define without adding it."""
+    if not callable(tokenizer) or not hasattr(tokenizer, "convert_ids_to_tokens"):
+        raise TypeError(f"prefix reads a Hugging Face tokenizer; received {type(tokenizer).__name__}")
     full = list(tokenizer(_PROBE)["input_ids"])
     body = pieces(tokenizer, _PROBE)
     for k in range(len(full) - len(body) + 1):
