@@ -106,25 +106,30 @@ def test_one_model_help():
     texts = {}
     for path, action in _model_actions():
         texts.setdefault(action.help, []).append(" ".join(path))
-    # circuit (transformers decoders only) and lab uptrain (a model to convert) load fewer kinds
-    own = {("heads", "circuit"), ("lab", "uptrain")}
+    # lab uptrain (a model to convert) loads fewer kinds
+    own = {("lab", "uptrain")}
     shared = {p for p, a in _model_actions() if p not in own}
     assert len(shared) >= 6, shared  # inspect and the five heads commands that load any model
     for path, action in _model_actions():
         if path in own:
             continue
-        assert action.help in (cli_args.model_help(action.default), cli_args.model_help(action.default, True)), path
+        shared_texts = {cli_args.model_help(action.default, decoder, lab) for decoder in (False, True)
+                        for lab in (False, True)}
+        assert action.help in shared_texts, path
         assert action.default in action.help
     for word in ("minilm", "smollm2", "gemma3", ".gguf", "folder", "`multihead lab` checkpoint"):
         assert word in cli_args.model_help("minilm"), word
     assert "minilm" not in cli_args.model_help("smollm2", decoder=True)
+    # a command that needs a transformers model does not offer a lab checkpoint
+    assert "lab" not in cli_args.model_help("smollm2", decoder=True, lab=False)
+    assert cli_args.model_help("smollm2", decoder=True, lab=False).startswith("a transformers decoder")
 
 
 def test_shared_flags_mean_the_same_everywhere():
     seen = {"--seed": 0, "--json": 0, "--out": 0}
     for path, parser in LEAVES.items():
         for action in parser._actions:
-            if "--seed" in action.option_strings and path != ("heads", "circuit"):  # its own int, for now
+            if "--seed" in action.option_strings:
                 seen["--seed"] += 1
                 assert action.type is cli_args.seed and action.default == 0, path
             if "--json" in action.option_strings:

@@ -20,6 +20,7 @@ import html
 import json
 import time
 
+from multihead.cli_args import add_json, add_model, add_seed
 from multihead.errors import UsageError
 from multihead.files import atomic_path, output_file, write_text
 
@@ -35,21 +36,18 @@ def add_circuit_arguments(subparsers) -> argparse.ArgumentParser:
         description=__doc__.split("\n\n")[1].replace("\n", " "),
         epilog="examples:" + __doc__.split("examples:")[1], formatter_class=argparse.RawDescriptionHelpFormatter,
         allow_abbrev=False)
-    p.add_argument("--model", default="smollm2",
-                   help="a transformers decoder LM: smollm2 (the bundled SmolLM2-135M-Instruct; default), gemma3 "
-                        "(Gemma 3 270M, if installed), a .gguf file or a local Hugging Face causal LM folder (Llama, "
-                        "Mistral, Qwen2, Qwen3, GPT-2, Gemma 2/3)")
+    add_model(p, "smollm2", decoder=True, lab=False)
     p.add_argument("--task", choices=["ioi"], default="ioi",
                    help="ioi: indirect-object pairs of Wang et al. (2022), metric logit(IO) - logit(S) (default)")
     p.add_argument("--n", type=int, default=N_PAIRS, help=f"prompt pairs (default {N_PAIRS})")
-    p.add_argument("--seed", type=int, default=0, help="the draw of prompts (default 0)")
+    add_seed(p, "the draw of prompts (default 0)")
     p.add_argument("--method", choices=["eap", "eap-ig"], default="eap-ig", help="edge scores (default eap-ig)")
     p.add_argument("--steps", type=int, default=5, help="--method eap-ig: interpolation steps (default 5)")
     p.add_argument("--top", type=int, default=TOP, help=f"how many top edges to list (default {TOP})")
     p.add_argument("--edges", type=int, default=DRAWN, help=f"edges in the drawn circuit (default {DRAWN})")
     p.add_argument("--png", metavar="PATH", help="write the circuit (nodes by layer) and the curve as a PNG")
     p.add_argument("--html", metavar="PATH", help="write the circuit and the curve as a self-contained HTML page")
-    p.add_argument("--json", action="store_true", help="print JSON instead of text")
+    add_json(p)
     return p
 
 
