@@ -66,19 +66,25 @@ def circuit_result(args) -> dict:
     from multihead import heads
     from multihead.heads import tasks
     from multihead.heads.edge_graph import edge_name
+    from multihead.interop.loaded import ModelError
     from multihead.interop.loaders import load_model
 
     _check(args)
     loaded = load_model(args.model)
-    if not hasattr(loaded, "tokenizer") or not getattr(loaded, "is_causal_lm", False):
-        raise UsageError(f"heads circuit reads next-token logits; --model {args.model} is not a transformers causal "
+    refusal = UsageError(f"heads circuit reads next-token logits; --model {args.model} is not a transformers causal "
                          "LM (use --model smollm2, the default)")
+    if loaded.why_not_lm() is not None:
+        raise refusal
+    try:  # IOI's names need a word-level tokenizer (a lab checkpoint's has none)
+        tokenizer = loaded.word_tokenizer("heads circuit")
+    except ModelError:
+        raise refusal from None
     try:
         heads.edges(loaded.model)
     except (TypeError, ValueError) as err:
         raise UsageError(f"--model {args.model}: {err}") from None
     try:
-        task = tasks.ioi(args.n, seed=args.seed, tokenizer=loaded.tokenizer)
+        task = tasks.ioi(args.n, seed=args.seed, tokenizer=tokenizer)
     except ValueError as err:
         raise UsageError(f"--task ioi on this model: {err}") from None
     t0 = time.perf_counter()

@@ -167,23 +167,19 @@ def _load(spec: str, fresh: bool = False):
     from multihead.interop.loaders import load_model  # it sets the hub offline for the load only
 
     loaded = load_model(spec, fresh=fresh)
-    model = loaded.model
-    if hasattr(loaded, "tokenizer"):
-        return loaded, model, "hf"
-    return loaded, model, "lab"
+    return loaded, loaded.model
 
 
 def _language_model(spec: str, command: str):
     """A loaded decoder LM, or a one-line refusal that says why and what to use instead."""
-    loaded, model, kind = _load(spec)
-    if kind == "hf" and not loaded.is_causal_lm:
+    loaded, model = _load(spec)
+    why = loaded.why_not_lm()
+    if why is not None:
         name = getattr(loaded, "name", spec)
-        why = ("has no language-model head" if not loaded.has_lm_head else
-               "is an encoder-decoder" if loaded.encoder_decoder else "is a bidirectional encoder")
         raise UsageError(f"heads {command} reads next-token logits, and --model {name} ({type(model).__name__}) "
                          f"{why}, so there are none to read; use a decoder LM (--model smollm2, the default), or "
                          "`multihead heads importance`, whose verse-half retrieval task is made for encoders")
-    return loaded, model, kind
+    return loaded, model
 
 
 def _logits(out):
@@ -206,17 +202,11 @@ def _run(model, inputs):
         return _logits(model(**inputs) if isinstance(inputs, Mapping) else model(inputs))
 
 
-def _encode(loaded, kind: str, flag: str, text: str):
-    import torch
-
+def _encode(loaded, flag: str, text: str):
     if not text.strip():
         raise UsageError(f"{flag} is empty; give a text")
-    if kind == "hf":
-        enc = loaded.tokenizer(text, return_tensors="pt")
-        n = enc["input_ids"].shape[1]
-    else:
-        enc = torch.tensor([loaded.encode(text)])
-        n = enc.shape[1]
+    enc = loaded.inputs(text)
+    n = loaded.input_ids(enc).shape[1]
     if n == 0:
         raise UsageError(f"{flag} {text!r} is no tokens for this model's tokenizer; give a text")
     limit = getattr(loaded, "max_positions", None)
@@ -231,21 +221,9 @@ def _as_ids(ids: list[int]):
     return torch.tensor(ids)
 
 
-def _last_real(loaded, kind: str, inputs) -> int:
-    """The last position that is not a special token ([SEP], </s>): where the answer is read."""
-    if kind != "hf":
-        return inputs.shape[1] - 1
-    ids = inputs["input_ids"][0].tolist()
-    special = set(getattr(loaded.tokenizer, "all_special_ids", ()))
-    real = [i for i, t in enumerate(ids) if t not in special]
-    return real[-1] if real else len(ids) - 1
-
-
-def _first_difference(loaded, kind: str, a: list[int], b: list[int]) -> str:
+def _first_difference(loaded, a: list[int], b: list[int]) -> str:
     k = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
-    if kind != "hf":
-        return f"they part at token {k}"
-    show = loaded.tokenizer.convert_ids_to_tokens
+    show = loaded.tokens
     if k == min(len(a), len(b)):
         longer = "--clean" if len(a) > len(b) else "--corrupted"
         return f"{longer} goes on after token {k - 1} with {show((a if len(a) > len(b) else b)[k:k + 3])}"
@@ -261,29 +239,27 @@ def _check_count(flag: str, value: int, low: int) -> None:
         raise UsageError(f"{flag} must be between {low} and {MAX_COUNT:,}; received {shown}")
 
 
-def _check_length(loaded, kind: str, length: int, limit: int | None) -> None:
+def _check_length(loaded, length: int, limit: int | None) -> None:
     """--length L makes 2L tokens after the tokenizer's prefix (Gemma's <bos>): within the positions."""
-    from multihead.heads.tokens import prefix
-
-    start = len(prefix(loaded.tokenizer)) if kind == "hf" else 0
+    start = len(loaded.prefix_ids())
     if limit and 2 * length + start > limit:
         raise UsageError(f"--length {length} makes sequences of {2 * length + start} tokens and this model takes "
                          f"at most {limit} positions; give --length <= {(limit - start) // 2}")
 
 
-def _one_pair(loaded, model, kind: str, args):
+def _one_pair(loaded, model, args):
     """(clean, corrupted, reference, metric, description) of --clean/--corrupted/--answer/--wrong."""
     missing = [f"--{k}" for k in ("clean", "corrupted", "answer", "wrong") if getattr(args, k) is None]
     if missing:
         raise UsageError(f"heads scan needs --task ioi|induction, or one pair: --clean, --corrupted, --answer and "
                          f"--wrong (missing: {', '.join(missing)})")
-    clean = _encode(loaded, kind, "--clean", args.clean)
-    corrupted = _encode(loaded, kind, "--corrupted", args.corrupted)
-    ids_a = (clean["input_ids"] if kind == "hf" else clean)[0].tolist()
-    ids_b = (corrupted["input_ids"] if kind == "hf" else corrupted)[0].tolist()
+    clean = _encode(loaded, "--clean", args.clean)
+    corrupted = _encode(loaded, "--corrupted", args.corrupted)
+    ids_a = loaded.input_ids(clean)[0].tolist()
+    ids_b = loaded.input_ids(corrupted)[0].tolist()
     if len(ids_a) != len(ids_b):
         raise UsageError(f"--clean is {len(ids_a)} tokens and --corrupted {len(ids_b)} tokens; patching needs the "
-                         f"same number of tokens ({_first_difference(loaded, kind, ids_a, ids_b)}; change words for "
+                         f"same number of tokens ({_first_difference(loaded, ids_a, ids_b)}; change words for "
                          "words of as many tokens)")
     ans, ans_piece = token_after(loaded, "--answer", args.clean, args.answer)
     wrong, wrong_piece = token_after(loaded, "--wrong", args.clean, args.wrong)
@@ -291,7 +267,7 @@ def _one_pair(loaded, model, kind: str, args):
     if ans == wrong:
         raise UsageError(f"--answer {args.answer!r} and --wrong {args.wrong!r} are the same token "
                          f"({ans_piece!r}); the metric would be 0")
-    pos = _last_real(loaded, kind, clean)
+    pos = loaded.last_real_position(ids_a)
 
     def metric(x):
         return (x[:, pos, ans] - x[:, pos, wrong]).mean()
@@ -302,18 +278,16 @@ def _one_pair(loaded, model, kind: str, args):
     return clean, corrupted, corrupted, metric, info
 
 
-def _task_inputs(loaded, model, kind: str, args):
+def _task_inputs(loaded, model, args):
     """(clean, corrupted, reference, metric, description) of --task."""
     from multihead.heads import tasks
 
     _check_count("--n", args.n, 1)
     limit = getattr(loaded, "max_positions", None)
     if args.task == "ioi":
-        if kind != "hf":
-            raise UsageError("--task ioi needs a model with a word-level tokenizer (a Hugging Face LM such as "
-                             "--model smollm2); a lab model's vocabulary has no names")
+        tokenizer = loaded.word_tokenizer("--task ioi")
         try:
-            task = tasks.ioi(args.n, seed=args.seed, tokenizer=loaded.tokenizer)
+            task = tasks.ioi(args.n, seed=args.seed, tokenizer=tokenizer)
         except ValueError as err:
             raise UsageError(f"--task ioi on this model: {err}") from None
         info = {"task": "ioi", "n": len(task), "answer": "IO", "wrong": "S", "position": task.position.tolist(),
@@ -326,9 +300,8 @@ def _task_inputs(loaded, model, kind: str, args):
                              f"at most {limit} positions")
         return task.clean, task.corrupted, task.reference, task.metric, info
     _check_count("--length", args.length, 2)
-    _check_length(loaded, kind, args.length, limit)
-    task = tasks.induction(args.n, args.length, seed=args.seed,
-                           vocab=loaded.tokenizer if kind == "hf" else len(loaded.vocab))
+    _check_length(loaded, args.length, limit)
+    task = tasks.induction(args.n, args.length, seed=args.seed, vocab=loaded.token_source)
     info = {"task": "induction", "n": len(task), "length": args.length, "answer": None, "wrong": None,
             "position": None, "metric": f"loss (nats) on the repeated half of {args.length} + {args.length} "
                                         "random tokens (lower is better)",
@@ -384,11 +357,11 @@ def _scan(args) -> dict:
         _check_count("--n", args.n, 1)
         if args.task == "induction":
             _check_count("--length", args.length, 2)
-    loaded, model, kind = _language_model(args.model, "scan")
+    loaded, model = _language_model(args.model, "scan")
     if args.task is None:
-        clean, corrupted, reference, metric, info = _one_pair(loaded, model, kind, args)
+        clean, corrupted, reference, metric, info = _one_pair(loaded, model, args)
     else:
-        clean, corrupted, reference, metric, info = _task_inputs(loaded, model, kind, args)
+        clean, corrupted, reference, metric, info = _task_inputs(loaded, model, args)
     check_fit(model, clean, corrupted, reference)
     m_clean, m_corr = float(metric(_run(model, clean))), float(metric(_run(model, corrupted)))
     t0 = time.perf_counter()
@@ -428,11 +401,10 @@ def induction_study(args) -> dict:
 
     _check_count("--n", args.n, 1)
     _check_count("--length", args.length, 2)
-    loaded, model, kind = _language_model(args.model, "induction")
+    loaded, model = _language_model(args.model, "induction")
     limit = getattr(loaded, "max_positions", None)
-    _check_length(loaded, kind, args.length, limit)
-    task = tasks.induction(args.n, args.length, seed=args.seed,
-                           vocab=loaded.tokenizer if kind == "hf" else len(loaded.vocab))
+    _check_length(loaded, args.length, limit)
+    task = tasks.induction(args.n, args.length, seed=args.seed, vocab=loaded.token_source)
     check_fit(model, task.clean, task.corrupted, task.reference)
     t0 = time.perf_counter()
     rec = heads.record(model, task.clean, what=("pattern",))
@@ -474,8 +446,7 @@ def induction_study(args) -> dict:
                 - loss_repeated, "previous_token_score": previous[c[0]][c[1]],
                 "induction_score": induction[c[0]][c[1]]} for d, c in raised]
     return {"model": getattr(loaded, "name", args.model), "n": args.n, "length": L, "seed": args.seed,
-            "bos": None, "tokens": "uniform over the tokenizer's ordinary tokens" if kind == "hf" else
-            "uniform over the vocabulary",
+            "bos": None, "tokens": loaded.random_tokens,
             "loss_first_half": loss_first, "loss_repeated_half": loss_repeated,
             "loss_repeated_half_after_other_tokens": loss_unrepeated,
             "induction_score": [[round(x, 6) for x in row] for row in induction],
@@ -566,7 +537,7 @@ def _print_scan(r: dict) -> None:
                   f"({', '.join(f'{v:.3f}' for v in row['random'])})")
 
 
-def _task(loaded, model, kind: str, args):
+def _task(loaded, model, args):
     """(batches, loss(model, batch), score(model) -> float, what the score is)."""
     import torch
 
@@ -579,24 +550,22 @@ def _task(loaded, model, kind: str, args):
             raise UsageError("--text is empty; give a sentence")
     else:
         texts = tasks.kjv_verses(n + HELD_OUT, path=args.corpus, stride=STRIDE)
-    if kind == "hf" and not getattr(loaded, "causal", False):
+    if not getattr(loaded, "causal", False):
         if len(texts) < 2:
             raise UsageError("the retrieval task needs at least 2 texts")
         train, held = (texts[:n], texts[n:n + HELD_OUT]) if len(texts) > n + 8 else (texts, texts)
         batches = [train[i:i + args.batch_size] for i in range(0, len(train), args.batch_size)]
         batches = [b for b in batches if len(b) >= 2]
-        tok = loaded.tokenizer
+        tok = loaded.word_tokenizer("the retrieval task")
         return (batches, lambda m, b: tasks.contrastive_loss(m, tok, b),
                 lambda m: tasks.retrieval_accuracy(m, tok, held), "verse-half retrieval top-1 accuracy")
-    encode = (lambda t: loaded.tokenizer(t, return_tensors="pt")["input_ids"]) if kind == "hf" else \
-        (lambda t: torch.tensor([loaded.encode(t)]))
-    seqs = [encode(t) for t in texts]
+    seqs = [loaded.input_ids(loaded.inputs(t)) for t in texts]
     limit = getattr(loaded, "max_positions", None) or 512
     seqs = [s[:, :limit] for s in seqs if s.shape[1] >= 2]
     train, held = (seqs[:n], seqs[n:n + HELD_OUT]) if len(seqs) > n + 8 else (seqs, seqs)
 
     def run(m, ids):
-        return tasks.logits(m, m(input_ids=ids) if kind == "hf" else m(ids))
+        return tasks.logits(m, m(ids))
 
     def score(m):
         with torch.no_grad():
@@ -613,13 +582,13 @@ def _importance(args) -> dict:
     if args.batches < 1 or args.batch_size < 2:
         raise UsageError(f"--batches must be >= 1 and --batch-size >= 2; received {args.batches} and "
                          f"{args.batch_size}")
-    loaded, model, kind = _load(args.model)
-    if args.prune_curve and _grouped_decoder(loaded, model, kind):
+    loaded, model = _load(args.model)
+    if args.prune_curve and _grouped_decoder(loaded, model):
         return _lm_curve(args, loaded, model)
     if args.out:
         raise UsageError("--out writes the perplexity pruning curve of a grouped-query decoder (--model smollm2 "
                          "--prune-curve); for this model use --png and --json")
-    batches, loss, score, what = _task(loaded, model, kind, args)
+    batches, loss, score, what = _task(loaded, model, args)
     imp = heads.importance(model, batches, loss)
     result = {"model": getattr(loaded, "name", args.model), "task": what,
               "importance": [[round(x, 6) for x in row.tolist()] for row in imp]}
@@ -628,13 +597,14 @@ def _importance(args) -> dict:
     return result
 
 
-def _grouped_decoder(loaded, model, kind: str) -> bool:
-    """A transformers causal LM with q/k/v/o projections and a head_dim: the perplexity curve's models."""
+def _grouped_decoder(loaded, model) -> bool:
+    """A transformers causal LM (its config) with q/k/v/o projections and a head_dim: the
+    perplexity curve's models."""
     from multihead.heads._prune import hf_attention_modules
 
     cfg = getattr(model, "config", None)
-    return (kind == "hf" and bool(getattr(loaded, "is_causal_lm", False)) and bool(hf_attention_modules(model))
-            and isinstance(getattr(cfg, "head_dim", None), int))
+    return (cfg is not None and loaded.why_not_lm() is None and isinstance(getattr(cfg, "head_dim", None), int)
+            and bool(hf_attention_modules(model)))
 
 
 def _lm_curve(args, loaded, model) -> dict:
@@ -833,8 +803,8 @@ def _prune(args) -> dict:
         raise UsageError("--at picks a point of --curve FILE; give --curve too")
     out, _ = _prune_target(args)
     # a copy of its own: the session's cached model (another run, another tool) stays whole
-    loaded, model, kind = _load(args.model, fresh=True)
-    if kind != "hf":
+    loaded, model = _load(args.model, fresh=True)
+    if not hasattr(model, "save_pretrained"):
         raise UsageError("prune --out saves transformers models; a lab checkpoint's heads can be pruned in Python "
                          "with multihead.heads.prune(model, heads)")
     before = sum(p.numel() for p in model.parameters())

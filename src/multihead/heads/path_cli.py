@@ -79,22 +79,19 @@ def _load(spec: str):
     from multihead.interop.loaders import load_model  # it sets the hub offline for the load only
 
     loaded = load_model(spec)
-    hf = hasattr(loaded, "tokenizer")
-    if hf and not loaded.is_causal_lm:
+    if loaded.why_not_lm() is not None:
         raise UsageError(f"heads path reads next-token logits, and --model {getattr(loaded, 'name', spec)} "
                          f"({type(loaded.model).__name__}) is not a causal language model; use a decoder LM "
                          "(--model smollm2, the default)")
-    return loaded, hf
+    return loaded
 
 
 def token_after(loaded, flag: str, text: str, token: str) -> tuple[int, str]:
     """The id and piece of `token` as the model would write it after `text`
-    (`multihead.heads.tokens.next_token`, for `heads scan` and `heads path` alike); UsageError
-    unless it is one known token."""
-    from multihead.heads.tokens import next_token
-
+    (`LoadedModel.token_after`, for `heads scan` and `heads path` alike); UsageError unless it
+    is one known token."""
     try:
-        return next_token(loaded, flag, text, token)
+        return loaded.token_after(text, token, flag)
     except ValueError as err:
         raise UsageError(str(err)) from None
 
@@ -110,7 +107,7 @@ def check_fit(model, *inputs) -> None:
         raise UsageError(f"--model: {err}") from None
 
 
-def _one_pair(loaded, hf: bool, args):
+def _one_pair(loaded, args):
     import torch
 
     from multihead.heads.metrics import AtPositions
@@ -123,8 +120,8 @@ def _one_pair(loaded, hf: bool, args):
     for flag, text in (("--clean", args.clean), ("--corrupted", args.corrupted)):
         if not text.strip():
             raise UsageError(f"{flag} is empty; give a text")
-        enc[flag] = loaded.tokenizer(text, return_tensors="pt") if hf else torch.tensor([loaded.encode(text)])
-    ids = [(e["input_ids"] if hf else e)[0].tolist() for e in enc.values()]
+        enc[flag] = loaded.inputs(text)
+    ids = [loaded.input_ids(e)[0].tolist() for e in enc.values()]
     if len(ids[0]) != len(ids[1]):
         raise UsageError(f"--clean is {len(ids[0])} tokens and --corrupted {len(ids[1])} tokens; path patching "
                          "needs the same number (change words for words of as many tokens)")
@@ -143,17 +140,15 @@ def _one_pair(loaded, hf: bool, args):
     return enc["--clean"], enc["--corrupted"], metric, info
 
 
-def _ioi(loaded, hf: bool, args):
+def _ioi(loaded, args):
     from multihead.heads import tasks
 
-    if not hf:
-        raise UsageError("--task ioi needs a model with a word-level tokenizer (a Hugging Face LM such as --model "
-                         "smollm2); a lab model's vocabulary has no names")
+    tokenizer = loaded.word_tokenizer("--task ioi")
     if not 1 <= args.n <= 100_000:  # beyond it the run would not end
         shown = args.n if len(str(args.n)) <= 20 else f"{str(args.n)[:12]}... ({len(str(args.n))} digits)"
         raise UsageError(f"--n must be between 1 and 100,000; received {shown}")
     try:
-        task = tasks.ioi(args.n, seed=args.seed, tokenizer=loaded.tokenizer)
+        task = tasks.ioi(args.n, seed=args.seed, tokenizer=tokenizer)
     except ValueError as err:
         raise UsageError(f"--task ioi on this model: {err}") from None
     info = {"task": "ioi", "n": len(task), "metric": "logit(IO) - logit(S) at the last token, mean over pairs",
@@ -177,13 +172,12 @@ def path_table(args) -> dict:
     if args.top < 1:
         raise UsageError(f"--top must be >= 1; received {args.top}")
     receivers = parse_receivers(args.receivers)
-    loaded, hf = _load(args.model)
+    loaded = _load(args.model)
     model = loaded.model
-    clean, corrupted, metric, info = _ioi(loaded, hf, args) if args.task else _one_pair(loaded, hf, args)
+    clean, corrupted, metric, info = _ioi(loaded, args) if args.task else _one_pair(loaded, args)
     check_fit(model, clean, corrupted)
     with torch.no_grad():
-        run = (lambda x: model(**x).logits) if hf else model
-        m_clean, m_corr = float(metric(run(clean))), float(metric(run(corrupted)))
+        m_clean, m_corr = float(metric(loaded.forward(clean))), float(metric(loaded.forward(corrupted)))
     t0 = time.perf_counter()
     # heads done, rate and ETA on stderr when it is a terminal (never in pipes, logs, --json's stdout)
     table = heads.path_patch_scan(model, clean, corrupted, metric, receivers, via=args.via, progress=True)
