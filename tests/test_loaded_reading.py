@@ -54,7 +54,8 @@ def test_a_transformers_lm_reads_text_as_its_tokenizer_does():
     lm = _hf(bos=True, eos=True)
     enc = lm.inputs("Mary went to the store")
     # the tokenizer's own ids: <bos> first, </s> last
-    assert lm.input_ids(enc).tolist() == [[2, 4, 6, 7, 8, 9, 3]] == [lm.tokenizer("Mary went to the store")["input_ids"]]
+    want = lm.tokenizer("Mary went to the store")["input_ids"]
+    assert lm.input_ids(enc).tolist() == [want] and want == [2, 4, 6, 7, 8, 9, 3]
     assert enc["attention_mask"].tolist() == [[1] * 7]
     # the answer is read at the last word, not at </s> (position 6)
     assert lm.last_real_position([2, 4, 6, 7, 8, 9, 3]) == 5
