@@ -26,6 +26,7 @@ import time
 from multihead.cli_args import add_json, add_model, add_seed
 from multihead.errors import UsageError
 from multihead.files import output_file
+from multihead.heads.cli_common import check_count, check_fit, token_after
 from multihead.heads.heatmap import heat_html, heat_png, text_table
 
 TOP = 10
@@ -86,27 +87,6 @@ def _load(spec: str):
     return loaded
 
 
-def token_after(loaded, flag: str, text: str, token: str) -> tuple[int, str]:
-    """The id and piece of `token` as the model would write it after `text`
-    (`LoadedModel.token_after`, for `heads scan` and `heads path` alike); UsageError unless it
-    is one known token."""
-    try:
-        return loaded.token_after(text, token, flag)
-    except ValueError as err:
-        raise UsageError(str(err)) from None
-
-
-def check_fit(model, *inputs) -> None:
-    """A one-line refusal (UsageError) when the inputs hold ids beyond the model's vocabulary."""
-    from multihead.heads.tokens import check_ids_fit
-
-    try:
-        for x in inputs:
-            check_ids_fit(model, x)
-    except ValueError as err:
-        raise UsageError(f"--model: {err}") from None
-
-
 def _one_pair(loaded, args):
     import torch
 
@@ -144,9 +124,7 @@ def _ioi(loaded, args):
     from multihead.heads import tasks
 
     tokenizer = loaded.word_tokenizer("--task ioi")
-    if not 1 <= args.n <= 100_000:  # beyond it the run would not end
-        shown = args.n if len(str(args.n)) <= 20 else f"{str(args.n)[:12]}... ({len(str(args.n))} digits)"
-        raise UsageError(f"--n must be between 1 and 100,000; received {shown}")
+    check_count("--n", args.n, 1)
     try:
         task = tasks.ioi(args.n, seed=args.seed, tokenizer=tokenizer)
     except ValueError as err:
