@@ -126,7 +126,7 @@ def test_one_model_help():
 
 
 def test_shared_flags_mean_the_same_everywhere():
-    seen = {"--seed": 0, "--json": 0, "--out": 0}
+    seen = {"--seed": 0, "--json": 0, "--out": 0, "--threads": 0}
     for path, parser in LEAVES.items():
         for action in parser._actions:
             if "--seed" in action.option_strings:
@@ -135,10 +135,18 @@ def test_shared_flags_mean_the_same_everywhere():
             if "--json" in action.option_strings:
                 seen["--json"] += 1
                 assert isinstance(action, argparse._StoreTrueAction), path
+            if "--threads" in action.option_strings:
+                seen["--threads"] += 1
+                assert action.type is cli_args.add_threads(argparse.ArgumentParser(), "").type, path
+                assert action.default is None and action.metavar == "N", path
             if "--out" in action.option_strings:
                 seen["--out"] += 1
                 assert action.metavar == "DIR", path
     assert seen["--seed"] >= 8 and seen["--json"] >= 7 and seen["--out"] >= 7, seen
+    # every heads command and every lab experiment
+    assert seen["--threads"] >= 11, seen
+    assert all(any("--threads" in a.option_strings for a in LEAVES[("heads", name)]._actions)
+               for name in ("scan", "path", "circuit", "induction", "importance", "prune"))
     code, err = run(["heads", "scan", "--seed", "-1"])
     assert code == 2 and "expected a seed in 0 .. 2**63 - 1" in err
 
@@ -183,3 +191,20 @@ def test_heads_prune_prints_json(tmp_path):
     assert r["params"] == sum(p.numel() for p in back.parameters())
     # 2 of 4 query heads (8 dims each) go from q and o, 1 of 2 key/value heads from k and v, in 2 layers
     assert r["params_before"] - r["params"] == 2 * (2 * 2 * 8 * 32 + 2 * 1 * 8 * 32)
+
+
+def test_threads_set_torch_for_the_run_and_restore_it():
+    import torch
+
+    from multihead.heads.cli_common import torch_threads
+
+    before = torch.get_num_threads()
+    with torch_threads(None):
+        assert torch.get_num_threads() == before
+    with pytest.raises(RuntimeError, match="inside"), torch_threads(before + 1):
+        assert torch.get_num_threads() == before + 1
+        raise RuntimeError("inside")
+    assert torch.get_num_threads() == before
+    assert build_parser().parse_args(["heads", "scan", "--threads", "3"]).threads == 3
+    code, err = run(["heads", "path", "--receivers", "logits", "--threads", "0"])
+    assert code == 2 and "--threads: expected a positive integer" in err, err

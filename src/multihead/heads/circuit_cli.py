@@ -20,9 +20,10 @@ import html
 import json
 import time
 
-from multihead.cli_args import add_json, add_model, add_seed
+from multihead.cli_args import add_json, add_model, add_seed, add_threads
 from multihead.errors import UsageError
 from multihead.files import atomic_path, output_file, write_text
+from multihead.heads.cli_common import THREADS_HELP, check_count
 
 N_PAIRS = 20
 TOP = 20
@@ -48,12 +49,12 @@ def add_circuit_arguments(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--png", metavar="PATH", help="write the circuit (nodes by layer) and the curve as a PNG")
     p.add_argument("--html", metavar="PATH", help="write the circuit and the curve as a self-contained HTML page")
     add_json(p)
+    add_threads(p, THREADS_HELP)
     return p
 
 
 def _check(args) -> None:
-    if not 1 <= args.n <= 100_000:
-        raise UsageError(f"--n must be between 1 and 100,000; received {args.n}")
+    check_count("--n", args.n, 1)
     if args.steps < 1 or args.steps > 1000:
         raise UsageError(f"--steps must be between 1 and 1000; received {args.steps}")
     for flag in ("top", "edges"):

@@ -1,11 +1,15 @@
 """What the `multihead heads` commands share: the bound on counts, the check that inputs fit
-the model's vocabulary, and the token after a text, each a one-line UsageError when it fails.
+the model's vocabulary, and the token after a text, each a one-line UsageError when it fails;
+and --threads, the CPU threads torch uses for the run.
 """
 
 from __future__ import annotations
 
+import contextlib
+
 from multihead.errors import UsageError
 
+THREADS_HELP = "CPU threads for torch during the run (default: torch's own, one per core)"
 MAX_COUNT = 100_000  # pairs, sequences or tokens: beyond it a run would not end (a 400-digit --n loops)
 
 
@@ -35,3 +39,20 @@ def check_fit(model, *inputs) -> None:
             check_ids_fit(model, x)
     except ValueError as err:
         raise UsageError(f"--model: {err}") from None
+
+
+@contextlib.contextmanager
+def torch_threads(n: int | None):
+    """Run the block on `n` CPU threads (None: torch's own number), then restore the number
+    before it, so a command run inside a notebook or a test leaves torch as it was."""
+    if n is None:
+        yield
+        return
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)

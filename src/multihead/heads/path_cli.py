@@ -23,10 +23,10 @@ import json
 import math
 import time
 
-from multihead.cli_args import add_json, add_model, add_seed
+from multihead.cli_args import add_json, add_model, add_seed, add_threads
 from multihead.errors import UsageError
 from multihead.files import output_file
-from multihead.heads.cli_common import check_count, check_fit, token_after
+from multihead.heads.cli_common import THREADS_HELP, check_count, check_fit, token_after
 from multihead.heads.heatmap import heat_html, heat_png, text_table
 
 TOP = 10
@@ -59,6 +59,7 @@ def add_path_arguments(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--png", metavar="PATH", help="write a heat map of the table")
     p.add_argument("--html", metavar="PATH", help="write the table as a self-contained HTML heat map")
     add_json(p)
+    add_threads(p, THREADS_HELP)
     return p
 
 
