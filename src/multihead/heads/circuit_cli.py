@@ -23,7 +23,7 @@ import time
 from multihead.cli_args import add_json, add_model, add_seed, add_threads
 from multihead.errors import UsageError
 from multihead.files import atomic_path, output_file, write_text
-from multihead.heads.cli_common import THREADS_HELP, check_count
+from multihead.heads.cli_common import THREADS_HELP, check_count, documented_parser
 
 N_PAIRS = 20
 TOP = 20
@@ -32,11 +32,8 @@ DRAWN = 40
 
 def add_circuit_arguments(subparsers) -> argparse.ArgumentParser:
     """Add the `circuit` subcommand to `multihead heads`' subparsers; returns its parser."""
-    p = subparsers.add_parser(
-        "circuit", help="a circuit of edges by EAP / EAP-IG, and its faithfulness curve (CPR, CMD)",
-        description=__doc__.split("\n\n")[1].replace("\n", " "),
-        epilog="examples:" + __doc__.split("examples:")[1], formatter_class=argparse.RawDescriptionHelpFormatter,
-        allow_abbrev=False)
+    p = documented_parser(subparsers, "circuit",
+                          "a circuit of edges by EAP / EAP-IG, and its faithfulness curve (CPR, CMD)", __doc__)
     add_model(p, "smollm2", decoder=True, lab=False)
     p.add_argument("--task", choices=["ioi"], default="ioi",
                    help="ioi: indirect-object pairs of Wang et al. (2022), metric logit(IO) - logit(S) (default)")

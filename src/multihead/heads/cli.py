@@ -41,8 +41,16 @@ from pathlib import Path
 from multihead.cli_args import add_json, add_model, add_seed, add_threads
 from multihead.errors import UsageError
 from multihead.files import output_file
-from multihead.heads.cli_common import THREADS_HELP, check_count, check_fit, token_after, torch_threads
-from multihead.heads.heatmap import heat_html, heat_png, text_table
+from multihead.heads.cli_common import (
+    THREADS_HELP,
+    check_count,
+    check_fit,
+    check_pair_or_task,
+    heat_maps,
+    token_after,
+    torch_threads,
+)
+from multihead.heads.heatmap import text_table
 from multihead.heads.importance_cli import prune_curve  # noqa: F401 (a public name of this module)
 
 TOP = 10
@@ -131,24 +139,14 @@ def _language_model(spec: str, command: str):
     return loaded, model
 
 
-def _logits(out):
-    """The model's own logits (a lab model returns them; a transformers LM has `.logits`)."""
-    import torch
-
-    if isinstance(out, torch.Tensor):
-        return out
-    lg = getattr(out, "logits", None)
-    if not isinstance(lg, torch.Tensor):
-        raise UsageError(f"the model's output ({type(out).__name__}) holds no logits; heads scan reads a language "
-                         "model's own logits (use --model smollm2)")
-    return lg
-
-
 def _run(model, inputs):
+    """The logits of `model` (a loaded model's `.model`, or one a tool changed) on `inputs`."""
     import torch
+
+    from multihead.interop.loaded import LoadedModel
 
     with torch.no_grad():  # a tokenizer's BatchEncoding is a Mapping, not a dict
-        return _logits(model(**inputs) if isinstance(inputs, Mapping) else model(inputs))
+        return LoadedModel.logits(model(**inputs) if isinstance(inputs, Mapping) else model(inputs))
 
 
 def _encode(loaded, flag: str, text: str):
@@ -189,10 +187,6 @@ def _check_length(loaded, length: int, limit: int | None) -> None:
 
 def _one_pair(loaded, model, args):
     """(clean, corrupted, reference, metric, description) of --clean/--corrupted/--answer/--wrong."""
-    missing = [f"--{k}" for k in ("clean", "corrupted", "answer", "wrong") if getattr(args, k) is None]
-    if missing:
-        raise UsageError(f"heads scan needs --task ioi|induction, or one pair: --clean, --corrupted, --answer and "
-                         f"--wrong (missing: {', '.join(missing)})")
     clean = _encode(loaded, "--clean", args.clean)
     corrupted = _encode(loaded, "--corrupted", args.corrupted)
     ids_a = loaded.input_ids(clean)[0].tolist()
@@ -283,16 +277,7 @@ def _scan(args) -> dict:
 
     if args.task is None and (args.n != N_PAIRS or args.length != LENGTH or args.seed != 0):
         raise UsageError("--n, --length and --seed choose a --task's prompts; add --task ioi or --task induction")
-    if args.task is not None:
-        given = [f"--{k}" for k in ("clean", "corrupted", "answer", "wrong") if getattr(args, k) is not None]
-        if given:
-            raise UsageError(f"--task {args.task} makes its own prompts; drop {', '.join(given)} (or drop --task "
-                             "to scan one pair)")
-    else:
-        missing = [f"--{k}" for k in ("clean", "corrupted", "answer", "wrong") if getattr(args, k) is None]
-        if missing:  # before the model loads: a mistake costs no wait
-            raise UsageError(f"heads scan needs --task ioi|induction, or one pair: --clean, --corrupted, --answer "
-                             f"and --wrong (missing: {', '.join(missing)})")
+    check_pair_or_task(args, "scan", "ioi|induction", "scan")
     if args.task is not None:
         check_count("--n", args.n, 1)
         if args.task == "induction":
@@ -503,15 +488,10 @@ def _main(args) -> int:
     if cmd == "scan":
         png, html = output_file("--png", args.png, "scan.png"), output_file("--html", args.html, "scan.html")
         r = _scan(args)
-        if png:
-            task = f", {r['task']}" if r.get("task") else ""
-            heat_png(png, r["table"], r["metric_corrupted"], f"{r['model']}: patching {r['what']}{task}")
-            r["png"] = str(png)
-        if html:
-            heat_html(html, r["table"], r["metric_corrupted"], "multihead heads scan",
-                      f"{r['model']}: patching {r['what']}, metric {r['metric']}; clean {r['metric_clean']:.3f}, "
-                      f"corrupted {r['metric_corrupted']:.3f}")
-            r["html"] = str(html)
+        task = f", {r['task']}" if r.get("task") else ""
+        heat_maps(r, png, html, "scan", f"{r['model']}: patching {r['what']}{task}",
+                  f"{r['model']}: patching {r['what']}, metric {r['metric']}; clean {r['metric_clean']:.3f}, "
+                  f"corrupted {r['metric_corrupted']:.3f}")
         print(json.dumps(r, indent=1)) if args.json else _print_scan(r)
     elif cmd == "induction":
         png = output_file("--png", args.png, "induction.png")

@@ -1,10 +1,12 @@
 """What the `multihead heads` commands share: the bound on counts, the check that inputs fit
 the model's vocabulary, and the token after a text, each a one-line UsageError when it fails;
-and --threads, the CPU threads torch uses for the run.
+--threads, the CPU threads torch uses for the run; a subcommand's parser made from its
+module's docstring; and the heat maps of a layer x head table.
 """
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 
 from multihead.errors import UsageError
@@ -18,6 +20,23 @@ def check_count(flag: str, value: int, low: int) -> None:
     if not low <= value <= MAX_COUNT:
         shown = value if len(str(value)) <= 20 else f"{str(value)[:12]}... ({len(str(value))} digits)"
         raise UsageError(f"{flag} must be between {low} and {MAX_COUNT:,}; received {shown}")
+
+
+def check_pair_or_task(args, command: str, tasks: str, verb: str) -> None:
+    """--task (it makes its own prompts: none of --clean, --corrupted, --answer, --wrong) or
+    one pair (all four), refused before the model loads, so a mistake costs no wait. `tasks`:
+    the command's --task choices as written ("ioi|induction"); `verb`: what it does to one pair."""
+    flags = ("clean", "corrupted", "answer", "wrong")
+    if args.task is not None:
+        given = [f"--{k}" for k in flags if getattr(args, k) is not None]
+        if given:
+            raise UsageError(f"--task {args.task} makes its own prompts; drop {', '.join(given)} (or drop --task to "
+                             f"{verb} one pair)")
+        return
+    missing = [f"--{k}" for k in flags if getattr(args, k) is None]
+    if missing:
+        raise UsageError(f"heads {command} needs --task {tasks}, or one pair: --clean, --corrupted, --answer and "
+                         f"--wrong (missing: {', '.join(missing)})")
 
 
 def token_after(loaded, flag: str, text: str, token: str) -> tuple[int, str]:
@@ -56,3 +75,25 @@ def torch_threads(n: int | None):
         yield
     finally:
         torch.set_num_threads(before)
+
+
+def documented_parser(subparsers, name: str, help: str, doc: str) -> argparse.ArgumentParser:
+    """The parser of subcommand `name`, described by its module's docstring `doc`: the
+    paragraph after the title as the description, the examples as the epilog."""
+    return subparsers.add_parser(name, help=help, description=doc.split("\n\n")[1].replace("\n", " "),
+                                 epilog="examples:" + doc.split("examples:")[1],
+                                 formatter_class=argparse.RawDescriptionHelpFormatter, allow_abbrev=False)
+
+
+def heat_maps(r: dict, png, html, command: str, title: str, subtitle: str, **axes) -> None:
+    """Write the result `r`'s layer x head table as a PNG heat map (at `png`, titled `title`)
+    and a self-contained HTML page (at `html`, under `subtitle`), each when its path is given,
+    and record where in `r` ("png", "html"). The colours centre on the corrupted metric."""
+    from multihead.heads.heatmap import heat_html, heat_png
+
+    if png:
+        heat_png(png, r["table"], r["metric_corrupted"], title, **axes)
+        r["png"] = str(png)
+    if html:
+        heat_html(html, r["table"], r["metric_corrupted"], f"multihead heads {command}", subtitle)
+        r["html"] = str(html)

@@ -26,8 +26,16 @@ import time
 from multihead.cli_args import add_json, add_model, add_seed, add_threads
 from multihead.errors import UsageError
 from multihead.files import output_file
-from multihead.heads.cli_common import THREADS_HELP, check_count, check_fit, token_after
-from multihead.heads.heatmap import heat_html, heat_png, text_table
+from multihead.heads.cli_common import (
+    THREADS_HELP,
+    check_count,
+    check_fit,
+    check_pair_or_task,
+    documented_parser,
+    heat_maps,
+    token_after,
+)
+from multihead.heads.heatmap import text_table
 
 TOP = 10
 N_PAIRS = 8
@@ -35,11 +43,8 @@ N_PAIRS = 8
 
 def add_path_arguments(subparsers) -> argparse.ArgumentParser:
     """Add the `path` subcommand to `multihead heads`' subparsers; returns its parser."""
-    p = subparsers.add_parser(
-        "path", help="path patching: each head's effect through chosen receivers only",
-        description=__doc__.split("\n\n")[1].replace("\n", " "),
-        epilog="examples:" + __doc__.split("examples:")[1], formatter_class=argparse.RawDescriptionHelpFormatter,
-        allow_abbrev=False)
+    p = documented_parser(subparsers, "path", "path patching: each head's effect through chosen receivers only",
+                          __doc__)
     add_model(p, "smollm2", decoder=True)
     p.add_argument("--task", choices=["ioi"],
                    help="ioi: indirect-object pairs of Wang et al. (2022), metric logit(IO) - logit(S). Without "
@@ -93,10 +98,6 @@ def _one_pair(loaded, args):
 
     from multihead.heads.metrics import AtPositions
 
-    missing = [f"--{k}" for k in ("clean", "corrupted", "answer", "wrong") if getattr(args, k) is None]
-    if missing:
-        raise UsageError(f"heads path needs --task ioi, or one pair: --clean, --corrupted, --answer and --wrong "
-                         f"(missing: {', '.join(missing)})")
     enc = {}
     for flag, text in (("--clean", args.clean), ("--corrupted", args.corrupted)):
         if not text.strip():
@@ -143,11 +144,7 @@ def path_table(args) -> dict:
 
     if args.task is None and (args.n != N_PAIRS or args.seed != 0):
         raise UsageError("--n and --seed choose --task ioi's prompts; add --task ioi")
-    if args.task is not None:
-        given = [f"--{k}" for k in ("clean", "corrupted", "answer", "wrong") if getattr(args, k) is not None]
-        if given:
-            raise UsageError(f"--task {args.task} makes its own prompts; drop {', '.join(given)} (or drop --task to "
-                             "patch one pair)")
+    check_pair_or_task(args, "path", "ioi", "patch")
     if args.top < 1:
         raise UsageError(f"--top must be >= 1; received {args.top}")
     receivers = parse_receivers(args.receivers)
@@ -194,13 +191,9 @@ def run_path(args) -> int:
     """Run `multihead heads path` from parsed arguments; 0 on success (mistakes raise UsageError)."""
     png, html = output_file("--png", args.png, "path.png"), output_file("--html", args.html, "path.html")
     r = path_table(args)
-    if png:
-        heat_png(png, r["table"], r["metric_corrupted"], _title(r), xlabel="sender head", ylabel="sender layer")
-        r["png"] = str(png)
-    if html:
-        heat_html(html, r["table"], r["metric_corrupted"], "multihead heads path",
-                  f"{_title(r)}; metric {r['metric']}: clean {r['metric_clean']:.3f}, "
-                  f"corrupted {r['metric_corrupted']:.3f}")
-        r["html"] = str(html)
+    heat_maps(r, png, html, "path", _title(r),
+              f"{_title(r)}; metric {r['metric']}: clean {r['metric_clean']:.3f}, "
+              f"corrupted {r['metric_corrupted']:.3f}",
+              xlabel="sender head", ylabel="sender layer")
     print(json.dumps(r, indent=1)) if args.json else _print(r)
     return 0

@@ -92,7 +92,8 @@ class LoadedModel:
         """The `(B, T)` ids of `inputs` (what `inputs(text)` returns)."""
         return inputs
 
-    def logits(self, out) -> Tensor:
+    @staticmethod
+    def logits(out) -> Tensor:
         """The logits of a forward's output `out` (a tensor, or an output holding `.logits`)."""
         import torch
 
@@ -101,7 +102,7 @@ class LoadedModel:
         lg = getattr(out, "logits", None)
         if not isinstance(lg, torch.Tensor):
             raise ModelError(f"the model's output ({type(out).__name__}) holds no logits; a next-token metric reads "
-                             "a language model's own logits")
+                             "a language model's own logits (use a decoder LM such as --model smollm2)")
         return lg
 
     def forward(self, inputs) -> Tensor:
