@@ -106,3 +106,23 @@ def test_an_encoder_is_not_a_language_model():
     assert bert.why_not_lm() == "has no language-model head"
     masked = HFModel(transformers.BertForMaskedLM(cfg), _tokenizer(), name="tiny-bert-mlm")
     assert masked.why_not_lm() == "is a bidirectional encoder"
+
+
+def test_heads_scan_names_the_tokens_where_a_lab_models_texts_part(tmp_path, capsys):
+    """The one reading serves every model: a lab checkpoint's unequal --clean/--corrupted are
+    refused with the tokens where they part, as a transformers model's are."""
+    from multihead.checkpoint import save_lab_checkpoint
+    from multihead.cli import main
+
+    lab = _lab()
+    save_lab_checkpoint(tmp_path / "lab", lab.model, lab.vocab, experiment="heads")
+    argv = ["heads", "scan", "--model", str(tmp_path / "lab"), "--answer", "a", "--wrong", "b"]
+    assert main([*argv, "--clean", "ab", "--corrupted", "abc"]) == 2
+    err = capsys.readouterr().err
+    assert "--clean is 2 tokens and --corrupted 3 tokens" in err
+    assert "--corrupted goes on after token 1 with ['c']" in err
+    assert main([*argv, "--clean", "abc", "--corrupted", "abb"]) == 0  # the same length: scanned
+    out = capsys.readouterr().out
+    assert "patching z from clean into corrupted" in out
+    assert main([*argv, "--clean", "abc", "--corrupted", "ab"]) == 2
+    assert "--clean goes on after token 1 with ['c']" in capsys.readouterr().err
