@@ -106,34 +106,47 @@ def test_one_model_help():
     texts = {}
     for path, action in _model_actions():
         texts.setdefault(action.help, []).append(" ".join(path))
-    # circuit (transformers decoders only) and lab uptrain (a model to convert) load fewer kinds
-    own = {("heads", "circuit"), ("lab", "uptrain")}
+    # lab uptrain (a model to convert) loads fewer kinds
+    own = {("lab", "uptrain")}
     shared = {p for p, a in _model_actions() if p not in own}
     assert len(shared) >= 6, shared  # inspect and the five heads commands that load any model
     for path, action in _model_actions():
         if path in own:
             continue
-        assert action.help in (cli_args.model_help(action.default), cli_args.model_help(action.default, True)), path
+        shared_texts = {cli_args.model_help(action.default, decoder, lab) for decoder in (False, True)
+                        for lab in (False, True)}
+        assert action.help in shared_texts, path
         assert action.default in action.help
     for word in ("minilm", "smollm2", "gemma3", ".gguf", "folder", "`multihead lab` checkpoint"):
         assert word in cli_args.model_help("minilm"), word
     assert "minilm" not in cli_args.model_help("smollm2", decoder=True)
+    # a command that needs a transformers model does not offer a lab checkpoint
+    assert "lab" not in cli_args.model_help("smollm2", decoder=True, lab=False)
+    assert cli_args.model_help("smollm2", decoder=True, lab=False).startswith("a transformers decoder")
 
 
 def test_shared_flags_mean_the_same_everywhere():
-    seen = {"--seed": 0, "--json": 0, "--out": 0}
+    seen = {"--seed": 0, "--json": 0, "--out": 0, "--threads": 0}
     for path, parser in LEAVES.items():
         for action in parser._actions:
-            if "--seed" in action.option_strings and path != ("heads", "circuit"):  # its own int, for now
+            if "--seed" in action.option_strings:
                 seen["--seed"] += 1
                 assert action.type is cli_args.seed and action.default == 0, path
             if "--json" in action.option_strings:
                 seen["--json"] += 1
                 assert isinstance(action, argparse._StoreTrueAction), path
+            if "--threads" in action.option_strings:
+                seen["--threads"] += 1
+                assert action.type is cli_args.add_threads(argparse.ArgumentParser(), "").type, path
+                assert action.default is None and action.metavar == "N", path
             if "--out" in action.option_strings:
                 seen["--out"] += 1
                 assert action.metavar == "DIR", path
     assert seen["--seed"] >= 8 and seen["--json"] >= 7 and seen["--out"] >= 7, seen
+    # every heads command and every lab experiment
+    assert seen["--threads"] >= 11, seen
+    assert all(any("--threads" in a.option_strings for a in LEAVES[("heads", name)]._actions)
+               for name in ("scan", "path", "circuit", "induction", "importance", "prune"))
     code, err = run(["heads", "scan", "--seed", "-1"])
     assert code == 2 and "expected a seed in 0 .. 2**63 - 1" in err
 
@@ -178,3 +191,20 @@ def test_heads_prune_prints_json(tmp_path):
     assert r["params"] == sum(p.numel() for p in back.parameters())
     # 2 of 4 query heads (8 dims each) go from q and o, 1 of 2 key/value heads from k and v, in 2 layers
     assert r["params_before"] - r["params"] == 2 * (2 * 2 * 8 * 32 + 2 * 1 * 8 * 32)
+
+
+def test_threads_set_torch_for_the_run_and_restore_it():
+    import torch
+
+    from multihead.heads.cli_common import torch_threads
+
+    before = torch.get_num_threads()
+    with torch_threads(None):
+        assert torch.get_num_threads() == before
+    with pytest.raises(RuntimeError, match="inside"), torch_threads(before + 1):
+        assert torch.get_num_threads() == before + 1
+        raise RuntimeError("inside")
+    assert torch.get_num_threads() == before
+    assert build_parser().parse_args(["heads", "scan", "--threads", "3"]).threads == 3
+    code, err = run(["heads", "path", "--receivers", "logits", "--threads", "0"])
+    assert code == 2 and "--threads: expected a positive integer" in err, err

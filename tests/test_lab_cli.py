@@ -346,3 +346,20 @@ def test_a_learning_rate_float32_cannot_step_with_is_a_usage_error(flag, capsys)
     assert exit_.value.code == 2
     assert "expected a positive learning rate of at most 1e+30; received '1e60'" in capsys.readouterr().err
     assert getattr(build_parser().parse_args(["lab", experiment, flag, "3e-4"]), flag[2:].replace("-", "_")) == 3e-4
+
+
+@pytest.mark.parametrize("argv", [["kv", *KV_TINY], ["heads", *HEADS_TINY],
+                                  ["induction", "--n-layers", "2", "--d-model", "4096", "--n-heads", "32",
+                                   "--n-kv-heads", "4", "--quick", "--steps", "2", "--no-progress"]],
+                         ids=lambda a: a[0])
+def test_json_prints_the_results_json_and_nothing_else(argv, tmp_path, capsys, one_torch_thread):
+    import json
+
+    out = tmp_path / argv[0]
+    assert main(["lab", *argv, "--json", "--out", str(out)]) == 0
+    captured = capsys.readouterr()
+    printed = json.loads(captured.out)  # stdout is the JSON alone
+    assert printed == json.loads((out / "results.json").read_text(encoding="utf-8"))
+    assert printed["experiment"] == argv[0] and "results.json" not in captured.out
+    if argv[0] == "induction":  # the scaling notes still reach the user, on stderr
+        assert "multihead lab induction:" in captured.err and "head_dim 128" in captured.err

@@ -73,8 +73,7 @@ def induction_check(loaded, ranked: list[tuple[int, int]]) -> dict:
 
     n, limit = 2, getattr(loaded, "max_positions", None)
     length = min(40, limit // 2) if limit else 40
-    vocab = loaded.tokenizer if hasattr(loaded, "tokenizer") else len(loaded.vocab)
-    task = tasks.induction(n, length, seed=0, vocab=vocab)
+    task = tasks.induction(n, length, seed=0, vocab=loaded.token_source)
     cells = [(layer, h) for layer in range(loaded.n_layers) for h in range(loaded.n_heads)]
     check = causal_check(loaded.model, task.clean, task.metric, ranked, cells, task.reference, how="mean", ks=(4,))
     return {"n": n, "length": length, "ranked_by": "prefix matching (multihead inspect)", **check}

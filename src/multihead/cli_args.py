@@ -41,24 +41,29 @@ class Parser(argparse.ArgumentParser):
         return namespace, extras
 
 
-def model_help(default: str | None, decoder: bool = False) -> str:
-    """The one help text of --model: the models a command can load, and its default."""
+def model_help(default: str | None, decoder: bool = False, lab: bool = True) -> str:
+    """The one help text of --model: the models a command can load, and its default.
+    `decoder` for commands that read next-token logits; `lab=False` for those that need a
+    transformers model (a `multihead lab` checkpoint is not one)."""
     sources = [
         "smollm2 (the bundled SmolLM2-135M-Instruct, a decoder LM)",
         "gemma3 (the bundled gemma-3-270m)",
         "a .gguf file",
         "a local Hugging Face " + ("causal LM " if decoder else "model ") + "folder",
-        "or a `multihead lab` checkpoint folder",
     ]
+    if lab:
+        sources.append("a `multihead lab` checkpoint folder")
     if not decoder:
         sources.insert(0, "minilm (the bundled sentence-transformers/all-MiniLM-L6-v2, an encoder)")
-    what = "a decoder language model: " if decoder else ""
+    sources[-1] = "or " + sources[-1]
+    what = f"a {'' if lab else 'transformers '}decoder language model: " if decoder else ""
     return what + ", ".join(sources) + (f"; default {default}" if default else "")
 
 
-def add_model(parser, default: str | None, decoder: bool = False, **kwargs) -> argparse.Action:
-    """--model NAME|PATH; `decoder` for commands that read next-token logits."""
-    kwargs.setdefault("help", model_help(default, decoder))
+def add_model(parser, default: str | None, decoder: bool = False, lab: bool = True, **kwargs) -> argparse.Action:
+    """--model NAME|PATH; `decoder` for commands that read next-token logits, `lab=False` for
+    those that need a transformers model."""
+    kwargs.setdefault("help", model_help(default, decoder, lab))
     return parser.add_argument("--model", default=default, metavar="NAME|PATH", **kwargs)
 
 

@@ -20,8 +20,10 @@ import html
 import json
 import time
 
+from multihead.cli_args import add_json, add_model, add_seed, add_threads
 from multihead.errors import UsageError
 from multihead.files import atomic_path, output_file, write_text
+from multihead.heads.cli_common import THREADS_HELP, check_count, documented_parser
 
 N_PAIRS = 20
 TOP = 20
@@ -30,32 +32,26 @@ DRAWN = 40
 
 def add_circuit_arguments(subparsers) -> argparse.ArgumentParser:
     """Add the `circuit` subcommand to `multihead heads`' subparsers; returns its parser."""
-    p = subparsers.add_parser(
-        "circuit", help="a circuit of edges by EAP / EAP-IG, and its faithfulness curve (CPR, CMD)",
-        description=__doc__.split("\n\n")[1].replace("\n", " "),
-        epilog="examples:" + __doc__.split("examples:")[1], formatter_class=argparse.RawDescriptionHelpFormatter,
-        allow_abbrev=False)
-    p.add_argument("--model", default="smollm2",
-                   help="a transformers decoder LM: smollm2 (the bundled SmolLM2-135M-Instruct; default), gemma3 "
-                        "(Gemma 3 270M, if installed), a .gguf file or a local Hugging Face causal LM folder (Llama, "
-                        "Mistral, Qwen2, Qwen3, GPT-2, Gemma 2/3)")
+    p = documented_parser(subparsers, "circuit",
+                          "a circuit of edges by EAP / EAP-IG, and its faithfulness curve (CPR, CMD)", __doc__)
+    add_model(p, "smollm2", decoder=True, lab=False)
     p.add_argument("--task", choices=["ioi"], default="ioi",
                    help="ioi: indirect-object pairs of Wang et al. (2022), metric logit(IO) - logit(S) (default)")
     p.add_argument("--n", type=int, default=N_PAIRS, help=f"prompt pairs (default {N_PAIRS})")
-    p.add_argument("--seed", type=int, default=0, help="the draw of prompts (default 0)")
+    add_seed(p, "the draw of prompts (default 0)")
     p.add_argument("--method", choices=["eap", "eap-ig"], default="eap-ig", help="edge scores (default eap-ig)")
     p.add_argument("--steps", type=int, default=5, help="--method eap-ig: interpolation steps (default 5)")
     p.add_argument("--top", type=int, default=TOP, help=f"how many top edges to list (default {TOP})")
     p.add_argument("--edges", type=int, default=DRAWN, help=f"edges in the drawn circuit (default {DRAWN})")
     p.add_argument("--png", metavar="PATH", help="write the circuit (nodes by layer) and the curve as a PNG")
     p.add_argument("--html", metavar="PATH", help="write the circuit and the curve as a self-contained HTML page")
-    p.add_argument("--json", action="store_true", help="print JSON instead of text")
+    add_json(p)
+    add_threads(p, THREADS_HELP)
     return p
 
 
 def _check(args) -> None:
-    if not 1 <= args.n <= 100_000:
-        raise UsageError(f"--n must be between 1 and 100,000; received {args.n}")
+    check_count("--n", args.n, 1)
     if args.steps < 1 or args.steps > 1000:
         raise UsageError(f"--steps must be between 1 and 1000; received {args.steps}")
     for flag in ("top", "edges"):
@@ -68,19 +64,25 @@ def circuit_result(args) -> dict:
     from multihead import heads
     from multihead.heads import tasks
     from multihead.heads.edge_graph import edge_name
+    from multihead.interop.loaded import ModelError
     from multihead.interop.loaders import load_model
 
     _check(args)
     loaded = load_model(args.model)
-    if not hasattr(loaded, "tokenizer") or not getattr(loaded, "is_causal_lm", False):
-        raise UsageError(f"heads circuit reads next-token logits; --model {args.model} is not a transformers causal "
+    refusal = UsageError(f"heads circuit reads next-token logits; --model {args.model} is not a transformers causal "
                          "LM (use --model smollm2, the default)")
+    if loaded.why_not_lm() is not None:
+        raise refusal
+    try:  # IOI's names need a word-level tokenizer (a lab checkpoint's has none)
+        tokenizer = loaded.word_tokenizer("heads circuit")
+    except ModelError:
+        raise refusal from None
     try:
         heads.edges(loaded.model)
     except (TypeError, ValueError) as err:
         raise UsageError(f"--model {args.model}: {err}") from None
     try:
-        task = tasks.ioi(args.n, seed=args.seed, tokenizer=loaded.tokenizer)
+        task = tasks.ioi(args.n, seed=args.seed, tokenizer=tokenizer)
     except ValueError as err:
         raise UsageError(f"--task ioi on this model: {err}") from None
     t0 = time.perf_counter()

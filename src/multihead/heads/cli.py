@@ -32,22 +32,28 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import random
 import statistics
 import time
 from collections.abc import Mapping
 from pathlib import Path
 
-from multihead.cli_args import add_json, add_model, add_out, add_seed
+from multihead.cli_args import add_json, add_model, add_seed, add_threads
 from multihead.errors import UsageError
 from multihead.files import output_file
-from multihead.heads.heatmap import heat_html, heat_png, text_table
-from multihead.heads.path_cli import check_fit, token_after
+from multihead.heads.cli_common import (
+    THREADS_HELP,
+    check_count,
+    check_fit,
+    check_pair_or_task,
+    heat_maps,
+    token_after,
+    torch_threads,
+)
+from multihead.heads.heatmap import text_table
+from multihead.heads.importance_cli import prune_curve  # noqa: F401 (a public name of this module)
 
 TOP = 10
-HELD_OUT = 256  # verses the task's score is measured on (not the ones importance is computed on)
-STRIDE = 37  # every 37th verse: 320 verses spread over the KJV's 30,687 of 8+ words
 CHECK_KS = (4, 8)  # the causal check ablates the top k heads of a ranking ...
 CHECK_SEEDS = 5  # ... against k random heads, the median of this many draws
 N_PAIRS = 8  # --task ioi / induction: pairs or sequences (a scan's cost grows with them)
@@ -86,6 +92,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     s.add_argument("--png", metavar="PATH", help="write a heat map of the table")
     s.add_argument("--html", metavar="PATH", help="write the table as a self-contained HTML heat map")
     add_json(s)
+    add_threads(s, THREADS_HELP)
 
     d = sub.add_parser("induction", help="the induction heads of a decoder, checked by ablation",
                        allow_abbrev=False,
@@ -100,123 +107,53 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_seed(d, "the draw of tokens (default 0)")
     d.add_argument("--png", metavar="PATH", help="write the induction and previous-token scores as heat maps")
     add_json(d)
-
-    i = sub.add_parser("importance", help="Michel et al. (2019) head importance, and the pruning curve",
-                       allow_abbrev=False,
-                       description="Head importance |dloss/dxi| summed over batches (Michel et al. 2019), "
-                                   "normalized per layer.")
-    add_model(i, "minilm")
-    i.add_argument("--text", action="append", help="a text to score on (repeatable; default: the bundled KJV)")
-    i.add_argument("--corpus", metavar="FILE", help="a UTF-8 text file: its lines of 8+ words are the batches")
-    i.add_argument("--batches", type=int, default=4, help="batches of --batch-size verses (default 4)")
-    i.add_argument("--batch-size", type=int, default=16, help="verses per batch (default 16)")
-    i.add_argument("--prune-curve", action="store_true",
-                   help="also measure the task as heads are removed 10%% at a time, least important first (a "
-                        "grouped-query decoder such as smollm2: held-out KJV perplexity, 0-50%% of the heads in whole "
-                        "KV groups and by query heads, by importance and in 3 random orders; see "
-                        "docs/heads/prune-curve-smollm2)")
-    i.add_argument("--png", metavar="PATH", help="with --prune-curve: write the curve as a plot")
-    add_out(i, "with --prune-curve on a grouped-query decoder: write results.json and curve.png in this folder")
-    add_json(i)
-
-    p = sub.add_parser("prune", help="remove heads and save the model",
-                       allow_abbrev=False,
-                       description="Remove heads physically from a copy of the model and save_pretrained it "
-                                   "(transformers models whose config carries head_dim, with the same head count "
-                                   "left in every layer). The model's own folder is never written; --out must be "
-                                   "new or empty unless --force.")
-    add_model(p, "minilm")
-    p.add_argument("--remove", metavar="LIST",
-                   help="heads to remove as layer.head, comma-separated, e.g. 0.1,0.5,1.1,1.5")
-    p.add_argument("--curve", metavar="FILE", help="instead of --remove: a results.json of `heads importance "
-                                                  "--prune-curve` on this model, with --at")
-    p.add_argument("--at", metavar="UNIT:FRACTION", help="with --curve: the by-importance point to prune, e.g. "
-                                                         "groups:0.3 or heads:0.5")
-    p.add_argument("--pad", action="store_true",
-                   help="lay every layer out as the widest, with inert (all-zero) heads, so that a transformers "
-                        "config's one head count holds any removal (implied by --curve)")
-    add_out(p, "a new (or empty) folder to save the pruned model in", required=True)
-    p.add_argument("--force", action="store_true",
-                   help="replace --out when it already holds files (never the model's own folder)")
-    add_json(p, help="print the result as JSON (heads removed, head counts, parameters, --out) instead of a line")
-
-    from multihead.heads.path_cli import add_path_arguments
-
-    add_path_arguments(sub)
+    add_threads(d, THREADS_HELP)
 
     from multihead.heads.circuit_cli import add_circuit_arguments
+    from multihead.heads.importance_cli import add_importance_arguments
+    from multihead.heads.path_cli import add_path_arguments
+    from multihead.heads.prune_cli import add_prune_arguments
 
+    add_importance_arguments(sub)
+    add_prune_arguments(sub)
+    add_path_arguments(sub)
     add_circuit_arguments(sub)
-
-
-def _pairs(value: str) -> list[tuple[int, int]]:
-    out = []
-    for item in value.split(","):
-        layer, dot, head = item.strip().partition(".")
-        try:
-            if not dot:
-                raise ValueError
-            out.append((int(layer), int(head)))
-        except ValueError:
-            raise UsageError(f"--remove takes layer.head pairs, comma-separated, e.g. --remove 0.1,2.3; received "
-                             f"{value!r} ({item.strip()!r} is not layer.head)") from None
-    return out
 
 
 def _load(spec: str, fresh: bool = False):
     from multihead.interop.loaders import load_model  # it sets the hub offline for the load only
 
     loaded = load_model(spec, fresh=fresh)
-    model = loaded.model
-    if hasattr(loaded, "tokenizer"):
-        return loaded, model, "hf"
-    return loaded, model, "lab"
+    return loaded, loaded.model
 
 
 def _language_model(spec: str, command: str):
     """A loaded decoder LM, or a one-line refusal that says why and what to use instead."""
-    loaded, model, kind = _load(spec)
-    if kind == "hf" and not loaded.is_causal_lm:
+    loaded, model = _load(spec)
+    why = loaded.why_not_lm()
+    if why is not None:
         name = getattr(loaded, "name", spec)
-        why = ("has no language-model head" if not loaded.has_lm_head else
-               "is an encoder-decoder" if loaded.encoder_decoder else "is a bidirectional encoder")
         raise UsageError(f"heads {command} reads next-token logits, and --model {name} ({type(model).__name__}) "
                          f"{why}, so there are none to read; use a decoder LM (--model smollm2, the default), or "
                          "`multihead heads importance`, whose verse-half retrieval task is made for encoders")
-    return loaded, model, kind
-
-
-def _logits(out):
-    """The model's own logits (a lab model returns them; a transformers LM has `.logits`)."""
-    import torch
-
-    if isinstance(out, torch.Tensor):
-        return out
-    lg = getattr(out, "logits", None)
-    if not isinstance(lg, torch.Tensor):
-        raise UsageError(f"the model's output ({type(out).__name__}) holds no logits; heads scan reads a language "
-                         "model's own logits (use --model smollm2)")
-    return lg
+    return loaded, model
 
 
 def _run(model, inputs):
+    """The logits of `model` (a loaded model's `.model`, or one a tool changed) on `inputs`."""
     import torch
+
+    from multihead.interop.loaded import LoadedModel
 
     with torch.no_grad():  # a tokenizer's BatchEncoding is a Mapping, not a dict
-        return _logits(model(**inputs) if isinstance(inputs, Mapping) else model(inputs))
+        return LoadedModel.logits(model(**inputs) if isinstance(inputs, Mapping) else model(inputs))
 
 
-def _encode(loaded, kind: str, flag: str, text: str):
-    import torch
-
+def _encode(loaded, flag: str, text: str):
     if not text.strip():
         raise UsageError(f"{flag} is empty; give a text")
-    if kind == "hf":
-        enc = loaded.tokenizer(text, return_tensors="pt")
-        n = enc["input_ids"].shape[1]
-    else:
-        enc = torch.tensor([loaded.encode(text)])
-        n = enc.shape[1]
+    enc = loaded.inputs(text)
+    n = loaded.input_ids(enc).shape[1]
     if n == 0:
         raise UsageError(f"{flag} {text!r} is no tokens for this model's tokenizer; give a text")
     limit = getattr(loaded, "max_positions", None)
@@ -231,59 +168,32 @@ def _as_ids(ids: list[int]):
     return torch.tensor(ids)
 
 
-def _last_real(loaded, kind: str, inputs) -> int:
-    """The last position that is not a special token ([SEP], </s>): where the answer is read."""
-    if kind != "hf":
-        return inputs.shape[1] - 1
-    ids = inputs["input_ids"][0].tolist()
-    special = set(getattr(loaded.tokenizer, "all_special_ids", ()))
-    real = [i for i, t in enumerate(ids) if t not in special]
-    return real[-1] if real else len(ids) - 1
-
-
-def _first_difference(loaded, kind: str, a: list[int], b: list[int]) -> str:
+def _first_difference(loaded, a: list[int], b: list[int]) -> str:
     k = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
-    if kind != "hf":
-        return f"they part at token {k}"
-    show = loaded.tokenizer.convert_ids_to_tokens
+    show = loaded.tokens
     if k == min(len(a), len(b)):
         longer = "--clean" if len(a) > len(b) else "--corrupted"
         return f"{longer} goes on after token {k - 1} with {show((a if len(a) > len(b) else b)[k:k + 3])}"
     return f"they part at token {k}: {show(a[k:k + 1])} vs {show(b[k:k + 1])}"
 
 
-MAX_COUNT = 100_000  # pairs, sequences or tokens: beyond it a run would not end (a 400-digit --n loops)
-
-
-def _check_count(flag: str, value: int, low: int) -> None:
-    if not low <= value <= MAX_COUNT:
-        shown = value if len(str(value)) <= 20 else f"{str(value)[:12]}... ({len(str(value))} digits)"
-        raise UsageError(f"{flag} must be between {low} and {MAX_COUNT:,}; received {shown}")
-
-
-def _check_length(loaded, kind: str, length: int, limit: int | None) -> None:
+def _check_length(loaded, length: int, limit: int | None) -> None:
     """--length L makes 2L tokens after the tokenizer's prefix (Gemma's <bos>): within the positions."""
-    from multihead.heads.tokens import prefix
-
-    start = len(prefix(loaded.tokenizer)) if kind == "hf" else 0
+    start = len(loaded.prefix_ids())
     if limit and 2 * length + start > limit:
         raise UsageError(f"--length {length} makes sequences of {2 * length + start} tokens and this model takes "
                          f"at most {limit} positions; give --length <= {(limit - start) // 2}")
 
 
-def _one_pair(loaded, model, kind: str, args):
+def _one_pair(loaded, model, args):
     """(clean, corrupted, reference, metric, description) of --clean/--corrupted/--answer/--wrong."""
-    missing = [f"--{k}" for k in ("clean", "corrupted", "answer", "wrong") if getattr(args, k) is None]
-    if missing:
-        raise UsageError(f"heads scan needs --task ioi|induction, or one pair: --clean, --corrupted, --answer and "
-                         f"--wrong (missing: {', '.join(missing)})")
-    clean = _encode(loaded, kind, "--clean", args.clean)
-    corrupted = _encode(loaded, kind, "--corrupted", args.corrupted)
-    ids_a = (clean["input_ids"] if kind == "hf" else clean)[0].tolist()
-    ids_b = (corrupted["input_ids"] if kind == "hf" else corrupted)[0].tolist()
+    clean = _encode(loaded, "--clean", args.clean)
+    corrupted = _encode(loaded, "--corrupted", args.corrupted)
+    ids_a = loaded.input_ids(clean)[0].tolist()
+    ids_b = loaded.input_ids(corrupted)[0].tolist()
     if len(ids_a) != len(ids_b):
         raise UsageError(f"--clean is {len(ids_a)} tokens and --corrupted {len(ids_b)} tokens; patching needs the "
-                         f"same number of tokens ({_first_difference(loaded, kind, ids_a, ids_b)}; change words for "
+                         f"same number of tokens ({_first_difference(loaded, ids_a, ids_b)}; change words for "
                          "words of as many tokens)")
     ans, ans_piece = token_after(loaded, "--answer", args.clean, args.answer)
     wrong, wrong_piece = token_after(loaded, "--wrong", args.clean, args.wrong)
@@ -291,7 +201,7 @@ def _one_pair(loaded, model, kind: str, args):
     if ans == wrong:
         raise UsageError(f"--answer {args.answer!r} and --wrong {args.wrong!r} are the same token "
                          f"({ans_piece!r}); the metric would be 0")
-    pos = _last_real(loaded, kind, clean)
+    pos = loaded.last_real_position(ids_a)
 
     def metric(x):
         return (x[:, pos, ans] - x[:, pos, wrong]).mean()
@@ -302,18 +212,16 @@ def _one_pair(loaded, model, kind: str, args):
     return clean, corrupted, corrupted, metric, info
 
 
-def _task_inputs(loaded, model, kind: str, args):
+def _task_inputs(loaded, model, args):
     """(clean, corrupted, reference, metric, description) of --task."""
     from multihead.heads import tasks
 
-    _check_count("--n", args.n, 1)
+    check_count("--n", args.n, 1)
     limit = getattr(loaded, "max_positions", None)
     if args.task == "ioi":
-        if kind != "hf":
-            raise UsageError("--task ioi needs a model with a word-level tokenizer (a Hugging Face LM such as "
-                             "--model smollm2); a lab model's vocabulary has no names")
+        tokenizer = loaded.word_tokenizer("--task ioi")
         try:
-            task = tasks.ioi(args.n, seed=args.seed, tokenizer=loaded.tokenizer)
+            task = tasks.ioi(args.n, seed=args.seed, tokenizer=tokenizer)
         except ValueError as err:
             raise UsageError(f"--task ioi on this model: {err}") from None
         info = {"task": "ioi", "n": len(task), "answer": "IO", "wrong": "S", "position": task.position.tolist(),
@@ -325,10 +233,9 @@ def _task_inputs(loaded, model, kind: str, args):
             raise UsageError(f"the IOI prompts are {task.clean['input_ids'].shape[1]} tokens and this model takes "
                              f"at most {limit} positions")
         return task.clean, task.corrupted, task.reference, task.metric, info
-    _check_count("--length", args.length, 2)
-    _check_length(loaded, kind, args.length, limit)
-    task = tasks.induction(args.n, args.length, seed=args.seed,
-                           vocab=loaded.tokenizer if kind == "hf" else len(loaded.vocab))
+    check_count("--length", args.length, 2)
+    _check_length(loaded, args.length, limit)
+    task = tasks.induction(args.n, args.length, seed=args.seed, vocab=loaded.token_source)
     info = {"task": "induction", "n": len(task), "length": args.length, "answer": None, "wrong": None,
             "position": None, "metric": f"loss (nats) on the repeated half of {args.length} + {args.length} "
                                         "random tokens (lower is better)",
@@ -370,25 +277,16 @@ def _scan(args) -> dict:
 
     if args.task is None and (args.n != N_PAIRS or args.length != LENGTH or args.seed != 0):
         raise UsageError("--n, --length and --seed choose a --task's prompts; add --task ioi or --task induction")
+    check_pair_or_task(args, "scan", "ioi|induction", "scan")
     if args.task is not None:
-        given = [f"--{k}" for k in ("clean", "corrupted", "answer", "wrong") if getattr(args, k) is not None]
-        if given:
-            raise UsageError(f"--task {args.task} makes its own prompts; drop {', '.join(given)} (or drop --task "
-                             "to scan one pair)")
-    else:
-        missing = [f"--{k}" for k in ("clean", "corrupted", "answer", "wrong") if getattr(args, k) is None]
-        if missing:  # before the model loads: a mistake costs no wait
-            raise UsageError(f"heads scan needs --task ioi|induction, or one pair: --clean, --corrupted, --answer "
-                             f"and --wrong (missing: {', '.join(missing)})")
-    if args.task is not None:
-        _check_count("--n", args.n, 1)
+        check_count("--n", args.n, 1)
         if args.task == "induction":
-            _check_count("--length", args.length, 2)
-    loaded, model, kind = _language_model(args.model, "scan")
+            check_count("--length", args.length, 2)
+    loaded, model = _language_model(args.model, "scan")
     if args.task is None:
-        clean, corrupted, reference, metric, info = _one_pair(loaded, model, kind, args)
+        clean, corrupted, reference, metric, info = _one_pair(loaded, model, args)
     else:
-        clean, corrupted, reference, metric, info = _task_inputs(loaded, model, kind, args)
+        clean, corrupted, reference, metric, info = _task_inputs(loaded, model, args)
     check_fit(model, clean, corrupted, reference)
     m_clean, m_corr = float(metric(_run(model, clean))), float(metric(_run(model, corrupted)))
     t0 = time.perf_counter()
@@ -426,13 +324,12 @@ def induction_study(args) -> dict:
     from multihead import heads
     from multihead.heads import tasks
 
-    _check_count("--n", args.n, 1)
-    _check_count("--length", args.length, 2)
-    loaded, model, kind = _language_model(args.model, "induction")
+    check_count("--n", args.n, 1)
+    check_count("--length", args.length, 2)
+    loaded, model = _language_model(args.model, "induction")
     limit = getattr(loaded, "max_positions", None)
-    _check_length(loaded, kind, args.length, limit)
-    task = tasks.induction(args.n, args.length, seed=args.seed,
-                           vocab=loaded.tokenizer if kind == "hf" else len(loaded.vocab))
+    _check_length(loaded, args.length, limit)
+    task = tasks.induction(args.n, args.length, seed=args.seed, vocab=loaded.token_source)
     check_fit(model, task.clean, task.corrupted, task.reference)
     t0 = time.perf_counter()
     rec = heads.record(model, task.clean, what=("pattern",))
@@ -474,8 +371,7 @@ def induction_study(args) -> dict:
                 - loss_repeated, "previous_token_score": previous[c[0]][c[1]],
                 "induction_score": induction[c[0]][c[1]]} for d, c in raised]
     return {"model": getattr(loaded, "name", args.model), "n": args.n, "length": L, "seed": args.seed,
-            "bos": None, "tokens": "uniform over the tokenizer's ordinary tokens" if kind == "hf" else
-            "uniform over the vocabulary",
+            "bos": None, "tokens": loaded.random_tokens,
             "loss_first_half": loss_first, "loss_repeated_half": loss_repeated,
             "loss_repeated_half_after_other_tokens": loss_unrepeated,
             "induction_score": [[round(x, 6) for x in row] for row in induction],
@@ -566,292 +462,12 @@ def _print_scan(r: dict) -> None:
                   f"({', '.join(f'{v:.3f}' for v in row['random'])})")
 
 
-def _task(loaded, model, kind: str, args):
-    """(batches, loss(model, batch), score(model) -> float, what the score is)."""
-    import torch
-
-    from multihead.heads import tasks
-
-    n = args.batches * args.batch_size
-    if args.text:
-        texts = [t for t in args.text if t.strip()]
-        if not texts:
-            raise UsageError("--text is empty; give a sentence")
-    else:
-        texts = tasks.kjv_verses(n + HELD_OUT, path=args.corpus, stride=STRIDE)
-    if kind == "hf" and not getattr(loaded, "causal", False):
-        if len(texts) < 2:
-            raise UsageError("the retrieval task needs at least 2 texts")
-        train, held = (texts[:n], texts[n:n + HELD_OUT]) if len(texts) > n + 8 else (texts, texts)
-        batches = [train[i:i + args.batch_size] for i in range(0, len(train), args.batch_size)]
-        batches = [b for b in batches if len(b) >= 2]
-        tok = loaded.tokenizer
-        return (batches, lambda m, b: tasks.contrastive_loss(m, tok, b),
-                lambda m: tasks.retrieval_accuracy(m, tok, held), "verse-half retrieval top-1 accuracy")
-    encode = (lambda t: loaded.tokenizer(t, return_tensors="pt")["input_ids"]) if kind == "hf" else \
-        (lambda t: torch.tensor([loaded.encode(t)]))
-    seqs = [encode(t) for t in texts]
-    limit = getattr(loaded, "max_positions", None) or 512
-    seqs = [s[:, :limit] for s in seqs if s.shape[1] >= 2]
-    train, held = (seqs[:n], seqs[n:n + HELD_OUT]) if len(seqs) > n + 8 else (seqs, seqs)
-
-    def run(m, ids):
-        return tasks.logits(m, m(input_ids=ids) if kind == "hf" else m(ids))
-
-    def score(m):
-        with torch.no_grad():
-            hits = [(run(m, s)[0, :-1].argmax(-1) == s[0, 1:]).float().mean().item() for s in held]
-        return sum(hits) / len(hits)
-    return train, lambda m, s: tasks.next_token_loss(run(m, s), s), score, "next-token top-1 accuracy"
-
-
-def _importance(args) -> dict:
-    from multihead import heads
-
-    _check_count("--batches", args.batches, 1)
-    _check_count("--batch-size", args.batch_size, 1)
-    if args.batches < 1 or args.batch_size < 2:
-        raise UsageError(f"--batches must be >= 1 and --batch-size >= 2; received {args.batches} and "
-                         f"{args.batch_size}")
-    loaded, model, kind = _load(args.model)
-    if args.prune_curve and _grouped_decoder(loaded, model, kind):
-        return _lm_curve(args, loaded, model)
-    if args.out:
-        raise UsageError("--out writes the perplexity pruning curve of a grouped-query decoder (--model smollm2 "
-                         "--prune-curve); for this model use --png and --json")
-    batches, loss, score, what = _task(loaded, model, kind, args)
-    imp = heads.importance(model, batches, loss)
-    result = {"model": getattr(loaded, "name", args.model), "task": what,
-              "importance": [[round(x, 6) for x in row.tolist()] for row in imp]}
-    if args.prune_curve:
-        result["curve"] = prune_curve(model, batches, loss, score)
-    return result
-
-
-def _grouped_decoder(loaded, model, kind: str) -> bool:
-    """A transformers causal LM with q/k/v/o projections and a head_dim: the perplexity curve's models."""
-    from multihead.heads._prune import hf_attention_modules
-
-    cfg = getattr(model, "config", None)
-    return (kind == "hf" and bool(getattr(loaded, "is_causal_lm", False)) and bool(hf_attention_modules(model))
-            and isinstance(getattr(cfg, "head_dim", None), int))
-
-
-def _lm_curve(args, loaded, model) -> dict:
-    import sys
-
-    from multihead.files import write_json
-    from multihead.heads.prune_curve import prune_curve_lm
-
-    if args.text or args.corpus:
-        raise UsageError("--prune-curve on a grouped-query decoder measures held-out KJV perplexity (importance on "
-                         "Genesis to Acts, perplexity on Romans to Revelation); --text and --corpus are not used "
-                         "there: leave them out")
-    out = None
-    if args.out:
-        out = Path(args.out)
-        if out.exists() and not out.is_dir():
-            raise UsageError(f"--out {args.out!r} is a file; give a folder")
-        out.mkdir(parents=True, exist_ok=True)
-    load = os.getloadavg()[0] if hasattr(os, "getloadavg") else None
-    r = prune_curve_lm(model, loaded.tokenizer, say=lambda m: print(m, file=sys.stderr, flush=True))
-    r = {"model": getattr(loaded, "name", args.model), "task": r["metric"], "date": time.strftime("%Y-%m-%d %H:%M"),
-         "load_average": [load, os.getloadavg()[0] if hasattr(os, "getloadavg") else None],
-         "threads": __import__("torch").get_num_threads(), **r}
-    if out is not None:
-        from multihead.heads.prune_curve import plot_curves
-
-        write_json(out / "results.json", r)
-        plot_curves(r, out / "curve.png", f"{r['model']}: heads removed, held-out perplexity")
-        r["out"] = str(out)
-    return r
-
-
-def prune_curve(model, batches, loss, score, step: float = 0.1) -> list[dict]:
-    """Michel et al.'s figure: remove the least important heads 10% at a time (importance
-    re-estimated with the removed heads ablated), measuring `score(model)` each time."""
-    import math
-
-    from multihead import heads
-
-    imp = heads.importance(model, batches, loss)
-    alive = [(i, h) for i in range(imp.shape[0]) for h in range(imp.shape[1]) if not math.isnan(imp[i, h])]
-    total = len(alive)
-    removed: list[tuple[int, int]] = []
-    curve = [{"removed_fraction": 0.0, "removed": 0, "score": score(model)}]
-    for k in range(1, int(round(1 / step))):
-        target = int(round(k * step * total))
-        with heads.ablate(model, removed):
-            imp = heads.importance(model, batches, loss)
-        ranked = sorted(((imp[i, h].item(), (i, h)) for i, h in alive if (i, h) not in removed))
-        per_layer = {}
-        for i, h in alive:
-            per_layer[i] = per_layer.get(i, 0) + ((i, h) not in removed)
-        for _, (i, h) in ranked:
-            if len(removed) >= target:
-                break
-            if per_layer[i] > 1:  # keep one head per layer
-                removed.append((i, h))
-                per_layer[i] -= 1
-        with heads.ablate(model, removed):
-            curve.append({"removed_fraction": len(removed) / total, "removed": len(removed), "score": score(model)})
-    return curve
-
-
-def _curve_png(path: Path, curve: list[dict], title: str) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg", force=False)
-    from matplotlib.backends.backend_agg import FigureCanvasAgg
-    from matplotlib.figure import Figure
-
-    from multihead.files import atomic_path
-
-    fig = Figure(figsize=(5, 3.5))
-    FigureCanvasAgg(fig)
-    ax = fig.add_subplot()
-    ax.plot([100 * c["removed_fraction"] for c in curve], [c["score"] for c in curve], marker="o")
-    ax.set_xlabel("heads removed (%)")
-    ax.set_ylabel("score")
-    ax.set_title(title, fontsize=9)
-    ax.grid(alpha=0.3)
-    with atomic_path(path) as tmp:
-        fig.savefig(tmp, format="png", dpi=100, bbox_inches="tight")
-
-
-def _print_lm_curve(r: dict) -> None:
-    print(f"{r['model']}: {r['task']}; {r['base_ppl']:.2f} with every head")
-    print("removed  " + "  ".join(f"{u + ' by importance':>20}  {u + ' random (median)':>22}" for u in r["curves"]))
-    for k, f in enumerate(r["fractions"]):
-        cells = [f"{c['importance'][k]['val_ppl']:>20.2f}  {c['random'][k]['val_ppl_median']:>22.2f}"
-                 for c in r["curves"].values()]
-        print(f"{100 * f:>6.0f}%  " + "  ".join(cells))
-    if "out" in r:
-        print(f"wrote {r['out']}/results.json and curve.png")
-
-
-def _print_importance(r: dict) -> None:
-    if "curves" in r:
-        _print_lm_curve(r)
-        return
-    print(f"{r['model']}: head importance (Michel et al. 2019, per-layer L2-normalized) on {r['task']}")
-    n = max(len(row) for row in r["importance"])
-    print("layer " + "".join(f"{h:>7}" for h in range(n)))
-    for i, row in enumerate(r["importance"]):
-        print(f"{i:>5} " + "".join(f"{x:>7.3f}" for x in row))
-    if "curve" in r:
-        print(f"pruning curve ({r['task']}):")
-        print("removed  score")
-        for c in r["curve"]:
-            print(f"{100 * c['removed_fraction']:>6.0f}%  {c['score']:.4f}")
-
-
-def _prune_target(args) -> tuple[Path, Path]:
-    """(--out resolved, the model's own folder), refused before any load when --out is the
-    model's folder, inside it or above it, a file, or a folder that holds files (without --force)."""
-    from multihead.files import check_out_apart
-    from multihead.interop.loaders import resolve_model
-
-    _, source, _, _ = resolve_model(args.model)
-    out, source_dir = check_out_apart("--out", args.out, source, tool="prune")
-    if out.exists() and not out.is_dir():
-        raise UsageError(f"--out {args.out!r} is a file; give a folder")
-    if out.is_dir() and any(out.iterdir()) and not args.force:
-        raise UsageError(f"--out {args.out!r} exists and is not empty ({len(list(out.iterdir()))} entries); give a "
-                         "new folder, or --force to replace it")
-    if not out.parent.is_dir():
-        raise UsageError(f"--out {args.out!r}: the folder {str(out.parent)!r} does not exist")
-    if not os.access(out.parent, os.W_OK | os.X_OK):
-        raise UsageError(f"--out {args.out!r}: cannot write in the folder {str(out.parent)!r} (permission denied)")
-    return out, source_dir
-
-
-def _save_atomically(out: Path, save) -> None:
-    """`save(folder)` into a new folder beside `out`, then renamed over it: a reader, a crash or
-    Ctrl-C sees the old folder or the whole new one, never a half-written model."""
-    import shutil
-    import tempfile
-
-    from multihead.files import usual_mode
-
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", suffix=".tmp", dir=out.parent))
-    old = None
-    try:
-        save(tmp)
-        os.chmod(tmp, usual_mode(folder=True))
-        for f in tmp.rglob("*"):  # transformers writes model.safetensors 0600 (a temporary file renamed)
-            if f.is_file():
-                os.chmod(f, usual_mode())
-        if out.exists():
-            old = Path(tempfile.mkdtemp(prefix=f".{out.name}.", suffix=".old", dir=out.parent))
-            os.rename(out, old / "replaced")
-        os.rename(tmp, out)
-    except BaseException:
-        if old is not None and not out.exists() and (old / "replaced").exists():
-            os.rename(old / "replaced", out)  # put the user's folder back
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    finally:
-        if old is not None:
-            shutil.rmtree(old, ignore_errors=True)
-
-
-def _curve_point(args) -> list[tuple[int, int]]:
-    """The heads of `--curve FILE --at UNIT:FRACTION` (a by-importance point of the curve)."""
-    if args.remove:
-        raise UsageError("give --remove or --curve with --at, not both")
-    if not args.at:
-        raise UsageError("--curve needs --at UNIT:FRACTION, e.g. --at groups:0.3")
-    unit, _, frac = args.at.partition(":")
-    try:
-        r = json.loads(Path(args.curve).read_text(encoding="utf-8"))
-        curves = r["curves"]
-    except (OSError, ValueError, KeyError, TypeError) as err:
-        raise UsageError(f"--curve {args.curve!r}: not a results.json of `heads importance --prune-curve` on a "
-                         f"grouped-query decoder ({type(err).__name__}: {err})") from None
-    try:
-        f = float(frac)
-    except ValueError:
-        f = None
-    points = {p["fraction"]: p for p in curves.get(unit, {}).get("importance", [])}
-    if unit not in curves or f not in points:
-        valid = ", ".join(f"{u}:{p['fraction']:g}" for u in curves for p in curves[u]["importance"])
-        raise UsageError(f"--at {args.at!r} is not a point of {args.curve}; valid: {valid}")
-    return [tuple(p) for p in points[f]["removed"]]
-
-
-def _prune(args) -> dict:
-    from multihead import heads
-
-    if args.curve:
-        pairs, pad = _curve_point(args), True
-    elif args.remove:
-        pairs, pad = _pairs(args.remove), args.pad
-    else:
-        raise UsageError("give the heads to remove: --remove layer.head,... or --curve FILE --at UNIT:FRACTION")
-    if args.at and not args.curve:
-        raise UsageError("--at picks a point of --curve FILE; give --curve too")
-    out, _ = _prune_target(args)
-    # a copy of its own: the session's cached model (another run, another tool) stays whole
-    loaded, model, kind = _load(args.model, fresh=True)
-    if kind != "hf":
-        raise UsageError("prune --out saves transformers models; a lab checkpoint's heads can be pruned in Python "
-                         "with multihead.heads.prune(model, heads)")
-    before = sum(p.numel() for p in model.parameters())
-    heads.prune(model, pairs, pad=pad)
-
-    def save(folder: Path) -> None:
-        model.save_pretrained(folder)
-        loaded.tokenizer.save_pretrained(folder)
-    _save_atomically(out, save)
-    cfg = model.config
-    return {"model": getattr(loaded, "name", args.model), "removed": [list(p) for p in pairs], "out": str(out),
-            "num_attention_heads": cfg.num_attention_heads,
-            "num_key_value_heads": getattr(cfg, "num_key_value_heads", cfg.num_attention_heads),
-            "params_before": before, "params": sum(p.numel() for p in model.parameters())}
-
-
 def main(args) -> int:
+    with torch_threads(args.threads):
+        return _main(args)
+
+
+def _main(args) -> int:
     cmd = args.heads_command
     if cmd == "path":
         from multihead.heads.path_cli import run_path
@@ -861,18 +477,21 @@ def main(args) -> int:
         from multihead.heads.circuit_cli import run_circuit
 
         return run_circuit(args)
+    if cmd == "importance":
+        from multihead.heads.importance_cli import run_importance
+
+        return run_importance(args)
+    if cmd == "prune":
+        from multihead.heads.prune_cli import run_prune
+
+        return run_prune(args)
     if cmd == "scan":
         png, html = output_file("--png", args.png, "scan.png"), output_file("--html", args.html, "scan.html")
         r = _scan(args)
-        if png:
-            task = f", {r['task']}" if r.get("task") else ""
-            heat_png(png, r["table"], r["metric_corrupted"], f"{r['model']}: patching {r['what']}{task}")
-            r["png"] = str(png)
-        if html:
-            heat_html(html, r["table"], r["metric_corrupted"], "multihead heads scan",
-                      f"{r['model']}: patching {r['what']}, metric {r['metric']}; clean {r['metric_clean']:.3f}, "
-                      f"corrupted {r['metric_corrupted']:.3f}")
-            r["html"] = str(html)
+        task = f", {r['task']}" if r.get("task") else ""
+        heat_maps(r, png, html, "scan", f"{r['model']}: patching {r['what']}{task}",
+                  f"{r['model']}: patching {r['what']}, metric {r['metric']}; clean {r['metric_clean']:.3f}, "
+                  f"corrupted {r['metric_corrupted']:.3f}")
         print(json.dumps(r, indent=1)) if args.json else _print_scan(r)
     elif cmd == "induction":
         png = output_file("--png", args.png, "induction.png")
@@ -881,26 +500,4 @@ def main(args) -> int:
             _induction_png(png, r)
             r["png"] = str(png)
         print(json.dumps(r, indent=1)) if args.json else _print_induction(r)
-    elif cmd == "importance":
-        png = output_file("--png", args.png, "curve.png")
-        if png and not args.prune_curve:
-            raise UsageError("--png draws the pruning curve; add --prune-curve")
-        r = _importance(args)
-        if png and "curves" in r:
-            from multihead.heads.prune_curve import plot_curves
-
-            plot_curves(r, png, f"{r['model']}: heads removed, held-out perplexity")
-            r["png"] = str(png)
-        elif png:
-            _curve_png(png, r["curve"], f"{r['model']}: {r['task']}")
-            r["png"] = str(png)
-        print(json.dumps(r, indent=1)) if args.json else _print_importance(r)
-    else:
-        r = _prune(args)
-        if args.json:
-            print(json.dumps(r, indent=1))
-            return 0
-        print(f"removed {len(r['removed'])} heads; saved to {r['out']} ({r['num_attention_heads']} query / "
-              f"{r['num_key_value_heads']} key-value heads per layer; {r['params']:,} parameters, "
-              f"{r['params_before']:,} before)")
     return 0

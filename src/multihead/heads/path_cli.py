@@ -23,10 +23,19 @@ import json
 import math
 import time
 
-from multihead.cli_args import add_json, add_model, add_seed
+from multihead.cli_args import add_json, add_model, add_seed, add_threads
 from multihead.errors import UsageError
 from multihead.files import output_file
-from multihead.heads.heatmap import heat_html, heat_png, text_table
+from multihead.heads.cli_common import (
+    THREADS_HELP,
+    check_count,
+    check_fit,
+    check_pair_or_task,
+    documented_parser,
+    heat_maps,
+    token_after,
+)
+from multihead.heads.heatmap import text_table
 
 TOP = 10
 N_PAIRS = 8
@@ -34,11 +43,8 @@ N_PAIRS = 8
 
 def add_path_arguments(subparsers) -> argparse.ArgumentParser:
     """Add the `path` subcommand to `multihead heads`' subparsers; returns its parser."""
-    p = subparsers.add_parser(
-        "path", help="path patching: each head's effect through chosen receivers only",
-        description=__doc__.split("\n\n")[1].replace("\n", " "),
-        epilog="examples:" + __doc__.split("examples:")[1], formatter_class=argparse.RawDescriptionHelpFormatter,
-        allow_abbrev=False)
+    p = documented_parser(subparsers, "path", "path patching: each head's effect through chosen receivers only",
+                          __doc__)
     add_model(p, "smollm2", decoder=True)
     p.add_argument("--task", choices=["ioi"],
                    help="ioi: indirect-object pairs of Wang et al. (2022), metric logit(IO) - logit(S). Without "
@@ -58,6 +64,7 @@ def add_path_arguments(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--png", metavar="PATH", help="write a heat map of the table")
     p.add_argument("--html", metavar="PATH", help="write the table as a self-contained HTML heat map")
     add_json(p)
+    add_threads(p, THREADS_HELP)
     return p
 
 
@@ -79,52 +86,24 @@ def _load(spec: str):
     from multihead.interop.loaders import load_model  # it sets the hub offline for the load only
 
     loaded = load_model(spec)
-    hf = hasattr(loaded, "tokenizer")
-    if hf and not loaded.is_causal_lm:
+    if loaded.why_not_lm() is not None:
         raise UsageError(f"heads path reads next-token logits, and --model {getattr(loaded, 'name', spec)} "
                          f"({type(loaded.model).__name__}) is not a causal language model; use a decoder LM "
                          "(--model smollm2, the default)")
-    return loaded, hf
+    return loaded
 
 
-def token_after(loaded, flag: str, text: str, token: str) -> tuple[int, str]:
-    """The id and piece of `token` as the model would write it after `text`
-    (`multihead.heads.tokens.next_token`, for `heads scan` and `heads path` alike); UsageError
-    unless it is one known token."""
-    from multihead.heads.tokens import next_token
-
-    try:
-        return next_token(loaded, flag, text, token)
-    except ValueError as err:
-        raise UsageError(str(err)) from None
-
-
-def check_fit(model, *inputs) -> None:
-    """A one-line refusal (UsageError) when the inputs hold ids beyond the model's vocabulary."""
-    from multihead.heads.tokens import check_ids_fit
-
-    try:
-        for x in inputs:
-            check_ids_fit(model, x)
-    except ValueError as err:
-        raise UsageError(f"--model: {err}") from None
-
-
-def _one_pair(loaded, hf: bool, args):
+def _one_pair(loaded, args):
     import torch
 
     from multihead.heads.metrics import AtPositions
 
-    missing = [f"--{k}" for k in ("clean", "corrupted", "answer", "wrong") if getattr(args, k) is None]
-    if missing:
-        raise UsageError(f"heads path needs --task ioi, or one pair: --clean, --corrupted, --answer and --wrong "
-                         f"(missing: {', '.join(missing)})")
     enc = {}
     for flag, text in (("--clean", args.clean), ("--corrupted", args.corrupted)):
         if not text.strip():
             raise UsageError(f"{flag} is empty; give a text")
-        enc[flag] = loaded.tokenizer(text, return_tensors="pt") if hf else torch.tensor([loaded.encode(text)])
-    ids = [(e["input_ids"] if hf else e)[0].tolist() for e in enc.values()]
+        enc[flag] = loaded.inputs(text)
+    ids = [loaded.input_ids(e)[0].tolist() for e in enc.values()]
     if len(ids[0]) != len(ids[1]):
         raise UsageError(f"--clean is {len(ids[0])} tokens and --corrupted {len(ids[1])} tokens; path patching "
                          "needs the same number (change words for words of as many tokens)")
@@ -143,17 +122,13 @@ def _one_pair(loaded, hf: bool, args):
     return enc["--clean"], enc["--corrupted"], metric, info
 
 
-def _ioi(loaded, hf: bool, args):
+def _ioi(loaded, args):
     from multihead.heads import tasks
 
-    if not hf:
-        raise UsageError("--task ioi needs a model with a word-level tokenizer (a Hugging Face LM such as --model "
-                         "smollm2); a lab model's vocabulary has no names")
-    if not 1 <= args.n <= 100_000:  # beyond it the run would not end
-        shown = args.n if len(str(args.n)) <= 20 else f"{str(args.n)[:12]}... ({len(str(args.n))} digits)"
-        raise UsageError(f"--n must be between 1 and 100,000; received {shown}")
+    tokenizer = loaded.word_tokenizer("--task ioi")
+    check_count("--n", args.n, 1)
     try:
-        task = tasks.ioi(args.n, seed=args.seed, tokenizer=loaded.tokenizer)
+        task = tasks.ioi(args.n, seed=args.seed, tokenizer=tokenizer)
     except ValueError as err:
         raise UsageError(f"--task ioi on this model: {err}") from None
     info = {"task": "ioi", "n": len(task), "metric": "logit(IO) - logit(S) at the last token, mean over pairs",
@@ -169,21 +144,16 @@ def path_table(args) -> dict:
 
     if args.task is None and (args.n != N_PAIRS or args.seed != 0):
         raise UsageError("--n and --seed choose --task ioi's prompts; add --task ioi")
-    if args.task is not None:
-        given = [f"--{k}" for k in ("clean", "corrupted", "answer", "wrong") if getattr(args, k) is not None]
-        if given:
-            raise UsageError(f"--task {args.task} makes its own prompts; drop {', '.join(given)} (or drop --task to "
-                             "patch one pair)")
+    check_pair_or_task(args, "path", "ioi", "patch")
     if args.top < 1:
         raise UsageError(f"--top must be >= 1; received {args.top}")
     receivers = parse_receivers(args.receivers)
-    loaded, hf = _load(args.model)
+    loaded = _load(args.model)
     model = loaded.model
-    clean, corrupted, metric, info = _ioi(loaded, hf, args) if args.task else _one_pair(loaded, hf, args)
+    clean, corrupted, metric, info = _ioi(loaded, args) if args.task else _one_pair(loaded, args)
     check_fit(model, clean, corrupted)
     with torch.no_grad():
-        run = (lambda x: model(**x).logits) if hf else model
-        m_clean, m_corr = float(metric(run(clean))), float(metric(run(corrupted)))
+        m_clean, m_corr = float(metric(loaded.forward(clean))), float(metric(loaded.forward(corrupted)))
     t0 = time.perf_counter()
     # heads done, rate and ETA on stderr when it is a terminal (never in pipes, logs, --json's stdout)
     table = heads.path_patch_scan(model, clean, corrupted, metric, receivers, via=args.via, progress=True)
@@ -221,13 +191,9 @@ def run_path(args) -> int:
     """Run `multihead heads path` from parsed arguments; 0 on success (mistakes raise UsageError)."""
     png, html = output_file("--png", args.png, "path.png"), output_file("--html", args.html, "path.html")
     r = path_table(args)
-    if png:
-        heat_png(png, r["table"], r["metric_corrupted"], _title(r), xlabel="sender head", ylabel="sender layer")
-        r["png"] = str(png)
-    if html:
-        heat_html(html, r["table"], r["metric_corrupted"], "multihead heads path",
-                  f"{_title(r)}; metric {r['metric']}: clean {r['metric_clean']:.3f}, "
-                  f"corrupted {r['metric_corrupted']:.3f}")
-        r["html"] = str(html)
+    heat_maps(r, png, html, "path", _title(r),
+              f"{_title(r)}; metric {r['metric']}: clean {r['metric_clean']:.3f}, "
+              f"corrupted {r['metric_corrupted']:.3f}",
+              xlabel="sender head", ylabel="sender layer")
     print(json.dumps(r, indent=1)) if args.json else _print(r)
     return 0

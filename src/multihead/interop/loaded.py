@@ -2,7 +2,9 @@
 share, and its Hugging Face implementation.
 
 `LoadedModel` is what a capture needs of a model: encode text, name tokens, and run ids
-returning the attention weights of chosen layers and heads. `HFModel` runs any
+returning the attention weights of chosen layers and heads; and what the head tools'
+commands read through it, whatever the model's source: its inputs for a text, the token
+after a text, its logits, the last real position. `HFModel` runs any
 transformers model whose attention goes through transformers' attention registry, on
 attn_implementation="multihead" (`multihead.interop.hf`). It lives one floor below the
 tools, so a tool (inspect, lab) implements or uses it without importing another tool.
@@ -12,7 +14,7 @@ Errors are `ModelError` (a ValueError) with what was received and what is valid.
 from __future__ import annotations
 
 import re
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:  # torch and transformers are imported where they are used
@@ -72,6 +74,73 @@ class LoadedModel:
         import copy
 
         return copy.deepcopy(self)
+
+    # What the head tools' commands read. The defaults are a plain vocabulary's (a `multihead
+    # lab` checkpoint: one id per token as written, no special tokens); HFModel overrides
+    # them with its tokenizer's reading.
+
+    random_tokens: str = "uniform over the vocabulary"  # what `token_source` draws, in words
+
+    def inputs(self, text: str):
+        """`text` as the model's forward takes it, a batch of one: `(1, T)` ids, the model's
+        special tokens (its BOS) included."""
+        import torch
+
+        return torch.tensor([self.encode(text)])
+
+    def input_ids(self, inputs) -> Tensor:
+        """The `(B, T)` ids of `inputs` (what `inputs(text)` returns)."""
+        return inputs
+
+    @staticmethod
+    def logits(out) -> Tensor:
+        """The logits of a forward's output `out` (a tensor, or an output holding `.logits`)."""
+        import torch
+
+        if isinstance(out, torch.Tensor):
+            return out
+        lg = getattr(out, "logits", None)
+        if not isinstance(lg, torch.Tensor):
+            raise ModelError(f"the model's output ({type(out).__name__}) holds no logits; a next-token metric reads "
+                             "a language model's own logits (use a decoder LM such as --model smollm2)")
+        return lg
+
+    def forward(self, inputs) -> Tensor:
+        """The logits of the model on `inputs` (what `inputs(text)` returns, or ids `(B, T)`)."""
+        return self.logits(self.model(**inputs) if isinstance(inputs, Mapping) else self.model(inputs))
+
+    def last_real_position(self, ids: Sequence[int]) -> int:
+        """The last position of `ids` that is not a special token ([SEP], </s>): where a
+        next-token answer is read."""
+        return len(ids) - 1
+
+    def token_after(self, text: str, token: str, flag: str = "--answer") -> tuple[int, str]:
+        """The id and piece of `token` as the model would write it right after `text` (a BPE
+        tokenizer's space-led piece after a word); ValueError naming `flag` unless it is one
+        token the model knows (`multihead.heads.tokens.next_token`)."""
+        from multihead.heads.tokens import next_token  # a leaf module: it imports nothing of multihead's
+
+        return next_token(self, flag, text, token)
+
+    def prefix_ids(self) -> list[int]:
+        """The ids the model's tokenizer puts before every text (Gemma's `<bos>`); none here."""
+        return []
+
+    @property
+    def token_source(self):
+        """What `multihead.heads.tasks.induction` draws random tokens from (its `vocab`)."""
+        raise NotImplementedError
+
+    def word_tokenizer(self, use: str):
+        """The model's word-level (Hugging Face) tokenizer, which tasks with names (IOI) need;
+        ModelError naming `use` when it has none."""
+        raise ModelError(f"{use} needs a model with a word-level tokenizer (a Hugging Face LM such as --model "
+                         "smollm2); a lab model's vocabulary has no names")
+
+    def why_not_lm(self) -> str | None:
+        """None when the model predicts the next token (a decoder with logits over its
+        vocabulary); else why not, as a phrase ("is a bidirectional encoder")."""
+        return None if self.causal else "is a bidirectional encoder"
 
 
 class HFModel(LoadedModel):
@@ -149,6 +218,37 @@ class HFModel(LoadedModel):
         import copy
 
         return copy.deepcopy(self, {id(self.tokenizer): self.tokenizer})
+
+    random_tokens = "uniform over the tokenizer's ordinary tokens"
+
+    def inputs(self, text: str):
+        return self.tokenizer(text, return_tensors="pt")
+
+    def input_ids(self, inputs) -> Tensor:
+        return inputs["input_ids"] if isinstance(inputs, Mapping) else inputs
+
+    def last_real_position(self, ids: Sequence[int]) -> int:
+        special = set(getattr(self.tokenizer, "all_special_ids", ()))
+        real = [i for i, t in enumerate(ids) if t not in special]
+        return real[-1] if real else len(ids) - 1
+
+    def prefix_ids(self) -> list[int]:
+        from multihead.heads.tokens import prefix  # a leaf module: it imports nothing of multihead's
+
+        return prefix(self.tokenizer)
+
+    @property
+    def token_source(self):
+        return self.tokenizer
+
+    def word_tokenizer(self, use: str):
+        return self.tokenizer
+
+    def why_not_lm(self) -> str | None:
+        if self.is_causal_lm:
+            return None
+        return ("has no language-model head" if not self.has_lm_head else
+                "is an encoder-decoder" if self.encoder_decoder else "is a bidirectional encoder")
 
     def _inputs(self, ids: Tensor, decoder_ids: Tensor | None = None) -> dict:
         import torch

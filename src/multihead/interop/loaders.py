@@ -328,6 +328,10 @@ class LabModel(LoadedModel):
     def tokens(self, ids: Sequence[int]) -> list[str]:
         return self.vocab.decode(ids)
 
+    @property
+    def token_source(self) -> int:
+        return len(self.vocab)
+
     def random_ids(self, shape: tuple[int, ...], generator: torch.Generator) -> Tensor:
         import torch
 

@@ -26,7 +26,7 @@ import sys
 import time
 from pathlib import Path
 
-from multihead.cli_args import add_out, add_seed, add_threads, renamed
+from multihead.cli_args import add_json, add_out, add_seed, add_threads, renamed
 from multihead.errors import UsageError
 
 EXPERIMENTS = {
@@ -126,7 +126,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def _run_flags(p: argparse.ArgumentParser, name: str) -> None:
-    """Where the run goes and how it runs: --quick, --out, --force, --seed, --device, --threads."""
+    """Where the run goes and how it runs: --quick, --out, --force, --seed, --device, --threads, --json."""
     p.add_argument("--quick", action="store_true", help="a small version that runs in seconds (for tests)")
     add_out(p, f"output folder, new or empty (default lab-{name})", type=Path, default=None)
     p.add_argument("--force", action="store_true",
@@ -137,6 +137,7 @@ def _run_flags(p: argparse.ArgumentParser, name: str) -> None:
                    + " (default auto: cuda when present)")
     add_threads(p, "CPU threads for torch (default: 2 with 4 or more cores, else 1; 1 for kv and --quick)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
+    add_json(p, help="print the run's results.json instead of the text report (its notes go to stderr)")
 
 
 def _training_flags(p: argparse.ArgumentParser, d) -> None:
@@ -299,7 +300,10 @@ def _run(args: argparse.Namespace, out: Path, runner, cfg) -> int:
     shown = out
     if stage is not None:
         shown = _settle(stage, out, res)
-    _report(res, shown)
+    if args.json:
+        print((Path(shown) / "results.json").read_text(encoding="utf-8"), flush=True)
+    else:
+        _report(res, shown)
     if res["diverged"]:
         d = res["diverged"][0]
         more = f" (and {len(res['diverged']) - 1} more runs)" if len(res["diverged"]) > 1 else ""
@@ -459,7 +463,8 @@ def _configure_induction(args, common: dict):
                                       n_heads=args.n_heads, n_kv_heads=args.n_kv_heads, kv_rank=args.kv_rank,
                                       rope_dim=args.rope_dim, base=base, quick=args.quick)
     for line in notes:
-        print(f"multihead lab induction: {line}", flush=True)
+        # stdout is the report's, or with --json the JSON's alone
+        print(f"multihead lab induction: {line}", file=sys.stderr if args.json else sys.stdout, flush=True)
     given = {k: v for k, v in common.items() if v is not None}  # --steps etc. win over --quick's smoke run
     return run_induction, _build(args, InductionConfig, **{**geometry, "vocab": args.vocab,
                                                            "seq_len": args.seq_len, **given})
