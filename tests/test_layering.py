@@ -118,6 +118,9 @@ THIRD_PARTY = {
     "_model_mapping": "transformers' auto classes: whether a head class has a model for a config",
     "_tqdm_active": "transformers' logging: its progress bars without the hub's",
     "_fields": "namedtuple's field names (public API with an underscore against field clashes)",
+    "_forward_hooks": "nn.Module's registered forward hooks (no public reader): the edge tools refuse a hook on a "
+                      "module whose weights they read without calling it",
+    "_forward_pre_hooks": "see _forward_hooks",
 }
 
 

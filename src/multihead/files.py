@@ -86,16 +86,30 @@ def writable_target(path: str | os.PathLike) -> Path:
     return path
 
 
-def output_file(flag: str, value: str | None, example: str) -> Path | None:
+def output_file(flag: str, value: str | None, example: str, *, source: str | os.PathLike | None = None,
+                taken: dict[Path, str] | None = None) -> Path | None:
     """A command-line output file (`--png`, `--html`), checked before any work is done: not a
     folder, device, pipe or socket, in a folder that exists and can be written, not a read-only
-    file. None stays None. Errors are `UsageError`s naming the flag, with `example` as a valid
-    value."""
+    file, not inside the folder of `source` (the model the command reads: writing there could
+    replace its weights), not a file another flag of the same command writes (`taken`: resolved
+    path -> flag, filled in here). None stays None. Errors are `UsageError`s naming the flag,
+    with `example` as a valid value."""
     from multihead.errors import UsageError
 
     if value is None:
         return None
     path = Path(value).expanduser()
+    resolved = Path(os.path.realpath(path))
+    if source is not None:
+        src = Path(os.path.realpath(Path(source).expanduser()))
+        folder = src.parent if src.is_file() else src
+        if resolved == src or folder in resolved.parents:
+            raise UsageError(f"{flag} {value!r} is inside the model's own folder {str(folder)!r}; multihead never "
+                             f"writes there: give a path elsewhere, e.g. {flag} {example}")
+    if taken is not None:
+        if resolved in taken:
+            raise UsageError(f"{flag} {value!r} is the file {taken[resolved]} writes too; give each its own file")
+        taken[resolved] = flag
     if path.is_dir():
         raise UsageError(f"{flag} {value!r} is a folder; give a file name, e.g. {flag} {example}")
     if path.exists() and not Path(os.path.realpath(path)).is_file():

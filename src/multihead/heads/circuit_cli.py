@@ -24,6 +24,7 @@ from multihead.cli_args import add_json, add_model, add_seed, add_threads
 from multihead.errors import UsageError
 from multihead.files import atomic_path, output_file, write_text
 from multihead.heads.cli_common import THREADS_HELP, check_count, documented_parser
+from multihead.interop.loaders import model_source
 
 N_PAIRS = 20
 TOP = 20
@@ -191,7 +192,9 @@ def _html(path, r: dict) -> None:
 
 def run_circuit(args) -> int:
     """Run `multihead heads circuit` from parsed arguments; 0 on success (mistakes raise UsageError)."""
-    png, page = output_file("--png", args.png, "circuit.png"), output_file("--html", args.html, "circuit.html")
+    src, taken = model_source(args.model), {}
+    png = output_file("--png", args.png, "circuit.png", source=src, taken=taken)
+    page = output_file("--html", args.html, "circuit.html", source=src, taken=taken)
     r = circuit_result(args)
     if png:
         _png(png, r)

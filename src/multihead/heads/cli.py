@@ -52,6 +52,7 @@ from multihead.heads.cli_common import (
 )
 from multihead.heads.heatmap import text_table
 from multihead.heads.importance_cli import prune_curve  # noqa: F401 (a public name of this module)
+from multihead.interop.loaders import model_source
 
 TOP = 10
 CHECK_KS = (4, 8)  # the causal check ablates the top k heads of a ranking ...
@@ -486,7 +487,9 @@ def _main(args) -> int:
 
         return run_prune(args)
     if cmd == "scan":
-        png, html = output_file("--png", args.png, "scan.png"), output_file("--html", args.html, "scan.html")
+        src, taken = model_source(args.model), {}
+        png = output_file("--png", args.png, "scan.png", source=src, taken=taken)
+        html = output_file("--html", args.html, "scan.html", source=src, taken=taken)
         r = _scan(args)
         task = f", {r['task']}" if r.get("task") else ""
         heat_maps(r, png, html, "scan", f"{r['model']}: patching {r['what']}{task}",
@@ -494,7 +497,7 @@ def _main(args) -> int:
                   f"corrupted {r['metric_corrupted']:.3f}")
         print(json.dumps(r, indent=1)) if args.json else _print_scan(r)
     elif cmd == "induction":
-        png = output_file("--png", args.png, "induction.png")
+        png = output_file("--png", args.png, "induction.png", source=model_source(args.model))
         r = induction_study(args)
         if png:
             _induction_png(png, r)

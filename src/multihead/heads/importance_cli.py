@@ -20,6 +20,7 @@ from multihead.cli_args import add_json, add_model, add_out, add_threads
 from multihead.errors import UsageError
 from multihead.files import output_file
 from multihead.heads.cli_common import THREADS_HELP, check_count
+from multihead.interop.loaders import model_source
 
 HELD_OUT = 256  # verses the task's score is measured on (not the ones importance is computed on)
 STRIDE = 37  # every 37th verse: 320 verses spread over the KJV's 30,687 of 8+ words
@@ -232,7 +233,7 @@ def _print_importance(r: dict) -> None:
 
 def run_importance(args) -> int:
     """Run `multihead heads importance` from parsed arguments; 0 on success (mistakes raise UsageError)."""
-    png = output_file("--png", args.png, "curve.png")
+    png = output_file("--png", args.png, "curve.png", source=model_source(args.model))
     if png and not args.prune_curve:
         raise UsageError("--png draws the pruning curve; add --prune-curve")
     r = _importance(args)

@@ -36,6 +36,7 @@ from multihead.heads.cli_common import (
     token_after,
 )
 from multihead.heads.heatmap import text_table
+from multihead.interop.loaders import model_source
 
 TOP = 10
 N_PAIRS = 8
@@ -189,7 +190,9 @@ def _print(r: dict) -> None:
 
 def run_path(args) -> int:
     """Run `multihead heads path` from parsed arguments; 0 on success (mistakes raise UsageError)."""
-    png, html = output_file("--png", args.png, "path.png"), output_file("--html", args.html, "path.html")
+    src, taken = model_source(args.model), {}
+    png = output_file("--png", args.png, "path.png", source=src, taken=taken)
+    html = output_file("--html", args.html, "path.html", source=src, taken=taken)
     r = path_table(args)
     heat_maps(r, png, html, "path", _title(r),
               f"{_title(r)}; metric {r['metric']}: clean {r['metric_clean']:.3f}, "

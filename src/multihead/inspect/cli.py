@@ -30,7 +30,7 @@ import warnings
 from multihead.cli_args import add_json, add_model
 from multihead.errors import UsageError
 from multihead.files import output_file
-from multihead.interop.loaders import quiet_hub
+from multihead.interop.loaders import model_source, quiet_hub
 
 TOP = 10  # rows of the role table without --roles
 _MAX_STDIN = 16 * 2**20
@@ -171,9 +171,10 @@ def _main(args: argparse.Namespace, stack: contextlib.ExitStack) -> int:
     text = _text_argument(args)
     layers = _indices("--only-layers", args.layers)
     heads = _indices("--only-heads", args.heads)
-    html_path = output_file("--html", args.html, "view.html")
-    png_path = output_file("--png", args.png, "heads.png")
-    table_path = output_file("--table", args.table, "heads.json")
+    src, taken = model_source(args.model), {}
+    html_path = output_file("--html", args.html, "view.html", source=src, taken=taken)
+    png_path = output_file("--png", args.png, "heads.png", source=src, taken=taken)
+    table_path = output_file("--table", args.table, "heads.json", source=src, taken=taken)
     if args.max_tokens is not None and args.max_tokens < 1:
         raise UsageError(f"--max-tokens must be >= 1; received {args.max_tokens}")
 

@@ -28,7 +28,7 @@ if TYPE_CHECKING:  # torch is imported where it is used, so the CLI can refuse b
 
 
 __all__ = ["InspectError", "LabModel", "TruncationWarning", "cache_dir",
-           "gemma3_path", "gguf_cache_folder", "head_class", "load_model", "minilm_path", "quiet_hub",
+           "gemma3_path", "gguf_cache_folder", "head_class", "load_model", "minilm_path", "model_source", "quiet_hub",
            "register_loader", "resolve_model", "smollm2_path"]
 
 MINILM = "minilm"
@@ -184,6 +184,15 @@ def _is_gguf(path: Path) -> bool:
             return f.read(len(GGUF_MAGIC)) == GGUF_MAGIC
     except OSError:
         return False
+
+
+def model_source(spec) -> Path | None:
+    """The folder or .gguf file `spec` names (what `resolve_model` finds), or None where it
+    names none: what a command's output files must stay out of."""
+    try:
+        return resolve_model(spec)[1]
+    except (InspectError, ValueError, OSError):
+        return None
 
 
 def resolve_model(spec) -> tuple[str, Path, str, dict]:
