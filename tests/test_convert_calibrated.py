@@ -6,6 +6,7 @@ nothing is merged or truncated, and the merge never worse than the mean in the m
 
 from __future__ import annotations
 
+import copy
 import math
 import re
 
@@ -308,3 +309,16 @@ def test_calibration_ids_of_a_wrong_shape_are_a_value_error_naming_it(shape):
         with pytest.raises(ValueError, match=re.escape(f"{fn}: {want}")):
             call()
     assert all(torch.equal(v, model.state_dict()[k]) for k, v in before.items())
+
+
+@pytest.mark.parametrize("convert_it", [lambda m: convert.to_gqa(m, 1, calibration=_cal()),
+                                        lambda m: convert.to_mla(m, 8, rope_dim=4, calibration=_cal())])
+def test_a_compiled_model_is_refused_by_name(convert_it):
+    """torch.compile(model) is not the transformers model it wraps: to_gqa's refusal named an init
+    and a calibration that were not what was given."""
+    model = _llama()
+    for compiled_model in (torch.compile(model), copy.deepcopy(model)):
+        if compiled_model is not model and not hasattr(compiled_model, "_orig_mod"):
+            compiled_model.compile()
+        with pytest.raises(ValueError, match=r"is compiled \(torch.compile\); .*valid: the uncompiled model"):
+            convert_it(compiled_model)

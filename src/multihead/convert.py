@@ -30,6 +30,7 @@ from multihead.conversion_parts import (
 )
 from multihead.interop.torch import from_torch, to_torch
 from multihead.latent import LatentAttention
+from multihead.model_state import compiled
 
 __all__ = ["GQA_INITS", "ConversionReport", "LayerConversion", "MLAReport", "from_torch", "grouped_kv_error",
            "mla_report", "pool_kv_heads", "to_gqa", "to_mla", "to_torch"]
@@ -91,6 +92,7 @@ def to_gqa(model, n_kv_heads: int, *, init: str | None = None, generator: torch.
             a model without attention layers.
         TypeError: neither an `Attention` nor an `nn.Module`; n_kv_heads not an int.
     """
+    _check_uncompiled("to_gqa", model)
     if init is not None and init not in GQA_INITS:
         raise ValueError(f"init must be one of {', '.join(GQA_INITS)}; received {init!r}")
     target = _gqa_target(model, n_kv_heads)
@@ -148,6 +150,13 @@ def _gqa_layer(attn: Attention, n_kv_heads: int, init: str, generator: torch.Gen
 
 
 # ------------------------------------------------------------- whole models
+
+
+def _check_uncompiled(fn: str, model) -> None:
+    if compiled(model):
+        raise ValueError(f"{fn}: {type(model).__name__} is compiled (torch.compile); a conversion copies and "
+                         "rewrites the model's layers, which a compiled forward would not run; valid: the uncompiled "
+                         "model (for torch.compile(model): its ._orig_mod), compiled again after the conversion")
 
 
 def _is_transformers_model(model) -> bool:
@@ -382,6 +391,7 @@ def to_mla(model, kv_rank: int, *, rope_dim: int | None = None, keep: str | None
     Returns:
         the converted layer or model, or `(new, report)` with `return_report=True`.
     """
+    _check_uncompiled("to_mla", model)
     if _is_transformers_model(model):
         from multihead.interop.hf.mla import transformers_to_mla
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 from contextlib import contextmanager
 
-__all__ = ["kept_state"]
+__all__ = ["compiled", "kept_state"]
 
 
 @contextmanager
@@ -64,3 +64,11 @@ def _restore_attention(model, configs: list[tuple[object, object]]) -> None:
     for config, value in configs:
         if config._attn_implementation != value:
             config._attn_implementation = value
+
+
+def compiled(model) -> bool:
+    """Whether `model` runs through torch.compile: an OptimizedModule (`torch.compile(model)`),
+    `model.compile()`, or a compiled function put on `model.forward`."""
+    forward = getattr(model, "__dict__", {}).get("forward")
+    return (hasattr(model, "_orig_mod") or getattr(model, "_compiled_call_impl", None) is not None
+            or (forward is not None and hasattr(forward, "_torchdynamo_orig_callable")))

@@ -25,6 +25,7 @@ import torch
 from torch import Tensor, nn
 
 from multihead.head_access import has_heads
+from multihead.model_state import compiled
 
 KEYWORD = "multihead_heads"  # = multihead.interop.hf.registry.INTERVENTION_KEYWORD (not imported: no transformers)
 WEIGHTS_KEYWORD = "multihead_weights"  # = its REQUEST_KEYWORD
@@ -172,14 +173,6 @@ def check_model(model) -> None:
         raise ValueError(f"{type(model).__name__} has no multihead Attention/LatentAttention module and is not a "
                          "transformers model; valid: a transformers model on attn_implementation='multihead', or "
                          "a module built from multihead.Attention / LatentAttention")
-
-
-def compiled(model: nn.Module) -> bool:
-    """Whether `model` runs through torch.compile: an OptimizedModule (`torch.compile(model)`),
-    `model.compile()`, or a compiled function put on `model.forward`."""
-    forward = model.__dict__.get("forward")
-    return (hasattr(model, "_orig_mod") or getattr(model, "_compiled_call_impl", None) is not None
-            or (forward is not None and hasattr(forward, "_torchdynamo_orig_callable")))
 
 
 def check_grad_mode(what: str) -> None:
