@@ -1,6 +1,6 @@
 """Gemma 3 270M on attn_implementation="multihead": 5 of every 6 layers attend through a
 512-token sliding window, the 6th globally; one KV head for 4 query heads of width 256;
-QK-norm. At 700 and 2,048 tokens (past the window, so both kinds of layer differ from
+QK-norm. At 700, 2,048 and 8,192 tokens (past the window, so both kinds of layer differ from
 plain causal attention) the logits equal transformers' eager attention as closely as its
 own sdpa does; the windowed layers reach the kernel as a mask predicate (block-sparse,
 no dense (T, S) mask) and the global ones as plain causality; greedy generate past the
@@ -11,7 +11,8 @@ sums in different orders; multihead is a third. Its distance to eager may be a s
 multiple of sdpa's (each is a float32 rounding of the same sums) plus float32's relative
 error on the logits' scale (2^-23 per operation, over the model's 18 layers of sums of
 thousands of terms: 1e-5 of the largest logit leaves that room). Slow: loads the model
-(~35 s from the float32 cache) and runs ~10 forwards of up to 2,048 tokens.
+(~35 s from the float32 cache) and runs ~10 forwards of up to 2,048 tokens and three of
+8,192 (about 3 minutes on one thread; eager's (T, T) weights are 1 GiB a layer there).
 """
 
 from __future__ import annotations
@@ -66,8 +67,13 @@ class _Masks:
         self.calls.append((module.layer_idx, type(mask).__name__, causal, tuple(query.shape), tuple(key.shape)))
 
 
-@pytest.mark.parametrize("T", [700, 2048])
+@pytest.mark.parametrize("T", [700, 2048, 8192])
 def test_logits_equal_eager_attention_as_closely_as_sdpa(gemma, kjv_ids, T):
+    """At 8,192 tokens the hidden states are compared at the positions whose logits are read:
+    over all positions the maximum is one token's (position 5,173 of this text amplifies any
+    rounding of the first global layer 100- to 300-fold by the last layer, sdpa's and multihead's
+    alike), so a maximum over all 8,192 rows compares where each kernel's rounding happened to
+    fall on that token, not how exact the kernels are."""
     model = gemma.model
     ids = kjv_ids[:, :T]
     assert ids[0, 0] == gemma.tokenizer.bos_token_id
@@ -79,6 +85,8 @@ def test_logits_equal_eager_attention_as_closely_as_sdpa(gemma, kjv_ids, T):
     scale = e_logits.abs().max().item()
     bound = 4 * sdpa_err + 1e-5 * scale
     assert ours <= bound, f"T={T}: multihead vs eager {ours:.3g}, sdpa vs eager {sdpa_err:.3g}, bound {bound:.3g}"
+    rows = slice(-KEEP, None) if T > 2048 else slice(None)
+    hidden, e_hidden, s_hidden = hidden[rows], e_hidden[rows], s_hidden[rows]
     h_bound = 4 * (s_hidden - e_hidden).abs().max().item() + 1e-5 * e_hidden.abs().max().item()
     assert (hidden - e_hidden).abs().max().item() <= h_bound
     assert torch.equal(logits.argmax(-1), e_logits.argmax(-1))
