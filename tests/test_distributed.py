@@ -212,6 +212,19 @@ def _w_world_4(rank, world):
     return diffs
 
 
+class _OtherVariant(torch.nn.Module):
+    """An attention variant the head tools understand (`head_access`) but shard_heads does not."""
+
+    def __init__(self):
+        super().__init__()
+        self.q_proj, self.k_proj, self.v_proj, self.o_proj = (torch.nn.Linear(8, 8) for _ in range(4))
+
+    def head_access(self):
+        from multihead.head_access import HeadAccess
+
+        return HeadAccess("attention", 2, 2, 4, 4, q=self.q_proj, o=self.o_proj, k=self.k_proj, v=self.v_proj)
+
+
 def _w_errors_2(rank, world):
     """Bad input: every rank must raise, with a message naming what was received."""
     from torch.distributed.device_mesh import init_device_mesh
@@ -242,6 +255,7 @@ def _w_errors_2(rank, world):
     mesh = init_device_mesh("cpu", (world,))
     expect("heads not divisible", lambda: shard_heads(Attention(24, 3), mesh))
     expect("kv heads", lambda: shard_heads(Attention(24, 6, 3, head_dim=4), mesh))
+    expect("not ours", lambda: shard_heads(_OtherVariant(), mesh), TypeError)
     expect("layout", lambda: ring_attention(y, y, y, layout="striped"))
     # the class and the message `attend` gives (TypeError); any other class fails this rank
     expect("ring dtype", lambda: ring_attention(y, y.float(), y), TypeError)
@@ -415,6 +429,8 @@ def test_bad_input_raises_on_every_rank():
                                              "divide it (then each KV head is replicated on P / Hkv ranks); "
                                              "valid: 1, 3, 6")
         assert "'striped'" in messages["layout"]
+        assert messages["not ours"].endswith("shard_heads takes a multihead Attention or LatentAttention (subclasses "
+                                             "included); received _OtherVariant")
         assert messages["ring dtype"].endswith(": q, k, v must share a dtype; received q torch.float64, "
                                                "k torch.float32, v torch.float64")
     assert "received str" in results[1]["one rank bad"]

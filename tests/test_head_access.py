@@ -128,3 +128,26 @@ def test_blocks_the_forward_never_calls_are_refused_by_name():
     got = heads.path_patch_scan(model, clean, corrupted, _metric, [(1, 0)])
     want = heads.path_patch_scan(called, clean, corrupted, _metric, [(1, 0)])
     assert (got - want).abs().max() < 1e-5 * (1 + float(want.abs().max()))
+
+
+def test_prune_refuses_a_variant_whose_head_counts_it_cannot_set_and_changes_nothing():
+    """prune narrows what head_access names, but a variant's forward may read its head count
+    from anywhere (WrittenOut's is a constant): it is refused by its class's name before any
+    weight changes. The same weights on Attention prune to what ablate computes."""
+    torch.manual_seed(0)
+    new = Tiny(WrittenOut).eval()
+    before = {k: v.clone() for k, v in new.state_dict().items()}
+    with pytest.raises(ValueError, match="layer 1 physically: it is a WrittenOut.*heads.ablate"):
+        heads.prune(new, [(1, 2)])
+    assert all(torch.equal(before[k], v) for k, v in new.state_dict().items())
+    ours = Tiny(lambda: Attention(C, H, causal=True)).eval().double()
+    ours.load_state_dict(new.double().state_dict())
+    clean, _ = _pair()
+    with torch.no_grad(), heads.ablate(ours, [(1, 2)]):
+        want = ours(clean)
+    pruned = heads.prune(ours, [(1, 2)])
+    assert pruned.blocks[1].attn.q_proj.out_features == (H - 1) * (C // H)
+    with torch.no_grad():
+        got = pruned(clean)
+    diff = float((got - want).abs().max())
+    assert diff < 1e-12 * (1 + float(want.abs().max())), f"max diff {diff:.2e}"

@@ -219,8 +219,10 @@ def _check_module(module, mesh) -> None:
     if isinstance(module, _HeadSharded):
         raise ValueError("this module is already sharded by shard_heads")
     if not isinstance(module, (Attention, LatentAttention)):
-        raise TypeError(f"shard_heads takes a multihead Attention or LatentAttention; received "
-                        f"{type(module).__name__}")
+        # Not the head_access protocol: sharding swaps in a subclass that overrides these two
+        # classes' own methods (new_cache, ALiBi's slopes, the latent), so another variant is refused.
+        raise TypeError(f"shard_heads takes a multihead Attention or LatentAttention (subclasses included); "
+                        f"received {type(module).__name__}")
     P, H = mesh.size(), module.n_heads
     check_divisible("n_heads", H, "the number of ranks", P)
     device = next(module.parameters()).device

@@ -18,6 +18,7 @@ from torch import nn
 
 from multihead.attention import Attention
 from multihead.decoder import LabConfig
+from multihead.head_access import HeadAccess
 from multihead.heads._interventions import check_heads
 from multihead.heads.engine import is_hf, multihead_modules
 from multihead.latent import LatentAttention
@@ -54,23 +55,34 @@ def _plan(H: int, Hkv: int, removed: set[int], where: str) -> tuple[list[int], l
     return keep, kv
 
 
-def _prune_attention(m: Attention, removed: set[int], where: str) -> None:
-    D = m.head_dim
-    keep, kv = _plan(m.n_heads, m.n_kv_heads, removed, where)
-    _narrow(m.q_proj, rows=_rows(keep, D))
-    _narrow(m.k_proj, rows=_rows(kv, D))
-    _narrow(m.v_proj, rows=_rows(kv, D))
-    _narrow(m.o_proj, cols=_rows(keep, D))
-    m.n_heads, m.n_kv_heads = len(keep), len(kv)
+# The classes whose head counts prune knows how to set after narrowing what `head_access()`
+# names: another variant's forward may read its counts from anywhere, so it is refused by name.
+_SETS_COUNTS = (Attention, LatentAttention)
 
 
-def _prune_latent(m, removed: set[int], where: str) -> None:
-    keep = [h for h in range(m.n_heads) if h not in removed]
-    qk = m.head_dim + m.rope_dim
-    _narrow(m.q_proj if m.q_rank is None else m.q_b_proj, rows=_rows(keep, qk))
-    _narrow(m.kv_b_proj, rows=_rows(keep, m.head_dim + m.v_head_dim))
-    _narrow(m.o_proj, cols=_rows(keep, m.v_head_dim))
-    m.n_heads = len(keep)
+def _access(m: nn.Module, i: int) -> HeadAccess:
+    """Layer `i`'s heads as the tools see them; a module prune cannot narrow is refused, by name."""
+    if not isinstance(m, _SETS_COUNTS):
+        raise ValueError(f"cannot prune layer {i} physically: it is a {type(m).__name__}, and prune narrows only "
+                         "multihead's Attention and LatentAttention (it cannot know where another module's "
+                         "forward reads its head counts); use multihead.heads.ablate(model, heads) for the same "
+                         "function without removing weights")
+    return m.head_access()
+
+
+def _prune_module(m: nn.Module, a: HeadAccess, removed: set[int], where: str) -> None:
+    """Narrow the projections `a` names to the kept heads, then the module's head counts."""
+    if a.kind == "attention":
+        keep, kv = _plan(a.H, a.Hkv, removed, where)
+        _narrow(a.k, rows=_rows(kv, a.D))
+        _narrow(a.v, rows=_rows(kv, a.Dv))
+        m.n_heads, m.n_kv_heads = len(keep), len(kv)
+    else:  # latent: every head reads the one latent through its rows of the up-projection
+        keep = [h for h in range(a.H) if h not in removed]
+        _narrow(a.kv, rows=_rows(keep, a.D + a.Dv))
+        m.n_heads = len(keep)
+    _narrow(a.q, rows=_rows(keep, a.q.out_features // a.H))  # D, or D + rope for MLA
+    _narrow(a.o, cols=_rows(keep, a.Dv))
 
 
 def hf_attention_modules(model) -> list[nn.Module]:
@@ -297,25 +309,25 @@ def prune(model: nn.Module, heads, *, pad: bool = False) -> nn.Module:
         if bad:
             raise ValueError(f"layer(s) {bad} out of range: this model has {len(mine)} attention layers "
                              f"(0..{len(mine) - 1})")
+        access = {i: _access(mine[i], i) for i in by_layer}
         for i, removed in by_layer.items():
-            m = mine[i]
-            out = [h for h in removed if h >= m.n_heads]
+            out = [h for h in removed if h >= access[i].H]
             if out:
-                raise ValueError(f"head(s) {sorted(out)} out of range in layer {i}, which has {m.n_heads} query heads")
+                raise ValueError(f"head(s) {sorted(out)} out of range in layer {i}, which has {access[i].H} query "
+                                 "heads")
         for i, removed in by_layer.items():  # every check before the first change
-            m = mine[i]
-            if isinstance(m, Attention):
-                if m.alibi:
+            a = access[i]
+            if a.kind == "attention":
+                if getattr(mine[i], "alibi", False):
                     raise ValueError(f"layer {i} uses ALiBi, whose slopes follow the head count: pruning would "
                                      "change the remaining heads; use multihead.heads.ablate")
-                _plan(m.n_heads, m.n_kv_heads, removed, f"layer {i}")
-            elif len(removed) >= m.n_heads:
+                _plan(a.H, a.Hkv, removed, f"layer {i}")
+            elif len(removed) >= a.H:
                 raise ValueError(f"pruning would remove every head of layer {i}; keep at least one")
         owners = _owners(model)
         deepseek = _plan_deepseek(model, mine, owners, by_layer) if owners else None
         for i, removed in by_layer.items():
-            m = mine[i]
-            (_prune_attention if isinstance(m, Attention) else _prune_latent)(m, removed, f"layer {i}")
+            _prune_module(mine[i], access[i], removed, f"layer {i}")
         if deepseek is not None:
             _set_deepseek_heads(owners, _configs(model, owners), *deepseek)
         _follow_lab_config(model, mine)

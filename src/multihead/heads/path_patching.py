@@ -191,11 +191,29 @@ class _Stop(Exception):
 
 
 class _Step(Handler):
-    """What both steps do under the prefix skip: keys and values of positions [p, T) get the
-    corrupted run's [0, p) in front (the attention reads them as a KV cache)."""
+    """What both steps do: act on the receivers' queries, keys and values (`_at`, each step
+    its own); under the prefix skip, keys and values of positions [p, T) get the corrupted
+    run's [0, p) in front (the attention reads them as a KV cache)."""
+
+    receivers: dict[tuple[int, str], list[int]]
 
     def __init__(self, skip: _Skip | None):
         self.skip = skip
+
+    def _at(self, lay: Layer, t: Tensor, via: str) -> Tensor:
+        raise NotImplementedError
+
+    def q(self, lay, q):
+        return self._at(lay, q, "q")
+
+    def k(self, lay, k):
+        return self._at(lay, self._full(lay, k, "k"), "k")
+
+    def v(self, lay, v):
+        return self._at(lay, self._full(lay, v, "v"), "v")
+
+    def wants_kv(self, lay):
+        return any(via != "q" for _, via in self.receivers)
 
     def _full(self, lay: Layer, t: Tensor, what: str) -> Tensor:
         sk = self.skip
@@ -233,25 +251,13 @@ class _Pinned(_Step):
                     new[i * B:(i + 1) * B, :, h] = clean[:, :, h].to(z.dtype)
         return new
 
-    def _keep(self, lay: Layer, t: Tensor, via: str) -> Tensor:
+    def _at(self, lay: Layer, t: Tensor, via: str) -> Tensor:
         hs = self.receivers.get((lay.index, via))
         if hs is not None:
             self.kept[lay.index, via] = t[:, :, hs].clone()  # (n B, T|S, receivers, D)
             if lay.index == self.stop and all(key in self.kept for key in self.receivers):
                 raise _Stop
         return t
-
-    def q(self, lay, q):
-        return self._keep(lay, q, "q")
-
-    def k(self, lay, k):
-        return self._keep(lay, self._full(lay, k, "k"), "k")
-
-    def v(self, lay, v):
-        return self._keep(lay, self._full(lay, v, "v"), "v")
-
-    def wants_kv(self, lay):
-        return any(via != "q" for _, via in self.receivers)
 
 
 class _Received(_Step):
@@ -262,25 +268,13 @@ class _Received(_Step):
         super().__init__(skip)
         self.kept, self.receivers = kept, receivers
 
-    def _put(self, lay: Layer, t: Tensor, via: str) -> Tensor:
+    def _at(self, lay: Layer, t: Tensor, via: str) -> Tensor:
         new = self.kept.get((lay.index, via))
         if new is None:
             return t
         t = t.clone()
         t[:, :, self.receivers[lay.index, via]] = new.to(t.dtype)
         return t
-
-    def q(self, lay, q):
-        return self._put(lay, q, "q")
-
-    def k(self, lay, k):
-        return self._put(lay, self._full(lay, k, "k"), "k")
-
-    def v(self, lay, v):
-        return self._put(lay, self._full(lay, v, "v"), "v")
-
-    def wants_kv(self, lay):
-        return any(via != "q" for _, via in self.receivers)
 
 
 # ---------------------------------------------------------------- running the model

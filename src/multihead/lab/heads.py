@@ -26,10 +26,10 @@ from multihead.checkpoint import Vocab, save_lab_checkpoint
 from multihead.checks import check_divisible
 from multihead.decoder import LabConfig, LabTransformer
 from multihead.lab.configs import HeadsConfig
-from multihead.lab.devices import resolve_device, seed_everything
+from multihead.lab.devices import seed_everything
 from multihead.lab.plots import draw_plots, pyplot, save_figure
 from multihead.lab.progress import Overall
-from multihead.lab.results import finished_runs, new_results, write_json_atomic
+from multihead.lab.results import finished_runs, start_run, write_json_atomic
 from multihead.lab.training import StepCallback, diverged_entry, train
 
 __all__ = ["HeadsConfig", "run_heads"]
@@ -74,11 +74,7 @@ def run_heads(cfg: HeadsConfig | None = None, out_dir: str | Path = "lab-heads",
     cfg = cfg or HeadsConfig()
     for h in cfg.head_counts:
         check_divisible("d_model", cfg.d_model, "n_heads", h)
-    dev = resolve_device(device)
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    res = new_results("heads", cfg, seed, dev)
-    t0 = time.perf_counter()
+    dev, out, res, t0 = start_run("heads", cfg, out_dir, seed, device)
     runs: list[dict] = []
     res["results"] = {"runs": runs}
     best_model = {}

@@ -24,9 +24,9 @@ from multihead.checkpoint import Vocab, save_lab_checkpoint
 from multihead.decoder import LabConfig, LabTransformer
 from multihead.lab.ablation import ablation_check, ablation_line, plot_ablation
 from multihead.lab.configs import InductionConfig
-from multihead.lab.devices import resolve_device, seed_everything
+from multihead.lab.devices import seed_everything
 from multihead.lab.plots import distinct_colours, draw_plots, pyplot, save_figure
-from multihead.lab.results import new_results, write_json_atomic
+from multihead.lab.results import start_run, write_json_atomic
 from multihead.lab.training import StepCallback, diverged_entry, train
 
 __all__ = ["InductionConfig", "run_induction"]
@@ -82,11 +82,7 @@ def run_induction(cfg: InductionConfig | None = None, out_dir: str | Path = "lab
                   device: str = "auto", callback: StepCallback | None = None, progress: bool = True) -> dict:
     """Train, score heads over training; write results.json, induction.png and model/ to `out_dir`."""
     cfg = cfg or InductionConfig()
-    dev = resolve_device(device)
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    res = new_results("induction", cfg, seed, dev)
-    t0 = time.perf_counter()
+    dev, out, res, t0 = start_run("induction", cfg, out_dir, seed, device)
     vocab = Vocab("symbols", tuple(str(i) for i in range(cfg.vocab)))
     gen = seed_everything(seed)
     model = LabTransformer(model_config(cfg)).to(dev)

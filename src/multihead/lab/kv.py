@@ -20,9 +20,9 @@ import torch
 
 from multihead.checks import check_divisible, check_kv_heads, variant_name
 from multihead.lab.configs import KVConfig
-from multihead.lab.devices import resolve_device, seed_everything
+from multihead.lab.devices import seed_everything
 from multihead.lab.plots import draw_plots, pyplot, save_figure
-from multihead.lab.results import new_results, write_json_atomic
+from multihead.lab.results import start_run, write_json_atomic
 from multihead.lab.training import StepCallback
 
 __all__ = ["KVConfig", "run_kv"]
@@ -55,11 +55,7 @@ def run_kv(cfg: KVConfig | None = None, out_dir: str | Path = "lab-kv", *, seed:
 
     cfg = cfg or KVConfig()
     check_divisible("d_model", cfg.d_model, "n_heads", cfg.n_heads)
-    dev = resolve_device(device)
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    res = new_results("kv", cfg, seed, dev)
-    t0 = time.perf_counter()
+    dev, out, res, t0 = start_run("kv", cfg, out_dir, seed, device)
     rows: list[dict] = []
     res["results"] = {"rows": rows}
     variants = _variants(cfg)

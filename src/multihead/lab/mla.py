@@ -25,11 +25,11 @@ from multihead.checks import check_kv_heads, variant_name
 from multihead.corpus import KJV, load_corpus  # noqa: F401  (KJV: lab mla's --corpus default)
 from multihead.decoder import LabConfig, LabTransformer
 from multihead.lab.configs import MLAConfig
-from multihead.lab.devices import resolve_device, seed_everything
+from multihead.lab.devices import seed_everything
 from multihead.lab.mla_report import plot_curves, plot_tradeoff, summarise_mla
 from multihead.lab.plots import draw_plots
 from multihead.lab.progress import Overall
-from multihead.lab.results import finished_runs, new_results, write_json_atomic
+from multihead.lab.results import finished_runs, start_run, write_json_atomic
 from multihead.lab.training import StepCallback, diverged_entry, train
 
 __all__ = ["MLAConfig", "load_corpus", "run_mla", "split_corpus", "val_bits_per_char", "windows"]
@@ -91,12 +91,8 @@ def run_mla(cfg: MLAConfig | None = None, out_dir: str | Path = "lab-mla", *, se
             callback: StepCallback | None = None, progress: bool = True) -> dict:
     """Run the experiment; write results.json, plots and checkpoints to `out_dir`."""
     cfg = cfg or MLAConfig()
-    dev = resolve_device(device)
     vocab, corpus, train_ids, val_ids = split_corpus(cfg)
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    res = new_results("mla", cfg, seed, dev)
-    t0 = time.perf_counter()
+    dev, out, res, t0 = start_run("mla", cfg, out_dir, seed, device)
     res["results"] = {"corpus": corpus, "runs": [], "conversions": []}
     gen_val = torch.Generator().manual_seed(1_000_003 + seed)
     val_batches = [windows(val_ids, cfg.batch_size, cfg.context, gen_val) for _ in range(cfg.eval_batches)]

@@ -15,6 +15,7 @@ import datetime as _dt
 import json
 import math
 import os
+import time
 from collections.abc import Iterable
 from dataclasses import asdict, is_dataclass
 from pathlib import Path
@@ -23,10 +24,11 @@ import torch
 
 from multihead.errors import UsageError
 from multihead.files import write_text
-from multihead.lab.devices import machine_info
+from multihead.lab.devices import machine_info, resolve_device
 from multihead.lab.lock import LockHeld, pid_lock
 
-__all__ = ["ResultsSchemaError", "check_results", "finished_runs", "lock_out", "new_results", "write_json_atomic"]
+__all__ = ["ResultsSchemaError", "check_results", "finished_runs", "lock_out", "new_results", "start_run",
+           "write_json_atomic"]
 
 
 def new_results(experiment: str, config, seed: int, device: torch.device | str) -> dict:
@@ -51,6 +53,16 @@ def new_results(experiment: str, config, seed: int, device: torch.device | str) 
         "diverged": [],
         "notes": [],
     }
+
+
+def start_run(experiment: str, config, out_dir: str | os.PathLike, seed: int,
+              device: str) -> tuple[torch.device, Path, dict, float]:
+    """What every experiment does first: (the device `device` resolves to, `out_dir` made,
+    the results skeleton, the `time.perf_counter()` its elapsed_s is counted from)."""
+    dev = resolve_device(device)
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    return dev, out, new_results(experiment, config, seed, dev), time.perf_counter()
 
 
 @contextlib.contextmanager

@@ -24,11 +24,11 @@ import torch
 
 from multihead.checkpoint import Vocab, load_lab_checkpoint, save_lab_checkpoint
 from multihead.decoder import LabConfig, LabTransformer
-from multihead.lab.devices import resolve_device, seed_everything
+from multihead.lab.devices import seed_everything
 from multihead.lab.mla import cache_bytes_per_token, split_corpus, val_bits_per_char, windows
 from multihead.lab.plots import draw_plots
 from multihead.lab.progress import Overall
-from multihead.lab.results import new_results, write_json_atomic
+from multihead.lab.results import start_run, write_json_atomic
 from multihead.lab.training import StepCallback, diverged_entry, train
 from multihead.lab.uptrain_config import UptrainConfig
 from multihead.lab.uptrain_report import plot_frontier, plot_uptrain, summarise_uptrain
@@ -71,15 +71,11 @@ def run_uptrain(cfg: UptrainConfig | None = None, out_dir: str | Path = "lab-upt
                 device: str = "auto", callback: StepCallback | None = None, progress: bool = True) -> dict:
     """Run the experiment; write results.json, plots and the baseline's checkpoint to `out_dir`."""
     cfg = cfg or UptrainConfig()
-    dev = resolve_device(device)
     source = None
     if cfg.from_checkpoint is not None:
         source, cfg, seed = _load_source(cfg)
     vocab, corpus, train_ids, val_ids = split_corpus(cfg)
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    res = new_results("uptrain", cfg, seed, dev)
-    t0 = time.perf_counter()
+    dev, out, res, t0 = start_run("uptrain", cfg, out_dir, seed, device)
     res["results"] = {"corpus": corpus, "uptrain_peak_lr": cfg.uptrain_peak_lr, "mha": None, "variants": [],
                       "scratch": []}
     gen_val = torch.Generator().manual_seed(1_000_003 + seed)  # the validation windows of `lab mla`

@@ -20,6 +20,7 @@ import math
 import torch
 from torch import Tensor, nn
 
+from multihead.interop.hf.layers import layer_inputs
 from multihead.interop.hf.mla import LatentLlamaAttention
 
 __all__ = ["latent_norm_fit", "to_deepseek_v2"]
@@ -79,21 +80,9 @@ def latent_norm_fit(model: nn.Module, calibration: Tensor, *, ballast: bool = Tr
         raise TypeError("calibration must be a non-empty LongTensor of token ids (B, T), for the latent norm's gain; "
                         "received " + (f"a {calibration.dtype} tensor of shape {tuple(calibration.shape)}"
                                        if isinstance(calibration, Tensor) else type(calibration).__name__))
-    seen: list[list[Tensor]] = [[] for _ in layers]
-    handles = []
-    for i, layer in enumerate(layers):
-        def grab(module, args, kwargs, i=i):
-            x = kwargs.get("hidden_states", args[0] if args else None)
-            seen[i].append(x.detach().reshape(-1, x.shape[-1]))
-        handles.append(layer.register_forward_pre_hook(grab, with_kwargs=True))
-    try:
-        with torch.no_grad():
-            model(input_ids=calibration.to(next(model.parameters()).device), use_cache=False)
-    finally:
-        for h in handles:
-            h.remove()
     fits = []
-    for layer, xs in zip(layers, seen):
+    for layer, xs in zip(layers, layer_inputs(model, layers, calibration)):
+        xs = [x.reshape(-1, x.shape[-1]) for x in xs]  # (B T, C) each
         m = layer.mla
         x = torch.cat(xs).double()  # (N, C)
         with torch.no_grad():

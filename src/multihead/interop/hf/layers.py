@@ -172,6 +172,25 @@ def from_llama(attn_module: nn.Module, *, backend: str = "auto") -> Attention:
     return attn
 
 
+def layer_inputs(model: nn.Module, layers: list[nn.Module], ids: Tensor) -> list[list[Tensor]]:
+    """Each of `layers`' input hidden states `(B, T, C)`, one per call, when `model` reads
+    token ids `ids` `(B, T)` in one forward without a cache (the calibrated conversions' data)."""
+    seen: list[list[Tensor]] = [[] for _ in layers]
+    handles = []
+    for i, m in enumerate(layers):
+        def grab(module, args, kwargs, i=i):
+            x = kwargs.get("hidden_states", args[0] if args else None)
+            seen[i].append(x.detach())
+        handles.append(m.register_forward_pre_hook(grab, with_kwargs=True))
+    try:
+        with torch.no_grad():
+            model(input_ids=ids.to(next(model.parameters()).device), use_cache=False)
+    finally:
+        for h in handles:
+            h.remove()
+    return seen
+
+
 def sliding_window_of(attn_module: nn.Module) -> int | None:
     """A transformers attention layer's causal window: its own attribute, else its config's
     (per layer type where the config lists them, as Qwen2's does); None for none."""

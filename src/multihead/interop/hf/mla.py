@@ -25,7 +25,7 @@ from torch import Tensor, nn
 
 from multihead.conversion_parts import ConversionReport, LayerConversion, relative_error
 from multihead.interop.hf.calibrated import calibration_ids, layer_stats, turn_pairs
-from multihead.interop.hf.layers import sliding_window_of
+from multihead.interop.hf.layers import layer_inputs, sliding_window_of
 from multihead.interop.hf.registry import hf_mask
 from multihead.latent import LatentAttention
 from multihead.rope import apply_rotary
@@ -99,20 +99,8 @@ def _activation_scores(attn: nn.Module, xs: list[Tensor]) -> Tensor:
 def _layer_inputs(model: nn.Module, layers: list[tuple[str, nn.Module]], calibration) -> dict[str, list[Tensor]]:
     """Each attention layer's input hidden states when the model reads `calibration`."""
     ids = calibration_ids(calibration, fn="rope_pair_scores", vocab=model.get_input_embeddings().num_embeddings)
-    seen: dict[str, list[Tensor]] = {name: [] for name, _ in layers}
-    handles = []
-    for name, m in layers:
-        def grab(module, args, kwargs, name=name):
-            x = kwargs.get("hidden_states", args[0] if args else None)
-            seen[name].append(x.detach())
-        handles.append(m.register_forward_pre_hook(grab, with_kwargs=True))
-    try:
-        with torch.no_grad():
-            model(input_ids=ids.to(next(model.parameters()).device), use_cache=False)
-    finally:
-        for h in handles:
-            h.remove()
-    return seen
+    seen = layer_inputs(model, [m for _, m in layers], ids)
+    return {name: xs for (name, _), xs in zip(layers, seen)}
 
 
 def rope_pair_scores(model: nn.Module, *, calibration: Tensor | None = None) -> dict[str, Tensor]:
