@@ -144,7 +144,8 @@ def test_one_spelling_per_concept():
             assert flags["--context"].metavar == "TOKENS", path
         # --device is where torch runs; an accelerator preset to plan for is plan's --accelerator
         if "--device" in flags:
-            assert tuple(flags["--device"].choices) == cli_args.DEVICES and flags["--device"].default == "auto", path
+            device = flags["--device"]
+            assert tuple(device.choices) == cli_args.TORCH_DEVICES and device.default == "auto", path
         assert "--accelerator" not in flags or path == ("plan",), path
         # --n-kv-heads is one count; a list of counts to compare is --kv-head-counts
         if "--n-kv-heads" in flags:

@@ -136,13 +136,13 @@ def add_context(parser, help: str, type=None, **kwargs) -> argparse.Action:
     return parser.add_argument("--context", type=type, metavar="TOKENS", help=help, **kwargs)
 
 
-DEVICES = ("auto", "cpu", "cuda")
+TORCH_DEVICES = ("auto", "cpu", "cuda")  # where torch runs; plan.devices.DEVICES are accelerator presets
 
 
 def add_device(parser, help: str) -> argparse.Action:
     """--device auto|cpu|cuda, where torch builds and runs the modules (auto: cuda when present).
     An accelerator to plan for is `plan --accelerator`, a different thing."""
-    return parser.add_argument("--device", choices=DEVICES, default="auto", help=help)
+    return parser.add_argument("--device", choices=TORCH_DEVICES, default="auto", help=help)
 
 
 class _Renamed(argparse.Action):
