@@ -26,6 +26,27 @@ def test_tour_numbers_match_cache_formula(capsys):
     assert "1,024 B" in out and "1.00 MiB" in out
 
 
+def test_tour_json_is_the_table_with_numbers_from_the_formulas(capsys):
+    import json
+
+    C, H, T = 256, 4, 1024
+    assert main(["tour", "--d-model", str(C), "--n-heads", str(H), "--context", str(T), "--json"]) == 0
+    out = capsys.readouterr().out
+    doc = json.loads(out)  # stdout is the JSON alone
+    assert doc["schema"] == "multihead.tour/1" and doc["ok"] is True
+    assert (doc["d_model"], doc["n_heads"], doc["head_dim"], doc["context"], doc["seed"]) == (C, H, C // H, T, 0)
+    rows = {r["variant"]: r for r in doc["variants"]}
+    assert {name: r["n_kv_heads"] for name, r in rows.items()} == {"MHA": 4, "GQA": 1, "MQA": 1}
+    for r in rows.values():
+        kv_width = r["n_kv_heads"] * (C // H)
+        # q and o are C x C, k and v C x kv_width, each with a bias
+        assert r["params"] == 2 * (C * C + C) + 2 * (C * kv_width + kv_width)
+        # a key and a value of kv_width bf16 numbers per token
+        assert r["cache_bytes_per_token"] == 2 * kv_width * 2
+        assert r["cache_bytes_at_context"] == r["cache_bytes_per_token"] * T
+        assert r["max_abs_error_reference"] < 1e-10 and r["max_abs_error_decode"] < 1e-10
+
+
 def test_bad_input_exits_2_with_one_line():
     r = run("tour", "--d-model", "100", "--n-heads", "7")
     assert r.returncode == 2

@@ -134,7 +134,7 @@ def files(tmp_path_factory) -> dict[str, str]:
     ("empty.json", ["empty.json", "JSON"]),
 ])
 def test_plan_config_errors_name_the_file_and_field(files, name, expect):
-    for argv in (["plan", "--config", files[name]], ["plan", "--compare", files[name], files[name]]):
+    for argv in (["plan", "--model", files[name]], ["plan", "--compare", files[name], files[name]]):
         code, out, err = cli(argv)
         assert_clean(argv, code, out, err)
         assert code == 2
@@ -230,7 +230,7 @@ def test_lab_out_under_a_file(files):
 
 def test_config_dev_zero_is_refused_at_once():
     start = time.perf_counter()
-    r = subprocess.run([sys.executable, "-m", "multihead", "plan", "--config", "/dev/zero"], capture_output=True,
+    r = subprocess.run([sys.executable, "-m", "multihead", "plan", "--model", "/dev/zero"], capture_output=True,
                        text=True, timeout=SECONDS)
     assert r.returncode == 2 and "/dev/zero" in r.stderr and "Traceback" not in r.stderr, r.stderr
     assert time.perf_counter() - start < 30
@@ -247,7 +247,7 @@ def test_a_bug_is_a_traceback_and_exit_1_and_debug_shows_every_traceback(monkeyp
     assert code == 1 and "Traceback" in err and "RuntimeError: an internal invariant failed" in err
     assert "bug in multihead" in err
     monkeypatch.undo()
-    argv = ["plan", "--config", files["deep.json"]]
+    argv = ["plan", "--model", files["deep.json"]]
     assert "Traceback" not in cli(argv)[2]
     for debug in (["--debug", *argv], [*argv, "--debug"]):
         code, out, err = cli(debug)
@@ -364,7 +364,7 @@ def test_random_argv_for_lab(files, tmp_path_factory, data):
 def test_garbled_config_files(tmp_path_factory, content):
     d = tmp_path_factory.mktemp("cfg")
     (d / "config.json").write_bytes(content)
-    for argv in (["plan", "--config", str(d / "config.json")], ["plan", "--config", str(d)],
+    for argv in (["plan", "--model", str(d / "config.json")], ["plan", "--model", str(d)],
                  ["inspect", "a b", "--model", str(d)]):
         code, out, err = cli(argv)
         assert_clean(argv, code, out, err)

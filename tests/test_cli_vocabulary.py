@@ -75,24 +75,96 @@ def test_an_abbreviation_is_refused_with_the_full_flag(path):
 
 
 def test_the_abbreviations_the_issue_measured():
-    code, err = run(["plan", "--conf", "llama-3-8b", "--cont", "8k"])
-    assert code == 2 and "--conf is not a flag" in err and "did you mean --config?" in err
-    code, err = run(["plan", "--config", "llama-3-8b", "--cont", "8k"])
+    code, err = run(["plan", "--mod", "llama-3-8b", "--cont", "8k"])
+    assert code == 2 and "--mod is not a flag" in err and "did you mean --model?" in err
+    code, err = run(["plan", "--model", "llama-3-8b", "--cont", "8k"])
     assert code == 2 and "did you mean --context?" in err
     # an ambiguous one names every flag it could abbreviate
     code, err = run(["lab", "heads", "--see", "1"])
     assert code == 2 and "did you mean --seed or --seeds?" in err
+    # a refused old spelling is never offered: --conf (once --config) abbreviates no flag of plan's now
+    code, err = run(["plan", "--conf", "llama-3-8b"])
+    assert code == 2 and "--config" not in err and "did you mean" not in err, err
     # the full spelling, with = too, still works
-    assert build_parser().parse_args(["plan", "--config=llama-3-8b", "--context", "8k"]).context == "8k"
+    assert build_parser().parse_args(["plan", "--model=llama-3-8b", "--context", "8k"]).context == "8k"
 
 
-@pytest.mark.parametrize("experiment", ["heads", "induction"])
-def test_seq_len_is_now_context(experiment):
-    code, err = run(["lab", experiment, "--quick", "--seq-len", "8"])
+# (subcommand, old spelling, new spelling): each old one is refused with the new one named
+RENAMED = [(("lab", experiment), "--seq-len", "--context") for experiment in ("heads", "induction")] + [
+    (("lab", experiment), "--n-kv-heads", "--kv-head-counts") for experiment in ("kv", "mla", "uptrain")] + [
+    (("plan",), "--device", "--accelerator"), (("plan",), "--devices", "--n-accelerators"),
+    (("plan",), "--list-devices", "--list-accelerators"), (("plan",), "--config", "--model"),
+    (("plan",), "--list-configs", "--list-models")]
+
+
+@pytest.mark.parametrize("path, old, new", RENAMED, ids=lambda v: " ".join(v) if isinstance(v, tuple) else v)
+def test_an_old_spelling_is_refused_with_the_new_one(path, old, new):
+    parser = LEAVES[path]
+    code, err = run([*path, *_required(parser), old, "8"])
     assert code == 2
-    assert err.strip().splitlines()[-1] == f"multihead lab {experiment}: error: --seq-len is now --context"
-    assert build_parser().parse_args(["lab", experiment, "--context", "8"]).seq_len == 8
-    assert "--seq-len" not in LEAVES[("lab", experiment)].format_help()
+    line = err.strip().splitlines()[-1]
+    assert line.startswith(f"multihead {' '.join(path)}: error: {old} is now {new}"), line
+    assert new in _visible(parser) and old not in _visible(parser)
+    assert old not in parser.format_help().replace(new, "")
+
+
+def test_the_refusal_says_why_where_the_old_spelling_means_something_else():
+    for experiment in ("heads", "induction"):
+        code, err = run(["lab", experiment, "--quick", "--seq-len", "8"])
+        assert err.strip().splitlines()[-1] == f"multihead lab {experiment}: error: --seq-len is now --context"
+        assert build_parser().parse_args(["lab", experiment, "--context", "8"]).seq_len == 8
+    code, err = run(["plan", "--params", "7B", "--device", "h100-80gb"])
+    assert err.strip().endswith("--device is now --accelerator (--device is where torch runs, in lab; plan "
+                                "names an accelerator preset)"), err
+    code, err = run(["lab", "kv", "--n-kv-heads", "4,2"])
+    assert err.strip().endswith("--n-kv-heads is now --kv-head-counts (a list of n_kv_heads to compare; "
+                                "--n-kv-heads is one count)"), err
+
+
+def _visible(parser) -> dict[str, argparse.Action]:
+    """flag -> action of the flags --help shows (an old spelling refused is hidden)."""
+    return {flag: a for a in parser._actions if a.help != argparse.SUPPRESS for flag in a.option_strings}
+
+
+def test_every_parser_is_the_shared_parser():
+    for path, parser in PARSERS.items():
+        assert isinstance(parser, cli_args.Parser), path
+
+
+def test_one_spelling_per_concept():
+    """Across every subcommand: a concept has one flag, and a flag one meaning."""
+    for path, parser in LEAVES.items():
+        flags = _visible(parser)
+        # the model is --model; --from stays only where it names a run folder to start from (lab uptrain)
+        assert "--config" not in flags, path
+        assert "--from" not in flags or path == ("lab", "uptrain"), path
+        # a sequence length is --context TOKENS (heads' --length counts random tokens per half)
+        assert not {"--seq-len", "--seq-length", "--sequence-length", "--max-len"} & set(flags), path
+        if "--context" in flags:
+            assert flags["--context"].metavar == "TOKENS", path
+        # --device is where torch runs; an accelerator preset to plan for is plan's --accelerator
+        if "--device" in flags:
+            device = flags["--device"]
+            assert tuple(device.choices) == cli_args.TORCH_DEVICES and device.default == "auto", path
+        assert "--accelerator" not in flags or path == ("plan",), path
+        # --n-kv-heads is one count; a list of counts to compare is --kv-head-counts
+        if "--n-kv-heads" in flags:
+            assert flags["--n-kv-heads"].metavar == "N" and flags["--n-kv-heads"].nargs is None, path
+        if "--kv-head-counts" in flags:
+            assert flags["--kv-head-counts"].metavar == "LIST", path
+        assert not {"--kv-heads", "--devices", "--list-configs", "--list-devices"} & set(flags), path
+        # every subcommand prints JSON on request
+        assert isinstance(flags.get("--json"), argparse._StoreTrueAction), path
+    contexts = {p for p, parser in LEAVES.items() if "--context" in _visible(parser)}
+    assert {("plan",), ("tour",), ("lab", "heads"), ("lab", "kv"), ("lab", "mla"), ("lab", "induction")} <= contexts
+    devices = {p for p, parser in LEAVES.items() if "--device" in _visible(parser)}
+    assert devices == {("lab", name) for name in ("heads", "kv", "mla", "induction", "uptrain")}, devices
+    parse = build_parser().parse_args
+    assert parse(["lab", "induction", "--n-kv-heads", "4"]).n_kv_heads == 4
+    assert parse(["lab", "kv", "--kv-head-counts", "4,2"]).kv_heads == (4, 2)
+    assert parse(["plan", "--params", "7B", "--n-kv-heads", "4"]).n_kv_heads == "4"  # a size plan reads itself
+    assert parse(["plan", "--params", "7B", "--accelerator", "a100-80gb"]).accelerator == "a100-80gb"
+    assert parse(["tour", "--context", "64"]).context == 64
 
 
 def _model_actions():
@@ -106,10 +178,11 @@ def test_one_model_help():
     texts = {}
     for path, action in _model_actions():
         texts.setdefault(action.help, []).append(" ".join(path))
-    # lab uptrain (a model to convert) loads fewer kinds
-    own = {("lab", "uptrain")}
+    # lab uptrain (a model to convert) loads fewer kinds; plan reads a model's config, or a preset's
+    own = {("lab", "uptrain"), ("plan",)}
     shared = {p for p, a in _model_actions() if p not in own}
     assert len(shared) >= 6, shared  # inspect and the five heads commands that load any model
+    assert dict(_model_actions())[("plan",)].metavar == "NAME|PATH"
     for path, action in _model_actions():
         if path in own:
             continue
@@ -143,10 +216,10 @@ def test_shared_flags_mean_the_same_everywhere():
                 seen["--out"] += 1
                 assert action.metavar == "DIR", path
     assert seen["--seed"] >= 8 and seen["--json"] >= 7 and seen["--out"] >= 7, seen
-    # every heads command and every lab experiment
-    assert seen["--threads"] >= 11, seen
-    assert all(any("--threads" in a.option_strings for a in LEAVES[("heads", name)]._actions)
-               for name in ("scan", "path", "circuit", "induction", "importance", "prune"))
+    # every command that runs a model: all but plan (arithmetic) and tour (a few float64 layers)
+    threads = {p for p, parser in LEAVES.items() if "--threads" in _visible(parser)}
+    assert threads == set(LEAVES) - {("plan",), ("tour",)}, threads
+    assert seen["--threads"] == len(threads) >= 12, seen
     code, err = run(["heads", "scan", "--seed", "-1"])
     assert code == 2 and "expected a seed in 0 .. 2**63 - 1" in err
 
@@ -196,7 +269,7 @@ def test_heads_prune_prints_json(tmp_path):
 def test_threads_set_torch_for_the_run_and_restore_it():
     import torch
 
-    from multihead.heads.cli_common import torch_threads
+    from multihead.cli_args import torch_threads
 
     before = torch.get_num_threads()
     with torch_threads(None):

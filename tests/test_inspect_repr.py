@@ -49,7 +49,7 @@ def test_recommendation_repr_is_one_line_and_str_is_the_cli_text(capsys):
 def test_account_text_is_the_cli_table(capsys):
     from multihead.cli import main
 
-    assert main(["plan", "--config", "gpt2", "--device", "t4"]) == 0
+    assert main(["plan", "--model", "gpt2", "--accelerator", "t4"]) == 0
     table = plan.account_text([plan.account(plan.read_config("gpt2"), device=plan.get_device("t4"))])
     assert capsys.readouterr().out.startswith(table + "\n")  # (the CLI may add lines after the table)
 

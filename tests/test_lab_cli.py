@@ -166,13 +166,16 @@ def test_help_shows_every_default():
 
 def test_one_flag_name_per_concept():
     parsers = _experiment_parsers()
-    for name in ("kv", "mla", "induction"):
-        assert "--n-kv-heads" in parsers[name].format_help(), name
-        assert "--kv-heads" not in parsers[name].format_help().replace("--n-kv-heads", ""), name
+    # --n-kv-heads is one count (induction, as in plan); a list of counts to compare is --kv-head-counts
+    assert "--n-kv-heads" in parsers["induction"].format_help()
+    for name in ("kv", "mla", "uptrain"):
+        text = parsers[name].format_help()
+        assert "--kv-head-counts" in text and "--n-kv-heads" not in text, name
+        assert "--kv-heads" not in text, name
     for name in ("mla", "induction"):
         text = parsers[name].format_help()
         assert "--n-layers" in text and "--layers" not in text.replace("--n-layers", "").replace("--only-layers", "")
-    assert build_parser().parse_args(["lab", "kv", "--n-kv-heads", "4,2"]).kv_heads == (4, 2)
+    assert build_parser().parse_args(["lab", "kv", "--kv-head-counts", "4,2"]).kv_heads == (4, 2)
     with pytest.raises(SystemExit):  # no hidden alias: --kv-heads is not a flag
         build_parser().parse_args(["lab", "kv", "--kv-heads", "4,2"])
     assert build_parser().parse_args(["lab", "mla", "--n-layers", "3"]).n_layers == 3

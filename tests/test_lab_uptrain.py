@@ -140,7 +140,7 @@ def test_cli_bad_input_exits_2(tmp_path, capsys):
             (["--from", str(tmp_path / "nothing")], "--from"),
             (["--fractions", "0,2"], "fractions in [0, 1]"),
             (["--inits", "mean,avg"], "expected some of mean,first,random"),
-            (["--n-kv-heads", "3"], "n_heads (4) must be divisible by n_kv_heads (3), a count below n_heads; "
+            (["--kv-head-counts", "3"], "n_heads (4) must be divisible by n_kv_heads (3), a count below n_heads; "
                                     "valid: 1, 2"),
             (["--kv-ranks", "64"], "kv_rank must be at most d_model (32)"),
     ):
@@ -187,7 +187,7 @@ def test_from_a_run_checks_the_targets_against_the_runs_width(mla_run, tmp_path,
     does not, and the message says the run's width."""
     from multihead.cli import main
 
-    argv = ["lab", "uptrain", "--quick", "--from", str(mla_run), "--n-kv-heads", "2", "--inits", "mean",
+    argv = ["lab", "uptrain", "--quick", "--from", str(mla_run), "--kv-head-counts", "2", "--inits", "mean",
             "--fractions", "0", "--no-progress"]
     assert main([*argv, "--out", str(tmp_path / "o80"), "--kv-ranks", "80"]) == 2
     err = capsys.readouterr().err

@@ -1,4 +1,4 @@
-"""`multihead plan` at the command line: text, --json, --config, --compare, bad input."""
+"""`multihead plan` at the command line: text, --json, --model, --compare, bad input."""
 
 import json
 import subprocess
@@ -30,7 +30,7 @@ def run(capsys, *argv):
 
 
 def test_recommend_json(capsys):
-    code, out, err = run(capsys, "--params", "7B", "--context", "32k", "--device", "h100-80gb",
+    code, out, err = run(capsys, "--params", "7B", "--context", "32k", "--accelerator", "h100-80gb",
                          "--batch-size", "16", "--json")
     assert code == 0, err
     doc = json.loads(out)
@@ -49,7 +49,7 @@ def test_recommend_json(capsys):
 
 
 def test_recommend_text_is_an_aligned_table(capsys):
-    code, out, _ = run(capsys, "--params", "125M", "--context", "2k", "--device", "rtx-4090")
+    code, out, _ = run(capsys, "--params", "125M", "--context", "2k", "--accelerator", "rtx-4090")
     assert code == 0
     assert "pick      MHA, 12 heads of 64, 12 KV heads, d_model 768" in out
     lines = out.split("alternatives, ranked:\n")[1].splitlines()
@@ -79,13 +79,13 @@ def test_custom_device_and_devices(capsys):
     dev = json.loads(out)["device"]
     assert (dev["name"], dev["memory_bytes"], dev["bandwidth_bytes_per_s"]) == (
         "custom", 48 * 2**30, 960 * 10**9)
-    code, out, _ = run(capsys, "--params", "70B", "--devices", "8", "--json")
+    code, out, _ = run(capsys, "--params", "70B", "--n-accelerators", "8", "--json")
     assert json.loads(out)["device"]["n_devices"] == 8
 
 
 def test_config_json(capsys, configs):
-    code, out, err = run(capsys, "--config", configs["llama-3-8b"], "--context", "8k",
-                         "--batch-size", "4", "--device", "a100-80gb", "--json")
+    code, out, err = run(capsys, "--model", configs["llama-3-8b"], "--context", "8k",
+                         "--batch-size", "4", "--accelerator", "a100-80gb", "--json")
     assert code == 0, err
     doc = json.loads(out)
     assert doc["schema"] == "multihead.plan.account/1"
@@ -99,7 +99,7 @@ def test_config_json(capsys, configs):
 
 
 def test_config_text_and_default_context(capsys, configs):
-    code, out, _ = run(capsys, "--config", configs["gpt2"])
+    code, out, _ = run(capsys, "--model", configs["gpt2"])
     assert code == 0
     assert "124,439,808" in out and "36,864 B" in out
     assert "KV @ 1K x 1" in out  # n_positions is the default context
@@ -121,12 +121,12 @@ def test_compare(capsys, configs):
     assert "4096 on 21/42 layers" in text
 
 
-def test_list_devices(capsys):
-    code, out, _ = run(capsys, "--list-devices", "--json")
+def test_list_accelerators(capsys):
+    code, out, _ = run(capsys, "--list-accelerators", "--json")
     names = [d["name"] for d in json.loads(out)["devices"]]
     assert {"h100-80gb", "h200", "a100-40gb", "a100-80gb", "rtx-4090", "l4", "m2-max",
             "cpu"} <= set(names)
-    code, out, _ = run(capsys, "--list-devices")
+    code, out, _ = run(capsys, "--list-accelerators")
     assert "h100-80gb" in out and "3,350 GB/s" in out
 
 
@@ -137,15 +137,15 @@ def test_list_devices(capsys):
     (["--params", "7B", "--batch-size", "-2"], "--batch-size must be positive; received -2"),
     (["--params", "7B", "--batch-size", "two"], "--batch-size must be a whole number; received 'two'"),
     (["--params", "7B", "--context", "32kb"], "could not read context length '32kb'"),
-    (["--params", "7B", "--device", "h100"],
+    (["--params", "7B", "--accelerator", "h100"],
      "unknown device 'h100' (did you mean h100-80gb or h100-pcie?); valid: h100-80gb"),
     (["--params", "7B", "--dtype", "fp12"], "unknown dtype 'fp12'; valid: fp32, bf16"),
     (["--params", "7B", "--priority", "speed"], "--priority must be inference or training"),
     (["--params", "7B", "--variant", "flash"], "variant must be one of mha, gqa, mqa, mla"),
-    (["--params", "7B", "--memory", "48GiB"], "a custom device needs both --memory and"),
+    (["--params", "7B", "--memory", "48GiB"], "a custom accelerator needs both --memory and"),
     (["--params", "7B", "--d-model", "4096", "--n-heads", "30"], "must be divisible by n_heads"),
     ([], "give exactly one of --params SIZE"),
-    (["--params", "7B", "--config", "x.json"], "received --params, --config"),
+    (["--params", "7B", "--model", "x.json"], "received --params, --model"),
 ])  # fmt: skip
 def test_bad_input_is_one_line_and_exit_2(capsys, argv, message):
     code, out, err = run(capsys, *argv)
@@ -169,9 +169,9 @@ def test_bad_config_files(capsys, tmp_path, configs):
         (tmp_path / "missing.json", "cannot read"),
     ]
     for path, message in cases:
-        code, _, err = run(capsys, "--config", path)
+        code, _, err = run(capsys, "--model", path)
         assert code == 2 and message in err and err.count("\n") == 1
-    code, _, err = run(capsys, "--config", configs["gpt2"], "--d-model", "512")
+    code, _, err = run(capsys, "--model", configs["gpt2"], "--d-model", "512")
     assert code == 2 and "--d-model apply when recommending" in err
 
 
@@ -192,7 +192,7 @@ def test_config_folder_reads_its_config_json(capsys, tmp_path):
     folder = tmp_path / "Meta-Llama-3-8B"
     folder.mkdir()
     (folder / "config.json").write_text(json.dumps(PUBLIC_CONFIGS["llama-3-8b"]))
-    code, out, _ = run(capsys, "--config", folder, "--json")
+    code, out, _ = run(capsys, "--model", folder, "--json")
     model = json.loads(out)["models"][0]
     assert code == 0 and model["name"] == "Meta-Llama-3-8B"
     assert model["params"]["total"] == 8_030_261_248
@@ -228,7 +228,7 @@ def test_compare_table_never_prints_none(capsys, tmp_path):
     for name, cfg in PUBLIC_CONFIGS.items():
         paths.append(tmp_path / f"{name}.json")
         paths[-1].write_text(json.dumps(cfg))
-    code, out, _ = run(capsys, "--compare", *paths, "--device", "h100-80gb")
+    code, out, _ = run(capsys, "--compare", *paths, "--accelerator", "h100-80gb")
     assert code == 0
     assert "None" not in out and "nan" not in out.lower() and "e+" not in out
     # MoE rows: Mixtral's 8 experts of 14336, top 2, in all 32 layers; active parameters.

@@ -70,7 +70,7 @@ def test_named_pipe_is_refused_not_waited_on(tmp_path):
     # one real process (a regression would block it: the timeout ends it) runs the three cases
     driver = ("import sys\nfrom multihead.cli import main\n"
               f"for argv in ([{str(fifo)!r}], [{str(tmp_path)!r}], [{str(fifo)!r}, {str(fifo)!r}]):\n"
-              "    flag = '--config' if len(argv) == 1 else '--compare'\n"
+              "    flag = '--model' if len(argv) == 1 else '--compare'\n"
               "    print('exit', main(['plan', flag, *argv]), file=sys.stderr, flush=True)\n")
     start = time.perf_counter()
     r = subprocess.run([sys.executable, "-c", driver], capture_output=True, text=True, timeout=30)

@@ -20,7 +20,7 @@ def run(capsys, *argv):
 
 
 def test_flops_rows_say_attention_and_count_only_attention(capsys):
-    code, out, _ = run(capsys, "--config", "llama-3-8b", "--context", "8k")
+    code, out, _ = run(capsys, "--model", "llama-3-8b", "--context", "8k")
     assert code == 0
     assert re.search(r"^attention FLOPs/token, prefill @ 8K\s+4.83 GFLOP$", out, re.M), out
     assert "attention FLOPs/token, decode @ 8K" in out
@@ -35,26 +35,26 @@ def test_flops_rows_say_attention_and_count_only_attention(capsys):
 
 
 def test_max_context_is_capped_at_the_models_positions_and_says_so(capsys):
-    code, out, _ = run(capsys, "--config", "llama-3-8b", "--device", "a100-80gb", "--context", "8k",
+    code, out, _ = run(capsys, "--model", "llama-3-8b", "--accelerator", "a100-80gb", "--context", "8k",
                        "--batch-size", "4")
     line = next(line for line in out.splitlines() if line.startswith("max context @ batch"))
-    memory = json.loads(run(capsys, "--config", "llama-3-8b", "--device", "a100-80gb", "--context", "8k",
+    memory = json.loads(run(capsys, "--model", "llama-3-8b", "--accelerator", "a100-80gb", "--context", "8k",
                             "--batch-size", "4", "--json")[1])["models"][0]
     longest = memory["device"]["max_context_at_batch"]
     assert longest > 8192  # memory alone would allow more than the model was built for
     assert line.split(None, 4)[4] == f"8,192 (its positions; memory: {longest:,})"
     assert memory["geometry"]["max_positions"] == 8192
     # every layer windowed: the cache stops growing, the positions still cap the context
-    out = run(capsys, "--config", "mistral-7b-v0.1", "--device", "a100-80gb")[1]
+    out = run(capsys, "--model", "mistral-7b-v0.1", "--accelerator", "a100-80gb")[1]
     assert "32,768 (its positions; memory: unbounded)" in out
     # below the positions: the plain number
-    out = run(capsys, "--config", "llama-3-8b", "--device", "t4", "--batch-size", "8")[1]
+    out = run(capsys, "--model", "llama-3-8b", "--accelerator", "t4", "--batch-size", "8")[1]
     line = next(line for line in out.splitlines() if line.startswith("max context @ batch"))
     assert "positions" not in line and int(line.split()[-1].replace(",", "")) < 8192
 
 
 def test_why_and_kv_lines_quote_one_memory_figure(capsys):
-    code, out, _ = run(capsys, "--params", "7B", "--context", "32k", "--batch-size", "16", "--device", "h100-80gb")
+    code, out, _ = run(capsys, "--params", "7B", "--context", "32k", "--batch-size", "16", "--accelerator", "h100-80gb")
     assert code == 0
     usable = fmt_bytes(int((1 - RESERVE) * DEVICES["h100-80gb"].memory))
     why = out[out.index("\nwhy "):out.index("\nKV cache ")]
@@ -74,11 +74,11 @@ def test_why_lines_are_wrapped(capsys):
 
 
 def test_a_device_family_gets_did_you_mean(capsys):
-    code, _, err = run(capsys, "--params", "7B", "--device", "h100")
+    code, _, err = run(capsys, "--params", "7B", "--accelerator", "h100")
     assert code == 2 and "unknown device 'h100' (did you mean h100-80gb or h100-pcie?)" in err
-    code, _, err = run(capsys, "--params", "7B", "--device", "rtx4090")
+    code, _, err = run(capsys, "--params", "7B", "--accelerator", "rtx4090")
     assert code == 2 and "did you mean rtx-4090" in err
-    code, _, err = run(capsys, "--params", "7B", "--device", "zzz")
+    code, _, err = run(capsys, "--params", "7B", "--accelerator", "zzz")
     assert code == 2 and "did you mean" not in err and "valid: h100-80gb" in err
 
 

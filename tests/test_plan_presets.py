@@ -1,5 +1,5 @@
-"""Named presets: `plan --config llama-3-8b` reads the public config.json the
-package ships, exactly as the same JSON read from a file; `--list-configs` lists them; a
+"""Named presets: `plan --model llama-3-8b` reads the public config.json the
+package ships, exactly as the same JSON read from a file; `--list-models` lists them; a
 file or folder of that name wins; an unknown name is one line with "did you mean"."""
 
 from __future__ import annotations
@@ -24,9 +24,9 @@ def run(capsys, *argv):
 def test_a_preset_is_its_config_json_read_from_a_file(name, tmp_path, capsys):
     path = tmp_path / f"{name}.json"
     path.write_text(json.dumps(PRESETS[name].config))
-    code, by_file, err = run(capsys, "--config", path, "--context", "4k", "--device", "a100-80gb", "--json")
+    code, by_file, err = run(capsys, "--model", path, "--context", "4k", "--accelerator", "a100-80gb", "--json")
     assert code == 0, err
-    code, by_name, err = run(capsys, "--config", name, "--context", "4k", "--device", "a100-80gb", "--json")
+    code, by_name, err = run(capsys, "--model", name, "--context", "4k", "--accelerator", "a100-80gb", "--json")
     assert code == 0, err
     a, b = json.loads(by_file)["models"][0], json.loads(by_name)["models"][0]
     assert a.pop("name") == name and b.pop("name") == name
@@ -34,13 +34,13 @@ def test_a_preset_is_its_config_json_read_from_a_file(name, tmp_path, capsys):
 
 
 def test_list_configs_names_every_preset_with_its_source(capsys):
-    code, out, err = run(capsys, "--list-configs")
+    code, out, err = run(capsys, "--list-models")
     assert code == 0, err
     for name, p in PRESETS.items():
         line = next(line for line in out.splitlines() if line.split()[:1] == [name])
         assert p.repo in line
     assert "llama-3-8b" in out and "8.03B" in out  # 8,030,261,248 parameters
-    code, out, err = run(capsys, "--list-configs", "--json")
+    code, out, err = run(capsys, "--list-models", "--json")
     data = json.loads(out)
     assert data["schema"] == "multihead.plan.presets/1"
     by_name = {p["name"]: p for p in data["presets"]}
@@ -77,14 +77,14 @@ def test_a_file_or_folder_of_that_name_wins(tmp_path, capsys, monkeypatch):
 
 
 @pytest.mark.parametrize("argv, message", [
-    (["--config", "llama3.json"], "no such file or folder, and no preset of that name (did you mean llama-3-8b?)"),
-    (["--config", "Mixtral"], "did you mean mixtral-8x7b?"),
+    (["--model", "llama3.json"], "no such file or folder, and no preset of that name (did you mean llama-3-8b?)"),
+    (["--model", "Mixtral"], "did you mean mixtral-8x7b?"),
     (["--compare", "llama-3-8b", "qwen25-7b"], "did you mean qwen2.5-7b"),
 ])
 def test_unknown_names_are_one_line_with_did_you_mean(capsys, argv, message):
     code, out, err = run(capsys, *argv)
     assert code == 2 and message in err and err.count("\n") == 1, err
-    assert "--list-configs" in err
+    assert "--list-models" in err
 
 
 def test_minilm_preset_is_the_bundled_model():

@@ -219,7 +219,7 @@ def test_warning_gqa_groups_must_divide_heads():
 
 def test_warning_weights_do_not_fit():
     r = rec("70B", n_devices=1)
-    assert any(w.startswith("the weights (") and "--devices" in w for w in r.warnings)
+    assert any(w.startswith("the weights (") and "--n-accelerators" in w for w in r.warnings)
 
 
 # --- bad requests ----------------------------------------------------------------------------

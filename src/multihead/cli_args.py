@@ -1,7 +1,8 @@
 """The flags every `multihead` subcommand shares, defined once: one spelling, one help text.
 
-Each tool's CLI (plan, inspect, heads, lab) adds its shared flags through these functions,
-so `--model`, `--json`, `--out`, `--threads` and `--seed` read and mean the same everywhere.
+Each tool's CLI (plan, inspect, heads, lab, tour) adds its shared flags through these
+functions, so `--model`, `--json`, `--out`, `--threads`, `--seed`, `--context` (a sequence
+length) and `--device` (where torch runs) read and mean the same everywhere.
 This module imports nothing of multihead's, so every tool may use it without importing
 another tool or the command itself.
 
@@ -14,9 +15,10 @@ usage error that names the new one.
 from __future__ import annotations
 
 import argparse
+import contextlib
 
-__all__ = ["Parser", "add_json", "add_model", "add_out", "add_seed", "add_threads", "model_help", "renamed",
-           "seed"]
+__all__ = ["Parser", "add_context", "add_device", "add_json", "add_model", "add_out", "add_seed", "add_threads",
+           "model_help", "renamed", "seed", "torch_threads"]
 
 MAX_THREADS = 4096
 
@@ -35,7 +37,8 @@ class Parser(argparse.ArgumentParser):
             if not arg.startswith("--") or arg == "--":
                 continue
             typed = arg.split("=", 1)[0]
-            full = sorted(o for o in self._option_string_actions if o.startswith(typed) and o != typed)
+            full = sorted(o for o, action in self._option_string_actions.items()
+                          if o.startswith(typed) and o != typed and not isinstance(action, _Renamed))
             if full:
                 self.error(f"{typed} is not a flag (flags are spelled in full); did you mean {' or '.join(full)}?")
         return namespace, extras
@@ -102,20 +105,56 @@ def _threads(text: str) -> int:
     return value
 
 
-def add_threads(parser, help: str) -> argparse.Action:
-    """--threads N, the CPU threads torch may use."""
+THREADS_HELP = "CPU threads for torch during the run (default: torch's own, one per core)"
+
+
+def add_threads(parser, help: str = THREADS_HELP) -> argparse.Action:
+    """--threads N, the CPU threads torch may use (applied by `torch_threads`)."""
     return parser.add_argument("--threads", type=_threads, default=None, metavar="N", help=help)
 
 
+@contextlib.contextmanager
+def torch_threads(n: int | None):
+    """Run the block on `n` CPU threads (None: torch's own number), then restore the number
+    before it, so a command run inside a notebook or a test leaves torch as it was."""
+    if n is None:
+        yield
+        return
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
+def add_context(parser, help: str, type=None, **kwargs) -> argparse.Action:
+    """--context TOKENS, a sequence length (the old --seq-len refused where a command had it)."""
+    kwargs.setdefault("default", None)
+    return parser.add_argument("--context", type=type, metavar="TOKENS", help=help, **kwargs)
+
+
+TORCH_DEVICES = ("auto", "cpu", "cuda")  # where torch runs; plan.devices.DEVICES are accelerator presets
+
+
+def add_device(parser, help: str) -> argparse.Action:
+    """--device auto|cpu|cuda, where torch builds and runs the modules (auto: cuda when present).
+    An accelerator to plan for is `plan --accelerator`, a different thing."""
+    return parser.add_argument("--device", choices=TORCH_DEVICES, default="auto", help=help)
+
+
 class _Renamed(argparse.Action):
-    def __init__(self, option_strings, dest, new: str, **kwargs):
-        self.new = new
+    def __init__(self, option_strings, dest, new: str, note: str = "", **kwargs):
+        self.new, self.note = new, note
         super().__init__(option_strings, dest=argparse.SUPPRESS, nargs="*", help=argparse.SUPPRESS, **kwargs)
 
     def __call__(self, parser, namespace, values, option_string=None):
-        parser.error(f"{option_string} is now {self.new}")
+        parser.error(f"{option_string} is now {self.new}" + (f" ({self.note})" if self.note else ""))
 
 
-def renamed(parser, old: str, new: str) -> argparse.Action:
-    """Refuse the old spelling `old` of a flag with a usage error naming `new` (hidden from --help)."""
-    return parser.add_argument(old, action=_Renamed, new=new)
+def renamed(parser, old: str, new: str, note: str = "") -> argparse.Action:
+    """Refuse the old spelling `old` of a flag with a usage error naming `new` (hidden from --help);
+    `note` says why, where the old spelling now means something else elsewhere."""
+    return parser.add_argument(old, action=_Renamed, new=new, note=note)

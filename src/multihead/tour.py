@@ -1,16 +1,21 @@
 """A two-minute tour: build MHA, GQA and MQA layers, check each against the NumPy float64
 reference, decode a few tokens through a KV cache and compare with the full forward,
-and print what each variant costs in parameters and cache bytes."""
+and print what each variant costs in parameters and cache bytes (--json: the same as JSON)."""
 
 from __future__ import annotations
 
 import argparse
+import json
+
+from multihead.cli_args import add_context, add_json, add_seed
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--d-model", type=int, default=512, help="model width (default 512)")
     parser.add_argument("--n-heads", type=int, default=8, dest="heads", help="query heads (default 8)")
-    parser.add_argument("--context", type=int, default=4096, help="context length for cache bytes (default 4096)")
+    add_context(parser, "context length for cache bytes (default 4096)", type=int, default=4096)
+    add_seed(parser, "the random weights and inputs (default 0)")
+    add_json(parser, help="print the table as JSON (schema multihead.tour/1) instead of text")
 
 
 def main(args: argparse.Namespace) -> int:
@@ -27,14 +32,19 @@ def main(args: argparse.Namespace) -> int:
         raise UsageError(f"--d-model must be at most 16384 for the tour; received {C}")
     if not 1 <= args.context <= 2**40:
         raise UsageError(f"--context must be in 1 .. 2**40; received {args.context}")
-    torch.manual_seed(0)
+    torch.manual_seed(args.seed)
     variants = [("MHA", H), ("GQA", max(1, H // 4) if H % 4 == 0 else 1), ("MQA", 1)]
-    print(f"multihead {mh.__version__} tour: d_model={C}, n_heads={H}, head_dim={C // H}, torch {torch.__version__}\n")
+
+    def say(*line: str) -> None:  # with --json, stdout is the JSON alone
+        if not args.json:
+            print(*line)
+
+    say(f"multihead {mh.__version__} tour: d_model={C}, n_heads={H}, head_dim={C // H}, torch {torch.__version__}\n")
     header = f"{'variant':8} {'kv heads':>8} {'params':>10} {'cache/token':>12} {f'cache @ {args.context}':>14} " \
              f"{'|x - numpy|':>12} {'|decode - full|':>16}"
-    print(header)
-    print("-" * len(header))
-    ok = True
+    say(header)
+    say("-" * len(header))
+    ok, rows = True, []
     for name, n_kv in variants:
         attn = mh.Attention(C, H, n_kv, causal=True).double().eval()
         x = torch.randn(2, 12, C, dtype=torch.float64)
@@ -52,8 +62,17 @@ def main(args: argparse.Namespace) -> int:
         params = sum(p.numel() for p in attn.parameters())
         per_token = mh.KVCache(1, n_kv, 1, C // H, dtype=torch.bfloat16).nbytes
         ok &= err_ref < 1e-10 and err_dec < 1e-10
-        print(f"{name:8} {n_kv:>8} {params:>10,} {per_token:>10,} B {per_token * args.context / 2**20:>11.2f} MiB "
-              f"{err_ref:>12.1e} {err_dec:>16.1e}")
+        rows.append({"variant": name, "n_kv_heads": n_kv, "params": params, "cache_bytes_per_token": per_token,
+                     "cache_bytes_at_context": per_token * args.context, "max_abs_error_reference": err_ref,
+                     "max_abs_error_decode": err_dec})
+        say(f"{name:8} {n_kv:>8} {params:>10,} {per_token:>10,} B {per_token * args.context / 2**20:>11.2f} MiB "
+            f"{err_ref:>12.1e} {err_dec:>16.1e}")
+    if args.json:
+        print(json.dumps({"schema": "multihead.tour/1", "version": mh.__version__, "torch": torch.__version__,
+                          "d_model": C, "n_heads": H, "head_dim": C // H, "context": args.context,
+                          "seed": args.seed, "cache": "per layer, batch 1, bf16", "variants": rows, "ok": ok},
+                         indent=2))
+        return 0 if ok else 1
     print("\ncache bytes are per layer, batch 1, bf16; errors are float64 max differences.")
     print("all variants equal the NumPy reference and their cached decode equals the full forward."
           if ok else "MISMATCH: see the errors above")

@@ -23,7 +23,7 @@ import time
 from multihead.cli_args import add_json, add_model, add_seed, add_threads
 from multihead.errors import UsageError
 from multihead.files import atomic_path, output_file, write_text
-from multihead.heads.cli_common import THREADS_HELP, check_count, documented_parser
+from multihead.heads.cli_common import check_count, documented_parser
 from multihead.interop.loaders import model_source
 
 N_PAIRS = 20
@@ -47,7 +47,7 @@ def add_circuit_arguments(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--png", metavar="PATH", help="write the circuit (nodes by layer) and the curve as a PNG")
     p.add_argument("--html", metavar="PATH", help="write the circuit and the curve as a self-contained HTML page")
     add_json(p)
-    add_threads(p, THREADS_HELP)
+    add_threads(p)
     return p
 
 

@@ -38,17 +38,15 @@ import time
 from collections.abc import Mapping
 from pathlib import Path
 
-from multihead.cli_args import add_json, add_model, add_seed, add_threads
+from multihead.cli_args import add_json, add_model, add_seed, add_threads, torch_threads
 from multihead.errors import UsageError
 from multihead.files import output_file
 from multihead.heads.cli_common import (
-    THREADS_HELP,
     check_count,
     check_fit,
     check_pair_or_task,
     heat_maps,
     token_after,
-    torch_threads,
 )
 from multihead.heads.heatmap import text_table
 from multihead.heads.importance_cli import prune_curve  # noqa: F401 (a public name of this module)
@@ -93,7 +91,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     s.add_argument("--png", metavar="PATH", help="write a heat map of the table")
     s.add_argument("--html", metavar="PATH", help="write the table as a self-contained HTML heat map")
     add_json(s)
-    add_threads(s, THREADS_HELP)
+    add_threads(s)
 
     d = sub.add_parser("induction", help="the induction heads of a decoder, checked by ablation",
                        allow_abbrev=False,
@@ -108,7 +106,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_seed(d, "the draw of tokens (default 0)")
     d.add_argument("--png", metavar="PATH", help="write the induction and previous-token scores as heat maps")
     add_json(d)
-    add_threads(d, THREADS_HELP)
+    add_threads(d)
 
     from multihead.heads.circuit_cli import add_circuit_arguments
     from multihead.heads.importance_cli import add_importance_arguments

@@ -1,17 +1,15 @@
 """What the `multihead heads` commands share: the bound on counts, the check that inputs fit
-the model's vocabulary, and the token after a text, each a one-line UsageError when it fails;
---threads, the CPU threads torch uses for the run; a subcommand's parser made from its
-module's docstring; and the heat maps of a layer x head table.
+the model's vocabulary, and the token after a text, each a one-line UsageError when it fails; a
+subcommand's parser made from its module's docstring; and the heat maps of a layer x head
+table. (--threads and its `torch_threads` are every command's: multihead.cli_args.)
 """
 
 from __future__ import annotations
 
 import argparse
-import contextlib
 
 from multihead.errors import UsageError
 
-THREADS_HELP = "CPU threads for torch during the run (default: torch's own, one per core)"
 MAX_COUNT = 100_000  # pairs, sequences or tokens: beyond it a run would not end (a 400-digit --n loops)
 
 
@@ -60,21 +58,6 @@ def check_fit(model, *inputs) -> None:
         raise UsageError(f"--model: {err}") from None
 
 
-@contextlib.contextmanager
-def torch_threads(n: int | None):
-    """Run the block on `n` CPU threads (None: torch's own number), then restore the number
-    before it, so a command run inside a notebook or a test leaves torch as it was."""
-    if n is None:
-        yield
-        return
-    import torch
-
-    before = torch.get_num_threads()
-    torch.set_num_threads(n)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(before)
 
 
 def documented_parser(subparsers, name: str, help: str, doc: str) -> argparse.ArgumentParser:

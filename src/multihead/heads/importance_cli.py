@@ -19,7 +19,7 @@ from pathlib import Path
 from multihead.cli_args import add_json, add_model, add_out, add_threads
 from multihead.errors import UsageError
 from multihead.files import output_file
-from multihead.heads.cli_common import THREADS_HELP, check_count
+from multihead.heads.cli_common import check_count
 from multihead.interop.loaders import model_source
 
 HELD_OUT = 256  # verses the task's score is measured on (not the ones importance is computed on)
@@ -45,7 +45,7 @@ def add_importance_arguments(subparsers) -> argparse.ArgumentParser:
     i.add_argument("--png", metavar="PATH", help="with --prune-curve: write the curve as a plot")
     add_out(i, "with --prune-curve on a grouped-query decoder: write results.json and curve.png in this folder")
     add_json(i)
-    add_threads(i, THREADS_HELP)
+    add_threads(i)
     return i
 
 

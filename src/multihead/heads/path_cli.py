@@ -27,7 +27,6 @@ from multihead.cli_args import add_json, add_model, add_seed, add_threads
 from multihead.errors import UsageError
 from multihead.files import output_file
 from multihead.heads.cli_common import (
-    THREADS_HELP,
     check_count,
     check_fit,
     check_pair_or_task,
@@ -65,7 +64,7 @@ def add_path_arguments(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--png", metavar="PATH", help="write a heat map of the table")
     p.add_argument("--html", metavar="PATH", help="write the table as a self-contained HTML heat map")
     add_json(p)
-    add_threads(p, THREADS_HELP)
+    add_threads(p)
     return p
 
 

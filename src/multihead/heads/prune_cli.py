@@ -15,7 +15,6 @@ from pathlib import Path
 
 from multihead.cli_args import add_json, add_model, add_out, add_threads
 from multihead.errors import UsageError
-from multihead.heads.cli_common import THREADS_HELP
 
 
 def add_prune_arguments(subparsers) -> argparse.ArgumentParser:
@@ -40,7 +39,7 @@ def add_prune_arguments(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--force", action="store_true",
                    help="replace --out when it already holds files (never the model's own folder)")
     add_json(p, help="print the result as JSON (heads removed, head counts, parameters, --out) instead of a line")
-    add_threads(p, THREADS_HELP)
+    add_threads(p)
     return p
 
 

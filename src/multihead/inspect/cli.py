@@ -27,7 +27,7 @@ import json
 import sys
 import warnings
 
-from multihead.cli_args import add_json, add_model
+from multihead.cli_args import add_json, add_model, add_threads, torch_threads
 from multihead.errors import UsageError
 from multihead.files import output_file
 from multihead.interop.loaders import model_source, quiet_hub
@@ -73,6 +73,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_json(parser,
              help="print JSON (tokens, ranked roles with every score, per-head summaries, files written) "
              "instead of tables")
+    add_threads(parser)
 
 
 def _indices(flag: str, value: str | None) -> list[int] | None:
@@ -163,7 +164,7 @@ def _read_text(text: str) -> str:
 
 
 def main(args: argparse.Namespace) -> int:
-    with contextlib.ExitStack() as stack:
+    with contextlib.ExitStack() as stack, torch_threads(args.threads):
         return _main(args, stack)
 
 

@@ -26,7 +26,7 @@ import sys
 import time
 from pathlib import Path
 
-from multihead.cli_args import add_json, add_out, add_seed, add_threads, renamed
+from multihead.cli_args import add_context, add_device, add_json, add_out, add_seed, add_threads, renamed
 from multihead.errors import UsageError
 
 EXPERIMENTS = {
@@ -132,9 +132,8 @@ def _run_flags(p: argparse.ArgumentParser, name: str) -> None:
     p.add_argument("--force", action="store_true",
                    help="replace an earlier run's --out folder (one with results.json), once this run completes")
     add_seed(p, "random seed; same seed, same numbers (default 0)")
-    p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto",
-                   help=("where to build and time the modules" if name == "kv" else "where to train")
-                   + " (default auto: cuda when present)")
+    add_device(p, ("where to build and time the modules" if name == "kv" else "where to train")
+               + " (default auto: cuda when present)")
     add_threads(p, "CPU threads for torch (default: 2 with 4 or more cores, else 1; 1 for kv and --quick)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
     add_json(p, help="print the run's results.json instead of the text report (its notes go to stderr)")
@@ -159,7 +158,7 @@ def _heads_flags(p: argparse.ArgumentParser, d) -> None:
 def _kv_flags(p: argparse.ArgumentParser, d) -> None:
     _d_model(p, "model width" + d("d_model"))
     _n_heads(p, "query heads" + d("n_heads"))
-    p.add_argument("--context", type=_positive, default=None, help="cached tokens N" + d("context"))
+    add_context(p, "cached tokens N" + d("context"), type=_positive)
     _kv_heads(p, "n_kv_heads to compare: MHA, GQA, ..., MQA" + d("kv_heads"))
     p.add_argument("--kv-ranks", type=_ints, default=None, dest="mla_ranks",
                    help="MLA kv_rank values" + d("mla_ranks"))
@@ -180,7 +179,7 @@ def _mla_flags(p: argparse.ArgumentParser, d) -> None:
     _d_model(p, "model width" + d("d_model"))
     _layers(p, "blocks" + d("n_layers"))
     _n_heads(p, "heads" + d("n_heads"))
-    p.add_argument("--context", type=_positive, default=None, help="characters per sequence" + d("context"))
+    add_context(p, "characters per sequence" + d("context"), type=_positive)
 
 
 def _induction_flags(p: argparse.ArgumentParser, d) -> None:
@@ -193,7 +192,7 @@ def _induction_flags(p: argparse.ArgumentParser, d) -> None:
     _layers(g, "layers" + d("n_layers"))
     _d_model(g, "model width C" + d("d_model"))
     _n_heads(g, "query heads per layer H" + d("n_heads"))
-    g.add_argument("--n-kv-heads", type=_positive, default=None,
+    g.add_argument("--n-kv-heads", type=_positive, default=None, metavar="N",
                    help="key/value heads K (GQA: 1 < K < H; MQA: 1) (default: --n-heads, MHA)")
     g.add_argument("--kv-rank", type=_positive, default=None,
                    help="MLA latent rank R; implies --variant mla (default: none, MHA/GQA/MQA)")
@@ -238,7 +237,7 @@ _EXPERIMENT_FLAGS = {"heads": _heads_flags, "kv": _kv_flags, "mla": _mla_flags, 
 
 def _context(p, help_text: str) -> None:
     """--context N, the sequence length, as kv, mla, plan and tour spell it (the old --seq-len refused)."""
-    p.add_argument("--context", type=_positive, default=None, dest="seq_len", metavar="TOKENS", help=help_text)
+    add_context(p, help_text, type=_positive, dest="seq_len")
     renamed(p, "--seq-len", "--context")
 
 
@@ -253,8 +252,10 @@ def _n_heads(p, help_text: str) -> None:
 
 
 def _kv_heads(p, help_text: str) -> None:
-    """--n-kv-heads (a list here), the flag name every subcommand uses."""
-    p.add_argument("--n-kv-heads", type=_ints, default=None, dest="kv_heads", help=help_text)
+    """--kv-head-counts, the n_kv_heads to compare (a list, as --head-counts and --kv-ranks are);
+    --n-kv-heads is one count, in lab induction and plan, so here it is refused with the new name."""
+    p.add_argument("--kv-head-counts", type=_ints, default=None, dest="kv_heads", metavar="LIST", help=help_text)
+    renamed(p, "--n-kv-heads", "--kv-head-counts", "a list of n_kv_heads to compare; --n-kv-heads is one count")
 
 
 def _layers(p, help_text: str) -> None:

@@ -740,7 +740,7 @@ def configure(args, quick: bool) -> tuple[Callable, HFUptrainConfig]:
                                        ("--n-heads", args.n_heads), ("--uptrain-lr", args.uptrain_lr),
                                        ("--mla-rope-dims", args.mla_rope_dims)) if value is not None]
     if args.kv_heads not in (None, (1,)):
-        unused.append("--n-kv-heads")
+        unused.append("--kv-head-counts")
     if unused:
         raise UsageError(f"{', '.join(unused)}: flags of the lab model's uptrain; with --model the targets are MQA "
                          "and MLA (--inits, --kv-ranks, --rope-dim, --steps, --fractions, --batch-size, --lr)")

@@ -1,16 +1,16 @@
 """Account for and recommend an attention geometry.
 
-  multihead plan --params 7B --context 32k --device h100-80gb --batch-size 16
-  multihead plan --config llama-3-8b --context 8k --device a100-80gb
-  multihead plan --config path/to/config.json (or path/to/model-folder)
+  multihead plan --params 7B --context 32k --accelerator h100-80gb --batch-size 16
+  multihead plan --model llama-3-8b --context 8k --accelerator a100-80gb
+  multihead plan --model path/to/config.json (or path/to/model-folder)
   multihead plan --compare llama-3-8b mistral-7b-v0.1 gemma-2-9b --json
-  multihead plan --list-configs
+  multihead plan --list-models
 
 With --params, recommend a variant (MHA, GQA, MQA, MLA), head geometry, init scales and
-the check to run, with a ranked table of alternatives. With --config or --compare, the
+the check to run, with a ranked table of alternatives. With --model or --compare, the
 exact accounting of Hugging Face config.json files (or of the presets shipped with
-multihead, named as --list-configs lists them): parameters, KV cache (window- and
-MLA-aware), attention FLOPs and, with a device, what fits and the decode estimate.
+multihead, named as --list-models lists them): parameters, KV cache (window- and
+MLA-aware), attention FLOPs and, with an accelerator, what fits and the decode estimate.
 Sizes are written as people write them: 125M, 1.3B, 70B; 32k, 128K; 80GB, 80GiB.
 """
 
@@ -19,7 +19,11 @@ from __future__ import annotations
 import argparse
 import json
 
-SIZE_FLAGS = ("d_model", "layers", "n_heads", "n_kv_heads", "head_dim", "kv_rank", "variant")
+from multihead.cli_args import add_context, add_json, add_model, renamed
+
+# dest -> flag of the geometry one may fix when recommending
+SIZE_FLAGS = {"d_model": "--d-model", "layers": "--n-layers", "n_heads": "--n-heads", "n_kv_heads": "--n-kv-heads",
+              "head_dim": "--head-dim", "kv_rank": "--kv-rank", "variant": "--variant"}
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -27,31 +31,33 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     mode = parser.add_argument_group("what to plan (one of)")
     mode.add_argument("--params", metavar="SIZE",
                       help="recommend a geometry for this many parameters (125M, 1.3B, 7B, 70B)")
-    mode.add_argument("--config", metavar="PATH|PRESET",
-                      help="account for a Hugging Face config.json, a model folder holding one, or a "
-                           "preset (llama-3-8b, qwen2.5-7b, mixtral-8x7b, minilm, ...: see --list-configs)")
-    mode.add_argument("--compare", metavar="PATH|PRESET", nargs="+",
-                      help="account for several configs (files, folders or presets) side by side")
-    mode.add_argument("--list-configs", action="store_true",
-                      help="list the preset configs (public config.json files shipped with multihead)")
-    mode.add_argument("--list-devices", action="store_true", help="list the device presets")
+    # a model here is its config (no weights are read): --model as every command names a model
+    add_model(mode, None,
+              help="account for a model: a Hugging Face config.json, a model folder holding one, or a "
+                   "preset (llama-3-8b, qwen2.5-7b, mixtral-8x7b, minilm, ...: see --list-models)")
+    mode.add_argument("--compare", metavar="NAME|PATH", nargs="+",
+                      help="account for several models (config files, folders or presets) side by side")
+    mode.add_argument("--list-models", action="store_true",
+                      help="list the preset models (public config.json files shipped with multihead)")
+    mode.add_argument("--list-accelerators", action="store_true",
+                      help="list the accelerator presets")
 
     use = parser.add_argument_group("how it is used")
-    use.add_argument("--context", metavar="TOKENS",
-                     help="context length (32k, 128K, 4096); default 8k when recommending, "
-                          "the model's max positions for a config")
+    add_context(use, "context length (32k, 128K, 4096); default 8k when recommending, "
+                     "the model's max positions for a config")
     use.add_argument("--batch-size", metavar="N", default="1", dest="batch", help="sequences decoded at once "
                      "(default 1)")
-    use.add_argument("--device", metavar="NAME",
+    # an accelerator to plan for, by name; --device elsewhere is where torch runs (auto/cpu/cuda)
+    use.add_argument("--accelerator", metavar="NAME",
                      help="accelerator preset (default h100-80gb when recommending); "
-                          "see --list-devices")
-    use.add_argument("--devices", metavar="N",
-                     help="number of such devices (tensor parallel); default 1 for a config, "
+                          "see --list-accelerators")
+    use.add_argument("--n-accelerators", metavar="N",
+                     help="number of such accelerators (tensor parallel); default 1 for a config, "
                           "and when recommending the fewest that hold the weights in half "
                           "their memory")
-    use.add_argument("--memory", metavar="SIZE", help="device memory, e.g. 48GiB (overrides "
+    use.add_argument("--memory", metavar="SIZE", help="accelerator memory, e.g. 48GiB (overrides "
                      "the preset's)")
-    use.add_argument("--bandwidth", metavar="BW", help="device bandwidth, e.g. 960GB/s "
+    use.add_argument("--bandwidth", metavar="BW", help="accelerator memory bandwidth, e.g. 960GB/s "
                      "(overrides the preset's)")
     use.add_argument("--priority", default="inference", metavar="{inference,training}",
                      help="what the geometry is optimised for (default inference)")
@@ -70,8 +76,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     shape.add_argument("--kv-rank", metavar="N", help="MLA latent rank")
     shape.add_argument("--vocab", metavar="N", default="32000", help="vocabulary (default 32000)")
 
-    parser.add_argument("--json", action="store_true", help="machine-readable output "
-                        "(schema in docs/plan.md)")
+    add_json(parser, help="machine-readable output (schema in docs/plan.md)")
+    where_torch_runs = "--device is where torch runs, in lab; plan names an accelerator preset"
+    for old, new, note in (("--device", "--accelerator", where_torch_runs),
+                           ("--devices", "--n-accelerators", ""),
+                           ("--list-devices", "--list-accelerators", ""),
+                           ("--config", "--model", ""),
+                           ("--list-configs", "--list-models", "")):
+        renamed(parser, old, new, note)
 
 
 def _usage(msg: str):
@@ -93,22 +105,22 @@ def _int(flag: str, text: str | None) -> int | None:
 
 
 def _device(args, required: bool):
-    """The preset named by --device, adjusted by --memory/--bandwidth, or a custom one."""
+    """The preset named by --accelerator, adjusted by --memory/--bandwidth, or a custom one."""
     from dataclasses import replace
 
     from multihead.plan import devices, units
 
     memory = units.parse_bytes(args.memory) if args.memory else None
     bandwidth = units.parse_bandwidth(args.bandwidth) if args.bandwidth else None
-    if args.device is None:
+    if args.accelerator is None:
         if memory and bandwidth:
             return devices.custom_device(memory, bandwidth)
         if memory or bandwidth:
-            raise _usage("a custom device needs both --memory and --bandwidth (e.g. --memory "
+            raise _usage("a custom accelerator needs both --memory and --bandwidth (e.g. --memory "
                          f"48GiB --bandwidth 960GB/s); received --memory {args.memory} "
-                         f"--bandwidth {args.bandwidth}, or name a --device")
+                         f"--bandwidth {args.bandwidth}, or name an --accelerator")
         return devices.DEVICES["h100-80gb"] if required else None
-    dev = devices.get_device(args.device)
+    dev = devices.get_device(args.accelerator)
     if memory or bandwidth:
         dev = replace(dev, memory=memory or dev.memory, bandwidth=bandwidth or dev.bandwidth,
                       name=f"{dev.name}*")
@@ -128,21 +140,22 @@ def _main(args) -> int:
     from multihead.plan import devices, report, units
     from multihead.plan.recommend import Request, recommend
 
-    if args.list_devices:
+    if args.list_accelerators:
         return _list_devices(devices, args.json)
-    if args.list_configs:
+    if args.list_models:
         return _list_configs(args.json)
-    modes = [m for m in ("params", "config", "compare") if getattr(args, m)]
+    modes = [flag for flag, m in (("--params", "params"), ("--model", "model"), ("--compare", "compare"))
+             if getattr(args, m)]
     if len(modes) != 1:
-        given = ", ".join(f"--{m}" for m in modes) or "none"
-        raise _usage(f"give exactly one of --params SIZE (e.g. 7B), --config FILE|PRESET or --compare "
-                     f"FILE|PRESET ... (presets: --list-configs); received {given}")
+        given = ", ".join(modes) or "none"
+        raise _usage(f"give exactly one of --params SIZE (e.g. 7B), --model FILE|PRESET or --compare "
+                     f"FILE|PRESET ... (presets: --list-models); received {given}")
     if args.priority not in ("inference", "training"):
         raise _usage(f"--priority must be inference or training; received {args.priority!r}")
     dtype = units.dtype_name(args.dtype)
     weights_dtype = units.dtype_name(args.weights_dtype) if args.weights_dtype else dtype
     batch = _int("--batch-size", args.batch)
-    n_devices = _int("--devices", args.devices)
+    n_devices = _int("--n-accelerators", args.n_accelerators)
     context = units.parse_tokens(args.context) if args.context else None
 
     if args.params:
@@ -171,13 +184,13 @@ def _main(args) -> int:
         print(out)
         return 0
 
-    fixed = [f"--{f.replace('_', '-')}" for f in SIZE_FLAGS if getattr(args, f) is not None]
+    fixed = [flag for dest, flag in SIZE_FLAGS.items() if getattr(args, dest) is not None]
     if fixed:
         raise _usage(f"{', '.join(fixed)} apply when recommending (--params), not to a config; "
                      "edit the config instead")
     from multihead.plan.configs import read_config
 
-    paths = [args.config] if args.config else args.compare
+    paths = [args.model] if args.model else args.compare
     device = _device(args, required=False)
     accounts = [report.account(read_config(p), context, batch, dtype, device, weights_dtype,
                                n_devices or 1) for p in paths]
@@ -185,10 +198,10 @@ def _main(args) -> int:
         print(json.dumps(report.account_json(accounts), indent=2))
     else:
         print(report.account_text(accounts))
-        if args.config:  # what converting it would save (multihead.convert)
+        if args.model:  # what converting it would save (multihead.convert)
             from multihead.plan.conversions import conversions_text
 
-            print(conversions_text(read_config(args.config), dtype))
+            print(conversions_text(read_config(args.model), dtype))
     return 0
 
 
@@ -209,7 +222,7 @@ def _list_configs(as_json: bool) -> int:
              f"{m.context_length:,}" if m.context_length else "-", PRESETS[name].repo]
             for name, m in models.items()]
     print(table(["preset", "family", "attention", "params", "positions", "from"], rows, right={3, 4}))
-    print("use: multihead plan --config NAME (or --compare NAME NAME ...); a file or folder of that name wins")
+    print("use: multihead plan --model NAME (or --compare NAME NAME ...); a file or folder of that name wins")
     return 0
 
 
@@ -223,5 +236,5 @@ def _list_devices(devices, as_json: bool) -> int:
         return 0
     rows = [[d.name, fmt_bytes(d.memory), f"{d.bandwidth / 1e9:,.0f} GB/s", d.note]
             for d in devices.DEVICES.values()]
-    print(table(["device", "memory", "bandwidth", "what"], rows, right={1, 2}))
+    print(table(["accelerator", "memory", "bandwidth", "what"], rows, right={1, 2}))
     return 0

@@ -454,7 +454,7 @@ def read_config(source, name: str | None = None) -> ModelGeometry:
             if preset is None:
                 raise ValueError(f"cannot read {label}: no such file or folder, and no preset of that name"
                                  f"{did_you_mean(label)} (presets: {', '.join(PRESETS)}; `multihead plan "
-                                 "--list-configs` lists them)")
+                                 "--list-models` lists them)")
             return read_config(preset_config(preset.name), name=name or preset.name)
         if os.path.isdir(source):
             source = os.path.join(source, "config.json")

@@ -58,7 +58,7 @@ def conversions(model: ModelGeometry, dtype="bf16") -> list[dict]:
 
 
 def conversions_text(model: ModelGeometry, dtype="bf16") -> str:
-    """The table `multihead plan --config` prints under the model's: what each conversion saves."""
+    """The table `multihead plan --model` prints under the model's: what each conversion saves."""
     rows = conversions(model, dtype)
     if not rows:
         return ""

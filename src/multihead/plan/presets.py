@@ -1,7 +1,7 @@
 """Named presets: the public config.json of well-known models, shipped with the package.
 
-`multihead plan --config llama-3-8b` (and `plan.read_config("llama-3-8b")`) reads the
-preset when no file or folder of that name exists; `plan --list-configs` lists them. A
+`multihead plan --model llama-3-8b` (and `plan.read_config("llama-3-8b")`) reads the
+preset when no file or folder of that name exists; `plan --list-models` lists them. A
 preset is also found by its Hugging Face repository id or that id's last part, in any
 case (`meta-llama/Meta-Llama-3-8B`, `Meta-Llama-3-8B`): exact names only, no guessing;
 an unknown name gets the close ones as "did you mean".

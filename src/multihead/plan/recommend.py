@@ -323,7 +323,7 @@ def _size(req: Request, start_attn, tied: bool, warnings: list[str],
             notes.append(f"{req.n_devices} x {req.device.name}: the fewest (a power of two, as "
                          f"tensor parallelism wants) that hold the {fmt_bytes(weights)} of "
                          "weights in half their usable memory, leaving the other half for the "
-                         "cache; pass --devices to choose")
+                         "cache; pass --n-accelerators to choose")
     if req.n_layers is None and n_layers < 2:
         warnings.append(f"{fmt_count(req.params)} parameters leave room for {n_layers} layer "
                         f"at d_model {start_attn.d_model} after the embeddings; "
@@ -392,7 +392,7 @@ def _pick_warnings(req: Request, pick: Candidate) -> list[str]:
         warnings.append(
             f"the weights ({fmt_bytes(pick.fit.weights_bytes)} in {req.weights_dtype}) do not "
             f"fit in {fmt_bytes(pick.fit.usable_bytes)} usable on {_device_words(req)}; they "
-            f"need at least {need} x {req.device.name} (--devices {need} or more, leaving room "
+            f"need at least {need} x {req.device.name} (--n-accelerators {need} or more, leaving room "
             f"for the cache), or --weights-dtype fp8/int4")
     elif not pick.fit.fits:
         warnings.append(
