@@ -155,7 +155,8 @@ def _w_errors(rank: int, world: int) -> dict:
                                                            variants_per_run=1, group=group))
     expect("path_patch_scan mid-scan", lambda: heads.path_patch_scan(
         model, clean, corr, Failing(world - 1, 2), [(2, 0)], variants_per_run=1, group=group))
-    expect("attribution_scan", lambda: heads.attribution_scan(model, clean, corr, Failing(1, 1), group=group))
+    # rank 0 runs the costlier half, the corrupted forward and backward, and so the metric
+    expect("attribution_scan", lambda: heads.attribution_scan(model, clean, corr, Failing(0, 1), group=group))
 
     def loss(m, batch):
         if rank == 0:
@@ -197,7 +198,9 @@ def test_an_error_on_one_rank_raises_on_every_rank():
             elif name != "after":
                 assert msg is not None, f"rank {rank}: {name} did not raise"
     r0, r1 = results
-    for name in ("patch_scan setup", "patch_scan mid-scan", "attribution_scan"):
+    assert r0["attribution_scan"].startswith("KeyError") and "rank 0 of 2" in r0["attribution_scan"], r0
+    assert r1["attribution_scan"].startswith("RuntimeError") and "rank(s) 0 of 2 raised" in r1["attribution_scan"], r1
+    for name in ("patch_scan setup", "patch_scan mid-scan"):
         assert r1[name].startswith("KeyError") and "on purpose" in r1[name] and "rank 1 of 2" in r1[name], r1[name]
         assert r0[name].startswith("RuntimeError") and "rank(s) 1 of 2 raised" in r0[name] and \
             "on purpose" in r0[name], r0[name]

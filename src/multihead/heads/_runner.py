@@ -5,7 +5,10 @@ in variants and an ETA from each unit's cost; and the `(layers, heads)` table th
 
 A scan is a specialisation: it says what its units are, what one forward of a unit does
 (the setter of its kind of patch, on the shared machinery of `_batch`, `_prefix` and
-`_budget`) and what a unit costs; `patch_scan` and `path_patch_scan` are two."""
+`_budget`) and what a unit costs; `patch_scan`, `path_patch_scan` and `attribution_scan` (its
+two halves as two units) are three. The edge tools share prompts instead (`run_rows`): their
+units are chunks of rows, each rank runs whole chunks, and the caller combines the chunks'
+results in order, as one process does."""
 
 from __future__ import annotations
 
@@ -46,6 +49,38 @@ def run_units(ranks: Ranks, units: Sequence, costs: Sequence[float], work: Calla
     finally:
         shown.close()
     return results[len(checks):], any(results[:len(checks)])
+
+
+def to_device(x, device: torch.device):
+    """Every tensor in nested lists, tuples and dicts moved to `device` (what crosses ranks travels on the
+    CPU: a pickled CUDA tensor would unpickle on the sender's device)."""
+    if isinstance(x, Tensor):
+        return x.to(device)
+    if isinstance(x, dict):
+        return {k: to_device(v, device) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return type(x)(to_device(v, device) for v in x)
+    return x
+
+
+def row_chunks(n: int, size: int, ranks: Ranks) -> list[slice]:
+    """Rows 0..n in chunks of at most `size`, smaller where that leaves a rank without a chunk."""
+    if ranks.size > 1:
+        size = min(size, -(-n // ranks.size))
+    return [slice(start, min(n, start + size)) for start in range(0, n, size)]
+
+
+def run_rows(ranks: Ranks, rows: Sequence[slice], work: Callable[[slice], object], label: str,
+             device: torch.device) -> list:
+    """[work(rows) for rows in `rows`], each chunk run on one rank and every result on every rank
+    (on `device`): a chunk's result is what one process computes for those rows, so a caller that
+    combines them in order gets the single-process answer whatever the number of ranks."""
+    def one(sl: slice):
+        got = work(sl)
+        return got if ranks.group is None else to_device(got, torch.device("cpu"))
+    done, _ = run_units(ranks, rows, [float(sl.stop - sl.start) for sl in rows], one, None, label,
+                        size=lambda sl: sl.stop - sl.start)
+    return done if ranks.group is None else to_device(done, device)
 
 
 def table(widths: Sequence[int], cells: Iterable[tuple[tuple[int, int], float]]) -> Tensor:

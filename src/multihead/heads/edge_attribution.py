@@ -25,7 +25,6 @@ from multihead.heads._edge_common import (
     Inputs,
     check_batch_size,
     check_int,
-    chunks,
     held,
     read_pair,
     reference_run,
@@ -33,6 +32,8 @@ from multihead.heads._edge_common import (
 )
 from multihead.heads._edge_model import EdgeModel
 from multihead.heads._edge_run import Readout, Run, group_slices, scalar
+from multihead.heads._ranks import Ranks, check_group, fingerprint
+from multihead.heads._runner import row_chunks, run_rows
 from multihead.heads.edge_graph import Graph, edge_name, parse_edge
 
 METHODS = ("eap", "eap-ig")
@@ -104,26 +105,32 @@ def _embeddings(em: EdgeModel, clean: Inputs, corrupted: Inputs, steps: int, k: 
     return c + (k / steps) * (e - c)
 
 
-def _metric_grads(em, clean, corrupted, readout, steps, size) -> list[Tensor]:
-    """dm/dlogits of each step `[(B, ...)]`, from a pass without gradients over all chunks."""
-    out = []
-    for k in range(1, steps + 1):
-        parts = []
-        with torch.no_grad():
-            for sl in chunks(len(clean), size):
-                x = clean.rows(sl)
-                parts.append(readout.logits(Run(em, x.mask, x.ids.shape[1]).forward(
-                    _embeddings(em, x, corrupted.rows(sl), steps, k)), sl))
-        logits = torch.cat(parts).requires_grad_(True)
-        with torch.enable_grad():
-            m = scalar(readout.value(logits), f"at step {k} of {steps}", grad=True)
-            (g,) = torch.autograd.grad(m, logits)
-        out.append(g)
-    return out
+def _metric_grads(ranks, em, clean, corrupted, readout, steps, rows) -> list[Tensor]:
+    """dm/dlogits of each step `[(B, ...)]`, from a pass without gradients over all chunks (shared
+    over `ranks`); the metric reads the whole batch on every rank."""
+    @torch.no_grad()
+    def readouts(sl: slice) -> list[Tensor]:
+        x, xc = clean.rows(sl), corrupted.rows(sl)
+        return [readout.logits(Run(em, x.mask, x.ids.shape[1]).forward(_embeddings(em, x, xc, steps, k)), sl)
+                for k in range(1, steps + 1)]
+    done = run_rows(ranks, rows, readouts, ranks.name, em.device)
+
+    def grads() -> list[Tensor]:
+        out = []
+        for k in range(1, steps + 1):
+            logits = torch.cat([part[k - 1] for part in done]).requires_grad_(True)
+            with torch.enable_grad():
+                m = scalar(readout.value(logits), f"at step {k} of {steps}", grad=True)
+                (g,) = torch.autograd.grad(m, logits)
+            out.append(g)
+        return out
+    return ranks.run(grads)
 
 
-def _chunk_scores(em, clean, corrupted, readout, steps, sl, grads, scores) -> None:
-    """Add one chunk's sum over steps of D . dm/dx_r to `scores` (float64, `(N_r, N_s)`)."""
+def _chunk_scores(em, clean, corrupted, readout, steps, sl, grads) -> Tensor:
+    """One chunk's sum over steps of D . dm/dx_r (float64, `(N_r, N_s)`)."""
+    g = em.graph
+    scores = torch.zeros(len(g.receivers), len(g.senders), dtype=torch.float64, device=em.device)
     x, xc = clean.rows(sl), corrupted.rows(sl)
     T = x.ids.shape[1]
     with torch.no_grad():
@@ -152,10 +159,11 @@ def _chunk_scores(em, clean, corrupted, readout, steps, sl, grads, scores) -> No
                 m.backward()
             else:
                 logits.backward(grads[k - 1][sl])
+    return scores
 
 
 def edge_scores(model, clean, corrupted, metric, method: str = "eap-ig", steps: int = 5, *,
-                batch_size: int | None = None) -> EdgeScores:
+                batch_size: int | None = None, group=None) -> EdgeScores:
     """EAP or EAP-IG scores of every edge of the model's graph (see the module's docstring).
 
     Args:
@@ -165,21 +173,36 @@ def edge_scores(model, clean, corrupted, metric, method: str = "eap-ig", steps: 
             at its positions only.
         method: "eap" or "eap-ig"; steps: EAP-IG's interpolation steps (`steps=1` equals EAP).
         batch_size: rows per chunk (None: what keeps a chunk's graph near 1 GiB).
+        group: None (one process), or a torch.distributed process group whose every rank makes this
+            call with the same model, inputs and options. The chunks of rows (prompts) are shared
+            over the ranks, smaller where that leaves a rank without one; the metric reads the whole
+            batch on every rank (every chunk's readouts are gathered first, as one process does when
+            the rows take several chunks), and the scores are the chunks' sums added in order. With
+            the same chunks (`batch_size=` at most B / ranks) they are bitwise one process's; else
+            equal up to rounding. An error on any rank raises on every rank.
     """
-    steps = _check(method, steps)
-    em = EdgeModel.of(model)
-    a, b = read_pair(em, clean, corrupted, metric)
-    size = rows_per_chunk(em, a.ids.shape[1], check_batch_size(batch_size), True)
+    check_group(group)
+    ranks = Ranks(group, "edge_scores")
+
+    def setup():
+        n = _check(method, steps)
+        em = EdgeModel.of(model)
+        a, b = read_pair(em, clean, corrupted, metric)
+        size = rows_per_chunk(em, a.ids.shape[1], check_batch_size(batch_size), True)
+        return n, em, a, b, row_chunks(len(a), size, ranks), Readout(em, metric, a.ids.shape[1])
+    n_steps, em, a, b, rows, readout = ranks.run(setup, lambda r: fingerprint(
+        model, clean, corrupted, f"{method} {r[0]} {[(sl.start, sl.stop) for sl in r[4]]}"))
     g = em.graph
-    scores = torch.zeros(len(g.receivers), len(g.senders), dtype=torch.float64, device=em.device)
     with held(model):
-        readout = Readout(em, metric, a.ids.shape[1])
-        grads = None if size >= len(a) else _metric_grads(em, a, b, readout, steps, size)
-        for sl in chunks(len(a), size):
-            _chunk_scores(em, a, b, readout, steps, sl, grads, scores)
+        grads = None if len(rows) == 1 else _metric_grads(ranks, em, a, b, readout, n_steps, rows)
+        parts = run_rows(ranks, rows, lambda sl: _chunk_scores(em, a, b, readout, n_steps, sl, grads),
+                         ranks.name, em.device)
+    scores = torch.zeros(len(g.receivers), len(g.senders), dtype=torch.float64, device=em.device)
+    for part in parts:  # in the rows' order, whichever rank ran them
+        scores += part
     bad = int((~torch.isfinite(scores)).sum())
     if bad:  # a NaN or inf score orders nothing, and to_json would write what JSON cannot read
         raise ValueError(f"{bad} of {len(g)} edge scores are not finite: the metric or its gradient overflowed in "
                          f"the model's {em.dtype}; valid: a model whose forward and backward stay finite (float32 "
                          "or bfloat16 for a float16 one)")
-    return EdgeScores(g, (scores / steps).cpu(), method, steps)
+    return EdgeScores(g, (scores / n_steps).cpu(), method, n_steps)

@@ -19,7 +19,6 @@ from torch import Tensor
 from multihead.heads._edge_common import (
     Inputs,
     check_batch_size,
-    chunks,
     held,
     mean_reference,
     read_pair,
@@ -29,6 +28,8 @@ from multihead.heads._edge_common import (
 )
 from multihead.heads._edge_model import EdgeModel
 from multihead.heads._edge_run import Readout, Run, make_plan, scalar
+from multihead.heads._ranks import Ranks, check_group, fingerprint
+from multihead.heads._runner import row_chunks, run_rows
 from multihead.heads.edge_graph import Graph, edge_name, parse_edge
 
 ABLATIONS = ("corrupted", "mean")
@@ -89,31 +90,34 @@ def _one_edge(graph: Graph, keep: tuple) -> bool:
 
 
 def patched_logits(em: EdgeModel, clean: Inputs, corrupted: Inputs | None, readout: Readout, masks: list[Tensor],
-                   ablation: str, reference: Inputs | None, batch_size: int | None, ends: bool = False):
+                   ablation: str, reference: Inputs | None, batch_size: int | None, ends: bool = False,
+                   ranks: Ranks | None = None):
     """The readouts of the patched runs, one per mask `[(B, ...)]`, and (`ends`) of the reference run
-    (the corrupted inputs, or the means) and of the clean run, all over chunks of rows."""
+    (the corrupted inputs, or the means) and of the clean run, all over chunks of rows (shared over
+    `ranks`: each chunk's readouts are what one process computes for its rows)."""
+    ranks = Ranks(None, "edge_patch") if ranks is None else ranks
     T = clean.ids.shape[1]
-    plans = [make_plan(em, m) for m in masks]
-    mean = mean_reference(em, reference, batch_size) if ablation == "mean" else None
-    outs: list[list[Tensor]] = [[] for _ in plans]
-    both: list[list[Tensor]] = [[], []]
-    with torch.no_grad():
-        for sl in chunks(len(clean), rows_per_chunk(em, T, batch_size, False)):
-            x = clean.rows(sl)
-            emb = em.embed(x.ids, torch.arange(T, device=x.ids.device))
-            if mean is None:
-                ref, none = reference_run(em, corrupted.rows(sl), readout, sl)
-            else:
-                ref, none = mean, None
-                if ends:
-                    nothing = make_plan(em, torch.zeros(len(em.graph.receivers), len(em.graph.senders), dtype=bool))
-                    none = readout.logits(Run(em, x.mask, T, nothing, ref).forward(emb), sl)
+    plans, mean = ranks.run(lambda: ([make_plan(em, m) for m in masks],
+                                     mean_reference(em, reference, batch_size) if ablation == "mean" else None))
+
+    @torch.no_grad()
+    def chunk(sl: slice) -> tuple[list[Tensor], list[Tensor]]:
+        x = clean.rows(sl)
+        emb = em.embed(x.ids, torch.arange(T, device=x.ids.device))
+        if mean is None:
+            ref, none = reference_run(em, corrupted.rows(sl), readout, sl)
+        else:
+            ref, none = mean, None
             if ends:
-                both[0].append(none)
-                both[1].append(readout.logits(Run(em, x.mask, T).forward(emb), sl))
-            for plan, out in zip(plans, outs):
-                out.append(readout.logits(Run(em, x.mask, T, plan, ref).forward(emb), sl))
-    return [torch.cat(o) for o in outs], [torch.cat(e) for e in both] if ends else None
+                nothing = make_plan(em, torch.zeros(len(em.graph.receivers), len(em.graph.senders), dtype=bool))
+                none = readout.logits(Run(em, x.mask, T, nothing, ref).forward(emb), sl)
+        both = [none, readout.logits(Run(em, x.mask, T).forward(emb), sl)] if ends else []
+        return [readout.logits(Run(em, x.mask, T, plan, ref).forward(emb), sl) for plan in plans], both
+
+    rows = row_chunks(len(clean), rows_per_chunk(em, T, batch_size, False), ranks)
+    done = run_rows(ranks, rows, chunk, ranks.name, em.device)
+    outs = [torch.cat([kept[i] for kept, _ in done]) for i in range(len(plans))]
+    return outs, [torch.cat([both[i] for _, both in done]) for i in range(2)] if ends else None
 
 
 def check_ablation(ablation, corrupted, reference) -> None:
@@ -126,7 +130,7 @@ def check_ablation(ablation, corrupted, reference) -> None:
 
 
 def edge_patch(model, clean, corrupted, metric, keep, ablation: str = "corrupted", *, reference=None,
-               batch_size: int | None = None) -> float:
+               batch_size: int | None = None, group=None) -> float:
     """The metric of the model on `clean` with only the edges in `keep` carrying this run's values.
 
     Args:
@@ -137,14 +141,22 @@ def edge_patch(model, clean, corrupted, metric, keep, ablation: str = "corrupted
         ablation: "corrupted" (the non-kept edges carry the sender's corrupted output) or "mean"
             (its mean output over `reference`'s rows and real positions; `corrupted` is unused).
         batch_size: rows per chunk (None: what keeps a chunk near 1 GiB).
+        group: None (one process), or a torch.distributed process group whose every rank makes this
+            call with the same model, inputs and options: the chunks of rows are shared over the
+            ranks and the metric reads the whole batch on every rank (see `edge_scores`).
     """
-    check_ablation(ablation, corrupted, reference)
-    em = EdgeModel.of(model)
-    a, b = read_pair(em, clean, corrupted if ablation == "corrupted" else None, metric)
-    ref = read_reference(em, reference) if ablation == "mean" else None
-    mask = keep_mask(em.graph, keep)
-    batch_size = check_batch_size(batch_size)
+    check_group(group)
+    ranks = Ranks(group, "edge_patch")
+
+    def setup():
+        check_ablation(ablation, corrupted, reference)
+        em = EdgeModel.of(model)
+        a, b = read_pair(em, clean, corrupted if ablation == "corrupted" else None, metric)
+        ref = read_reference(em, reference) if ablation == "mean" else None
+        return em, a, b, ref, keep_mask(em.graph, keep), check_batch_size(batch_size), Readout(em, metric,
+                                                                                                a.ids.shape[1])
+    em, a, b, ref, mask, size, readout = ranks.run(setup, lambda r: fingerprint(
+        model, clean, corrupted, reference, r[4], f"{ablation} {r[5]}"))
     with held(model):
-        readout = Readout(em, metric, a.ids.shape[1])
-        (out,), _ = patched_logits(em, a, b, readout, [mask], ablation, ref, batch_size)
-        return scalar(readout.value(out), "on the patched run")
+        (out,), _ = patched_logits(em, a, b, readout, [mask], ablation, ref, size, ranks=ranks)
+        return ranks.run(lambda: scalar(readout.value(out), "on the patched run"))

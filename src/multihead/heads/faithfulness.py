@@ -19,6 +19,7 @@ import torch
 from multihead.heads._edge_common import check_batch_size, check_int, held, read_pair
 from multihead.heads._edge_model import EdgeModel
 from multihead.heads._edge_run import Readout, scalar
+from multihead.heads._ranks import Ranks, check_group, fingerprint
 from multihead.heads.edge_attribution import EdgeScores
 from multihead.heads.edge_graph import parse_edge
 from multihead.heads.edge_patching import keep_mask, patched_logits
@@ -119,7 +120,7 @@ def _bootstrap(per_row, kept, none, full, fractions, n: int, seed: int) -> dict:
 
 
 def faithfulness_curve(model, clean, corrupted, metric, scores, fractions=FRACTIONS, *, bootstrap: int = 0,
-                       per_row=None, seed: int | None = 0, batch_size: int | None = None) -> dict:
+                       per_row=None, seed: int | None = 0, batch_size: int | None = None, group=None) -> dict:
     """The faithfulness of the top edges by |score| at each fraction of the graph, with CPR and CMD.
 
     Args:
@@ -128,37 +129,52 @@ def faithfulness_curve(model, clean, corrupted, metric, scores, fractions=FRACTI
         bootstrap, per_row: `bootstrap=n` resamples the prompts n times for 95% intervals of CPR and
             CMD; `per_row(readout) -> (B,)` gives each row's value, whose mean is the metric (the
             readout is what the metric reads: an `AtPositions`' rows `(B, vocab)`, else the logits).
+        group: None (one process), or a torch.distributed process group whose every rank makes this
+            call with the same model, inputs, scores and options: the chunks of rows are shared over
+            the ranks, every rank gets every chunk's readouts and computes the same curve (with
+            `seed=None`, rank 0's draw).
 
     Returns `{"fractions", "edges_kept", "faithfulness", "cpr", "cmd", "metric_kept", "metric_clean",
     "metric_corrupted"}` (and `"cpr_interval"`, `"cmd_interval"` with `bootstrap=n`).
     """
-    fr = _fractions(fractions)
-    bootstrap = check_int("bootstrap", bootstrap, 0, "resamples")
-    # seed=None: a fresh draw each call, as tasks' seed=None
-    if seed is not None and (isinstance(seed, bool) or not isinstance(seed, numbers.Integral)):
-        raise TypeError(f"seed must be an int or None (the resampling's seed); received {seed!r} "
-                        f"({type(seed).__name__})")
-    seed = torch.Generator().seed() if seed is None else int(seed)
-    if bootstrap and not callable(per_row):
-        raise ValueError("bootstrap resamples prompts through per_row(readout) -> (B,), each row's value of the "
-                         "metric; give per_row=")
-    em = EdgeModel.of(model)
-    a, b = read_pair(em, clean, corrupted, metric)
-    order = ranked(em.graph, scores)
-    sizes = [max(1, round(p * len(order))) for p in fr]
-    masks = [keep_mask(em.graph, order[:n]) for n in sizes]
+    check_group(group)
+    ranks = Ranks(group, "faithfulness_curve")
+
+    def setup():
+        fr = _fractions(fractions)
+        n = check_int("bootstrap", bootstrap, 0, "resamples")
+        # seed=None: a fresh draw each call, as tasks' seed=None
+        if seed is not None and (isinstance(seed, bool) or not isinstance(seed, numbers.Integral)):
+            raise TypeError(f"seed must be an int or None (the resampling's seed); received {seed!r} "
+                            f"({type(seed).__name__})")
+        if n and not callable(per_row):
+            raise ValueError("bootstrap resamples prompts through per_row(readout) -> (B,), each row's value of "
+                             "the metric; give per_row=")
+        em = EdgeModel.of(model)
+        a, b = read_pair(em, clean, corrupted, metric)
+        order = ranked(em.graph, scores)
+        sizes = [max(1, round(p * len(order))) for p in fr]
+        masks = [keep_mask(em.graph, order[:k]) for k in sizes]
+        return fr, n, em, a, b, sizes, masks, check_batch_size(batch_size), Readout(em, metric, a.ids.shape[1])
+    fr, n_boot, em, a, b, sizes, masks, size, readout = ranks.run(setup, lambda r: fingerprint(
+        model, clean, corrupted, r[6], f"{r[0]} {r[1]} {seed} {r[7]}"))
+    # every rank resamples with one seed: rank 0's draw where none was given
+    seed_ = int(seed) if seed is not None else ranks.settle(None, torch.Generator().seed())[0]
     with held(model):
-        readout = Readout(em, metric, a.ids.shape[1])
-        kept, (none, full) = patched_logits(em, a, b, readout, masks, "corrupted", None, check_batch_size(batch_size),
-                                            ends=True)
-        m_none, m_all = scalar(readout.value(none), "on corrupted"), scalar(readout.value(full), "on clean")
-        if m_all == m_none:
-            raise ValueError(f"the metric is {m_all} on clean and on corrupted; faithfulness divides by their gap")
-        m_kept = [scalar(readout.value(k), f"with the top {n} edges") for k, n in zip(kept, sizes)]
-        faith = [(m - m_none) / (m_all - m_none) for m in m_kept]
-        cpr, cmd = areas(fr, faith)
-        out = {"fractions": fr, "edges_kept": sizes, "faithfulness": faith, "cpr": cpr, "cmd": cmd,
-               "metric_kept": m_kept, "metric_clean": m_all, "metric_corrupted": m_none}
-        if bootstrap:
-            out.update(_bootstrap(per_row, kept, none, full, fr, bootstrap, seed))
+        kept, (none, full) = patched_logits(em, a, b, readout, masks, "corrupted", None, size, ends=True, ranks=ranks)
+        return ranks.run(lambda: _curve(readout, kept, none, full, fr, sizes, per_row, n_boot, seed_))
+
+
+def _curve(readout, kept, none, full, fr, sizes, per_row, bootstrap: int, seed: int) -> dict:
+    """The curve's dict from the readouts of the corrupted, the clean and the patched runs."""
+    m_none, m_all = scalar(readout.value(none), "on corrupted"), scalar(readout.value(full), "on clean")
+    if m_all == m_none:
+        raise ValueError(f"the metric is {m_all} on clean and on corrupted; faithfulness divides by their gap")
+    m_kept = [scalar(readout.value(k), f"with the top {n} edges") for k, n in zip(kept, sizes)]
+    faith = [(m - m_none) / (m_all - m_none) for m in m_kept]
+    cpr, cmd = areas(fr, faith)
+    out = {"fractions": fr, "edges_kept": sizes, "faithfulness": faith, "cpr": cpr, "cmd": cmd,
+           "metric_kept": m_kept, "metric_clean": m_all, "metric_corrupted": m_none}
+    if bootstrap:
+        out.update(_bootstrap(per_row, kept, none, full, fr, bootstrap, seed))
     return out

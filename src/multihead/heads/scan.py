@@ -46,7 +46,7 @@ from multihead.heads._interventions import check_positions
 from multihead.heads._prefix import causal_stack, shared_prefix
 from multihead.heads._ranks import Ranks, check_group, fingerprint, pack, unpack
 from multihead.heads._record import Recording, check_what, record
-from multihead.heads._runner import run_units, table
+from multihead.heads._runner import run_units, table, to_device
 from multihead.heads._scan_state import ScanState
 from multihead.heads._shortcut import too_big
 from multihead.heads.engine import Engine, Handler, Layer, check_grad_mode, check_model, is_hf, logits_of
@@ -503,52 +503,37 @@ def attribution_scan(model, clean, corrupted, metric: Callable[[Tensor], Tensor]
     exact table. what: "z", "k" or "v". Returns `(layers, heads)`, like `patch_scan`.
 
     group: None (one process), or a torch.distributed process group whose every rank makes
-    this call with the same model, inputs and options. There are no variants to share: rank
-    0 records the clean run while rank 1 runs the corrupted forward and backward (at most
-    (2 forwards + 1 backward) / (1 forward + 1 backward) faster; ranks above 1 wait), the
-    two halves are exchanged and every rank computes the same table, bitwise the one
-    process's. An error on any rank raises on every rank.
+    this call with the same model, inputs and options. There are no variants to share: the
+    two halves are the runner's two units, the corrupted forward and backward on rank 0 while
+    rank 1 records the clean run (at most (2 forwards + 1 backward) / (1 forward + 1 backward)
+    faster; ranks above 1 wait), every rank gets both and computes the same table, bitwise
+    the one process's. An error on any rank raises on every rank.
     """
     check_group(group)
     ranks = Ranks(group, "attribution_scan")
-    clean_rank, corrupted_rank = 0, min(1, ranks.size - 1)
 
-    def halves():
+    def checked():
         check_model(model)
         check_what(what, ("z", "k", "v"))
         check_inputs(model, clean, corrupted, metric)
         check_grad_mode("attribution_scan")
-        mine = {}
-        if ranks.rank == clean_rank:
+    ranks.run(checked, lambda _: fingerprint(model, clean, corrupted) + what)
+
+    def half(name: str):
+        if name == "clean":
             rec = record(model, clean, what=(what,))
-            mine["clean"] = [(lay.index, rec[what, lay.index]) for lay in rec.layers]
-        if ranks.rank == corrupted_rank:
-            mine["corrupted"] = _attribution_grads(model, corrupted, metric, what)
-        return mine
+            got = [(lay.index, rec[what, lay.index]) for lay in rec.layers]
+        else:
+            got = _attribution_grads(model, corrupted, metric, what)
+        return got if group is None else to_device(got, torch.device("cpu"))  # pickled by the settle
 
-    if group is None:
-        got = halves()
-        return _attribution_table(got["clean"], *got["corrupted"])
-    error, mine = None, {}
-    try:
-        mine = _to(halves(), torch.device("cpu"))  # pickled by settle: CPU tensors unpickle on every rank
-    except Exception as e:  # held for settle: every rank raises together
-        error = e
-    every = ranks.settle(error, mine, fingerprint(model, clean, corrupted) + what)
-    device = next((p.device for p in model.parameters()), torch.device("cpu"))
-    got = _to({**every[clean_rank], **every[corrupted_rank]}, device)
-    return _attribution_table(got["clean"], *got["corrupted"])
-
-
-def _to(x, device: torch.device):
-    """Every tensor in nested lists, tuples and dicts moved to `device`."""
-    if isinstance(x, Tensor):
-        return x.to(device)
-    if isinstance(x, dict):
-        return {k: _to(v, device) for k, v in x.items()}
-    if isinstance(x, (list, tuple)):
-        return type(x)(_to(v, device) for v in x)
-    return x
+    # costs: a forward and a backward against one forward (the costlier half goes to rank 0)
+    (a_clean, got_corrupted), _ = run_units(ranks, ["clean", "corrupted"], [1.0, 3.0], half, None,
+                                            "attribution_scan", size=lambda _: 1)
+    if group is not None:
+        device = next((p.device for p in model.parameters()), torch.device("cpu"))
+        a_clean, got_corrupted = to_device((a_clean, got_corrupted), device)
+    return _attribution_table(a_clean, *got_corrupted)
 
 
 def _attribution_grads(model, corrupted, metric, what: str) -> tuple[float, list[tuple[int, Tensor, Tensor | None]]]:
