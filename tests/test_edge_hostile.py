@@ -191,6 +191,13 @@ def test_hooks_the_edge_forward_would_skip_are_refused_and_called_ones_kept():
         want = float(metric(model(clean).logits))
     assert heads.edge_patch(model, clean, corrupted, metric, E) == pytest.approx(want, rel=1e-10)
     h.remove()
+    # transformers' own output-capturing hooks (installed once a forward asks for hidden states or
+    # attentions) record and change nothing: the tools run beside them
+    with torch.no_grad():
+        model(clean, output_hidden_states=True, output_attentions=True)
+        clean_metric = float(metric(model(clean).logits))
+    assert any(layer._forward_hooks for layer in model.model.layers)
+    assert heads.edge_patch(model, clean, corrupted, metric, E) == pytest.approx(clean_metric, rel=1e-10)
 
 
 def test_scores_that_are_not_finite_are_refused_not_returned(llama):

@@ -151,10 +151,18 @@ def _check_hooks(model, em: EdgeModel) -> None:
         runs += [getattr(layer, "mlp", None), getattr(layer, "post_feedforward_layernorm", None)]
     called = {id(m) for f in runs for m in _modules_of(f)}
     for name, m in model.named_modules():
-        if id(m) not in called and (m._forward_hooks or m._forward_pre_hooks):
+        hooks = [h for d in (m._forward_hooks, m._forward_pre_hooks) for h in d.values() if not _records_only(h)]
+        if id(m) not in called and hooks:
             raise ValueError(f"{type(model).__name__} has a forward hook on {name or 'the model'} "
                              f"({type(m).__name__}); the edge tools read that module's weights without calling it, "
                              "so the hook would change the model's output and not theirs: remove it first")
+
+
+def _records_only(hook) -> bool:
+    """transformers' own output-capturing hook (installed on the decoder layers and attention
+    modules the first time a forward asks for hidden states or attentions): it records what
+    it is asked for and never changes an output."""
+    return getattr(hook, "__module__", None) == "transformers.utils.output_capturing"
 
 
 def _modules_of(f) -> list:
