@@ -18,7 +18,8 @@ from torch import Tensor
 
 __all__ = ["HAS_CPU_FLASH", "NEG", "acc_dtype", "backward_lse", "block_attention", "cap_scores", "causal_triangle",
            "eager", "flash_lse", "flash_lse_backward", "fold_scores", "fold_values", "index", "lse_merge",
-           "lse_merge_into", "masked_scores", "merge_two", "mqa_splits", "one_query_shared_keys", "probs_from_lse",
+           "lse_merge_into", "masked_scores", "merge_two", "mqa_splits", "one_query_shared_keys", "online_result",
+           "online_softmax", "probs_from_lse",
            "softmax", "softmax_entropy", "with_sinks"]
 
 
@@ -167,6 +168,28 @@ def probs_from_lse(scores: Tensor, lse: Tensor, out: Tensor | None = None) -> Te
     as `backward_lse` gives it: a row with no key +inf, so its probabilities are 0). What a block
     engine and every backward recompute from the forward's log-sum-exp; `out`: a buffer to fill."""
     return torch.sub(scores, lse, out=out).exp_()
+
+
+def online_softmax(scores: Tensor, m: Tensor, l_: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """One block of masked scores `(.., s)` into a running softmax (FlashAttention-2, the online
+    softmax): the running max `m` and sum `l_` `(.., 1)` (-inf and 0 before the first block).
+    Returns (p = exp(scores - new max), written over `scores`; alpha = exp(m - new max), what the
+    running output and sum are rescaled by; the new max; the new sum). A row with no key yet
+    keeps max -inf and sum 0 (its exp taken against 0, never -inf - -inf)."""
+    m_new = torch.maximum(m, scores.amax(-1, keepdim=True))
+    m_safe = torch.where(torch.isneginf(m_new), 0.0, m_new)  # rows with nothing yet
+    p = scores.sub_(m_safe).exp_()  # in place: the scores are not needed again
+    alpha = torch.exp(m - m_safe)
+    return p, alpha, m_new, l_ * alpha + p.sum(-1, keepdim=True)
+
+
+def online_result(o: Tensor, m: Tensor, l_: Tensor) -> tuple[Tensor, Tensor]:
+    """The online softmax's end: (out = o / l_, lse = m + log l_ `(..)`) from the running output
+    `o` and (max, sum) `(.., 1)`; a row that saw no key is 0 with lse -inf. A NaN row stays NaN
+    (the NaN rule then applies)."""
+    seen = l_ != 0
+    out = torch.where(seen, o / torch.where(seen, l_, 1.0), 0.0)
+    return out, torch.where(seen, m + torch.log(torch.where(seen, l_, 1.0)), float("-inf"))[..., 0]
 
 
 def block_attention(q: Tensor, k: Tensor, v: Tensor, scale: float,
