@@ -1,13 +1,13 @@
-"""The pieces every attention engine shares, written once (`eager` is the formula itself, the
-readable twin every backend is tested against): the accumulation dtype, flex's
-index tensors, the MQA split over CPU threads, the bottom-right causal triangle, the
-scores and values with the G query heads of a K/V head folded (so K/V are never
-repeated), the masked softmax over scores (with attention sinks as an option, and with
-its log-sum-exp for an engine that merges blocks, and the log-sum-exp as a backward
-reads it), the attention of one block of keys with its log-sum-exp, torch's fused CPU
-kernel with its log-sum-exp, the log-sum-exp merge of attentions over disjoint key sets
-(FlashAttention's rescaling), and the softcap formula. The online softmax, a tile loop
-of its own, lives in its engine (explicit_tiles.py)."""
+"""The attention formula's one home: the pieces every engine, ring, decode, the stream and
+the tiles' recompute call instead of writing their own. `eager` is the formula itself, the
+readable twin every engine is tested against. Here: the accumulation dtype, flex's index
+tensors, the MQA split over CPU threads, the bottom-right causal triangle, the scores and
+values with the G query heads of a K/V head folded (K/V never repeated), the masked scores,
+the masked softmax (with attention sinks) and its entropy, the online softmax, the
+attention of one block of keys with its log-sum-exp, the probabilities from a log-sum-exp
+(as a backward reads it), torch's fused CPU kernel with its log-sum-exp, one log-sum-exp
+merge of attentions over disjoint key sets (`merge_two`, FlashAttention's rescaling; in
+place and list forms), MLA's one-query step and the softcap formula."""
 
 from __future__ import annotations
 
