@@ -127,6 +127,13 @@ def test_blocks_merged_by_their_lse_equal_attention_over_all_keys(dtype):
     assert torch.equal(out[0, 1, 2], torch.zeros(3, dtype=dtype)) and torch.isneginf(lse[0, 1, 2])
     assert torch.equal(merged[0, 1, 2], torch.zeros(3, dtype=dtype))
     assert torch.isnan(two[0, 1, 2]).all()  # merge_two leaves the empty row to its caller (decode has none)
+    # a NaN in a part (bad data) stays NaN in the merged row, output and lse
+    bad = [(o.clone(), lp.clone()) for o, lp in parts]
+    bad[1][0][1, 0, 1] = float("nan")
+    bad[1][1][1, 0, 1] = float("nan")
+    got, got_lse = lse_merge(bad, dtype, dtype)
+    assert torch.isnan(got[1, 0, 1]).all() and torch.isnan(got_lse[1, 0, 1]).all()
+    assert torch.equal(got[0], merged[0])
 
 
 def _qkv(dtype, B=2, H=4, Hkv=2, T=5, S=7, D=6, Dv=3, seed=5):

@@ -267,9 +267,10 @@ def lse_merge_into(out: Tensor, lse: Tensor, out_b: Tensor, lse_b: Tensor) -> No
     (ring attention): fold (out_b, lse_b) into (out, lse), lse `(..)` without the trailing 1,
     `out` in the accumulation dtype; no temporary of the part's size. A row neither attends
     stays 0, -inf."""
-    new = torch.logaddexp(lse, lse_b)
-    merge_two(out, out_b.to(out.dtype), lse.masked_fill(torch.isneginf(new), 0.0), lse_b, inplace=True)  # dead: w 0
-    lse.copy_(new)
+    # lse -inf (no key yet) raised to the lowest finite value: against a part with no key either,
+    # lse_b - lse is then -inf (weight 0, the row stays 0), not -inf - -inf = NaN; a NaN stays NaN
+    merge_two(out, out_b.to(out.dtype), lse.clamp_min(torch.finfo(lse.dtype).min), lse_b, inplace=True)
+    torch.logaddexp(lse, lse_b, out=lse)
 
 
 def lse_merge(parts: Sequence[tuple[Tensor, Tensor]], acc: torch.dtype, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
