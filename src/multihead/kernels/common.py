@@ -19,8 +19,7 @@ from torch import Tensor
 __all__ = ["HAS_CPU_FLASH", "NEG", "acc_dtype", "backward_lse", "block_attention", "cap_scores", "causal_triangle",
            "eager", "flash_lse", "flash_lse_backward", "fold_scores", "fold_values", "index", "lse_merge",
            "lse_merge_into", "masked_scores", "merge_two", "mqa_splits", "one_query_shared_keys", "online_result",
-           "online_softmax", "probs_from_lse",
-           "softmax", "softmax_entropy", "with_sinks"]
+           "online_softmax", "probs_from_lse", "softmax", "softmax_entropy", "with_sinks"]
 
 
 #: The score of a hidden key where a log-softmax must stay finite: exp(NEG - max) is 0 and p log p = 0 * NEG is 0.
