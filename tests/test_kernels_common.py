@@ -1,9 +1,9 @@
 """The pieces of kernels/common.py (every attention formula has one home), against the
-NumPy float64 reference: the masked softmax (with sinks), the softmax of one block with
-its log-sum-exp, the block attention with its lse (ring attention's block), torch's fused
-CPU kernel with its lse, the one-query step over shared keys (MLA's decode), the
-log-sum-exp a backward reads, and blocks merged by lse_merge / lse_merge_into equal to
-the softmax over all keys."""
+NumPy float64 reference: the masked softmax (with sinks) and its entropy (the stream's),
+the block attention with its lse (ring attention's block), torch's fused CPU kernel with
+its lse, the one-query step over shared keys (MLA's decode), the probabilities a backward
+recomputes from the log-sum-exp, and blocks merged by merge_two / lse_merge /
+lse_merge_into equal to the softmax over all keys."""
 
 from __future__ import annotations
 
@@ -18,9 +18,11 @@ from multihead.kernels.common import (
     flash_lse,
     lse_merge,
     lse_merge_into,
+    merge_two,
     one_query_shared_keys,
+    probs_from_lse,
     softmax,
-    softmax_lse,
+    softmax_entropy,
 )
 
 TOL = {torch.float64: 1e-12, torch.float32: 1e-6}
@@ -48,28 +50,6 @@ def _masked_np(scores: torch.Tensor, allowed: torch.Tensor) -> np.ndarray:
 
 
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
-def test_softmax_lse_equals_the_reference(dtype):
-    scores, allowed = _case(dtype)
-    probs, lse = softmax_lse(scores, allowed)
-    x = _masked_np(scores, allowed)
-    want_p, want_l = ref.softmax(x), _np_lse(x)
-    assert probs.dtype == lse.dtype == dtype and lse.shape == scores.shape[:-1]
-    err = np.abs(probs.double().numpy() - want_p).max()
-    assert err < TOL[dtype], f"probs: max diff {err:.3g}"
-    finite = np.isfinite(want_l)
-    err = np.abs(lse.double().numpy()[finite] - want_l[finite]).max()
-    assert err < TOL[dtype] * 10, f"lse: max diff {err:.3g}"
-    # the row with nothing to attend: zeros and lse -inf, never NaN
-    assert torch.isneginf(lse[0, 1, 2]) and torch.equal(probs[0, 1, 2], torch.zeros(7, dtype=dtype))
-    assert not torch.isnan(probs).any() and not torch.isnan(lse).any()
-    # without a mask: the plain softmax and logsumexp
-    p0, l0 = softmax_lse(scores)
-    x0 = scores.double().numpy()
-    assert np.abs(p0.double().numpy() - ref.softmax(x0)).max() < TOL[dtype]
-    assert np.abs(l0.double().numpy() - _np_lse(x0)).max() < TOL[dtype] * 10
-
-
-@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
 def test_softmax_equals_the_reference_and_guards_empty_rows(dtype):
     scores, allowed = _case(dtype, seed=1)
     bias = torch.randn(1, 3, 1, 7, dtype=dtype, generator=torch.Generator().manual_seed(2))
@@ -87,37 +67,73 @@ def test_softmax_equals_the_reference_and_guards_empty_rows(dtype):
 
 def test_backward_lse_makes_empty_rows_zero_and_keeps_the_rest():
     scores, allowed = _case(torch.float64)
-    probs, lse = softmax_lse(scores, allowed)
+    masked = scores.masked_fill(~allowed, float("-inf"))
+    lse = torch.from_numpy(_np_lse(_masked_np(scores, allowed)))  # the reference's, -inf on the empty row
     back = backward_lse(lse)
     assert torch.isposinf(back[0, 1, 2]) and torch.equal(back[torch.isfinite(lse)], lse[torch.isfinite(lse)])
     # the backward's recomputation exp(masked scores - lse) gives the forward's probabilities, 0 on empty rows
-    again = torch.exp(scores.masked_fill(~allowed, float("-inf")) - back[..., None])
+    again = probs_from_lse(masked, back[..., None])
     assert torch.equal(again[0, 1, 2], torch.zeros(7, dtype=torch.float64))
-    assert (again - probs).abs().max() < 1e-12
-    assert torch.isnan(torch.exp(scores.masked_fill(~allowed, float("-inf")) - lse[..., None])).any()
+    err = np.abs(again.numpy() - ref.softmax(_masked_np(scores, allowed))).max()
+    assert err < 1e-12, f"max diff {err:.3g}"
+    assert torch.isnan(torch.exp(masked - lse[..., None])).any()  # what backward_lse is for
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+@pytest.mark.parametrize("sinks", [False, True])
+def test_softmax_entropy_equals_the_reference(dtype, sinks):
+    """The stream's probabilities and entropies: the reference softmax and -sum p log p (0 log 0 = 0),
+    a row with nothing to attend zeros with entropy 0 (or all its mass on the sink)."""
+    scores, allowed = _case(dtype, seed=10)
+    bias = torch.randn(1, 3, 1, 7, dtype=dtype, generator=torch.Generator().manual_seed(11))
+    sink = torch.randn(1, 3, 1, 1, generator=torch.Generator().manual_seed(12)).to(dtype) if sinks else None
+    probs, entropy = softmax_entropy(scores.clone(), allowed, bias, sinks=sink)
+    x = np.where(allowed.numpy(), (scores + bias).double().numpy(), -np.inf)
+    if sinks:
+        x = np.concatenate([x, np.broadcast_to(sink.double().numpy(), x.shape[:-1] + (1,))], axis=-1)
+    p = ref.softmax(x)[..., :-1] if sinks else ref.softmax(x)  # the sink's probability dropped, as its term
+    with np.errstate(divide="ignore", invalid="ignore"):
+        want_e = -np.where(p > 0, p * np.log(p), 0.0).sum(-1)
+    err = max(np.abs(probs.double().numpy() - p).max(), np.abs(entropy.double().numpy() - want_e).max())
+    assert err < TOL[dtype] * 10, f"max diff {err:.3g}"
+    assert not probs.isnan().any() and not entropy.isnan().any()
 
 
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
 def test_blocks_merged_by_their_lse_equal_attention_over_all_keys(dtype):
-    # ring attention's use: each block's (probs @ v, lse), merged, is attention over every key
-    g = torch.Generator().manual_seed(3)
-    scores, allowed = _case(dtype, seed=4)
+    """ring attention's use (lse_merge_into), the fused tiles' (lse_merge) and the decode
+    split's (merge_two): each block's attention with its lse, merged, is attention over
+    every key; a row with no key in either block stays 0 with lse -inf."""
+    q, k, v = _qkv(dtype, H=3, Hkv=3, S=7)
+    allowed = torch.rand(2, 3, 5, 7, generator=torch.Generator().manual_seed(4)) > 0.4
+    allowed[0, 1, 2] = False  # a row with no key
     allowed[1, 2, 3, :4] = False  # a row with keys in the second block only
-    v = torch.randn(2, 3, 7, 4, generator=g).to(dtype)
-    want = ref.softmax(_masked_np(scores, allowed)) @ v.double().numpy()
+    allowed[1, 2, 3, 5] = True
+    want = ref.attention(q.double().numpy(), k.double().numpy(), v.double().numpy(), mask=allowed.numpy(), scale=0.4)
+    want = np.where(allowed.numpy().any(-1, keepdims=True), want, 0.0)  # the reference's empty row is NaN
     parts = []
-    out = torch.zeros(2, 3, 5, 4, dtype=dtype)
+    out = torch.zeros(2, 3, 5, 3, dtype=dtype)
     lse = torch.full((2, 3, 5), float("-inf"), dtype=dtype)
     for s0, s1 in ((0, 4), (4, 7)):
-        p, lb = softmax_lse(scores[..., s0:s1], allowed[..., s0:s1])
-        ob = p @ v[:, :, s0:s1]
+        ob, lb = block_attention(q, k[:, :, s0:s1], v[:, :, s0:s1], 0.4, allowed[..., s0:s1])
         parts.append((ob, lb[..., None]))
         lse_merge_into(out, lse, ob, lb)
-    merged, _ = lse_merge(parts, dtype, dtype)
-    for got in (merged, out):
-        err = np.abs(got.double().numpy() - want).max()
+    merged, merged_lse = lse_merge(parts, dtype, dtype)
+    two = merge_two(parts[0][0], parts[1][0], parts[0][1][..., 0], parts[1][1][..., 0])
+    assert torch.equal(merged_lse[..., 0], lse)
+    for got in (merged, out, two):
+        err = np.nanmax(np.abs(got.double().numpy() - want))
         assert err < TOL[dtype] * 10, f"max diff {err:.3g}"
-    assert torch.equal(out[0, 1, 2], torch.zeros(4, dtype=dtype)) and torch.isneginf(lse[0, 1, 2])
+    assert torch.equal(out[0, 1, 2], torch.zeros(3, dtype=dtype)) and torch.isneginf(lse[0, 1, 2])
+    assert torch.equal(merged[0, 1, 2], torch.zeros(3, dtype=dtype))
+    assert torch.isnan(two[0, 1, 2]).all()  # merge_two leaves the empty row to its caller (decode has none)
+    # a NaN in a part (bad data) stays NaN in the merged row, output and lse
+    bad = [(o.clone(), lp.clone()) for o, lp in parts]
+    bad[1][0][1, 0, 1] = float("nan")
+    bad[1][1][1, 0, 1] = float("nan")
+    got, got_lse = lse_merge(bad, dtype, dtype)
+    assert torch.isnan(got[1, 0, 1]).all() and torch.isnan(got_lse[1, 0, 1]).all()
+    assert torch.equal(got[0], merged[0])
 
 
 def _qkv(dtype, B=2, H=4, Hkv=2, T=5, S=7, D=6, Dv=3, seed=5):

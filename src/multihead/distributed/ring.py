@@ -42,6 +42,7 @@ from multihead.kernels.common import (
     fold_scores,
     lse_merge_into,
     masked_scores,
+    probs_from_lse,
 )
 from multihead.kernels.math import block_rows
 from multihead.kernels.validation import check_qkv
@@ -127,7 +128,7 @@ class _Explicit:
             scores = fold_scores(q[:, :, t0:t1], ka, scale)  # (B, H, t, s)
             allowed = _Explicit._allowed(keep, diag, t0, t1, s, q.device)
             scores = masked_scores(scores, allowed)
-            probs = torch.exp(scores - lse[:, :, t0:t1, None].to(acc)).view(B, Hkv, n, s)  # the global probabilities
+            probs = probs_from_lse(scores, lse[:, :, t0:t1, None].to(acc)).view(B, Hkv, n, s)  # the final softmax
             dob = dout[:, :, t0:t1].to(acc)  # (B, H, t, Dv)
             dof = dob.reshape(B, Hkv, n, -1)  # (B, Hkv, G*t, Dv)
             dv += probs.transpose(-2, -1) @ dof

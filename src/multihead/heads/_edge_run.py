@@ -25,6 +25,7 @@ from torch import Tensor
 
 from multihead.heads._edge_model import Block, EdgeModel
 from multihead.heads.metrics import AtPositions
+from multihead.kernels.common import cap_scores, eager
 
 GroupHook = Callable[[int, Tensor], None]  # (receiver group, its copies (n, B, T, C)) in a gradient run
 
@@ -81,13 +82,13 @@ def rotate_half(x: Tensor) -> Tensor:
 
 
 def allowed_keys(T: int, mask: Tensor | None, window: int | None, device) -> Tensor:
-    """(B or 1, 1, 1, T, S) True where a query may attend: causal, the key not padding, within the window."""
+    """(B or 1, 1, T, S) True where a query may attend: causal, the key not padding, within the window."""
     i = torch.arange(T, device=device)
     ok = i[None, :] <= i[:, None]
     if window is not None:
         ok = ok & (i[:, None] - i[None, :] < window)
-    ok = ok[None, None, None]
-    return ok if mask is None else ok & mask[:, None, None, None, :]
+    ok = ok[None, None]
+    return ok if mask is None else ok & mask[:, None, None, :]
 
 
 class Run:
@@ -178,18 +179,10 @@ class Run:
         if rope is not None:
             cos, sin = (t.unsqueeze(1) for t in rope)  # (1, 1, T, D)
             q, k = q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin
-        B, _, T, D = q.shape
-        qg = q.view(B, Hkv, H // Hkv, T, D)
-        scores = (qg @ k.unsqueeze(2).transpose(-1, -2)) * b.scaling  # (B, Hkv, G, T, S)
-        if b.softcap is not None:
-            scores = torch.tanh(scores / b.softcap) * b.softcap
-        ok = allowed_keys(T, self.mask, b.window, q.device)
-        scores = scores.masked_fill(~ok, torch.finfo(scores.dtype).min)
-        # a row that may attend to no key (left padding) gives zeros, never NaN
-        exact = torch.promote_types(q.dtype, torch.float32)  # transformers' eager softmax: float32 at least
-        pattern = torch.softmax(scores, dim=-1, dtype=exact).to(q.dtype) * ok
-        z = (pattern @ v.unsqueeze(2)).view(B, H, T, -1)  # (B, H, T, Dv)
-        return torch.einsum("bhtd,hcd->hbtc", z, b.wo)
+        # the formula itself (scores in float32 at least, as transformers' eager softmax); a row
+        # that may attend to no key (left padding) gives zeros, never NaN
+        z, _ = eager(q, k, v, b.scaling, allowed_keys(q.shape[2], self.mask, b.window, q.device), cap=b.softcap)
+        return torch.einsum("bhtd,hcd->hbtc", z, b.wo)  # z (B, H, T, Dv)
 
 
 class Readout:
@@ -207,7 +200,7 @@ class Readout:
         out = self.em.final_norm(x) @ self.em.unembed.t()
         out = out if self.em.unembed_bias is None else out + self.em.unembed_bias
         cap = self.em.final_softcap
-        return out if cap is None else torch.tanh(out / cap) * cap
+        return out if cap is None else cap_scores(out, cap)
 
     def value(self, logits: Tensor):
         """The metric of the whole batch's readout, unchecked."""

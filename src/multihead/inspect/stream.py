@@ -23,7 +23,7 @@ from torch import Tensor
 from multihead.checks import check_int
 from multihead.inspect.capture import encode_text, model_for_run, select_indices
 from multihead.inspect.rowstats import BEYOND, RowSums
-from multihead.kernels.common import acc_dtype, index, masked_scores, with_sinks
+from multihead.kernels.common import NEG, acc_dtype, index, softmax_entropy
 from multihead.kernels.math import rows_mask
 from multihead.kernels.planner import serial_ops
 from multihead.masks import MaskMod
@@ -36,8 +36,6 @@ SUMMARY_FIELDS = ("entropy", "mean_distance", "first_token_mass", "previous_toke
 #: Scores in one block of query rows (float32 elements, all heads of a layer): 4 MiB, so that
 #: the block's passes run from a core's cache (the sizes tried: docs/inspect.md).
 BLOCK_ELEMENTS = 1 << 20
-#: The score of a hidden key: finite, so that exp(NEG - max) is 0 and p log p = 0 * NEG is 0.
-NEG = -1e30
 TOP_K = 8
 GRID = 256
 
@@ -188,7 +186,7 @@ def layer_statistics(query: Tensor, key: Tensor, acc: RowSums, heads: list[int],
             sink = None
             if sinks is not None:
                 sink = (sinks[:, t0:t1] if sinks.shape[1] == T else sinks).expand(h, t, 1)
-            probs, entropy = _probs(scores, allowed, bias, score_mod is not None, sink)
+            probs, entropy = softmax_entropy(scores, allowed, bias, score_mod is not None, sink)  # (h, t, w), (h, t)
             del scores, allowed, bias
             part.add(probs, t0, k0, entropy=entropy)
             del probs
@@ -278,36 +276,6 @@ def _block_rows(block_elements: int, h: int, t0: int, T: int, S: int, triangle: 
     else:
         t = block_elements // max(1, h * S)
     return max(1, min(t, T - t0))
-
-
-def _probs(scores: Tensor, allowed: Tensor | None, bias: Tensor | None, hidden: bool,
-           sink: Tensor | None) -> tuple[Tensor, Tensor]:
-    """Probabilities `(h, t, w)` of one block of scores and each row's entropy -sum_j p log p
-    `(h, t)`, from one log-softmax: p = exp(log p), the entropy a dot product of the two, never
-    a log of p. As `kernels.common.softmax`: `allowed` (True = may attend) and `bias` (added)
-    broadcast to the block; a row with nothing to attend is zeros (and entropy 0); `hidden`:
-    the scores may hold -inf already (a score mod); `sink`: one more logit per row `(h, t, 1)`,
-    with no value (its probability is dropped). Hidden keys become the finite NEG before the
-    softmax, so that p = 0 and p log p = 0 * NEG = 0 there, not NaN."""
-    if bias is not None:
-        scores = scores + bias.to(scores.dtype)  # a new buffer: the caller's scores stay as they are
-    empty = None
-    if allowed is not None or bias is not None or hidden:
-        scores = masked_scores(scores, allowed, inplace=True)
-        if sink is None:
-            empty = torch.isneginf(scores).all(dim=-1, keepdim=True)  # (h, t, 1)
-        scores = scores.clamp_min_(NEG)
-    w = scores.shape[-1]
-    if sink is not None:
-        logp = torch.log_softmax(with_sinks(scores, sink), dim=-1)[..., :w]
-    else:
-        logp = torch.log_softmax(scores, dim=-1)
-    probs = logp.exp()
-    entropy = logp.mul_(probs).sum(-1).neg_()  # (h, t): in place, no third block-sized buffer
-    if empty is not None:
-        probs.masked_fill_(empty, 0.0)
-        entropy.masked_fill_(empty[..., 0], 0.0)
-    return probs, entropy
 
 
 def _key_span(allowed: Tensor) -> tuple[int, int, list[tuple[int, int]] | None]:

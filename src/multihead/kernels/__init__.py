@@ -8,9 +8,9 @@
   engine with its FlashAttention-2 backward), `flex` (opt-in, compiled flex_attention),
   `math` (the explicit paths and the weights pass), `decode` (the split decode step);
 - `validation`: the checks of q, k, v, masks, scale, score mods and weight heads;
-- `common`: what every engine shares: `eager` (the formula written out), the masked
-  scores and softmax (with sinks), a block's attention with its log-sum-exp, the
-  log-sum-exp merge, whole or running, and the CPU flash kernel with its log-sum-exp;
+- `common`: the formula's one home, what every engine calls: `eager` (the formula written
+  out), the masked scores and softmax (with sinks), the online softmax, a block's attention
+  with its log-sum-exp, the one log-sum-exp merge, and the CPU flash kernel with its lse;
 - `machine`: what the CPU kernels choose from the machine (its cache sizes, read once per
   process): `machine_plan()` shows it, `set_machine_plan` replaces it.
 """

@@ -1,13 +1,13 @@
-"""The pieces every attention engine shares, written once (`eager` is the formula itself, the
-readable twin every backend is tested against): the accumulation dtype, flex's
-index tensors, the MQA split over CPU threads, the bottom-right causal triangle, the
-scores and values with the G query heads of a K/V head folded (so K/V are never
-repeated), the masked softmax over scores (with attention sinks as an option, and with
-its log-sum-exp for an engine that merges blocks, and the log-sum-exp as a backward
-reads it), the attention of one block of keys with its log-sum-exp, torch's fused CPU
-kernel with its log-sum-exp, the log-sum-exp merge of attentions over disjoint key sets
-(FlashAttention's rescaling), and the softcap formula. The online softmax, a tile loop
-of its own, lives in its engine (explicit_tiles.py)."""
+"""The attention formula's one home: the pieces every engine, ring, decode, the stream and
+the tiles' recompute call instead of writing their own. `eager` is the formula itself, the
+readable twin every engine is tested against. Here: the accumulation dtype, flex's index
+tensors, the MQA split over CPU threads, the bottom-right causal triangle, the scores and
+values with the G query heads of a K/V head folded (K/V never repeated), the masked scores,
+the masked softmax (with attention sinks) and its entropy, the online softmax, the
+attention of one block of keys with its log-sum-exp, the probabilities from a log-sum-exp
+(as a backward reads it), torch's fused CPU kernel with its log-sum-exp, one log-sum-exp
+merge of attentions over disjoint key sets (`merge_two`, FlashAttention's rescaling; in
+place and list forms), MLA's one-query step and the softcap formula."""
 
 from __future__ import annotations
 
@@ -16,10 +16,14 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
-__all__ = ["HAS_CPU_FLASH", "acc_dtype", "backward_lse", "block_attention", "causal_triangle", "eager", "flash_lse",
-           "flash_lse_backward", "fold_scores", "fold_values", "index", "lse_merge", "lse_merge_into",
-           "masked_scores", "mqa_splits", "one_query_shared_keys", "cap_scores", "softmax", "softmax_lse",
-           "with_sinks"]
+__all__ = ["HAS_CPU_FLASH", "NEG", "acc_dtype", "backward_lse", "block_attention", "cap_scores", "causal_triangle",
+           "eager", "flash_lse", "flash_lse_backward", "fold_scores", "fold_values", "index", "lse_merge",
+           "lse_merge_into", "masked_scores", "merge_two", "mqa_splits", "one_query_shared_keys", "online_result",
+           "online_softmax", "probs_from_lse", "softmax", "softmax_entropy", "with_sinks"]
+
+
+#: The score of a hidden key where a log-softmax must stay finite: exp(NEG - max) is 0 and p log p = 0 * NEG is 0.
+NEG = -1e30
 
 
 def acc_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -93,29 +97,28 @@ def with_sinks(scores: Tensor, sinks: Tensor) -> Tensor:
 
 
 def eager(q: Tensor, k: Tensor, v: Tensor, scale: float, allowed: Tensor | None = None, bias: Tensor | None = None,
-          sinks: Tensor | None = None) -> tuple[Tensor, Tensor]:
+          sinks: Tensor | None = None, cap: float | None = None) -> tuple[Tensor, Tensor]:
     """The formula, written out once: what every backend computes (HF's `eager_attention_forward`).
 
     q `(B, H, T, D)`, k `(B, Hkv, S, D)`, v `(B, Hkv, S, Dv)`; `allowed` bool and `bias`
-    float broadcastable to `(B, H, T, S)`; `sinks` `(.., T|1, 1)`. Returns (out `(B, H, T, Dv)`,
-    probs `(B, H, T, S)`), a row with nothing to attend all zeros in both."""
+    float broadcastable to `(B, H, T, S)`; `sinks` `(.., T|1, 1)`; `cap`: Gemma 2's softcap on
+    the scores. Returns (out `(B, H, T, Dv)`, probs `(B, H, T, S)`), a row with nothing to
+    attend all zeros in both."""
     scores = fold_scores(q, k, scale)  # (B, H, T, S): q k^T * scale, each K/V head read by its G query heads
-    scores = masked_scores(scores, allowed, bias)  # + bias, -inf where not allowed
-    if sinks is not None:
-        probs = torch.softmax(with_sinks(scores, sinks), dim=-1)[..., :-1]  # the sink's share dropped
-    else:
-        empty = torch.isneginf(scores).all(dim=-1, keepdim=True)  # rows with no key: 0, not NaN
-        probs = torch.softmax(scores.masked_fill(empty, 0.0), dim=-1).masked_fill(empty, 0.0)
+    if cap is not None:
+        scores = cap_scores(scores, cap)  # cap * tanh(scores / cap)
+    probs = softmax(scores, allowed, bias, sinks=sinks)  # + bias, -inf where not allowed, softmax; empty rows 0
     return fold_values(probs, v).to(q.dtype), probs.to(q.dtype)  # probs @ v, (B, H, T, Dv)
 
 
 def softmax(scores: Tensor, allowed: Tensor | None = None, bias: Tensor | None = None,
             hidden: bool = False, sinks: Tensor | None = None) -> Tensor:
-    """Masked softmax over the last dim; a row with nothing to attend is all zeros.
+    """The masked softmax over the last dim every engine applies; a row with nothing to attend
+    is all zeros.
 
-    `allowed`: bool, True = may attend; `bias`: added to the scores. Without the guard a
-    row with nothing to attend is softmax(-inf, ..., -inf) = NaN, and its NaN flows into
-    every gradient through the shared K and V. `hidden`: the scores may hold -inf already
+    `allowed`: bool, True = may attend; `bias`: added to the scores (`masked_scores`). Without
+    the guard a row with nothing to attend is softmax(-inf, ..., -inf) = NaN, and its NaN flows
+    into every gradient through the shared K and V. `hidden`: the scores may hold -inf already
     (a score mod may hide pairs too, `where(q_idx == 0, -inf, s)` hides a whole row; or
     the caller filled the hidden pairs), so rows are checked even without a mask.
     `sinks`: attention sinks (GPT-OSS), one extra logit per row broadcastable to
@@ -126,20 +129,66 @@ def softmax(scores: Tensor, allowed: Tensor | None = None, bias: Tensor | None =
         return torch.softmax(with_sinks(scores, sinks), dim=-1)[..., :-1]  # never an empty row: the sink is finite
     if allowed is None and bias is None and not hidden:
         return torch.softmax(scores, dim=-1)
-    empty = torch.isneginf(scores).all(dim=-1, keepdim=True)
+    empty = torch.isneginf(scores).all(dim=-1, keepdim=True)  # rows with no key: 0, not NaN
     probs = torch.softmax(scores.masked_fill(empty, 0.0), dim=-1)
     return probs.masked_fill(empty, 0.0)
 
 
-def softmax_lse(scores: Tensor, allowed: Tensor | None = None) -> tuple[Tensor, Tensor]:
-    """`softmax` of one block of keys and the log-sum-exp of its scores, for an engine that
-    merges blocks (`lse_merge`, `lse_merge_into`): probs = exp(scores - lse), lse `(..)`
-    without the trailing 1. A row with nothing to attend in the block has zeros and lse
-    -inf (so a merge weighs it 0)."""
-    scores = masked_scores(scores, allowed)
-    lse = torch.logsumexp(scores, dim=-1)  # -inf for a row with no key
-    probs = torch.exp(scores - lse.masked_fill(torch.isneginf(lse), 0.0)[..., None])
-    return probs, lse
+def softmax_entropy(scores: Tensor, allowed: Tensor | None = None, bias: Tensor | None = None, hidden: bool = False,
+                    sinks: Tensor | None = None) -> tuple[Tensor, Tensor]:
+    """`softmax` and each row's entropy -sum_j p log p `(..)`, from one log-softmax: p = exp(log p),
+    the entropy a dot product of the two, never a log of p (the stream's per-head summaries).
+    Arguments as `softmax`; `scores` is the caller's own buffer, written over. Hidden keys
+    become the finite `NEG` before the log-softmax, so that p = 0 and p log p = 0 * NEG = 0
+    there, not NaN; a row with nothing to attend is zeros with entropy 0."""
+    if bias is not None:
+        scores = scores + bias.to(scores.dtype)  # a new buffer: the caller's scores stay as they are
+    empty = None
+    if allowed is not None or bias is not None or hidden:
+        scores = masked_scores(scores, allowed, inplace=True)
+        if sinks is None:
+            empty = torch.isneginf(scores).all(dim=-1, keepdim=True)  # (.., 1)
+        scores = scores.clamp_min_(NEG)
+    w = scores.shape[-1]
+    if sinks is not None:
+        logp = torch.log_softmax(with_sinks(scores, sinks), dim=-1)[..., :w]  # the sink's share dropped
+    else:
+        logp = torch.log_softmax(scores, dim=-1)
+    probs = logp.exp()
+    entropy = logp.mul_(probs).sum(-1).neg_()  # in place, no third block-sized buffer
+    if empty is not None:
+        probs.masked_fill_(empty, 0.0)
+        entropy.masked_fill_(empty[..., 0], 0.0)
+    return probs, entropy
+
+
+def probs_from_lse(scores: Tensor, lse: Tensor, out: Tensor | None = None) -> Tensor:
+    """exp(scores - lse): the probabilities of the softmax whose log-sum-exp is `lse` (`(.., 1)`,
+    as `backward_lse` gives it: a row with no key +inf, so its probabilities are 0). What a block
+    engine and every backward recompute from the forward's log-sum-exp; `out`: a buffer to fill."""
+    return torch.sub(scores, lse, out=out).exp_()
+
+
+def online_softmax(scores: Tensor, m: Tensor, l_: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """One block of masked scores `(.., s)` into a running softmax (FlashAttention-2, the online
+    softmax): the running max `m` and sum `l_` `(.., 1)` (-inf and 0 before the first block).
+    Returns (p = exp(scores - new max), written over `scores`; alpha = exp(m - new max), what the
+    running output and sum are rescaled by; the new max; the new sum). A row with no key yet
+    keeps max -inf and sum 0 (its exp taken against 0, never -inf - -inf)."""
+    m_new = torch.maximum(m, scores.amax(-1, keepdim=True))
+    m_safe = torch.where(torch.isneginf(m_new), 0.0, m_new)  # rows with nothing yet
+    p = scores.sub_(m_safe).exp_()  # in place: the scores are not needed again
+    alpha = torch.exp(m - m_safe)
+    return p, alpha, m_new, l_ * alpha + p.sum(-1, keepdim=True)
+
+
+def online_result(o: Tensor, m: Tensor, l_: Tensor) -> tuple[Tensor, Tensor]:
+    """The online softmax's end: (out = o / l_, lse = m + log l_ `(..)`) from the running output
+    `o` and (max, sum) `(.., 1)`; a row that saw no key is 0 with lse -inf. A NaN row stays NaN
+    (the NaN rule then applies)."""
+    seen = l_ != 0
+    out = torch.where(seen, o / torch.where(seen, l_, 1.0), 0.0)
+    return out, torch.where(seen, m + torch.log(torch.where(seen, l_, 1.0)), float("-inf"))[..., 0]
 
 
 def block_attention(q: Tensor, k: Tensor, v: Tensor, scale: float,
@@ -148,8 +197,9 @@ def block_attention(q: Tensor, k: Tensor, v: Tensor, scale: float,
     `(B, Hkv, s, Dv)`, for an engine that merges blocks: (out `(B, H, t, Dv)` and lse
     `(B, H, t)`, both in the accumulation dtype). `allowed`: bool broadcastable to
     `(B, H, t, s)`; a row with no key in the block is 0 with lse -inf."""
-    probs, lse = softmax_lse(fold_scores(q, k, scale), allowed)  # (B, H, t, s), (B, H, t)
-    return fold_values(probs, v), lse
+    scores = masked_scores(fold_scores(q, k, scale), allowed)  # (B, H, t, s)
+    lse = torch.logsumexp(scores, dim=-1)  # (B, H, t): -inf for a row with no key
+    return fold_values(probs_from_lse(scores, backward_lse(lse)[..., None]), v), lse
 
 
 def one_query_shared_keys(q: Tensor, keys: Tensor, value_width: int, scale: float,
@@ -201,28 +251,38 @@ def backward_lse(lse: Tensor) -> Tensor:
     return lse.masked_fill(torch.isneginf(lse), float("inf"))
 
 
-def lse_merge(parts: Sequence[tuple[Tensor, Tensor]], acc: torch.dtype, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
-    """Attention over the union of disjoint key sets from each set's (out, lse `(.., 1)`):
-    out = sum_p exp(lse_p - lse) out_p, lse = logsumexp_p lse_p. A row no part attends
-    (lse -inf everywhere) is 0 with lse -inf. Returns (out in `dtype`, lse in `acc`)."""
-    if len(parts) == 1:
-        o, lp = parts[0]
-        return o.masked_fill(torch.isneginf(lp), 0.0), lp
-    lp = torch.logsumexp(torch.cat([p[1] for p in parts], -1), -1, keepdim=True)
-    safe = lp.masked_fill(torch.isneginf(lp), 0.0)
-    return sum(p[0].to(acc) * torch.exp(p[1] - safe) for p in parts).to(dtype), lp
+def merge_two(o0: Tensor, o1: Tensor, lse0: Tensor, lse1: Tensor, *, inplace: bool = False) -> Tensor:
+    """Attention over the union of two disjoint key sets from each set's output and log-sum-exp
+    `(..)` (FlashAttention's rescaling): lerp(o0, o1, w) with w = sigmoid(lse1 - lse0) =
+    exp(lse1) / (exp(lse0) + exp(lse1)), the second set's share of the softmax's mass; one
+    pass over the outputs and three small ops, the form the per-token decode step needs. A row
+    neither set attends (both lse -inf) is NaN: `lse_merge_into` weighs it 0. `inplace`: into o0."""
+    w = torch.sigmoid(lse1 - lse0).unsqueeze(-1)  # (.., 1)
+    return o0.lerp_(o1, w) if inplace else torch.lerp(o0, o1, w)
 
 
 def lse_merge_into(out: Tensor, lse: Tensor, out_b: Tensor, lse_b: Tensor) -> None:
-    """`lse_merge`'s running form, for parts that arrive one at a time (ring attention): fold
-    (out_b, lse_b) into (out, lse) in place, lse `(..)` without the trailing 1, `out` in the
-    accumulation dtype; no temporary of the part's size. A row neither attends stays 0, -inf."""
-    new = torch.logaddexp(lse, lse_b)
-    dead = torch.isneginf(new)
-    w_old = torch.exp(lse - new).masked_fill(dead, 0.0)[..., None]
-    w_new = torch.exp(lse_b - new).masked_fill(dead, 0.0)[..., None]
-    out.mul_(w_old).addcmul_(out_b.to(out.dtype), w_new)
-    lse.copy_(new)
+    """`merge_two` in place, with the merged log-sum-exp, for parts that arrive one at a time
+    (ring attention): fold (out_b, lse_b) into (out, lse), lse `(..)` without the trailing 1,
+    `out` in the accumulation dtype; no temporary of the part's size. A row neither attends
+    stays 0, -inf."""
+    # lse -inf (no key yet) raised to the lowest finite value: against a part with no key either,
+    # lse_b - lse is then -inf (weight 0, the row stays 0), not -inf - -inf = NaN; a NaN stays NaN
+    merge_two(out, out_b.to(out.dtype), lse.clamp_min(torch.finfo(lse.dtype).min), lse_b, inplace=True)
+    torch.logaddexp(lse, lse_b, out=lse)
+
+
+def lse_merge(parts: Sequence[tuple[Tensor, Tensor]], acc: torch.dtype, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+    """`lse_merge_into` over a list of parts, each (out, lse `(.., 1)`): attention over the union
+    of disjoint key sets, lse = logsumexp_p lse_p. A row no part attends (lse -inf everywhere)
+    is 0 with lse -inf. Returns (out in `dtype`, lse `(.., 1)` in `acc`)."""
+    o, lp = parts[0]
+    if len(parts) == 1:
+        return o.masked_fill(torch.isneginf(lp), 0.0), lp
+    out, lse = o.to(acc, copy=True), lp[..., 0].to(acc, copy=True)
+    for o_b, l_b in parts[1:]:
+        lse_merge_into(out, lse, o_b, l_b[..., 0])
+    return out.to(dtype), lse[..., None]
 
 
 def cap_scores(scores: Tensor, cap: float) -> Tensor:

@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from multihead.kernels.common import HAS_CPU_FLASH, flash_lse
+from multihead.kernels.common import HAS_CPU_FLASH, flash_lse, merge_two
 from multihead.kernels.machine import machine_plan
 from multihead.kernels.sdpa import plain
 
@@ -67,8 +67,8 @@ def split_keys(q: Tensor, k: Tensor, v: Tensor, scale: float, parts: int) -> tup
 
     2 parts (2 threads): keys [0, c) and [S - c, S), c = ceil(S / 2); for an odd S the key
     both hold is masked out of the second (a -inf from `_overlap_mask`, a view: nothing
-    written per step), merged by `torch.lerp` with the second part's weight
-    sigmoid(lse_1 - lse_0): one kernel call and three small ops for every S. More parts:
+    written per step), merged by `common.merge_two` (`torch.lerp` with the second part's weight
+    sigmoid(lse_1 - lse_0)): one kernel call and three small ops for every S. More parts:
     equal runs of c = S // parts, the last S - parts * c keys as one more call, merged with
     the parts' weights exp(lse_p - max_p lse_p) / their sum. No softmax: torch's CPU softmax
     wakes the intra-op threads even for a few elements, which costs more than the merge."""
@@ -85,11 +85,13 @@ def split_keys(q: Tensor, k: Tensor, v: Tensor, scale: float, parts: int) -> tup
     acc = lse.dtype  # float32, or float64
     if parts == 2:
         o = out if out.dtype == acc else out.to(acc)
-        merged = torch.lerp(o[0], o[1], torch.sigmoid(lse[1] - lse[0]).unsqueeze(-1))  # (Hkv, G*T, D)
+        merged = merge_two(o[0], o[1], lse[0], lse[1])  # (Hkv, G*T, D): sub, sigmoid, lerp
     else:
         if parts * c < S:
             o, lp = flash_lse(qf, k[:, :, parts * c:], v[:, :, parts * c:], causal=False, scale=scale)
             out, lse = torch.cat((out, o)), torch.cat((lse, lp))
+        # `common.lse_merge`'s math on the parts one kernel call stacked along dim 0: one weighted
+        # sum over the stack is 7 ops for any P, pairwise `merge_two`s with a running lse 4 per part
         w = torch.exp(lse - lse.amax(0))  # (P, Hkv, G*T)
         merged = (out * w.unsqueeze(-1)).sum(0) / w.sum(0).unsqueeze(-1)
     if merged.dtype != q.dtype:

@@ -12,7 +12,17 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from multihead.kernels.common import acc_dtype, backward_lse, fold_values, index, softmax
+from multihead.kernels.common import (
+    acc_dtype,
+    backward_lse,
+    fold_values,
+    index,
+    masked_scores,
+    online_result,
+    online_softmax,
+    probs_from_lse,
+    softmax,
+)
 from multihead.kernels.machine import machine_plan
 from multihead.kernels.planner import combine, slice_dense, tile_plan, tile_sizes
 
@@ -165,10 +175,8 @@ class Tiles:
                 if self.score_mod is not None:
                     x = self.score_mod.apply(x, *self.indices(r0, r1, c0, c1), self.S - self.T)
                 d = self.dense_tile(r0, r1, c0, c1, dense)
-                if d is not None and d.dtype != torch.bool:
-                    x = x + d.to(acc)
-                hide = self.hidden(r0, r1, c0, c1, full)
-                parts.append(x if hide is None else x.masked_fill(hide, float("-inf")))
+                bias = d.to(acc) if d is not None and d.dtype != torch.bool else None
+                parts.append(masked_scores(x, self.allowed(r0, r1, c0, c1, full), bias))
             x = torch.cat(parts, -1)  # (B, H, t, kept keys)
             p = softmax(x, hidden=True)  # the hidden pairs are -inf already; nothing to attend: zeros, not NaN
             if self.dropout_p > 0:
@@ -178,16 +186,16 @@ class Tiles:
             outs.append(fold_values(p, vs).to(q.dtype))  # (B, H, t, Dv)
         return torch.cat(outs, 2)
 
-    def hidden(self, r0, r1, c0, c1, full) -> Tensor | None:
-        """Bool `(.., t, s)`, True where the mask hides a pair of the tile; None: nothing hidden."""
-        hide = None
+    def allowed(self, r0, r1, c0, c1, full) -> Tensor | None:
+        """Bool `(.., t, s)`, True where the mask lets a pair of the tile attend; None: every pair."""
+        ok = None
         d = self.dense_tile(r0, r1, c0, c1)
         if d is not None and d.dtype == torch.bool:
-            hide = ~d
+            ok = d
         if self.pred is not None and not full:
             allowed = self.pred.evaluate(*self.indices(r0, r1, c0, c1), self.S - self.T)
-            hide = ~allowed if hide is None else hide | ~allowed
-        return hide
+            ok = allowed if ok is None else ok & allowed
+        return ok
 
     def keep(self, i, j, out: Tensor) -> Tensor:
         """Tile (i, j)'s dropout keep-mask as 0 or 1 / (1 - p), written into `out`; the same
@@ -222,26 +230,15 @@ class _ExplicitTiles(torch.autograd.Function):
                     s = torch.bmm(qf, tiles.kv(k, c0, c1).mT, out=tiles.buffer("s", t, s_))  # (B*Hkv, G*t, s)
                     s4 = tiles.modded(s.view(B, H, t, s_), r0, r1, c0, c1)  # (B, H, t, s)
                     d = tiles.dense_tile(r0, r1, c0, c1)
-                    if d is not None and d.dtype != torch.bool:
-                        s4 = s4.add_(d.to(acc))
-                    hide = tiles.hidden(r0, r1, c0, c1, full)
-                    if hide is not None:
-                        s4 = s4.masked_fill_(hide, float("-inf"))
-                    m_new = torch.maximum(m, s4.amax(-1, keepdim=True))
-                    m_safe = torch.where(torch.isneginf(m_new), 0.0, m_new)  # rows with nothing yet
-                    p = s4.sub_(m_safe).exp_()  # in place: the scores are not needed again
-                    alpha = torch.exp(m - m_safe)
-                    l_ = l_ * alpha + p.sum(-1, keepdim=True)
+                    bias = d.to(acc) if d is not None and d.dtype != torch.bool else None
+                    s4 = masked_scores(s4, tiles.allowed(r0, r1, c0, c1, full), bias, inplace=True)
+                    p, alpha, m, l_ = online_softmax(s4, m, l_)  # p: s4's buffer, exp(s4 - the new max)
                     if tiles.dropout_p > 0:
                         p = p.mul_(tiles.keep(i, j, tiles.buffer("r", t, s_).view(B, H, t, s_)))
                     pv = torch.bmm(p.view(B * Hkv, G * t, s_), tiles.kv(v, c0, c1), out=tiles.buffer("pv", t, Dv))
                     o = o.view(B, H, t, Dv).mul_(alpha).add_(pv.view(B, H, t, Dv))
-                    m = m_new
-                o = o.view(B, H, t, Dv)
-                seen = l_ != 0  # NaN rows stay NaN (the kernel's NaN rule then applies)
-                out[:, :, r0:r1] = torch.where(seen, o / torch.where(seen, l_, 1.0), 0.0).to(q.dtype)
-                lse[:, :, r0:r1] = torch.where(seen, m + torch.log(torch.where(seen, l_, 1.0)),
-                                               float("-inf"))[..., 0]
+                o, lse[:, :, r0:r1] = online_result(o.view(B, H, t, Dv), m, l_)
+                out[:, :, r0:r1] = o.to(q.dtype)
         ctx.save_for_backward(q, k, v, out, lse, dense)
         ctx.tiles = tiles
         return out
@@ -284,14 +281,11 @@ class _ExplicitTiles(torch.autograd.Function):
                     z = tiles.modded(x, r0, r1, c0, c1)
                 p = tiles.buffer("p", t, s_).view(B, H, t, s_)
                 d = tiles.dense_tile(r0, r1, c0, c1)
-                if d is not None and d.dtype != torch.bool:
-                    torch.add(z.detach(), d.to(acc), out=p).sub_(lse_i)
-                else:
-                    torch.sub(z.detach(), lse_i, out=p)
-                p = p.exp_()
-                hide = tiles.hidden(r0, r1, c0, c1, full)
-                if hide is not None:
-                    p = p.masked_fill_(hide, 0.0)
+                x_ = torch.add(z.detach(), d.to(acc), out=p) if d is not None and d.dtype != torch.bool else z.detach()
+                p = probs_from_lse(x_, lse_i, out=p)  # the forward's probabilities
+                ok = tiles.allowed(r0, r1, c0, c1, full)
+                if ok is not None:
+                    p = p.masked_fill_(~ok, 0.0)
                 dp = torch.bmm(do, vj.mT, out=tiles.buffer("dp", t, s_)).view(B, H, t, s_)
                 p_drop = p
                 if tiles.dropout_p > 0:

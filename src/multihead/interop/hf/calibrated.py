@@ -12,11 +12,12 @@ Details: docs/mla.md, "What calibration reads from each layer".
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import torch
 from torch import Tensor, nn
+
+from multihead.kernels.common import fold_scores, softmax
 
 __all__ = ["CALIBRATION_WINDOW", "LayerStats", "calibration_ids", "layer_stats", "turn_pairs"]
 
@@ -137,13 +138,12 @@ def _one_layer(attn: nn.Module, x: Tensor, inv_freq: Tensor, window: int | None)
     q, k = q.double().transpose(1, 2), k.double().transpose(1, 2)  # (B, H, T, D), (B, Hkv, T, D)
     v = attn.v_proj(x).double()  # (B, T, Hkv*Dv)
     angles = torch.arange(T, dtype=torch.float64)[:, None] * inv_freq[None]  # (T, D/2)
-    qr, kr = _rotate(q, angles), _rotate(k, angles).repeat_interleave(H // Hkv, dim=1)
-    scores = qr @ kr.transpose(-1, -2) * float(getattr(attn, "scaling", D ** -0.5))  # (B, H, T, T)
+    scores = fold_scores(_rotate(q, angles), _rotate(k, angles), float(getattr(attn, "scaling", D ** -0.5)))
     i = torch.arange(T)
     allowed = i[:, None] >= i[None, :]
     if window is not None:
         allowed &= i[:, None] - i[None, :] < window
-    p = scores.masked_fill(~allowed, -math.inf).softmax(-1)
+    p = softmax(scores, allowed)  # (B, H, T, T), float64
     w = _distance_weights(p)  # (H, T)
     turn = torch.exp(-1j * torch.arange(T, dtype=torch.float64)[:, None] * inv_freq[None])  # (T, D/2)
     phasor = w.to(torch.complex128) @ turn  # (H, D/2)
