@@ -283,8 +283,8 @@ def _run(args: argparse.Namespace, out: Path, runner, cfg) -> int:
 
     # One thread by default for kv (it times single decode steps), --quick (tiny models) and
     # on machines of 2 cores or fewer: there a second OpenMP thread waits at every op's
-    # barrier whenever anything else runs (lab heads --quick: 118 s on 2 threads vs 17 s on 1
-    # at load 8; the induction check >7 s/step vs 1.1 s/step); 2 where 4 or more cores are.
+    # barrier whenever anything else runs (docs/lab.md, "Threads", has the measurement);
+    # 2 where 4 or more cores are.
     threads = args.threads or (1 if args.experiment == "kv" or args.quick
                                else max(1, min(2, torch.get_num_threads() // 2)))
     before = torch.get_num_threads()
