@@ -159,21 +159,11 @@ def _one_layer(attn: nn.Module, x: Tensor, inv_freq: Tensor, window: int | None)
 
 def layer_stats(model: nn.Module, layers: list[tuple[str, nn.Module]], ids: Tensor) -> dict[str, LayerStats]:
     """Each layer's `LayerStats` when `model` reads `ids` `(B, T)` (one forward pass)."""
-    from multihead.interop.hf.layers import sliding_window_of
+    from multihead.interop.hf.layers import layer_inputs, sliding_window_of
 
-    seen: dict[str, Tensor] = {}
-    handles = []
-    for name, m in layers:
-        def grab(module, args, kwargs, name=name):
-            x = kwargs.get("hidden_states", args[0] if args else None)
-            seen[name] = x.detach()
-        handles.append(m.register_forward_pre_hook(grab, with_kwargs=True))
-    try:
-        with torch.no_grad():
-            model(input_ids=ids.to(next(model.parameters()).device), use_cache=False)
-    finally:
-        for h in handles:
-            h.remove()
+    # a layer called twice (shared weights) keeps its last call's input, as one forward's statistics
+    inputs = layer_inputs(model, [m for _, m in layers], ids)
+    seen = {name: xs[-1] for (name, _), xs in zip(layers, inputs)}
     rotary = getattr(getattr(model, "model", None), "rotary_emb", None)
     inv_freq = getattr(rotary, "inv_freq", None)
     out = {}
