@@ -15,6 +15,7 @@ import queue as queue_mod
 import socket
 import time
 import traceback
+from collections.abc import Callable
 from datetime import timedelta
 
 import pytest
@@ -138,3 +139,18 @@ def scan_models():
 def last_token_metric(logits):
     """The scans' metric: logit 3 - logit 4 at the last position, averaged."""
     return (logits[:, -1, 3] - logits[:, -1, 4]).mean()
+
+
+def error_recorder(got: dict) -> Callable[[str, Callable[[], object]], None]:
+    """`expect(name, call)`: runs `call` and records in `got` the error it raised on this rank
+    (its type, message and notes; None when it returned) and the seconds it took: a world's
+    test then checks that every rank raised the same error, in bounded time."""
+    def expect(name, call):
+        start = time.monotonic()
+        try:
+            call()
+            got[name] = None
+        except Exception as e:  # every rank must land here
+            got[name] = f"{type(e).__name__}: {e} {' '.join(getattr(e, '__notes__', []))}"
+        got[name + " seconds"] = time.monotonic() - start
+    return expect

@@ -139,15 +139,7 @@ def _w_errors(rank: int, world: int) -> dict:
     other, _ = _inputs(13)
     E = heads.edges(model)
     got: dict[str, str | None] = {}
-
-    def expect(name, call):
-        start = time.monotonic()
-        try:
-            call()
-            got[name] = None
-        except Exception as e:  # every rank must land here
-            got[name] = f"{type(e).__name__}: {e} {' '.join(getattr(e, '__notes__', []))}"
-        got[name + " seconds"] = time.monotonic() - start
+    expect = dist_helpers.error_recorder(got)
 
     def failing(logits):
         if rank == 1:

@@ -130,15 +130,7 @@ def _w_errors(rank: int, world: int) -> dict:
     models, clean, corrupted = dist_helpers.scan_models()
     model, corr = models["llama"], corrupted["middle"]
     got: dict[str, str | None] = {}
-
-    def expect(name, call):
-        start = time.monotonic()
-        try:
-            call()
-            got[name] = None
-        except Exception as e:  # every rank must land here
-            got[name] = f"{type(e).__name__}: {e} {' '.join(getattr(e, '__notes__', []))}"
-        got[name + " seconds"] = time.monotonic() - start
+    expect = dist_helpers.error_recorder(got)
 
     class Failing:
         def __init__(self, on_rank: int, at_call: int):
