@@ -124,12 +124,13 @@ def make(kind: str):
     return model
 
 
-def pair(seed: int = 0):
+def pair(seed: int = 0, rows: int = B, length: int = T, changed: tuple[int, int] = (2, 4)):
+    """Random clean ids and the corrupted ones: two positions changed, by 5 and by 7."""
     g = torch.Generator().manual_seed(seed)
-    clean = torch.randint(1, V, (B, T), generator=g)
+    clean = torch.randint(1, V, (rows, length), generator=g)
     corrupted = clean.clone()
-    corrupted[:, 2] = (clean[:, 2] + 5) % (V - 1) + 1
-    corrupted[:, 4] = (clean[:, 4] + 7) % (V - 1) + 1
+    for at, by in zip(changed, (5, 7)):
+        corrupted[:, at] = (clean[:, at] + by) % (V - 1) + 1
     return clean, corrupted
 
 

@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 
 import dist_helpers
-from test_edge_circuits import V, make
+from test_edge_circuits import make, pair
 from test_edge_circuits import metric as _metric
 
 WORLD_TIMEOUT = 120.0  # seconds the world may run before the test fails (a hang fails here)
@@ -29,12 +29,7 @@ B, T = 5, 6  # five rows: two ranks get unequal shares
 
 
 def _inputs(seed: int):
-    g = torch.Generator().manual_seed(seed)
-    clean = torch.randint(1, V, (B, T), generator=g)
-    corrupted = clean.clone()
-    corrupted[:, 1] = (clean[:, 1] + 5) % (V - 1) + 1
-    corrupted[:, 3] = (clean[:, 3] + 7) % (V - 1) + 1
-    return clean, corrupted
+    return pair(seed, rows=B, length=T, changed=(1, 3))
 
 
 def _last_diff(logits):  # one value per row: its mean is a metric the bootstrap can resample
