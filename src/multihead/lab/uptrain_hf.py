@@ -459,12 +459,17 @@ def _load(spec: str):
 
 
 def _refusals(model) -> str:
-    """The converters' own reasons for refusing `model` (they check before copying it), or ''
-    where they give none but the family's."""
+    """The converters' own reasons for refusing `model`, a model without MLA-convertible layers,
+    or '' where they give none but the family's. Each is asked only where it refuses in its
+    checks, before copying anything: to_mla always here, to_gqa where the model has one
+    key/value head already (elsewhere it could convert the whole model)."""
     from multihead import convert
 
+    asks = [lambda: convert.to_mla(model, 1, rope_dim=0)]
+    if getattr(getattr(model, "config", None), "num_key_value_heads", None) == 1:
+        asks.append(lambda: convert.to_gqa(model, 1))
     reasons = []
-    for convert_it in (lambda: convert.to_mla(model, 1, rope_dim=0), lambda: convert.to_gqa(model, 1)):
+    for convert_it in asks:
         try:
             convert_it()
         except ValueError as err:
