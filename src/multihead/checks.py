@@ -18,12 +18,24 @@ import operator
 
 __all__ = ["check_divisible", "check_int", "check_kv_heads", "check_nonnegative_int", "check_positive_int",
            "check_positive_number", "check_probability", "check_same_dtype_device", "divisibility_error",
-           "divisors", "variant_name"]
+           "divisors", "is_int", "variant_name"]
 
 
 def divisors(n: int) -> list[int]:
     """The positive divisors of n, ascending."""
     return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def is_int(value) -> bool:
+    """Whether `value` is an integer as `check_int` reads one: a Python int, a NumPy int or an
+    integer 0-d tensor (what `operator.index` takes), never a bool (NumPy's included)."""
+    if isinstance(value, bool) or type(value).__name__ == "bool_":
+        return False
+    try:
+        operator.index(value)
+    except TypeError:
+        return False
+    return True
 
 
 def check_int(name: str, value, *, minimum: int | None = None, maximum: int | None = None,
@@ -49,12 +61,10 @@ def check_int(name: str, value, *, minimum: int | None = None, maximum: int | No
     else:
         valid = "an int"
     valid += " or None" if allow_none else ""
-    if isinstance(value, bool):
-        raise TypeError(f"{name} must be {valid}; received {value!r} (bool)")
-    try:
-        n = operator.index(value)  # int, NumPy ints and integer 0-d tensors; not float or str
-    except TypeError:
-        raise TypeError(f"{name} must be {valid}; received {value!r} ({type(value).__name__})") from None
+    if not is_int(value):
+        kind = "bool" if isinstance(value, bool) else type(value).__name__
+        raise TypeError(f"{name} must be {valid}; received {value!r} ({kind})")
+    n = operator.index(value)
     if (minimum is not None and n < minimum) or (maximum is not None and n > maximum):
         raise ValueError(f"{name} must be {valid}; received {value!r}")
     return n

@@ -17,6 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from multihead.checks import is_int
 from multihead.corpus import load_corpus
 from multihead.heads.metrics import AtPositions
 from multihead.heads.tokens import pieces, prefix
@@ -405,7 +406,7 @@ def _induction_pool(vocab) -> tuple[Tensor, object]:
 
     if isinstance(vocab, bool):
         raise TypeError("vocab must be an int, a list or tensor of ids, or a tokenizer; received bool")
-    if _is_integer(vocab):
+    if is_int(vocab):
         if vocab < 2:
             raise ValueError(f"vocab must be >= 2 tokens; received {vocab}")
         return torch.arange(operator.index(vocab)), None
@@ -413,7 +414,7 @@ def _induction_pool(vocab) -> tuple[Tensor, object]:
         vocab = vocab.ravel().tolist()
     if isinstance(vocab, (list, tuple, range, set, frozenset, Tensor)):
         items = vocab.flatten().tolist() if isinstance(vocab, Tensor) else list(vocab)
-        bad = next((x for x in items if not _is_integer(x)), None)
+        bad = next((x for x in items if not is_int(x)), None)
         if bad is not None or (isinstance(vocab, Tensor) and (vocab.is_floating_point() or vocab.is_complex()
                                                                or vocab.dtype == torch.bool)):
             raise TypeError(f"vocab's ids must be integers; received {bad!r} ({type(bad).__name__})"
@@ -434,27 +435,16 @@ def _induction_pool(vocab) -> tuple[Tensor, object]:
     return pool, None
 
 
-def _is_integer(x) -> bool:
-    """An int or a NumPy integer (what `operator.index` takes), never a bool or a float."""
-    if isinstance(x, bool) or type(x).__name__ == "bool_":
-        return False
-    try:
-        operator.index(x)
-    except TypeError:
-        return False
-    return True
-
-
 def _induction_prefix(bos, tok, vocab) -> list[int]:
     """The ids before every sequence: the tokenizer's own for "auto", else `bos` checked."""
     if isinstance(bos, str) and bos == "auto":
         return prefix(tok) if tok is not None else []
     if bos is None:
         return []
-    if not _is_integer(bos):
+    if not is_int(bos):
         raise TypeError(f"bos must be a token id (an int), None or 'auto'; received {bos!r}")
     bos = operator.index(bos)
-    size = operator.index(vocab) if _is_integer(vocab) else len(tok) if tok is not None else None
+    size = operator.index(vocab) if is_int(vocab) else len(tok) if tok is not None else None
     if bos < 0 or (size is not None and bos >= size):
         valid = f"0 to {size - 1}" if size is not None else ">= 0"
         raise ValueError(f"bos must be a token id ({valid}); received {bos}")
