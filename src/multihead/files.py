@@ -86,6 +86,13 @@ def writable_target(path: str | os.PathLike) -> Path:
     return path
 
 
+def _input_folder(source: str | os.PathLike) -> tuple[Path, Path]:
+    """(the input resolved, the folder a tool never writes in: the input's own, or the one
+    holding the input file: a model's files belong together)."""
+    src = Path(os.path.realpath(Path(source).expanduser()))
+    return src, src.parent if src.is_file() else src
+
+
 def output_file(flag: str, value: str | None, example: str, *, source: str | os.PathLike | None = None,
                 taken: dict[Path, str] | None = None) -> Path | None:
     """A command-line output file (`--png`, `--html`), checked before any work is done: not a
@@ -101,8 +108,7 @@ def output_file(flag: str, value: str | None, example: str, *, source: str | os.
     path = Path(value).expanduser()
     resolved = Path(os.path.realpath(path))
     if source is not None:
-        src = Path(os.path.realpath(Path(source).expanduser()))
-        folder = src.parent if src.is_file() else src
+        src, folder = _input_folder(source)
         if resolved == src or folder in resolved.parents:
             raise UsageError(f"{flag} {value!r} is inside the model's own folder {str(folder)!r}; multihead never "
                              f"writes there: give a path elsewhere, e.g. {flag} {example}")
@@ -112,7 +118,7 @@ def output_file(flag: str, value: str | None, example: str, *, source: str | os.
         taken[resolved] = flag
     if path.is_dir():
         raise UsageError(f"{flag} {value!r} is a folder; give a file name, e.g. {flag} {example}")
-    if path.exists() and not Path(os.path.realpath(path)).is_file():
+    if path.exists() and not resolved.is_file():
         raise UsageError(f"{flag} {value!r} is not a regular file (a device, pipe or socket); give a file name, "
                          f"e.g. {flag} {example}")
     if not path.parent.is_dir():
@@ -135,8 +141,7 @@ def check_out_apart(flag: str, out: str | os.PathLike, source: str | os.PathLike
     from multihead.errors import UsageError
 
     resolved = Path(os.path.realpath(Path(out).expanduser()))
-    src = Path(os.path.realpath(Path(source).expanduser()))
-    folder = src.parent if src.is_file() else src
+    src, folder = _input_folder(source)
     if file_only and src.is_file():
         if resolved == src or resolved in src.parents:
             raise UsageError(f"{flag} {str(out)!r} holds {what} {str(src)!r}; replacing it would delete {what}: "
