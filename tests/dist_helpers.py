@@ -154,3 +154,16 @@ def error_recorder(got: dict) -> Callable[[str, Callable[[], object]], None]:
             got[name] = f"{type(e).__name__}: {e} {' '.join(getattr(e, '__notes__', []))}"
         got[name + " seconds"] = time.monotonic() - start
     return expect
+
+
+def check_every_rank_raised(results: list[dict], seconds: float, what: str) -> None:
+    """Each rank's `error_recorder` record: every call raised (None: it returned) within
+    `seconds` (longer: it waited in a collective), and `after`, the rank's check that the
+    world still gives one process's `what` after the errors, is True."""
+    for rank, got in enumerate(results):
+        assert got["after"] is True, f"rank {rank}: the {what} after the errors differs from one process's"
+        for name, msg in got.items():
+            if name.endswith("seconds"):
+                assert msg < seconds, f"rank {rank}: {name} took {msg:.1f} s (waited in a collective?)"
+            elif name != "after":
+                assert msg is not None, f"rank {rank}: {name} did not raise"
