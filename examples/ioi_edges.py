@@ -1,7 +1,8 @@
-"""SmolLM2's IOI circuit found automatically: EAP, EAP-IG and random edge scores, their faithfulness curves.
+"""IOI circuits found automatically: EAP, EAP-IG and random edge scores, their faithfulness curves.
 
     python examples/ioi_edges.py --n 100      # writes docs/heads-circuits-auto/results.json and figures
     python examples/ioi_edges.py --hand-n 8 100   # adds the hand circuit on 8 and 100 pairs
+    python examples/ioi_edges.py --model gemma3 --n 100   # docs/heads-circuits-auto/gemma3/ (no hand circuit)
 
 Steps (`multihead.heads`, prompts `tasks.ioi(n, seed=0)`, metric logit(IO) - logit(S) at the
 last token, mean over pairs):
@@ -10,7 +11,7 @@ last token, mean over pairs):
    (|N(0, 1)|, seed 0) as the baseline;
 2. each one's faithfulness curve (`faithfulness_curve`, the default 10 fractions), CPR and CMD
    with 95% bootstrap intervals over the prompts (1,000 resamples; the scores are fixed);
-3. the hand circuit of docs/heads-circuit.md (its 8 heads) as edges: those among its heads
+3. (SmolLM2) the hand circuit of docs/heads-circuit.md (its 8 heads) as edges: those among its heads
    (a head to a later circuit head's query, or to the key/value head a later circuit head
    reads) and from its heads to the logits; also with every edge from the input and into
    and out of the MLPs added. Its faithfulness, and where EAP-IG's curve reaches it; and which
@@ -36,6 +37,7 @@ from multihead.interop.loaders import load_model
 
 HAND = [(23, 3), (29, 1), (23, 0), (23, 2), (24, 4), (29, 0), (20, 0), (17, 4)]
 OUT = Path(__file__).resolve().parent.parent / "docs" / "heads-circuits-auto"
+MODELS = {"smollm2": ("SmolLM2-135M-Instruct", OUT), "gemma3": ("gemma-3-270m", OUT / "gemma3")}
 
 
 def hand_edges(edges: list[tuple], G: int, wide: bool, fed: bool = False) -> list[tuple]:
@@ -142,7 +144,7 @@ def plot(folder: Path) -> None:
     ax.axhline(0, color="gray", lw=0.5)
     ax.set_xlabel("fraction of edges kept (largest |score| first)")
     ax.set_ylabel("faithfulness (m - m_corrupted) / (m_clean - m_corrupted)")
-    ax.set_title(f"SmolLM2-135M-Instruct, IOI, {res['n']} pairs, {res['edges_total']} edges", fontsize=9)
+    ax.set_title(f"{res['model']}, IOI, {res['n']} pairs, {res['edges_total']} edges", fontsize=9)
     ax.legend(fontsize=7)
     with atomic_path(folder / "curves.png") as tmp:
         fig.savefig(tmp, format="png", dpi=100, bbox_inches="tight")
@@ -150,13 +152,19 @@ def plot(folder: Path) -> None:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model", choices=sorted(MODELS), default="smollm2")
     ap.add_argument("--n", type=int, default=100)
-    ap.add_argument("--out", type=Path, default=OUT)
+    ap.add_argument("--out", type=Path, help="the folder of results.json (default: per model, under "
+                                             "docs/heads-circuits-auto)")
     ap.add_argument("--plot", action="store_true", help="only draw curves.png from the saved results.json")
     ap.add_argument("--hand", action="store_true", help="only (re)compute the hand circuit's entries of results.json")
     ap.add_argument("--hand-n", type=int, nargs="*", help="only add the hand circuit's faithfulness on these "
                                                           "numbers of pairs to results.json")
     args = ap.parse_args()
+    name, default_out = MODELS[args.model]
+    args.out = args.out or default_out
+    if args.model != "smollm2" and (args.hand or args.hand_n):
+        ap.error("the hand circuit (docs/heads-circuit.md) is SmolLM2's; --hand and --hand-n need --model smollm2")
     if args.hand_n:
         from multihead.files import read_json
 
@@ -183,12 +191,12 @@ def main() -> None:
         plot(args.out)
         return
     args.out.mkdir(parents=True, exist_ok=True)
-    lm = load_model("smollm2")
+    lm = load_model(args.model)
     model = lm.model
     task = tasks.ioi(args.n, seed=0, tokenizer=lm.tokenizer)
     E = heads.edges(model)
     G = model.config.num_attention_heads // model.config.num_key_value_heads
-    res: dict = {"model": "SmolLM2-135M-Instruct", "task": "ioi", "n": len(task), "edges_total": len(E),
+    res: dict = {"model": name, "task": "ioi", "n": len(task), "edges_total": len(E),
                  "torch_threads": torch.get_num_threads(), "seconds": {}}
     path = args.out / "results.json"
 
@@ -206,7 +214,8 @@ def main() -> None:
     rand = dict(zip(E, torch.randn(len(E), generator=g, dtype=torch.float64).abs().tolist()))
     res["random"] = {"curve": curve(model, task, rand, "random", res["seconds"])}
     save()
-    hand(model, task, E, G, res, save, args.out)
+    if args.model == "smollm2":
+        hand(model, task, E, G, res, save, args.out)
     plot(args.out)
     print(json.dumps({k: v for k, v in res.items() if k not in ("eap", "eap-ig")}, indent=1))
 
