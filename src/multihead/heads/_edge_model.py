@@ -2,8 +2,9 @@
 
 The circuits tools run their own forward of the model's weights (`_edge_run`), in which
 every receiver applies its norm and its projection to its own copy of the residual
-stream; this module lays out what that forward needs. Llama-like and GPT-2 layouts; models
-with a parallel residual, and OLMo 2, are refused by name.
+stream; this module lays out what that forward needs. Llama-like and GPT-2 layouts, and
+multihead's own `LabTransformer` (MHA, GQA, MQA; with or without MLPs); models with a
+parallel residual, and OLMo 2, are refused by name.
 
 Details: docs/heads-circuits-auto.md, "What the edge forward needs of a model, and the architectures".
 """
@@ -11,11 +12,13 @@ Details: docs/heads-circuits-auto.md, "What the edge forward needs of a model, a
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from torch import Tensor, nn
 
+from multihead.attention import Attention
+from multihead.decoder import LabTransformer
 from multihead.heads.edge_graph import Graph
 
 PARALLEL = {"gptj": "GPT-J", "phi": "Phi", "falcon": "Falcon", "cohere": "Cohere", "gpt_neox": "GPT-NeoX",
@@ -42,11 +45,12 @@ class Block:
     k_norm: Callable | None
     scaling: float
     window: int | None
-    ln2: Callable
-    mlp: Callable  # the MLP's output as the residual receives it (Gemma: after its post-feedforward norm)
+    ln2: Callable | None  # None with mlp: an attention-only layer
+    mlp: Callable | None  # the MLP's output as the residual receives it (Gemma: after its post-feedforward norm)
     post_norm: PostNorm | None = None  # Gemma: the norm after the attention
     softcap: float | None = None  # Gemma 2: scores -> cap * tanh(scores / cap) before the mask
     rope_type: str | None = None  # Gemma 3: the RoPE of this layer's type (local or global frequencies)
+    rotate: Callable | None = None  # (q, k) (B, H|Hkv, T, D) -> rotated, where the layer owns its RoPE (multihead's)
 
 
 class PostNorm:
@@ -77,12 +81,13 @@ class EdgeModel:
     unembed: Tensor  # (V, C)
     unembed_bias: Tensor | None
     final_softcap: float | None = None  # Gemma 2: logits -> cap * tanh(logits / cap)
-    max_positions: int | None = None  # GPT-2: the learned positions (None: RoPE, any length)
+    max_positions: int | None = None  # GPT-2, multihead's decoder: the longest input (None: RoPE, any length)
+    modules: list = field(default_factory=list)  # modules it calls besides the norms and MLPs (hooks allowed)
 
     @property
     def graph(self) -> Graph:
         b = self.blocks[0]
-        return Graph(len(self.blocks), b.wq.shape[0], b.wk.shape[0])
+        return Graph(len(self.blocks), b.wq.shape[0], b.wk.shape[0], mlp=b.mlp is not None)
 
     @property
     def dtype(self) -> torch.dtype:
@@ -102,10 +107,13 @@ class EdgeModel:
         # the edge forward reads the weights and calls the norms and MLPs, never the model's forward:
         # torch.compile(model) changes nothing it reads
         model = getattr(model, "_orig_mod", model)
+        if isinstance(model, LabTransformer):
+            em = _lab(model)
+            _check_hooks(model, em)
+            return em
         if transformers is None or not isinstance(model, transformers.PreTrainedModel):
             raise TypeError(f"the edge graph is built for transformers decoder LMs (Llama, Mistral, Qwen2, Qwen3, "
-                            f"GPT-2); received {type(model).__name__} (multihead's own decoders are not supported "
-                            "yet: their layers have no separate per-head output to send)")
+                            f"Gemma 2 and 3, GPT-2) and multihead's LabTransformer; received {type(model).__name__}")
         cfg = model.config
         kind = getattr(cfg, "model_type", "")
         name = type(model).__name__
@@ -144,7 +152,7 @@ def _check_hooks(model, em: EdgeModel) -> None:
     """Refuse forward hooks on modules the edge forward never calls (the attention and its projections, the
     layers, the model itself): they would change the model's own output and not the edge tools'. The norms,
     MLPs, embeddings and rotary embeddings it calls keep theirs."""
-    runs = [em.final_norm] + [f for b in em.blocks for f in (b.ln1, b.ln2, b.mlp, b.q_norm, b.k_norm)]
+    runs = [em.final_norm] + em.modules + [f for b in em.blocks for f in (b.ln1, b.ln2, b.mlp, b.q_norm, b.k_norm)]
     inner = getattr(model, "model", None) or getattr(model, "transformer", None)
     runs += [getattr(inner, part, None) for part in ("embed_tokens", "rotary_emb", "wte", "wpe")]
     for layer in getattr(inner, "layers", None) or []:  # Gemma: its MLP sender is a lambda over these two
@@ -278,3 +286,40 @@ def _gpt2(model) -> EdgeModel:
     return EdgeModel("gpt2", blocks, embed, None, tr.ln_f, head.weight.detach(),
                      None if getattr(head, "bias", None) is None else head.bias.detach(),
                      max_positions=tr.wpe.num_embeddings)
+
+
+def _lab(model: LabTransformer) -> EdgeModel:
+    """multihead's own decoder: token (+ learned position) embedding, pre-norm blocks of a multihead
+    `Attention` and an MLP (none in an attention-only model), the final norm and the LM head. Each
+    layer's RoPE is its module's own, applied to the heads' queries and keys as its forward does."""
+    blocks, modules = [], [model.tok_emb, model.pos_emb]
+    for i, layer in enumerate(model.blocks):
+        a = layer.attn
+        if not isinstance(a, Attention):
+            raise ValueError(f"LabTransformer layer {i}'s attention is {type(a).__name__}: the edge graph's "
+                             "receivers are each head's query, key and value inputs, and latent attention (MLA) "
+                             "computes every head's key and value from one shared latent, so it has no per-head "
+                             "key or value input; valid: attention='mha' (MHA, GQA or MQA)")
+        if not a.causal or a.alibi or a.context_dim != a.d_model:
+            why = "is not causal" if not a.causal else "adds ALiBi" if a.alibi else "is cross-attention"
+            raise ValueError(f"LabTransformer layer {i}'s attention {why}: the edge forward runs causal "
+                             "self-attention with RoPE, a sliding window or a softcap only")
+        D = a.head_dim
+        H, Hkv = a.o_proj.in_features // D, a.k_proj.out_features // D  # a pruned module's narrowed counts
+        wq, bq = _heads(a.q_proj, H)
+        wk, bk = _heads(a.k_proj, Hkv)
+        wv, bv = _heads(a.v_proj, Hkv)
+        wo = _out_heads(a.o_proj.weight.detach(), H)
+        bo = None if a.o_proj.bias is None else a.o_proj.bias.detach()
+        rotate = None if a.rope is None else (lambda q, k, rope=a.rope: (rope(q), rope(k)))
+        modules.append(a.rope)
+        blocks.append(Block(layer.norm1, wq, bq, wk, bk, wv, bv, wo, bo, None, None, D ** -0.5, a.sliding_window,
+                            layer.norm2, layer.mlp, softcap=a.softcap, rotate=rotate))
+    tok, pos = model.tok_emb, model.pos_emb
+
+    def embed(ids, positions):  # the token and (learned positions) the position embedding: one sender, "input"
+        return tok(ids) if pos is None else tok(ids) + pos(positions)[None]
+    head = model.lm_head
+    return EdgeModel("lab", blocks, embed, None, model.norm_f, head.weight.detach(),
+                     None if head.bias is None else head.bias.detach(), max_positions=model.cfg.max_len,
+                     modules=[m for m in modules if m is not None])

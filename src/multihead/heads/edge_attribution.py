@@ -167,7 +167,8 @@ def edge_scores(model, clean, corrupted, metric, method: str = "eap-ig", steps: 
     """EAP or EAP-IG scores of every edge of the model's graph (see the module's docstring).
 
     Args:
-        model: a transformers decoder LM (Llama, Mistral, Qwen2, Qwen3, GPT-2).
+        model: a transformers decoder LM (Llama, Mistral, Qwen2, Qwen3, Gemma 2 and 3, GPT-2) or multihead's
+            `LabTransformer` (MHA, GQA or MQA; attention-only too).
         clean, corrupted: `(B, T)` ids or `{"input_ids", "attention_mask"}`, the same shape.
         metric: `callable(logits) -> 0-d tensor`, differentiable; an `AtPositions` gets the logits
             at its positions only.
