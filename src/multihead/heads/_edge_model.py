@@ -3,7 +3,7 @@
 The circuits tools run their own forward of the model's weights (`_edge_run`), in which
 every receiver applies its norm and its projection to its own copy of the residual
 stream; this module lays out what that forward needs. Llama-like and GPT-2 layouts, and
-multihead's own `LabTransformer` (MHA, GQA, MQA; with or without MLPs); models with a
+multihead's own `LabTransformer` (MHA, GQA, MQA, MLA; with or without MLPs); models with a
 parallel residual, and OLMo 2, are refused by name.
 
 Details: docs/heads-circuits-auto.md, "What the edge forward needs of a model, and the architectures".
@@ -20,6 +20,7 @@ from torch import Tensor, nn
 from multihead.attention import Attention
 from multihead.decoder import LabTransformer
 from multihead.heads.edge_graph import Graph
+from multihead.latent import LatentAttention
 
 PARALLEL = {"gptj": "GPT-J", "phi": "Phi", "falcon": "Falcon", "cohere": "Cohere", "gpt_neox": "GPT-NeoX",
             "codegen": "CodeGen", "phi3": None}
@@ -33,11 +34,11 @@ class Block:
     """One decoder layer: its input norm, per-head projections, MLP norm and MLP."""
 
     ln1: Callable
-    wq: Tensor  # (H, D, C)
+    wq: Tensor | None  # (H, D, C) (None: `project` computes the queries, keys and values)
     bq: Tensor | None  # (H, D)
-    wk: Tensor  # (Hkv, D, C)
+    wk: Tensor | None  # (Hkv, D, C)
     bk: Tensor | None
-    wv: Tensor  # (Hkv, Dv, C)
+    wv: Tensor | None  # (Hkv, Dv, C)
     bv: Tensor | None
     wo: Tensor  # (H, C, Dv): each head's slice of the output projection
     bo: Tensor | None  # (C,)
@@ -51,6 +52,17 @@ class Block:
     softcap: float | None = None  # Gemma 2: scores -> cap * tanh(scores / cap) before the mask
     rope_type: str | None = None  # Gemma 3: the RoPE of this layer's type (local or global frequencies)
     rotate: Callable | None = None  # (q, k) (B, H|Hkv, T, D) -> rotated, where the layer owns its RoPE (multihead's)
+    # latent attention (multihead's MLA): the normed copies of the q, k and v receivers (H, B, T, C) each -> q, k, v
+    # (B, H, T, D + rope), (B, H, T, D + rope), (B, H, T, Dv); a key/value receiver per query head
+    project: Callable | None = None
+
+    @property
+    def n_heads(self) -> int:
+        return self.wo.shape[0]
+
+    @property
+    def n_kv_heads(self) -> int:
+        return self.n_heads if self.wk is None else self.wk.shape[0]
 
 
 class PostNorm:
@@ -87,7 +99,7 @@ class EdgeModel:
     @property
     def graph(self) -> Graph:
         b = self.blocks[0]
-        return Graph(len(self.blocks), b.wq.shape[0], b.wk.shape[0], mlp=b.mlp is not None)
+        return Graph(len(self.blocks), b.n_heads, b.n_kv_heads, mlp=b.mlp is not None)
 
     @property
     def dtype(self) -> torch.dtype:
@@ -140,7 +152,7 @@ class EdgeModel:
                              "Mistral, Qwen2, Qwen3 (model.layers with self_attn.q/k/v/o_proj) and GPT-2")
         if not em.blocks:
             raise ValueError(f"{name} has no layers: the edge graph has no head to score")
-        H, Hkv = em.blocks[0].wq.shape[0], em.blocks[0].wk.shape[0]
+        H, Hkv = em.blocks[0].n_heads, em.blocks[0].n_kv_heads
         if H % Hkv:
             raise ValueError(f"{name} has {H} query heads and {Hkv} key/value heads: the query heads must be a "
                              "multiple of the key/value heads (config.num_key_value_heads)")
@@ -295,11 +307,16 @@ def _lab(model: LabTransformer) -> EdgeModel:
     blocks, modules = [], [model.tok_emb, model.pos_emb]
     for i, layer in enumerate(model.blocks):
         a = layer.attn
+        if isinstance(a, LatentAttention):
+            if not a.causal:
+                raise ValueError(f"LabTransformer layer {i}'s latent attention is not causal: the edge forward "
+                                 "runs causal self-attention only")
+            blocks.append(_latent_block(a, layer))
+            modules += [getattr(a, "q_a_proj", None), getattr(a, "q_a_norm", None), a.kv_a_proj, a.kv_a_norm, a.rope]
+            continue
         if not isinstance(a, Attention):
-            raise ValueError(f"LabTransformer layer {i}'s attention is {type(a).__name__}: the edge graph's "
-                             "receivers are each head's query, key and value inputs, and latent attention (MLA) "
-                             "computes every head's key and value from one shared latent, so it has no per-head "
-                             "key or value input; valid: attention='mha' (MHA, GQA or MQA)")
+            raise ValueError(f"LabTransformer layer {i}'s attention is {type(a).__name__}; the edge graph knows "
+                             "multihead's Attention (MHA, GQA, MQA) and LatentAttention (MLA)")
         if not a.causal or a.alibi or a.context_dim != a.d_model:
             why = "is not causal" if not a.causal else "adds ALiBi" if a.alibi else "is cross-attention"
             raise ValueError(f"LabTransformer layer {i}'s attention {why}: the edge forward runs causal "
@@ -322,4 +339,42 @@ def _lab(model: LabTransformer) -> EdgeModel:
     head = model.lm_head
     return EdgeModel("lab", blocks, embed, None, model.norm_f, head.weight.detach(),
                      None if head.bias is None else head.bias.detach(), max_positions=model.cfg.max_len,
-                     modules=[m for m in modules if m is not None])
+                     modules=[m for m in modules if m is not None])  # the modules it calls: hooks allowed
+
+
+def _latent_block(a: LatentAttention, layer) -> Block:
+    """Latent attention (MLA): each query head's query, key and value receivers, a key/value receiver per
+    head (every head's key and value come from one shared latent, which each of them computes from its own
+    copy of the residual: patching an edge into head h's key changes head h's key only). A query receiver
+    runs the query projection (through MLA's query latent where it has one) and takes its head's slice; a key
+    receiver computes the latent and the decoupled RoPE key from its copy and takes its head's key from the
+    up-projection, a value receiver the latent and its head's value."""
+    H, D, Dv, R, r = a.n_heads, a.head_dim, a.v_head_dim, a.kv_rank, a.rope_dim
+    if a.q_rank is None:
+        wq = a.q_proj.weight.detach().view(H, D + r, -1)  # (H, D + rope, C)
+        bq = None if a.q_proj.bias is None else a.q_proj.bias.detach().view(H, D + r)
+    else:
+        wq, bq = a.q_b_proj.weight.detach().view(H, D + r, -1), None  # (H, D + rope, q_rank), no bias
+    w_kv = a.kv_b_proj.weight.detach().view(H, D + Dv, R)
+    w_uk, w_uv = w_kv[:, :D], w_kv[:, D:]  # (H, D, R), (H, Dv, R)
+
+    def project(nq: Tensor, nk: Tensor, nv: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        xq = nq if a.q_rank is None else a.q_a_norm(a.q_a_proj(nq))  # (H, B, T, C | q_rank)
+        q = torch.einsum("hbtc,hdc->bhtd", xq, wq)  # (B, H, T, D + rope)
+        if bq is not None:
+            q = q + bq[None, :, None]
+        c_k, k_pe = a.kv_a_proj(nk).split([R, r], dim=-1)  # (H, B, T, R), (H, B, T, rope)
+        k = torch.einsum("hbtr,hdr->bhtd", a.kv_a_norm(c_k), w_uk)  # (B, H, T, D)
+        c_v = a.kv_a_proj(nv)[..., :R]  # (H, B, T, R)
+        v = torch.einsum("hbtr,hdr->bhtd", a.kv_a_norm(c_v), w_uv)  # (B, H, T, Dv)
+        q_nope, q_pe = q.split([D, r], dim=-1)
+        if a.rope is not None:  # the layer's own RoPE, as its forward applies it (one RoPE key per receiver)
+            q_pe, k_pe = a.rope(q_pe), a.rope(k_pe.transpose(0, 1))  # (B, H, T, rope)
+        else:
+            k_pe = k_pe.transpose(0, 1)
+        return torch.cat([q_nope, q_pe], dim=-1), torch.cat([k, k_pe], dim=-1), v
+
+    wo = _out_heads(a.o_proj.weight.detach(), H)
+    bo = None if a.o_proj.bias is None else a.o_proj.bias.detach()
+    return Block(layer.norm1, None, None, None, None, None, None, wo, bo, None, None, a.scale, a.sliding_window,
+                 layer.norm2, layer.mlp, softcap=a.softcap, project=project)

@@ -173,8 +173,12 @@ class Run:
 
     def _attention(self, b: Block, x: Tensor) -> Tensor:
         """Each query head's output `(H, B, T, C)` from the receivers' copies `(H + 2 Hkv, B, T, C)`."""
-        H, Hkv = b.wq.shape[0], b.wk.shape[0]
+        H, Hkv = b.n_heads, b.n_kv_heads
         n = b.ln1(x)
+        if b.project is not None:  # latent attention: its queries, keys and values, RoPE included
+            q, k, v = b.project(n[:H], n[H:H + Hkv], n[H + Hkv:])
+            z, _ = eager(q, k, v, b.scaling, allowed_keys(q.shape[2], self.mask, b.window, q.device), cap=b.softcap)
+            return torch.einsum("bhtd,hcd->hbtc", z, b.wo)  # z (B, H, T, Dv)
         q = torch.einsum("hbtc,hdc->bhtd", n[:H], b.wq)
         k = torch.einsum("gbtc,gdc->bgtd", n[H:H + Hkv], b.wk)
         v = torch.einsum("gbtc,gdc->bgtd", n[H + Hkv:], b.wv)

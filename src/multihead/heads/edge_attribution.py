@@ -168,7 +168,7 @@ def edge_scores(model, clean, corrupted, metric, method: str = "eap-ig", steps: 
 
     Args:
         model: a transformers decoder LM (Llama, Mistral, Qwen2, Qwen3, Gemma 2 and 3, GPT-2) or multihead's
-            `LabTransformer` (MHA, GQA or MQA; attention-only too).
+            `LabTransformer` (MHA, GQA, MQA or MLA; attention-only too).
         clean, corrupted: `(B, T)` ids or `{"input_ids", "attention_mask"}`, the same shape.
         metric: `callable(logits) -> 0-d tensor`, differentiable; an `AtPositions` gets the logits
             at its positions only.

@@ -135,7 +135,7 @@ def edge_patch(model, clean, corrupted, metric, keep, ablation: str = "corrupted
 
     Args:
         model: a transformers decoder LM (Llama, Mistral, Qwen2, Qwen3, Gemma 2 and 3, GPT-2) or multihead's
-            `LabTransformer` (MHA, GQA or MQA; attention-only too).
+            `LabTransformer` (MHA, GQA, MQA or MLA; attention-only too).
         clean, corrupted: `(B, T)` ids or `{"input_ids", "attention_mask"}`, the same shape.
         metric: `callable(logits) -> scalar`; an `AtPositions` gets the logits at its positions only.
         keep: edges (`(sender, receiver)` pairs or `"a0.h1->a2.h0<q>"` names; see `edges(model)`).
