@@ -215,6 +215,10 @@ def test_graph_of_the_lab_decoder(setup):
     assert ((0, 1), (2, g.n_kv_heads - 1, "v")) in E and ((0, 1), (2, g.n_kv_heads, "v")) not in E
     for e in E:
         assert parse_edge(edge_name(e)) == e
+    clean, corrupted = pair(9)
+    j = heads.edge_scores(model, clean, corrupted, metric, method="eap").to_json()
+    assert j["graph"] == {"n_layers": 3, "n_heads": 4, "n_kv_heads": ref.Hkv, "mlp": g.mlp}
+    assert len(j["scores"]) == len(E)
 
 
 def test_decomposition_reproduces_the_logits(setup):

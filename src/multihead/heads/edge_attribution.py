@@ -83,7 +83,7 @@ class EdgeScores(Mapping):
     def to_json(self) -> dict:
         g = self.graph
         return {"method": self.method, "steps": self.steps,
-                "graph": {"n_layers": g.n_layers, "n_heads": g.n_heads, "n_kv_heads": g.n_kv_heads},
+                "graph": {"n_layers": g.n_layers, "n_heads": g.n_heads, "n_kv_heads": g.n_kv_heads, "mlp": g.mlp},
                 "scores": {edge_name(e): s for e, s in zip(g.edges, self.vector().tolist())}}
 
 
