@@ -31,7 +31,8 @@ LLAMA_LIKE = {"llama", "mistral", "qwen2", "qwen3", "granite", "smollm3"}
 
 @dataclass
 class Block:
-    """One decoder layer: its input norm, per-head projections, MLP norm and MLP."""
+    """One decoder layer: its input norm, per-head projections (or, for latent attention, `project`), MLP norm
+    and MLP (None in an attention-only layer)."""
 
     ln1: Callable
     wq: Tensor | None  # (H, D, C) (None: `project` computes the queries, keys and values)
@@ -111,7 +112,7 @@ class EdgeModel:
 
     @classmethod
     def of(cls, model) -> EdgeModel:
-        """The layout of a transformers causal LM; ValueError naming what is refused and why."""
+        """The layout of a transformers causal LM or a LabTransformer; ValueError naming what is refused and why."""
         try:
             import transformers
         except ImportError:  # pragma: no cover - transformers is a dependency of the head tools
