@@ -303,8 +303,9 @@ def _gpt2(model) -> EdgeModel:
 
 def _lab(model: LabTransformer) -> EdgeModel:
     """multihead's own decoder: token (+ learned position) embedding, pre-norm blocks of a multihead
-    `Attention` and an MLP (none in an attention-only model), the final norm and the LM head. Each
-    layer's RoPE is its module's own, applied to the heads' queries and keys as its forward does."""
+    `Attention` or `LatentAttention` and an MLP (none in an attention-only model), the final norm and the
+    LM head. Each layer's RoPE is its module's own, applied to the heads' queries and keys as its forward
+    does."""
     blocks, modules = [], [model.tok_emb, model.pos_emb]
     for i, layer in enumerate(model.blocks):
         a = layer.attn
