@@ -176,6 +176,35 @@ def test_every_rank_gets_the_single_process_scores_patch_and_curve():
     assert results[0]["unseeded"] == results[1]["unseeded"], "seed=None: the ranks resampled differently"
 
 
+def _w_lab(rank: int, world: int) -> list[str]:
+    """multihead's own decoder (GQA with RoPE; MLA) across the ranks: with the same chunks, bitwise one process's."""
+    import test_edge_lab
+    from multihead import heads
+
+    group, unequal = dist.group.WORLD, []
+    for kind in ("gqa-rope", "mla"):
+        model = test_edge_lab.make(kind)
+        clean, corrupted = test_edge_lab.pair(8, rows=B)
+        name = f"lab {kind} edge_scores"
+        one = heads.edge_scores(model, clean, corrupted, _metric, "eap-ig", 2, batch_size=2)
+        many = heads.edge_scores(model, clean, corrupted, _metric, "eap-ig", 2, batch_size=2, group=group)
+        unequal.append(_differs(name, one.matrix, many.matrix, exact=True))
+        E = heads.edges(model)
+        keep = E[::3]
+        unequal.append(_differs(f"lab {kind} edge_patch", heads.edge_patch(model, clean, corrupted, _metric, keep,
+                                                                           batch_size=2),
+                                heads.edge_patch(model, clean, corrupted, _metric, keep, batch_size=2, group=group),
+                                exact=True))
+    return [u for u in unequal if u]
+
+
+@pytest.mark.distributed
+def test_the_lab_decoder_across_ranks_is_one_process():
+    results = dist_helpers.run_world(_w_lab, 2, timeout=WORLD_TIMEOUT, pg_timeout=PG_TIMEOUT)
+    for rank, unequal in enumerate(results):
+        assert not unequal, f"rank {rank} of 2: results differ from one process's: {unequal}"
+
+
 @pytest.mark.distributed
 def test_an_error_on_one_rank_raises_on_every_rank():
     start = time.monotonic()

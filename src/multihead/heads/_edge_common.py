@@ -66,15 +66,17 @@ def read_inputs(inputs, name: str, device) -> Inputs:
 
 
 def check_ids(em: EdgeModel, x: Inputs, name: str) -> None:
-    """Token ids inside the embedding, and no more positions than the model has (GPT-2's learned ones)."""
+    """Token ids inside the embedding, and no more positions than the model reads (GPT-2's learned ones,
+    a LabTransformer's max_len)."""
     vocab = em.unembed.shape[0]
     lo, hi = int(x.ids.min()), int(x.ids.max())
     if lo < 0 or hi >= vocab:
         raise ValueError(f"{name} holds token ids outside [0, {vocab}) (min {lo}, max {hi})")
     T = x.ids.shape[1]
     if em.max_positions is not None and T > em.max_positions:
-        raise ValueError(f"{name} has {T} positions; this model has learned position embeddings for "
-                         f"{em.max_positions}: give at most {em.max_positions} tokens per row")
+        raise ValueError(f"{name} has {T} positions; this model reads at most {em.max_positions} (GPT-2's learned "
+                         f"position embeddings, a LabTransformer's max_len): give at most {em.max_positions} tokens "
+                         "per row")
 
 
 def read_pair(em: EdgeModel, clean, corrupted, metric) -> tuple[Inputs, Inputs | None]:
@@ -181,8 +183,9 @@ def mean_reference(em: EdgeModel, reference: Inputs, batch_size: int | None) -> 
         first = g.first_sender(layer)
         resid.append(r)
         r = r + mean[first:first + g.n_heads].sum(0) + (0 if block.bo is None else block.bo)
-        resid.append(r)
-        r = r + mean[first + g.n_heads]
+        if g.mlp:
+            resid.append(r)
+            r = r + mean[first + g.n_heads]
     resid.append(r)
     assert len(resid) == len(group_slices(em))
     return Reference(mean, resid)

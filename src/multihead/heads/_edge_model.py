@@ -2,8 +2,9 @@
 
 The circuits tools run their own forward of the model's weights (`_edge_run`), in which
 every receiver applies its norm and its projection to its own copy of the residual
-stream; this module lays out what that forward needs. Llama-like and GPT-2 layouts; models
-with a parallel residual, and OLMo 2, are refused by name.
+stream; this module lays out what that forward needs. Llama-like and GPT-2 layouts, and
+multihead's own `LabTransformer` (MHA, GQA, MQA, MLA; with or without MLPs); models with a
+parallel residual, and OLMo 2, are refused by name.
 
 Details: docs/heads-circuits-auto.md, "What the edge forward needs of a model, and the architectures".
 """
@@ -11,12 +12,15 @@ Details: docs/heads-circuits-auto.md, "What the edge forward needs of a model, a
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from torch import Tensor, nn
 
+from multihead.attention import Attention
+from multihead.decoder import LabTransformer
 from multihead.heads.edge_graph import Graph
+from multihead.latent import LatentAttention
 
 PARALLEL = {"gptj": "GPT-J", "phi": "Phi", "falcon": "Falcon", "cohere": "Cohere", "gpt_neox": "GPT-NeoX",
             "codegen": "CodeGen", "phi3": None}
@@ -27,14 +31,15 @@ LLAMA_LIKE = {"llama", "mistral", "qwen2", "qwen3", "granite", "smollm3"}
 
 @dataclass
 class Block:
-    """One decoder layer: its input norm, per-head projections, MLP norm and MLP."""
+    """One decoder layer: its input norm, per-head projections (or, for latent attention, `project`), MLP norm
+    and MLP (None in an attention-only layer)."""
 
     ln1: Callable
-    wq: Tensor  # (H, D, C)
+    wq: Tensor | None  # (H, D, C) (None: `project` computes the queries, keys and values)
     bq: Tensor | None  # (H, D)
-    wk: Tensor  # (Hkv, D, C)
+    wk: Tensor | None  # (Hkv, D, C)
     bk: Tensor | None
-    wv: Tensor  # (Hkv, Dv, C)
+    wv: Tensor | None  # (Hkv, Dv, C)
     bv: Tensor | None
     wo: Tensor  # (H, C, Dv): each head's slice of the output projection
     bo: Tensor | None  # (C,)
@@ -42,11 +47,23 @@ class Block:
     k_norm: Callable | None
     scaling: float
     window: int | None
-    ln2: Callable
-    mlp: Callable  # the MLP's output as the residual receives it (Gemma: after its post-feedforward norm)
+    ln2: Callable | None  # None with mlp: an attention-only layer
+    mlp: Callable | None  # the MLP's output as the residual receives it (Gemma: after its post-feedforward norm)
     post_norm: PostNorm | None = None  # Gemma: the norm after the attention
     softcap: float | None = None  # Gemma 2: scores -> cap * tanh(scores / cap) before the mask
     rope_type: str | None = None  # Gemma 3: the RoPE of this layer's type (local or global frequencies)
+    rotate: Callable | None = None  # (q, k) (B, H|Hkv, T, D) -> rotated, where the layer owns its RoPE (multihead's)
+    # latent attention (multihead's MLA): the normed copies of the q, k and v receivers (H, B, T, C) each -> q, k, v
+    # (B, H, T, D + rope), (B, H, T, D + rope), (B, H, T, Dv); a key/value receiver per query head
+    project: Callable | None = None
+
+    @property
+    def n_heads(self) -> int:
+        return self.wo.shape[0]
+
+    @property
+    def n_kv_heads(self) -> int:
+        return self.n_heads if self.wk is None else self.wk.shape[0]
 
 
 class PostNorm:
@@ -77,12 +94,13 @@ class EdgeModel:
     unembed: Tensor  # (V, C)
     unembed_bias: Tensor | None
     final_softcap: float | None = None  # Gemma 2: logits -> cap * tanh(logits / cap)
-    max_positions: int | None = None  # GPT-2: the learned positions (None: RoPE, any length)
+    max_positions: int | None = None  # GPT-2, multihead's decoder: the longest input (None: RoPE, any length)
+    modules: list = field(default_factory=list)  # modules it calls besides the norms and MLPs (hooks allowed)
 
     @property
     def graph(self) -> Graph:
         b = self.blocks[0]
-        return Graph(len(self.blocks), b.wq.shape[0], b.wk.shape[0])
+        return Graph(len(self.blocks), b.n_heads, b.n_kv_heads, mlp=b.mlp is not None)
 
     @property
     def dtype(self) -> torch.dtype:
@@ -94,7 +112,7 @@ class EdgeModel:
 
     @classmethod
     def of(cls, model) -> EdgeModel:
-        """The layout of a transformers causal LM; ValueError naming what is refused and why."""
+        """The layout of a transformers causal LM or a LabTransformer; ValueError naming what is refused and why."""
         try:
             import transformers
         except ImportError:  # pragma: no cover - transformers is a dependency of the head tools
@@ -102,10 +120,13 @@ class EdgeModel:
         # the edge forward reads the weights and calls the norms and MLPs, never the model's forward:
         # torch.compile(model) changes nothing it reads
         model = getattr(model, "_orig_mod", model)
+        if isinstance(model, LabTransformer):
+            em = _lab(model)
+            _check_hooks(model, em)
+            return em
         if transformers is None or not isinstance(model, transformers.PreTrainedModel):
             raise TypeError(f"the edge graph is built for transformers decoder LMs (Llama, Mistral, Qwen2, Qwen3, "
-                            f"GPT-2); received {type(model).__name__} (multihead's own decoders are not supported "
-                            "yet: their layers have no separate per-head output to send)")
+                            f"Gemma 2 and 3, GPT-2) and multihead's LabTransformer; received {type(model).__name__}")
         cfg = model.config
         kind = getattr(cfg, "model_type", "")
         name = type(model).__name__
@@ -132,7 +153,7 @@ class EdgeModel:
                              "Mistral, Qwen2, Qwen3 (model.layers with self_attn.q/k/v/o_proj) and GPT-2")
         if not em.blocks:
             raise ValueError(f"{name} has no layers: the edge graph has no head to score")
-        H, Hkv = em.blocks[0].wq.shape[0], em.blocks[0].wk.shape[0]
+        H, Hkv = em.blocks[0].n_heads, em.blocks[0].n_kv_heads
         if H % Hkv:
             raise ValueError(f"{name} has {H} query heads and {Hkv} key/value heads: the query heads must be a "
                              "multiple of the key/value heads (config.num_key_value_heads)")
@@ -144,7 +165,7 @@ def _check_hooks(model, em: EdgeModel) -> None:
     """Refuse forward hooks on modules the edge forward never calls (the attention and its projections, the
     layers, the model itself): they would change the model's own output and not the edge tools'. The norms,
     MLPs, embeddings and rotary embeddings it calls keep theirs."""
-    runs = [em.final_norm] + [f for b in em.blocks for f in (b.ln1, b.ln2, b.mlp, b.q_norm, b.k_norm)]
+    runs = [em.final_norm] + em.modules + [f for b in em.blocks for f in (b.ln1, b.ln2, b.mlp, b.q_norm, b.k_norm)]
     inner = getattr(model, "model", None) or getattr(model, "transformer", None)
     runs += [getattr(inner, part, None) for part in ("embed_tokens", "rotary_emb", "wte", "wpe")]
     for layer in getattr(inner, "layers", None) or []:  # Gemma: its MLP sender is a lambda over these two
@@ -278,3 +299,84 @@ def _gpt2(model) -> EdgeModel:
     return EdgeModel("gpt2", blocks, embed, None, tr.ln_f, head.weight.detach(),
                      None if getattr(head, "bias", None) is None else head.bias.detach(),
                      max_positions=tr.wpe.num_embeddings)
+
+
+def _lab(model: LabTransformer) -> EdgeModel:
+    """multihead's own decoder: token (+ learned position) embedding, pre-norm blocks of a multihead
+    `Attention` or `LatentAttention` and an MLP (none in an attention-only model), the final norm and the
+    LM head. Each layer's RoPE is its module's own, applied to the heads' queries and keys as its forward
+    does."""
+    blocks, modules = [], [model.tok_emb, model.pos_emb]
+    for i, layer in enumerate(model.blocks):
+        a = layer.attn
+        if isinstance(a, LatentAttention):
+            if not a.causal:
+                raise ValueError(f"LabTransformer layer {i}'s latent attention is not causal: the edge forward "
+                                 "runs causal self-attention only")
+            blocks.append(_latent_block(a, layer))
+            modules += [getattr(a, "q_a_proj", None), getattr(a, "q_a_norm", None), a.kv_a_proj, a.kv_a_norm, a.rope]
+            continue
+        if not isinstance(a, Attention):
+            raise ValueError(f"LabTransformer layer {i}'s attention is {type(a).__name__}; the edge graph knows "
+                             "multihead's Attention (MHA, GQA, MQA) and LatentAttention (MLA)")
+        if not a.causal or a.alibi or a.context_dim != a.d_model:
+            why = "is not causal" if not a.causal else "adds ALiBi" if a.alibi else "is cross-attention"
+            raise ValueError(f"LabTransformer layer {i}'s attention {why}: the edge forward runs causal "
+                             "self-attention with RoPE, a sliding window or a softcap only")
+        D = a.head_dim
+        H, Hkv = a.o_proj.in_features // D, a.k_proj.out_features // D  # a pruned module's narrowed counts
+        wq, bq = _heads(a.q_proj, H)
+        wk, bk = _heads(a.k_proj, Hkv)
+        wv, bv = _heads(a.v_proj, Hkv)
+        wo = _out_heads(a.o_proj.weight.detach(), H)
+        bo = None if a.o_proj.bias is None else a.o_proj.bias.detach()
+        rotate = None if a.rope is None else (lambda q, k, rope=a.rope: (rope(q), rope(k)))
+        modules.append(a.rope)
+        blocks.append(Block(layer.norm1, wq, bq, wk, bk, wv, bv, wo, bo, None, None, D ** -0.5, a.sliding_window,
+                            layer.norm2, layer.mlp, softcap=a.softcap, rotate=rotate))
+    tok, pos = model.tok_emb, model.pos_emb
+
+    def embed(ids, positions):  # the token and (learned positions) the position embedding: one sender, "input"
+        return tok(ids) if pos is None else tok(ids) + pos(positions)[None]
+    head = model.lm_head
+    return EdgeModel("lab", blocks, embed, None, model.norm_f, head.weight.detach(),
+                     None if head.bias is None else head.bias.detach(), max_positions=model.cfg.max_len,
+                     modules=[m for m in modules if m is not None])  # the modules it calls: hooks allowed
+
+
+def _latent_block(a: LatentAttention, layer) -> Block:
+    """Latent attention (MLA): each query head's query, key and value receivers, a key/value receiver per
+    head (every head's key and value come from one shared latent, which each of them computes from its own
+    copy of the residual: patching an edge into head h's key changes head h's key only). A query receiver
+    runs the query projection (through MLA's query latent where it has one) and takes its head's slice; a key
+    receiver computes the latent and the decoupled RoPE key from its copy and takes its head's key from the
+    up-projection, a value receiver the latent and its head's value."""
+    H, D, Dv, R, r = a.n_heads, a.head_dim, a.v_head_dim, a.kv_rank, a.rope_dim
+    if a.q_rank is None:
+        wq = a.q_proj.weight.detach().view(H, D + r, -1)  # (H, D + rope, C)
+        bq = None if a.q_proj.bias is None else a.q_proj.bias.detach().view(H, D + r)
+    else:
+        wq, bq = a.q_b_proj.weight.detach().view(H, D + r, -1), None  # (H, D + rope, q_rank), no bias
+    w_kv = a.kv_b_proj.weight.detach().view(H, D + Dv, R)
+    w_uk, w_uv = w_kv[:, :D], w_kv[:, D:]  # (H, D, R), (H, Dv, R)
+
+    def project(nq: Tensor, nk: Tensor, nv: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        xq = nq if a.q_rank is None else a.q_a_norm(a.q_a_proj(nq))  # (H, B, T, C | q_rank)
+        q = torch.einsum("hbtc,hdc->bhtd", xq, wq)  # (B, H, T, D + rope)
+        if bq is not None:
+            q = q + bq[None, :, None]
+        c_k, k_pe = a.kv_a_proj(nk).split([R, r], dim=-1)  # (H, B, T, R), (H, B, T, rope)
+        k = torch.einsum("hbtr,hdr->bhtd", a.kv_a_norm(c_k), w_uk)  # (B, H, T, D)
+        c_v = a.kv_a_proj(nv)[..., :R]  # (H, B, T, R)
+        v = torch.einsum("hbtr,hdr->bhtd", a.kv_a_norm(c_v), w_uv)  # (B, H, T, Dv)
+        q_nope, q_pe = q.split([D, r], dim=-1)
+        if a.rope is not None:  # the layer's own RoPE, as its forward applies it (one RoPE key per receiver)
+            q_pe, k_pe = a.rope(q_pe), a.rope(k_pe.transpose(0, 1))  # (B, H, T, rope)
+        else:
+            k_pe = k_pe.transpose(0, 1)
+        return torch.cat([q_nope, q_pe], dim=-1), torch.cat([k, k_pe], dim=-1), v
+
+    wo = _out_heads(a.o_proj.weight.detach(), H)
+    bo = None if a.o_proj.bias is None else a.o_proj.bias.detach()
+    return Block(layer.norm1, None, None, None, None, None, None, wo, bo, None, None, a.scale, a.sliding_window,
+                 layer.norm2, layer.mlp, softcap=a.softcap, project=project)

@@ -32,7 +32,7 @@ GroupHook = Callable[[int, Tensor], None]  # (receiver group, its copies (n, B, 
 
 @dataclass
 class Plan:
-    """Per receiver group (layer by layer: its attention receivers, its MLP; then the logits):
+    """Per receiver group (`group_slices`' order: per layer its attention receivers and its MLP; the logits):
     `coef` `(n, prefix)` over the senders' differences (None: no term) and `corrupted_base`
     `(n,)`, or None where the group reads this run's residual unchanged."""
 
@@ -49,13 +49,15 @@ class Reference:
 
 
 def group_slices(em: EdgeModel) -> list[tuple[int, int, int]]:
-    """Per receiver group: (first receiver, receivers, senders read)."""
+    """Per receiver group (layer by layer: its attention receivers, its MLP where it has one; then the
+    logits): (first receiver, receivers, senders read)."""
     g, out, r = em.graph, [], 0
     n_attn = g.n_heads + 2 * g.n_kv_heads
     for layer in range(g.n_layers):
         out.append((r, n_attn, g.first_sender(layer)))
-        out.append((r + n_attn, 1, g.first_sender(layer) + g.n_heads))
-        r += n_attn + 1
+        if g.mlp:
+            out.append((r + n_attn, 1, g.first_sender(layer) + g.n_heads))
+        r += g.per_layer
     return out + [(r, 1, len(g.senders))]
 
 
@@ -140,21 +142,26 @@ class Run:
         self.emb = emb
         resid = emb
         slices = group_slices(em)
-        for layer, block in enumerate(em.blocks):
-            r0, n, p = slices[2 * layer]
-            x = self._copies(2 * layer, n, p, resid)
+        group = 0
+        for block in em.blocks:
+            r0, n, p = slices[group]
+            x = self._copies(group, n, p, resid)
+            group += 1
             heads = self._attention(block, x)  # (H, B, T, C)
             if block.post_norm is not None:  # each head's share of the normed sum (see edge_graph)
                 heads = block.post_norm(heads)
             self._store(p, heads)
             resid = resid + heads.sum(0) + (0 if block.bo is None else block.bo)
-            r0, n, p = slices[2 * layer + 1]
-            x = self._copies(2 * layer + 1, 1, p, resid)
+            if block.mlp is None:  # an attention-only model
+                continue
+            r0, n, p = slices[group]
+            x = self._copies(group, 1, p, resid)
+            group += 1
             out = block.mlp(block.ln2(x[0]))
             self._store(p, out[None])
             resid = resid + out
-        r0, n, p = slices[-1]
-        return self._copies(len(slices) - 1, 1, p, resid)[0]
+        r0, n, p = slices[group]
+        return self._copies(group, 1, p, resid)[0]
 
     def _rope(self, b: Block):
         if self.em.rotary is None:
@@ -166,8 +173,12 @@ class Run:
 
     def _attention(self, b: Block, x: Tensor) -> Tensor:
         """Each query head's output `(H, B, T, C)` from the receivers' copies `(H + 2 Hkv, B, T, C)`."""
-        H, Hkv = b.wq.shape[0], b.wk.shape[0]
+        H, Hkv = b.n_heads, b.n_kv_heads
         n = b.ln1(x)
+        if b.project is not None:  # latent attention: its queries, keys and values, RoPE included
+            q, k, v = b.project(n[:H], n[H:H + Hkv], n[H + Hkv:])
+            z, _ = eager(q, k, v, b.scaling, allowed_keys(q.shape[2], self.mask, b.window, q.device), cap=b.softcap)
+            return torch.einsum("bhtd,hcd->hbtc", z, b.wo)  # z (B, H, T, Dv)
         q = torch.einsum("hbtc,hdc->bhtd", n[:H], b.wq)
         k = torch.einsum("gbtc,gdc->bgtd", n[H:H + Hkv], b.wk)
         v = torch.einsum("gbtc,gdc->bgtd", n[H + Hkv:], b.wv)
@@ -175,8 +186,9 @@ class Run:
             q, k, v = q + b.bq[None, :, None], k + b.bk[None, :, None], v + b.bv[None, :, None]
         if b.q_norm is not None:
             q, k = b.q_norm(q), b.k_norm(k)
-        rope = self._rope(b)
-        if rope is not None:
+        if b.rotate is not None:  # the layer's own RoPE module (multihead's decoder)
+            q, k = b.rotate(q, k)
+        elif (rope := self._rope(b)) is not None:
             cos, sin = (t.unsqueeze(1) for t in rope)  # (1, 1, T, D)
             q, k = q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin
         # the formula itself (scores in float32 at least, as transformers' eager softmax); a row

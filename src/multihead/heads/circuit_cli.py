@@ -11,6 +11,14 @@ Wang et al.'s IOI: logit(IO) - logit(S) at the last token.
 examples:
   multihead heads circuit --task ioi --n 20 --method eap
   multihead heads circuit --model smollm2 --task ioi --n 100 --method eap-ig --steps 5 --png circuit.png --json
+  torchrun --nproc-per-node 4 -m -- multihead heads circuit --n 100 --threads 4 --json
+
+across processes: under torchrun (WORLD_SIZE > 1 in the environment) every rank joins one gloo
+group from torchrun's variables (MASTER_ADDR, MASTER_PORT, RANK, WORLD_SIZE), loads the model,
+draws the same prompts and runs its share of them (edge_scores' and faithfulness_curve's
+group=: the results are one process's, to rounding); rank 0 alone prints and writes --png and
+--html. On CPU give each rank --threads so that the ranks together use the cores once. The
+`--` after torchrun's -m keeps torchrun from reading --n as an abbreviation of its own flags.
 """
 
 from __future__ import annotations
@@ -18,7 +26,10 @@ from __future__ import annotations
 import argparse
 import html
 import json
+import os
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 from multihead.cli_args import add_json, add_model, add_seed, add_threads
 from multihead.errors import UsageError
@@ -60,8 +71,44 @@ def _check(args) -> None:
             raise UsageError(f"--{flag} must be >= 1; received {getattr(args, flag)}")
 
 
-def circuit_result(args) -> dict:
-    """The result of `multihead heads circuit` as a dict (what --json prints)."""
+@contextmanager
+def world() -> Iterator[object | None]:
+    """The ranks this command runs on: None alone (WORLD_SIZE unset or 1); under torchrun the group of
+    its ranks: the default group where the caller joined one already, else a gloo group joined from
+    torchrun's environment for the command and left after it."""
+    size = os.environ.get("WORLD_SIZE", "1")
+    try:
+        n = int(size)
+    except ValueError:
+        raise UsageError(f"WORLD_SIZE must be the number of processes (torchrun sets it); received {size!r}") from None
+    if n <= 1:
+        yield None
+        return
+    import torch.distributed as dist
+
+    joined = not dist.is_initialized()
+    if joined:
+        missing = [v for v in ("MASTER_ADDR", "MASTER_PORT", "RANK") if not os.environ.get(v)]
+        if missing:
+            raise UsageError(f"WORLD_SIZE is {n} but {', '.join(missing)} is not set: run the command under "
+                             "torchrun (torchrun --nproc-per-node N -m -- multihead heads circuit ...), or unset "
+                             "WORLD_SIZE for one process")
+        dist.init_process_group("gloo")  # env://: torchrun's variables
+    try:
+        if dist.get_world_size() != n:
+            raise UsageError(f"WORLD_SIZE is {n} but the process group this command joined has "
+                             f"{dist.get_world_size()} ranks")
+        yield dist.group.WORLD
+        if joined:  # every rank past its last collective before any closes its connections (a rank that
+            dist.barrier()  # closes them while another still reads from them aborts that one)
+    finally:
+        if joined:
+            dist.destroy_process_group()
+
+
+def circuit_result(args, group=None) -> dict:
+    """The result of `multihead heads circuit` as a dict (what --json prints); `group`: the ranks that
+    share the prompts (None: this process alone)."""
     from multihead import heads
     from multihead.heads import tasks
     from multihead.heads.edge_graph import edge_name
@@ -88,9 +135,9 @@ def circuit_result(args) -> dict:
         raise UsageError(f"--task ioi on this model: {err}") from None
     t0 = time.perf_counter()
     scores = heads.edge_scores(loaded.model, task.clean, task.corrupted, task.metric, method=args.method,
-                               steps=args.steps)
+                               steps=args.steps, group=group)
     t1 = time.perf_counter()
-    curve = heads.faithfulness_curve(loaded.model, task.clean, task.corrupted, task.metric, scores)
+    curve = heads.faithfulness_curve(loaded.model, task.clean, task.corrupted, task.metric, scores, group=group)
     t2 = time.perf_counter()
     top = scores.top(max(args.top, args.edges))
     return {"model": getattr(loaded, "name", args.model), "task": "ioi", "n": len(task),
@@ -98,7 +145,14 @@ def circuit_result(args) -> dict:
             "steps": scores.steps, "edges_total": len(scores),
             "top": [{"edge": edge_name(e), "score": s} for e, s in top[:args.top]],
             "drawn": [{"edge": edge_name(e), "score": s} for e, s in top[:args.edges]],
-            "curve": curve, "seconds": {"scores": round(t1 - t0, 2), "curve": round(t2 - t1, 2)}}
+            "curve": curve, "seconds": {"scores": round(t1 - t0, 2), "curve": round(t2 - t1, 2)},
+            "processes": 1 if group is None else _world_size(group)}
+
+
+def _world_size(group) -> int:
+    import torch.distributed as dist
+
+    return dist.get_world_size(group)
 
 
 def _layout(drawn: list[dict]) -> tuple[dict, list]:
@@ -195,7 +249,13 @@ def run_circuit(args) -> int:
     src, taken = model_source(args.model), {}
     png = output_file("--png", args.png, "circuit.png", source=src, taken=taken)
     page = output_file("--html", args.html, "circuit.html", source=src, taken=taken)
-    r = circuit_result(args)
+    with world() as group:
+        r = circuit_result(args, group)
+        if group is not None:
+            import torch.distributed as dist
+
+            if dist.get_rank(group) != 0:  # every rank holds the same result: rank 0 reports it
+                return 0
     if png:
         _png(png, r)
         r["png"] = str(png)

@@ -83,7 +83,7 @@ class EdgeScores(Mapping):
     def to_json(self) -> dict:
         g = self.graph
         return {"method": self.method, "steps": self.steps,
-                "graph": {"n_layers": g.n_layers, "n_heads": g.n_heads, "n_kv_heads": g.n_kv_heads},
+                "graph": {"n_layers": g.n_layers, "n_heads": g.n_heads, "n_kv_heads": g.n_kv_heads, "mlp": g.mlp},
                 "scores": {edge_name(e): s for e, s in zip(g.edges, self.vector().tolist())}}
 
 
@@ -167,7 +167,8 @@ def edge_scores(model, clean, corrupted, metric, method: str = "eap-ig", steps: 
     """EAP or EAP-IG scores of every edge of the model's graph (see the module's docstring).
 
     Args:
-        model: a transformers decoder LM (Llama, Mistral, Qwen2, Qwen3, GPT-2).
+        model: a transformers decoder LM (Llama, Mistral, Qwen2, Qwen3, Gemma 2 and 3, GPT-2) or multihead's
+            `LabTransformer` (MHA, GQA, MQA or MLA; attention-only too).
         clean, corrupted: `(B, T)` ids or `{"input_ids", "attention_mask"}`, the same shape.
         metric: `callable(logits) -> 0-d tensor`, differentiable; an `AtPositions` gets the logits
             at its positions only.

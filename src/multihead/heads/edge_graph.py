@@ -3,7 +3,7 @@
 Senders: the input, every head's output and every MLP's output; receivers: every head's
 q/k/v inputs, every MLP's input and the logits; an edge exists when the sender runs
 before the receiver reads. Gemma 2/3's post-attention norm makes a head's output its
-share of the normed sum.
+share of the normed sum. An attention-only model (`mlp=False`) has no MLP senders or receivers.
 
 Details: docs/heads-circuits-auto.md, "The edge graph's senders, receivers and names".
 """
@@ -21,22 +21,24 @@ Edge = tuple
 
 @dataclass(frozen=True)
 class Graph:
-    """The edge graph of a model of `n_layers` layers, `n_heads` query and `n_kv_heads` KV heads each."""
+    """The edge graph of a model of `n_layers` layers, `n_heads` query and `n_kv_heads` KV heads each,
+    and an MLP in each layer unless `mlp=False` (an attention-only model)."""
 
     n_layers: int
     n_heads: int
     n_kv_heads: int
+    mlp: bool = True
 
     @property
     def per_layer(self) -> int:
-        """Receivers per layer: H queries, Hkv keys, Hkv values, one MLP."""
-        return self.n_heads + 2 * self.n_kv_heads + 1
+        """Receivers per layer: H queries, Hkv keys, Hkv values, and one MLP where there is one."""
+        return self.n_heads + 2 * self.n_kv_heads + self.mlp
 
     @cached_property
     def senders(self) -> list[Node]:
         out: list[Node] = ["input"]
         for layer in range(self.n_layers):
-            out += [(layer, h) for h in range(self.n_heads)] + [("mlp", layer)]
+            out += [(layer, h) for h in range(self.n_heads)] + ([("mlp", layer)] if self.mlp else [])
         return out
 
     @cached_property
@@ -46,12 +48,13 @@ class Graph:
             out += [(layer, h, "q") for h in range(self.n_heads)]
             out += [(layer, g, "k") for g in range(self.n_kv_heads)]
             out += [(layer, g, "v") for g in range(self.n_kv_heads)]
-            out.append(("mlp", layer))
+            if self.mlp:
+                out.append(("mlp", layer))
         return out + ["logits"]
 
     def first_sender(self, layer: int) -> int:
         """The index of layer `layer`'s first head among the senders (= the senders before it)."""
-        return 1 + layer * (self.n_heads + 1)
+        return 1 + layer * (self.n_heads + self.mlp)
 
     @cached_property
     def prefix(self) -> list[int]:
@@ -59,7 +62,8 @@ class Graph:
         out = []
         for layer in range(self.n_layers):
             out += [self.first_sender(layer)] * (self.n_heads + 2 * self.n_kv_heads)
-            out.append(self.first_sender(layer) + self.n_heads)
+            if self.mlp:
+                out.append(self.first_sender(layer) + self.n_heads)
         return out + [len(self.senders)]
 
     @cached_property

@@ -134,7 +134,8 @@ def edge_patch(model, clean, corrupted, metric, keep, ablation: str = "corrupted
     """The metric of the model on `clean` with only the edges in `keep` carrying this run's values.
 
     Args:
-        model: a transformers decoder LM (Llama, Mistral, Qwen2, Qwen3, GPT-2).
+        model: a transformers decoder LM (Llama, Mistral, Qwen2, Qwen3, Gemma 2 and 3, GPT-2) or multihead's
+            `LabTransformer` (MHA, GQA, MQA or MLA; attention-only too).
         clean, corrupted: `(B, T)` ids or `{"input_ids", "attention_mask"}`, the same shape.
         metric: `callable(logits) -> scalar`; an `AtPositions` gets the logits at its positions only.
         keep: edges (`(sender, receiver)` pairs or `"a0.h1->a2.h0<q>"` names; see `edges(model)`).
