@@ -112,15 +112,19 @@ class Run:
         else:
             self.stack[i:i + out.shape[0]] = out
 
-    def _copies(self, group: int, n: int, p: int, resid: Tensor) -> Tensor:
-        """The receivers' copies of the residual `(n, B, T, C)`."""
+    def _copies(self, group: int, n: int, p: int, resid: Tensor) -> tuple[Tensor, Tensor | None]:
+        """The receivers' copies of the residual `(n, B, T, C)`, and the one `(B, T, C)` residual they
+        all are where no receiver reads its own (None where one does, and in a gradient run, where
+        each copy must be a node of its own for its gradient)."""
         entry = None if self.plan is None else self.plan.groups[group]
+        shared = None
         if entry is None:
-            x = resid.unsqueeze(0).expand(n, *resid.shape)
+            x, shared = resid.unsqueeze(0).expand(n, *resid.shape), resid
         else:
             coef, corrupted_base = entry
             if coef is None:  # every copy is the reference's residual
-                x = self.ref.resid[group].expand(n, *resid.shape)
+                shared = self.ref.resid[group]
+                x = shared.expand(n, *resid.shape)
             else:
                 base = torch.where(corrupted_base[:, None, None, None], self.ref.resid[group], resid)
                 x = base + (coef @ self.stack[:p].flatten(1)).view(n, *resid.shape)
@@ -128,7 +132,8 @@ class Run:
             self.resid.append(resid)
         if self.hook is not None:
             self.hook(group, x)
-        return x
+            shared = None
+        return x, shared
 
     def forward(self, emb: Tensor) -> Tensor:
         """The final residual (the logits receiver's copy) `(B, T, C)` from the input embedding."""
@@ -142,19 +147,18 @@ class Run:
         slices = group_slices(em)
         for layer, block in enumerate(em.blocks):
             r0, n, p = slices[2 * layer]
-            x = self._copies(2 * layer, n, p, resid)
-            heads = self._attention(block, x)  # (H, B, T, C)
+            heads = self._attention(block, *self._copies(2 * layer, n, p, resid))  # (H, B, T, C)
             if block.post_norm is not None:  # each head's share of the normed sum (see edge_graph)
                 heads = block.post_norm(heads)
             self._store(p, heads)
             resid = resid + heads.sum(0) + (0 if block.bo is None else block.bo)
             r0, n, p = slices[2 * layer + 1]
-            x = self._copies(2 * layer + 1, 1, p, resid)
+            x, _ = self._copies(2 * layer + 1, 1, p, resid)
             out = block.mlp(block.ln2(x[0]))
             self._store(p, out[None])
             resid = resid + out
         r0, n, p = slices[-1]
-        return self._copies(len(slices) - 1, 1, p, resid)[0]
+        return self._copies(len(slices) - 1, 1, p, resid)[0][0]
 
     def _rope(self, b: Block):
         if self.em.rotary is None:
@@ -164,13 +168,20 @@ class Run:
             self.ropes[b.rope_type] = self.em.rotary(self.emb, pos, b.rope_type)
         return self.ropes[b.rope_type]
 
-    def _attention(self, b: Block, x: Tensor) -> Tensor:
-        """Each query head's output `(H, B, T, C)` from the receivers' copies `(H + 2 Hkv, B, T, C)`."""
+    def _attention(self, b: Block, x: Tensor, shared: Tensor | None) -> Tensor:
+        """Each query head's output `(H, B, T, C)` from the receivers' copies `(H + 2 Hkv, B, T, C)`
+        (or the one residual `shared` they all are: normed once, each projection one matmul)."""
         H, Hkv = b.wq.shape[0], b.wk.shape[0]
-        n = b.ln1(x)
-        q = torch.einsum("hbtc,hdc->bhtd", n[:H], b.wq)
-        k = torch.einsum("gbtc,gdc->bgtd", n[H:H + Hkv], b.wk)
-        v = torch.einsum("gbtc,gdc->bgtd", n[H + Hkv:], b.wv)
+        if shared is not None:
+            n = b.ln1(shared)
+            q = torch.einsum("btc,hdc->bhtd", n, b.wq)
+            k = torch.einsum("btc,gdc->bgtd", n, b.wk)
+            v = torch.einsum("btc,gdc->bgtd", n, b.wv)
+        else:
+            n = b.ln1(x)
+            q = torch.einsum("hbtc,hdc->bhtd", n[:H], b.wq)
+            k = torch.einsum("gbtc,gdc->bgtd", n[H:H + Hkv], b.wk)
+            v = torch.einsum("gbtc,gdc->bgtd", n[H + Hkv:], b.wv)
         if b.bq is not None:
             q, k, v = q + b.bq[None, :, None], k + b.bk[None, :, None], v + b.bv[None, :, None]
         if b.q_norm is not None:
