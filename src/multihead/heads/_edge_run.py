@@ -114,15 +114,19 @@ class Run:
         else:
             self.stack[i:i + out.shape[0]] = out
 
-    def _copies(self, group: int, n: int, p: int, resid: Tensor) -> Tensor:
-        """The receivers' copies of the residual `(n, B, T, C)`."""
+    def _copies(self, group: int, n: int, p: int, resid: Tensor) -> tuple[Tensor, Tensor | None]:
+        """The receivers' copies of the residual `(n, B, T, C)`, and the one `(B, T, C)` residual they
+        all are where no receiver reads its own (None where one does, and in a gradient run, where
+        each copy must be a node of its own for its gradient)."""
         entry = None if self.plan is None else self.plan.groups[group]
+        shared = None
         if entry is None:
-            x = resid.unsqueeze(0).expand(n, *resid.shape)
+            x, shared = resid.unsqueeze(0).expand(n, *resid.shape), resid
         else:
             coef, corrupted_base = entry
             if coef is None:  # every copy is the reference's residual
-                x = self.ref.resid[group].expand(n, *resid.shape)
+                shared = self.ref.resid[group]
+                x = shared.expand(n, *resid.shape)
             else:
                 base = torch.where(corrupted_base[:, None, None, None], self.ref.resid[group], resid)
                 x = base + (coef @ self.stack[:p].flatten(1)).view(n, *resid.shape)
@@ -130,7 +134,8 @@ class Run:
             self.resid.append(resid)
         if self.hook is not None:
             self.hook(group, x)
-        return x
+            shared = None
+        return x, shared
 
     def forward(self, emb: Tensor) -> Tensor:
         """The final residual (the logits receiver's copy) `(B, T, C)` from the input embedding."""
@@ -145,9 +150,9 @@ class Run:
         group = 0
         for block in em.blocks:
             r0, n, p = slices[group]
-            x = self._copies(group, n, p, resid)
+            x, shared = self._copies(group, n, p, resid)
             group += 1
-            heads = self._attention(block, x)  # (H, B, T, C)
+            heads = self._attention(block, x, shared)  # (H, B, T, C)
             if block.post_norm is not None:  # each head's share of the normed sum (see edge_graph)
                 heads = block.post_norm(heads)
             self._store(p, heads)
@@ -155,13 +160,13 @@ class Run:
             if block.mlp is None:  # an attention-only model
                 continue
             r0, n, p = slices[group]
-            x = self._copies(group, 1, p, resid)
+            x, _ = self._copies(group, 1, p, resid)
             group += 1
             out = block.mlp(block.ln2(x[0]))
             self._store(p, out[None])
             resid = resid + out
         r0, n, p = slices[group]
-        return self._copies(group, 1, p, resid)[0]
+        return self._copies(group, 1, p, resid)[0][0]
 
     def _rope(self, b: Block):
         if self.em.rotary is None:
@@ -171,17 +176,25 @@ class Run:
             self.ropes[b.rope_type] = self.em.rotary(self.emb, pos, b.rope_type)
         return self.ropes[b.rope_type]
 
-    def _attention(self, b: Block, x: Tensor) -> Tensor:
-        """Each query head's output `(H, B, T, C)` from the receivers' copies `(H + 2 Hkv, B, T, C)`."""
+    def _attention(self, b: Block, x: Tensor, shared: Tensor | None) -> Tensor:
+        """Each query head's output `(H, B, T, C)` from the receivers' copies `(H + 2 Hkv, B, T, C)`
+        (or the one residual `shared` they all are: normed once, each projection one matmul)."""
         H, Hkv = b.n_heads, b.n_kv_heads
-        n = b.ln1(x)
+        n = b.ln1(x) if shared is None else b.ln1(shared)
         if b.project is not None:  # latent attention: its queries, keys and values, RoPE included
+            if shared is not None:
+                n = n.unsqueeze(0).expand(x.shape)
             q, k, v = b.project(n[:H], n[H:H + Hkv], n[H + Hkv:])
             z, _ = eager(q, k, v, b.scaling, allowed_keys(q.shape[2], self.mask, b.window, q.device), cap=b.softcap)
             return torch.einsum("bhtd,hcd->hbtc", z, b.wo)  # z (B, H, T, Dv)
-        q = torch.einsum("hbtc,hdc->bhtd", n[:H], b.wq)
-        k = torch.einsum("gbtc,gdc->bgtd", n[H:H + Hkv], b.wk)
-        v = torch.einsum("gbtc,gdc->bgtd", n[H + Hkv:], b.wv)
+        if shared is not None:
+            q = torch.einsum("btc,hdc->bhtd", n, b.wq)
+            k = torch.einsum("btc,gdc->bgtd", n, b.wk)
+            v = torch.einsum("btc,gdc->bgtd", n, b.wv)
+        else:
+            q = torch.einsum("hbtc,hdc->bhtd", n[:H], b.wq)
+            k = torch.einsum("gbtc,gdc->bgtd", n[H:H + Hkv], b.wk)
+            v = torch.einsum("gbtc,gdc->bgtd", n[H + Hkv:], b.wv)
         if b.bq is not None:
             q, k, v = q + b.bq[None, :, None], k + b.bk[None, :, None], v + b.bv[None, :, None]
         if b.q_norm is not None:
