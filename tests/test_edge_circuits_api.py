@@ -214,17 +214,3 @@ def test_qwen3_query_and_key_norms_are_inside_the_receivers():
     assert heads.edge_patch(model, clean, corrupted, metric, heads.edges(model)) == pytest.approx(want, rel=1e-6)
     assert heads.edge_patch(model, clean, corrupted, metric, []) == pytest.approx(base, rel=1e-6)
 
-
-def test_the_gemma_section_quotes_its_run():
-    root = Path(__file__).resolve().parent.parent
-    run = json.loads((root / "docs" / "heads-circuits-auto" / "gemma3-ioi-n10-eap-ig.json").read_text())
-    text = (root / "docs" / "heads-circuits-auto.md").read_text()
-    section = text[text.index("## Gemma 3 270M on IOI"):]
-    assert f"--n {run['n']} --method {run['method']} --steps {run['steps']}" in section
-    assert f"**n = {run['n']}**" in section and f"{run['edges_total']:,} edges" in section
-    c = run["curve"]
-    for value in (c["cpr"], c["cmd"], c["metric_clean"], c["metric_corrupted"], *c["faithfulness"][:8],
-                  *(t["score"] for t in run["top"][:5])):
-        assert f"{value:.3f}" in section, value
-    for t in run["top"][:5]:
-        assert f"`{t['edge']}` ({t['score']:.3f})" in section, t
