@@ -48,6 +48,17 @@ class AtenOps(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
+def hooks(module: torch.nn.Module) -> tuple[int, int, int]:
+    """(forward, forward pre-, backward) hooks registered on `module` itself, not on its children."""
+    # torch lists a module's hooks nowhere public, and a hook a tool leaves behind shows only here
+    return len(module._forward_hooks), len(module._forward_pre_hooks), len(module._backward_hooks)
+
+
+def attn_implementation(config) -> str | None:
+    """The attention implementation a transformers config selects ("eager", "sdpa", "multihead", ...)."""
+    return config._attn_implementation  # transformers has no public getter: this is where it keeps it
+
+
 def parser_actions(parser: argparse.ArgumentParser) -> list[argparse.Action]:
     """Every action (flag, positional, subcommand group) of an argparse parser."""
     return parser._actions  # argparse lists a parser's actions nowhere public
@@ -148,7 +159,7 @@ def _smollm2_fingerprint(loaded) -> tuple:
     """What a tool that changed the shared model in place (pruned, converted) would change."""
     cfg = loaded.model.config
     return (sum(p.numel() for p in loaded.model.parameters()), cfg.num_attention_heads, cfg.num_key_value_heads,
-            cfg._attn_implementation)  # transformers keeps the attention a model runs only in this private field
+            attn_implementation(cfg))
 
 
 @pytest.fixture(scope="session")
