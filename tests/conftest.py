@@ -1,3 +1,4 @@
+import argparse
 import os
 import sys
 
@@ -45,6 +46,28 @@ class AtenOps(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         self.ops.append(str(func))
         return func(*args, **(kwargs or {}))
+
+
+def hooks(module: torch.nn.Module) -> tuple[int, int, int]:
+    """(forward, forward pre-, backward) hooks registered on `module` itself, not on its children."""
+    # torch lists a module's hooks nowhere public, and a hook a tool leaves behind shows only here
+    return len(module._forward_hooks), len(module._forward_pre_hooks), len(module._backward_hooks)
+
+
+def attn_implementation(config) -> str | None:
+    """The attention implementation a transformers config selects ("eager", "sdpa", "multihead", ...)."""
+    return config._attn_implementation  # transformers has no public getter: this is where it keeps it
+
+
+def parser_actions(parser: argparse.ArgumentParser) -> list[argparse.Action]:
+    """Every action (flag, positional, subcommand group) of an argparse parser."""
+    return parser._actions  # argparse lists a parser's actions nowhere public
+
+
+def subcommands(parser: argparse.ArgumentParser) -> dict[str, argparse.ArgumentParser]:
+    """name -> parser of each subcommand of `parser` (empty for a parser without subcommands)."""
+    return {name: sub for action in parser_actions(parser) if isinstance(action, argparse._SubParsersAction)
+            for name, sub in action.choices.items()}
 
 
 def assert_close(actual, expected, dtype=None, *, atol=None, rtol=None, what=""):
@@ -136,7 +159,7 @@ def _smollm2_fingerprint(loaded) -> tuple:
     """What a tool that changed the shared model in place (pruned, converted) would change."""
     cfg = loaded.model.config
     return (sum(p.numel() for p in loaded.model.parameters()), cfg.num_attention_heads, cfg.num_key_value_heads,
-            cfg._attn_implementation)
+            attn_implementation(cfg))
 
 
 @pytest.fixture(scope="session")

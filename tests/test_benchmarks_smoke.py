@@ -81,7 +81,7 @@ def test_masks_benchmark_quick(tmp_path):
         import masks as bench
     finally:
         sys.path.pop(0)
-    ids = bench._uneven_ids(512)
+    ids = bench._uneven_ids(512)  # the benchmark's own document maker: its lengths are what this checks
     lengths = torch.bincount(ids).double()
     assert len(lengths) == bench.DOCS and bool((ids[1:] >= ids[:-1]).all())
     pairs = sum(int((ids[:i + 1] == ids[i]).sum()) for i in range(512))  # allowed (q, kv) pairs, counted

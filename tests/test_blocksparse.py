@@ -111,7 +111,7 @@ def test_tile_choice_follows_the_mask():
 @pytest.mark.parametrize("G", [1, 3])
 def test_fused_engines_agree_in_float64(tile, G, monkeypatch):
     """The log-sum-exp CPU engine (D == Dv), the public one (D != Dv) and the explicit tiles."""
-    monkeypatch.setattr(fused_tiles, "FUSED_TILE", tile)
+    monkeypatch.setattr(fused_tiles, "FUSED_TILE", tile)  # small tiles: many blocks at these test sizes
     B, Hkv, T, S = 2, 2, 40, 47
     mod = masks.prefix_lm(torch.tensor([10, 0])) | masks.sliding_window(9) & masks.document(
         torch.tensor([[0] * 20 + [1] * 27, [0] * 47]))
@@ -147,7 +147,7 @@ def test_fused_engines_agree_in_float64(tile, G, monkeypatch):
 def test_causal_squares(pred, squares, monkeypatch):
     """Rows that attend exactly causally among themselves (8 x 8 tiles of 8; documents of 12
     found as such, with documents of 4 or more rows running as squares here)."""
-    monkeypatch.setattr(planner, "_MIN_SEGMENT", 4)
+    monkeypatch.setattr(planner, "_MIN_SEGMENT", 4)  # squares of a few rows count at these test sizes
     bq, bk, kept, full, found = planner.choose_tile(pred, 2, 4, 64, 64, 1, 8, "cpu")
     assert found == squares
     for a, e in found.items():  # against the dense mask: rows a..e see exactly keys a..row
@@ -161,11 +161,13 @@ def test_public_engine_runs_squares_as_causal_calls_where_memory_allows(monkeypa
     torch's kernels are O(N) in memory (not the CPU, not GQA); forced here on the CPU, its
     squares equal the math path (documents off the tile edges, D != Dv)."""
     q, k = torch.randn(1, 4, 64, 16), torch.randn(1, 4, 64, 16)
-    assert not fused_tiles._public_squares(q, k)
-    assert not fused_tiles._public_squares(q.to("meta"), k[:, :2].to("meta"))
-    assert fused_tiles._public_squares(q.to("meta"), k.to("meta"))
-    monkeypatch.setattr(fused_tiles, "_public_squares", lambda q, k: True)
-    monkeypatch.setattr(planner, "_MIN_SEGMENT", 4)
+    # the engine's rule for where squares run as causal calls, read directly: its GPU case cannot run here
+    public_squares = fused_tiles._public_squares
+    assert not public_squares(q, k)
+    assert not public_squares(q.to("meta"), k[:, :2].to("meta"))
+    assert public_squares(q.to("meta"), k.to("meta"))
+    monkeypatch.setattr(fused_tiles, "_public_squares", lambda q, k: True)  # forced on the CPU, as said above
+    monkeypatch.setattr(planner, "_MIN_SEGMENT", 4)  # squares of a few rows count at these test sizes
     calls = []
     real = fused_tiles.F.scaled_dot_product_attention
 
@@ -173,7 +175,7 @@ def test_public_engine_runs_squares_as_causal_calls_where_memory_allows(monkeypa
         calls.append(kw.get("is_causal", False))
         return real(*args, **kw)
 
-    monkeypatch.setattr(fused_tiles.F, "scaled_dot_product_attention", spy)
+    monkeypatch.setattr(fused_tiles.F, "scaled_dot_product_attention", spy)  # counts the causal calls
     g = torch.Generator().manual_seed(2)
     q, k = (torch.randn(2, 4, 64, 16, generator=g, dtype=torch.float64, requires_grad=True) for _ in range(2))
     v = torch.randn(2, 4, 64, 5, generator=g, dtype=torch.float64, requires_grad=True)
@@ -192,8 +194,8 @@ def test_causal_squares_equal_the_math_path(Hkv, T, monkeypatch):
     """Causal squares run as one causal call each (GQA: K/V heads as the batch, a stride-0 view
     for their query heads; equal squares folded into the heads): outputs and gradients equal the
     math path's in float64."""
-    monkeypatch.setattr(fused_tiles, "FUSED_TILE", 8)
-    monkeypatch.setattr(planner, "_MIN_SEGMENT", 4)
+    monkeypatch.setattr(fused_tiles, "FUSED_TILE", 8)  # small tiles: many blocks at these test sizes
+    monkeypatch.setattr(planner, "_MIN_SEGMENT", 4)  # squares of a few rows count at these test sizes
     g = torch.Generator().manual_seed(1)
     q = torch.randn(2, 4, T, 16, generator=g, dtype=torch.float64, requires_grad=True)
     k, v = (torch.randn(2, Hkv, T, 16, generator=g, dtype=torch.float64, requires_grad=True) for _ in range(2))
@@ -220,8 +222,8 @@ def test_causal_squares_equal_the_math_path(Hkv, T, monkeypatch):
 def test_document_squares_equal_the_reference(lengths, heads, tile, dtype, batch_ids, seed, monkeypatch):
     """Packed documents of any lengths & causal (one causal call per document, or tiles when the
     planner declines): output and gradients against the math path in float64."""
-    monkeypatch.setattr(planner, "_MIN_SEGMENT", 1)
-    monkeypatch.setattr(fused_tiles, "FUSED_TILE", tile)
+    monkeypatch.setattr(planner, "_MIN_SEGMENT", 1)  # squares of a few rows count at these test sizes
+    monkeypatch.setattr(fused_tiles, "FUSED_TILE", tile)  # small tiles: many blocks at these test sizes
     H, Hkv = heads
     ids = torch.repeat_interleave(torch.arange(len(lengths)), torch.tensor(lengths))
     T = ids.numel()
@@ -253,7 +255,7 @@ def _spy_flash_calls(monkeypatch):
             seen.append((name, tuple(q.shape), tuple(k.shape), kw["causal"], mask))
             return real(*args, **kw)
 
-        monkeypatch.setattr(fused_tiles, name, spy)
+        monkeypatch.setattr(fused_tiles, name, spy)  # records each kernel call: how the engine cut the work
     return seen
 
 
@@ -261,7 +263,7 @@ def _spy_flash_calls(monkeypatch):
 def test_alike_blocks_of_a_window_run_as_one_band_call(monkeypatch):
     """sliding_window(4) & causal, T = S = 64, tiles of 8: block 0 alone, blocks 1..7 (each
     keys r0 - 8 .. r0 + 8) as one call with the 7 blocks as the kernel's heads; the backward block by block."""
-    monkeypatch.setattr(fused_tiles, "FUSED_TILE", 8)
+    monkeypatch.setattr(fused_tiles, "FUSED_TILE", 8)  # small tiles: many blocks at these test sizes
     seen = _spy_flash_calls(monkeypatch)
     q, k, v = (torch.randn(1, 2, 64, 4, requires_grad=True) for _ in range(3))
     out = mh.scaled_dot_product_attention(q, k, v, masks.sliding_window(4) & masks.causal())
@@ -284,9 +286,9 @@ def test_bands_equal_the_math_path(heads, bthd, pieces, monkeypatch):
     one call per b): outputs and gradients equal the math path in float64, for windows narrower
     and wider than a tile, more keys than queries, and (`pieces`) bands of several pieces merged by
     log-sum-exp (partial, full, the causal diagonal)."""
-    monkeypatch.setattr(fused_tiles, "FUSED_TILE", 8)
+    monkeypatch.setattr(fused_tiles, "FUSED_TILE", 8)  # small tiles: many blocks at these test sizes
     if pieces == "pieces":
-        monkeypatch.setattr(fused_tiles, "_ONE_CALL_SPAN", 0)
+        monkeypatch.setattr(fused_tiles, "_ONE_CALL_SPAN", 0)  # forces bands of several pieces at these sizes
     seen = _spy_flash_calls(monkeypatch)
     H, Hkv = heads
     g = torch.Generator().manual_seed(3)
@@ -312,7 +314,7 @@ def test_bands_equal_the_math_path(heads, bthd, pieces, monkeypatch):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_bands_in_low_precision_and_a_broadcast_gradient(dtype, monkeypatch):
     """float32 and bfloat16 against float64's math path; out.sum()'s gradient is a stride-0 view."""
-    monkeypatch.setattr(fused_tiles, "FUSED_TILE", 16)
+    monkeypatch.setattr(fused_tiles, "FUSED_TILE", 16)  # small tiles: many blocks at these test sizes
     g = torch.Generator().manual_seed(4)
     q, k, v = (torch.randn(1, 4, 96, 32, generator=g, dtype=torch.float64) for _ in range(3))
     pred = masks.sliding_window(24) & masks.causal()

@@ -26,6 +26,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from conftest import parser_actions, subcommands
 from multihead.cli import build_parser, main
 
 SECONDS = 60  # no single command may take longer (the bounded-time promise)
@@ -242,7 +243,7 @@ def test_a_bug_is_a_traceback_and_exit_1_and_debug_shows_every_traceback(monkeyp
     def broken(args):
         raise RuntimeError("an internal invariant failed")
 
-    monkeypatch.setattr(tour, "main", broken)
+    monkeypatch.setattr(tour, "main", broken)  # a bug injected: no input makes the real tour raise one
     code, out, err = cli(["tour"])
     assert code == 1 and "Traceback" in err and "RuntimeError: an internal invariant failed" in err
     assert "bug in multihead" in err
@@ -271,14 +272,13 @@ def _flags() -> dict[tuple[str, ...], list[argparse.Action]]:
     out = {}
 
     def walk(parser, path):
-        subs = [a for a in parser._actions if isinstance(a, argparse._SubParsersAction)]
-        opts = [a for a in parser._actions if a.option_strings and not isinstance(a, (argparse._HelpAction,
-                                                                                       argparse._VersionAction))]
+        subs = subcommands(parser)
+        opts = [a for a in parser_actions(parser)
+                if a.option_strings and not isinstance(a, (argparse._HelpAction, argparse._VersionAction))]
         if not subs:
             out[path] = opts
-        for sub in subs:
-            for name, child in sub.choices.items():
-                walk(child, (*path, name))
+        for name, child in subs.items():
+            walk(child, (*path, name))
 
     walk(build_parser(), ())
     return out

@@ -10,6 +10,7 @@ import io
 
 import pytest
 
+from conftest import parser_actions, subcommands
 from multihead import cli_args
 from multihead.cli import build_parser, main
 
@@ -17,15 +18,12 @@ from multihead.cli import build_parser, main
 def _parsers(parser: argparse.ArgumentParser, path: tuple[str, ...] = ()):
     """(path, parser) for the parser and every subparser below it."""
     yield path, parser
-    for action in parser._actions:
-        if isinstance(action, argparse._SubParsersAction):
-            for name, sub in action.choices.items():
-                yield from _parsers(sub, path + (name,))
+    for name, sub in subcommands(parser).items():
+        yield from _parsers(sub, path + (name,))
 
 
 PARSERS = dict(_parsers(build_parser()))
-LEAVES = {path: p for path, p in PARSERS.items()
-          if not any(isinstance(a, argparse._SubParsersAction) for a in p._actions)}
+LEAVES = {path: p for path, p in PARSERS.items() if not subcommands(p)}
 
 
 def run(argv: list[str]) -> tuple[int, str]:
@@ -49,8 +47,8 @@ def test_no_parser_matches_prefixes(path):
 
 def _abbreviation(parser) -> tuple[str, str]:
     """A long flag of the parser and a prefix of it that is no flag of its own."""
-    flags = set(parser._option_string_actions)
-    for action in parser._actions:
+    flags = {flag for action in parser_actions(parser) for flag in action.option_strings}
+    for action in parser_actions(parser):
         for flag in action.option_strings:
             if flag.startswith("--") and len(flag) > 5 and flag != "--help" and action.help != argparse.SUPPRESS:
                 prefix = flag[:-2]
@@ -60,7 +58,7 @@ def _abbreviation(parser) -> tuple[str, str]:
 
 
 def _required(parser) -> list[str]:
-    return [x for a in parser._actions if a.required and a.option_strings for x in (a.option_strings[0], "x")]
+    return [x for a in parser_actions(parser) if a.required and a.option_strings for x in (a.option_strings[0], "x")]
 
 
 @pytest.mark.parametrize("path", sorted(LEAVES), ids=" ".join)
@@ -123,7 +121,7 @@ def test_the_refusal_says_why_where_the_old_spelling_means_something_else():
 
 def _visible(parser) -> dict[str, argparse.Action]:
     """flag -> action of the flags --help shows (an old spelling refused is hidden)."""
-    return {flag: a for a in parser._actions if a.help != argparse.SUPPRESS for flag in a.option_strings}
+    return {flag: a for a in parser_actions(parser) if a.help != argparse.SUPPRESS for flag in a.option_strings}
 
 
 def test_every_parser_is_the_shared_parser():
@@ -169,7 +167,7 @@ def test_one_spelling_per_concept():
 
 def _model_actions():
     for path, parser in LEAVES.items():
-        for action in parser._actions:
+        for action in parser_actions(parser):
             if "--model" in action.option_strings:
                 yield path, action
 
@@ -201,7 +199,7 @@ def test_one_model_help():
 def test_shared_flags_mean_the_same_everywhere():
     seen = {"--seed": 0, "--json": 0, "--out": 0, "--threads": 0}
     for path, parser in LEAVES.items():
-        for action in parser._actions:
+        for action in parser_actions(parser):
             if "--seed" in action.option_strings:
                 seen["--seed"] += 1
                 assert action.type is cli_args.seed and action.default == 0, path

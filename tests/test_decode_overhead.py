@@ -36,13 +36,14 @@ def _reference(q, k, v, causal=True):
 def _spy_plain(monkeypatch):
     """Count the calls that took the plain step (`kernels.decode.step`)."""
     calls = []
+    # the step taken is reported nowhere public: a spy on the plain step's entry counts its calls
     real = functional._decode_step
 
     def spy(*a, **kw):
         calls.append(a[0].shape[2])
         return real(*a, **kw)
 
-    monkeypatch.setattr(functional, "_decode_step", spy)
+    monkeypatch.setattr(functional, "_decode_step", spy)  # counts the plain steps (see above)
     return calls
 
 

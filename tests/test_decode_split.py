@@ -34,7 +34,7 @@ def two_threads(monkeypatch):
     D = Dv = 16 in float32 (fewer do not split)."""
     n = torch.get_num_threads()
     torch.set_num_threads(2)
-    monkeypatch.setattr(decode, "MIN_SPLIT_BYTES", 8 * 32 * 4)
+    monkeypatch.setattr(decode, "MIN_SPLIT_BYTES", 8 * 32 * 4)  # as the docstring says: small shapes split
     yield
     torch.set_num_threads(n)
 
@@ -89,7 +89,7 @@ def _spy(monkeypatch):
         calls.append(a[4])
         return real(*a, **kw)
 
-    monkeypatch.setattr(decode, "split_keys", spy)
+    monkeypatch.setattr(decode, "split_keys", spy)  # records the parts of each split: the tests check them
     return calls
 
 
@@ -135,7 +135,7 @@ def test_gradients_stay_exact(two_threads):
 
 
 def test_key_splits_balances_the_threads(monkeypatch):
-    monkeypatch.setattr(decode, "MIN_SPLIT_BYTES", 8)
+    monkeypatch.setattr(decode, "MIN_SPLIT_BYTES", 8)  # any size splits: the count depends on the threads only
     n = torch.get_num_threads()
     try:
         for threads, Hkv, want in ((2, 3, 2), (2, 5, 2), (2, 4, 1), (4, 3, 4), (4, 2, 2), (4, 6, 2), (3, 2, 3)):
@@ -167,6 +167,7 @@ def _zero_nan_rows(kernel):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_nan_rule_through_the_split(two_threads, monkeypatch, kernel, where, dtype):
     if kernel == "zeroing":
+        # the other kernel behaviour, injected: this machine's torch has one of the two
         monkeypatch.setattr(decode, "flash_lse", _zero_nan_rows(decode.flash_lse))
     calls = _spy(monkeypatch)
     q, k, v = _qkv(S=50 if where in ("query", "every key of one part", "one key", "one value") else 51, dtype=dtype)
@@ -239,7 +240,7 @@ def test_a_two_part_step_runs_one_kernel_call_a_three_op_merge_and_the_nan_check
 def test_more_parts_run_no_softmax(monkeypatch):
     """4 threads over 3 K/V heads: 4 parts, the rest of S % 4 keys as one more call; the
     weights from exp(lse - max), never torch's softmax."""
-    monkeypatch.setattr(decode, "MIN_SPLIT_BYTES", 8)
+    monkeypatch.setattr(decode, "MIN_SPLIT_BYTES", 8)  # any size splits: the count depends on the threads only
     n = torch.get_num_threads()
     torch.set_num_threads(4)
     try:
@@ -258,12 +259,14 @@ def test_more_parts_run_no_softmax(monkeypatch):
 
 
 def test_the_overlap_mask_is_a_view_of_one_buffer_that_grows():
-    small, big = decode._overlap_mask(3, torch.float32), decode._overlap_mask(5000, torch.float32)
+    # the buffer's reuse is the unit under test: no public call returns the mask
+    overlap_mask = decode._overlap_mask
+    small, big = overlap_mask(3, torch.float32), overlap_mask(5000, torch.float32)
     for c, m in ((3, small), (5000, big)):
         assert m.shape == (2, 1, 1, c)
         assert (m[0] == 0).all() and m[1, 0, 0, 0] == float("-inf") and (m[1, 0, 0, 1:] == 0).all()
-    assert decode._overlap_mask(7, torch.float32).untyped_storage().data_ptr() == big.untyped_storage().data_ptr()
-    assert decode._overlap_mask(7, torch.bfloat16).dtype == torch.bfloat16
+    assert overlap_mask(7, torch.float32).untyped_storage().data_ptr() == big.untyped_storage().data_ptr()
+    assert overlap_mask(7, torch.bfloat16).dtype == torch.bfloat16
 
 
 def test_a_part_whose_every_key_scores_minus_inf_weighs_nothing(two_threads, monkeypatch):

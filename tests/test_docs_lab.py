@@ -102,6 +102,7 @@ def test_each_conclusion_is_what_the_current_code_writes_from_the_committed_numb
     assert heads.conclusion(cfg_of(HeadsConfig, res), res["results"]["by_heads"]) == res["results"]["conclusion"]
     res = results("induction")
     r = dict(res["results"])
+    # the analysis alone, rerun on the recorded evals: a run to redo it trains a model
     induction._analyse(cfg_of(InductionConfig, res), {"results": r})
     # (the run adds the head-ablation sentences after the analysis)
     assert res["results"]["summary"].startswith(r["summary"])

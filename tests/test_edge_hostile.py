@@ -9,6 +9,7 @@ import pytest
 import torch
 import transformers
 
+from conftest import hooks
 from multihead import heads
 from multihead.heads.edge_graph import Graph, edge_name
 from test_edge_circuits import make, metric, pair
@@ -196,7 +197,7 @@ def test_hooks_the_edge_forward_would_skip_are_refused_and_called_ones_kept():
     with torch.no_grad():
         model(clean, output_hidden_states=True, output_attentions=True)
         clean_metric = float(metric(model(clean).logits))
-    assert any(layer._forward_hooks for layer in model.model.layers)
+    assert any(hooks(layer)[0] for layer in model.model.layers)
     assert heads.edge_patch(model, clean, corrupted, metric, E) == pytest.approx(clean_metric, rel=1e-10)
 
 

@@ -204,21 +204,23 @@ def test_weights_gqa_and_block_mask_cache(chunk, monkeypatch):
     q, k, v = chunk
     mh.scaled_dot_product_attention(q, k, v, masks.sliding_window(24), causal=True, backend="flex")  # warm
     built = []
+    # flex's loaded torch entry points are spied on: the test counts block masks built and flex calls made
     real = flex._flex["block_mask"]
 
     def spy(fn, Bm, Hm, T, S, **kw):
         built.append((Bm, Hm))
         return real(fn, Bm, Hm, T, S, **kw)
 
-    monkeypatch.setitem(flex._flex, "block_mask", spy)
+    monkeypatch.setitem(flex._flex, "block_mask", spy)  # counts the BlockMasks built (none on a cache hit)
     calls = []
+    # and the K/V head count each flex call receives: GQA must reach flex unrepeated
     real_attention = flex._flex["attention"]
 
     def spy_attention(qq, kk, vv, **kw):
         calls.append((kk.shape[1], kw["enable_gqa"]))
         return real_attention(qq, kk, vv, **kw)
 
-    monkeypatch.setitem(flex._flex, "attention", spy_attention)
+    monkeypatch.setitem(flex._flex, "attention", spy_attention)  # records the K/V heads of each call
     graphs = counters["stats"]["unique_graphs"]
     for _ in range(3):
         out, w = mh.attend(q, k, v, masks.sliding_window(24), causal=True,
@@ -269,9 +271,10 @@ def test_auto_never_picks_flex_nor_compiles(monkeypatch):
     import torch.nn.attention.flex_attention as torch_flex
 
     monkeypatch.setattr(torch, "compile", _refuse)
+    # torch's own flex entry points: auto must reach neither
     monkeypatch.setattr(torch_flex, "flex_attention", _refuse)
-    monkeypatch.setattr(torch_flex, "create_block_mask", _refuse)
-    monkeypatch.setattr(flex, "attention", _refuse)
+    monkeypatch.setattr(torch_flex, "create_block_mask", _refuse)  # nor build a block mask
+    monkeypatch.setattr(flex, "attention", _refuse)  # the backend's entry point: auto must never reach it
     T, S = 12, 20
     q, k, v = _qkv(T, S, grad=True)
     cases = [dict(mask=masks.sliding_window(4), causal=True), dict(mask=masks.document(_doc_ids(S)[0])),
@@ -296,7 +299,7 @@ def test_import_multihead_does_not_import_flex():
 
 def test_refusals_name_what_is_accepted(monkeypatch):
     monkeypatch.setitem(flex._flex, "attention", _refuse)  # none of these may reach the compiler
-    monkeypatch.setitem(flex._flex, "block_mask", _refuse)
+    monkeypatch.setitem(flex._flex, "block_mask", _refuse)  # nor build a block mask
     q, k, v = _qkv(8, 8)
     with pytest.raises(ValueError, match=r"'flex' cannot apply dropout.*'math'.*'tiles'"):
         mh.scaled_dot_product_attention(q, k, v, dropout_p=0.1, backend="flex")
@@ -323,15 +326,16 @@ def test_compiler_failures_become_clear_errors(monkeypatch):
     def limit(*args, **kwargs):
         raise torch._dynamo.exc.FailOnRecompileLimitHit("Hard failure due to fullgraph=True")
 
+    # the compiler's failures are injected where flex calls torch: a real one cannot be provoked on demand
     monkeypatch.setitem(flex._flex, "block_mask", lambda *a, **k: None)
     q, k, v = _qkv(8, 8)
-    monkeypatch.setitem(flex._flex, "attention", fails)
+    monkeypatch.setitem(flex._flex, "attention", fails)  # an inductor failure, as above
     with pytest.raises(RuntimeError, match=r"torch.compile\(flex_attention\) failed.*InductorError.*'auto'"):
         mh.scaled_dot_product_attention(q, k, v, backend="flex")
     monkeypatch.setattr(flex.shutil, "which", lambda name: None)
     with pytest.raises(RuntimeError, match="no C\\+\\+ compiler on PATH"):
         mh.scaled_dot_product_attention(q, k, v, backend="flex")
-    monkeypatch.setitem(flex._flex, "attention", limit)
+    monkeypatch.setitem(flex._flex, "attention", limit)  # the recompile limit, injected as above
     with pytest.raises(RuntimeError, match=r"more than 64 distinct.*decoding.*'auto'"):
         mh.scaled_dot_product_attention(q, k, v, backend="flex")
 
@@ -346,11 +350,12 @@ def test_compiler_failures_become_clear_errors(monkeypatch):
             raise BackendCompilerFailed("backend='inductor' raised:\n") from cause
         return call
     monkeypatch.setattr(flex.shutil, "which", lambda name: "/usr/bin/g++")
+    # dynamo's wrapped failure, injected as above
     monkeypatch.setitem(flex._flex, "attention", wrapped(CppCompileError("g++: internal compiler error")))
     with pytest.raises(RuntimeError, match=r"failed on this machine: BackendCompilerFailed: backend='inductor' "
                                            r"raised: \(CppCompileError: g\+\+: internal compiler error\)"):
         mh.scaled_dot_product_attention(q, k, v, backend="flex")  # the machine's, read through the wrapper
-    monkeypatch.setitem(flex._flex, "attention", wrapped(RuntimeError("")))
+    monkeypatch.setitem(flex._flex, "attention", wrapped(RuntimeError("")))  # a failure with no message
     with pytest.raises(ValueError, match=r"could not compile.*raised: \(RuntimeError: no message\)"):
         mh.scaled_dot_product_attention(q, k, v, backend="flex")
 
@@ -367,8 +372,9 @@ def test_untraceable_mods_raise_value_errors(monkeypatch):
     def branchy(b, h, q_idx, kv_idx):
         return kv_idx <= q_idx if (q_idx > 3).all() else kv_idx >= q_idx
 
+    # load torch's flex, then inject inductor's lowering failure: a real one takes a compile to provoke
     flex._load()
-    monkeypatch.setitem(flex._flex, "attention", lowering_fails)
+    monkeypatch.setitem(flex._flex, "attention", lowering_fails)  # fails as inductor does on a branchy mod
     q, k, v = _qkv(8, 8)
     assert mh.scaled_dot_product_attention(q, k, v, branchy, backend="math").shape == (B, H, 8, DV)  # eager: fine
     with pytest.raises(ValueError, match=r"create_block_mask could not evaluate the mask branchy.*vmap.*'tiles'"):
@@ -382,22 +388,24 @@ _GLOBAL_IDS = None
 
 
 def test_structural_cache_key_sees_through_fresh_objects():
+    # the block-mask cache's key is the unit under test: checking it through cache hits would compile a kernel per case
+    key = flex._key
     ids = torch.tensor([0, 0, 1, 1])
     a = masks.sliding_window(4) & masks.document(ids)
-    assert flex._key(a) == flex._key(masks.sliding_window(4) & masks.document(ids))
-    assert flex._key(a) != flex._key(masks.sliding_window(5) & masks.document(ids))
-    assert flex._key(a) != flex._key(masks.sliding_window(4) & masks.document(ids.clone()))
-    before = flex._key(a)
+    assert key(a) == key(masks.sliding_window(4) & masks.document(ids))
+    assert key(a) != key(masks.sliding_window(5) & masks.document(ids))
+    assert key(a) != key(masks.sliding_window(4) & masks.document(ids.clone()))
+    before = key(a)
     ids[0] = 1  # an in-place edit of captured ids is a different mask
-    assert flex._key(a) != before
+    assert key(a) != before
     global _GLOBAL_IDS
     _GLOBAL_IDS = torch.tensor([0, 1, 1, 1])
 
     def reads_a_global(b, h, q_idx, kv_idx):
         return _GLOBAL_IDS[q_idx] == _GLOBAL_IDS[kv_idx]
 
-    before = flex._key(masks.from_flex(reads_a_global))
+    before = key(masks.from_flex(reads_a_global))
     _GLOBAL_IDS = torch.tensor([0, 0, 1, 1])  # rebinding the global is a different mask
-    assert flex._key(masks.from_flex(reads_a_global)) != before
-    assert flex._key(score_mods.softcap(50)) == flex._key(score_mods.softcap(50.0))
-    assert flex._key(score_mods.softcap(50)) != flex._key(score_mods.softcap(30))
+    assert key(masks.from_flex(reads_a_global)) != before
+    assert key(score_mods.softcap(50)) == key(score_mods.softcap(50.0))
+    assert key(score_mods.softcap(50)) != key(score_mods.softcap(30))

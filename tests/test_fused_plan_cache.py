@@ -12,6 +12,16 @@ from multihead import masks, reference
 from multihead.kernels import common, fused_tiles, planner
 
 
+@pytest.fixture
+def stores(monkeypatch):
+    """Empty stores of plans and of the plans' blocks, runs and masks, this test's own, returned for the
+    tests to read (nothing public lists what a plan keeps)."""
+    # fresh stores: other tests' plans neither count here nor get dropped
+    monkeypatch.setattr(planner, "_PLANS", type(planner._PLANS)())
+    monkeypatch.setattr(fused_tiles, "_SHARED", type(fused_tiles._SHARED)())  # what each plan keeps, likewise
+    return fused_tiles._SHARED  # read by the tests: the kept blocks, runs and masks are what they check
+
+
 def _key(pred, T=1024, S=1024, **kw):
     args = {"B": 1, "H": 8, "G": 1, "tile": None, "device": "cpu", "squares": True, "bands": True} | kw
     return planner.plan_key(pred, args["B"], args["H"], T, S, args["G"], args["tile"], args["device"],
@@ -46,17 +56,18 @@ def test_plan_key_is_the_allowed_values():
     assert _key(per_head) is None
 
 
-def test_kept_plan_equals_a_fresh_plan(monkeypatch):
+def test_kept_plan_equals_a_fresh_plan(stores, monkeypatch):
     """choose_tile returns the plan it made for the key, the same object, equal to one made afresh."""
-    monkeypatch.setattr(planner, "_PLANS", type(planner._PLANS)())
     pred = masks.sliding_window(100) & masks.causal()
     first = planner.choose_tile(pred, 1, 4, 2048, 2048, 1, None, "cpu", bands=True)
     again = planner.choose_tile(masks.sliding_window(100), 1, 4, 2048, 2048, 1, None, "cpu", bands=True)
     assert again is first
-    fresh = planner._choose_tile(pred, 1, 4, 2048, 2048, 1, None, "cpu", True, True)
+    assert planner.clear_plans() == 1
+    fresh = planner.choose_tile(pred, 1, 4, 2048, 2048, 1, None, "cpu", bands=True)
+    assert fresh is not first
     assert first[:2] == fresh[:2] and first[4] == fresh[4]
     assert torch.equal(first[2], fresh[2]) and torch.equal(first[3], fresh[3])
-    monkeypatch.setattr(planner, "_PLANS_KEPT", 0)
+    monkeypatch.setattr(planner, "_PLANS_KEPT", 0)  # the store's size is the unit here: none kept, none keyed
     assert _key(pred) is None
     assert planner.choose_tile(pred, 1, 4, 2048, 2048, 1, None, "cpu", bands=True) is not first
 
@@ -64,12 +75,10 @@ def test_kept_plan_equals_a_fresh_plan(monkeypatch):
 @pytest.mark.skipif(not common.HAS_CPU_FLASH, reason="needs torch's CPU flash kernel (log-sum-exp pieces)")
 @pytest.mark.parametrize("threads", [1, 2])
 @pytest.mark.parametrize("heads", [(4, 4), (4, 2), (4, 1)])
-def test_calls_on_a_kept_plan_equal_the_reference(threads, heads, monkeypatch):
+def test_calls_on_a_kept_plan_equal_the_reference(threads, heads, stores):
     """Three calls with masks built apart (one plan, kept): a band forward without grad, the same
     in float32 (the plan's masks are kept per dtype), and one with a backward (the forward keeps
     its log-sum-exp); outputs and gradients against the NumPy float64 reference."""
-    monkeypatch.setattr(planner, "_PLANS", type(planner._PLANS)())
-    monkeypatch.setattr(fused_tiles, "_SHARED", type(fused_tiles._SHARED)())
     n = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
@@ -83,13 +92,13 @@ def test_calls_on_a_kept_plan_equal_the_reference(threads, heads, monkeypatch):
 
         with torch.no_grad():
             got = mh.scaled_dot_product_attention(q, k, v, masks.sliding_window(window) & masks.causal())
-        assert len(fused_tiles._SHARED) == 1
-        shared = next(iter(fused_tiles._SHARED.values()))
+        assert len(stores) == 1
+        shared = next(iter(stores.values()))
         assert any(run[0] == "band" for key, runs in shared.items() if key[0] == "runs" for run in runs)
         assert_close(got, torch.from_numpy(want), what=f"float64 heads={heads} threads={threads}")
 
         got32 = mh.scaled_dot_product_attention(*(x.float() for x in (q, k, v)), masks.sliding_window(window))
-        assert len(fused_tiles._SHARED) == 1  # the same plan
+        assert len(stores) == 1  # the same plan
         assert {key[1] for key in shared if key[0] == "masks"} == {torch.float64, torch.float32}
         assert_close(got32, torch.from_numpy(want), torch.float32, what=f"float32 heads={heads} threads={threads}")
 
@@ -108,12 +117,10 @@ def test_calls_on_a_kept_plan_equal_the_reference(threads, heads, monkeypatch):
 
 
 @pytest.mark.skipif(not common.HAS_CPU_FLASH, reason="needs torch's CPU flash kernel (log-sum-exp pieces)")
-def test_masks_over_the_byte_bound_are_built_per_call(monkeypatch):
+def test_masks_over_the_byte_bound_are_built_per_call(stores, monkeypatch):
     """With no mask small enough to keep, block-by-block GQA pieces (folded masks) are built each
     call, none kept with the plan, and the outputs still equal the reference."""
-    monkeypatch.setattr(planner, "_PLANS", type(planner._PLANS)())
-    monkeypatch.setattr(fused_tiles, "_SHARED", type(fused_tiles._SHARED)())
-    monkeypatch.setattr(fused_tiles, "BANDS", False)
+    monkeypatch.setattr(fused_tiles, "BANDS", False)  # block-by-block pieces, whose GQA masks are folded
     g = torch.Generator().manual_seed(8)
     T = 1000
     q = torch.randn(1, 4, T, 8, generator=g, dtype=torch.float64)
@@ -121,15 +128,15 @@ def test_masks_over_the_byte_bound_are_built_per_call(monkeypatch):
     allowed = masks.to_dense(masks.sliding_window(40), 1, 1, T, T)[0, 0].numpy()
     want = torch.from_numpy(reference.attention(q.numpy(), k.numpy(), v.numpy(), mask=allowed))
     got = mh.scaled_dot_product_attention(q, k, v, masks.sliding_window(40))
-    kept = [m for key, ms in next(iter(fused_tiles._SHARED.values())).items() if key[0] == "masks"
-            for m in ms.values()]
+    kept = [m for key, ms in next(iter(stores.values())).items() if key[0] == "masks" for m in ms.values()]
+    # the byte bound is the unit under test: masks under it kept, and with it at 0 none
     assert kept and all(m[0] is None or m[0].numel() * 8 <= fused_tiles._KEPT_MASK_BYTES for m in kept)
     assert_close(got, want, what="masks kept")
-    monkeypatch.setattr(fused_tiles, "_KEPT_MASK_BYTES", 0)
-    monkeypatch.setattr(fused_tiles, "_SHARED", type(fused_tiles._SHARED)())
+    monkeypatch.setattr(fused_tiles, "_KEPT_MASK_BYTES", 0)  # the bound at 0: no mask may be kept
+    stores.clear()
     for _ in range(2):
         assert_close(mh.scaled_dot_product_attention(q, k, v, masks.sliding_window(40)), want, what="none kept")
-    assert not any(ms for key, ms in next(iter(fused_tiles._SHARED.values())).items() if key[0] == "masks")
+    assert not any(ms for key, ms in next(iter(stores.values())).items() if key[0] == "masks")
 
 
 @pytest.mark.skipif(not common.HAS_CPU_FLASH, reason="needs torch's CPU flash kernel (log-sum-exp pieces)")
@@ -139,9 +146,9 @@ def test_a_band_in_chunks_equals_the_reference(heads, pieces, monkeypatch):
     """A band whose output reaches `_BAND_CHUNK_BYTES` runs as several equal calls of whole blocks,
     each below the bound, one or several pieces each, merged; outputs and gradients against the
     NumPy reference and the math path in float64."""
-    monkeypatch.setattr(fused_tiles, "FUSED_TILE", 8)
+    monkeypatch.setattr(fused_tiles, "FUSED_TILE", 8)  # small tiles: a band of several blocks at T = 100
     if pieces == "pieces":
-        monkeypatch.setattr(fused_tiles, "_ONE_CALL_SPAN", 0)
+        monkeypatch.setattr(fused_tiles, "_ONE_CALL_SPAN", 0)  # forces the several-pieces path at this size
     H, Hkv = heads
     B, T, D, window = 2, 100, 16, 21
     # below 4 blocks of 8 rows per call (per GQA group position): a band of 9 blocks in calls of 3, 3, 3
@@ -154,7 +161,7 @@ def test_a_band_in_chunks_equals_the_reference(heads, pieces, monkeypatch):
             calls.append(q.shape[1])
         return real(q, *args, **kw)
 
-    monkeypatch.setattr(fused_tiles, "flash_lse", spy)
+    monkeypatch.setattr(fused_tiles, "flash_lse", spy)  # counts the kernel calls a band is cut into
     g = torch.Generator().manual_seed(9)
     q = torch.randn(B, H, T, D, generator=g, dtype=torch.float64, requires_grad=True)
     k, v = (torch.randn(B, Hkv, T, D, generator=g, dtype=torch.float64, requires_grad=True) for _ in range(2))

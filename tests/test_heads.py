@@ -19,6 +19,7 @@ import numpy as np
 import pytest
 import torch
 
+from conftest import hooks
 from multihead import heads
 from multihead import reference as R
 from multihead.attention import Attention
@@ -155,6 +156,7 @@ def _one_token_changed(name: str, at: int = 5):
 def _count_skips(monkeypatch) -> list:
     """Calls of the prefix skip's last-block hook: one for its check run, one per scan forward."""
     calls, real = [], _scan_state.unskip
+    # the scan reports no count of forwards through the skip: a spy on its hook counts them
     monkeypatch.setattr(_scan_state, "unskip", lambda *a: calls.append(1) or real(*a))
     return calls
 
@@ -198,13 +200,14 @@ def test_the_prefix_skip_is_refused_where_it_would_not_be_exact(monkeypatch):
     right = heads.patch_scan(model, clean, corrupted, _metric)
     assert len(calls) > 1
     real_cut = _prefix.cut
+    # a fault injected into the skip's cut (the window's predicate left uncut): no real input reads it wrongly
     monkeypatch.setattr(_prefix, "cut",
                         lambda x, key, T, p: x if isinstance(x, _prefix.MaskMod) else real_cut(x, key, T, p))
     calls.clear()
     fallback = heads.patch_scan(model, clean, corrupted, _metric)
     assert len(calls) == 1, "the check run should have refused the skip"
     assert (fallback - right).abs().max() < 1e-5
-    monkeypatch.setattr(_scan, "_SKIP_PREFIX", False)
+    monkeypatch.setattr(_scan, "_SKIP_PREFIX", False)  # no public switch: the whole run, to compare
     calls.clear()
     full = heads.patch_scan(model, clean, corrupted, _metric)
     assert calls == [] and (full - right).abs().max() < 1e-5
@@ -364,7 +367,7 @@ def test_ablate_and_patch_leave_the_model_exactly_as_before_also_on_errors_and_n
         after = logits_of(model(**inputs))
     torch.testing.assert_close(after, before, rtol=0, atol=0)
     assert all(torch.equal(v, state[k]) for k, v in model.state_dict().items())
-    assert not any(m._forward_pre_hooks or m._forward_hooks for m in model.modules())
+    assert not any(any(hooks(m)[:2]) for m in model.modules())
 
 
 def test_mean_and_resample_ablation_write_the_reference_values():

@@ -100,7 +100,7 @@ def test_heads_benchmark_smollm2_tables_agree_and_a_difference_fails(smollm2, tm
     assert ours.abs().max().item() > 1e-3  # patching a head of layer 0 moves the metric
 
     run_tl = bench.run_tl
-    monkeypatch.setattr(bench, "run_tl", lambda *a: run_tl(*a) + 1e-3)
+    monkeypatch.setattr(bench, "run_tl", lambda *a: run_tl(*a) + 1e-3)  # a disagreement injected: it must fail
     out = tmp_path / "off.json"
     assert _main_one_thread(bench, ["--model", "smollm2", "--quick", "--layers", "1", "--rounds", "1",
                                     "--no-peaks", "--json", str(out)]) == 1

@@ -248,6 +248,6 @@ def test_mistakes_are_refused_before_the_model_loads(capsys, monkeypatch, argv, 
 
     def no_load(*args, **kwargs):
         raise AssertionError("the model was loaded before the arguments were checked")
-    monkeypatch.setattr(loaders, "load_model", no_load)
+    monkeypatch.setattr(loaders, "load_model", no_load)  # any load fails the test: checks must come first
     code, out, err = _run(capsys, *argv)
     assert code == 2 and message in err and len(err.strip().splitlines()) == 1, err

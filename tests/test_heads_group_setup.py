@@ -57,9 +57,9 @@ class _Calls:
             return self.saved["record"](model, inputs, *a, **kw)
         scan.record = record
         for name in self.methods:
-            setattr(_scan_state.ScanState, name, self._counted(name))
+            setattr(_scan_state.ScanState, name, self.counted(name))
 
-    def _counted(self, name):
+    def counted(self, name):
         real = self.saved[name]
 
         def method(obj, *a, **kw):
@@ -182,6 +182,7 @@ def _w_align_check(rank: int, world: int) -> dict:
     group = dist.group.WORLD
     models, clean, corrupted = dist_helpers.scan_models()
     at = AtPositions(lambda logits: (logits[:, 3] - logits[:, 4]).mean(), [5, 6])
+    # a failing alignment check injected on the ranks (distributed workers: no monkeypatch fixture there)
     real, ran = _align._same_logits, []
     out = {}
     for failing in (False, True):
@@ -226,6 +227,7 @@ def _w_stand_in_off(rank: int, world: int) -> dict:
 
     group = dist.group.WORLD
     models, clean, corrupted = dist_helpers.scan_models()
+    # a stand-in of the wrong shape injected: the ranks must refuse it, and no real input produces one
     real = scan._stand_in
 
     def off(model, a):

@@ -19,8 +19,16 @@ from transformers.activations import NewGELUActivation  # noqa: E402
 
 import multihead.interop.hf  # noqa: E402, F401  (registers "multihead")
 from conftest import AtenOps  # noqa: E402
-from multihead.heads import _in_place  # noqa: E402
+from multihead.heads import _in_place  # noqa: E402  (the module under test: the head tools' private helper)
 from test_heads import _mh, _one_token_changed  # noqa: E402
+
+# the forward the block installs on each activation, recognised by its class: nothing public names it
+IN_PLACE_FORWARD = _in_place._InPlaceForward
+
+
+def _nothing_held() -> bool:
+    """No thread inside a block and no module's forward held: the bookkeeping every exit must empty."""
+    return not _in_place._THREADS and not _in_place._USERS  # the invariant under test lives in these two stores
 
 
 def _same(a, b):
@@ -97,15 +105,15 @@ def test_nested_errors_and_foreign_forwards_leave_modules_as_they_were():
     acts[1].forward = theirs
     with pytest.raises(RuntimeError, match="inside"):
         with _in_place.in_place_activations(model):
-            assert isinstance(vars(acts[0])["forward"], _in_place._InPlaceForward)
+            assert isinstance(vars(acts[0])["forward"], IN_PLACE_FORWARD)
             with _in_place.in_place_activations(model):
                 pass
-            assert isinstance(vars(acts[0])["forward"], _in_place._InPlaceForward)  # the outer block still holds it
+            assert isinstance(vars(acts[0])["forward"], IN_PLACE_FORWARD)  # the outer block still holds it
             with torch.no_grad():
                 _same(acts[1](torch.zeros(2)), torch.ones(2))  # theirs still runs
             raise RuntimeError("inside")
     assert "forward" not in vars(acts[0]) and vars(acts[1])["forward"] is theirs
-    assert not _in_place._THREADS and not _in_place._USERS
+    assert _nothing_held()
 
 
 def test_two_threads_in_blocks_over_one_model():
@@ -120,10 +128,10 @@ def test_two_threads_in_blocks_over_one_model():
     t.start()
     with _in_place.in_place_activations(model):
         inside.wait()
-    assert isinstance(vars(acts[0])["forward"], _in_place._InPlaceForward)  # the other thread's block still holds it
+    assert isinstance(vars(acts[0])["forward"], IN_PLACE_FORWARD)  # the other thread's block still holds it
     release.set()
     t.join()
-    assert all("forward" not in vars(m) for m in acts) and not _in_place._THREADS
+    assert all("forward" not in vars(m) for m in acts) and _nothing_held()
 
 
 @pytest.mark.usefixtures("one_torch_thread")
@@ -132,13 +140,13 @@ def test_tables_bitwise_unchanged(monkeypatch, what):
     model, acts = _gpt2()
     clean, corrupted = _one_token_changed("gpt2")
     metric = lambda lg: (lg[:, -1, 3] - lg[:, -1, 4]).mean()  # noqa: E731
-    monkeypatch.setattr(_in_place, "IN_PLACE", False)
+    monkeypatch.setattr(_in_place, "IN_PLACE", False)  # the switch: the tables without the in-place GELU
     want = heads.patch_scan(model, clean, corrupted, metric, what=what)
     want_path = heads.path_patch_scan(model, clean, corrupted, metric, receivers=[(1, 0)])
-    monkeypatch.setattr(_in_place, "IN_PLACE", True)
+    monkeypatch.setattr(_in_place, "IN_PLACE", True)  # and with it, whatever the default
     calls = []
     real = _in_place.new_gelu_in_place
-    monkeypatch.setattr(_in_place, "new_gelu_in_place", lambda x: calls.append(1) or real(x))
+    monkeypatch.setattr(_in_place, "new_gelu_in_place", lambda x: calls.append(1) or real(x))  # counts its calls
     assert torch.equal(heads.patch_scan(model, clean, corrupted, metric, what=what), want)
     assert calls, "the scan's forwards ran the in-place GELU"
     n = len(calls)
@@ -160,4 +168,4 @@ def test_a_raising_metric_leaves_the_model_as_it_was():
         return lg[:, -1, 3].mean()
     with pytest.raises(ValueError, match="metric failed"):
         heads.patch_scan(model, clean, corrupted, metric)
-    assert all("forward" not in vars(m) for m in acts) and not _in_place._THREADS and not _in_place._USERS
+    assert all("forward" not in vars(m) for m in acts) and _nothing_held()

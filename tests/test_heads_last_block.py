@@ -38,12 +38,13 @@ def _last(B: int = 2):
 def _both(monkeypatch, model, clean, corrupted, metric, **kw):
     """(table, info) with the trim, then the table without it (today's whole last block)."""
     info: dict = {}
+    # the trim has no public switch (it is exact or declined): the scan's own flag turns it off to compare
     monkeypatch.setattr(_scan, "_LAST_BLOCK", True)
     fast = heads.patch_scan(model, clean, corrupted, metric, info=info, **kw)
-    monkeypatch.setattr(_scan, "_LAST_BLOCK", False)
+    monkeypatch.setattr(_scan, "_LAST_BLOCK", False)  # the whole last block: the table to equal
     slow_info: dict = {}
     slow = heads.patch_scan(model, clean, corrupted, metric, info=slow_info, **kw)
-    monkeypatch.setattr(_scan, "_LAST_BLOCK", True)
+    monkeypatch.setattr(_scan, "_LAST_BLOCK", True)  # back on for the caller's next scan
     assert slow_info["last_block"] is False and slow_info["last_block_reason"] == "turned off"
     return fast, slow, info
 
@@ -78,13 +79,13 @@ def test_the_trimmed_last_block_gives_the_table_of_the_whole_block(name, monkeyp
             _one_token_changed(name)
         for what, positions, shortcut in [("z", None, True), ("z", None, False), ("pattern", None, True),
                                           ("z", [2, 6, -1], True), ("z", [2, 6], True)]:
-            monkeypatch.setattr(_scan, "_SHORTCUT", shortcut)
+            monkeypatch.setattr(_scan, "_SHORTCUT", shortcut)  # no public switch: the trim with and without it
             fast, slow, info = _both(monkeypatch, model, clean, corrupted, metric, what=what, positions=positions)
             assert info["last_block"], f"{name} {pair} {what}: {info}"
             kernels.add(info["last_block_reason"])  # "" when the kernel, too, ran the last query only
             assert info["skipped"] == (pair == "one token changed"), info
             _close(fast, slow, f"{name} {pair} {what} {positions} shortcut={shortcut}")
-        monkeypatch.setattr(_scan, "_SHORTCUT", True)
+        monkeypatch.setattr(_scan, "_SHORTCUT", True)  # the default again
     assert kernels == {""}, kernels  # the kernel ran the last query only
     n_layers = fast.shape[0]
     cells = [(0, 0), (n_layers - 1, 1), (n_layers - 1, 0)]  # the last layer's heads run through the trimmed block
@@ -172,6 +173,7 @@ def _decision(model, clean, corrupted, metric, **kw) -> dict:
 def test_the_trim_is_declined_for_metrics_that_read_elsewhere(monkeypatch):
     model = _lm()
     clean, corrupted = _pairs()
+    # the scan's decision, recorded where it is made: info omits it for a plain metric
     seen, real = [], _scan_state.ScanState.decide_last_block
     monkeypatch.setattr(_scan_state.ScanState, "decide_last_block", lambda self: seen.append(real(self)) or seen[-1])
     plain = _decision(model, clean, corrupted, lambda lg: _fn(lg[:, -1]))
@@ -198,24 +200,25 @@ def test_the_trim_is_declined_when_its_check_fails(monkeypatch):
     model = _lm()
     clean, corrupted = _pairs()
     metric = heads.AtPositions(_fn, [-1, -1])
-    monkeypatch.setattr(_scan, "_LAST_BLOCK", False)
+    monkeypatch.setattr(_scan, "_LAST_BLOCK", False)  # no public switch: the whole block's table to equal
     want = heads.patch_scan(model, clean, corrupted, metric)
-    monkeypatch.setattr(_scan, "_LAST_BLOCK", True)
+    monkeypatch.setattr(_scan, "_LAST_BLOCK", True)  # and the trim on, whatever the default
+    # faults injected into the trim's hooks: no model makes the real ones cut the wrong position or fail
     real = _top._last_position
 
     def first(module, args, kwargs):
         return (args[0][:, :1], *args[1:]), kwargs
-    monkeypatch.setattr(_top, "_last_position", first)
+    monkeypatch.setattr(_top, "_last_position", first)  # the wrong position, as said above
     info: dict = {}
     got = heads.patch_scan(model, clean, corrupted, metric, info=info)
     assert not info["last_block"] and "differs from the corrupted run's by" in info["last_block_reason"], info
     assert torch.equal(got, want)
 
-    monkeypatch.setattr(_top, "_last_position", real)
+    monkeypatch.setattr(_top, "_last_position", real)  # the real cut again, for the kernel's fault next
 
     def no_mask(module, args, kwargs):  # the last query alone, declined: the kernel runs every query
         raise ValueError("no mask of that kind")
-    monkeypatch.setattr(_top, "_mask_last_query", no_mask)
+    monkeypatch.setattr(_top, "_mask_last_query", no_mask)  # a kernel that takes no last-query mask
     info = {}
     got = heads.patch_scan(model, clean, corrupted, metric, info=info)
     assert info["last_block"] and info["last_block_reason"] == (
@@ -225,7 +228,7 @@ def test_the_trim_is_declined_when_its_check_fails(monkeypatch):
 
     def broken(module, args, kwargs):
         raise ValueError("no such input")
-    monkeypatch.setattr(_top, "_last_position", broken)
+    monkeypatch.setattr(_top, "_last_position", broken)  # a cut that fails outright
     info = {}
     got = heads.patch_scan(model, clean, corrupted, metric, info=info)
     assert not info["last_block"] and info["last_block_reason"].startswith(

@@ -98,7 +98,7 @@ def test_path_scans_and_attribution_take_it_too():
 def test_a_model_without_logits_to_keep_gets_full_logits(monkeypatch):
     model = _lm()
     clean, corrupted = _pairs()
-    monkeypatch.setattr(_budget, "takes_logits_to_keep", lambda m: False)
+    monkeypatch.setattr(_budget, "takes_logits_to_keep", lambda m: False)  # a model without logits_to_keep
     seen = _read_sizes(monkeypatch)
     metric = heads.AtPositions(_fn, [8, 7])
     got = heads.patch_scan(model, clean, corrupted, metric)
@@ -159,7 +159,7 @@ def test_rows_rolled_to_end_where_the_metric_reads_give_the_same_table(monkeypat
     got = heads.patch_scan(model, clean, corrupted, metric, info=info)
     assert info["aligned"] and info["prefix"] == 5 and info["skipped"], info  # rolled: changes at 5, 7, 9
     assert all(torch.equal(before[k], corrupted[k]) for k in before)  # the caller's inputs are not touched
-    monkeypatch.setattr(_align, "_ALIGN", False)
+    monkeypatch.setattr(_align, "_ALIGN", False)  # no public switch: the rows as given, to compare
     off: dict = {}
     want = heads.patch_scan(model, clean, corrupted, metric, info=off)
     assert not off["aligned"] and off["prefix"] == 3
@@ -195,7 +195,7 @@ def test_rolling_is_declined_with_a_reason_where_it_cannot_be_checked_equal(monk
     from multihead.heads import _align
 
     with monkeypatch.context() as mp:
-        mp.setattr(_align, "_ALIGN", False)
+        mp.setattr(_align, "_ALIGN", False)  # no public switch: the rows as given, to compare
         torch.testing.assert_close(got, heads.patch_scan(gpt2, clean, corrupted, metric), rtol=0, atol=1e-5)
 
     class Unpositioned(transformers.GPT2LMHeadModel):  # counts positions itself, whatever it is handed

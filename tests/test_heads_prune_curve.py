@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from conftest import attn_implementation
 from multihead import heads
 from multihead.cli import main
 
@@ -64,7 +65,7 @@ def test_padded_prune_equals_ablation_and_reloads_in_stock_transformers(kind, re
     torch.testing.assert_close(_logits(m, x), ref, atol=1e-5, rtol=0)
     m.save_pretrained(tmp_path)
     back = transformers.AutoModelForCausalLM.from_pretrained(tmp_path).eval()  # stock: sdpa, not multihead
-    assert back.config._attn_implementation != "multihead"
+    assert attn_implementation(back.config) != "multihead"
     torch.testing.assert_close(_logits(back, x), ref, atol=1e-5, rtol=0)
     kept = [[h for h in range(6) if (i, h) not in removed] for i in range(3)]
     Hkv2 = max(len({h // 2 for h in k}) for k in kept)
@@ -112,7 +113,7 @@ def test_gemma3_pruned_equals_ablated_and_reloads_in_stock_transformers(tmp_path
     m.save_pretrained(tmp_path / "pruned")
     back, orig_back = (transformers.AutoModelForCausalLM.from_pretrained(tmp_path / name, dtype=torch.float64).eval()
                        for name in ("pruned", "orig"))
-    assert type(back).__name__ == "Gemma3ForCausalLM" and back.config._attn_implementation != "multihead"
+    assert type(back).__name__ == "Gemma3ForCausalLM" and attn_implementation(back.config) != "multihead"
     orig_back.set_attn_implementation("multihead")
     with heads.ablate(orig_back, removed):
         ref_back = _logits(orig_back, x)

@@ -409,12 +409,12 @@ def test_the_scan_says_whether_it_skipped_the_prefix_and_why_not(monkeypatch):
     info = {}
     taken = heads.patch_scan(model, clean, corrupted, _metric, info=info)
     assert info == {"prefix": 5, "skipped": True, "reason": ""}
-    monkeypatch.setattr(_scan, "_SKIP_PREFIX", False)
+    monkeypatch.setattr(_scan, "_SKIP_PREFIX", False)  # no public switch: the whole run, to compare
     info = {}
     full = heads.patch_scan(model, clean, corrupted, _metric, info=info)
     assert info == {"prefix": 5, "skipped": False, "reason": "the prefix skip is turned off"}
     assert (full - taken).abs().max() < 1e-5  # the same table either way
-    monkeypatch.setattr(_scan, "_SKIP_PREFIX", True)
+    monkeypatch.setattr(_scan, "_SKIP_PREFIX", True)  # on again, whatever the default
     first = _pair(at=0)
     heads.patch_scan(model, *first, _metric, info=info)
     assert info == {"prefix": 0, "skipped": False, "reason": "clean and corrupted differ at position 0: no shared "
@@ -429,6 +429,7 @@ def test_the_scan_says_whether_it_skipped_the_prefix_and_why_not(monkeypatch):
     right = heads.patch_scan(mistral, clean, corrupted, _metric, info=info)
     assert info["skipped"] is True
     real_cut = _prefix.cut
+    # a fault injected into the skip's cut (the window's predicate left uncut): no real input reads it wrongly
     monkeypatch.setattr(_prefix, "cut",
                         lambda x, key, T, p: x if isinstance(x, _prefix.MaskMod) else real_cut(x, key, T, p))
     fallback = heads.patch_scan(mistral, clean, corrupted, _metric, info=info)
@@ -440,7 +441,7 @@ def test_the_scan_says_whether_it_skipped_the_prefix_and_why_not(monkeypatch):
         if key == "position_ids":
             raise _prefix.NoCut(key)
         return real_cut(x, key, T, p)
-    monkeypatch.setattr(_prefix, "cut", no_cut)
+    monkeypatch.setattr(_prefix, "cut", no_cut)  # a cut that refuses a keyword, injected as above
     heads.patch_scan(model, clean, corrupted, _metric, info=info)
     assert info["skipped"] is False and info["reason"].startswith("a block takes keyword 'position_ids', which holds")
     with pytest.raises(TypeError, match="info must be None or a dict to fill; received list"):

@@ -143,11 +143,11 @@ def test_a_graph_break_in_the_attention_function_fails(monkeypatch):
     other break (`torch._dynamo.graph_break()` in the kernel's call): a whole compile raises."""
     inputs = {"input_ids": batch()["input_ids"]}
     with monkeypatch.context() as m:
-        m.setattr(registry, "_config_output_attentions", _old_read)
+        m.setattr(registry, "_config_output_attentions", _old_read)  # the old read back, to show the check bites
         breaks, reasons, _ = explained(build("llama", layers=1), **inputs)
     assert breaks >= 1, f"old config read: {breaks} graph breaks ({reasons}); the check above would not fail"
     torch._dynamo.reset()
-    monkeypatch.setattr(registry, "attend", _breaking_attend)
+    monkeypatch.setattr(registry, "attend", _breaking_attend)  # a graph break injected into the kernel's call
     with pytest.raises(torch._dynamo.exc.Unsupported), torch.no_grad():
         compiled(build("llama", layers=1))(**inputs)
 

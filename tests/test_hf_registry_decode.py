@@ -44,6 +44,7 @@ _CONFIGS = [transformers.LlamaConfig, transformers.GPT2Config, transformers.Bert
 def test_config_flag_equals_transformers_read(cls, flag):
     config = cls(output_attentions=flag)
     layer = _Layer(config)
+    # the registry's own read of the flag, white-box: compile needs it to be a read dynamo can trace
     assert registry._config_output_attentions(layer) == config.output_attentions == flag
     q, k, v = _qkv()
     out, w = registry.attention_forward(layer, q, k, v, None, scaling=0.3)
@@ -98,6 +99,7 @@ class _PlainFlag:
                               "plain attribute, off", "no flag"])
 def test_configs_of_other_kinds_are_read_as_written(config, flag):
     layer = _Layer(config)
+    # the registry's own read of the flag, white-box, as above
     assert registry._config_output_attentions(layer) == getattr(config, "output_attentions", False) == flag
     q, k, v = _qkv()
     _, w = registry.attention_forward(layer, q, k, v, None, scaling=0.3)

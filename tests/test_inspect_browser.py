@@ -59,9 +59,9 @@ class Watch:
         page.on("console", lambda m: m.type == "error" and self.errors.append(f"console: {m.text}"))
         page.on("pageerror", lambda e: self.errors.append(f"pageerror: {e}"))
         page.on("request", lambda r: self.requests.append(r.url))
-        page.on("dialog", self._dialog)
+        page.on("dialog", self.on_dialog)
 
-    def _dialog(self, dialog):
+    def on_dialog(self, dialog):
         self.dialogs.append(f"{dialog.type}: {dialog.message}")
         dialog.dismiss()
 

@@ -64,7 +64,7 @@ def test_layer3_head5_asks_the_kernel_for_that_head_only(minilm, eager, monkeypa
         calls.append(tuple(heads))
         return real_pass(q, k, mask, causal, scale, heads, **kw)
 
-    monkeypatch.setattr(explicit_math, "weights_pass", spy_pass)
+    monkeypatch.setattr(explicit_math, "weights_pass", spy_pass)  # records the heads each weights pass computes
     # the explicit backends would build every head's (T, S) block: they must not run
     for name in ("math", "chunked"):
         b = BACKENDS[name]
@@ -73,7 +73,7 @@ def test_layer3_head5_asks_the_kernel_for_that_head_only(minilm, eager, monkeypa
             explicit.append(_name)
             return _fn(*a, **k)
 
-        monkeypatch.setitem(BACKENDS, name, dataclasses.replace(b, fn=spy))
+        monkeypatch.setitem(BACKENDS, name, dataclasses.replace(b, fn=spy))  # records any call (see above)
     ran = []
     hooks = [layer.register_forward_pre_hook(lambda m, a, i=i: ran.append(i)) for i, layer in enumerate(minilm.layers)]
     try:

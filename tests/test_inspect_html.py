@@ -298,7 +298,7 @@ def test_notebook_display_is_the_page_in_a_sandboxed_frame():
     from multihead.inspect import head_roles
 
     cap = synthetic_capture(L=2, H=3, T=8)
-    frame = cap._repr_html_()
+    frame = cap._repr_html_()  # Jupyter's display hook, called as a notebook calls it
     m = re.fullmatch(r'<iframe srcdoc="([^"]*)" sandbox="allow-scripts" title="multihead head view" '
                      r'style="width: 100%; height: \d+px; border: 0"></iframe>', frame)
     assert m, frame[:300]
@@ -348,7 +348,7 @@ def test_page_features_in_a_browser(open_view):  # noqa: F811
 @pytest.mark.slow
 def test_notebook_frame_renders_offline(open_view):  # noqa: F811
     cap = synthetic_capture(L=2, H=3, T=8)
-    host = f"<!DOCTYPE html><html><body><h1>notebook</h1>{cap._repr_html_()}</body></html>"
+    host = f"<!DOCTYPE html><html><body><h1>notebook</h1>{cap._repr_html_()}</body></html>"  # as Jupyter shows it
     page, watch, _ = open_view_frame(open_view, host)
     frame = page.frames[1]
     frame.wait_for_selector("html[data-mh-ready='1']", timeout=30_000)

@@ -13,6 +13,7 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
+from conftest import attn_implementation, hooks  # noqa: E402
 from multihead.inspect import capture, induction_scores, summaries  # noqa: E402
 from multihead.interop.loaders import InspectError, load_model, minilm_path  # noqa: E402
 from multihead.model_state import kept_state  # noqa: E402
@@ -43,10 +44,8 @@ def _bert(vocab: int):
 
 
 def _state(model) -> tuple:
-    hooks = tuple((len(m._forward_hooks), len(m._forward_pre_hooks), len(m._backward_hooks))
-                  for m in model.modules())
     return ([m.training for m in model.modules()], [p.requires_grad for p in model.parameters()],
-            model.config._attn_implementation, hooks)
+            attn_implementation(model.config), tuple(hooks(m) for m in model.modules()))
 
 
 def _eval_copy(model):
@@ -92,7 +91,7 @@ def test_a_loaded_model_put_in_train_mode_stays_there(tok):
     lm.model.train()
     want = summaries(load_model((_eval_copy(lm.model), tok)), TEXT).scores["entropy"]
     got = summaries(lm, TEXT).scores["entropy"]
-    assert all(m.training for m in lm.model.modules()) and lm.model.config._attn_implementation == "multihead"
+    assert all(m.training for m in lm.model.modules()) and attn_implementation(lm.model.config) == "multihead"
     torch.testing.assert_close(got, want, atol=0, rtol=0)
 
 

@@ -11,7 +11,7 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
-from conftest import assert_close  # noqa: E402
+from conftest import assert_close, attn_implementation  # noqa: E402
 from multihead import convert  # noqa: E402
 from multihead.interop import hf  # noqa: E402
 
@@ -94,7 +94,7 @@ def test_saved_converted_model_reloads_in_stock_transformers(name, tmp_path):
         b = src.k_proj.bias.detach().numpy().reshape(2, 2, D)
         np.testing.assert_allclose(attn.k_proj.bias.detach().numpy(), ((b[:, 0] + b[:, 1]) / 2).reshape(-1),
                                    atol=1e-7)
-    assert gqa.config._attn_implementation == "multihead"
+    assert attn_implementation(gqa.config) == "multihead"
     converted = _logits(gqa, ids)
     gqa.save_pretrained(tmp_path)
     loaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path, attn_implementation="eager").eval()

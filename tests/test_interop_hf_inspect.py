@@ -13,7 +13,7 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
-from conftest import assert_close  # noqa: E402
+from conftest import assert_close, attn_implementation  # noqa: E402
 from multihead.inspect import capture  # noqa: E402
 from multihead.interop.loaders import InspectError, minilm_path  # noqa: E402
 
@@ -78,9 +78,9 @@ def _eager_attentions(model, ids) -> list[torch.Tensor]:
 @pytest.mark.parametrize("name", ["gemma2", "qwen3", "gpt_neox", "deepseek_v2", "bart", "t5"])
 def test_capture_equals_eager(name, tok):
     model = _model(name, len(tok))
-    was = model.config._attn_implementation
+    was = attn_implementation(model.config)
     cap = capture(TEXT, model=(model, tok))
-    assert was != "multihead" and model.config._attn_implementation == was  # run on multihead, handed back as it came
+    assert was != "multihead" and attn_implementation(model.config) == was  # run on multihead, handed back as it came
     ref = _eager_attentions(model, torch.tensor([cap.token_ids]))
     assert cap.n_layers == len(ref)
     d = assert_close(cap.weights, torch.stack([a[0] for a in ref]), atol=1e-5, rtol=0, what=f"{name} capture")

@@ -69,6 +69,7 @@ def test_generate_equal_with_a_latent_cache(version, yarn, interleave, monkeypat
     paths = []
     for name in ("attend_absorbed", "attend_naive"):
         real = getattr(LatentAttention, name)
+        # records which attention path each step took: the model reports neither
         monkeypatch.setattr(LatentAttention, name,
                             lambda self, *a, _real=real, _name=name, **k: paths.append(_name) or _real(self, *a, **k))
     ids, keep = _batch()

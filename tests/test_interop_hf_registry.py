@@ -15,7 +15,7 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
-from conftest import assert_close  # noqa: E402
+from conftest import assert_close, attn_implementation  # noqa: E402
 from multihead.interop import hf  # noqa: E402
 from multihead.interop.hf import registry  # noqa: E402
 
@@ -146,6 +146,7 @@ class Spy:
 
     def __init__(self, monkeypatch):
         self.calls = 0
+        # the registry counts nothing: spies on its two ways into the kernels count its calls
         real_kernel, real_explicit = registry.attend, registry._with_sinks
 
         def kernel(*args, **kwargs):
@@ -156,8 +157,8 @@ class Spy:
             self.calls += 1
             return real_explicit(*args, **kwargs)
 
-        monkeypatch.setattr(registry, "attend", kernel)
-        monkeypatch.setattr(registry, "_with_sinks", explicit)
+        monkeypatch.setattr(registry, "attend", kernel)  # counts the calls of the kernel (see above)
+        monkeypatch.setattr(registry, "_with_sinks", explicit)  # and of the sinks path
 
 
 def _run(model, impl: str, inputs, **kw):
@@ -259,7 +260,7 @@ def test_from_pretrained_with_multihead(tmp_path):
     model = build("llama")
     model.save_pretrained(tmp_path)
     loaded = transformers.AutoModel.from_pretrained(tmp_path, attn_implementation="multihead").eval()
-    assert loaded.config._attn_implementation == "multihead"
+    assert attn_implementation(loaded.config) == "multihead"
     inputs, keep = _inputs("llama")
     ref = _run(model, "sdpa", inputs).last_hidden_state
     with torch.no_grad():
@@ -279,7 +280,7 @@ def test_output_attentions_keeps_the_fused_kernel(monkeypatch):
         raise AssertionError("the explicit path ran")
 
     for name in ("math", "chunked"):
-        monkeypatch.setitem(BACKENDS, name, dataclasses.replace(BACKENDS[name], fn=refuse))
+        monkeypatch.setitem(BACKENDS, name, dataclasses.replace(BACKENDS[name], fn=refuse))  # must not run
     model = build("llama")
     inputs, _ = _inputs("llama")
     out = _run(model, "multihead", inputs, output_attentions=True)
@@ -303,7 +304,7 @@ def test_weights_request_chosen_heads_only(monkeypatch):
         asked.append(tuple(heads))
         return real(q, k, mask, causal, scale, heads, **kw)
 
-    monkeypatch.setattr(explicit_math, "weights_pass", spy)
+    monkeypatch.setattr(explicit_math, "weights_pass", spy)  # records the heads each weights pass computes
     layers = [layer.self_attn for layer in model.layers]
     request = hf.WeightsRequest({layers[0]: [5, 1]}, stop=True)
     assert request.run(model, **inputs) is None  # stopped after layer 0
@@ -404,6 +405,7 @@ def test_sliding_window_layers_get_a_predicate(monkeypatch):
     ref = _run(model, "sdpa", inputs).last_hidden_state
     masks = []
     real = registry.attend
+    # records the mask each layer hands the kernel: the registry reports none
     monkeypatch.setattr(registry, "attend", lambda q, k, v, mask, **kw: masks.append(mask) or real(q, k, v, mask, **kw))
     got = _run(model, "multihead", inputs).last_hidden_state
     assert len(masks) == 2 and all(isinstance(m, MaskMod) for m in masks)

@@ -17,7 +17,7 @@ pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 @pytest.fixture
 def fresh_session(monkeypatch):
-    monkeypatch.setattr(loaders, "_LOADED", {})
+    monkeypatch.setattr(loaders, "_LOADED", {})  # loads afresh: no public call forgets a loaded model
 
 
 def _tokenizer(vocab: int):
@@ -184,7 +184,7 @@ def fake_gguf(tmp_path, monkeypatch, fresh_session):
         calls.append(path_)
         return _llama(True), _tokenizer(24)
 
-    monkeypatch.setattr(loaders, "_dequantize_gguf", dequantize)
+    monkeypatch.setattr(loaders, "_dequantize_gguf", dequantize)  # a fake GGUF read: counts reads, needs no gguf
     return path, calls
 
 
@@ -201,7 +201,7 @@ def test_a_gguf_file_is_read_once_then_served_from_the_cache(fake_gguf, monkeypa
     assert sorted(p.name for p in folder.parent.iterdir()) == [folder.name], "a temporary folder was left"
     assert (folder.stat().st_mode & 0o777) == (0o777 & ~_umask()) and \
         ((folder / "model.safetensors").stat().st_mode & 0o777) == (0o666 & ~_umask())
-    monkeypatch.setattr(loaders, "_LOADED", {})
+    monkeypatch.setattr(loaders, "_LOADED", {})  # loads afresh: no public call forgets a loaded model
     second = load_model(str(path))
     assert len(calls) == 1, "the cache hit read the GGUF file again"
     assert type(second.model) is transformers.LlamaForCausalLM and second.is_causal_lm
@@ -213,11 +213,11 @@ def test_a_damaged_cache_is_rebuilt_with_a_warning(fake_gguf, monkeypatch):
     first = load_model(str(path))
     folder = loaders.gguf_cache_folder(path)
     (folder / "model.safetensors").write_bytes(b"damaged")
-    monkeypatch.setattr(loaders, "_LOADED", {})
+    monkeypatch.setattr(loaders, "_LOADED", {})  # loads afresh: no public call forgets a loaded model
     with pytest.warns(RuntimeWarning, match="cannot be read .*dequantizing tiny.gguf again"):
         again = load_model(str(path))
     assert len(calls) == 2 and torch.equal(_logits(again), _logits(first))
-    monkeypatch.setattr(loaders, "_LOADED", {})
+    monkeypatch.setattr(loaders, "_LOADED", {})  # loads afresh: no public call forgets a loaded model
     load_model(str(path))  # the rebuilt cache is whole
     assert len(calls) == 2
     assert sorted(p.name for p in folder.parent.iterdir()) == [folder.name]
@@ -236,12 +236,14 @@ def test_a_cache_another_process_published_first_is_kept(fake_gguf, monkeypatch)
     path, _ = fake_gguf
     folder = loaders.gguf_cache_folder(path)
     model, tok = _llama(True), _tokenizer(24)
-    loaders._write_cache(model, tok, folder, path, replace=False)
+    # the cache writer called directly, twice: two processes racing to publish cannot be timed from outside
+    write_cache = loaders._write_cache
+    write_cache(model, tok, folder, path, replace=False)
     marker = folder / "published-first"
     marker.write_text("")
-    loaders._write_cache(model, tok, folder, path, replace=False)  # lost the race: keeps the other's folder
+    write_cache(model, tok, folder, path, replace=False)  # lost the race: keeps the other's folder
     assert marker.exists()
-    loaders._write_cache(model, tok, folder, path, replace=True)  # a damaged folder is swapped out whole
+    write_cache(model, tok, folder, path, replace=True)  # a damaged folder is swapped out whole
     assert not marker.exists() and (folder / "model.safetensors").is_file()
     assert sorted(p.name for p in folder.parent.iterdir()) == [folder.name]
 

@@ -129,7 +129,7 @@ def test_weights_subset_does_not_compute_other_heads(monkeypatch):
         seen.append(tuple(result.shape))
         return result
 
-    monkeypatch.setattr(explicit_math, "weights_pass", spy)
+    monkeypatch.setattr(explicit_math, "weights_pass", spy)  # records the shape of each weights pass
     q, k, v = torch.randn(1, 8, 16, 4), torch.randn(1, 8, 16, 4), torch.randn(1, 8, 16, 4)
     mh.attend(q, k, v, return_weights=[3])
     assert seen == [(3,), (1, 1, 16, 16)]

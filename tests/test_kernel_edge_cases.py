@@ -421,6 +421,7 @@ def test_nan_rule_holds_whatever_the_fused_kernel_does_with_nan(kernel, mask, wh
         monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention",
                             _zeroing_nan_rows(torch.nn.functional.scaled_dot_product_attention))
         if common.HAS_CPU_FLASH:
+            # the other kernel behaviour, injected: this machine's torch has one of the two
             monkeypatch.setattr(fused_tiles, "flash_lse", _zeroing_nan_rows(fused_tiles.flash_lse, True))
     B, H, T, S = 1, 2, 20, 20
     q, k, v = _qkv(B=B, H=H, Hkv=1, T=T, S=S, dtype=torch.float32)

@@ -47,12 +47,13 @@ def test_read_caches_from_sysfs(tmp_path):
 
 def test_machine_plan_reads_the_os_once(tmp_path, monkeypatch, restore_plan):
     from multihead.kernels import machine
+    # a fake sysfs: the plan must come from what the OS says, and this machine's caches are unknown
     monkeypatch.setattr(machine, "CACHE_ROOT", _fake_cpu0(tmp_path, [(2, "Unified", "512K"), (3, "Unified", "8M")]))
     kernels.set_machine_plan(None)
     plan = kernels.machine_plan()
     assert (plan.l2_bytes, plan.l3_bytes, plan.source) == (512 << 10, 8 << 20, "sysfs")
     assert kernels.machine_plan() is plan  # kept for the process
-    monkeypatch.setattr(machine, "CACHE_ROOT", tmp_path / "absent")
+    monkeypatch.setattr(machine, "CACHE_ROOT", tmp_path / "absent")  # a machine whose sysfs says nothing
     kernels.set_machine_plan(None)
     assert kernels.machine_plan() == MachinePlan()  # unreadable: the tuned machine's caches
     assert kernels.machine_plan().source == "default"

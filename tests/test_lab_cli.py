@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 
+from conftest import parser_actions, subcommands
 from lab_helpers import load_results
 from multihead.cli import build_parser, main
 from multihead.lab.configs import InductionConfig, scale_induction
@@ -51,7 +52,7 @@ def test_a_non_empty_out_is_refused_and_force_replaces_only_a_complete_run(tmp_p
 
         return real(cfg, out_dir, callback=boom, **kw)
 
-    monkeypatch.setattr(kv, "run_kv", interrupted)
+    monkeypatch.setattr(kv, "run_kv", interrupted)  # a Ctrl-C injected mid-run, at a step the test picks
     assert main(["lab", "kv", *KV_TINY, "--out", str(out), "--force"]) == 130
     assert json.loads((out / "results.json").read_text()) == first, "a complete run was replaced by a partial one"
     kept = [p for p in tmp_path.iterdir() if p.name.startswith("run.interrupted-")]
@@ -141,20 +142,19 @@ def test_without_matplotlib_the_results_and_checkpoint_are_kept(tmp_path):
 
 
 def _experiment_parsers() -> dict[str, argparse.ArgumentParser]:
-    lab = build_parser()._subparsers._group_actions[0].choices["lab"]
-    return dict(lab._subparsers._group_actions[0].choices)
+    return subcommands(subcommands(build_parser())["lab"])
 
 
 def test_help_shows_every_default():
     for name, p in _experiment_parsers().items():
-        for action in p._actions:
+        for action in parser_actions(p):
             if action.help == argparse.SUPPRESS or isinstance(action, (argparse._HelpAction,
                                                                        argparse._StoreTrueAction)):
                 continue
             assert "default" in action.help, f"lab {name} {action.option_strings}: {action.help!r}"
 
     def help_of(name, flag):
-        return next(a.help for a in _experiment_parsers()[name]._actions if flag in a.option_strings)
+        return next(a.help for a in parser_actions(_experiment_parsers()[name]) if flag in a.option_strings)
 
     # the numbers are the config dataclasses' own defaults (and --quick's)
     assert help_of("heads", "--steps").endswith("(default 400; --quick 120)")
@@ -179,9 +179,9 @@ def test_one_flag_name_per_concept():
     with pytest.raises(SystemExit):  # no hidden alias: --kv-heads is not a flag
         build_parser().parse_args(["lab", "kv", "--kv-heads", "4,2"])
     assert build_parser().parse_args(["lab", "mla", "--n-layers", "3"]).n_layers == 3
-    kv_device = next(a for a in parsers["kv"]._actions if "--device" in a.option_strings)
+    kv_device = next(a for a in parser_actions(parsers["kv"]) if "--device" in a.option_strings)
     assert "train" not in kv_device.help
-    heads_device = next(a for a in parsers["heads"]._actions if "--device" in a.option_strings)
+    heads_device = next(a for a in parser_actions(parsers["heads"]) if "--device" in a.option_strings)
     assert "train" in heads_device.help
 
 
@@ -199,15 +199,16 @@ def figures(monkeypatch):
         kept.append(fig)
         return Path(path).name
 
+    # each experiment calls the save_figure it imported, so it is replaced where each looks it up
     for module in ("heads", "kv", "mla_report", "induction"):
-        monkeypatch.setattr(f"multihead.lab.{module}.save_figure", keep)
-    monkeypatch.setattr(plots, "save_figure", keep)
+        monkeypatch.setattr(f"multihead.lab.{module}.save_figure", keep)  # the experiment module's own name
+    monkeypatch.setattr(plots, "save_figure", keep)  # and at its home, for the callers that look it up there
     return kept
 
 
 def test_kv_plot_labels_close_parameter_counts_apart(figures):
     pytest.importorskip("matplotlib")
-    from multihead.lab.kv import KVConfig, _plot
+    from multihead.lab.kv import KVConfig, _plot  # the plot alone, from rows: a run to make them trains models
 
     rows = [{"name": n, "kind": k, "params": p, "cache_bytes_bf16": 1024, "decode_us_per_token": 10.0}
             for n, k, p in (("GQA-2", "GQA", 49_152), ("MLA-32", "MLA", 50_208))]
@@ -230,7 +231,7 @@ def test_curves_plot_shows_the_first_segment(figures):
 
 def test_induction_plot_labels_the_target_and_chance_lines(figures):
     pytest.importorskip("matplotlib")
-    from multihead.lab.induction import _plot
+    from multihead.lab.induction import _plot  # the plot alone, from evals: a run to make them trains a model
 
     cfg = InductionConfig.quick()
     evals = [{"step": s, "accuracy": a, "previous_token": [[0.1] * cfg.n_heads] * 2,

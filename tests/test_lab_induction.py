@@ -129,10 +129,10 @@ def test_sixteen_heads_get_sixteen_colours_and_legends_cover_no_curve(monkeypatc
     for n in (2, 10, 16, 20, 32):
         assert len({to_hex(c) for c in distinct_colours(n)}) == n
     kept = []
-    monkeypatch.setattr(induction, "save_figure", lambda fig, path: kept.append(fig) or "induction.png")
+    monkeypatch.setattr(induction, "save_figure", lambda fig, path: kept.append(fig) or "induction.png")  # keeps it
     cfg = replace(InductionConfig.quick(), n_heads=16, d_model=64, steps=200, eval_every=50)
     r = _analysed(cfg, _evals(cfg, [0.05, 0.1, 0.8, 0.9, 0.92], [0.03, 0.05, 0.7, 0.95, 0.97], head=3))
-    induction._plot(cfg, {"results": r}, "induction.png")
+    induction._plot(cfg, {"results": r}, "induction.png")  # the plot alone, from made-up evals: no training run
     fig = kept[0]
     fig.canvas.draw()
     renderer = fig.canvas.get_renderer()

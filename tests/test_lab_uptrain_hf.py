@@ -196,11 +196,11 @@ def test_ctrl_c_inside_an_evaluation_then_resume(quick, llama_folder, tmp_path, 
             raise KeyboardInterrupt
         return real(*args)
 
-    monkeypatch.setattr(uptrain_hf, "held_out_ppl", flaky)
+    monkeypatch.setattr(uptrain_hf, "held_out_ppl", flaky)  # a Ctrl-C injected at a step the test picks
     cfg = _cfg(llama_folder)
     assert run_uptrain_hf(cfg, tmp_path, progress=False, plots=False)["interrupted"]
     assert torch.load(tmp_path / STATE, weights_only=True)["step"] == 3
-    monkeypatch.setattr(uptrain_hf, "held_out_ppl", real)
+    monkeypatch.setattr(uptrain_hf, "held_out_ppl", real)  # the real evaluation again, for the resume
     done = run_uptrain_hf(cfg, tmp_path, progress=False, resume=True, plots=False)
     assert _numbers(done) == _numbers(quick[0])
 

@@ -191,6 +191,7 @@ def test_absorb_choice_follows_the_cost(monkeypatch):
     seen = []
     for name in ("attend_naive", "attend_absorbed"):
         method = getattr(small, name)
+        # records which path each call took: the layer reports neither
         monkeypatch.setattr(small, name, lambda *a, _m=method, _n=name, **k: seen.append(_n) or _m(*a, **k))
     x = torch.randn(1, 8, small.d_model, dtype=torch.float64)
     cache = small.new_cache(1, 8)
@@ -334,8 +335,9 @@ def test_one_token_decode_paths_agree(dtype, monkeypatch):
         for m in mods.values():
             m.load_state_dict(mods["auto"].state_dict())
         calls = []
+        # the one-token fast path is reported nowhere public: a spy on it counts its calls
         one_token = mods["auto"]._one_token
-        monkeypatch.setattr(mods["auto"], "_one_token", lambda *a: calls.append(1) or one_token(*a))
+        monkeypatch.setattr(mods["auto"], "_one_token", lambda *a: calls.append(1) or one_token(*a))  # counts calls
         x = torch.randn(1, 6, mods["auto"].d_model, dtype=dtype)
         caches = {b: m.new_cache(1, 6) for b, m in mods.items()}
         naive = mods["math"](x, absorb=False)

@@ -137,8 +137,8 @@ def test_document_tiles_exact_for_sorted_ids():
 @pytest.fixture
 def tiny_tiles(monkeypatch):
     """Tiles of 3 x 3 so that small problems cross many tile edges."""
-    monkeypatch.setattr(fused_tiles, "FUSED_TILE", 3)
-    monkeypatch.setattr(explicit_tiles, "EXPLICIT_TILE", 3)
+    monkeypatch.setattr(fused_tiles, "FUSED_TILE", 3)  # small tiles: many blocks at these test sizes
+    monkeypatch.setattr(explicit_tiles, "EXPLICIT_TILE", 3)  # small tiles: many blocks at these test sizes
 
 
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow,
@@ -230,14 +230,14 @@ def _spy_fused_calls(monkeypatch):
             seen.append((k.shape[2], None if mask is None else tuple(mask.shape)))
             return real_op(q, k, v, mask=mask, **kwargs)
 
-        monkeypatch.setattr(fused_tiles, "flash_lse", spy_op)
+        monkeypatch.setattr(fused_tiles, "flash_lse", spy_op)  # records each kernel call: how the engine cut the work
     real = fused_tiles.F.scaled_dot_product_attention
 
     def spy(q, k, v, attn_mask=None, **kw):
         seen.append((k.shape[2], None if attn_mask is None else tuple(attn_mask.shape)))
         return real(q, k, v, attn_mask=attn_mask, **kw)
 
-    monkeypatch.setattr(fused_tiles.F, "scaled_dot_product_attention", spy)
+    monkeypatch.setattr(fused_tiles.F, "scaled_dot_product_attention", spy)  # records how the work was cut
     return seen
 
 
@@ -245,7 +245,7 @@ def test_sdpa_runs_only_the_kept_key_range(monkeypatch):
     """sliding_window(4) & causal at T = S = 64, tiles of 8: each fused call sees at most
     2 key tiles and never a (T, S) mask: block 0 alone, blocks 1..7 (alike under q - kv) as one
     band call."""
-    monkeypatch.setattr(fused_tiles, "FUSED_TILE", 8)
+    monkeypatch.setattr(fused_tiles, "FUSED_TILE", 8)  # small tiles: many blocks at these test sizes
     seen = _spy_fused_calls(monkeypatch)
     q, k, v = torch.randn(1, 2, 64, 4), torch.randn(1, 2, 64, 4), torch.randn(1, 2, 64, 4)
     out = mh.scaled_dot_product_attention(q, k, v, masks.sliding_window(4) & masks.causal())
@@ -263,8 +263,8 @@ def test_causal_runs_full_tiles_without_a_mask(monkeypatch):
     tiles in one unmasked call per query block, the diagonal tile through torch's causal kernel;
     each lower-triangle tile once. (Short key ranges would run as one masked call: turned off
     here to see the pieces.)"""
-    monkeypatch.setattr(fused_tiles, "FUSED_TILE", 8)
-    monkeypatch.setattr(fused_tiles, "_ONE_CALL_SPAN", 0)
+    monkeypatch.setattr(fused_tiles, "FUSED_TILE", 8)  # small tiles: many blocks at these test sizes
+    monkeypatch.setattr(fused_tiles, "_ONE_CALL_SPAN", 0)  # forces bands of several pieces at these sizes
     seen = _spy_fused_calls(monkeypatch)
     q, k, v = torch.randn(1, 2, 32, 4), torch.randn(1, 2, 32, 4), torch.randn(1, 2, 32, 4)
     want = R.attention(q.double().numpy(), k.double().numpy(), v.double().numpy(), causal=True)
@@ -277,7 +277,7 @@ def test_causal_runs_full_tiles_without_a_mask(monkeypatch):
 
 
 def test_bidirectional_documents_merge_full_blocks_into_one_call(monkeypatch):
-    monkeypatch.setattr(fused_tiles, "FUSED_TILE", 4)
+    monkeypatch.setattr(fused_tiles, "FUSED_TILE", 4)  # small tiles: many blocks at these test sizes
     seen = _spy_fused_calls(monkeypatch)
     ids = torch.tensor([0] * 16 + [1] * 16)
     q, k, v = torch.randn(1, 1, 32, 4), torch.randn(1, 1, 32, 4), torch.randn(1, 1, 32, 4)
@@ -322,8 +322,8 @@ def test_flex_mask_mods_equal_flex_attention(T, S, tiny_tiles):
 
 def test_predicate_evaluation_counts_stay_tile_sized(monkeypatch):
     """A generic predicate is evaluated strip by strip (never the whole (T, S) at once)."""
-    monkeypatch.setattr(masks, "_STRIP_ELEMENTS", 64)
-    monkeypatch.setattr(fused_tiles, "FUSED_TILE", 4)
+    monkeypatch.setattr(masks, "_STRIP_ELEMENTS", 64)  # small strips: several at these test sizes
+    monkeypatch.setattr(fused_tiles, "FUSED_TILE", 4)  # small tiles: many blocks at these test sizes
     sizes = []
 
     def fn(b, h, q, kv):
@@ -337,7 +337,7 @@ def test_predicate_evaluation_counts_stay_tile_sized(monkeypatch):
 
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 3e-2), (torch.float16, 5e-3)])
 def test_block_sparse_gradients_in_low_precision(dtype, tol, monkeypatch):
-    monkeypatch.setattr(fused_tiles, "FUSED_TILE", 8)
+    monkeypatch.setattr(fused_tiles, "FUSED_TILE", 8)  # small tiles: many blocks at these test sizes
     mod = masks.document(torch.tensor([0] * 20 + [1] * 28)) & masks.causal()
     g = torch.Generator().manual_seed(0)
     q, k, v = (torch.randn(2, 4, 48, 16, generator=g, dtype=torch.float64, requires_grad=True) for _ in range(3))

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from multihead import heads
-from multihead.heads import _align, _budget, path_patching
+from multihead.heads import _align, _budget, path_patching  # the scan's internals: see _Seen
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -52,6 +52,7 @@ class _Seen:
 
     def __init__(self, monkeypatch):
         self.logits, self.prefix, self.per_forward, self.aligned = [], [], [], []
+        # path_patch reports none of these (it returns a number or a table): spies on its steps record them
         real_forward, real_skip, real_chunk = path_patching._forward, path_patching._Skip, path_patching._chunk
         real_aligned = path_patching.aligned
 
@@ -75,10 +76,11 @@ class _Seen:
             self.aligned.append((out[0] is not args[1], out[3]))
             return out
 
+        # each spy installed where path_patching looks it up, for the reason given above
         monkeypatch.setattr(path_patching, "_forward", forward)
-        monkeypatch.setattr(path_patching, "_Skip", Skip)
-        monkeypatch.setattr(path_patching, "_chunk", chunk)
-        monkeypatch.setattr(path_patching, "aligned", aligned)
+        monkeypatch.setattr(path_patching, "_Skip", Skip)  # the prefix the skip took
+        monkeypatch.setattr(path_patching, "_chunk", chunk)  # the senders each forward carried
+        monkeypatch.setattr(path_patching, "aligned", aligned)  # whether the rows were rolled, and why not
 
     def clear(self):
         for x in (self.logits, self.prefix, self.per_forward, self.aligned):
@@ -109,7 +111,7 @@ def test_path_patch_scan_at_positions_equals_the_plain_metric_and_the_rows_as_gi
     assert set(seen.per_forward) == {4}
     torch.testing.assert_close(got, want, rtol=0, atol=TOL * (1 + float(want.abs().max())))
     seen.clear()
-    monkeypatch.setattr(_align, "_ALIGN", False)
+    monkeypatch.setattr(_align, "_ALIGN", False)  # no public switch: the rows as given, to compare
     monkeypatch.setattr(_budget, "POSITIONS_PER_RUN", 0)  # and the rows' bound alone: 16 // B variants
     unrolled = heads.path_patch_scan(model, clean, corrupted, metric, receivers, via=via)
     assert seen.aligned == [(False, "turned off")] and seen.prefix == [3] and set(seen.per_forward) == {2}
@@ -151,7 +153,7 @@ def test_a_model_without_logits_to_keep_gets_full_logits_and_rows_as_given(monke
     want = heads.path_patch_scan(model, clean, corrupted, metric, [(2, 0)])
     seen = _Seen(monkeypatch)
     monkeypatch.setattr(_budget, "takes_logits_to_keep", lambda m: False)  # keep_positions reads it there
-    monkeypatch.setattr(_align, "forward_takes", lambda m, *names: False)
+    monkeypatch.setattr(_align, "forward_takes", lambda m, *names: False)  # a model without logits_to_keep, as above
     got = heads.path_patch_scan(model, clean, corrupted, metric, [(2, 0)])
     assert not seen.aligned[0][0] and "logits_to_keep" in seen.aligned[0][1]
     assert set(seen.logits) == {12} and seen.prefix == [3]

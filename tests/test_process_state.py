@@ -62,7 +62,7 @@ def test_a_failed_load_restores_the_process_state(tmp_path, monkeypatch, restore
     from multihead.interop.loaders import InspectError
 
     monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
-    monkeypatch.setattr(loaders, "_LOADED", {})
+    monkeypatch.setattr(loaders, "_LOADED", {})  # loads afresh: no public call forgets a loaded model
     folder = tmp_path / "broken"
     folder.mkdir()
     for name in ("config.json", "tokenizer.json", "tokenizer_config.json", "vocab.txt"):

@@ -43,11 +43,13 @@ def test_a_memory_budget_sets_the_variants_per_forward_and_not_the_table(monkeyp
     # short rows: up to POSITIONS_PER_RUN row-positions a forward (T or fewer positions a row)
     assert max(sizes) >= min(n_variants, _budget.POSITIONS_PER_RUN // T // 2) > 16 // 2
     sizes.clear()
-    monkeypatch.setattr(_budget, "POSITIONS_PER_RUN", 0)
+    monkeypatch.setattr(_budget, "POSITIONS_PER_RUN", 0)  # no public knob: the rows' bound alone, to compare
     assert (heads.patch_scan(model, clean, corrupted, _metric) - want).abs().max() < 1e-5
-    # else the automatic budget holds 16 rows of this tiny model, in forwards of one size
-    assert max(sizes) == _scan._even(n_variants, 16 // 2) == -(-n_variants // 4)
-    assert _scan._even(48, 4) == 4 and _scan._even(270, 42) == 34 and _scan._even(5, 8) == 5
+    # else the automatic budget holds 16 rows of this tiny model, in forwards of one size; the scan's
+    # private rule for forwards of about one size is read directly, as the scan reports no sizes
+    even = _scan._even
+    assert max(sizes) == even(n_variants, 16 // 2) == -(-n_variants // 4)
+    assert even(48, 4) == 4 and even(270, 42) == 34 and even(5, 8) == 5
     block = model.layers[0]
     params = sum(p.numel() for p in block.parameters())
     assert _budget.bytes_per_row(100, 4, [block], 8, 10) == 10 * 4 * (2 * 100 + 2 * params // 8 + 4 * 8)
@@ -133,8 +135,9 @@ def test_the_recording_runs_skip_their_full_logits_under_a_small_budget_and_the_
     model = build(name, lm=True)
     model.set_attn_implementation("multihead")
     clean, corrupted = _inputs(name, 1), _inputs(name, 2)
+    # the scan reports no keywords of its recording runs: a spy on the function that picks them records them
     asked, real = [], _scan._lean
-    monkeypatch.setattr(_scan, "_lean", lambda *a: asked.append(real(*a)) or asked[-1])
+    monkeypatch.setattr(_scan, "_lean", lambda *a: asked.append(real(*a)) or asked[-1])  # records each pick
     want = heads.patch_scan(model, clean, corrupted, _metric)
     got = heads.patch_scan(model, clean, corrupted, _metric, max_memory=1000)
     assert asked == [{}, {"logits_to_keep": 1}], asked

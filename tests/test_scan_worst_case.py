@@ -38,11 +38,12 @@ def _decisions(monkeypatch) -> list:
 
 
 def _both(monkeypatch, model, clean, corrupted, **kw):
+    # the shortcut has no public switch (it is exact or declined): the scan's flag turns it off to compare
     monkeypatch.setattr(_scan, "_SHORTCUT", True)
     fast = heads.patch_scan(model, clean, corrupted, _metric, **kw)
-    monkeypatch.setattr(_scan, "_SHORTCUT", False)
+    monkeypatch.setattr(_scan, "_SHORTCUT", False)  # the table without it
     slow = heads.patch_scan(model, clean, corrupted, _metric, **kw)
-    monkeypatch.setattr(_scan, "_SHORTCUT", True)
+    monkeypatch.setattr(_scan, "_SHORTCUT", True)  # on again for the caller
     return fast, slow
 
 
@@ -91,6 +92,7 @@ def test_the_shortcut_is_declined_when_its_self_check_fails(monkeypatch):
     clean, corrupted = _inputs("llama", 1), _inputs("llama", 2)
     want = heads.patch_scan(model, clean, corrupted, _metric)
     real = _shortcut.keep_rows
+    # a fault injected: a mask left uncut, which no real model produces; the check must catch it
     monkeypatch.setattr(_shortcut, "keep_rows", lambda x, rows, keep: x if isinstance(x, torch.Tensor) and x.dim() == 4
                         else real(x, rows, keep))
     seen.clear()

@@ -16,8 +16,8 @@ from multihead.kernels import explicit_tiles, fused_tiles
 
 @pytest.fixture
 def tiny_tiles(monkeypatch):
-    monkeypatch.setattr(fused_tiles, "FUSED_TILE", 3)
-    monkeypatch.setattr(explicit_tiles, "EXPLICIT_TILE", 3)
+    monkeypatch.setattr(fused_tiles, "FUSED_TILE", 3)  # small tiles: many blocks at these test sizes
+    monkeypatch.setattr(explicit_tiles, "EXPLICIT_TILE", 3)  # small tiles: many blocks at these test sizes
 
 
 def _qkv(B=2, H=4, Hkv=2, T=7, S=9, D=8, Dv=5, dtype=torch.float64, seed=0, grad=False):
@@ -170,7 +170,7 @@ def test_tile_engine_float32_softcap_and_float_mask_gradients(tile, monkeypatch)
     """float32, scores up to ~+-80 against cap 50 (the fast sigmoid form of tanh), an additive
     float mask with -inf holes, GQA: output and gradients equal float64 math within float32
     tolerance; a non-linear plain callable (autograd per tile) against math too."""
-    monkeypatch.setattr(explicit_tiles, "EXPLICIT_TILE", tile)
+    monkeypatch.setattr(explicit_tiles, "EXPLICIT_TILE", tile)  # small tiles: many blocks at these test sizes
     q, k, v = _qkv(B=2, H=4, Hkv=2, T=40, S=45, D=16, Dv=8, seed=3, grad=True)
     q = (q * 6).detach().requires_grad_()  # q.k * scale ~ N(0, 36)
     bias = torch.randn(2, 1, 40, 45, dtype=torch.float64)

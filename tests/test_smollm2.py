@@ -14,7 +14,7 @@ import time
 import pytest
 import torch
 
-from conftest import assert_close
+from conftest import assert_close, attn_implementation
 
 transformers = pytest.importorskip("transformers")
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("one_torch_thread")]
@@ -48,7 +48,7 @@ def test_the_model_is_a_float32_causal_lm_on_multihead(smollm2):
     assert load_model("smollm2") is smollm2  # kept for the session
     model = smollm2.model
     assert type(model) is transformers.LlamaForCausalLM
-    assert model.config._attn_implementation == "multihead"
+    assert attn_implementation(model.config) == "multihead"
     assert smollm2.has_lm_head and smollm2.is_causal_lm and smollm2.causal
     assert (smollm2.n_layers, smollm2.n_heads, smollm2.meta["n_kv_heads"]) == (30, 9, 3)
     assert {p.dtype for p in model.parameters()} == {torch.float32}
@@ -116,11 +116,11 @@ def test_a_saved_folder_loads_as_a_causal_lm_with_its_head(smollm2, ids, tmp_pat
 
     smollm2.model.save_pretrained(tmp_path)  # writes files, changes nothing in the model
     smollm2.tokenizer.save_pretrained(tmp_path)
-    monkeypatch.setattr(loaders, "_LOADED", {})
+    monkeypatch.setattr(loaders, "_LOADED", {})  # loads afresh: no public call forgets a loaded model
     loaded = loaders.load_model(str(tmp_path))
     assert type(loaded.model) is transformers.LlamaForCausalLM  # not LlamaModel: the LM head is kept
     assert loaded.is_causal_lm
-    assert loaded.model.config._attn_implementation == "multihead"
+    assert attn_implementation(loaded.model.config) == "multihead"
     assert torch.equal(_logits(loaded.model, ids), _logits(smollm2.model, ids))
 
 
@@ -132,14 +132,14 @@ def test_the_float32_cache_gives_back_the_dequantized_model_exactly(smollm2, ids
     folder = loaders.gguf_cache_folder(path)
     assert folder.parent.parent == tmp_path / "cache" and not folder.exists()
 
-    monkeypatch.setattr(loaders, "_LOADED", {})
+    monkeypatch.setattr(loaders, "_LOADED", {})  # loads afresh: no public call forgets a loaded model
     t0 = time.perf_counter()
     first = loaders.load_model(str(path))  # reads the GGUF file and writes the cache
     t1 = time.perf_counter()
     assert (folder / "model.safetensors").is_file() and (folder / "config.json").is_file()
     assert not [p.name for p in folder.parent.iterdir() if p.name.startswith(".")], "a temporary folder was left"
 
-    monkeypatch.setattr(loaders, "_LOADED", {})
+    monkeypatch.setattr(loaders, "_LOADED", {})  # loads afresh: no public call forgets a loaded model
     monkeypatch.setitem(sys.modules, "gguf", None)  # the cache hit must not read the GGUF file
     t2 = time.perf_counter()
     second = loaders.load_model("smollm2")
