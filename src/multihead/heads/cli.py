@@ -46,9 +46,9 @@ from multihead.heads.cli_common import (
     check_fit,
     check_pair_or_task,
     heat_maps,
+    print_table_and_top,
     token_after,
 )
-from multihead.heads.heatmap import text_table
 from multihead.heads.importance_cli import prune_curve  # noqa: F401 (a public name of this module)
 from multihead.interop.loaders import model_source
 
@@ -445,11 +445,7 @@ def _print_scan(r: dict) -> None:
     else:
         print(f"{r['model']}: patching {r['what']} from clean into corrupted; metric = {r['metric']}")
     print(f"clean {r['metric_clean']:.4f}, corrupted {r['metric_corrupted']:.4f}")
-    print(text_table(r["table"]))
-    print("top heads (by |patched - corrupted|):")
-    for t in r["top"]:
-        rec = "" if t["recovered"] is None else f" ({100 * t['recovered']:.0f}% of clean - corrupted)"
-        print(f"  L{t['layer']}H{t['head']}: {t['value']:.4f}{rec}")
+    print_table_and_top(r, "L{layer}H{head}: {value:.4f}")
     c = r.get("causal_check")
     if c:
         print(f"causal check: {c['how']} ablation (reference: {c['reference']}) on the clean inputs, metric "

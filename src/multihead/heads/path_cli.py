@@ -32,9 +32,9 @@ from multihead.heads.cli_common import (
     check_pair_or_task,
     documented_parser,
     heat_maps,
+    print_table_and_top,
     token_after,
 )
-from multihead.heads.heatmap import text_table
 from multihead.interop.loaders import model_source
 
 TOP = 10
@@ -180,11 +180,7 @@ def _title(r: dict) -> str:
 def _print(r: dict) -> None:
     print(_title(r))
     print(f"metric: {r['metric']}; clean {r['metric_clean']:.4f}, corrupted {r['metric_corrupted']:.4f}")
-    print(text_table(r["table"]))
-    print("top heads (by |patched - corrupted|):")
-    for t in r["top"]:
-        rec = "" if t["recovered"] is None else f" ({100 * t['recovered']:.0f}% of clean - corrupted)"
-        print(f"  {t['layer']}.{t['head']}: {t['value']:.4f}, effect {t['effect']:+.4f}{rec}")
+    print_table_and_top(r, "{layer}.{head}: {value:.4f}, effect {effect:+.4f}")
 
 
 def run_path(args) -> int:

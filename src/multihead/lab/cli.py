@@ -26,7 +26,16 @@ import sys
 import time
 from pathlib import Path
 
-from multihead.cli_args import add_context, add_device, add_json, add_out, add_seed, add_threads, renamed
+from multihead.cli_args import (
+    add_context,
+    add_device,
+    add_json,
+    add_out,
+    add_seed,
+    add_threads,
+    int_in,
+    renamed,
+)
 from multihead.errors import UsageError
 
 EXPERIMENTS = {
@@ -74,16 +83,7 @@ def _positive_of(cast, what: str, maximum: float = _MAX_INT):
     return parse
 
 
-def _nonnegative(text: str) -> int:
-    try:
-        v = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 0; received {text!r}") from None
-    if not 0 <= v <= _MAX_INT:
-        raise argparse.ArgumentTypeError(f"expected an integer in 0 .. {_MAX_INT}; received {text!r}")
-    return v
-
-
+_nonnegative = int_in(0, _MAX_INT, f"an integer in 0 .. {_MAX_INT}")
 _positive = _positive_of(int, "integer")
 _positive_float = _positive_of(float, "number", maximum=1e300)
 # A learning rate must convert to float32 inside the optimizer (at most 3.4e38): bounded well
