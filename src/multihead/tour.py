@@ -23,11 +23,14 @@ def main(args: argparse.Namespace) -> int:
 
     import multihead as mh
     from multihead import reference as R
+    from multihead.checks import divisibility_error
     from multihead.errors import UsageError
 
     C, H = args.d_model, args.heads
-    if C < 1 or H < 1 or C % H:
-        raise UsageError(f"--d-model ({C}) must be a positive multiple of --n-heads ({H})")
+    if C < 1 or H < 1:
+        raise UsageError(f"--d-model and --n-heads must be >= 1; received {C} and {H}")
+    if divisibility_error("--d-model", C, "--n-heads", H):
+        raise UsageError(divisibility_error("--d-model", C, "--n-heads", H))
     if C > 2**14:  # the tour builds the modules in float64 and checks them against NumPy
         raise UsageError(f"--d-model must be at most 16384 for the tour; received {C}")
     if not 1 <= args.context <= 2**40:

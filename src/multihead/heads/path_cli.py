@@ -145,8 +145,7 @@ def path_table(args) -> dict:
     if args.task is None and (args.n != N_PAIRS or args.seed != 0):
         raise UsageError("--n and --seed choose --task ioi's prompts; add --task ioi")
     check_pair_or_task(args, "path", "ioi", "patch")
-    if args.top < 1:
-        raise UsageError(f"--top must be >= 1; received {args.top}")
+    check_count("--top", args.top, 1)
     receivers = parse_receivers(args.receivers)
     loaded = _load(args.model)
     model = loaded.model

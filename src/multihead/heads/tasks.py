@@ -140,7 +140,7 @@ def _tokenizer_of(tokenizer):
 
 
 def _check_count(name: str, value, low: int) -> None:
-    if isinstance(value, bool) or not isinstance(value, int):
+    if not is_int(value):
         raise TypeError(f"{name} must be an int; received {type(value).__name__}")
     if not low <= value <= MAX_COUNT:
         shown = value if len(str(value)) <= 20 else f"{str(value)[:12]}... ({len(str(value))} digits)"
