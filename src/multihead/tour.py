@@ -9,6 +9,8 @@ import json
 
 from multihead.cli_args import add_context, add_json, add_seed
 
+DESCRIPTION = __doc__  # the --help text: this module's docstring is short enough to be it
+
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--d-model", type=int, default=512, help="model width (default 512)")

@@ -1,4 +1,22 @@
-"""See what every head of a real model does.
+"""`multihead inspect`: run a text through a model and summarise what every head does (role
+scores and per-head summaries, streamed at any length), with the HTML view, PNG heatmaps and
+JSON. `DESCRIPTION` is the --help text; docs/inspect.md the guide.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import sys
+import warnings
+
+from multihead.cli_args import add_json, add_model, add_threads, torch_threads
+from multihead.errors import UsageError
+from multihead.files import decode_utf8, output_file
+from multihead.interop.loaders import model_source, quiet_hub
+
+DESCRIPTION = """See what every head of a real model does.
 
 Runs the text through the model (by default the bundled all-MiniLM-L6-v2) with its
 attention on multihead's fused kernel and summarises every head asked, a block of query
@@ -18,19 +36,6 @@ examples:
   multihead inspect "Some text" --model path/to/hf-model-folder --json
   multihead inspect --text-file book.txt --model smollm2 --max-tokens 8192 --json
 """
-
-from __future__ import annotations
-
-import argparse
-import contextlib
-import json
-import sys
-import warnings
-
-from multihead.cli_args import add_json, add_model, add_threads, torch_threads
-from multihead.errors import UsageError
-from multihead.files import decode_utf8, output_file
-from multihead.interop.loaders import model_source, quiet_hub
 
 TOP = 10  # rows of the role table without --roles
 _MAX_STDIN = 16 * 2**20

@@ -1,20 +1,6 @@
-"""Run the classic multi-head experiments on multihead's own modules.
-
-  multihead lab heads      does the number of heads matter? (copy task, 1 layer)
-  multihead lab kv         what do GQA, MQA and MLA save? (parameters, cache, decode time)
-  multihead lab mla        how small can MLA's latent be? (character LM on the KJV Bible)
-  multihead lab induction  when do induction heads appear? (2-layer attention-only)
-
-Each writes results.json, PNG plots and a safetensors checkpoint (model/, which
-`multihead inspect --model OUT` opens; kv trains nothing and writes none) to --out, which
-must be new or empty: --force replaces an earlier run's folder, and only once the new run
-has completed. --quick runs a small version in seconds. Ctrl-C stops cleanly: what
-finished is kept, marked "interrupted": true.
-
-  multihead lab induction --n-layers 2 --d-model 4096 --n-heads 32 --n-kv-heads 4 --quick
-
-trains the head geometry `multihead plan` recommends, scaled to a CPU (same head_dim and
-n_heads / n_kv_heads), and says what was scaled.
+"""`multihead lab`: the classic multi-head experiments (heads, kv, mla, induction, uptrain)
+on multihead's own modules; each subcommand's flags read their defaults off the experiment's
+config dataclass. `DESCRIPTION` is the --help text; docs/lab.md the guide.
 """
 
 from __future__ import annotations
@@ -37,6 +23,25 @@ from multihead.cli_args import (
     renamed,
 )
 from multihead.errors import UsageError
+
+DESCRIPTION = """Run the classic multi-head experiments on multihead's own modules.
+
+  multihead lab heads      does the number of heads matter? (copy task, 1 layer)
+  multihead lab kv         what do GQA, MQA and MLA save? (parameters, cache, decode time)
+  multihead lab mla        how small can MLA's latent be? (character LM on the KJV Bible)
+  multihead lab induction  when do induction heads appear? (2-layer attention-only)
+
+Each writes results.json, PNG plots and a safetensors checkpoint (model/, which
+`multihead inspect --model OUT` opens; kv trains nothing and writes none) to --out, which
+must be new or empty: --force replaces an earlier run's folder, and only once the new run
+has completed. --quick runs a small version in seconds. Ctrl-C stops cleanly: what
+finished is kept, marked "interrupted": true.
+
+  multihead lab induction --n-layers 2 --d-model 4096 --n-heads 32 --n-kv-heads 4 --quick
+
+trains the head geometry `multihead plan` recommends, scaled to a CPU (same head_dim and
+n_heads / n_kv_heads), and says what was scaled.
+"""
 
 EXPERIMENTS = {
     "heads": "does the number of heads matter? copy task, n_heads 1..16, several seeds",
