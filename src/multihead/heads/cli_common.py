@@ -50,7 +50,7 @@ def token_after(loaded, flag: str, text: str, token: str) -> tuple[int, str]:
 
 def check_fit(model, *inputs) -> None:
     """A one-line refusal (UsageError) when the inputs hold ids beyond the model's vocabulary."""
-    from multihead.heads.tokens import check_ids_fit
+    from multihead.tokens import check_ids_fit
 
     try:
         for x in inputs:

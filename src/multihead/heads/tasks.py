@@ -20,7 +20,7 @@ from torch import Tensor
 from multihead.checks import is_int
 from multihead.corpus import load_corpus
 from multihead.heads.metrics import AtPositions
-from multihead.heads.tokens import pieces, prefix
+from multihead.tokens import pieces, prefix
 
 TEMPERATURE = 0.05
 POOL = 32  # candidates per retrieval

@@ -28,11 +28,11 @@ import torch
 from multihead.checks import check_int, check_positive_number
 from multihead.corpus import split_kjv
 from multihead.errors import UsageError
-from multihead.heads.tokens import pieces, prefix, windows
 from multihead.lab.devices import resolve_device
 from multihead.lab.plots import draw_plots, pyplot, save_figure
 from multihead.lab.progress import Overall, Progress
 from multihead.lab.results import new_results, write_json_atomic
+from multihead.tokens import pieces, prefix, windows
 
 __all__ = ["HFUptrainConfig", "run_uptrain_hf", "work_plan"]
 
