@@ -147,9 +147,10 @@ def _check_count(name: str, value, low: int) -> None:
         raise ValueError(f"{name} must be between {low} and {MAX_COUNT:,}; received {shown}")
 
 
-def _check_seed(seed) -> None:
-    if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
+def _check_seed(seed) -> int | None:
+    if seed is not None and not is_int(seed):
         raise TypeError(f"seed must be an int, or None for a fresh draw; received {type(seed).__name__}")
+    return None if seed is None else operator.index(seed)
 
 
 def single_token_names(tokenizer, names=IOI_NAMES) -> list[tuple[str, int]]:
@@ -267,7 +268,7 @@ def ioi(n: int, seed: int = 0, *, tokenizer, templates=IOI_TEMPLATES, names=IOI_
     import random
 
     _check_count("n (the number of pairs)", n, 1)
-    _check_seed(seed)
+    seed = _check_seed(seed)
     tok = _tokenizer_of(tokenizer)
     start = prefix(tok)  # the tokenizer's own BOS, if it adds one: the model was trained with it
     pool = single_token_names(tok, names)
@@ -383,7 +384,7 @@ def induction(n: int, length: int, seed: int | None = 0, *, vocab, bos: int | No
     """
     _check_count("n", n, 1)
     _check_count("length", length, 2)
-    _check_seed(seed)
+    seed = _check_seed(seed)
     pool, tok = _induction_pool(vocab)
     start = _induction_prefix(bos, tok, vocab)
     g = torch.Generator()
