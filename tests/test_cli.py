@@ -51,7 +51,7 @@ def test_bad_input_exits_2_with_one_line():
     r = run("tour", "--d-model", "100", "--n-heads", "7")
     assert r.returncode == 2
     assert "Traceback" not in r.stderr
-    assert "--d-model (100) must be a positive multiple of --n-heads (7)" in r.stderr
+    assert "--d-model (100) must be divisible by --n-heads (7); valid: 1, 2, 4, 5, 10, 20, 25, 50, 100" in r.stderr
 
 
 def test_version_and_light_import():

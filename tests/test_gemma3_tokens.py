@@ -54,7 +54,7 @@ def first_forward(loaded):
 
 
 def _starts_as_the_tokenizer_starts(loaded, ids: torch.Tensor) -> None:
-    from multihead.heads.tokens import prefix
+    from multihead.tokens import prefix
 
     tok = loaded.tokenizer
     start = prefix(tok)
@@ -124,7 +124,7 @@ def test_ioi_clean_is_positive_and_corrupted_negative(loaded):
 
 
 def test_induction_length_counts_the_bos_within_the_positions(loaded, capsys):
-    from multihead.heads.tokens import prefix
+    from multihead.tokens import prefix
 
     model = "smollm2" if "smollm2" in loaded.name.lower() else "gemma3"
     start, limit = len(prefix(loaded.tokenizer)), loaded.max_positions

@@ -1,4 +1,4 @@
-"""Text to ids as the model's tokenizer reads it (`multihead.heads.tokens`), and the tasks'
+"""Text to ids as the model's tokenizer reads it (`multihead.tokens`), and the tasks'
 and CLIs' refusals of ids that are not the model's: an --answer the tokenizer reads as its
 unknown token, a tokenizer whose ids exceed the model's vocabulary, an IOI prompt made of
 unknown tokens, induction ids that are not token ids.
@@ -48,7 +48,7 @@ def _folder(tmp_path, tokenizer, vocab_size: int):
 
 
 def test_prefix_is_what_the_tokenizer_puts_before_a_text():
-    from multihead.heads.tokens import pieces, prefix
+    from multihead.tokens import pieces, prefix
 
     with_bos, without = _tokenizer(), _tokenizer(bos=False)
     assert prefix(with_bos) == [2] and with_bos("Mary went")["input_ids"] == [2, 3, 8]
@@ -115,7 +115,7 @@ def test_induction_takes_numpy_ints_ranges_and_sets_as_ids():
 
 
 def test_prefix_names_what_is_no_tokenizer():
-    from multihead.heads.tokens import prefix
+    from multihead.tokens import prefix
 
     for bad in (None, "gpt2"):
         with pytest.raises(TypeError, match=f"prefix reads a Hugging Face tokenizer; received {type(bad).__name__}"):
@@ -185,7 +185,7 @@ def test_a_tokenizer_with_ids_beyond_the_models_vocabulary_is_one_line_exit_2(ca
 
 
 def test_windows_cut_from_a_stream_begin_as_a_text_does():
-    from multihead.heads.tokens import windows
+    from multihead.tokens import windows
 
     body = torch.arange(100, 200)
     assert windows([2], body, [0, 10], 5).tolist() == [[2, 100, 101, 102, 103], [2, 110, 111, 112, 113]]

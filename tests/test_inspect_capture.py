@@ -142,7 +142,7 @@ def test_bad_model_specs(tmp_path):
     (tmp_path / "notes.txt").write_text("hi")
     with pytest.raises(InspectError, match="is a file; give the model's folder"):
         capture(TEXT, model=str(tmp_path / "notes.txt"))
-    with pytest.raises(InspectError, match="model must be a name or a path; received int"):
+    with pytest.raises(TypeError, match="model must be a name or a path; received int"):
         capture(TEXT, model=3)
 
 

@@ -358,7 +358,7 @@ def test_cli_text_sources(capsys, tmp_path):
     for argv, message in ((["Hello", "--text-file", str(f)], "give the text or --text-file, not both"),
                           ([], "give a text, e.g. multihead inspect"),
                           (["--text-file", str(tmp_path / "missing.txt")], "no such file"),
-                          (["--text-file", str(tmp_path / "bad.txt")], "is not UTF-8 (byte 0xff at offset 3)")):
+                          (["--text-file", str(tmp_path / "bad.txt")], "is not UTF-8 text (byte 0xff at offset 3)")):
         code, _, err = _cli(capsys, *argv)
         assert code == 2 and message in err, (argv, err)
     code, out, _ = _cli(capsys, "--text-file", str(f), "--only-layers", "0", "--all")

@@ -61,8 +61,9 @@ def test_a_memory_budget_sets_the_variants_per_forward_and_not_the_table(monkeyp
                                variants_per_run=None if rows == 1 else 3, info=info)
         assert max(sizes[1:]) == expected, sizes  # sizes[0]: the shortcut's self-check
         assert (got - want).abs().max() < 1e-5
-    for bad in (0, -5, float("nan"), "1GB", True):
-        with pytest.raises(ValueError, match="max_memory must be None"):
+    for bad, error in ((0, ValueError), (-5, ValueError), (float("nan"), ValueError), ("1GB", TypeError),
+                       (True, TypeError)):
+        with pytest.raises(error, match="max_memory must be None"):
             heads.patch_scan(model, clean, corrupted, _metric, max_memory=bad)
 
 

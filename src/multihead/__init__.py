@@ -21,22 +21,14 @@ from multihead._lazy import lazy_exports
 
 __version__ = "0.1.0"
 
-_LAZY = {
-    "scaled_dot_product_attention": "multihead.functional",
-    "attend": "multihead.functional",
-    "attention_weights": "multihead.functional",
-    "clear_caches": "multihead.functional",
-    "available_backends": "multihead.functional",
-    "register_backend": "multihead.functional",
-    "resolve_backend": "multihead.functional",
-    "Attention": "multihead.attention",
-    "RotaryEmbedding": "multihead.rope",
-    "KVCache": "multihead.cache",
-    "LatentCache": "multihead.cache",
-    "LatentAttention": "multihead.latent",
+_MODULES = {
+    "multihead.functional": ("scaled_dot_product_attention", "attend", "attention_weights", "clear_caches",
+                             "available_backends", "register_backend", "resolve_backend"),
+    "multihead.attention": ("Attention",),
+    "multihead.rope": ("RotaryEmbedding",),
+    "multihead.cache": ("KVCache", "LatentCache"),
+    "multihead.latent": ("LatentAttention",),
 }
 
-__all__ = ["__version__", *_LAZY]
-
-
-__getattr__, __dir__ = lazy_exports(__name__, _LAZY, globals())
+__getattr__, __dir__, _EXPORTS = lazy_exports(__name__, _MODULES, globals())
+__all__ = ["__version__", *_EXPORTS]

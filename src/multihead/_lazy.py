@@ -6,8 +6,10 @@ from __future__ import annotations
 import importlib
 
 
-def lazy_exports(package: str, table: dict[str, str], namespace: dict):
-    """`__getattr__` and `__dir__` for a package whose names `table` maps to modules."""
+def lazy_exports(package: str, modules: dict[str, tuple[str, ...]], namespace: dict):
+    """`__getattr__`, `__dir__` and the exported names (in order) of a package whose
+    `modules` maps each module to the names it exports."""
+    table = {name: module for module, names in modules.items() for name in names}
 
     def __getattr__(name: str):
         if name in table:
@@ -19,4 +21,4 @@ def lazy_exports(package: str, table: dict[str, str], namespace: dict):
     def __dir__():
         return sorted(set(namespace) | set(table))
 
-    return __getattr__, __dir__
+    return __getattr__, __dir__, list(table)

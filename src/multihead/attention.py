@@ -26,12 +26,13 @@ from torch import Tensor, nn
 from multihead import masks, score_mods
 from multihead.cache import KVCache, RollingKVCache
 from multihead.checks import check_kv_heads, check_positive_int, check_probability, variant_name
-from multihead.functional import attend, check_backend_name
+from multihead.functional import attend
 from multihead.head_access import HeadAccess
 from multihead.layer_parts import (
     check_dtype,
-    check_window_and_softcap,
+    check_input,
     default_head_dim,
+    layer_options,
     merge_heads,
     split_heads,
     with_window,
@@ -91,7 +92,7 @@ class Attention(nn.Module):
         context_dim = d_model if context_dim is None else context_dim
         check_positive_int("context_dim", context_dim)
         check_probability("dropout", dropout)
-        check_backend_name(backend)
+        options = layer_options(causal, sliding_window, softcap, backend)
         if rope is True:
             rope = RotaryEmbedding(head_dim)
         elif rope is False:
@@ -100,7 +101,6 @@ class Attention(nn.Module):
             raise TypeError(f"rope must be None, True or a RotaryEmbedding; received {type(rope).__name__}")
         if rope is not None and rope.dim > head_dim:
             raise ValueError(f"rotary dim ({rope.dim}) exceeds head_dim ({head_dim})")
-        check_window_and_softcap(sliding_window, softcap, causal)
         if not isinstance(alibi, bool):
             raise TypeError(f"alibi must be True or False; received {alibi!r}")
         if alibi and softcap is not None:
@@ -113,11 +113,8 @@ class Attention(nn.Module):
         self.head_dim = head_dim
         self.context_dim = context_dim
         self.dropout = float(dropout)
-        self.causal = bool(causal)
-        self.backend = backend
+        self.causal, self.sliding_window, self.softcap, self.backend = options
         self.rope = rope
-        self.sliding_window = sliding_window
-        self.softcap = None if softcap is None else float(softcap)
         self.alibi = alibi
         self.q_proj = nn.Linear(d_model, n_heads * head_dim, bias=bias)
         self.k_proj = nn.Linear(context_dim, n_kv_heads * head_dim, bias=bias)
@@ -222,11 +219,11 @@ class Attention(nn.Module):
 
     def _check_call(self, x, context, cache, positions, rotary) -> None:
         """Every check of a call's arguments, before any projection or cache write."""
-        self._check_input("x", x, self.d_model)
+        check_input("x", x, self.d_model)
         check_dtype("x", x, self.q_proj.weight)
         B, T, _ = x.shape
         if context is not None:
-            self._check_input("context", context, self.context_dim)
+            check_input("context", context, self.context_dim)
             check_dtype("context", context, self.k_proj.weight)
             if context.shape[0] != B:
                 raise ValueError(f"context batch size ({context.shape[0]}) must equal x's ({B})")
@@ -372,12 +369,3 @@ class Attention(nn.Module):
         if tuple(positions.shape) not in ((T,), (B, T)):
             raise ValueError(f"positions must have shape (T,) = ({T},) or (B, T) = ({B}, {T}); "
                              f"received {tuple(positions.shape)}")
-
-    @staticmethod
-    def _check_input(name: str, t, width: int) -> None:
-        if not isinstance(t, Tensor):
-            raise TypeError(f"{name} must be a tensor (B, T, {width}); received {type(t).__name__}")
-        if t.dim() != 3:
-            raise ValueError(f"{name} must be 3-D (B, T, {width}), batch first; received shape {tuple(t.shape)}")
-        if t.shape[-1] != width:
-            raise ValueError(f"{name} has width {t.shape[-1]}; this module expects {width}")

@@ -52,6 +52,20 @@ class _StaticCache:
         self._len: int | None = 0  # the same on the host; None after compiled steps
 
     @property
+    def batch_size(self) -> int:
+        return getattr(self, self._buffers[0]).shape[0]
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return getattr(self, self._buffers[0]).dtype
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the preallocated buffers: 2 * B * Hkv * S_max * D * itemsize for k and v
+        of D == Dv, B * S_max * (kv_rank + rope_dim) * itemsize for the latent."""
+        return sum(getattr(self, name).nbytes for name in self._buffers)
+
+    @property
     def length(self) -> int:
         """Tokens cached so far."""
         if self._len is None:  # compiled steps advanced the tensor only: sync once
@@ -170,21 +184,8 @@ class KVCache(_StaticCache):
         self.v = torch.zeros(batch_size, n_kv_heads, max_len, v_head_dim, dtype=dtype, device=device)
 
     @property
-    def batch_size(self) -> int:
-        return self.k.shape[0]
-
-    @property
     def n_kv_heads(self) -> int:
         return self.k.shape[1]
-
-    @property
-    def dtype(self) -> torch.dtype:
-        return self.k.dtype
-
-    @property
-    def nbytes(self) -> int:
-        """Bytes of the preallocated buffers: 2 * B * Hkv * S_max * D * itemsize for D == Dv."""
-        return self.k.nbytes + self.v.nbytes
 
     def _reserve_kv(self, k: Tensor, v: Tensor) -> tuple[int, int]:
         """Check k and v against the buffers and each other; (start, end) of the new tokens."""
@@ -375,18 +376,6 @@ class LatentCache(_StaticCache):
         self.rope_dim = rope_dim
         self.buf = torch.zeros(batch_size, max_len, kv_rank + rope_dim, dtype=dtype, device=device)
 
-    @property
-    def batch_size(self) -> int:
-        return self.buf.shape[0]
-
-    @property
-    def dtype(self) -> torch.dtype:
-        return self.buf.dtype
-
-    @property
-    def nbytes(self) -> int:
-        """B * S_max * (kv_rank + rope_dim) * itemsize."""
-        return self.buf.nbytes
 
     def update(self, latent: Tensor) -> Tensor:
         """Append latent `(B, T, R + rope_dim)`; return all cached `(B, S, R + rope_dim)`."""

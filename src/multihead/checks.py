@@ -16,9 +16,9 @@ import math
 import numbers
 import operator
 
-__all__ = ["check_divisible", "check_int", "check_kv_heads", "check_nonnegative_int", "check_positive_int",
-           "check_positive_number", "check_probability", "check_same_dtype_device", "divisibility_error",
-           "divisors", "is_int", "variant_name"]
+__all__ = ["check_divisible", "check_fields", "check_int", "check_kv_heads", "check_nonnegative_int",
+           "check_positive_int", "check_positive_number", "check_probability", "check_same_dtype_device",
+           "divisibility_error", "divisors", "is_int", "variant_name"]
 
 
 def divisors(n: int) -> list[int]:
@@ -68,6 +68,12 @@ def check_int(name: str, value, *, minimum: int | None = None, maximum: int | No
     if (minimum is not None and n < minimum) or (maximum is not None and n > maximum):
         raise ValueError(f"{name} must be {valid}; received {value!r}")
     return n
+
+
+def check_fields(obj, *names: str, minimum: int, allow_none: bool = False) -> None:
+    """`check_int` on each named attribute of `obj` (a config dataclass's fields), in order."""
+    for name in names:
+        check_int(name, getattr(obj, name), minimum=minimum, allow_none=allow_none)
 
 
 def check_positive_int(name: str, value, *, allow_none: bool = False) -> int | None:

@@ -1,21 +1,17 @@
 """The `multihead` command.
 
-Each subcommand lives with its feature: a module that defines
-`add_arguments(parser)` and `main(args) -> int`. They are registered here by module
-path and imported only when the parser is built, and each keeps its heavy imports
-(torch, transformers, matplotlib) inside `main`, so `multihead --help` stays fast.
+Each subcommand lives with its feature: a module with `add_arguments(parser)`, `main(args)
+-> int` and `DESCRIPTION` (its --help text), registered here by module path and imported
+only when the parser is built; heavy imports (torch, transformers, matplotlib) stay inside
+`main`, so `multihead --help` stays fast.
 
-This file is the one boundary between the library's errors and the terminal:
-
-- a mistake of the user's (a tool raises `ValueError`, of which
-  `multihead.errors.UsageError` is one; a file that cannot be read or written, `OSError`;
-  memory exhausted by the sizes asked) prints one line, `multihead CMD: error: ...`,
-  and exits 2;
-- anything else is a bug in multihead: the traceback is printed and the exit code is 1;
-- `--debug` (anywhere on the command line, or MULTIHEAD_DEBUG=1) prints the traceback
-  of every error, then the same line and code.
-
-Ctrl-C exits 130; a closed pipe (`multihead plan ... | head`) exits 0.
+This file is the one boundary between the library's errors and the terminal: a user's
+mistake (a `ValueError`, `multihead.errors.UsageError` included; an `OSError` on a file;
+memory exhausted by the sizes asked) prints one line, `multihead CMD: error: ...`, and
+exits 2; anything else is a bug in multihead: the traceback, exit code 1. `--debug`
+(anywhere on the command line, or MULTIHEAD_DEBUG=1) prints the traceback of every error,
+then the same line and code. Ctrl-C exits 130; a closed pipe (`multihead plan ... | head`)
+exits 0.
 """
 
 from __future__ import annotations
@@ -54,7 +50,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     for name, (module_path, help_text) in SUBCOMMANDS.items():
         module = importlib.import_module(module_path)
-        p = sub.add_parser(name, help=help_text, description=(module.__doc__ or "").strip(), allow_abbrev=False)
+        p = sub.add_parser(name, help=help_text, description=module.DESCRIPTION.strip(), allow_abbrev=False)
         module.add_arguments(p)
         p.set_defaults(_main=module.main)
     # inspect, a tool of its own, imports no other tool; the command that holds both hands it

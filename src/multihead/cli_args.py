@@ -18,7 +18,7 @@ import argparse
 import contextlib
 
 __all__ = ["Parser", "add_context", "add_device", "add_json", "add_model", "add_out", "add_seed", "add_threads",
-           "model_help", "renamed", "seed", "torch_threads"]
+           "int_in", "model_help", "renamed", "seed", "torch_threads"]
 
 MAX_THREADS = 4096
 
@@ -80,29 +80,31 @@ def add_out(parser, help: str, **kwargs) -> argparse.Action:
     return parser.add_argument("--out", help=help, **kwargs)
 
 
-def seed(text: str) -> int:
-    """An argparse type: a seed every generator takes (torch's need 0 .. 2**63 - 1)."""
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer seed >= 0; received {text!r}") from None
-    if not 0 <= value < 2**63:
-        raise argparse.ArgumentTypeError(f"expected a seed in 0 .. 2**63 - 1; received {text!r}")
-    return value
+def int_in(low: int, high: int, expected: str):
+    """An argparse type: an integer in low .. high; anything else is refused with `expected`
+    ("a seed in 0 .. 2**63 - 1") and what was received."""
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            value = None
+        if value is None or not low <= value <= high:
+            raise argparse.ArgumentTypeError(f"expected {expected}; received {text!r}")
+        return value
+
+    return parse
+
+
+# an argparse type: a seed every generator takes (torch's need 0 .. 2**63 - 1)
+seed = int_in(0, 2**63 - 1, "a seed in 0 .. 2**63 - 1")
 
 
 def add_seed(parser, help: str, default: int = 0) -> argparse.Action:
     return parser.add_argument("--seed", type=seed, default=default, metavar="N", help=help)
 
 
-def _threads(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive integer; received {text!r}") from None
-    if not 1 <= value <= MAX_THREADS:
-        raise argparse.ArgumentTypeError(f"expected a positive integer of at most {MAX_THREADS}; received {text!r}")
-    return value
+_threads = int_in(1, MAX_THREADS, f"a positive integer of at most {MAX_THREADS}")
 
 
 THREADS_HELP = "CPU threads for torch during the run (default: torch's own, one per core)"

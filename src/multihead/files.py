@@ -26,8 +26,10 @@ import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
-__all__ = ["MAX_JSON_BYTES", "atomic_path", "check_out_apart", "output_file", "read_json", "usual_mode",
-           "writable_target", "write_bytes", "write_json", "write_text"]
+from multihead.errors import UsageError
+
+__all__ = ["MAX_JSON_BYTES", "atomic_path", "check_out_apart", "decode_utf8", "output_file", "read_json",
+           "usual_mode", "writable_target", "write_bytes", "write_json", "write_text"]
 
 MAX_JSON_BYTES = 16 * 2**20  # a config.json is a few KB; the largest tokenizer configs are a few MB
 _MAX_DEPTH = 64  # configs nest a few levels; deeper is not a config (and would exhaust the stack)
@@ -199,11 +201,7 @@ def read_json(path: str | os.PathLike, *, what: str = "JSON file", max_bytes: in
     if len(data) > max_bytes:
         raise ValueError(f"{label} is larger than {max_bytes // 2**20} MiB; a {what} is a few KB "
                          "(is it the right file?)")
-    try:
-        text = data.decode("utf-8-sig")
-    except UnicodeDecodeError as err:
-        raise ValueError(f"{label} is not UTF-8 text (byte 0x{data[err.start]:02x} at offset {err.start}); "
-                         f"a {what} is UTF-8 JSON") from None
+    text = decode_utf8(data, label, f"a {what} is UTF-8 JSON", encoding="utf-8-sig")
     depth = _max_depth(text) if text.count("[") + text.count("{") > _MAX_DEPTH else 0
     if depth > _MAX_DEPTH:
         raise ValueError(f"{label} nests {depth} levels deep; a {what} nests a few (at most {_MAX_DEPTH})")
@@ -224,6 +222,16 @@ def read_json(path: str | os.PathLike, *, what: str = "JSON file", max_bytes: in
         raise ValueError(f"{label} is not a usable {what}: {str(err)[:120]}") from None
     _check_numbers(obj, label, "")
     return obj
+
+
+def decode_utf8(data: bytes, label: str, valid: str, *, encoding: str = "utf-8") -> str:
+    """`data` as text; bytes that are not UTF-8 raise a UsageError (a ValueError) that names
+    `label`, the first bad byte and its offset, then says `valid`."""
+    try:
+        return data.decode(encoding)
+    except UnicodeDecodeError as err:
+        raise UsageError(f"{label} is not UTF-8 text (byte 0x{data[err.start]:02x} at offset {err.start}); "
+                         f"{valid}") from None
 
 
 def read_at_most(path: str | os.PathLike, n: int) -> bytes:

@@ -26,10 +26,10 @@ from torch import Tensor, nn
 from multihead import score_mods
 from multihead.cache import LatentCache
 from multihead.checks import check_nonnegative_int, check_positive_int
-from multihead.functional import attend, check_backend_name
+from multihead.functional import attend
 from multihead.head_access import HeadAccess
 from multihead.kernels import common
-from multihead.layer_parts import check_dtype, check_window_and_softcap, default_head_dim, merge_heads, with_window
+from multihead.layer_parts import check_dtype, check_input, default_head_dim, layer_options, merge_heads, with_window
 from multihead.masks import MaskMod
 from multihead.rope import RopeScaling, RotaryEmbedding, apply_rotary
 
@@ -112,8 +112,7 @@ class LatentAttention(nn.Module):
             raise TypeError(f"rope_base must be a number > 1; received {rope_base!r} ({type(rope_base).__name__})")
         if not rope_base > 1:
             raise ValueError(f"rope_base must be a number > 1; received {rope_base!r}")
-        check_backend_name(backend)
-        check_window_and_softcap(sliding_window, softcap, causal)
+        options = layer_options(causal, sliding_window, softcap, backend)
 
         self.d_model = d_model
         self.n_heads = n_heads
@@ -122,10 +121,7 @@ class LatentAttention(nn.Module):
         self.head_dim = head_dim
         self.rope_dim = rope_dim
         self.v_head_dim = v_head_dim
-        self.causal = bool(causal)
-        self.sliding_window = sliding_window
-        self.softcap = None if softcap is None else float(softcap)
-        self.backend = backend
+        self.causal, self.sliding_window, self.softcap, self.backend = options
         self.latent_norm = bool(latent_norm)
         qk_dim = head_dim + rope_dim
         if q_rank is None:
@@ -342,13 +338,7 @@ class LatentAttention(nn.Module):
                       return_weights=return_weights, backend=self.backend, score_mod=mod)
 
     def _check_input(self, x) -> None:
-        C = self.d_model
-        if not isinstance(x, Tensor):
-            raise TypeError(f"x must be a tensor (B, T, {C}); received {type(x).__name__}")
-        if x.dim() != 3:
-            raise ValueError(f"x must be 3-D (B, T, {C}), batch first; received shape {tuple(x.shape)}")
-        if x.shape[-1] != C:
-            raise ValueError(f"x has width {x.shape[-1]}; this module expects d_model = {C}")
+        check_input("x", x, self.d_model, f"d_model = {self.d_model}")
         check_dtype("x", x, self.kv_a_proj.weight)
 
     def _check_rotary_and_store(self, rotary, store, cache) -> None:

@@ -10,9 +10,10 @@ from torch import Tensor
 
 from multihead import masks as _masks
 from multihead.checks import check_positive_int, check_positive_number, divisibility_error
+from multihead.kernels.registry import check_backend_name
 from multihead.kernels.validation import normalize_mask
 
-__all__ = ["check_dtype", "check_window_and_softcap", "default_head_dim", "merge_heads", "split_heads",
+__all__ = ["check_dtype", "check_input", "default_head_dim", "layer_options", "merge_heads", "split_heads",
            "with_window"]
 
 
@@ -48,14 +49,28 @@ def default_head_dim(d_model: int, n_heads: int, head_dim: int | None) -> int:
     return head_dim
 
 
-def check_window_and_softcap(sliding_window, softcap, causal: bool) -> None:
-    """The layer options both attention modules take: a causal window W >= 1, a finite cap > 0."""
+def check_input(name: str, t, width: int, expects: str | None = None) -> None:
+    """A module's input: a batch-first tensor (B, T, width); `expects` words the width
+    ("d_model = 64") where the plain number would not say which."""
+    if not isinstance(t, Tensor):
+        raise TypeError(f"{name} must be a tensor (B, T, {width}); received {type(t).__name__}")
+    if t.dim() != 3:
+        raise ValueError(f"{name} must be 3-D (B, T, {width}), batch first; received shape {tuple(t.shape)}")
+    if t.shape[-1] != width:
+        raise ValueError(f"{name} has width {t.shape[-1]}; this module expects {expects or width}")
+
+
+def layer_options(causal, sliding_window, softcap, backend: str) -> tuple[bool, int | None, float | None, str]:
+    """The options both attention modules keep about their scores, checked and normalised:
+    (causal, a causal window W >= 1 or None, a finite cap > 0 as a float or None, the backend)."""
+    check_backend_name(backend)
     if sliding_window is not None:
         check_positive_int("sliding_window", sliding_window)
         if not causal:
             raise ValueError(f"sliding_window={sliding_window} is a causal window (query p sees keys "
                              f"p - W < j <= p); set causal=True, or pass a masks predicate as mask=")
     check_positive_number("softcap", softcap, allow_none=True)
+    return bool(causal), sliding_window, None if softcap is None else float(softcap), backend
 
 
 def with_window(mask, window: int | None, q: Tensor, k: Tensor):

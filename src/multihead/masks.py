@@ -21,6 +21,7 @@ import torch
 from torch import Tensor
 
 from multihead.checks import check_nonnegative_int, check_positive_int, divisors
+from multihead.named_mod import NamedMod
 
 __all__ = [
     "MaskMod",
@@ -45,7 +46,7 @@ __all__ = [
 _STRIP_ELEMENTS = 1 << 17
 
 
-class MaskMod:
+class MaskMod(NamedMod):
     """A named mask predicate `(b, h, q_idx, kv_idx) -> bool tensor` (True = may attend).
 
     `top_left=False` (multihead's predicates): `q_idx` is the bottom-right aligned
@@ -58,14 +59,9 @@ class MaskMod:
                  top_left: bool = False, tiles: Callable | None = None, check: Callable | None = None,
                  parts: tuple[MaskMod, ...] = (), op: str | None = None, relative: bool = False,
                  segments: Callable | None = None):
-        if not callable(fn):
-            raise TypeError(f"a mask predicate must be callable (b, h, q_idx, kv_idx) -> bool tensor; "
-                            f"received {type(fn).__name__}")
-        self.fn = fn
-        self.name = name
-        self.top_left = top_left
+        super().__init__(fn, name, top_left=top_left, check=check,
+                         signature="a mask predicate must be callable (b, h, q_idx, kv_idx) -> bool tensor")
         self._tiles = tiles
-        self._check = check
         self._parts = parts
         self._op = op
         # segments(T, S) -> [(start, end), ...] or None: runs of positions that attend within
@@ -123,8 +119,7 @@ class MaskMod:
         """Raise ValueError if the predicate does not fit an attention of this shape."""
         for part in self._parts:
             part.check(B, H, T, S)
-        if self._check is not None:
-            self._check(B, H, T, S)
+        super().check(B, H, T, S)
 
     def evaluate(self, b: Tensor, h: Tensor, rows: Tensor, kv: Tensor, shift: int) -> Tensor:
         """The predicate at query rows `rows` (row indices 0..T-1), keys `kv`; shift = S - T.

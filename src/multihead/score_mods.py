@@ -22,11 +22,12 @@ from torch import Tensor
 
 from multihead.checks import check_positive_int, check_positive_number
 from multihead.kernels.common import cap_scores
+from multihead.named_mod import NamedMod
 
 __all__ = ["ScoreMod", "alibi", "alibi_slopes", "from_flex", "softcap"]
 
 
-class ScoreMod:
+class ScoreMod(NamedMod):
     """A named score mod `(score, b, h, q_idx, kv_idx) -> score`.
 
     `bias(b, h, q_idx, kv_idx) -> float tensor`, when given, says the mod is
@@ -44,14 +45,9 @@ class ScoreMod:
                  inplace_grad: Callable | None = None):
         if (inplace is None) != (inplace_grad is None):
             raise ValueError("a score mod's in-place form needs both inplace and inplace_grad")
-        if not callable(fn):
-            raise TypeError(f"a score mod must be callable (score, b, h, q_idx, kv_idx) -> score; "
-                            f"received {type(fn).__name__}")
-        self.fn = fn
-        self.name = name
+        super().__init__(fn, name, top_left=top_left, check=check,
+                         signature="a score mod must be callable (score, b, h, q_idx, kv_idx) -> score")
         self.bias = bias
-        self.top_left = top_left
-        self._check = check
         self._inplace = inplace  # the same mod overwriting its input: the kernel's temporaries only
         self.input_scale = float(input_scale)
         self.inplace_grad = inplace_grad
@@ -66,10 +62,6 @@ class ScoreMod:
     def inplace(self) -> Callable | None:
         """The mod's in-place form `inplace(x)` (see the class docstring), or None."""
         return self._inplace
-
-    def check(self, B: int, H: int, T: int, S: int) -> None:
-        if self._check is not None:
-            self._check(B, H, T, S)
 
     def trainable(self, device=None, shape: Sequence[int] | None = None, S: int | None = None) -> bool | None:
         """Whether the mod captures tensors that require grad (a learned bias): probed on scores

@@ -9,6 +9,8 @@ import json
 
 from multihead.cli_args import add_context, add_json, add_seed
 
+DESCRIPTION = __doc__  # the --help text: this module's docstring is short enough to be it
+
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--d-model", type=int, default=512, help="model width (default 512)")
@@ -23,11 +25,14 @@ def main(args: argparse.Namespace) -> int:
 
     import multihead as mh
     from multihead import reference as R
+    from multihead.checks import divisibility_error
     from multihead.errors import UsageError
 
     C, H = args.d_model, args.heads
-    if C < 1 or H < 1 or C % H:
-        raise UsageError(f"--d-model ({C}) must be a positive multiple of --n-heads ({H})")
+    if C < 1 or H < 1:
+        raise UsageError(f"--d-model and --n-heads must be >= 1; received {C} and {H}")
+    if divisibility_error("--d-model", C, "--n-heads", H):
+        raise UsageError(divisibility_error("--d-model", C, "--n-heads", H))
     if C > 2**14:  # the tour builds the modules in float64 and checks them against NumPy
         raise UsageError(f"--d-model must be at most 16384 for the tour; received {C}")
     if not 1 <= args.context <= 2**40:

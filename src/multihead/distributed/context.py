@@ -33,6 +33,7 @@ from multihead.distributed._group import (
     tensor_code,
 )
 from multihead.distributed.ring import ring_attention
+from multihead.layer_parts import check_input
 
 __all__ = ["context_parallel", "shard_positions"]
 
@@ -83,7 +84,7 @@ class _ContextParallel:
         if self.training and self.dropout > 0:
             raise ValueError(f"ring attention applies no dropout; this layer has dropout={self.dropout} in "
                              f"training mode: set dropout=0 or call .eval()")
-        self._check_input("x", x, self.d_model)
+        check_input("x", x, self.d_model)
         weight = self.q_proj.weight
         if x.dtype != weight.dtype and not torch.is_autocast_enabled(x.device.type):
             raise TypeError(f"x is {x.dtype} but this module's weights are {weight.dtype}; cast one to the other")

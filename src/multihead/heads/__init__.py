@@ -21,27 +21,21 @@ from multihead._lazy import lazy_exports
 
 # Loaded on first use, so that `multihead heads --help` (which imports multihead.heads.cli,
 # and with it this package) does not wait for torch.
-_LAZY = {
-    "AtPositions": "multihead.heads.metrics",
-    "importance": "multihead.heads._importance",
-    "ablate": "multihead.heads._interventions",
-    "patch": "multihead.heads._interventions",
-    "prune": "multihead.heads._prune",
-    "Recording": "multihead.heads._record",
-    "record": "multihead.heads._record",
-    "attribution_scan": "multihead.heads.scan",
-    "patch_scan": "multihead.heads.scan",
-    "path_patch": "multihead.heads.path_patching",
-    "path_patch_scan": "multihead.heads.path_patching",
-    "edges": "multihead.heads.edge_patching",
-    "edge_patch": "multihead.heads.edge_patching",
-    "EdgeScores": "multihead.heads.edge_attribution",
-    "edge_scores": "multihead.heads.edge_attribution",
-    "faithfulness_curve": "multihead.heads.faithfulness",
+_MODULES = {
+    "multihead.heads.metrics": ("AtPositions",),
+    "multihead.heads._importance": ("importance",),
+    "multihead.heads._interventions": ("ablate", "patch"),
+    "multihead.heads._prune": ("prune",),
+    "multihead.heads._record": ("Recording", "record"),
+    "multihead.heads.scan": ("attribution_scan", "patch_scan"),
+    "multihead.heads.path_patching": ("path_patch", "path_patch_scan"),
+    "multihead.heads.edge_patching": ("edges", "edge_patch"),
+    "multihead.heads.edge_attribution": ("EdgeScores", "edge_scores"),
+    "multihead.heads.faithfulness": ("faithfulness_curve",),
 }
 
 __all__ = ["AtPositions", "Recording", "ablate", "attribution_scan", "importance", "patch", "patch_scan", "path_patch",
            "path_patch_scan", "prune", "record"]
 __all__ += ["EdgeScores", "edge_patch", "edge_scores", "edges", "faithfulness_curve"]
 
-__getattr__, __dir__ = lazy_exports(__name__, _LAZY, globals())
+__getattr__, __dir__, _ = lazy_exports(__name__, _MODULES, globals())

@@ -27,10 +27,11 @@ def check_memory(max_memory) -> int | None:
     """max_memory: None (the automatic budget) or a number of bytes >= 1 (an int, or a float such as 2e9)."""
     if max_memory is None:
         return None
-    if isinstance(max_memory, bool) or not isinstance(max_memory, (int, float)) or not math.isfinite(max_memory) \
-            or max_memory < 1:
-        raise ValueError(f"max_memory must be None (automatic: {MEMORY_PER_RUN / 2**30:.0f} GiB) or a number of "
-                         f"bytes >= 1 (e.g. 2e9); received {max_memory!r}")
+    valid = f"None (automatic: {MEMORY_PER_RUN / 2**30:.0f} GiB) or a number of bytes >= 1 (e.g. 2e9)"
+    if isinstance(max_memory, bool) or not isinstance(max_memory, (int, float)):
+        raise TypeError(f"max_memory must be {valid}; received {max_memory!r} ({type(max_memory).__name__})")
+    if not math.isfinite(max_memory) or max_memory < 1:
+        raise ValueError(f"max_memory must be {valid}; received {max_memory!r}")
     return int(max_memory)
 
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from torch import Tensor, nn
 
+from multihead.checks import check_int
 from multihead.heads.engine import batch_size, check_model, forward_takes
 
 # keywords a clean or corrupted input may not carry, and when a value of them is refused
@@ -67,11 +68,7 @@ def check_inputs(model, clean, corrupted, metric) -> int:
 
 
 def check_variants_per_run(variants_per_run) -> int | None:
-    if variants_per_run is not None and (isinstance(variants_per_run, bool) or not isinstance(variants_per_run, int)):
-        raise TypeError(f"variants_per_run must be an int >= 1 or None; received {variants_per_run!r}")
-    if variants_per_run is not None and variants_per_run < 1:
-        raise ValueError(f"variants_per_run must be >= 1; received {variants_per_run!r}")
-    return variants_per_run
+    return check_int("variants_per_run", variants_per_run, minimum=1, allow_none=True)
 
 
 def scalar(value, where: str) -> float:

@@ -3,11 +3,13 @@ inside them, and leave the model exactly as it was when they end (also on except
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Iterable
 from contextlib import contextmanager
 
 from torch import Tensor
 
+from multihead.checks import is_int
 from multihead.heads._record import Recording, check_what
 from multihead.heads.engine import Engine, Handler, Layer, check_model
 
@@ -46,9 +48,9 @@ def check_positions(positions) -> list[int] | None:
         return [positions]
     if isinstance(positions, Tensor):
         positions = positions.tolist()
-    if not isinstance(positions, Iterable) or any(isinstance(p, bool) or not isinstance(p, int) for p in positions):
+    if not isinstance(positions, Iterable) or not all(is_int(p) for p in positions):
         raise TypeError(f"positions must be None (all), an int or a sequence of ints; received {positions!r}")
-    return list(positions)
+    return [operator.index(p) for p in positions]
 
 
 class _Edits(Handler):

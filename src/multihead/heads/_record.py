@@ -7,13 +7,16 @@ from collections.abc import Iterable, Sequence
 import torch
 from torch import Tensor
 
+from multihead.checks import is_int
 from multihead.heads.engine import Engine, Handler, Layer, batch_size, check_model, logits_of, padding_of, run
 
 WHATS = ("z", "result", "k", "v", "pattern", "latent")
 
 
 def check_what(what, valid: Sequence[str] = WHATS) -> str:
-    if not isinstance(what, str) or what not in valid:
+    if not isinstance(what, str):
+        raise TypeError(f"what must be one of {', '.join(map(repr, valid))}; received {what!r} ({type(what).__name__})")
+    if what not in valid:
         raise ValueError(f"what must be one of {', '.join(map(repr, valid))}; received {what!r}")
     return what
 
@@ -113,7 +116,7 @@ def check_layers(layers, n: int | None = None) -> set[int] | None:
     if layers is None:
         return None
     items = [layers] if isinstance(layers, int) else list(layers) if isinstance(layers, Iterable) else None
-    if items is None or any(isinstance(i, bool) or not isinstance(i, int) for i in items):
+    if items is None or not all(is_int(i) for i in items):
         raise TypeError(f"layers must be None, an int or a sequence of ints; received {layers!r}")
     if n is not None:
         bad = [i for i in items if not 0 <= i < n]

@@ -1,4 +1,34 @@
-"""Which heads a model needs: activation patching, importance and pruning of its heads.
+"""`multihead heads`: which heads a model needs (activation patching, path patching,
+induction heads, importance, pruning). The subcommands' own options live in path_cli,
+circuit_cli, importance_cli and prune_cli; `DESCRIPTION` is the --help text, docs/heads.md
+the guide.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import statistics
+import time
+from collections.abc import Mapping
+from pathlib import Path
+
+from multihead.cli_args import add_json, add_model, add_seed, add_threads, torch_threads
+from multihead.errors import UsageError
+from multihead.files import output_file
+from multihead.heads.cli_common import (
+    check_count,
+    check_fit,
+    check_pair_or_task,
+    heat_maps,
+    print_table_and_top,
+    token_after,
+)
+from multihead.heads.importance_cli import prune_curve  # noqa: F401 (a public name of this module)
+from multihead.interop.loaders import model_source
+
+DESCRIPTION = """Which heads a model needs: activation patching, importance and pruning of its heads.
 
 scan: patch each head from a clean run into a corrupted one (activation patching), on a
 task (--task ioi: Wang et al.'s indirect-object pairs; --task induction: repeated random
@@ -27,30 +57,6 @@ examples:
   multihead heads prune --model smollm2 --curve docs/heads/prune-curve-smollm2/results.json --at groups:0.5 \
       --out pruned/
 """
-
-from __future__ import annotations
-
-import argparse
-import json
-import random
-import statistics
-import time
-from collections.abc import Mapping
-from pathlib import Path
-
-from multihead.cli_args import add_json, add_model, add_seed, add_threads, torch_threads
-from multihead.errors import UsageError
-from multihead.files import output_file
-from multihead.heads.cli_common import (
-    check_count,
-    check_fit,
-    check_pair_or_task,
-    heat_maps,
-    token_after,
-)
-from multihead.heads.heatmap import text_table
-from multihead.heads.importance_cli import prune_curve  # noqa: F401 (a public name of this module)
-from multihead.interop.loaders import model_source
 
 TOP = 10
 CHECK_KS = (4, 8)  # the causal check ablates the top k heads of a ranking ...
@@ -445,11 +451,7 @@ def _print_scan(r: dict) -> None:
     else:
         print(f"{r['model']}: patching {r['what']} from clean into corrupted; metric = {r['metric']}")
     print(f"clean {r['metric_clean']:.4f}, corrupted {r['metric_corrupted']:.4f}")
-    print(text_table(r["table"]))
-    print("top heads (by |patched - corrupted|):")
-    for t in r["top"]:
-        rec = "" if t["recovered"] is None else f" ({100 * t['recovered']:.0f}% of clean - corrupted)"
-        print(f"  L{t['layer']}H{t['head']}: {t['value']:.4f}{rec}")
+    print_table_and_top(r, "L{layer}H{head}: {value:.4f}")
     c = r.get("causal_check")
     if c:
         print(f"causal check: {c['how']} ablation (reference: {c['reference']}) on the clean inputs, metric "

@@ -1,7 +1,7 @@
 """What the `multihead heads` commands share: the bound on counts, the check that inputs fit
 the model's vocabulary, and the token after a text, each a one-line UsageError when it fails; a
-subcommand's parser made from its module's docstring; and the heat maps of a layer x head
-table. (--threads and its `torch_threads` are every command's: multihead.cli_args.)
+subcommand's parser made from its module's docstring; the printed table with its top heads, and
+the heat maps of a layer x head table. (--threads and its `torch_threads` are every command's: multihead.cli_args.)
 """
 
 from __future__ import annotations
@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 
 from multihead.errors import UsageError
+from multihead.heads.heatmap import text_table
 
 MAX_COUNT = 100_000  # pairs, sequences or tokens: beyond it a run would not end (a 400-digit --n loops)
 
@@ -49,7 +50,7 @@ def token_after(loaded, flag: str, text: str, token: str) -> tuple[int, str]:
 
 def check_fit(model, *inputs) -> None:
     """A one-line refusal (UsageError) when the inputs hold ids beyond the model's vocabulary."""
-    from multihead.heads.tokens import check_ids_fit
+    from multihead.tokens import check_ids_fit
 
     try:
         for x in inputs:
@@ -80,3 +81,13 @@ def heat_maps(r: dict, png, html, command: str, title: str, subtitle: str, **axe
     if html:
         heat_html(html, r["table"], r["metric_corrupted"], f"multihead heads {command}", subtitle)
         r["html"] = str(html)
+
+
+def print_table_and_top(r: dict, head: str) -> None:
+    """A scan's layer x head table, then its top heads, each as `head` formats it (with the
+    row's fields: layer, head, value, effect...) and its share of clean - corrupted where known."""
+    print(text_table(r["table"]))
+    print("top heads (by |patched - corrupted|):")
+    for t in r["top"]:
+        rec = "" if t["recovered"] is None else f" ({100 * t['recovered']:.0f}% of clean - corrupted)"
+        print("  " + head.format(**t) + rec)

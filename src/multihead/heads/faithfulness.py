@@ -16,6 +16,7 @@ from collections.abc import Mapping
 
 import torch
 
+from multihead.checks import is_int
 from multihead.heads._edge_common import check_batch_size, check_int, held, read_pair
 from multihead.heads._edge_model import EdgeModel
 from multihead.heads._edge_run import Readout, scalar
@@ -144,7 +145,7 @@ def faithfulness_curve(model, clean, corrupted, metric, scores, fractions=FRACTI
         fr = _fractions(fractions)
         n = check_int("bootstrap", bootstrap, 0, "resamples")
         # seed=None: a fresh draw each call, as tasks' seed=None
-        if seed is not None and (isinstance(seed, bool) or not isinstance(seed, numbers.Integral)):
+        if seed is not None and not is_int(seed):
             raise TypeError(f"seed must be an int or None (the resampling's seed); received {seed!r} "
                             f"({type(seed).__name__})")
         if n and not callable(per_row):

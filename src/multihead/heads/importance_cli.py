@@ -90,10 +90,7 @@ def _importance(args) -> dict:
     from multihead import heads
 
     check_count("--batches", args.batches, 1)
-    check_count("--batch-size", args.batch_size, 1)
-    if args.batches < 1 or args.batch_size < 2:
-        raise UsageError(f"--batches must be >= 1 and --batch-size >= 2; received {args.batches} and "
-                         f"{args.batch_size}")
+    check_count("--batch-size", args.batch_size, 2)
     from multihead.interop.loaders import load_model  # it sets the hub offline for the load only
 
     loaded = load_model(args.model)

@@ -1,19 +1,6 @@
-"""`multihead heads path`: path patching (Wang et al., 2022) of every head to chosen receivers.
-
-Every query head in turn is the only sender; its effect reaches the corrupted run only
-through the receivers' queries, keys or values (`--via`), or directly through the
-residual stream to the logits (`--receivers logits`), and the table holds the metric
-after each such patch (`multihead.heads.path_patch_scan`). The task is Wang et al.'s IOI
-(`--task ioi`: the metric logit(IO) - logit(S) at the last token, clean prompts against
-the same prompts with the subject's second name replaced by the indirect object), or one
-pair of texts (`--clean/--corrupted/--answer/--wrong`).
-
-examples:
-  multihead heads path --task ioi --receivers logits
-  multihead heads path --task ioi --receivers 9.6,9.9 --via q --png path.png
-  multihead heads path --clean "When Mary and John went to the store, John gave a drink to" \\
-      --corrupted "When Mary and John went to the store, Mary gave a drink to" --answer Mary --wrong John \\
-      --receivers logits --json
+"""`multihead heads path`: path patching (Wang et al., 2022) of every head to chosen
+receivers, through `multihead.heads.path_patch_scan`. `DESCRIPTION` is the --help text
+(read by `documented_parser`); docs/heads.md the guide.
 """
 
 from __future__ import annotations
@@ -32,10 +19,28 @@ from multihead.heads.cli_common import (
     check_pair_or_task,
     documented_parser,
     heat_maps,
+    print_table_and_top,
     token_after,
 )
-from multihead.heads.heatmap import text_table
 from multihead.interop.loaders import model_source
+
+DESCRIPTION = """`multihead heads path`: path patching (Wang et al., 2022) of every head to chosen receivers.
+
+Every query head in turn is the only sender; its effect reaches the corrupted run only
+through the receivers' queries, keys or values (`--via`), or directly through the
+residual stream to the logits (`--receivers logits`), and the table holds the metric
+after each such patch (`multihead.heads.path_patch_scan`). The task is Wang et al.'s IOI
+(`--task ioi`: the metric logit(IO) - logit(S) at the last token, clean prompts against
+the same prompts with the subject's second name replaced by the indirect object), or one
+pair of texts (`--clean/--corrupted/--answer/--wrong`).
+
+examples:
+  multihead heads path --task ioi --receivers logits
+  multihead heads path --task ioi --receivers 9.6,9.9 --via q --png path.png
+  multihead heads path --clean "When Mary and John went to the store, John gave a drink to" \\
+      --corrupted "When Mary and John went to the store, Mary gave a drink to" --answer Mary --wrong John \\
+      --receivers logits --json
+"""
 
 TOP = 10
 N_PAIRS = 8
@@ -44,7 +49,7 @@ N_PAIRS = 8
 def add_path_arguments(subparsers) -> argparse.ArgumentParser:
     """Add the `path` subcommand to `multihead heads`' subparsers; returns its parser."""
     p = documented_parser(subparsers, "path", "path patching: each head's effect through chosen receivers only",
-                          __doc__)
+                          DESCRIPTION)
     add_model(p, "smollm2", decoder=True)
     p.add_argument("--task", choices=["ioi"],
                    help="ioi: indirect-object pairs of Wang et al. (2022), metric logit(IO) - logit(S). Without "
@@ -145,8 +150,7 @@ def path_table(args) -> dict:
     if args.task is None and (args.n != N_PAIRS or args.seed != 0):
         raise UsageError("--n and --seed choose --task ioi's prompts; add --task ioi")
     check_pair_or_task(args, "path", "ioi", "patch")
-    if args.top < 1:
-        raise UsageError(f"--top must be >= 1; received {args.top}")
+    check_count("--top", args.top, 1)
     receivers = parse_receivers(args.receivers)
     loaded = _load(args.model)
     model = loaded.model
@@ -180,11 +184,7 @@ def _title(r: dict) -> str:
 def _print(r: dict) -> None:
     print(_title(r))
     print(f"metric: {r['metric']}; clean {r['metric_clean']:.4f}, corrupted {r['metric_corrupted']:.4f}")
-    print(text_table(r["table"]))
-    print("top heads (by |patched - corrupted|):")
-    for t in r["top"]:
-        rec = "" if t["recovered"] is None else f" ({100 * t['recovered']:.0f}% of clean - corrupted)"
-        print(f"  {t['layer']}.{t['head']}: {t['value']:.4f}, effect {t['effect']:+.4f}{rec}")
+    print_table_and_top(r, "{layer}.{head}: {value:.4f}, effect {effect:+.4f}")
 
 
 def run_path(args) -> int:

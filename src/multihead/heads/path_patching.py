@@ -61,7 +61,9 @@ LOGITS = "logits"
 
 
 def check_via(via) -> str:
-    if not isinstance(via, str) or via not in VIAS:
+    if not isinstance(via, str):
+        raise TypeError(f"via must be one of {', '.join(map(repr, VIAS))}; received {via!r} ({type(via).__name__})")
+    if via not in VIAS:
         raise ValueError(f"via must be one of {', '.join(map(repr, VIAS))}; received {via!r}")
     return via
 
@@ -90,8 +92,8 @@ def check_receivers(receivers, via: str) -> tuple[list[tuple[int, int, str]], bo
             continue
         if isinstance(r, (tuple, list)) and len(r) == 3:
             if not isinstance(r[2], str) or r[2] not in VIAS:
-                raise ValueError(f"a receiver triple's input must be one of {', '.join(map(repr, VIAS))}; "
-                                 f"received {r!r}")
+                error = ValueError if isinstance(r[2], str) else TypeError
+                raise error(f"a receiver triple's input must be one of {', '.join(map(repr, VIAS))}; received {r!r}")
             (layer, head), = check_heads([tuple(r[:2])], "receivers")
             out.append((layer, head, r[2]))
             continue

@@ -30,7 +30,7 @@ def kjv_windows(tokenizer, n: int, length: int, held_out: bool) -> torch.Tensor:
     (Romans to Revelation) or its training books (Genesis to Acts), each after the
     tokenizer's own prefix (its BOS, where it puts one)."""
     from multihead.corpus import split_kjv
-    from multihead.heads.tokens import pieces, prefix, windows
+    from multihead.tokens import pieces, prefix, windows
 
     train, held = split_kjv()
     ids = torch.tensor(pieces(tokenizer, held if held_out else train), dtype=torch.long)

@@ -20,7 +20,7 @@ from torch import Tensor
 from multihead.checks import is_int
 from multihead.corpus import load_corpus
 from multihead.heads.metrics import AtPositions
-from multihead.heads.tokens import pieces, prefix
+from multihead.tokens import pieces, prefix
 
 TEMPERATURE = 0.05
 POOL = 32  # candidates per retrieval
@@ -140,16 +140,17 @@ def _tokenizer_of(tokenizer):
 
 
 def _check_count(name: str, value, low: int) -> None:
-    if isinstance(value, bool) or not isinstance(value, int):
+    if not is_int(value):
         raise TypeError(f"{name} must be an int; received {type(value).__name__}")
     if not low <= value <= MAX_COUNT:
         shown = value if len(str(value)) <= 20 else f"{str(value)[:12]}... ({len(str(value))} digits)"
         raise ValueError(f"{name} must be between {low} and {MAX_COUNT:,}; received {shown}")
 
 
-def _check_seed(seed) -> None:
-    if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
+def _check_seed(seed) -> int | None:
+    if seed is not None and not is_int(seed):
         raise TypeError(f"seed must be an int, or None for a fresh draw; received {type(seed).__name__}")
+    return None if seed is None else operator.index(seed)
 
 
 def single_token_names(tokenizer, names=IOI_NAMES) -> list[tuple[str, int]]:
@@ -267,7 +268,7 @@ def ioi(n: int, seed: int = 0, *, tokenizer, templates=IOI_TEMPLATES, names=IOI_
     import random
 
     _check_count("n (the number of pairs)", n, 1)
-    _check_seed(seed)
+    seed = _check_seed(seed)
     tok = _tokenizer_of(tokenizer)
     start = prefix(tok)  # the tokenizer's own BOS, if it adds one: the model was trained with it
     pool = single_token_names(tok, names)
@@ -383,7 +384,7 @@ def induction(n: int, length: int, seed: int | None = 0, *, vocab, bos: int | No
     """
     _check_count("n", n, 1)
     _check_count("length", length, 2)
-    _check_seed(seed)
+    seed = _check_seed(seed)
     pool, tok = _induction_pool(vocab)
     start = _induction_prefix(bos, tok, vocab)
     g = torch.Generator()

@@ -19,24 +19,14 @@ from multihead._lazy import lazy_exports
 # module, not the function, as `multihead.inspect.capture`. The module is torch-free.
 from multihead.inspect.capture import capture
 
-_LAZY = {
-    "AttentionCapture": "multihead.inspect.capture_types",
-    "HeadRole": "multihead.inspect.capture_types",
-    "HeadSummaries": "multihead.inspect.stream",
-    "summaries": "multihead.inspect.stream",
-    "head_roles": "multihead.inspect.roles",
-    "role_scores": "multihead.inspect.roles",
-    "induction_scores": "multihead.inspect.roles",
-    "render_html": "multihead.inspect.html",
-    "save_html": "multihead.inspect.html",
-    "render_summaries_html": "multihead.inspect.summaries_html",
-    "save_summaries_html": "multihead.inspect.summaries_html",
-    "notebook_html": "multihead.inspect.html",
-    "save_grid": "multihead.inspect.png",
-    "save_head": "multihead.inspect.png",
+_MODULES = {
+    "multihead.inspect.capture_types": ("AttentionCapture", "HeadRole"),
+    "multihead.inspect.stream": ("HeadSummaries", "summaries"),
+    "multihead.inspect.roles": ("head_roles", "role_scores", "induction_scores"),
+    "multihead.inspect.html": ("render_html", "save_html", "notebook_html"),
+    "multihead.inspect.summaries_html": ("render_summaries_html", "save_summaries_html"),
+    "multihead.inspect.png": ("save_grid", "save_head"),
 }
 
-__all__ = ["capture", *_LAZY]
-
-
-__getattr__, __dir__ = lazy_exports(__name__, _LAZY, globals())
+__getattr__, __dir__, _EXPORTS = lazy_exports(__name__, _MODULES, globals())
+__all__ = ["capture", *_EXPORTS]

@@ -1,4 +1,22 @@
-"""See what every head of a real model does.
+"""`multihead inspect`: run a text through a model and summarise what every head does (role
+scores and per-head summaries, streamed at any length), with the HTML view, PNG heatmaps and
+JSON. `DESCRIPTION` is the --help text; docs/inspect.md the guide.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import sys
+import warnings
+
+from multihead.cli_args import add_json, add_model, add_threads, torch_threads
+from multihead.errors import UsageError
+from multihead.files import decode_utf8, output_file
+from multihead.interop.loaders import model_source, quiet_hub
+
+DESCRIPTION = """See what every head of a real model does.
 
 Runs the text through the model (by default the bundled all-MiniLM-L6-v2) with its
 attention on multihead's fused kernel and summarises every head asked, a block of query
@@ -18,19 +36,6 @@ examples:
   multihead inspect "Some text" --model path/to/hf-model-folder --json
   multihead inspect --text-file book.txt --model smollm2 --max-tokens 8192 --json
 """
-
-from __future__ import annotations
-
-import argparse
-import contextlib
-import json
-import sys
-import warnings
-
-from multihead.cli_args import add_json, add_model, add_threads, torch_threads
-from multihead.errors import UsageError
-from multihead.files import output_file
-from multihead.interop.loaders import model_source, quiet_hub
 
 TOP = 10  # rows of the role table without --roles
 _MAX_STDIN = 16 * 2**20
@@ -124,14 +129,8 @@ def _text_argument(args: argparse.Namespace) -> str:
             data = read_at_most(path, _MAX_STDIN + 1)  # (a pipe or device may return short reads)
         except OSError as err:
             raise UsageError(f"--text-file {args.text_file!r}: cannot read it ({err.strerror or err})") from None
-        if len(data) > _MAX_STDIN:
-            raise UsageError(f"--text-file {args.text_file!r} is longer than {_MAX_STDIN // 2**20} MiB; the model "
-                             "reads at most its positions' worth of tokens (cut the file)")
-        try:
-            text = data.decode("utf-8")
-        except UnicodeDecodeError as err:
-            raise UsageError(f"--text-file {args.text_file!r} is not UTF-8 (byte 0x{data[err.start]:02x} at offset "
-                             f"{err.start}); give UTF-8 text") from None
+        text = _decoded(data, f"--text-file {args.text_file!r}",
+                        "the model reads at most its positions' worth of tokens (cut the file)")
         if not text.strip():
             raise UsageError(f"--text-file {args.text_file!r} is empty")
         return text
@@ -141,17 +140,17 @@ def _text_argument(args: argparse.Namespace) -> str:
     return _read_text(args.text)
 
 
+def _decoded(data: bytes, label: str, too_long: str) -> str:
+    """The UTF-8 text of `data` (read up to _MAX_STDIN + 1 bytes from `label`), refused when longer."""
+    if len(data) > _MAX_STDIN:
+        raise UsageError(f"{label} is longer than {_MAX_STDIN // 2**20} MiB; {too_long}")
+    return decode_utf8(data, label, "give UTF-8 text")
+
+
 def _read_text(text: str) -> str:
     if text == "-":
         data = sys.stdin.buffer.read(_MAX_STDIN + 1) if hasattr(sys.stdin, "buffer") else sys.stdin.read().encode()
-        if len(data) > _MAX_STDIN:
-            raise UsageError(f"the text on stdin is longer than {_MAX_STDIN // 2**20} MiB; inspect looks at a few "
-                             "hundred tokens (--max-tokens)")
-        try:
-            text = data.decode("utf-8")
-        except UnicodeDecodeError as err:
-            raise UsageError(f"the text on stdin is not UTF-8 (byte 0x{data[err.start]:02x} at offset {err.start}); "
-                             "give UTF-8 text") from None
+        text = _decoded(data, "the text on stdin", "inspect looks at a few hundred tokens (--max-tokens)")
     try:
         text.encode("utf-8")
     except UnicodeEncodeError as err:

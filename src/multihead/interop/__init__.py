@@ -12,19 +12,10 @@ from __future__ import annotations
 
 from multihead._lazy import lazy_exports
 
-_LAZY = {
-    "WeightsRequest": "multihead.interop.hf",
-    "from_bert": "multihead.interop.hf",
-    "from_deepseek": "multihead.interop.hf",
-    "from_gpt2": "multihead.interop.hf",
-    "from_llama": "multihead.interop.hf",
-    "latent_attention_layers": "multihead.interop.hf",
-    "register": "multihead.interop.hf",
-    "restore_attention": "multihead.interop.hf",
-    "use_latent_attention": "multihead.interop.hf",
+_MODULES = {
+    "multihead.interop.hf": ("WeightsRequest", "from_bert", "from_deepseek", "from_gpt2", "from_llama",
+                             "latent_attention_layers", "register", "restore_attention", "use_latent_attention"),
 }
 
-__all__ = list(_LAZY)
-
-
-__getattr__, __dir__ = lazy_exports(__name__, _LAZY, globals())
+__getattr__, __dir__, _EXPORTS = lazy_exports(__name__, _MODULES, globals())
+__all__ = _EXPORTS

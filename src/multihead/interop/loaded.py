@@ -117,8 +117,8 @@ class LoadedModel:
     def token_after(self, text: str, token: str, flag: str = "--answer") -> tuple[int, str]:
         """The id and piece of `token` as the model would write it right after `text` (a BPE
         tokenizer's space-led piece after a word); ValueError naming `flag` unless it is one
-        token the model knows (`multihead.heads.tokens.next_token`)."""
-        from multihead.heads.tokens import next_token  # a leaf module: it imports nothing of multihead's
+        token the model knows (`multihead.tokens.next_token`)."""
+        from multihead.tokens import next_token  # a leaf module: it imports nothing of multihead's
 
         return next_token(self, flag, text, token)
 
@@ -233,7 +233,7 @@ class HFModel(LoadedModel):
         return real[-1] if real else len(ids) - 1
 
     def prefix_ids(self) -> list[int]:
-        from multihead.heads.tokens import prefix  # a leaf module: it imports nothing of multihead's
+        from multihead.tokens import prefix  # a leaf module: it imports nothing of multihead's
 
         return prefix(self.tokenizer)
 

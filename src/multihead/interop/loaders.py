@@ -202,7 +202,7 @@ def resolve_model(spec) -> tuple[str, Path, str, dict]:
     Cheap (no torch, no transformers), so the CLI refuses a bad --model at once.
     """
     if not isinstance(spec, (str, os.PathLike)):
-        raise InspectError(f"model must be a name or a path; received {type(spec).__name__}. {_VALID}")
+        raise TypeError(f"model must be a name or a path; received {type(spec).__name__}. {_VALID}")
     text = os.fspath(spec)
     if not text.strip():
         raise InspectError(f"model is an empty string; {_VALID}")

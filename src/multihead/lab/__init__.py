@@ -19,16 +19,11 @@ from __future__ import annotations
 
 from multihead._lazy import lazy_exports
 
-_LAZY = {
-    "run_heads": "multihead.lab.heads", "HeadsConfig": "multihead.lab.heads",
-    "run_kv": "multihead.lab.kv", "KVConfig": "multihead.lab.kv",
-    "run_mla": "multihead.lab.mla", "MLAConfig": "multihead.lab.mla",
-    "run_induction": "multihead.lab.induction", "InductionConfig": "multihead.lab.induction",
-    "run_uptrain": "multihead.lab.uptrain", "UptrainConfig": "multihead.lab.uptrain",
-    "check_results": "multihead.lab.results",
-    "scale_induction": "multihead.lab.configs",
+_MODULES = {
+    "multihead.lab.heads": ("run_heads", "HeadsConfig"), "multihead.lab.kv": ("run_kv", "KVConfig"),
+    "multihead.lab.mla": ("run_mla", "MLAConfig"), "multihead.lab.induction": ("run_induction", "InductionConfig"),
+    "multihead.lab.uptrain": ("run_uptrain", "UptrainConfig"), "multihead.lab.results": ("check_results",),
+    "multihead.lab.configs": ("scale_induction",),
 }
-__all__ = list(_LAZY)
-
-
-__getattr__, __dir__ = lazy_exports(__name__, _LAZY, globals())
+__getattr__, __dir__, _EXPORTS = lazy_exports(__name__, _MODULES, globals())
+__all__ = _EXPORTS

@@ -1,4 +1,30 @@
-"""Run the classic multi-head experiments on multihead's own modules.
+"""`multihead lab`: the classic multi-head experiments (heads, kv, mla, induction, uptrain)
+on multihead's own modules; each subcommand's flags read their defaults off the experiment's
+config dataclass. `DESCRIPTION` is the --help text; docs/lab.md the guide.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import sys
+import time
+from pathlib import Path
+
+from multihead.cli_args import (
+    add_context,
+    add_device,
+    add_json,
+    add_out,
+    add_seed,
+    add_threads,
+    int_in,
+    renamed,
+)
+from multihead.errors import UsageError
+
+DESCRIPTION = """Run the classic multi-head experiments on multihead's own modules.
 
   multihead lab heads      does the number of heads matter? (copy task, 1 layer)
   multihead lab kv         what do GQA, MQA and MLA save? (parameters, cache, decode time)
@@ -16,18 +42,6 @@ finished is kept, marked "interrupted": true.
 trains the head geometry `multihead plan` recommends, scaled to a CPU (same head_dim and
 n_heads / n_kv_heads), and says what was scaled.
 """
-
-from __future__ import annotations
-
-import argparse
-import math
-import os
-import sys
-import time
-from pathlib import Path
-
-from multihead.cli_args import add_context, add_device, add_json, add_out, add_seed, add_threads, renamed
-from multihead.errors import UsageError
 
 EXPERIMENTS = {
     "heads": "does the number of heads matter? copy task, n_heads 1..16, several seeds",
@@ -74,16 +88,7 @@ def _positive_of(cast, what: str, maximum: float = _MAX_INT):
     return parse
 
 
-def _nonnegative(text: str) -> int:
-    try:
-        v = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 0; received {text!r}") from None
-    if not 0 <= v <= _MAX_INT:
-        raise argparse.ArgumentTypeError(f"expected an integer in 0 .. {_MAX_INT}; received {text!r}")
-    return v
-
-
+_nonnegative = int_in(0, _MAX_INT, f"an integer in 0 .. {_MAX_INT}")
 _positive = _positive_of(int, "integer")
 _positive_float = _positive_of(float, "number", maximum=1e300)
 # A learning rate must convert to float32 inside the optimizer (at most 3.4e38): bounded well

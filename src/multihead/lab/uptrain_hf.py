@@ -25,13 +25,14 @@ from pathlib import Path
 
 import torch
 
+from multihead.checks import check_int, check_positive_number
 from multihead.corpus import split_kjv
 from multihead.errors import UsageError
-from multihead.heads.tokens import pieces, prefix, windows
 from multihead.lab.devices import resolve_device
 from multihead.lab.plots import draw_plots, pyplot, save_figure
 from multihead.lab.progress import Overall, Progress
 from multihead.lab.results import new_results, write_json_atomic
+from multihead.tokens import pieces, prefix, windows
 
 __all__ = ["HFUptrainConfig", "run_uptrain_hf", "work_plan"]
 
@@ -82,18 +83,16 @@ class HFUptrainConfig:
         check_nonnegative_int("rope_dim", self.rope_dim)
         if not isinstance(self.model, str) or not self.model:
             raise TypeError(f"model must be a non-empty str; received {self.model!r}")
-        if not (isinstance(self.lr, (int, float)) and math.isfinite(self.lr) and self.lr > 0):
-            raise ValueError(f"lr must be a positive number; received {self.lr!r}")
-        if isinstance(self.warmup, bool) or not isinstance(self.warmup, int) or not 0 <= self.warmup < self.steps:
-            raise ValueError(f"warmup must be an int in 0..{self.steps - 1} (below steps); received {self.warmup!r}")
+        check_positive_number("lr", self.lr)
+        check_int("warmup", self.warmup, minimum=0, maximum=self.steps - 1)
         bad = [f for f in self.fractions if not (isinstance(f, (int, float)) and 0 <= f <= 1)]
         if bad or 0.0 not in self.fractions:
             raise ValueError(f"fractions must lie in [0, 1] and include 0 (as converted); received "
                              f"{', '.join(map(str, self.fractions))}")
         if any(i not in _INITS for i in self.inits):
             raise ValueError(f"inits must be some of {', '.join(_INITS)}; received {','.join(self.inits)!r}")
-        if any(isinstance(r, bool) or not isinstance(r, int) or r < 1 for r in self.ranks):
-            raise ValueError(f"ranks must be positive ints; received {', '.join(map(str, self.ranks))}")
+        for r in self.ranks:
+            check_int("ranks[...]", r, minimum=1)
         if self.trainable not in _TRAINABLE:
             raise ValueError(f"trainable must be one of {', '.join(_TRAINABLE)}; received {self.trainable!r}")
         if self.max_train_chars is not None:

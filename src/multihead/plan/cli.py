@@ -21,6 +21,8 @@ import json
 
 from multihead.cli_args import add_context, add_json, add_model, renamed
 
+DESCRIPTION = __doc__  # the --help text: this module's docstring is short enough to be it
+
 # dest -> flag of the geometry one may fix when recommending
 SIZE_FLAGS = {"d_model": "--d-model", "layers": "--n-layers", "n_heads": "--n-heads", "n_kv_heads": "--n-kv-heads",
               "head_dim": "--head-dim", "kv_rank": "--kv-rank", "variant": "--variant"}

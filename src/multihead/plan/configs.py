@@ -111,21 +111,24 @@ def _context(f: _Fields) -> int | None:
     return f.int("max_position_embeddings", "n_positions", default=None, allow_none=True)
 
 
+def _layernorm_decoder(f: _Fields, c: int, h: int, hkv: int | None, *, layers: tuple[str, ...], d_ff: int,
+                       bias: bool, ffn_bias: bool, tied: bool, **rest) -> ModelGeometry:
+    """GPT-2, GPT-NeoX and Falcon: LayerNorm blocks with a plain (ungated) MLP; `layers`
+    names the config's field for the layer count, `rest` the geometry's other fields."""
+    return ModelGeometry(
+        attention=AttentionGeometry(c, h, hkv, head_dim=f.head_dim(c, h), bias=bias),
+        n_layers=f.int(*layers), vocab_size=f.int("vocab_size"), ffn=FeedForward(d_ff, gated=False, bias=ffn_bias),
+        tied_embeddings=tied, norm="layernorm", **rest)
+
+
 def _gpt2(f: _Fields) -> ModelGeometry:
     c = f.int("n_embd", "hidden_size")
     h = f.int("n_head", "num_attention_heads")
     n_pos = f.int("n_positions", "max_position_embeddings")
     d_ff = f.int("n_inner", default=None, allow_none=True) or 4 * c
-    return ModelGeometry(
-        attention=AttentionGeometry(c, h, head_dim=f.head_dim(c, h), bias=True),
-        n_layers=f.int("n_layer", "num_hidden_layers"),
-        vocab_size=f.int("vocab_size"),
-        ffn=FeedForward(d_ff, gated=False, bias=True),
-        tied_embeddings=f.bool("tie_word_embeddings", True),
-        norm="layernorm",
-        max_positions=n_pos,
-        context_length=n_pos,
-    )
+    return _layernorm_decoder(f, c, h, None, layers=("n_layer", "num_hidden_layers"), d_ff=d_ff, bias=True,
+                              ffn_bias=True, tied=f.bool("tie_word_embeddings", True), max_positions=n_pos,
+                              context_length=n_pos)
 
 
 def _bert(f: _Fields) -> ModelGeometry:
@@ -305,17 +308,11 @@ def _gemma3(f: _Fields) -> ModelGeometry:
 def _gpt_neox(f: _Fields) -> ModelGeometry:
     c = f.int("hidden_size")
     h = f.int("num_attention_heads")
-    return ModelGeometry(
-        attention=AttentionGeometry(c, h, head_dim=f.head_dim(c, h), bias=f.bool("attention_bias", True)),
-        n_layers=f.int("num_hidden_layers"),
-        vocab_size=f.int("vocab_size"),
-        ffn=FeedForward(f.int("intermediate_size"), gated=False, bias=True),
-        tied_embeddings=f.bool("tie_word_embeddings", False),
-        norm="layernorm",
+    return _layernorm_decoder(
+        f, c, h, None, layers=("num_hidden_layers",), d_ff=f.int("intermediate_size"),
+        bias=f.bool("attention_bias", True), ffn_bias=True, tied=f.bool("tie_word_embeddings", False),
         context_length=_context(f),
-        notes=("query_key_value is fused: 3*C outputs; rotary on rotary_pct of each head "
-               "(no parameters)",),
-    )
+        notes=("query_key_value is fused: 3*C outputs; rotary on rotary_pct of each head (no parameters)",))
 
 
 def _gpt_oss(f: _Fields) -> ModelGeometry:
@@ -356,17 +353,11 @@ def _falcon(f: _Fields) -> ModelGeometry:
         f._fail(error)
     bias = f.bool("bias", False)
     d_ff = f.int("ffn_hidden_size", default=None, allow_none=True) or 4 * c
-    return ModelGeometry(
-        attention=AttentionGeometry(c, h, hkv, head_dim=f.head_dim(c, h), bias=bias),
-        n_layers=f.int("num_hidden_layers", "n_layer"),
-        vocab_size=f.int("vocab_size"),
-        ffn=FeedForward(d_ff, gated=False, bias=bias),
-        tied_embeddings=f.bool("tie_word_embeddings", True),
-        norm="layernorm",
-        norms_per_layer=norms,
+    return _layernorm_decoder(
+        f, c, h, hkv, layers=("num_hidden_layers", "n_layer"), d_ff=d_ff, bias=bias, ffn_bias=bias,
+        tied=f.bool("tie_word_embeddings", True), norms_per_layer=norms,
         context_length=f.int("max_position_embeddings", default=None, allow_none=True),
-        notes=("query_key_value is fused: (H + 2*Hkv)*D outputs",),
-    )
+        notes=("query_key_value is fused: (H + 2*Hkv)*D outputs",))
 
 
 def _deepseek(f: _Fields) -> ModelGeometry:

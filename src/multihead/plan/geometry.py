@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from multihead.checks import check_kv_heads, check_nonnegative_int, check_positive_int, variant_name
+from multihead.checks import check_fields, check_kv_heads, check_nonnegative_int, check_positive_int, variant_name
 from multihead.plan.units import bytes_for
 
 # --- one attention block -----------------------------------------------------------
@@ -129,13 +129,10 @@ class LatentGeometry:
     bias: bool = False
 
     def __post_init__(self):
-        check_positive_int("d_model", self.d_model)
-        check_positive_int("n_heads", self.n_heads)
-        check_positive_int("kv_rank", self.kv_rank)
-        check_positive_int("q_rank", self.q_rank, allow_none=True)
-        check_positive_int("head_dim", self.head_dim, allow_none=True)
-        check_nonnegative_int("rope_dim", self.rope_dim)
-        check_positive_int("v_head_dim", self.v_head_dim, allow_none=True)
+        check_fields(self, "d_model", "n_heads", "kv_rank", minimum=1)
+        check_fields(self, "q_rank", "head_dim", minimum=1, allow_none=True)
+        check_fields(self, "rope_dim", minimum=0)
+        check_fields(self, "v_head_dim", minimum=1, allow_none=True)
         if self.rope_dim % 2:
             raise ValueError(f"rope_dim must be even (RoPE rotates pairs of features); "
                              f"received {self.rope_dim}")
@@ -275,14 +272,11 @@ class MixtureOfExperts:
     dense_layers: tuple[int, ...] = ()
 
     def __post_init__(self):
-        check_positive_int("n_experts", self.n_experts)
-        check_positive_int("top_k", self.top_k)
-        check_positive_int("d_expert", self.d_expert)
-        check_nonnegative_int("n_shared", self.n_shared)
-        check_nonnegative_int("first_dense", self.first_dense)
-        check_positive_int("layer_freq", self.layer_freq)
-        check_positive_int("d_shared", self.d_shared, allow_none=True)
-        check_nonnegative_int("freq_offset", self.freq_offset)
+        check_fields(self, "n_experts", "top_k", "d_expert", minimum=1)
+        check_fields(self, "n_shared", "first_dense", minimum=0)
+        check_fields(self, "layer_freq", minimum=1)
+        check_fields(self, "d_shared", minimum=1, allow_none=True)
+        check_fields(self, "freq_offset", minimum=0)
         for i in self.dense_layers:
             check_nonnegative_int("dense_layers[...]", i)
         if self.top_k > self.n_experts:
@@ -373,14 +367,11 @@ class ModelGeometry:
     notes: tuple[str, ...] = ()
 
     def __post_init__(self):
-        check_positive_int("n_layers", self.n_layers)
-        check_positive_int("vocab_size", self.vocab_size)
-        check_nonnegative_int("norms_per_layer", self.norms_per_layer)
-        check_nonnegative_int("max_positions", self.max_positions)
-        check_nonnegative_int("token_types", self.token_types)
-        check_positive_int("window", self.window, allow_none=True)
-        check_nonnegative_int("window_layers", self.window_layers, allow_none=True)
-        check_positive_int("context_length", self.context_length, allow_none=True)
+        check_fields(self, "n_layers", "vocab_size", minimum=1)
+        check_fields(self, "norms_per_layer", "max_positions", "token_types", minimum=0)
+        check_fields(self, "window", minimum=1, allow_none=True)
+        check_fields(self, "window_layers", minimum=0, allow_none=True)
+        check_fields(self, "context_length", minimum=1, allow_none=True)
         if self.norm not in NORMS:
             raise ValueError(f"norm must be one of {', '.join(NORMS)}; received {self.norm!r}")
         if self.window_layers is not None and self.window_layers > self.n_layers:

@@ -23,6 +23,7 @@ import math
 import torch
 from torch import Tensor, nn
 
+from multihead.checks import is_int
 from multihead.conversion_parts import ConversionReport, LayerConversion, relative_error
 from multihead.interop.hf.calibrated import calibration_ids, layer_stats, turn_pairs
 from multihead.interop.hf.layers import layer_inputs, sliding_window_of
@@ -280,8 +281,9 @@ def _check(model: nn.Module, kv_rank, rope_dim, keep) -> list[tuple[str, nn.Modu
     m = layers[0][1]
     cols = C + (m.v_proj.bias is not None and _norm(m, "k_norm") is None)  # the value bias's column
     top = min(rows, cols)
-    if isinstance(kv_rank, bool) or not isinstance(kv_rank, int) or not 1 <= kv_rank <= top:
-        raise ValueError(f"to_mla: kv_rank must be an int in 1..{top}, the rank of the stacked [W_k,nope ; W_v] "
+    if not is_int(kv_rank) or not 1 <= kv_rank <= top:
+        error = ValueError if is_int(kv_rank) else TypeError
+        raise error(f"to_mla: kv_rank must be an int in 1..{top}, the rank of the stacked [W_k,nope ; W_v] "
                          f"({rows} rows: {Hkv} heads x ({D - rope_dim // Hkv} nope key + {Dv} value features), "
                          f"{cols} columns) at rope_dim={rope_dim}; received {kv_rank!r}"
                          + (f"; exact: rope_dim={Hkv * D}, kv_rank={Hkv * Dv}" if rope_dim != Hkv * D else ""))

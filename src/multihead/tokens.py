@@ -6,7 +6,8 @@ down), SmolLM2's puts nothing. So a task or a tool never tokenizes with
 `add_special_tokens=False` alone: it asks `prefix(tokenizer)` for the ids the tokenizer
 puts before a text and starts every sequence with them, windows cut from a long token
 stream included. `next_token` is the one reading of "the token a model writes after this
-text" (an --answer or --wrong) that `heads scan` and `heads path` share.
+text" (an --answer or --wrong) that `heads scan` and `heads path` share. A leaf on the lowest
+floor (it imports nothing of multihead's), so the loaders, the tools and lab all read it.
 """
 
 from __future__ import annotations
@@ -42,7 +43,10 @@ def next_token(model, flag: str, text: str, token: str) -> tuple[int, str]:
     holding one (`.tokenizer`), or a lab model (`.encode`, a character vocabulary: the token
     as written). ValueError naming `flag` unless that is exactly one token the tokenizer
     knows (not its unknown token)."""
-    if not isinstance(token, str) or not token.strip():
+    if not isinstance(token, str):
+        raise TypeError(f"{flag} must be a str, the token the text should continue with; received {token!r} "
+                        f"({type(token).__name__})")
+    if not token.strip():
         raise ValueError(f"{flag} is empty; give the token the text should continue with, e.g. {flag} Mary")
     tokenizer = getattr(model, "tokenizer", model)
     if not hasattr(tokenizer, "convert_ids_to_tokens"):  # a lab model: no pieces, no spaces to lead them
