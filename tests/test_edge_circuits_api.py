@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import pytest
 import torch
@@ -173,7 +172,6 @@ def test_cli_circuit_on_smollm2(capsys, tmp_path):
     """`multihead heads circuit --json` on 2 IOI pairs: its curve ends at the clean metric and its
     top edges are `edge_scores`' own."""
     import argparse
-    import json
 
     from multihead.heads.circuit_cli import add_circuit_arguments, run_circuit
 
