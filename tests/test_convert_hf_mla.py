@@ -433,6 +433,47 @@ def test_export_to_deepseek_v2_loads_in_stock_transformers(tmp_path):
     assert (_logits(loaded, ids) - _logits(model32, ids)).abs().max().item() < 1e-4
 
 
+def test_export_with_different_pairs_per_layer_widens_the_rope_key_and_keeps_the_logits(tmp_path):
+    """The calibrated conversion keeps different rotary pairs in each layer; DeepSeek-V2 has
+    one RoPE for all layers. widen_rope=True gives the exported key every layer's
+    frequencies (each as often as the layer that keeps it most often), with zero weights
+    where a layer keeps no pair: the loaded checkpoint computes the converted model."""
+    from collections import Counter
+
+    from multihead.interop.hf.deepseek_export import to_deepseek_v2
+
+    llama = _model("llama", attn_implementation="sdpa")
+    with torch.no_grad():  # different strongest pairs in the two layers (head_dim 16: 8 pairs)
+        llama.model.layers[0].self_attn.k_proj.weight.view(HKV, 16, C)[:, [3, 11]] *= 30
+        llama.model.layers[1].self_attn.k_proj.weight.view(HKV, 16, C)[:, [5, 13]] *= 30
+        llama.model.layers[1].self_attn.k_proj.weight.view(HKV, 16, C)[1, [1, 9]] *= 60
+    ids = torch.randint(0, VOCAB, (2, 12), generator=torch.Generator().manual_seed(3))
+    cal = torch.randint(0, VOCAB, (2, 16), generator=torch.Generator().manual_seed(4))
+    mla = convert.to_mla(llama, 8, rope_dim=8, keep="norm")
+    kept = [Counter(p.reshape(-1).tolist()) for p in (m.rope_pairs for m in mla.modules() if hasattr(m, "rope_pairs"))]
+    assert kept[0] != kept[1]  # the setup: the layers keep different frequencies
+    union = sum(max(k[f] for k in kept) for f in set().union(*kept))
+    assert union > 4
+    to_deepseek_v2(mla, calibration=cal, widen_rope=True).save_pretrained(tmp_path / "wide")
+    loaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "wide", dtype=torch.float64,
+                                                               attn_implementation="sdpa").eval()
+    assert loaded.config.qk_rope_head_dim == 2 * union
+    with torch.no_grad():
+        cache = loaded(ids, use_cache=True).past_key_values
+    width = loaded.config.kv_lora_rank
+    assert latent_cache_bytes(cache) // (2 * 12) == 2 * (width + 2 * union) * 8  # 2 layers, float64
+    for layer in loaded.model.layers:  # the latent norm is the export's one approximation (test above)
+        layer.self_attn.kv_a_layernorm = torch.nn.Identity()
+    diff = (_logits(loaded, ids) - _logits(mla, ids)).abs().max().item()
+    assert diff < 1e-5, diff
+    a = mla.generate(ids[:, :6], max_new_tokens=6, do_sample=False)
+    b = loaded.generate(ids[:, :6], max_new_tokens=6, do_sample=False)
+    assert torch.equal(a, b)
+    # pairs equal in every layer (in any order) need no wider key
+    same = convert.to_mla(_model("llama"), 8, rope_dim=8, keep="high")
+    assert to_deepseek_v2(same, calibration=cal, widen_rope=True).config.qk_rope_head_dim == 8
+
+
 def test_save_pretrained_of_a_converted_model_refuses_and_names_the_export(tmp_path):
     """A converted model saved as its original class reloads in stock transformers with its
     attention re-initialised (logits off by whole units): saving refuses before writing, and
@@ -468,7 +509,10 @@ def test_export_refuses_what_deepseek_v2_cannot_hold():
     with torch.no_grad():  # different strongest pairs in the two layers: DeepSeek has one RoPE for all
         llama.model.layers[0].self_attn.k_proj.weight.view(HKV, 16, C)[:, [3, 11]] *= 30
         llama.model.layers[1].self_attn.k_proj.weight.view(HKV, 16, C)[:, [5, 13]] *= 30
-    with pytest.raises(ValueError, match=r"the layers keep different rotary pairs"):
+    with pytest.raises(ValueError, match=r"the layers keep different rotary frequencies .*valid: widen_rope=True, "
+                                         r"which exports the same model with a RoPE key of 8 dims instead of 4"):
         to_deepseek_v2(convert.to_mla(llama, 8, rope_dim=4, keep="norm"), calibration=cal)
+    with pytest.raises(TypeError, match=r"widen_rope must be a bool; received str"):
+        to_deepseek_v2(convert.to_mla(_model("llama"), 8, rope_dim=4), calibration=cal, widen_rope="yes")
     with pytest.raises(TypeError, match=r"calibration must be a non-empty LongTensor .*received list"):
         to_deepseek_v2(convert.to_mla(_model("llama"), 8, rope_dim=4), calibration=[1, 2])

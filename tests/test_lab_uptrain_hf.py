@@ -21,7 +21,7 @@ from multihead.lab.uptrain_hf import STATE, HFUptrainConfig, run_uptrain_hf, wor
 transformers = pytest.importorskip("transformers")
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
-TIMINGS = ("seconds", "cpu_seconds", "elapsed_s", "cpu_s", "date", "cpu_seconds_per_step")
+TIMINGS = ("seconds", "cpu_seconds", "elapsed_s", "cpu_s", "date", "cpu_seconds_per_step", "decode", "control_decode")
 
 
 def _tokenizer(text: str):
@@ -122,6 +122,33 @@ def test_schema_and_every_target(quick, llama_folder):
     assert "uptrain.png" in res["plots"] and not (out / STATE).exists()
     assert "| control |" in r["table"] and r["summary"].startswith("Base model")
     assert not any(p.suffix in (".safetensors", ".pt", ".bin") for p in out.iterdir())  # no weights
+
+
+def test_decode_time_is_each_generated_token_paired_with_the_base(quick, llama_folder):
+    """decode_ms_per_token times the steps of a real greedy generate() (not its prefill) in
+    rounds alternating with the base: a model made 20 ms slower per forward is 20 ms slower
+    per token; and every trained target of a run carries its paired timing."""
+    import copy
+    import time
+
+    import transformers
+
+    from multihead.lab.uptrain_hf import _step_times, decode_ms_per_token
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(llama_folder).eval()
+    slow = copy.deepcopy(model)
+    slow.model.register_forward_hook(lambda *args: time.sleep(0.02))
+    prompt = torch.tensor([[1, 5, 9, 2]])
+    assert len(_step_times(model, prompt, 5)) == 4  # one interval per token after the first
+    d = decode_ms_per_token(slow, model, prompt, 5)
+    assert d["ms_per_token"] - d["base_ms_per_token"] >= 18  # the sleep, at most a timer's rounding below
+    assert d["ratio"] == pytest.approx(d["ms_per_token"] / d["base_ms_per_token"], rel=1e-2)
+    assert decode_ms_per_token(model, model, prompt, 1) is None  # one new token: no decode step to time
+    r = quick[0]["results"]
+    assert set(r["control_decode"]) == {"ms_per_token", "base_ms_per_token", "ratio"}
+    for v in r["variants"]:
+        assert v["decode"]["ms_per_token"] > 0 and v["decode"]["base_ms_per_token"] > 0
+    assert "decode ms/token (x base)" in r["table"]
 
 
 def test_kv_bytes_are_the_cache_shapes(quick):

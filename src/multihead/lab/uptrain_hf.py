@@ -183,6 +183,46 @@ def kv_bytes_per_token(model, prompt: torch.Tensor, new_tokens: int) -> int:
     return total // tokens
 
 
+def _step_times(model, prompt: torch.Tensor, new_tokens: int) -> list[float]:
+    """Seconds of each decode step of a real greedy `generate()` (after the prefill): the
+    intervals between its calls to the logits processors, one per new token."""
+    from transformers import LogitsProcessor, LogitsProcessorList
+
+    class Clock(LogitsProcessor):
+        def __init__(self):
+            self.at: list[float] = []
+
+        def __call__(self, input_ids, scores):
+            self.at.append(time.perf_counter())
+            return scores
+
+    clock = Clock()
+    with torch.no_grad():
+        model.generate(prompt, max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False, use_cache=True,
+                       logits_processor=LogitsProcessorList([clock]),
+                       pad_token_id=getattr(model.config, "pad_token_id", None) or 0)
+    return [b - a for a, b in zip(clock.at, clock.at[1:])]
+
+
+def decode_ms_per_token(model, base, prompt: torch.Tensor, new_tokens: int, rounds: int = 3) -> dict | None:
+    """Median milliseconds per decoded token of `model` and of `base`, timed in alternating
+    rounds of greedy `generate()` (so a change of the machine's load falls on both alike);
+    None when `new_tokens` < 2 leaves no decode step to time."""
+    if new_tokens < 2:
+        return None
+    was = model.training, base.training
+    model.eval()
+    base.eval()
+    mine, theirs = [], []
+    for _ in range(rounds):
+        theirs += _step_times(base, prompt, new_tokens)
+        mine += _step_times(model, prompt, new_tokens)
+    model.train(was[0])
+    base.train(was[1])
+    ms, base_ms = 1e3 * float(torch.tensor(mine).median()), 1e3 * float(torch.tensor(theirs).median())
+    return {"ms_per_token": round(ms, 3), "base_ms_per_token": round(base_ms, 3), "ratio": round(ms / base_ms, 3)}
+
+
 # ------------------------------------------------------------------ the runs
 
 
@@ -320,6 +360,7 @@ class _Run:
         params = _trainable(model, unit.trainable)
         opt = torch.optim.AdamW([p for _, p in params], lr=cfg.lr, betas=(0.9, 0.95), weight_decay=0.0)
         kv = r["base"]["kv_bytes_per_token"] if unit.target == "control" else None
+        decode = None
         info = {"target": unit.target, "init": unit.init, "objective": unit.objective, "trainable": unit.trainable}
         start, seconds, cpu, losses = 0, 0.0, 0.0, []
         if state is not None:  # the interrupted training: its weights, moments and step
@@ -329,10 +370,16 @@ class _Run:
                     named[name].copy_(t)
             opt.load_state_dict(state["optimizer"])
             start, seconds, losses, kv = state["step"], state["seconds"], state["losses"], state["kv"]
-            cpu = state.get("cpu", 0.0)
+            cpu, decode = state.get("cpu", 0.0), state.get("decode")
         if kv is None:
             kv = kv_bytes_per_token(model, self.prompt, cfg.generate_tokens)
+        if state is None:  # timed before training: the architecture sets it, not the weights
+            decode = decode_ms_per_token(model, self.base, self.prompt, cfg.generate_tokens)
         info["kv_bytes_per_token"] = kv
+        if decode is not None and unit.role == "control":  # the base against its own copy: the timing's noise
+            r["control_decode"] = decode
+        elif decode is not None:
+            info["decode"] = decode
         if unit.target != "control":
             info["kv_reconstruction_error"] = errors
         evals = cfg.eval_steps()
@@ -355,8 +402,9 @@ class _Run:
             for step in range(start + 1, cfg.steps + 1):
                 batch = self.data.batch(step).to(self.dev)
                 loss = _loss(model, teacher, batch)
-                if not math.isfinite(float(loss)):  # recorded, and this training stops: its numbers so far stay
-                    self.res["diverged"].append({"run": unit.key, "step": step, "reason": f"loss {float(loss)}"})
+                value = float(loss.detach())
+                if not math.isfinite(value):  # recorded, and this training stops: its numbers so far stay
+                    self.res["diverged"].append({"run": unit.key, "step": step, "reason": f"loss {value}"})
                     break
                 opt.zero_grad(set_to_none=True)
                 loss.backward()
@@ -365,7 +413,7 @@ class _Run:
                     g["lr"] = _lr_at(step, cfg, peak)
                 with _held_interrupt():
                     opt.step()
-                    losses.append(round(float(loss.detach()), 6))
+                    losses.append(round(value, 6))
                 bar.update(step, losses[-1], batch[:, :-1].numel())
                 if step in evals:
                     model.eval()
@@ -380,7 +428,7 @@ class _Run:
             bar.close("interrupted")
             done = len(losses)  # steps whose update was applied (the held interrupt waits for it)
             self._save_state(unit, params, opt, done, seconds + time.perf_counter() - t, losses, kv,
-                             cpu + time.process_time() - c)
+                             cpu + time.process_time() - c, decode)
             raise
         model.eval()
         seconds += time.perf_counter() - t
@@ -413,10 +461,11 @@ class _Run:
         self.save()
         return chosen
 
-    def _save_state(self, unit, params, opt, step, seconds, losses, kv, cpu) -> None:
+    def _save_state(self, unit, params, opt, step, seconds, losses, kv, cpu, decode) -> None:
         from multihead.files import atomic_path
 
         state = {"unit": unit.key, "step": step, "seconds": seconds, "cpu": cpu, "losses": losses, "kv": kv,
+                 "decode": decode,
                  "trainable": {n: p.detach().cpu().clone() for n, p in params}, "optimizer": opt.state_dict()}
         with atomic_path(self.out / STATE) as tmp:
             torch.save(state, tmp)
@@ -643,14 +692,25 @@ def _table(cfg: HFUptrainConfig, r: dict, control: dict) -> tuple[str, list[str]
         wall = f"{r['seconds'][key] / 60:.1f}" if key in r["seconds"] else "-"
         return wall + (f" | {cpu[key] / 60:.1f}" if key in cpu else " | -") if cpu else wall
 
+    timed = "control_decode" in r or any("decode" in v for v in r["variants"])  # runs before decode timing: none
+
+    def decode(d: dict | None) -> str:
+        if not timed:
+            return ""
+        return ("-" if d is None else f"{d['ms_per_token']:.1f} ({d['ratio']:.2f}x)") + " | "
+
     cpu_col = " CPU minutes |" if r.get("cpu_seconds") else ""  # wall time on a shared machine overstates the cost
-    head = "| target | init | objective | KV bytes/token | " + " | ".join(
+    head = "| target | init | objective | KV bytes/token | " + "decode ms/token (x base) | " * timed + " | ".join(
         "converted" if s == 0 else f"step {s}" for s in steps) + " | gap closed | minutes |" + cpu_col
-    lines = [head, "|" + ":--|" * 3 + "--:|" * (len(steps) + 3 + bool(cpu_col))]
+    lines = [head, "|" + ":--|" * 3 + "--:|" * (len(steps) + 3 + timed + bool(cpu_col))]
     if r["base"] is not None:
         kv = f"{r['base']['kv_bytes_per_token']:,}"
-        lines.append(f"| base | - | - | {kv} | {r['base']['val_ppl']:.2f} |" + " |" * (len(steps) + 1 + bool(cpu_col)))
-        lines.append(f"| control | - | next-token | {kv} | {ppl_cells(control)} | | {minutes('control')} |")
+        base_ms = (r.get("control_decode") or {}).get("base_ms_per_token")
+        ms = (f"{'-' if base_ms is None else f'{base_ms:.1f}'} | " if timed else "")
+        lines.append(f"| base | - | - | {kv} | {ms}"
+                     + f"{r['base']['val_ppl']:.2f} |" + " |" * (len(steps) + 1 + bool(cpu_col)))
+        lines.append(f"| control | - | next-token | {kv} | {decode(r.get('control_decode'))}"
+                     f"{ppl_cells(control)} | | {minutes('control')} |")
     grid: dict = {}
     for v in r["variants"]:
         grid.setdefault((v["target"], v["init"], v["objective"], v["kv_bytes_per_token"]), {})[v["steps"]] = v
@@ -659,7 +719,7 @@ def _table(cfg: HFUptrainConfig, r: dict, control: dict) -> tuple[str, list[str]
         last = row[max(row)]
         closed = last.get("gap_closed")
         key = f"{target}/{init}" + ("/distill" if objective == "distill" else "")
-        lines.append(f"| {target} | {init} | {objective} | {kv:,} | "
+        lines.append(f"| {target} | {init} | {objective} | {kv:,} | {decode(row[min(row)].get('decode'))}"
                      + ppl_cells({s: v["val_ppl"] for s, v in row.items()})
                      + f" | {'-' if closed is None else f'{closed:.0%}'} | {minutes(key)} |")
         if max(row) > 0 and 0 in row:

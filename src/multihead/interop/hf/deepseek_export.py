@@ -6,8 +6,10 @@ the converted model's weights; `save_pretrained` then writes a folder that
 `AutoModelForCausalLM.from_pretrained` loads with no multihead installed. Where the
 architecture can represent the conversion:
 
-Llama and Mistral without a sliding window; the kept rotary pairs as "longrope" factors;
-the latent RMSNorm's gain fitted on calibration tokens (the one approximation).
+Llama and Mistral without a sliding window; the kept rotary pairs as "longrope" factors
+(layers that keep different pairs, as the calibrated conversion does, share one wider RoPE
+key with `widen_rope=True`); the latent RMSNorm's gain fitted on calibration tokens (the
+one approximation).
 transformers is imported only inside `to_deepseek_v2` (it builds a model of its classes).
 
 Details: docs/mla.md, "What the DeepSeek-V2 export can represent".
@@ -23,7 +25,7 @@ from torch import Tensor, nn
 from multihead.interop.hf.layers import layer_inputs
 from multihead.interop.hf.mla import LatentLlamaAttention
 
-__all__ = ["latent_norm_fit", "to_deepseek_v2"]
+__all__ = ["latent_norm_fit", "rope_slots", "to_deepseek_v2"]
 
 _STATIC_ROPE = ("default", "linear", "llama3")
 
@@ -114,6 +116,44 @@ def latent_norm_fit(model: nn.Module, calibration: Tensor, *, ballast: bool = Tr
     return fits
 
 
+def rope_slots(model: nn.Module) -> tuple[Tensor, list[Tensor]]:
+    """The one RoPE key that holds every converted layer's rotary pairs: (freqs `(U,)`, the
+    frequency index of each of its U pairs, ascending; per layer, `(r/2,)` the pair of it
+    that each of the layer's own pairs goes to).
+
+    DeepSeek-V2 rotates pair s of its RoPE key at the same frequency in every layer, and a
+    pair's frequency is its own (permuting pairs moves them, it does not retune them), so a
+    layer's pairs fit only pairs of their frequency. U holds each frequency as often as the
+    layer that keeps it most often: U = r/2 when every layer keeps the same frequencies (in
+    any order), more when they differ; the pairs a layer does not keep get zero weights."""
+    layers = _layers(model)
+    need: dict[int, int] = {}
+    for layer in layers:
+        for f, n in zip(*layer.slot_freq.cpu().unique(return_counts=True)):
+            need[int(f)] = max(need.get(int(f), 0), int(n))
+    freqs = torch.tensor([f for f in sorted(need) for _ in range(need[f])], dtype=torch.long)
+    first = {f: int((freqs == f).nonzero()[0]) for f in need}  # where each frequency's run of pairs starts
+    places = []
+    for layer in layers:
+        used: dict[int, int] = {}
+        place = []
+        for f in layer.slot_freq.cpu().tolist():
+            place.append(first[f] + used.get(f, 0))
+            used[f] = used.get(f, 0) + 1
+        places.append(torch.tensor(place, dtype=torch.long))
+    return freqs, places
+
+
+def _widen(rows: Tensor, place: Tensor, u: int) -> Tensor:
+    """Rows `(..., r, C)` of a layer's RoPE key, half-split (pair j at j and r/2 + j), ->
+    `(..., 2u, C)` half-split rows of the shared key: pair j at place[j], zeros elsewhere."""
+    half = rows.shape[-2] // 2
+    out = rows.new_zeros(*rows.shape[:-2], 2 * u, rows.shape[-1])
+    out[..., place, :] = rows[..., :half, :]
+    out[..., place + u, :] = rows[..., half:, :]
+    return out
+
+
 def _interleave(rows: Tensor, r: int) -> Tensor:
     """The last r rows of each block, half-split (s, s + r/2) -> interleaved (2s, 2s+1)."""
     half = r // 2
@@ -121,7 +161,7 @@ def _interleave(rows: Tensor, r: int) -> Tensor:
     return rows[..., order, :]
 
 
-def to_deepseek_v2(model: nn.Module, *, calibration: Tensor, ballast: bool = True):
+def to_deepseek_v2(model: nn.Module, *, calibration: Tensor, ballast: bool = True, widen_rope: bool = False):
     """A transformers `DeepseekV2ForCausalLM` with the weights of `model` (module docstring).
 
     Args:
@@ -130,12 +170,19 @@ def to_deepseek_v2(model: nn.Module, *, calibration: Tensor, ballast: bool = Tru
         ballast: add the one latent feature that steadies the norm (`latent_norm_fit`): the
             cache then holds R + 1 + r values per token and layer (one more zero where
             that would start the RoPE key at an odd offset).
+        widen_rope: where the layers keep different rotary frequencies (the calibrated
+            conversion chooses them per layer), give the exported model one RoPE key wide
+            enough for every layer's (`rope_slots`): the same logits, a larger cache
+            (2U rotary values per token and layer instead of rope_dim). Without it such a
+            model is refused, and the error says how much larger.
 
     Returns:
         the DeepSeek-V2 model, in `model`'s dtype and in eval mode; `save_pretrained` it.
     """
     import transformers
 
+    if not isinstance(widen_rope, bool):
+        raise TypeError(f"widen_rope must be a bool; received {type(widen_rope).__name__}")
     layers = _check(model)
     fits = latent_norm_fit(model, calibration, ballast=ballast)
     extra = len(fits[0][1])  # the ballast feature and an even-offset zero
@@ -145,17 +192,22 @@ def to_deepseek_v2(model: nn.Module, *, calibration: Tensor, ballast: bool = Tru
     # DeepSeek views q_pe / k_pe as complex pairs, which needs q_pe to start at an even offset:
     # an odd nope width (1, the zero feature of a fully rotary conversion) gets one more zero
     pad = Dn % 2
-    ratio = math.sqrt((Dn + pad + r) / (Dn + r))  # DeepSeek's scale is 1/sqrt(Dn + pad + r): undone on q
+    slots, places = rope_slots(model)
+    u = len(slots)
+    if u > r // 2 and not widen_rope:
+        raise ValueError(
+            f"to_deepseek_v2: the layers keep different rotary frequencies ({u} distinct pairs over the "
+            f"{len(layers)} layers, {r // 2} in each), and DeepSeek-V2 rotates each pair of its RoPE key at one "
+            "frequency in every layer (a permutation of a layer's pairs cannot change their frequencies); valid: "
+            f"widen_rope=True, which exports the same model with a RoPE key of {2 * u} dims instead of {r} "
+            f"({2 * u - r} more cached values per token and layer), or a model converted with keep='high'")
+    wide = 2 * u  # qk_rope_head_dim: r, or wider to hold every layer's frequencies
+    ratio = math.sqrt((Dn + pad + wide) / (Dn + r))  # DeepSeek's scale is 1/sqrt(Dn + pad + wide): undone on q
     inv_freq = model.model.rotary_emb.inv_freq.detach().double().cpu()  # (D/2,) the original frequencies
-    freqs = inv_freq[layers[0].slot_freq.cpu()]  # (r/2,)
+    freqs = inv_freq[slots]  # (u,)
     base = 10000.0
-    # longrope: inv_freq = 1 / (factor_s * base ** (2s / r)), so factor_s = 1 / (freq_s * base ** (2s / r))
-    factors = (1.0 / (freqs * base ** (torch.arange(0, r, 2, dtype=torch.float64) / r))).tolist()
-    for layer in layers[1:]:
-        if not torch.equal(layer.slot_freq, layers[0].slot_freq):
-            raise ValueError("to_deepseek_v2: the layers keep different rotary pairs, and DeepSeek-V2 has one RoPE "
-                             "for all layers; valid: a model converted with keep='high', or with pairs equal in "
-                             "every layer")
+    # longrope: inv_freq = 1 / (factor_s * base ** (2s / wide)), so factor_s = 1 / (freq_s * base ** (2s / wide))
+    factors = (1.0 / (freqs * base ** (torch.arange(0, wide, 2, dtype=torch.float64) / wide))).tolist()
     bias = any(m.mla.kv_a_proj.bias is not None or m.mla.o_proj.bias is not None for m in layers)
     config = transformers.DeepseekV2Config(
         vocab_size=src.vocab_size, hidden_size=src.hidden_size, intermediate_size=src.intermediate_size,
@@ -163,7 +215,7 @@ def to_deepseek_v2(model: nn.Module, *, calibration: Tensor, ballast: bool = Tru
         hidden_act=src.hidden_act, max_position_embeddings=src.max_position_embeddings,
         rms_norm_eps=src.rms_norm_eps, tie_word_embeddings=bool(getattr(src, "tie_word_embeddings", False)),
         attention_bias=bias, attention_dropout=0.0, mlp_bias=bool(getattr(src, "mlp_bias", False)),
-        kv_lora_rank=R + extra, q_lora_rank=None, qk_nope_head_dim=Dn + pad, qk_rope_head_dim=r, v_head_dim=Dv,
+        kv_lora_rank=R + extra, q_lora_rank=None, qk_nope_head_dim=Dn + pad, qk_rope_head_dim=wide, v_head_dim=Dv,
         first_k_dense_replace=src.num_hidden_layers, n_routed_experts=1, n_shared_experts=1,
         num_experts_per_tok=1, moe_intermediate_size=1, n_group=1, topk_group=1,
         rope_parameters={"rope_type": "longrope", "rope_theta": base, "short_factor": factors,
@@ -176,19 +228,22 @@ def to_deepseek_v2(model: nn.Module, *, calibration: Tensor, ballast: bool = Tru
     state = {k: v for k, v in model.state_dict().items() if ".self_attn." not in k}
     missing, _ = out.load_state_dict(state, strict=False)
     with torch.no_grad():
-        for i, (layer, (gain, more)) in enumerate(zip(layers, fits)):
+        for i, (layer, (gain, more), place) in enumerate(zip(layers, fits, places)):
             m, dst = layer.mla, out.model.layers[i].self_attn
+
+            def pe(rows: Tensor, place=place) -> Tensor:  # the layer's RoPE rows in the shared key's pairs
+                return _interleave(_widen(rows, place, u), wide)
+
             q = m.q_proj.weight.view(H, Dn + r, -1) * ratio
             zeros = q.new_zeros(H, pad, q.shape[-1])
-            q = torch.cat([q[:, :Dn], zeros, _interleave(q[:, Dn:], r)], dim=1)  # (H, Dn + pad + r, C)
-            dst.q_proj.weight.copy_(q.reshape(H * (Dn + pad + r), -1))
+            q = torch.cat([q[:, :Dn], zeros, pe(q[:, Dn:])], dim=1)  # (H, Dn + pad + wide, C)
+            dst.q_proj.weight.copy_(q.reshape(H * (Dn + pad + wide), -1))
             a = m.kv_a_proj.weight
-            dst.kv_a_proj_with_mqa.weight.copy_(torch.cat([a[:R], more, _interleave(a[R:], r)]))  # (R + E + r, C)
+            dst.kv_a_proj_with_mqa.weight.copy_(torch.cat([a[:R], more, pe(a[R:])]))  # (R + E + wide, C)
             if dst.kv_a_proj_with_mqa.bias is not None:
                 b = m.kv_a_proj.bias
                 dst.kv_a_proj_with_mqa.bias.copy_(torch.zeros_like(dst.kv_a_proj_with_mqa.bias) if b is None else
-                                                  torch.cat([b[:R], b.new_zeros(extra),
-                                                             _interleave(b[R:, None], r)[:, 0]]))
+                                                  torch.cat([b[:R], b.new_zeros(extra), pe(b[R:, None])[:, 0]]))
             dst.kv_a_layernorm.weight.fill_(gain)
             kv = m.kv_b_proj.weight.view(H, Dn + Dv, R)
             kv = torch.cat([kv[:, :Dn], kv.new_zeros(H, pad, R), kv[:, Dn:]], dim=1)  # (H, Dn + pad + Dv, R)
