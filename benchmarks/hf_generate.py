@@ -170,18 +170,22 @@ def paired_steps(model, prompt: torch.Tensor, new_tokens: int, rounds: int, cont
     (`clock`) and the process's CPU time. From the two, the generate ratio they add up to:
     (prefill + new_tokens x step) under multihead over the same under sdpa."""
     from transformers import AttentionInterface
-    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
     impls = ["sdpa", "multihead"] + ([CONTROL] if control else [])
     fns = {impl: ALL_ATTENTION_FUNCTIONS[impl] for impl in impls}
+    builders = {impl: ALL_MASK_ATTENTION_FUNCTIONS[impl] for impl in impls}
     chosen = {"fn": fns["sdpa"], "impl": "sdpa", "t0": 0.0, "c0": 0.0, "decode": False}
 
     def switch(module, *args, **kwargs):
         return chosen["fn"](module, *args, **kwargs)
 
+    def switch_mask(*args, **kwargs):  # each implementation's own mask builder (a forward builds its masks once)
+        return builders[chosen["impl"]](*args, **kwargs)
+
     AttentionInterface.register(SWITCH, switch)
-    AttentionMaskInterface.register(SWITCH, sdpa_mask)  # what "multihead" and "sdpa" build for a causal LM
+    AttentionMaskInterface.register(SWITCH, switch_mask)
     cycle = _cycle(impls)
     step = {"i": 0}
     taken: list[tuple[str, float, float]] = []  # (implementation, wall, CPU) of each decode step of a generate
