@@ -8,6 +8,9 @@ and where multihead's per-layer microseconds go (fp32, CPU, B = 1).
     .venv/bin/python benchmarks/hf_generate.py --model smollm2 --rounds 9 --control  # with an A/A control
     .venv/bin/python benchmarks/hf_generate.py --model smollm2 --rounds 9 --control --generate-only  # the target
       (whole generates and the step-by-step comparison only: about 5 minutes on a quiet 2-core machine)
+    .venv/bin/python benchmarks/hf_generate.py --model gemma3 --prompt 4096 --rounds 2 --step-rounds 3 \
+        --prefill-rounds 0 --control --generate-only --cache --json benchmarks/results/hf_generate_gemma3_4k.json
+      (a prompt past Gemma 3's 512-token window: the windowed layers' caches roll; the cache's bytes)
 
 One random-init Llama (--layers, --heads query heads, --kv-heads KV heads) generates
 --new-tokens tokens greedily from the same prompt under each implementation, switched
@@ -21,7 +24,7 @@ generate is timed by wall time and by the process's CPU time, with the load aver
 each round.
 
 Then the same ratio at a finer grain (`paired_steps`, skipped with --step-rounds 0): one
-implementation name whose function is chosen per forward, so the implementations take
+implementation name whose function (and mask builder) is chosen per forward, so the implementations take
 turns step by step inside each generate (A B B A over consecutive decode steps, every
 rotation in turn with the control; the same over forwards of the prompt for the prefill):
 two compared steps lie milliseconds apart, not seconds, so the machine's drift and load hit
