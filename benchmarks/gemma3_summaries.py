@@ -10,7 +10,8 @@ heap does not count against the next: the model is loaded, the peak resident set
 `summaries(loaded, text, max_tokens=T)` runs on every head (top-8 keys, no patterns); the
 peak above the model is VmHWM after the call minus VmRSS before it (what torch allocates
 outside Python's heap, which tracemalloc does not see, included), with the resident size
-sampled every second beside it (where in the pass the peak lies). Reported beside it: wall
+sampled every second beside it (where in the pass the peak lies; every 10th sample kept, and
+those within 10% of the largest). Reported beside it: wall
 and CPU seconds, the load average before and after, and a few of the summaries (per kind of
 layer: entropy, mean distance, first-token mass), so a run can be checked against the
 8,192-token table of docs/gemma3.md.
@@ -102,7 +103,13 @@ def one(tokens: int, threads: int) -> dict:
             "peak_mib_above_model": None if peak is None or base is None else (peak - base) / 1024,
             "peak_method": "VmHWM after clear_refs minus VmRSS before the call" if known else None,
             "load_before": load_before, "load_after": os.getloadavg(), "by_layer_kind": means,
-            "rss_trace_mib_above_model": trace if base is not None else None}
+            "rss_trace_mib_above_model": _thin(trace) if base is not None else None}
+
+
+def _thin(trace: list[tuple[float, float]], every: int = 10) -> list[tuple[float, float]]:
+    """Every `every`-th sample, and every sample within 10% of the largest (where the peak lies)."""
+    top = max((mib for _, mib in trace), default=0.0)
+    return [x for i, x in enumerate(trace) if i % every == 0 or x[1] >= 0.9 * top]
 
 
 def main(argv=None) -> int:
