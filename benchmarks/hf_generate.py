@@ -8,6 +8,9 @@ and where multihead's per-layer microseconds go (fp32, CPU, B = 1).
     .venv/bin/python benchmarks/hf_generate.py --model smollm2 --rounds 9 --control  # with an A/A control
     .venv/bin/python benchmarks/hf_generate.py --model smollm2 --rounds 9 --control --generate-only  # the target
       (whole generates and the step-by-step comparison only: about 5 minutes on a quiet 2-core machine)
+    .venv/bin/python benchmarks/hf_generate.py --model gemma3 --prompt 4096 --rounds 2 --step-rounds 3 \
+        --prefill-rounds 0 --control --generate-only --cache --json benchmarks/results/hf_generate_gemma3_4k.json
+      (a prompt past Gemma 3's 512-token window: the windowed layers' caches roll; the cache's bytes)
 
 One random-init Llama (--layers, --heads query heads, --kv-heads KV heads) generates
 --new-tokens tokens greedily from the same prompt under each implementation, switched
@@ -21,7 +24,7 @@ generate is timed by wall time and by the process's CPU time, with the load aver
 each round.
 
 Then the same ratio at a finer grain (`paired_steps`, skipped with --step-rounds 0): one
-implementation name whose function is chosen per forward, so the implementations take
+implementation name whose function (and mask builder) is chosen per forward, so the implementations take
 turns step by step inside each generate (A B B A over consecutive decode steps, every
 rotation in turn with the control; the same over forwards of the prompt for the prefill):
 two compared steps lie milliseconds apart, not seconds, so the machine's drift and load hit
@@ -159,29 +162,35 @@ def _cycle(impls: list[str]) -> list[str]:
     return [impl for i in range(len(impls)) for impl in impls[i:] + impls[:i]]
 
 
-def paired_steps(model, prompt: torch.Tensor, new_tokens: int, rounds: int, control: bool = False) -> dict:
+def paired_steps(model, prompt: torch.Tensor, new_tokens: int, rounds: int, control: bool = False,
+                 prefill_rounds: int | None = None) -> dict:
     """The generate ratio at a finer grain: the implementations take turns step by step inside
     one generate (A B B A over consecutive decode steps: one registered function that calls the
     one chosen for the step), so the seconds between two compared steps are milliseconds, not
     the seconds between two whole generates, and a change of the machine's load hits both
     alike. Per cycle, each implementation's mean step time; the ratios to sdpa paired per
     cycle; medians over every cycle of `rounds` generates. The prompt's forward (the prefill)
-    the same way: cycles of `model(prompt)`, `rounds` of them. Both by wall time
+    the same way: cycles of `model(prompt)`, `prefill_rounds` of them (default `rounds`; 0: none,
+    and no generate estimate). Both by wall time
     (`clock`) and the process's CPU time. From the two, the generate ratio they add up to:
     (prefill + new_tokens x step) under multihead over the same under sdpa."""
     from transformers import AttentionInterface
-    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
     impls = ["sdpa", "multihead"] + ([CONTROL] if control else [])
     fns = {impl: ALL_ATTENTION_FUNCTIONS[impl] for impl in impls}
+    builders = {impl: ALL_MASK_ATTENTION_FUNCTIONS[impl] for impl in impls}
     chosen = {"fn": fns["sdpa"], "impl": "sdpa", "t0": 0.0, "c0": 0.0, "decode": False}
 
     def switch(module, *args, **kwargs):
         return chosen["fn"](module, *args, **kwargs)
 
+    def switch_mask(*args, **kwargs):  # each implementation's own mask builder (a forward builds its masks once)
+        return builders[chosen["impl"]](*args, **kwargs)
+
     AttentionInterface.register(SWITCH, switch)
-    AttentionMaskInterface.register(SWITCH, sdpa_mask)  # what "multihead" and "sdpa" build for a causal LM
+    AttentionMaskInterface.register(SWITCH, switch_mask)
     cycle = _cycle(impls)
     step = {"i": 0}
     taken: list[tuple[str, float, float]] = []  # (implementation, wall, CPU) of each decode step of a generate
@@ -228,7 +237,8 @@ def paired_steps(model, prompt: torch.Tensor, new_tokens: int, rounds: int, cont
                 for which, name in ((1, "wall"), (2, "cpu")):
                     step_cycles[name] += cycles_of(taken, which)
                 loads.append(os.getloadavg()[0])
-            for r in range(rounds + 1):  # the prompt's forward, in the same cycles
+            prefill_rounds = rounds if prefill_rounds is None else prefill_rounds
+            for r in range(prefill_rounds + 1 if prefill_rounds else 0):  # the prompt's forward, in the same cycles
                 rows = []
                 for impl in cycle:
                     chosen["impl"], chosen["fn"] = impl, fns[impl]
@@ -253,13 +263,43 @@ def paired_steps(model, prompt: torch.Tensor, new_tokens: int, rounds: int, cont
 
     out = {"new_tokens": new_tokens, "rounds": rounds, "same_tokens_every_round": same, "load_per_round": loads}
     for clock_name in ("wall", "cpu"):
-        d, p = summary(step_cycles[clock_name]), summary(prefill_cycles[clock_name])
+        d = summary(step_cycles[clock_name])
+        if not prefill_cycles[clock_name]:
+            out[clock_name] = {"decode_step": d, "prefill": None, "generate_ratio_estimate": None}
+            continue
+        p = summary(prefill_cycles[clock_name])
         est = {}
         for impl in impls[1:]:
             a = p["seconds"]["sdpa"] + new_tokens * d["seconds"]["sdpa"]
             est[impl] = (p["seconds"]["sdpa"] * p[f"{impl}_ratio"] + new_tokens * d["seconds"]["sdpa"]
                          * d[f"{impl}_ratio"]) / a
         out[clock_name] = {"decode_step": d, "prefill": p, "generate_ratio_estimate": est}
+    return out
+
+
+def cache_bytes(model, prompt: torch.Tensor, new_tokens: int, impls: list[str]) -> dict:
+    """The K/V cache a greedy generate leaves under each implementation (transformers' own cache
+    in both: "multihead" changes the attention function, not the cache): bytes of keys and
+    values per layer and in all, the keys each layer holds, and what a cache holding every
+    position in every layer would take (a sliding-window layer's cache rolls: it keeps the
+    window's keys only)."""
+    out = {}
+    for impl in impls:
+        model.set_attn_implementation(impl)
+        with torch.no_grad():
+            res = model.generate(prompt, max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False,
+                                 return_dict_in_generate=True)
+        cache = res.past_key_values
+        layers = []
+        for layer in cache.layers:
+            k, v = layer.keys, layer.values  # (B, Hkv, S, D)
+            layers.append({"kind": type(layer).__name__, "keys": int(k.shape[2]), "bytes": k.nbytes + v.nbytes})
+        per_position = [(layer.keys.nbytes + layer.values.nbytes) // max(1, layer.keys.shape[2])
+                        for layer in cache.layers]
+        positions = res.sequences.shape[1] - 1  # the last token is generated, not yet cached
+        out[impl] = {"bytes": sum(x["bytes"] for x in layers), "layers": layers,
+                     "every_position_bytes": sum(per_position) * positions, "positions": positions}
+    model.set_attn_implementation("sdpa")
     return out
 
 
@@ -467,6 +507,12 @@ def main(argv=None) -> int:
                          "an identical implementation reads on this machine (the noise floor of the ratio)")
     ap.add_argument("--step-rounds", type=int, default=None,
                     help="generates of the step-by-step comparison (`paired_steps`; default: --rounds; 0: skip it)")
+    ap.add_argument("--prefill-rounds", type=int, default=None,
+                    help="cycles of prompt forwards in the step-by-step comparison (default: --step-rounds; 0: skip "
+                         "them, and the generate estimate: a long prompt's prefill is benchmarks/gemma3_prefill.py's)")
+    ap.add_argument("--cache", action="store_true",
+                    help="also report the K/V cache a generate leaves under each implementation (bytes per layer, "
+                         "against a cache of every position in every layer)")
     ap.add_argument("--quick", action="store_true", help="2 layers, 64-token prompt, 8 new tokens, 2 rounds")
     ap.add_argument("--json", default=str(Path(__file__).resolve().parent / "results" / "hf_generate.json"))
     a = ap.parse_args(argv)
@@ -499,7 +545,9 @@ def main(argv=None) -> int:
         register_control()
     gen = time_generate(model, prompt, a.new_tokens, a.rounds, control=a.control)
     step_rounds = a.rounds if a.step_rounds is None else a.step_rounds
-    steps = paired_steps(model, prompt, a.new_tokens, step_rounds, control=a.control) if step_rounds else None
+    steps = paired_steps(model, prompt, a.new_tokens, step_rounds, control=a.control,
+                         prefill_rounds=a.prefill_rounds) if step_rounds else None
+    cache = cache_bytes(model, prompt, a.new_tokens, ["sdpa", "multihead"]) if a.cache else None
     call = cold = loop = None
     if not a.generate_only:
         call = per_call(model, a.prompt + a.new_tokens // 2, a.calls, max(2, a.rounds // 2))
@@ -512,6 +560,8 @@ def main(argv=None) -> int:
                          "layers": a.layers, "heads": a.heads, "kv_heads": a.kv_heads, "width": a.width,
                          "prompt": a.prompt, "new_tokens": a.new_tokens, "rounds": a.rounds},
               "generate": gen, "paired_steps": steps, "per_call": call, "per_call_cold": cold, "in_loop": loop}
+    if cache is not None:
+        report["cache"] = cache
     s = gen["seconds"]
     print(f"greedy generate, {a.model or 'random'} {a.layers}-layer Llama, H={a.heads}, Hkv={a.kv_heads}, C={a.width}, "
           f"{a.prompt}-token prompt, {a.new_tokens} new tokens, {a.threads} thread(s), medians of {a.rounds} rounds\n")
@@ -536,12 +586,24 @@ def main(argv=None) -> int:
             part = steps[name]
             for what in ("decode_step", "prefill"):
                 row = part[what]
+                if row is None:
+                    continue
                 print(f"| {name} | {what.replace('_', ' ')} | "
                       + " | ".join(f"{row[f'{i}_ratio']:.4f}" for i in ("multihead", CONTROL)[:1 + a.control])
                       + f" | {row['cycles']} |")
             est = part["generate_ratio_estimate"]
+            if est is None:
+                continue
             print(f"| {name} | generate (prefill + {steps['new_tokens']} steps) | "
                   + " | ".join(f"{est[i]:.4f}" for i in ("multihead", CONTROL)[:1 + a.control]) + " | |")
+    if cache is not None:
+        print("\nthe K/V cache after the generate (transformers' own, under each implementation):")
+        print("| implementation | MiB | a cache of every position in every layer, MiB | keys per layer |\n"
+              "|---|---:|---:|---|")
+        for impl, c in cache.items():
+            keys = sorted({x["keys"] for x in c["layers"]})
+            print(f"| {impl} | {c['bytes'] / 2**20:.1f} | {c['every_position_bytes'] / 2**20:.1f} | "
+                  f"{', '.join(map(str, keys))} |")
     if call is None:
         print(f"\nwrote {write_json(a.json, report)}")
         return 0

@@ -44,3 +44,25 @@ def test_hf_generate_benchmark_quick(tmp_path):
             "sdpa: attention function", "sdpa: torch's fused kernel"} <= set(loop["us_per_call"])
     parts = loop["us_per_call"]  # the kernel and the check run inside the function that times them all
     assert parts["multihead: attention function"] > parts["multihead: torch's fused kernel"]
+
+
+def test_hf_generate_benchmark_cache_bytes_and_no_prefill_cycles(tmp_path):
+    """--cache reports the K/V cache a generate leaves (the random Llama holds every position in
+    every layer: 2 layers x (64 + 8 - 1) positions x Hkv 2 x D 32 x K and V x 4 bytes), the same
+    under both implementations; --prefill-rounds 0 leaves out the prefill cycles and the estimate."""
+    out = tmp_path / "hf_generate.json"
+    env = dict(os.environ, OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1")
+    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "hf_generate.py"), "--quick", "--generate-only",
+                           "--cache", "--prefill-rounds", "0", "--json", str(out)],
+                          capture_output=True, text=True, timeout=300, cwd=ROOT, env=env)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    report = json.loads(out.read_text())
+    expect = 2 * (64 + 8 - 1) * 2 * 32 * 2 * 4
+    for impl in ("sdpa", "multihead"):
+        cache = report["cache"][impl]
+        assert cache["bytes"] == cache["every_position_bytes"] == expect
+        assert [x["keys"] for x in cache["layers"]] == [64 + 8 - 1] * 2
+    for clock in ("wall", "cpu"):
+        assert report["paired_steps"][clock]["prefill"] is None
+        assert report["paired_steps"][clock]["generate_ratio_estimate"] is None
+        assert report["paired_steps"][clock]["decode_step"]["multihead_ratio"] > 0

@@ -146,10 +146,13 @@ def layer_statistics(query: Tensor, key: Tensor, acc: RowSums, heads: list[int],
     h = len(heads)
     # Every head asked: the G query heads of a K/V head are folded into the rows of one
     # matmul (as `kernels.common.fold_scores`), K used as it is; a subset: each head's K/V head.
-    folded = G > 1 and list(heads) == list(range(H))
-    q = query[0, heads].to(acc_t) * scale  # (h, T, D): the scale applied once, not on every block
+    every = list(heads) == list(range(H))
+    folded = G > 1 and every
+    # The queries are scaled a block of rows at a time, as each block is copied for its product
+    # anyway: a scaled copy of all of them would add (h, T, D) beside the model's own (128 MiB
+    # for Gemma 3 at 32K tokens).
+    q = query[0] if every else query[0, heads]  # (h, T, D)
     if folded:
-        q = q.view(Hkv, G, T, D)
         kT = key[0].to(acc_t).transpose(-2, -1)  # (Hkv, D, S)
     else:
         kT = key[0, [x // G for x in heads]].to(acc_t).transpose(-2, -1)  # (h, D, S)
@@ -173,10 +176,12 @@ def layer_statistics(query: Tensor, key: Tensor, acc: RowSums, heads: list[int],
             else:
                 k0, k1, runs, allowed, bias = _block_mask(mask, causal, t0, t1, T, S, b_idx, h_idx)
             w = k1 - k0
+            rows = q[:, t0:t1].to(acc_t) * scale  # (h, t, D), in the queries' layout
             if folded:
-                scores = torch.matmul(q[:, :, t0:t1].reshape(Hkv, G * t, D), kT[..., k0:k1]).view(h, t, w)
+                scores = torch.matmul(rows.reshape(Hkv, G * t, D), kT[..., k0:k1]).view(h, t, w)
             else:
-                scores = torch.matmul(q[:, t0:t1], kT[..., k0:k1])  # (h, t, w)
+                scores = torch.matmul(rows, kT[..., k0:k1])  # (h, t, w)
+            del rows
             if score_mod is not None:
                 scores = score_mod.apply(scores[None], b_idx, h_idx, index(t, 2, dev, t0), index(w, 3, dev, k0),
                                          S - T)[0]
@@ -331,15 +336,16 @@ class _LayerProgress:
 class _Observer:
     """Given to the registry as `multihead_observer=`: summarises each asked layer as it runs."""
 
-    def __init__(self, modules: dict[int, int], make_acc: Callable[[int], RowSums], heads: list[int],
-                 block_elements: int, progress: _LayerProgress, stop: bool):
+    def __init__(self, modules: dict[int, int], make_acc: Callable[[int], RowSums], finish: Callable,
+                 heads: list[int], block_elements: int, progress: _LayerProgress, stop: bool):
         self.modules = modules  # id(module) -> position in `layers`
         self.make_acc = make_acc
+        self.finish = finish  # (position, its sums) -> the layer's results, the sums dropped
         self.heads = heads
         self.block_elements = block_elements
         self.progress = progress
         self.stop = stop
-        self.done: dict[int, RowSums] = {}
+        self.done: dict[int, dict] = {}
 
     def observe(self, module, query, key, *, mask, causal, scale, score_mod, sinks) -> None:
         li = self.modules.get(id(module))
@@ -348,9 +354,9 @@ class _Observer:
         if isinstance(mask, MaskMod):
             mask.check(query.shape[0], query.shape[1], query.shape[2], key.shape[2])
         _release_free_memory()
-        self.done[li] = layer_statistics(query, key, self.make_acc(li), self.heads, mask=mask, causal=causal,
-                                         scale=scale, score_mod=score_mod, sinks=sinks,
-                                         block_elements=self.block_elements)
+        self.done[li] = self.finish(li, layer_statistics(query, key, self.make_acc(li), self.heads, mask=mask,
+                                                         causal=causal, scale=scale, score_mod=score_mod,
+                                                         sinks=sinks, block_elements=self.block_elements))
         _release_free_memory()
         self.progress.step()
         if self.stop and len(self.done) == len(self.modules):
@@ -451,12 +457,27 @@ def _summarise(lm, text_or_ids, *, layers, heads, max_tokens, top_k, patterns, g
         g = grid if any((layers[li], x) in want for x in heads) else 0
         return RowSums(h, ctx, top_k=top_k, grid=g, transformer_lens=transformer_lens, device=device)
 
+    out_patterns: dict[tuple[int, int], Tensor] = {}
+
+    def finish(li: int, acc: RowSums) -> dict[str, Tensor]:
+        """Layer li's results, its top-k keys and patterns copied out as soon as it is done, so
+        that one layer's sums (top-k arrays and per-row weights: 10 MiB a layer of Gemma 3 at
+        32K tokens) are held at a time, not every layer's until the end."""
+        if top_k:
+            top_index[li] = acc.top_index.cpu()
+            top_weight[li] = acc.top_weight.cpu()
+        if acc.pattern is not None:
+            for hi, head in enumerate(heads):
+                if (layers[li], head) in want:
+                    out_patterns[(layers[li], head)] = acc.pattern[hi].cpu()
+        return acc.result()
+
     bar = _LayerProgress(L, progress)
-    done: dict[int, RowSums] = {}
+    done: dict[int, dict[str, Tensor]] = {}
     from_weights = []
     try:
         if isinstance(lm, HFModel):
-            done = _run_hf(lm, batch, layers, heads, make_acc, block_elements, bar)
+            done = _run_hf(lm, batch, layers, heads, make_acc, finish, block_elements, bar)
         for li, layer in enumerate(layers):  # layers the observer did not reach: from their weights
             if li in done:
                 continue
@@ -467,23 +488,13 @@ def _summarise(lm, text_or_ids, *, layers, heads, max_tokens, top_k, patterns, g
             for t0 in range(0, T, rows):
                 acc.add(weights[:, t0:t0 + rows], t0)
             del weights
-            done[li] = acc
+            done[li] = finish(li, acc)
+            del acc
             bar.step()
     finally:
         bar.close()
 
-    per_layer = []
-    out_patterns: dict[tuple[int, int], Tensor] = {}
-    for li in range(L):
-        acc = done.pop(li)
-        per_layer.append(acc.result())
-        if top_k:
-            top_index[li] = acc.top_index.cpu()
-            top_weight[li] = acc.top_weight.cpu()
-        if acc.pattern is not None:
-            for hi, head in enumerate(heads):
-                if (layers[li], head) in want:
-                    out_patterns[(layers[li], head)] = acc.pattern[hi].cpu()
+    per_layer = [done.pop(li) for li in range(L)]
     scores = {name: torch.stack([d[name] for d in per_layer]) for name in per_layer[0]}
     meta = {**meta, "summaries": {"block_elements": block_elements, "top_k": top_k, "grid": grid,
                                   "layers_from_weights": from_weights}}
@@ -507,16 +518,17 @@ def _pattern_heads(patterns, layers: list[int], heads: list[int]) -> set[tuple[i
     return want
 
 
-def _run_hf(lm, batch: Tensor, layers: list[int], heads: list[int], make_acc, block_elements: int,
-            bar: _LayerProgress) -> dict[int, RowSums]:
-    """One forward of `lm.model` with the observer; returns {position in layers: sums}."""
+def _run_hf(lm, batch: Tensor, layers: list[int], heads: list[int], make_acc, finish, block_elements: int,
+            bar: _LayerProgress) -> dict[int, dict[str, Tensor]]:
+    """One forward of `lm.model` with the observer; returns {position in layers: `finish`'s results}."""
     from multihead.interop.hf import CaptureComplete
     from multihead.interop.hf.registry import OBSERVER_KEYWORD
 
     device = next(lm.model.parameters()).device
     ids = batch.to(device)
     modules = {id(lm.layers[layer]): li for li, layer in enumerate(layers)}
-    observer = _Observer(modules, lambda li: make_acc(li, device=device), heads, block_elements, bar, stop=True)
+    observer = _Observer(modules, lambda li: make_acc(li, device=device), finish, heads, block_elements, bar,
+                         stop=True)
     inputs = {"input_ids": ids, "attention_mask": torch.ones_like(ids)}
     if lm.encoder_decoder:  # as a capture reads it: the text on both sides
         inputs["decoder_input_ids"] = ids

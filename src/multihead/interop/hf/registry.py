@@ -103,15 +103,24 @@ def multihead_mask(batch_size: int, q_length: int, kv_length: int, q_offset=0, k
     plans its tiles in Python per call, which dynamo cannot trace), and a mask `generate`
     builds ahead of the forward for a static cache (`_built_for_generate`), which it hands
     back to the forward as `attention_mask`, where transformers reads it as a tensor.
+    Where such a layer's window cuts nothing (a decode step over a sliding-window cache, a
+    prefill no longer than the window) and there is no padding, the mask is None, as
+    transformers' own is for a layer without a window (`_plain_causal`): the decode steps
+    then take the kernel's plain path.
     """
     from transformers.masking_utils import and_masks, padding_mask_function, prepare_padding_mask, sdpa_mask
 
     index_based = not use_vmap and not isinstance(q_offset, Tensor) and not isinstance(kv_offset, Tensor)
     if local_size is None or q_length == 1 or kv_length <= local_size or not index_based or mask_function is None \
             or torch.compiler.is_compiling() or _built_for_generate():
-        return sdpa_mask(batch_size=batch_size, q_length=q_length, kv_length=kv_length, q_offset=q_offset,
+        mask = sdpa_mask(batch_size=batch_size, q_length=q_length, kv_length=kv_length, q_offset=q_offset,
                          kv_offset=kv_offset, mask_function=mask_function, attention_mask=attention_mask,
                          local_size=local_size, use_vmap=use_vmap, **kwargs)
+        if local_size is not None and (q_length == 1 or kv_length <= local_size) \
+                and kwargs.get("allow_is_causal_skip", True) and not torch.compiler.is_compiling() \
+                and _plain_causal(mask) and not _built_for_generate():
+            return None  # the attention function applies the layer's causality itself, on the plain path
+        return mask
     padding = prepare_padding_mask(attention_mask, kv_length, kv_offset)
     fn = mask_function if padding is None else and_masks(mask_function, padding_mask_function(padding))
     q0, kv0 = int(q_offset), int(kv_offset)
@@ -120,6 +129,25 @@ def multihead_mask(batch_size: int, q_length: int, kv_length: int, q_offset=0, k
         return fn(b, h, q_idx + q0, kv_idx + kv0)
 
     return from_flex(predicate, f"transformers local attention ({local_size})")
+
+
+def _plain_causal(mask) -> bool:
+    """Whether `mask` (B, 1, T, S), bool, lets each query see exactly the keys that causality
+    alone would (bottom-right): every key for one query (a decode step whose window holds the
+    whole cache, as a sliding-window layer's cache does), or the lower triangle for T == S (a
+    prefill no longer than the window). transformers skips such a mask (None) only below the
+    window's size; from it on it builds one, and a mask sends every call off the kernel's
+    plain path (its checks and dispatch, ~50 us a call on a CPU decode step). One reduction
+    and one read-back per mask, once per forward for all the layers that share it."""
+    if not isinstance(mask, Tensor) or mask.dtype != torch.bool or mask.dim() != 4 or mask.shape[1] != 1:
+        return False
+    T, S = mask.shape[2], mask.shape[3]
+    if T == 1:
+        return bool(mask.all())
+    if T != S:
+        return False
+    causal = torch.ones(T, S, dtype=torch.bool, device=mask.device).tril_()  # (T, S)
+    return bool(torch.equal(mask, causal.expand_as(mask)))
 
 
 # transformers' function that builds a model's masks ahead of its forward, for `generate` with a
