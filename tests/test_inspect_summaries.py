@@ -131,6 +131,40 @@ def test_summaries_equal_eager(name, tok):
         assert int(back[got.top_index >= 0].max()) < 64
 
 
+@pytest.mark.parametrize("name", ["llama", "gpt2"])
+def test_a_long_forward_runs_each_mlp_in_chunks_with_the_same_summaries(name, tok, monkeypatch):
+    """Past `MLP_ROWS` positions each `mlp` runs a chunk of positions at a time (the same
+    statistics as one call over all of them), and every MLP is put back, also after a raise."""
+    from multihead.inspect import stream
+
+    model = _model(name, len(tok))
+    ids = _ids(N)
+    whole = summaries((model, tok), ids, progress=False)
+    mlps = [m for n, m in model.named_modules() if n.endswith(".mlp")]
+    assert mlps
+    down = [m.down_proj if hasattr(m, "down_proj") else m.c_proj for m in mlps]
+    calls = []
+    handles = [d.register_forward_pre_hook(lambda mod, args: calls.append(args[0].shape[1])) for d in down]
+    monkeypatch.setattr(stream, "MLP_ROWS", 96)  # the chunk shrunk so that 256 positions take three
+    chunked = summaries((model, tok), ids, progress=False)
+    for h in handles:
+        h.remove()
+    # the forward stops once the last layer's attention is summarised, so the MLPs before it run
+    assert calls[-3:] == [96, 96, 64] and max(calls) == 96
+    for stat, want in whole.scores.items():
+        assert torch.allclose(chunked.scores[stat], want, rtol=0, atol=1e-6), stat
+    assert all("forward" not in vars(m) for m in mlps)
+
+    def fail(mod, args):  # in a chunk of the long forward, not in the loader's short check
+        if args[0].shape[1] == 96:
+            raise RuntimeError("a fault inside the MLP")
+    handle = down[0].register_forward_pre_hook(fail)
+    with pytest.raises(RuntimeError, match="a fault inside the MLP"):
+        summaries((model, tok), ids, progress=False)
+    handle.remove()
+    assert all("forward" not in vars(m) for m in mlps)
+
+
 def test_summaries_block_sums_on_synthetic_weights():
     """RowSums over blocks (cropped keys, rows that reach 1K back) = the formulas in NumPy."""
     T, H = 1300, 3
