@@ -286,6 +286,9 @@ def test_multihead_modules_are_declined_with_the_reason():
 
 
 def _w_shared(rank: int, world: int) -> dict:
+    """Each rank's tables as NumPy arrays, pickled by value: a tensor put on the result queue
+    travels as a file descriptor that the rank's process hands out only while it lives, so a
+    rank that exits before the test reads its result fails it (EOFError, or its socket gone)."""
     import torch.distributed as dist
 
     model = _lm("gpt2")
@@ -295,7 +298,7 @@ def _w_shared(rank: int, world: int) -> dict:
         info: dict = {}
         shared = heads.patch_scan(model, clean, corrupted, heads.AtPositions(_fn, [-1, -1]), info=info,
                                   group=dist.group.WORLD)
-        out[changed] = (shared, info)
+        out[changed] = (shared.numpy(), info)
     return out
 
 
@@ -313,5 +316,5 @@ def test_ranks_share_a_trimmed_scan_and_return_the_one_process_table():
         single = heads.patch_scan(model, clean, corrupted, heads.AtPositions(_fn, [-1, -1]), info=info)
         assert info["last_block"], info
         for rank in results:
-            shared, shared_info = rank[changed]
+            shared, shared_info = torch.from_numpy(rank[changed][0]), rank[changed][1]
             assert shared_info == info and torch.equal(shared.nan_to_num(), single.nan_to_num()), (changed, info)
