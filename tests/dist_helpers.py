@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import os
+import pickle
 import queue as queue_mod
 import socket
 import time
@@ -34,7 +35,9 @@ def _entry(fn, rank: int, world: int, port: int, pg_timeout: float, out) -> None
     try:
         dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
                                 timeout=timedelta(seconds=pg_timeout))
-        out.put((rank, "ok", fn(rank, world)))
+        # pickled here: torch sends a tensor through a multiprocessing queue as a handle that the
+        # reader fetches from this process, which may have exited by then; plain pickle copies it
+        out.put((rank, "ok", pickle.dumps(fn(rank, world))))
     except BaseException:  # reported to the parent, which fails the test
         out.put((rank, "error", traceback.format_exc()))
     finally:
@@ -104,7 +107,7 @@ def _collect(name: str, procs: list, out, world: int, timeout: float) -> dict[in
             continue
         if status == "error":
             pytest.fail(f"{name}: rank {rank} of {world} raised:\n{payload}")
-        results[rank] = payload
+        results[rank] = pickle.loads(payload)
     return results
 
 
