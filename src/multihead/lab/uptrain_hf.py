@@ -328,12 +328,7 @@ class _Run:
         if unit.target != "control":
             info["kv_reconstruction_error"] = errors
         evals = cfg.eval_steps()
-        if start == 0 and not self.recorded(unit, 0):
-            same = [v for v in r["variants"] if (v["target"], v["init"], v["steps"]) == (unit.target, unit.init, 0)]
-            ppl0 = same[0]["val_ppl"] if same else self.ppl(model)  # the distilled target is one converted already
-            self.record(unit, {**info, "steps": 0, "val_ppl": ppl0, "seconds": 0.0})
-        elif start in evals and not self.recorded(unit, start):  # interrupted during this evaluation
-            self.record(unit, {**info, "steps": start, "val_ppl": self.ppl(model), "seconds": seconds})
+        self._record_start(unit, model, info, start, seconds)
         label = self.overall.next_label(f"uptrain {unit.key}")
         bar = Progress(cfg.steps, label, enabled=self.progress, overall=self.overall)
         if start:
@@ -376,13 +371,29 @@ class _Run:
                              cpu + time.process_time() - c, decode)
             raise
         model.eval()
-        seconds += time.perf_counter() - t
+        self._finish(unit, params, losses, seconds + time.perf_counter() - t, cpu + time.process_time() - c)
+
+    def _record_start(self, unit: _Unit, model, info: dict, start: int, seconds: float) -> None:
+        """The evaluation the training starts from, where the results lack it: step 0's, or
+        the evaluation at `start` that an interrupt cut short."""
+        r = self.res["results"]
+        if start == 0 and not self.recorded(unit, 0):
+            same = [v for v in r["variants"] if (v["target"], v["init"], v["steps"]) == (unit.target, unit.init, 0)]
+            ppl0 = same[0]["val_ppl"] if same else self.ppl(model)  # the distilled target is one converted already
+            self.record(unit, {**info, "steps": 0, "val_ppl": ppl0, "seconds": 0.0})
+        elif start in self.cfg.eval_steps() and not self.recorded(unit, start):
+            self.record(unit, {**info, "steps": start, "val_ppl": self.ppl(model), "seconds": seconds})
+
+    def _finish(self, unit: _Unit, params, losses: list[float], seconds: float, cpu: float) -> None:
+        """A completed training into the results: its losses and times, the unit done, and for
+        the freeze comparison its seconds per step and trainable size; its resume state gone."""
+        r = self.res["results"]
         r["losses"][unit.key] = losses
         r["seconds"][unit.key] = seconds
-        r.setdefault("cpu_seconds", {})[unit.key] = cpu + time.process_time() - c
+        r.setdefault("cpu_seconds", {})[unit.key] = cpu
         r["done"].append(unit.key)
         if unit.role == "freeze_check" or (unit.target, unit.init, unit.objective) == ("mqa", "mean", "next-token"):
-            r["freeze"]["seconds_per_step"][unit.trainable] = seconds / cfg.steps
+            r["freeze"]["seconds_per_step"][unit.trainable] = seconds / self.cfg.steps
             r["freeze"]["trainable_params"][unit.trainable] = sum(p.numel() for _, p in params)
         (self.out / STATE).unlink(missing_ok=True)
         self.save()
