@@ -39,6 +39,7 @@ def _spy(monkeypatch) -> list:
         seen.append((module.layer_idx, query.shape[2], key.shape[2], attention_mask))
         return real(module, query, key, value, attention_mask, *args, **kwargs)
 
+    # the mask the kernel receives is observable only inside the registered attention function
     monkeypatch.setattr(registry, "attention_forward", spy)
     hf.register("multihead_spied")  # a partial of the spy, registered now
     return seen

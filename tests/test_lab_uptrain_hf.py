@@ -133,7 +133,7 @@ def test_decode_time_is_each_generated_token_paired_with_the_base(quick, llama_f
 
     import transformers
 
-    from multihead.lab.uptrain_hf import _step_times, decode_ms_per_token
+    from multihead.lab.decode_cost import _step_times, decode_ms_per_token
 
     model = transformers.AutoModelForCausalLM.from_pretrained(llama_folder).eval()
     slow = copy.deepcopy(model)

@@ -1,4 +1,25 @@
-"""`multihead heads circuit`: a circuit of edges found automatically (EAP or EAP-IG) and its faithfulness.
+"""`multihead heads circuit`: a circuit of edges found automatically (EAP or EAP-IG), its
+faithfulness curve, across torchrun's processes when launched under it. `DESCRIPTION` is
+the --help text (read by `documented_parser`); docs/heads.md the guide.
+"""
+
+from __future__ import annotations
+
+import argparse
+import html
+import json
+import os
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+from multihead.cli_args import add_json, add_model, add_seed, add_threads
+from multihead.errors import UsageError
+from multihead.files import atomic_path, output_file, write_text
+from multihead.heads.cli_common import check_count, documented_parser
+from multihead.interop.loaders import model_source
+
+DESCRIPTION = """`multihead heads circuit`: a circuit of edges found automatically (EAP or EAP-IG) and its faithfulness.
 
 Every edge of the model's graph (the input, each head and each MLP sending to each later
 head's query, key and value, each MLP and the logits) is scored by edge attribution
@@ -21,22 +42,6 @@ group=: the results are one process's, to rounding); rank 0 alone prints and wri
 `--` after torchrun's -m keeps torchrun from reading --n as an abbreviation of its own flags.
 """
 
-from __future__ import annotations
-
-import argparse
-import html
-import json
-import os
-import time
-from collections.abc import Iterator
-from contextlib import contextmanager
-
-from multihead.cli_args import add_json, add_model, add_seed, add_threads
-from multihead.errors import UsageError
-from multihead.files import atomic_path, output_file, write_text
-from multihead.heads.cli_common import check_count, documented_parser
-from multihead.interop.loaders import model_source
-
 N_PAIRS = 20
 TOP = 20
 DRAWN = 40
@@ -45,7 +50,7 @@ DRAWN = 40
 def add_circuit_arguments(subparsers) -> argparse.ArgumentParser:
     """Add the `circuit` subcommand to `multihead heads`' subparsers; returns its parser."""
     p = documented_parser(subparsers, "circuit",
-                          "a circuit of edges by EAP / EAP-IG, and its faithfulness curve (CPR, CMD)", __doc__)
+                          "a circuit of edges by EAP / EAP-IG, and its faithfulness curve (CPR, CMD)", DESCRIPTION)
     add_model(p, "smollm2", decoder=True, lab=False)
     p.add_argument("--task", choices=["ioi"], default="ioi",
                    help="ioi: indirect-object pairs of Wang et al. (2022), metric logit(IO) - logit(S) (default)")

@@ -147,27 +147,12 @@ def layer_statistics(query: Tensor, key: Tensor, acc: RowSums, heads: list[int],
     h = len(heads)
     # Every head asked: the G query heads of a K/V head are folded into the rows of one
     # matmul (as `kernels.common.fold_scores`), K used as it is; a subset: each head's K/V head.
-    every = list(heads) == list(range(H))
-    folded = G > 1 and every
-    # The queries are scaled a block of rows at a time, as each block is copied for its product
-    # anyway: a scaled copy of all of them would add (h, T, D) beside the model's own (128 MiB
-    # for Gemma 3 at 32K tokens).
-    q = query[0] if every else query[0, heads]  # (h, T, D)
-    if folded:
-        kT = key[0].to(acc_t).transpose(-2, -1)  # (Hkv, D, S)
-    else:
-        kT = key[0, [x // G for x in heads]].to(acc_t).transpose(-2, -1)  # (h, D, S)
+    folded = G > 1 and list(heads) == list(range(H))
+    q, kT, mask, sinks = _heads_operands(query, key, heads, mask, sinks, folded, acc_t)
     b_idx = index(1, 0, dev)
     h_idx = torch.tensor(heads, device=dev).view(1, h, 1, 1)
-    if isinstance(mask, Tensor) and mask.dim() == 4 and mask.shape[1] == H and H > 1:
-        mask = mask[:, heads]  # (1, h, T|1, S)
-    if sinks is not None:
-        sinks = sinks[0, heads] if sinks.shape[1] == H else sinks[0]  # (h|1, T|1, 1)
     triangle = mask is None and causal and S >= T  # the causal crop, analytically
-    spans, t0 = [], 0
-    while t0 < T:
-        spans.append((t0, t0 + _block_rows(block_elements, h, t0, T, S, triangle)))
-        t0 = spans[-1][1]
+    spans = _spans(block_elements, h, T, S, triangle)
 
     def fold(part: RowSums, share: list[tuple[int, int]]) -> None:
         for t0, t1 in share:
@@ -203,6 +188,36 @@ def layer_statistics(query: Tensor, key: Tensor, acc: RowSums, heads: list[int],
     for part in parts[1:]:
         acc.merge(part)
     return acc
+
+
+def _heads_operands(query: Tensor, key: Tensor, heads: list[int], mask, sinks: Tensor | None, folded: bool,
+                    acc_t: torch.dtype) -> tuple[Tensor, Tensor, object, Tensor | None]:
+    """The heads' share of the layer's operands: their queries `(h, T, D)`, keys transposed
+    (`(Hkv, D, S)` when `folded`, else each head's K/V head: `(h, D, S)`), mask and sinks."""
+    H, G = query.shape[1], query.shape[1] // key.shape[1]
+    every = list(heads) == list(range(H))
+    # The queries are scaled a block of rows at a time, as each block is copied for its product
+    # anyway: a scaled copy of all of them would add (h, T, D) beside the model's own (128 MiB
+    # for Gemma 3 at 32K tokens).
+    q = query[0] if every else query[0, heads]  # (h, T, D)
+    if folded:
+        kT = key[0].to(acc_t).transpose(-2, -1)  # (Hkv, D, S)
+    else:
+        kT = key[0, [x // G for x in heads]].to(acc_t).transpose(-2, -1)  # (h, D, S)
+    if isinstance(mask, Tensor) and mask.dim() == 4 and mask.shape[1] == H and H > 1:
+        mask = mask[:, heads]  # (1, h, T|1, S)
+    if sinks is not None:
+        sinks = sinks[0, heads] if sinks.shape[1] == H else sinks[0]  # (h|1, T|1, 1)
+    return q, kT, mask, sinks
+
+
+def _spans(block_elements: int, h: int, T: int, S: int, triangle: bool) -> list[tuple[int, int]]:
+    """The blocks of query rows, (t0, t1) each, in order: `_block_rows` rows each."""
+    spans, t0 = [], 0
+    while t0 < T:
+        spans.append((t0, t0 + _block_rows(block_elements, h, t0, T, S, triangle)))
+        t0 = spans[-1][1]
+    return spans
 
 
 def _block_mask(mask, causal: bool, t0: int, t1: int, T: int, S: int, b_idx: Tensor, h_idx: Tensor):

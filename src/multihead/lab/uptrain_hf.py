@@ -28,6 +28,7 @@ import torch
 from multihead.checks import check_int, check_positive_number
 from multihead.corpus import split_kjv
 from multihead.errors import UsageError
+from multihead.lab.decode_cost import decode_ms_per_token, kv_bytes_per_token
 from multihead.lab.devices import resolve_device
 from multihead.lab.plots import draw_plots, pyplot, save_figure
 from multihead.lab.progress import Overall, Progress
@@ -165,62 +166,6 @@ def held_out_ppl(model, windows: torch.Tensor, device) -> float:
     total, count = _nll_sum(model, windows, device)
     model.train(was)
     return math.exp(total / count)
-
-
-def kv_bytes_per_token(model, prompt: torch.Tensor, new_tokens: int) -> int:
-    """Bytes per cached token of the cache a real greedy `generate()` leaves: every key and
-    value tensor (MLA: the latent) of every layer, over the tokens it holds."""
-    from multihead.interop.hf import latent_cache_bytes
-
-    with torch.no_grad():
-        out = model.generate(prompt, max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False,
-                             use_cache=True, return_dict_in_generate=True,
-                             pad_token_id=getattr(model.config, "pad_token_id", None) or 0)
-    cache = out["cache"] if "cache" in out else out["past_key_values"]  # transformers 5 names it cache
-    tokens = cache.get_seq_length() * prompt.shape[0]
-    total = latent_cache_bytes(cache)
-    assert total % tokens == 0, (total, tokens)
-    return total // tokens
-
-
-def _step_times(model, prompt: torch.Tensor, new_tokens: int) -> list[float]:
-    """Seconds of each decode step of a real greedy `generate()` (after the prefill): the
-    intervals between its calls to the logits processors, one per new token."""
-    from transformers import LogitsProcessor, LogitsProcessorList
-
-    class Clock(LogitsProcessor):
-        def __init__(self):
-            self.at: list[float] = []
-
-        def __call__(self, input_ids, scores):
-            self.at.append(time.perf_counter())
-            return scores
-
-    clock = Clock()
-    with torch.no_grad():
-        model.generate(prompt, max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False, use_cache=True,
-                       logits_processor=LogitsProcessorList([clock]),
-                       pad_token_id=getattr(model.config, "pad_token_id", None) or 0)
-    return [b - a for a, b in zip(clock.at, clock.at[1:])]
-
-
-def decode_ms_per_token(model, base, prompt: torch.Tensor, new_tokens: int, rounds: int = 3) -> dict | None:
-    """Median milliseconds per decoded token of `model` and of `base`, timed in alternating
-    rounds of greedy `generate()` (so a change of the machine's load falls on both alike);
-    None when `new_tokens` < 2 leaves no decode step to time."""
-    if new_tokens < 2:
-        return None
-    was = model.training, base.training
-    model.eval()
-    base.eval()
-    mine, theirs = [], []
-    for _ in range(rounds):
-        theirs += _step_times(base, prompt, new_tokens)
-        mine += _step_times(model, prompt, new_tokens)
-    model.train(was[0])
-    base.train(was[1])
-    ms, base_ms = 1e3 * float(torch.tensor(mine).median()), 1e3 * float(torch.tensor(theirs).median())
-    return {"ms_per_token": round(ms, 3), "base_ms_per_token": round(base_ms, 3), "ratio": round(ms / base_ms, 3)}
 
 
 # ------------------------------------------------------------------ the runs
@@ -383,12 +328,7 @@ class _Run:
         if unit.target != "control":
             info["kv_reconstruction_error"] = errors
         evals = cfg.eval_steps()
-        if start == 0 and not self.recorded(unit, 0):
-            same = [v for v in r["variants"] if (v["target"], v["init"], v["steps"]) == (unit.target, unit.init, 0)]
-            ppl0 = same[0]["val_ppl"] if same else self.ppl(model)  # the distilled target is one converted already
-            self.record(unit, {**info, "steps": 0, "val_ppl": ppl0, "seconds": 0.0})
-        elif start in evals and not self.recorded(unit, start):  # interrupted during this evaluation
-            self.record(unit, {**info, "steps": start, "val_ppl": self.ppl(model), "seconds": seconds})
+        self._record_start(unit, model, info, start, seconds)
         label = self.overall.next_label(f"uptrain {unit.key}")
         bar = Progress(cfg.steps, label, enabled=self.progress, overall=self.overall)
         if start:
@@ -431,13 +371,29 @@ class _Run:
                              cpu + time.process_time() - c, decode)
             raise
         model.eval()
-        seconds += time.perf_counter() - t
+        self._finish(unit, params, losses, seconds + time.perf_counter() - t, cpu + time.process_time() - c)
+
+    def _record_start(self, unit: _Unit, model, info: dict, start: int, seconds: float) -> None:
+        """The evaluation the training starts from, where the results lack it: step 0's, or
+        the evaluation at `start` that an interrupt cut short."""
+        r = self.res["results"]
+        if start == 0 and not self.recorded(unit, 0):
+            same = [v for v in r["variants"] if (v["target"], v["init"], v["steps"]) == (unit.target, unit.init, 0)]
+            ppl0 = same[0]["val_ppl"] if same else self.ppl(model)  # the distilled target is one converted already
+            self.record(unit, {**info, "steps": 0, "val_ppl": ppl0, "seconds": 0.0})
+        elif start in self.cfg.eval_steps() and not self.recorded(unit, start):
+            self.record(unit, {**info, "steps": start, "val_ppl": self.ppl(model), "seconds": seconds})
+
+    def _finish(self, unit: _Unit, params, losses: list[float], seconds: float, cpu: float) -> None:
+        """A completed training into the results: its losses and times, the unit done, and for
+        the freeze comparison its seconds per step and trainable size; its resume state gone."""
+        r = self.res["results"]
         r["losses"][unit.key] = losses
         r["seconds"][unit.key] = seconds
-        r.setdefault("cpu_seconds", {})[unit.key] = cpu + time.process_time() - c
+        r.setdefault("cpu_seconds", {})[unit.key] = cpu
         r["done"].append(unit.key)
         if unit.role == "freeze_check" or (unit.target, unit.init, unit.objective) == ("mqa", "mean", "next-token"):
-            r["freeze"]["seconds_per_step"][unit.trainable] = seconds / cfg.steps
+            r["freeze"]["seconds_per_step"][unit.trainable] = seconds / self.cfg.steps
             r["freeze"]["trainable_params"][unit.trainable] = sum(p.numel() for _, p in params)
         (self.out / STATE).unlink(missing_ok=True)
         self.save()

@@ -161,6 +161,67 @@ def _interleave(rows: Tensor, r: int) -> Tensor:
     return rows[..., order, :]
 
 
+def _config(transformers, model: nn.Module, layers: list[LatentLlamaAttention], slots: Tensor, *,
+            kv_lora_rank: int, nope: int, wide: int):
+    """The DeepseekV2Config of the export: `model`'s sizes, dense MLPs in every layer, and
+    the shared RoPE key's pair frequencies `inv_freq[slots]` as longrope factors."""
+    src = model.config
+    m0 = layers[0].mla
+    inv_freq = model.model.rotary_emb.inv_freq.detach().double().cpu()  # (D/2,) the original frequencies
+    freqs = inv_freq[slots]  # (u,)
+    base = 10000.0
+    # longrope: inv_freq = 1 / (factor_s * base ** (2s / wide)), so factor_s = 1 / (freq_s * base ** (2s / wide))
+    factors = (1.0 / (freqs * base ** (torch.arange(0, wide, 2, dtype=torch.float64) / wide))).tolist()
+    bias = any(m.mla.kv_a_proj.bias is not None or m.mla.o_proj.bias is not None for m in layers)
+    return transformers.DeepseekV2Config(
+        vocab_size=src.vocab_size, hidden_size=src.hidden_size, intermediate_size=src.intermediate_size,
+        num_hidden_layers=src.num_hidden_layers, num_attention_heads=m0.n_heads, num_key_value_heads=m0.n_heads,
+        hidden_act=src.hidden_act, max_position_embeddings=src.max_position_embeddings,
+        rms_norm_eps=src.rms_norm_eps, tie_word_embeddings=bool(getattr(src, "tie_word_embeddings", False)),
+        attention_bias=bias, attention_dropout=0.0, mlp_bias=bool(getattr(src, "mlp_bias", False)),
+        kv_lora_rank=kv_lora_rank, q_lora_rank=None, qk_nope_head_dim=nope, qk_rope_head_dim=wide,
+        v_head_dim=m0.v_head_dim,
+        first_k_dense_replace=src.num_hidden_layers, n_routed_experts=1, n_shared_experts=1,
+        num_experts_per_tok=1, moe_intermediate_size=1, n_group=1, topk_group=1,
+        rope_parameters={"rope_type": "longrope", "rope_theta": base, "short_factor": factors,
+                         "long_factor": factors, "factor": 1.0, "attention_factor": 1.0,
+                         "original_max_position_embeddings": src.max_position_embeddings},
+        bos_token_id=src.bos_token_id, eos_token_id=src.eos_token_id, pad_token_id=src.pad_token_id,
+    )
+
+
+def _copy_attention(m, dst: nn.Module, gain: float, more: Tensor, place: Tensor, *, u: int, pad: int,
+                    ratio: float) -> None:
+    """One converted layer's attention `m` (its MLA) into DeepSeek's `dst`: the RoPE rows
+    moved to their pairs `place` of the shared key (u pairs) and interleaved, `pad` zero
+    nope dims, the latent's extra rows `more` and zero columns for them, the norm's gain,
+    and the queries scaled by `ratio` to undo DeepSeek's wider softmax scale."""
+    H, R, Dn, r, Dv = m.n_heads, m.kv_rank, m.head_dim, m.rope_dim, m.v_head_dim
+    wide, extra = 2 * u, len(more)
+
+    def pe(rows: Tensor) -> Tensor:  # the layer's RoPE rows in the shared key's pairs
+        return _interleave(_widen(rows, place, u), wide)
+
+    q = m.q_proj.weight.view(H, Dn + r, -1) * ratio
+    zeros = q.new_zeros(H, pad, q.shape[-1])
+    q = torch.cat([q[:, :Dn], zeros, pe(q[:, Dn:])], dim=1)  # (H, Dn + pad + wide, C)
+    dst.q_proj.weight.copy_(q.reshape(H * (Dn + pad + wide), -1))
+    a = m.kv_a_proj.weight
+    dst.kv_a_proj_with_mqa.weight.copy_(torch.cat([a[:R], more, pe(a[R:])]))  # (R + E + wide, C)
+    if dst.kv_a_proj_with_mqa.bias is not None:
+        b = m.kv_a_proj.bias
+        dst.kv_a_proj_with_mqa.bias.copy_(torch.zeros_like(dst.kv_a_proj_with_mqa.bias) if b is None else
+                                          torch.cat([b[:R], b.new_zeros(extra), pe(b[R:, None])[:, 0]]))
+    dst.kv_a_layernorm.weight.fill_(gain)
+    kv = m.kv_b_proj.weight.view(H, Dn + Dv, R)
+    kv = torch.cat([kv[:, :Dn], kv.new_zeros(H, pad, R), kv[:, Dn:]], dim=1)  # (H, Dn + pad + Dv, R)
+    kv = torch.cat([kv, kv.new_zeros(H, Dn + pad + Dv, extra)], dim=2)  # the extra features: zero columns
+    dst.kv_b_proj.weight.copy_(kv.reshape(-1, R + extra))
+    dst.o_proj.weight.copy_(m.o_proj.weight)
+    if dst.o_proj.bias is not None:
+        dst.o_proj.bias.copy_(torch.zeros_like(dst.o_proj.bias) if m.o_proj.bias is None else m.o_proj.bias)
+
+
 def to_deepseek_v2(model: nn.Module, *, calibration: Tensor, ballast: bool = True, widen_rope: bool = False):
     """A transformers `DeepseekV2ForCausalLM` with the weights of `model` (module docstring).
 
@@ -186,9 +247,8 @@ def to_deepseek_v2(model: nn.Module, *, calibration: Tensor, ballast: bool = Tru
     layers = _check(model)
     fits = latent_norm_fit(model, calibration, ballast=ballast)
     extra = len(fits[0][1])  # the ballast feature and an even-offset zero
-    src = model.config
     m0 = layers[0].mla
-    H, R, Dn, r, Dv = m0.n_heads, m0.kv_rank, m0.head_dim, m0.rope_dim, m0.v_head_dim
+    R, Dn, r = m0.kv_rank, m0.head_dim, m0.rope_dim
     # DeepSeek views q_pe / k_pe as complex pairs, which needs q_pe to start at an even offset:
     # an odd nope width (1, the zero feature of a fully rotary conversion) gets one more zero
     pad = Dn % 2
@@ -203,55 +263,14 @@ def to_deepseek_v2(model: nn.Module, *, calibration: Tensor, ballast: bool = Tru
             f"({2 * u - r} more cached values per token and layer), or a model converted with keep='high'")
     wide = 2 * u  # qk_rope_head_dim: r, or wider to hold every layer's frequencies
     ratio = math.sqrt((Dn + pad + wide) / (Dn + r))  # DeepSeek's scale is 1/sqrt(Dn + pad + wide): undone on q
-    inv_freq = model.model.rotary_emb.inv_freq.detach().double().cpu()  # (D/2,) the original frequencies
-    freqs = inv_freq[slots]  # (u,)
-    base = 10000.0
-    # longrope: inv_freq = 1 / (factor_s * base ** (2s / wide)), so factor_s = 1 / (freq_s * base ** (2s / wide))
-    factors = (1.0 / (freqs * base ** (torch.arange(0, wide, 2, dtype=torch.float64) / wide))).tolist()
-    bias = any(m.mla.kv_a_proj.bias is not None or m.mla.o_proj.bias is not None for m in layers)
-    config = transformers.DeepseekV2Config(
-        vocab_size=src.vocab_size, hidden_size=src.hidden_size, intermediate_size=src.intermediate_size,
-        num_hidden_layers=src.num_hidden_layers, num_attention_heads=H, num_key_value_heads=H,
-        hidden_act=src.hidden_act, max_position_embeddings=src.max_position_embeddings,
-        rms_norm_eps=src.rms_norm_eps, tie_word_embeddings=bool(getattr(src, "tie_word_embeddings", False)),
-        attention_bias=bias, attention_dropout=0.0, mlp_bias=bool(getattr(src, "mlp_bias", False)),
-        kv_lora_rank=R + extra, q_lora_rank=None, qk_nope_head_dim=Dn + pad, qk_rope_head_dim=wide, v_head_dim=Dv,
-        first_k_dense_replace=src.num_hidden_layers, n_routed_experts=1, n_shared_experts=1,
-        num_experts_per_tok=1, moe_intermediate_size=1, n_group=1, topk_group=1,
-        rope_parameters={"rope_type": "longrope", "rope_theta": base, "short_factor": factors,
-                         "long_factor": factors, "factor": 1.0, "attention_factor": 1.0,
-                         "original_max_position_embeddings": src.max_position_embeddings},
-        bos_token_id=src.bos_token_id, eos_token_id=src.eos_token_id, pad_token_id=src.pad_token_id,
-    )
+    config = _config(transformers, model, layers, slots, kv_lora_rank=R + extra, nope=Dn + pad, wide=wide)
     w = m0.kv_b_proj.weight
     out = transformers.DeepseekV2ForCausalLM(config).to(dtype=w.dtype, device=w.device).eval()
     state = {k: v for k, v in model.state_dict().items() if ".self_attn." not in k}
     missing, _ = out.load_state_dict(state, strict=False)
     with torch.no_grad():
         for i, (layer, (gain, more), place) in enumerate(zip(layers, fits, places)):
-            m, dst = layer.mla, out.model.layers[i].self_attn
-
-            def pe(rows: Tensor, place=place) -> Tensor:  # the layer's RoPE rows in the shared key's pairs
-                return _interleave(_widen(rows, place, u), wide)
-
-            q = m.q_proj.weight.view(H, Dn + r, -1) * ratio
-            zeros = q.new_zeros(H, pad, q.shape[-1])
-            q = torch.cat([q[:, :Dn], zeros, pe(q[:, Dn:])], dim=1)  # (H, Dn + pad + wide, C)
-            dst.q_proj.weight.copy_(q.reshape(H * (Dn + pad + wide), -1))
-            a = m.kv_a_proj.weight
-            dst.kv_a_proj_with_mqa.weight.copy_(torch.cat([a[:R], more, pe(a[R:])]))  # (R + E + wide, C)
-            if dst.kv_a_proj_with_mqa.bias is not None:
-                b = m.kv_a_proj.bias
-                dst.kv_a_proj_with_mqa.bias.copy_(torch.zeros_like(dst.kv_a_proj_with_mqa.bias) if b is None else
-                                                  torch.cat([b[:R], b.new_zeros(extra), pe(b[R:, None])[:, 0]]))
-            dst.kv_a_layernorm.weight.fill_(gain)
-            kv = m.kv_b_proj.weight.view(H, Dn + Dv, R)
-            kv = torch.cat([kv[:, :Dn], kv.new_zeros(H, pad, R), kv[:, Dn:]], dim=1)  # (H, Dn + pad + Dv, R)
-            kv = torch.cat([kv, kv.new_zeros(H, Dn + pad + Dv, extra)], dim=2)  # the extra features: zero columns
-            dst.kv_b_proj.weight.copy_(kv.reshape(-1, R + extra))
-            dst.o_proj.weight.copy_(m.o_proj.weight)
-            if dst.o_proj.bias is not None:
-                dst.o_proj.bias.copy_(torch.zeros_like(dst.o_proj.bias) if m.o_proj.bias is None else m.o_proj.bias)
+            _copy_attention(layer.mla, out.model.layers[i].self_attn, gain, more, place, u=u, pad=pad, ratio=ratio)
     left = [k for k in missing if ".self_attn." not in k and not (config.tie_word_embeddings and k == "lm_head.weight")]
     assert not left, left  # every non-attention weight has its twin in the Llama model
     return out
