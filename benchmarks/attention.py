@@ -69,7 +69,7 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT / "src") not in sys.path:  # run from a checkout without installing
     sys.path.insert(0, str(ROOT / "src"))
 
-from machine_info import machine  # noqa: E402  (benchmarks/ is on sys.path when run as a script)
+from machine_info import machine, reset_peak_rss  # noqa: E402  (benchmarks/ is on sys.path when run as a script)
 from multihead import Attention  # noqa: E402
 from multihead.interop.torch import to_torch  # noqa: E402
 
@@ -304,15 +304,6 @@ def _status_kib(field: str) -> int:
     raise RuntimeError(f"{field} not in /proc/self/status")
 
 
-def _reset_hwm() -> bool:
-    try:
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")
-        return True
-    except OSError:
-        return False
-
-
 def _mem_case(args) -> dict:
     """In a fresh process: bytes of peak RSS over the inputs for one forward."""
     variant, N, causal, threads = args
@@ -329,7 +320,7 @@ def _mem_case(args) -> dict:
         base = _status_kib("VmRSS")
         method = "VmHWM after clear_refs"
         maxrss0 = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-        if not _reset_hwm():
+        if not reset_peak_rss():
             method = "ru_maxrss"
         t0 = time.perf_counter()
         out = fns[variant]()

@@ -32,41 +32,21 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from machine_info import machine, write_json  # noqa: E402
+from machine_info import machine, reset_peak_rss, status_kib, write_json  # noqa: E402
 
 IMPLS = ("multihead", "sdpa")
-
-
-def _rss_kib(field: str) -> int | None:
-    try:
-        with open("/proc/self/status") as f:
-            for line in f:
-                if line.startswith(field + ":"):
-                    return int(line.split()[1])
-    except OSError:
-        return None
-    return None
-
-
-def _reset_peak() -> bool:
-    try:
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")
-        return True
-    except OSError:
-        return False
 
 
 def prefill(model, ids: torch.Tensor, impl: str) -> tuple[float, float, int | None, torch.Tensor]:
     """(wall s, CPU s, peak KiB above the start, last logits) of one prefill on `impl`."""
     model.set_attn_implementation(impl)
-    base = _rss_kib("VmRSS")
-    peak_known = _reset_peak()
+    base = status_kib("VmRSS")
+    peak_known = reset_peak_rss()
     t0, c0 = time.perf_counter(), time.process_time()
     with torch.no_grad():
         logits = model(ids, logits_to_keep=1, use_cache=False).logits[0, -1]
     wall, cpu = time.perf_counter() - t0, time.process_time() - c0
-    peak = _rss_kib("VmHWM") if peak_known else None
+    peak = status_kib("VmHWM") if peak_known else None
     return wall, cpu, None if peak is None or base is None else peak - base, logits
 
 

@@ -31,29 +31,9 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from machine_info import machine, write_json  # noqa: E402
+from machine_info import machine, reset_peak_rss, status_kib, write_json  # noqa: E402
 
 GLOBAL_EVERY = 6  # Gemma 3: every 6th layer (5, 11, 17) attends globally, the others through the window
-
-
-def _kib(field: str) -> int | None:
-    try:
-        with open("/proc/self/status") as f:
-            for line in f:
-                if line.startswith(field + ":"):
-                    return int(line.split()[1])
-    except OSError:
-        return None
-    return None
-
-
-def _reset_peak() -> bool:
-    try:
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")
-        return True
-    except OSError:
-        return False
 
 
 def one(tokens: int, threads: int) -> dict:
@@ -74,15 +54,15 @@ def one(tokens: int, threads: int) -> dict:
         raise SystemExit(f"the KJV's first {8 * tokens} characters give {len(ids)} tokens; asked {tokens}")
     gc.collect()
     load_before = os.getloadavg()
-    base = _kib("VmRSS")
-    known = _reset_peak()
+    base = status_kib("VmRSS")
+    known = reset_peak_rss()
     trace: list[tuple[float, float]] = []  # (seconds, MiB above the model) every second: where the peak lies
     running = threading.Event()
     running.set()
 
     def sample() -> None:
         while running.is_set():
-            trace.append((round(time.perf_counter() - t0, 1), round((_kib("VmRSS") - base) / 1024, 1)))
+            trace.append((round(time.perf_counter() - t0, 1), round((status_kib("VmRSS") - base) / 1024, 1)))
             time.sleep(1.0)
 
     t0, c0 = time.perf_counter(), time.process_time()
@@ -90,7 +70,7 @@ def one(tokens: int, threads: int) -> dict:
     sampler.start()
     s = summaries(loaded, ids, progress=True)
     wall, cpu = time.perf_counter() - t0, time.process_time() - c0
-    peak = _kib("VmHWM") if known else None
+    peak = status_kib("VmHWM") if known else None
     running.clear()
     sampler.join()
     L = s.entropy.shape[0]

@@ -81,3 +81,25 @@ def write_json(path: str | os.PathLike, report: dict) -> Path:
     os.chmod(f.name, 0o644)
     os.replace(f.name, path)
     return path
+
+
+def status_kib(field: str) -> int | None:
+    """A `/proc/self/status` field in KiB (VmRSS, VmHWM), or None where there is none (not Linux)."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith(field + ":"):
+                    return int(line.split()[1])
+    except OSError:
+        return None
+    return None
+
+
+def reset_peak_rss() -> bool:
+    """Reset VmHWM to the present resident size (Linux's clear_refs 5); False where not allowed."""
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+        return True
+    except OSError:
+        return False

@@ -270,20 +270,23 @@ class Reference:
             return self.run(ids, self.input_of(ids))
 
     def scores(self, clean, corrupted, steps):
-        """EAP-IG's scores as defined: (corrupted - clean outputs) . mean over steps of dm/dx_r."""
-        g = self.graph
-        _, out_c = self.outputs(clean)
-        _, out_x = self.outputs(corrupted)
-        e_c, e_x = out_c["input"], out_x["input"]
-        total = {r: 0 for r in g.receivers}
-        for k in range(1, steps + 1):
-            emb = e_c if k == steps else e_x + (k / steps) * (e_c - e_x)
-            deltas = {r: torch.zeros_like(e_c, requires_grad=True) for r in g.receivers}
-            logits, _ = self.run(clean, emb, deltas=deltas)
-            grads = torch.autograd.grad(metric(logits), [deltas[r] for r in g.receivers])
-            for r, gr in zip(g.receivers, grads):
-                total[r] = total[r] + gr / steps
-        return {(s, r): float(((out_x[s] - out_c[s]) * total[r]).sum()) for s, r in g.edges}
+        return reference_scores(self.graph, self.outputs(clean)[1], self.outputs(corrupted)[1], steps, metric,
+                                lambda emb, deltas: self.run(clean, emb, deltas=deltas))
+
+
+def reference_scores(g, out_c, out_x, steps, metric, run):
+    """EAP-IG's scores as defined: (corrupted - clean outputs) . mean over steps of dm/dx_r, where
+    `run(embedding, deltas)` is a reference forward whose receiver r reads its input plus deltas[r]."""
+    e_c, e_x = out_c["input"], out_x["input"]
+    total = {r: 0 for r in g.receivers}
+    for k in range(1, steps + 1):
+        emb = e_c if k == steps else e_x + (k / steps) * (e_c - e_x)
+        deltas = {r: torch.zeros_like(e_c, requires_grad=True) for r in g.receivers}
+        logits, _ = run(emb, deltas)
+        grads = torch.autograd.grad(metric(logits), [deltas[r] for r in g.receivers])
+        for r, gr in zip(g.receivers, grads):
+            total[r] = total[r] + gr / steps
+    return {(s, r): float(((out_x[s] - out_c[s]) * total[r]).sum()) for s, r in g.edges}
 
 
 KINDS = ["gpt2", "llama", "qwen2"]
