@@ -6,6 +6,7 @@ the --help text (read by `documented_parser`); docs/heads.md the guide.
 from __future__ import annotations
 
 import argparse
+import gc
 import html
 import json
 import os
@@ -109,6 +110,10 @@ def world() -> Iterator[object | None]:
     finally:
         if joined:
             dist.destroy_process_group()
+            # a group that something still reaches (a cycle of closures, a traceback) keeps gloo's
+            # worker threads alive to the interpreter's exit, where they abort the process (SIGABRT,
+            # "terminate called without an active exception"): free it while the interpreter runs
+            gc.collect()
 
 
 def circuit_result(args, group=None) -> dict:
@@ -152,6 +157,12 @@ def circuit_result(args, group=None) -> dict:
             "drawn": [{"edge": edge_name(e), "score": s} for e, s in top[:args.edges]],
             "curve": curve, "seconds": {"scores": round(t1 - t0, 2), "curve": round(t2 - t1, 2)},
             "processes": 1 if group is None else _world_size(group)}
+
+
+def _rank(group) -> int:
+    import torch.distributed as dist
+
+    return dist.get_rank(group)
 
 
 def _world_size(group) -> int:
@@ -256,11 +267,10 @@ def run_circuit(args) -> int:
     page = output_file("--html", args.html, "circuit.html", source=src, taken=taken)
     with world() as group:
         r = circuit_result(args, group)
-        if group is not None:
-            import torch.distributed as dist
-
-            if dist.get_rank(group) != 0:  # every rank holds the same result: rank 0 reports it
-                return 0
+        reports = group is None or _rank(group) == 0  # every rank holds the same result: rank 0 reports it
+        del group  # the group is destroyed as the block ends: nothing here may keep it alive
+    if not reports:
+        return 0
     if png:
         _png(png, r)
         r["png"] = str(png)
