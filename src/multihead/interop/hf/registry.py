@@ -111,14 +111,13 @@ def multihead_mask(batch_size: int, q_length: int, kv_length: int, q_offset=0, k
     from transformers.masking_utils import and_masks, padding_mask_function, prepare_padding_mask, sdpa_mask
 
     index_based = not use_vmap and not isinstance(q_offset, Tensor) and not isinstance(kv_offset, Tensor)
-    if local_size is None or q_length == 1 or kv_length <= local_size or not index_based or mask_function is None \
-            or torch.compiler.is_compiling() or _built_for_generate():
+    window_cuts_nothing = local_size is not None and (q_length == 1 or kv_length <= local_size)
+    fixed = torch.compiler.is_compiling() or _built_for_generate()  # a mask tensor is needed as it is
+    if local_size is None or window_cuts_nothing or not index_based or mask_function is None or fixed:
         mask = sdpa_mask(batch_size=batch_size, q_length=q_length, kv_length=kv_length, q_offset=q_offset,
                          kv_offset=kv_offset, mask_function=mask_function, attention_mask=attention_mask,
                          local_size=local_size, use_vmap=use_vmap, **kwargs)
-        if local_size is not None and (q_length == 1 or kv_length <= local_size) \
-                and kwargs.get("allow_is_causal_skip", True) and not torch.compiler.is_compiling() \
-                and _plain_causal(mask) and not _built_for_generate():
+        if window_cuts_nothing and not fixed and kwargs.get("allow_is_causal_skip", True) and _plain_causal(mask):
             return None  # the attention function applies the layer's causality itself, on the plain path
         return mask
     padding = prepare_padding_mask(attention_mask, kv_length, kv_offset)
