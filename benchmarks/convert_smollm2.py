@@ -1,7 +1,7 @@
 """SmolLM2-135M converted to a cheaper KV cache, before any training: held-out perplexity
 per method and KV budget (docs/mla.md's table; writes docs/lab/uptrain-smollm2/conversion.json).
 
-    .venv/bin/python benchmarks/convert_smollm2.py              # every row (about 40 CPU-minutes)
+    .venv/bin/python benchmarks/convert_smollm2.py              # every row, in one run (about 5 minutes on one thread)
     .venv/bin/python benchmarks/convert_smollm2.py --quick      # 2 windows, 1,024 calibration tokens
 
 Held-out text: the KJV's Romans to Revelation (the books `lab uptrain` never trains on), in
@@ -10,7 +10,10 @@ next-token NLL) over every predicted token. Calibration: `--calibration-tokens` 
 training split (Genesis to Acts), in windows of 256 tokens spread evenly over it. KV bytes
 per token are measured from the cache a greedy `generate()` leaves (float32). Each row
 also says whether the converted model's first 8 greedy tokens after a held-out prompt are
-the base model's.
+the base model's. Each data-aware MLA row also says what its DeepSeek-V2 export costs:
+its layers keep different rotary pairs, so `to_deepseek_v2(..., widen_rope=True)` writes one
+RoPE key that holds each kept frequency as often as the layer that keeps it most often
+(`deepseek_export.rope_slots`): the distinct frequencies, the pairs and the key's width.
 
 Methods (multihead.convert):
 - "weight SVD": to_mla(R, rope_dim=r) with no data: the r/2 fastest rotary pairs kept,
@@ -66,13 +69,8 @@ def main(argv=None) -> int:
     p.add_argument("--context", type=int, default=256, help="tokens per held-out window (default 256)")
     p.add_argument("--calibration-tokens", type=int, default=4096, help="calibration tokens (default 4,096)")
     p.add_argument("--out", type=Path, default=OUT, help=f"the JSON written (default {OUT.relative_to(ROOT)})")
-    p.add_argument("--rows", default=None, help="only these rows of ROWS, e.g. 0-6 (to run parts side by side)")
-    p.add_argument("--merge", type=Path, nargs="+", default=None,
-                   help="combine the JSON files of --rows parts (same settings) into --out, in ROWS order")
     args = p.parse_args(argv)
     from machine_info import finish  # now: it takes the load at the start (benchmarks/ is on sys.path)
-    if args.merge:
-        return _merge(args.merge, args.out)
     if args.quick:
         args.windows, args.calibration_tokens = 2, 1024
     from multihead import convert
@@ -106,9 +104,6 @@ def main(argv=None) -> int:
     res["base"] = {"val_ppl": held_out_ppl(model, windows, dev),
                    "kv_bytes_per_token": kv_bytes_per_token(model, prompt, 8)}
     rows = ROWS[:2] if args.quick else ROWS
-    if args.rows is not None:
-        lo, _, hi = args.rows.partition("-")
-        rows = ROWS[int(lo):int(hi or lo) + 1]
     for target, budget, method, kind, size, rope_dim, options in rows:
         kw = {k: (cal if k == "calibration" else v) for k, v in options.items()}
         t = time.perf_counter()
@@ -127,6 +122,8 @@ def main(argv=None) -> int:
                "kv_reconstruction_error": [round(e, 6) for e in report.errors]}
         if kind == "mla":
             row["rope_pairs"] = [list(map(list, layer.rope_pairs)) for layer in report.layers]
+            if "calibration" in options and options.get("keep") is None:
+                row["deepseek_rope"] = _deepseek_rope(new)
         res["rows"].append(row)
         res["elapsed_s"] = time.perf_counter() - t0
         write_json(args.out, res)
@@ -138,25 +135,15 @@ def main(argv=None) -> int:
     return 0
 
 
-def _merge(parts: list[Path], out: Path) -> int:
-    import json
+def _deepseek_rope(model) -> dict:
+    """What the one RoPE key of the model's DeepSeek-V2 export (`widen_rope=True`) holds:
+    its distinct frequencies, its pairs (each frequency as often as the layer that keeps it
+    most often) and its width in cached values per token and layer."""
+    from multihead.interop.hf.deepseek_export import rope_slots
 
-    from multihead.files import write_json
-
-    loaded = [json.loads(p.read_text(encoding="utf-8")) for p in parts]
-    keep = ("windows", "context", "calibration_tokens", "model")
-    if any({k: r[k] for k in keep} != {k: loaded[0][k] for k in keep} for r in loaded):
-        raise SystemExit("--merge: the parts were run with different settings")
-    res = dict(loaded[0])
-    res["parts"] = [{"base": r["base"], "rows": len(r["rows"]), "elapsed_s": r.get("elapsed_s")} for r in loaded]
-    order = {(t, b, m, size, rope): i for i, (t, b, m, _, size, rope, _) in enumerate(ROWS)}
-    rows = [row for r in loaded for row in r["rows"]]
-    res["rows"] = sorted(rows, key=lambda row: order[(row["target"], row["budget"], row["method"],
-                                                      row["kv_rank"] or row["n_kv_heads"], row["rope_dim"])])
-    res["table"] = table(res)
-    write_json(out, res)
-    print(res["table"])
-    return 0
+    freqs, _ = rope_slots(model)
+    return {"distinct_frequencies": int(freqs.unique().numel()), "pairs": int(freqs.numel()),
+            "rope_dims": 2 * int(freqs.numel())}
 
 
 def table(res: dict) -> str:

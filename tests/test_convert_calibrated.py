@@ -322,3 +322,42 @@ def test_a_compiled_model_is_refused_by_name(convert_it):
             compiled_model.compile()
         with pytest.raises(ValueError, match=r"is compiled \(torch.compile\); .*valid: the uncompiled model"):
             convert_it(compiled_model)
+
+
+def test_the_deepseek_rope_widths_in_the_docs_are_the_committed_conversions():
+    """docs/mla.md's table of what `widen_rope=True` costs on SmolLM2 quotes conversion.json's
+    "deepseek_rope" of each data-aware MLA row, and those are what the row's own rotary pairs
+    give: each kept frequency (a pair index: SmolLM2 has one RoPE base) as often as the layer
+    that keeps it most often, the rule `rope_slots` implements."""
+    import collections
+    import json
+    import re
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parent.parent
+    committed = root / "docs" / "lab" / "uptrain-smollm2" / "conversion.json"
+    if not committed.is_file():
+        pytest.skip("no committed conversion table yet")
+    res = json.loads(committed.read_text(encoding="utf-8"))
+    rows = {(r["kv_rank"], r["rope_dim"]): r for r in res["rows"] if "deepseek_rope" in r}
+    assert {(192, 24), (144, 72), (64, 24), (40, 48)} <= set(rows)
+    for (rank, rope), row in rows.items():
+        need: collections.Counter = collections.Counter()
+        for layer in row["rope_pairs"]:
+            assert all(len(head) == rope // 2 // len(layer) for head in layer)
+            for f, n in collections.Counter(p for head in layer for p in head).items():
+                need[f] = max(need[f], n)
+        assert row["deepseek_rope"] == {"distinct_frequencies": len(need), "pairs": sum(need.values()),
+                                        "rope_dims": 2 * sum(need.values())}, (rank, rope)
+    doc = (root / "docs" / "mla.md").read_text(encoding="utf-8")
+    quoted = re.findall(r"^\s*\| ([\d +()a-z]+?) \| (\d+) \| (\d+) \| (\d+) \| (\d+) \((\d+)\) \|$", doc, flags=re.M)
+    assert len(quoted) == 3, quoted
+    for label, pairs_per_head, distinct, pairs, dims, instead in quoted:
+        rank, rope = (int(x) for x in re.match(r"(\d+) \+ (\d+)", label).groups())
+        d = rows[(rank, rope)]["deepseek_rope"]
+        assert (int(distinct), int(pairs), int(dims), int(instead)) == (d["distinct_frequencies"], d["pairs"],
+                                                                        d["rope_dims"], rope)
+        assert int(pairs_per_head) == rope // 2 // 3  # SmolLM2's 3 key heads
+        also = re.search(r"and (\d+) \+ (\d+)", label)
+        if also:  # a second conversion that keeps the same widths
+            assert rows[tuple(int(x) for x in also.groups())]["deepseek_rope"] == d

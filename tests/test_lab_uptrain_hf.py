@@ -253,6 +253,46 @@ def test_cli_runs_and_resumes(llama_folder, tmp_path, capsys):
     assert "go with --model" in capsys.readouterr().err
 
 
+def test_an_mla_target_with_its_own_rope_width(llama_folder, tmp_path, capsys):
+    """--kv-ranks R+P converts that target at P RoPE dims (the others at --rope-dim): its name
+    says so, its cache is measured at R + P values per token and layer, and its conversion is
+    to_mla's at that width on the run's calibration tokens."""
+    from multihead.cli import main
+
+    out = tmp_path / "split"
+    argv = ["lab", "uptrain", "--model", str(llama_folder), "--quick", "--out", str(out), "--no-progress",
+            "--rope-dim", "4", "--kv-ranks", "8,6+8", "--steps", "1", "--fractions", "0,1", "--inits", "mean"]
+    assert main(argv) == 0
+    res = json.loads((out / "results.json").read_text())
+    first = {v["target"]: v for v in res["results"]["variants"] if v["steps"] == 0}
+    assert {t for t in first if t.startswith("mla")} == {"mla-8", "mla-6+8"}
+    layers = 2
+    assert first["mla-8"]["kv_bytes_per_token"] == layers * (8 + 4) * 4
+    assert first["mla-6+8"]["kv_bytes_per_token"] == layers * (6 + 8) * 4
+    assert [v["tokens"] for v in res["results"]["variants"] if v["target"] == "mla-6+8"] == [0, 1 * 1 * 32]
+    capsys.readouterr()
+    base = ["lab", "uptrain", "--model", str(llama_folder), "--quick", "--out", str(tmp_path / "x")]
+    for bad, needle in ((["--kv-ranks", "6+5"], "R+P"),
+                        (["--kv-ranks", "6+6"], "--kv-ranks 6+6: the model has 2 KV heads"),
+                        (["--kv-ranks", "30+8"], "--kv-ranks 30: at most"), (["--long"], "two presets")):
+        assert main([*base, *bad]) == 2
+        assert needle in capsys.readouterr().err
+    assert main(["lab", "uptrain", "--quick", "--kv-ranks", "8+4", "--out", str(tmp_path / "y")]) == 2
+    assert "goes with --model" in capsys.readouterr().err
+    assert not (tmp_path / "x").exists() and not (tmp_path / "y").exists()
+
+
+def test_the_long_preset_evaluates_at_the_tokens_it_names():
+    """--long: 196 steps of 8 x 128 tokens, evaluated at 12,288, 50,176, 100,352 and 200,704
+    tokens, the control, MQA (aligned) and MLA at 10,560 and 25,920 B/token on SmolLM2."""
+    cfg = HFUptrainConfig.long()
+    per_step = cfg.batch_size * cfg.context
+    assert [s * per_step for s in cfg.eval_steps()] == [0, 12_288, 50_176, 100_352, 200_704]
+    assert [u.key for u in work_plan(cfg)] == ["control", "mqa/aligned", "mla-64/calibrated", "mla-144+72/calibrated"]
+    smollm2_layers, fp32 = 30, 4
+    assert [smollm2_layers * (r + p) * fp32 for _, r, p in cfg.mla_targets()] == [10_560, 25_920]
+
+
 def test_the_rate_probe_takes_the_best_rate_and_restores_the_weights():
     """On a quadratic whose steps overshoot at the largest rate, the probe picks a smaller one
     (the best check loss among the candidates, independently recomputed) and leaves the

@@ -210,13 +210,14 @@ def _induction_flags(p: argparse.ArgumentParser, d) -> None:
 def _uptrain_flags(p: argparse.ArgumentParser, d) -> None:
     """The lab model's conversions (--from, --inits, ...) and, with --model, a transformers model's
     (its options and defaults live in multihead.lab.uptrain_hf)."""
-    from multihead.lab.uptrain_config import parse_fractions, parse_inits, parse_rope_dims
+    from multihead.lab.uptrain_config import parse_fractions, parse_inits, parse_mla_targets, parse_rope_dims
 
     p.add_argument("--from", type=Path, default=None, dest="from_checkpoint",
                    help="a `multihead lab mla` run folder: convert its MHA model (default: train one)")
     _kv_heads(p, "MQA/GQA n_kv_heads to convert to" + d("kv_heads"))
     p.add_argument("--inits", type=parse_inits, default=None, help="GQA/MQA inits" + d("inits"))
-    p.add_argument("--kv-ranks", type=_ints, default=None, dest="ranks", help="MLA kv_rank" + d("ranks"))
+    p.add_argument("--kv-ranks", type=parse_mla_targets, default=None, dest="ranks",
+                   help="MLA kv_rank; with --model R+P also sets that target's RoPE dims (64,144+72)" + d("ranks"))
     p.add_argument("--fractions", type=parse_fractions, default=None,
                    help="uptraining, shares of --steps" + d("fractions"))
     p.add_argument("--uptrain-lr", type=_learning_rate, default=None,
@@ -234,6 +235,9 @@ def _uptrain_flags(p: argparse.ArgumentParser, d) -> None:
     p.add_argument("--rope-dim", type=_nonnegative, default=None,
                    help="with --model: MLA's RoPE dims (default 24)")
     p.add_argument("--resume", action="store_true", help="with --model: continue the run in --out")
+    p.add_argument("--long", action="store_true",
+                   help="with --model: the longer curve (control, MQA aligned, two MLA targets; 196 steps of "
+                        "8 x 128 tokens, evaluated at 12K, 50K, 100K and 200K tokens)")
 
 
 _EXPERIMENT_FLAGS = {"heads": _heads_flags, "kv": _kv_flags, "mla": _mla_flags, "induction": _induction_flags,
@@ -479,12 +483,16 @@ def _configure_induction(args, common: dict):
 def _configure_uptrain(args, common: dict):
     """The lab model's uptrain, or with --model (or its --resume, --rope-dim) a transformers
     model's, which multihead.lab.uptrain_hf configures."""
-    if args.model is not None or args.resume or args.rope_dim is not None:
+    if args.model is not None or args.resume or args.rope_dim is not None or args.long:
         from multihead.lab.uptrain_hf import configure
 
         return configure(args, args.quick)
     from multihead.lab.uptrain import UptrainConfig, run_uptrain
 
+    if args.ranks is not None and any(isinstance(r, tuple) for r in args.ranks):
+        raise UsageError(f"--kv-ranks {','.join(f'{r[0]}+{r[1]}' for r in args.ranks if isinstance(r, tuple))}: "
+                         "R+P (a RoPE width per MLA target) goes with --model; the lab model's MLA ranks are plain "
+                         "kv_ranks (its RoPE dims: --positions rope --mla-rope-dims)")
     src = args.from_checkpoint
     if src is not None and not src.is_dir():
         raise UsageError(f"--from {src}: no such folder; give the output folder of a `multihead lab mla` run")

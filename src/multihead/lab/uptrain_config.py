@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 from multihead.checks import check_divisible, check_int, check_positive_int, check_positive_number, divisors
 
-__all__ = ["UptrainConfig", "parse_fractions", "parse_inits", "parse_rope_dims"]
+__all__ = ["UptrainConfig", "parse_fractions", "parse_inits", "parse_mla_targets", "parse_rope_dims"]
 
 _INITS = ("mean", "first", "random")
 
@@ -117,6 +117,27 @@ def parse_rope_dims(text: str) -> tuple[int, ...]:
     if not values or len(values) > 16 or any(v < 0 or v % 2 for v in values):
         raise argparse.ArgumentTypeError(f"expected comma-separated even integers >= 0 like 0,8; received {text!r}")
     return values
+
+
+def parse_mla_targets(text: str) -> tuple[int | tuple[int, int], ...]:
+    """argparse type of uptrain's --kv-ranks: comma-separated MLA targets, each a kv_rank R (at
+    --rope-dim) or R+P (kv_rank R with P decoupled RoPE dims), like 64,144+72."""
+    values: list[int | tuple[int, int]] = []
+    for item in (v.strip() for v in text.split(",")):
+        if not item:
+            continue
+        rank, plus, rope = item.partition("+")
+        try:
+            r, p = int(rank), (int(rope) if plus else None)
+        except ValueError:
+            r, p = 0, None
+        if r < 1 or r > 10**7 or (plus and (p is None or p < 0 or p % 2)):
+            raise argparse.ArgumentTypeError(f"expected comma-separated kv_ranks R or R+P (P an even RoPE width) "
+                                             f"like 64,144+72; received {text!r}")
+        values.append(r if p is None else (r, p))
+    if not values or len(values) > 16:
+        raise argparse.ArgumentTypeError(f"expected 1 to 16 kv_ranks R or R+P like 64,144+72; received {text!r}")
+    return tuple(dict.fromkeys(values))
 
 
 def parse_inits(text: str) -> tuple[str, ...]:

@@ -54,7 +54,9 @@ class HFUptrainConfig:
     eval_windows: int = 8
     eval_context: int = 128
     inits: tuple[str, ...] = _INITS  # MQA inits
-    ranks: tuple[int, ...] = (64, 128, 192)  # MLA kv_rank
+    # MLA targets: a kv_rank R at `rope_dim`, or (R, P) with P RoPE dims; at SmolLM2's 25,920 B/token
+    # the budget buys more as 144 + 72 than as 192 + 24 (docs/mla.md's conversion table)
+    ranks: tuple[int | tuple[int, int], ...] = (64, 128, (144, 72))
     rope_dim: int = 24  # MLA's decoupled RoPE width (a multiple of 2 * Hkv: SmolLM2 keeps 4 pairs per KV head)
     distill: bool = True  # MQA (mean) also uptrained by distillation from the base model
     trainable: str = "attention"  # "attention" (embeddings, MLPs, norms frozen) or "all"
@@ -63,6 +65,15 @@ class HFUptrainConfig:
     generate_tokens: int = 8  # new tokens of the generate() whose cache is measured
     calibration_tokens: int = 4096  # of the training split, for the data-aware conversions (0: weights only)
     probe_steps: int = 3  # steps per candidate rate of the learning-rate probe (0: train at lr; uptrain_lr.py)
+
+    @classmethod
+    def long(cls, model: str = "smollm2") -> HFUptrainConfig:
+        """The longer curve: the control, MQA (aligned) and MLA at two budgets, each uptrained on
+        196 steps of 8 x 128 tokens (200,704) and evaluated after 12, 49, 98 and 196 steps
+        (12,288, 50,176, 100,352 and 200,704 tokens): about 2 CPU-hours on SmolLM2."""
+        return cls(model=model, steps=196, batch_size=8, context=128, warmup=10,
+                   fractions=(0.0, 12 / 196, 49 / 196, 98 / 196, 1.0), inits=("aligned",), ranks=(64, (144, 72)),
+                   distill=False, freeze_check=False)
 
     @classmethod
     def quick(cls, model: str = "smollm2") -> HFUptrainConfig:
@@ -93,11 +104,20 @@ class HFUptrainConfig:
         if any(i not in _INITS for i in self.inits):
             raise ValueError(f"inits must be some of {', '.join(_INITS)}; received {','.join(self.inits)!r}")
         for r in self.ranks:
-            check_int("ranks[...]", r, minimum=1)
+            rank, rope = r if isinstance(r, (tuple, list)) and len(r) == 2 else (r, self.rope_dim)
+            check_int("ranks[...]", rank, minimum=1)
+            check_nonnegative_int("ranks[...] rope dims", rope)
         if self.trainable not in _TRAINABLE:
             raise ValueError(f"trainable must be one of {', '.join(_TRAINABLE)}; received {self.trainable!r}")
         if self.max_train_chars is not None:
             check_positive_int("max_train_chars", self.max_train_chars)
+
+    def mla_targets(self) -> list[tuple[str, int, int]]:
+        """(target name, kv_rank, RoPE dims) of each MLA target, by cache size: "mla-R" at
+        `rope_dim`, "mla-R+P" at another width."""
+        shapes = [tuple(r) if isinstance(r, (tuple, list)) else (r, self.rope_dim) for r in self.ranks]
+        return [(f"mla-{r}" if p == self.rope_dim else f"mla-{r}+{p}", r, p)
+                for r, p in sorted(set(shapes), key=lambda s: (s[0] + s[1], s[0]))]
 
     def eval_steps(self) -> tuple[int, ...]:
         """The steps evaluated: 0 and each fraction of `steps` (at least 1 when above 0)."""
@@ -176,7 +196,7 @@ class _Unit:
     """One training of the run: a target (or the control) and how it learns."""
 
     key: str  # unique, in results.json "done"
-    target: str  # "control", "mqa", "mla-R"
+    target: str  # "control", "mqa", "mla-R" or "mla-R+P" (kv_rank R, P RoPE dims where not rope_dim)
     init: str  # "aligned" | "mean" | "first" | "random" | "calibrated" | "svd" | "none" (the control)
     objective: str = "next-token"  # or "distill"
     trainable: str = "attention"
@@ -188,7 +208,7 @@ def work_plan(cfg: HFUptrainConfig) -> list[_Unit]:
     units = [_Unit("control", "control", "none", trainable=cfg.trainable, role="control")]
     units += [_Unit(f"mqa/{i}", "mqa", i, trainable=cfg.trainable) for i in cfg.inits]
     mla = "calibrated" if cfg.calibration_tokens else "svd"
-    units += [_Unit(f"mla-{r}/{mla}", f"mla-{r}", mla, trainable=cfg.trainable) for r in sorted(cfg.ranks)]
+    units += [_Unit(f"{name}/{mla}", name, mla, trainable=cfg.trainable) for name, _, _ in cfg.mla_targets()]
     if cfg.distill:
         units.append(_Unit("mqa/mean/distill", "mqa", "mean", objective="distill", trainable=cfg.trainable))
     if cfg.freeze_check:
@@ -208,8 +228,8 @@ def _convert(base, unit: _Unit, cfg: HFUptrainConfig, seed: int, calibration: to
         model, report = convert.to_gqa(base, 1, init=unit.init, generator=gen, return_report=True,
                                        calibration=calibration if unit.init == "aligned" else None)
     else:  # "calibrated": to_mla's data-aware default on the calibration tokens; "svd": the weights only
-        rank = int(unit.target.split("-")[1])
-        model, report = convert.to_mla(base, rank, rope_dim=cfg.rope_dim, return_report=True,
+        rank, rope_dim = next((r, p) for name, r, p in cfg.mla_targets() if name == unit.target)
+        model, report = convert.to_mla(base, rank, rope_dim=rope_dim, return_report=True,
                                        calibration=calibration if unit.init == "calibrated" else None)
     return model, [round(e, 6) for e in report.errors]
 
@@ -291,7 +311,7 @@ class _Run:
     def record(self, unit: _Unit, entry: dict) -> None:
         r = self.res["results"]
         if unit.role == "control":
-            r["control"].append({"steps": entry["steps"], "val_ppl": entry["val_ppl"]})
+            r["control"].append({"steps": entry["steps"], "tokens": entry["tokens"], "val_ppl": entry["val_ppl"]})
         elif unit.role == "freeze_check":
             r["freeze"]["check"].append(entry)
         else:
@@ -359,8 +379,8 @@ class _Run:
                     model.eval()
                     ppl = self.ppl(model)
                     model.train()
-                    self.record(unit, {**info, "steps": step, "val_ppl": ppl,
-                                       "seconds": seconds + time.perf_counter() - t})
+                    self.record(unit, {**info, "steps": step, "tokens": step * cfg.batch_size * cfg.context,
+                                       "val_ppl": ppl, "seconds": seconds + time.perf_counter() - t})
                 if self.callback is not None:
                     self.callback(unit.key, step, losses[-1])
             bar.close()
@@ -380,9 +400,10 @@ class _Run:
         if start == 0 and not self.recorded(unit, 0):
             same = [v for v in r["variants"] if (v["target"], v["init"], v["steps"]) == (unit.target, unit.init, 0)]
             ppl0 = same[0]["val_ppl"] if same else self.ppl(model)  # the distilled target is one converted already
-            self.record(unit, {**info, "steps": 0, "val_ppl": ppl0, "seconds": 0.0})
+            self.record(unit, {**info, "steps": 0, "tokens": 0, "val_ppl": ppl0, "seconds": 0.0})
         elif start in self.cfg.eval_steps() and not self.recorded(unit, start):
-            self.record(unit, {**info, "steps": start, "val_ppl": self.ppl(model), "seconds": seconds})
+            self.record(unit, {**info, "steps": start, "tokens": start * self.cfg.batch_size * self.cfg.context,
+                               "val_ppl": self.ppl(model), "seconds": seconds})
 
     def _finish(self, unit: _Unit, params, losses: list[float], seconds: float, cpu: float) -> None:
         """A completed training into the results: its losses and times, the unit done, and for
@@ -490,15 +511,16 @@ def _check_model(cfg: HFUptrainConfig, model) -> None:
     D = attn.head_dim
     Hkv = attn.k_proj.out_features // D
     valid = list(range(2 * Hkv, Hkv * D + 1, 2 * Hkv))
-    if cfg.rope_dim not in valid and cfg.ranks:
-        raise UsageError(f"--rope-dim {cfg.rope_dim}: the model has {Hkv} KV heads of {D}, so MLA's RoPE width must "
-                         f"be a multiple of {2 * Hkv} in {valid[0]}..{valid[-1]}; valid: "
-                         f"{', '.join(map(str, valid[:8]))}{', ...' if len(valid) > 8 else ''}")
-    top = Hkv * (D - cfg.rope_dim // Hkv) + attn.v_proj.out_features
-    bad = [r for r in cfg.ranks if r > min(top, attn.q_proj.in_features)]
-    if bad:
-        raise UsageError(f"--kv-ranks {bad[0]}: at most {min(top, attn.q_proj.in_features)} (the rank of the "
-                         f"stacked nope keys and values at rope_dim {cfg.rope_dim})")
+    for name, rank, rope_dim in cfg.mla_targets():
+        flag = f"--kv-ranks {rank}+{rope_dim}" if name.count("+") else f"--rope-dim {rope_dim}"
+        if rope_dim not in valid:
+            raise UsageError(f"{flag}: the model has {Hkv} KV heads of {D}, so MLA's RoPE width must "
+                             f"be a multiple of {2 * Hkv} in {valid[0]}..{valid[-1]}; valid: "
+                             f"{', '.join(map(str, valid[:8]))}{', ...' if len(valid) > 8 else ''}")
+        top = min(Hkv * (D - rope_dim // Hkv) + attn.v_proj.out_features, attn.q_proj.in_features)
+        if rank > top:
+            raise UsageError(f"--kv-ranks {rank}: at most {top} (the rank of the stacked nope keys and values "
+                             f"at rope_dim {rope_dim})")
 
 
 def _config_key(cfg: HFUptrainConfig, seed: int) -> dict:
@@ -716,9 +738,10 @@ def plot_uptrain_hf(res: dict, path: Path) -> str:
     plt = pyplot()
     r = res["results"]
     fig, (ax, fr) = plt.subplots(1, 2, figsize=(11, 4.2))
+    per_step = res["config"]["batch_size"] * res["config"]["context"]  # tokens seen per uptraining step
     curves: dict = {}
     for v in r["variants"]:
-        curves.setdefault((v["target"], v["init"], v["objective"]), []).append((v["steps"], v["val_ppl"],
+        curves.setdefault((v["target"], v["init"], v["objective"]), []).append((v["steps"] * per_step, v["val_ppl"],
                                                                                 v["kv_bytes_per_token"]))
     for (target, init, objective), pts in curves.items():
         pts.sort()
@@ -727,7 +750,7 @@ def plot_uptrain_hf(res: dict, path: Path) -> str:
                         ls="--" if objective == "distill" else "-")
         fr.scatter([pts[-1][2]], [pts[-1][1]], color=line.get_color(), label=label)
         fr.scatter([pts[0][2]], [pts[0][1]], color=line.get_color(), marker="x")
-    c = sorted((x["steps"], x["val_ppl"]) for x in r["control"])
+    c = sorted((x["steps"] * per_step, x["val_ppl"]) for x in r["control"])
     if c:
         ax.plot([p[0] for p in c], [p[1] for p in c], color="black", marker="s", ms=3, label="control")
         fr.scatter([r["base"]["kv_bytes_per_token"]], [c[-1][1]], color="black", marker="s", label="control")
@@ -736,7 +759,7 @@ def plot_uptrain_hf(res: dict, path: Path) -> str:
     for a in (ax, fr):
         a.set_yscale("log")
         a.set_ylabel("held-out perplexity (KJV Romans-Revelation)")
-    ax.set_xlabel("uptraining steps")
+    ax.set_xlabel("tokens seen in uptraining")
     ax.set_title(f"{r['model']}: converted, then uptrained")
     fr.set_xlabel("KV-cache bytes per token (measured, generate cache)")
     fr.set_title("after uptraining (dots) and as converted (x)")
@@ -747,9 +770,12 @@ def plot_uptrain_hf(res: dict, path: Path) -> str:
 def configure(args, quick: bool) -> tuple[Callable, HFUptrainConfig]:
     """The CLI's runner and config for `lab uptrain --model ...` (flags the CLI parsed)."""
     if args.model is None:
-        raise UsageError("--resume and --rope-dim go with --model (lab uptrain --model smollm2 ...); the lab "
-                         "model's uptrain neither resumes nor has a RoPE width of its own")
-    base = HFUptrainConfig.quick(args.model) if quick else HFUptrainConfig(model=args.model)
+        raise UsageError("--resume, --long and --rope-dim go with --model (lab uptrain --model smollm2 ...); the lab "
+                         "model's uptrain neither resumes nor has such a preset or a RoPE width of its own")
+    if quick and args.long:
+        raise UsageError("--quick and --long are two presets; give one")
+    base = (HFUptrainConfig.quick(args.model) if quick else HFUptrainConfig.long(args.model) if args.long
+            else HFUptrainConfig(model=args.model))
     given = {"steps": args.steps, "batch_size": args.batch_size, "lr": args.lr, "inits": args.inits,
              "ranks": args.ranks, "fractions": args.fractions, "rope_dim": getattr(args, "rope_dim", None)}
     given = {k: v for k, v in given.items() if v is not None}
