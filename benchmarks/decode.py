@@ -388,14 +388,16 @@ PROFILE_SHORT = {"gqa": "GQA 32/8 x 128", "smollm2": "SmolLM2 9/3 x 64"}  # --pr
 
 def profile_cases(L: int, H: int, Hkv: int, D: int, rotate_bytes: int) -> list[Case]:
     """One decode step (B = 1, one query) of one geometry, done each way the profile compares:
-    multihead's public call (split over the keys where `kernels.decode.key_splits` says so),
-    the same call with the split switched off (so that "multihead" against "multihead unsplit"
-    is the split's worth with the public call's fixed cost, its checks and the NaN check's
-    reduction, on both sides; the ways below are the bare kernels, without it), the one
+    multihead's public call (the engine `kernels.decode.engine` chose, split over the keys
+    where `key_splits` says so), the same call on torch's kernel ("multihead flash") and with
+    its split switched off too ("multihead unsplit"; so that "multihead flash" against it is
+    the split's worth with the public call's fixed cost, its checks and the NaN check's
+    reduction, on both sides; the ways below are the bare kernels, without it), the GEMM
+    engine alone (`decode.gemm`: the keys the tall operand of the scores' GEMM), the one
     folded flash call (`sdpa.plain`), the split forced into 2 and 4 parts, the two
     passes as matrix products with the G query heads folded into rows (scores, softmax,
     values), torch's `enable_gqa`; and the read rate, `sum` over as many bytes as K and V."""
-    from multihead.kernels import decode, sdpa
+    from multihead.kernels import decode, machine_plan, sdpa, set_machine_plan
 
     g = torch.Generator().manual_seed(L)
     nbytes = 2 * Hkv * L * D * FP32
@@ -410,15 +412,19 @@ def profile_cases(L: int, H: int, Hkv: int, D: int, rotate_bytes: int) -> list[C
         scores = (q.view(1, Hkv, G, D) * scale) @ k.transpose(-2, -1)  # (1, Hkv, G, L)
         return torch.softmax(scores, dim=-1) @ v  # (1, Hkv, G, D)
 
-    def unsplit(k, v):  # the public call with the split switched off: its fixed cost on the one call
-        saved, decode.MIN_SPLIT_BYTES = decode.MIN_SPLIT_BYTES, math.inf
+    def on_flash(k, v, split=True):  # the public call on torch's kernel, split or (split=False) one call
+        saved, decode.MIN_SPLIT_BYTES = decode.MIN_SPLIT_BYTES, decode.MIN_SPLIT_BYTES if split else math.inf
+        plan = set_machine_plan(machine_plan().with_choices(decode_engine="flash"))
         try:
             return scaled_dot_product_attention(q, k, v)
         finally:
             decode.MIN_SPLIT_BYTES = saved
+            set_machine_plan(plan)
 
     ways = {"multihead": lambda k, v: scaled_dot_product_attention(q, k, v),
-            "multihead unsplit": unsplit,
+            "multihead flash": on_flash,
+            "multihead unsplit": lambda k, v: on_flash(k, v, split=False),
+            "gemm engine": lambda k, v: decode.gemm(q, k, v, scale),
             "one flash call": lambda k, v: sdpa.plain(q, k, v, scale),
             "split 2": lambda k, v: decode.split_keys(q, k, v, scale, 2)[0],
             "split 4": lambda k, v: decode.split_keys(q, k, v, scale, 4)[0],

@@ -1,14 +1,18 @@
 """Where the time of one decode step goes: the K pass, the softmax, the V pass, and the
 start and join of a parallel region, beside the whole step (torch's one folded flash call,
-and multihead's step with its split over the keys), one-token GQA, fp32, B = 1.
+multihead's GEMM engine, and multihead's step: the engine it chose, split over the keys on
+torch's kernel), one-token GQA, fp32, B = 1.
 
     .venv/bin/python benchmarks/decode_profile.py                     # L 16384, 32/8 heads of 128
     .venv/bin/python benchmarks/decode_profile.py --quick             # L 1024, few rounds: smoke test
 
 The flash kernel does the three parts in one pass per block of keys, so they cannot be
-timed inside it; here they are timed as the three ops that move the same bytes, with the G
-query heads of a K/V head folded into rows: `q @ K^T` reads all of K (the K pass), the
-softmax reads and writes the (Hkv, G, L) scores, `p @ V` reads all of V (the V pass). Their
+timed inside it; here they are timed as the three ops of multihead's GEMM engine
+(`kernels.decode.gemm`), which move the same bytes, with the G query heads of a K/V head
+folded into rows: `K @ q^T` reads all of K (the K pass; the keys the tall operand, as the
+engine has them: `q @ K^T`, the same product with the keys the wide operand, runs the BLAS's
+small-M kernel, measured 1.9x slower on an AMD EPYC), the softmax reads and writes the
+(Hkv, G, L) scores, `p @ V` reads all of V (the V pass). Their
 shares of their sum say which pass the step's time is in; the whole step beside them says
 how much the fusion saves. "region" is the cost of one parallel region with nothing in
 it to speak of (a fill of 64 Ki floats, above torch's grain, at the benchmark's threads
@@ -43,6 +47,7 @@ if str(ROOT / "src") not in sys.path:  # run from a checkout without installing
 
 from machine_info import machine, write_json  # noqa: E402  (benchmarks/ is on sys.path when run as a script)
 from multihead.functional import scaled_dot_product_attention  # noqa: E402
+from multihead.kernels import decode  # noqa: E402
 from multihead.kernels.common import flash_lse  # noqa: E402
 from multihead.kernels.machine import machine_plan  # noqa: E402
 
@@ -58,8 +63,9 @@ def build(L: int, H: int, Hkv: int, D: int, rotate_mib: int) -> dict:
     q = torch.randn(1, H, 1, D, generator=g)
     qf = q.reshape(1, Hkv, H // Hkv, D)  # (1, Hkv, G, D)
     scale = D ** -0.5
-    scores = torch.empty(1, Hkv, H // Hkv, L)
-    probs = torch.softmax(scores.normal_(), -1)
+    scores = torch.empty(Hkv, L, H // Hkv)
+    probs = torch.softmax(torch.randn(Hkv, H // Hkv, L, generator=g), -1)
+    q_rows = qf[0].transpose(-1, -2)  # (Hkv, D, G)
     big = torch.ones(32 << 20)  # 128 MiB, the read ceiling
     small = torch.empty(64 << 10)
     state = {"i": 0}
@@ -70,11 +76,11 @@ def build(L: int, H: int, Hkv: int, D: int, rotate_mib: int) -> dict:
 
     def k_pass():
         k, _ = kv()
-        torch.matmul(qf, k.transpose(-1, -2), out=scores)  # (1, Hkv, G, L)
+        torch.bmm(k[0], q_rows, out=scores)  # (Hkv, L, G)
 
     def v_pass():
         _, v = kv()
-        return probs @ v  # (1, Hkv, G, D)
+        return torch.bmm(probs, v[0])  # (Hkv, G, D)
 
     def flash():
         k, v = kv()
@@ -84,12 +90,17 @@ def build(L: int, H: int, Hkv: int, D: int, rotate_mib: int) -> dict:
         k, v = kv()
         return scaled_dot_product_attention(q, k, v)
 
+    def gemm():
+        k, v = kv()
+        return decode.gemm(q, k, v, scale)
+
     checks = copies[0]
     ref = torch.softmax((qf.double() @ checks[0].double().transpose(-1, -2)) * scale, -1) @ checks[1].double()
     got = scaled_dot_product_attention(q, *checks).reshape(1, Hkv, H // Hkv, D)
     assert float((got.double() - ref).abs().max()) < 1e-4, "multihead's step disagrees with the float64 softmax"
-    return {"cases": {"K pass": k_pass, "softmax": lambda: torch.softmax(scores, -1), "V pass": v_pass,
-                      "flash call": flash, "multihead step": step,
+    assert float((decode.gemm(q, *checks, scale).double().reshape(ref.shape) - ref).abs().max()) < 1e-4
+    return {"cases": {"K pass": k_pass, "softmax": lambda: torch.softmax(scores.transpose(1, 2), -1), "V pass": v_pass,
+                      "flash call": flash, "gemm engine": gemm, "multihead step": step,
                       "region": lambda: small.fill_(1.0), "read 128 MiB": lambda: big.sum()},
             "kv_bytes": kv_bytes, "copies": n}
 
@@ -124,13 +135,14 @@ def run(args) -> dict:
     total = {k: sum(med[p][k] for p in PARTS) for k in ("cpu", "wall")}
     read_rate = (32 << 20) * 4 / med["read 128 MiB"]["wall"]
     rows = []
-    for name in (*PARTS, "flash call", "multihead step", "region"):
+    for name in (*PARTS, "flash call", "gemm engine", "multihead step", "region"):
         m = med[name]
         rows.append({"part": name, "cpu_us": m["cpu"] * 1e6, "wall_us": m["wall"] * 1e6,
                      "share_cpu": m["cpu"] / total["cpu"] if name in PARTS else None,
                      "share_wall": m["wall"] / total["wall"] if name in PARTS else None,
                      "pct_read": (100 * built["kv_bytes"] / m["wall"] / read_rate
-                                  if name in ("flash call", "multihead step") else None)})
+                                  if name in ("flash call", "gemm engine", "multihead step") else None)})
+    # the plan after the rounds: "measured" holds the engine the step chose on this machine
     return {"benchmark": "decode_profile", "config": {"L": args.length, "H": args.heads, "Hkv": args.kv_heads,
             "D": args.head_dim, "threads": args.threads, "rounds": args.rounds, "reps": args.reps,
             "kv_copies": built["copies"], "kv_bytes": built["kv_bytes"], "kernel_plan": machine_plan().as_dict()},

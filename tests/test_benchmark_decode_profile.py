@@ -12,7 +12,8 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-WAYS = {"multihead", "multihead unsplit", "one flash call", "split 2", "split 4", "two matmuls", "torch enable_gqa"}
+WAYS = {"multihead", "multihead flash", "multihead unsplit", "gemm engine", "one flash call", "split 2", "split 4",
+        "two matmuls", "torch enable_gqa"}
 
 
 def test_decode_profile_quick(tmp_path):

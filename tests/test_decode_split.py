@@ -13,7 +13,7 @@ import torch
 from conftest import AtenOps, assert_close
 from multihead import reference as R
 from multihead.functional import attend
-from multihead.kernels import common, decode
+from multihead.kernels import common, decode, machine_plan, set_machine_plan
 
 pytestmark = pytest.mark.skipif(not common.HAS_CPU_FLASH, reason="this torch has no CPU flash kernel with its lse")
 
@@ -35,7 +35,10 @@ def two_threads(monkeypatch):
     n = torch.get_num_threads()
     torch.set_num_threads(2)
     monkeypatch.setattr(decode, "MIN_SPLIT_BYTES", 8 * 32 * 4)  # as the docstring says: small shapes split
+    # torch's kernel for every step: the GEMM engine, timed where a step streams, would take some
+    before = set_machine_plan(machine_plan().with_choices(decode_engine="flash"))
     yield
+    set_machine_plan(before)
     torch.set_num_threads(n)
 
 

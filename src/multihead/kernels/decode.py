@@ -9,18 +9,30 @@ log-sum-exp (`split_keys`). Taken only where it pays (`key_splits`: the CPU, sev
 threads, batch 1, few folded query rows, H > Hkv > 1, enough K/V bytes per head, nothing
 requiring grad). The method and its measurements: docs/benchmarks-decode.md, "How the
 decode split works".
+
+A step whose K/V stream from beyond the L2 has a second engine, `gemm`: the scores as one
+batched GEMM with the keys as the tall operand (`(S, D) @ (D, G*T)` per K/V head, the
+keys read once, as `common.one_query_shared_keys` does for MLA), the softmax, and the
+values as a second GEMM. Which engine is faster is the machine's: torch's kernel works
+through the keys in small blocks with a GEMM call each, which costs little where the BLAS
+is fast on small blocks and up to 1.4x on another core (docs/benchmarks-decode.md). So it
+is timed on the first such step of each dtype, thread count and query rows, both engines
+on that step's own inputs, and the winner kept for the process (`machine.measured_choices`;
+`MachinePlan.decode_engine` fixes it).
 """
 
 from __future__ import annotations
+
+import time
 
 import torch
 from torch import Tensor
 
 from multihead.kernels.common import HAS_CPU_FLASH, flash_lse, merge_two
-from multihead.kernels.machine import machine_plan
+from multihead.kernels.machine import machine_plan, recalled, remember
 from multihead.kernels.sdpa import plain
 
-__all__ = ["MIN_SPLIT_BYTES", "key_splits", "split_bytes", "split_keys", "step"]
+__all__ = ["MIN_SPLIT_BYTES", "engine", "gemm", "gemm_applies", "key_splits", "split_bytes", "split_keys", "step"]
 
 # K and V bytes of one K/V head (S * (D + Dv) * element size) from which a step splits; None: the
 # machine's (`MachinePlan.min_split_bytes`, one core's L2, and why). An int here overrides it.
@@ -29,6 +41,9 @@ MIN_SPLIT_BYTES: int | None = None
 # block of queries): with more, it splits the queries itself and the threads have work
 _ONE_BLOCK = 32
 _FLASH_DTYPES = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
+_GEMM_DTYPES = (torch.float32, torch.float64)  # the half types' CPU GEMMs would round the scores
+_ROUNDS = 3  # timing rounds per engine, alternating: the first pays what a process's first call pays
+_MARGIN = 0.95  # the GEMMs must win by 5%: a tie keeps torch's kernel (the same bits as `sdpa`)
 
 
 def split_bytes() -> int:
@@ -117,15 +132,78 @@ def _overlap_mask(c: int, dtype: torch.dtype) -> Tensor:
     return buf.as_strided((2, 1, 1, c), (c, 0, 0, 1), n - c)
 
 
-def step(q: Tensor, k: Tensor, v: Tensor, scale: float, causal: bool) -> tuple[Tensor, Tensor]:
-    """The plain step: (out, what the NaN check reads: out itself, or the parts' outputs
-    of a split step). `sdpa.plain` unless `key_splits` says split (never on one thread,
-    asked first: a decode step runs this once per layer per token, where a call shows; and
-    never inside torch.compile, where the thread count cannot be traced and inductor's graph
-    holds the one kernel call)."""
-    if not torch.compiler.is_compiling() and torch.get_num_threads() > 1 and (q.shape[2] == 1 or not causal):
+def gemm_applies(q: Tensor, k: Tensor, v: Tensor) -> bool:
+    """Whether `gemm` may run this plain step: float32/64 on the CPU, few folded query rows,
+    K/V bytes per head beyond the plan's `min_split_bytes` (one core's L2: streamed; below,
+    torch's kernel keeps them in cache and its one call is the cheaper; `MIN_SPLIT_BYTES`
+    moves the split alone), nothing requiring grad, and K and V whose batch
+    and head dims merge without a copy (a cache's view does)."""
+    B, H, T, D = q.shape
+    Hkv, S = k.shape[1], k.shape[2]
+    if not q.is_cpu or q.dtype not in _GEMM_DTYPES or H // Hkv * T > _ONE_BLOCK \
+            or S * (D + v.shape[-1]) * q.element_size() < machine_plan().min_split_bytes:
+        return False
+    if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
+        return False
+    return all(B == 1 or t.stride(0) == Hkv * t.stride(1) for t in (k, v))
+
+
+def gemm(q: Tensor, k: Tensor, v: Tensor, scale: float) -> Tensor:
+    """Attention of q `(B, H, T, D)` over every key of k, v `(B, Hkv, S, D | Dv)` as two
+    batched GEMMs: the scores `(S, D) @ (D, G*T)` per K/V head with the keys the tall operand
+    (read once, in order), the softmax over S in the input's dtype, the values `(G*T, S) @
+    (S, Dv)`. Exact to rounding (the scores are kept whole: G*T*S floats per head)."""
+    B, H, T, D = q.shape
+    Hkv, Dv = k.shape[1], v.shape[-1]
+    qf = q.reshape(B * Hkv, H // Hkv * T, D) * scale  # (B*Hkv, G*T, D)
+    scores = torch.bmm(k.flatten(0, 1), qf.transpose(1, 2))  # (B*Hkv, S, G*T)
+    probs = torch.softmax(scores.transpose(1, 2), dim=-1)  # (B*Hkv, G*T, S)
+    return torch.bmm(probs, v.flatten(0, 1)).view(B, H, T, Dv)
+
+
+def _flash(q: Tensor, k: Tensor, v: Tensor, scale: float, causal: bool) -> tuple[Tensor, Tensor]:
+    """torch's kernel: `split_keys` where `key_splits` says split (never on one thread, asked
+    first), else `sdpa.plain`."""
+    if torch.get_num_threads() > 1 and (q.shape[2] == 1 or not causal):
         parts = key_splits(q, k, v)
         if parts > 1:
             return split_keys(q, k, v, scale, parts)
     out = plain(q, k, v, scale, causal)
     return out, out
+
+
+def engine(q: Tensor, k: Tensor, v: Tensor, scale: float) -> str:
+    """"flash" or "gemm" for a step `gemm_applies` accepts: the plan's `decode_engine`, else
+    what was timed on this process's first step of the same dtype, threads and query rows,
+    else timed now on this step (each engine `_ROUNDS` times, alternating; the fastest run
+    of each; "gemm" only if it wins by 1 - `_MARGIN`)."""
+    fixed = machine_plan().decode_engine
+    if fixed is not None:
+        return fixed
+    B, H, T, D = q.shape
+    case = f"{str(q.dtype).removeprefix('torch.')}, {torch.get_num_threads()} threads, {H // k.shape[1] * T} rows"
+    won = recalled("decode_engine", case)
+    if won is None:
+        best = {"flash": float("inf"), "gemm": float("inf")}
+        for _ in range(_ROUNDS):
+            for name, run in (("flash", lambda: _flash(q, k, v, scale, False)), ("gemm", lambda: gemm(q, k, v, scale))):
+                t = time.perf_counter()
+                run()
+                best[name] = min(best[name], time.perf_counter() - t)
+        won = "gemm" if best["gemm"] < _MARGIN * best["flash"] else "flash"
+        remember("decode_engine", case, won)
+    return won
+
+
+def step(q: Tensor, k: Tensor, v: Tensor, scale: float, causal: bool) -> tuple[Tensor, Tensor]:
+    """The plain step: (out, what the NaN check reads: out itself, or the parts' outputs
+    of a split step). `gemm` where it applies and its `engine` is "gemm", else torch's kernel
+    (`_flash`); only `sdpa.plain` inside torch.compile, where the thread count cannot be
+    traced and inductor's graph holds the one kernel call."""
+    if torch.compiler.is_compiling() or (q.shape[2] > 1 and causal):
+        out = plain(q, k, v, scale, causal)
+        return out, out
+    if gemm_applies(q, k, v) and engine(q, k, v, scale) == "gemm":
+        out = gemm(q, k, v, scale)
+        return out, out
+    return _flash(q, k, v, scale, causal)

@@ -1,6 +1,9 @@
 """What the CPU kernels choose from the machine they run on: one frozen `MachinePlan` per
 process, derived from the cache sizes the OS reports (Linux sysfs), visible as
 `machine_plan()` and replaced by `set_machine_plan` (a plan, or None: read the OS again).
+What neither the caches nor a constant decide (which engine runs a long decode step) is
+measured once per process, on the first call that needs it, and kept beside the plan
+(`measured_choices()`; a plan's field fixes it instead).
 
 A choice that follows the caches is a rule over their sizes, written so that a core with a
 2 MiB L2 (a Xeon's since Sapphire Rapids, the kind of machine the constants were measured
@@ -20,7 +23,7 @@ from pathlib import Path
 
 from multihead.checks import check_positive_int
 
-__all__ = ["MachinePlan", "machine_plan", "read_caches", "set_machine_plan"]
+__all__ = ["MachinePlan", "machine_plan", "measured_choices", "read_caches", "remember", "set_machine_plan"]
 
 CACHE_ROOT = Path("/sys/devices/system/cpu/cpu0/cache")
 # what a machine whose caches cannot be read is taken to have: the caches the constants were tuned
@@ -51,6 +54,11 @@ class MachinePlan:
     # length on the 2 MiB L2 and on a 1 MiB L2 too (128 and 512 slower on both), so no cache rule:
     # a tile's Python and dispatch, not its (t, t) temporaries' cache, is what the edge trades
     explicit_tile: int = 256
+    # the engine of a plain decode step whose K/V stream from beyond the L2 (`decode.step`): "flash"
+    # (torch's fused kernel, split over the threads) or "gemm" (two batched GEMMs, the keys the tall
+    # operand); None: timed on the first such step of each dtype, thread count and query rows, and
+    # kept for the process. Which wins is the BLAS's and the core's, not the caches': measured, not derived
+    decode_engine: str | None = None
     overrides: tuple[tuple[str, int], ...] = ()
 
     def __post_init__(self):
@@ -60,6 +68,9 @@ class MachinePlan:
             if name not in _CHOICES:
                 raise ValueError(f"MachinePlan override {name!r} is not a choice; valid: {', '.join(_CHOICES)}")
             check_positive_int(f"MachinePlan override {name}", value)
+        if self.decode_engine not in DECODE_ENGINES:
+            raise ValueError(f"MachinePlan.decode_engine must be one of {', '.join(map(repr, DECODE_ENGINES))}; "
+                             f"received {self.decode_engine!r}")
 
     @property
     def min_split_bytes(self) -> int:
@@ -79,7 +90,7 @@ class MachinePlan:
 
     def with_choices(self, **choices) -> MachinePlan:
         """This plan with some choices fixed: a derived one (`min_split_bytes=`) or a field
-        (`explicit_tile=`, `flops_per_thread=`, `call_seconds=`)."""
+        (`explicit_tile=`, `flops_per_thread=`, `call_seconds=`, `decode_engine=`)."""
         valid = (*_CHOICES, *_FIELDS)
         for name in choices:
             if name not in valid:
@@ -94,11 +105,13 @@ class MachinePlan:
         d = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "overrides"}
         d.update({name: getattr(self, name) for name in _CHOICES})
         d["overridden"] = [n for n, _ in self.overrides]
+        d["measured"] = measured_choices()
         return d
 
 
 _CHOICES = ("min_split_bytes",)  # derived from the caches (properties)
-_FIELDS = ("explicit_tile", "flops_per_thread", "call_seconds")  # carried with their measured defaults
+_FIELDS = ("explicit_tile", "flops_per_thread", "call_seconds", "decode_engine")  # carried with their defaults
+DECODE_ENGINES = (None, "flash", "gemm")
 
 
 def _size(text: str) -> int:
@@ -132,6 +145,25 @@ def read_caches(root: str | os.PathLike | None = None) -> tuple[int, int] | None
 
 _LOCK = threading.Lock()
 _PLAN: MachinePlan | None = None
+_MEASURED: dict[str, dict[str, str]] = {}  # choice -> {the case it was timed on: what won}
+
+
+def measured_choices() -> dict[str, dict[str, str]]:
+    """What this process has timed so far: {choice: {case: winner}}, e.g. {"decode_engine":
+    {"float32, 2 threads, 4 rows": "gemm"}} (a copy)."""
+    with _LOCK:
+        return {name: dict(cases) for name, cases in _MEASURED.items()}
+
+
+def recalled(choice: str, case: str) -> str | None:
+    """The winner kept for `case` of `choice`, or None where it was not timed yet."""
+    return _MEASURED.get(choice, {}).get(case)
+
+
+def remember(choice: str, case: str, winner: str) -> None:
+    """Keep what a timing found for the rest of the process (until `set_machine_plan`)."""
+    with _LOCK:
+        _MEASURED.setdefault(choice, {})[case] = winner
 
 
 def machine_plan() -> MachinePlan:
@@ -153,11 +185,13 @@ def _read_plan() -> MachinePlan:
 
 
 def set_machine_plan(plan: MachinePlan | None) -> MachinePlan | None:
-    """Use `plan` from now on in this process (None: read the OS again at the next call);
-    returns the plan in use before, or None if none was read yet, to put back."""
+    """Use `plan` from now on in this process (None: read the OS again at the next call), and
+    forget what was timed (`measured_choices`): a new plan is timed afresh where it leaves a
+    choice open. Returns the plan in use before, or None if none was read yet, to put back."""
     global _PLAN
     if plan is not None and not isinstance(plan, MachinePlan):
         raise TypeError(f"set_machine_plan takes a MachinePlan or None, got {type(plan).__name__}")
     with _LOCK:
         before, _PLAN = _PLAN, plan
+        _MEASURED.clear()
     return before
