@@ -518,3 +518,75 @@ def test_every_number_the_docs_quote_of_the_committed_run_is_one_of_its_results(
         if not hits:
             missing.append(text)
     assert not missing, f"docs/lab.md quotes {missing}, which no number of the committed run rounds to"
+
+
+# what docs/lab.md cites of MHA2MLA (Ji et al., 2025, arXiv 2502.14837v1: Table 1, SmolLM-135M, and
+# Table 4, its fine-tuning): the anchor the longer curve is read against, not a result of this project
+MHA2MLA_SMOLLM_135M = {"tokens_billion": 2.25, "per_mille_of_pretraining": 3.8, "pretraining_billion": 600,
+                       "steps": 18_000, "sequence": 2_048, "average": {"original": 44.50, "full rope": 44.25,
+                                                                       "d_kv 32": 43.06, "d_kv 16": 41.84,
+                                                                       "d_kv 8": 40.97},
+                       "cache_reduction_pct": {"d_kv 32": 68.75, "d_kv 16": 81.25, "d_kv 8": 87.50}}
+
+
+def test_the_docs_quote_the_committed_longer_curve():
+    """docs/lab.md's longer-curve section quotes the committed `--long` run's table and summary
+    verbatim (the summary what the current code writes from its numbers); the run is the
+    preset, uninterrupted, with nothing diverged; and each decimal and comma-grouped integer of
+    the section is one of the run's numbers (a percentage: 100 times one; minutes: seconds / 60;
+    tokens: steps x 8 x 128) or one of MHA2MLA's that the section cites."""
+    from pathlib import Path
+
+    from multihead.lab.results import check_results
+    from multihead.lab.uptrain_hf import summarise_uptrain_hf
+
+    root = Path(__file__).resolve().parent.parent
+    committed = root / "docs" / "lab" / "uptrain-smollm2-long" / "results.json"
+    if not committed.is_file():
+        pytest.skip("no committed longer curve yet")
+    res = check_results(json.loads(committed.read_text(encoding="utf-8")), committed.parent,
+                        required=["base", "control", "variants", "summary", "table"])
+    r, cfg = res["results"], res["config"]
+    fields = {k: tuple(tuple(x) if isinstance(x, list) else x for x in v) if isinstance(v, list) else v
+              for k, v in cfg.items()}
+    assert HFUptrainConfig(**fields) == HFUptrainConfig.long()
+    assert not res["interrupted"] and not res["diverged"] and r["worse_than_converted"] == []
+    assert r["done"] == [u.key for u in work_plan(HFUptrainConfig.long())]
+    again = json.loads(json.dumps(res))
+    summarise_uptrain_hf(HFUptrainConfig.long(), again)
+    assert (again["results"]["table"], again["results"]["summary"]) == (r["table"], r["summary"])
+    doc = (root / "docs" / "lab.md").read_text(encoding="utf-8")
+    start = doc.index("### A longer curve: `multihead lab uptrain --model smollm2 --long`")
+    end = doc.find("\n### ", start + 1)
+    section = doc[start:end if end > 0 else len(doc)]
+    assert r["table"] in section and r["summary"] in section
+    section = re.sub(r"```.*?```", "", section, flags=re.S).replace(r["table"], "").replace(r["summary"], "")
+
+    def numbers(x):
+        if isinstance(x, bool) or x is None or isinstance(x, str):
+            return []
+        if isinstance(x, (int, float)):
+            return [float(x)]
+        return [n for v in (x.values() if isinstance(x, dict) else x) for n in numbers(v)]
+
+    per_step = cfg["batch_size"] * cfg["context"]
+    pool = numbers(r) + numbers(MHA2MLA_SMOLLM_135M) + [res["elapsed_s"] / 60, res["cpu_s"] / 60]
+    pool += [s * per_step for s in HFUptrainConfig.long().eval_steps()]
+    pool += [v["kv_bytes_per_token"] / r["base"]["kv_bytes_per_token"] for v in r["variants"]]
+    pool += [1 - v["kv_bytes_per_token"] / r["base"]["kv_bytes_per_token"] for v in r["variants"]]
+    pool += [v["val_ppl"] / r["base"]["val_ppl"] for v in r["variants"]]
+    pool += [MHA2MLA_SMOLLM_135M["tokens_billion"] * 1e9 / (cfg["steps"] * per_step)]
+    quoted = re.findall(r"(?<![\w.])-?\d+(?:,\d{3})+(?:\.\d+)?%?|(?<![\w.])-?\d+\.\d+%?", section)
+    missing = []
+    for text in quoted:
+        pct = text.endswith("%")
+        value = float(text.rstrip("%").replace(",", ""))
+        places = len(text.rstrip("%").split(".")[1]) if "." in text else 0
+        if places == 0 and not pct:
+            hits = [x for x in pool if round(x) == value]
+        else:
+            hits = [x for x in pool if f"{(100 * x if pct else x):.{places}f}" == f"{value:.{places}f}"
+                    or (pct and f"{x:.{places}f}" == f"{value:.{places}f}")]
+        if not hits:
+            missing.append(text)
+    assert not missing, f"docs/lab.md quotes {missing}, which no number of the longer curve rounds to"
