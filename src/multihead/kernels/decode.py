@@ -140,8 +140,9 @@ def gemm_applies(q: Tensor, k: Tensor, v: Tensor) -> bool:
     and head dims merge without a copy (a cache's view does)."""
     B, H, T, D = q.shape
     Hkv, S = k.shape[1], k.shape[2]
-    if not q.is_cpu or q.dtype not in _GEMM_DTYPES or H // Hkv * T > _ONE_BLOCK \
-            or S * (D + v.shape[-1]) * q.element_size() < machine_plan().min_split_bytes:
+    if S * (D + v.shape[-1]) * q.element_size() < machine_plan().min_split_bytes:  # asked first: the usual no
+        return False
+    if not q.is_cpu or q.dtype not in _GEMM_DTYPES or H // Hkv * T > _ONE_BLOCK:
         return False
     if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
         return False
