@@ -12,9 +12,11 @@
   out), the masked scores and softmax (with sinks), the online softmax, a block's attention
   with its log-sum-exp, the one log-sum-exp merge, and the CPU flash kernel with its lse;
 - `machine`: what the CPU kernels choose from the machine (its cache sizes, read once per
-  process): `machine_plan()` shows it, `set_machine_plan` replaces it.
+  process, and the decode step's engine, timed once per process where the plan leaves it
+  open): `machine_plan()` shows it, `measured_choices()` what was timed, `set_machine_plan`
+  replaces it.
 """
 
-from multihead.kernels.machine import MachinePlan, machine_plan, set_machine_plan
+from multihead.kernels.machine import MachinePlan, machine_plan, measured_choices, set_machine_plan
 
-__all__ = ["MachinePlan", "machine_plan", "set_machine_plan"]
+__all__ = ["MachinePlan", "machine_plan", "measured_choices", "set_machine_plan"]
