@@ -1,5 +1,6 @@
 import argparse
 import os
+import re
 import sys
 
 import numpy as np
@@ -68,6 +69,35 @@ def subcommands(parser: argparse.ArgumentParser) -> dict[str, argparse.ArgumentP
     """name -> parser of each subcommand of `parser` (empty for a parser without subcommands)."""
     return {name: sub for action in parser_actions(parser) if isinstance(action, argparse._SubParsersAction)
             for name, sub in action.choices.items()}
+
+
+def json_numbers(x) -> list[float]:
+    """Every number of a JSON object, as floats (bools, None and strings skipped): what a page
+    that quotes a committed result may quote."""
+    if isinstance(x, bool) or x is None or isinstance(x, str):
+        return []
+    if isinstance(x, (int, float)):
+        return [float(x)]
+    return [n for v in (x.values() if isinstance(x, dict) else x) for n in json_numbers(v)]
+
+
+def unquoted_numbers(text: str, pool: list[float]) -> list[str]:
+    """The decimals and comma-grouped integers of `text` that no number of `pool` gives at the
+    places quoted (an integer: rounded; a percentage: 100 times one, or one as it is)."""
+    missing = []
+    for quoted in re.findall(r"(?<![\w.])-?\d+(?:,\d{3})+(?:\.\d+)?%?|(?<![\w.])-?\d+\.\d+%?", text):
+        pct = quoted.endswith("%")
+        value = float(quoted.rstrip("%").replace(",", ""))
+        places = len(quoted.rstrip("%").split(".")[1]) if "." in quoted else 0
+        if places == 0 and not pct:
+            hit = any(round(x) == value for x in pool)
+        else:
+            want = f"{value:.{places}f}"
+            hit = any(f"{100 * x:.{places}f}" == want or (pct and f"{x:.{places}f}" == want) if pct
+                      else f"{x:.{places}f}" == want for x in pool)
+        if not hit:
+            missing.append(quoted)
+    return missing
 
 
 def assert_close(actual, expected, dtype=None, *, atol=None, rtol=None, what=""):

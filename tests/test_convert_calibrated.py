@@ -238,6 +238,8 @@ def test_the_docs_quote_the_committed_conversion_table():
     import re
     from pathlib import Path
 
+    from conftest import json_numbers
+
     root = Path(__file__).resolve().parent.parent
     committed = root / "docs" / "lab" / "uptrain-smollm2" / "conversion.json"
     if not committed.is_file():
@@ -258,14 +260,7 @@ def test_the_docs_quote_the_committed_conversion_table():
             best[row["budget"]] = min(best.get(row["budget"], math.inf), row["ratio_to_base"])
     assert best[25_920] <= 2 and best[10_560] <= 5 and best[15_360] <= 10, best
 
-    def numbers(x):
-        if isinstance(x, bool) or x is None or isinstance(x, str):
-            return []
-        if isinstance(x, (int, float)):
-            return [float(x)]
-        return [n for v in (x.values() if isinstance(x, dict) else x) for n in numbers(v)]
-
-    pool = numbers(res)
+    pool = json_numbers(res)
     rest = re.sub(r"```.*?```", "", section.replace(res["table"], ""), flags=re.S)
     for text in re.findall(r"(?<![\w.])-?\d+(?:,\d{3})+(?:\.\d+)?|(?<![\w.])-?\d+\.\d+", rest):
         value = float(text.replace(",", ""))

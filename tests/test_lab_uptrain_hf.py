@@ -14,6 +14,7 @@ from dataclasses import replace
 import pytest
 import torch
 
+from conftest import json_numbers, unquoted_numbers
 from multihead.corpus import split_kjv
 from multihead.errors import UsageError
 from multihead.lab.uptrain_hf import STATE, HFUptrainConfig, run_uptrain_hf, work_plan
@@ -492,31 +493,13 @@ def test_every_number_the_docs_quote_of_the_committed_run_is_one_of_its_results(
     section = re.sub(r"```.*?```", "", doc[start:end if end > 0 else len(doc)], flags=re.S)
     section = section.replace(r["table"], "").replace(r["summary"], "")
 
-    def numbers(x):
-        if isinstance(x, bool) or x is None or isinstance(x, str):
-            return []
-        if isinstance(x, (int, float)):
-            return [float(x)]
-        return [n for v in (x.values() if isinstance(x, dict) else x) for n in numbers(v)]
-
-    pool = numbers(r) + [res["elapsed_s"] / 60, res["cpu_s"] / 60, res["config"]["lr"],
+    pool = json_numbers(r) + [res["elapsed_s"] / 60, res["cpu_s"] / 60, res["config"]["lr"],
                          r["freeze"]["cpu_seconds_per_step"]["all"] / r["freeze"]["cpu_seconds_per_step"]["attention"],
                          math.sqrt(1 - 1 / 3), float(".".join(res["torch_version"].split(".")[:2]))]
     pool += [v["kv_bytes_per_token"] / r["base"]["kv_bytes_per_token"] for v in r["variants"]]
     cfg = res["config"]
     pool += [cfg["steps"] * cfg["batch_size"] * cfg["context"]]  # tokens per target
-    quoted = re.findall(r"(?<![\w.])-?\d+(?:,\d{3})+(?:\.\d+)?%?|(?<![\w.])-?\d+\.\d+%?", section)
-    missing = []
-    for text in quoted:
-        pct = text.endswith("%")
-        value = float(text.rstrip("%").replace(",", ""))
-        places = len(text.rstrip("%").split(".")[1]) if "." in text else 0
-        if places == 0 and not pct:
-            hits = [x for x in pool if round(x) == value]
-        else:
-            hits = [x for x in pool if f"{(100 * x if pct else x):.{places}f}" == f"{value:.{places}f}"]
-        if not hits:
-            missing.append(text)
+    missing = unquoted_numbers(section, pool)
     assert not missing, f"docs/lab.md quotes {missing}, which no number of the committed run rounds to"
 
 
@@ -564,32 +547,13 @@ def test_the_docs_quote_the_committed_longer_curve():
     assert r["table"] in section and r["summary"] in section
     section = re.sub(r"```.*?```", "", section, flags=re.S).replace(r["table"], "").replace(r["summary"], "")
 
-    def numbers(x):
-        if isinstance(x, bool) or x is None or isinstance(x, str):
-            return []
-        if isinstance(x, (int, float)):
-            return [float(x)]
-        return [n for v in (x.values() if isinstance(x, dict) else x) for n in numbers(v)]
-
     per_step = cfg["batch_size"] * cfg["context"]
-    pool = numbers(r) + numbers(MHA2MLA_SMOLLM_135M) + [res["elapsed_s"] / 60, res["cpu_s"] / 60]
+    pool = json_numbers(r) + json_numbers(MHA2MLA_SMOLLM_135M) + [res["elapsed_s"] / 60, res["cpu_s"] / 60]
     pool += [s * per_step for s in HFUptrainConfig.long().eval_steps()]
     pool += [v["kv_bytes_per_token"] / r["base"]["kv_bytes_per_token"] for v in r["variants"]]
     pool += [1 - v["kv_bytes_per_token"] / r["base"]["kv_bytes_per_token"] for v in r["variants"]]
     pool += [v["val_ppl"] / r["base"]["val_ppl"] for v in r["variants"]]
     pool += [v["val_ppl"] / v["control_ppl"] for v in r["variants"] if v["control_ppl"]]
     pool += [MHA2MLA_SMOLLM_135M["tokens_billion"] * 1e9 / (cfg["steps"] * per_step)]
-    quoted = re.findall(r"(?<![\w.])-?\d+(?:,\d{3})+(?:\.\d+)?%?|(?<![\w.])-?\d+\.\d+%?", section)
-    missing = []
-    for text in quoted:
-        pct = text.endswith("%")
-        value = float(text.rstrip("%").replace(",", ""))
-        places = len(text.rstrip("%").split(".")[1]) if "." in text else 0
-        if places == 0 and not pct:
-            hits = [x for x in pool if round(x) == value]
-        else:
-            hits = [x for x in pool if f"{(100 * x if pct else x):.{places}f}" == f"{value:.{places}f}"
-                    or (pct and f"{x:.{places}f}" == f"{value:.{places}f}")]
-        if not hits:
-            missing.append(text)
+    missing = unquoted_numbers(section, pool)
     assert not missing, f"docs/lab.md quotes {missing}, which no number of the longer curve rounds to"
