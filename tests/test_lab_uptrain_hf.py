@@ -449,20 +449,28 @@ def test_quick_on_smollm2(tmp_path):
     assert r["base"]["val_ppl"] < conv[("mqa", "mean")] < conv[("mqa", "random")]
 
 
+def _committed_run(folder: str) -> dict:
+    """docs/lab/<folder>/results.json, checked against the schema (skipped where not committed)."""
+    from pathlib import Path
+
+    from multihead.lab.results import check_results
+
+    committed = Path(__file__).resolve().parent.parent / "docs" / "lab" / folder / "results.json"
+    if not committed.is_file():
+        pytest.skip(f"no committed run in docs/lab/{folder} yet")
+    return check_results(json.loads(committed.read_text(encoding="utf-8")), committed.parent,
+                         required=["base", "control", "variants", "summary", "table"])
+
+
 def test_the_docs_quote_the_committed_run():
     """docs/lab.md's SmolLM2 section quotes the committed run's table and summary verbatim,
     and the summary is what the current code writes from the committed numbers."""
     from pathlib import Path
 
-    from multihead.lab.results import check_results
     from multihead.lab.uptrain_hf import summarise_uptrain_hf
 
     root = Path(__file__).resolve().parent.parent
-    committed = root / "docs" / "lab" / "uptrain-smollm2" / "results.json"
-    if not committed.is_file():
-        pytest.skip("no committed SmolLM2 run yet")
-    res = check_results(json.loads(committed.read_text(encoding="utf-8")), committed.parent,
-                        required=["base", "control", "variants", "summary", "table"])
+    res = _committed_run("uptrain-smollm2")
     doc = (root / "docs" / "lab.md").read_text(encoding="utf-8")
     section = doc[doc.index("`multihead lab uptrain --model smollm2`"):]
     r = res["results"]
@@ -522,15 +530,10 @@ def test_the_docs_quote_the_committed_longer_curve():
     tokens: steps x 8 x 128) or one of MHA2MLA's that the section cites."""
     from pathlib import Path
 
-    from multihead.lab.results import check_results
     from multihead.lab.uptrain_hf import summarise_uptrain_hf
 
     root = Path(__file__).resolve().parent.parent
-    committed = root / "docs" / "lab" / "uptrain-smollm2-long" / "results.json"
-    if not committed.is_file():
-        pytest.skip("no committed longer curve yet")
-    res = check_results(json.loads(committed.read_text(encoding="utf-8")), committed.parent,
-                        required=["base", "control", "variants", "summary", "table"])
+    res = _committed_run("uptrain-smollm2-long")
     r, cfg = res["results"], res["config"]
     fields = {k: tuple(tuple(x) if isinstance(x, list) else x for x in v) if isinstance(v, list) else v
               for k, v in cfg.items()}
