@@ -147,7 +147,9 @@ def attend(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | MaskMod | Callable | 
             and (shape := _plain_shape(q, k, v)) is not None:
         # The plain call (a decode step or a causal prefill: no mask, mod, weights, dropout or
         # sinks), the general path's checks folded into two expressions: what it resolves to
-        # is the same ("auto" is "sdpa" here), so is the result, bit for bit.
+        # is the same ("auto" is "sdpa" here), so is the result, bit for bit, but where a long
+        # step runs on the GEMM engine the machine timed faster (`kernels.decode.engine`): equal
+        # to rounding there, and bit for bit again with the plan's decode_engine "flash".
         impl = BACKENDS.get("sdpa" if backend == "auto" else backend)
         weight_heads, causal = None, bool(causal)
         if impl is not None and impl.fn is _sdpa_backend and 0 not in shape \
