@@ -109,3 +109,20 @@ def test_quick_runs_on_one_thread_by_default(tmp_path):
         assert load_results(tmp_path / "q")["machine"]["torch_threads"] == 1
     finally:
         torch.set_num_threads(before)
+
+
+def test_results_say_which_machine_and_the_load_at_the_start_and_end(tmp_path):
+    """results.json's "machine": the CPU model, the L2 and L3 the kernels read, and the load
+    average when the run started and when it last wrote its results (its end)."""
+    import os
+
+    from multihead.cli import main
+    from multihead.kernels.machine import read_caches
+
+    assert main(["lab", "heads", "--quick", "--no-progress", "--steps", "2", "--out", str(tmp_path / "m")]) == 0
+    m = load_results(tmp_path / "m")["machine"]
+    assert isinstance(m["cpu"], str) and m["cpu"]
+    assert (m["l2_bytes"], m["l3_bytes"]) == (read_caches() or (None, None))
+    if hasattr(os, "getloadavg"):
+        assert len(m["loadavg_start"]) == 3 and len(m["loadavg_end"]) == 3
+        assert all(x >= 0 for x in m["loadavg_start"] + m["loadavg_end"])

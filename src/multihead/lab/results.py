@@ -24,7 +24,7 @@ import torch
 
 from multihead.errors import UsageError
 from multihead.files import write_text
-from multihead.lab.devices import machine_info, resolve_device
+from multihead.lab.devices import load_average, machine_info, resolve_device
 from multihead.lab.lock import LockHeld, pid_lock
 
 __all__ = ["ResultsSchemaError", "check_results", "finished_runs", "lock_out", "new_results", "start_run",
@@ -94,8 +94,13 @@ def finished_runs(runs: list[dict]) -> list[dict]:
 def write_json_atomic(path: str | os.PathLike, obj) -> Path:
     """Write JSON to `path` through a temporary file in the same folder and os.replace.
 
-    A crash or Ctrl-C mid-write leaves the previous file (or none), never a torn one.
+    A crash or Ctrl-C mid-write leaves the previous file (or none), never a torn one. A
+    results object (its "machine" from `machine_info`) gets the load average of this write as
+    machine["loadavg_end"]: a run writes its results last when it ends.
     """
+    machine = obj.get("machine") if isinstance(obj, dict) else None
+    if isinstance(machine, dict) and "loadavg_start" in machine:
+        machine["loadavg_end"] = load_average()
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     return write_text(path, json.dumps(_jsonable(obj), indent=2, allow_nan=False) + "\n")
