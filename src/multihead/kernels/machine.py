@@ -23,7 +23,8 @@ from pathlib import Path
 
 from multihead.checks import check_positive_int
 
-__all__ = ["MachinePlan", "machine_plan", "measured_choices", "read_caches", "remember", "set_machine_plan"]
+__all__ = ["MachinePlan", "machine_plan", "measured_choices", "read_caches", "recalled", "remember",
+           "set_machine_plan"]
 
 CACHE_ROOT = Path("/sys/devices/system/cpu/cpu0/cache")
 # what a machine whose caches cannot be read is taken to have: the caches the constants were tuned
