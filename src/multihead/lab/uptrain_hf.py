@@ -103,8 +103,7 @@ class HFUptrainConfig:
                              f"{', '.join(map(str, self.fractions))}")
         if any(i not in _INITS for i in self.inits):
             raise ValueError(f"inits must be some of {', '.join(_INITS)}; received {','.join(self.inits)!r}")
-        for r in self.ranks:
-            rank, rope = r if isinstance(r, (tuple, list)) and len(r) == 2 else (r, self.rope_dim)
+        for rank, rope in map(self._mla_shape, self.ranks):
             check_int("ranks[...]", rank, minimum=1)
             check_nonnegative_int("ranks[...] rope dims", rope)
         if self.trainable not in _TRAINABLE:
@@ -112,12 +111,21 @@ class HFUptrainConfig:
         if self.max_train_chars is not None:
             check_positive_int("max_train_chars", self.max_train_chars)
 
+    def _mla_shape(self, entry) -> tuple:
+        """(kv_rank, RoPE dims) of one `ranks` entry: R at `rope_dim`, or (R, P) (a list once
+        read back from results.json)."""
+        return tuple(entry) if isinstance(entry, (tuple, list)) and len(entry) == 2 else (entry, self.rope_dim)
+
     def mla_targets(self) -> list[tuple[str, int, int]]:
         """(target name, kv_rank, RoPE dims) of each MLA target, by cache size: "mla-R" at
         `rope_dim`, "mla-R+P" at another width."""
-        shapes = [tuple(r) if isinstance(r, (tuple, list)) else (r, self.rope_dim) for r in self.ranks]
+        shapes = set(map(self._mla_shape, self.ranks))
         return [(f"mla-{r}" if p == self.rope_dim else f"mla-{r}+{p}", r, p)
-                for r, p in sorted(set(shapes), key=lambda s: (s[0] + s[1], s[0]))]
+                for r, p in sorted(shapes, key=lambda s: (s[0] + s[1], s[0]))]
+
+    def tokens_seen(self, step: int) -> int:
+        """Training tokens a target has seen after `step` steps."""
+        return step * self.batch_size * self.context
 
     def eval_steps(self) -> tuple[int, ...]:
         """The steps evaluated: 0 and each fraction of `steps` (at least 1 when above 0)."""
@@ -379,7 +387,7 @@ class _Run:
                     model.eval()
                     ppl = self.ppl(model)
                     model.train()
-                    self.record(unit, {**info, "steps": step, "tokens": step * cfg.batch_size * cfg.context,
+                    self.record(unit, {**info, "steps": step, "tokens": cfg.tokens_seen(step),
                                        "val_ppl": ppl, "seconds": seconds + time.perf_counter() - t})
                 if self.callback is not None:
                     self.callback(unit.key, step, losses[-1])
@@ -402,7 +410,7 @@ class _Run:
             ppl0 = same[0]["val_ppl"] if same else self.ppl(model)  # the distilled target is one converted already
             self.record(unit, {**info, "steps": 0, "tokens": 0, "val_ppl": ppl0, "seconds": 0.0})
         elif start in self.cfg.eval_steps() and not self.recorded(unit, start):
-            self.record(unit, {**info, "steps": start, "tokens": start * self.cfg.batch_size * self.cfg.context,
+            self.record(unit, {**info, "steps": start, "tokens": self.cfg.tokens_seen(start),
                                "val_ppl": self.ppl(model), "seconds": seconds})
 
     def _finish(self, unit: _Unit, params, losses: list[float], seconds: float, cpu: float) -> None:
