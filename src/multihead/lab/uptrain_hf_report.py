@@ -2,19 +2,16 @@
 control, the evaluations worse than their conversion, the freeze check's verdict, the
 table and summary results.json holds (and docs/lab.md quotes), and uptrain.png.
 
-Details: docs/lab.md, "How `lab uptrain --model` runs".
+Details: docs/lab.md, "How `lab uptrain --model` runs". `cfg` below is the run's
+`uptrain_hf.HFUptrainConfig` (not imported: that module imports this one).
 """
 
 from __future__ import annotations
 
 import math
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 from multihead.lab.plots import pyplot, save_figure
-
-if TYPE_CHECKING:
-    from multihead.lab.uptrain_hf import HFUptrainConfig
 
 __all__ = ["gap_closed", "plot_uptrain_hf", "summarise_uptrain_hf"]
 
@@ -39,7 +36,7 @@ def _mark_worse(r: dict, first: dict) -> None:
                                         for v in r["variants"] if v.get("worse_than_converted")})
 
 
-def summarise_uptrain_hf(cfg: HFUptrainConfig, res: dict) -> None:
+def summarise_uptrain_hf(cfg, res: dict) -> None:
     """Add each variant's gap closed, the freeze check's verdict, the table and the summary."""
     r = res["results"]
     control = {c["steps"]: c["val_ppl"] for c in r["control"]}
@@ -75,7 +72,7 @@ def summarise_uptrain_hf(cfg: HFUptrainConfig, res: dict) -> None:
     r["summary"] = " ".join(parts)
 
 
-def _table(cfg: HFUptrainConfig, r: dict, control: dict) -> tuple[str, list[str]]:
+def _table(cfg, r: dict, control: dict) -> tuple[str, list[str]]:
     """The markdown table of every variant's perplexity by step, and one sentence per variant."""
     steps = list(cfg.eval_steps())
 
@@ -125,7 +122,7 @@ def _table(cfg: HFUptrainConfig, r: dict, control: dict) -> tuple[str, list[str]
     return "\n".join(lines), sentences
 
 
-def _freeze_verdict(cfg: HFUptrainConfig, r: dict, f: dict) -> None:
+def _freeze_verdict(cfg, r: dict, f: dict) -> None:
     """The freeze check's verdict in `f` (r["freeze"]): MQA (mean) training the attention layers
     against training every parameter, when both ran to the end."""
     check = [c for c in f["check"] if c["steps"] == cfg.steps]
