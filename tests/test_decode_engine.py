@@ -116,10 +116,11 @@ def test_the_engine_is_timed_once_per_case_and_the_faster_kept(plan, monkeypatch
     plan()
     q, k, v = _qkv()
     calls = _count(monkeypatch, "gemm", delay=0.01)  # far slower than torch's kernel on 300 keys
+    _count(monkeypatch, "native", delay=0.01)  # and so is the native kernel, where it is built
     assert decode.engine(q, k, v, 0.25) == "flash"
     assert len(calls) == decode._ROUNDS
     threads = torch.get_num_threads()
-    assert measured_choices() == {"decode_engine": {f"float32, {threads} threads, 4 rows": "flash"}}
+    assert measured_choices() == {"decode_engine": {f"float32, {threads} threads, 4 rows, D 16": "flash"}}
     assert machine_plan().as_dict()["measured"] == measured_choices()
     attend(q, k, v)
     assert decode.engine(q, k, v, 0.25) == "flash" and len(calls) == decode._ROUNDS  # kept: not timed again
@@ -129,6 +130,7 @@ def test_the_engine_is_timed_once_per_case_and_the_faster_kept(plan, monkeypatch
     plan()  # a new plan: the timings are forgotten
     assert measured_choices() == {}
     _count(monkeypatch, "_flash", delay=0.01)
+    _count(monkeypatch, "native", delay=0.01)
     assert decode.engine(q, k, v, 0.25) == "gemm"
     out, _ = attend(q, k, v)
     assert_close(out, _reference(q, k, v), torch.float32, what="attend after the timing chose gemm")
@@ -157,7 +159,7 @@ def test_nan_rule_through_gemm(plan, where):
 
 
 def test_an_unknown_engine_is_refused_by_name():
-    with pytest.raises(ValueError, match=r"^MachinePlan.decode_engine must be one of None, 'flash', 'gemm'; "
+    with pytest.raises(ValueError, match=r"^MachinePlan.decode_engine must be one of None, 'flash', 'gemm', 'native'; "
                                          r"received 'fast'$"):
         MachinePlan(decode_engine="fast")
     with pytest.raises(ValueError, match="decode_engine must be one of"):

@@ -10,29 +10,36 @@ threads, batch 1, few folded query rows, H > Hkv > 1, enough K/V bytes per head,
 requiring grad). The method and its measurements: docs/benchmarks-decode.md, "How the
 decode split works".
 
-A step whose K/V stream from beyond the L2 has a second engine, `gemm`: the scores as one
+A step whose K/V stream from beyond the L2 has two more engines. `gemm`: the scores as one
 batched GEMM with the keys as the tall operand (`(S, D) @ (D, G*T)` per K/V head, the
 keys read once, as `common.one_query_shared_keys` does for MLA), the softmax, and the
-values as a second GEMM. Which engine is faster is the machine's: torch's kernel works
-through the keys in small blocks with a GEMM call each, which costs little where the BLAS
-is fast on small blocks and up to 1.4x on another core (docs/benchmarks-decode.md). So it
-is timed on the first such step of each dtype, thread count and query rows, both engines
-on that step's own inputs, and the winner kept for the process (`machine.measured_choices`;
-`MachinePlan.decode_engine` fixes it).
+values as a second GEMM. `native` (float32): multihead's own kernel (`decode_step.c`,
+compiled for the machine on first use by `kernels.native`), one pass over each K/V head's
+keys with the softmax online and the next keys prefetched, which reads K and V at most of
+the memory's streaming rate where torch's kernel and the BLAS compute too long per byte to
+hide their reads (docs/benchmarks-decode.md). Which engine is fastest is the machine's:
+torch's kernel works through the keys in small blocks with a GEMM call each, which costs
+little where the BLAS is fast on small blocks and up to 1.4x on another core. So it is
+timed on the first such step of each dtype, thread count, query rows and head width, every
+engine that may run it on that step's own inputs, and the winner kept for the process
+(`machine.measured_choices`; `MachinePlan.decode_engine` fixes it).
 """
 
 from __future__ import annotations
 
+import math
 import time
 
 import torch
 from torch import Tensor
 
+from multihead.kernels import native as _native
 from multihead.kernels.common import HAS_CPU_FLASH, flash_lse, merge_two
 from multihead.kernels.machine import machine_plan, recalled, remember
 from multihead.kernels.sdpa import plain
 
-__all__ = ["MIN_SPLIT_BYTES", "engine", "gemm", "gemm_applies", "key_splits", "split_bytes", "split_keys", "step"]
+__all__ = ["MIN_SPLIT_BYTES", "engine", "gemm", "gemm_applies", "key_splits", "native", "native_applies", "split_bytes",
+           "split_keys", "step"]
 
 # K and V bytes of one K/V head (S * (D + Dv) * element size) from which a step splits; None: the
 # machine's (`MachinePlan.min_split_bytes`, one core's L2, and why). An int here overrides it.
@@ -162,6 +169,47 @@ def gemm(q: Tensor, k: Tensor, v: Tensor, scale: float) -> Tensor:
     return torch.bmm(probs, v.flatten(0, 1)).view(B, H, T, Dv)
 
 
+def native_applies(q: Tensor, k: Tensor, v: Tensor) -> bool:
+    """Whether `native` may run a step `gemm_applies` accepts: float32, D = Dv a multiple of
+    the library's vector width and at most 512, at most 32 folded query rows (padded to a
+    multiple of 4), the last dim of K and V contiguous, and the library built (`native.library`)."""
+    B, H, T, D = q.shape
+    if q.dtype != torch.float32 or v.shape[-1] != D or D > 512 or -(-(H // k.shape[1] * T) // 4) * 4 > 32:
+        return False
+    if k.stride(-1) != 1 or v.stride(-1) != 1:
+        return False
+    lib = _native.library()
+    return lib is not None and D % lib.mh_vector_width() == 0
+
+
+def native(q: Tensor, k: Tensor, v: Tensor, scale: float) -> Tensor:
+    """Attention of q `(B, H, T, D)` over every key of k, v `(B, Hkv, S, D)`, float32, by the
+    kernel of `decode_step.c`: one pass over the keys per K/V head (scores, online softmax,
+    values), on torch's threads; where B * Hkv items do not divide among the threads the
+    keys are split into parts merged by log-sum-exp, as `split_keys` does."""
+    B, H, T, D = q.shape
+    Hkv, S = k.shape[1], k.shape[2]
+    rows = H // Hkv * T
+    padded = -(-rows // 4) * 4
+    qf = (q.reshape(B * Hkv, rows, D) * scale).contiguous()
+    if padded != rows:
+        qf = torch.cat((qf, qf.new_zeros(B * Hkv, padded - rows, D)), 1)
+    threads = torch.get_num_threads()
+    n = B * Hkv
+    parts = 1 if n % threads == 0 else min(threads // math.gcd(n, threads), S)
+    out = torch.empty(n, padded, D)
+    work = torch.empty(n * parts, padded, D + 1) if parts > 1 else out
+    bad = _native.library().mh_decode_step(
+        qf.data_ptr(), k.data_ptr(), k.stride(0), k.stride(1), k.stride(2),
+        v.data_ptr(), v.stride(0), v.stride(1), v.stride(2), B, Hkv, S, padded, D,
+        out.data_ptr(), work.data_ptr(), parts, threads)
+    if bad:  # the checks above keep this from happening; a guard, never a wrong answer
+        raise RuntimeError(f"the native decode kernel refused q {tuple(q.shape)}, k {tuple(k.shape)}")
+    if padded != rows:
+        out = out[:, :rows]
+    return out.reshape(B, H, T, D)
+
+
 def _flash(q: Tensor, k: Tensor, v: Tensor, scale: float, causal: bool) -> tuple[Tensor, Tensor]:
     """torch's kernel: `split_keys` where `key_splits` says split (never on one thread, asked
     first), else `sdpa.plain`."""
@@ -173,38 +221,55 @@ def _flash(q: Tensor, k: Tensor, v: Tensor, scale: float, causal: bool) -> tuple
     return out, out
 
 
+def _engines(q: Tensor, k: Tensor, v: Tensor, scale: float) -> dict:
+    """The engines that may run this step (`gemm_applies` holds), by name: torch's kernel,
+    the GEMMs, and the native kernel where `native_applies`."""
+    engines = {"flash": lambda: _flash(q, k, v, scale, False), "gemm": lambda: gemm(q, k, v, scale)}
+    if native_applies(q, k, v):
+        engines["native"] = lambda: native(q, k, v, scale)
+    return engines
+
+
 def engine(q: Tensor, k: Tensor, v: Tensor, scale: float) -> str:
-    """"flash" or "gemm" for a step `gemm_applies` accepts: the plan's `decode_engine`, else
-    what was timed on this process's first step of the same dtype, threads and query rows,
-    else timed now on this step (each engine `_ROUNDS` times, alternating; the fastest run
-    of each; "gemm" only if it wins by 1 - `_MARGIN`)."""
+    """"flash", "gemm" or "native" for a step `gemm_applies` accepts: the plan's
+    `decode_engine` (its "native" where `native_applies` does not hold is torch's kernel),
+    else what was timed on this process's first step of the same dtype, threads, query rows
+    and head width, else timed now on this step (each engine that may run it `_ROUNDS`
+    times, alternating; the fastest run of each; another engine than "flash" only if it
+    wins by 1 - `_MARGIN`)."""
     fixed = machine_plan().decode_engine
     if fixed is not None:
-        return fixed
+        return "flash" if fixed == "native" and not native_applies(q, k, v) else fixed
     B, H, T, D = q.shape
-    case = f"{str(q.dtype).removeprefix('torch.')}, {torch.get_num_threads()} threads, {H // k.shape[1] * T} rows"
+    case = (f"{str(q.dtype).removeprefix('torch.')}, {torch.get_num_threads()} threads, "
+            f"{H // k.shape[1] * T} rows, D {D}")
     won = recalled("decode_engine", case)
     if won is None:
-        best = {"flash": float("inf"), "gemm": float("inf")}
+        runs = _engines(q, k, v, scale)
+        best = dict.fromkeys(runs, float("inf"))
         for _ in range(_ROUNDS):
-            for name, run in (("flash", lambda: _flash(q, k, v, scale, False)), ("gemm", lambda: gemm(q, k, v, scale))):
+            for name, run in runs.items():
                 t = time.perf_counter()
                 run()
                 best[name] = min(best[name], time.perf_counter() - t)
-        won = "gemm" if best["gemm"] < _MARGIN * best["flash"] else "flash"
+        won = min(best, key=best.get)
+        if won != "flash" and best[won] >= _MARGIN * best["flash"]:
+            won = "flash"
         remember("decode_engine", case, won)
     return won
 
 
 def step(q: Tensor, k: Tensor, v: Tensor, scale: float, causal: bool) -> tuple[Tensor, Tensor]:
     """The plain step: (out, what the NaN check reads: out itself, or the parts' outputs
-    of a split step). `gemm` where it applies and its `engine` is "gemm", else torch's kernel
+    of a split step). `gemm` or `native` where `gemm_applies` and the `engine` says so, else torch's kernel
     (`_flash`); only `sdpa.plain` inside torch.compile, where the thread count cannot be
     traced and inductor's graph holds the one kernel call."""
     if torch.compiler.is_compiling() or (q.shape[2] > 1 and causal):
         out = plain(q, k, v, scale, causal)
         return out, out
-    if gemm_applies(q, k, v) and engine(q, k, v, scale) == "gemm":
-        out = gemm(q, k, v, scale)
-        return out, out
+    if gemm_applies(q, k, v):
+        chosen = engine(q, k, v, scale)
+        if chosen != "flash":
+            out = gemm(q, k, v, scale) if chosen == "gemm" else native(q, k, v, scale)
+            return out, out
     return _flash(q, k, v, scale, causal)

@@ -56,9 +56,10 @@ class MachinePlan:
     # a tile's Python and dispatch, not its (t, t) temporaries' cache, is what the edge trades
     explicit_tile: int = 256
     # the engine of a plain decode step whose K/V stream from beyond the L2 (`decode.step`): "flash"
-    # (torch's fused kernel, split over the threads) or "gemm" (two batched GEMMs, the keys the tall
-    # operand); None: timed on the first such step of each dtype, thread count and query rows, and
-    # kept for the process. Which wins is the BLAS's and the core's, not the caches': measured, not derived
+    # (torch's fused kernel, split over the threads), "gemm" (two batched GEMMs, the keys the tall
+    # operand) or "native" (multihead's own C kernel, `kernels.native`, float32); None: timed on the
+    # first such step of each dtype, thread count, query rows and head width, and kept for the
+    # process. Which wins is the BLAS's, the compiler's and the core's, not the caches': measured
     decode_engine: str | None = None
     overrides: tuple[tuple[str, int], ...] = ()
 
@@ -112,7 +113,7 @@ class MachinePlan:
 
 _CHOICES = ("min_split_bytes",)  # derived from the caches (properties)
 _FIELDS = ("explicit_tile", "flops_per_thread", "call_seconds", "decode_engine")  # carried with their defaults
-DECODE_ENGINES = (None, "flash", "gemm")
+DECODE_ENGINES = (None, "flash", "gemm", "native")
 
 
 def _size(text: str) -> int:

@@ -1,0 +1,146 @@
+"""The CPU kernels multihead compiles itself: `decode_step.c` (the native decode engine,
+`decode.native`), built on first use with the machine's C compiler for the machine's own
+vector width, kept in a cache folder and loaded with ctypes. Optional: where there is no
+compiler, the build fails or ``MULTIHEAD_NATIVE=0`` is set, `library()` is None, the
+reason is in `unavailable()`, and the decode step keeps its torch engines.
+
+The build: ``$CC`` (else ``cc``) ``-O3 -march=native -fno-math-errno -fopenmp -shared
+-fPIC``. ``-fopenmp`` links ``libgomp.so.1``, the soname torch's own OpenMP runtime has, so
+in a process where torch is loaded the kernel's parallel loop runs on torch's thread pool
+(no second pool spinning against it) and follows `torch.set_num_threads`. The library's
+name holds a hash of the source, the flags, the compiler's version and the CPU's model and
+flags, so a changed machine or source builds anew; it is written to a temporary name and
+renamed, so a process never loads half a file. The folder: ``$MULTIHEAD_CACHE/native``,
+else ``$XDG_CACHE_HOME/multihead/native``, else ``~/.cache/multihead/native``.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import os
+import shutil
+import subprocess
+import tempfile
+import threading
+from pathlib import Path
+
+__all__ = ["FLAGS", "SOURCE", "build", "cache_dir", "library", "reset", "unavailable"]
+
+SOURCE = Path(__file__).with_name("decode_step.c")
+FLAGS = ("-O3", "-march=native", "-fno-math-errno", "-fopenmp", "-shared", "-fPIC")
+_BUILD_SECONDS = 120  # a build that has not finished by then is taken as failed
+
+_LOCK = threading.Lock()
+_LIB: ctypes.CDLL | None = None
+_WHY: str | None = None  # why there is no library; None: not tried yet, or loaded
+_TRIED = False
+
+
+def cache_dir() -> Path:
+    """Where built libraries are kept (see the module docstring)."""
+    root = os.environ.get("MULTIHEAD_CACHE")
+    if root:
+        return Path(root) / "native"
+    xdg = os.environ.get("XDG_CACHE_HOME")
+    return (Path(xdg) if xdg else Path.home() / ".cache") / "multihead" / "native"
+
+
+def _compiler() -> str | None:
+    cc = os.environ.get("CC") or "cc"
+    return shutil.which(cc)
+
+
+def _cpu_identity() -> str:
+    """The CPU's model and flags (what -march=native reads), from /proc/cpuinfo where it is."""
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return ""
+    keep = [line for line in text.splitlines() if line.startswith(("model name", "flags"))]
+    return "\n".join(sorted(set(keep)))
+
+
+def _version(cc: str) -> str:
+    try:
+        return subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=30).stdout
+    except (OSError, subprocess.SubprocessError):
+        return ""
+
+
+def build(directory: str | os.PathLike | None = None) -> Path:
+    """Compile `SOURCE` into `directory` (default `cache_dir()`) unless the same build is
+    there, and return the library's path. Raises RuntimeError naming the compiler and its
+    output where there is no compiler or it fails."""
+    cc = _compiler()
+    if cc is None:
+        raise RuntimeError(f"no C compiler: {os.environ.get('CC') or 'cc'!r} is not on PATH (set CC to one)")
+    source = SOURCE.read_bytes()
+    key = hashlib.sha256(b"\0".join([source, " ".join(FLAGS).encode(), _version(cc).encode(),
+                                     _cpu_identity().encode()])).hexdigest()[:16]
+    folder = Path(directory) if directory is not None else cache_dir()
+    target = folder / f"decode_step-{key}.so"
+    if target.exists():
+        return target
+    folder.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=".decode_step-", suffix=".so", dir=folder)
+    os.close(fd)
+    try:
+        try:
+            done = subprocess.run([cc, *FLAGS, str(SOURCE), "-o", tmp, "-lm"], capture_output=True, text=True,
+                                  timeout=_BUILD_SECONDS)
+        except subprocess.TimeoutExpired as e:
+            raise RuntimeError(f"{cc} took over {_BUILD_SECONDS} s to build {SOURCE.name}") from e
+        if done.returncode != 0:
+            raise RuntimeError(f"{cc} could not build {SOURCE.name} (exit {done.returncode}): "
+                               f"{(done.stderr or done.stdout).strip()[-2000:]}")
+        os.replace(tmp, target)  # atomic: another process sees the whole library or none
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+    return target
+
+
+def library() -> ctypes.CDLL | None:
+    """The loaded kernel library, built on the first call of the process; None where it
+    cannot be had (`unavailable()` says why). The second and later calls cost a global read."""
+    if _LIB is not None or _TRIED:
+        return _LIB
+    return _load()
+
+
+def _load() -> ctypes.CDLL | None:
+    global _LIB, _WHY, _TRIED
+    with _LOCK:
+        if _TRIED:
+            return _LIB
+        try:
+            if os.environ.get("MULTIHEAD_NATIVE", "1").strip().lower() in ("0", "no", "false", "off"):
+                raise RuntimeError("MULTIHEAD_NATIVE is set to turn it off")
+            import torch  # noqa: F401  (torch's libgomp is loaded first, so the kernel binds to it)
+
+            lib = ctypes.CDLL(str(build()))
+            lib.mh_decode_step.restype = ctypes.c_int
+            lib.mh_decode_step.argtypes = (
+                [ctypes.c_void_p] + [ctypes.c_void_p, ctypes.c_long, ctypes.c_long, ctypes.c_long] * 2
+                + [ctypes.c_int, ctypes.c_int, ctypes.c_long, ctypes.c_int, ctypes.c_int]
+                + [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int, ctypes.c_int])
+            lib.mh_vector_width.restype = ctypes.c_int
+            _LIB, _WHY = lib, None
+        except (OSError, RuntimeError) as e:
+            _LIB, _WHY = None, str(e)
+        _TRIED = True
+        return _LIB
+
+
+def unavailable() -> str | None:
+    """Why `library()` is None (after it was asked), else None."""
+    return _WHY
+
+
+def reset() -> None:
+    """Forget the loaded library, so that the next `library()` builds or loads again (tests
+    that change ``MULTIHEAD_NATIVE`` or ``CC``). A library already loaded stays mapped."""
+    global _LIB, _WHY, _TRIED
+    with _LOCK:
+        _LIB, _WHY, _TRIED = None, None, False
