@@ -393,7 +393,8 @@ def profile_cases(L: int, H: int, Hkv: int, D: int, rotate_bytes: int) -> list[C
     its split switched off too ("multihead unsplit"; so that "multihead flash" against it is
     the split's worth with the public call's fixed cost, its checks and the NaN check's
     reduction, on both sides; the ways below are the bare kernels, without it), the GEMM
-    engine alone (`decode.gemm`: the keys the tall operand of the scores' GEMM), the one
+    engine alone (`decode.gemm`: the keys the tall operand of the scores' GEMM), the native
+    engine alone where it is built (`decode.native`: the C kernel of `kernels.native`), the one
     folded flash call (`sdpa.plain`), the split forced into 2 and 4 parts, the two
     passes as matrix products with the G query heads folded into rows (scores, softmax,
     values), torch's `enable_gqa`; and the read rate, `sum` over as many bytes as K and V."""
@@ -435,6 +436,8 @@ def profile_cases(L: int, H: int, Hkv: int, D: int, rotate_bytes: int) -> list[C
             "split 4": lambda k, v: decode.split_keys(q, k, v, scale, 4)[0],
             "two matmuls": two_matmuls,
             "torch enable_gqa": lambda k, v: F.scaled_dot_product_attention(q, k, v, enable_gqa=True)}
+    if decode.native_applies(q, *kv[0]):  # the C kernel, where this machine could build it
+        ways["native engine"] = lambda k, v: decode.native(q, k, v, scale)
     want = ways["one flash call"](*kv[0]).double()
     for name, f in ways.items():
         err = (f(*kv[0]).double().reshape(want.shape) - want).abs().max().item()

@@ -1,7 +1,8 @@
 """Where the time of one decode step goes: the K pass, the softmax, the V pass, and the
 start and join of a parallel region, beside the whole step (torch's one folded flash call,
-multihead's GEMM engine, and multihead's step: the engine it chose, split over the keys on
-torch's kernel), one-token GQA, fp32, B = 1.
+multihead's GEMM engine, its native kernel where the machine has a C compiler, and
+multihead's step: the engine it chose, split over the keys on torch's kernel), one-token
+GQA, fp32, B = 1.
 
     .venv/bin/python benchmarks/decode_profile.py                     # L 16384, 32/8 heads of 128
     .venv/bin/python benchmarks/decode_profile.py --quick             # L 1024, few rounds: smoke test
@@ -94,15 +95,22 @@ def build(L: int, H: int, Hkv: int, D: int, rotate_mib: int) -> dict:
         k, v = kv()
         return decode.gemm(q, k, v, scale)
 
+    def native():
+        k, v = kv()
+        return decode.native(q, k, v, scale)
+
     checks = copies[0]
     ref = torch.softmax((qf.double() @ checks[0].double().transpose(-1, -2)) * scale, -1) @ checks[1].double()
     got = scaled_dot_product_attention(q, *checks).reshape(1, Hkv, H // Hkv, D)
     assert float((got.double() - ref).abs().max()) < 1e-4, "multihead's step disagrees with the float64 softmax"
     assert float((decode.gemm(q, *checks, scale).double().reshape(ref.shape) - ref).abs().max()) < 1e-4
-    return {"cases": {"K pass": k_pass, "softmax": lambda: torch.softmax(scores.transpose(1, 2), -1), "V pass": v_pass,
-                      "flash call": flash, "gemm engine": gemm, "multihead step": step,
-                      "region": lambda: small.fill_(1.0), "read 128 MiB": lambda: big.sum()},
-            "kv_bytes": kv_bytes, "copies": n}
+    cases = {"K pass": k_pass, "softmax": lambda: torch.softmax(scores.transpose(1, 2), -1), "V pass": v_pass,
+             "flash call": flash, "gemm engine": gemm}
+    if decode.native_applies(q, *checks):  # the C kernel built on this machine (kernels.native)
+        assert float((decode.native(q, *checks, scale).double().reshape(ref.shape) - ref).abs().max()) < 1e-4
+        cases["native engine"] = native
+    cases.update({"multihead step": step, "region": lambda: small.fill_(1.0), "read 128 MiB": lambda: big.sum()})
+    return {"cases": cases, "kv_bytes": kv_bytes, "copies": n}
 
 
 def time_rounds(cases: dict, rounds: int, reps: int, threads: int) -> dict:
@@ -135,13 +143,14 @@ def run(args) -> dict:
     total = {k: sum(med[p][k] for p in PARTS) for k in ("cpu", "wall")}
     read_rate = (32 << 20) * 4 / med["read 128 MiB"]["wall"]
     rows = []
-    for name in (*PARTS, "flash call", "gemm engine", "multihead step", "region"):
+    steps = [name for name in ("flash call", "gemm engine", "native engine", "multihead step") if name in med]
+    for name in (*PARTS, *steps, "region"):
         m = med[name]
         rows.append({"part": name, "cpu_us": m["cpu"] * 1e6, "wall_us": m["wall"] * 1e6,
                      "share_cpu": m["cpu"] / total["cpu"] if name in PARTS else None,
                      "share_wall": m["wall"] / total["wall"] if name in PARTS else None,
                      "pct_read": (100 * built["kv_bytes"] / m["wall"] / read_rate
-                                  if name in ("flash call", "gemm engine", "multihead step") else None)})
+                                  if name in steps else None)})
     # the plan after the rounds: "measured" holds the engine the step chose on this machine
     return {"benchmark": "decode_profile", "config": {"L": args.length, "H": args.heads, "Hkv": args.kv_heads,
             "D": args.head_dim, "threads": args.threads, "rounds": args.rounds, "reps": args.reps,

@@ -10,6 +10,8 @@ VENV=${VENV:-.venv}
 
 need_apt=()
 command -v chromium >/dev/null 2>&1 || need_apt+=(chromium)
+# the native decode kernel (kernels/decode_step.c) is compiled on first use; without a compiler it is skipped
+command -v cc >/dev/null 2>&1 || need_apt+=(gcc)
 if [ ${#need_apt[@]} -gt 0 ]; then
   if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
     echo "setup: installing ${need_apt[*]} with apt-get"

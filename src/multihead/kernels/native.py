@@ -61,7 +61,7 @@ def _cpu_identity() -> str:
     return "\n".join(sorted(set(keep)))
 
 
-def _version(cc: str) -> str:
+def _compiler_version(cc: str) -> str:
     try:
         return subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=30).stdout
     except (OSError, subprocess.SubprocessError):
@@ -76,7 +76,7 @@ def build(directory: str | os.PathLike | None = None) -> Path:
     if cc is None:
         raise RuntimeError(f"no C compiler: {os.environ.get('CC') or 'cc'!r} is not on PATH (set CC to one)")
     source = SOURCE.read_bytes()
-    key = hashlib.sha256(b"\0".join([source, " ".join(FLAGS).encode(), _version(cc).encode(),
+    key = hashlib.sha256(b"\0".join([source, " ".join(FLAGS).encode(), _compiler_version(cc).encode(),
                                      _cpu_identity().encode()])).hexdigest()[:16]
     folder = Path(directory) if directory is not None else cache_dir()
     target = folder / f"decode_step-{key}.so"
