@@ -15,6 +15,7 @@ import multihead.functional as functional
 from conftest import AtenOps, assert_close
 from multihead import reference as R
 from multihead.functional import attend
+from multihead.kernels import native
 from multihead.kernels.sdpa import plain_applies
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -178,17 +179,54 @@ _METADATA = ("aten.view", "aten.transpose", "aten._unsafe_view", "aten.reshape",
              "aten.alias", "aten.as_strided", "aten.select", "aten.slice", "aten._local_scalar_dense")
 
 
-def test_a_prefill_reads_out_once_and_never_q_k_v():
-    """Besides views and read-backs: torch's kernel, one sum over `out` and one count of its
+@pytest.mark.parametrize("check", ["in C (kernels.native)", "by tensor ops"])
+def test_a_prefill_reads_out_once_and_never_q_k_v(monkeypatch, check):
+    """Besides views and read-backs: torch's kernel, and the check of `out`'s rows: in C where
+    the native library is built (no op at all), else one sum over `out` and one count of its
     rows' first elements; no copy of `out` into another layout, no sum of q, k or v (the
     four sums cost a tenth of a SmolLM2 prefill call inside `generate`)."""
+    if check.startswith("in C") and native.library() is None:
+        pytest.skip(f"no native library: {native.unavailable()}")
+    if check == "by tensor ops":
+        monkeypatch.setattr(functional._native, "library", lambda: None)
     q, k, v = _qkv(T=96)  # 768 rows
     with torch.no_grad(), AtenOps() as seen:
         out, _ = attend(q, k, v, causal=True)
     work = [op for op in seen.ops if not op.startswith(_METADATA)]
-    assert len(work) == 3 and "scaled_dot_product" in work[0], seen.ops
-    assert work[1] == "aten.sum.default" and work[2].startswith("aten.count_nonzero"), seen.ops
+    assert "scaled_dot_product" in work[0], seen.ops
+    if check == "by tensor ops":
+        assert len(work) == 3, seen.ops
+        assert work[1] == "aten.sum.default" and work[2].startswith("aten.count_nonzero"), seen.ops
+    else:
+        assert len(work) == 1, seen.ops
     assert_close(out, _reference(q, k, v), what="prefill")
+
+
+def test_the_check_in_c_flags_the_rows_the_tensor_ops_flag():
+    """`_nan_or_zero_row` in C and by tensor ops on the same rows: a NaN, a zero row, a row
+    whose first element alone is zero, an infinity (C flags it; the exact path follows)."""
+    if native.library() is None:
+        pytest.skip(f"no native library: {native.unavailable()}")
+    lib = native.library()
+    g = torch.Generator().manual_seed(3)
+    for rows in (3, 64, 65, 700):
+        base = torch.randn(rows, 20, generator=g)
+        cases = {"clean": (base, False)}
+        for what, r, col, value in (("nan", rows // 2, 7, float("nan")), ("inf", rows - 1, 0, float("inf"))):
+            x = base.clone()
+            x[r, col] = value
+            cases[what] = (x, True)
+        zero = base.clone()
+        zero[rows // 3] = 0.0
+        cases["zero row"] = (zero, True)
+        first = base.clone()
+        first[:, 0] = 0.0
+        cases["zero first elements"] = (first, False)
+        for what, (x, want) in cases.items():
+            assert bool(lib.mh_bad_rows(x.data_ptr(), rows, 20, 20)) is want, (rows, what)
+            assert functional._nan_or_zero_row(x) is want, (rows, what)
+            view = torch.cat((x, x), 1)[:, :20]  # rows 40 floats apart: the strided form
+            assert bool(lib.mh_bad_rows(view.data_ptr(), rows, 20, 40)) is want, (rows, what, "strided")
 
 
 # ------------------------------------------- the HF attention function's decode step

@@ -16,6 +16,7 @@ import torch
 from conftest import AtenOps, assert_close
 from multihead import reference as R
 from multihead.functional import attend
+from multihead.kernels import native
 from multihead.kernels.validation import check_inputs, check_scale, plain_scale, plain_shape
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -219,7 +220,8 @@ def test_a_decode_step_runs_the_kernel_and_one_reduction(dtype):
     """Besides views, one decode step through the HF attention function runs torch's kernel
     and the NaN check's one sum over the rows of `out` (no copy of K/V, no read of them,
     no second reduction): every such op costs 5-20 us per layer per token inside
-    `generate` (benchmarks/hf_generate.py)."""
+    `generate` (benchmarks/hf_generate.py). float32 rows where the native library is built
+    are checked in C: the kernel alone."""
     pytest.importorskip("transformers")
     from multihead.interop.hf import attention_forward
 
@@ -230,7 +232,10 @@ def test_a_decode_step_runs_the_kernel_and_one_reduction(dtype):
     with torch.no_grad(), AtenOps() as seen:
         out, w = attention_forward(Layer(), q, k, v, None, scaling=32 ** -0.5)
     work = [op for op in seen.ops if not op.startswith(_METADATA)]
-    assert len(work) == 2 and "scaled_dot_product" in work[0] and work[1].startswith("aten.sum"), seen.ops
+    if dtype == torch.float32 and native.library() is not None:
+        assert len(work) == 1 and "scaled_dot_product" in work[0], seen.ops
+    else:
+        assert len(work) == 2 and "scaled_dot_product" in work[0] and work[1].startswith("aten.sum"), seen.ops
     assert w is None
     assert_close(out.transpose(1, 2), _reference(q, k, v, scale=32 ** -0.5), dtype, what="decode step")
 

@@ -22,6 +22,7 @@ from torch import Tensor
 
 import multihead.kernels.backends  # noqa: F401  (registers the built-in backends: math, sdpa, chunked, tiles, flex)
 from multihead.kernels import math as explicit_math  # weights_pass read at call time: the tests spy on it
+from multihead.kernels import native as _native
 from multihead.kernels.common import index
 from multihead.kernels.decode import step as _decode_step
 from multihead.kernels.math import block_rows as _block_rows
@@ -257,11 +258,16 @@ def _nan_or_zero_row(out: Tensor) -> bool:
     rows costs half the same sum over a 4-D view inside `generate`, where every op runs with
     cold caches: benchmarks/hf_generate.py); more, the sum of all (a NaN anywhere) and the
     count of nonzero first elements (a zero row has a zero first element): a reduction
-    along rows of 64 costs more than the two together."""
+    along rows of 64 costs more than the two together. float32 rows on the CPU, where the
+    native library is built (`kernels.native`), are read in C instead: a row not finite or
+    zero throughout, with no tensor op's dispatch (a decode step's check at a third of the cost)."""
     o = out.detach() if out.requires_grad else out
     if not o.is_contiguous() and o.dim() == 4:
         t = o.transpose(1, 2)  # the same rows, in the order they lie: a view
         o = t if t.is_contiguous() else o
+    if o.dtype == torch.float32 and o.is_cpu and o.is_contiguous() and (n := o.shape[-1]) \
+            and (lib := _native.library()) is not None:  # the same look in C, with no op to dispatch
+        return bool(lib.mh_bad_rows(o.data_ptr(), o.numel() // n, n, n))
     rows = o.flatten(0, -2)  # (rows, Dv)
     if len(rows) <= _NAN_CHECK_LIST:
         sums = rows.sum(-1).tolist()  # NaN: a NaN in the row; 0: zero

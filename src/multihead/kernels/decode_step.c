@@ -251,3 +251,19 @@ int mh_decode_step(const float *q, const float *k, long kb, long kh, long ks, co
       }
   return 0;
 }
+
+/* Whether any of `rows` rows of n floats (row starts `stride` floats apart) holds a value that
+ * is not finite or is zero throughout: the NaN rule's first look at a kernel's output
+ * (multihead.functional._nan_or_zero_row), without a tensor op's dispatch. */
+int mh_bad_rows(const float *p, long rows, long n, long stride) {
+  for (long r = 0; r < rows; r++) {
+    const float *x = p + r * stride;
+    int nonzero = 0, bad = 0;
+    for (long i = 0; i < n; i++) {
+      nonzero |= x[i] != 0.f;
+      bad |= !(x[i] - x[i] == 0.f); /* NaN or an infinity */
+    }
+    if (bad || !nonzero) return 1;
+  }
+  return 0;
+}

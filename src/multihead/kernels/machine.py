@@ -16,6 +16,7 @@ visible and can be replaced too.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import os
 import threading
 from dataclasses import dataclass
@@ -74,7 +75,7 @@ class MachinePlan:
             raise ValueError(f"MachinePlan.decode_engine must be one of {', '.join(map(repr, DECODE_ENGINES))}; "
                              f"received {self.decode_engine!r}")
 
-    @property
+    @functools.cached_property  # read by every decode step: computed once per plan (a frozen one)
     def min_split_bytes(self) -> int:
         """K and V bytes of one K/V head from which a decode step splits its keys over the
         threads (`decode.key_splits`): one core's L2. Below it a head's K/V stays in the L2

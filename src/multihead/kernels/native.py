@@ -8,8 +8,8 @@ The build: ``$CC`` (else ``cc``) ``-O3 -march=native -fno-math-errno -fopenmp -s
 -fPIC``. ``-fopenmp`` links ``libgomp.so.1``, the soname torch's own OpenMP runtime has, so
 in a process where torch is loaded the kernel's parallel loop runs on torch's thread pool
 (no second pool spinning against it) and follows `torch.set_num_threads`. The library's
-name holds a hash of the source, the flags, the compiler's version and the CPU's model and
-flags, so a changed machine or source builds anew; it is written to a temporary name and
+name holds a hash of the source, the flags, the compiler (its path, size and time) and the
+CPU's model and flags, so a changed machine or source builds anew; it is written to a temporary name and
 renamed, so a process never loads half a file. The folder: ``$MULTIHEAD_CACHE/native``,
 else ``$XDG_CACHE_HOME/multihead/native``, else ``~/.cache/multihead/native``.
 """
@@ -61,11 +61,11 @@ def _cpu_identity() -> str:
     return "\n".join(sorted(set(keep)))
 
 
-def _compiler_version(cc: str) -> str:
-    try:
-        return subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=30).stdout
-    except (OSError, subprocess.SubprocessError):
-        return ""
+def _compiler_identity(cc: str) -> str:
+    """The compiler's path, size and time (a changed compiler builds anew), read without
+    running it: a process's first `library()` costs a few file reads, not a subprocess."""
+    st = os.stat(os.path.realpath(cc))
+    return f"{os.path.realpath(cc)} {st.st_size} {st.st_mtime_ns}"
 
 
 def build(directory: str | os.PathLike | None = None) -> Path:
@@ -76,7 +76,7 @@ def build(directory: str | os.PathLike | None = None) -> Path:
     if cc is None:
         raise RuntimeError(f"no C compiler: {os.environ.get('CC') or 'cc'!r} is not on PATH (set CC to one)")
     source = SOURCE.read_bytes()
-    key = hashlib.sha256(b"\0".join([source, " ".join(FLAGS).encode(), _compiler_version(cc).encode(),
+    key = hashlib.sha256(b"\0".join([source, " ".join(FLAGS).encode(), _compiler_identity(cc).encode(),
                                      _cpu_identity().encode()])).hexdigest()[:16]
     folder = Path(directory) if directory is not None else cache_dir()
     target = folder / f"decode_step-{key}.so"
@@ -126,6 +126,8 @@ def _load() -> ctypes.CDLL | None:
                 + [ctypes.c_int, ctypes.c_int, ctypes.c_long, ctypes.c_int, ctypes.c_int]
                 + [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int, ctypes.c_int])
             lib.mh_vector_width.restype = ctypes.c_int
+            lib.mh_bad_rows.restype = ctypes.c_int
+            lib.mh_bad_rows.argtypes = [ctypes.c_void_p, ctypes.c_long, ctypes.c_long, ctypes.c_long]
             _LIB, _WHY = lib, None
         except (OSError, RuntimeError) as e:
             _LIB, _WHY = None, str(e)
