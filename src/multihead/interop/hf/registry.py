@@ -110,10 +110,14 @@ def multihead_mask(batch_size: int, q_length: int, kv_length: int, q_offset=0, k
     """
     from transformers.masking_utils import and_masks, padding_mask_function, prepare_padding_mask, sdpa_mask
 
+    if local_size is None:  # a layer without a window: transformers' mask as it is (the decode steps' way)
+        return sdpa_mask(batch_size=batch_size, q_length=q_length, kv_length=kv_length, q_offset=q_offset,
+                         kv_offset=kv_offset, mask_function=mask_function, attention_mask=attention_mask,
+                         local_size=local_size, use_vmap=use_vmap, **kwargs)
     index_based = not use_vmap and not isinstance(q_offset, Tensor) and not isinstance(kv_offset, Tensor)
-    window_cuts_nothing = local_size is not None and (q_length == 1 or kv_length <= local_size)
+    window_cuts_nothing = q_length == 1 or kv_length <= local_size
     fixed = torch.compiler.is_compiling() or _built_for_generate()  # a mask tensor is needed as it is
-    if local_size is None or window_cuts_nothing or not index_based or mask_function is None or fixed:
+    if window_cuts_nothing or not index_based or mask_function is None or fixed:
         mask = sdpa_mask(batch_size=batch_size, q_length=q_length, kv_length=kv_length, q_offset=q_offset,
                          kv_offset=kv_offset, mask_function=mask_function, attention_mask=attention_mask,
                          local_size=local_size, use_vmap=use_vmap, **kwargs)
