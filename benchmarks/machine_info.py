@@ -54,10 +54,15 @@ def machine() -> dict:
     except OSError:
         pass
     end = os.getloadavg() if hasattr(os, "getloadavg") else None
+    try:  # the kernel's transparent huge pages ("[madvise]": only where asked) and whether torch asks
+        thp = open("/sys/kernel/mm/transparent_hugepage/enabled").read().strip()
+    except OSError:
+        thp = None
     return {"cpu": model, "vendor": info.get("Vendor ID"), "cores": os.cpu_count(), "threads": torch.get_num_threads(),
             "flags": [f for f in _FLAGS if f in flags], **_caches(), "lscpu_l2": info.get("L2 cache"),
             "lscpu_l3": info.get("L3 cache"), "mem_total_bytes": mem_total, "torch": torch.__version__,
-            "python": platform.python_version(), "loadavg_start": LOADAVG_START, "loadavg_end": end}
+            "python": platform.python_version(), "loadavg_start": LOADAVG_START, "loadavg_end": end,
+            "transparent_hugepage": thp, "thp_mem_alloc_enable": os.environ.get("THP_MEM_ALLOC_ENABLE")}
 
 
 def finish(report: dict) -> dict:
