@@ -17,11 +17,8 @@ else ``$XDG_CACHE_HOME/multihead/native``, else ``~/.cache/multihead/native``.
 from __future__ import annotations
 
 import ctypes
-import hashlib
 import os
 import shutil
-import subprocess
-import tempfile
 import threading
 from pathlib import Path
 
@@ -72,6 +69,10 @@ def build(directory: str | os.PathLike | None = None) -> Path:
     """Compile `SOURCE` into `directory` (default `cache_dir()`) unless the same build is
     there, and return the library's path. Raises RuntimeError naming the compiler and its
     output where there is no compiler or it fails."""
+    import hashlib  # (a build's modules, imported when one is asked for: `import multihead` stays light)
+    import subprocess
+    import tempfile
+
     cc = _compiler()
     if cc is None:
         raise RuntimeError(f"no C compiler: {os.environ.get('CC') or 'cc'!r} is not on PATH (set CC to one)")
