@@ -55,6 +55,7 @@ __all__ = [
     "available_backends",
     "check_backend_name",
     "clear_caches",
+    "decode_step",
     "register_backend",
     "resolve_backend",
     "scaled_dot_product_attention",
@@ -157,11 +158,7 @@ def attend(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | MaskMod | Callable | 
                 and (shape[2] == 1 or _plain_applies(q, k, v, causal)):  # (one query: no causality to apply)
             # ... and on the built-in "sdpa", its plain form, with the keys split over the
             # threads where they would idle (`kernels.decode`)
-            scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
-            out, seen = _decode_step(q, k, v, scale, causal)  # seen: what holds every row the kernel made
-            if not torch.compiler.is_compiling() and _nan_or_zero_row(seen) and _not_finite(q, k, v, seen):
-                out, _ = _nan_rule(impl, q, k, v, None, causal, scale, 0.0, None, None)
-            return out, None
+            return _plain(impl, q, k, v, scale, causal), None
     if impl is None:
         scale = _check_scale(scale)
         mask = _check_inputs(q, k, v, mask, scale, dropout_p)
@@ -186,6 +183,33 @@ def attend(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | MaskMod | Callable | 
         if not torch.compiler.is_compiling() and _any_nan(q, k, v, out):
             out, weights = _nan_rule(impl, q, k, v, mask, causal, scale, dropout_p, weight_heads, score_mod, sinks)
     return out, weights
+
+
+def _plain(impl: Backend, q: Tensor, k: Tensor, v: Tensor, scale: float | None, causal: bool) -> Tensor:
+    """The plain call on the built-in "sdpa" (`impl`): `kernels.decode.step`, and the NaN rule
+    where the look at the output's rows (`_nan_or_zero_row`) and the sums say it may act."""
+    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
+    out, seen = _decode_step(q, k, v, scale, causal)  # seen: what holds every row the kernel made
+    if not torch.compiler.is_compiling() and _nan_or_zero_row(seen) and _not_finite(q, k, v, seen):
+        out, _ = _nan_rule(impl, q, k, v, None, causal, scale, 0.0, None, None)
+    return out
+
+
+def decode_step(q: Tensor, k: Tensor, v: Tensor, scale: float | None = None) -> Tensor | None:
+    """`attend(q, k, v, scale=scale)[0]` for one query (T = 1) with nothing else asked (no mask,
+    score mod, weights, dropout or sinks; backend "auto"), which the caller knows: the same
+    checks, kernel and answer without `attend`'s argument handling, for a caller that pays
+    for every microsecond of every layer of every token (the HF attention function's decode
+    step). `scale` must pass `validation.plain_scale`. None where the tensors are not such a
+    step (a shape, dtype or device `attend` would name, T != 1, an empty dim, "sdpa"
+    registered anew): the caller then calls `attend`, which answers or says what is wrong."""
+    shape = _plain_shape(q, k, v)
+    if shape is None or shape[2] != 1 or 0 in shape:
+        return None
+    impl = BACKENDS.get("sdpa")
+    if impl is None or impl.fn is not _sdpa_backend:
+        return None
+    return _plain(impl, q, k, v, scale, False)
 
 
 def _run(impl: Backend, q, k, v, mask, causal, scale, dropout_p, weight_heads, score_mod, sinks=None):

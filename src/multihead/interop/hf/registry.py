@@ -415,8 +415,13 @@ def attention_forward(module: nn.Module, query: Tensor, key: Tensor, value: Tens
             and not _config_output_attentions(module):
         # A decode step with nothing but q, k, v (every layer, every token of `generate`): what
         # the general path below does with it, without its per-keyword work. One query sees
-        # every key (no causality to apply); `attend` checks the shapes and the dropout.
-        out, _ = attend(query, key, value, None, scale=scaling, dropout_p=dropout, backend=backend)
+        # every key (no causality to apply). Without dropout on "auto", the kernel's own decode
+        # step (`functional.decode_step`, attend's checks without its argument handling); else,
+        # or where the tensors are not such a step, `attend`, which checks the shapes and the dropout.
+        out = functional.decode_step(query, key, value, scaling) \
+            if backend == "auto" and type(dropout) in (float, int) and dropout == 0 else None
+        if out is None:
+            out, _ = attend(query, key, value, None, scale=scaling, dropout_p=dropout, backend=backend)
         return out.transpose(1, 2).contiguous(), None  # (B, 1, H, Dv)
     if torch.compiler.is_compiling():
         _refuse_compiled(module, kwargs)
