@@ -14,7 +14,7 @@ import torch
 from conftest import assert_close
 from multihead import reference as R
 from multihead.functional import attend
-from multihead.kernels import MachinePlan, decode, machine_plan, set_machine_plan
+from multihead.kernels import MachinePlan, decode, machine_plan, native, set_machine_plan
 from multihead.kernels.machine import measured_choices
 
 
@@ -137,10 +137,14 @@ def test_the_engine_is_timed_once_per_case_and_the_faster_kept(plan, monkeypatch
 
 
 @pytest.mark.parametrize("where", ["query", "one key", "one value", "every key"])
-def test_nan_rule_through_gemm(plan, where):
-    """A NaN reaches exactly the rows it would through torch's kernel: the query's row, or every
-    row of the K/V head that holds it; the other rows are exact."""
-    plan("gemm")
+@pytest.mark.parametrize("engine", ["gemm", "native"])
+def test_nan_rule_through_the_engines(plan, where, engine):
+    """Through `attend` and its NaN check, a NaN reaches exactly the rows it would through
+    torch's kernel: the query's row, or every row of the K/V head that holds it; the other
+    rows are exact. The native engine where this machine builds it (`kernels.native`)."""
+    if engine == "native" and native.library() is None:
+        pytest.skip(f"no native library: {native.unavailable()}")
+    plan(engine)
     q, k, v = _qkv()
     if where == "query":
         q[0, 5, 0, 1] = float("nan")

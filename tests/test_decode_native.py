@@ -2,7 +2,8 @@
 `kernels.native` builds for the machine): exact against the NumPy float64 reference over
 GQA/MQA/MHA, batches, a few queries, the usual head widths, key counts around its block and
 vector edges, a cache's strided view, and the key parts it merges when the items do not
-divide among the threads; taken only where it may; the NaN rule through it; and a machine
+divide among the threads; taken only where it may (the NaN rule through it:
+test_decode_engine.py, beside the GEMMs'); and a machine
 without a compiler or with the kernel turned off keeps its torch engines, with the reason."""
 
 from __future__ import annotations
@@ -117,29 +118,6 @@ def test_the_plan_can_fix_native_and_attend_follows_it(plan, monkeypatch):
     out64, _ = attend(q64, k64, v64)
     assert calls == [1]
     assert_close(out64, _reference(q, k, v, 0.25), torch.float64, what="float64 under a native plan")
-
-
-@pytest.mark.parametrize("where", ["query", "one key", "one value", "every key"])
-def test_nan_rule_through_native(plan, where):
-    """Through `attend` and its NaN check, a NaN reaches exactly the rows it would through
-    torch's kernel: the query's row, or every row of the K/V head that holds it; the other
-    rows are exact."""
-    plan("native")
-    q, k, v = _qkv()
-    if where == "query":
-        q[0, 5, 0, 1] = float("nan")
-    elif where == "one key":
-        k[0, 1, 30, 0] = float("nan")
-    elif where == "one value":
-        v[0, 0, 7, 2] = float("nan")
-    else:
-        k[0, 0, :, 3] = float("nan")
-    out, _ = attend(q, k, v)
-    kv_nan = (torch.isnan(k).any(-1).any(-1) | torch.isnan(v).any(-1).any(-1)).repeat_interleave(4, dim=1)
-    want = torch.isnan(q).any(-1) | kv_nan[..., None]  # (B, H, T)
-    assert torch.equal(torch.isnan(out).any(-1), want)
-    assert torch.isnan(out[want]).all()
-    assert_close(out[~want], _reference(q, k, v, 0.25)[~want], torch.float32, what="rows without NaN")
 
 
 @pytest.fixture
