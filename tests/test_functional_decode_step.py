@@ -48,3 +48,27 @@ def test_none_where_attend_does_something_else():
     assert decode_step(torch.randn(1, 7, 1, 16), k, v) is None  # 7 heads over 2 K/V heads
     with pytest.raises(ValueError, match="divisible|multiple"):
         attend(torch.randn(1, 7, 1, 16), k, v)  # ... which attend refuses by name
+
+
+def test_the_hf_decode_step_takes_it_and_counts_once(monkeypatch):
+    """The HF attention function's decode step runs through `decode_step` (not `attend`) on
+    "auto" without dropout, and through `attend` with dropout, with the same answer."""
+    pytest.importorskip("transformers")
+    import multihead.functional as functional
+    from multihead.interop.hf import attention_forward, registry
+
+    class Layer(torch.nn.Module):
+        is_causal = True
+
+    seen = []
+    real_step, real_attend = functional.decode_step, registry.attend
+    monkeypatch.setattr(functional, "decode_step", lambda *a: seen.append("decode_step") or real_step(*a))
+    monkeypatch.setattr(registry, "attend", lambda *a, **k: seen.append("attend") or real_attend(*a, **k))
+    q, k, v = _qkv()
+    out, _ = attention_forward(Layer(), q, k, v, None, scaling=0.25)
+    assert seen == ["decode_step"]
+    assert torch.equal(out.transpose(1, 2), attend(q, k, v, scale=0.25)[0])
+    seen.clear()
+    torch.manual_seed(0)
+    attention_forward(Layer(), q, k, v, None, scaling=0.25, dropout=0.1)
+    assert seen == ["attend"]  # dropout: attend's own path

@@ -16,6 +16,7 @@ import torch
 transformers = pytest.importorskip("transformers")
 
 from conftest import assert_close, attn_implementation  # noqa: E402
+from multihead import functional  # noqa: E402
 from multihead.interop import hf  # noqa: E402
 from multihead.interop.hf import registry  # noqa: E402
 
@@ -146,7 +147,7 @@ class Spy:
 
     def __init__(self, monkeypatch):
         self.calls = 0
-        # the registry counts nothing: spies on its two ways into the kernels count its calls
+        # the registry counts nothing: spies on its three ways into the kernels count its calls
         real_kernel, real_explicit = registry.attend, registry._with_sinks
 
         def kernel(*args, **kwargs):
@@ -157,8 +158,16 @@ class Spy:
             self.calls += 1
             return real_explicit(*args, **kwargs)
 
+        real_step = functional.decode_step
+
+        def step(*args, **kwargs):  # the decode step's entry: a call where it answers (None: attend follows)
+            out = real_step(*args, **kwargs)
+            self.calls += out is not None
+            return out
+
         monkeypatch.setattr(registry, "attend", kernel)  # counts the calls of the kernel (see above)
         monkeypatch.setattr(registry, "_with_sinks", explicit)  # and of the sinks path
+        monkeypatch.setattr(functional, "decode_step", step)  # and of the plain decode step's
 
 
 def _run(model, impl: str, inputs, **kw):
