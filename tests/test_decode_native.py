@@ -177,3 +177,10 @@ def test_the_cache_folder_follows_the_environment(monkeypatch, tmp_path):
     assert native.cache_dir() == Path.home() / ".cache" / "multihead" / "native"
     monkeypatch.setenv("MULTIHEAD_CACHE", str(tmp_path / "mine"))
     assert native.cache_dir() == tmp_path / "mine" / "native"
+
+
+def test_a_long_cache_on_two_threads_with_parts(threads):
+    """20,000 keys over 3 K/V heads on 2 threads: 2 parts per head, 313 blocks each."""
+    threads(2)
+    q, k, v = _qkv(H=9, Hkv=3, S=20000, D=64, seed=7)
+    assert_close(decode.native(q, k, v, 0.125), _reference(q, k, v, 0.125), torch.float32, what="20,000 keys, 2 parts")
