@@ -184,3 +184,14 @@ def test_a_long_cache_on_two_threads_with_parts(threads):
     threads(2)
     q, k, v = _qkv(H=9, Hkv=3, S=20000, D=64, seed=7)
     assert_close(decode.native(q, k, v, 0.125), _reference(q, k, v, 0.125), torch.float32, what="20,000 keys, 2 parts")
+
+
+@pytest.mark.parametrize("S", [3, 4, 5, 7, 10])
+def test_three_threads_split_few_keys_into_parts_none_empty(S, threads):
+    """One K/V head on 3 threads: 3 parts of S keys; at S = 4 ceil-sized parts would leave the
+    last one empty (a 0/0 in the merge). Each part holds S // 3 or S // 3 + 1 keys."""
+    threads(3)
+    if torch.get_num_threads() != 3:
+        pytest.skip("this torch caps the threads below 3")
+    q, k, v = _qkv(H=4, Hkv=1, S=S, seed=S)
+    assert_close(decode.native(q, k, v, 0.25), _reference(q, k, v, 0.25), torch.float32, what=f"3 parts of {S} keys")

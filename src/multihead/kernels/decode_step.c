@@ -221,11 +221,12 @@ int mh_decode_step(const float *q, const float *k, long kb, long kh, long ks, co
   if (G <= 0 || G > MAXG || G % 4 || D <= 0 || D > MAXD || D % VW || S < parts || parts < 1 || threads < 1)
     return 1;
   const int n = B * Hkv, items = n * parts;
-  const long c = (S + parts - 1) / parts; /* keys per part; the last takes what is left */
 #pragma omp parallel for schedule(static) num_threads(threads)
   for (int i = 0; i < items; i++) {
     const int h = i / parts, p = i % parts, b = h / Hkv, kvh = h % Hkv;
-    const long lo = p * c, len = (p == parts - 1 ? S : lo + c) - lo;
+    /* part p holds keys [p S / P, (p + 1) S / P): none empty where S >= P (ceil-sized parts
+     * would leave the last one empty at S = 4, P = 3, and an empty part's output is 0/0) */
+    const long lo = p * S / parts, len = (p + 1) * S / parts - lo;
     float lse[MAXG];
     float *o = parts == 1 ? out + (long)h * G * D : work + (long)i * G * (D + 1);
     part(q + (long)h * G * D, k + b * kb + kvh * kh + lo * ks, ks, v + b * vb + kvh * vh + lo * vs, vs, len, G, D, o,
