@@ -91,6 +91,7 @@ def test_native_applies_only_where_it_may():
     assert not decode.native_applies(*_qkv(H=66, Hkv=2))  # 33 folded rows, 36 padded: over 32
     assert decode.native_applies(*_qkv(H=64, Hkv=2))  # 32 rows
     assert not decode.native_applies(q, k.transpose(-1, -2).contiguous().transpose(-1, -2), v)  # a strided last dim
+    assert not decode.native_applies(q, k[:, :, :0], v[:, :, :0])  # no key
 
 
 def _plan(engine=None) -> MachinePlan:

@@ -172,9 +172,11 @@ def gemm(q: Tensor, k: Tensor, v: Tensor, scale: float) -> Tensor:
 def native_applies(q: Tensor, k: Tensor, v: Tensor) -> bool:
     """Whether `native` may run a step `gemm_applies` accepts: float32, D = Dv a multiple of
     the library's vector width and at most 512, at most 32 folded query rows (padded to a
-    multiple of 4), the last dim of K and V contiguous, and the library built (`native.library`)."""
+    multiple of 4), a key at least, the last dim of K and V contiguous, and the library
+    built (`native.library`)."""
     B, H, T, D = q.shape
-    if q.dtype != torch.float32 or v.shape[-1] != D or D > 512 or -(-(H // k.shape[1] * T) // 4) * 4 > 32:
+    if q.dtype != torch.float32 or v.shape[-1] != D or D > 512 or -(-(H // k.shape[1] * T) // 4) * 4 > 32 \
+            or k.shape[2] == 0:
         return False
     if k.stride(-1) != 1 or v.stride(-1) != 1:
         return False
