@@ -196,3 +196,16 @@ def test_three_threads_split_few_keys_into_parts_none_empty(S, threads):
         pytest.skip("this torch caps the threads below 3")
     q, k, v = _qkv(H=4, Hkv=1, S=S, seed=S)
     assert_close(decode.native(q, k, v, 0.25), _reference(q, k, v, 0.25), torch.float32, what=f"3 parts of {S} keys")
+
+
+def test_the_buffers_follow_q_not_the_default_dtype():
+    """With torch's default dtype float64, the kernel's output is still the float32 it writes."""
+    q, k, v = _qkv()
+    before = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float64)
+    try:
+        out = decode.native(q, k, v, 0.25)
+    finally:
+        torch.set_default_dtype(before)
+    assert out.dtype == torch.float32
+    assert_close(out, _reference(q, k, v, 0.25), torch.float32, what="native under a float64 default dtype")

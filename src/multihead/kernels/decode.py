@@ -199,8 +199,8 @@ def native(q: Tensor, k: Tensor, v: Tensor, scale: float) -> Tensor:
     threads = torch.get_num_threads()
     n = B * Hkv
     parts = 1 if n % threads == 0 else min(threads // math.gcd(n, threads), S)
-    out = torch.empty(n, padded, D)
-    work = torch.empty(n * parts, padded, D + 1) if parts > 1 else out
+    out = qf.new_empty(n, padded, D)  # float32 on the CPU as q is, whatever torch's default dtype and device
+    work = qf.new_empty(n * parts, padded, D + 1) if parts > 1 else out
     bad = _native.library().mh_decode_step(
         qf.data_ptr(), k.data_ptr(), k.stride(0), k.stride(1), k.stride(2),
         v.data_ptr(), v.stride(0), v.stride(1), v.stride(2), B, Hkv, S, padded, D,
