@@ -159,3 +159,21 @@ def test_decode_profile_records_the_machine(tmp_path):
     assert [r["part"] for r in report["rows"]] == ["K pass", "softmax", "V pass", "flash call", "gemm engine",
                                                   *native_row, "multihead step", "region"]
     assert abs(sum(r["share_cpu"] for r in report["rows"][:3]) - 1) < 1e-9
+
+
+def test_cpu_fields_reads_the_first_value_of_each_field_asked():
+    """`cpu_fields` against /proc/cpuinfo read here: the first "model name" and "flags" lines,
+    a field no line has left out."""
+    from pathlib import Path
+
+    from multihead.kernels.machine import cpu_fields
+
+    info = Path("/proc/cpuinfo")
+    if not info.exists():
+        pytest.skip("no /proc/cpuinfo on this OS")
+    first = {}
+    for line in info.read_text().splitlines():
+        name, _, value = line.partition(":")
+        first.setdefault(name.strip(), value.strip())
+    got = cpu_fields("model name", "flags", "no such field")
+    assert got == {n: first[n] for n in ("model name", "flags") if n in first}

@@ -24,7 +24,7 @@ from pathlib import Path
 
 from multihead.checks import check_positive_int
 
-__all__ = ["MachinePlan", "machine_plan", "measured_choices", "read_caches", "recalled", "remember",
+__all__ = ["MachinePlan", "cpu_fields", "machine_plan", "measured_choices", "read_caches", "recalled", "remember",
            "set_machine_plan"]
 
 CACHE_ROOT = Path("/sys/devices/system/cpu/cpu0/cache")
@@ -122,6 +122,24 @@ def _size(text: str) -> int:
     text = text.strip().upper()
     mult = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}.get(text[-1:], 1)
     return int(text[:-1] if mult > 1 else text) * mult
+
+
+def cpu_fields(*names: str) -> dict[str, str]:
+    """The first value of each field of Linux's /proc/cpuinfo named here ("model name",
+    "flags"), by name; a field it lacks is left out, and nothing where it cannot be read."""
+    found: dict[str, str] = {}
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as f:
+            for line in f:
+                name, sep, value = line.partition(":")
+                name = name.strip()
+                if sep and name in names and name not in found:
+                    found[name] = value.strip()
+                    if len(found) == len(names):
+                        break
+    except OSError:
+        pass
+    return found
 
 
 def read_caches(root: str | os.PathLike | None = None) -> tuple[int, int] | None:

@@ -22,6 +22,8 @@ import shutil
 import threading
 from pathlib import Path
 
+from multihead.kernels.machine import cpu_fields
+
 __all__ = ["FLAGS", "SOURCE", "build", "cache_dir", "library", "reset", "unavailable"]
 
 SOURCE = Path(__file__).with_name("decode_step.c")
@@ -49,13 +51,8 @@ def _compiler() -> str | None:
 
 
 def _cpu_identity() -> str:
-    """The CPU's model and flags (what -march=native reads), from /proc/cpuinfo where it is."""
-    try:
-        text = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return ""
-    keep = [line for line in text.splitlines() if line.startswith(("model name", "flags"))]
-    return "\n".join(sorted(set(keep)))
+    """The CPU's model and flags (what -march=native reads), where the OS says them."""
+    return "\n".join(f"{name}: {value}" for name, value in cpu_fields("model name", "flags").items())
 
 
 def _compiler_identity(cc: str) -> str:
@@ -71,7 +68,8 @@ def build(directory: str | os.PathLike | None = None) -> Path:
     output where there is no compiler or it fails."""
     import hashlib  # (a build's modules, imported when one is asked for: `import multihead` stays light)
     import subprocess
-    import tempfile
+
+    from multihead.files import atomic_path
 
     cc = _compiler()
     if cc is None:
@@ -84,21 +82,15 @@ def build(directory: str | os.PathLike | None = None) -> Path:
     if target.exists():
         return target
     folder.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=".decode_step-", suffix=".so", dir=folder)
-    os.close(fd)
-    try:
+    with atomic_path(target) as tmp:  # another process sees the whole library or none
         try:
-            done = subprocess.run([cc, *FLAGS, str(SOURCE), "-o", tmp, "-lm"], capture_output=True, text=True,
+            done = subprocess.run([cc, *FLAGS, str(SOURCE), "-o", str(tmp), "-lm"], capture_output=True, text=True,
                                   timeout=_BUILD_SECONDS)
         except subprocess.TimeoutExpired as e:
             raise RuntimeError(f"{cc} took over {_BUILD_SECONDS} s to build {SOURCE.name}") from e
         if done.returncode != 0:
             raise RuntimeError(f"{cc} could not build {SOURCE.name} (exit {done.returncode}): "
                                f"{(done.stderr or done.stdout).strip()[-2000:]}")
-        os.replace(tmp, target)  # atomic: another process sees the whole library or none
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
     return target
 
 

@@ -35,14 +35,9 @@ def seed_everything(seed: int) -> torch.Generator:
 
 def _cpu_model() -> str:
     """The CPU's model name as Linux reports it (/proc/cpuinfo), else what platform says."""
-    try:
-        with open("/proc/cpuinfo", encoding="utf-8") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
+    from multihead.kernels.machine import cpu_fields
+
+    return cpu_fields("model name").get("model name") or platform.processor() or platform.machine()
 
 
 def load_average() -> list[float] | None:
