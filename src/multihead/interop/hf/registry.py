@@ -110,18 +110,17 @@ def multihead_mask(batch_size: int, q_length: int, kv_length: int, q_offset=0, k
     """
     from transformers.masking_utils import and_masks, padding_mask_function, prepare_padding_mask, sdpa_mask
 
-    if local_size is None:  # a layer without a window: transformers' mask as it is (the decode steps' way)
-        return sdpa_mask(batch_size=batch_size, q_length=q_length, kv_length=kv_length, q_offset=q_offset,
-                         kv_offset=kv_offset, mask_function=mask_function, attention_mask=attention_mask,
-                         local_size=local_size, use_vmap=use_vmap, **kwargs)
     index_based = not use_vmap and not isinstance(q_offset, Tensor) and not isinstance(kv_offset, Tensor)
-    window_cuts_nothing = q_length == 1 or kv_length <= local_size
-    fixed = torch.compiler.is_compiling() or _built_for_generate()  # a mask tensor is needed as it is
-    if window_cuts_nothing or not index_based or mask_function is None or fixed:
+    window_cuts_nothing = local_size is not None and (q_length == 1 or kv_length <= local_size)
+
+    def fixed() -> bool:  # a mask tensor is needed as it is; asked last (a frame walk) and once on any path
+        return torch.compiler.is_compiling() or _built_for_generate()
+
+    if local_size is None or window_cuts_nothing or not index_based or mask_function is None or fixed():
         mask = sdpa_mask(batch_size=batch_size, q_length=q_length, kv_length=kv_length, q_offset=q_offset,
                          kv_offset=kv_offset, mask_function=mask_function, attention_mask=attention_mask,
                          local_size=local_size, use_vmap=use_vmap, **kwargs)
-        if window_cuts_nothing and not fixed and kwargs.get("allow_is_causal_skip", True) and _plain_causal(mask):
+        if window_cuts_nothing and kwargs.get("allow_is_causal_skip", True) and not fixed() and _plain_causal(mask):
             return None  # the attention function applies the layer's causality itself, on the plain path
         return mask
     padding = prepare_padding_mask(attention_mask, kv_length, kv_offset)
