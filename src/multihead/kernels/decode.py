@@ -180,8 +180,8 @@ def native_applies(q: Tensor, k: Tensor, v: Tensor) -> bool:
         return False
     if k.stride(-1) != 1 or v.stride(-1) != 1:
         return False
-    lib = _native.library()
-    return lib is not None and D % lib.mh_vector_width() == 0
+    width = _native.vector_width()  # None without the library
+    return width is not None and D % width == 0
 
 
 def native(q: Tensor, k: Tensor, v: Tensor, scale: float) -> Tensor:

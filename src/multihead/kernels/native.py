@@ -24,7 +24,7 @@ from pathlib import Path
 
 from multihead.kernels.machine import cpu_fields
 
-__all__ = ["FLAGS", "SOURCE", "build", "cache_dir", "library", "reset", "unavailable"]
+__all__ = ["FLAGS", "SOURCE", "build", "cache_dir", "library", "reset", "unavailable", "vector_width"]
 
 SOURCE = Path(__file__).with_name("decode_step.c")
 FLAGS = ("-O3", "-march=native", "-fno-math-errno", "-fopenmp", "-shared", "-fPIC")
@@ -34,6 +34,7 @@ _LOCK = threading.Lock()
 _LIB: ctypes.CDLL | None = None
 _WHY: str | None = None  # why there is no library; None: not tried yet, or loaded
 _TRIED = False
+_WIDTH: int | None = None  # the loaded library's floats per vector, read once at load
 
 
 def cache_dir() -> Path:
@@ -103,7 +104,7 @@ def library() -> ctypes.CDLL | None:
 
 
 def _load() -> ctypes.CDLL | None:
-    global _LIB, _WHY, _TRIED
+    global _LIB, _WHY, _TRIED, _WIDTH
     with _LOCK:
         if _TRIED:
             return _LIB
@@ -119,13 +120,20 @@ def _load() -> ctypes.CDLL | None:
                 + [ctypes.c_int, ctypes.c_int, ctypes.c_long, ctypes.c_int, ctypes.c_int]
                 + [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int, ctypes.c_int])
             lib.mh_vector_width.restype = ctypes.c_int
+            width = lib.mh_vector_width()
             lib.mh_bad_rows.restype = ctypes.c_int
             lib.mh_bad_rows.argtypes = [ctypes.c_void_p, ctypes.c_long, ctypes.c_long, ctypes.c_long]
-            _LIB, _WHY = lib, None
+            _LIB, _WHY, _WIDTH = lib, None, width
         except (OSError, RuntimeError) as e:
-            _LIB, _WHY = None, str(e)
+            _LIB, _WHY, _WIDTH = None, str(e), None
         _TRIED = True
         return _LIB
+
+
+def vector_width() -> int | None:
+    """The floats per vector the library was compiled for (16 with AVX-512, else 8): the head
+    widths the decode engine takes are its multiples. None where there is no library."""
+    return _WIDTH if library() is not None else None
 
 
 def unavailable() -> str | None:
@@ -136,6 +144,6 @@ def unavailable() -> str | None:
 def reset() -> None:
     """Forget the loaded library, so that the next `library()` builds or loads again (tests
     that change ``MULTIHEAD_NATIVE`` or ``CC``). A library already loaded stays mapped."""
-    global _LIB, _WHY, _TRIED
+    global _LIB, _WHY, _TRIED, _WIDTH
     with _LOCK:
-        _LIB, _WHY, _TRIED = None, None, False
+        _LIB, _WHY, _TRIED, _WIDTH = None, None, False, None
