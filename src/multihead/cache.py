@@ -30,9 +30,9 @@ def _zeros(shape: tuple, dtype: torch.dtype, device) -> Tensor:
     """A zeroed cache buffer. On Linux CPUs, a buffer of a few huge pages or more is asked for
     huge pages (madvise MADV_HUGEPAGE over its 2 MiB-aligned interior, before it is first
     written): a long decode step streams the whole cache, and on 4 KiB pages its reads miss
-    the TLB every 4 KiB (the native decode engine measured 1.7x slower on two threads of an
-    AMD EPYC whose kernel gives huge pages only where asked: docs/benchmarks.md). Where the
-    kernel says no, or gives them anyway, nothing changes; the values are zeros either way."""
+    the TLB every 4 KiB, which a kernel that gives huge pages only where asked ("madvise")
+    leaves as it is (measured: docs/kernel.md, "KV caches"). Where the kernel says no, or
+    gives them anyway, nothing changes; the values are zeros either way."""
     t = torch.empty(shape, dtype=dtype, device=device)
     if t.is_cpu and sys.platform.startswith("linux") and t.numel() * t.element_size() >= 2 * _HUGE:
         start = t.data_ptr()

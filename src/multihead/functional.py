@@ -150,8 +150,9 @@ def attend(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | MaskMod | Callable | 
         # The plain call (a decode step or a causal prefill: no mask, mod, weights, dropout or
         # sinks), the general path's checks folded into two expressions: what it resolves to
         # is the same ("auto" is "sdpa" here), so is the result, bit for bit, but where a long
-        # step runs on the GEMM engine the machine timed faster (`kernels.decode.engine`): equal
-        # to rounding there, and bit for bit again with the plan's decode_engine "flash".
+        # step runs on an engine the machine timed faster, the GEMMs or the native kernel
+        # (`kernels.decode.engine`): equal to rounding there, and bit for bit again with the
+        # plan's decode_engine "flash".
         impl = BACKENDS.get("sdpa" if backend == "auto" else backend)
         weight_heads, causal = None, bool(causal)
         if impl is not None and impl.fn is _sdpa_backend and 0 not in shape \
@@ -284,7 +285,8 @@ def _nan_or_zero_row(out: Tensor) -> bool:
     count of nonzero first elements (a zero row has a zero first element): a reduction
     along rows of 64 costs more than the two together. float32 rows on the CPU, where the
     native library is built (`kernels.native`), are read in C instead: a row not finite or
-    zero throughout, with no tensor op's dispatch (a decode step's check at a third of the cost)."""
+    zero throughout, with no tensor op's dispatch, which was most of what a decode step's check cost
+    (docs/benchmarks.md, "The native decode engine")."""
     o = out.detach() if out.requires_grad else out
     if not o.is_contiguous() and o.dim() == 4:
         t = o.transpose(1, 2)  # the same rows, in the order they lie: a view

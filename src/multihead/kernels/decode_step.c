@@ -32,7 +32,7 @@
  * at D = 128). A core's hardware prefetchers do not run far enough ahead of a loop that
  * computes between its reads to keep the memory busy; the prefetches do, and each pass
  * issues them for its own stream so that neither stream goes idle while the other pass runs.
- * One block ahead was slower and four no faster on an AMD EPYC (Zen 5). */
+ * Why two and not one or four: docs/benchmarks-decode.md, "The third engine". */
 #define AHEAD (2 * CH)
 #define MAXG 32
 #define MAXD 512
