@@ -202,9 +202,13 @@ def test_a_prefill_reads_out_once_and_never_q_k_v(monkeypatch, check):
     assert_close(out, _reference(q, k, v), what="prefill")
 
 
-def test_the_check_in_c_flags_the_rows_the_tensor_ops_flag():
+def test_the_check_in_c_flags_the_rows_the_tensor_ops_flag(monkeypatch):
     """`_nan_or_zero_row` in C and by tensor ops on the same rows: a NaN, a zero row, a row
-    whose first element alone is zero, an infinity (C flags it; the exact path follows)."""
+    whose first element alone is zero, an infinity. Both flag a NaN and a zero row and pass
+    clean rows; beyond those, each form flags one more case, which costs only the sums after
+    it: C an infinity (the sums then send it to the exact path, as `_not_finite` does any
+    input holding one), the tensor ops' form for many rows a zero first element (the sums
+    then find nothing)."""
     if native.library() is None:
         pytest.skip(f"no native library: {native.unavailable()}")
     lib = native.library()
@@ -222,11 +226,18 @@ def test_the_check_in_c_flags_the_rows_the_tensor_ops_flag():
         first = base.clone()
         first[:, 0] = 0.0
         cases["zero first elements"] = (first, False)
+        by_ops = {}
+        with monkeypatch.context() as m:
+            m.setattr(functional._native, "library", lambda: None)
+            for what, (x, _) in cases.items():
+                by_ops[what] = functional._nan_or_zero_row(x)
         for what, (x, want) in cases.items():
             assert bool(lib.mh_bad_rows(x.data_ptr(), rows, 20, 20)) is want, (rows, what)
             assert functional._nan_or_zero_row(x) is want, (rows, what)
             view = torch.cat((x, x), 1)[:, :20]  # rows 40 floats apart: the strided form
             assert bool(lib.mh_bad_rows(view.data_ptr(), rows, 20, 40)) is want, (rows, what, "strided")
+            assert want or not by_ops[what] or (what == "zero first elements" and rows > 64), (rows, what)
+        assert by_ops["nan"] and by_ops["zero row"] and not by_ops["clean"], (rows, by_ops)
 
 
 # ------------------------------------------- the HF attention function's decode step
