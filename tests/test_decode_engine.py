@@ -120,7 +120,7 @@ def test_the_engine_is_timed_once_per_case_and_the_faster_kept(plan, monkeypatch
     assert decode.engine(q, k, v, 0.25) == "flash"
     assert len(calls) == decode._ROUNDS
     threads = torch.get_num_threads()
-    assert measured_choices() == {"decode_engine": {f"float32, {threads} threads, 4 rows, D 16": "flash"}}
+    assert measured_choices() == {"decode_engine": {f"float32, {threads} threads, 4 rows, D 16, streamed": "flash"}}
     assert machine_plan().as_dict()["measured"] == measured_choices()
     attend(q, k, v)
     assert decode.engine(q, k, v, 0.25) == "flash" and len(calls) == decode._ROUNDS  # kept: not timed again

@@ -33,8 +33,11 @@ def _reference(q, k, v, scale):
 
 
 @pytest.fixture
-def threads():
-    """Run the test body at a thread count of its own; the count comes back after."""
+def threads(monkeypatch):
+    """Run the test body at a thread count of its own, every thread given a share however few
+    the keys (`decode._GRAIN` 1: the small shapes here split as a long step would); the
+    count comes back after."""
+    monkeypatch.setattr(decode, "_GRAIN", 1)
     before = torch.get_num_threads()
     yield torch.set_num_threads
     torch.set_num_threads(before)
@@ -108,8 +111,8 @@ def plan():
 def test_the_plan_can_fix_native_and_attend_follows_it(plan, monkeypatch):
     plan("native")
     calls = []
-    inner = decode.native
-    monkeypatch.setattr(decode, "native", lambda *a: calls.append(1) or inner(*a))
+    inner = decode.native_checked
+    monkeypatch.setattr(decode, "native_checked", lambda *a: calls.append(1) or inner(*a))
     q, k, v = _qkv()
     out, _ = attend(q, k, v)
     assert calls == [1]
@@ -196,6 +199,46 @@ def test_three_threads_split_few_keys_into_parts_none_empty(S, threads):
         pytest.skip("this torch caps the threads below 3")
     q, k, v = _qkv(H=4, Hkv=1, S=S, seed=S)
     assert_close(decode.native(q, k, v, 0.25), _reference(q, k, v, 0.25), torch.float32, what=f"3 parts of {S} keys")
+
+
+@pytest.mark.parametrize("where", ["nan in q", "nan in a key", "nan in a value", "inf in a key", "clean"])
+def test_the_kernel_flags_the_rows_the_nan_rule_reads(where):
+    """`native_checked` says whether a row of its output is not finite or zero throughout,
+    as `functional._nan_or_zero_row` would on the same output, so the step need not look
+    again (a clean output: no second call)."""
+    from multihead.functional import _nan_or_zero_row
+
+    q, k, v = _qkv(H=9, Hkv=3, S=100, D=32)
+    t, at = {"q": (q, (0, 4, 0, 3)), "a key": (k, (0, 1, 17, 5)), "a value": (v, (0, 2, 50, 0))}.get(
+        where.split(" in ")[-1], (q, None))
+    if at is not None:
+        t[at] = float("nan") if where.startswith("nan") else float("inf")
+    out, bad = decode.native_checked(q, k, v, 32 ** -0.5)
+    assert bad == _nan_or_zero_row(out)
+    assert bad == (where != "clean")
+
+
+@pytest.mark.parametrize("S", [1, 50, 3000])
+@pytest.mark.parametrize("grain", [1, 32768, 1 << 40])  # every thread; torch's grain; one thread always
+def test_any_share_of_threads_gives_the_same_answer(S, grain, threads, monkeypatch):
+    """How many threads take a step (those with `_GRAIN` floats of K and V each) and its parts
+    change who computes what, never the answer beyond rounding."""
+    threads(2)
+    monkeypatch.setattr(decode, "_GRAIN", grain)
+    q, k, v = _qkv(H=9, Hkv=3, S=S, D=64, seed=S)
+    assert_close(decode.native(q, k, v, 0.125), _reference(q, k, v, 0.125), torch.float32,
+                 what=f"S={S} grain={grain}")
+
+
+def test_a_strided_query_is_read_where_it_lies():
+    """q as the HF attention function hands it, a transposed view `(B, T, H, D) -> (B, H, T, D)`
+    with T = 3, and a query whose last dim is strided, which `native_applies` refuses."""
+    g = torch.Generator().manual_seed(3)
+    q = torch.randn(2, 3, 8, 16, generator=g).transpose(1, 2)  # (B, H, T, D), not contiguous
+    _, k, v = _qkv(B=2, T=3)
+    assert not q.is_contiguous() and decode.native_applies(q, k, v)
+    assert_close(decode.native(q, k, v, 0.25), _reference(q, k, v, 0.25), torch.float32, what="transposed q")
+    assert not decode.native_applies(q.transpose(-1, -2).contiguous().transpose(-1, -2), k, v)
 
 
 def test_the_buffers_follow_q_not_the_default_dtype():

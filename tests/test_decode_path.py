@@ -17,6 +17,7 @@ from conftest import AtenOps, assert_close
 from multihead import reference as R
 from multihead.functional import attend
 from multihead.kernels import native
+from multihead.kernels.machine import machine_plan, set_machine_plan
 from multihead.kernels.validation import check_inputs, check_scale, plain_scale, plain_shape
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -215,24 +216,38 @@ _METADATA = ("aten.view", "aten.transpose", "aten._unsafe_view", "aten.reshape",
              "aten.alias", "aten.as_strided")
 
 
+@pytest.fixture
+def engine():
+    """Fix the plan's decode engine for the test (`MachinePlan.decode_engine`); the plan after."""
+    before = machine_plan()
+    yield lambda name: set_machine_plan(before.with_choices(decode_engine=name))
+    set_machine_plan(before)
+
+
+@pytest.mark.parametrize("name", ["flash", "native"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_a_decode_step_runs_the_kernel_and_one_reduction(dtype):
+def test_a_decode_step_runs_the_kernel_and_one_reduction(dtype, name, engine):
     """Besides views, one decode step through the HF attention function runs torch's kernel
     and the NaN check's one sum over the rows of `out` (no copy of K/V, no read of them,
     no second reduction): every such op costs 5-20 us per layer per token inside
     `generate` (benchmarks/hf_generate.py). float32 rows where the native library is built
-    are checked in C: the kernel alone."""
+    are checked in C: the kernel alone. On the native engine (float32) the step is one op,
+    its output's allocation: the kernel looks at the rows itself."""
     pytest.importorskip("transformers")
     from multihead.interop.hf import attention_forward
 
     class Layer(torch.nn.Module):
         is_causal = True
 
+    engine(name)
+    built = native.library() is not None
     q, k, v = _qkv(B=1, S=30, D=32, dtype=dtype)
     with torch.no_grad(), AtenOps() as seen:
         out, w = attention_forward(Layer(), q, k, v, None, scaling=32 ** -0.5)
     work = [op for op in seen.ops if not op.startswith(_METADATA)]
-    if dtype == torch.float32 and native.library() is not None:
+    if dtype == torch.float32 and built and name == "native":
+        assert work == ["aten.new_empty.default"], seen.ops
+    elif dtype == torch.float32 and built:
         assert len(work) == 1 and "scaled_dot_product" in work[0], seen.ops
     else:
         assert len(work) == 2 and "scaled_dot_product" in work[0] and work[1].startswith("aten.sum"), seen.ops

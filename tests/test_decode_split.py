@@ -248,6 +248,7 @@ def test_more_parts_run_no_softmax(monkeypatch):
     monkeypatch.setattr(decode, "MIN_SPLIT_BYTES", 8)  # any size splits: the count depends on the threads only
     n = torch.get_num_threads()
     torch.set_num_threads(4)
+    before = set_machine_plan(machine_plan().with_choices(decode_engine="flash"))  # torch's kernel, split
     try:
         if torch.get_num_threads() != 4:
             pytest.skip("this torch caps the threads below 4")
@@ -260,6 +261,7 @@ def test_more_parts_run_no_softmax(monkeypatch):
             assert work.count(_FLASH) == 1 + (S % 4 > 0) and "_softmax" not in work, seen.ops
             assert_close(out, _reference(q, k, v), atol=1e-6, rtol=1e-6, what=f"4 parts, S={S}")
     finally:
+        set_machine_plan(before)
         torch.set_num_threads(n)
 
 

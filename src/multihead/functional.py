@@ -190,8 +190,9 @@ def _plain(impl: Backend, q: Tensor, k: Tensor, v: Tensor, scale: float | None, 
     """The plain call on the built-in "sdpa" (`impl`): `kernels.decode.step`, and the NaN rule
     where the look at the output's rows (`_nan_or_zero_row`) and the sums say it may act."""
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
-    out, seen = _decode_step(q, k, v, scale, causal)  # seen: what holds every row the kernel made
-    if not torch.compiler.is_compiling() and _nan_or_zero_row(seen) and _not_finite(q, k, v, seen):
+    out, seen = _decode_step(q, k, v, scale, causal)  # seen: what holds every row the kernel made, None: looked at
+    if seen is not None and not torch.compiler.is_compiling() and _nan_or_zero_row(seen) \
+            and _not_finite(q, k, v, seen):
         out, _ = _nan_rule(impl, q, k, v, None, causal, scale, 0.0, None, None)
     return out
 

@@ -27,7 +27,6 @@ engine that may run it on that step's own inputs, and the winner kept for the pr
 
 from __future__ import annotations
 
-import math
 import time
 
 import torch
@@ -38,8 +37,8 @@ from multihead.kernels.common import HAS_CPU_FLASH, flash_lse, merge_two
 from multihead.kernels.machine import machine_plan, recalled, remember
 from multihead.kernels.sdpa import plain
 
-__all__ = ["MIN_SPLIT_BYTES", "engine", "gemm", "gemm_applies", "key_splits", "native", "native_applies", "split_bytes",
-           "split_keys", "step"]
+__all__ = ["MIN_SPLIT_BYTES", "engine", "gemm", "gemm_applies", "key_splits", "native", "native_applies",
+           "native_checked", "split_bytes", "split_keys", "step"]
 
 # K and V bytes of one K/V head (S * (D + Dv) * element size) from which a step splits; None: the
 # machine's (`MachinePlan.min_split_bytes`, one core's L2, and why). An int here overrides it.
@@ -170,46 +169,48 @@ def gemm(q: Tensor, k: Tensor, v: Tensor, scale: float) -> Tensor:
 
 
 def native_applies(q: Tensor, k: Tensor, v: Tensor) -> bool:
-    """Whether `native` may run a step `gemm_applies` accepts: float32, D = Dv a multiple of
-    the library's vector width and at most 512, at most 32 folded query rows (padded to a
-    multiple of 4), a key at least, the last dim of K and V contiguous, and the library
-    built (`native.library`)."""
+    """Whether `native` may run this plain step: float32, D = Dv a multiple of the library's
+    vector width and at most 512, at most 32 folded query rows (padded to a multiple of 4),
+    a key at least, the last dim of q, K and V contiguous, and the library built
+    (`native.library`). Where it runs is `step`'s: on the CPU, with nothing requiring grad."""
     B, H, T, D = q.shape
     if q.dtype != torch.float32 or v.shape[-1] != D or D > 512 or -(-(H // k.shape[1] * T) // 4) * 4 > 32 \
             or k.shape[2] == 0:
         return False
-    if k.stride(-1) != 1 or v.stride(-1) != 1:
+    if q.stride(-1) != 1 or k.stride(-1) != 1 or v.stride(-1) != 1:
         return False
     width = _native.vector_width()  # None without the library
     return width is not None and D % width == 0
 
 
+# K and V floats a thread of the native kernel takes at least, as torch's own parallel loops take
+# at least at::internal::GRAIN_SIZE elements: a shorter share costs less than waking a thread
+_GRAIN = 32768
+
+
 def native(q: Tensor, k: Tensor, v: Tensor, scale: float) -> Tensor:
     """Attention of q `(B, H, T, D)` over every key of k, v `(B, Hkv, S, D)`, float32, by the
     kernel of `decode_step.c`: one pass over the keys per K/V head (scores, online softmax,
-    values), on torch's threads; where B * Hkv items do not divide among the threads the
-    keys are split into parts merged by log-sum-exp, as `split_keys` does."""
+    values), on as many of torch's threads as have `_GRAIN` floats of K and V each; where
+    the B * Hkv heads do not divide among them the keys are split into parts merged by
+    log-sum-exp, as `split_keys` does."""
+    return native_checked(q, k, v, scale)[0]
+
+
+def native_checked(q: Tensor, k: Tensor, v: Tensor, scale: float) -> tuple[Tensor, bool]:
+    """`native`'s (out, whether the kernel found a row of out not finite or zero throughout:
+    the NaN rule's first look, `functional._nan_or_zero_row`, taken in the same call)."""
     B, H, T, D = q.shape
-    Hkv, S = k.shape[1], k.shape[2]
-    rows = H // Hkv * T
-    padded = -(-rows // 4) * 4
-    qf = (q.reshape(B * Hkv, rows, D) * scale).contiguous()
-    if padded != rows:
-        qf = torch.cat((qf, qf.new_zeros(B * Hkv, padded - rows, D)), 1)
-    threads = torch.get_num_threads()
-    n = B * Hkv
-    parts = 1 if n % threads == 0 else min(threads // math.gcd(n, threads), S)
-    out = qf.new_empty(n, padded, D)  # float32 on the CPU as q is, whatever torch's default dtype and device
-    work = qf.new_empty(n * parts, padded, D + 1) if parts > 1 else out
-    bad = _native.library().mh_decode_step(
-        qf.data_ptr(), k.data_ptr(), k.stride(0), k.stride(1), k.stride(2),
-        v.data_ptr(), v.stride(0), v.stride(1), v.stride(2), B, Hkv, S, padded, D,
-        out.data_ptr(), work.data_ptr(), parts, threads)
-    if bad:  # the checks above keep this from happening; a guard, never a wrong answer
-        raise RuntimeError(f"the native decode kernel refused q {tuple(q.shape)}, k {tuple(k.shape)}")
-    if padded != rows:
-        out = out[:, :rows]
-    return out.reshape(B, H, T, D)
+    Hkv = k.shape[1]
+    out = q.new_empty(B, H, T, D)  # float32 on the CPU as q is, whatever torch's default dtype and device
+    qs, ks, vs = q.stride(), k.stride(), v.stride()
+    flag = _native.library().mh_decode_step(
+        q.data_ptr(), qs[0], qs[1], qs[2], k.data_ptr(), ks[0], ks[1], ks[2], v.data_ptr(), vs[0], vs[1], vs[2],
+        B, Hkv, H // Hkv, T, k.shape[2], D, scale, out.data_ptr(), torch.get_num_threads(), _GRAIN)
+    if flag < 0:  # the checks above keep this from happening; a guard, never a wrong answer
+        what = "could not allocate its work buffer for" if flag == -2 else "refused"
+        raise RuntimeError(f"the native decode kernel {what} q {tuple(q.shape)}, k {tuple(k.shape)}")
+    return out, flag == 1
 
 
 def _flash(q: Tensor, k: Tensor, v: Tensor, scale: float, causal: bool) -> tuple[Tensor, Tensor]:
@@ -223,31 +224,46 @@ def _flash(q: Tensor, k: Tensor, v: Tensor, scale: float, causal: bool) -> tuple
     return out, out
 
 
-def _engines(q: Tensor, k: Tensor, v: Tensor, scale: float) -> dict:
-    """The engines that may run this step (`gemm_applies` holds), by name: torch's kernel,
-    the GEMMs, and the native kernel where `native_applies`."""
-    engines = {"flash": lambda: _flash(q, k, v, scale, False), "gemm": lambda: gemm(q, k, v, scale)}
+def _cached_applies(q: Tensor, k: Tensor, v: Tensor) -> bool:
+    """Whether a step that `gemm_applies` leaves (its K/V kept in the L2 from step to step)
+    may run `native`: on the CPU, nothing requiring grad, and `native_applies`. There the
+    native kernel's one call costs less than torch's kernel call, its dispatch and its
+    allocations on some machines: docs/benchmarks-decode.md, "Steps in cache"."""
+    if not q.is_cpu or torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
+        return False
+    return native_applies(q, k, v)
+
+
+def _engines(q: Tensor, k: Tensor, v: Tensor, scale: float, streamed: bool) -> dict:
+    """The engines that may run this step, by name: torch's kernel, the GEMMs where the K/V
+    stream (`gemm_applies`), and the native kernel where `native_applies`."""
+    engines = {"flash": lambda: _flash(q, k, v, scale, False)}
+    if streamed:
+        engines["gemm"] = lambda: gemm(q, k, v, scale)
     if native_applies(q, k, v):
         engines["native"] = lambda: native(q, k, v, scale)
     return engines
 
 
-def engine(q: Tensor, k: Tensor, v: Tensor, scale: float) -> str:
-    """"flash", "gemm" or "native" for a step `gemm_applies` accepts: the plan's
-    `decode_engine` (its "native" where `native_applies` does not hold is torch's kernel),
-    else what was timed on this process's first step of the same dtype, threads, query rows
-    and head width, else timed now on this step (each engine that may run it `_ROUNDS`
+def engine(q: Tensor, k: Tensor, v: Tensor, scale: float, streamed: bool = True) -> str:
+    """"flash", "gemm" or "native" for a step `gemm_applies` accepts (`streamed`) or one
+    `_cached_applies` accepts: the plan's `decode_engine` (its "native" where `native_applies`
+    does not hold, and its "gemm" on a step in cache, are torch's kernel), else what was
+    timed on this process's first step of the same dtype, threads, query rows, head width
+    and side of the L2, else timed now on this step (each engine that may run it `_ROUNDS`
     times, alternating; the fastest run of each; another engine than "flash" only if it
     wins by 1 - `_MARGIN`)."""
     fixed = machine_plan().decode_engine
     if fixed is not None:
-        return "flash" if fixed == "native" and not native_applies(q, k, v) else fixed
+        if fixed == "native" and not native_applies(q, k, v) or fixed == "gemm" and not streamed:
+            return "flash"
+        return fixed
     B, H, T, D = q.shape
     case = (f"{str(q.dtype).removeprefix('torch.')}, {torch.get_num_threads()} threads, "
-            f"{H // k.shape[1] * T} rows, D {D}")
+            f"{H // k.shape[1] * T} rows, D {D}, {'streamed' if streamed else 'in cache'}")
     won = recalled("decode_engine", case)
     if won is None:
-        runs = _engines(q, k, v, scale)
+        runs = _engines(q, k, v, scale, streamed)
         best = dict.fromkeys(runs, float("inf"))
         for _ in range(_ROUNDS):
             for name, run in runs.items():
@@ -261,17 +277,23 @@ def engine(q: Tensor, k: Tensor, v: Tensor, scale: float) -> str:
     return won
 
 
-def step(q: Tensor, k: Tensor, v: Tensor, scale: float, causal: bool) -> tuple[Tensor, Tensor]:
-    """The plain step: (out, what the NaN check reads: out itself, or the parts' outputs
-    of a split step). `gemm` or `native` where `gemm_applies` and the `engine` says so, else torch's kernel
-    (`_flash`); only `sdpa.plain` inside torch.compile, where the thread count cannot be
+def step(q: Tensor, k: Tensor, v: Tensor, scale: float, causal: bool) -> tuple[Tensor, Tensor | None]:
+    """The plain step: (out, what the NaN check reads: out itself, the parts' outputs of a
+    split step, or None where the native kernel looked at out's rows itself and found none
+    to look at again). Where `gemm_applies` (K/V streamed) or `_cached_applies` (K/V in the
+    L2), the `engine`'s choice: `gemm`, `native` or torch's kernel (`_flash`); elsewhere
+    torch's kernel; only `sdpa.plain` inside torch.compile, where the thread count cannot be
     traced and inductor's graph holds the one kernel call."""
     if torch.compiler.is_compiling() or (q.shape[2] > 1 and causal):
         out = plain(q, k, v, scale, causal)
         return out, out
-    if gemm_applies(q, k, v):
-        chosen = engine(q, k, v, scale)
-        if chosen != "flash":
-            out = gemm(q, k, v, scale) if chosen == "gemm" else native(q, k, v, scale)
+    streamed = gemm_applies(q, k, v)
+    if streamed or _cached_applies(q, k, v):
+        chosen = engine(q, k, v, scale, streamed)
+        if chosen == "gemm":
+            out = gemm(q, k, v, scale)
             return out, out
+        if chosen == "native":
+            out, bad = native_checked(q, k, v, scale)
+            return out, out if bad else None
     return _flash(q, k, v, scale, causal)

@@ -13,13 +13,17 @@
  * block's K and V rows are prefetched: the compute per byte is small enough to hide behind
  * the reads on one core.
  *
- * Layout: q (N, G, D) contiguous, already scaled, G a multiple of 4 (the caller pads);
- * K and V element strides per batch row, head and key (the last dim contiguous); items are
- * (batch row, K/V head, key part): with P parts each part writes its normalised output and
- * log-sum-exp to `work` and the parts are merged by their log-sum-exp.
+ * Layout: q (B, H, T, D) with element strides per batch row, head and query (the last dim
+ * contiguous), unscaled; the G = H / Hkv * T rows of a K/V head are its query heads' queries,
+ * scaled and padded with zero rows to a multiple of 4 in a buffer of the item's own. K and V
+ * element strides per batch row, head and key (the last dim contiguous); out (B, H, T, D)
+ * contiguous. Items are (batch row, K/V head, key part): with P parts each part writes its
+ * normalised output and log-sum-exp to a work buffer and the parts are merged by their
+ * log-sum-exp. How many threads and parts: `mh_decode_step`.
  */
 #include <math.h>
 #include <stddef.h>
+#include <stdlib.h>
 
 #if defined(__AVX512F__)
 #define VW 16
@@ -103,10 +107,12 @@ static inline vf vexp(vf x) {
   return p * s;
 }
 
-/* One K/V head over keys [0, S): out (G, D) normalised, lse (G). Inlined per head width so
- * that D is a constant and every inner loop unrolls with its accumulators in registers. */
+/* One K/V head over keys [0, S): G rows (a multiple of 4) computed, the first `kept` written
+ * to out (kept, D) normalised, their lse to lse[0, kept). Inlined per head width so that D is
+ * a constant and every inner loop unrolls with its accumulators in registers. */
 static inline __attribute__((always_inline)) void head(const float *q, const float *k, long ks, const float *v,
-                                                       long vs, long S, int G, const int D, float *out, float *lse) {
+                                                       long vs, long S, int G, int kept, const int D, float *out,
+                                                       float *lse) {
   float acc[MAXG * MAXD] __attribute__((aligned(64)));
   float sc[MAXG][CH] __attribute__((aligned(64)));
   float m[MAXG], l[MAXG];
@@ -194,64 +200,25 @@ static inline __attribute__((always_inline)) void head(const float *q, const flo
           for (int b = 0; b < cb; b++) st(acc + (g0 + r) * D + d0 + b * VW, a[r][b]);
       }
   }
-  for (int g = 0; g < G; g++) {
+  for (int g = 0; g < kept; g++) {
     const float inv = 1.f / l[g];
     for (int d = 0; d < D; d++) out[g * D + d] = acc[g * D + d] * inv;
     lse[g] = m[g] + logf(l[g]);
   }
 }
 
-static void part(const float *q, const float *k, long ks, const float *v, long vs, long S, int G, int D, float *out,
-                 float *lse) {
+static void part(const float *q, const float *k, long ks, const float *v, long vs, long S, int G, int kept, int D,
+                 float *out, float *lse) {
   switch (D) { /* the usual head widths get their own unrolled copy */
-  case 64: head(q, k, ks, v, vs, S, G, 64, out, lse); break;
-  case 128: head(q, k, ks, v, vs, S, G, 128, out, lse); break;
-  case 256: head(q, k, ks, v, vs, S, G, 256, out, lse); break;
-  default: head(q, k, ks, v, vs, S, G, D, out, lse);
+  case 64: head(q, k, ks, v, vs, S, G, kept, 64, out, lse); break;
+  case 128: head(q, k, ks, v, vs, S, G, kept, 128, out, lse); break;
+  case 256: head(q, k, ks, v, vs, S, G, kept, 256, out, lse); break;
+  default: head(q, k, ks, v, vs, S, G, kept, D, out, lse);
   }
 }
 
 /* The vector width this library was compiled for: the caller's checks of D read it. */
 int mh_vector_width(void) { return VW; }
-
-/* Returns 0, or 1 where the arguments are out of what the kernel takes (the caller checks
- * them first; this is the last guard, never a wrong answer). */
-int mh_decode_step(const float *q, const float *k, long kb, long kh, long ks, const float *v, long vb, long vh,
-                   long vs, int B, int Hkv, long S, int G, int D, float *out, float *work, int parts, int threads) {
-  if (G <= 0 || G > MAXG || G % 4 || D <= 0 || D > MAXD || D % VW || S < parts || parts < 1 || threads < 1)
-    return 1;
-  const int n = B * Hkv, items = n * parts;
-#pragma omp parallel for schedule(static) num_threads(threads)
-  for (int i = 0; i < items; i++) {
-    const int h = i / parts, p = i % parts, b = h / Hkv, kvh = h % Hkv;
-    /* part p holds keys [p S / P, (p + 1) S / P): none empty where S >= P (ceil-sized parts
-     * would leave the last one empty at S = 4, P = 3, and an empty part's output is 0/0) */
-    const long lo = p * S / parts, len = (p + 1) * S / parts - lo;
-    float lse[MAXG];
-    float *o = parts == 1 ? out + (long)h * G * D : work + (long)i * G * (D + 1);
-    part(q + (long)h * G * D, k + b * kb + kvh * kh + lo * ks, ks, v + b * vb + kvh * vh + lo * vs, vs, len, G, D, o,
-         parts == 1 ? lse : o + (long)G * D);
-  }
-  if (parts > 1)
-    for (int h = 0; h < n; h++) /* merge the parts by their log-sum-exp */
-      for (int g = 0; g < G; g++) {
-        float mx = -INFINITY, wsum = 0.f;
-        for (int p = 0; p < parts; p++) {
-          const float x = work[((long)h * parts + p) * G * (D + 1) + (long)G * D + g];
-          mx = x > mx ? x : mx;
-        }
-        float *o = out + ((long)h * G + g) * D;
-        for (int d = 0; d < D; d++) o[d] = 0.f;
-        for (int p = 0; p < parts; p++) {
-          const float *w = work + ((long)h * parts + p) * G * (D + 1);
-          const float e = expf(w[(long)G * D + g] - mx);
-          wsum += e;
-          for (int d = 0; d < D; d++) o[d] += e * w[(long)g * D + d];
-        }
-        for (int d = 0; d < D; d++) o[d] /= wsum;
-      }
-  return 0;
-}
 
 /* Whether any of `rows` rows of n floats (row starts `stride` floats apart) holds a value that
  * is not finite or is zero throughout: the NaN rule's first look at a kernel's output
@@ -267,4 +234,66 @@ int mh_bad_rows(const float *p, long rows, long n, long stride) {
     if (bad || !nonzero) return 1;
   }
   return 0;
+}
+
+static int gcd(int a, int b) { while (b) { const int t = a % b; a = b; b = t; } return a; }
+
+/* One step: q (B, Hkv * Gh, T, D) over k, v (B, Hkv, S, D) into out (B, Hkv * Gh, T, D),
+ * scores scaled by `scale`, on up to `threads` threads: as many as have `grain` floats of K
+ * and V each (the caller's rule, decode._GRAIN), and where the B * Hkv heads do not divide among them, each head's keys in P parts
+ * (the fewest that give every thread the same share). Returns 0; 1 where a row of out is not
+ * finite or is zero throughout (the NaN rule's first look, `mh_bad_rows`, done here so the
+ * caller need not call again); -1 where the arguments are out of what the kernel takes (the
+ * caller checks them first: a last guard, never a wrong answer); -2 where the parts' work
+ * buffer could not be allocated. */
+int mh_decode_step(const float *q, long qb, long qh, long qt, const float *k, long kb, long kh, long ks,
+                   const float *v, long vb, long vh, long vs, int B, int Hkv, int Gh, int T, long S, int D,
+                   float scale, float *out, int threads, long grain) {
+  const int G = Gh * T, G4 = (G + 3) / 4 * 4, n = B * Hkv;
+  if (B < 1 || Hkv < 1 || Gh < 1 || T < 1 || G4 > MAXG || D <= 0 || D > MAXD || D % VW || S < 1 || threads < 1 ||
+      grain < 1)
+    return -1;
+  const long grains = (long)n * S * 2 * D / grain;
+  const int used = grains < threads ? (grains > 1 ? (int)grains : 1) : threads;
+  const int parts = n % used == 0 ? 1 : (used / gcd(n, used) < S ? used / gcd(n, used) : (int)S);
+  const int items = n * parts;
+  float *work = NULL;
+  if (parts > 1 && !(work = malloc(sizeof(float) * (size_t)items * G4 * (D + 1))))
+    return -2;
+#pragma omp parallel for schedule(static) num_threads(used)
+  for (int i = 0; i < items; i++) {
+    const int h = i / parts, p = i % parts, b = h / Hkv, kvh = h % Hkv;
+    /* part p holds keys [p S / P, (p + 1) S / P): none empty where S >= P (ceil-sized parts
+     * would leave the last one empty at S = 4, P = 3, and an empty part's output is 0/0) */
+    const long lo = p * S / parts, len = (p + 1) * S / parts - lo;
+    float qs[G4 * D] __attribute__((aligned(64)));
+    for (int g = 0; g < G4; g++)
+      for (int d = 0; d < D; d++)
+        qs[g * D + d] = g < G ? q[b * qb + ((long)kvh * Gh + g / T) * qh + (g % T) * qt + d] * scale : 0.f;
+    float lse[MAXG];
+    float *o = parts == 1 ? out + (long)h * G * D : work + (long)i * G4 * (D + 1);
+    part(qs, k + b * kb + kvh * kh + lo * ks, ks, v + b * vb + kvh * vh + lo * vs, vs, len, G4, parts == 1 ? G : G4,
+         D, o, parts == 1 ? lse : o + (long)G4 * D);
+  }
+  if (parts > 1) {
+    for (int h = 0; h < n; h++) /* merge the parts by their log-sum-exp */
+      for (int g = 0; g < G; g++) {
+        float mx = -INFINITY, wsum = 0.f;
+        for (int p = 0; p < parts; p++) {
+          const float x = work[((long)h * parts + p) * G4 * (D + 1) + (long)G4 * D + g];
+          mx = x > mx ? x : mx;
+        }
+        float *o = out + ((long)h * G + g) * D;
+        for (int d = 0; d < D; d++) o[d] = 0.f;
+        for (int p = 0; p < parts; p++) {
+          const float *w = work + ((long)h * parts + p) * G4 * (D + 1);
+          const float e = expf(w[(long)G4 * D + g] - mx);
+          wsum += e;
+          for (int d = 0; d < D; d++) o[d] += e * w[(long)g * D + d];
+        }
+        for (int d = 0; d < D; d++) o[d] /= wsum;
+      }
+    free(work);
+  }
+  return mh_bad_rows(out, (long)n * G, D, D);
 }

@@ -116,9 +116,9 @@ def _load() -> ctypes.CDLL | None:
             lib = ctypes.CDLL(str(build()))
             lib.mh_decode_step.restype = ctypes.c_int
             lib.mh_decode_step.argtypes = (
-                [ctypes.c_void_p] + [ctypes.c_void_p, ctypes.c_long, ctypes.c_long, ctypes.c_long] * 2
-                + [ctypes.c_int, ctypes.c_int, ctypes.c_long, ctypes.c_int, ctypes.c_int]
-                + [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int, ctypes.c_int])
+                [ctypes.c_void_p, ctypes.c_long, ctypes.c_long, ctypes.c_long] * 3
+                + [ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long, ctypes.c_int]
+                + [ctypes.c_float, ctypes.c_void_p, ctypes.c_int, ctypes.c_long])
             lib.mh_vector_width.restype = ctypes.c_int
             width = lib.mh_vector_width()
             lib.mh_bad_rows.restype = ctypes.c_int
