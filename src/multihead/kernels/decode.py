@@ -173,14 +173,14 @@ def native_applies(q: Tensor, k: Tensor, v: Tensor) -> bool:
     vector width and at most 512, at most 32 folded query rows (padded to a multiple of 4),
     a key at least, the last dim of q, K and V contiguous, and the library built
     (`native.library`). Where it runs is `step`'s: on the CPU, with nothing requiring grad."""
+    if q.dtype is not torch.float32:
+        return False
     B, H, T, D = q.shape
-    if q.dtype != torch.float32 or v.shape[-1] != D or D > 512 or -(-(H // k.shape[1] * T) // 4) * 4 > 32 \
-            or k.shape[2] == 0:
-        return False
-    if q.stride(-1) != 1 or k.stride(-1) != 1 or v.stride(-1) != 1:
-        return False
+    _, Hkv, S, _ = k.shape
     width = _native.vector_width()  # None without the library
-    return width is not None and D % width == 0
+    if width is None or D % width or v.shape[-1] != D or D > 512 or (H // Hkv * T + 3) // 4 * 4 > 32 or S == 0:
+        return False
+    return q.stride()[-1] == 1 and k.stride()[-1] == 1 and v.stride()[-1] == 1
 
 
 # K and V floats a thread of the native kernel takes at least, as torch's own parallel loops take
@@ -224,16 +224,6 @@ def _flash(q: Tensor, k: Tensor, v: Tensor, scale: float, causal: bool) -> tuple
     return out, out
 
 
-def _cached_applies(q: Tensor, k: Tensor, v: Tensor) -> bool:
-    """Whether a step that `gemm_applies` leaves (its K/V kept in the L2 from step to step)
-    may run `native`: on the CPU, nothing requiring grad, and `native_applies`. There the
-    native kernel's one call costs less than torch's kernel call, its dispatch and its
-    allocations on some machines: docs/benchmarks-decode.md, "Steps in cache"."""
-    if not q.is_cpu or torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
-        return False
-    return native_applies(q, k, v)
-
-
 def _engines(q: Tensor, k: Tensor, v: Tensor, scale: float, streamed: bool) -> dict:
     """The engines that may run this step, by name: torch's kernel, the GEMMs where the K/V
     stream (`gemm_applies`), and the native kernel where `native_applies`."""
@@ -245,10 +235,13 @@ def _engines(q: Tensor, k: Tensor, v: Tensor, scale: float, streamed: bool) -> d
     return engines
 
 
+_CASES: dict[tuple, str] = {}  # (dtype, threads, rows, D, streamed) -> the case's name in `measured_choices`
+
+
 def engine(q: Tensor, k: Tensor, v: Tensor, scale: float, streamed: bool = True) -> str:
     """"flash", "gemm" or "native" for a step `gemm_applies` accepts (`streamed`) or one
-    `_cached_applies` accepts: the plan's `decode_engine` (its "native" where `native_applies`
-    does not hold, and its "gemm" on a step in cache, are torch's kernel), else what was
+    whose K/V stay in the L2 that `native_applies` accepts: the plan's `decode_engine` (its
+    "native" where `native_applies` does not hold, and its "gemm" on a step in cache, are torch's kernel), else what was
     timed on this process's first step of the same dtype, threads, query rows, head width
     and side of the L2, else timed now on this step (each engine that may run it `_ROUNDS`
     times, alternating; the fastest run of each; another engine than "flash" only if it
@@ -259,8 +252,11 @@ def engine(q: Tensor, k: Tensor, v: Tensor, scale: float, streamed: bool = True)
             return "flash"
         return fixed
     B, H, T, D = q.shape
-    case = (f"{str(q.dtype).removeprefix('torch.')}, {torch.get_num_threads()} threads, "
-            f"{H // k.shape[1] * T} rows, D {D}, {'streamed' if streamed else 'in cache'}")
+    key = (q.dtype, torch.get_num_threads(), H // k.shape[1] * T, D, streamed)
+    case = _CASES.get(key)
+    if case is None:  # formatted once per case: a step asks once per layer per token
+        case = _CASES[key] = (f"{str(q.dtype).removeprefix('torch.')}, {key[1]} threads, {key[2]} rows, D {D}, "
+                              f"{'streamed' if streamed else 'in cache'}")
     won = recalled("decode_engine", case)
     if won is None:
         runs = _engines(q, k, v, scale, streamed)
@@ -280,20 +276,32 @@ def engine(q: Tensor, k: Tensor, v: Tensor, scale: float, streamed: bool = True)
 def step(q: Tensor, k: Tensor, v: Tensor, scale: float, causal: bool) -> tuple[Tensor, Tensor | None]:
     """The plain step: (out, what the NaN check reads: out itself, the parts' outputs of a
     split step, or None where the native kernel looked at out's rows itself and found none
-    to look at again). Where `gemm_applies` (K/V streamed) or `_cached_applies` (K/V in the
-    L2), the `engine`'s choice: `gemm`, `native` or torch's kernel (`_flash`); elsewhere
-    torch's kernel; only `sdpa.plain` inside torch.compile, where the thread count cannot be
-    traced and inductor's graph holds the one kernel call."""
+    to look at again). The `engine`'s choice where `_chosen` asks it: `gemm`, `native` or
+    torch's kernel (`_flash`); elsewhere torch's kernel; only `sdpa.plain` inside
+    torch.compile, where the thread count cannot be traced and inductor's graph holds the
+    one kernel call."""
     if torch.compiler.is_compiling() or (q.shape[2] > 1 and causal):
         out = plain(q, k, v, scale, causal)
         return out, out
-    streamed = gemm_applies(q, k, v)
-    if streamed or _cached_applies(q, k, v):
-        chosen = engine(q, k, v, scale, streamed)
+    chosen = _chosen(q, k, v, scale)
+    if chosen != "flash":
         if chosen == "gemm":
             out = gemm(q, k, v, scale)
             return out, out
-        if chosen == "native":
-            out, bad = native_checked(q, k, v, scale)
-            return out, out if bad else None
+        out, bad = native_checked(q, k, v, scale)
+        return out, out if bad else None
     return _flash(q, k, v, scale, causal)
+
+
+def _chosen(q: Tensor, k: Tensor, v: Tensor, scale: float) -> str:
+    """The `engine` of a plain step that may run another than torch's kernel: on the CPU with
+    nothing requiring grad, where `gemm_applies` (K/V streamed) or `native_applies` (K/V in
+    the L2, where the native kernel's one call costs less than torch's kernel call, its
+    dispatch and allocations on some machines: docs/benchmarks-decode.md, "Steps in
+    cache"); else "flash"."""
+    if not q.is_cpu or torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
+        return "flash"
+    streamed = gemm_applies(q, k, v)
+    if not streamed and not native_applies(q, k, v):
+        return "flash"
+    return engine(q, k, v, scale, streamed)

@@ -210,6 +210,7 @@ static inline __attribute__((always_inline)) void head(const float *q, const flo
 static void part(const float *q, const float *k, long ks, const float *v, long vs, long S, int G, int kept, int D,
                  float *out, float *lse) {
   switch (D) { /* the usual head widths get their own unrolled copy */
+  case 32: head(q, k, ks, v, vs, S, G, kept, 32, out, lse); break;
   case 64: head(q, k, ks, v, vs, S, G, kept, 64, out, lse); break;
   case 128: head(q, k, ks, v, vs, S, G, kept, 128, out, lse); break;
   case 256: head(q, k, ks, v, vs, S, G, kept, 256, out, lse); break;
