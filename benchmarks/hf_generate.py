@@ -388,8 +388,10 @@ def in_loop(model, prompt: torch.Tensor, new_tokens: int, rounds: int) -> dict:
 
     Two passes of `rounds` alternating generates. The first times the two attention functions
     alone, with the same wrapper around each (median and mean per call: the fair comparison).
-    The second also times what runs inside them: torch's fused kernel (both) and multihead's
-    NaN-rule check; "the rest" is the function less those (Python: the registry's and
+    The second also times what runs inside them: torch's fused kernel (both), multihead's
+    native kernel (where its decode step runs it, `kernels.decode.native_checked`) and its
+    NaN-rule check, each per decode call of the function (0 where it never ran); "the rest"
+    is the function less those (Python: the registry's and
     the kernel entry's checks (`functional.decode_step`, or `attend`), the backend's
     dispatch, the views), inflated by the inner timers' own ~1-2 us each."""
     import torch.nn.functional as F
@@ -397,6 +399,7 @@ def in_loop(model, prompt: torch.Tensor, new_tokens: int, rounds: int) -> dict:
 
     import multihead.functional as mh_functional
     from multihead.interop.hf import registry as mh_registry
+    from multihead.kernels import decode as mh_decode
 
     spent: dict[str, list[float]] = {}
     prefill: dict[str, list[float]] = {}  # the attention functions' prefill calls (pass 1)
@@ -413,7 +416,7 @@ def in_loop(model, prompt: torch.Tensor, new_tokens: int, rounds: int) -> dict:
     mapping = ALL_ATTENTION_FUNCTIONS._global_mapping
     saved = {"sdpa": mapping["sdpa"], "multihead": mapping["multihead"], "kernel": F.scaled_dot_product_attention,
              "nan": mh_functional._nan_or_zero_row, "attend": mh_registry.attend, "backend": mh_functional._decode_step,
-             "entry": mh_functional.decode_step}
+             "entry": mh_functional.decode_step, "native": mh_decode.native_checked}
 
     def entry(impl: str):
         inner = timed(f"{impl}: attention function", saved[impl])
@@ -458,6 +461,7 @@ def in_loop(model, prompt: torch.Tensor, new_tokens: int, rounds: int) -> dict:
         # with attend, which the HF function calls instead where the step is not plain
         mh_functional.decode_step = timed("multihead: attend", saved["entry"])
         mh_functional._decode_step = timed("multihead: decode step", saved["backend"])  # kernels.decode.step
+        mh_decode.native_checked = timed("multihead: native kernel", saved["native"])
         for r in range(rounds):  # pass 2: and their parts
             generate(r)
     finally:
@@ -465,20 +469,26 @@ def in_loop(model, prompt: torch.Tensor, new_tokens: int, rounds: int) -> dict:
         F.scaled_dot_product_attention = saved["kernel"]
         mh_functional._nan_or_zero_row = saved["nan"]
         mh_registry.attend, mh_functional._decode_step = saved["attend"], saved["backend"]
-        mh_functional.decode_step = saved["entry"]
+        mh_functional.decode_step, mh_decode.native_checked = saved["entry"], saved["native"]
     n = len(alone.get("multihead: attention function", [])) or 1
-    us = {key: sum(t) / len(t) * 1e6 for key, t in sorted(spent.items())}
+    # per decode call of each implementation's function: a part that runs on some steps only (the
+    # kernel of the engine a step takes, the check where the kernel did not look) averages over all
+    calls = {impl: len(spent.get(f"{impl}: attention function", [])) or 1 for impl in ("sdpa", "multihead")}
+    us = {key: sum(t) / calls[key.split(": ", 1)[0]] * 1e6 for key, t in sorted(spent.items())}
+    for key in ("torch's fused kernel", "native kernel", "NaN-rule check"):
+        us.setdefault(f"multihead: {key}", 0.0)
     part = {key.split(": ", 1)[1]: us.get(key, 0.0) for key in us if key.startswith("multihead: ")}
+    kernel = part["torch's fused kernel"] + part["native kernel"]
     us["sdpa: the rest"] = us.get("sdpa: attention function", 0.0) - us.get("sdpa: torch's fused kernel", 0.0)
-    us["multihead: the rest"] = part["attention function"] - part["torch's fused kernel"] - part["NaN-rule check"]
+    us["multihead: the rest"] = part["attention function"] - kernel - part["NaN-rule check"]
     split = {  # multihead's rest, layer by layer (each includes the inner timers' own cost)
         "the HF attention function around the kernel's entry, `functional.decode_step` or attend (keyword "
         "checks, config read, transpose)":
             part["attention function"] - part["attend"],
         "the kernel's entry around the backend and the check (folded checks, dispatch)":
             part["attend"] - part["decode step"] - part["NaN-rule check"],
-        "the decode step around torch's kernel (GQA fold, views, the split decision)":
-            part["decode step"] - part["torch's fused kernel"],
+        "the decode step around the kernel (GQA fold, views, the engine's choice)":
+            part["decode step"] - kernel,
     }
     paired = {}  # multihead / sdpa per round of pass 1: one decode call (median) and one prefill call (mean)
     for what, by in alone_rounds.items():

@@ -206,7 +206,10 @@ def test_chunked_bounds_memory_by_blocks(monkeypatch):
 
 
 def test_gqa_fast_path_does_not_copy_kv(monkeypatch):
-    """The sdpa backend hands K/V to torch's kernel as they are (same storage), never repeated."""
+    """The sdpa backend hands K/V to torch's kernel as they are (same storage), never repeated
+    (the decode step on torch's kernel: the native engine reads them in place by its strides)."""
+    from multihead.kernels import machine_plan, set_machine_plan
+
     seen = []
     real = torch.nn.functional.scaled_dot_product_attention
 
@@ -215,16 +218,20 @@ def test_gqa_fast_path_does_not_copy_kv(monkeypatch):
         return real(q, k, v, **kw)
 
     monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", spy)
-    q, k, v = torch.randn(2, 8, 1, 16), torch.randn(2, 2, 50, 16), torch.randn(2, 2, 50, 16)
-    mh.scaled_dot_product_attention(q, k, v, causal=True)  # decode: 8 heads fold onto 2 KV heads
-    assert seen == [((2, 2, 4, 16), k.data_ptr(), (2, 2, 50, 16), v.data_ptr())]
-    seen.clear()
-    q = torch.randn(2, 8, 50, 16)
-    mh.scaled_dot_product_attention(q, k, v, causal=True)  # prefill: one call, torch's own GQA
-    assert seen == [((2, 8, 50, 16), k.data_ptr(), (2, 2, 50, 16), v.data_ptr())]
-    seen.clear()
-    mh.scaled_dot_product_attention(q.requires_grad_(), k, v, causal=True)  # with a graph: one per group position
-    assert len(seen) == 4 and all(s[1] == k.data_ptr() and s[2] == (2, 2, 50, 16) for s in seen)
+    before = set_machine_plan(machine_plan().with_choices(decode_engine="flash"))
+    try:
+        q, k, v = torch.randn(2, 8, 1, 16), torch.randn(2, 2, 50, 16), torch.randn(2, 2, 50, 16)
+        mh.scaled_dot_product_attention(q, k, v, causal=True)  # decode: 8 heads fold onto 2 KV heads
+        assert seen == [((2, 2, 4, 16), k.data_ptr(), (2, 2, 50, 16), v.data_ptr())]
+        seen.clear()
+        q = torch.randn(2, 8, 50, 16)
+        mh.scaled_dot_product_attention(q, k, v, causal=True)  # prefill: one call, torch's own GQA
+        assert seen == [((2, 8, 50, 16), k.data_ptr(), (2, 2, 50, 16), v.data_ptr())]
+        seen.clear()
+        mh.scaled_dot_product_attention(q.requires_grad_(), k, v, causal=True)  # with a graph: one per group position
+        assert len(seen) == 4 and all(s[1] == k.data_ptr() and s[2] == (2, 2, 50, 16) for s in seen)
+    finally:
+        set_machine_plan(before)
 
 
 # ------------------------------------------------------------------ NaN rule
