@@ -25,11 +25,8 @@
 #include <stddef.h>
 #include <stdlib.h>
 
-#if defined(__AVX512F__)
-#define VW 16
-#else
-#define VW 8
-#endif
+#include "vec.h"
+
 #define KEYS (VW / 4) /* keys scored at once, by 4 query rows: VW sums, one shuffle tree */
 #define CH 64         /* keys per block: its K and V rows stay in L1 between the passes */
 /* How far ahead each pass prefetches its own stream, in keys (two blocks: 64 KiB of K or V
@@ -40,13 +37,6 @@
 #define AHEAD (2 * CH)
 #define MAXG 32
 #define MAXD 512
-
-typedef float vf __attribute__((vector_size(VW * 4)));
-typedef int vi __attribute__((vector_size(VW * 4)));
-
-static inline vf ld(const float *p) { vf x; __builtin_memcpy(&x, p, sizeof x); return x; }
-static inline void st(float *p, vf x) { __builtin_memcpy(p, &x, sizeof x); }
-static inline float hsum(vf x) { float s = 0; for (int i = 0; i < VW; i++) s += x[i]; return s; }
 
 /* merge two vectors of blocks of 2b lanes into one of blocks of b lanes: each block the sum of
  * its halves, x's blocks first; VW vectors merged level by level end as their VW sums in order */
@@ -80,32 +70,6 @@ static inline vf sums(const vf *a) {
   return M3(c[0], c[1]);
 }
 #endif
-
-/* lane-wise selects (GCC's C has vector compares, not ?:); a NaN in x stays: both keep x
- * where the compare is false */
-static inline vf vmax(vf x, vf y) { const vi lt = (vi)(x < y); return (vf)(((vi)y & lt) | ((vi)x & ~lt)); }
-
-/* exp(x) for x <= 0 (scores less their running max): 2^n p(r), x = n ln2 + r, with Cephes'
- * single-precision polynomial (within 2 ulp); below -87 it is exp(-87), 1.6e-38, which a sum
- * holding exp(0) = 1 does not see; a NaN stays NaN (a NaN score reaches its row). Rounding by adding and taking away 1.5 * 2^23 keeps every
- * step a vector op (n is at most 126 in size). */
-static inline vf vexp(vf x) {
-  const vf lo = (vf){0} - 87.0f;
-  x = vmax(x, lo);
-  const vf big = (vf){0} + 12582912.0f;
-  vf n = (x * 1.44269504088896341f + big) - big;
-  vf r = x - n * 0.693359375f + n * 2.12194440e-4f;
-  vf p = r * 1.9875691500e-4f + 1.3981999507e-3f;
-  p = p * r + 8.3334519073e-3f;
-  p = p * r + 4.1665795894e-2f;
-  p = p * r + 1.6666665459e-1f;
-  p = p * r + 5.0000001201e-1f;
-  p = p * (r * r) + r + 1.0f;
-  vi e = (__builtin_convertvector(n, vi) + 127) << 23;
-  vf s;
-  __builtin_memcpy(&s, &e, sizeof s);
-  return p * s;
-}
 
 /* One K/V head over keys [0, S): G rows (a multiple of 4) computed, the first `kept` written
  * to out (kept, D) normalised, their lse to lse[0, kept). Inlined per head width so that D is

@@ -1,8 +1,8 @@
 """What the CPU kernels choose from the machine they run on: one frozen `MachinePlan` per
 process, derived from the cache sizes the OS reports (Linux sysfs), visible as
 `machine_plan()` and replaced by `set_machine_plan` (a plan, or None: read the OS again).
-What neither the caches nor a constant decide (which engine runs a long decode step) is
-measured once per process, on the first call that needs it, and kept beside the plan
+What neither the caches nor a constant decide (which engine runs a decode step, or a call
+under a sliding window) is measured once per process, on the first call that needs it, and kept beside the plan
 (`measured_choices()`; a plan's field fixes it instead).
 
 A choice that follows the caches is a rule over their sizes, written so that a core with a
@@ -62,6 +62,11 @@ class MachinePlan:
     # first such step of each dtype, thread count, query rows and head width, and kept for the
     # process. Which wins is the BLAS's, the compiler's and the core's, not the caches': measured
     decode_engine: str | None = None
+    # the engine of a call under a relative mask (causal, sliding windows) in float32 with nothing
+    # requiring grad (`kernels.band`): "fused" (torch's flash kernel over the kept rectangles,
+    # `fused_tiles`) or "native" (multihead's own C kernel); None: timed on the first such call of
+    # each dtype, thread count, head width and group size, and kept for the process
+    band_engine: str | None = None
     overrides: tuple[tuple[str, int], ...] = ()
 
     def __post_init__(self):
@@ -74,6 +79,9 @@ class MachinePlan:
         if self.decode_engine not in DECODE_ENGINES:
             raise ValueError(f"MachinePlan.decode_engine must be one of {', '.join(map(repr, DECODE_ENGINES))}; "
                              f"received {self.decode_engine!r}")
+        if self.band_engine not in BAND_ENGINES:
+            raise ValueError(f"MachinePlan.band_engine must be one of {', '.join(map(repr, BAND_ENGINES))}; "
+                             f"received {self.band_engine!r}")
 
     @functools.cached_property  # read by every decode step: computed once per plan (a frozen one)
     def min_split_bytes(self) -> int:
@@ -93,7 +101,7 @@ class MachinePlan:
 
     def with_choices(self, **choices) -> MachinePlan:
         """This plan with some choices fixed: a derived one (`min_split_bytes=`) or a field
-        (`explicit_tile=`, `flops_per_thread=`, `call_seconds=`, `decode_engine=`)."""
+        (`explicit_tile=`, `flops_per_thread=`, `call_seconds=`, `decode_engine=`, `band_engine=`)."""
         valid = (*_CHOICES, *_FIELDS)
         for name in choices:
             if name not in valid:
@@ -113,8 +121,9 @@ class MachinePlan:
 
 
 _CHOICES = ("min_split_bytes",)  # derived from the caches (properties)
-_FIELDS = ("explicit_tile", "flops_per_thread", "call_seconds", "decode_engine")  # carried with their defaults
+_FIELDS = ("explicit_tile", "flops_per_thread", "call_seconds", "decode_engine", "band_engine")  # with their defaults
 DECODE_ENGINES = (None, "flash", "gemm", "native")
+BAND_ENGINES = (None, "fused", "native")
 
 
 def _size(text: str) -> int:

@@ -24,9 +24,10 @@ from pathlib import Path
 
 from multihead.kernels.machine import cpu_fields
 
-__all__ = ["FLAGS", "SOURCE", "build", "cache_dir", "library", "reset", "unavailable", "vector_width"]
+__all__ = ["FLAGS", "HEADERS", "SOURCES", "build", "cache_dir", "library", "reset", "unavailable", "vector_width"]
 
-SOURCE = Path(__file__).with_name("decode_step.c")
+SOURCES = tuple(Path(__file__).with_name(name) for name in ("decode_step.c", "band.c"))
+HEADERS = (Path(__file__).with_name("vec.h"),)  # what the sources include: part of the build's key
 FLAGS = ("-O3", "-march=native", "-fno-math-errno", "-fopenmp", "-shared", "-fPIC")
 _BUILD_SECONDS = 120  # a build that has not finished by then is taken as failed
 
@@ -64,7 +65,7 @@ def _compiler_identity(cc: str) -> str:
 
 
 def build(directory: str | os.PathLike | None = None) -> Path:
-    """Compile `SOURCE` into `directory` (default `cache_dir()`) unless the same build is
+    """Compile `SOURCES` into one library in `directory` (default `cache_dir()`) unless the same build is
     there, and return the library's path. Raises RuntimeError naming the compiler and its
     output where there is no compiler or it fails."""
     import hashlib  # (a build's modules, imported when one is asked for: `import multihead` stays light)
@@ -75,24 +76,28 @@ def build(directory: str | os.PathLike | None = None) -> Path:
     cc = _compiler()
     if cc is None:
         raise RuntimeError(f"no C compiler: {os.environ.get('CC') or 'cc'!r} is not on PATH (set CC to one)")
-    source = SOURCE.read_bytes()
-    key = hashlib.sha256(b"\0".join([source, " ".join(FLAGS).encode(), _compiler_identity(cc).encode(),
+    files = [f.read_bytes() for f in (*SOURCES, *HEADERS)]
+    key = hashlib.sha256(b"\0".join([*files, " ".join(FLAGS).encode(), _compiler_identity(cc).encode(),
                                      _cpu_identity().encode()])).hexdigest()[:16]
     folder = Path(directory) if directory is not None else cache_dir()
-    target = folder / f"decode_step-{key}.so"
+    target = folder / f"native-{key}.so"
     if target.exists():
         return target
     folder.mkdir(parents=True, exist_ok=True)
     with atomic_path(target) as tmp:  # another process sees the whole library or none
         try:
-            done = subprocess.run([cc, *FLAGS, str(SOURCE), "-o", str(tmp), "-lm"], capture_output=True, text=True,
-                                  timeout=_BUILD_SECONDS)
+            done = subprocess.run([cc, *FLAGS, *map(str, SOURCES), "-o", str(tmp), "-lm"], capture_output=True,
+                                  text=True, timeout=_BUILD_SECONDS)
         except subprocess.TimeoutExpired as e:
-            raise RuntimeError(f"{cc} took over {_BUILD_SECONDS} s to build {SOURCE.name}") from e
+            raise RuntimeError(f"{cc} took over {_BUILD_SECONDS} s to build {_names()}") from e
         if done.returncode != 0:
-            raise RuntimeError(f"{cc} could not build {SOURCE.name} (exit {done.returncode}): "
+            raise RuntimeError(f"{cc} could not build {_names()} (exit {done.returncode}): "
                                f"{(done.stderr or done.stdout).strip()[-2000:]}")
     return target
+
+
+def _names() -> str:
+    return " and ".join(f.name for f in SOURCES)
 
 
 def library() -> ctypes.CDLL | None:
@@ -121,6 +126,11 @@ def _load() -> ctypes.CDLL | None:
                 + [ctypes.c_float, ctypes.c_void_p, ctypes.c_int, ctypes.c_long])
             lib.mh_vector_width.restype = ctypes.c_int
             width = lib.mh_vector_width()
+            lib.mh_band.restype = ctypes.c_int
+            lib.mh_band.argtypes = (
+                [ctypes.c_void_p, ctypes.c_long, ctypes.c_long, ctypes.c_long] * 3
+                + [ctypes.c_int] * 3 + [ctypes.c_long] * 2 + [ctypes.c_int, ctypes.c_float]
+                + [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int])
             lib.mh_bad_rows.restype = ctypes.c_int
             lib.mh_bad_rows.argtypes = [ctypes.c_void_p, ctypes.c_long, ctypes.c_long, ctypes.c_long]
             _LIB, _WHY, _WIDTH = lib, None, width

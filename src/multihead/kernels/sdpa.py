@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from multihead.kernels import fused_tiles
+from multihead.kernels import band, fused_tiles
 from multihead.kernels import math as explicit_math  # weights_pass read at call time: the tests spy on it
 from multihead.kernels.common import mqa_splits
 from multihead.kernels.explicit_tiles import twice
@@ -31,7 +31,16 @@ def sdpa(q, k, v, mask, *, causal, scale, dropout_p, weight_heads, score_mod=Non
     if causal and mask is None and 1 < T != S:
         mask, causal = causal_mod(), False
     if isinstance(mask, MaskMod) or score_mod is not None:
-        out = fused_tiles.fused(q, k, v, mask, causal=causal, scale=scale, dropout_p=dropout_p, score_mod=score_mod)
+        def fused(qq, kk, vv):
+            return fused_tiles.fused(qq, kk, vv, mask, causal=causal, scale=scale, dropout_p=dropout_p,
+                                     score_mod=score_mod)
+
+        out = None
+        rel = mask & causal_mod() if causal and isinstance(mask, MaskMod) else mask  # (attend folds it already)
+        if band.applies(q, k, v, rel, score_mod, dropout_p):  # multihead's own kernel, where it is the faster
+            out = band.run(q, k, v, rel, scale, fused)
+        if out is None:
+            out = fused(q, k, v)
         weights = None
         if weight_heads is not None:
             weights = explicit_math.weights_pass(q, k, mask, causal, scale, weight_heads, score_mod=score_mod)
