@@ -177,6 +177,18 @@ def pytest_sessionstart(session):
 
 
 @pytest.fixture
+def fused_band_engine():
+    """Every call under a relative mask on the fused tile engine (`MachinePlan.band_engine`
+    "fused", not multihead's own band kernel, which the process may have timed faster): for
+    tests of that engine's plans and calls. The plan, and what was timed, after."""
+    from multihead.kernels import machine_plan, set_machine_plan
+
+    before = set_machine_plan(machine_plan().with_choices(band_engine="fused"))
+    yield
+    set_machine_plan(before)
+
+
+@pytest.fixture
 def one_torch_thread():
     """Small models: one intra-op thread, so two test processes do not oversubscribe 2 cores."""
     n = torch.get_num_threads()

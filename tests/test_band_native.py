@@ -169,18 +169,20 @@ def test_a_clean_output_needs_no_sums(plan, monkeypatch):
 def test_the_engine_is_timed_once_per_case_and_the_plan_fixes_it(plan, monkeypatch):
     set_machine_plan(MachinePlan(machine_plan().l2_bytes, machine_plan().l3_bytes, "set"))  # nothing fixed
     calls = []
-    inner = band.band
-    monkeypatch.setattr(band, "band", lambda *a: calls.append(a[0].shape[2]) or inner(*a))
+    inner = band._kernel
+    monkeypatch.setattr(band, "_kernel", lambda *a: calls.append(a[0].shape[2]) or inner(*a))
     q, k, v = _qkv(T=1500, D=64)
     win = masks.sliding_window(64) & masks.causal()
     out, _ = attend(q, k, v, mask=win)
-    won = measured_choices()["band_engine"][f"float32, {torch.get_num_threads()} threads, D 64, G 2"]
+    won = measured_choices()["band_engine"][f"float32, {torch.get_num_threads()} threads, D 64, G 2, 64 keys"]
     assert won in ("native", "fused")
-    assert calls[:4] == [1024] * 4  # the probe: the call's last 1024 rows, once to try, then each round
-    assert (calls[4:] == [1500]) == (won == "native")
+    assert calls[:3] == [1024] * 3  # the probe, the call's last 1024 rows, once each round
+    assert (calls[3:] == [1500]) == (won == "native")
     calls.clear()
     attend(q, k, v, mask=win)
     assert calls == ([1500] if won == "native" else [])  # kept: not timed again
+    attend(q, k, v, mask=masks.sliding_window(300) & masks.causal())  # another band width: timed anew
+    assert len(measured_choices()["band_engine"]) == 2
     plan("fused")
     calls.clear()
     fused, _ = attend(q, k, v, mask=win)
@@ -192,6 +194,19 @@ def test_the_engine_is_timed_once_per_case_and_the_plan_fixes_it(plan, monkeypat
     with pytest.raises(ValueError, match=r"^MachinePlan.band_engine must be one of None, 'fused', 'native'; "
                                          r"received 'flash'"):
         MachinePlan(band_engine="flash")
+
+
+def test_fewer_rows_than_a_block_stay_on_the_fused_engine(plan):
+    """A decode step under a window would compute a whole block of padded rows for its one."""
+    plan("native")
+    rows = native.band_rows()
+    assert rows in (32, 64)
+    q, k, v = _qkv(T=rows - 1, S=500)
+    win = masks.sliding_window(100) & masks.causal()
+    assert not band.applies(q, k, v, win, None, 0.0)
+    assert band.applies(*_qkv(T=rows, S=500), win, None, 0.0)
+    out, _ = attend(q, k, v, mask=win)
+    assert_close(out, _reference(q, k, v, win, 32 ** -0.5), torch.float32, what="a short call on the fused engine")
 
 
 def test_the_public_call_takes_it_with_the_plan(plan):

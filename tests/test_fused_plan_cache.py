@@ -11,6 +11,8 @@ from conftest import assert_close
 from multihead import masks, reference
 from multihead.kernels import common, fused_tiles, planner
 
+pytestmark = pytest.mark.usefixtures("fused_band_engine")  # this engine's plans, not the band kernel's
+
 
 @pytest.fixture
 def stores(monkeypatch):

@@ -13,8 +13,9 @@ from multihead import masks, reference
 from multihead.kernels import common, fused_tiles
 
 # without torch's storage use count the engine reuses no output (it cannot tell a held one): nothing to test
-pytestmark = pytest.mark.skipif(not common.HAS_CPU_FLASH or fused_tiles._STORAGE_USE_COUNT is None,
-                                reason="needs torch's CPU flash kernel and its storage use count")
+pytestmark = [pytest.mark.usefixtures("fused_band_engine"),  # this engine's calls, not the band kernel's
+              pytest.mark.skipif(not common.HAS_CPU_FLASH or fused_tiles._STORAGE_USE_COUNT is None,
+                                reason="needs torch's CPU flash kernel and its storage use count")]
 
 WINDOW = 40
 

@@ -241,6 +241,7 @@ def _spy_fused_calls(monkeypatch):
     return seen
 
 
+@pytest.mark.usefixtures("fused_band_engine")
 def test_sdpa_runs_only_the_kept_key_range(monkeypatch):
     """sliding_window(4) & causal at T = S = 64, tiles of 8: each fused call sees at most
     2 key tiles and never a (T, S) mask: block 0 alone, blocks 1..7 (alike under q - kv) as one
@@ -257,6 +258,7 @@ def test_sdpa_runs_only_the_kept_key_range(monkeypatch):
 
 
 @pytest.mark.skipif(not common.HAS_CPU_FLASH, reason="needs torch's CPU flash kernel (log-sum-exp pieces)")
+@pytest.mark.usefixtures("fused_band_engine")
 def test_causal_runs_full_tiles_without_a_mask(monkeypatch):
     """Causal at T = S = 32 with tiles of 8: one call of torch's causal kernel (a causal square).
     The same triangle behind a generic predicate (not analysed for squares) runs as pieces: full

@@ -163,6 +163,9 @@ static int run(const float *q, long qt, const float *k, long ks, const float *v,
   }
 }
 
+/* The query rows of the kernel's block: a call with fewer rows than this computes padded ones. */
+int mh_band_rows(void) { return BQ; }
+
 /* softmax(q k^T * scale, where allowed) v for every head: q (B, H, T, D), k, v (B, Hkv, S,
  * D) by their strides, H a multiple of Hkv, into out (B, H, T, D) contiguous, on `threads`
  * threads (blocks of BQ rows taken in turn). Returns 0; 1 where a row of out is not finite or

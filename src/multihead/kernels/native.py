@@ -24,7 +24,8 @@ from pathlib import Path
 
 from multihead.kernels.machine import cpu_fields
 
-__all__ = ["FLAGS", "HEADERS", "SOURCES", "build", "cache_dir", "library", "reset", "unavailable", "vector_width"]
+__all__ = ["FLAGS", "HEADERS", "SOURCES", "band_rows", "build", "cache_dir", "library", "reset", "unavailable",
+           "vector_width"]
 
 SOURCES = tuple(Path(__file__).with_name(name) for name in ("decode_step.c", "band.c"))
 HEADERS = (Path(__file__).with_name("vec.h"),)  # what the sources include: part of the build's key
@@ -36,6 +37,7 @@ _LIB: ctypes.CDLL | None = None
 _WHY: str | None = None  # why there is no library; None: not tried yet, or loaded
 _TRIED = False
 _WIDTH: int | None = None  # the loaded library's floats per vector, read once at load
+_BAND_ROWS: int | None = None  # the query rows of its band kernel's block, read once at load
 
 
 def cache_dir() -> Path:
@@ -109,7 +111,7 @@ def library() -> ctypes.CDLL | None:
 
 
 def _load() -> ctypes.CDLL | None:
-    global _LIB, _WHY, _TRIED, _WIDTH
+    global _LIB, _WHY, _TRIED, _WIDTH, _BAND_ROWS
     with _LOCK:
         if _TRIED:
             return _LIB
@@ -131,11 +133,12 @@ def _load() -> ctypes.CDLL | None:
                 [ctypes.c_void_p, ctypes.c_long, ctypes.c_long, ctypes.c_long] * 3
                 + [ctypes.c_int] * 3 + [ctypes.c_long] * 2 + [ctypes.c_int, ctypes.c_float]
                 + [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int])
+            lib.mh_band_rows.restype = ctypes.c_int
             lib.mh_bad_rows.restype = ctypes.c_int
             lib.mh_bad_rows.argtypes = [ctypes.c_void_p, ctypes.c_long, ctypes.c_long, ctypes.c_long]
-            _LIB, _WHY, _WIDTH = lib, None, width
+            _LIB, _WHY, _WIDTH, _BAND_ROWS = lib, None, width, lib.mh_band_rows()
         except (OSError, RuntimeError) as e:
-            _LIB, _WHY, _WIDTH = None, str(e), None
+            _LIB, _WHY, _WIDTH, _BAND_ROWS = None, str(e), None, None
         _TRIED = True
         return _LIB
 
@@ -146,6 +149,12 @@ def vector_width() -> int | None:
     return _WIDTH if library() is not None else None
 
 
+def band_rows() -> int | None:
+    """The query rows of the band kernel's block (4 vectors of rows): a call with fewer
+    computes padded rows. None where there is no library."""
+    return _BAND_ROWS if library() is not None else None
+
+
 def unavailable() -> str | None:
     """Why `library()` is None (after it was asked), else None."""
     return _WHY
@@ -154,6 +163,6 @@ def unavailable() -> str | None:
 def reset() -> None:
     """Forget the loaded library, so that the next `library()` builds or loads again (tests
     that change ``MULTIHEAD_NATIVE`` or ``CC``). A library already loaded stays mapped."""
-    global _LIB, _WHY, _TRIED, _WIDTH
+    global _LIB, _WHY, _TRIED, _WIDTH, _BAND_ROWS
     with _LOCK:
-        _LIB, _WHY, _TRIED, _WIDTH = None, None, False, None
+        _LIB, _WHY, _TRIED, _WIDTH, _BAND_ROWS = None, None, False, None, None
