@@ -251,33 +251,46 @@ def peak_mib(group: str, name: str, N: int, threads: int) -> float | None:
 
 
 def scaling_cases(N: int, flex: bool) -> dict:
-    """`sliding_window(256) & causal` at N: multihead's engine (bands: alike query blocks in one
-    call; its plan kept from call to call), the same planning every call (`planner._PLANS_KEPT =
-    0`: the tile search and the walk over the tiles, on one thread, each call), the engine block
-    by block (`fused_tiles.BANDS = False`: one call per query block, as before bands), the engine
-    with a new output every call (`fused_tiles.KEEP_OUTPUT = False`: 32 MiB faulted in page by
-    page, where the kept output's pages are warm) and compiled flex_attention (its block mask
-    made once, outside the timing), at this process's thread count."""
-    from multihead.kernels import fused_tiles
+    """`sliding_window(256) & causal` at N: multihead's public call (the engine this process
+    timed faster, `kernels.band`: its own band kernel or the fused tile engine), the fused tile
+    engine (bands: alike query blocks in one call; its plan kept from call to call), the same
+    planning every call (`planner._PLANS_KEPT = 0`: the tile search and the walk over the
+    tiles, on one thread, each call), the fused engine block by block (`fused_tiles.BANDS =
+    False`: one call per query block, as before bands), the fused engine with a new output
+    every call (`fused_tiles.KEEP_OUTPUT = False`: 32 MiB faulted in page by page, where the
+    kept output's pages are warm) and compiled flex_attention (its block mask made once,
+    outside the timing), at this process's thread count."""
+    from multihead.kernels import fused_tiles, machine_plan, set_machine_plan
+    from multihead.kernels.machine import measured_choices, remember
 
     q, k, v = _inputs(N)
     win = _window()
 
-    def window_with(module, name: str, value):
-        """The window call with `module.<name>` set to `value` for its duration (then as it was)."""
+    def fused_with(module=None, name: str = "", value=None):
+        """The window call on the fused tile engine, with `module.<name>` set to `value` for its
+        duration (then as it was); what the process timed is kept."""
         def call():
-            kept = getattr(module, name)
-            setattr(module, name, value)
+            timed = measured_choices()  # a new plan forgets them: put back, or the public call would time again
+            plan = set_machine_plan(machine_plan().with_choices(band_engine="fused"))
+            kept = getattr(module, name) if module is not None else None
+            if module is not None:
+                setattr(module, name, value)
             try:
                 return mh.scaled_dot_product_attention(q, k, v, win)
             finally:
-                setattr(module, name, kept)
+                if module is not None:
+                    setattr(module, name, kept)
+                set_machine_plan(plan)
+                for choice, cases in timed.items():
+                    for case, winner in cases.items():
+                        remember(choice, case, winner)
         return call
 
     cases = {"multihead window": lambda: mh.scaled_dot_product_attention(q, k, v, win),
-             "multihead window, plan each call": window_with(planner, "_PLANS_KEPT", 0),
-             "multihead window, block by block": window_with(fused_tiles, "BANDS", False),
-             "multihead window, new output each call": window_with(fused_tiles, "KEEP_OUTPUT", False)}
+             "multihead window, fused tile engine": fused_with(),
+             "fused tile engine, plan each call": fused_with(planner, "_PLANS_KEPT", 0),
+             "fused tile engine, block by block": fused_with(fused_tiles, "BANDS", False),
+             "fused tile engine, new output each call": fused_with(fused_tiles, "KEEP_OUTPUT", False)}
     if flex:
         from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
@@ -356,7 +369,8 @@ def scaling_worker(threads: int, N: int, flex: bool) -> int:
                 print(json.dumps(result), flush=True)
             elif cmd == "profile":
                 profile = {name: call_profile(cases[name]) for name in (
-                    "multihead window", "multihead window, block by block", "multihead window, new output each call")}
+                    "multihead window", "multihead window, fused tile engine", "fused tile engine, block by block",
+                    "fused tile engine, new output each call")}
                 print(json.dumps(profile), flush=True)
             else:
                 return 0

@@ -105,7 +105,7 @@ THIRD_PARTY = {
     "_C": "torch._C._current_graph_task_id: whether autograd is running a backward; torch._C._storage_Use_Count: "
           "whether anything but the fused engine's kept alias refers to an output's memory (as torch's own "
           "cudagraph trees read liveness)",
-    "_storage_Use_Count": "torch._C._storage_Use_Count: fused_tiles._output reuses a dropped output's memory only "
+    "_storage_Use_Count": "torch._C._storage_Use_Count: fused_tiles.output reuses a dropped output's memory only "
                           "when nothing else refers to it",
     "_cdata": "UntypedStorage._cdata: the handle _storage_Use_Count reads",
     "_current_graph_task_id": "see _C",

@@ -10,7 +10,7 @@ sliding window's) run as a band: one call over all of them, the blocks as the ke
 heads through strided views, so that every thread has work (`_FusedPlan.runs`). The plan
 of a relative mask is kept from call to call with its blocks and masks (`planner.plan_key`),
 so the Python over tiles runs once per (mask, shape), not on one thread every call; so is the
-memory of its last output, reused once the caller has dropped it (`_output`): a new one is
+memory of its last output, reused once the caller has dropped it (`output`): a new one is
 faulted in page by page. Training memory stays O(N)."""
 
 from __future__ import annotations
@@ -37,7 +37,7 @@ from multihead.kernels.common import (
 from multihead.kernels.explicit_tiles import Tiles, needs_grad, refuse_trainable, twice
 from multihead.kernels.planner import block_mask, choose_tile, combine, fold_mask, plan_key, serial_ops
 
-__all__ = ["BANDS", "CAUSAL", "FUSED_TILE", "clear", "fused"]
+__all__ = ["BANDS", "CAUSAL", "FUSED_TILE", "clear", "fused", "output"]
 
 # None: the fused engine picks its tile per call (`planner.choose_tile`): short query blocks
 # keep the key range of a local mask tight, long ones let torch's kernel use its big blocks.
@@ -58,7 +58,7 @@ _KEPT_MASK_BYTES = 1 << 20  # a larger mask (a GQA-folded piece's) is built per 
 # smaller one, once one as large was freed, from its heap, reused. Few calls: every call's end
 # waits for its slowest thread, on a busy machine a descheduled one.
 _BAND_CHUNK_BYTES = 32 << 20
-# False: a new output every call (benchmarks/masks.py compares the two). See `_output`
+# False: a new output every call (benchmarks/masks.py compares the two). See `output`
 KEEP_OUTPUT = True
 _KEPT_OUTPUTS: OrderedDict = OrderedDict()  # (shape, dtype, device, inference) -> an alias of the last output
 _KEPT_OUTPUTS_LOCK = threading.Lock()
@@ -87,7 +87,7 @@ def _shared(key) -> dict | None:
         return d
 
 
-def _output(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> Tensor:
+def output(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> Tensor:
     """An uninitialised tensor of `shape` for a forward to fill every element of: the memory of
     the last output of this shape when nothing holds that output any more, else a new one.
 
@@ -129,7 +129,7 @@ def _output(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) ->
 
 def clear() -> tuple[int, int]:
     """Drop what the engine keeps between calls: its plans' blocks and masks (`_shared`) and the
-    memory of its last outputs (`_output`). Returns (outputs dropped, the bytes of those that
+    memory of its last outputs (`output`). Returns (outputs dropped, the bytes of those that
     nothing else held: given back now)."""
     with _SHARED_LOCK:
         _SHARED.clear()
@@ -567,7 +567,7 @@ class _MergedFused(torch.autograd.Function):
             o, lp = flash_lse(*fp.fold_squares(n, q, k, v), causal=True, scale=fp.scale)
             out, lse = o.view(B, H, T, Dv), lp.reshape(B, H, T).to(acc) if fp.keep_lse else None
         else:
-            out = _output((B, H, T, Dv), q.dtype, q.device)
+            out = output((B, H, T, Dv), q.dtype, q.device)
             lse = torch.full((B, H, T), float("-inf"), dtype=acc, device=q.device) if fp.keep_lse else None
         for kind, r0, r1, pieces in fp.planned_runs() if not n else ():
             if kind == "band":  # r1: the band's number of blocks
