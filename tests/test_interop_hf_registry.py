@@ -424,3 +424,40 @@ def test_sliding_window_layers_get_a_predicate(monkeypatch):
     assert torch.equal(dense, window[None, None] & keep.bool()[:, None, None, :])
     for a, b in zip(_real(got, keep), _real(ref, keep)):
         assert_close(a, b, atol=1e-5, rtol=0, what="mistral with the window as a predicate")
+
+
+@pytest.mark.parametrize("engine", ["fused", "native"])
+def test_a_window_without_padding_is_multiheads_own(monkeypatch, engine):
+    """Without padding, Mistral's window reaches the kernel as `masks.sliding_window(5)`, a
+    function of q - kv (its plan kept, the native band kernel may run it, at 64 rows or more),
+    with the outputs of transformers' sdpa, on either engine the plan fixes."""
+    from multihead.kernels import machine_plan, set_machine_plan
+
+    model = build("mistral")
+    ids = torch.randint(3, V, (2, 70), generator=torch.Generator().manual_seed(2))
+    ref = _run(model, "sdpa", {"input_ids": ids}).last_hidden_state
+    seen = []
+    real = registry.attend
+    monkeypatch.setattr(registry, "attend", lambda q, k, v, mask, **kw: seen.append(mask) or real(q, k, v, mask, **kw))
+    before = set_machine_plan(machine_plan().with_choices(band_engine=engine))
+    try:
+        got = _run(model, "multihead", {"input_ids": ids}).last_hidden_state
+    finally:
+        set_machine_plan(before)
+    assert len(seen) == 2 and all(m.relative and m.name == "sliding_window(5)" for m in seen), seen
+    assert_close(got, ref, atol=1e-5, rtol=0, what=f"mistral's window as multihead's own, {engine} engine")
+
+
+def test_only_transformers_plain_window_is_read_as_one():
+    """`_sliding_window` reads W from transformers' sliding_window_causal_mask_function(W) alone:
+    a window with another mask and-ed or or-ed in, causality alone, a chunked mask and a
+    function of the user's own keep their predicates."""
+    import transformers.masking_utils as mu
+
+    assert registry._sliding_window(mu.sliding_window_causal_mask_function(512)) == 512
+    assert registry._sliding_window(mu.causal_mask_function) is None
+    assert registry._sliding_window(mu.and_masks(mu.sliding_window_overlay(4), mu.causal_mask_function,
+                                                 mu.causal_mask_function)) is None
+    assert registry._sliding_window(mu.or_masks(mu.sliding_window_overlay(4), mu.causal_mask_function)) is None
+    assert registry._sliding_window(mu.and_masks(mu.causal_mask_function, mu.sliding_window_overlay(4))) is None
+    assert registry._sliding_window(lambda b, h, q, kv: kv <= q) is None

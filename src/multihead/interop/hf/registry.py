@@ -98,7 +98,9 @@ def multihead_mask(batch_size: int, q_length: int, kv_length: int, q_offset=0, k
     nothing is needed), except for the multi-token forwards of sliding-window and
     chunked layers (`local_size`): those get transformers' own mask function, padding
     included, as a `multihead.masks` predicate, so the kernel evaluates it tile by tile
-    and skips the tiles outside the window instead of attending through a dense mask.
+    and skips the tiles outside the window instead of attending through a dense mask; a
+    plain window without padding becomes multihead's `sliding_window(W)` (`_sliding_window`),
+    which the kernels know as a function of q - kv.
     Two exceptions keep transformers' tensor: inside torch.compile (the block-sparse engine
     plans its tiles in Python per call, which dynamo cannot trace), and a mask `generate`
     builds ahead of the forward for a static cache (`_built_for_generate`), which it hands
@@ -124,13 +126,39 @@ def multihead_mask(batch_size: int, q_length: int, kv_length: int, q_offset=0, k
             return None  # the attention function applies the layer's causality itself, on the plain path
         return mask
     padding = prepare_padding_mask(attention_mask, kv_length, kv_offset)
-    fn = mask_function if padding is None else and_masks(mask_function, padding_mask_function(padding))
     q0, kv0 = int(q_offset), int(kv_offset)
+    if padding is None and q0 - kv0 == kv_length - q_length and _sliding_window(mask_function) == local_size:
+        # transformers' window over positions aligned as multihead's are (the last query at the
+        # last key): multihead's own predicate, a function of q - kv the kernels read as such
+        # (a plan kept from call to call, the native band kernel)
+        return masks.sliding_window(local_size)
+    fn = mask_function if padding is None else and_masks(mask_function, padding_mask_function(padding))
 
     def predicate(b, h, q_idx, kv_idx):  # flex's top-left rows -> transformers' absolute positions
         return fn(b, h, q_idx + q0, kv_idx + kv0)
 
     return from_flex(predicate, f"transformers local attention ({local_size})")
+
+
+def _sliding_window(fn) -> int | None:
+    """W where `fn` is transformers' `sliding_window_causal_mask_function(W)` (its `and_masks`
+    of `sliding_window_overlay(W)` and `causal_mask_function`: kv <= q and kv > q - W, which
+    is multihead's `sliding_window(W)`), read from the closures that build it; None for any
+    other function, so that it keeps its own predicate."""
+    from transformers import masking_utils
+
+    cells = getattr(fn, "__closure__", None) or ()
+    if getattr(fn, "__qualname__", "") != "and_masks.<locals>.and_mask" or len(cells) != 1:
+        return None
+    parts = cells[0].cell_contents
+    if not isinstance(parts, tuple) or len(parts) != 2 or parts[1] is not masking_utils.causal_mask_function:
+        return None
+    overlay = parts[0]
+    inner = getattr(overlay, "__closure__", None) or ()
+    if getattr(overlay, "__qualname__", "") != "sliding_window_overlay.<locals>.inner_mask" or len(inner) != 1:
+        return None
+    window = inner[0].cell_contents
+    return window if isinstance(window, int) and not isinstance(window, bool) and window > 0 else None
 
 
 def _plain_causal(mask) -> bool:
