@@ -423,15 +423,16 @@ def test_the_scan_says_whether_it_skipped_the_prefix_and_why_not(monkeypatch):
     bert.set_attn_implementation("multihead")
     heads.patch_scan(bert, clean, corrupted, lambda out: out.sum(), info=info)
     assert info == {"prefix": 5, "skipped": False, "reason": "attention layer 0 does not say is_causal=True"}
-    # a block input the cut reads wrongly (the sliding-window predicate left top-left aligned)
+    # a block input the cut reads wrongly (the sliding-window predicate read top-left)
     mistral = build("mistral", lm=True)
     mistral.set_attn_implementation("multihead")
     right = heads.patch_scan(mistral, clean, corrupted, _metric, info=info)
     assert info["skipped"] is True
     real_cut = _prefix.cut
-    # a fault injected into the skip's cut (the window's predicate left uncut): no real input reads it wrongly
-    monkeypatch.setattr(_prefix, "cut",
-                        lambda x, key, T, p: x if isinstance(x, _prefix.MaskMod) else real_cut(x, key, T, p))
+    # a fault injected into the skip's cut (the window's predicate read top-left, its query rows taken as
+    # positions from 0: wrong once the rows are cut): no real input reads it wrongly
+    monkeypatch.setattr(_prefix, "cut", lambda x, key, T, p: _prefix.MaskMod(x.fn, x.name, top_left=True)
+                        if isinstance(x, _prefix.MaskMod) else real_cut(x, key, T, p))
     fallback = heads.patch_scan(mistral, clean, corrupted, _metric, info=info)
     assert info["skipped"] is False and info["reason"].startswith("the corrupted run through the skip differs from "
                                                                   "its own logits by")
