@@ -38,15 +38,24 @@
 
 typedef unsigned char vb __attribute__((vector_size(VW)));
 
+/* A thread's buffers for its blocks (160 KiB at D = 256 with AVX-512: allocated once per thread
+ * and call, not on a stack whose size OMP_STACKSIZE may have set small) */
+struct work {
+  float qT[MAXD * BQ];
+  float oT[MAXD * BQ];
+  float pT[BK * BQ];
+  vi keep[BK][RV];
+};
+
 /* One block of rows [i0, i0 + nr) of one head: writes out rows (nr, D) and says whether one
  * of them is not finite or zero throughout (the NaN rule's first look). */
 static inline __attribute__((always_inline)) int block(const float *q, long qt, const float *k, long ks,
                                                        const float *v, long vs, long i0, int nr, long S,
                                                        const int D, float scale, const unsigned char *allowed,
-                                                       const long *count, long dlo, long dhi, float *out) {
-  float qT[MAXD * BQ] __attribute__((aligned(64)));
-  float oT[MAXD * BQ] __attribute__((aligned(64)));
-  float pT[BK * BQ] __attribute__((aligned(64)));
+                                                       const long *count, long dlo, long dhi, float *out,
+                                                       struct work *w) {
+  float *restrict qT = w->qT, *restrict oT = w->oT, *restrict pT = w->pT;
+  vi(*keep)[RV] = w->keep;
   vf m[RV], l[RV];
   for (int d = 0; d < D; d++)
     for (int r = 0; r < BQ; r++) qT[d * BQ + r] = r < nr ? q[(i0 + r) * qt + d] * scale : 0.f;
@@ -88,7 +97,6 @@ static inline __attribute__((always_inline)) int block(const float *q, long qt, 
       for (int rv = 0; rv < RV; rv++) st(pT + j * BQ + rv * VW, a[rv]);
     }
     /* the mask where the tile is not whole: -inf where a row may not attend the key */
-    vi keep[BK][RV];
     if (!whole)
       for (j = 0; j < c; j++)
         for (int rv = 0; rv < RV; rv++) {
@@ -153,13 +161,13 @@ static inline __attribute__((always_inline)) int block(const float *q, long qt, 
 }
 
 static int run(const float *q, long qt, const float *k, long ks, const float *v, long vs, long i0, int nr, long S,
-               int D, float scale, const unsigned char *allowed, const long *count, long dlo, long dhi,
-               float *out) {
+               int D, float scale, const unsigned char *allowed, const long *count, long dlo, long dhi, float *out,
+               struct work *w) {
   switch (D) { /* the usual head widths get their own unrolled copy */
-  case 32: return block(q, qt, k, ks, v, vs, i0, nr, S, 32, scale, allowed, count, dlo, dhi, out);
-  case 64: return block(q, qt, k, ks, v, vs, i0, nr, S, 64, scale, allowed, count, dlo, dhi, out);
-  case 128: return block(q, qt, k, ks, v, vs, i0, nr, S, 128, scale, allowed, count, dlo, dhi, out);
-  default: return block(q, qt, k, ks, v, vs, i0, nr, S, D, scale, allowed, count, dlo, dhi, out);
+  case 32: return block(q, qt, k, ks, v, vs, i0, nr, S, 32, scale, allowed, count, dlo, dhi, out, w);
+  case 64: return block(q, qt, k, ks, v, vs, i0, nr, S, 64, scale, allowed, count, dlo, dhi, out, w);
+  case 128: return block(q, qt, k, ks, v, vs, i0, nr, S, 128, scale, allowed, count, dlo, dhi, out, w);
+  default: return block(q, qt, k, ks, v, vs, i0, nr, S, D, scale, allowed, count, dlo, dhi, out, w);
   }
 }
 
@@ -191,21 +199,28 @@ int mh_band(const float *q, long qb, long qh, long qt, const float *k, long kb, 
     if (allowed[i]) { if (dlo < 0) dlo = i; dhi = i; }
   }
   const long blocks = (T + BQ - 1) / BQ, items = (long)B * H * blocks;
-  int bad = 0;
+  int bad = 0, nomem = 0;
   if (dlo < 0) { /* no pair may attend: every row is 0 */
     memset(out, 0, sizeof(float) * B * H * T * D);
     bad = 1;
   } else {
-#pragma omp parallel for schedule(dynamic, 1) num_threads(threads) reduction(| : bad)
-    for (long it = 0; it < items; it++) {
-      const long bh = it / blocks, i0 = (it % blocks) * BQ;
-      const int b = (int)(bh / H), h = (int)(bh % H), kvh = h / (H / Hkv);
-      const int nr = T - i0 < BQ ? (int)(T - i0) : BQ;
-      bad |= run(q + b * qb + h * qh, qt, k + b * kb + kvh * kh, ks, v + b * vb + kvh * vh, vs, i0, nr, S, D,
-                 scale, a + BQ, count, dlo, dhi, out + (bh * T + i0) * D);
+#pragma omp parallel num_threads(threads) reduction(| : bad, nomem)
+    {
+      struct work *w = aligned_alloc(64, sizeof(struct work));
+      nomem |= w == NULL;
+#pragma omp for schedule(dynamic, 1)
+      for (long it = 0; it < items; it++) {
+        const long bh = it / blocks, i0 = (it % blocks) * BQ;
+        const int b = (int)(bh / H), h = (int)(bh % H), kvh = h / (H / Hkv);
+        const int nr = T - i0 < BQ ? (int)(T - i0) : BQ;
+        if (w)
+          bad |= run(q + b * qb + h * qh, qt, k + b * kb + kvh * kh, ks, v + b * vb + kvh * vh, vs, i0, nr, S, D,
+                     scale, a + BQ, count, dlo, dhi, out + (bh * T + i0) * D, w);
+      }
+      free(w);
     }
   }
   free(a);
   free(count);
-  return bad;
+  return nomem ? -2 : bad;
 }
