@@ -56,16 +56,17 @@ class MachinePlan:
     # length on the 2 MiB L2 and on a 1 MiB L2 too (128 and 512 slower on both), so no cache rule:
     # a tile's Python and dispatch, not its (t, t) temporaries' cache, is what the edge trades
     explicit_tile: int = 256
-    # the engine of a plain decode step whose K/V stream from beyond the L2 (`decode.step`): "flash"
-    # (torch's fused kernel, split over the threads), "gemm" (two batched GEMMs, the keys the tall
-    # operand) or "native" (multihead's own C kernel, `kernels.native`, float32); None: timed on the
-    # first such step of each dtype, thread count, query rows and head width, and kept for the
-    # process. Which wins is the BLAS's, the compiler's and the core's, not the caches': measured
+    # the engine of a plain decode step on the CPU (`decode.step`): "flash" (torch's fused kernel,
+    # split over the threads), "gemm" (two batched GEMMs, the keys the tall operand; a step whose K/V
+    # stream from beyond the L2 only) or "native" (multihead's own C kernel, `kernels.native`,
+    # float32); None: timed on the first such step of each dtype, thread count, query rows, head
+    # width and side of the L2, and kept for the process. Which wins is the BLAS's, the compiler's
+    # and the core's, not the caches': measured
     decode_engine: str | None = None
     # the engine of a call under a relative mask (causal, sliding windows) in float32 with nothing
     # requiring grad (`kernels.band`): "fused" (torch's flash kernel over the kept rectangles,
     # `fused_tiles`) or "native" (multihead's own C kernel); None: timed on the first such call of
-    # each dtype, thread count, head width and group size, and kept for the process
+    # each dtype, thread count, head width, group size and band width, and kept for the process
     band_engine: str | None = None
     overrides: tuple[tuple[str, int], ...] = ()
 
