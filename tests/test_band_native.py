@@ -61,6 +61,17 @@ def test_band_equals_the_reference(mask, T, S):
     assert_close(out, torch.where(empty.unsqueeze(-1), 0.0, want), torch.float32, what=f"{mask} T={T} S={S}")
 
 
+def test_a_top_left_relative_mask_is_read_as_flex_reads_it():
+    """A flex-style callable declared relative (`top_left=True`: q_idx is the row) with T != S
+    means other pairs than the same function bottom-right; both read as `to_dense` reads them."""
+    fn = lambda b, h, q, kv: (q - kv >= 0) & (q - kv < 7)  # noqa: E731
+    q, k, v = _qkv(T=80, S=200)
+    for mask in (MaskMod(fn, "top-left", top_left=True, relative=True), MaskMod(fn, "bottom-right", relative=True)):
+        out, bad = band.band(q, k, v, mask, 0.3)
+        assert not bad
+        assert_close(out, _reference(q, k, v, mask, 0.3), torch.float32, what=mask.name)
+
+
 @pytest.mark.parametrize("H, Hkv", [(8, 2), (6, 6), (4, 1)])  # GQA, MHA, MQA
 @pytest.mark.parametrize("D", [4, 20, 32, 64, 128, 256])
 @pytest.mark.parametrize("B", [1, 2])

@@ -114,8 +114,10 @@ def differences(pred: MaskMod, B: int, H: int, T: int, S: int, device) -> Tensor
     off = S - T
     d_min, d_max = off - (S - 1), T - 1 + off
     d = torch.arange(d_min, d_max + 1, device=device)
-    at = torch.full((1, 1, 1, 1), max(0, -d_min), device=device)
-    allowed = pred.evaluate(index(B, 0, device), index(H, 1, device), at + d.view(1, 1, -1, 1), at, 0)
+    # rows at + d - off with keys at: a bottom-right leaf reads the row + off (its position), a
+    # top-left one the row itself, so each sees the pair whose bottom-right difference is d
+    at = torch.full((1, 1, 1, 1), max(0, off - d_min), device=device)
+    allowed = pred.evaluate(index(B, 0, device), index(H, 1, device), at + d.view(1, 1, -1, 1) - off, at, off)
     return allowed.reshape(-1, d.numel()).cpu()
 
 
