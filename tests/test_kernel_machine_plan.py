@@ -177,3 +177,23 @@ def test_cpu_fields_reads_the_first_value_of_each_field_asked():
         first.setdefault(name.strip(), value.strip())
     got = cpu_fields("model name", "flags", "no such field")
     assert got == {n: first[n] for n in ("model name", "flags") if n in first}
+
+
+def test_fastest_keeps_the_incumbent_unless_another_wins_by_the_margin():
+    """Each run is called `rounds` times in turn; a challenger must beat the incumbent's best
+    time by 1 - margin (a run that sleeps 20 ms against one that sleeps 0 wins by far; the
+    same run under two names ties, and the tie keeps the incumbent)."""
+    import time
+
+    from multihead.kernels.machine import fastest
+
+    order = []
+
+    def run(name, seconds):
+        return lambda: order.append(name) or time.sleep(seconds)
+
+    assert fastest({"slow": run("slow", 0.02), "quick": run("quick", 0.0)}, "slow", rounds=3) == "quick"
+    assert order == ["slow", "quick"] * 3
+    assert fastest({"slow": run("slow", 0.02), "quick": run("quick", 0.0)}, "quick") == "quick"
+    assert fastest({"a": run("a", 0.005), "b": run("b", 0.005)}, "a", margin=0.5) == "a"
+    assert fastest({"a": run("a", 0.005), "b": run("b", 0.005)}, "b", margin=0.5) == "b"

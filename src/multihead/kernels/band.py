@@ -22,7 +22,6 @@ otherwise look for a NaN (`looked_clean`).
 from __future__ import annotations
 
 import threading
-import time
 import weakref
 
 import torch
@@ -30,7 +29,7 @@ from torch import Tensor
 
 from multihead.kernels import fused_tiles
 from multihead.kernels import native as _native
-from multihead.kernels.machine import machine_plan, recalled, remember
+from multihead.kernels.machine import fastest, machine_plan, recalled, remember
 from multihead.kernels.planner import differences
 from multihead.masks import MaskMod
 
@@ -115,13 +114,7 @@ def engine(q: Tensor, k: Tensor, v: Tensor, mask: MaskMod, scale: float, fused, 
     if won is None:
         probe = q[:, :, -_PROBE_ROWS:]
         runs = {"fused": lambda: fused(probe, k, v), "native": lambda: band(probe, k, v, mask, scale)}
-        best = dict.fromkeys(runs, float("inf"))
-        for _ in range(_ROUNDS):
-            for name, call in runs.items():
-                t = time.perf_counter()
-                call()
-                best[name] = min(best[name], time.perf_counter() - t)
-        won = "native" if best["native"] < _MARGIN * best["fused"] else "fused"
+        won = fastest(runs, "fused", _ROUNDS, _MARGIN)
         remember("band_engine", case, won)
     return won
 

@@ -27,14 +27,12 @@ engine that may run it on that step's own inputs, and the winner kept for the pr
 
 from __future__ import annotations
 
-import time
-
 import torch
 from torch import Tensor
 
 from multihead.kernels import native as _native
 from multihead.kernels.common import HAS_CPU_FLASH, flash_lse, merge_two
-from multihead.kernels.machine import machine_plan, recalled, remember
+from multihead.kernels.machine import fastest, machine_plan, recalled, remember
 from multihead.kernels.sdpa import plain
 
 __all__ = ["MIN_SPLIT_BYTES", "engine", "gemm", "gemm_applies", "key_splits", "native", "native_applies",
@@ -259,16 +257,7 @@ def engine(q: Tensor, k: Tensor, v: Tensor, scale: float, streamed: bool = True)
                               f"{'streamed' if streamed else 'in cache'}")
     won = recalled("decode_engine", case)
     if won is None:
-        runs = _engines(q, k, v, scale, streamed)
-        best = dict.fromkeys(runs, float("inf"))
-        for _ in range(_ROUNDS):
-            for name, run in runs.items():
-                t = time.perf_counter()
-                run()
-                best[name] = min(best[name], time.perf_counter() - t)
-        won = min(best, key=best.get)
-        if won != "flash" and best[won] >= _MARGIN * best["flash"]:
-            won = "flash"
+        won = fastest(_engines(q, k, v, scale, streamed), "flash", _ROUNDS, _MARGIN)
         remember("decode_engine", case, won)
     return won
 

@@ -24,8 +24,8 @@ from pathlib import Path
 
 from multihead.checks import check_positive_int
 
-__all__ = ["MachinePlan", "cpu_fields", "machine_plan", "measured_choices", "read_caches", "recalled", "remember",
-           "set_machine_plan"]
+__all__ = ["MachinePlan", "cpu_fields", "fastest", "machine_plan", "measured_choices", "read_caches", "recalled",
+           "remember", "set_machine_plan"]
 
 CACHE_ROOT = Path("/sys/devices/system/cpu/cpu0/cache")
 # what a machine whose caches cannot be read is taken to have: the caches the constants were tuned
@@ -189,6 +189,23 @@ def measured_choices() -> dict[str, dict[str, str]]:
 def recalled(choice: str, case: str) -> str | None:
     """The winner kept for `case` of `choice`, or None where it was not timed yet."""
     return _MEASURED.get(choice, {}).get(case)
+
+
+def fastest(runs: dict, incumbent: str, rounds: int = 3, margin: float = 0.95) -> str:
+    """The name of the fastest of `runs` ({name: a call of no arguments}), each timed `rounds`
+    times in turn (alternating: the first round pays what a process's first call pays; the
+    fastest run of each kept), where it beats `incumbent`'s time by 1 - `margin`; else
+    `incumbent` (a tie keeps the engine the choice falls back on)."""
+    import time
+
+    best = dict.fromkeys(runs, float("inf"))
+    for _ in range(rounds):
+        for name, run in runs.items():
+            t = time.perf_counter()
+            run()
+            best[name] = min(best[name], time.perf_counter() - t)
+    won = min(best, key=best.get)
+    return won if won == incumbent or best[won] < margin * best[incumbent] else incumbent
 
 
 def remember(choice: str, case: str, winner: str) -> None:
