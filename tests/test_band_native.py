@@ -49,7 +49,7 @@ def plan():
 
 @pytest.mark.parametrize("mask", [masks.sliding_window(16) & masks.causal(), masks.sliding_window(100),
                                   masks.causal(), _lag(3)], ids=["window16&causal", "window100", "causal", "lag3"])
-@pytest.mark.parametrize("T, S", [(1, 1), (63, 63), (64, 64), (65, 65), (200, 200), (50, 300)])
+@pytest.mark.parametrize("T, S", [(1, 1), (63, 63), (64, 64), (65, 65), (200, 200), (50, 300), (300, 50)])
 def test_band_equals_the_reference(mask, T, S):
     q, k, v = _qkv(T=T, S=S, seed=T + S)
     result = band.band(q, k, v, mask, 0.3)
@@ -70,6 +70,15 @@ def test_a_top_left_relative_mask_is_read_as_flex_reads_it():
         out, bad = band.band(q, k, v, mask, 0.3)
         assert not bad
         assert_close(out, _reference(q, k, v, mask, 0.3), torch.float32, what=mask.name)
+
+
+def test_a_mask_that_allows_nothing_gives_zeros_flagged():
+    nothing = MaskMod(lambda b, h, q, kv: q - kv > 10 ** 6, "nothing", relative=True)
+    q, k, v = _qkv(T=100)
+    out, bad = band.band(q, k, v, nothing, 0.3)
+    assert bad and bool((out == 0).all())
+    got, _ = attend(q, k, v, mask=nothing)  # through attend: the rule's zeros, whichever engine
+    assert bool((got == 0).all())
 
 
 @pytest.mark.parametrize("H, Hkv", [(8, 2), (6, 6), (4, 1)])  # GQA, MHA, MQA
