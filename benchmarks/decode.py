@@ -46,7 +46,8 @@ max(cache bytes / read bandwidth, FLOPs / matmul throughput), which tells a
 memory-bound step from a compute-bound one.
 
 Writes a Markdown report to stdout, JSON to benchmarks/results/decode.json (--json) and
-the report to docs/benchmarks-decode.md (--doc; --no-doc to skip).
+the report between its markers in docs/benchmarks-decode.md (--doc; --no-doc to skip), the page's
+other sections kept.
 """
 
 from __future__ import annotations
@@ -70,7 +71,8 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT / "src") not in sys.path:  # run from a checkout without installing
     sys.path.insert(0, str(ROOT / "src"))
 
-from machine_info import machine  # noqa: E402  (benchmarks/ is on sys.path when run as a script)
+from doc_section import write_section  # noqa: E402  (benchmarks/ is on sys.path when run as a script)
+from machine_info import machine  # noqa: E402
 from multihead import Attention, LatentAttention, scaled_dot_product_attention  # noqa: E402
 
 D_MODEL, HEADS, HEAD_DIM = 4096, 32, 128
@@ -545,10 +547,8 @@ def main(argv=None) -> int:
     if args.json is not None:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(report, indent=1) + "\n")
-    if args.doc is not None and not args.quick:
-        args.doc.parent.mkdir(parents=True, exist_ok=True)
-        args.doc.write_text("# Decode benchmark\n\nWritten by `benchmarks/decode.py` (`make bench`); see its "
-                            "docstring for the method.\n\n" + md + NOTES)
+    if args.doc is not None and not args.quick:  # between its markers: the page's other sections stay
+        write_section(args.doc, md + NOTES, "decode.py", "Decode benchmark")
     return 0
 
 
