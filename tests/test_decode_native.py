@@ -173,6 +173,17 @@ def test_the_build_is_kept_and_not_repeated(fresh_library):
     assert lib.mh_vector_width() in (8, 16) and native.vector_width() == lib.mh_vector_width()
 
 
+def test_a_damaged_library_in_the_cache_is_built_again(fresh_library):
+    """A file the loader refuses (here: not a library at all) is removed and built once more."""
+    built = native.build()
+    damaged = built.with_name("damaged")
+    damaged.write_bytes(b"not an ELF file")
+    damaged.replace(built)  # a new file at the library's name, as a copy or a crash would leave it
+    lib = native.library()
+    assert lib is not None, native.unavailable()
+    assert lib.mh_vector_width() in (8, 16) and built.read_bytes()[:4] == b"\x7fELF"
+
+
 def test_the_cache_folder_follows_the_environment(monkeypatch, tmp_path):
     monkeypatch.delenv("MULTIHEAD_CACHE", raising=False)
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))

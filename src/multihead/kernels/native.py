@@ -120,7 +120,7 @@ def _load() -> ctypes.CDLL | None:
                 raise RuntimeError("MULTIHEAD_NATIVE is set to turn it off")
             import torch  # noqa: F401  (torch's libgomp is loaded first, so the kernel binds to it)
 
-            lib = ctypes.CDLL(str(build()))
+            lib = _open(build())
             lib.mh_decode_step.restype = ctypes.c_int
             lib.mh_decode_step.argtypes = (
                 [ctypes.c_void_p, ctypes.c_long, ctypes.c_long, ctypes.c_long] * 3
@@ -141,6 +141,17 @@ def _load() -> ctypes.CDLL | None:
             _LIB, _WHY, _WIDTH, _BAND_ROWS = None, str(e), None, None
         _TRIED = True
         return _LIB
+
+
+def _open(path: Path) -> ctypes.CDLL:
+    """The library at `path`; where the loader refuses the file (cut short or damaged outside
+    the atomic write: a full disk, a copied cache folder), it is removed and built once more,
+    and the second refusal is the one raised."""
+    try:
+        return ctypes.CDLL(str(path))
+    except OSError:
+        path.unlink(missing_ok=True)
+        return ctypes.CDLL(str(build(path.parent)))
 
 
 def vector_width() -> int | None:
