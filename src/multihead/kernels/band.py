@@ -37,8 +37,6 @@ __all__ = ["applies", "band", "engine", "looked_clean", "run"]
 
 _MAX_D = 256  # the kernel's buffers hold Q^T and O^T of one block: (D, rows) each, on its stack
 _PROBE_ROWS = 1024  # the engines are timed on the call's last rows: each row's work as in the call
-_ROUNDS = 3  # timing rounds per engine, alternating; the fastest of each
-_MARGIN = 0.95  # the native kernel must win by 5%: a tie keeps torch's kernel
 _CLEAN = threading.local()  # .ref: a weak reference to the last output the kernel found clean
 
 
@@ -99,9 +97,9 @@ def engine(q: Tensor, k: Tensor, v: Tensor, mask: MaskMod, scale: float, fused, 
     """"native" or "fused" for a call `applies` accepts whose mask is the same for every head
     (`allowed`, its values at each q - kv): the plan's `band_engine`, else what was timed on
     this process's first call of the same dtype, threads, head width, group size and band
-    width, else timed now: each engine `_ROUNDS` times, alternating, on the call's last
-    `_PROBE_ROWS` query rows (a relative mask is bottom-right aligned, so those rows see the
-    keys they see in the call); "native" only if it wins by 1 - `_MARGIN`. `fused` runs the
+    width, else timed now by `machine.fastest` (each engine in turn; "native" only if it wins
+    by its margin) on the call's last `_PROBE_ROWS` query rows (a relative mask is
+    bottom-right aligned, so those rows see the keys they see in the call). `fused` runs the
     fused tile engine on (q, k, v)."""
     fixed = machine_plan().band_engine
     if fixed is not None:
@@ -114,7 +112,7 @@ def engine(q: Tensor, k: Tensor, v: Tensor, mask: MaskMod, scale: float, fused, 
     if won is None:
         probe = q[:, :, -_PROBE_ROWS:]
         runs = {"fused": lambda: fused(probe, k, v), "native": lambda: band(probe, k, v, mask, scale)}
-        won = fastest(runs, "fused", _ROUNDS, _MARGIN)
+        won = fastest(runs, "fused")
         remember("band_engine", case, won)
     return won
 

@@ -46,8 +46,6 @@ MIN_SPLIT_BYTES: int | None = None
 _ONE_BLOCK = 32
 _FLASH_DTYPES = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
 _GEMM_DTYPES = (torch.float32, torch.float64)  # the half types' CPU GEMMs would round the scores
-_ROUNDS = 3  # timing rounds per engine, alternating: the first pays what a process's first call pays
-_MARGIN = 0.95  # the GEMMs must win by 5%: a tie keeps torch's kernel (the same bits as `sdpa`)
 
 
 def split_bytes() -> int:
@@ -239,11 +237,11 @@ _CASES: dict[tuple, str] = {}  # (dtype, threads, rows, D, streamed) -> the case
 def engine(q: Tensor, k: Tensor, v: Tensor, scale: float, streamed: bool = True) -> str:
     """"flash", "gemm" or "native" for a step `gemm_applies` accepts (`streamed`) or one
     whose K/V stay in the L2 that `native_applies` accepts: the plan's `decode_engine` (its
-    "native" where `native_applies` does not hold, and its "gemm" on a step in cache, are torch's kernel), else what was
-    timed on this process's first step of the same dtype, threads, query rows, head width
-    and side of the L2, else timed now on this step (each engine that may run it `_ROUNDS`
-    times, alternating; the fastest run of each; another engine than "flash" only if it
-    wins by 1 - `_MARGIN`)."""
+    "native" where `native_applies` does not hold, and its "gemm" on a step in cache, are
+    torch's kernel), else what was timed on this process's first step of the same dtype,
+    threads, query rows, head width and side of the L2, else timed now on this step by
+    `machine.fastest` (each engine that may run it in turn; another than "flash" only if it
+    wins by its margin)."""
     fixed = machine_plan().decode_engine
     if fixed is not None:
         if fixed == "native" and not native_applies(q, k, v) or fixed == "gemm" and not streamed:
@@ -257,7 +255,7 @@ def engine(q: Tensor, k: Tensor, v: Tensor, scale: float, streamed: bool = True)
                               f"{'streamed' if streamed else 'in cache'}")
     won = recalled("decode_engine", case)
     if won is None:
-        won = fastest(_engines(q, k, v, scale, streamed), "flash", _ROUNDS, _MARGIN)
+        won = fastest(_engines(q, k, v, scale, streamed), "flash")
         remember("decode_engine", case, won)
     return won
 

@@ -2,8 +2,8 @@
 process, derived from the cache sizes the OS reports (Linux sysfs), visible as
 `machine_plan()` and replaced by `set_machine_plan` (a plan, or None: read the OS again).
 What neither the caches nor a constant decide (which engine runs a decode step, or a call
-under a sliding window) is measured once per process, on the first call that needs it, and kept beside the plan
-(`measured_choices()`; a plan's field fixes it instead).
+under a sliding window) is measured once per process, on the first call that needs it, and
+kept beside the plan (`measured_choices()`; a plan's field fixes it instead).
 
 A choice that follows the caches is a rule over their sizes, written so that a core with a
 2 MiB L2 (a Xeon's since Sapphire Rapids, the kind of machine the constants were measured
@@ -19,13 +19,14 @@ import dataclasses
 import functools
 import os
 import threading
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
 from multihead.checks import check_positive_int
 
-__all__ = ["MachinePlan", "cpu_fields", "fastest", "machine_plan", "measured_choices", "read_caches", "recalled",
-           "remember", "set_machine_plan"]
+__all__ = ["FASTEST_MARGIN", "FASTEST_ROUNDS", "MachinePlan", "cpu_fields", "fastest", "machine_plan",
+           "measured_choices", "read_caches", "recalled", "remember", "set_machine_plan"]
 
 CACHE_ROOT = Path("/sys/devices/system/cpu/cpu0/cache")
 # what a machine whose caches cannot be read is taken to have: the caches the constants were tuned
@@ -191,13 +192,17 @@ def recalled(choice: str, case: str) -> str | None:
     return _MEASURED.get(choice, {}).get(case)
 
 
-def fastest(runs: dict, incumbent: str, rounds: int = 3, margin: float = 0.95) -> str:
-    """The name of the fastest of `runs` ({name: a call of no arguments}), each timed `rounds`
-    times in turn (alternating: the first round pays what a process's first call pays; the
-    fastest run of each kept), where it beats `incumbent`'s time by 1 - `margin`; else
-    `incumbent` (a tie keeps the engine the choice falls back on)."""
-    import time
+# how the engine choices time their candidates (`fastest`): rounds per engine, alternating (the
+# first pays what a process's first call pays), and the share of the incumbent's time another
+# must come under, so that a tie keeps the engine with torch's bits
+FASTEST_ROUNDS = 3
+FASTEST_MARGIN = 0.95
 
+
+def fastest(runs: dict, incumbent: str, rounds: int = FASTEST_ROUNDS, margin: float = FASTEST_MARGIN) -> str:
+    """The name of the fastest of `runs` ({name: a call of no arguments}), each timed `rounds`
+    times in turn (the fastest run of each kept), where it beats `incumbent`'s time by
+    1 - `margin`; else `incumbent`."""
     best = dict.fromkeys(runs, float("inf"))
     for _ in range(rounds):
         for name, run in runs.items():
