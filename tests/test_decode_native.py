@@ -124,6 +124,22 @@ def test_the_plan_can_fix_native_and_attend_follows_it(plan, monkeypatch):
     assert_close(out64, _reference(q, k, v, 0.25), torch.float64, what="float64 under a native plan")
 
 
+def test_a_case_kept_native_leaves_a_strided_step_to_torch(plan):
+    """What a case keeps says nothing of a later step's layout: a step of the case timed
+    "native" whose K has a strided last dim (which the kernel does not read) runs torch's
+    kernel and gives the reference's answer."""
+    from multihead.kernels.machine import remember
+
+    plan()
+    q, k, v = _qkv()
+    strided = k.transpose(-1, -2).contiguous().transpose(-1, -2)
+    assert decode.gemm_applies(q, strided, v) and not decode.native_applies(q, strided, v)
+    remember("decode_engine", f"float32, {torch.get_num_threads()} threads, 4 rows, D 16, streamed", "native")
+    assert decode.engine(q, k, v, 0.25) == "native"  # kept for the case
+    out, _ = attend(q, strided, v, scale=0.25)
+    assert_close(out, _reference(q, k, v, 0.25), torch.float32, what="a strided K in a case kept native")
+
+
 @pytest.fixture
 def fresh_library(monkeypatch, tmp_path):
     """`native.library()` asked anew under the test's environment; the process's library after."""

@@ -241,7 +241,8 @@ def engine(q: Tensor, k: Tensor, v: Tensor, scale: float, streamed: bool = True)
     torch's kernel), else what was timed on this process's first step of the same dtype,
     threads, query rows, head width and side of the L2, else timed now on this step by
     `machine.fastest` (each engine that may run it in turn; another than "flash" only if it
-    wins by its margin)."""
+    wins by its margin). What was kept for a case says nothing of this step's layout: the
+    caller (`_chosen`) asks `native_applies` of every step."""
     fixed = machine_plan().decode_engine
     if fixed is not None:
         if fixed == "native" and not native_applies(q, k, v) or fixed == "gemm" and not streamed:
@@ -288,7 +289,10 @@ def _chosen(q: Tensor, k: Tensor, v: Tensor, scale: float) -> str:
     cache"); else "flash"."""
     if not q.is_cpu or torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
         return "flash"
-    streamed = gemm_applies(q, k, v)
-    if not streamed and not native_applies(q, k, v):
+    streamed, native_ok = gemm_applies(q, k, v), native_applies(q, k, v)
+    if not streamed and not native_ok:
         return "flash"
-    return engine(q, k, v, scale, streamed)
+    won = engine(q, k, v, scale, streamed)
+    # the case a winner is kept for does not hold the layout: a step of a case timed on
+    # contiguous K/V may come with a strided last dim, which only torch's kernel takes
+    return "flash" if won == "native" and not native_ok else won
