@@ -72,7 +72,7 @@ if str(ROOT / "src") not in sys.path:  # run from a checkout without installing
     sys.path.insert(0, str(ROOT / "src"))
 
 from doc_section import write_section  # noqa: E402  (benchmarks/ is on sys.path when run as a script)
-from machine_info import machine  # noqa: E402
+from machine_info import machine, plan_choices  # noqa: E402
 from multihead import Attention, LatentAttention, scaled_dot_product_attention  # noqa: E402
 
 D_MODEL, HEADS, HEAD_DIM = 4096, 32, 128
@@ -400,8 +400,7 @@ def profile_cases(L: int, H: int, Hkv: int, D: int, rotate_bytes: int) -> list[C
     folded flash call (`sdpa.plain`), the split forced into 2 and 4 parts, the two
     passes as matrix products with the G query heads folded into rows (scores, softmax,
     values), torch's `enable_gqa`; and the read rate, `sum` over as many bytes as K and V."""
-    from multihead.kernels import decode, machine_plan, measured_choices, sdpa, set_machine_plan
-    from multihead.kernels.machine import remember
+    from multihead.kernels import decode, sdpa
 
     g = torch.Generator().manual_seed(L)
     nbytes = 2 * Hkv * L * D * FP32
@@ -418,16 +417,11 @@ def profile_cases(L: int, H: int, Hkv: int, D: int, rotate_bytes: int) -> list[C
 
     def on_flash(k, v, split=True):  # the public call on torch's kernel, split or (split=False) one call
         saved, decode.MIN_SPLIT_BYTES = decode.MIN_SPLIT_BYTES, decode.MIN_SPLIT_BYTES if split else math.inf
-        timed = measured_choices()  # a new plan forgets them: put back, or "multihead" would time its engine again
-        plan = set_machine_plan(machine_plan().with_choices(decode_engine="flash"))
         try:
-            return scaled_dot_product_attention(q, k, v)
+            with plan_choices(decode_engine="flash"):
+                return scaled_dot_product_attention(q, k, v)
         finally:
             decode.MIN_SPLIT_BYTES = saved
-            set_machine_plan(plan)
-            for choice, cases in timed.items():
-                for case, winner in cases.items():
-                    remember(choice, case, winner)
 
     ways = {"multihead": lambda k, v: scaled_dot_product_attention(q, k, v),
             "multihead flash": on_flash,

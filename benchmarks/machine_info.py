@@ -6,10 +6,12 @@ the kernels' machine plan (`multihead.kernels.machine_plan`), torch's thread cou
 versions, and the load average twice: `loadavg_start` when this module was imported (a
 benchmark imports it first) and `loadavg_end` when `machine()` is called; a benchmark calls
 it when it writes its report, so that the two frame the run. `finish(report)` does that for
-a report that took its `machine()` at the start."""
+a report that took its `machine()` at the start. `plan_choices(**choices)`: a block run with
+some of the kernel plan's choices fixed, the plan and what the process had timed kept."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import platform
@@ -108,3 +110,23 @@ def reset_peak_rss() -> bool:
         return True
     except OSError:
         return False
+
+
+@contextlib.contextmanager
+def plan_choices(**choices):
+    """The kernels' machine plan with `choices` fixed (`MachinePlan.with_choices`: say
+    `decode_engine="flash"`) for the block; then the plan as it was and the winners the
+    process had timed, which setting a plan forgets (a benchmark's next public call would
+    otherwise time its engines again, inside a timed round)."""
+    from multihead.kernels import machine_plan, set_machine_plan
+    from multihead.kernels.machine import measured_choices, remember
+
+    timed = measured_choices()
+    plan = set_machine_plan(machine_plan().with_choices(**choices))
+    try:
+        yield
+    finally:
+        set_machine_plan(plan)
+        for choice, cases in timed.items():
+            for case, winner in cases.items():
+                remember(choice, case, winner)

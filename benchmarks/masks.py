@@ -53,7 +53,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import multihead as mh  # noqa: E402
-from machine_info import machine, write_json  # noqa: E402
+from machine_info import machine, plan_choices, write_json  # noqa: E402
 from multihead import masks, score_mods  # noqa: E402
 from multihead.kernels import planner  # noqa: E402
 
@@ -260,8 +260,7 @@ def scaling_cases(N: int, flex: bool) -> dict:
     every call (`fused_tiles.KEEP_OUTPUT = False`: 32 MiB faulted in page by page, where the
     kept output's pages are warm) and compiled flex_attention (its block mask made once,
     outside the timing), at this process's thread count."""
-    from multihead.kernels import fused_tiles, machine_plan, set_machine_plan
-    from multihead.kernels.machine import measured_choices, remember
+    from multihead.kernels import fused_tiles
 
     q, k, v = _inputs(N)
     win = _window()
@@ -270,20 +269,15 @@ def scaling_cases(N: int, flex: bool) -> dict:
         """The window call on the fused tile engine, with `module.<name>` set to `value` for its
         duration (then as it was); what the process timed is kept."""
         def call():
-            timed = measured_choices()  # a new plan forgets them: put back, or the public call would time again
-            plan = set_machine_plan(machine_plan().with_choices(band_engine="fused"))
             kept = getattr(module, name) if module is not None else None
             if module is not None:
                 setattr(module, name, value)
             try:
-                return mh.scaled_dot_product_attention(q, k, v, win)
+                with plan_choices(band_engine="fused"):
+                    return mh.scaled_dot_product_attention(q, k, v, win)
             finally:
                 if module is not None:
                     setattr(module, name, kept)
-                set_machine_plan(plan)
-                for choice, cases in timed.items():
-                    for case, winner in cases.items():
-                        remember(choice, case, winner)
         return call
 
     cases = {"multihead window": lambda: mh.scaled_dot_product_attention(q, k, v, win),
