@@ -5,7 +5,7 @@ compiled for the machine on first use by `kernels.native`), float32 on the CPU, 
 The fused tile engine (`fused_tiles`) hands torch's flash kernel the rectangles of the band a
 mask keeps and merges their outputs; the native kernel walks the band itself, one block of
 query rows at a time with its accumulators in L1, skipping whole tiles the mask hides and
-masking the rest from the mask's values at each q - kv (`planner.differences`). It takes
+masking the rest from the mask's values at each q - kv (`planner.shared_differences`). It takes
 calls of at least one block of rows (`native.band_rows`, 64 with AVX-512): a decode step
 would compute 63 padded rows for its one. Which of the two runs a call is the machine's:
 timed on the first call of each dtype, thread count, head width, group size and band width
@@ -30,12 +30,12 @@ from torch import Tensor
 from multihead.kernels import fused_tiles
 from multihead.kernels import native as _native
 from multihead.kernels.machine import fastest, machine_plan, recalled, remember
-from multihead.kernels.planner import differences
+from multihead.kernels.planner import shared_differences
 from multihead.masks import MaskMod
 
 __all__ = ["applies", "band", "engine", "looked_clean", "run"]
 
-_MAX_D = 256  # the kernel's buffers hold Q^T and O^T of one block: (D, rows) each, on its stack
+_MAX_D = 256  # each thread's buffers hold Q^T and O^T of one block, (D, rows) each, sized for this D
 _PROBE_ROWS = 1024  # the engines are timed on the call's last rows: each row's work as in the call
 _CLEAN = threading.local()  # .ref: a weak reference to the last output the kernel found clean
 
@@ -66,18 +66,8 @@ def band(q: Tensor, k: Tensor, v: Tensor, mask: MaskMod, scale: float) -> tuple[
     accepts: (out `(B, H, T, D)`, whether a row of out is not finite or zero throughout), or
     None where the mask differs by batch row or head (its values at each q - kv are then not
     every pair's)."""
-    allowed = _allowed(q, k, mask)
+    allowed = shared_differences(mask, *q.shape[:3], k.shape[2], q.device)
     return None if allowed is None else _kernel(q, k, v, allowed, scale)
-
-
-def _allowed(q: Tensor, k: Tensor, mask: MaskMod) -> Tensor | None:
-    """The mask at each q - kv from 1 - T to S - 1, bool `(T + S - 1,)` (one byte each), or None
-    where it differs by batch row or head."""
-    B, H, T, _ = q.shape
-    allowed = differences(mask, B, H, T, k.shape[2], q.device)  # (B*H or 1, T + S - 1)
-    if allowed.shape[0] > 1 and not bool((allowed == allowed[:1]).all()):
-        return None
-    return allowed[0].contiguous()
 
 
 def _kernel(q: Tensor, k: Tensor, v: Tensor, allowed: Tensor, scale: float) -> tuple[Tensor, bool]:
@@ -121,7 +111,7 @@ def run(q: Tensor, k: Tensor, v: Tensor, mask, scale: float, fused) -> Tensor | 
     """The native kernel's output where `engine` picks it for this call (the caller checks
     `applies` first), else None: the caller runs `fused` itself. An output the kernel found
     clean is remembered for `looked_clean`."""
-    allowed = _allowed(q, k, mask)
+    allowed = shared_differences(mask, *q.shape[:3], k.shape[2], q.device)  # every head's, or None
     if allowed is None or engine(q, k, v, mask, scale, fused, allowed) != "native":
         return None
     out, bad = _kernel(q, k, v, allowed, scale)

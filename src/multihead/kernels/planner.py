@@ -21,8 +21,8 @@ from multihead.kernels.machine import machine_plan
 from multihead.masks import MaskMod, and_masks
 from multihead.masks import causal as causal_mod
 
-__all__ = ["band_rows", "block_mask", "choose_tile", "clear_plans", "combine", "differences", "fold_mask", "plan_key",
-           "serial_ops", "slice_dense", "tile_plan", "tile_sizes"]
+__all__ = ["band_rows", "block_mask", "choose_tile", "clear_plans", "combine", "fold_mask", "plan_key",
+           "serial_ops", "shared_differences", "slice_dense", "tile_plan", "tile_sizes"]
 
 _FUSED_CANDIDATES = (64, 128, 256, 512, 1024)  # tile edges the fused engine's plan chooses from
 _MIN_SEGMENT = 64  # documents shorter than this on average run as tiles, not a call each
@@ -108,7 +108,7 @@ def _relative_plan(T: int, S: int, bq: int, bk: int, sums: tuple[Tensor, Tensor]
     return kept, full
 
 
-def differences(pred: MaskMod, B: int, H: int, T: int, S: int, device) -> Tensor:
+def _differences(pred: MaskMod, B: int, H: int, T: int, S: int, device) -> Tensor:
     """Bool `(B*H or 1, T + S - 1)` on the CPU: `pred` (relative) at d = q - kv from -(T - 1) ..
     S - T + T - 1, each d evaluated once."""
     off = S - T
@@ -121,10 +121,19 @@ def differences(pred: MaskMod, B: int, H: int, T: int, S: int, device) -> Tensor
     return allowed.reshape(-1, d.numel()).cpu()
 
 
+def shared_differences(pred: MaskMod, B: int, H: int, T: int, S: int, device) -> Tensor | None:
+    """`differences` where they are every batch row's and head's: bool `(T + S - 1,)`, one byte
+    each, contiguous; None where the predicate differs by batch row or head."""
+    allowed = _differences(pred, B, H, T, S, device)
+    if allowed.shape[0] > 1 and not bool((allowed == allowed[:1]).all()):
+        return None
+    return allowed[0].contiguous()
+
+
 def _difference_sums(pred: MaskMod, B: int, H: int, T: int, S: int, device) -> tuple[Tensor, Tensor]:
     """Prefix counts `(T + S,)` over d = q - kv from -(T - 1) .. S - T + T - 1 of the d that some
     (b, h) may attend and that every (b, h) may attend: the predicate evaluated once per d."""
-    allowed = differences(pred, B, H, T, S, device)  # (B*H or 1, T + S - 1)
+    allowed = _differences(pred, B, H, T, S, device)  # (B*H or 1, T + S - 1)
     sums = []
     for a in (allowed.any(0), allowed.all(0)):  # kept: some (b, h) some pair; full: every (b, h) every pair
         c = torch.zeros(a.numel() + 1, dtype=torch.int64)
@@ -151,10 +160,9 @@ def plan_key(pred, B: int, H: int, T: int, S: int, G: int, tile, device, squares
         return None
     # a few ops over T + S - 1 values, no `serial_ops`: changing torch's thread count and back
     # costs more than they do
-    allowed = differences(pred, B, H, T, S, device)
-    if allowed.shape[0] > 1 and not bool((allowed == allowed[:1]).all()):
+    a = shared_differences(pred, B, H, T, S, device)
+    if a is None:
         return None  # differs by batch or head: its masks would too
-    a = allowed[0]
     edges = torch.nonzero(a[1:] != a[:-1]).flatten()
     if edges.numel() > _KEY_EDGES:
         return None
