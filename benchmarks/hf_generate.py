@@ -391,9 +391,9 @@ def in_loop(model, prompt: torch.Tensor, new_tokens: int, rounds: int) -> dict:
     The second also times what runs inside them: torch's fused kernel (both), multihead's
     native kernel (where its decode step runs it, `kernels.decode.native_checked`) and its
     NaN-rule check, each per decode call of the function (0 where it never ran); "the rest"
-    is the function less those (Python: the registry's and
-    the kernel entry's checks (`functional.decode_step`, or `attend`), the backend's
-    dispatch, the views), inflated by the inner timers' own ~1-2 us each."""
+    is the function less those (Python: the registry's and the kernel entry's checks
+    (`functional.decode_step`, or `attend`), the backend's dispatch, the views), inflated by
+    the inner timers' own ~1-2 us each."""
     import torch.nn.functional as F
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 

@@ -57,7 +57,7 @@ def machine() -> dict:
         pass
     end = os.getloadavg() if hasattr(os, "getloadavg") else None
     try:  # the kernel's transparent huge pages ("[madvise]": only where asked) and whether torch asks
-        thp = open("/sys/kernel/mm/transparent_hugepage/enabled").read().strip()
+        thp = Path("/sys/kernel/mm/transparent_hugepage/enabled").read_text().strip()
     except OSError:
         thp = None
     return {"cpu": model, "vendor": info.get("Vendor ID"), "cores": os.cpu_count(), "threads": torch.get_num_threads(),
