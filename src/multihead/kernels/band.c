@@ -48,7 +48,9 @@ struct work {
 };
 
 /* One block of rows [i0, i0 + nr) of one head: writes out rows (nr, D) and says whether one
- * of them is not finite or zero throughout (the NaN rule's first look). */
+ * of them is not finite or zero throughout (the NaN rule's first look). One function, its
+ * passes (scores, mask, softmax, values) in order: split into always-inline parts, GCC gave
+ * the same bits a little slower; revisit with a compiler that lays them out alike. */
 static inline __attribute__((always_inline)) int block(const float *q, long qt, const float *k, long ks,
                                                        const float *v, long vs, long i0, int nr, long S,
                                                        const int D, float scale, const unsigned char *allowed,
