@@ -29,12 +29,14 @@
 
 #define KEYS (VW / 4) /* keys scored at once, by 4 query rows: VW sums, one shuffle tree */
 #define CH 64         /* keys per block: its K and V rows stay in L1 between the passes */
-/* How far ahead each pass prefetches its own stream, in keys (two blocks: 64 KiB of K or V
- * at D = 128). A core's hardware prefetchers do not run far enough ahead of a loop that
+/* How far ahead each pass prefetches its own stream, in keys (6 KiB of K or V at D = 64,
+ * 12 KiB at D = 128). A core's hardware prefetchers do not run far enough ahead of a loop that
  * computes between its reads to keep the memory busy; the prefetches do, and each pass
  * issues them for its own stream so that neither stream goes idle while the other pass runs.
- * Why two and not one or four: docs/benchmarks-decode.md, "The third engine". */
-#define AHEAD (2 * CH)
+ * Near, not a block or more: a line fetched much earlier than its use is evicted from L1
+ * again by the block's other rows before the pass reaches it, and then costs a second read.
+ * Measured distances: docs/benchmarks-decode.md, "The third engine". */
+#define AHEAD 24
 #define MAXG 32
 #define MAXD 512
 
