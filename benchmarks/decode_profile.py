@@ -28,6 +28,12 @@ a thread not scheduled does not count, but its cache may be evicted by the other
 shares measured under load are indications, stated with the load. "% read" is K+V bytes
 per step time against `sum` over a 128 MiB tensor in the same round.
 
+Below the table, the native step beside its two halves: its bytes at that read rate, and its
+compute, the kernel's time per key on one K/V head whose K and V stay in L2 (the difference
+of two lengths, so the call's fixed cost drops out) times the step's keys; and how much of
+the shorter half the step hides under the longer (the overlap: 100% where it takes the
+longer half alone, 0% where it takes their sum).
+
 Writes a Markdown table to stdout and JSON to benchmarks/results/decode_profile.json (--json).
 """
 
@@ -109,8 +115,26 @@ def build(L: int, H: int, Hkv: int, D: int, rotate_mib: int) -> dict:
     if decode.native_applies(q, *checks):  # the C kernel built on this machine (kernels.native)
         assert float((decode.native(q, *checks, scale).double().reshape(ref.shape) - ref).abs().max()) < 1e-4
         cases["native engine"] = native
+        cases.update(in_l2(H // Hkv, D, scale, g))
     cases.update({"multihead step": step, "region": lambda: small.fill_(1.0), "read 128 MiB": lambda: big.sum()})
     return {"cases": cases, "kv_bytes": kv_bytes, "copies": n}
+
+
+# Keys of one K/V head in the two calls whose difference is the native kernel's compute per
+# key: K and V of the longer one (768 KiB at D 128) stay in a 1 MiB L2 from call to call
+IN_L2 = (256, 768)
+
+
+def in_l2(G: int, D: int, scale: float, g: torch.Generator) -> dict:
+    """The native kernel on one K/V head (G query rows) of IN_L2 keys, the same K and V each
+    call: their difference per key is its compute per key with the reads from cache, what
+    the step adds to the memory's time where the two do not overlap."""
+    cases = {}
+    q = torch.randn(1, G, 1, D, generator=g)
+    for keys in IN_L2:
+        k, v = torch.randn(1, 1, keys, D, generator=g), torch.randn(1, 1, keys, D, generator=g)
+        cases[f"native, {keys} keys in L2"] = lambda k=k, v=v: decode.native(q, k, v, scale)
+    return cases
 
 
 def time_rounds(cases: dict, rounds: int, reps: int, threads: int) -> dict:
@@ -151,11 +175,29 @@ def run(args) -> dict:
                      "share_wall": m["wall"] / total["wall"] if name in PARTS else None,
                      "pct_read": (100 * built["kv_bytes"] / m["wall"] / read_rate
                                   if name in steps else None)})
+    compute = _compute(med, args, built["kv_bytes"] / read_rate)
     # the plan after the rounds: "measured" holds the engine the step chose on this machine
     return {"benchmark": "decode_profile", "config": {"L": args.length, "H": args.heads, "Hkv": args.kv_heads,
             "D": args.head_dim, "threads": args.threads, "rounds": args.rounds, "reps": args.reps,
             "kv_copies": built["copies"], "kv_bytes": built["kv_bytes"], "kernel_plan": machine_plan().as_dict()},
-            "read_gb_s": read_rate / 1e9, "rows": rows, "machine": machine()}
+            "read_gb_s": read_rate / 1e9, "rows": rows, "compute": compute, "machine": machine()}
+
+
+def _compute(med: dict, args, read_s: float) -> dict | None:
+    """The native step beside its two halves: R, its bytes at the read rate; C, its compute
+    with K and V in L2 (per key from `in_l2`, times the step's keys); and how much of the
+    shorter of the two the step hides under the other, (R + C - step) / min(R, C): 1 where
+    the step takes max(R, C), 0 where it takes R + C; None where the step took less than
+    max(R, C) (its K and V came from a cache, as at --quick's length)."""
+    short, long = (med.get(f"native, {keys} keys in L2") for keys in IN_L2)
+    if short is None or long is None or "native engine" not in med:
+        return None
+    per_key = (long["wall"] - short["wall"]) / (IN_L2[1] - IN_L2[0])
+    c = per_key * args.kv_heads * args.length
+    step = med["native engine"]["wall"]
+    overlap = (read_s + c - step) / min(read_s, c) if step >= max(read_s, c) else None
+    return {"ns_per_key": per_key * 1e9, "compute_us": c * 1e6, "read_us": read_s * 1e6, "step_us": step * 1e6,
+            "overlap": overlap}
 
 
 def _pct(x) -> str:
@@ -172,6 +214,13 @@ def render(report) -> str:
         read = "" if r["pct_read"] is None else f"{r['pct_read']:.0f}%"
         lines.append(f"| {r['part']} | {r['cpu_us']:.0f} | {r['wall_us']:.0f} | {_pct(r['share_cpu'])} | "
                      f"{_pct(r['share_wall'])} | {read} |")
+    if report.get("compute"):
+        x = report["compute"]
+        lines += ["", f"native step {x['step_us']:.0f} us: its reads at the read rate {x['read_us']:.0f} us, "
+                  f"its compute with K/V in L2 {x['compute_us']:.0f} us ({x['ns_per_key']:.1f} ns per key of a "
+                  "K/V head); "
+                  + (f"overlap of the two {100 * x['overlap']:.0f}%" if x["overlap"] is not None else
+                     "faster than the reads: K/V from a cache")]
     return "\n".join(lines)
 
 
