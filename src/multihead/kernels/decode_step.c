@@ -104,13 +104,17 @@ static inline __attribute__((always_inline)) void head(const float *q, const flo
           vf y[4];
           for (int r = 0; r < 4; r++) y[r] = ld(q0 + r * D + i);
           for (int t = 0; t < KEYS; t++) {
-            const vf x = ld(kb + (j + t) * ks + i);
+            vf x = ld(kb + (j + t) * ks + i);
+            /* one load for the four FMAs: left to itself GCC folds the load into each FMA,
+             * four reads of the same vector that compete with the loop's other loads */
+            __asm__("" : "+v"(x));
             for (int r = 0; r < 4; r++) a[r * KEYS + t] += x * y[r];
           }
         }
-        const vf s = sums(a);
-        for (int r = 0; r < 4; r++)
-          for (int t = 0; t < KEYS; t++) sc[g0 + r][j + t] = s[r * KEYS + t];
+        /* each row's KEYS sums are KEYS adjacent lanes: one copy a row, not a lane at a time */
+        float s[VW] __attribute__((aligned(64)));
+        st(s, sums(a));
+        for (int r = 0; r < 4; r++) __builtin_memcpy(&sc[g0 + r][j], s + r * KEYS, KEYS * sizeof(float));
       }
       for (; j < c; j++)
         for (int r = 0; r < 4; r++) {
