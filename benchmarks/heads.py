@@ -254,12 +254,33 @@ def _peak_args(args, side: str, key: int) -> list[str]:
                   "--at", str(key)]
 
 
+LINEAR = ("addmm", "mm")  # the ops of the model's projections, MLP and output head (not attention's)
+
+
+def _flops(fns) -> dict:
+    """Each side's floating-point operations in one scan, by torch's FlopCounterMode, per op;
+    "linear" is the projections', MLP's and output head's (addmm, mm): the work an exact scan
+    redoes for every variant it runs from a layer on. Attention is left out of that sum: the
+    counter sees TransformerLens' eager attention (bmm) but not a fused CPU kernel."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    out = {}
+    for name in ("multihead", "transformer_lens"):
+        with FlopCounterMode(display=False) as counter:
+            fns[name]()
+        ops = {str(op).split(".")[-1]: n for op, n in counter.get_flop_counts()["Global"].items()}
+        out[name] = {"by_op": ops, "linear": sum(n for op, n in ops.items() if op in LINEAR)}
+    out["linear_ratio"] = out["transformer_lens"]["linear"] / max(1, out["multihead"]["linear"])
+    return out
+
+
 def _case(args, label: str, key: int, s: Setup) -> dict:
     """Both scans of one pair of inputs: rounds in shuffled order, then each side's peak memory."""
     bridge = s.bridge()
     fns = _sides(s, bridge, plain=not args.no_plain)
     tables = _warm_up(args, s, bridge, fns)
     diffs = [(tables["multihead"] - tables["transformer_lens"]).abs().max().item()] if tables else []
+    flops = None if args.no_flops else _flops(fns)
     times = {name: [] for name in fns}
     cpu = {name: [] for name in fns}  # process CPU time: on a shared machine, steadier than the wall clock
     ratios, plain_ratios, cpu_ratios, loads, info = [], [], [], [], {}
@@ -299,7 +320,7 @@ def _case(args, label: str, key: int, s: Setup) -> dict:
             peaks[name] = None
     case = {"inputs": label}
     case.update({"changed_position": key} if args.model == "gpt2" else s.detail)
-    case.update({"prefix_skip": info,
+    case.update({"prefix_skip": info, "flops": flops,
                  "results": [{"variant": name, "times_s": times[name], "median_s": statistics.median(times[name]),
                               "cpu_s": cpu[name], "cpu_median_s": statistics.median(cpu[name]),
                               "peak_bytes": peaks[name]} for name in fns],
@@ -333,6 +354,7 @@ def main(argv=None) -> int:
     ap.add_argument("--no-plain", action="store_true", help="skip the third side, multihead on the metric "
                     "as a plain function")
     ap.add_argument("--no-peaks", action="store_true", help="skip the peak-memory processes (one more scan a side)")
+    ap.add_argument("--no-flops", action="store_true", help="skip counting each side's FLOPs (one more scan a side)")
     ap.add_argument("--quick", action="store_true", help="gpt2: 2 layers, 4 heads, C 64, T 32; smollm2: 1 pair, "
                                                          "the first 2 layers unless --layers; 2 rounds unless --rounds")
     ap.add_argument("--peak", choices=["ours", "tl"], help=argparse.SUPPRESS)
@@ -407,11 +429,12 @@ def main(argv=None) -> int:
             if PLAIN in r else "n/a"
         rows.append(f"| {label} | {r['multihead']['median_s']:.2f} | {r['transformer_lens']['median_s']:.2f} | "
                     f"{case['speedup_median']:.2f}x (CPU {by_cpu['multihead']:.2f}x) | {plain} | "
+                    f"{'n/a' if case['flops'] is None else format(case['flops']['linear_ratio'], '.2f') + 'x'} | "
                     f"{mib(r['multihead']['peak_bytes'])} | "
                     f"{mib(r['transformer_lens']['peak_bytes'])} | {case['max_abs_diff']:.1e} |")
-    print("| inputs | multihead s | TransformerLens s | speedup (by CPU time) | plain metric | multihead peak MiB | "
-          "TL peak MiB | max diff |")
-    print("|---|---|---|---|---|---|---|---|")
+    print("| inputs | multihead s | TransformerLens s | speedup (by CPU time) | plain metric | FLOP ratio (linear) | "
+          "multihead peak MiB | TL peak MiB | max diff |")
+    print("|---|---|---|---|---|---|---|---|---|")
     print("\n".join(rows))
     report["meta"]["loadavg_end"] = list(os.getloadavg())
     diff = max(c["max_abs_diff"] for c in report["cases"])
@@ -435,7 +458,8 @@ def main(argv=None) -> int:
             by_cpu = c["cpu_time_speedup_median"]
             return f" (CPU time {by_cpu['multihead']:.2f})" + ("" if PLAIN not in by_cpu else (
                 f"; the metric as a plain function {c['plain_metric_speedup_median']:.2f} "
-                f"(CPU time {by_cpu[PLAIN]:.2f})"))
+                f"(CPU time {by_cpu[PLAIN]:.2f})")) + ("" if c["flops"] is None else (
+                f"; linear FLOPs, TransformerLens / multihead, {c['flops']['linear_ratio']:.2f}"))
         report["targets"] = [
             {"target": ">= 3.5x faster than TransformerLens (IOI-style inputs)",
              "passed": ioi["speedup_median"] >= 3.5,

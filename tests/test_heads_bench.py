@@ -39,6 +39,14 @@ def test_heads_benchmark_quick(tmp_path):
             if x["variant"] != "multihead, plain metric":  # peaks: the two compared sides only
                 assert x["peak_bytes"] is not None and x["peak_bytes"] >= 0
         assert case["speedup_median"] > 0
+        # TransformerLens runs one clean forward and one forward per head (2 layers x 4 heads
+        # at --quick), each a full forward of B 4 x T 32 positions: 12 C^2 multiply-adds per
+        # position in a block's four matrix products (C 64), C x V in the output head (V 101)
+        flops = case["flops"]
+        per_forward = 2 * 4 * 32 * (2 * 12 * 64 * 64 + 64 * 101)
+        assert flops["transformer_lens"]["linear"] == (1 + 2 * 4) * per_forward
+        ours, theirs = flops["multihead"]["linear"], flops["transformer_lens"]["linear"]
+        assert 0 < ours < theirs and flops["linear_ratio"] == pytest.approx(theirs / ours)
     assert len(r["targets"]) == 3  # T/2 and first-token speed-ups, then the same numbers
     assert r["targets"][2]["passed"] is True
 
