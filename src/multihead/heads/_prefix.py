@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
-from multihead.heads._batch import first_output
+from multihead.heads._batch import first_output, one_row
 from multihead.heads._record import Recording
 from multihead.heads.engine import Handler, Layer, is_hf, multihead_modules
 from multihead.masks import MaskMod
@@ -60,6 +60,57 @@ def cut_all(args, kwargs, at: tuple[int, int] | None):
     T, p = at
     return (tuple(cut(a, i, T, p) for i, a in enumerate(args)),
             {k: cut(v, k, T, p) for k, v in kwargs.items()})
+
+
+def _first(x, key, T: int):
+    """Position 0 of one block input (a 4-D mask's first query and first key). Raises NoCut
+    for a T-long input of an unknown kind."""
+    if isinstance(x, Tensor):
+        if x.dim() == 4 and x.shape[-2:] != (T, T) and x.shape[-2:] != (1, 1):
+            raise NoCut(key)  # a mask of other positions than the hidden states' (T, T)
+        if key in (0, "hidden_states") and x.dim() == 3:
+            return x[:, :1]  # T long, or one position already (an idle block's output)
+        if x.dim() == 0 or T not in x.shape:
+            return x
+        if x.dim() == 4 and x.shape[-2] == T and x.shape[-1] == T:
+            return x[..., :1, :1]
+        if isinstance(key, str) and key.startswith("position_embeddings") and x.dim() >= 2 and x.shape[-2] == T:
+            return x[..., :1, :]
+        if key == "position_ids" and x.shape[-1] == T:
+            return x[..., :1]
+        if key == "cache_position" and x.dim() == 1:
+            return x[:1]
+        raise NoCut(key)
+    if isinstance(x, (tuple, list)) and isinstance(key, str) and key.startswith("position_embeddings"):
+        return type(x)(t[..., :1, :] if isinstance(t, Tensor) and t.dim() >= 2 and t.shape[-2] == T else t
+                       for t in x)
+    if isinstance(x, (tuple, list, dict)):
+        items = x.values() if isinstance(x, dict) else x
+        if any(isinstance(t, Tensor) for t in items):
+            raise NoCut(key)
+    return x  # a MaskMod reads q_idx = k_idx = 0 alike top-left and bottom-right
+
+
+def idle(args, kwargs, B: int, T: int, skipped: int | None = None):
+    """The inputs of a block whose output the forward replaces (one below every patched
+    layer): one row and, where every T-long input is of a kind `cut` knows, one position (a
+    4-D mask its first query and key), so that it costs one token rather than a row of T.
+    Otherwise, or where the skip's [p, T) is one position (`skipped` = T - p: the attention
+    handler takes a block input of that length for a cut one), one row of every position.
+    T: the forward's positions (the hidden states of the first idle block; later ones get
+    the one position this left)."""
+    args, kwargs = tuple(one_row(a, B) for a in args), {k: one_row(v, B) for k, v in kwargs.items()}
+    if T > 1 and skipped != 1:
+        try:
+            return tuple(_first(a, i, T) for i, a in enumerate(args)), {k: _first(v, k, T) for k, v in kwargs.items()}
+        except NoCut:
+            pass
+    # every position; hidden states an earlier idle block left at one position are widened
+    # back to T (a broadcast view: what the block computes from them is never read)
+    wide = lambda x: x.expand(-1, T, -1) if isinstance(x, Tensor) and x.dim() == 3 and x.shape[1] == 1 else x  # noqa: E731
+    if args:
+        return (wide(args[0]), *args[1:]), kwargs
+    return args, {**kwargs, **({"hidden_states": wide(kwargs["hidden_states"])} if "hidden_states" in kwargs else {})}
 
 
 def cut_cache(cache: dict[int, tuple], at: tuple[int, int]) -> tuple[dict[int, tuple] | None, str]:

@@ -11,11 +11,11 @@ from contextlib import nullcontext
 import torch
 from torch import Tensor, nn
 
-from multihead.heads._batch import append, block_of, check_whole, first_output, grow, keep_inputs, one_row
+from multihead.heads._batch import append, block_of, check_whole, first_output, grow, keep_inputs
 from multihead.heads._budget import read_metric
 from multihead.heads._in_place import in_place_activations
 from multihead.heads._inputs import call, scalar, takes_use_cache
-from multihead.heads._prefix import PrefixRecorder, cut_all, cut_cache, prefix_mismatch, unskip
+from multihead.heads._prefix import PrefixRecorder, cut_all, cut_cache, idle, prefix_mismatch, unskip
 from multihead.heads._record import Recording
 from multihead.heads._shortcut import Shortcut
 from multihead.heads._top import LastBlock, last_block
@@ -90,9 +90,10 @@ class CorruptedRun(PrefixRecorder):
 
 class FromCache:
     """Block pre-hooks of a chunk when the corrupted run's block inputs are cached: blocks
-    below the first patched layer run on one row (their output is replaced), the first
-    patched block starts from the cached input repeated once per variant, later patched
-    blocks append their cached input for their variants. No corrupted row is recomputed.
+    below the first patched layer run on one row and one position (`idle`: their output is
+    replaced), the first patched block starts from the cached input repeated once per
+    variant, later patched blocks append their cached input for their variants. No
+    corrupted row is recomputed.
     With `cut`, the cache holds the inputs on [p, T) already; what the forward hands the
     blocks is cut here."""
 
@@ -100,15 +101,19 @@ class FromCache:
         self.B, self.per_block, self.cache = B, per_block, cache
         self.cut = cut  # (T, p): variants run on positions [p, T) (the shared prefix skipped)
         self.rows = 0
+        self.T = 0  # the forward's positions, read off the first block's hidden states
 
     def begin(self):
-        self.rows = 0
+        self.rows = self.T = 0
 
     def hook(self, block, args, kwargs):
         n, B = self.per_block.get(id(block), 0), self.B
         if self.rows == 0:
             if n == 0:
-                return tuple(one_row(a, B) for a in args), {k: one_row(v, B) for k, v in kwargs.items()}
+                if not self.T:
+                    x = args[0] if args else kwargs.get("hidden_states")
+                    self.T = x.shape[1] if isinstance(x, Tensor) and x.dim() == 3 else 1
+                return idle(args, kwargs, B, self.T, None if self.cut is None else self.cut[0] - self.cut[1])
             cargs, ckw = self.cache[id(block)]
             self.rows = n * B
             merged = {**cut_all((), kwargs, self.cut)[1], **ckw}  # what the forward adds (the intervention) stays
