@@ -26,9 +26,14 @@ warm); the time of a sample is CPU time of the process (time.process_time, all t
 and wall time both; medians over rounds. CPU time is what a loaded machine distorts less:
 a thread not scheduled does not count, but its cache may be evicted by the other load, so
 shares measured under load are indications, stated with the load. "% read" is K+V bytes
-per step time against `sum` over a 128 MiB tensor in the same round.
+per step time against `sum` over a 128 MiB tensor in the same round; "% of its K/V's read"
+against `sum` over the step's own K and V (the copy of the rotation the step would read
+next), in the same rounds: the rate of the bytes the step reads, read as it reads them. The
+128 MiB tensor is read nine times in a row per sample, and part of it is still in the 32 MiB
+L3 at the next read; the header also gives the same read rotated over four such tensors,
+which has no such hits (on the AMD EPYC at two threads: about 54 GB/s against 46).
 
-Below the table, the native step beside its two halves: its bytes at that read rate, and its
+Below the table, the native step beside its two halves: its bytes at its K/V's read rate, and its
 compute, the kernel's time per key on one K/V head whose K and V stay in L2 (the difference
 of two lengths, so the call's fixed cost drops out) times the step's keys; and how much of
 the shorter half the step hides under the longer (the overlap: 100% where it takes the
@@ -74,6 +79,7 @@ def build(L: int, H: int, Hkv: int, D: int, rotate_mib: int) -> dict:
     probs = torch.softmax(torch.randn(Hkv, H // Hkv, L, generator=g), -1)
     q_rows = qf[0].transpose(-1, -2)  # (Hkv, D, G)
     big = torch.ones(32 << 20)  # 128 MiB, the read ceiling
+    bigs = [big] + [torch.ones(32 << 20) for _ in range(3)]  # the same read, rotated over four: no L3 hits
     small = torch.empty(64 << 10)
     state = {"i": 0}
 
@@ -116,7 +122,16 @@ def build(L: int, H: int, Hkv: int, D: int, rotate_mib: int) -> dict:
         assert float((decode.native(q, *checks, scale).double().reshape(ref.shape) - ref).abs().max()) < 1e-4
         cases["native engine"] = native
         cases.update(in_l2(H // Hkv, D, scale, g))
-    cases.update({"multihead step": step, "region": lambda: small.fill_(1.0), "read 128 MiB": lambda: big.sum()})
+    def read_kv():  # the step's own bytes: a K/V copy of the rotation, as the steps read them
+        k, v = kv()
+        return k.sum() + v.sum()
+
+    def read_rotated():
+        state["b"] = (state.get("b", 0) + 1) % len(bigs)
+        return bigs[state["b"]].sum()
+
+    cases.update({"multihead step": step, "region": lambda: small.fill_(1.0), "read 128 MiB": lambda: big.sum(),
+                  "read 128 MiB, rotated": read_rotated, "read K/V": read_kv})
     return {"cases": cases, "kv_bytes": kv_bytes, "copies": n}
 
 
@@ -166,6 +181,8 @@ def run(args) -> dict:
     med["region"] = {k: med["region"][k] - statistics.median(one[k]) for k in ("cpu", "wall")}
     total = {k: sum(med[p][k] for p in PARTS) for k in ("cpu", "wall")}
     read_rate = (32 << 20) * 4 / med["read 128 MiB"]["wall"]
+    kv_rate = built["kv_bytes"] / med["read K/V"]["wall"]
+    rotated_rate = (32 << 20) * 4 / med["read 128 MiB, rotated"]["wall"]
     rows = []
     steps = [name for name in ("flash call", "gemm engine", "native engine", "multihead step") if name in med]
     for name in (*PARTS, *steps, "region"):
@@ -174,17 +191,20 @@ def run(args) -> dict:
                      "share_cpu": m["cpu"] / total["cpu"] if name in PARTS else None,
                      "share_wall": m["wall"] / total["wall"] if name in PARTS else None,
                      "pct_read": (100 * built["kv_bytes"] / m["wall"] / read_rate
-                                  if name in steps else None)})
-    compute = _compute(med, args, built["kv_bytes"] / read_rate)
+                                  if name in steps else None),
+                     "pct_read_kv": 100 * built["kv_bytes"] / m["wall"] / kv_rate if name in steps else None})
+    compute = _compute(med, args, built["kv_bytes"] / kv_rate)
     # the plan after the rounds: "measured" holds the engine the step chose on this machine
     return {"benchmark": "decode_profile", "config": {"L": args.length, "H": args.heads, "Hkv": args.kv_heads,
             "D": args.head_dim, "threads": args.threads, "rounds": args.rounds, "reps": args.reps,
             "kv_copies": built["copies"], "kv_bytes": built["kv_bytes"], "kernel_plan": machine_plan().as_dict()},
-            "read_gb_s": read_rate / 1e9, "rows": rows, "compute": compute, "machine": machine()}
+            "read_gb_s": read_rate / 1e9, "read_rotated_gb_s": rotated_rate / 1e9, "read_kv_gb_s": kv_rate / 1e9,
+            "rows": rows, "compute": compute,
+            "machine": machine()}
 
 
 def _compute(med: dict, args, read_s: float) -> dict | None:
-    """The native step beside its two halves: R, its bytes at the read rate; C, its compute
+    """The native step beside its two halves: R, its bytes at its K/V's read rate; C, its compute
     with K and V in L2 (per key from `in_l2`, times the step's keys); and how much of the
     shorter of the two the step hides under the other, (R + C - step) / min(R, C): 1 where
     the step takes max(R, C), 0 where it takes R + C; None where the step took less than
@@ -209,14 +229,18 @@ def render(report) -> str:
     head = (f"Decode-step profile, {m['cpu']} ({m['cores']} cores, L2 {m.get('l2_bytes')}, L3 {m.get('l3_bytes')}), "
             f"{c['threads']} thread(s), L {c['L']}, {c['H']}/{c['Hkv']} heads of {c['D']}, {c['rounds']} rounds; "
             f"load {m['loadavg_start'][0]:.1f} -> {m['loadavg_end'][0]:.1f}; read {report['read_gb_s']:.1f} GB/s")
-    lines = [head, "", "| part | CPU us | wall us | share (CPU) | share (wall) | % read |", "|---|---|---|---|---|---|"]
+    head += (f" (four such buffers in turn: {report['read_rotated_gb_s']:.1f} GB/s; its K/V: "
+             f"{report['read_kv_gb_s']:.1f} GB/s)")
+    lines = [head, "", "| part | CPU us | wall us | share (CPU) | share (wall) | % read | % of its K/V's read |",
+             "|---|---|---|---|---|---|---|"]
     for r in report["rows"]:
         read = "" if r["pct_read"] is None else f"{r['pct_read']:.0f}%"
+        own = "" if r.get("pct_read_kv") is None else f"{r['pct_read_kv']:.0f}%"
         lines.append(f"| {r['part']} | {r['cpu_us']:.0f} | {r['wall_us']:.0f} | {_pct(r['share_cpu'])} | "
-                     f"{_pct(r['share_wall'])} | {read} |")
+                     f"{_pct(r['share_wall'])} | {read} | {own} |")
     if report.get("compute"):
         x = report["compute"]
-        lines += ["", f"native step {x['step_us']:.0f} us: its reads at the read rate {x['read_us']:.0f} us, "
+        lines += ["", f"native step {x['step_us']:.0f} us: its reads at its K/V's read rate {x['read_us']:.0f} us, "
                   f"its compute with K/V in L2 {x['compute_us']:.0f} us ({x['ns_per_key']:.1f} ns per key of a "
                   "K/V head); "
                   + (f"overlap of the two {100 * x['overlap']:.0f}%" if x["overlap"] is not None else

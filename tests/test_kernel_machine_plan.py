@@ -159,11 +159,16 @@ def test_decode_profile_records_the_machine(tmp_path):
     assert [r["part"] for r in report["rows"]] == ["K pass", "softmax", "V pass", "flash call", "gemm engine",
                                                   *native_row, "multihead step", "region"]
     assert abs(sum(r["share_cpu"] for r in report["rows"][:3]) - 1) < 1e-9
+    for r in report["rows"]:  # the share of both read rates, for the steps only
+        if r["pct_read"] is None:
+            assert r["pct_read_kv"] is None
+        else:
+            assert r["pct_read_kv"] == pytest.approx(r["pct_read"] * report["read_gb_s"] / report["read_kv_gb_s"])
     x = report["compute"]  # the native step beside its reads and its compute, from the same medians
     if native_row:
         step = next(r["wall_us"] for r in report["rows"] if r["part"] == "native engine")
         assert x["step_us"] == pytest.approx(step)
-        assert x["read_us"] == pytest.approx(report["config"]["kv_bytes"] / report["read_gb_s"] / 1e3)
+        assert x["read_us"] == pytest.approx(report["config"]["kv_bytes"] / report["read_kv_gb_s"] / 1e3)
         keys = report["config"]["Hkv"] * report["config"]["L"]
         assert x["compute_us"] == pytest.approx(x["ns_per_key"] * 1e-3 * keys)
         if x["overlap"] is not None:
