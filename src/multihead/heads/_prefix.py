@@ -107,10 +107,15 @@ def idle(args, kwargs, B: int, T: int, skipped: int | None = None):
             pass
     # every position; hidden states an earlier idle block left at one position are widened
     # back to T (a broadcast view: what the block computes from them is never read)
-    wide = lambda x: x.expand(-1, T, -1) if isinstance(x, Tensor) and x.dim() == 3 and x.shape[1] == 1 else x  # noqa: E731
     if args:
-        return (wide(args[0]), *args[1:]), kwargs
-    return args, {**kwargs, **({"hidden_states": wide(kwargs["hidden_states"])} if "hidden_states" in kwargs else {})}
+        return (_widened(args[0], T), *args[1:]), kwargs
+    if "hidden_states" in kwargs:
+        kwargs["hidden_states"] = _widened(kwargs["hidden_states"], T)
+    return args, kwargs
+
+
+def _widened(x, T: int):
+    return x.expand(-1, T, -1) if isinstance(x, Tensor) and x.dim() == 3 and x.shape[1] == 1 else x
 
 
 def cut_cache(cache: dict[int, tuple], at: tuple[int, int]) -> tuple[dict[int, tuple] | None, str]:

@@ -9,9 +9,9 @@
  * operand), and a step whose compute takes as long as its reads does not hide them. Here a
  * block of CH keys is scored with the G query rows held in L1 and the scores reduced by a
  * shuffle tree, its softmax is folded into a running one (FlashAttention's online softmax),
- * and its values are accumulated with the rows' outputs in registers, while the next
- * block's K and V rows are prefetched: the compute per byte is small enough to hide behind
- * the reads on one core.
+ * and its values are accumulated with the rows' outputs in registers, while each pass
+ * prefetches the K or V rows a few dozen keys on. On one core the reads hide part of the
+ * compute, not all of it (docs/benchmarks.md, "The decode kernel's reads and compute").
  *
  * Layout: q (B, H, T, D) with element strides per batch row, head and query (the last dim
  * contiguous), unscaled; the G = H / Hkv * T rows of a K/V head are its query heads' queries,
