@@ -27,24 +27,31 @@ class NoCut(Exception):
 def cut(x, key, T: int, p: int):
     """Positions [p, T) of one block input; `key` is its keyword or its place among the
     positional arguments. Raises NoCut for a T-long input of an unknown kind."""
+    if isinstance(x, MaskMod):  # built for T == S, where both readings of q_idx agree; the last queries
+        return MaskMod(x.fn, x.name, relative=x.relative) if x.top_left else x  # read bottom-right
+    return _positions(x, key, T, slice(p, None))
+
+
+def _positions(x, key, T: int, rows: slice, keys: slice = slice(None)):
+    """Positions `rows` of one block input (of a 4-D mask its query rows, and its keys
+    `keys`); anything not T long as it is. Raises NoCut for a T-long input of an unknown
+    kind: what `cut` and `_first` share."""
     if isinstance(x, Tensor):
         if x.dim() == 0 or T not in x.shape:
             return x
         if key in (0, "hidden_states") and x.dim() == 3:
-            return x[:, p:] if x.shape[1] == T else x
-        if x.dim() == 4 and x.shape[-2] == T and x.shape[-1] == T:  # a mask (B, 1|H, T, S): its query rows
-            return x[..., p:, :]
+            return x[:, rows] if x.shape[1] == T else x
+        if x.dim() == 4 and x.shape[-2] == T and x.shape[-1] == T:  # a mask (B, 1|H, T, S)
+            return x[..., rows, keys]
         if isinstance(key, str) and key.startswith("position_embeddings") and x.dim() >= 2 and x.shape[-2] == T:
-            return x[..., p:, :]  # rotary angles as one (complex) tensor (B|1, T, D)
+            return x[..., rows, :]  # rotary angles as one (complex) tensor (B|1, T, D)
         if key == "position_ids" and x.shape[-1] == T:
-            return x[..., p:]
+            return x[..., rows]
         if key == "cache_position" and x.dim() == 1:
-            return x[p:]
+            return x[rows]
         raise NoCut(key)
-    if isinstance(x, MaskMod):  # built for T == S, where both readings of q_idx agree; the last queries
-        return MaskMod(x.fn, x.name, relative=x.relative) if x.top_left else x  # read bottom-right
     if isinstance(x, (tuple, list)) and isinstance(key, str) and key.startswith("position_embeddings"):
-        return type(x)(t[..., p:, :] if isinstance(t, Tensor) and t.dim() >= 2 and t.shape[-2] == T else t
+        return type(x)(t[..., rows, :] if isinstance(t, Tensor) and t.dim() >= 2 and t.shape[-2] == T else t
                        for t in x)  # rotary (cos, sin), each (B|1, T, D)
     if isinstance(x, (tuple, list, dict)):
         items = x.values() if isinstance(x, dict) else x
@@ -63,32 +70,12 @@ def cut_all(args, kwargs, at: tuple[int, int] | None):
 
 
 def _first(x, key, T: int):
-    """Position 0 of one block input (a 4-D mask's first query and first key). Raises NoCut
-    for a T-long input of an unknown kind."""
-    if isinstance(x, Tensor):
-        if x.dim() == 4 and x.shape[-2:] != (T, T) and x.shape[-2:] != (1, 1):
-            raise NoCut(key)  # a mask of other positions than the hidden states' (T, T)
-        if key in (0, "hidden_states") and x.dim() == 3:
-            return x[:, :1]  # T long, or one position already (an idle block's output)
-        if x.dim() == 0 or T not in x.shape:
-            return x
-        if x.dim() == 4 and x.shape[-2] == T and x.shape[-1] == T:
-            return x[..., :1, :1]
-        if isinstance(key, str) and key.startswith("position_embeddings") and x.dim() >= 2 and x.shape[-2] == T:
-            return x[..., :1, :]
-        if key == "position_ids" and x.shape[-1] == T:
-            return x[..., :1]
-        if key == "cache_position" and x.dim() == 1:
-            return x[:1]
+    """Position 0 of one block input (a 4-D mask's first query and first key; a MaskMod reads
+    q_idx = kv_idx = 0 alike top-left and bottom-right). Raises NoCut for a T-long input of an
+    unknown kind, and for a mask of other positions than the hidden states' (T, T)."""
+    if isinstance(x, Tensor) and x.dim() == 4 and x.shape[-2:] != (T, T) and x.shape[-2:] != (1, 1):
         raise NoCut(key)
-    if isinstance(x, (tuple, list)) and isinstance(key, str) and key.startswith("position_embeddings"):
-        return type(x)(t[..., :1, :] if isinstance(t, Tensor) and t.dim() >= 2 and t.shape[-2] == T else t
-                       for t in x)
-    if isinstance(x, (tuple, list, dict)):
-        items = x.values() if isinstance(x, dict) else x
-        if any(isinstance(t, Tensor) for t in items):
-            raise NoCut(key)
-    return x  # a MaskMod reads q_idx = k_idx = 0 alike top-left and bottom-right
+    return _positions(x, key, T, slice(0, 1), slice(0, 1))
 
 
 def idle(args, kwargs, B: int, T: int, skipped: int | None = None):
