@@ -26,9 +26,7 @@ from __future__ import annotations
 import argparse
 import ctypes
 import math
-import os
 import random
-import shutil
 import statistics
 import subprocess
 import sys
@@ -43,43 +41,33 @@ if str(ROOT / "src") not in sys.path:  # run from a checkout without installing
     sys.path.insert(0, str(ROOT / "src"))
 
 from machine_info import machine, write_json  # noqa: E402  (benchmarks/ is on sys.path when run as a script)
-from multihead.kernels import native  # noqa: E402
+from multihead.kernels import decode, native  # noqa: E402
 
 GEOMETRIES = {"smollm2": (9, 3, 64), "gqa": (32, 8, 128), "gemma3": (4, 1, 256)}  # (H, Hkv, D)
 LABELS = {"smollm2": "SmolLM2 9/3 x 64", "gqa": "GQA 32/8 x 128", "gemma3": "Gemma 3 4/1 x 256"}
-GRAIN = 32768  # decode._GRAIN, the floats of K and V a thread takes at least
 
 
 def build_base(rev: str, folder: Path) -> Path:
-    """The kernel sources and header at `rev`, compiled as kernels.native compiles them."""
-    names = [p.name for p in (*native.SOURCES, *native.HEADERS)]
+    """The kernel sources and header at `rev`, built as kernels.native builds this checkout's."""
     rel = native.SOURCES[0].parent.relative_to(ROOT)
-    for name in names:
+    for name in (p.name for p in (*native.SOURCES, *native.HEADERS)):
         text = subprocess.run(["git", "show", f"{rev}:{rel / name}"], cwd=ROOT, capture_output=True, text=True)
         if text.returncode != 0:
             raise SystemExit(f"git show {rev}:{rel / name} failed: {text.stderr.strip()}")
         (folder / name).write_text(text.stdout)
-    cc = shutil.which(os.environ.get("CC") or "cc")
-    if cc is None:
-        raise SystemExit("no C compiler: set CC")
-    out = folder / "base.so"
-    sources = [str(folder / p.name) for p in native.SOURCES]
-    done = subprocess.run([cc, *native.FLAGS, *sources, "-o", str(out), "-lm"], capture_output=True, text=True)
-    if done.returncode != 0:
-        raise SystemExit(f"the base kernel did not build: {done.stderr[-2000:]}")
-    return out
+    try:
+        return native.build(folder, sources=folder)
+    except RuntimeError as err:
+        raise SystemExit(f"the base kernel did not build: {err}") from err
 
 
 def step_fn(path: Path):
-    fn = ctypes.CDLL(str(path)).mh_decode_step
-    fn.argtypes = ([ctypes.c_void_p, ctypes.c_long, ctypes.c_long, ctypes.c_long] * 3 + [ctypes.c_int] * 4
-                   + [ctypes.c_long, ctypes.c_int, ctypes.c_float, ctypes.c_void_p, ctypes.c_int, ctypes.c_long])
-    fn.restype = ctypes.c_int
+    fn = native.declare(ctypes.CDLL(str(path))).mh_decode_step
 
     def call(q, k, v, out, threads):
         H, Hkv, L, D = q.shape[1], k.shape[1], k.shape[2], q.shape[3]
         flag = fn(q.data_ptr(), *q.stride()[:3], k.data_ptr(), *k.stride()[:3], v.data_ptr(), *v.stride()[:3],
-                  1, Hkv, H // Hkv, 1, L, D, D ** -0.5, out.data_ptr(), threads, GRAIN)
+                  1, Hkv, H // Hkv, 1, L, D, D ** -0.5, out.data_ptr(), threads, decode._GRAIN)
         if flag != 0:
             raise RuntimeError(f"mh_decode_step returned {flag}")
     return call

@@ -24,8 +24,8 @@ from pathlib import Path
 
 from multihead.kernels.machine import cpu_fields
 
-__all__ = ["FLAGS", "HEADERS", "SOURCES", "band_rows", "build", "cache_dir", "library", "reset", "unavailable",
-           "vector_width"]
+__all__ = ["FLAGS", "HEADERS", "SOURCES", "band_rows", "build", "cache_dir", "declare", "library", "reset",
+           "unavailable", "vector_width"]
 
 SOURCES = tuple(Path(__file__).with_name(name) for name in ("decode_step.c", "band.c"))
 HEADERS = (Path(__file__).with_name("vec.h"),)  # what the sources include: part of the build's key
@@ -66,10 +66,11 @@ def _compiler_identity(cc: str) -> str:
     return f"{os.path.realpath(cc)} {st.st_size} {st.st_mtime_ns}"
 
 
-def build(directory: str | os.PathLike | None = None) -> Path:
+def build(directory: str | os.PathLike | None = None, sources: str | os.PathLike | None = None) -> Path:
     """Compile `SOURCES` into one library in `directory` (default `cache_dir()`) unless the same build is
-    there, and return the library's path. Raises RuntimeError naming the compiler and its
-    output where there is no compiler or it fails."""
+    there, and return the library's path. `sources`: a folder holding files of the same names
+    to build instead (another revision's kernels, `benchmarks/native_ab.py`). Raises
+    RuntimeError naming the compiler and its output where there is no compiler or it fails."""
     import hashlib  # (a build's modules, imported when one is asked for: `import multihead` stays light)
     import subprocess
 
@@ -78,7 +79,9 @@ def build(directory: str | os.PathLike | None = None) -> Path:
     cc = _compiler()
     if cc is None:
         raise RuntimeError(f"no C compiler: {os.environ.get('CC') or 'cc'!r} is not on PATH (set CC to one)")
-    files = [f.read_bytes() for f in (*SOURCES, *HEADERS)]
+    given = [f if sources is None else Path(sources) / f.name for f in (*SOURCES, *HEADERS)]
+    compiled = given[:len(SOURCES)]
+    files = [f.read_bytes() for f in given]
     key = hashlib.sha256(b"\0".join([*files, " ".join(FLAGS).encode(), _compiler_identity(cc).encode(),
                                      _cpu_identity().encode()])).hexdigest()[:16]
     folder = Path(directory) if directory is not None else cache_dir()
@@ -88,7 +91,7 @@ def build(directory: str | os.PathLike | None = None) -> Path:
     folder.mkdir(parents=True, exist_ok=True)
     with atomic_path(target) as tmp:  # another process sees the whole library or none
         try:
-            done = subprocess.run([cc, *FLAGS, *map(str, SOURCES), "-o", str(tmp), "-lm"], capture_output=True,
+            done = subprocess.run([cc, *FLAGS, *map(str, compiled), "-o", str(tmp), "-lm"], capture_output=True,
                                   text=True, timeout=_BUILD_SECONDS)
         except subprocess.TimeoutExpired as e:
             raise RuntimeError(f"{cc} took over {_BUILD_SECONDS} s to build {_names()}") from e
@@ -120,27 +123,32 @@ def _load() -> ctypes.CDLL | None:
                 raise RuntimeError("MULTIHEAD_NATIVE is set to turn it off")
             import torch  # noqa: F401  (torch's libgomp is loaded first, so the kernel binds to it)
 
-            lib = _open(build())
-            lib.mh_decode_step.restype = ctypes.c_int
-            lib.mh_decode_step.argtypes = (
-                [ctypes.c_void_p, ctypes.c_long, ctypes.c_long, ctypes.c_long] * 3
-                + [ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long, ctypes.c_int]
-                + [ctypes.c_float, ctypes.c_void_p, ctypes.c_int, ctypes.c_long])
-            lib.mh_vector_width.restype = ctypes.c_int
-            width = lib.mh_vector_width()
-            lib.mh_band.restype = ctypes.c_int
-            lib.mh_band.argtypes = (
-                [ctypes.c_void_p, ctypes.c_long, ctypes.c_long, ctypes.c_long] * 3
-                + [ctypes.c_int] * 3 + [ctypes.c_long] * 2 + [ctypes.c_int, ctypes.c_float]
-                + [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int])
-            lib.mh_band_rows.restype = ctypes.c_int
-            lib.mh_bad_rows.restype = ctypes.c_int
-            lib.mh_bad_rows.argtypes = [ctypes.c_void_p, ctypes.c_long, ctypes.c_long, ctypes.c_long]
-            _LIB, _WHY, _WIDTH, _BAND_ROWS = lib, None, width, lib.mh_band_rows()
+            lib = declare(_open(build()))
+            _LIB, _WHY, _WIDTH, _BAND_ROWS = lib, None, lib.mh_vector_width(), lib.mh_band_rows()
         except (OSError, RuntimeError) as e:
             _LIB, _WHY, _WIDTH, _BAND_ROWS = None, str(e), None, None
         _TRIED = True
         return _LIB
+
+
+def declare(lib: ctypes.CDLL) -> ctypes.CDLL:
+    """`lib` with its entries' argument and result types set (what ctypes needs to pass
+    strides as longs and the scale as a float)."""
+    lib.mh_decode_step.restype = ctypes.c_int
+    lib.mh_decode_step.argtypes = (
+        [ctypes.c_void_p, ctypes.c_long, ctypes.c_long, ctypes.c_long] * 3
+        + [ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long, ctypes.c_int]
+        + [ctypes.c_float, ctypes.c_void_p, ctypes.c_int, ctypes.c_long])
+    lib.mh_vector_width.restype = ctypes.c_int
+    lib.mh_band.restype = ctypes.c_int
+    lib.mh_band.argtypes = (
+        [ctypes.c_void_p, ctypes.c_long, ctypes.c_long, ctypes.c_long] * 3
+        + [ctypes.c_int] * 3 + [ctypes.c_long] * 2 + [ctypes.c_int, ctypes.c_float]
+        + [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int])
+    lib.mh_band_rows.restype = ctypes.c_int
+    lib.mh_bad_rows.restype = ctypes.c_int
+    lib.mh_bad_rows.argtypes = [ctypes.c_void_p, ctypes.c_long, ctypes.c_long, ctypes.c_long]
+    return lib
 
 
 def _open(path: Path) -> ctypes.CDLL:
