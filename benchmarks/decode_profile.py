@@ -122,6 +122,7 @@ def build(L: int, H: int, Hkv: int, D: int, rotate_mib: int) -> dict:
         assert float((decode.native(q, *checks, scale).double().reshape(ref.shape) - ref).abs().max()) < 1e-4
         cases["native engine"] = native
         cases.update(in_l2(H // Hkv, D, scale, g))
+
     def read_kv():  # the step's own bytes: a K/V copy of the rotation, as the steps read them
         k, v = kv()
         return k.sum() + v.sum()

@@ -17,7 +17,9 @@ largest difference between the two tables
 memory above what it holds before the scan (sampled every 2 ms in a fresh process, after
 a warm-up). TransformerLens runs its models on eager attention, one forward per head;
 multihead keeps the fused kernel and starts each variant at its own layer from the cached
-corrupted run.
+corrupted run. Before the rounds, each side's FLOPs in one scan are counted (torch's
+FlopCounterMode; `--no-flops` skips it): the ratio of their matrix products outside
+attention (addmm, mm) is the work an exact scan saves, beside which the time ratio reads.
 
 GPT-2-shaped (random weights, random tokens): two pairs of inputs, the IOI-style one (the
 corrupted batch is the clean one with the token at T/2 changed), where multihead's

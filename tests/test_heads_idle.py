@@ -32,8 +32,9 @@ def _all_positions(args, kwargs, B, T, skipped=None):
     return tuple(one_row(a, B) for a in args), {k: one_row(v, B) for k, v in kwargs.items()}
 
 
-def _idle_positions(model) -> list[int]:
-    """A spy on every block's input: the positions of the blocks that run on one row."""
+def _idle_positions(model) -> tuple[list[int], list]:
+    """A spy on every block's input: (the positions of the blocks that run on one row, the
+    hooks' handles to remove)."""
     seen, handles = [], []
     for block in _blocks(model):
         def pre(m, args, kwargs):
