@@ -236,6 +236,67 @@ def test_the_trim_is_declined_when_its_check_fails(monkeypatch):
     assert torch.equal(got, want)
 
 
+@pytest.mark.parametrize("name", ["llama", "gpt2"])
+def test_the_last_query_projection_runs_one_position_and_the_others_every_position(name, monkeypatch):
+    """The trimmed block's query projection (Llama's q_proj, GPT-2's fused c_attn: its query
+    columns) runs at the last position; its keys and values, and every other layer's queries,
+    at every position. Counted by the rows each projection is handed in the scan's forwards,
+    and the table is the whole block's."""
+    model = _lm(name)
+    layers = model.model.layers if name == "llama" else model.transformer.h
+    projection = [(blk.self_attn.q_proj if name == "llama" else blk.attn.c_attn) for blk in layers]
+    ran: dict[int, set] = {}  # layer -> the positions its projection ran in forwards of variants (rows > B)
+
+    def seen(i, m, a, out):
+        if a[0].shape[0] > 2:
+            ran.setdefault(i, set()).add(a[0].shape[1])
+    hooks = [m.register_forward_hook(lambda m, a, out, i=i: seen(i, m, a, out)) for i, m in enumerate(projection)]
+    metric = heads.AtPositions(_fn, [-1, -1])
+    for changed, T in [((0, 6), 11), ((6,), 5)]:  # nothing shared; the prefix skip: positions 6-10 run
+        clean, corrupted = _pairs(changed=changed)
+        ran.clear()
+        try:
+            heads.patch_scan(model, clean, corrupted, metric)
+        finally:
+            for h in hooks if changed == (6,) else ():
+                h.remove()
+        # 1: the trimmed block; the first layer's queries may come from the corrupted run (the shortcut)
+        assert ran[2] == {1} and ran[1] == {T} and ran.get(0, {T}) == {T}, ran
+        fast, slow, info = _both(monkeypatch, model, clean, corrupted, metric)
+        assert info["last_block"] and info["last_block_reason"] == "", info
+        _close(fast, slow, f"{name} {changed}")
+    if name == "gpt2":  # the fused projection's hooks by themselves: keys and values at every position
+        x = torch.randn(2, 7, 32)
+        q, c_attn = _top.query_projection(layers[-1].attn), projection[-1]
+        with torch.no_grad():
+            want, got = c_attn(x), q.post(c_attn, (), c_attn(*q.pre(c_attn, (x,), {})[0]))
+        assert got.shape == want.shape and torch.equal(got[:, :, :32], got[:, -1:, :32].expand(2, 7, 32))
+        # a product of fewer rows or columns may round differently: within a few float32 roundings
+        torch.testing.assert_close(got[..., 32:], want[..., 32:], rtol=1e-6, atol=1e-6)
+        torch.testing.assert_close(got[:, -1], want[:, -1], rtol=1e-6, atol=1e-6)
+
+
+def test_a_query_projection_that_cannot_run_at_the_last_position_alone_runs_every_position(monkeypatch):
+    """A query cut the check refuses (simulated: the widened queries wrong, then a projection
+    that fails) leaves the projection at every position and the rest of the trim taken, with
+    the reason; the table is the whole block's."""
+    model = _lm()
+    clean, corrupted = _pairs()
+    metric = heads.AtPositions(_fn, [-1, -1])
+    real = _top.QueryAtLast.post
+    for fault, says in [(lambda self, m, a, out: 2 * real(self, m, a, out), "differs from the corrupted run's by"),
+                        (lambda self, m, a, out: out, "failed: RuntimeError")]:  # one position: the reshape fails
+        monkeypatch.setattr(_top.QueryAtLast, "post", fault)
+        fast, slow, info = _both(monkeypatch, model, clean, corrupted, metric)
+        reason = info["last_block_reason"]
+        assert info["last_block"] and reason.startswith("taken, but its query projection runs every position (with "
+                                                        "the last query alone: the ") and says in reason, info
+        _close(fast, slow, reason)
+    monkeypatch.setattr(_top.QueryAtLast, "post", real)
+    assert _top.query_projection(model.model.layers[0].self_attn) is not None
+    assert _top.query_projection(_mh("phi3").layers[0].self_attn) is None  # q, k, v fused: left whole
+
+
 @pytest.mark.slow
 def test_smollm2_ioi_scan_through_the_trimmed_last_block(smollm2, monkeypatch):
     """GQA 9/3 on the real model: tasks.ioi's metric (rows rolled to end at the read position

@@ -373,7 +373,8 @@ class ScanState:
         (`multihead.heads._top`: its output projection and MLP at the read position only, and
         its attention kernel for that query only where the check passes with it) when the
         metric and the block allow it and its check passes; "" when all of it is taken, else
-        why not (or why the kernel still runs every query)."""
+        why not (or why the kernel still runs every query, or the query projection every
+        position)."""
         self.top = None
         if not self.trim:
             return "turned off"
@@ -384,17 +385,21 @@ class ScanState:
                               self.parents, self.metric, self.T)
         if top is None:
             return why
-        self.top = top
-        why = self.last_block_check()
-        if top.queries and why:
-            top.queries = False
-            again = self.last_block_check()
-            if not again:
-                return f"taken, but its attention kernel runs every query (with the last query alone: {why})"
-            why = again
-        if why:
+        self.top, query, first = top, top.query, ""
+        # the fullest trim first; each of the two last-query cuts can fail alone (a mask the
+        # kernel cannot cut, a module that writes into its queries)
+        tries = list(dict.fromkeys([(query, True), (None, True), (query, False), (None, False)]))
+        for top.query, top.queries in tries:
+            why = self.last_block_check()
+            if not why:
+                break
+            first = first or why
+        else:
             self.top = None
-        return why
+            return why
+        full = [part for part, cut in (("its attention kernel runs every query", top.queries),
+                                       ("its query projection runs every position", top.query or not query)) if not cut]
+        return f"taken, but {' and '.join(full)} (with the last query alone: {first})" if full else ""
 
     def last_block_check(self) -> str:
         """The corrupted run from the cached input of its last block, that block trimmed and

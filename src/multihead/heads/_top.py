@@ -4,8 +4,9 @@ when their metric reads one position.
 With an `AtPositions` metric whose every row reads the last position (T - 1, where
 `_align` puts it), nothing of the last block reaches the metric but its output at T - 1:
 forward pre-hooks cut the output projection's and the MLP's inputs to that position (the
-residual adds broadcast it), and an intervention hands the attention kernel the last query
-alone where its check passes. `last_block` decides from the model's structure and the
+residual adds broadcast it), an intervention hands the attention kernel the last query
+alone, and hooks on the query projection run it at the last position only (`QueryAtLast`),
+each where its check passes. `last_block` decides from the model's structure and the
 metric; the scan then checks the trimmed block against the full one on the corrupted run
 (its output and logits at T - 1) and declines, with the reason, where they differ or the
 forward fails. In full: docs/heads.md, "The last block at the read position".
@@ -13,6 +14,7 @@ forward fails. In full: docs/heads.md, "The last block at the read position".
 
 from __future__ import annotations
 
+import torch
 from torch import Tensor, nn
 
 from multihead.heads._record import out_projection
@@ -75,17 +77,69 @@ class _LastQuery:
         return out if module is not self.module else out.expand(-1, -1, self.T, -1)
 
 
-class LastBlock:
-    """The last block's output projection and MLP, to run at the last position only, and
-    with `queries` its attention kernel for the last query only."""
+class QueryAtLast:
+    """Forward hooks that run an attention module's query projection at the last position
+    only: the attention output at any other position reaches nothing the trimmed block
+    computes (its output projection reads T - 1), and a query feeds its own position's
+    output alone. The input is cut to `(rows, 1, C)`; the output is widened back to the T
+    positions the module reshapes to, as a broadcast view of that row. A fused projection
+    (GPT-2's `c_attn`, `split` query columns ahead of the keys' and values') runs every
+    column at the last position and its key and value columns at every position, into one
+    output whose query columns hold the last row at every position."""
 
-    def __init__(self, block: nn.Module, layer: Layer, projection: nn.Module, mlp: nn.Module, queries: bool):
+    def __init__(self, module: nn.Module, split: int | None = None):
+        self.module, self.split = module, split
+        self.x: Tensor | None = None  # the input at every position, between the two hooks
+
+    def pre(self, module: nn.Module, args: tuple, kwargs: dict):
+        self.x = args[0] if args else kwargs.get("hidden_states")
+        return _last_position(module, args, kwargs)
+
+    def post(self, module: nn.Module, args: tuple, out):
+        x, self.x = self.x, None
+        if not isinstance(out, Tensor) or out.dim() != 3 or out.shape[1] != 1:
+            got = f"shape {tuple(out.shape)}" if isinstance(out, Tensor) else type(out).__name__
+            raise ValueError(f"{type(module).__name__}'s output at the last position is {got}, not (rows, 1, width)")
+        rows, T, C = x.shape
+        if self.split is None:
+            return out.expand(rows, T, out.shape[-1])
+        s, W, b = self.split, module.weight, module.bias  # Conv1D: y = x @ W + b, W (C, width)
+        full = out.new_empty(rows, T, out.shape[-1])
+        torch.addmm(b[s:], x.reshape(rows * T, C), W[:, s:], out=full.view(rows * T, -1)[:, s:])
+        full[..., :s] = out[..., :s]
+        return full
+
+
+def query_projection(attention: nn.Module) -> QueryAtLast | None:
+    """The query projection of a transformers attention module as `QueryAtLast` hooks: its
+    `q_proj` (an nn.Linear), or GPT-2's fused `c_attn` (a Conv1D whose first `split_size`
+    columns are the queries); None for another layout (a fused projection whose columns
+    interleave heads, a cross-attention)."""
+    q = getattr(attention, "q_proj", None)
+    if isinstance(q, nn.Linear):
+        return QueryAtLast(q)
+    fused, s = getattr(attention, "c_attn", None), getattr(attention, "split_size", None)
+    if (type(fused).__name__ == "Conv1D" and isinstance(s, int) and not getattr(attention, "is_cross_attention", False)
+            and isinstance(fused.bias, Tensor) and tuple(fused.weight.shape[1:]) == (3 * s,)):
+        return QueryAtLast(fused, s)
+    return None
+
+
+class LastBlock:
+    """The last block's output projection and MLP, to run at the last position only; with
+    `queries` its attention kernel for the last query only, and with `query` (`QueryAtLast`)
+    its query projection at the last position only."""
+
+    def __init__(self, block: nn.Module, layer: Layer, projection: nn.Module, mlp: nn.Module, queries: bool,
+                 query: QueryAtLast | None = None):
         self.block, self.layer, self.projection, self.mlp = block, layer, projection, mlp
-        self.queries = queries
+        self.queries, self.query = queries, query
 
     def hooks(self) -> list:
         """(module, pre, post) forward hooks, the scan's format: inputs cut to the last position."""
         cut = [(self.projection, _last_position, None), (self.mlp, _last_position, None)]
+        if self.query is not None:
+            cut.append((self.query.module, self.query.pre, self.query.post))
         return cut + ([(self.layer.module, _mask_last_query, None)] if self.queries else [])
 
     def keywords(self) -> dict:
@@ -130,4 +184,4 @@ def last_block(model: nn.Module, block: nn.Module, layers: list[Layer], parents:
     mlp = getattr(block, "mlp", None)
     if not isinstance(mlp, nn.Module):
         return None, f"the last block ({type(block).__name__}) has no `mlp` module"
-    return LastBlock(block, layers[0], projection, mlp, queries=True), ""
+    return LastBlock(block, layers[0], projection, mlp, queries=True, query=query_projection(layers[0].module)), ""
