@@ -153,6 +153,27 @@ def test_language_models_with_their_head_at_the_read_position(name, positions, m
             assert abs(fast[layer, h].item() - w) <= 1e-5 * (1 + abs(w)), f"{name} layer {layer} head {h}"
 
 
+def test_rows_are_rolled_for_the_trim_where_the_shared_prefix_would_not_grow(monkeypatch):
+    """Both rows changed at 6, one read at 8 and one at the last position (10): rolled, the
+    first row's change moves to 8 and the shared prefix stays 6 (the second row's), but every
+    row then reads T - 1 and the last block is trimmed. Without the trim (the scan's flag
+    off) the rows stay as given; both tables equal one patched forward per head."""
+    model = _lm()
+    clean, corrupted = _pairs(changed=(6,))
+    metric = heads.AtPositions(_fn, [8, 10])
+    fast, slow, info = _both(monkeypatch, model, clean, corrupted, metric)
+    assert info["aligned"] and info["prefix"] == 6 and info["skipped"] and info["last_block"], info
+    assert info["last_block_reason"] == "", info
+    _close(fast, slow, "rolled for the trim")
+    monkeypatch.setattr(_scan, "_LAST_BLOCK", False)
+    off = _decision(model, clean, corrupted, metric)
+    assert not off["aligned"] and off["aligned_reason"] == "" and off["prefix"] == 6, off
+    monkeypatch.setattr(_scan, "_LAST_BLOCK", True)
+    cells = [(0, 1), (2, 0), (2, 3)]
+    for (layer, h), w in zip(cells, _by_hand(model, clean, corrupted, metric, cells)):
+        assert abs(fast[layer, h].item() - w) <= 1e-5 * (1 + abs(w)), f"layer {layer} head {h}"
+
+
 def test_a_batch_of_input_ids_that_already_ends_at_the_read_position_is_not_rolled(monkeypatch):
     """A tensor of input_ids read at T - 1 in every row: nothing to roll (info says so, the
     scan gets the tensor as given), and the last block is trimmed."""

@@ -71,8 +71,8 @@ class _Seen:
             self.per_forward.append(len(hs))
             return real_chunk(runs, laid, layer, hs, *rest)
 
-        def aligned(*args):
-            out = real_aligned(*args)
+        def aligned(*args, **kw):
+            out = real_aligned(*args, **kw)
             self.aligned.append((out[0] is not args[1], out[3]))
             return out
 

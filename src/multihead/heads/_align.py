@@ -1,9 +1,11 @@
-"""Rows moved so that every row ends where its metric reads: the prefix skip's reach per row.
+"""Rows moved so that every row ends where its metric reads: the prefix skip's reach per row,
+and the last block's trim.
 
 The prefix skip runs a variant on positions [p, T) where p is the first position at which
 clean and corrupted differ in *any* row; IOI prompts of several templates differ and end
 at different places. Rolling each row right by T - 1 - its read position puts every read
-position at T - 1, so the skip starts at each row's own change (docs/heads.md). The rolled
+position at T - 1, so the skip starts at each row's own change, and the variants' last
+block can run at T - 1 alone (`multihead.heads._top`; docs/heads.md). The rolled
 rows are the same text at the same positions (explicit `position_ids`), the wrapped-around
 tail masked out (`attention_mask` 0): a causal model gives the same logits at the read
 positions, to float rounding, checked on the corrupted run before the scan uses them.
@@ -33,15 +35,18 @@ def _roll_rows(x: Tensor, shift: Tensor) -> Tensor:
     return torch.gather(x, 1, idx.to(x.device).view(*idx.shape, *([1] * (x.dim() - 2))).expand(x.shape))
 
 
-def aligned(model, clean, corrupted, metric, positions) -> tuple[object, object, object, str]:
+def aligned(model, clean, corrupted, metric, positions, last_block: bool = True) -> tuple[object, object, object, str]:
     """(clean, corrupted, metric, "") rolled so that each row's read position is the last, or
-    the inputs as given and why not ("" when there is nothing to gain)."""
-    *made, check = unchecked(model, clean, corrupted, metric, positions)
+    the inputs as given and why not ("" when there is nothing to gain: no row reads before
+    the last position, or, without `last_block` (a caller that does not trim its last block
+    at the read position), the shared prefix would not grow)."""
+    *made, check = unchecked(model, clean, corrupted, metric, positions, last_block)
     why = check() if check is not None else ""
     return (*made,) if not why else (clean, corrupted, metric, why)
 
 
-def unchecked(model, clean, corrupted, metric, positions) -> tuple[object, object, object, str, Callable | None]:
+def unchecked(model, clean, corrupted, metric, positions, last_block: bool = True
+              ) -> tuple[object, object, object, str, Callable | None]:
     """`aligned` without its check: (clean, corrupted, metric, why, check), check None or, where
     rows were rolled, the check to run before the rolled rows' results are used: `check()` is
     "" when they hold, else why not (then the inputs as given are to be used with that reason).
@@ -70,8 +75,10 @@ def unchecked(model, clean, corrupted, metric, positions) -> tuple[object, objec
     shift = T - 1 - read
     differ = (clean["input_ids"] != corrupted["input_ids"]).to("cpu")
     first = torch.where(differ.any(1), differ.int().argmax(1), torch.full((B,), T))
-    if not bool((shift > 0).any()) or int((first + shift).min()) <= int(first.min()):
-        return (*given, "", None)  # the shared prefix would not grow
+    # rolled, every row reads T - 1: the shared prefix can only grow (each row's change moves
+    # right by its shift), and a patch scan's last block can run there alone where it does not
+    if not bool((shift > 0).any()) or (not last_block and int((first + shift).min()) <= int(first.min())):
+        return (*given, "", None)  # nothing to gain
     device = ids.device
     out = []
     for x in (clean, corrupted):

@@ -585,7 +585,7 @@ def _scan_setup(model, clean, corrupted, metric, receivers, via: str, variants_p
     budget = check_memory(max_memory)
     check_progress(progress)
     check_variants_per_run(variants_per_run)
-    clean_, corrupted_, metric_, _ = aligned(model, clean, corrupted, metric, None)
+    clean_, corrupted_, metric_, _ = aligned(model, clean, corrupted, metric, None, last_block=False)
     runs = _Runs(model, clean_, corrupted_, metric_)
     _check_ranges(runs.layers, [], rec)
     if logits:

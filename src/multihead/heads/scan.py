@@ -183,10 +183,11 @@ def _prepare(c: _Call, defer: bool = False) -> _Prepared:
     if c.info is not None and not isinstance(c.info, dict):
         raise TypeError(f"info must be None or a dict to fill; received {type(c.info).__name__}")
     if defer:
-        clean_, corrupted_, metric_, align_why, align_check = unchecked(model, c.clean, c.corrupted, c.metric, pos)
+        clean_, corrupted_, metric_, align_why, align_check = unchecked(model, c.clean, c.corrupted, c.metric, pos,
+                                                                        _LAST_BLOCK)
     else:
         (clean_, corrupted_, metric_, align_why), align_check = aligned(model, c.clean, c.corrupted, c.metric,
-                                                                       pos), None
+                                                                       pos, _LAST_BLOCK), None
     p0, T, why = _static_refusal(model, clean_, corrupted_, what)
     if pos is not None and T and any(not -T <= q < T for q in pos):
         raise ValueError(f"positions must lie in [-{T}, {T}) for inputs of {T} positions; received {c.positions!r}")
