@@ -1,8 +1,9 @@
 """The head tools' forwards run GPT-2's tanh GELU (transformers' NewGELUActivation) in
 place: it must be bitwise the module's own output (every dtype, odd shapes, strided
-inputs, non-finite values, one and two threads), run only without autograd and only in
-the thread inside the block, leave every module as it was (also on errors, nested and from
-two threads), and leave the scans' tables bitwise unchanged."""
+inputs, non-finite values, one and two threads, whole and in chunks that stay in L2), run
+only without autograd and only in the thread inside the block, leave every module as it
+was (also on errors, nested and from two threads), and leave the scans' tables bitwise
+unchanged."""
 
 from __future__ import annotations
 
@@ -55,6 +56,37 @@ def test_in_place_form_is_bitwise_the_module(dtype, threads):
             _same(_in_place.new_gelu_in_place(strided), act(strided))
     finally:
         torch.set_num_threads(before)
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_chunks_that_stay_in_l2_are_bitwise_the_module(threads, monkeypatch):
+    """A GELU input larger than half the L2 runs chunk by chunk (the chunk from the machine
+    plan's L2, here a small one so that many chunks and a partial last one are run): the
+    output is bitwise the module's, at one and two threads; a smaller or strided input runs
+    whole."""
+    from multihead.kernels.machine import MachinePlan, set_machine_plan
+
+    before_plan, before = set_machine_plan(MachinePlan(64 * 1024, 1 << 25, "test")), torch.get_num_threads()
+    torch.set_num_threads(threads)
+    passes: list[int] = []
+    real = _in_place._new_gelu_into
+    monkeypatch.setattr(_in_place, "_new_gelu_into", lambda x, a: passes.append(x.numel()) or real(x, a))
+    try:
+        act = NewGELUActivation()
+        g = torch.Generator().manual_seed(1)
+        for dtype, k in [(torch.float32, 4096), (torch.float64, 2048), (torch.bfloat16, 8192)]:
+            x = (torch.randn(5, 33, 257, generator=g, dtype=torch.float64) * 4).to(dtype)  # 42,405: not a multiple
+            x.view(-1)[-3:] = torch.tensor([float("inf"), -float("inf"), float("nan")], dtype=dtype)
+            passes.clear()
+            _same(_in_place.new_gelu_in_place(x), act(x))
+            assert passes == [k] * (x.numel() // k) + [x.numel() % k], (dtype, passes[:3], len(passes))
+            for whole in (x[:, :3].contiguous(), x.transpose(-1, -2)):  # under 2 chunks; not contiguous
+                passes.clear()
+                _same(_in_place.new_gelu_in_place(whole), act(whole))
+                assert passes == [whole.numel()]
+    finally:
+        torch.set_num_threads(before)
+        set_machine_plan(before_plan)
 
 
 def _gpt2():
