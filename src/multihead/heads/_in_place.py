@@ -5,12 +5,13 @@ Phi-1/2) is eight tensor ops, each writing a fresh `(rows, T, 4C)` tensor, which
 scan's batch sizes glibc maps afresh and the kernel zero-fills page by page (measured in
 docs/heads.md). The in-place form writes one, and over an input larger than half the L2
 runs its passes chunk by chunk, so that each chunk stays in L2 across them. It is the
-model's arithmetic exactly: the same ops on the same values in the same order, save the operands of a product or a sum swapped (exact in
-IEEE arithmetic), so its output is bitwise the model's. It runs only where nothing
-differentiates and only in a thread inside `in_place_activations` (another thread's
-forward, or one after the block, runs the model's own code): the module gets an instance
-`forward` for the block, removed when the last block using it ends, also on errors; a
-module whose `forward` was already replaced on the instance is left as it is.
+model's arithmetic exactly: the same ops on the same values in the same order, save the
+operands of a product or a sum swapped (exact in IEEE arithmetic), so its output is
+bitwise the model's. It runs only where nothing differentiates and only in a thread
+inside `in_place_activations` (another thread's forward, or one after the block, runs the
+model's own code): the module gets an instance `forward` for the block, removed when the
+last block using it ends, also on errors; a module whose `forward` was already replaced on
+the instance is left as it is.
 """
 
 from __future__ import annotations
