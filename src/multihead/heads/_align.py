@@ -73,12 +73,12 @@ def unchecked(model, clean, corrupted, metric, positions, last_block: bool = Tru
         return (*given, "", None)  # the scan refuses it in its own words
     read = metric.absolute(T)
     shift = T - 1 - read
-    differ = (clean["input_ids"] != corrupted["input_ids"]).to("cpu")
-    first = torch.where(differ.any(1), differ.int().argmax(1), torch.full((B,), T))
+    if not bool((shift > 0).any()):
+        return (*given, "", None)  # every row ends where it is read already
     # rolled, every row reads T - 1: the shared prefix can only grow (each row's change moves
     # right by its shift), and a patch scan's last block can run there alone where it does not
-    if not bool((shift > 0).any()) or (not last_block and int((first + shift).min()) <= int(first.min())):
-        return (*given, "", None)  # nothing to gain
+    if not last_block and not _prefix_grows(clean, corrupted, shift):
+        return (*given, "", None)
     device = ids.device
     out = []
     for x in (clean, corrupted):
@@ -94,6 +94,15 @@ def unchecked(model, clean, corrupted, metric, positions, last_block: bool = Tru
     last = AtPositions(metric.fn, torch.full((B,), T - 1), metric.name)
     given_corrupted, rolled = corrupted, out[1]
     return out[0], out[1], last, "", lambda: _same_logits(model, given_corrupted, rolled, read, B, T)
+
+
+def _prefix_grows(clean, corrupted, shift: Tensor) -> bool:
+    """Whether rolling each row right by `shift` moves the batch's first change (where the shared
+    prefix ends) later."""
+    differ = (clean["input_ids"] != corrupted["input_ids"]).to("cpu")
+    B, T = differ.shape
+    first = torch.where(differ.any(1), differ.int().argmax(1), torch.full((B,), T))
+    return int((first + shift).min()) > int(first.min())
 
 
 def _same_logits(model, given, rolled, read: Tensor, B: int, T: int) -> str:

@@ -59,7 +59,7 @@ def new_gelu_in_place(x: Tensor) -> Tensor:
     NewGELUActivation computes it, into one fresh tensor instead of eight; `x` is only read.
     Its seven passes run chunk by chunk where `x` is larger than half the L2: a scan's
     `(rows, T, 4C)` is tens of MiB, and each pass then reads and writes memory; a chunk
-    stays in L2 across the seven (30% less time for a GELU of 32 MiB on the AMD EPYC).
+    stays in L2 across the seven (docs/heads.md gives the time saved).
     Each element goes through the same ops either way: bitwise the model's output, at any
     thread count (tests/test_heads_in_place.py)."""
     out = torch.empty_like(x)
